@@ -1,0 +1,301 @@
+"""`llmc build`: recipe -> plan -> calibrate -> quantize -> export -> eval -> gate -> publish.
+
+Each stage is a function of its inputs, stored under a key that hashes its config, its inputs'
+keys and the llmc version (`llmc.store`). Rerunning an unchanged recipe finds every stage done;
+changing a field recomputes exactly the stages whose keys it enters (gates enter none: they are
+re-applied on every run from cached evaluations).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from llmc import __version__
+from llmc.calibration.corpora import corpus_fingerprint, load_corpus
+from llmc.calibration.windows import make_windows
+from llmc.compiler.capabilities import EXPORTERS
+from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
+from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
+from llmc.eval.gates import Verdict, evaluate_gates
+from llmc.eval.metrics import paired_ppl_change, perplexity, perplexity_interval
+from llmc.model.source import ModelSource, resolve_source
+from llmc.plan import Plan, make_plan
+from llmc.progress import log
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.stream import quantize_model
+from llmc.recipe.schema import Recipe, Target
+from llmc.store import Store, atomic_save_safetensors, atomic_write_json, stage_key
+
+
+def die_if_asked(point: str) -> None:
+    """Fault injection for crash tests: LLMC_DIE_AT=<point> kills the process (SIGKILL) there."""
+    if os.environ.get("LLMC_DIE_AT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class StageRecord:
+    name: str
+    key: str
+    cached: bool
+    seconds: float
+
+
+@dataclass
+class BuildResult:
+    recipe: Recipe
+    build_id: str
+    plan: Plan
+    source: ModelSource
+    stages: list[StageRecord] = field(default_factory=list)
+    calibration: dict | None = None
+    artifacts: dict[str, dict] = field(default_factory=dict)  # target label -> {dir, key, files}
+    evals: dict[str, dict] = field(default_factory=dict)  # "<engine>:<artifact or baseline>" -> result
+    target_evals: dict[str, list[str]] = field(default_factory=dict)  # target label -> eval ids
+    verdicts: list[Verdict] = field(default_factory=list)
+    quantized_dir: Path | None = None
+    published: Path | None = None
+    publish_noop: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts)
+
+
+class _Timer:
+    def __init__(self, result: BuildResult, name: str, key: str, cached: bool) -> None:
+        self.result, self.name, self.key, self.cached = result, name, key, cached
+
+    def __enter__(self):
+        self.t = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.result.stages.append(StageRecord(self.name, self.key, self.cached, round(time.monotonic() - self.t, 3)))
+
+
+def _dtype(recipe: Recipe) -> torch.dtype:
+    return getattr(torch, recipe.model.dtype)
+
+
+def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None) -> BuildResult:
+    result = build_until(recipe, store, "gate", threads=threads)
+    if publish and result.passed:
+        from llmc.registry.local import publish_build
+
+        result.published, result.publish_noop = publish_build(result, store)
+    return result
+
+
+def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None = None) -> BuildResult:
+    """Run the stages up to and including `last` ('quantize', 'export' or 'gate')."""
+    if threads:
+        torch.set_num_threads(threads)
+    make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
+    source = resolve_source(recipe.model.source, store, recipe.model.dtype)
+    plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
+    log(plan.render())
+    build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
+    result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    calib_key = _calibrate(result, store, tokenizer) if plan.scheme.needs_calibration else None
+    quant_dir, quant_key = _quantize(result, store, calib_key)
+    result.quantized_dir = quant_dir
+    if last == "quantize":
+        return result
+    qm = QuantizedModel.open(quant_dir)
+    for target in recipe.targets:
+        _export(result, store, qm, quant_key, target)
+    if last == "export":
+        return result
+    _evaluate(result, store, tokenizer)
+    _gate(result)
+    return result
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
+    c = result.recipe.calibration
+    docs = load_corpus(c.dataset, "calibration")
+    cfg = {**c.model_dump(mode="json"), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+    key = stage_key("calibrate", cfg, [result.source.sha256])
+    done = store.lookup("calibrate", key)
+    with _Timer(result, "calibrate", key, done is not None):
+        if done is None:
+            log(f"calibration: {c.samples} windows of {c.seq_len} tokens from {c.dataset} (seed {c.seed})")
+            with store.produce("calibrate", key) as out:
+                w = make_windows(tokenizer, docs, c.seq_len, c.samples, seed=c.seed)
+                atomic_save_safetensors(out / "tokens.safetensors", {"input_ids": w.ids})
+                atomic_write_json(out / "samples.json", {**cfg, "window_index": w.window_index, "bos": w.bos})
+            done = store.lookup("calibrate", key)
+    result.calibration = json.loads((done / "samples.json").read_text())
+    return key
+
+
+def _quantize(result: BuildResult, store: Store, calib_key: str | None) -> tuple[Path, str]:
+    scheme = result.plan.scheme
+    cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype}
+    key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
+    done = store.lookup("quantize", key)
+    with _Timer(result, "quantize", key, done is not None):
+        if done is None:
+            tokens = None
+            if calib_key:
+                tokens = load_file(str(store.lookup("calibrate", calib_key) / "tokens.safetensors"))["input_ids"]
+            log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time")
+            with store.produce("quantize", key, resumable=True) as out:
+                quantize_model(
+                    result.source,
+                    scheme,
+                    out,
+                    calibration=tokens,
+                    dtype=_dtype(result.recipe),
+                    extra_meta={"calibration_key": calib_key},
+                    on_layer_done=lambda i: die_if_asked(f"quantize:layer:{i}"),
+                )
+            done = store.lookup("quantize", key)
+    return done, key
+
+
+def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target) -> None:
+    exporter = EXPORTERS[target.runtime]
+    serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
+    cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}
+    key = stage_key("export", cfg, [quant_key])
+    done = store.lookup("export", key)
+    with _Timer(result, f"export:{target.label}", key, done is not None):
+        if done is None:
+            log(f"export: {exporter} for {target.label}")
+            with store.produce("export", key) as out:
+                export_compressed_tensors(qm, out, serve_args=serve)
+                die_if_asked("export:written")
+            done = store.lookup("export", key)
+    files = {
+        p.name: store.file_hash(p)
+        for p in sorted(done.iterdir())
+        if p.is_file() and not p.name.startswith(".")
+    }
+    weights_key = stage_key("artifact-content", {k: v for k, v in files.items() if k != "llmc-serve.json"})
+    result.artifacts[target.label] = {"dir": str(done), "key": key, "files": files, "content_key": weights_key,
+                                      "exporter": exporter, "target": target.model_dump(mode="json")}
+
+
+def _engine_for(engine: str, folder: Path, dtype: str):
+    if engine == "torch":
+        from llmc.engines.torch_ref import TorchEngine
+
+        return TorchEngine(folder, dtype=dtype)
+    if engine == "vllm":
+        from llmc.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(folder, dtype=dtype)
+    raise ValueError(engine)
+
+
+def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt) -> dict:
+    ev = result.recipe.eval
+    cfg = {
+        "engine": engine,
+        "corpus": ev.corpus,
+        "split": "eval",
+        "seq_len": ev.seq_len,
+        "windows": ev.windows,
+        "decode_tokens": ev.decode_tokens,
+        "repeats": ev.throughput_repeats,
+        "dtype": result.recipe.model.dtype,
+        "windows_sha256": stage_key("windows", windows.tolist()),
+    }
+    key = stage_key("eval", cfg, [content_key])
+    done = store.lookup("eval", key)
+    label = "baseline" if content_key == result.source.sha256 else Path(folder).name[:8]
+    with _Timer(result, f"eval:{engine}:{label}", key, done is not None):
+        if done is None:
+            log(f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
+            with store.produce("eval", key) as out:
+                t = time.monotonic()
+                eng = _engine_for(engine, folder, result.recipe.model.dtype)
+                load_s = time.monotonic() - t
+                t = time.monotonic()
+                nll = eng.token_nll(windows, batch_size=ev.batch_size)
+                ppl_s = time.monotonic() - t
+                tput = eng.throughput(prompt, ev.decode_tokens, ev.throughput_repeats)
+                atomic_save_safetensors(out / "nll.safetensors", {"nll": nll})
+                atomic_write_json(out / "metrics.json", {
+                    "engine": engine, "protocol": cfg, "load_s": load_s, "ppl_s": ppl_s,
+                    "throughput": tput, "hardware": _hardware(),
+                })
+            done = store.lookup("eval", key)
+    metrics = json.loads((done / "metrics.json").read_text())
+    nll = load_file(str(done / "nll.safetensors"))["nll"]
+    lo, hi = perplexity_interval(nll, ev.bootstrap_samples)
+    metrics.update({"key": key, "perplexity": perplexity(nll), "ppl_ci95": [lo, hi], "_nll": nll})
+    return metrics
+
+
+def _hardware() -> dict:
+    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
+    ev = result.recipe.eval
+    docs = load_corpus(ev.corpus, "eval")
+    windows = make_windows(tokenizer, docs, ev.seq_len, ev.windows, seed=None).ids
+    prompt = windows[:1]
+    for engine in ev.runtimes:
+        try:
+            base = _eval_one(result, store, engine, result.source.folder, result.source.sha256, windows, prompt)
+        except (EngineUnavailable, EngineFailed) as e:
+            log(f"warning: baseline could not be evaluated in {engine}: {e}")
+            for label in result.artifacts:
+                result.target_evals.setdefault(label, []).append(f"{engine}:{label}")
+                result.evals[f"{engine}:{label}"] = {"engine": engine, "error": str(e)}
+            continue
+        result.evals[f"{engine}:baseline"] = base
+        seen: dict[str, dict] = {}
+        for label, art in result.artifacts.items():
+            eval_id = f"{engine}:{label}"
+            result.target_evals.setdefault(label, []).append(eval_id)
+            try:
+                if art["content_key"] not in seen:
+                    m = _eval_one(result, store, engine, Path(art["dir"]), art["content_key"], windows, prompt)
+                    m["ppl_change"] = paired_ppl_change(base["_nll"], m["_nll"], ev.bootstrap_samples)
+                    seen[art["content_key"]] = m
+                result.evals[eval_id] = seen[art["content_key"]]
+            except LlmcError as e:
+                result.evals[eval_id] = {"engine": engine, "error": str(e)}
+
+
+def _gate(result: BuildResult) -> None:
+    for label, ids in result.target_evals.items():
+        for eval_id in ids:
+            m = result.evals[eval_id]
+            err = m.get("error")
+            result.verdicts += evaluate_gates(result.recipe.gates, eval_id, None if err else m, err)
+
+
+def raise_for_gates(result: BuildResult) -> None:
+    failed = [v for v in result.verdicts if not v.passed]
+    if not failed:
+        return
+    msg = "; ".join(f"{v.target} {v.gate}: measured {v.measured}, threshold {v.threshold}" for v in failed)
+    if any(v.kind in ("quality", "availability") for v in failed):
+        raise QualityGateError(f"gate failed, build not published: {msg}",
+                               fix="inspect report.md; relax the gate only if the loss is acceptable")
+    raise PerformanceGateError(f"gate failed, build not published: {msg}")
+

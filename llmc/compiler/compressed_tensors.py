@@ -1,0 +1,159 @@
+"""Export the canonical quantized form as a compressed-tensors checkpoint (vLLM, SGLang, TGI).
+
+The config is built with compressed-tensors' own pydantic classes; int4 codes are packed with its
+`pack_to_int32`. Our codes already follow its conventions (signed codes, zero points in the signed
+range), so every tensor is written as computed — nothing is re-rounded on export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.store import atomic_save_safetensors, atomic_write_json
+
+MAX_SHARD_BYTES = 2 << 30
+
+
+def _args(spec: TensorSpec):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    fields = dict(
+        num_bits=spec.bits,
+        type="float" if spec.info.is_float else "int",
+        strategy=spec.strategy,
+        symmetric=spec.symmetric,
+        dynamic=spec.dynamic,
+    )
+    if spec.strategy == "group":
+        fields["group_size"] = spec.group_size
+    return QuantizationArgs(**fields)
+
+
+def compression_format(scheme: Scheme) -> str:
+    w = scheme.weights
+    if w.format == "int4" or (w.format == "int8" and scheme.activations is None):
+        return "pack-quantized"
+    if w.format == "fp8_e4m3":
+        return "float-quantized"
+    if w.format == "int8":
+        return "int-quantized"
+    raise NotImplementedError(f"compressed-tensors export of {w.format} weights is not implemented")
+
+
+def quantization_config(scheme: Scheme) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    group = QuantizationScheme(
+        targets=["Linear"],
+        weights=_args(scheme.weights),
+        input_activations=_args(scheme.activations) if scheme.activations else None,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": group},
+        format=compression_format(scheme),
+        quantization_status="compressed",
+        kv_cache_scheme=_args(scheme.kv_cache) if scheme.kv_cache else None,
+        ignore=list(scheme.ignore),
+    )
+    d = config.model_dump(exclude_none=False)
+    d["quant_method"] = "compressed-tensors"
+    from compressed_tensors import __version__ as ct_version
+
+    d["version"] = ct_version
+    # None-valued keys clutter the config and older readers (vLLM pins an older
+    # compressed-tensors) reject some; keep only what is set.
+    return _drop_none(d)
+
+
+def _drop_none(x):
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
+    return x
+
+
+def compressed_module_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename/pack one file's canonical tensors into compressed-tensors' on-disk names."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    scheme = qm.scheme
+    packed = compression_format(scheme) == "pack-quantized"
+    out = dict(tensors)
+    if not packed:
+        return out
+    bits = scheme.weights.bits
+    for name in qm.quantized_modules:
+        codes = out.pop(f"{name}.weight", None)
+        if codes is None:
+            continue
+        out[f"{name}.weight_packed"] = pack_to_int32(codes, bits)
+        out[f"{name}.weight_shape"] = torch.tensor(list(codes.shape), dtype=torch.int64)
+        zp = out.pop(f"{name}.weight_zero_point", None)
+        if zp is not None:
+            out[f"{name}.weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+    return out
+
+
+def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict | None = None) -> list[Path]:
+    """Write config.json, sharded safetensors + index, tokenizer files and runtime arguments."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for tensors in qm.iter_files():
+        t = compressed_module_tensors(qm, tensors)
+        nbytes = sum(v.numel() * v.element_size() for v in t.values())
+        if sizes[-1] and sizes[-1] + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            sizes.append(0)
+        shards[-1].update(t)
+        sizes[-1] += nbytes
+    written = []
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        atomic_save_safetensors(out / name, shard, metadata={"format": "pt"})
+        written.append(out / name)
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1:
+        atomic_write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))},
+        )
+    config = dict(qm.config)
+    config["quantization_config"] = quantization_config(qm.scheme)
+    config["dtype"] = qm.meta.get("dtype", "float32")
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    for f in qm.root.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name not in ("quantized.json", "config.json"):
+            shutil.copyfile(f, out / f.name)
+    if serve_args is not None:
+        atomic_write_json(out / "llmc-serve.json", serve_args)
+    return written
+
+
+def vllm_serve_args(qm: QuantizedModel, *, tensor_parallel: int, max_model_len: int | None) -> dict:
+    """The arguments `vllm serve` / `vllm.LLM` need to run this artifact as built."""
+    args = {
+        "quantization": "compressed-tensors",
+        "dtype": qm.meta.get("dtype", "float32") if qm.meta.get("dtype") != "float32" else "auto",
+        "tensor_parallel_size": tensor_parallel,
+        "kv_cache_dtype": "fp8" if qm.scheme.kv_cache and qm.scheme.kv_cache.format == "fp8_e4m3" else "auto",
+    }
+    if max_model_len:
+        args["max_model_len"] = max_model_len
+    return {"vllm": args, "command": "vllm serve <artifact> " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in args.items())}
+
+
+def read_quantization_config(folder: Path) -> dict | None:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return cfg.get("quantization_config")

@@ -1,0 +1,193 @@
+"""Torch reference engine: runs an artifact from disk the way a W8A8 runtime computes it.
+
+transformers decompresses a compressed-tensors checkpoint's weights exactly (`dequantize=True`),
+but then silently drops activation and KV-cache quantization, which would make a W8A8 or FP8-KV
+artifact look better than it is. So this engine loads the decompressed weights through
+transformers and re-applies, from the artifact's own config and files, what the runtime does:
+  - static input activations: quantize-dequantize with the stored `input_scale`;
+  - dynamic activations: per-token (or per-tensor) scales computed on the fly;
+  - KV cache: keys and values quantize-dequantized with the stored `k_scale` / `v_scale`.
+A plain (unquantized) folder runs as is; that is the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from llmc.errors import EngineFailed
+from llmc.quant.numerics import fake_quantize
+from llmc.quant.spec import TensorSpec
+
+KV_ATTENTION = "llmc_quantized_kv"
+_KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
+
+
+def _spec_from_args(args: dict) -> TensorSpec:
+    """compressed-tensors QuantizationArgs (as dict) -> our TensorSpec."""
+    is_float = args.get("type", "int") == "float"
+    bits = args.get("num_bits", 8)
+    fmt = "fp8_e4m3" if is_float and bits == 8 else ("int8" if bits == 8 else "int4")
+    return TensorSpec(
+        format=fmt,
+        strategy=args.get("strategy") or "tensor",
+        group_size=args.get("group_size"),
+        symmetric=args.get("symmetric", True),
+        dynamic=bool(args.get("dynamic", False)),
+    )
+
+
+def _kv_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    entry = _KV_SCALES.get(id(module))
+    if entry is not None:
+        k_scale, v_scale, spec = entry
+        key = fake_quantize(key, spec, k_scale)
+        value = fake_quantize(value, spec, v_scale)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_kv_attention() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(KV_ATTENTION, _kv_attention)
+    AttentionMaskInterface.register(KV_ATTENTION, sdpa_mask)
+
+
+def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if k.endswith(suffixes):
+                    out[k] = h.get_tensor(k)
+    return out
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, folder: Path, *, dtype: str = "float32") -> None:
+        self.folder = Path(folder)
+        self.dtype = getattr(torch, dtype)
+        self.model = self._load()
+
+    def _load(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config = json.loads((self.folder / "config.json").read_text())
+        qcfg = config.get("quantization_config")
+        try:
+            if qcfg is None:
+                model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
+            else:
+                from transformers import CompressedTensorsConfig
+
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.folder, dtype=self.dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
+                )
+        except Exception as e:
+            raise EngineFailed(
+                f"transformers could not load {self.folder}: {type(e).__name__}: {e}",
+                fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",
+            ) from None
+        model.eval()
+        if qcfg is not None:
+            self._apply_runtime_quantization(model, qcfg)
+        return model
+
+    def _apply_runtime_quantization(self, model: nn.Module, qcfg: dict) -> None:
+        from compressed_tensors.quantization.quant_config import QuantizationConfig
+
+        from llmc.quant.canonical import module_matches
+
+        groups = list(qcfg.get("config_groups", {}).values())
+        act_args = next((g.get("input_activations") for g in groups if g.get("input_activations")), None)
+        ignore = tuple(qcfg.get("ignore") or ())
+        del QuantizationConfig  # imported to fail loudly here if compressed-tensors is missing
+        if act_args:
+            spec = _spec_from_args(act_args)
+            scales = _artifact_tensors(self.folder, (".input_scale",)) if not spec.dynamic else {}
+            for name, mod in model.named_modules():
+                if not isinstance(mod, nn.Linear) or module_matches(name, ignore):
+                    continue
+                scale = scales.get(f"{name}.input_scale")
+                if not spec.dynamic and scale is None:
+                    raise EngineFailed(f"{self.folder}: static activations but no {name}.input_scale in the files")
+                mod.register_forward_pre_hook(
+                    lambda _m, args, s=scale, sp=spec: (fake_quantize(args[0], sp, s), *args[1:])
+                )
+        kv_args = qcfg.get("kv_cache_scheme")
+        if kv_args:
+            spec = _spec_from_args(kv_args)
+            scales = _artifact_tensors(self.folder, (".k_scale", ".v_scale"))
+            _register_kv_attention()
+            found = 0
+            for name, mod in model.named_modules():
+                k, v = scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale")
+                if k is not None and v is not None:
+                    _KV_SCALES[id(mod)] = (k.float(), v.float(), spec)
+                    found += 1
+            if not found:
+                raise EngineFailed(f"{self.folder}: kv_cache_scheme is set but no k_scale/v_scale tensors exist")
+            model.config._attn_implementation = KV_ATTENTION
+
+    # ------------------------------------------------------------------ measurements
+
+    @torch.no_grad()
+    def token_nll(self, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+        """[n, seq-1] float64 negative log-likelihood of tokens 1..seq-1 of each window."""
+        out = []
+        for batch in windows.split(batch_size):
+            logits = self.model(input_ids=batch, use_cache=False).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], dim=-1)
+            nll = -logp.gather(-1, batch[:, 1:, None]).squeeze(-1)
+            out.append(nll.double())
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def logprobs(self, windows: torch.Tensor) -> torch.Tensor:
+        """Full next-token log-probabilities, [n, seq-1, vocab] (for KL divergence)."""
+        return torch.log_softmax(self.model(input_ids=windows, use_cache=False).logits.float()[:, :-1], dim=-1)
+
+    @torch.no_grad()
+    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
+        """Prefill tok/s of `prompt` ([1, n]) and greedy decode tok/s of `decode_tokens` new tokens."""
+        prefill, decode = [], []
+        self.model(input_ids=prompt[:, :8], use_cache=False)  # warm-up
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.model(input_ids=prompt, use_cache=False)
+            prefill.append(prompt.shape[1] / (time.perf_counter() - t))
+            if decode_tokens:
+                short = prompt[:, :64]
+                t = time.perf_counter()
+                out = self.model(input_ids=short, use_cache=True)
+                t_prefill = time.perf_counter() - t
+                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                t = time.perf_counter()
+                for _ in range(decode_tokens):
+                    out = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
+                    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                decode.append(decode_tokens / (time.perf_counter() - t))
+                del t_prefill
+        return {
+            "prefill_tokens_per_s": _summary(prefill),
+            "decode_tokens_per_s": _summary(decode) if decode else None,
+            "prompt_tokens": int(prompt.shape[1]),
+            "decode_tokens": decode_tokens,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+        }
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

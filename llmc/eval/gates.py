@@ -1,0 +1,69 @@
+"""Gates: the recipe's thresholds applied to measured results, each a verdict with its reason.
+
+Rule for perplexity: a gate fails when the *upper* bound of the paired 95% interval of the
+perplexity increase exceeds the limit, so noise cannot hide a regression. Throughput gates compare
+the median against the minimum. An evaluation that is missing or crashed fails its gates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from llmc.recipe.schema import Gates
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gate: str
+    target: str
+    passed: bool
+    measured: str
+    threshold: str
+    kind: str  # "quality" | "performance" | "availability"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | None = None) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    if result is None:
+        return [Verdict("artifact evaluated", target, False, error or "no result", "evaluation succeeds", "availability")]
+    change = result.get("ppl_change")
+    if gates.max_ppl_increase_pct is not None:
+        if change is None:
+            verdicts.append(Verdict("max_ppl_increase_pct", target, False, "no perplexity change measured",
+                                    f"<= {gates.max_ppl_increase_pct}%", "quality"))
+        else:
+            hi = change["ci_high_pct"]
+            verdicts.append(
+                Verdict(
+                    "max_ppl_increase_pct",
+                    target,
+                    hi <= gates.max_ppl_increase_pct,
+                    f"{change['delta_pct']:+.2f}% (95% CI {change['ci_low_pct']:+.2f}% .. {hi:+.2f}%)",
+                    f"upper bound <= {gates.max_ppl_increase_pct:+.2f}%",
+                    "quality",
+                )
+            )
+    tput = result.get("throughput") or {}
+    for gate_name, key in (
+        ("min_prefill_tokens_per_s", "prefill_tokens_per_s"),
+        ("min_decode_tokens_per_s", "decode_tokens_per_s"),
+    ):
+        limit = getattr(gates, gate_name)
+        if limit is None:
+            continue
+        summary = tput.get(key)
+        measured = summary["median"] if summary else None
+        verdicts.append(
+            Verdict(
+                gate_name,
+                target,
+                measured is not None and measured >= limit,
+                f"{measured:.1f} tok/s (median of {summary['n']})" if summary else "not measured",
+                f">= {limit} tok/s",
+                "performance",
+            )
+        )
+    return verdicts

@@ -1,0 +1,100 @@
+"""Reports: the summary table printed by `llmc build`, report.json and report.md."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmc.build import BuildResult
+
+
+def _public(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith("_")}
+
+
+def report_dict(result: "BuildResult") -> dict:
+    r = result.recipe
+    return {
+        "build_id": result.build_id,
+        "recipe": r.name,
+        "scheme": result.plan.scheme.name,
+        "scheme_detail": result.plan.scheme.to_dict(),
+        "passed": result.passed,
+        "evals": {k: _public(v) for k, v in result.evals.items()},
+        "targets": {label: {"artifact": art["dir"], "exporter": art["exporter"], "evals": result.target_evals.get(label, [])}
+                    for label, art in result.artifacts.items()},
+        "verdicts": [v.to_dict() for v in result.verdicts],
+        "warnings": result.plan.warnings,
+        "stages": [s.__dict__ for s in result.stages],
+    }
+
+
+def _fmt_tput(m: dict, key: str) -> str:
+    s = (m.get("throughput") or {}).get(key)
+    return f"{s['median']:.1f}" if s else "-"
+
+
+def summary_rows(result: "BuildResult") -> list[list[str]]:
+    rows = []
+    for engine in result.recipe.eval.runtimes:
+        base = result.evals.get(f"{engine}:baseline")
+        for label in result.artifacts:
+            m = result.evals.get(f"{engine}:{label}", {})
+            if "error" in m or base is None:
+                rows.append([label, engine, "-", "-", "-", "-", "-", "ERROR: " + str(m.get("error", "baseline failed"))[:60]])
+                continue
+            ch = m["ppl_change"]
+            verdicts = [v for v in result.verdicts if v.target == f"{engine}:{label}"]
+            verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
+            rows.append([
+                label,
+                engine,
+                f"{base['perplexity']:.3f}",
+                f"{m['perplexity']:.3f}",
+                f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
+                f"{_fmt_tput(base, 'prefill_tokens_per_s')} -> {_fmt_tput(m, 'prefill_tokens_per_s')}",
+                f"{_fmt_tput(base, 'decode_tokens_per_s')} -> {_fmt_tput(m, 'decode_tokens_per_s')}",
+                verdict if verdicts else "no gates",
+            ])
+    return rows
+
+
+HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "prefill tok/s", "decode tok/s", "gates"]
+
+
+def render_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def render_markdown(result: "BuildResult") -> str:
+    r = result.recipe
+    ev = r.eval
+    out = [f"# {r.name}: {result.plan.scheme.name}", ""]
+    out.append(f"- build id: `{result.build_id}`")
+    out.append(f"- model: `{r.model.source}` ({r.model.dtype}), source sha256 `{result.source.sha256}`")
+    out.append(f"- scheme: {result.plan.scheme.name}, algorithm {result.plan.scheme.algorithm}; "
+               f"weights {result.plan.scheme.weights.describe()}"
+               + (f", activations {result.plan.scheme.activations.describe()}" if result.plan.scheme.activations else "")
+               + (f", KV cache {result.plan.scheme.kv_cache.format}" if result.plan.scheme.kv_cache else ""))
+    if result.calibration:
+        c = result.calibration
+        out.append(f"- calibration: {c['samples']} windows x {c['seq_len']} tokens, {c['dataset']} calibration split, seed {c['seed']}")
+    out.append(f"- evaluation protocol: {ev.corpus} eval split (every 10th file), documents joined with blank lines, "
+               f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
+               f"stride {ev.seq_len}, dtype {r.model.dtype}, ppl = exp(mean token NLL); "
+               f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window")
+    out += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out += ["| " + " | ".join(row) + " |" for row in summary_rows(result)]
+    out += ["", "## Gates", "", "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
+    out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | {'pass' if v.passed else 'FAIL'} |"
+            for v in result.verdicts] or ["| - | (no gates in the recipe) | | | |"]
+    if result.plan.warnings:
+        out += ["", "## Warnings", ""] + [f"- {w}" for w in result.plan.warnings]
+    out += ["", "## Artifacts", ""]
+    for label, art in result.artifacts.items():
+        out.append(f"- `{label}`: {art['exporter']} — " + ", ".join(f"`{f}`" for f in art["files"]))
+    out += ["", "## Stages", "", "| stage | cached | seconds |", "|---|---|---|"]
+    out += [f"| {s.name} | {'yes' if s.cached else 'no'} | {s.seconds:.1f} |" for s in result.stages]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,57 @@
+"""`llmc eval`: evaluate an existing artifact (folder or registry entry) against a baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmc.calibration.corpora import load_corpus
+from llmc.calibration.windows import make_windows
+from llmc.errors import InputError
+from llmc.eval.metrics import paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.report import render_table
+from llmc.model.source import resolve_source
+from llmc.store import Store
+
+
+def _artifact_folder(path: Path) -> list[tuple[str, Path]]:
+    if (path / "manifest.json").is_file():
+        return [(p.name, p) for p in sorted((path / "artifacts").iterdir()) if (p / "config.json").is_file()]
+    if (path / "config.json").is_file():
+        return [(path.name, path)]
+    raise InputError(f"{path} is neither an artifact folder nor a registry entry")
+
+
+def evaluate_artifact(
+    artifact: Path, baseline: str, store: Store, *, engine: str, windows: int, seq_len: int,
+    max_ppl_increase_pct: float | None, threads: int | None,
+) -> tuple[str, str | None]:
+    """Table text, and a failure message when the gate fails."""
+    from transformers import AutoTokenizer
+
+    from llmc.build import _engine_for
+
+    if threads:
+        torch.set_num_threads(threads)
+    src = resolve_source(baseline, store)
+    tok = AutoTokenizer.from_pretrained(src.folder)
+    ids = make_windows(tok, load_corpus("brown", "eval"), seq_len, windows, seed=None).ids
+    base_nll = _engine_for(engine, src.folder, "float32").token_nll(ids)
+    rows, failures = [], []
+    for label, folder in _artifact_folder(Path(artifact)):
+        nll = _engine_for(engine, folder, "float32").token_nll(ids)
+        ch = paired_ppl_change(base_nll, nll)
+        lo, hi = perplexity_interval(nll)
+        verdict = "-"
+        if max_ppl_increase_pct is not None:
+            ok = ch["ci_high_pct"] <= max_ppl_increase_pct
+            verdict = "pass" if ok else "FAIL"
+            if not ok:
+                failures.append(f"{label}: perplexity change {ch['delta_pct']:+.2f}% (95% CI up to "
+                                f"{ch['ci_high_pct']:+.2f}%) exceeds {max_ppl_increase_pct}%")
+        rows.append([label, engine, f"{perplexity(base_nll):.3f}", f"{perplexity(nll):.3f} [{lo:.2f}, {hi:.2f}]",
+                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]", verdict])
+    text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "gate"])
+    text += f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows"
+    return text, "; ".join(failures) or None

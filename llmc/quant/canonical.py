@@ -1,0 +1,111 @@
+"""The one canonical quantized form that quantize writes and every exporter reads.
+
+    <dir>/quantized.json        scheme, source hash, HF config, every quantized module and its shape
+    <dir>/layers/NNNNN.safetensors   one file per decoder layer
+    <dir>/rest.safetensors      everything outside the decoder layers (embeddings, final norm, lm_head)
+    <dir>/<tokenizer files>     copied from the source so the form is self-contained
+
+Tensor names are the model's own. For each quantized Linear `m`:
+    m.weight              codes: int8 (holding int8 or int4 values, signed) or float8_e4m3fn
+    m.weight_scale        float32, [1] / [out, 1] / [out, in // group]
+    m.weight_zero_point   int8, same shape as the scale (asymmetric only)
+    m.input_scale         float32 [1] (static activation quantization only)
+For each attention module `a` with a quantized KV cache: a.k_scale, a.v_scale (float32 [1]).
+Every other tensor is stored unchanged in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmc.errors import InputError
+from llmc.quant.numerics import dequantize
+from llmc.quant.spec import Scheme, TensorSpec
+
+FORMAT_NAME = "llmc-quantized"
+FORMAT_VERSION = 1
+META_FILE = "quantized.json"
+
+
+def scheme_from_dict(d: dict) -> Scheme:
+    def spec(x: dict | None) -> TensorSpec | None:
+        return TensorSpec(**x) if x else None
+
+    return Scheme(
+        weights=spec(d["weights"]),
+        activations=spec(d.get("activations")),
+        kv_cache=spec(d.get("kv_cache")),
+        algorithm=d.get("algorithm", "rtn"),
+        ignore=tuple(d.get("ignore", ())),
+        algorithm_options=tuple(tuple(x) for x in d.get("algorithm_options", ())),
+    )
+
+
+@dataclass
+class QuantizedModel:
+    root: Path
+    meta: dict
+
+    @classmethod
+    def open(cls, root: Path) -> "QuantizedModel":
+        root = Path(root)
+        try:
+            meta = json.loads((root / META_FILE).read_text())
+        except FileNotFoundError:
+            raise InputError(f"{root} is not an llmc quantized model ({META_FILE} missing)") from None
+        if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+            raise InputError(f"{root}: unsupported quantized form {meta.get('format')} v{meta.get('format_version')}")
+        return cls(root=root, meta=meta)
+
+    @property
+    def scheme(self) -> Scheme:
+        return scheme_from_dict(self.meta["scheme"])
+
+    @property
+    def config(self) -> dict:
+        return self.meta["config"]
+
+    @property
+    def quantized_modules(self) -> dict[str, dict]:
+        return self.meta["modules"]
+
+    @property
+    def kv_cache_modules(self) -> list[str]:
+        return self.meta.get("kv_cache_modules", [])
+
+    def files(self) -> list[Path]:
+        return [self.root / f for f in self.meta["files"]]
+
+    def iter_files(self) -> Iterator[dict[str, torch.Tensor]]:
+        """All tensors, one file (one decoder layer, then the rest) at a time."""
+        for f in self.files():
+            with safe_open(str(f), framework="pt") as h:
+                yield {k: h.get_tensor(k) for k in h.keys()}
+
+    def dequantized_weight(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+        spec = self.scheme.weights
+        return dequantize(
+            tensors[f"{module}.weight"],
+            tensors[f"{module}.weight_scale"],
+            tensors.get(f"{module}.weight_zero_point"),
+            spec,
+        )
+
+
+def module_matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    """compressed-tensors-style ignore patterns: exact name, trailing name, or 're:<regex>'."""
+    import re
+
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False

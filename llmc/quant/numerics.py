@@ -1,0 +1,127 @@
+"""Round-to-nearest quantization as pure functions over tensors.
+
+Conventions follow compressed-tensors (what vLLM reads), so codes export without re-rounding:
+  - integer codes are signed for both symmetric and asymmetric schemes; x ≈ (q - zp) * scale;
+  - symmetric integer scale = absmax / ((qmax - qmin) / 2), e.g. absmax / 7.5 for int4;
+  - asymmetric ranges always include zero: scale = (max - min) / (qmax - qmin), zp = qmin - round(min / scale);
+  - fp8 e4m3 scale = absmax / 448; codes are torch.float8_e4m3fn.
+Scales are float32. A zero range gets scale 1 so all-zero rows stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmc.quant.spec import FP8_E4M3_MAX, TensorSpec
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # [out, in]: int8 (int8/int4 codes) or float8_e4m3fn
+    scale: torch.Tensor  # [1], [out, 1] or [out, in // group] float32
+    zero_point: torch.Tensor | None  # same shape as scale, int8, asymmetric only
+
+
+def _grouped(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """View x so that the last dim is one scale's reduction domain."""
+    if spec.strategy == "tensor":
+        return x.reshape(1, -1)
+    if spec.strategy in ("channel", "token"):
+        return x.reshape(-1, x.shape[-1])
+    if spec.strategy == "group":
+        g = spec.group_size
+        assert g is not None
+        if x.shape[-1] % g:
+            raise ValueError(f"group size {g} does not divide the input dimension {x.shape[-1]}")
+        return x.reshape(-1, g)
+    raise ValueError(f"unknown strategy {spec.strategy}")
+
+
+def _scale_shape(x: torch.Tensor, spec: TensorSpec) -> tuple[int, ...]:
+    if spec.strategy == "tensor":
+        return (1,)
+    if spec.strategy in ("channel", "token"):
+        return (*x.shape[:-1], 1)
+    return (*x.shape[:-1], x.shape[-1] // spec.group_size)
+
+
+def qparams_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, spec: TensorSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) for value ranges [lo, hi]; lo/hi broadcast to the scale's shape."""
+    lo = torch.minimum(lo.float(), torch.zeros_like(lo, dtype=torch.float32))
+    hi = torch.maximum(hi.float(), torch.zeros_like(hi, dtype=torch.float32))
+    if spec.info.is_float:
+        scale = torch.maximum(hi, -lo) / FP8_E4M3_MAX
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), None
+    qmin, qmax = spec.info.int_range(spec.symmetric)
+    if spec.symmetric:
+        scale = torch.maximum(hi, -lo) / ((qmax - qmin) / 2)
+        return torch.where(scale > 0, scale, torch.ones_like(scale)), None
+    scale = (hi - lo) / (qmax - qmin)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int8)
+    return scale, zp
+
+
+def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = _grouped(x.detach().float(), spec)
+    scale, zp = qparams_from_range(g.amin(dim=-1), g.amax(dim=-1), spec)
+    shape = _scale_shape(x, spec)
+    return scale.reshape(shape), (zp.reshape(shape) if zp is not None else None)
+
+
+def _expand(p: torch.Tensor, x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Broadcast a per-tensor/channel/group parameter to x's shape."""
+    if spec.strategy == "group":
+        return p.repeat_interleave(spec.group_size, dim=-1)
+    return p
+
+
+def quantize_with(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: TensorSpec
+) -> torch.Tensor:
+    s = _expand(scale, x, spec)
+    y = x.float() / s
+    if spec.info.is_float:
+        return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    qmin, qmax = spec.info.int_range(spec.symmetric)
+    y = torch.round(y)
+    if zero_point is not None:
+        y = y + _expand(zero_point, x, spec).float()
+    return y.clamp(qmin, qmax).to(torch.int8)
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: TensorSpec
+) -> torch.Tensor:
+    q = codes.float()
+    if zero_point is not None:
+        q = q - _expand(zero_point, q, spec).float()
+    return q * _expand(scale, q, spec)
+
+
+def quantize_weight(w: torch.Tensor, spec: TensorSpec) -> QuantizedWeight:
+    scale, zp = compute_qparams(w, spec)
+    return QuantizedWeight(codes=quantize_with(w, scale, zp, spec), scale=scale, zero_point=zp)
+
+
+def dequantize_weight(q: QuantizedWeight, spec: TensorSpec) -> torch.Tensor:
+    return dequantize(q.codes, q.scale, q.zero_point, spec)
+
+
+def fake_quantize(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize x: with the given static scale, or a dynamic one computed from x."""
+    if scale is None:
+        scale, zp = compute_qparams(x, spec)
+    else:
+        zp = None
+    return dequantize(quantize_with(x, scale, zp, spec), scale, zp, spec).to(x.dtype)
+
+
+def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Per-tensor scale for a symmetric static activation or KV-cache spec from its observed absmax."""
+    scale, _ = qparams_from_range(-absmax.reshape(1), absmax.reshape(1), spec)
+    return scale

@@ -1,0 +1,90 @@
+"""Quantization formats as plain data.
+
+A `TensorSpec` says how one kind of tensor (weights, input activations, KV cache) is quantized:
+number format, scale granularity, symmetry, static or dynamic. A `Scheme` groups the three with the
+algorithm and the modules left alone. Nothing here touches a tensor; `numerics.py` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
+Strategy = Literal["tensor", "channel", "group", "token"]
+Algorithm = Literal["rtn", "smoothquant", "gptq", "awq"]
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    bits: int
+    is_float: bool
+
+    def int_range(self, symmetric: bool) -> tuple[int, int]:
+        """Code range; signed for both symmetric and asymmetric (compressed-tensors convention)."""
+        del symmetric
+        return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+
+
+FORMATS: dict[str, FormatInfo] = {
+    "fp8_e4m3": FormatInfo(bits=8, is_float=True),
+    "int8": FormatInfo(bits=8, is_float=False),
+    "int4": FormatInfo(bits=4, is_float=False),
+    "nvfp4": FormatInfo(bits=4, is_float=True),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    format: NumberFormat
+    strategy: Strategy
+    group_size: int | None = None
+    symmetric: bool = True
+    dynamic: bool = False
+
+    @property
+    def info(self) -> FormatInfo:
+        return FORMATS[self.format]
+
+    @property
+    def bits(self) -> int:
+        return self.info.bits
+
+    def describe(self) -> str:
+        grain = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        sym = "sym" if self.symmetric else "asym"
+        mode = "dynamic" if self.dynamic else "static"
+        return f"{self.format}/{grain}/{sym}/{mode}"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    weights: TensorSpec
+    activations: TensorSpec | None = None
+    kv_cache: TensorSpec | None = None
+    algorithm: Algorithm = "rtn"
+    ignore: tuple[str, ...] = ("lm_head",)
+    algorithm_options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when any scale depends on activations, so calibration data must be run."""
+        static_acts = self.activations is not None and not self.activations.dynamic
+        return static_acts or self.kv_cache is not None or self.algorithm != "rtn"
+
+    @property
+    def name(self) -> str:
+        """Conventional short name: W8A8-FP8, W4A16, W8A8-INT8, ..."""
+        w = self.weights
+        wname = f"W{w.bits}"
+        if self.activations is None:
+            aname = "A16"
+        else:
+            aname = f"A{self.activations.bits}"
+        kind = {"fp8_e4m3": "FP8", "int8": "INT8", "int4": "INT", "nvfp4": "NVFP4"}[w.format]
+        return f"{wname}{aname}-{kind}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)

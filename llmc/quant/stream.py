@@ -1,0 +1,370 @@
+"""Quantize a model one decoder layer at a time.
+
+Peak memory is one decoder layer plus the calibration activations, whatever the depth: the model
+is built on the meta device, and each layer's weights are read from the safetensors checkpoint,
+calibrated, quantized, written, and dropped before the next layer is read.
+
+Calibration, when the scheme needs it (static activation scales, KV-cache scales, or a
+data-driven algorithm), runs the calibration windows through the layers in sequence: the inputs
+of layer i+1 are the outputs of layer i (`propagate="original"`, as ModelOpt does for RTN, or
+through the already-quantized layer, `propagate="quantized"`, as GPTQ needs).
+
+Resume: after each layer, its file, the next layer's inputs and `progress.json` are written
+atomically in that order; a rerun in the same work directory continues at `progress.json`'s layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from llmc.model.checkpoint import CheckpointReader
+from llmc.model.source import TOKENIZER_FILES, ModelSource
+from llmc.progress import log, steps
+from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
+from llmc.quant.numerics import QuantizedWeight, dequantize_weight, quantize_weight, static_scale
+from llmc.quant.spec import Scheme
+from llmc.store import atomic_save_safetensors, atomic_write_json
+
+KV_OBSERVER = "llmc_observe_kv"
+
+
+# --------------------------------------------------------------------------- model skeleton
+
+
+def build_skeleton(config_dict: dict, dtype: torch.dtype) -> nn.Module:
+    """The model with parameters on the meta device (no memory) and real buffers (rotary tables)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_dict)
+    config._attn_implementation = "sdpa"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The ModuleList of decoder layers and its dotted prefix."""
+    n = model.config.num_hidden_layers
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n and name.endswith("layers"):
+            return name, mod
+    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def materialize(module: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace meta parameters of `module` by the given tensors (names relative to the module)."""
+    for name, t in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
+        elif attr in owner._buffers:
+            owner._buffers[attr] = t.to(dtype) if t.is_floating_point() else t
+
+
+def release(module: nn.Module) -> None:
+    module.to_empty(device="meta")
+
+
+def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
+    return {
+        f"{prefix}{n}": m
+        for n, m in layer.named_modules()
+        if isinstance(m, nn.Linear) and not module_matches(f"{prefix}{n}", ignore)
+    }
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class LayerStats:
+    """What one calibration pass over a layer observed."""
+
+    input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per Linear, scalar
+    channel_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per Linear, [in]
+    key_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per attention module
+    value_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+_ACTIVE_KV_STATS: LayerStats | None = None
+_MODULE_NAMES: dict[int, str] = {}
+
+
+def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa attention that first records the absmax of the keys/values it would cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    stats = _ACTIVE_KV_STATS
+    name = _MODULE_NAMES.get(id(module))
+    if stats is not None and name is not None:
+        for store, t in ((stats.key_absmax, key), (stats.value_absmax, value)):
+            m = t.detach().abs().amax().float()
+            store[name] = torch.maximum(store[name], m) if name in store else m
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_kv_observer() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(KV_OBSERVER, _observe_kv_attention)
+    AttentionMaskInterface.register(KV_OBSERVER, sdpa_mask)
+
+
+@contextlib.contextmanager
+def observing(layer: nn.Module, linears: dict[str, nn.Linear], stats: LayerStats, kv_modules: dict[str, nn.Module]):
+    global _ACTIVE_KV_STATS
+    handles = []
+
+    def pre_hook(name: str) -> Callable:
+        def hook(_mod, args):
+            x = args[0].detach()
+            a = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            prev = stats.channel_absmax.get(name)
+            stats.channel_absmax[name] = a if prev is None else torch.maximum(prev, a)
+            stats.input_absmax[name] = stats.channel_absmax[name].amax()
+
+        return hook
+
+    for name, lin in linears.items():
+        handles.append(lin.register_forward_pre_hook(pre_hook(name)))
+    for name, attn in kv_modules.items():
+        _MODULE_NAMES[id(attn)] = name
+        attn.config._attn_implementation = KV_OBSERVER
+    _ACTIVE_KV_STATS = stats
+    try:
+        yield stats
+    finally:
+        _ACTIVE_KV_STATS = None
+        for h in handles:
+            h.remove()
+        for attn in kv_modules.values():
+            _MODULE_NAMES.pop(id(attn), None)
+            attn.config._attn_implementation = "sdpa"
+
+
+# --------------------------------------------------------------------------- capture
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer: records what the model passes to it, returns its input."""
+
+    def __init__(self, index: int, sink: list, stop: bool) -> None:
+        super().__init__()
+        self.index, self.sink, self.stop = index, sink, stop
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append((self.index, hidden_states, args, kwargs))
+        if self.stop:
+            raise _Stop
+        return hidden_states
+
+
+def capture_layer_inputs(
+    model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
+    """Layer-0 hidden states per batch, and the extra args each layer receives per batch.
+
+    Attention masks and rotary tables depend only on shapes and positions, not on hidden
+    states, so they are recorded once with every layer replaced by a pass-through recorder.
+    """
+    original = list(layers)
+    n = len(layers)
+    hidden, extras = [], []
+    try:
+        for batch in batches:
+            sink: list = []
+            for i in range(n):
+                layers[i] = _Recorder(i, sink, stop=(i == n - 1))
+            with contextlib.suppress(_Stop), torch.no_grad():
+                model.model(input_ids=batch, use_cache=False)
+            hidden.append(sink[0][1])
+            per_layer = [None] * n
+            for i, _, args, kwargs in sink:
+                per_layer[i] = (args, kwargs)
+            extras.append(per_layer)
+    finally:
+        for i, m in enumerate(original):
+            layers[i] = m
+    return hidden, extras
+
+
+def _layer_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --------------------------------------------------------------------------- main loop
+
+LayerQuantizer = Callable[[nn.Module, dict[str, nn.Linear], LayerStats, Scheme], dict[str, QuantizedWeight]]
+
+
+def rtn_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats: LayerStats, scheme: Scheme) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest: each weight quantized on its own, no data needed."""
+    del layer, stats
+    return {name: quantize_weight(lin.weight.data, scheme.weights) for name, lin in linears.items()}
+
+
+@dataclass
+class StreamResult:
+    layers: int
+    quantized_modules: int
+    calibrated: bool
+
+
+def quantize_model(
+    source: ModelSource,
+    scheme: Scheme,
+    out: Path,
+    *,
+    calibration: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
+    batch_size: int = 4,
+    layer_quantizer: LayerQuantizer = rtn_layer,
+    propagate: Literal["original", "quantized"] = "original",
+    extra_meta: dict | None = None,
+    on_layer_done: Callable[[int], None] | None = None,
+) -> StreamResult:
+    """Write the canonical quantized form of `source` under `out` (resumable, see module doc)."""
+    torch.manual_seed(0)
+    reader = CheckpointReader(source.folder)
+    config = reader.config()
+    model = build_skeleton(config, dtype)
+    layers_prefix, layers = decoder_layers(model)
+    n_layers = len(layers)
+    (out / "layers").mkdir(parents=True, exist_ok=True)
+    state_dir = out / "state"
+    progress_file = state_dir / "progress.json"
+    start = json.loads(progress_file.read_text())["next_layer"] if progress_file.is_file() else 0
+    if start:
+        log(f"resuming quantization at layer {start}/{n_layers}")
+
+    calibrate = scheme.needs_calibration
+    if calibrate and calibration is None:
+        raise ValueError("this scheme needs calibration data")
+    if calibrate:
+        _register_kv_observer()
+        batches = list(calibration.split(batch_size))
+        outer = {n: t for n, t in ((n, reader.get(n)) for n in reader.names()) if not n.startswith(layers_prefix + ".")}
+        materialize(model, outer, dtype)
+        hidden, extras = capture_layer_inputs(model, layers, batches)
+        if start:
+            hidden = _load_hidden(state_dir / "hidden.safetensors", len(batches))
+    else:
+        batches, extras, hidden = [], [], []
+
+    modules: dict[str, dict] = {}
+    kv_names: list[str] = []
+    for i in steps(range(n_layers), "quantize layers", total=n_layers):
+        prefix = f"{layers_prefix}.{i}."
+        layer = layers[i]
+        linears = target_linears(layer, prefix, scheme.ignore)
+        kv_modules = (
+            {f"{prefix}{n}": m for n, m in layer.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")}
+            if scheme.kv_cache
+            else {}
+        )
+        for name, lin in linears.items():
+            modules[name] = {"shape": list(lin.weight.shape), "layer": i}
+        kv_names += list(kv_modules)
+        if i < start:
+            continue
+
+        materialize(layer, reader.with_prefix(prefix), dtype)
+        stats = LayerStats()
+        outputs: list[torch.Tensor] = []
+        if calibrate:
+            with observing(layer, linears, stats, kv_modules), torch.no_grad():
+                for b in range(len(batches)):
+                    args, kwargs = extras[b][i]
+                    outputs.append(_layer_output(layer(hidden[b], *args, **kwargs)))
+        quantized = layer_quantizer(layer, linears, stats, scheme)
+
+        tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
+        atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
+        if calibrate:
+            if propagate == "quantized":
+                for name, lin in linears.items():
+                    lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
+                with torch.no_grad():
+                    outputs = [
+                        _layer_output(layer(hidden[b], *extras[b][i][0], **extras[b][i][1]))
+                        for b in range(len(batches))
+                    ]
+            hidden = outputs
+            atomic_save_safetensors(
+                state_dir / "hidden.safetensors", {f"b{b}": h for b, h in enumerate(hidden)}
+            )
+        atomic_write_json(progress_file, {"next_layer": i + 1})
+        release(layer)
+        if on_layer_done:
+            on_layer_done(i)
+
+    rest = {n: reader.get(n) for n in reader.names() if not n.startswith(layers_prefix + ".")}
+    rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
+    atomic_save_safetensors(out / "rest.safetensors", rest)
+    for f in TOKENIZER_FILES:
+        if (source.folder / f).is_file():
+            shutil.copyfile(source.folder / f, out / f)
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "scheme": scheme.to_dict(),
+        "source": {"sha256": source.sha256, "origin": source.origin},
+        "config": config,
+        "dtype": str(dtype).removeprefix("torch."),
+        "modules": modules,
+        "kv_cache_modules": kv_names,
+        "files": [f"layers/{i:05d}.safetensors" for i in range(n_layers)] + ["rest.safetensors"],
+        **(extra_meta or {}),
+    }
+    atomic_write_json(out / META_FILE, meta)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+
+def _layer_tensors(
+    layer: nn.Module,
+    prefix: str,
+    linears: dict[str, nn.Linear],
+    quantized: dict[str, QuantizedWeight],
+    stats: LayerStats,
+    scheme: Scheme,
+    kv_modules: dict[str, nn.Module],
+) -> dict[str, torch.Tensor]:
+    tensors = {f"{prefix}{n}": p.detach() for n, p in layer.state_dict().items()}
+    for name, q in quantized.items():
+        tensors[f"{name}.weight"] = q.codes
+        tensors[f"{name}.weight_scale"] = q.scale.float()
+        if q.zero_point is not None:
+            tensors[f"{name}.weight_zero_point"] = q.zero_point
+        act = scheme.activations
+        if act is not None and not act.dynamic:
+            tensors[f"{name}.input_scale"] = static_scale(stats.input_absmax[name], act)
+    for name in kv_modules:
+        tensors[f"{name}.k_scale"] = static_scale(stats.key_absmax[name], scheme.kv_cache)
+        tensors[f"{name}.v_scale"] = static_scale(stats.value_absmax[name], scheme.kv_cache)
+    return tensors
+
+
+def _load_hidden(path: Path, n: int) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    return [d[f"b{b}"] for b in range(n)]
+

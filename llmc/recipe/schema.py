@@ -1,0 +1,259 @@
+"""Recipe schema v1: what to build, typed.
+
+Every model forbids unknown keys. Checks that need only the recipe live here as validators and
+raise ValueError with a message of the form "<what is wrong>; fix: <how>" — `load.py` turns those
+into one RecipeError naming the key. Checks that need the model's shape or the runtime's
+capabilities live in `llmc.plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmc.quant.spec import Scheme, TensorSpec
+
+SCHEMA_VERSION = 1
+
+Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "llama.cpp", "ollama", "onnxruntime"]
+GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    source: str = Field(
+        description="'demo:smollm2-135m', a local Hugging Face folder, or a local .gguf file"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    name: str | None = Field(default=None, description="name used in the registry")
+
+
+class TensorQuant(_Strict):
+    format: Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
+    strategy: Literal["tensor", "channel", "group", "token"]
+    group_size: int | None = None
+    symmetric: bool = True
+    dynamic: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TensorQuant":
+        if self.strategy == "group":
+            if self.group_size is None:
+                raise ValueError(
+                    "strategy 'group' needs group_size; fix: add group_size: 128 (or 64/32)"
+                )
+            if self.group_size <= 0 or self.group_size % 16:
+                raise ValueError(
+                    f"group_size {self.group_size} is not a positive multiple of 16; "
+                    "fix: use 32, 64, 128 or 256"
+                )
+        elif self.group_size is not None:
+            raise ValueError(
+                f"group_size is only meaningful with strategy 'group' (strategy is '{self.strategy}'); "
+                "fix: remove group_size or set strategy: group"
+            )
+        if self.format == "nvfp4" and (self.strategy != "group" or self.group_size != 16):
+            raise ValueError("nvfp4 uses 16-element groups; fix: strategy: group, group_size: 16")
+        if self.format == "fp8_e4m3" and not self.symmetric:
+            raise ValueError("fp8_e4m3 is symmetric only; fix: remove symmetric: false")
+        return self
+
+    def to_spec(self) -> TensorSpec:
+        return TensorSpec(
+            format=self.format,
+            strategy=self.strategy,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            dynamic=self.dynamic,
+        )
+
+
+class WeightQuant(TensorQuant):
+    @model_validator(mode="after")
+    def _weights(self) -> "WeightQuant":
+        if self.strategy == "token":
+            raise ValueError(
+                "weights have no 'token' strategy; fix: use tensor, channel or group"
+            )
+        if self.dynamic:
+            raise ValueError("weights are always static; fix: remove dynamic: true")
+        return self
+
+
+class ActivationQuant(TensorQuant):
+    @model_validator(mode="after")
+    def _activations(self) -> "ActivationQuant":
+        if self.strategy in ("channel", "group") and self.format != "nvfp4":
+            raise ValueError(
+                f"activation strategy '{self.strategy}' has no runtime kernel; "
+                "fix: use tensor (static or dynamic) or token (dynamic)"
+            )
+        if self.strategy == "token" and not self.dynamic:
+            raise ValueError(
+                "per-token activation scales are computed at run time; fix: set dynamic: true"
+            )
+        if self.format == "int4":
+            raise ValueError(
+                "4-bit integer activations have no runtime kernel; fix: use int8 or fp8_e4m3"
+            )
+        return self
+
+
+class KvCacheQuant(_Strict):
+    format: Literal["fp8_e4m3", "int8"]
+
+
+_SUPPORTED_PAIRS = {
+    # (weight format, activation format or None) -> scheme name used in messages
+    ("fp8_e4m3", "fp8_e4m3"): "W8A8-FP8",
+    ("fp8_e4m3", None): "W8A16-FP8",
+    ("int8", "int8"): "W8A8-INT8",
+    ("int8", None): "W8A16-INT8",
+    ("int4", None): "W4A16",
+    ("int4", "fp8_e4m3"): "W4A8-FP8",
+    ("nvfp4", "nvfp4"): "NVFP4",
+    ("nvfp4", None): "NVFP4A16",
+}
+
+
+class QuantizationSection(_Strict):
+    weights: WeightQuant
+    activations: ActivationQuant | None = None
+    kv_cache: KvCacheQuant | None = None
+    algorithm: Literal["rtn", "smoothquant", "gptq", "awq"] = "rtn"
+    ignore: tuple[str, ...] = ("lm_head",)
+    options: dict[str, float | int | bool | str] = Field(
+        default_factory=dict, description="algorithm options, e.g. smoothquant alpha"
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> "QuantizationSection":
+        act = self.activations.format if self.activations else None
+        if (self.weights.format, act) not in _SUPPORTED_PAIRS:
+            known = ", ".join(
+                f"{w}+{a or 'none'} ({n})" for (w, a), n in _SUPPORTED_PAIRS.items()
+            )
+            raise ValueError(
+                f"weights {self.weights.format} with activations {act or 'none'} is not a scheme "
+                f"any runtime executes; fix: pick one of {known}"
+            )
+        if self.algorithm == "smoothquant" and self.activations is None:
+            raise ValueError(
+                "smoothquant migrates activation outliers into weights and only helps when "
+                "activations are quantized; fix: add activations, or use algorithm rtn/gptq/awq"
+            )
+        if self.algorithm == "awq" and self.weights.format != "int4":
+            raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4")
+        return self
+
+    def to_scheme(self) -> Scheme:
+        return Scheme(
+            weights=self.weights.to_spec(),
+            activations=self.activations.to_spec() if self.activations else None,
+            kv_cache=(
+                TensorSpec(format=self.kv_cache.format, strategy="tensor")
+                if self.kv_cache
+                else None
+            ),
+            algorithm=self.algorithm,
+            ignore=tuple(self.ignore),
+            algorithm_options=tuple(sorted(self.options.items())),
+        )
+
+
+class CalibrationSection(_Strict):
+    dataset: Literal["brown"] = "brown"
+    samples: int = Field(default=32, ge=1, le=4096)
+    seq_len: int = Field(default=512, ge=16, le=32768)
+    seed: int = 0
+
+
+class Target(_Strict):
+    runtime: Runtime
+    version: str | None = Field(
+        default=None, description="PEP 440 specifier of the runtime versions to support, e.g. '>=0.9'"
+    )
+    gpu_arch: GpuArch = "sm90"
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
+    name: str | None = None
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(
+                f"tensor_parallel {v} is not a power of two; runtimes shard over 1, 2, 4, 8 GPUs; "
+                "fix: use 1, 2, 4 or 8"
+            )
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _specifier(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier:
+            raise ValueError(
+                f"'{v}' is not a version range; fix: write it like '>=0.9,<0.12'"
+            ) from None
+        return v
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.runtime}-{self.gpu_arch}-tp{self.tensor_parallel}"
+
+
+class EvalSection(_Strict):
+    corpus: Literal["brown"] = "brown"
+    seq_len: int = Field(default=512, ge=16, le=32768)
+    windows: int = Field(default=16, ge=2, le=100000)
+    batch_size: int = Field(default=4, ge=1, le=1024)
+    decode_tokens: int = Field(default=16, ge=0, le=4096)
+    throughput_repeats: int = Field(default=3, ge=1, le=100)
+    bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
+    runtimes: tuple[Literal["torch", "vllm"], ...] = ("torch",)
+
+
+class Gates(_Strict):
+    max_ppl_increase_pct: float | None = Field(
+        default=None,
+        gt=0,
+        description="fail when the upper 95% bound of the paired perplexity increase exceeds this",
+    )
+    min_prefill_tokens_per_s: float | None = Field(default=None, gt=0)
+    min_decode_tokens_per_s: float | None = Field(default=None, gt=0)
+
+
+class PublishSection(_Strict):
+    registry: str = "./registry"
+
+
+class Recipe(_Strict):
+    version: Literal[1] = SCHEMA_VERSION
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    model: ModelSection
+    quantization: QuantizationSection
+    calibration: CalibrationSection = CalibrationSection()
+    targets: tuple[Target, ...] = Field(min_length=1)
+    eval: EvalSection = EvalSection()
+    gates: Gates = Gates()
+    publish: PublishSection = PublishSection()
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> "Recipe":
+        labels = [t.label for t in self.targets]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise ValueError(
+                f"targets repeat {dupes}; fix: give each target a distinct runtime/gpu_arch/"
+                "tensor_parallel or a name"
+            )
+        return self

@@ -1,0 +1,102 @@
+"""`llmc inspect`: say what a path is and which runtimes accept it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmc.compiler.capabilities import RULES, scheme_keys
+from llmc.errors import InputError
+from llmc.quant.canonical import META_FILE, QuantizedModel
+from llmc.quant.spec import Scheme
+
+
+def _scheme_from_ct(qcfg: dict) -> Scheme:
+    from llmc.engines.torch_ref import _spec_from_args
+
+    group = next(iter(qcfg["config_groups"].values()))
+    return Scheme(
+        weights=_spec_from_args(group["weights"]),
+        activations=_spec_from_args(group["input_activations"]) if group.get("input_activations") else None,
+        kv_cache=_spec_from_args(qcfg["kv_cache_scheme"]) if qcfg.get("kv_cache_scheme") else None,
+        ignore=tuple(qcfg.get("ignore") or ()),
+    )
+
+
+def accepting_runtimes(scheme: Scheme) -> list[str]:
+    """'runtime (arch)' for each runtime whose rules admit every capability the scheme needs."""
+    out = []
+    keys = scheme_keys(scheme)
+    for runtime in sorted({r for r, _ in RULES}):
+        rules = [RULES.get((runtime, k)) for k in keys]
+        if any(r is None for r in rules):
+            continue
+        native = max((r.native_from for r in rules if r.native_from), default=None, key=_arch_rank)
+        where = f"{native}+" if native else ""
+        if all(r.cpu for r in rules):
+            where += (", " if where else "") + "cpu"
+        degraded = [r.degraded_from for r in rules if r.degraded_from]
+        if degraded:
+            where += f"; degraded from {max(degraded, key=_arch_rank)}"
+        out.append(f"{runtime} ({where})")
+    return out
+
+
+def _arch_rank(a: str | None) -> int:
+    from llmc.compiler.capabilities import ARCH_ORDER
+
+    return ARCH_ORDER.index(a) if a else -1
+
+
+def describe(path: Path) -> str:
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        from llmc.registry.local import verify_entry
+
+        m = json.loads((path / "manifest.json").read_text())
+        bad = verify_entry(path)
+        rep = m["report"]
+        lines = [
+            f"registry entry {path}",
+            f"  build {m['build_id']} of recipe '{m['recipe']['name']}', scheme {rep['scheme']}, llmc {m['llmc_version']}",
+            f"  model {m['model']['source']} (sha256 {m['model']['sha256']})",
+            f"  gates: {'all passed' if rep['passed'] else 'FAILED'}; files: {len(m['files'])}, "
+            + ("all sha256 match the manifest" if not bad else f"MODIFIED/MISSING: {', '.join(bad)}"),
+        ]
+        for label, t in rep["targets"].items():
+            lines.append(f"  artifact {label}: {t['exporter']} at artifacts/{label}")
+        return "\n".join(lines)
+    if (path / META_FILE).is_file():
+        qm = QuantizedModel.open(path)
+        s = qm.scheme
+        return "\n".join([
+            f"llmc canonical quantized form at {path}",
+            f"  scheme {s.name} ({s.algorithm}): weights {s.weights.describe()}"
+            + (f", activations {s.activations.describe()}" if s.activations else "")
+            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else ""),
+            f"  {len(qm.quantized_modules)} quantized Linear modules in {len(qm.files()) - 1} layers; "
+            f"source {qm.meta['source']['origin']} ({qm.meta['source']['sha256']})",
+            "  exporters read this; runtimes do not",
+        ])
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        q = cfg.get("quantization_config")
+        arch = ", ".join(cfg.get("architectures", []) or ["?"])
+        if q is None:
+            return f"unquantized Hugging Face checkpoint at {path} ({arch}, dtype {cfg.get('dtype') or cfg.get('torch_dtype')})"
+        if q.get("quant_method") != "compressed-tensors":
+            return f"Hugging Face checkpoint at {path} ({arch}) quantized with {q.get('quant_method')} (not produced by llmc)"
+        s = _scheme_from_ct(q)
+        lines = [
+            f"compressed-tensors checkpoint at {path} ({arch})",
+            f"  scheme {s.name}: format {q.get('format')}, weights {s.weights.describe()}"
+            + (f", activations {s.activations.describe()}" if s.activations else "")
+            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
+            + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
+            "  accepted by: " + "; ".join(r for r in accepting_runtimes(s) if r.split()[0] in ("vllm", "sglang", "tgi")),
+        ]
+        if (path / "llmc-serve.json").is_file():
+            lines.append("  serve with: " + json.loads((path / "llmc-serve.json").read_text())["command"])
+        return "\n".join(lines)
+    raise InputError(f"{path} is not an llmc artifact, quantized form or registry entry",
+                     fix="pass a folder with config.json, quantized.json or manifest.json")
