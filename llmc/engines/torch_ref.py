@@ -81,7 +81,16 @@ class TorchEngine:
         self.model = self._load()
 
     def _load(self) -> nn.Module:
+        import warnings
+
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        # The load report lists input_scale/k_scale/v_scale as "unexpected": this engine reads
+        # them itself below. Keep transformers' own chatter out of the build log.
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", message=".*quantization_config.*", category=UserWarning)
 
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")

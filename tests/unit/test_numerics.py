@@ -1,0 +1,124 @@
+"""RTN numerics: ranges, error bounds, and bit-exact agreement with compressed-tensors' quantizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.quant.numerics import (
+    compute_qparams,
+    dequantize_weight,
+    fake_quantize,
+    quantize_weight,
+    static_scale,
+)
+from llmc.quant.spec import TensorSpec
+
+SPECS = {
+    "fp8-tensor": TensorSpec("fp8_e4m3", "tensor"),
+    "fp8-channel": TensorSpec("fp8_e4m3", "channel"),
+    "int8-channel": TensorSpec("int8", "channel"),
+    "int8-channel-asym": TensorSpec("int8", "channel", symmetric=False),
+    "int4-g32": TensorSpec("int4", "group", group_size=32),
+    "int4-g32-asym": TensorSpec("int4", "group", group_size=32, symmetric=False),
+    "int4-channel": TensorSpec("int4", "channel"),
+}
+
+
+def _weight(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(48, 128, generator=g) * 0.05
+    w[3] = 0.0  # an all-zero row must stay exact
+    w[5, 7] = 1.5  # an outlier
+    return w
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_codes_in_range_and_error_bounded(name: str) -> None:
+    spec = SPECS[name]
+    w = _weight()
+    q = quantize_weight(w, spec)
+    deq = dequantize_weight(q, spec)
+    assert deq.shape == w.shape
+    assert torch.equal(deq[3], torch.zeros_like(deq[3]))
+    if spec.format == "fp8_e4m3":
+        assert q.codes.dtype == torch.float8_e4m3fn
+        assert q.codes.float().abs().max() <= 448
+        rel = ((deq - w).abs() / w.abs().clamp_min(1e-3)).median()
+        assert rel < 0.07  # e4m3 has 3 mantissa bits: relative error <= 2^-4 for normal values
+    else:
+        lo, hi = (-8, 7) if spec.format == "int4" else (-128, 127)
+        assert q.codes.dtype == torch.int8
+        assert lo <= q.codes.min() and q.codes.max() <= hi
+        scale = q.scale.repeat_interleave(spec.group_size, -1) if spec.strategy == "group" else q.scale
+        # round-to-nearest: error at most half a step, except the clamped positive absmax of a
+        # symmetric grid (absmax / 7.5 * 7.5 rounds to 8 -> clamped to 7: one full step)
+        assert ((deq - w).abs() <= scale * 1.0 + 1e-7).all()
+        inner = (deq - w).abs() <= scale * 0.5 + 1e-6
+        assert inner.float().mean() > 0.97
+    expected_scale_shape = {"tensor": (1,), "channel": (48, 1), "group": (48, 128 // 32)}[spec.strategy]
+    assert tuple(q.scale.shape) == expected_scale_shape
+    assert (q.zero_point is not None) == (not spec.symmetric)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_matches_compressed_tensors_quantizer_bit_exactly(name: str) -> None:
+    """Our codes are what compressed-tensors (the format vLLM reads) computes for our scales."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+    spec = SPECS[name]
+    w = _weight(1)
+    q = quantize_weight(w, spec)
+    args = QuantizationArgs(
+        num_bits=spec.bits,
+        type="float" if spec.info.is_float else "int",
+        strategy=spec.strategy,
+        group_size=spec.group_size,
+        symmetric=spec.symmetric,
+    )
+    dtype = torch.float8_e4m3fn if spec.info.is_float else torch.int8
+    theirs = quantize(x=w, scale=q.scale, zero_point=q.zero_point, args=args, dtype=dtype)
+    assert torch.equal(theirs.float(), q.codes.float())
+    their_deq = dequantize(x_q=q.codes, scale=q.scale, zero_point=q.zero_point, args=args)
+    assert torch.allclose(their_deq.float(), dequantize_weight(q, spec), atol=0, rtol=1e-6)
+
+
+def test_symmetric_int_scale_convention() -> None:
+    """Symmetric int scale = absmax / ((qmax - qmin) / 2): absmax/7.5 for int4, absmax/127.5 for int8."""
+    x = torch.tensor([[-3.0, 1.0, 2.0, 0.5]])
+    s4, _ = compute_qparams(x, TensorSpec("int4", "channel"))
+    s8, _ = compute_qparams(x, TensorSpec("int8", "channel"))
+    assert s4.item() == pytest.approx(3.0 / 7.5)
+    assert s8.item() == pytest.approx(3.0 / 127.5)
+
+
+def test_asymmetric_range_includes_zero() -> None:
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])  # all positive: range must still include 0
+    spec = TensorSpec("int4", "channel", symmetric=False)
+    q = quantize_weight(x, spec)
+    assert q.scale.item() == pytest.approx(4.0 / 15)
+    assert dequantize_weight(q, spec)[0, 0].item() == pytest.approx(1.0, abs=4.0 / 30)
+    assert q.zero_point.item() == -8  # qmin - round(0 / scale)
+
+
+def test_dynamic_per_token_fake_quant_uses_each_tokens_range() -> None:
+    spec = TensorSpec("int8", "token", dynamic=True)
+    x = torch.stack([torch.linspace(-1, 1, 64), torch.linspace(-100, 100, 64)])
+    y = fake_quantize(x, spec)
+    assert (y[0] - x[0]).abs().max() <= 1 / 127.5 / 2 + 1e-6
+    assert (y[1] - x[1]).abs().max() <= 100 / 127.5 / 2 + 1e-4
+
+
+def test_static_scale_is_idempotent_fake_quant() -> None:
+    spec = TensorSpec("fp8_e4m3", "tensor")
+    x = torch.randn(4, 32)
+    s = static_scale(x.abs().amax(), spec)
+    once = fake_quantize(x, spec, s)
+    assert torch.equal(fake_quantize(once, spec, s), once)
+    assert s.item() == pytest.approx(x.abs().max().item() / 448)
+
+
+def test_group_size_must_divide() -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_weight(torch.randn(4, 96), TensorSpec("int4", "group", group_size=64))
