@@ -26,7 +26,7 @@ from llmc.compiler.capabilities import EXPORTERS
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
 from llmc.eval.gates import Verdict, evaluate_gates
-from llmc.eval.metrics import paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
@@ -207,7 +207,10 @@ def _engine_for(engine: str, folder: Path, dtype: str):
     raise ValueError(engine)
 
 
-def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt) -> dict:
+def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt,
+              reference_key: str | None = None) -> dict:
+    """Evaluate one model folder in one engine. The baseline (reference_key None) also stores its
+    top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
     ev = result.recipe.eval
     cfg = {
         "engine": engine,
@@ -218,32 +221,41 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "decode_tokens": ev.decode_tokens,
         "repeats": ev.throughput_repeats,
         "dtype": result.recipe.model.dtype,
+        "top_k": ev.kl_top_k,
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
-    key = stage_key("eval", cfg, [content_key])
+    key = stage_key("eval", cfg, [content_key, reference_key or ""])
     done = store.lookup("eval", key)
-    label = "baseline" if content_key == result.source.sha256 else Path(folder).name[:8]
+    label = "baseline" if reference_key is None else Path(folder).name[:8]
     with _Timer(result, f"eval:{engine}:{label}", key, done is not None):
         if done is None:
             log(f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
+            reference = None
+            if reference_key is not None:
+                reference = load_file(str(store.lookup("eval", reference_key) / "scores.safetensors"))
             with store.produce("eval", key) as out:
                 t = time.monotonic()
                 eng = _engine_for(engine, folder, result.recipe.model.dtype)
                 load_s = time.monotonic() - t
                 t = time.monotonic()
-                nll = eng.token_nll(windows, batch_size=ev.batch_size)
-                ppl_s = time.monotonic() - t
+                scores = eng.score(windows, batch_size=ev.batch_size, reference=reference, top_k=ev.kl_top_k)
+                score_s = time.monotonic() - t
                 tput = eng.throughput(prompt, ev.decode_tokens, ev.throughput_repeats)
-                atomic_save_safetensors(out / "nll.safetensors", {"nll": nll})
+                atomic_save_safetensors(out / "scores.safetensors", scores)
                 atomic_write_json(out / "metrics.json", {
-                    "engine": engine, "protocol": cfg, "load_s": load_s, "ppl_s": ppl_s,
+                    "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
                     "throughput": tput, "hardware": _hardware(),
                 })
+                die_if_asked("eval:written")
             done = store.lookup("eval", key)
     metrics = json.loads((done / "metrics.json").read_text())
-    nll = load_file(str(done / "nll.safetensors"))["nll"]
+    scores = load_file(str(done / "scores.safetensors"))
+    nll = scores["nll"]
     lo, hi = perplexity_interval(nll, ev.bootstrap_samples)
     metrics.update({"key": key, "perplexity": perplexity(nll), "ppl_ci95": [lo, hi], "_nll": nll})
+    if "kl" in scores:
+        metrics["kld"] = mean_interval(scores["kl"], ev.bootstrap_samples)
+        metrics["top1_agreement"] = mean_interval(scores["top1"], ev.bootstrap_samples)
     return metrics
 
 
@@ -273,7 +285,8 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
             result.target_evals.setdefault(label, []).append(eval_id)
             try:
                 if art["content_key"] not in seen:
-                    m = _eval_one(result, store, engine, Path(art["dir"]), art["content_key"], windows, prompt)
+                    m = _eval_one(result, store, engine, Path(art["dir"]), art["content_key"], windows, prompt,
+                                  reference_key=base["key"])
                     m["ppl_change"] = paired_ppl_change(base["_nll"], m["_nll"], ev.bootstrap_samples)
                     seen[art["content_key"]] = m
                 result.evals[eval_id] = seen[art["content_key"]]

@@ -154,18 +154,30 @@ class TorchEngine:
     @torch.no_grad()
     def token_nll(self, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
         """[n, seq-1] float64 negative log-likelihood of tokens 1..seq-1 of each window."""
-        out = []
-        for batch in windows.split(batch_size):
-            logits = self.model(input_ids=batch, use_cache=False).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            nll = -logp.gather(-1, batch[:, 1:, None]).squeeze(-1)
-            out.append(nll.double())
-        return torch.cat(out)
+        return self.score(windows, batch_size)["nll"]
 
     @torch.no_grad()
-    def logprobs(self, windows: torch.Tensor) -> torch.Tensor:
-        """Full next-token log-probabilities, [n, seq-1, vocab] (for KL divergence)."""
-        return torch.log_softmax(self.model(input_ids=windows, use_cache=False).logits.float()[:, :-1], dim=-1)
+    def score(
+        self, windows: torch.Tensor, batch_size: int = 4, reference: dict | None = None, top_k: int = 256
+    ) -> dict[str, torch.Tensor]:
+        """Per-token NLL, plus either this model's top-k log-probs (to serve as a reference) or,
+        given a reference's top-k, per-token KL(reference || this) and top-1 agreement."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, windows.shape[0], batch_size):
+            batch = windows[start : start + batch_size]
+            logp = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits.float()[:, :-1], dim=-1)
+            out = {"nll": -logp.gather(-1, batch[:, 1:, None]).squeeze(-1).double()}
+            if reference is None:
+                top = logp.topk(top_k, dim=-1)
+                out["topk_logprobs"], out["topk_index"] = top.values, top.indices.int()
+            else:
+                ref_lp = reference["topk_logprobs"][start : start + batch_size]
+                ref_ix = reference["topk_index"][start : start + batch_size].long()
+                out["kl"] = topk_kl(ref_lp, logp.gather(-1, ref_ix))
+                out["top1"] = (logp.argmax(-1) == ref_ix[..., 0]).double()
+            for k, v in out.items():
+                parts.setdefault(k, []).append(v)
+        return {k: torch.cat(v) for k, v in parts.items()}
 
     @torch.no_grad()
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
@@ -196,6 +208,20 @@ class TorchEngine:
             "repeats": repeats,
             "threads": torch.get_num_threads(),
         }
+
+
+def topk_kl(ref_logprobs: torch.Tensor, new_logprobs_at_ref: torch.Tensor) -> torch.Tensor:
+    """KL(ref || new) per token over the reference's top-k tokens plus one bucket for the rest.
+
+    Exact on the top-k; merging the tail into one category can only lower KL (data processing
+    inequality), so this is a lower bound of the full-vocabulary KL, tight when the tail is light.
+    """
+    p = ref_logprobs.double().exp()
+    q_top = new_logprobs_at_ref.double()
+    kl = (p * (ref_logprobs.double() - q_top)).sum(-1)
+    tail_p = (1 - p.sum(-1)).clamp_min(1e-12)
+    tail_q = (1 - q_top.exp().sum(-1)).clamp_min(1e-12)
+    return (kl + tail_p * (tail_p.log() - tail_q.log())).clamp_min(0.0)
 
 
 def _summary(xs: list[float]) -> dict:

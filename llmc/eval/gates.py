@@ -1,7 +1,8 @@
 """Gates: the recipe's thresholds applied to measured results, each a verdict with its reason.
 
-Rule for perplexity: a gate fails when the *upper* bound of the paired 95% interval of the
-perplexity increase exceeds the limit, so noise cannot hide a regression. Throughput gates compare
+Rule: a quality gate is evaluated on the 95% interval, on the side that protects the user — it
+fails when the *upper* bound of the paired perplexity increase (or of mean KL divergence) exceeds
+the limit, or the *lower* bound of top-1 agreement is under it — so noise cannot hide a regression. Throughput gates compare
 the median against the minimum. An evaluation that is missing or crashed fails its gates.
 """
 
@@ -46,6 +47,19 @@ def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | 
                     "quality",
                 )
             )
+    kld, top1 = result.get("kld"), result.get("top1_agreement")
+    if gates.max_mean_kld is not None:
+        verdicts.append(Verdict(
+            "max_mean_kld", target, kld is not None and kld["ci_high"] <= gates.max_mean_kld,
+            f"{kld['mean']:.5f} (95% CI {kld['ci_low']:.5f} .. {kld['ci_high']:.5f})" if kld else "not measured",
+            f"upper bound <= {gates.max_mean_kld}", "quality"))
+    if gates.min_top1_agreement_pct is not None:
+        ok = top1 is not None and top1["ci_low"] * 100 >= gates.min_top1_agreement_pct
+        verdicts.append(Verdict(
+            "min_top1_agreement_pct", target, ok,
+            f"{top1['mean'] * 100:.2f}% (95% CI {top1['ci_low'] * 100:.2f}% .. {top1['ci_high'] * 100:.2f}%)"
+            if top1 else "not measured",
+            f"lower bound >= {gates.min_top1_agreement_pct}%", "quality"))
     tput = result.get("throughput") or {}
     for gate_name, key in (
         ("min_prefill_tokens_per_s", "prefill_tokens_per_s"),

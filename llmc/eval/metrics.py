@@ -54,8 +54,9 @@ def paired_ppl_change(
     }
 
 
-def kl_and_top1(base_logprobs: torch.Tensor, new_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token KL(base || new) and top-1 agreement, over [n, t, vocab] log-probabilities."""
-    kl = (base_logprobs.exp() * (base_logprobs - new_logprobs)).sum(-1)
-    agree = (base_logprobs.argmax(-1) == new_logprobs.argmax(-1)).double()
-    return kl.double(), agree
+def mean_interval(per_window: torch.Tensor, samples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
+    """Mean of a per-token metric ([n, t]) with a bootstrap interval over windows."""
+    w = per_window.double().mean(dim=1)
+    means = _bootstrap_means(w, samples, seed)
+    lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return {"mean": w.mean().item(), "ci_low": lo.item(), "ci_high": hi.item(), "level": level}

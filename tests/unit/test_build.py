@@ -1,0 +1,123 @@
+"""`llmc build` end to end on a tiny random model: caching, resume after a kill, publish, gates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.build import build, raise_for_gates
+from llmc.errors import QualityGateError
+from llmc.recipe import parse_recipe
+from llmc.registry.local import verify_entry
+from llmc.store import Store
+
+
+def recipe_text(model: Path, registry: Path, **overrides) -> str:
+    r = {
+        "name": "tiny-fp8",
+        "model": {"source": str(model)},
+        "quantization": {
+            "weights": {"format": "fp8_e4m3", "strategy": "channel"},
+            "activations": {"format": "fp8_e4m3", "strategy": "tensor"},
+            "kv_cache": {"format": "fp8_e4m3"},
+        },
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 64, "windows": 6, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 200},
+        "gates": {"max_ppl_increase_pct": 50.0},
+        "publish": {"registry": str(registry)},
+    }
+    for dotted, value in overrides.items():
+        node = r
+        *path, last = dotted.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return yaml.safe_dump(r)
+
+
+def _artifact_hashes(result) -> dict[str, str]:
+    return {label: json.dumps(a["files"], sort_keys=True) for label, a in result.artifacts.items()}
+
+
+def test_build_caches_publishes_and_reruns_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "cache")
+    recipe = parse_recipe(recipe_text(tiny_model, tmp_path / "registry"))
+    first = build(recipe, store)
+    assert first.passed and first.published is not None and not first.publish_noop
+    assert not any(s.cached for s in first.stages)
+    assert verify_entry(first.published) == []
+    manifest = json.loads((first.published / "manifest.json").read_text())
+    assert manifest["calibration"]["window_index"] and manifest["calibration"]["seed"] == 0
+    assert manifest["model"]["sha256"] == first.source.sha256
+    assert any(k.startswith("artifacts/") and k.endswith("model.safetensors") for k in manifest["files"])
+    assert manifest["report"]["verdicts"][0]["gate"] == "max_ppl_increase_pct"
+    assert "torch" in manifest["packages"] and manifest["packages"]["llmc"]
+
+    second = build(recipe, store)
+    assert all(s.cached for s in second.stages)
+    assert second.build_id == first.build_id and second.publish_noop
+    assert _artifact_hashes(second) == _artifact_hashes(first)
+
+
+def test_changing_only_gates_recomputes_no_stage(tiny_model: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "cache")
+    build(parse_recipe(recipe_text(tiny_model, tmp_path / "r")), store, publish=False)
+    stricter = parse_recipe(recipe_text(tiny_model, tmp_path / "r", **{"gates.max_ppl_increase_pct": 0.001}))
+    result = build(stricter, store)
+    assert all(s.cached for s in result.stages)
+    assert not result.passed and result.published is None  # failed gate: not published
+    with pytest.raises(QualityGateError) as e:
+        raise_for_gates(result)
+    assert "max_ppl_increase_pct" in str(e.value) and "+0.00%" in str(e.value)
+    assert e.value.exit_code == 5
+
+
+def test_changing_calibration_seed_recomputes_calibration_and_downstream(tiny_model: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "cache")
+    build(parse_recipe(recipe_text(tiny_model, tmp_path / "r")), store, publish=False)
+    result = build(parse_recipe(recipe_text(tiny_model, tmp_path / "r", **{"calibration.seed": 1})), store, publish=False)
+    cached = {s.name: s.cached for s in result.stages}
+    assert cached["calibrate"] is False and cached["quantize"] is False
+    assert cached["eval:torch:baseline"] is True  # the baseline does not depend on calibration
+
+
+def _cli_build(recipe: Path, cache: Path, die_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLMC_CACHE": str(cache), "LLMC_PROGRESS_JSON": "0"}
+    if die_at:
+        env["LLMC_DIE_AT"] = die_at
+    return subprocess.run([sys.executable, "-m", "llmc.cli", "build", str(recipe), "--no-publish"],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("die_at", ["quantize:layer:0", "export:written"])
+def test_killed_build_resumes_to_identical_outputs(die_at: str, tiny_model: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_text(tiny_model, tmp_path / "registry"))
+    clean = _cli_build(recipe, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+
+    killed = _cli_build(recipe, tmp_path / "crashy", die_at=die_at)
+    assert killed.returncode == -9  # SIGKILL, mid-stage
+    # nothing half-written looks complete: no export directory without its marker
+    for d in (tmp_path / "crashy" / "stages").glob("*/*"):
+        if not d.name.endswith(".partial"):
+            assert (d / ".llmc-complete").is_file(), d
+    resumed = _cli_build(recipe, tmp_path / "crashy")
+    assert resumed.returncode == 0, resumed.stderr
+    if die_at.startswith("quantize"):
+        assert "resuming quantization at layer 1" in resumed.stderr
+
+    def hashes(cache: Path) -> dict[str, str]:
+        st = Store(cache)
+        return {p.relative_to(cache / "stages").as_posix(): st.file_hash(p)
+                for p in sorted((cache / "stages").glob("export/*/*")) if p.is_file() and not p.name.startswith(".")}
+
+    assert hashes(tmp_path / "crashy") == hashes(tmp_path / "clean")
+    assert hashes(tmp_path / "clean")  # and there was something to compare
