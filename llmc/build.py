@@ -62,7 +62,7 @@ class BuildResult:
     evals: dict[str, dict] = field(default_factory=dict)  # "<engine>:<artifact or baseline>" -> result
     target_evals: dict[str, list[str]] = field(default_factory=dict)  # target label -> eval ids
     verdicts: list[Verdict] = field(default_factory=list)
-    quantized_dir: Path | None = None
+    quantized_dirs: dict[str, Path] = field(default_factory=dict)  # variant name -> canonical form
     published: Path | None = None
     publish_noop: bool = False
 
@@ -111,14 +111,18 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.folder)
-    calib_key = _calibrate(result, store, tokenizer) if plan.scheme.needs_calibration else None
-    quant_dir, quant_key = _quantize(result, store, calib_key)
-    result.quantized_dir = quant_dir
+    needs_calibration = any(s.needs_calibration for s in plan.schemes.values())
+    calib_key = _calibrate(result, store, tokenizer) if needs_calibration else None  # shared by all variants
+    quantized = {}
+    for name, scheme in plan.schemes.items():
+        quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
+        result.quantized_dirs[name] = quantized[name][0]
     if last == "quantize":
         return result
-    qm = QuantizedModel.open(quant_dir)
-    for target in recipe.targets:
-        _export(result, store, qm, quant_key, target)
+    for name, (quant_dir, quant_key) in quantized.items():
+        qm = QuantizedModel.open(quant_dir)
+        for target in recipe.targets:
+            _export(result, store, qm, quant_key, target, f"{name}/{target.label}" if name else target.label)
     if last == "export":
         return result
     _evaluate(result, store, tokenizer)
@@ -147,12 +151,11 @@ def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
     return key
 
 
-def _quantize(result: BuildResult, store: Store, calib_key: str | None) -> tuple[Path, str]:
-    scheme = result.plan.scheme
+def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
     cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype}
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
     done = store.lookup("quantize", key)
-    with _Timer(result, "quantize", key, done is not None):
+    with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
         if done is None:
             tokens = None
             if calib_key:
@@ -172,15 +175,15 @@ def _quantize(result: BuildResult, store: Store, calib_key: str | None) -> tuple
     return done, key
 
 
-def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target) -> None:
+def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
     exporter = EXPORTERS[target.runtime]
     serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
     cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}
     key = stage_key("export", cfg, [quant_key])
     done = store.lookup("export", key)
-    with _Timer(result, f"export:{target.label}", key, done is not None):
+    with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
-            log(f"export: {exporter} for {target.label}")
+            log(f"export: {exporter} for {label}")
             with store.produce("export", key) as out:
                 export_compressed_tensors(qm, out, serve_args=serve)
                 die_if_asked("export:written")
@@ -191,8 +194,9 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
         if p.is_file() and not p.name.startswith(".")
     }
     weights_key = stage_key("artifact-content", {k: v for k, v in files.items() if k != "llmc-serve.json"})
-    result.artifacts[target.label] = {"dir": str(done), "key": key, "files": files, "content_key": weights_key,
-                                      "exporter": exporter, "target": target.model_dump(mode="json")}
+    result.artifacts[label] = {"dir": str(done), "key": key, "files": files, "content_key": weights_key,
+                               "exporter": exporter, "target": target.model_dump(mode="json"),
+                               "scheme": qm.scheme.name, "scheme_detail": qm.scheme.to_dict()}
 
 
 def _engine_for(engine: str, folder: Path, dtype: str):

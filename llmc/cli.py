@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError
+from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
 
 EXIT_HELP = "Exit codes: " + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
 
@@ -63,32 +63,57 @@ def _load(recipe_path: Path):
 @threads_option
 @click.option("--no-publish", is_flag=True, help="stop after the gates")
 @click.option("--json", "as_json", is_flag=True, help="print report.json instead of the table")
-def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool) -> None:
+@click.option("--junit", type=click.Path(path_type=Path), default=None,
+              help="also write JUnit XML here (one test case per gate; a crashed build is an error case)")
+@click.option("--report-dir", type=click.Path(path_type=Path), default=None,
+              help="also write report.{json,md,html}, the plot and junit.xml here")
+def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
+          junit: Path | None, report_dir: Path | None) -> None:
     """Plan, calibrate, quantize, export, evaluate, gate and publish RECIPE."""
 
     def go():
-        from llmc.build import build as run_build
-        from llmc.build import raise_for_gates
-        from llmc.eval.report import render_table, report_dict, summary_rows
-        from llmc.registry.outputs import write_build_outputs
-        from llmc.store import Store
+        try:
+            _build(recipe, cache_dir, threads, no_publish, as_json, junit, report_dir)
+        except Exception as e:
+            # a build that never reached its gates still tells CI why, as an error test case
+            if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
+                from llmc.eval.ci import junit_xml
+                from llmc.store import atomic_write_text
 
-        store = Store.default(cache_dir)
-        result = run_build(_load(recipe), store, publish=not no_publish, threads=threads)
-        out_dir = write_build_outputs(result, store)
-        if as_json:
-            click.echo(json.dumps(report_dict(result), indent=2, default=str))
-        else:
-            click.echo(render_table(summary_rows(result)))
-            cached = sum(s.cached for s in result.stages)
-            click.echo(f"\nstages: {len(result.stages)} ({cached} cached); report: {out_dir / 'report.md'}")
-            for label, art in result.artifacts.items():
-                click.echo(f"artifact {label}: {art['dir']}")
-            if result.published:
-                click.echo(f"published: {result.published}" + (" (already there; no-op)" if result.publish_noop else ""))
-        raise_for_gates(result)
+                kind = e.kind if isinstance(e, LlmcError) else "internal error"
+                atomic_write_text(junit, junit_xml(recipe.stem, [], error=(kind, f"{type(e).__name__}: {e}")))
+            raise
 
     _run(go)
+
+
+def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
+           junit: Path | None, report_dir: Path | None) -> None:
+    from llmc.build import build as run_build
+    from llmc.build import raise_for_gates
+    from llmc.eval.report import render_table, report_dict, summary_rows
+    from llmc.eval.ci import junit_xml
+    from llmc.registry.outputs import write_build_outputs, write_report_files
+    from llmc.store import Store, atomic_write_text
+
+    store = Store.default(cache_dir)
+    result = run_build(_load(recipe), store, publish=not no_publish, threads=threads)
+    out_dir = write_build_outputs(result, store)
+    if report_dir is not None:
+        write_report_files(result, report_dir)
+    if junit is not None:
+        atomic_write_text(junit, junit_xml(result.recipe.name, result.verdicts))
+    if as_json:
+        click.echo(json.dumps(report_dict(result), indent=2, default=str))
+    else:
+        click.echo(render_table(summary_rows(result)))
+        cached = sum(s.cached for s in result.stages)
+        click.echo(f"\nstages: {len(result.stages)} ({cached} cached); report: {out_dir / 'report.md'}")
+        for label, art in result.artifacts.items():
+            click.echo(f"artifact {label}: {art['dir']}")
+        if result.published:
+            click.echo(f"published: {result.published}" + (" (already there; no-op)" if result.publish_noop else ""))
+    raise_for_gates(result)
 
 
 @main.command(epilog=EXIT_HELP)
@@ -123,7 +148,8 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
         from llmc.store import Store
 
         result = build_until(_load(recipe), Store.default(cache_dir), "quantize", threads=threads)
-        click.echo(result.quantized_dir)
+        for name, path in result.quantized_dirs.items():
+            click.echo(f"{name}\t{path}" if name else str(path))
 
     _run(go)
 

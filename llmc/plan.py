@@ -36,13 +36,15 @@ _CPU_FLOPS = 2 * 135e6 * 800
 @dataclass
 class Plan:
     recipe: Recipe
-    scheme: Scheme
+    scheme: Scheme  # the first (or only) variant's
+    schemes: dict[str, Scheme] = field(default_factory=dict)  # variant name ("" when single) -> scheme
     warnings: list[str] = field(default_factory=list)
     estimates: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)
 
     def render(self) -> str:
-        lines = [f"plan for '{self.recipe.name}': {self.scheme.name} ({self.scheme.algorithm})"]
+        names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
+        lines = [f"plan for '{self.recipe.name}': {names}"]
         e = self.estimates
         if e:
             lines.append(
@@ -187,29 +189,38 @@ def linear_shapes_from_headers(folder: Path) -> tuple[dict[str, tuple[int, int]]
     return shapes, params, nbytes
 
 
-def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None) -> Plan:
-    scheme = recipe.quantization.to_scheme()
-    plan = Plan(recipe=recipe, scheme=scheme)
+def _check_scheme(scheme: Scheme, where: str) -> None:
     if scheme.algorithm not in IMPLEMENTED_ALGORITHMS:
         raise IncompatibleTargetError(
-            f"quantization.algorithm '{scheme.algorithm}' is not implemented in this llmc version",
+            f"{where}.algorithm '{scheme.algorithm}' is not implemented in this llmc version",
             fix=f"use one of: {', '.join(sorted(IMPLEMENTED_ALGORITHMS))}",
         )
     if scheme.weights.format == "nvfp4" or scheme.activations and scheme.activations.format == "nvfp4":
-        raise IncompatibleTargetError("nvfp4 quantization is not implemented in this llmc version",
+        raise IncompatibleTargetError(f"{where}: nvfp4 quantization is not implemented in this llmc version",
                                       fix="use fp8_e4m3, int8 or int4 weights")
     if scheme.weights.format == "int4" and scheme.activations is not None:
-        raise IncompatibleTargetError("W4A8 needs AWQ/GPTQ, which this llmc version does not implement yet",
+        raise IncompatibleTargetError(f"{where}: W4A8 needs AWQ/GPTQ, which this llmc version does not implement yet",
                                       fix="use W4A16 (no activations) or W8A8")
-    for t in recipe.targets:
-        status, warns = check_target(scheme, t)
-        plan.warnings += warns
-        plan.targets.append({"label": t.label, "exporter": EXPORTERS[t.runtime], "status": status})
+
+
+def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None) -> Plan:
+    """Check every variant x target; with the model folder, also shapes and resource estimates."""
+    schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
+    plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
+    for name, scheme in schemes.items():
+        where = f"variants[{name}].quantization" if name else "quantization"
+        _check_scheme(scheme, where)
+        for t in recipe.targets:
+            status, warns = check_target(scheme, t)
+            plan.warnings += [f"{name}: {w}" if name else w for w in warns]
+            label = f"{name}/{t.label}" if name else t.label
+            plan.targets.append({"label": label, "exporter": EXPORTERS[t.runtime], "status": status})
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
-        plan.warnings += check_model(recipe, scheme, config, shapes)
-        plan.estimates = _estimates(recipe, scheme, config, params, nbytes)
+        for scheme in schemes.values():
+            plan.warnings += check_model(recipe, scheme, config, shapes)
+        plan.estimates = _estimates(recipe, list(schemes.values()), config, params, nbytes)
         if cache_dir is not None:
             free = shutil.disk_usage(cache_dir).free / 1e9
             if free < plan.estimates["disk_gb"]:
@@ -222,7 +233,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
     return plan
 
 
-def _estimates(recipe: Recipe, scheme: Scheme, config: dict, params: int, nbytes: int) -> dict:
+def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int) -> dict:
     layers = config.get("num_hidden_layers", 1)
     hidden = config.get("hidden_size", 0)
     vocab = config.get("vocab_size", 0)
@@ -230,17 +241,18 @@ def _estimates(recipe: Recipe, scheme: Scheme, config: dict, params: int, nbytes
     embed = vocab * hidden * elem
     per_layer = max(nbytes - embed, 0) / max(layers, 1)
     c = recipe.calibration
-    act = 2 * c.samples * c.seq_len * hidden * 4 if scheme.needs_calibration else 0
-    qbytes = params * scheme.weights.bits / 8 + embed
+    calibrated = any(s.needs_calibration for s in schemes)
+    act = 2 * c.samples * c.seq_len * hidden * 4 if calibrated else 0
+    qbytes = sum(params * s.weights.bits / 8 + embed for s in schemes)
     ev = recipe.eval
-    eval_tokens = ev.windows * ev.seq_len * 2 * len(ev.runtimes)
+    eval_tokens = ev.windows * ev.seq_len * (1 + len(schemes)) * len(ev.runtimes)
     flops_per_token = 2 * params
     return {
         "params": params,
         "layers": layers,
         "peak_memory_gb": (per_layer * 2 + embed + act) / 1e9,
         "disk_gb": (nbytes + qbytes * (1 + len(recipe.targets))) / 1e9,
-        "calibration_s": (c.samples * c.seq_len * flops_per_token / _CPU_FLOPS) if scheme.needs_calibration else 0.0,
+        "calibration_s": (c.samples * c.seq_len * flops_per_token / _CPU_FLOPS) if calibrated else 0.0,
         "eval_s": eval_tokens * flops_per_token / _CPU_FLOPS,
         "cpu_count": os.cpu_count(),
     }

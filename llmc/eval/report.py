@@ -17,11 +17,12 @@ def report_dict(result: "BuildResult") -> dict:
     return {
         "build_id": result.build_id,
         "recipe": r.name,
-        "scheme": result.plan.scheme.name,
-        "scheme_detail": result.plan.scheme.to_dict(),
+        "scheme": ", ".join(s.name for s in result.plan.schemes.values()),
+        "variants": {n or s.name: s.to_dict() for n, s in result.plan.schemes.items()},
         "passed": result.passed,
         "evals": {k: _public(v) for k, v in result.evals.items()},
-        "targets": {label: {"artifact": art["dir"], "exporter": art["exporter"], "evals": result.target_evals.get(label, [])}
+        "targets": {label: {"artifact": art["dir"], "exporter": art["exporter"], "scheme": art["scheme"],
+                            "evals": result.target_evals.get(label, [])}
                     for label, art in result.artifacts.items()},
         "verdicts": [v.to_dict() for v in result.verdicts],
         "warnings": result.plan.warnings,
@@ -75,13 +76,16 @@ def render_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
 def render_markdown(result: "BuildResult") -> str:
     r = result.recipe
     ev = r.eval
-    out = [f"# {r.name}: {result.plan.scheme.name}", ""]
+    schemes = result.plan.schemes
+    out = [f"# {r.name}: {', '.join(s.name for s in schemes.values())}", ""]
     out.append(f"- build id: `{result.build_id}`")
     out.append(f"- model: `{r.model.source}` ({r.model.dtype}), source sha256 `{result.source.sha256}`")
-    out.append(f"- scheme: {result.plan.scheme.name}, algorithm {result.plan.scheme.algorithm}; "
-               f"weights {result.plan.scheme.weights.describe()}"
-               + (f", activations {result.plan.scheme.activations.describe()}" if result.plan.scheme.activations else "")
-               + (f", KV cache {result.plan.scheme.kv_cache.format}" if result.plan.scheme.kv_cache else ""))
+    for name, s in schemes.items():
+        out.append(f"- {'variant ' + name + ': ' if name else ''}scheme {s.name}, algorithm {s.algorithm}; "
+                   f"weights {s.weights.describe()}"
+                   + (f", activations {s.activations.describe()}" if s.activations else "")
+                   + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
+                   + f"; ignored: {', '.join(s.ignore) or 'none'}")
     if result.calibration:
         c = result.calibration
         out.append(f"- calibration: {c['samples']} windows x {c['seq_len']} tokens, {c['dataset']} calibration split, seed {c['seed']}")

@@ -165,6 +165,11 @@ class QuantizationSection(_Strict):
         )
 
 
+class Variant(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    quantization: QuantizationSection
+
+
 class CalibrationSection(_Strict):
     dataset: Literal["brown"] = "brown"
     samples: int = Field(default=32, ge=1, le=4096)
@@ -247,12 +252,33 @@ class Recipe(_Strict):
     version: Literal[1] = SCHEMA_VERSION
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
     model: ModelSection
-    quantization: QuantizationSection
+    quantization: QuantizationSection | None = None
+    variants: tuple[Variant, ...] = Field(
+        default=(), description="several quantizations built, evaluated and reported side by side"
+    )
     calibration: CalibrationSection = CalibrationSection()
     targets: tuple[Target, ...] = Field(min_length=1)
     eval: EvalSection = EvalSection()
     gates: Gates = Gates()
     publish: PublishSection = PublishSection()
+
+    @model_validator(mode="after")
+    def _quantization_or_variants(self) -> "Recipe":
+        if (self.quantization is None) == (not self.variants):
+            raise ValueError(
+                "give either 'quantization' (one scheme) or 'variants' (a list of named quantizations); "
+                "fix: keep exactly one of the two keys"
+            )
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant names repeat: {names}; fix: give each variant a distinct name")
+        return self
+
+    def variant_sections(self) -> list[tuple[str, QuantizationSection]]:
+        """(name, quantization) for every scheme this recipe builds; one unnamed scheme -> ('', q)."""
+        if self.quantization is not None:
+            return [("", self.quantization)]
+        return [(v.name, v.quantization) for v in self.variants]
 
     @model_validator(mode="after")
     def _unique_targets(self) -> "Recipe":

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from llmc import __version__
 from llmc.errors import InputError
-from llmc.eval.report import render_markdown, report_dict
-from llmc.store import COMPLETE_MARKER, Store, atomic_write_json, atomic_write_text, fsync_dir, sha256_file
+from llmc.eval.report import report_dict
+from llmc.registry.outputs import write_report_files
+from llmc.store import COMPLETE_MARKER, Store, atomic_write_json, fsync_dir, sha256_file
 
 if TYPE_CHECKING:
     from llmc.build import BuildResult
@@ -67,8 +68,7 @@ def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
     (tmp / "artifacts").mkdir(parents=True)
     for label, art in result.artifacts.items():
         shutil.copytree(art["dir"], tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"))
-    atomic_write_text(tmp / "report.md", render_markdown(result))
-    atomic_write_json(tmp / "report.json", report_dict(result))
+    write_report_files(result, tmp)
     atomic_write_json(tmp / "manifest.json", manifest(result, tmp))
     atomic_write_json(tmp / COMPLETE_MARKER, {"build_id": result.build_id})
     if entry.exists():  # an incomplete leftover

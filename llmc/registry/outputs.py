@@ -1,19 +1,31 @@
-"""Per-build outputs kept in the cache, whether or not the build published: report.json and report.md."""
+"""Per-build outputs kept in the cache, whether or not the build published:
+report.json, report.md, report.html (with the quality-vs-speed plot), quality_vs_speed.png, junit.xml."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmc.eval.ci import junit_xml, quality_speed_png, report_html
 from llmc.eval.report import render_markdown, report_dict
-from llmc.store import Store, atomic_write_json, atomic_write_text
+from llmc.store import Store, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
     from llmc.build import BuildResult
 
 
+def write_report_files(result: "BuildResult", out: Path) -> None:
+    markdown = render_markdown(result)
+    png = quality_speed_png(result)
+    atomic_write_json(out / "report.json", report_dict(result))
+    atomic_write_text(out / "report.md", markdown)
+    if png:
+        atomic_write_bytes(out / "quality_vs_speed.png", png)
+    atomic_write_text(out / "report.html", report_html(result, markdown, png))
+    atomic_write_text(out / "junit.xml", junit_xml(result.recipe.name, result.verdicts))
+
+
 def write_build_outputs(result: "BuildResult", store: Store) -> Path:
     out = store.root / "builds" / result.build_id
-    atomic_write_json(out / "report.json", report_dict(result))
-    atomic_write_text(out / "report.md", render_markdown(result))
+    write_report_files(result, out)
     return out

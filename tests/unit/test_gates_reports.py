@@ -1,0 +1,99 @@
+"""Gates fail loudly on a broken artifact; JUnit and reports say why; evaluation is deterministic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.build import build
+from llmc.recipe import parse_recipe
+from llmc.store import Store
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_build import recipe_text  # noqa: E402
+
+
+def _cli(args: list[str], cache: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLMC_CACHE": str(cache), "LLMC_PROGRESS_JSON": "0"}
+    return subprocess.run([sys.executable, "-m", "llmc.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_broken_artifact_fails_quality_gate_with_junit(tiny_model: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    # a random tiny model predicts near-uniformly, so perplexity barely moves when it breaks;
+    # the KL divergence from the baseline's distribution is what exposes it
+    recipe.write_text(recipe_text(tiny_model, tmp_path / "registry", gates={"max_mean_kld": 0.05}))
+    ok = _cli(["build", str(recipe), "--junit", str(tmp_path / "ok.xml")], tmp_path / "c", tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    suite = ET.parse(tmp_path / "ok.xml").getroot()
+    assert suite.get("tests") == "1" and suite.get("failures") == "0"
+
+    # tamper with the exported artifact on disk: zero every weight scale of one layer
+    artifact = next((tmp_path / "c" / "stages" / "export").glob("*/model.safetensors"))
+    tensors = load_file(str(artifact))
+    for k in tensors:
+        if k.startswith("model.layers.0.") and k.endswith("weight_scale"):
+            tensors[k] = torch.zeros_like(tensors[k])
+    save_file(tensors, str(artifact), metadata={"format": "pt"})
+
+    bad = _cli(["build", str(recipe), "--junit", str(tmp_path / "bad.xml")], tmp_path / "c", tmp_path)
+    assert bad.returncode == 5, bad.stdout + bad.stderr  # quality gate
+    assert "quality gate" in bad.stderr and "max_mean_kld" in bad.stderr
+    suite = ET.parse(tmp_path / "bad.xml").getroot()
+    failure = suite.find("testcase/failure")
+    assert suite.get("failures") == "1" and failure is not None
+    msg = failure.get("message")
+    assert "max_mean_kld" in msg and "95% CI" in msg and "<= 0.05" in msg
+    assert "FAIL" in bad.stdout
+
+
+def test_crashed_build_is_a_junit_error(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: x\nmodel: {source: /nonexistent}\nquantization: {weights: {format: int8, strategy: channel}}\n"
+                      "targets: [{runtime: vllm}]\n")
+    r = _cli(["build", str(recipe), "--junit", str(tmp_path / "j.xml")], tmp_path / "c", tmp_path)
+    assert r.returncode == 7
+    err = ET.parse(tmp_path / "j.xml").getroot().find("testcase/error")
+    assert err is not None and err.get("type") == "bad input" and "does not exist" in err.get("message")
+
+
+def test_same_artifact_same_data_evaluates_identically(tiny_model: Path, tmp_path: Path) -> None:
+    recipe = parse_recipe(recipe_text(tiny_model, tmp_path / "r"))
+    a = build(recipe, Store(tmp_path / "c1"), publish=False)
+    b = build(recipe, Store(tmp_path / "c2"), publish=False)
+    for key in a.evals:
+        ea, eb = a.evals[key], b.evals[key]
+        assert torch.equal(ea["_nll"], eb["_nll"])
+        assert ea["perplexity"] == eb["perplexity"] and ea["ppl_ci95"] == eb["ppl_ci95"]
+        if "kld" in ea:
+            assert ea["kld"] == eb["kld"] and ea["top1_agreement"] == eb["top1_agreement"]
+
+
+def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tmp_path: Path) -> None:
+    text = recipe_text(tiny_model, tmp_path / "registry")
+    import yaml
+
+    r = yaml.safe_load(text)
+    q = r.pop("quantization")
+    r["variants"] = [
+        {"name": "fp8", "quantization": q},
+        {"name": "int4", "quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}},
+    ]
+    result = build(parse_recipe(yaml.safe_dump(r)), Store(tmp_path / "c"), publish=True)
+    names = [s.name for s in result.stages]
+    assert names.count("calibrate") == 1
+    assert {"fp8/vllm-sm90-tp1", "int4/vllm-sm90-tp1"} == set(result.artifacts)
+    assert result.artifacts["int4/vllm-sm90-tp1"]["scheme"] == "W4A16-INT"
+    report = json.loads((result.published / "report.json").read_text())
+    assert set(report["variants"]) == {"fp8", "int4"}
+    html = (result.published / "report.html").read_text()
+    assert "data:image/png;base64," in html and "int4/vllm-sm90-tp1" in html
+    assert (result.published / "junit.xml").is_file()
