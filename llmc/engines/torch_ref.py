@@ -165,16 +165,19 @@ class TorchEngine:
         parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, windows.shape[0], batch_size):
             batch = windows[start : start + batch_size]
-            logp = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits.float()[:, :-1], dim=-1)
-            out = {"nll": -logp.gather(-1, batch[:, 1:, None]).squeeze(-1).double()}
+            # log p = logits - logsumexp(logits): only the few entries needed are ever formed, never a
+            # full-vocabulary log-softmax (that alone cost ~15% on top of the forward pass)
+            logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            out = {"nll": (lse.squeeze(-1) - logits.gather(-1, batch[:, 1:, None]).squeeze(-1)).double()}
             if reference is None:
-                top = logp.topk(top_k, dim=-1)
-                out["topk_logprobs"], out["topk_index"] = top.values, top.indices.int()
+                top = logits.topk(top_k, dim=-1)
+                out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
             else:
                 ref_lp = reference["topk_logprobs"][start : start + batch_size]
                 ref_ix = reference["topk_index"][start : start + batch_size].long()
-                out["kl"] = topk_kl(ref_lp, logp.gather(-1, ref_ix))
-                out["top1"] = (logp.argmax(-1) == ref_ix[..., 0]).double()
+                out["kl"] = topk_kl(ref_lp, logits.gather(-1, ref_ix) - lse)
+                out["top1"] = (logits.argmax(-1) == ref_ix[..., 0]).double()
             for k, v in out.items():
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
