@@ -233,17 +233,25 @@ def inspect(path: Path) -> None:
 
 
 @main.command(epilog=EXIT_HELP)
-@click.argument("entry", type=click.Path(path_type=Path))
-def report(entry: Path) -> None:
-    """Reprint the report of a registry entry or build output directory."""
+@click.argument("entry")
+@cache_option
+@click.option("--html", "as_html", is_flag=True, help="print the path of report.html instead")
+def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
+    """Reprint the report of a registry entry, a build directory, or a build id (prefix) in the cache."""
 
     def go():
         from llmc.errors import InputError
+        from llmc.store import Store
 
-        md = Path(entry) / "report.md"
-        if not md.is_file():
-            raise InputError(f"{entry} has no report.md", fix="pass a registry entry or a build output directory")
-        click.echo(md.read_text())
+        folder = Path(entry)
+        if not (folder / "report.md").is_file():
+            hits = sorted((Store.default(cache_dir).root / "builds").glob(f"{entry}*"))
+            if len(hits) != 1:
+                raise InputError(f"{entry} is not a registry entry or build directory, and matches "
+                                 f"{len(hits)} build ids in the cache",
+                                 fix="pass the entry's path or a longer build id")
+            folder = hits[0]
+        click.echo(folder / "report.html" if as_html else (folder / "report.md").read_text())
 
     _run(go)
 
