@@ -92,3 +92,9 @@ def store(tmp_path: Path):
     from llmc.store import Store
 
     return Store(tmp_path / "cache")
+
+
+@pytest.fixture
+def tiny_model_factory():
+    """make_tiny_model itself, for tests that need several shapes."""
+    return make_tiny_model
