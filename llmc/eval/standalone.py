@@ -9,7 +9,7 @@ import torch
 from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.errors import InputError
-from llmc.eval.metrics import paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
 from llmc.store import Store
@@ -37,11 +37,15 @@ def evaluate_artifact(
     src = resolve_source(baseline, store)
     tok = AutoTokenizer.from_pretrained(src.folder)
     ids = make_windows(tok, load_corpus("brown", "eval"), seq_len, windows, seed=None).ids
-    base_nll = _engine_for(engine, src.folder, "float32").token_nll(ids)
+    reference = _engine_for(engine, src.folder, "float32").score(ids)
+    base_nll = reference["nll"]
     rows, failures = [], []
     for label, folder in _artifact_folder(Path(artifact)):
-        nll = _engine_for(engine, folder, "float32").token_nll(ids)
+        scores = _engine_for(engine, folder, "float32").score(ids, reference=reference)
+        nll = scores["nll"]
         ch = paired_ppl_change(base_nll, nll)
+        kld = mean_interval(scores["kl"]) if "kl" in scores else None
+        top1 = mean_interval(scores["top1"]) if "top1" in scores else None
         lo, hi = perplexity_interval(nll)
         verdict = "-"
         if max_ppl_increase_pct is not None:
@@ -51,7 +55,10 @@ def evaluate_artifact(
                 failures.append(f"{label}: perplexity change {ch['delta_pct']:+.2f}% (95% CI up to "
                                 f"{ch['ci_high_pct']:+.2f}%) exceeds {max_ppl_increase_pct}%")
         rows.append([label, engine, f"{perplexity(base_nll):.3f}", f"{perplexity(nll):.3f} [{lo:.2f}, {hi:.2f}]",
-                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]", verdict])
-    text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "gate"])
+                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
+                     f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
+                     f"{top1['mean'] * 100:.1f}%" if top1 else "-", verdict])
+    text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "KLD (95% CI)",
+                               "top-1", "gate"])
     text += f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows"
     return text, "; ".join(failures) or None

@@ -97,3 +97,14 @@ def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tm
     html = (result.published / "report.html").read_text()
     assert "data:image/png;base64," in html and "int4/vllm-sm90-tp1" in html
     assert (result.published / "junit.xml").is_file()
+
+
+def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_path: Path) -> None:
+    result = build(parse_recipe(recipe_text(tiny_model, tmp_path / "registry")), Store(tmp_path / "c"))
+    r = _cli(["eval", str(result.published), "--baseline", str(tiny_model), "--windows", "4", "--seq-len", "64",
+              "--max-ppl-increase-pct", "0.0001"], tmp_path / "c", tmp_path)
+    assert r.returncode == 5, r.stdout + r.stderr  # an absurd gate fails, with the quality-gate code
+    assert "vllm-sm90-tp1" in r.stdout and "KLD" in r.stdout and "FAIL" in r.stdout
+    ok = _cli(["eval", str(result.published), "--baseline", str(tiny_model), "--windows", "4", "--seq-len", "64"],
+              tmp_path / "c", tmp_path)
+    assert ok.returncode == 0 and "protocol: brown eval split, 4 windows x 64 tokens" in ok.stdout
