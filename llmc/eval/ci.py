@@ -62,7 +62,7 @@ def quality_speed_png(result: "BuildResult") -> bytes | None:
     if limit is not None:
         ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"gate: +{limit}%")
     ax.axhline(0, color="gray", linewidth=0.5)
-    ax.set_xlabel("decode tokens/s (median, this machine)")
+    ax.set_xlabel("decode tokens/s (median; the evaluating engine on this machine — CPU emulation is not GPU speed)")
     ax.set_ylabel("perplexity change vs baseline, % (95% CI)")
     ax.set_title(f"{result.recipe.name}: quality vs speed")
     ax.legend(fontsize=7, loc="best")
