@@ -205,7 +205,7 @@ def _engine_for(engine: str, folder: Path, dtype: str):
 
         return TorchEngine(folder, dtype=dtype)
     if engine == "vllm":
-        from llmc.engines.vllm_engine import VllmEngine
+        from llmc.engines.vllm_cpu import VllmEngine
 
         return VllmEngine(folder, dtype=dtype)
     raise ValueError(engine)
@@ -242,9 +242,10 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 eng = _engine_for(engine, folder, result.recipe.model.dtype)
                 load_s = time.monotonic() - t
                 t = time.monotonic()
-                scores = eng.score(windows, batch_size=ev.batch_size, reference=reference, top_k=ev.kl_top_k)
+                scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
+                                           repeats=ev.throughput_repeats, batch_size=ev.batch_size,
+                                           reference=reference, top_k=ev.kl_top_k)
                 score_s = time.monotonic() - t
-                tput = eng.throughput(prompt, ev.decode_tokens, ev.throughput_repeats)
                 atomic_save_safetensors(out / "scores.safetensors", scores)
                 atomic_write_json(out / "metrics.json", {
                     "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,

@@ -182,6 +182,12 @@ class TorchEngine:
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
 
+    def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
+                batch_size: int = 4, reference: dict | None = None, top_k: int = 256) -> tuple[dict, dict]:
+        """(scores, throughput): the engine interface the build uses (see llmc.engines.vllm_cpu too)."""
+        scores = self.score(windows, batch_size, reference=reference, top_k=top_k)
+        return scores, self.throughput(prompt, decode_tokens, repeats)
+
     @torch.no_grad()
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
         """Prefill tok/s of `prompt` ([1, n]) and greedy decode tok/s of `decode_tokens` new tokens."""
