@@ -124,7 +124,8 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     if w.strategy == "group":
         bad = sorted({s[1] for s in quantized.values() if s[1] % w.group_size})
         if bad:
-            divisors = [g for g in (32, 64, 128, 192, 256) if all(d % g == 0 for d in bad)]
+            # group sizes the runtimes' W4A16 kernels (Marlin, Machete, TensorRT-LLM) accept
+            divisors = [g for g in (32, 64, 128) if all(d % g == 0 for d in bad)]
             raise IncompatibleTargetError(
                 f"quantization.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
                 f"of this model",
@@ -209,12 +210,12 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
         where = f"variants[{name}].quantization" if name else "quantization"
-        _check_scheme(scheme, where)
-        for t in recipe.targets:
+        for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
             plan.targets.append({"label": label, "exporter": EXPORTERS[t.runtime], "status": status})
+        _check_scheme(scheme, where)
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))

@@ -49,8 +49,14 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 
 def _describe(error: ValidationError, data: dict, source: str) -> str:
     lines = []
-    for err in error.errors():
+    errors = error.errors()
+    item_locs = [tuple(e["loc"]) for e in errors]
+    for err in errors:
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        if err["type"] == "too_short" and any(
+            len(other) > len(err["loc"]) and other[: len(err["loc"])] == tuple(err["loc"]) for other in item_locs
+        ):
+            continue  # a list "too short" only because its items failed: the item errors say why
         key = _dotted(loc)
         kind = err["type"]
         value = _lookup(data, loc)

@@ -1,0 +1,170 @@
+"""The planner: runtime × arch × version compatibility and model-shape checks, before any weight loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.compiler.capabilities import EXPORTERS, IMPLEMENTED_EXPORTERS
+from llmc.errors import IncompatibleTargetError
+from llmc.plan import IMPLEMENTED_ALGORITHMS, check_model, make_plan
+from llmc.recipe import parse_recipe
+
+FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"}, "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
+W8A8 = {"weights": {"format": "int8", "strategy": "channel"},
+        "activations": {"format": "int8", "strategy": "token", "dynamic": True}}
+W4A16_G128 = {"weights": {"format": "int4", "strategy": "group", "group_size": 128}}
+NVFP4 = {"weights": {"format": "nvfp4", "strategy": "group", "group_size": 16},
+         "activations": {"format": "nvfp4", "strategy": "group", "group_size": 16, "dynamic": True}}
+
+
+def recipe(quant: dict, *targets: dict, **extra):
+    return parse_recipe(yaml.safe_dump({"name": "p", "model": {"source": "demo:smollm2-135m"},
+                                        "quantization": quant, "targets": list(targets), **extra}))
+
+
+def test_fp8_for_tensorrt_llm_on_a100_is_refused_with_alternatives() -> None:
+    with pytest.raises(IncompatibleTargetError) as e:
+        make_plan(recipe(FP8, {"runtime": "tensorrt-llm", "gpu_arch": "sm80"}))
+    assert "sm89" in e.value.message and "W8A8-INT8" in e.value.message and "W4A16" in e.value.message
+    assert "gpu_arch" in e.value.fix and e.value.exit_code == 3
+
+
+def test_nvfp4_below_blackwell_on_tensorrt_llm_is_refused() -> None:
+    with pytest.raises(IncompatibleTargetError, match="sm100"):
+        make_plan(recipe(NVFP4, {"runtime": "tensorrt-llm", "gpu_arch": "sm90"}))
+
+
+def test_vllm_fp8_on_ampere_degrades_with_the_consequence() -> None:
+    try:
+        plan = make_plan(recipe(FP8, {"runtime": "vllm", "gpu_arch": "sm80"}))
+    except IncompatibleTargetError as e:  # only acceptable reason: nothing but the degrade rule
+        pytest.fail(f"vLLM runs FP8 on sm80 (weight-only), it must not be refused: {e}")
+    [warning] = plan.warnings
+    assert "Marlin" in warning and "weight-only" in warning and "activations stay 16-bit" in warning
+    assert plan.targets[0]["status"] == "degraded"
+
+
+def test_fp8_on_vllm_cpu_is_refused_with_the_measured_reason() -> None:
+    with pytest.raises(IncompatibleTargetError, match="vllm-cpu"):
+        make_plan(recipe(FP8, {"runtime": "vllm", "gpu_arch": "cpu"}))
+
+
+def test_w4a16_on_vllm_cpu_needs_avx512() -> None:
+    with pytest.raises(IncompatibleTargetError, match="AVX-512"):
+        make_plan(recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 64}},
+                         {"runtime": "vllm", "gpu_arch": "cpu"}))
+
+
+def test_w8a8_int8_on_vllm_cpu_is_fine() -> None:
+    assert make_plan(recipe(W8A8, {"runtime": "vllm", "gpu_arch": "cpu"})).targets[0]["status"] == "cpu"
+
+
+def test_int8_kv_cache_is_not_a_vllm_format() -> None:
+    with pytest.raises(IncompatibleTargetError, match="KV-INT8"):
+        make_plan(recipe({**W8A8, "kv_cache": {"format": "int8"}}, {"runtime": "vllm"}))
+
+
+def test_version_range_without_support_is_refused() -> None:
+    with pytest.raises(IncompatibleTargetError) as e:
+        make_plan(recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 128},
+                          "activations": {"format": "fp8_e4m3", "strategy": "token", "dynamic": True}},
+                         {"runtime": "vllm", "version": "<0.8"}))
+    assert "<0.8" in e.value.message or "W4A8" in e.value.message
+
+
+def test_version_range_check_on_a_supported_scheme() -> None:
+    with pytest.raises(IncompatibleTargetError, match="admits no such release"):
+        make_plan(recipe(W8A8, {"runtime": "vllm", "version": "<0.5"}))
+    make_plan(recipe(W8A8, {"runtime": "vllm", "version": ">=0.9,<1.0"}))
+
+
+@pytest.mark.parametrize("runtime", sorted(r for r, e in EXPORTERS.items() if e not in IMPLEMENTED_EXPORTERS))
+def test_target_without_exporter_says_so(runtime: str) -> None:
+    with pytest.raises(IncompatibleTargetError) as e:
+        make_plan(recipe(W8A8, {"runtime": runtime, "gpu_arch": "sm90"}))
+    assert "not in this llmc version" in e.value.message or "does not run" in e.value.message
+
+
+def test_unimplemented_algorithms_are_refused() -> None:
+    for algo, quant in (("smoothquant", W8A8), ("gptq", W4A16_G128), ("awq", W4A16_G128)):
+        if algo in IMPLEMENTED_ALGORITHMS:
+            continue
+        with pytest.raises(IncompatibleTargetError, match="not implemented"):
+            make_plan(recipe({**quant, "algorithm": algo}, {"runtime": "vllm"}))
+
+
+SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "tie_word_embeddings": True}
+SMOLLM2_LINEARS = {"model.layers.0.self_attn.q_proj": (576, 576), "model.layers.0.mlp.down_proj": (576, 1536),
+                   "model.layers.0.mlp.up_proj": (1536, 576), "lm_head": (49152, 576)}
+
+
+def test_group_size_must_divide_the_models_inputs() -> None:
+    r = recipe(W4A16_G128, {"runtime": "vllm"})
+    with pytest.raises(IncompatibleTargetError) as e:
+        check_model(r, r.quantization.to_scheme(), SMOLLM2, SMOLLM2_LINEARS)
+    assert "576" in e.value.message and "group_size 64" in e.value.fix
+
+
+@pytest.mark.parametrize("heads, kv, tp, ok", [
+    (9, 3, 2, False),   # SmolLM2: 9 heads do not split in 2
+    (32, 8, 4, True),
+    (32, 4, 8, True),   # more ranks than KV heads: runtimes replicate KV heads
+    (12, 6, 4, False),  # 6 KV heads neither divide by 4 nor divide 4
+])
+def test_tensor_parallel_vs_heads(heads: int, kv: int, tp: int, ok: bool) -> None:
+    r = recipe(W8A8, {"runtime": "vllm", "tensor_parallel": tp})
+    config = {"num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": 4096}
+    shapes = {"model.layers.0.mlp.down_proj": (512, 4096)}
+    if ok:
+        check_model(r, r.quantization.to_scheme(), config, shapes)
+    else:
+        with pytest.raises(IncompatibleTargetError, match="tensor_parallel"):
+            check_model(r, r.quantization.to_scheme(), config, shapes)
+
+
+def test_row_parallel_split_must_keep_whole_groups() -> None:
+    r = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 128}},
+               {"runtime": "vllm", "tensor_parallel": 8})
+    config = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 1536}  # 1536 / 8 = 192
+    with pytest.raises(IncompatibleTargetError, match="row-parallel"):
+        check_model(r, r.quantization.to_scheme(), config, {"model.layers.0.mlp.down_proj": (512, 1536)})
+
+
+def test_tied_lm_head_cannot_be_quantized() -> None:
+    r = recipe({**W8A8, "ignore": []}, {"runtime": "vllm"})
+    with pytest.raises(IncompatibleTargetError, match="tied"):
+        check_model(r, r.quantization.to_scheme(), SMOLLM2, SMOLLM2_LINEARS)
+
+
+def test_variants_are_each_checked_and_named() -> None:
+    r = parse_recipe(yaml.safe_dump({
+        "name": "v", "model": {"source": "demo:smollm2-135m"},
+        "variants": [{"name": "int8", "quantization": W8A8}, {"name": "fp8", "quantization": FP8}],
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm80"}],
+    }))
+    plan = make_plan(r)
+    assert [t["label"] for t in plan.targets] == ["int8/vllm-sm80-tp1", "fp8/vllm-sm80-tp1"]
+    assert plan.warnings and plan.warnings[0].startswith("fp8: ")
+
+
+def test_estimates_from_headers_only(tiny_model: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model / "model.safetensors"), "pt") as h:
+        params = sum(h.get_slice(k).get_shape().numel() if hasattr(h.get_slice(k).get_shape(), "numel")
+                     else _numel(h.get_slice(k).get_shape()) for k in h.keys())
+    r = recipe(W8A8, {"runtime": "vllm"})
+    plan = make_plan(r, tiny_model, tmp_path)
+    assert plan.estimates["params"] == params
+    assert plan.estimates["layers"] == 2 and plan.estimates["peak_memory_gb"] > 0
+    assert "plan for 'p'" in plan.render() and "peak memory" in plan.render()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
