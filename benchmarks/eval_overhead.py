@@ -44,7 +44,7 @@ def main() -> None:
     @torch.no_grad()
     def bare() -> None:
         for batch in windows.split(args.batch_size):
-            model(input_ids=batch, use_cache=False).logits
+            _ = model(input_ids=batch, use_cache=False).logits
 
     reference = engine.score(windows, args.batch_size)
     runs = {

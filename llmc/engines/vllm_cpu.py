@@ -7,8 +7,10 @@ evaluation: start the engine once, score every window (prompt_logprobs), then ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -84,13 +86,21 @@ class VllmEngine:
             req.write_text(json.dumps(request))
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                    "TOKENIZERS_PARALLELISM": "false"}
+            # vLLM forks an engine core and workers: run it in its own session so that a timeout
+            # (or our own death) cannot leave a worker spinning on the CPU.
+            proc = subprocess.Popen([str(vllm_python()), str(WORKER), str(req), str(resp)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
             try:
-                proc = subprocess.run([str(vllm_python()), str(WORKER), str(req), str(resp)], env=env,
-                                      capture_output=True, text=True, timeout=self.timeout_s)
+                _, stderr = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 raise EngineFailed(f"vLLM did not finish evaluating {self.folder} within {self.timeout_s:.0f} s") from None
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             if proc.returncode != 0 or not resp.is_file():
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
+                tail = "\n".join((stderr or "").strip().splitlines()[-40:])
                 raise EngineFailed(f"vLLM failed on {self.folder} (exit {proc.returncode}):\n{tail}",
                                    fix="check that this vLLM version accepts the artifact (llmc inspect)")
             return json.loads(resp.read_text())

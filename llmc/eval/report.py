@@ -41,6 +41,9 @@ def summary_rows(result: "BuildResult") -> list[list[str]]:
         base = result.evals.get(f"{engine}:baseline")
         for label in result.artifacts:
             m = result.evals.get(f"{engine}:{label}", {})
+            if "skipped" in m:
+                rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "skipped: " + m["skipped"][:70]])
+                continue
             if "error" in m or base is None:
                 rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "ERROR: " + str(m.get("error", "baseline failed"))[:60]])
                 continue
