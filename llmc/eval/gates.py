@@ -48,12 +48,15 @@ def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | 
                 )
             )
     kld, top1 = result.get("kld"), result.get("top1_agreement")
-    if gates.max_mean_kld is not None:
+    # a gate applies where the engine measures its metric (vLLM gives no full distributions: the
+    # torch engine's row of the same artifact carries KL and top-1); "not measured" elsewhere fails
+    measures = result.get("measures", ["kld", "top1_agreement"])
+    if gates.max_mean_kld is not None and "kld" in measures:
         verdicts.append(Verdict(
             "max_mean_kld", target, kld is not None and kld["ci_high"] <= gates.max_mean_kld,
             f"{kld['mean']:.5f} (95% CI {kld['ci_low']:.5f} .. {kld['ci_high']:.5f})" if kld else "not measured",
             f"upper bound <= {gates.max_mean_kld}", "quality"))
-    if gates.min_top1_agreement_pct is not None:
+    if gates.min_top1_agreement_pct is not None and "top1_agreement" in measures:
         ok = top1 is not None and top1["ci_low"] * 100 >= gates.min_top1_agreement_pct
         verdicts.append(Verdict(
             "min_top1_agreement_pct", target, ok,
