@@ -108,3 +108,23 @@ def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_pa
     ok = _cli(["eval", str(result.published), "--baseline", str(tiny_model), "--windows", "4", "--seq-len", "64"],
               tmp_path / "c", tmp_path)
     assert ok.returncode == 0 and "protocol: brown eval split, 4 windows x 64 tokens" in ok.stdout
+
+
+def test_gates_apply_only_where_the_engine_measures_the_metric() -> None:
+    from llmc.build import _cannot_run_here
+    from llmc.eval.gates import evaluate_gates
+    from llmc.recipe.schema import Gates
+
+    gates = Gates(max_mean_kld=0.1, max_ppl_increase_pct=5.0)
+    change = {"delta_pct": 1.0, "ci_low_pct": 0.5, "ci_high_pct": 1.5}
+    vllm_like = {"ppl_change": change, "measures": ["perplexity", "throughput"]}
+    assert [v.gate for v in evaluate_gates(gates, "vllm:t", vllm_like)] == ["max_ppl_increase_pct"]
+    broken = {"ppl_change": change, "measures": ["perplexity", "kld"]}  # claims KL but has none: fails
+    kld_verdict = [v for v in evaluate_gates(gates, "torch:t", broken) if v.gate == "max_mean_kld"]
+    assert kld_verdict and not kld_verdict[0].passed
+    fp8 = {"scheme_detail": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                             "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}}
+    int8 = {"scheme_detail": {"weights": {"format": "int8", "strategy": "channel"},
+                              "activations": {"format": "int8", "strategy": "token", "dynamic": True}}}
+    assert "W8A8-FP8" in _cannot_run_here("vllm", fp8)
+    assert _cannot_run_here("vllm", int8) is None and _cannot_run_here("torch", fp8) is None
