@@ -7,7 +7,6 @@ range), so every tensor is written as computed — nothing is re-rounded on expo
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -152,8 +151,3 @@ def vllm_serve_args(qm: QuantizedModel, *, tensor_parallel: int, max_model_len: 
         args["max_model_len"] = max_model_len
     return {"vllm": args, "command": "vllm serve <artifact> " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in args.items())}
-
-
-def read_quantization_config(folder: Path) -> dict | None:
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    return cfg.get("quantization_config")
