@@ -40,7 +40,7 @@ EXPORTERS = {
 }
 
 # Exporters implemented in this version of llmc.
-IMPLEMENTED_EXPORTERS = {"compressed-tensors"}
+IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf"}
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -95,10 +95,14 @@ RULES: dict[tuple[str, str], Rule] = {
     ("tensorrt-llm", "KV-FP8"): Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+"),
     ("tensorrt-llm", "KV-INT8"): Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+"),
     # llama.cpp / Ollama (GGUF): integer block formats, any arch and the CPU.
-    ("llama.cpp", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.0.1", degraded_effect="written as Q8_0"),
+    # W8A8: weights as Q8_0; llama.cpp quantizes activations itself, so the scheme's activation settings are
+    # not carried (llmc.compiler.gguf).
+    ("llama.cpp", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.0.1",
+                                     cpu_note="llama.cpp quantizes activations itself (dynamic, blocks of 32)"),
     ("llama.cpp", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.0.1"),
     ("llama.cpp", "W4A16-INT"): Rule("sm70", cpu=True, since="0.0.1"),
-    ("ollama", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
+    ("ollama", "W8A8-INT8"): Rule("sm70", cpu=True, since="0.1.0",
+                                  cpu_note="llama.cpp quantizes activations itself (dynamic, blocks of 32)"),
     ("ollama", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
     ("ollama", "W4A16-INT"): Rule("sm70", cpu=True, since="0.1.0"),
     # ONNX Runtime: Q/DQ INT8 and MatMulNBits INT4 on CPU.
