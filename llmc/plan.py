@@ -25,10 +25,11 @@ from llmc.compiler.capabilities import (
     scheme_keys,
 )
 from llmc.errors import IncompatibleTargetError
+from llmc.quant.algorithms import ALGORITHMS
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
 
-IMPLEMENTED_ALGORITHMS = {"rtn"}
+IMPLEMENTED_ALGORITHMS = set(ALGORITHMS)
 # Measured on this class of machine (2 cores): ~800 calibration tok/s for a 135M model in fp32.
 _CPU_FLOPS = 2 * 135e6 * 800
 

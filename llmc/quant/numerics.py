@@ -24,7 +24,7 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None  # same shape as scale, int8, asymmetric only
 
 
-def _grouped(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def grouped_view(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """View x so that the last dim is one scale's reduction domain."""
     if spec.strategy == "tensor":
         return x.reshape(1, -1)
@@ -67,7 +67,7 @@ def qparams_from_range(
 
 
 def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    g = _grouped(x.detach().float(), spec)
+    g = grouped_view(x.detach().float(), spec)
     scale, zp = qparams_from_range(g.amin(dim=-1), g.amax(dim=-1), spec)
     shape = _scale_shape(x, spec)
     return scale.reshape(shape), (zp.reshape(shape) if zp is not None else None)
@@ -122,7 +122,7 @@ def dynamic_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, to
     """
     if spec.info.is_float or not spec.symmetric:
         return compute_qparams(x, spec)
-    g = _grouped(x.detach().float(), spec)
+    g = grouped_view(x.detach().float(), spec)
     _, qmax = spec.info.int_range(True)
     scale = g.abs().amax(dim=-1) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

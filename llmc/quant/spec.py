@@ -12,7 +12,7 @@ from typing import Literal
 
 NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
 Strategy = Literal["tensor", "channel", "group", "token"]
-Algorithm = Literal["rtn", "smoothquant", "gptq", "awq"]
+Algorithm = Literal["rtn", "smoothquant", "gptq", "smoothquant+gptq", "awq"]
 
 FP8_E4M3_MAX = 448.0
 

@@ -6,8 +6,10 @@ calibrated, quantized, written, and dropped before the next layer is read.
 
 Calibration, when the scheme needs it (static activation scales, KV-cache scales, or a
 data-driven algorithm), runs the calibration windows through the layers in sequence: the inputs
-of layer i+1 are the outputs of layer i (`propagate="original"`, as ModelOpt does for RTN, or
-through the already-quantized layer, `propagate="quantized"`, as GPTQ needs).
+of layer i+1 are the outputs of layer i (original weights for RTN, as ModelOpt does; the
+already-quantized layer for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential pipeline does).
+Per layer: observe → transform (SmoothQuant/AWQ, `llmc.quant.algorithms`) → observe again if the
+transform changed statistics the scheme stores → quantize weights (RTN/GPTQ) → write.
 
 Resume: after each layer, its file, the next layer's inputs and `progress.json` are written
 atomically in that order; a rerun in the same work directory continues at `progress.json`'s layer.
@@ -21,7 +23,6 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
@@ -29,8 +30,10 @@ from torch import nn
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
+from llmc.quant.algorithms import Observe, observe_for, propagate_for, quantize_layer, transform_layer
+from llmc.quant.algorithms.gptq import accumulate_hessian
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
-from llmc.quant.numerics import QuantizedWeight, dequantize_weight, quantize_weight, static_scale
+from llmc.quant.numerics import QuantizedWeight, dequantize_weight, static_scale
 from llmc.quant.spec import Scheme
 from llmc.store import atomic_save_safetensors, atomic_write_json
 
@@ -96,6 +99,12 @@ class LayerStats:
     channel_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per Linear, [in]
     key_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per attention module
     value_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    # GPTQ: H = 2/n Σ x xᵀ per distinct input; Linears fed the same tensor share one (hessian_of).
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    hessian_tokens: dict[str, int] = field(default_factory=dict)
+    hessian_of: dict[str, str] = field(default_factory=dict)
+    # AWQ: (args, kwargs) of each call, per layer-relative module name.
+    module_calls: dict[str, list[tuple[tuple, dict]]] = field(default_factory=dict)
 
 
 _ACTIVE_KV_STATS: LayerStats | None = None
@@ -124,9 +133,16 @@ def _register_kv_observer() -> None:
 
 
 @contextlib.contextmanager
-def observing(layer: nn.Module, linears: dict[str, nn.Linear], stats: LayerStats, kv_modules: dict[str, nn.Module]):
+def observing(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    stats: LayerStats,
+    kv_modules: dict[str, nn.Module],
+    observe: Observe = Observe(hessians=False, module_calls=()),
+):
     global _ACTIVE_KV_STATS
     handles = []
+    last_input: list = [None, None]  # (tensor, Hessian key) of the latest hooked call
 
     def pre_hook(name: str) -> Callable:
         def hook(_mod, args):
@@ -135,11 +151,27 @@ def observing(layer: nn.Module, linears: dict[str, nn.Linear], stats: LayerStats
             prev = stats.channel_absmax.get(name)
             stats.channel_absmax[name] = a if prev is None else torch.maximum(prev, a)
             stats.input_absmax[name] = stats.channel_absmax[name].amax()
+            if observe.hessians:
+                shared = last_input[1] if last_input[0] is args[0] else name
+                key = stats.hessian_of.setdefault(name, shared)
+                if key == name:
+                    stats.hessians[key], stats.hessian_tokens[key] = accumulate_hessian(
+                        stats.hessians.get(key), stats.hessian_tokens.get(key, 0), x
+                    )
+                last_input[:] = [args[0], key]
+
+        return hook
+
+    def call_hook(name: str) -> Callable:
+        def hook(_mod, args, kwargs):
+            stats.module_calls.setdefault(name, []).append((args, kwargs))
 
         return hook
 
     for name, lin in linears.items():
         handles.append(lin.register_forward_pre_hook(pre_hook(name)))
+    for name in observe.module_calls:
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(call_hook(name), with_kwargs=True))
     for name, attn in kv_modules.items():
         _MODULE_NAMES[id(attn)] = name
         attn.config._attn_implementation = KV_OBSERVER
@@ -211,14 +243,6 @@ def _layer_output(out) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- main loop
 
-LayerQuantizer = Callable[[nn.Module, dict[str, nn.Linear], LayerStats, Scheme], dict[str, QuantizedWeight]]
-
-
-def rtn_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats: LayerStats, scheme: Scheme) -> dict[str, QuantizedWeight]:
-    """Round-to-nearest: each weight quantized on its own, no data needed."""
-    del layer, stats
-    return {name: quantize_weight(lin.weight.data, scheme.weights) for name, lin in linears.items()}
-
 
 @dataclass
 class StreamResult:
@@ -235,13 +259,12 @@ def quantize_model(
     calibration: torch.Tensor | None,
     dtype: torch.dtype = torch.float32,
     batch_size: int = 4,
-    layer_quantizer: LayerQuantizer = rtn_layer,
-    propagate: Literal["original", "quantized"] = "original",
     extra_meta: dict | None = None,
     on_layer_done: Callable[[int], None] | None = None,
 ) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc)."""
     torch.manual_seed(0)
+    propagate = propagate_for(scheme)
     reader = CheckpointReader(source.folder)
     config = reader.config()
     model = build_skeleton(config, dtype)
@@ -286,14 +309,17 @@ def quantize_model(
             continue
 
         materialize(layer, reader.with_prefix(prefix), dtype)
-        stats = LayerStats()
-        outputs: list[torch.Tensor] = []
+        stats, outputs = LayerStats(), []
         if calibrate:
-            with observing(layer, linears, stats, kv_modules), torch.no_grad():
-                for b in range(len(batches)):
-                    args, kwargs = extras[b][i]
-                    outputs.append(_layer_output(layer(hidden[b], *args, **kwargs)))
-        quantized = layer_quantizer(layer, linears, stats, scheme)
+            observe = observe_for(scheme, layer)
+            outputs = _observe(layer, linears, kv_modules, observe, hidden, [e[i] for e in extras], stats)
+            if transform_layer(layer, prefix, stats, scheme) and scheme_reads_statistics(scheme):
+                # Rescaled weights change activation ranges (and Hessians): measure them again.
+                stats = LayerStats()
+                replace_observe = Observe(hessians=observe.hessians, module_calls=())
+                _observe(layer, linears, kv_modules, replace_observe, hidden, [e[i] for e in extras], stats)
+        quantized = quantize_layer(layer, linears, stats, scheme)
+        stats.module_calls.clear()
 
         tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
         atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
@@ -336,6 +362,29 @@ def quantize_model(
     atomic_write_json(out / META_FILE, meta)
     shutil.rmtree(state_dir, ignore_errors=True)
     return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+
+def scheme_reads_statistics(scheme: Scheme) -> bool:
+    """True when writing the scheme reads activation statistics after any weight transform."""
+    static_acts = scheme.activations is not None and not scheme.activations.dynamic
+    return static_acts or scheme.kv_cache is not None or "gptq" in scheme.algorithm
+
+
+def _observe(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    kv_modules: dict[str, nn.Module],
+    observe: Observe,
+    hidden: list[torch.Tensor],
+    extras: list[tuple[tuple, dict]],
+    stats: LayerStats,
+) -> list[torch.Tensor]:
+    """Run the calibration batches through one layer, recording into `stats`; returns its outputs."""
+    outputs = []
+    with observing(layer, linears, stats, kv_modules, observe), torch.no_grad():
+        for h, (args, kwargs) in zip(hidden, extras):
+            outputs.append(_layer_output(layer(h, *args, **kwargs)))
+    return outputs
 
 
 def _layer_tensors(

@@ -120,11 +120,18 @@ _SUPPORTED_PAIRS = {
 }
 
 
+ALGORITHM_OPTIONS = {
+    "smoothquant": {"alpha"},
+    "gptq": {"block_size", "dampening", "act_order"},
+    "awq": {"n_grid", "duo_scaling", "clip"},
+}
+
+
 class QuantizationSection(_Strict):
     weights: WeightQuant
     activations: ActivationQuant | None = None
     kv_cache: KvCacheQuant | None = None
-    algorithm: Literal["rtn", "smoothquant", "gptq", "awq"] = "rtn"
+    algorithm: Literal["rtn", "smoothquant", "gptq", "smoothquant+gptq", "awq"] = "rtn"
     ignore: tuple[str, ...] = ("lm_head",)
     options: dict[str, float | int | bool | str] = Field(
         default_factory=dict, description="algorithm options, e.g. smoothquant alpha"
@@ -141,13 +148,22 @@ class QuantizationSection(_Strict):
                 f"weights {self.weights.format} with activations {act or 'none'} is not a scheme "
                 f"any runtime executes; fix: pick one of {known}"
             )
-        if self.algorithm == "smoothquant" and self.activations is None:
+        known = set().union(*(ALGORITHM_OPTIONS.get(step, set()) for step in self.algorithm.split("+")))
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ValueError(
+                f"options {', '.join(unknown)} do not apply to algorithm {self.algorithm}; "
+                f"fix: use {', '.join(sorted(known)) or 'no options'}"
+            )
+        if "smoothquant" in self.algorithm and self.activations is None:
             raise ValueError(
                 "smoothquant migrates activation outliers into weights and only helps when "
                 "activations are quantized; fix: add activations, or use algorithm rtn/gptq/awq"
             )
         if self.algorithm == "awq" and self.weights.format != "int4":
             raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4")
+        if self.algorithm == "awq" and self.weights.strategy != "group" and self.options.get("clip", True):
+            raise ValueError("awq's clip search works per weight group; fix: weights.strategy group, or options.clip false")
         return self
 
     def to_scheme(self) -> Scheme:

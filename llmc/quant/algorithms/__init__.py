@@ -1,0 +1,169 @@
+"""Calibration algorithms, applied to one decoder layer at a time.
+
+Each step is a small function over one layer and what its calibration pass observed:
+
+  transform_layer  SmoothQuant and/or AWQ rescale (and AWQ clips) weights in place; the layer
+                   computes the same function (up to AWQ's clipping) with easier-to-quantize tensors;
+  quantize_layer   RTN or GPTQ turns each Linear's weight into codes and scales.
+
+The pure algorithms over tensors live beside this file (`gptq.py`, `smoothquant.py`, `awq.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from llmc.quant.algorithms.awq import AwqOptions, fake_quantize_weight, search_clip, search_scale, weight_mean
+from llmc.quant.algorithms.gptq import GptqOptions, gptq_quantize
+from llmc.quant.algorithms.mappings import Mapping, layer_mappings
+from llmc.quant.algorithms.smoothquant import divide_output, multiply_input, smoothing_scales
+from llmc.quant.numerics import QuantizedWeight, quantize_weight
+from llmc.quant.spec import Scheme
+
+ALGORITHMS = ("rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq")
+# AutoAWQ leaves q/k to RTN ranges: clipping them perturbs attention scores more than it saves.
+_NO_CLIP = ("q_proj", "k_proj")
+
+
+@dataclass(frozen=True)
+class Observe:
+    """What the calibration pass over a layer must record for the scheme's algorithm."""
+
+    hessians: bool
+    module_calls: tuple[str, ...]  # layer-relative modules whose (args, kwargs) are kept per batch
+
+
+def steps(scheme: Scheme) -> list[str]:
+    return scheme.algorithm.split("+")
+
+
+def options(scheme: Scheme) -> dict:
+    return dict(scheme.algorithm_options)
+
+
+def gptq_options(scheme: Scheme) -> GptqOptions:
+    o = options(scheme)
+    return GptqOptions(
+        block_size=int(o.get("block_size", 128)),
+        dampening=float(o.get("dampening", 0.01)),
+        act_order=bool(o.get("act_order", False)),
+    )
+
+
+def awq_options(scheme: Scheme) -> AwqOptions:
+    o = options(scheme)
+    return AwqOptions(
+        n_grid=int(o.get("n_grid", 20)),
+        duo_scaling=bool(o.get("duo_scaling", True)),
+        clip=bool(o.get("clip", True)),
+    )
+
+
+def observe_for(scheme: Scheme, layer: nn.Module) -> Observe:
+    calls: tuple[str, ...] = ()
+    if "awq" in steps(scheme):
+        parents = {m.parent for m in layer_mappings(layer)}
+        linears = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        calls = tuple(sorted(parents | linears))
+    return Observe(hessians="gptq" in steps(scheme), module_calls=calls)
+
+
+def propagate_for(scheme: Scheme) -> Literal["original", "quantized"]:
+    """RTN calibrates on the original model's activations (as ModelOpt does); data-driven algorithms
+    see the already-quantized previous layers (as GPTQ and llm-compressor's sequential pipeline do)."""
+    return "original" if scheme.algorithm == "rtn" else "quantized"
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def transform_layer(layer: nn.Module, prefix: str, stats, scheme: Scheme) -> bool:
+    """Apply SmoothQuant / AWQ to `layer` in place; True when weights changed."""
+    changed = False
+    if "smoothquant" in steps(scheme):
+        alpha = float(options(scheme).get("alpha", 0.5))
+        for m in layer_mappings(layer):
+            if m.from_norm:
+                consumers = [layer.get_submodule(c) for c in m.consumers]
+                absmax = stats.channel_absmax[prefix + m.consumers[0]]
+                s = smoothing_scales(absmax, [c.weight for c in consumers], alpha)
+                divide_output(layer.get_submodule(m.producer), s)
+                multiply_input(consumers, s)
+                changed = True
+    if "awq" in steps(scheme):
+        awq_layer(layer, stats, scheme)
+        changed = True
+    return changed
+
+
+def _first_input(call: tuple[tuple, dict]) -> torch.Tensor:
+    args, kwargs = call
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = module(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def awq_layer(layer: nn.Module, stats, scheme: Scheme) -> None:
+    """AWQ scale search over each mapping in forward order, then clip search per Linear."""
+    spec, opts = scheme.weights, awq_options(scheme)
+    input_divisor: dict[str, torch.Tensor] = {}
+    for m in layer_mappings(layer):
+        parent = layer.get_submodule(m.parent)
+        calls = stats.module_calls[m.parent]
+        consumers = [layer.get_submodule(c) for c in m.consumers]
+        x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
+        x_mean = torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]).mean(dim=0)
+        w_mean = weight_mean([c.weight for c in consumers], spec) if opts.duo_scaling else None
+        originals = [c.weight.data.clone() for c in consumers]
+        with torch.no_grad():
+            reference = [_call(parent, a, k) for a, k in calls]
+
+        def output_error(s: torch.Tensor) -> float:
+            for c, w in zip(consumers, originals):
+                c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
+            with torch.no_grad():
+                total = sum(float((_call(parent, a, k) - r).float().pow(2).sum()) for (a, k), r in zip(calls, reference))
+            return total / sum(r.numel() for r in reference)
+
+        s, _ = search_scale(x_mean, w_mean, output_error, opts)
+        for c, w in zip(consumers, originals):
+            c.weight.data = w
+        divide_output(layer.get_submodule(m.producer), s)
+        multiply_input(consumers, s)
+        for c in m.consumers:
+            input_divisor[c] = s
+    if not opts.clip:
+        return
+    for name, lin in layer.named_modules():
+        if not isinstance(lin, nn.Linear) or name.rsplit(".", 1)[-1] in _NO_CLIP or name not in stats.module_calls:
+            continue
+        x = torch.cat([_first_input(c).reshape(-1, lin.in_features) for c in stats.module_calls[name]])
+        if name in input_divisor:
+            x = x / input_divisor[name]
+        lin.weight.data = search_clip(lin.weight.data, x, spec, opts)
+
+
+# --------------------------------------------------------------------------- weight quantization
+
+
+def quantize_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats, scheme: Scheme) -> dict[str, QuantizedWeight]:
+    """Codes and scales for every target Linear: GPTQ when the scheme says so, else RTN."""
+    del layer
+    if "gptq" not in steps(scheme):
+        return {name: quantize_weight(lin.weight.data, scheme.weights) for name, lin in linears.items()}
+    opts = gptq_options(scheme)
+    out = {}
+    for name, lin in linears.items():
+        hessian = stats.hessians[stats.hessian_of[name]]
+        out[name], _ = gptq_quantize(lin.weight.data, hessian, scheme.weights, opts)
+    return out
+
+
+__all__ = ["ALGORITHMS", "Mapping", "Observe", "observe_for", "propagate_for", "quantize_layer", "transform_layer"]
