@@ -23,9 +23,20 @@ from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.capabilities import EXPORTERS
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
-from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
+from llmc.errors import (
+    EngineFailed,
+    EngineUnavailable,
+    LlmcError,
+    PerformanceGateError,
+    QualityGateError,
+)
 from llmc.eval.gates import Verdict, evaluate_gates
-from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.metrics import (
+    mean_interval,
+    paired_ppl_change,
+    perplexity,
+    perplexity_interval,
+)
 from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
@@ -218,7 +229,18 @@ def _engine_for(engine: str, folder: Path, dtype: str):
         from llmc.engines.vllm_cpu import VllmEngine
 
         return VllmEngine(folder, dtype=dtype)
+    if engine == "llama.cpp":
+        from llmc.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(folder, dtype=dtype)
     raise ValueError(engine)
+
+
+# Which exported formats each evaluation engine loads.
+ENGINE_READS = {"torch": {"compressed-tensors"}, "vllm": {"compressed-tensors"}, "llama.cpp": {"gguf"}}
+# Engines that cannot load the unquantized source are paired with the torch reference's baseline
+# (same windows, same token ids): their change then includes the engine's own arithmetic.
+BASELINE_FROM_TORCH = {"llama.cpp"}
 
 
 def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt,
@@ -293,17 +315,19 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
     windows = make_windows(tokenizer, docs, ev.seq_len, ev.windows, seed=None).ids
     prompt = windows[:1]
     for engine in ev.runtimes:
+        readable = {label: art for label, art in result.artifacts.items() if art["exporter"] in ENGINE_READS[engine]}
+        base_engine = "torch" if engine in BASELINE_FROM_TORCH else engine
         try:
-            base = _eval_one(result, store, engine, result.source.folder, result.source.sha256, windows, prompt)
+            base = _eval_one(result, store, base_engine, result.source.folder, result.source.sha256, windows, prompt)
         except (EngineUnavailable, EngineFailed) as e:
-            log(f"warning: baseline could not be evaluated in {engine}: {e}")
-            for label in result.artifacts:
+            log(f"warning: baseline could not be evaluated in {base_engine}: {e}")
+            for label in readable:
                 result.target_evals.setdefault(label, []).append(f"{engine}:{label}")
                 result.evals[f"{engine}:{label}"] = {"engine": engine, "error": str(e)}
             continue
-        result.evals[f"{engine}:baseline"] = base
+        result.evals[f"{base_engine}:baseline"] = base
         seen: dict[str, dict] = {}
-        for label, art in result.artifacts.items():
+        for label, art in readable.items():
             eval_id = f"{engine}:{label}"
             result.target_evals.setdefault(label, []).append(eval_id)
             reason = _cannot_run_here(engine, art)
@@ -316,6 +340,7 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
                     m = _eval_one(result, store, engine, Path(art["dir"]), art["content_key"], windows, prompt,
                                   reference_key=base["key"])
                     m["ppl_change"] = paired_ppl_change(base["_nll"], m["_nll"], ev.bootstrap_samples)
+                    m["baseline_engine"] = base_engine
                     seen[art["content_key"]] = m
                 result.evals[eval_id] = seen[art["content_key"]]
             except LlmcError as e:

@@ -256,5 +256,24 @@ def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
     _run(go)
 
 
+@main.command(epilog=EXIT_HELP)
+@click.option("--write", "write_to", type=click.Path(path_type=Path), help="write the markdown to this file")
+def matrix(write_to: Path | None) -> None:
+    """Print the compatibility matrix (format x runtime x GPU arch x version) the planner checks against."""
+
+    def go():
+        from llmc.compiler.matrix import render_matrix
+        from llmc.store import atomic_write_text
+
+        text = render_matrix()
+        if write_to:
+            atomic_write_text(write_to, text)
+            click.echo(f"wrote {write_to}")
+        else:
+            click.echo(text)
+
+    _run(go)
+
+
 if __name__ == "__main__":
     main()

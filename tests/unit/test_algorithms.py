@@ -11,10 +11,16 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-import llmc.quant.stream as stream
 from llmc.model.source import ModelSource
+from llmc.quant import stream
 from llmc.quant.algorithms import awq_layer, transform_layer
-from llmc.quant.algorithms.awq import AwqOptions, candidate_scales, fake_quantize_weight, search_clip, search_scale
+from llmc.quant.algorithms.awq import (
+    AwqOptions,
+    candidate_scales,
+    fake_quantize_weight,
+    search_clip,
+    search_scale,
+)
 from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_quantize
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.smoothquant import smoothing_scales
@@ -160,7 +166,7 @@ def test_awq_clip_minimizes_each_groups_output_error() -> None:
             chosen = clipped[o, cols].abs().max()
             spec1 = TensorSpec("int4", "channel")
 
-            def err(max_val: torch.Tensor) -> float:
+            def err(max_val: torch.Tensor, xg=xg, wg=wg, spec1=spec1) -> float:
                 q = fake_quantize_weight(wg.clamp(-max_val, max_val)[None], spec1)[0]
                 return float(((xg @ q - xg @ wg) ** 2).mean())
 
@@ -257,3 +263,23 @@ def test_streamed_algorithms_are_deterministic(algorithm, weights, acts, tmp_pat
     assert "model.layers.1.self_attn.k_scale" in outs[0]
     if acts is not None and not acts.dynamic:
         assert "model.layers.1.mlp.down_proj.input_scale" in outs[0]
+
+
+def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
+    from llmc.quant.algorithms import _search_linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    x = correlated_inputs(200, 64).float()
+    calls = [((x[:100],), {}), ((x[100:],), {})]
+    scheme = Scheme(INT4_G16, algorithm="awq", algorithm_options=(("n_grid", 8),))
+    x_mean = x.abs().mean(0)
+    s = _search_linear(lin, calls, x_mean, None, scheme)
+    w = lin.weight.data
+
+    def direct(s: torch.Tensor) -> float:
+        return float(((x @ (fake_quantize_weight(w * s, INT4_G16) / s).T - x @ w.T) ** 2).mean())
+
+    _, errors = search_scale(x_mean, None, direct, AwqOptions(n_grid=8))
+    candidates = [torch.ones(64)] + [candidate_scales(x_mean, None, i / 8) for i in range(8)]
+    assert torch.equal(s, candidates[min(range(len(errors)), key=errors.__getitem__)])

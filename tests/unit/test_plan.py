@@ -168,3 +168,10 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
+    from llmc.compiler.matrix import render_matrix
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+    assert docs.read_text() == render_matrix(), "regenerate: llmc matrix --write docs/compatibility.md"

@@ -17,10 +17,20 @@ from typing import Literal
 import torch
 from torch import nn
 
-from llmc.quant.algorithms.awq import AwqOptions, fake_quantize_weight, search_clip, search_scale, weight_mean
+from llmc.quant.algorithms.awq import (
+    AwqOptions,
+    fake_quantize_weight,
+    search_clip,
+    search_scale,
+    weight_mean,
+)
 from llmc.quant.algorithms.gptq import GptqOptions, gptq_quantize
 from llmc.quant.algorithms.mappings import Mapping, layer_mappings
-from llmc.quant.algorithms.smoothquant import divide_output, multiply_input, smoothing_scales
+from llmc.quant.algorithms.smoothquant import (
+    divide_output,
+    multiply_input,
+    smoothing_scales,
+)
 from llmc.quant.numerics import QuantizedWeight, quantize_weight
 from llmc.quant.spec import Scheme
 
@@ -110,6 +120,49 @@ def _call(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _search_mapping(parent: nn.Module, calls: list, consumers: list[nn.Linear], x_mean: torch.Tensor,
+                    w_mean: torch.Tensor | None, scheme: Scheme) -> torch.Tensor:
+    """AWQ's grid search for one mapping: the scale whose quantized consumers best reproduce the
+    parent's output on the calibration calls. Leaves the consumers' weights as they were."""
+    spec = scheme.weights
+    if consumers == [parent] and isinstance(parent, nn.Linear):
+        return _search_linear(parent, calls, x_mean, w_mean, scheme)
+    originals = [c.weight.data.clone() for c in consumers]
+    with torch.no_grad():
+        reference = [_call(parent, a, k) for a, k in calls]
+    elements = sum(r.numel() for r in reference)
+
+    def output_error(s: torch.Tensor) -> float:
+        for c, w in zip(consumers, originals):
+            c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
+        with torch.no_grad():
+            total = sum(float((_call(parent, a, k) - r).float().pow(2).sum()) for (a, k), r in zip(calls, reference))
+        return total / elements
+
+    try:
+        s, _ = search_scale(x_mean, w_mean, output_error, awq_options(scheme))
+    finally:
+        for c, w in zip(consumers, originals):
+            c.weight.data = w
+    return s
+
+
+def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean: torch.Tensor | None,
+                   scheme: Scheme) -> torch.Tensor:
+    """`_search_mapping` for a lone Linear, through the Gram matrix G = XᵀX of its inputs:
+    ||X ΔWᵀ||² = Σ (ΔW G) ⊙ ΔW costs out·in² per candidate instead of tokens·in·out (the same number)."""
+    spec, w = scheme.weights, linear.weight.data.float()
+    x = torch.cat([_first_input(c).reshape(-1, linear.in_features).float() for c in calls])
+    gram, elements = x.T @ x, x.shape[0] * linear.out_features
+
+    def output_error(s: torch.Tensor) -> float:
+        delta = fake_quantize_weight(w * s, spec) / s - w
+        return float(((delta @ gram) * delta).sum()) / elements
+
+    s, _ = search_scale(x_mean, w_mean, output_error, awq_options(scheme))
+    return s
+
+
 def awq_layer(layer: nn.Module, stats, scheme: Scheme) -> None:
     """AWQ scale search over each mapping in forward order, then clip search per Linear."""
     spec, opts = scheme.weights, awq_options(scheme)
@@ -121,20 +174,7 @@ def awq_layer(layer: nn.Module, stats, scheme: Scheme) -> None:
         x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
         x_mean = torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]).mean(dim=0)
         w_mean = weight_mean([c.weight for c in consumers], spec) if opts.duo_scaling else None
-        originals = [c.weight.data.clone() for c in consumers]
-        with torch.no_grad():
-            reference = [_call(parent, a, k) for a, k in calls]
-
-        def output_error(s: torch.Tensor) -> float:
-            for c, w in zip(consumers, originals):
-                c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
-            with torch.no_grad():
-                total = sum(float((_call(parent, a, k) - r).float().pow(2).sum()) for (a, k), r in zip(calls, reference))
-            return total / sum(r.numel() for r in reference)
-
-        s, _ = search_scale(x_mean, w_mean, output_error, opts)
-        for c, w in zip(consumers, originals):
-            c.weight.data = w
+        s = _search_mapping(parent, calls, consumers, x_mean, w_mean, scheme)
         divide_output(layer.get_submodule(m.producer), s)
         multiply_input(consumers, s)
         for c in m.consumers:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmc.quant.numerics import grouped_view, compute_qparams, dequantize, quantize_with
+from llmc.quant.numerics import compute_qparams, dequantize, grouped_view, quantize_with
 from llmc.quant.spec import TensorSpec
 
 

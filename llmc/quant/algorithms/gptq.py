@@ -12,7 +12,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmc.quant.numerics import QuantizedWeight, compute_qparams, dequantize, quantize_with
+from llmc.quant.numerics import (
+    QuantizedWeight,
+    compute_qparams,
+    dequantize,
+    quantize_with,
+)
 from llmc.quant.spec import TensorSpec
 
 
