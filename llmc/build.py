@@ -194,6 +194,15 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 
         def write(out: Path) -> None:
             export_gguf(qm, out, **GGUF_OPTIONS)
+    elif exporter == "modelopt-hf":
+        from llmc.compiler.modelopt_hf import export_modelopt_hf
+
+        opts = {"tensor_parallel": target.tensor_parallel, "max_batch_size": result.recipe.eval.batch_size,
+                "max_num_tokens": 8192}
+        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": opts}
+
+        def write(out: Path) -> None:
+            export_modelopt_hf(qm, out, **opts)
     else:
         serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
         cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}

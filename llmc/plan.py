@@ -105,8 +105,15 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     if exporter not in IMPLEMENTED_EXPORTERS:
         raise IncompatibleTargetError(
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
-            fix="target vllm, sglang or tgi (compressed-tensors) for now",
+            fix="target " + ", ".join(sorted(r for r, e in EXPORTERS.items() if e in IMPLEMENTED_EXPORTERS)),
         )
+    if exporter == "modelopt-hf":
+        from llmc.compiler.modelopt_hf import quant_algo
+
+        try:
+            quant_algo(scheme)
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     return status, warnings
 
 
@@ -235,6 +242,19 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
     return plan
 
 
+def _calibration_passes(scheme: Scheme) -> float:
+    """Forward passes over the calibration tokens a scheme's algorithm costs (in model forwards)."""
+    if not scheme.needs_calibration:
+        return 0.0
+    steps = scheme.algorithm.split("+")
+    passes = 1.0 if scheme.algorithm == "rtn" else 2.0  # observe, then propagate through the quantized layer
+    if "awq" in steps:
+        passes += 1 + int(dict(scheme.algorithm_options).get("n_grid", 20))  # the grid search reruns each block
+    if "gptq" in steps:
+        passes += 1.0  # Hessians (x xᵀ per input) and the column loop, about one forward's worth at this width
+    return passes
+
+
 def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int) -> dict:
     layers = config.get("num_hidden_layers", 1)
     hidden = config.get("hidden_size", 0)
@@ -245,6 +265,10 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int,
     c = recipe.calibration
     calibrated = any(s.needs_calibration for s in schemes)
     act = 2 * c.samples * c.seq_len * hidden * 4 if calibrated else 0
+    if any("awq" in s.algorithm for s in schemes):
+        # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)
+        act += c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
+    passes = sum(_calibration_passes(s) for s in schemes)
     qbytes = sum(params * s.weights.bits / 8 + embed for s in schemes)
     ev = recipe.eval
     eval_tokens = ev.windows * ev.seq_len * (1 + len(schemes)) * len(ev.runtimes)
@@ -254,7 +278,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int,
         "layers": layers,
         "peak_memory_gb": (per_layer * 2 + embed + act) / 1e9,
         "disk_gb": (nbytes + qbytes * (1 + len(recipe.targets))) / 1e9,
-        "calibration_s": (c.samples * c.seq_len * flops_per_token / _CPU_FLOPS) if calibrated else 0.0,
+        "calibration_s": passes * c.samples * c.seq_len * flops_per_token / _CPU_FLOPS,
         "eval_s": eval_tokens * flops_per_token / _CPU_FLOPS,
         "cpu_count": os.cpu_count(),
     }

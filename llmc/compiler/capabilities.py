@@ -40,7 +40,7 @@ EXPORTERS = {
 }
 
 # Exporters implemented in this version of llmc.
-IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf"}
+IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf", "modelopt-hf"}
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -145,6 +145,8 @@ PROOF = {
     "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer",
     "gguf": "loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
     "library and compared tensor by tensor in the default test run; Ollama itself (which embeds llama.cpp) is not run here",
-    "modelopt-hf": "not implemented yet",
+    "modelopt-hf": "conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
+    "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ and INT4-AWQ (tests marked peers); "
+    "values decode to the canonical weights exactly",
     "onnx": "not implemented yet",
 }

@@ -7,16 +7,14 @@ range), so every tensor is written as computed — nothing is re-rounded on expo
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.store import atomic_save_safetensors, atomic_write_json
-
-MAX_SHARD_BYTES = 2 << 30
+from llmc.compiler.files import copy_tokenizer_files, write_shards
+from llmc.store import atomic_write_json
 
 
 def _args(spec: TensorSpec):
@@ -104,36 +102,13 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
     """Write config.json, sharded safetensors + index, tokenizer files and runtime arguments."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    for tensors in qm.iter_files():
-        t = compressed_module_tensors(qm, tensors)
-        nbytes = sum(v.numel() * v.element_size() for v in t.values())
-        if sizes[-1] and sizes[-1] + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            sizes.append(0)
-        shards[-1].update(t)
-        sizes[-1] += nbytes
-    written = []
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        atomic_save_safetensors(out / name, shard, metadata={"format": "pt"})
-        written.append(out / name)
-        weight_map.update({k: name for k in shard})
-    if len(shards) > 1:
-        atomic_write_json(
-            out / "model.safetensors.index.json",
-            {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))},
-        )
+    written = write_shards(out, (compressed_module_tensors(qm, t) for t in qm.iter_files()))
     config = dict(qm.config)
     config["quantization_config"] = quantization_config(qm.scheme)
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)
-    for f in qm.root.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("quantized.json", "config.json"):
-            shutil.copyfile(f, out / f.name)
+    copy_tokenizer_files(qm.root, out)
     if serve_args is not None:
         atomic_write_json(out / "llmc-serve.json", serve_args)
     return written

@@ -48,6 +48,31 @@ def _arch_rank(a: str | None) -> int:
     return ARCH_ORDER.index(a) if a else -1
 
 
+def _describe_gguf(path: Path) -> str:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(name: str):
+        f = reader.fields.get(name)
+        if f is None:
+            return None
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    arch = field("general.architecture")
+    return "\n".join([
+        f"GGUF file {path} ({arch}, {len(reader.tensors)} tensors: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(types.items(), key=lambda kv: -kv[1])) + ")",
+        f"  scheme {field('llmc.scheme') or '?'}; linear weights {field('llmc.gguf.weight_type') or '?'} "
+        f"({field('llmc.gguf.weight_method') or 'not written by llmc'})",
+        "  accepted by: llama.cpp (CPU and GPU builds), Ollama (with the Modelfile beside it)",
+    ])
+
+
 def describe(path: Path) -> str:
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -78,12 +103,28 @@ def describe(path: Path) -> str:
             f"source {qm.meta['source']['origin']} ({qm.meta['source']['sha256']})",
             "  exporters read this; runtimes do not",
         ])
+    gguf_file = path if path.suffix == ".gguf" else path / "model.gguf"
+    if gguf_file.is_file():
+        return _describe_gguf(gguf_file)
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
         q = cfg.get("quantization_config")
         arch = ", ".join(cfg.get("architectures", []) or ["?"])
         if q is None:
             return f"unquantized Hugging Face checkpoint at {path} ({arch}, dtype {cfg.get('dtype') or cfg.get('torch_dtype')})"
+        if q.get("quant_method") == "modelopt" and (path / "hf_quant_config.json").is_file():
+            hq = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+            lines = [
+                f"ModelOpt unified Hugging Face checkpoint (TensorRT-LLM) at {path} ({arch})",
+                f"  quant_algo {hq['quant_algo']}, KV cache {hq.get('kv_cache_quant_algo') or 'unquantized'}"
+                + (f", group {hq['group_size']}" if hq.get("group_size") else "")
+                + f"; not quantized: {hq.get('exclude_modules')}",
+                "  accepted by: TensorRT-LLM (LLM API / trtllm-serve) on an NVIDIA GPU; transformers loads this format "
+                "silently wrong (ignores the scales): do not evaluate it there",
+            ]
+            if (path / "llmc-trtllm.yaml").is_file():
+                lines.append(f"  serve with: trtllm-serve {path} --extra_llm_api_options {path / 'llmc-trtllm.yaml'}")
+            return "\n".join(lines)
         if q.get("quant_method") != "compressed-tensors":
             return f"Hugging Face checkpoint at {path} ({arch}) quantized with {q.get('quant_method')} (not produced by llmc)"
         s = _scheme_from_ct(q)

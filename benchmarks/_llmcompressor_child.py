@@ -1,0 +1,72 @@
+"""Run one llm-compressor oneshot on local files; used by benchmarks/algorithms_vs_llmcompressor.py.
+
+    .venv-llmcompressor/bin/python benchmarks/_llmcompressor_child.py MODEL_DIR TOKENS.safetensors SCHEME OUT_DIR
+
+Runs in llm-compressor's own venv (scripts/setup-peers.sh); imports nothing from llmc. SCHEME is one of
+SCHEMES below, with group size 64 for INT4 (SmolLM2's 576 is not divisible by 128). Prints one JSON line:
+wall time of oneshot() alone, peak RSS, versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def w4a16(group: int) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
+
+
+def recipe(scheme: str) -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+
+    g = 64
+    return {
+        "gptq-w4a16": lambda: [GPTQModifier(config_groups=w4a16(g), ignore=["lm_head"], actorder=None)],
+        "gptq-w4a16-actorder": lambda: [GPTQModifier(config_groups=w4a16(g), ignore=["lm_head"], actorder="static")],
+        "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(config_groups=w4a16(g), ignore=["lm_head"])],
+        "rtn-w4a16": lambda: [QuantizationModifier(config_groups=w4a16(g), ignore=["lm_head"])],
+        "sq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
+                            QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+        "sq-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
+                                 GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], actorder=None)],
+        "rtn-w8a8": lambda: [QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+    }[scheme]()
+
+
+def main() -> None:
+    model_dir, tokens_file, scheme, out = sys.argv[1:5]
+    import llmcompressor
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    ids = load_file(tokens_file)["input_ids"]
+    n, seq = ids.shape
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * seq] * n})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t = time.monotonic()
+    llmcompressor.oneshot(model=model, dataset=ds, recipe=recipe(scheme), num_calibration_samples=n,
+                          max_seq_length=seq, pipeline="sequential", shuffle_calibration_samples=False)
+    wall = time.monotonic() - t
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+    print(json.dumps({"scheme": scheme, "wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "llmcompressor": llmcompressor.__version__, "torch": torch.__version__, "out": out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""llmc's TensorRT-LLM (ModelOpt unified HF) export against NVIDIA ModelOpt's own export of the same
+tiny model and scheme: identical tensor names, dtypes, shapes and quantization config keys.
+
+ModelOpt runs on the CPU in its own venv (`bash scripts/setup-peers.sh`); the test skips without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from llmc.compiler.modelopt_hf import HF_QUANT_CONFIG, export_modelopt_hf, unpack_int4_rows
+from llmc.model.source import ModelSource
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream import quantize_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.peers]
+REPO = Path(__file__).resolve().parents[2]
+MODELOPT_PYTHON = Path(os.environ.get("LLMC_MODELOPT_PYTHON", REPO / ".venv-modelopt" / "bin" / "python"))
+
+_MODELOPT_EXPORT = r"""
+import copy, sys, torch
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
+from transformers import AutoModelForCausalLM
+src, out, cfg_name, kv_name = sys.argv[1:5]
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+cfg = copy.deepcopy(getattr(mtq, cfg_name))
+if kv_name != "-":
+    cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(getattr(mtq, kv_name)["quant_cfg"])
+data = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
+def loop(m):
+    for b in data.split(2):
+        m(b)
+model = mtq.quantize(model, cfg, loop)
+export_hf_checkpoint(model, export_dir=out)
+"""
+
+CASES = {
+    "fp8+kv": (Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor")),
+               "FP8_DEFAULT_CFG", "FP8_KV_CFG"),
+    "int8-sq": (Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), algorithm="smoothquant"),
+                "INT8_SMOOTHQUANT_CFG", "-"),
+    "int4-awq": (Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq"), "INT4_AWQ_CFG", "-"),
+}
+
+
+def _layout(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = s.get_tensor(k)
+                out[k] = (str(t.dtype), tuple(t.shape))
+    return out
+
+
+def _keys(d: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in d.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= _keys(v, prefix + k + ".")
+    return keys
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if not MODELOPT_PYTHON.is_file():
+        pytest.skip(f"no ModelOpt venv at {MODELOPT_PYTHON} (bash scripts/setup-peers.sh)")
+    from tests.conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("mo") / "tiny", hidden=128, intermediate=256, heads=4,
+                           kv_heads=2, tie=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -> None:
+    scheme, cfg_name, kv_name = CASES[case]
+    ref = tmp_path / "modelopt"
+    done = subprocess.run([str(MODELOPT_PYTHON), "-c", _MODELOPT_EXPORT, str(tiny), str(ref), cfg_name, kv_name],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_model(ModelSource(tiny, "tiny", "tiny"), scheme, tmp_path / "canonical", calibration=calib)
+    qm = QuantizedModel.open(tmp_path / "canonical")
+    ours = tmp_path / "llmc"
+    export_modelopt_hf(qm, ours)
+
+    theirs_layout, ours_layout = _layout(ref), _layout(ours)
+    assert sorted(ours_layout) == sorted(theirs_layout)
+    mismatched = {k: (ours_layout[k], theirs_layout[k]) for k in ours_layout if ours_layout[k] != theirs_layout[k]}
+    assert not mismatched, mismatched
+
+    theirs_hq, ours_hq = (json.loads((d / HF_QUANT_CONFIG).read_text()) for d in (ref, ours))
+    assert _keys(ours_hq) == _keys(theirs_hq)
+    assert {k: v for k, v in ours_hq["quantization"].items()} == theirs_hq["quantization"]
+    theirs_qc, ours_qc = (json.loads((d / "config.json").read_text())["quantization_config"] for d in (ref, ours))
+    assert _keys(ours_qc) == _keys(theirs_qc)
+    assert ours_qc == theirs_qc
+
+    # and the values decode back to the canonical weights exactly
+    with safe_open(str(ours / "model.safetensors"), "pt") as s:
+        name = "model.layers.1.mlp.down_proj"
+        canonical = qm.dequantized_weight(next(t for t in qm.iter_files() if f"{name}.weight" in t), name)
+        w, scale = s.get_tensor(f"{name}.weight"), s.get_tensor(f"{name}.weight_scale")
+        if w.dtype == torch.uint8:
+            w = unpack_int4_rows(w).float() * scale.repeat_interleave(128, dim=1)
+        elif scale.dim() == 1:
+            w = w.float() * scale[:, None]
+        else:
+            w = w.float() * scale
+        torch.testing.assert_close(w, canonical, rtol=0, atol=0)

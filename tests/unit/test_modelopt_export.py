@@ -1,0 +1,64 @@
+"""TensorRT-LLM (ModelOpt unified HF) export: packing, scheme mapping, files, and `llmc inspect`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmc.compiler.modelopt_hf import export_modelopt_hf, pack_int4_rows, quant_algo, unpack_int4_rows
+from llmc.errors import IncompatibleTargetError
+from llmc.model.source import ModelSource
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream import quantize_model
+from llmc.registry.inspect import describe
+
+
+def test_int4_row_packing_round_trips_and_matches_modelopts_nibble_order() -> None:
+    codes = torch.randint(-8, 8, (6, 10), dtype=torch.int8)
+    packed = pack_int4_rows(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 10)
+    assert torch.equal(unpack_int4_rows(packed), codes)
+    # row 0 in the low nibble, row 1 in the high nibble, two's complement
+    assert int(packed[0, 0]) == (int(codes[0, 0]) & 0xF) | ((int(codes[1, 0]) & 0xF) << 4)
+
+
+@pytest.mark.parametrize("scheme,algo", [
+    (Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor")), "FP8"),
+    (Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor")), "W8A8_SQ_PER_CHANNEL"),
+    (Scheme(TensorSpec("int4", "group", group_size=64)), "W4A16_AWQ"),
+])
+def test_schemes_map_to_modelopt_algorithms(scheme: Scheme, algo: str) -> None:
+    assert quant_algo(scheme) == algo
+
+
+@pytest.mark.parametrize("scheme", [
+    Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")),  # per-channel FP8 weights
+    Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True)),  # dynamic per-token
+    Scheme(TensorSpec("int4", "group", group_size=64, symmetric=False)),  # zero points
+])
+def test_layouts_modelopt_lacks_are_refused_with_a_fix(scheme: Scheme) -> None:
+    with pytest.raises(IncompatibleTargetError) as e:
+        quant_algo(scheme)
+    assert e.value.fix
+
+
+def test_export_writes_a_loadable_layout_and_inspect_names_it(tmp_path: Path, tiny_model_session: Path) -> None:
+    scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
+    calib = torch.randint(3, 200, (2, 16))
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=calib)
+    qm = QuantizedModel.open(tmp_path / "q")
+    export_modelopt_hf(qm, tmp_path / "trt", tensor_parallel=2)
+    t = load_file(str(tmp_path / "trt" / "model.safetensors"))
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert t["model.layers.0.self_attn.q_proj.weight_scale"].shape == ()
+    assert "model.layers.0.self_attn.k_proj.k_scale" in t and "model.layers.0.self_attn.k_scale" not in t
+    hq = json.loads((tmp_path / "trt" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8"
+    assert "tensor_parallel_size: 2" in (tmp_path / "trt" / "llmc-trtllm.yaml").read_text()
+    text = describe(tmp_path / "trt")
+    assert "TensorRT-LLM" in text and "quant_algo FP8" in text
