@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
-from llmc.compiler.capabilities import EXPORTERS
+from llmc.compiler.capabilities import exporter_for
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
 from llmc.errors import (
     EngineFailed,
@@ -186,7 +186,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
 
 
 def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
-    exporter = EXPORTERS[target.runtime]
+    exporter = exporter_for(target.runtime, target.version)
     if exporter == "gguf":
         from llmc.compiler.gguf import GGUF_OPTIONS, export_gguf
 
@@ -194,6 +194,14 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 
         def write(out: Path) -> None:
             export_gguf(qm, out, **GGUF_OPTIONS)
+    elif exporter == "trtllm-checkpoint":
+        from llmc.compiler.trtllm_legacy import export_trtllm_legacy
+
+        opts = {"tensor_parallel": target.tensor_parallel, "dtype": "float16"}
+        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": opts}
+
+        def write(out: Path) -> None:
+            export_trtllm_legacy(qm, out, **opts)
     elif exporter == "modelopt-hf":
         from llmc.compiler.modelopt_hf import export_modelopt_hf
 

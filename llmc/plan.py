@@ -22,6 +22,7 @@ from llmc.compiler.capabilities import (
     KNOWN_VERSIONS,
     RULES,
     arch_at_least,
+    exporter_for,
     scheme_keys,
 )
 from llmc.errors import IncompatibleTargetError
@@ -101,17 +102,18 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                     f"but version range '{target.version}' admits no such release",
                     fix=f"widen version to include >={rule.since}",
                 )
-    exporter = EXPORTERS[target.runtime]
+    exporter = exporter_for(target.runtime, target.version)
     if exporter not in IMPLEMENTED_EXPORTERS:
         raise IncompatibleTargetError(
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
             fix="target " + ", ".join(sorted(r for r, e in EXPORTERS.items() if e in IMPLEMENTED_EXPORTERS)),
         )
-    if exporter == "modelopt-hf":
+    if exporter in ("modelopt-hf", "trtllm-checkpoint"):
         from llmc.compiler.modelopt_hf import quant_algo
+        from llmc.compiler.trtllm_legacy import check_scheme
 
         try:
-            quant_algo(scheme)
+            (quant_algo if exporter == "modelopt-hf" else check_scheme)(scheme)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     return status, warnings
@@ -222,7 +224,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
-            plan.targets.append({"label": label, "exporter": EXPORTERS[t.runtime], "status": status})
+            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version), "status": status})
         _check_scheme(scheme, where)
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())

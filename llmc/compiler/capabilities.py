@@ -40,7 +40,23 @@ EXPORTERS = {
 }
 
 # Exporters implemented in this version of llmc.
-IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf", "modelopt-hf"}
+IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf", "modelopt-hf", "trtllm-checkpoint"}
+
+# TensorRT-LLM reads the unified (ModelOpt HF) checkpoint from this version; a target pinned below it
+# gets the legacy per-rank checkpoint for trtllm-build.
+TRTLLM_UNIFIED_SINCE = "0.17.0"
+
+
+def exporter_for(runtime: str, version: str | None) -> str:
+    """The artifact kind a target gets: by runtime, and for TensorRT-LLM by its version range."""
+    if runtime == "tensorrt-llm" and version:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+
+        spec = SpecifierSet(version)
+        if not any(Version(v) >= Version(TRTLLM_UNIFIED_SINCE) and v in spec for v in KNOWN_VERSIONS[runtime]):
+            return "trtllm-checkpoint"
+    return EXPORTERS[runtime]
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -148,5 +164,7 @@ PROOF = {
     "modelopt-hf": "conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
     "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ and INT4-AWQ (tests marked peers); "
     "values decode to the canonical weights exactly",
+    "trtllm-checkpoint": "conformance only (GPU): per-rank layout and config keys equal ModelOpt 0.47's "
+    "export_tensorrt_llm_checkpoint at TP=2 (FP8+KV); TP shards re-merge exactly into the TP=1 tensors (tests marked peers)",
     "onnx": "not implemented yet",
 }

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.compiler.files import copy_tokenizer_files, write_shards
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.compiler.files import copy_tokenizer_files, write_shards
 from llmc.store import atomic_write_json
 
 

@@ -4,7 +4,16 @@
 
 from __future__ import annotations
 
-from llmc.compiler.capabilities import EXPORTERS, IMPLEMENTED_EXPORTERS, KNOWN_VERSIONS, PROOF, RULES
+from packaging.version import Version
+
+from llmc.compiler.capabilities import (
+    EXPORTERS,
+    IMPLEMENTED_EXPORTERS,
+    KNOWN_VERSIONS,
+    PROOF,
+    RULES,
+    TRTLLM_UNIFIED_SINCE,
+)
 
 HEADER = """# Compatibility matrix
 
@@ -26,10 +35,14 @@ def _arch_cell(native: str | None, degraded: str | None, effect: str) -> str:
 def render_matrix() -> str:
     lines = [HEADER, "## Targets\n", "| runtime | artifact | exporter in this llmc | proof | known versions |",
              "|---|---|---|---|---|"]
-    for runtime, exporter in EXPORTERS.items():
+    rows = [(runtime, exporter, KNOWN_VERSIONS.get(runtime, [])) for runtime, exporter in EXPORTERS.items()]
+    trt = KNOWN_VERSIONS["tensorrt-llm"]
+    rows.insert(4, ("tensorrt-llm (pinned <" + TRTLLM_UNIFIED_SINCE + ")", "trtllm-checkpoint",
+                    [v for v in trt if Version(v) < Version(TRTLLM_UNIFIED_SINCE)]))
+    rows[3] = ("tensorrt-llm", "modelopt-hf", [v for v in trt if Version(v) >= Version(TRTLLM_UNIFIED_SINCE)])
+    for runtime, exporter, versions in rows:
         done = "yes" if exporter in IMPLEMENTED_EXPORTERS else "no (planner refuses)"
-        versions = ", ".join(KNOWN_VERSIONS.get(runtime, []))
-        lines.append(f"| {runtime} | {exporter} | {done} | {PROOF.get(exporter, '')} | {versions} |")
+        lines.append(f"| {runtime} | {exporter} | {done} | {PROOF.get(exporter, '')} | {', '.join(versions)} |")
     lines += ["", "## Scheme × runtime × GPU arch × version\n",
               "| runtime | scheme | GPU arch | CPU build | since version | notes |", "|---|---|---|---|---|---|"]
     for (runtime, scheme), rule in sorted(RULES.items()):

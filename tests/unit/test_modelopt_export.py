@@ -9,7 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmc.compiler.modelopt_hf import export_modelopt_hf, pack_int4_rows, quant_algo, unpack_int4_rows
+from llmc.compiler.modelopt_hf import (
+    export_modelopt_hf,
+    pack_int4_rows,
+    quant_algo,
+    unpack_int4_rows,
+)
 from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
@@ -62,3 +67,37 @@ def test_export_writes_a_loadable_layout_and_inspect_names_it(tmp_path: Path, ti
     assert "tensor_parallel_size: 2" in (tmp_path / "trt" / "llmc-trtllm.yaml").read_text()
     text = describe(tmp_path / "trt")
     assert "TensorRT-LLM" in text and "quant_algo FP8" in text
+
+
+def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Path) -> None:
+    from safetensors.torch import load_file
+
+    from llmc.compiler.trtllm_legacy import export_trtllm_legacy
+
+    scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=torch.randint(3, 200, (2, 16)))
+    qm = QuantizedModel.open(tmp_path / "q")
+    one = export_trtllm_legacy(qm, tmp_path / "tp1", tensor_parallel=1)
+    export_trtllm_legacy(qm, tmp_path / "tp2", tensor_parallel=2)
+    whole = load_file(str(tmp_path / "tp1" / "rank0.safetensors"))
+    shards = [load_file(str(tmp_path / "tp2" / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert whole.keys() == shards[0].keys() == shards[1].keys()
+    q, kv = 64, 32  # tiny model: 4 heads x 16, 2 KV heads x 16
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    for k, t in whole.items():
+        if k.endswith(("attention.dense.weight", "mlp.proj.weight")):
+            merged = torch.cat([s[k] for s in shards], dim=1)
+        elif k.endswith("attention.qkv.weight"):
+            cuts = (q // 2, q // 2 + kv // 2)
+            parts = [(s[k][: cuts[0]], s[k][cuts[0] : cuts[1]], s[k][cuts[1] :]) for s in shards]
+            merged = torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
+        elif t.dim() == 2:
+            merged = torch.cat([s[k] for s in shards], dim=0)
+        else:
+            merged = shards[0][k]
+            assert torch.equal(shards[1][k], merged), k
+        assert torch.equal(bits(merged), bits(t)), k
+    assert 0 < one.qkv_requantization_error < 0.05
+    cfg = json.loads((tmp_path / "tp2" / "config.json").read_text())
+    assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
+    assert cfg["quantization"]["kv_cache_quant_algo"] == "FP8"
