@@ -273,6 +273,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "windows": ev.windows,
         "decode_tokens": ev.decode_tokens,
         "repeats": ev.throughput_repeats,
+        "throughput_batch_sizes": list(ev.throughput_batch_sizes) if engine == "torch" else [1],
         "dtype": result.recipe.model.dtype,
         "top_k": ev.kl_top_k,
         "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
@@ -292,9 +293,10 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 eng = _engine_for(engine, folder, result.recipe.model.dtype)
                 load_s = time.monotonic() - t
                 t = time.monotonic()
+                extra = {"throughput_batch_sizes": ev.throughput_batch_sizes} if engine == "torch" else {}
                 scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
                                            repeats=ev.throughput_repeats, batch_size=ev.batch_size,
-                                           reference=reference, top_k=ev.kl_top_k)
+                                           reference=reference, top_k=ev.kl_top_k, **extra)
                 score_s = time.monotonic() - t
                 atomic_save_safetensors(out / "scores.safetensors", scores)
                 atomic_write_json(out / "metrics.json", {

@@ -183,20 +183,27 @@ class TorchEngine:
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
-                batch_size: int = 4, reference: dict | None = None, top_k: int = 256) -> tuple[dict, dict]:
-        """(scores, throughput): the engine interface the build uses (see llmc.engines.vllm_cpu too)."""
+                batch_size: int = 4, reference: dict | None = None, top_k: int = 256,
+                throughput_batch_sizes: tuple[int, ...] = (1,)) -> tuple[dict, dict]:
+        """(scores, throughput): the engine interface the build uses (see llmc.engines.vllm_cpu too).
+        Throughput is measured at each of `throughput_batch_sizes` (the prompt repeated per sequence);
+        the top-level figures are the first batch size's."""
         scores = self.score(windows, batch_size, reference=reference, top_k=top_k)
-        return scores, self.throughput(prompt, decode_tokens, repeats)
+        by_batch = {b: self.throughput(prompt.expand(b, -1), decode_tokens, repeats) for b in throughput_batch_sizes}
+        first = by_batch[throughput_batch_sizes[0]]
+        return scores, {**first, "batch_size": throughput_batch_sizes[0],
+                        "by_batch_size": {str(b): t for b, t in by_batch.items()}}
 
     @torch.no_grad()
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
-        """Prefill tok/s of `prompt` ([1, n]) and greedy decode tok/s of `decode_tokens` new tokens."""
+        """Prefill tok/s of `prompt` ([batch, n]) and greedy decode tok/s of `decode_tokens` new tokens per
+        sequence, counted over the whole batch."""
         prefill, decode = [], []
         self.model(input_ids=prompt[:, :8], use_cache=False)  # warm-up
         for _ in range(repeats):
             t = time.perf_counter()
             self.model(input_ids=prompt, use_cache=False)
-            prefill.append(prompt.shape[1] / (time.perf_counter() - t))
+            prefill.append(prompt.numel() / (time.perf_counter() - t))
             if decode_tokens:
                 short = prompt[:, :64]
                 t = time.perf_counter()
@@ -207,7 +214,7 @@ class TorchEngine:
                 for _ in range(decode_tokens):
                     out = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
                     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                decode.append(decode_tokens / (time.perf_counter() - t))
+                decode.append(decode_tokens * prompt.shape[0] / (time.perf_counter() - t))
                 del t_prefill
         return {
             "prefill_tokens_per_s": _summary(prefill),

@@ -105,6 +105,16 @@ def render_markdown(result: BuildResult) -> str:
                f"bucket for the rest (a lower bound of full-vocabulary KL); top-1 = argmax agreement with the baseline")
     out += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(row) + " |" for row in summary_rows(result)]
+    if len(ev.throughput_batch_sizes) > 1:
+        out += ["", "## Throughput by batch size (torch engine, median tokens/s: prefill / decode)", "",
+                "| model | " + " | ".join(f"batch {b}" for b in ev.throughput_batch_sizes) + " |",
+                "|---|" + "---|" * len(ev.throughput_batch_sizes)]
+        for eval_id, m in result.evals.items():
+            by = (m.get("throughput") or {}).get("by_batch_size")
+            if eval_id.startswith("torch:") and by:
+                cells = [f"{_fmt_tput({'throughput': by[str(b)]}, 'prefill_tokens_per_s')} / "
+                         f"{_fmt_tput({'throughput': by[str(b)]}, 'decode_tokens_per_s')}" for b in ev.throughput_batch_sizes]
+                out.append(f"| {eval_id.removeprefix('torch:')} | " + " | ".join(cells) + " |")
     out += ["", "## Gates", "", "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
     out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | {'pass' if v.passed else 'FAIL'} |"
             for v in result.verdicts] or ["| - | (no gates in the recipe) | | | |"]

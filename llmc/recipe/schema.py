@@ -239,6 +239,11 @@ class EvalSection(_Strict):
     batch_size: int = Field(default=4, ge=1, le=1024)
     decode_tokens: int = Field(default=16, ge=0, le=4096)
     throughput_repeats: int = Field(default=3, ge=1, le=100)
+    throughput_batch_sizes: tuple[int, ...] = Field(
+        default=(1,),
+        description="batch sizes tokens/s is measured at (torch engine; other engines measure batch 1); "
+        "gates and the report's headline use the first",
+    )
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
     kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
     runtimes: tuple[Literal["torch", "vllm", "llama.cpp"], ...] = Field(

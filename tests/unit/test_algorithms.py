@@ -116,7 +116,7 @@ def test_hessian_accumulates_over_batches_exactly() -> None:
     for part in x.split(70):
         h, n = accumulate_hessian(h, n, part)
     assert n == 300
-    torch.testing.assert_close(h, 2 * x.double().T @ x.double() / 300)
+    torch.testing.assert_close(h.double(), 2 * x.double().T @ x.double() / 300, rtol=1e-5, atol=1e-5)
 
 
 def test_smoothing_scales_balance_activation_and_weight_ranges() -> None:
@@ -283,3 +283,18 @@ def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
     _, errors = search_scale(x_mean, None, direct, AwqOptions(n_grid=8))
     candidates = [torch.ones(64)] + [candidate_scales(x_mean, None, i / 8) for i in range(8)]
     assert torch.equal(s, candidates[min(range(len(errors)), key=errors.__getitem__)])
+
+
+def test_gptq_on_stacked_linears_equals_one_at_a_time() -> None:
+    from llmc.quant.algorithms.gptq import gptq_quantize_shared
+
+    torch.manual_seed(0)
+    x = correlated_inputs(256, 32)
+    h = (2 * x.T @ x / 256).float()
+    ws = [torch.randn(8, 32), torch.randn(4, 32) * 3]
+    for spec in (INT4_G16, TensorSpec("fp8_e4m3", "tensor"), TensorSpec("int4", "group", 16, symmetric=False)):
+        shared, _ = gptq_quantize_shared(ws, h, spec)
+        for w, q in zip(ws, shared):
+            single, _ = gptq_quantize(w, h, spec)
+            assert torch.equal(q.scale, single.scale)
+            assert (q.codes.float() == single.codes.float()).float().mean() > 0.99

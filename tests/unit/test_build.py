@@ -121,3 +121,27 @@ def test_killed_build_resumes_to_identical_outputs(die_at: str, tiny_model: Path
 
     assert hashes(tmp_path / "crashy") == hashes(tmp_path / "clean")
     assert hashes(tmp_path / "clean")  # and there was something to compare
+
+
+def test_one_quantization_exports_every_target_and_measures_batch_sizes(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM + TensorRT-LLM (unified and legacy TP=2) + llama.cpp targets from one quantize stage; tokens/s
+    at two batch sizes."""
+    from llmc.eval.report import render_markdown
+
+    text = recipe_text(
+        tiny_model, tmp_path / "registry",
+        **{"quantization.weights": {"format": "fp8_e4m3", "strategy": "tensor"},
+           "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "tensorrt-llm", "gpu_arch": "sm90"},
+                       {"runtime": "tensorrt-llm", "gpu_arch": "sm90", "version": "<0.17", "tensor_parallel": 2}],
+           "eval.throughput_batch_sizes": [1, 2]},
+    )
+    result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
+    assert [s.name for s in result.stages].count("calibrate") == 1
+    assert sum(s.name.startswith("quantize") for s in result.stages) == 1
+    exporters = sorted(a["exporter"] for a in result.artifacts.values())
+    assert exporters == ["compressed-tensors", "modelopt-hf", "trtllm-checkpoint"]
+    legacy = next(a for a in result.artifacts.values() if a["exporter"] == "trtllm-checkpoint")
+    assert {"rank0.safetensors", "rank1.safetensors", "config.json"} <= set(legacy["files"])
+    by_batch = result.evals["torch:baseline"]["throughput"]["by_batch_size"]
+    assert set(by_batch) == {"1", "2"} and by_batch["2"]["prefill_tokens_per_s"]["median"] > 0
+    assert "Throughput by batch size" in render_markdown(result)

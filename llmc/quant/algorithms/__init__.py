@@ -24,7 +24,7 @@ from llmc.quant.algorithms.awq import (
     search_scale,
     weight_mean,
 )
-from llmc.quant.algorithms.gptq import GptqOptions, gptq_quantize
+from llmc.quant.algorithms.gptq import GptqOptions, gptq_quantize_shared
 from llmc.quant.algorithms.mappings import Mapping, layer_mappings
 from llmc.quant.algorithms.smoothquant import (
     divide_output,
@@ -199,10 +199,14 @@ def quantize_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats, schem
     if "gptq" not in steps(scheme):
         return {name: quantize_weight(lin.weight.data, scheme.weights) for name, lin in linears.items()}
     opts = gptq_options(scheme)
+    by_input: dict[str, list[str]] = {}
+    for name in linears:
+        by_input.setdefault(stats.hessian_of[name], []).append(name)
     out = {}
-    for name, lin in linears.items():
-        hessian = stats.hessians[stats.hessian_of[name]]
-        out[name], _ = gptq_quantize(lin.weight.data, hessian, scheme.weights, opts)
+    for key, names in by_input.items():
+        results, _ = gptq_quantize_shared([linears[n].weight.data for n in names], stats.hessians[key],
+                                          scheme.weights, opts)
+        out.update(zip(names, results))
     return out
 
 
