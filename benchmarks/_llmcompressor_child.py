@@ -53,6 +53,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins its cached activations, which raises "Cannot access accelerator
+        # device when none is available" on a CPU-only machine; pinning is only a transfer optimization.
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     ids = load_file(tokens_file)["input_ids"]
     n, seq = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * seq] * n})

@@ -33,7 +33,13 @@ W8A8 = "Scheme(TensorSpec('int8', 'channel'), TensorSpec('int8', 'token', dynami
 PAIRS = {
     "rtn-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64))", "rtn-w4a16"),
     "gptq-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='gptq')", "gptq-w4a16"),
+    # next layer calibrated on this layer's unquantized outputs: one forward per layer instead of two
+    "gptq-w4a16-propagate-original": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='gptq', "
+                                      "algorithm_options=(('propagate', 'original'),))", "gptq-w4a16"),
     "awq-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='awq')", "awq-w4a16"),
+    # llmc's AWQ with the full 20-point grid llm-compressor uses (the default refines coarse-to-fine)
+    "awq-w4a16-grid": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='awq', "
+                       "algorithm_options=(('search', 'grid'),))", "awq-w4a16"),
     "sq-w8a8": (W8A8 + "algorithm='smoothquant')", "sq-w8a8"),
     "sq-gptq-w8a8": (W8A8 + "algorithm='smoothquant+gptq')", "sq-gptq-w8a8"),
 }

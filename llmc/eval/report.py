@@ -68,7 +68,19 @@ def summary_rows(result: BuildResult) -> list[list[str]]:
                 f"{_fmt_tput(tput_base, 'decode_tokens_per_s')} -> {_fmt_tput(m, 'decode_tokens_per_s')}",
                 verdict if verdicts else "no gates",
             ])
+    for label, art in result.artifacts.items():
+        if not result.target_evals.get(label):
+            rows.append([label, "-", "-", "-", "-", "-", "-", "-", "-", unevaluated_reason(art["exporter"])])
     return rows
+
+
+def unevaluated_reason(exporter: str) -> str:
+    """Why an artifact has no evaluation row: no engine in eval.runtimes loads its format."""
+    if exporter in ("modelopt-hf", "trtllm-checkpoint"):
+        return "not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conformance-tested against ModelOpt)"
+    if exporter == "gguf":
+        return "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
+    return f"not evaluated: no engine in eval.runtimes loads {exporter}"
 
 
 HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "KLD (95% CI)", "top-1 (95% CI)",

@@ -121,9 +121,9 @@ _SUPPORTED_PAIRS = {
 
 
 ALGORITHM_OPTIONS = {
-    "smoothquant": {"alpha"},
-    "gptq": {"block_size", "dampening", "act_order"},
-    "awq": {"n_grid", "duo_scaling", "clip"},
+    "smoothquant": {"alpha", "propagate"},
+    "gptq": {"block_size", "dampening", "act_order", "propagate"},
+    "awq": {"n_grid", "search", "duo_scaling", "clip", "propagate"},
 }
 
 
@@ -155,6 +155,9 @@ class QuantizationSection(_Strict):
                 f"options {', '.join(unknown)} do not apply to algorithm {self.algorithm}; "
                 f"fix: use {', '.join(sorted(known)) or 'no options'}"
             )
+        if self.options.get("propagate", "quantized") not in ("quantized", "original"):
+            raise ValueError("options.propagate is 'quantized' (next layer sees this layer quantized) or "
+                             "'original' (sees it unquantized: one forward per layer instead of two)")
         if "smoothquant" in self.algorithm and self.activations is None:
             raise ValueError(
                 "smoothquant migrates activation outliers into weights and only helps when "

@@ -144,12 +144,14 @@ def test_awq_scale_search_picks_the_grid_minimum() -> None:
     def err(s: torch.Tensor) -> float:
         return float(((x @ (fake_quantize_weight(w * s, INT4_G16) / s).T - ref) ** 2).mean())
 
-    best, errors = search_scale(x_mean, None, err, opts)
+    best, errors = search_scale(x_mean, None, err, replace(opts, search="grid"))
     # recompute every candidate directly and check the choice
     direct = [err(torch.ones(64))] + [err(candidate_scales(x_mean, None, i / 10)) for i in range(10)]
     assert errors == pytest.approx(direct)
     assert err(best) == min(direct)
     assert err(best) <= err(torch.ones(64))  # never worse than plain RTN on the calibration data
+    refined, tried = search_scale(x_mean, None, err, opts)  # coarse-to-fine: fewer evaluations, same pick here
+    assert len(tried) < len(errors) and err(refined) == min(direct)
 
 
 def test_awq_clip_minimizes_each_groups_output_error() -> None:
@@ -272,7 +274,7 @@ def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
     lin = nn.Linear(64, 32, bias=False)
     x = correlated_inputs(200, 64).float()
     calls = [((x[:100],), {}), ((x[100:],), {})]
-    scheme = Scheme(INT4_G16, algorithm="awq", algorithm_options=(("n_grid", 8),))
+    scheme = Scheme(INT4_G16, algorithm="awq", algorithm_options=(("n_grid", 8), ("search", "grid")))
     x_mean = x.abs().mean(0)
     s = _search_linear(lin, calls, x_mean, None, scheme)
     w = lin.weight.data
@@ -280,7 +282,7 @@ def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
     def direct(s: torch.Tensor) -> float:
         return float(((x @ (fake_quantize_weight(w * s, INT4_G16) / s).T - x @ w.T) ** 2).mean())
 
-    _, errors = search_scale(x_mean, None, direct, AwqOptions(n_grid=8))
+    _, errors = search_scale(x_mean, None, direct, AwqOptions(n_grid=8, search="grid"))
     candidates = [torch.ones(64)] + [candidate_scales(x_mean, None, i / 8) for i in range(8)]
     assert torch.equal(s, candidates[min(range(len(errors)), key=errors.__getitem__)])
 

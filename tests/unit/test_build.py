@@ -145,3 +145,14 @@ def test_one_quantization_exports_every_target_and_measures_batch_sizes(tiny_mod
     by_batch = result.evals["torch:baseline"]["throughput"]["by_batch_size"]
     assert set(by_batch) == {"1", "2"} and by_batch["2"]["prefill_tokens_per_s"]["median"] > 0
     assert "Throughput by batch size" in render_markdown(result)
+
+
+def test_artifacts_no_engine_here_loads_say_why(tiny_model: Path, tmp_path: Path) -> None:
+    from llmc.eval.report import summary_rows
+
+    text = recipe_text(tiny_model, tmp_path / "registry",
+                       **{"quantization.weights": {"format": "fp8_e4m3", "strategy": "tensor"},
+                          "targets": [{"runtime": "tensorrt-llm", "gpu_arch": "sm90"}]})
+    result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
+    rows = summary_rows(result)
+    assert len(rows) == 1 and "TensorRT-LLM needs an NVIDIA GPU" in rows[0][-1]

@@ -68,6 +68,7 @@ def awq_options(scheme: Scheme) -> AwqOptions:
     o = options(scheme)
     return AwqOptions(
         n_grid=int(o.get("n_grid", 20)),
+        search=str(o.get("search", "refine")),
         duo_scaling=bool(o.get("duo_scaling", True)),
         clip=bool(o.get("clip", True)),
     )
@@ -84,8 +85,11 @@ def observe_for(scheme: Scheme, layer: nn.Module) -> Observe:
 
 def propagate_for(scheme: Scheme) -> Literal["original", "quantized"]:
     """RTN calibrates on the original model's activations (as ModelOpt does); data-driven algorithms
-    see the already-quantized previous layers (as GPTQ and llm-compressor's sequential pipeline do)."""
-    return "original" if scheme.algorithm == "rtn" else "quantized"
+    see the already-quantized previous layers (as GPTQ and llm-compressor's sequential pipeline do)
+    unless `options.propagate: original` — one layer forward per layer instead of two."""
+    if scheme.algorithm == "rtn":
+        return "original"
+    return "original" if options(scheme).get("propagate") == "original" else "quantized"
 
 
 # --------------------------------------------------------------------------- transforms

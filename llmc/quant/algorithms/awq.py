@@ -23,6 +23,7 @@ from llmc.quant.spec import TensorSpec
 @dataclass(frozen=True)
 class AwqOptions:
     n_grid: int = 20
+    search: str = "refine"  # "grid": every ratio (as AutoAWQ / llm-compressor); "refine": coarse-to-fine
     duo_scaling: bool = True  # include the weight magnitudes in the scale formula
     clip: bool = True
     clip_grid: int = 20
@@ -59,21 +60,36 @@ def search_scale(
     output_error: Callable[[torch.Tensor], float],
     options: AwqOptions = AwqOptions(),
 ) -> tuple[torch.Tensor, list[float]]:
-    """The candidate scale with the smallest `output_error(s)`, and the error of every candidate.
+    """The candidate scale with the smallest `output_error(s)`, and the error of every candidate tried.
 
-    Candidates: s ≡ 1 (plain RTN, so the search never does worse than RTN on the calibration data),
-    then one per grid ratio."""
-    errors, best, best_err = [], None, float("inf")
-    candidates = [torch.ones_like(x_mean)] + [
-        candidate_scales(x_mean, w_mean, i / options.n_grid) for i in range(options.n_grid)
-    ]
-    for s in candidates:
-        err = output_error(s)
-        errors.append(err)
-        if err < best_err:
-            best, best_err = s, err
-    assert best is not None
-    return best, errors
+    Candidates: s ≡ 1 (plain RTN, so the search never does worse than RTN on the calibration data), then
+    grid ratios r = i / n_grid. `search="grid"` tries all n_grid of them (AutoAWQ, llm-compressor);
+    `search="refine"` tries every 4th, then the two neighbours at ±2 and ±1 steps around the best so
+    far — the same resolution with about half the evaluations, exact when the error is unimodal in r.
+    """
+    tried: dict[int | None, float] = {}
+
+    def err(i: int | None) -> float:
+        if i not in tried:
+            s = torch.ones_like(x_mean) if i is None else candidate_scales(x_mean, w_mean, i / options.n_grid)
+            tried[i] = output_error(s)
+        return tried[i]
+
+    err(None)
+    if options.search == "grid":
+        for i in range(options.n_grid):
+            err(i)
+    else:
+        for i in range(0, options.n_grid, 4):
+            err(i)
+        for step in (2, 1):
+            best_i = min((i for i in tried if i is not None), key=tried.__getitem__)
+            for i in (best_i - step, best_i + step):
+                if 0 <= i < options.n_grid:
+                    err(i)
+    best = min(tried, key=tried.__getitem__)
+    s = torch.ones_like(x_mean) if best is None else candidate_scales(x_mean, w_mean, best / options.n_grid)
+    return s, list(tried.values())
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, spec: TensorSpec, options: AwqOptions = AwqOptions()) -> torch.Tensor:
