@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM); ru_maxrss would include the parent's memory at fork."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
 
 
 def w4a16(group: int) -> dict:
@@ -68,7 +73,7 @@ def main() -> None:
     wall = time.monotonic() - t
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
-    print(json.dumps({"scheme": scheme, "wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    print(json.dumps({"scheme": scheme, "wall_s": wall, "peak_rss_mb": _peak_rss_mb(),
                       "llmcompressor": llmcompressor.__version__, "torch": torch.__version__, "out": out}))
 
 

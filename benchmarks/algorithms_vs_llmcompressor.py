@@ -34,18 +34,20 @@ PAIRS = {
     "rtn-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64))", "rtn-w4a16"),
     "gptq-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='gptq')", "gptq-w4a16"),
     # next layer calibrated on this layer's unquantized outputs: one forward per layer instead of two
-    "gptq-w4a16-propagate-original": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='gptq', "
-                                      "algorithm_options=(('propagate', 'original'),))", "gptq-w4a16"),
+    "gptq-w4a16-propagate-original": (("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='gptq', "
+                                       "algorithm_options=(('propagate', 'original'),))"), "gptq-w4a16"),
     "awq-w4a16": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='awq')", "awq-w4a16"),
     # llmc's AWQ with the full 20-point grid llm-compressor uses (the default refines coarse-to-fine)
-    "awq-w4a16-grid": ("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='awq', "
-                       "algorithm_options=(('search', 'grid'),))", "awq-w4a16"),
+    "awq-w4a16-grid": (("Scheme(TensorSpec('int4', 'group', group_size=64), algorithm='awq', "
+                        "algorithm_options=(('search', 'grid'),))"), "awq-w4a16"),
     "sq-w8a8": (W8A8 + "algorithm='smoothquant')", "sq-w8a8"),
+    "sq-w8a8-propagate-original": (W8A8 + "algorithm='smoothquant', algorithm_options=(('propagate', 'original'),))",
+                                   "sq-w8a8"),
     "sq-gptq-w8a8": (W8A8 + "algorithm='smoothquant+gptq')", "sq-gptq-w8a8"),
 }
 
 LLMC_CHILD = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from pathlib import Path
 from safetensors.torch import load_file
 from llmc.compiler.compressed_tensors import export_compressed_tensors
@@ -60,7 +62,7 @@ t = time.monotonic()
 quantize_model(ModelSource(Path(folder), "smollm2", "smollm2"), scheme, out / "canonical", calibration=ids)
 wall = time.monotonic() - t
 export_compressed_tensors(QuantizedModel.open(out / "canonical"), out / "export")
-print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"wall_s": wall, "peak_rss_mb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024}))
 """
 
 

@@ -5,7 +5,8 @@
 Writes two synthetic models with SmolLM2-135M's width (hidden 576, 9/3 heads, intermediate 1536,
 vocab 49152) and random weights to disk, one `--layers` deep and one twice as deep, then quantizes
 each in a fresh child process (`llmc.quant.stream.quantize_model`, the code `llmc build` runs) and
-reads the child's peak RSS (ru_maxrss). Prints one JSON line per (algorithm, depth) and the ratio.
+reads the child's peak RSS (VmHWM of its own address space: ru_maxrss would also count the parent's
+memory at fork, which Linux carries across exec). Prints one JSON line per (algorithm, depth) and the ratio.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ SCHEMES = {
 }
 
 CHILD = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from pathlib import Path
 from llmc.model.source import ModelSource
 from llmc.quant.spec import Scheme, TensorSpec
@@ -38,7 +39,7 @@ torch.set_num_threads(2)
 calib = torch.randint(0, 49152, (samples, seq), generator=torch.Generator().manual_seed(0))
 t = time.monotonic()
 quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out), calibration=calib)
-print(json.dumps({"wall_s": time.monotonic() - t, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"wall_s": time.monotonic() - t, "peak_rss_mb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024}))
 """
 
 
