@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.capabilities import exporter_for
+from llmc.quant.algorithms import propagate_for
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
 from llmc.errors import (
     EngineFailed,
@@ -162,7 +163,7 @@ def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
 
 
 def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
-    cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype}
+    cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype, "propagate": propagate_for(scheme)}
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
