@@ -66,7 +66,11 @@ def check_safetensors_header(path: Path) -> dict:
 
 
 class CheckpointReader:
-    """Tensor name -> file index over a folder's safetensors, opened lazily."""
+    """Tensor name -> file index over a folder's safetensors.
+
+    Files are opened per read and closed right after: an open safetensors handle keeps its memory map,
+    and every page read through it stays resident in this process, so a reader held open for a whole
+    run would grow with the model (measured: peak RSS 1.28x for a model twice as deep)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -76,7 +80,6 @@ class CheckpointReader:
             for name in check_safetensors_header(f):
                 if name != "__metadata__":
                     self._where[name] = f
-        self._handles: dict[Path, object] = {}
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -85,16 +88,26 @@ class CheckpointReader:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        f = self._where.get(name)
-        if f is None:
-            raise InputError(f"tensor {name} is not in the checkpoint at {self.folder}")
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = safe_open(str(f), framework="pt")
-        return h.get_tensor(name)
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors (copies), each file opened once and closed before returning."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            f = self._where.get(name)
+            if f is None:
+                raise InputError(f"tensor {name} is not in the checkpoint at {self.folder}")
+            by_file.setdefault(f, []).append(name)
+        out = {}
+        for f, group in by_file.items():
+            with safe_open(str(f), framework="pt") as h:
+                for name in group:
+                    out[name] = h.get_tensor(name).clone()
+        return out
 
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {n[len(prefix):]: self.get(n) for n in self._where if n.startswith(prefix)}
+        names = [n for n in self._where if n.startswith(prefix)]
+        return {n[len(prefix):]: t for n, t in self.get_many(names).items()}
 
     def config(self) -> dict:
         return json.loads((self.folder / "config.json").read_text())

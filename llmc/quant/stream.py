@@ -290,7 +290,7 @@ def quantize_model(
     if calibrate:
         _register_kv_observer()
         batches = list(calibration.split(batch_size))
-        outer = {n: t for n, t in ((n, reader.get(n)) for n in reader.names()) if not n.startswith(layers_prefix + ".")}
+        outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
         materialize(model, outer, dtype)
         hidden, extras = capture_layer_inputs(model, layers, batches)
         if start:
@@ -348,7 +348,7 @@ def quantize_model(
         if on_layer_done:
             on_layer_done(i)
 
-    rest = {n: reader.get(n) for n in reader.names() if not n.startswith(layers_prefix + ".")}
+    rest = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
     rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)
     for f in TOKENIZER_FILES:
