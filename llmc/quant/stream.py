@@ -18,6 +18,8 @@ atomically in that order; a rerun in the same work directory continues at `progr
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -84,6 +86,24 @@ def materialize(module: nn.Module, tensors: dict[str, torch.Tensor], dtype: torc
 
 def release(module: nn.Module) -> None:
     module.to_empty(device="meta")
+    _return_free_heap_to_os()
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def _return_free_heap_to_os() -> None:
+    """glibc keeps freed tensors below its (self-raising) mmap threshold in the heap, so without this the
+    process's peak grows with the number of layers streamed through it: measured on a 60-layer
+    SmolLM2-width model, 1.21x the 30-layer peak (RTN, static scales); trimmed after each layer, 1.003x."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
