@@ -106,6 +106,17 @@ def describe(path: Path) -> str:
     gguf_file = path if path.suffix == ".gguf" else path / "model.gguf"
     if gguf_file.is_file():
         return _describe_gguf(gguf_file)
+    if (path / "config.json").is_file() and (path / "rank0.safetensors").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        q, m = cfg.get("quantization") or {}, cfg.get("mapping") or {}
+        return "\n".join([
+            f"TensorRT-LLM checkpoint (legacy, per rank) at {path} ({cfg.get('architecture')}, dtype {cfg.get('dtype')})",
+            f"  quant_algo {q.get('quant_algo')}, KV cache {q.get('kv_cache_quant_algo') or 'unquantized'}; "
+            f"tp_size {m.get('tp_size')}, pp_size {m.get('pp_size')}: "
+            + ", ".join(sorted(p.name for p in path.glob("rank*.safetensors"))),
+            f"  accepted by: trtllm-build (TensorRT-LLM < 0.17 and later) on an NVIDIA GPU: "
+            f"trtllm-build --checkpoint_dir {path} --output_dir <engine dir>",
+        ])
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
         q = cfg.get("quantization_config")

@@ -100,4 +100,5 @@ def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Pa
     assert 0 < one.qkv_requantization_error < 0.05
     cfg = json.loads((tmp_path / "tp2" / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
+    assert "TensorRT-LLM checkpoint (legacy" in describe(tmp_path / "tp2") and "tp_size 2" in describe(tmp_path / "tp2")
     assert cfg["quantization"]["kv_cache_quant_algo"] == "FP8"
