@@ -195,6 +195,13 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 
         def write(out: Path) -> None:
             export_gguf(qm, out, **GGUF_OPTIONS)
+    elif exporter == "onnx":
+        from llmc.compiler.onnx_genai import ONNX_OPTIONS, export_onnx
+
+        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": ONNX_OPTIONS}
+
+        def write(out: Path) -> None:
+            export_onnx(qm, out, **ONNX_OPTIONS)
     elif exporter == "trtllm-checkpoint":
         from llmc.compiler.trtllm_legacy import export_trtllm_legacy
 
@@ -251,14 +258,19 @@ def _engine_for(engine: str, folder: Path, dtype: str):
         from llmc.engines.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(folder, dtype=dtype)
+    if engine == "onnxruntime":
+        from llmc.engines.onnxrt import OnnxRuntimeEngine
+
+        return OnnxRuntimeEngine(folder, dtype=dtype)
     raise ValueError(engine)
 
 
 # Which exported formats each evaluation engine loads.
-ENGINE_READS = {"torch": {"compressed-tensors"}, "vllm": {"compressed-tensors"}, "llama.cpp": {"gguf"}}
+ENGINE_READS = {"torch": {"compressed-tensors"}, "vllm": {"compressed-tensors"}, "llama.cpp": {"gguf"},
+                "onnxruntime": {"onnx"}}
 # Engines that cannot load the unquantized source are paired with the torch reference's baseline
 # (same windows, same token ids): their change then includes the engine's own arithmetic.
-BASELINE_FROM_TORCH = {"llama.cpp"}
+BASELINE_FROM_TORCH = {"llama.cpp", "onnxruntime"}
 
 
 def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt,

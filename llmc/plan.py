@@ -108,6 +108,13 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
             fix="target " + ", ".join(sorted(r for r, e in EXPORTERS.items() if e in IMPLEMENTED_EXPORTERS)),
         )
+    if exporter == "onnx":
+        from llmc.compiler.onnx_genai import check_scheme as check_onnx
+
+        try:
+            check_onnx(scheme)
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     if exporter in ("modelopt-hf", "trtllm-checkpoint"):
         from llmc.compiler.modelopt_hf import quant_algo
         from llmc.compiler.trtllm_legacy import check_scheme

@@ -80,6 +80,8 @@ def unevaluated_reason(exporter: str) -> str:
         return "not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conformance-tested against ModelOpt)"
     if exporter == "gguf":
         return "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
+    if exporter == "onnx":
+        return "not evaluated: add onnxruntime to eval.runtimes"
     return f"not evaluated: no engine in eval.runtimes loads {exporter}"
 
 

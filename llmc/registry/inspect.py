@@ -73,6 +73,29 @@ def _describe_gguf(path: Path) -> str:
     ])
 
 
+def _describe_onnx(path: Path) -> str:
+    from collections import Counter
+
+    import onnx
+
+    cfg = json.loads((path / "genai_config.json").read_text())["model"]
+    dec = cfg["decoder"]
+    graph = onnx.load(str(path / dec["filename"]), load_external_data=False).graph
+    ops = Counter(n.op_type for n in graph.node)
+    blocks = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name in ("bits",)}
+    serve = path / "llmc-serve.json"
+    extra = json.loads(serve.read_text()) if serve.is_file() else {}
+    return "\n".join([
+        f"ONNX Runtime model folder (onnxruntime-genai) at {path} ({cfg.get('type')}, {dec['num_hidden_layers']} layers)",
+        "  ops: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
+        + (f"; MatMulNBits bits {sorted(blocks)}" if blocks else ""),
+        f"  {extra.get('weights', 'not written by llmc')}"
+        + (f"; accuracy_level {extra['accuracy_level']} ({extra['activations']})" if "accuracy_level" in extra else ""),
+        "  accepted by: onnxruntime (CPU EP here; CUDA/DML EPs run MatMulNBits too), onnxruntime-genai "
+        f"(og.Model('{path}'))",
+    ])
+
+
 def describe(path: Path) -> str:
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -103,6 +126,8 @@ def describe(path: Path) -> str:
             f"source {qm.meta['source']['origin']} ({qm.meta['source']['sha256']})",
             "  exporters read this; runtimes do not",
         ])
+    if (path / "genai_config.json").is_file():
+        return _describe_onnx(path)
     gguf_file = path if path.suffix == ".gguf" else path / "model.gguf"
     if gguf_file.is_file():
         return _describe_gguf(gguf_file)
@@ -136,6 +161,13 @@ def describe(path: Path) -> str:
             if (path / "llmc-trtllm.yaml").is_file():
                 lines.append(f"  serve with: trtllm-serve {path} --extra_llm_api_options {path / 'llmc-trtllm.yaml'}")
             return "\n".join(lines)
+        if q.get("quant_method") == "gptq" and "llmc" in (q.get("meta") or {}).get("quantizer", []):
+            return "\n".join([
+                f"GPTQ-format checkpoint (v1 layout, written by llmc) at {path} ({arch})",
+                f"  {q['bits']}-bit, group {q['group_size']}, {'symmetric' if q.get('sym') else 'asymmetric'}, "
+                f"desc_act {q.get('desc_act')}; algorithm {(q.get('meta') or {}).get('algorithm')}",
+                "  accepted by: onnxruntime-genai's model builder, transformers + GPTQModel, ExLlamaV2, vLLM (gptq/marlin)",
+            ])
         if q.get("quant_method") != "compressed-tensors":
             return f"Hugging Face checkpoint at {path} ({arch}) quantized with {q.get('quant_method')} (not produced by llmc)"
         s = _scheme_from_ct(q)

@@ -1,0 +1,159 @@
+"""Export integer weight-only schemes as a GPTQ-format checkpoint (AutoGPTQ / GPTQModel "gptq" v1).
+
+The layout ExLlama(v2), LMDeploy's GPTQ path, transformers + GPTQModel and onnxruntime-genai's model
+builder read. For each quantized Linear `m` (bits b, 32 // b codes per int32):
+
+    m.qweight   int32 [in // (32/b), out]   unsigned codes, packed along the *input* dim, low bits first
+    m.qzeros    int32 [groups, out // (32/b)] zero point - 1 (the v1 format's historical offset),
+                                            packed along the output dim, masked to b bits
+    m.scales    float16 [groups, out]
+    m.g_idx     int32 [in]                   group of each input channel (i // group_size: no act-order
+                                            permutation is needed, llmc's GPTQ stores codes in input order)
+    m.bias      unchanged
+
+    weight[o, i] = scales[g, o] * (q[i, o] - (qzeros[g, o] + 1)),  g = g_idx[i]
+
+Canonical signed codes c in [-2^(b-1), 2^(b-1)) with zero point z (0 when symmetric) map exactly to
+unsigned q = c + 2^(b-1), zero z + 2^(b-1); only the scales are rounded (float32 -> float16, relative
+error <= 2^-11, measured and returned). Per-channel and per-tensor scales become one group spanning the
+input (group_size -1 in the config). FP8 and activation-quantized schemes are refused: the format is
+weight-only integer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmc.compiler.files import copy_tokenizer_files, write_shards
+from llmc.errors import IncompatibleTargetError
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme
+from llmc.store import atomic_write_json
+
+BITS = {"int4": 4, "int8": 8}
+
+
+def check_scheme(scheme: Scheme, target: str = "GPTQ format") -> int:
+    """Bits of the scheme's weights, or IncompatibleTargetError naming what the format cannot hold."""
+    w = scheme.weights
+    if w is None or w.format not in BITS:
+        raise IncompatibleTargetError(
+            f"{target} holds integer weights (int4/int8); this scheme's weights are {w.format if w else 'unquantized'}",
+            fix="use a W4A16 or W8A16 integer scheme for this target, or a compressed-tensors / TensorRT-LLM target")
+    if scheme.activations is not None:
+        raise IncompatibleTargetError(
+            f"{target} is weight-only; this scheme also quantizes activations ({scheme.name})",
+            fix="use the weight-only variant of the scheme (e.g. W8A16 / W4A16) for this target")
+    if scheme.weights.strategy == "group" and scheme.weights.group_size is None:
+        raise IncompatibleTargetError(f"{target}: group strategy without a group size")
+    return BITS[w.format]
+
+
+def pack_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, m] unsigned codes (< 2^bits) -> int32 [n // (32/bits), m]; row n*k + j sits at bits j*bits."""
+    per = 32 // bits
+    n, m = values.shape
+    if n % per:
+        raise ValueError(f"{n} rows do not pack into int32 words of {per} codes")
+    v = values.to(torch.int64).reshape(n // per, per, m)
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    words = (v << shifts).sum(dim=1)  # disjoint bit fields: sum == bitwise or
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
+
+
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_along_rows: int32 [n / per, m] -> int64 [n, m] unsigned codes."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    codes = (w.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1, words.shape[-1])
+
+
+@dataclass
+class GPTQTensors:
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+
+def to_gptq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int) -> GPTQTensors:
+    """Canonical [out, in] signed codes + [out, groups] (or [out,1] / [1]) scales -> GPTQ v1 tensors."""
+    out_f, in_f = codes.shape
+    offset = 1 << (bits - 1)
+    scale = scale.float().reshape(out_f, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out_f, 1)
+    groups = scale.shape[1]
+    group_size = in_f // groups
+    zero = torch.zeros_like(scale, dtype=torch.int64) if zero_point is None else zero_point.to(torch.int64).reshape(out_f, groups)
+    unsigned = (codes.to(torch.int64) + offset).t().contiguous()  # [in, out]
+    stored_zero = ((zero + offset - 1) & ((1 << bits) - 1)).t().contiguous()  # [groups, out]
+    return GPTQTensors(
+        qweight=pack_along_rows(unsigned, bits),
+        qzeros=pack_along_rows(stored_zero.t().contiguous(), bits).t().contiguous(),
+        scales=scale.t().contiguous().to(torch.float16),
+        g_idx=(torch.arange(in_f, dtype=torch.int32) // group_size),
+    )
+
+
+def dequantize_gptq(t: GPTQTensors, bits: int) -> torch.Tensor:
+    """Independent decoding of the stored tensors (what a GPTQ kernel computes), float32 [out, in]."""
+    q = unpack_rows(t.qweight, bits)  # [in, out]
+    z = unpack_rows(t.qzeros.t().contiguous(), bits).t()  # [groups, out]
+    g = t.g_idx.long()
+    zeros = ((z + 1) & ((1 << bits) - 1))[g]  # [in, out]
+    return (t.scales.float()[g] * (q - zeros).float()).t().contiguous()
+
+
+def gptq_quantization_config(scheme: Scheme, bits: int) -> dict:
+    w = scheme.weights
+    return {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": bits,
+        "group_size": w.group_size if w.strategy == "group" else -1,
+        "desc_act": False,
+        "sym": bool(w.symmetric),
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "static_groups": False,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": ["llmc"], "algorithm": scheme.algorithm},
+    }
+
+
+def export_gptq(qm: QuantizedModel, out: Path) -> dict:
+    """Write config.json (with quantization_config), GPTQ-format safetensors and the tokenizer.
+
+    Returns a summary with the largest relative weight error the float16 scales introduced."""
+    bits = check_scheme(qm.scheme)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    worst = 0.0
+
+    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        nonlocal worst
+        converted: dict[str, torch.Tensor] = {}
+        modules = [m for m in qm.quantized_modules if f"{m}.weight" in tensors]
+        for m in modules:
+            t = to_gptq(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"), bits)
+            ref = qm.dequantized_weight(tensors, m).float()
+            err = (dequantize_gptq(t, bits) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+            worst = max(worst, err)
+            converted.update({f"{m}.qweight": t.qweight, f"{m}.qzeros": t.qzeros, f"{m}.scales": t.scales,
+                              f"{m}.g_idx": t.g_idx})
+        skip = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_zero_point")}
+        converted.update({k: v for k, v in tensors.items() if k not in skip})
+        return converted
+
+    written = write_shards(out, (convert(t) for t in qm.iter_files()))
+    config = dict(qm.config)
+    config["quantization_config"] = gptq_quantization_config(qm.scheme, bits)
+    config["dtype"] = qm.meta.get("dtype", "float32")
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    copy_tokenizer_files(qm.root, out)
+    return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}

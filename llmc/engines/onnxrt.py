@@ -1,0 +1,131 @@
+"""ONNX Runtime engine: scores an ONNX artifact (onnxruntime-genai layout) with onnxruntime on the CPU.
+
+The artifact's decoder is one `model.onnx` with inputs input_ids, attention_mask and
+past_key_values.{i}.key/value, outputs logits and present.{i}.key/value (what onnxruntime-genai's
+model builder writes and `genai_config.json` names). Scoring runs each window as one prefill with an
+empty cache and reads the full logits, so besides the NLL it measures KL and top-1 agreement against a
+reference's top-k log-probs; decode tok/s feeds `present` back as `past` one token at a time, as
+onnxruntime-genai's generator does. (Not called onnxruntime.py: that would shadow the real package.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmc.engines.torch_ref import topk_kl
+from llmc.errors import EngineFailed, EngineUnavailable
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise EngineUnavailable(f"onnxruntime is not importable: {e}", fix="bash scripts/setup.sh") from None
+    return onnxruntime
+
+
+class OnnxRuntimeEngine:
+    name = "onnxruntime"
+
+    def __init__(self, folder: Path, *, dtype: str = "float32", threads: int | None = None) -> None:
+        del dtype  # the graph's own types decide the arithmetic
+        ort = _ort()
+        folder = Path(folder)
+        try:
+            cfg = json.loads((folder / GENAI_CONFIG).read_text())["model"]
+        except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+            raise EngineFailed(f"{folder} has no readable {GENAI_CONFIG} ({e})",
+                               fix="export the artifact for an onnxruntime target") from None
+        dec = cfg["decoder"]
+        self.model_path = folder / dec["filename"]
+        self.layers, self.kv_heads, self.head_size = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
+        self.inputs, self.outputs = dec["inputs"], dec["outputs"]
+        self.threads = threads or os.cpu_count() or 1
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.threads
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.model_path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types for invalid graphs/data
+            raise EngineFailed(f"onnxruntime could not load {self.model_path}: {e}",
+                               fix="check the artifact with `llmc inspect`; re-export it if files are damaged") from None
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        self.kv_dtype = np.float16 if "float16" in types.get(self.inputs["past_key_names"] % 0, "") else np.float32
+        self.version = ort.__version__
+
+    def _feed(self, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int) -> dict[str, np.ndarray]:
+        b, s = ids.shape
+        feed = {self.inputs["input_ids"]: ids.astype(np.int64),
+                self.inputs["attention_mask"]: np.ones((b, past_len + s), dtype=np.int64)}
+        for i in range(self.layers):
+            for j, kind in enumerate(("past_key_names", "past_value_names")):
+                feed[self.inputs[kind] % i] = (past[2 * i + j] if past is not None else
+                                               np.zeros((b, self.kv_heads, 0, self.head_size), dtype=self.kv_dtype))
+        return feed
+
+    def _run(self, ids: np.ndarray, past: list[np.ndarray] | None = None, past_len: int = 0):
+        names = [self.outputs["logits"]] + [self.outputs[k] % i for i in range(self.layers)
+                                             for k in ("present_key_names", "present_value_names")]
+        out = self.session.run(names, self._feed(ids, past, past_len))
+        return out[0], out[1:]
+
+    def score(self, windows: torch.Tensor, reference: dict | None = None, top_k: int = 256) -> dict[str, torch.Tensor]:
+        """Per-token NLL, and either top-k log-probs (as a reference) or KL / top-1 against `reference`."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        for w in range(windows.shape[0]):
+            ids = windows[w : w + 1]
+            logits, _ = self._run(ids.numpy())
+            logits = torch.from_numpy(np.ascontiguousarray(logits[:, :-1])).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            out = {"nll": (lse.squeeze(-1) - logits.gather(-1, ids[:, 1:, None]).squeeze(-1)).double()}
+            if reference is None:
+                top = logits.topk(top_k, dim=-1)
+                out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
+            else:
+                ref_ix = reference["topk_index"][w : w + 1].long()
+                out["kl"] = topk_kl(reference["topk_logprobs"][w : w + 1], logits.gather(-1, ref_ix) - lse)
+                out["top1"] = (logits.argmax(-1) == ref_ix[..., 0]).double()
+            for k, v in out.items():
+                parts.setdefault(k, []).append(v)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
+        """Prefill tok/s of `prompt` [1, n] and greedy decode tok/s after a 64-token prefill."""
+        ids = prompt.numpy()
+        self._run(ids[:, :8])  # warm-up
+        prefill, decode = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self._run(ids)
+            prefill.append(ids.size / (time.perf_counter() - t))
+            if decode_tokens:
+                short = ids[:, :64]
+                logits, past = self._run(short)
+                nxt, n = logits[:, -1:].argmax(-1), short.shape[1]
+                t = time.perf_counter()
+                for _ in range(decode_tokens):
+                    logits, past = self._run(nxt, past, n)
+                    nxt, n = logits[:, -1:].argmax(-1), n + 1
+                decode.append(decode_tokens / (time.perf_counter() - t))
+        return {"prefill_tokens_per_s": _summary(prefill), "decode_tokens_per_s": _summary(decode) if decode else None,
+                "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens, "repeats": repeats,
+                "threads": self.threads, "engine_version": self.version}
+
+    def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
+                batch_size: int = 4, reference: dict | None = None, top_k: int = 256) -> tuple[dict, dict]:
+        """(scores, throughput), the interface every engine offers the build."""
+        del batch_size
+        return self.score(windows, reference, top_k), self.throughput(prompt[:1], decode_tokens, repeats)
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

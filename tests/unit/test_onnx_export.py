@@ -1,0 +1,285 @@
+"""ONNX Runtime export: the GPTQ-format intermediate, the onnxruntime-genai folder built from it, and
+the onnxruntime engine. Tiny random llama; onnxruntime runs on the CPU in the default test run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from llmc.compiler import gptq_format as GF
+from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.compiler.onnx_genai import UNQUANTIZED_NODES, check_scheme, export_onnx
+from llmc.engines.onnxrt import OnnxRuntimeEngine
+from llmc.engines.torch_ref import TorchEngine
+from llmc.errors import EngineFailed, IncompatibleTargetError
+from llmc.model.source import ModelSource
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream import quantize_model
+
+SCHEMES = {
+    "g32-sym": Scheme(TensorSpec("int4", "group", group_size=32)),
+    "g32-asym": Scheme(TensorSpec("int4", "group", group_size=32, symmetric=False)),
+}
+
+
+def _quantized(model: Path, scheme: Scheme, out: Path) -> QuantizedModel:
+    """Quantize, then round the scales to float16-representable values (GPTQ/MatMulNBits store fp16
+    scales): the ONNX and compressed-tensors exports then hold the very same weights, and any
+    difference between the runtimes is arithmetic alone."""
+    from safetensors.torch import load_file, save_file
+
+    quantize_model(ModelSource(model, "test", str(model)), scheme, out, calibration=None)
+    qm = QuantizedModel.open(out)
+    for f in qm.files():
+        t = load_file(str(f))
+        t = {k: v.half().float() if k.endswith(".weight_scale") else v for k, v in t.items()}
+        save_file(t, str(f))
+    return qm
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_model_session: Path) -> dict[str, tuple[QuantizedModel, Path, Path]]:
+    """scheme -> (canonical form, ONNX folder at accuracy_level 1, compressed-tensors export)."""
+    root = tmp_path_factory.mktemp("onnx")
+    out = {}
+    for name, scheme in SCHEMES.items():
+        qm = _quantized(tiny_model_session, scheme, root / f"q-{name}")
+        export_onnx(qm, root / f"onnx-{name}", accuracy_level=1)
+        export_compressed_tensors(qm, root / f"ct-{name}")
+        out[name] = (qm, root / f"onnx-{name}", root / f"ct-{name}")
+    return out
+
+
+def _canonical(qm: QuantizedModel) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for t in qm.iter_files():
+        out.update(t)
+    return out
+
+
+# --- GPTQ format ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip(bits: int) -> None:
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (64, 24), generator=g)
+    words = GF.pack_along_rows(codes, bits)
+    assert words.dtype == torch.int32 and words.shape == (64 * bits // 32, 24)
+    assert torch.equal(GF.unpack_rows(words, bits), codes)
+
+
+def test_packing_matches_the_gptq_bit_layout() -> None:
+    # input row 8k + j of column o sits at bits 4j..4j+3 of qweight[k, o] (low nibble first)
+    codes = torch.zeros(8, 1, dtype=torch.int64)
+    codes[1, 0], codes[7, 0] = 0x3, 0xF
+    word = int(GF.pack_along_rows(codes, 4)[0, 0]) & 0xFFFFFFFF
+    assert word == (0x3 << 4) | (0xF << 28)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_tensors_decode_to_the_canonical_weights(symmetric: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    out_f, in_f, group = 16, 64, 32
+    codes = torch.randint(-8, 8, (out_f, in_f), generator=g, dtype=torch.int8)
+    # fp16-representable scales: the conversion must then be exact
+    scale = (torch.rand(out_f, in_f // group, generator=g) * 0.05 + 0.01).half().float()
+    zp = torch.randint(-8, 8, scale.shape, generator=g, dtype=torch.int8) if not symmetric else None
+    t = GF.to_gptq(codes, scale, zp, 4)
+    zero = zp.float()[..., None] if zp is not None else 0.0
+    expected = ((codes.float().reshape(out_f, -1, group) - zero) * scale[..., None]).reshape(out_f, in_f)
+    assert torch.equal(GF.dequantize_gptq(t, 4), expected)
+    assert t.qweight.shape == (in_f // 8, out_f) and t.qzeros.shape == (in_f // group, out_f // 8)
+    assert t.scales.dtype == torch.float16 and torch.equal(t.g_idx, torch.arange(in_f, dtype=torch.int32) // group)
+    if symmetric:  # zero 8 stored as 7 in every nibble (the v1 format's offset)
+        assert (t.qzeros == 0x77777777).all()
+
+
+def test_gptq_checkpoint_config(exported, tmp_path: Path) -> None:
+    qm, _, _ = exported["g32-asym"]
+    summary = GF.export_gptq(qm, tmp_path / "gptq")
+    cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 32, False, False)
+    assert summary["max_relative_weight_error_fp16_scales"] == 0.0  # the fixture's scales are fp16 already
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "gptq" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    m = "model.layers.0.self_attn.q_proj"
+    assert {f"{m}.qweight", f"{m}.qzeros", f"{m}.scales", f"{m}.g_idx"} <= names and f"{m}.weight" not in names
+
+
+# --- ONNX folder ----------------------------------------------------------------------------------------
+
+def _matmulnbits_weights(folder: Path) -> dict[str, np.ndarray]:
+    """Decode every MatMulNBits node's B / scales / zero_points to float [N, K] (ORT's documented layout)."""
+    model = onnx.load(str(folder / "model.onnx"))
+    init = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        n, k, block, bits = attrs["N"], attrs["K"], attrs["block_size"], attrs["bits"]
+        assert bits == 4
+        blob = init[node.input[1]].reshape(n, -1)  # [N, n_blocks * block/2] bytes
+        q = np.stack([blob & 0x0F, blob >> 4], axis=-1).reshape(n, -1)[:, :k].astype(np.float64)
+        blocks = -(-k // block)
+        scales = init[node.input[2]].reshape(n, blocks).astype(np.float64)
+        if len(node.input) > 3 and node.input[3]:
+            zb = init[node.input[3]].reshape(n, -1)
+            zp = np.stack([zb & 0x0F, zb >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
+        else:
+            zp = np.full((n, blocks), 8.0)
+        out[node.name] = ((q - np.repeat(zp, block, 1)[:, :k]) * np.repeat(scales, block, 1)[:, :k])
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_matmulnbits_blocks_hold_the_canonical_codes(exported, name: str) -> None:
+    qm, folder, _ = exported[name]
+    decoded = _matmulnbits_weights(folder)
+    tensors = _canonical(qm)
+    deq = {m: qm.dequantized_weight(tensors, m).double().numpy() for m in qm.quantized_modules}
+    layers = qm.config["num_hidden_layers"]
+    checked = set()
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        want = {
+            f"/model/layers.{i}/attn/qkv_proj/MatMulNBits": np.concatenate(
+                [deq[f"{p}.self_attn.{x}_proj"] for x in "qkv"]),
+            f"/model/layers.{i}/attn/o_proj/MatMulNBits": deq[f"{p}.self_attn.o_proj"],
+            f"/model/layers.{i}/mlp/gate_proj/MatMulNBits": deq[f"{p}.mlp.gate_proj"],
+            f"/model/layers.{i}/mlp/up_proj/MatMulNBits": deq[f"{p}.mlp.up_proj"],
+            f"/model/layers.{i}/mlp/down_proj/MatMulNBits": deq[f"{p}.mlp.down_proj"],
+        }
+        for node, w in want.items():
+            got = decoded[node]
+            checked.add(node)
+            # the fixture's scales are fp16-representable: the blocks decode to the canonical weights exactly
+            assert np.array_equal(got, w), node
+    assert checked == set(decoded)  # q/k/v fused into one node per layer; nothing else quantized
+
+
+def test_graph_uses_ort_fused_ops_and_keeps_unquantized_tensors_float(exported) -> None:
+    _, folder, _ = exported["g32-sym"]
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
+    assert "GatherBlockQuantized" not in ops  # the embedding stays float (not in the scheme)
+    names = {n.name for n in graph.node}
+    assert "/lm_head/MatMul" in names and "/model/embed_tokens/Gather" in names
+    assert UNQUANTIZED_NODES == ("/lm_head/MatMul", "/model/embed_tokens/Gather")
+    genai = json.loads((folder / "genai_config.json").read_text())["model"]
+    assert genai["decoder"]["filename"] == "model.onnx" and genai["type"] == "llama"
+    serve = json.loads((folder / "llmc-serve.json").read_text())
+    assert serve["accuracy_level"] == 1 and serve["rotary_cache_max_error"] < 1e-4
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_onnxruntime_reproduces_the_torch_reference(exported, name: str) -> None:
+    """fp32 compute (accuracy_level 1): same codes, same function -> same NLL and logits to rounding."""
+    _, folder, ct = exported[name]
+    windows = torch.randint(3, 290, (2, 48), generator=torch.Generator().manual_seed(0))
+    ref = TorchEngine(ct).score(windows, reference=None)
+    ort = OnnxRuntimeEngine(folder)
+    got = ort.score(windows, reference=ref)
+    assert torch.allclose(got["nll"], ref["nll"], atol=2e-4, rtol=0), (got["nll"] - ref["nll"]).abs().max()
+    assert got["kl"].max().item() < 1e-5
+    assert got["top1"].mean().item() == 1.0
+    again = ort.score(windows, reference=ref)
+    assert torch.equal(again["nll"], got["nll"])  # deterministic
+
+
+def test_decode_with_kv_cache_matches_full_forward(exported) -> None:
+    _, folder, _ = exported["g32-sym"]
+    ort = OnnxRuntimeEngine(folder)
+    ids = torch.randint(3, 290, (1, 20), generator=torch.Generator().manual_seed(2)).numpy()
+    full, _ = ort._run(ids)
+    logits, past = ort._run(ids[:, :12])
+    steps = [logits[:, -1]]
+    for t in range(12, 19):
+        logits, past = ort._run(ids[:, t : t + 1], past, t)
+        steps.append(logits[:, -1])
+    assert np.allclose(np.stack(steps, 1), full[:, 11:19], atol=1e-4)
+    tput = ort.throughput(torch.from_numpy(ids), decode_tokens=4, repeats=1)
+    assert tput["prefill_tokens_per_s"]["median"] > 0 and tput["decode_tokens_per_s"]["n"] == 1
+
+
+def test_default_accuracy_level_quantizes_activations_and_stays_close(exported, tmp_path: Path) -> None:
+    qm, _, ct = exported["g32-sym"]
+    export_onnx(qm, tmp_path / "acc4")  # ORT's CPU default: int8 activations inside MatMulNBits
+    graph = onnx.load(str(tmp_path / "acc4" / "model.onnx"), load_external_data=False).graph
+    levels = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}
+    windows = torch.randint(3, 290, (2, 48), generator=torch.Generator().manual_seed(0))
+    ref = TorchEngine(ct).score(windows)
+    got = OnnxRuntimeEngine(tmp_path / "acc4").score(windows)
+    change = got["nll"].mean().exp() / ref["nll"].mean().exp() - 1
+    assert 0 < abs(change.item()) < 0.02  # different arithmetic, same weights
+
+
+def test_refuses_what_matmulnbits_cannot_hold_exactly() -> None:
+    bad = {
+        "int8": Scheme(TensorSpec("int8", "channel")),
+        "channel": Scheme(TensorSpec("int4", "channel")),
+        "g48": Scheme(TensorSpec("int4", "group", group_size=48)),
+        "fp8": Scheme(TensorSpec("fp8_e4m3", "channel")),
+        "w4a8": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("int8", "token", dynamic=True)),
+        "kv": Scheme(TensorSpec("int4", "group", group_size=32), kv_cache=TensorSpec("fp8_e4m3", "tensor")),
+    }
+    for name, scheme in bad.items():
+        with pytest.raises(IncompatibleTargetError) as e:
+            check_scheme(scheme)
+        assert e.value.fix, name
+    check_scheme(SCHEMES["g32-asym"])
+
+
+def test_planner_accepts_w4a16_and_refuses_w8a8_for_onnxruntime() -> None:
+    from llmc.plan import check_target
+    from llmc.recipe.schema import Target
+
+    target = Target(runtime="onnxruntime", gpu_arch="cpu")
+    assert check_target(SCHEMES["g32-sym"], target)[0] == "cpu"
+    with pytest.raises(IncompatibleTargetError, match="W8A8-INT8"):
+        check_target(Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True)), target)
+    with pytest.raises(IncompatibleTargetError, match="MatMulNBits"):
+        check_target(Scheme(TensorSpec("int4", "channel")), target)
+
+
+def test_engine_names_a_damaged_artifact(exported, tmp_path: Path) -> None:
+    import shutil
+
+    _, folder, _ = exported["g32-sym"]
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "model.onnx").write_bytes((folder / "model.onnx").read_bytes()[:1000])
+    with pytest.raises(EngineFailed, match="could not load"):
+        OnnxRuntimeEngine(broken)
+    (broken / "genai_config.json").unlink()
+    with pytest.raises(EngineFailed, match="genai_config.json"):
+        OnnxRuntimeEngine(broken)
+
+
+def test_inspect_describes_the_folder(exported) -> None:
+    from llmc.registry.inspect import describe
+
+    _, folder, _ = exported["g32-sym"]
+    text = describe(folder)
+    assert "ONNX Runtime model folder" in text and "MatMulNBits" in text and "accuracy_level 1" in text
+
+
+def test_float32_scales_round_to_fp16_within_its_unit_roundoff() -> None:
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-8, 8, (8, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(8, 2, generator=g) * 0.05 + 0.01
+    exact = (codes.float().reshape(8, 2, 32) * scale[..., None]).reshape(8, 64)
+    err = (GF.dequantize_gptq(GF.to_gptq(codes, scale, None, 4), 4) - exact).abs()
+    assert 0 < err.max() and (err <= exact.abs() * 2.0**-11 + 1e-12).all()
