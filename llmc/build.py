@@ -147,7 +147,8 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
 def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
     c = result.recipe.calibration
     docs = load_corpus(c.dataset, "calibration")
-    cfg = {**c.model_dump(mode="json"), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+    # Where activations live changes no result, so it stays out of the stage key.
+    cfg = {**c.model_dump(mode="json", exclude={"spill_activations"}), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
     key = stage_key("calibrate", cfg, [result.source.sha256])
     done = store.lookup("calibrate", key)
     with _Timer(result, "calibrate", key, done is not None):
@@ -181,6 +182,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     dtype=_dtype(result.recipe),
                     extra_meta={"calibration_key": calib_key},
                     on_layer_done=lambda i: die_if_asked(f"quantize:layer:{i}"),
+                    spill_activations=result.recipe.calibration.spill_activations,
                 )
             done = store.lookup("quantize", key)
     return done, key
@@ -191,22 +193,32 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
     if exporter == "gguf":
         from llmc.compiler.gguf import GGUF_OPTIONS, export_gguf
 
-        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": GGUF_OPTIONS}
+        cfg = {"exporter": exporter, "target": _target_key(target), "options": GGUF_OPTIONS}
 
         def write(out: Path) -> None:
             export_gguf(qm, out, **GGUF_OPTIONS)
     elif exporter == "onnx":
         from llmc.compiler.onnx_genai import ONNX_OPTIONS, export_onnx
 
-        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": ONNX_OPTIONS}
+        cfg = {"exporter": exporter, "target": _target_key(target), "options": ONNX_OPTIONS}
 
         def write(out: Path) -> None:
             export_onnx(qm, out, **ONNX_OPTIONS)
+    elif exporter in ("awq", "gptq"):
+        from llmc.compiler import awq_format, gptq_format
+
+        export, serve_args = {"awq": (awq_format.export_awq, awq_format.serve_args),
+                              "gptq": (gptq_format.export_gptq, gptq_format.serve_args)}[exporter]
+        serve = serve_args(tensor_parallel=target.tensor_parallel)
+        cfg = {"exporter": exporter, "target": _target_key(target), "serve": serve}
+
+        def write(out: Path) -> None:
+            export(qm, out, serve=serve)
     elif exporter == "trtllm-checkpoint":
         from llmc.compiler.trtllm_legacy import export_trtllm_legacy
 
         opts = {"tensor_parallel": target.tensor_parallel, "dtype": "float16"}
-        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": opts}
+        cfg = {"exporter": exporter, "target": _target_key(target), "options": opts}
 
         def write(out: Path) -> None:
             export_trtllm_legacy(qm, out, **opts)
@@ -215,16 +227,25 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 
         opts = {"tensor_parallel": target.tensor_parallel, "max_batch_size": result.recipe.eval.batch_size,
                 "max_num_tokens": 8192}
-        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "options": opts}
+        cfg = {"exporter": exporter, "target": _target_key(target), "options": opts}
 
         def write(out: Path) -> None:
             export_modelopt_hf(qm, out, **opts)
     else:
         serve = vllm_serve_args(qm, tensor_parallel=target.tensor_parallel, max_model_len=result.recipe.eval.seq_len)
-        cfg = {"exporter": exporter, "target": target.model_dump(mode="json"), "serve": serve}
+        cfg = {"exporter": exporter, "target": _target_key(target), "serve": serve}
 
         def write(out: Path) -> None:
             export_compressed_tensors(qm, out, serve_args=serve)
+    if target.triton:
+        from llmc.compiler.triton_repo import model_name, write_triton_repo
+
+        write_artifact = write
+
+        def write(out: Path) -> None:
+            write_artifact(out)
+            write_triton_repo(out, exporter, target.runtime, name=model_name(f"{result.recipe.name}-{label}"),
+                              serve=cfg.get("serve"))
     key = stage_key("export", cfg, [quant_key])
     done = store.lookup("export", key)
     with _Timer(result, f"export:{label}", key, done is not None):
@@ -241,8 +262,13 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
     }
     weights_key = stage_key("artifact-content", {k: v for k, v in files.items() if k != "llmc-serve.json"})
     result.artifacts[label] = {"dir": str(done), "key": key, "files": files, "content_key": weights_key,
-                               "exporter": exporter, "target": target.model_dump(mode="json"),
+                               "exporter": exporter, "target": _target_key(target),
                                "scheme": qm.scheme.name, "scheme_detail": qm.scheme.to_dict()}
+
+
+def _target_key(target: Target) -> dict:
+    """The target as it enters stage keys; `triton` only when set, so older keys stay valid."""
+    return target.model_dump(mode="json", exclude=set() if target.triton else {"triton"})
 
 
 def _engine_for(engine: str, folder: Path, dtype: str):

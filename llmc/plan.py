@@ -26,6 +26,7 @@ from llmc.compiler.capabilities import (
     scheme_keys,
 )
 from llmc.errors import IncompatibleTargetError
+from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.algorithms import ALGORITHMS
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
@@ -51,7 +52,8 @@ class Plan:
         if e:
             lines.append(
                 f"  model: {e['params'] / 1e6:.1f}M params in {e['layers']} layers; "
-                f"peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations), "
+                f"peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
+                f"{', spilled to disk' if e.get('spill_activations') else ''}), "
                 f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
             )
         for t in self.targets:
@@ -108,11 +110,19 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
             fix="target " + ", ".join(sorted(r for r, e in EXPORTERS.items() if e in IMPLEMENTED_EXPORTERS)),
         )
-    if exporter == "onnx":
-        from llmc.compiler.onnx_genai import check_scheme as check_onnx
+    if target.triton:
+        from llmc.compiler.triton_repo import check_exporter
 
         try:
-            check_onnx(scheme)
+            check_exporter(exporter, target.runtime)
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
+    if exporter in ("onnx", "awq", "gptq"):
+        from llmc.compiler import awq_format, gptq_format, onnx_genai
+
+        check = {"onnx": onnx_genai.check_scheme, "awq": awq_format.check_scheme, "gptq": gptq_format.check_scheme}
+        try:
+            check[exporter](scheme)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     if exporter in ("modelopt-hf", "trtllm-checkpoint"):
@@ -274,6 +284,9 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int,
     c = recipe.calibration
     calibrated = any(s.needs_calibration for s in schemes)
     act = 2 * c.samples * c.seq_len * hidden * 4 if calibrated else 0
+    spill = calibrated and should_spill(c.spill_activations, act // 2, memory_available())
+    if spill:  # one batch of inputs and one of outputs resident (the stream's batches are 4 windows)
+        act = 2 * min(4, c.samples) * c.seq_len * hidden * 4
     if any("awq" in s.algorithm for s in schemes):
         # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)
         act += c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
@@ -290,4 +303,5 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int,
         "calibration_s": passes * c.samples * c.seq_len * flops_per_token / _CPU_FLOPS,
         "eval_s": eval_tokens * flops_per_token / _CPU_FLOPS,
         "cpu_count": os.cpu_count(),
+        "spill_activations": spill,
     }

@@ -11,8 +11,12 @@ already-quantized layer for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential
 Per layer: observe → transform (SmoothQuant/AWQ, `llmc.quant.algorithms`) → observe again if the
 transform changed statistics the scheme stores → quantize weights (RTN/GPTQ) → write.
 
-Resume: after each layer, its file, the next layer's inputs and `progress.json` are written
-atomically in that order; a rerun in the same work directory continues at `progress.json`'s layer.
+The activations passed between layers stay in memory or, when they would not fit, spill to disk
+one batch per file (`llmc.quant.activations`; recipe key `calibration.spill_activations`).
+
+Resume: after each layer, its file, the next layer's inputs (`state/inputs-<i+1>/`) and
+`progress.json` are written atomically in that order; a rerun in the same work directory continues
+at `progress.json`'s layer from that layer's saved inputs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ from llmc.quant.algorithms import (
     propagate_for,
     quantize_layer,
     transform_layer,
+)
+from llmc.quant.activations import (
+    Activations,
+    ActivationWriter,
+    SpillMode,
+    inputs_dir,
+    memory_available,
+    should_spill,
 )
 from llmc.quant.algorithms.gptq import accumulate_hessian
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
@@ -288,6 +300,7 @@ def quantize_model(
     batch_size: int = 4,
     extra_meta: dict | None = None,
     on_layer_done: Callable[[int], None] | None = None,
+    spill_activations: SpillMode = "auto",
 ) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc)."""
     torch.manual_seed(0)
@@ -312,11 +325,25 @@ def quantize_model(
         batches = list(calibration.split(batch_size))
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
         materialize(model, outer, dtype)
-        hidden, extras = capture_layer_inputs(model, layers, batches)
+        first, extras = capture_layer_inputs(model, layers, batches)
+        act_bytes = sum(h.numel() * h.element_size() for h in first)
+        spill = should_spill(spill_activations, act_bytes, memory_available())
+        if spill:
+            log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
+                "one batch in memory at a time")
+        if start and not inputs_dir(state_dir, start).is_dir():
+            log(f"no saved inputs for layer {start} (work folder from an older run): starting over")
+            start = 0
         if start:
-            hidden = _load_hidden(state_dir / "hidden.safetensors", len(batches))
+            hidden = Activations.load(inputs_dir(state_dir, start), spill)
+        else:
+            hidden = ActivationWriter(inputs_dir(state_dir, 0), spill)
+            for h in first:
+                hidden.put(h)
+            hidden = hidden.commit()
+        del first
     else:
-        batches, extras, hidden = [], [], []
+        batches, extras, hidden, spill = [], [], Activations([]), False
 
     modules: dict[str, dict] = {}
     kv_names: list[str] = []
@@ -336,15 +363,20 @@ def quantize_model(
             continue
 
         materialize(layer, reader.with_prefix(prefix), dtype)
-        stats, outputs = LayerStats(), []
+        stats = LayerStats()
+        layer_extras = [e[i] for e in extras]
         if calibrate:
+            # The next layer's inputs: this layer's outputs with original weights (collected while
+            # observing) or with its quantized weights (one more pass, after quantizing).
+            next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
             observe = observe_for(scheme, layer)
-            outputs = _observe(layer, linears, kv_modules, observe, hidden, [e[i] for e in extras], stats)
+            sink = next_inputs.put if propagate == "original" else None
+            _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
             if transform_layer(layer, prefix, stats, scheme) and scheme_reads_statistics(scheme):
                 # Rescaled weights change activation ranges (and Hessians): measure them again.
                 stats = LayerStats()
                 replace_observe = Observe(hessians=observe.hessians, module_calls=())
-                _observe(layer, linears, kv_modules, replace_observe, hidden, [e[i] for e in extras], stats)
+                _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
         quantized = quantize_layer(layer, linears, stats, scheme)
         stats.module_calls.clear()
 
@@ -355,15 +387,13 @@ def quantize_model(
                 for name, lin in linears.items():
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
                 with torch.no_grad():
-                    outputs = [
-                        _layer_output(layer(hidden[b], *extras[b][i][0], **extras[b][i][1]))
-                        for b in range(len(batches))
-                    ]
-            hidden = outputs
-            atomic_save_safetensors(
-                state_dir / "hidden.safetensors", {f"b{b}": h for b, h in enumerate(hidden)}
-            )
+                    for h, (args, kwargs) in zip(hidden, layer_extras):
+                        next_inputs.put(_layer_output(layer(h, *args, **kwargs)))
+            hidden = next_inputs.commit()
+        # Progress moves only after the layer file and the next layer's inputs are complete; a run
+        # killed anywhere before this line redoes layer i from its own saved inputs.
         atomic_write_json(progress_file, {"next_layer": i + 1})
+        shutil.rmtree(inputs_dir(state_dir, i), ignore_errors=True)
         release(layer)
         if on_layer_done:
             on_layer_done(i)
@@ -402,16 +432,17 @@ def _observe(
     linears: dict[str, nn.Linear],
     kv_modules: dict[str, nn.Module],
     observe: Observe,
-    hidden: list[torch.Tensor],
+    hidden: Activations,
     extras: list[tuple[tuple, dict]],
     stats: LayerStats,
-) -> list[torch.Tensor]:
-    """Run the calibration batches through one layer, recording into `stats`; returns its outputs."""
-    outputs = []
+    sink: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Run the calibration batches through one layer, recording into `stats`; outputs go to `sink`."""
     with observing(layer, linears, stats, kv_modules, observe), torch.no_grad():
         for h, (args, kwargs) in zip(hidden, extras):
-            outputs.append(_layer_output(layer(h, *args, **kwargs)))
-    return outputs
+            out = _layer_output(layer(h, *args, **kwargs))
+            if sink is not None:
+                sink(out)
 
 
 def _layer_tensors(
@@ -436,11 +467,3 @@ def _layer_tensors(
         tensors[f"{name}.k_scale"] = static_scale(stats.key_absmax[name], scheme.kv_cache)
         tensors[f"{name}.v_scale"] = static_scale(stats.value_absmax[name], scheme.kv_cache)
     return tensors
-
-
-def _load_hidden(path: Path, n: int) -> list[torch.Tensor]:
-    from safetensors.torch import load_file
-
-    d = load_file(str(path))
-    return [d[f"b{b}"] for b in range(n)]
-

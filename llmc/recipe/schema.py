@@ -16,7 +16,7 @@ from llmc.quant.spec import Scheme, TensorSpec
 
 SCHEMA_VERSION = 1
 
-Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "llama.cpp", "ollama", "onnxruntime"]
+Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "llama.cpp", "ollama", "onnxruntime", "lmdeploy", "exllamav2"]
 GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
 
 
@@ -194,6 +194,11 @@ class CalibrationSection(_Strict):
     samples: int = Field(default=32, ge=1, le=4096)
     seq_len: int = Field(default=512, ge=16, le=32768)
     seed: int = 0
+    spill_activations: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="keep the activations passed between layers on disk, one batch in memory at a time; "
+        "auto: when two copies would take over a quarter of the available memory. Never changes results.",
+    )
 
 
 class Target(_Strict):
@@ -204,6 +209,11 @@ class Target(_Strict):
     gpu_arch: GpuArch = "sm90"
     tensor_parallel: int = Field(default=1, ge=1, le=64)
     name: str | None = None
+    triton: bool = Field(
+        default=False,
+        description="also lay the artifact out as a Triton Inference Server model repository "
+        "(vllm/sglang/tgi targets: vLLM backend; onnxruntime: ONNX Runtime backend)",
+    )
 
     @field_validator("tensor_parallel")
     @classmethod

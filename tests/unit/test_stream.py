@@ -45,3 +45,90 @@ def test_at_most_one_layer_materialized(depth: int, tmp_path: Path, monkeypatch,
     assert result.layers == depth and result.calibrated
     assert max(seen) <= 1  # never two layers at once
     assert seen[-1] == 0  # and none left at the end
+
+
+# --------------------------------------------------------------------------- activations between layers
+
+GPTQ = Scheme(TensorSpec("int4", "group", group_size=16), algorithm="gptq")  # propagates quantized outputs
+SMOOTHQUANT = Scheme(  # propagates original outputs, static activation scales + KV scales
+    TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), TensorSpec("fp8_e4m3", "tensor"),
+    algorithm="smoothquant",
+)
+
+
+def _layer_files(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted((out / "layers").glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("scheme", [GPTQ, SMOOTHQUANT], ids=["gptq", "smoothquant"])
+def test_spilled_activations_give_identical_results_one_batch_resident(
+    scheme: Scheme, tmp_path: Path, monkeypatch, tiny_model_factory
+) -> None:
+    folder = tiny_model_factory(tmp_path / "m", layers=3)
+    calib = torch.randint(3, 200, (8, 16))
+    source = ModelSource(folder, "t", "t")
+    stream.quantize_model(source, scheme, tmp_path / "mem", calibration=calib, batch_size=2,
+                          spill_activations="never")
+
+    resident: list[int | None] = []
+    real_observe = stream._observe
+
+    def observe(layer, linears, kv, obs, hidden, *rest):
+        resident.append(None if hidden._tensors is None else len(hidden._tensors))
+        return real_observe(layer, linears, kv, obs, hidden, *rest)
+
+    monkeypatch.setattr(stream, "_observe", observe)
+    stream.quantize_model(source, scheme, tmp_path / "disk", calibration=calib, batch_size=2,
+                          spill_activations="always")
+    assert resident and all(r is None for r in resident)  # every layer read its inputs from disk
+    _assert_same(_layer_files(tmp_path / "mem"), _layer_files(tmp_path / "disk"))
+    assert not (tmp_path / "disk" / "state").exists()  # spill files go once the form is complete
+
+
+@pytest.mark.parametrize("spill", ["never", "always"])
+def test_killed_between_inputs_and_progress_resumes_exactly(
+    spill: str, tmp_path: Path, monkeypatch, tiny_model_factory
+) -> None:
+    """The next layer's inputs are on disk but progress still names this layer: redo it from its own inputs."""
+    folder = tiny_model_factory(tmp_path / "m", layers=3)
+    calib = torch.randint(3, 200, (4, 16))
+    source = ModelSource(folder, "t", "t")
+    stream.quantize_model(source, GPTQ, tmp_path / "clean", calibration=calib, batch_size=2)
+
+    real_write = stream.atomic_write_json
+
+    def die_on_second_layer(path, data):
+        if data.get("next_layer") == 2:
+            raise KeyboardInterrupt("killed")
+        real_write(path, data)
+
+    monkeypatch.setattr(stream, "atomic_write_json", die_on_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        stream.quantize_model(source, GPTQ, tmp_path / "crashy", calibration=calib, batch_size=2,
+                              spill_activations=spill)
+    assert (tmp_path / "crashy" / "state" / "inputs-00002").is_dir()  # written before the kill
+    monkeypatch.setattr(stream, "atomic_write_json", real_write)
+    stream.quantize_model(source, GPTQ, tmp_path / "crashy", calibration=calib, batch_size=2,
+                          spill_activations=spill)
+    _assert_same(_layer_files(tmp_path / "clean"), _layer_files(tmp_path / "crashy"))
+
+
+def test_auto_spill_rule() -> None:
+    from llmc.quant.activations import should_spill
+
+    gb = 1 << 30
+    assert not should_spill("auto", 1 * gb, 16 * gb)  # two copies: 2 GB of 16 available
+    assert should_spill("auto", 3 * gb, 16 * gb)  # 6 GB > a quarter of 16
+    assert not should_spill("auto", 3 * gb, None)  # unknown memory: keep in memory
+    assert should_spill("always", 1, 16 * gb) and not should_spill("never", 100 * gb, gb)

@@ -1,0 +1,111 @@
+"""The calibration hidden states that flow from one decoder layer to the next.
+
+Each layer's inputs are kept per calibration batch. They live in memory, or — when they would not
+fit (70B-class widths with many long windows: 512 × 2048 tokens × 8192 × fp32 is 34 GB per copy) —
+spilled: every batch in its own safetensors file, read back when the layer needs it, so only the
+batch being run is resident. Either way, each layer's inputs are also the resume point of a killed
+run, so they are written to `state/inputs-<layer>/` before progress moves past that layer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file
+
+from llmc.store import atomic_save_safetensors
+
+SpillMode = Literal["auto", "always", "never"]
+# auto spills when input + output copies of the activations would take more than this share of
+# the memory available when quantization starts (the rest is for the layer and algorithm state).
+AUTO_SPILL_SHARE = 0.25
+
+
+def inputs_dir(state_dir: Path, layer: int) -> Path:
+    return state_dir / f"inputs-{layer:05d}"
+
+
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def should_spill(mode: SpillMode, activation_bytes: int, available: int | None) -> bool:
+    if mode != "auto":
+        return mode == "always"
+    return available is not None and 2 * activation_bytes > AUTO_SPILL_SHARE * available
+
+
+class Activations:
+    """One layer's inputs, one tensor per calibration batch, in memory or read back from disk."""
+
+    def __init__(self, tensors: list[torch.Tensor] | None = None, folder: Path | None = None, count: int = 0):
+        self._tensors, self._folder = tensors, folder
+        self._count = len(tensors) if tensors is not None else count
+
+    @classmethod
+    def load(cls, folder: Path, spill: bool) -> Activations:
+        count = len(list(folder.glob("b*.safetensors")))
+        if spill:
+            return cls(folder=folder, count=count)
+        return cls(tensors=[_read(folder, b) for b in range(count)])
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        if self._tensors is not None:
+            return self._tensors[b]
+        return _read(self._folder, b)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[b] for b in range(self._count))
+
+
+class ActivationWriter:
+    """Collects the next layer's inputs batch by batch and publishes them as one folder.
+
+    Spilled batches go to disk as they are produced; in-memory ones are written at `commit`. The
+    folder appears under its final name only when complete (rename), so a killed run never resumes
+    from a partial set.
+    """
+
+    def __init__(self, final: Path, spill: bool):
+        self.final, self.spill = final, spill
+        self.partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial.mkdir(parents=True)
+        self._tensors: list[torch.Tensor] = []
+
+    def put(self, tensor: torch.Tensor) -> None:
+        b = len(self._tensors)
+        if self.spill:
+            atomic_save_safetensors(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor.contiguous()})
+            self._tensors.append(torch.empty(0))  # only counts the batch
+        else:
+            self._tensors.append(tensor)
+
+    def commit(self) -> Activations:
+        if not self.spill:
+            for b, t in enumerate(self._tensors):
+                atomic_save_safetensors(self.partial / f"b{b:05d}.safetensors", {"hidden": t.contiguous()})
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(self.partial, self.final)
+        if self.spill:
+            return Activations(folder=self.final, count=len(self._tensors))
+        return Activations(tensors=self._tensors)
+
+
+def _read(folder: Path, b: int) -> torch.Tensor:
+    return load_file(str(folder / f"b{b:05d}.safetensors"))["hidden"]
