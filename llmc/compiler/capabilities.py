@@ -37,10 +37,12 @@ EXPORTERS = {
     "llama.cpp": "gguf",
     "ollama": "gguf",
     "onnxruntime": "onnx",
+    "lmdeploy": "awq",
+    "exllamav2": "gptq",
 }
 
 # Exporters implemented in this version of llmc.
-IMPLEMENTED_EXPORTERS = {"compressed-tensors", "gguf", "modelopt-hf", "onnx", "trtllm-checkpoint"}
+IMPLEMENTED_EXPORTERS = {"awq", "compressed-tensors", "gguf", "gptq", "modelopt-hf", "onnx", "trtllm-checkpoint"}
 
 # TensorRT-LLM reads the unified (ModelOpt HF) checkpoint from this version; a target pinned below it
 # gets the legacy per-rank checkpoint for trtllm-build.
@@ -125,6 +127,10 @@ RULES: dict[tuple[str, str], Rule] = {
     # Q/DQ INT8 graphs, but llmc's ONNX exporter writes MatMulNBits only, so W8A8 is not listed.
     ("onnxruntime", "W4A16-INT"): Rule("sm70", cpu=True, since="1.17.0",
                                        cpu_note="MatMulNBits; accuracy_level 4 computes with int8 activations"),
+    # LMDeploy TurboMind reads AutoAWQ GEMM checkpoints (--model-format awq): 4-bit groups, GPU only.
+    ("lmdeploy", "W4A16-INT"): Rule("sm75", since="0.2.0", refuse_reason="TurboMind's W4A16 kernels need sm75+"),
+    # ExLlamaV2 reads GPTQ-format 4-bit checkpoints (its own EXL2 format is not written by llmc), CUDA only.
+    ("exllamav2", "W4A16-INT"): Rule("sm70", since="0.0.11", refuse_reason="ExLlamaV2 runs on CUDA GPUs"),
 }
 
 # Released versions per runtime, used to tell whether a version range admits any supported one.
@@ -136,6 +142,8 @@ KNOWN_VERSIONS = {
     "llama.cpp": ["0.0.1"],
     "ollama": ["0.1.0", "0.5.0"],
     "onnxruntime": ["1.16.0", "1.17.0", "1.20.0", "1.31.0"],
+    "lmdeploy": ["0.1.0", "0.2.0", "0.6.0", "0.10.0", "0.18.0"],
+    "exllamav2": ["0.0.11", "0.1.0", "0.2.0", "0.3.2"],
 }
 
 
@@ -167,6 +175,12 @@ PROOF = {
     "values decode to the canonical weights exactly",
     "trtllm-checkpoint": "conformance only (GPU): per-rank layout and config keys equal ModelOpt 0.47's "
     "export_tensorrt_llm_checkpoint at TP=2 (FP8+KV); TP shards re-merge exactly into the TP=1 tensors (tests marked peers)",
+    "awq": "conformance only (LMDeploy/vLLM's AWQ kernels need a GPU): AutoAWQ GEMM layout (nibble order "
+    "0 2 4 6 1 3 5 7, unsigned zeros, fp16 scales) decodes to the canonical weights exactly, and onnxruntime-genai's "
+    "own AWQ loader reads llmc's checkpoint back to the same weights (default test run)",
+    "gptq": "conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
+    "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX Runtime "
+    "export, which is scored here",
     "onnx": "loaded and scored in onnxruntime 1.32 here (CPU EP; tests in the default run on a tiny model, and "
     "the real model in the integration suite): fp32 compute reproduces the torch reference of the same codes "
     "(KL ~1e-6); MatMulNBits blocks decode to the canonical weights (fp16 scales); onnxruntime-genai's "

@@ -125,8 +125,16 @@ def gptq_quantization_config(scheme: Scheme, bits: int) -> dict:
     }
 
 
-def export_gptq(qm: QuantizedModel, out: Path) -> dict:
-    """Write config.json (with quantization_config), GPTQ-format safetensors and the tokenizer.
+def serve_args(*, tensor_parallel: int = 1) -> dict:
+    """How ExLlamaV2 loads the artifact (it reads GPTQ-format folders as they are)."""
+    args = {"model_dir": "<artifact>", "tensor_parallel": tensor_parallel > 1}
+    return {"exllamav2": args, "command": "python -c \"from exllamav2 import ExLlamaV2, ExLlamaV2Config; "
+            "m = ExLlamaV2(ExLlamaV2Config('<artifact>'))\" (or TabbyAPI with model_dir set to the artifact)"}
+
+
+def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> dict:
+    """Write config.json (with quantization_config), GPTQ-format safetensors, the tokenizer and, when
+    given, the runtime arguments (llmc-serve.json).
 
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     bits = check_scheme(qm.scheme)
@@ -156,4 +164,6 @@ def export_gptq(qm: QuantizedModel, out: Path) -> dict:
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)
     copy_tokenizer_files(qm.root, out)
+    if serve is not None:
+        atomic_write_json(out / "llmc-serve.json", serve)
     return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}

@@ -73,6 +73,11 @@ def _describe_gguf(path: Path) -> str:
     ])
 
 
+def _serve_line(path: Path) -> list[str]:
+    serve = path / "llmc-serve.json"
+    return [f"  serve with: {json.loads(serve.read_text())['command']}"] if serve.is_file() else []
+
+
 def _describe_onnx(path: Path) -> str:
     from collections import Counter
 
@@ -166,8 +171,15 @@ def describe(path: Path) -> str:
                 f"GPTQ-format checkpoint (v1 layout, written by llmc) at {path} ({arch})",
                 f"  {q['bits']}-bit, group {q['group_size']}, {'symmetric' if q.get('sym') else 'asymmetric'}, "
                 f"desc_act {q.get('desc_act')}; algorithm {(q.get('meta') or {}).get('algorithm')}",
-                "  accepted by: onnxruntime-genai's model builder, transformers + GPTQModel, ExLlamaV2, vLLM (gptq/marlin)",
-            ])
+                "  accepted by: ExLlamaV2, transformers + GPTQModel, vLLM (gptq/marlin), onnxruntime-genai's model builder",
+            ] + _serve_line(path))
+        if q.get("quant_method") == "awq":
+            return "\n".join([
+                f"AWQ checkpoint ({q.get('version', 'gemm').upper()} layout) at {path} ({arch})",
+                f"  {q.get('bits')}-bit, group {q.get('group_size')}, zero point {q.get('zero_point')}",
+                "  accepted by: LMDeploy TurboMind (--model-format awq), vLLM (awq/awq_marlin), transformers + AutoAWQ/"
+                "GPTQModel, onnxruntime-genai's model builder; all need an NVIDIA GPU except the builder",
+            ] + _serve_line(path))
         if q.get("quant_method") != "compressed-tensors":
             return f"Hugging Face checkpoint at {path} ({arch}) quantized with {q.get('quant_method')} (not produced by llmc)"
         s = _scheme_from_ct(q)

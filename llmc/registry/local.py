@@ -57,6 +57,24 @@ def manifest(result: "BuildResult", entry: Path) -> dict:
     }
 
 
+def _copy_keeping_links():
+    """A copytree copy function that links a file to its earlier copy when the sources were hard links
+    of one file (a Triton repository's version folder links the artifact's files): no second copy."""
+    copied: dict[tuple[int, int], str] = {}
+
+    def copy(src: str, dst: str) -> str:
+        st = os.stat(src)
+        first = copied.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if first is not None:
+            os.link(first, dst)
+        else:
+            shutil.copy2(src, dst)
+            copied[(st.st_dev, st.st_ino)] = dst
+        return dst
+
+    return copy
+
+
 def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
     """Copy artifacts + manifest + report into the registry; (entry path, was it already there)."""
     registry = Path(result.recipe.publish.registry).expanduser()
@@ -67,7 +85,8 @@ def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "artifacts").mkdir(parents=True)
     for label, art in result.artifacts.items():
-        shutil.copytree(art["dir"], tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"))
+        shutil.copytree(art["dir"], tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"),
+                        copy_function=_copy_keeping_links())
     write_report_files(result, tmp)
     atomic_write_json(tmp / "manifest.json", manifest(result, tmp))
     atomic_write_json(tmp / COMPLETE_MARKER, {"build_id": result.build_id})

@@ -156,3 +156,25 @@ def test_artifacts_no_engine_here_loads_say_why(tiny_model: Path, tmp_path: Path
     result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
     rows = summary_rows(result)
     assert len(rows) == 1 and "TensorRT-LLM needs an NVIDIA GPU" in rows[0][-1]
+
+
+def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies(tiny_model: Path, tmp_path: Path) -> None:
+    from llmc.eval.report import summary_rows
+
+    text = recipe_text(
+        tiny_model, tmp_path / "registry",
+        **{"quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32}},
+           "targets": [{"runtime": "vllm", "gpu_arch": "sm90", "triton": True},
+                       {"runtime": "lmdeploy", "gpu_arch": "sm80"}, {"runtime": "exllamav2", "gpu_arch": "sm80"}]},
+    )
+    result = build(parse_recipe(text), Store(tmp_path / "cache"))
+    assert sorted(a["exporter"] for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq"]
+    entry = result.published / "artifacts"
+    vllm_label = next(label for label, a in result.artifacts.items() if a["exporter"] == "compressed-tensors")
+    version = next((entry / vllm_label / "triton").iterdir()) / "1"
+    weights = entry / vllm_label / "model.safetensors"
+    assert (version / "model.json").is_file()
+    assert (version / "model.safetensors").stat().st_ino == weights.stat().st_ino  # linked in the registry too
+    assert verify_entry(result.published) == []
+    reasons = [r[-1] for r in summary_rows(result) if r[1] == "-"]
+    assert len(reasons) == 2 and all("LMDeploy / ExLlamaV2 need an NVIDIA GPU" in r for r in reasons)

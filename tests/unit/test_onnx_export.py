@@ -1,5 +1,6 @@
 """ONNX Runtime export: the GPTQ-format intermediate, the onnxruntime-genai folder built from it, and
-the onnxruntime engine. Tiny random llama; onnxruntime runs on the CPU in the default test run."""
+the onnxruntime engine; and the AWQ (GEMM) format, read back by onnxruntime-genai's own AWQ loader.
+Tiny random llama; onnxruntime runs on the CPU in the default test run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from llmc.compiler import awq_format as AF
 from llmc.compiler import gptq_format as GF
 from llmc.compiler.compressed_tensors import export_compressed_tensors
 from llmc.compiler.onnx_genai import UNQUANTIZED_NODES, check_scheme, export_onnx
@@ -283,3 +285,92 @@ def test_float32_scales_round_to_fp16_within_its_unit_roundoff() -> None:
     exact = (codes.float().reshape(8, 2, 32) * scale[..., None]).reshape(8, 64)
     err = (GF.dequantize_gptq(GF.to_gptq(codes, scale, None, 4), 4) - exact).abs()
     assert 0 < err.max() and (err <= exact.abs() * 2.0**-11 + 1e-12).all()
+
+
+# --- AWQ format (LMDeploy / vLLM awq) and GPTQ format as targets ----------------------------------------
+
+def test_awq_packing_uses_the_interleaved_nibble_order() -> None:
+    # output column 8j + AWQ_ORDER[k] sits in nibble k: columns 0..7 holding codes 0..7 pack to 0x75316420
+    codes = torch.arange(8, dtype=torch.int64).reshape(1, 8)
+    assert int(AF.pack_columns(codes)[0, 0]) & 0xFFFFFFFF == 0x75316420
+    g = torch.Generator().manual_seed(5)
+    many = torch.randint(0, 16, (24, 64), generator=g)
+    assert torch.equal(AF.unpack_columns(AF.pack_columns(many)), many)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_awq_tensors_decode_to_the_canonical_weights(symmetric: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    out_f, in_f, group = 16, 64, 32
+    codes = torch.randint(-8, 8, (out_f, in_f), generator=g, dtype=torch.int8)
+    scale = (torch.rand(out_f, in_f // group, generator=g) * 0.05 + 0.01).half().float()
+    zp = torch.randint(-8, 8, scale.shape, generator=g, dtype=torch.int8) if not symmetric else None
+    t = AF.to_awq(codes, scale, zp)
+    zero = zp.float()[..., None] if zp is not None else 0.0
+    expected = ((codes.float().reshape(out_f, -1, group) - zero) * scale[..., None]).reshape(out_f, in_f)
+    assert torch.equal(AF.dequantize_awq(t, group), expected)
+    assert t["qweight"].shape == (in_f, out_f // 8) and t["qzeros"].shape == (in_f // group, out_f // 8)
+    assert t["scales"].shape == (in_f // group, out_f) and t["scales"].dtype == torch.float16
+    if symmetric:  # unsigned zero 8 in every nibble
+        assert (t["qzeros"] == -0x77777778).all()  # 0x88888888 as int32
+
+
+def test_awq_refuses_what_the_format_cannot_hold() -> None:
+    for scheme in (Scheme(TensorSpec("int8", "channel")), Scheme(TensorSpec("int4", "channel")),
+                   Scheme(TensorSpec("fp8_e4m3", "channel")),
+                   Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("int8", "token", dynamic=True))):
+        with pytest.raises(IncompatibleTargetError) as e:
+            AF.check_scheme(scheme)
+        assert e.value.fix
+    assert AF.check_scheme(SCHEMES["g32-asym"]) == 32
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_onnxruntime_genai_awq_loader_reads_llmc_awq_to_the_canonical_weights(exported, name: str, tmp_path: Path) -> None:
+    """An independent reader of the AWQ layout (onnxruntime-genai's loader, written for AutoAWQ
+    checkpoints) turns llmc's files into exactly the weights llmc quantized."""
+    import subprocess
+    import sys
+
+    qm, _, _ = exported[name]
+    summary = AF.export_awq(qm, tmp_path / "awq", serve=AF.serve_args(tensor_parallel=2))
+    assert summary["max_relative_weight_error_fp16_scales"] == 0.0
+    cfg = json.loads((tmp_path / "awq" / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["version"], q["bits"], q["group_size"], q["zero_point"]) == ("awq", "gemm", 4, 32, True)
+    serve = json.loads((tmp_path / "awq" / "llmc-serve.json").read_text())
+    assert "--model-format awq" in serve["command"] and "--tp 2" in serve["command"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(tmp_path / "awq"), "-o",
+         str(tmp_path / "onnx"), "-p", "int4", "-e", "cpu", "-c", str(tmp_path / "cache"), "--extra_options",
+         "nodes_to_exclude=" + ",".join(UNQUANTIZED_NODES), "accuracy_level=1"],
+        capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    decoded = _matmulnbits_weights(tmp_path / "onnx")
+    tensors = _canonical(qm)
+    for i in range(qm.config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for node, module in ((f"/model/layers.{i}/attn/o_proj/MatMulNBits", f"{p}.self_attn.o_proj"),
+                             (f"/model/layers.{i}/mlp/down_proj/MatMulNBits", f"{p}.mlp.down_proj"),
+                             (f"/model/layers.{i}/mlp/gate_proj/MatMulNBits", f"{p}.mlp.gate_proj")):
+            assert np.array_equal(decoded[node], qm.dequantized_weight(tensors, module).double().numpy()), node
+
+
+def test_lmdeploy_and_exllamav2_targets_plan_build_and_inspect(exported, tmp_path: Path) -> None:
+    from llmc.plan import check_target
+    from llmc.recipe.schema import Target
+    from llmc.registry.inspect import describe
+
+    assert check_target(SCHEMES["g32-sym"], Target(runtime="lmdeploy", gpu_arch="sm80"))[0] == "native"
+    with pytest.raises(IncompatibleTargetError, match="sm75"):
+        check_target(SCHEMES["g32-sym"], Target(runtime="lmdeploy", gpu_arch="sm70"))
+    with pytest.raises(IncompatibleTargetError, match="CPU"):
+        check_target(SCHEMES["g32-sym"], Target(runtime="exllamav2", gpu_arch="cpu"))
+    with pytest.raises(IncompatibleTargetError, match="W8A16-INT8"):
+        check_target(Scheme(TensorSpec("int8", "channel")), Target(runtime="exllamav2", gpu_arch="sm90"))
+    qm, _, _ = exported["g32-asym"]
+    AF.export_awq(qm, tmp_path / "awq", serve=AF.serve_args())
+    GF.export_gptq(qm, tmp_path / "gptq", serve=GF.serve_args())
+    awq, gptq = describe(tmp_path / "awq"), describe(tmp_path / "gptq")
+    assert "AWQ checkpoint (GEMM layout)" in awq and "LMDeploy" in awq and "lmdeploy serve" in awq
+    assert "GPTQ-format checkpoint" in gptq and "ExLlamaV2" in gptq and "serve with" in gptq
