@@ -42,7 +42,7 @@ from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.store import Store, atomic_save_safetensors, atomic_write_json, stage_key
 
@@ -183,9 +183,20 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     extra_meta={"calibration_key": calib_key},
                     on_layer_done=lambda i: die_if_asked(f"quantize:layer:{i}"),
                     spill_activations=result.recipe.calibration.spill_activations,
+                    shared_stats=_shared_stats_dir(result, store, calib_key),
                 )
             done = store.lookup("quantize", key)
     return done, key
+
+
+def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None) -> Path | None:
+    """Where schemes calibrated on original outputs share statistics: one folder per model, data and dtype
+    (and the stream's batch size, which fixes the exact arithmetic of the calibration forwards)."""
+    if calib_key is None:
+        return None
+    key = stage_key("shared-stats", {"dtype": result.recipe.model.dtype, "batch_size": CALIBRATION_BATCH_SIZE},
+                    [result.source.sha256, calib_key])
+    return store.root / "shared-stats" / key
 
 
 def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:

@@ -119,7 +119,8 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
         raise EngineFailed(f"the ONNX builder quantized weights itself ({', '.join(requantized[:4])}): the "
                            "artifact would not hold llmc's codes", fix="report this as an llmc bug")
     rotary_error = _rotary_error(out, qm.config)
-    if rotary_error is not None and rotary_error > 1e-4:
+    # float32 angles round by ~p * 2^-24 at position p (5e-4 at 8192); a misread theta is off by O(1)
+    if rotary_error is not None and rotary_error > 1e-2:
         raise EngineFailed(f"the ONNX graph's rotary cos cache differs from the model's rope theta by up to "
                            f"{rotary_error:.3g}: the builder misread the config", fix="report this as an llmc bug")
     import onnxruntime

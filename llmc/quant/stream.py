@@ -54,10 +54,12 @@ from llmc.quant.activations import (
 from llmc.quant.algorithms.gptq import accumulate_hessian
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight, static_scale
+from llmc.quant.shared_stats import SharedStats
 from llmc.quant.spec import Scheme
 from llmc.store import atomic_save_safetensors, atomic_write_json
 
 KV_OBSERVER = "llmc_observe_kv"
+CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
 
 
 # --------------------------------------------------------------------------- model skeleton
@@ -297,12 +299,16 @@ def quantize_model(
     *,
     calibration: torch.Tensor | None,
     dtype: torch.dtype = torch.float32,
-    batch_size: int = 4,
+    batch_size: int = CALIBRATION_BATCH_SIZE,
     extra_meta: dict | None = None,
     on_layer_done: Callable[[int], None] | None = None,
     spill_activations: SpillMode = "auto",
+    shared_stats: Path | None = None,
 ) -> StreamResult:
-    """Write the canonical quantized form of `source` under `out` (resumable, see module doc)."""
+    """Write the canonical quantized form of `source` under `out` (resumable, see module doc).
+
+    `shared_stats`: a folder keyed by (model, calibration data, dtype) where schemes calibrated on
+    original outputs share their statistics (`llmc.quant.shared_stats`)."""
     torch.manual_seed(0)
     propagate = propagate_for(scheme)
     reader = CheckpointReader(source.folder)
@@ -320,7 +326,15 @@ def quantize_model(
     calibrate = scheme.needs_calibration
     if calibrate and calibration is None:
         raise ValueError("this scheme needs calibration data")
-    if calibrate:
+    shared = SharedStats(shared_stats, n_layers) if shared_stats and calibrate and shares_statistics(scheme) else None
+    all_linears, all_kv = set(), set()
+    for i, layer in enumerate(layers):
+        all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
+        all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
+    reuse = shared is not None and not needs_inputs_after_transform(scheme) and shared.covers(all_linears, all_kv)
+    if reuse:
+        log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
+    if calibrate and not reuse:
         _register_kv_observer()
         batches = list(calibration.split(batch_size))
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
@@ -351,11 +365,7 @@ def quantize_model(
         prefix = f"{layers_prefix}.{i}."
         layer = layers[i]
         linears = target_linears(layer, prefix, scheme.ignore)
-        kv_modules = (
-            {f"{prefix}{n}": m for n, m in layer.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")}
-            if scheme.kv_cache
-            else {}
-        )
+        kv_modules = _kv_modules(layer, prefix, scheme)
         for name, lin in linears.items():
             modules[name] = {"shape": list(lin.weight.shape), "layer": i}
         kv_names += list(kv_modules)
@@ -365,13 +375,19 @@ def quantize_model(
         materialize(layer, reader.with_prefix(prefix), dtype)
         stats = LayerStats()
         layer_extras = [e[i] for e in extras]
-        if calibrate:
+        if reuse:
+            stats = _stats_from(shared.load(i), linears, kv_modules)
+            transform_layer(layer, prefix, stats, scheme)
+        elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
             # observing) or with its quantized weights (one more pass, after quantizing).
             next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
             observe = observe_for(scheme, layer)
             sink = next_inputs.put if propagate == "original" else None
             _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
+            if shared is not None:
+                shared.save(i, {"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
+                                "value_absmax": stats.value_absmax})
             if transform_layer(layer, prefix, stats, scheme) and scheme_reads_statistics(scheme):
                 # Rescaled weights change activation ranges (and Hessians): measure them again.
                 stats = LayerStats()
@@ -382,7 +398,7 @@ def quantize_model(
 
         tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
         atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
-        if calibrate:
+        if calibrate and not reuse:
             if propagate == "quantized":
                 for name, lin in linears.items():
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
@@ -417,8 +433,37 @@ def quantize_model(
         **(extra_meta or {}),
     }
     atomic_write_json(out / META_FILE, meta)
+    if shared is not None and not reuse:
+        shared.finish(all_linears, all_kv)
     shutil.rmtree(state_dir, ignore_errors=True)
     return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+
+def shares_statistics(scheme: Scheme) -> bool:
+    """True when the scheme calibrates on original outputs and records only ranges (no Hessians, no
+    per-module inputs): its statistics are the model's and the data's, not the scheme's."""
+    return propagate_for(scheme) == "original" and not {"gptq", "awq"} & set(scheme.algorithm.split("+"))
+
+
+def needs_inputs_after_transform(scheme: Scheme) -> bool:
+    """SmoothQuant with stored activation/KV scales observes the smoothed layer again on its inputs."""
+    return "smoothquant" in scheme.algorithm and scheme_reads_statistics(scheme)
+
+
+def _kv_modules(layer: nn.Module, prefix: str, scheme: Scheme) -> dict[str, nn.Module]:
+    if not scheme.kv_cache:
+        return {}
+    return {f"{prefix}{n}": m for n, m in layer.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")}
+
+
+def _stats_from(saved: dict[str, dict[str, torch.Tensor]], linears: dict, kv_modules: dict) -> LayerStats:
+    channel = {n: saved["channel_absmax"][n] for n in linears}
+    return LayerStats(
+        input_absmax={n: t.amax() for n, t in channel.items()},  # as the observer derives it
+        channel_absmax=channel,
+        key_absmax={n: saved["key_absmax"][n] for n in kv_modules},
+        value_absmax={n: saved["value_absmax"][n] for n in kv_modules},
+    )
 
 
 def scheme_reads_statistics(scheme: Scheme) -> bool:

@@ -69,6 +69,19 @@ def test_export_writes_a_loadable_layout_and_inspect_names_it(tmp_path: Path, ti
     assert "TensorRT-LLM" in text and "quant_algo FP8" in text
 
 
+def test_int8_kv_cache_exports_as_modelopt_int8_kv(tmp_path: Path, tiny_model_session: Path) -> None:
+    scheme = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), TensorSpec("int8", "tensor"))
+    calib = torch.randint(3, 200, (2, 16))
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=calib)
+    qm = QuantizedModel.open(tmp_path / "q")
+    export_modelopt_hf(qm, tmp_path / "trt", tensor_parallel=1)
+    t = load_file(str(tmp_path / "trt" / "model.safetensors"))
+    hq = json.loads((tmp_path / "trt" / "hf_quant_config.json").read_text())["quantization"]
+    assert (hq["quant_algo"], hq["kv_cache_quant_algo"]) == ("W8A8_SQ_PER_CHANNEL", "INT8")
+    assert t["model.layers.0.self_attn.k_proj.k_scale"].item() > 0
+    assert "dtype: int8" in (tmp_path / "trt" / "llmc-trtllm.yaml").read_text()
+
+
 def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Path) -> None:
     from safetensors.torch import load_file
 

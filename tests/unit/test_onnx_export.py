@@ -185,6 +185,18 @@ def test_graph_uses_ort_fused_ops_and_keeps_unquantized_tensors_float(exported) 
     assert serve["accuracy_level"] == 1 and serve["rotary_cache_max_error"] < 1e-4
 
 
+
+def test_rotary_check_catches_a_misread_rope_theta(exported) -> None:
+    from llmc.compiler.onnx_genai import _rotary_error
+
+    qm, folder, _ = exported["g32-sym"]
+    config = dict(qm.config)
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    assert _rotary_error(folder, config) < 1e-4
+    wrong = {**config, "rope_theta": theta * 10, "rope_parameters": {"rope_type": "default", "rope_theta": theta * 10}}
+    assert _rotary_error(folder, wrong) > 0.1  # what a builder falling back to another theta would show
+
+
 @pytest.mark.parametrize("name", SCHEMES)
 def test_onnxruntime_reproduces_the_torch_reference(exported, name: str) -> None:
     """fp32 compute (accuracy_level 1): same codes, same function -> same NLL and logits to rounding."""

@@ -96,9 +96,16 @@ def test_export_reload_matches_fake_quantized_model(name: str, tiny_model: Path,
         assert (got - want).abs().max().item() < quant_effect
 
 
-def test_kv_scales_match_the_cache_a_runtime_fills(tiny_model: Path, tmp_path: Path) -> None:
-    """k_scale/v_scale come from post-RoPE keys and values: exactly what a KV cache stores."""
-    scheme = SCHEMES["fp8-kv"]
+# KV format -> the code range a scale maps absmax onto (FP8 e4m3's max; compressed-tensors' symmetric int8 range / 2)
+KV_RANGE = {"fp8_e4m3": 448.0, "int8": 127.5}
+
+
+@pytest.mark.parametrize("kv_format", sorted(KV_RANGE))
+def test_kv_scales_match_the_cache_a_runtime_fills(kv_format: str, tiny_model: Path, tmp_path: Path) -> None:
+    """k_scale/v_scale come from post-RoPE keys and values: exactly what a KV cache stores (FP8 for
+    vLLM/TensorRT-LLM, INT8 for TensorRT-LLM)."""
+    scheme = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
+                    kv_cache=TensorSpec(kv_format, "tensor"))
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     calib = _calibration(vocab)
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
@@ -116,8 +123,8 @@ def test_kv_scales_match_the_cache_a_runtime_fills(tiny_model: Path, tmp_path: P
         with safe_open(str(tmp_path / "q" / "layers" / f"{i:05d}.safetensors"), "pt") as h:
             k_scale = h.get_tensor(f"model.layers.{i}.self_attn.k_scale")
             v_scale = h.get_tensor(f"model.layers.{i}.self_attn.v_scale")
-        assert k_scale.item() == pytest.approx(kmax[i].item() / 448, rel=1e-5)
-        assert v_scale.item() == pytest.approx(vmax[i].item() / 448, rel=1e-5)
+        assert k_scale.item() == pytest.approx(kmax[i].item() / KV_RANGE[kv_format], rel=1e-5)
+        assert v_scale.item() == pytest.approx(vmax[i].item() / KV_RANGE[kv_format], rel=1e-5)
 
 
 def test_pack_quantized_layout(tiny_model: Path, tmp_path: Path) -> None:

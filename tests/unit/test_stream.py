@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,48 @@ def test_auto_spill_rule() -> None:
     assert should_spill("auto", 3 * gb, 16 * gb)  # 6 GB > a quarter of 16
     assert not should_spill("auto", 3 * gb, None)  # unknown memory: keep in memory
     assert should_spill("always", 1, 16 * gb) and not should_spill("never", 100 * gb, gb)
+
+
+# --------------------------------------------------------------------------- statistics shared between schemes
+
+FP8_STATIC_KV = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
+                       TensorSpec("fp8_e4m3", "tensor"))
+INT8_STATIC_KV = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), TensorSpec("int8", "tensor"))
+SQ_DYNAMIC = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
+
+
+@pytest.mark.parametrize("second", [INT8_STATIC_KV, SQ_DYNAMIC], ids=["int8-static-kv", "smoothquant-dynamic"])
+def test_second_scheme_reuses_statistics_without_a_forward_and_gets_identical_results(
+    second: Scheme, tmp_path: Path, monkeypatch, tiny_model_factory
+) -> None:
+    folder = tiny_model_factory(tmp_path / "m", layers=3)
+    calib = torch.randint(3, 200, (8, 16))
+    source = ModelSource(folder, "t", "t")
+    stream.quantize_model(source, second, tmp_path / "alone", calibration=calib)  # no sharing
+
+    shared = tmp_path / "shared"
+    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "first", calibration=calib, shared_stats=shared)
+    assert (shared / "complete.json").is_file()
+
+    def no_forward(*a, **k):
+        raise AssertionError("calibration forward run although the statistics were shared")
+
+    monkeypatch.setattr(stream, "capture_layer_inputs", no_forward)
+    monkeypatch.setattr(stream, "_observe", no_forward)
+    stream.quantize_model(source, second, tmp_path / "second", calibration=calib, shared_stats=shared)
+    _assert_same(_layer_files(tmp_path / "alone"), _layer_files(tmp_path / "second"))
+
+
+def test_statistics_are_not_shared_where_they_depend_on_the_scheme(tmp_path: Path, tiny_model_factory) -> None:
+    folder = tiny_model_factory(tmp_path / "m", layers=2)
+    calib = torch.randint(3, 200, (4, 16))
+    source = ModelSource(folder, "t", "t")
+    # GPTQ calibrates each layer on the quantized previous one: nothing it sees is reusable
+    stream.quantize_model(source, GPTQ, tmp_path / "gptq", calibration=calib, shared_stats=tmp_path / "s1")
+    assert not (tmp_path / "s1").exists()
+    # statistics without KV ranges do not cover a KV-cache scheme: it calibrates (and completes them again)
+    stream.quantize_model(source, SQ_DYNAMIC, tmp_path / "sq", calibration=calib, shared_stats=tmp_path / "s2")
+    covered = json.loads((tmp_path / "s2" / "complete.json").read_text())
+    assert covered["kv_modules"] == []
+    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "kv", calibration=calib, shared_stats=tmp_path / "s2")
+    assert json.loads((tmp_path / "s2" / "complete.json").read_text())["kv_modules"]
