@@ -47,7 +47,7 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _disk_errors(what: str, where: Path) -> Iterator[None]:
+def disk_errors(what: str, where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
@@ -63,7 +63,7 @@ def _disk_errors(what: str, where: Path) -> Iterator[None]:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _disk_errors(path.name, path.parent):
+    with disk_errors(path.name, path.parent):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -93,7 +93,7 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with _disk_errors(path.name, path.parent):
+    with disk_errors(path.name, path.parent):
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
             with open(tmp, "rb+") as f:
@@ -141,7 +141,7 @@ class Store:
         if not resumable and partial.exists():
             shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
-        with _disk_errors(f"stage '{stage}'", partial):
+        with disk_errors(f"stage '{stage}'", partial):
             yield partial
             atomic_write_json(partial / COMPLETE_MARKER, {"stage": stage, "key": key, "llmc": __version__})
             if final.exists():  # an older incomplete leftover (no marker): replace it

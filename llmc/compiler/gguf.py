@@ -51,7 +51,7 @@ from llmc.errors import IncompatibleTargetError, InputError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import TensorSpec
-from llmc.store import _disk_errors, atomic_write_json, atomic_write_text, fsync_dir
+from llmc.store import disk_errors, atomic_write_json, atomic_write_text, fsync_dir
 
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
@@ -637,7 +637,7 @@ def export_gguf(
     final = out / GGUF_FILE
     tmp = out / f".{GGUF_FILE}.{os.getpid()}.tmp"
     errors: dict[str, tuple[float, float, float]] = {}
-    with _disk_errors(GGUF_FILE, out):
+    with disk_errors(GGUF_FILE, out):
         try:
             writer.write_header_to_file(tmp)
             writer.write_kv_data_to_file()

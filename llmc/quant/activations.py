@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from llmc.store import atomic_save_safetensors
+from llmc.store import disk_errors, fsync_dir
 
 SpillMode = Literal["auto", "always", "never"]
 # auto spills when input + output copies of the activations would take more than this share of
@@ -64,6 +64,10 @@ class Activations:
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def spilled(self) -> bool:
+        return self._tensors is None
+
     def __getitem__(self, b: int) -> torch.Tensor:
         if self._tensors is not None:
             return self._tensors[b]
@@ -91,7 +95,7 @@ class ActivationWriter:
     def put(self, tensor: torch.Tensor) -> None:
         b = len(self._tensors)
         if self.spill:
-            atomic_save_safetensors(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor.contiguous()})
+            _write(self.partial / f"b{b:05d}.safetensors", tensor)
             self._tensors.append(torch.empty(0))  # only counts the batch
         else:
             self._tensors.append(tensor)
@@ -99,12 +103,23 @@ class ActivationWriter:
     def commit(self) -> Activations:
         if not self.spill:
             for b, t in enumerate(self._tensors):
-                atomic_save_safetensors(self.partial / f"b{b:05d}.safetensors", {"hidden": t.contiguous()})
+                _write(self.partial / f"b{b:05d}.safetensors", t)
+        # Files need no rename of their own (the folder is renamed once), only to be on disk first.
+        for f in self.partial.iterdir():
+            with open(f, "rb+") as handle:
+                os.fsync(handle.fileno())
         shutil.rmtree(self.final, ignore_errors=True)
         os.replace(self.partial, self.final)
+        fsync_dir(self.final.parent)
+        tensors, self._tensors = self._tensors, []  # hand over: the writer must not keep them alive
         if self.spill:
-            return Activations(folder=self.final, count=len(self._tensors))
-        return Activations(tensors=self._tensors)
+            return Activations(folder=self.final, count=len(tensors))
+        return Activations(tensors=tensors)
+
+
+def _write(path: Path, tensor: torch.Tensor) -> None:
+    with disk_errors(path.name, path.parent):
+        save_file({"hidden": tensor.contiguous()}, str(path))
 
 
 def _read(folder: Path, b: int) -> torch.Tensor:

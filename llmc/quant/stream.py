@@ -250,16 +250,18 @@ class _Recorder(nn.Module):
 
 
 def capture_layer_inputs(
-    model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
-    """Layer-0 hidden states per batch, and the extra args each layer receives per batch.
+    model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor],
+    hidden_sink: Callable[[torch.Tensor], None] | None = None,
+) -> list[list[tuple[tuple, dict]]]:
+    """The extra args each layer receives per batch; layer-0 hidden states go to `hidden_sink` batch by batch
+    (so spilled activations are never all in memory, not even the first layer's).
 
     Attention masks and rotary tables depend only on shapes and positions, not on hidden
     states, so they are recorded once with every layer replaced by a pass-through recorder.
     """
     original = list(layers)
     n = len(layers)
-    hidden, extras = [], []
+    extras = []
     try:
         for batch in batches:
             sink: list = []
@@ -267,15 +269,34 @@ def capture_layer_inputs(
                 layers[i] = _Recorder(i, sink, stop=(i == n - 1))
             with contextlib.suppress(_Stop), torch.no_grad():
                 model.model(input_ids=batch, use_cache=False)
-            hidden.append(sink[0][1])
+            if hidden_sink is not None:
+                hidden_sink(sink[0][1])
             per_layer = [None] * n
             for i, _, args, kwargs in sink:
                 per_layer[i] = (args, kwargs)
+            # Equal-length windows get equal masks and rotary tables: keep one copy, not one per batch
+            # (a materialized mask is batch x seq² floats, which would grow with the calibration set).
+            if extras and _identical(per_layer, extras[0]):
+                per_layer = extras[0]
             extras.append(per_layer)
     finally:
         for i, m in enumerate(original):
             layers[i] = m
-    return hidden, extras
+    return extras
+
+
+def _identical(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # objects without a usable equality
+        return False
 
 
 def _layer_output(out) -> torch.Tensor:
@@ -339,8 +360,7 @@ def quantize_model(
         batches = list(calibration.split(batch_size))
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
         materialize(model, outer, dtype)
-        first, extras = capture_layer_inputs(model, layers, batches)
-        act_bytes = sum(h.numel() * h.element_size() for h in first)
+        act_bytes = calibration.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
         spill = should_spill(spill_activations, act_bytes, memory_available())
         if spill:
             log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
@@ -348,14 +368,9 @@ def quantize_model(
         if start and not inputs_dir(state_dir, start).is_dir():
             log(f"no saved inputs for layer {start} (work folder from an older run): starting over")
             start = 0
-        if start:
-            hidden = Activations.load(inputs_dir(state_dir, start), spill)
-        else:
-            hidden = ActivationWriter(inputs_dir(state_dir, 0), spill)
-            for h in first:
-                hidden.put(h)
-            hidden = hidden.commit()
-        del first
+        first = None if start else ActivationWriter(inputs_dir(state_dir, 0), spill)
+        extras = capture_layer_inputs(model, layers, batches, first.put if first else None)
+        hidden = Activations.load(inputs_dir(state_dir, start), spill) if start else first.commit()
     else:
         batches, extras, hidden, spill = [], [], Activations([]), False
 
@@ -405,6 +420,9 @@ def quantize_model(
                 with torch.no_grad():
                     for h, (args, kwargs) in zip(hidden, layer_extras):
                         next_inputs.put(_layer_output(layer(h, *args, **kwargs)))
+                        if hidden.spilled:
+                            del h
+                            _return_free_heap_to_os()
             hidden = next_inputs.commit()
         # Progress moves only after the layer file and the next layer's inputs are complete; a run
         # killed anywhere before this line redoes layer i from its own saved inputs.
@@ -488,6 +506,9 @@ def _observe(
             out = _layer_output(layer(h, *args, **kwargs))
             if sink is not None:
                 sink(out)
+            if hidden.spilled:  # batch-sized buffers freed in a loop fragment the heap; give them back
+                del h, out
+                _return_free_heap_to_os()
 
 
 def _layer_tensors(
