@@ -295,6 +295,10 @@ def _engine_for(engine: str, folder: Path, dtype: str):
         from llmc.engines.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(folder, dtype=dtype)
+    if engine == "tensorrt-llm":
+        from llmc.engines.trtllm import TensorRtLlmEngine
+
+        return TensorRtLlmEngine(folder, dtype=dtype)
     if engine == "onnxruntime":
         from llmc.engines.onnxrt import OnnxRuntimeEngine
 
@@ -304,7 +308,7 @@ def _engine_for(engine: str, folder: Path, dtype: str):
 
 # Which exported formats each evaluation engine loads.
 ENGINE_READS = {"torch": {"compressed-tensors"}, "vllm": {"compressed-tensors"}, "llama.cpp": {"gguf"},
-                "onnxruntime": {"onnx"}}
+                "onnxruntime": {"onnx"}, "tensorrt-llm": {"modelopt-hf"}}
 # Engines that cannot load the unquantized source are paired with the torch reference's baseline
 # (same windows, same token ids): their change then includes the engine's own arithmetic.
 BASELINE_FROM_TORCH = {"llama.cpp", "onnxruntime"}

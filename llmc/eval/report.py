@@ -77,7 +77,8 @@ def summary_rows(result: BuildResult) -> list[list[str]]:
 def unevaluated_reason(exporter: str) -> str:
     """Why an artifact has no evaluation row: no engine in eval.runtimes loads its format."""
     if exporter in ("modelopt-hf", "trtllm-checkpoint"):
-        return "not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conformance-tested against ModelOpt)"
+        return ("not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conformance-tested against ModelOpt; "
+                "on a GPU machine add tensorrt-llm to eval.runtimes)")
     if exporter == "gguf":
         return "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     if exporter == "onnx":

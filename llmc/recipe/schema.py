@@ -259,10 +259,11 @@ class EvalSection(_Strict):
     )
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
     kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
-    runtimes: tuple[Literal["torch", "vllm", "llama.cpp", "onnxruntime"], ...] = Field(
+    runtimes: tuple[Literal["torch", "vllm", "llama.cpp", "onnxruntime", "tensorrt-llm"], ...] = Field(
         default=("torch",),
         description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "
-        "exports, llama.cpp reads GGUF exports, onnxruntime reads ONNX exports (both paired with the torch baseline)",
+        "exports, llama.cpp reads GGUF exports, onnxruntime reads ONNX exports (both paired with the torch "
+        "baseline), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment)",
     )
 
 

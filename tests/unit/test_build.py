@@ -178,3 +178,20 @@ def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies
     assert verify_entry(result.published) == []
     reasons = [r[-1] for r in summary_rows(result) if r[1] == "-"]
     assert len(reasons) == 2 and all("LMDeploy / ExLlamaV2 need an NVIDIA GPU" in r for r in reasons)
+
+
+def test_tensorrt_llm_engine_without_a_gpu_fails_its_artifact_with_the_fix(tiny_model: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """Asking for an engine this machine cannot run is a failure of its own ("artifact evaluated"), naming
+    what is missing, never a silent pass."""
+    monkeypatch.setenv("LLMC_TRTLLM_PYTHON", str(tmp_path / "no-such-python"))
+    text = recipe_text(tiny_model, tmp_path / "registry",
+                       **{"quantization.weights": {"format": "fp8_e4m3", "strategy": "tensor"},
+                          "targets": [{"runtime": "tensorrt-llm", "gpu_arch": "sm90"}],
+                          "eval.runtimes": ["torch", "tensorrt-llm"]})
+    result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
+    errors = [e["error"] for e in result.evals.values() if "error" in e]
+    assert errors and "TensorRT-LLM engine needs its own environment" in errors[0] and ".venv-trtllm" in errors[0]
+    assert not result.passed
+    failed = [v for v in result.verdicts if not v.passed]
+    assert failed and failed[0].gate == "artifact evaluated"
