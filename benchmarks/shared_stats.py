@@ -12,13 +12,14 @@ every run, the median ratio, and whether both produced bit-identical layer files
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from activation_spill import layer_digest
 
 CHILD = """
 import json, sys, time, torch
@@ -45,13 +46,6 @@ def run(out: Path, scheme: str, tokens: Path, shared: str) -> float:
     r = subprocess.run([sys.executable, "-c", CHILD, str(out), scheme, str(tokens), shared],
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])["wall_s"]
-
-
-def digest(out: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted((out / "layers").glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -83,7 +77,7 @@ def main() -> None:
             for mode in ("shared", "calibrated"):
                 out = tmp / f"int8-{mode}-{r}"
                 walls[mode].append(run(out, INT8_KV, tokens, str(shared) if mode == "shared" else "-"))
-                digests[mode] = digest(out)
+                digests[mode] = layer_digest(out)
                 print(json.dumps({"run": f"int8-static-kv {mode}", "repeat": r, "wall_s": walls[mode][-1]}), flush=True)
         print(json.dumps({
             "median_wall_s": {m: statistics.median(w) for m, w in walls.items()},

@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.files import copy_tokenizer_files, write_shards
+from llmc.compiler.files import write_repacked_checkpoint
 from llmc.compiler.gptq_format import check_scheme as check_integer_weight_only
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme
-from llmc.store import atomic_write_json
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) stored in nibble k
 
@@ -110,32 +109,10 @@ def export_awq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> d
 
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     group_size = check_scheme(qm.scheme)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    worst = 0.0
-
-    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        nonlocal worst
-        converted: dict[str, torch.Tensor] = {}
-        modules = [m for m in qm.quantized_modules if f"{m}.weight" in tensors]
-        for m in modules:
-            t = to_awq(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"))
-            ref = qm.dequantized_weight(tensors, m).float()
-            err = (dequantize_awq(t, group_size) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-            worst = max(worst, err)
-            converted.update({f"{m}.{k}": v for k, v in t.items()})
-        skip = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_zero_point")}
-        converted.update({k: v for k, v in tensors.items() if k not in skip})
-        return converted
-
-    written = write_shards(out, (convert(t) for t in qm.iter_files()))
-    config = dict(qm.config)
-    config["quantization_config"] = awq_quantization_config(qm.scheme, group_size, list(qm.scheme.ignore))
-    config["dtype"] = "float16"  # AWQ kernels compute in half precision
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
-    copy_tokenizer_files(qm.root, out)
-    if serve is not None:
-        atomic_write_json(out / "llmc-serve.json", serve)
+    written, worst = write_repacked_checkpoint(
+        qm, out, repack=to_awq, decode=lambda t: dequantize_awq(t, group_size),
+        quantization_config=awq_quantization_config(qm.scheme, group_size, list(qm.scheme.ignore)),
+        dtype="float16",  # AWQ kernels compute in half precision
+        serve=serve)
     return {"files": [p.name for p in written], "group_size": group_size,
             "max_relative_weight_error_fp16_scales": worst}

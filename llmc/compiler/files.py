@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmc.store import atomic_save_safetensors, atomic_write_json
+
+if TYPE_CHECKING:
+    from llmc.quant.canonical import QuantizedModel
 
 MAX_SHARD_BYTES = 2 << 30
 
@@ -43,3 +47,47 @@ def copy_tokenizer_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
         if f.suffix in (".json", ".jinja") and f.name not in ("quantized.json", "config.json"):
             shutil.copyfile(f, out / f.name)
+
+
+def write_repacked_checkpoint(
+    qm: QuantizedModel,
+    out: Path,
+    *,
+    repack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]],
+    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    quantization_config: dict,
+    dtype: str,
+    serve: dict | None = None,
+) -> tuple[list[Path], float]:
+    """A Hugging Face folder in another tool's weight-only layout (GPTQ, AWQ): every quantized Linear's
+    canonical codes / scale / zero point become `repack`'s tensors (named `<module>.<key>`), everything
+    else is copied; plus config.json with `quantization_config`, the tokenizer and, when given, the
+    runtime arguments (llmc-serve.json). Returns the weight files and the largest relative change of a
+    weight, `decode(repacked)` against the canonical weight (the layouts' float16 scales)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    worst = 0.0
+
+    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        nonlocal worst
+        converted: dict[str, torch.Tensor] = {}
+        modules = [m for m in qm.quantized_modules if f"{m}.weight" in tensors]
+        for m in modules:
+            packed = repack(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"))
+            ref = qm.dequantized_weight(tensors, m).float()
+            worst = max(worst, (decode(packed) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
+            converted.update({f"{m}.{k}": v for k, v in packed.items()})
+        replaced = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_zero_point")}
+        converted.update({k: v for k, v in tensors.items() if k not in replaced})
+        return converted
+
+    written = write_shards(out, (convert(t) for t in qm.iter_files()))
+    config = dict(qm.config)
+    config["quantization_config"] = quantization_config
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    copy_tokenizer_files(qm.root, out)
+    if serve is not None:
+        atomic_write_json(out / "llmc-serve.json", serve)
+    return written, worst

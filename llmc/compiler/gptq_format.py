@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.files import copy_tokenizer_files, write_shards
+from llmc.compiler.files import write_repacked_checkpoint
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme
-from llmc.store import atomic_write_json
 
 BITS = {"int4": 4, "int8": 8}
 
@@ -138,32 +137,12 @@ def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> 
 
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     bits = check_scheme(qm.scheme)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    worst = 0.0
 
-    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        nonlocal worst
-        converted: dict[str, torch.Tensor] = {}
-        modules = [m for m in qm.quantized_modules if f"{m}.weight" in tensors]
-        for m in modules:
-            t = to_gptq(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"), bits)
-            ref = qm.dequantized_weight(tensors, m).float()
-            err = (dequantize_gptq(t, bits) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-            worst = max(worst, err)
-            converted.update({f"{m}.qweight": t.qweight, f"{m}.qzeros": t.qzeros, f"{m}.scales": t.scales,
-                              f"{m}.g_idx": t.g_idx})
-        skip = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_zero_point")}
-        converted.update({k: v for k, v in tensors.items() if k not in skip})
-        return converted
+    def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return vars(to_gptq(codes, scale, zero_point, bits))
 
-    written = write_shards(out, (convert(t) for t in qm.iter_files()))
-    config = dict(qm.config)
-    config["quantization_config"] = gptq_quantization_config(qm.scheme, bits)
-    config["dtype"] = qm.meta.get("dtype", "float32")
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
-    copy_tokenizer_files(qm.root, out)
-    if serve is not None:
-        atomic_write_json(out / "llmc-serve.json", serve)
+    written, worst = write_repacked_checkpoint(
+        qm, out, repack=repack, decode=lambda t: dequantize_gptq(GPTQTensors(**t), bits),
+        quantization_config=gptq_quantization_config(qm.scheme, bits), dtype=qm.meta.get("dtype", "float32"),
+        serve=serve)
     return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}
