@@ -26,6 +26,9 @@ SpillMode = Literal["auto", "always", "never"]
 AUTO_SPILL_SHARE = 0.25
 
 
+ALL_BATCHES = "batches.safetensors"  # in-memory mode's single file per layer
+
+
 def inputs_dir(state_dir: Path, layer: int) -> Path:
     return state_dir / f"inputs-{layer:05d}"
 
@@ -56,7 +59,15 @@ class Activations:
 
     @classmethod
     def load(cls, folder: Path, spill: bool) -> Activations:
-        count = len(list(folder.glob("b*.safetensors")))
+        if (folder / ALL_BATCHES).is_file():  # written in memory mode: one file
+            d = load_file(str(folder / ALL_BATCHES))
+            tensors = [d[f"b{b:05d}"] for b in range(len(d))]
+            if not spill:
+                return cls(tensors=tensors)
+            for b, t in enumerate(tensors):  # resumed with less memory than it was started with
+                _write(folder / f"b{b:05d}.safetensors", {"hidden": t})
+            (folder / ALL_BATCHES).unlink()
+        count = len(list(folder.glob("b[0-9]*.safetensors")))
         if spill:
             return cls(folder=folder, count=count)
         return cls(tensors=[_read(folder, b) for b in range(count)])
@@ -95,15 +106,14 @@ class ActivationWriter:
     def put(self, tensor: torch.Tensor) -> None:
         b = len(self._tensors)
         if self.spill:
-            _write(self.partial / f"b{b:05d}.safetensors", tensor)
+            _write(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor})
             self._tensors.append(torch.empty(0))  # only counts the batch
         else:
             self._tensors.append(tensor)
 
     def commit(self) -> Activations:
-        if not self.spill:
-            for b, t in enumerate(self._tensors):
-                _write(self.partial / f"b{b:05d}.safetensors", t)
+        if not self.spill:  # one file (one fsync) per layer, not one per batch
+            _write(self.partial / ALL_BATCHES, {f"b{b:05d}": t for b, t in enumerate(self._tensors)})
         # Files need no rename of their own (the folder is renamed once), only to be on disk first.
         for f in self.partial.iterdir():
             with open(f, "rb+") as handle:
@@ -117,9 +127,9 @@ class ActivationWriter:
         return Activations(tensors=tensors)
 
 
-def _write(path: Path, tensor: torch.Tensor) -> None:
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     with disk_errors(path.name, path.parent):
-        save_file({"hidden": tensor.contiguous()}, str(path))
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(path))
 
 
 def _read(folder: Path, b: int) -> torch.Tensor:

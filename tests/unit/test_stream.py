@@ -97,11 +97,12 @@ def test_spilled_activations_give_identical_results_one_batch_resident(
     assert not (tmp_path / "disk" / "state").exists()  # spill files go once the form is complete
 
 
-@pytest.mark.parametrize("spill", ["never", "always"])
+@pytest.mark.parametrize(("spill", "resume_spill"), [("never", "never"), ("always", "always"), ("never", "always")])
 def test_killed_between_inputs_and_progress_resumes_exactly(
-    spill: str, tmp_path: Path, monkeypatch, tiny_model_factory
+    spill: str, resume_spill: str, tmp_path: Path, monkeypatch, tiny_model_factory
 ) -> None:
-    """The next layer's inputs are on disk but progress still names this layer: redo it from its own inputs."""
+    """The next layer's inputs are on disk but progress still names this layer: redo it from its own inputs
+    (also when the rerun spills where the killed run kept activations in memory)."""
     folder = tiny_model_factory(tmp_path / "m", layers=3)
     calib = torch.randint(3, 200, (4, 16))
     source = ModelSource(folder, "t", "t")
@@ -121,7 +122,7 @@ def test_killed_between_inputs_and_progress_resumes_exactly(
     assert (tmp_path / "crashy" / "state" / "inputs-00002").is_dir()  # written before the kill
     monkeypatch.setattr(stream, "atomic_write_json", real_write)
     stream.quantize_model(source, GPTQ, tmp_path / "crashy", calibration=calib, batch_size=2,
-                          spill_activations=spill)
+                          spill_activations=resume_spill)
     _assert_same(_layer_files(tmp_path / "clean"), _layer_files(tmp_path / "crashy"))
 
 
