@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmc.engines.torch_ref import topk_kl
+from llmc.engines.torch_ref import agreement
 from llmc.errors import EngineFailed, EngineUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,9 +101,8 @@ class LlamaCppEngine:
         out = self.run(windows, prompt, decode_tokens, repeats, ref_index)
         scores = {"nll": torch.from_numpy(out["nll"]).double()}
         if reference is not None:
-            at_ref = torch.from_numpy(out["logprobs_at_reference"])
-            scores["kl"] = topk_kl(reference["topk_logprobs"], at_ref)
-            scores["top1"] = (torch.from_numpy(out["top1_index"]) == ref_index[..., 0]).double()
+            scores.update(agreement(reference, torch.from_numpy(out["logprobs_at_reference"]),
+                                    torch.from_numpy(out["top1_index"])))
         meta = json.loads(str(out["meta"]))
         tput = {**meta["throughput"], "engine_version": meta["version"], "engine_load_s": meta["load_s"],
                 "threads": self.threads}

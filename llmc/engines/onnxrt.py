@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llmc.engines.torch_ref import topk_kl
+from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
 GENAI_CONFIG = "genai_config.json"
@@ -85,15 +84,8 @@ class OnnxRuntimeEngine:
             ids = windows[w : w + 1]
             logits, _ = self._run(ids.numpy())
             logits = torch.from_numpy(np.ascontiguousarray(logits[:, :-1])).float()
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            out = {"nll": (lse.squeeze(-1) - logits.gather(-1, ids[:, 1:, None]).squeeze(-1)).double()}
-            if reference is None:
-                top = logits.topk(top_k, dim=-1)
-                out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
-            else:
-                ref_ix = reference["topk_index"][w : w + 1].long()
-                out["kl"] = topk_kl(reference["topk_logprobs"][w : w + 1], logits.gather(-1, ref_ix) - lse)
-                out["top1"] = (logits.argmax(-1) == ref_ix[..., 0]).double()
+            ref = None if reference is None else {k: v[w : w + 1] for k, v in reference.items()}
+            out = score_logits(logits, ids[:, 1:], top_k, ref)
             for k, v in out.items():
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
@@ -116,7 +108,7 @@ class OnnxRuntimeEngine:
                     logits, past = self._run(nxt, past, n)
                     nxt, n = logits[:, -1:].argmax(-1), n + 1
                 decode.append(decode_tokens / (time.perf_counter() - t))
-        return {"prefill_tokens_per_s": _summary(prefill), "decode_tokens_per_s": _summary(decode) if decode else None,
+        return {"prefill_tokens_per_s": summary(prefill), "decode_tokens_per_s": summary(decode) if decode else None,
                 "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens, "repeats": repeats,
                 "threads": self.threads, "engine_version": self.version}
 
@@ -126,6 +118,3 @@ class OnnxRuntimeEngine:
         del batch_size
         return self.score(windows, reference, top_k), self.throughput(prompt[:1], decode_tokens, repeats)
 
-
-def _summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

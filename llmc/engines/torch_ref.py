@@ -165,19 +165,9 @@ class TorchEngine:
         parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, windows.shape[0], batch_size):
             batch = windows[start : start + batch_size]
-            # log p = logits - logsumexp(logits): only the few entries needed are ever formed, never a
-            # full-vocabulary log-softmax (that alone cost ~15% on top of the forward pass)
             logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            out = {"nll": (lse.squeeze(-1) - logits.gather(-1, batch[:, 1:, None]).squeeze(-1)).double()}
-            if reference is None:
-                top = logits.topk(top_k, dim=-1)
-                out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
-            else:
-                ref_lp = reference["topk_logprobs"][start : start + batch_size]
-                ref_ix = reference["topk_index"][start : start + batch_size].long()
-                out["kl"] = topk_kl(ref_lp, logits.gather(-1, ref_ix) - lse)
-                out["top1"] = (logits.argmax(-1) == ref_ix[..., 0]).double()
+            ref = None if reference is None else {k: v[start : start + batch_size] for k, v in reference.items()}
+            out = score_logits(logits, batch[:, 1:], top_k, ref)
             for k, v in out.items():
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
@@ -217,13 +207,38 @@ class TorchEngine:
                 decode.append(decode_tokens * prompt.shape[0] / (time.perf_counter() - t))
                 del t_prefill
         return {
-            "prefill_tokens_per_s": _summary(prefill),
-            "decode_tokens_per_s": _summary(decode) if decode else None,
+            "prefill_tokens_per_s": summary(prefill),
+            "decode_tokens_per_s": summary(decode) if decode else None,
             "prompt_tokens": int(prompt.shape[1]),
             "decode_tokens": decode_tokens,
             "repeats": repeats,
             "threads": torch.get_num_threads(),
         }
+
+
+def score_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int, reference: dict | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Per-token scores of next-token `logits` [b, s, vocab] for `targets` [b, s]: the NLL, plus either
+    the top-k log-probs (to serve as a reference) or, given a reference's `topk_logprobs`/`topk_index`
+    for the same rows, KL(reference || this) and top-1 agreement. Every engine with full logits uses it.
+
+    log p = logits - logsumexp(logits): only the few entries needed are ever formed, never a
+    full-vocabulary log-softmax (that alone cost ~15% on top of the forward pass)."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = {"nll": (lse.squeeze(-1) - logits.gather(-1, targets[..., None]).squeeze(-1)).double()}
+    if reference is None:
+        top = logits.topk(top_k, dim=-1)
+        out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
+    else:
+        out.update(agreement(reference, logits.gather(-1, reference["topk_index"].long()) - lse, logits.argmax(-1)))
+    return out
+
+
+def agreement(reference: dict, logprobs_at_reference: torch.Tensor, argmax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token KL(reference || this) and top-1 agreement, from this model's log-probs at the reference's
+    top-k indices and its own argmax (what engines scoring in another process send back)."""
+    return {"kl": topk_kl(reference["topk_logprobs"], logprobs_at_reference),
+            "top1": (argmax.long() == reference["topk_index"][..., 0].long()).double()}
 
 
 def topk_kl(ref_logprobs: torch.Tensor, new_logprobs_at_ref: torch.Tensor) -> torch.Tensor:
@@ -240,5 +255,5 @@ def topk_kl(ref_logprobs: torch.Tensor, new_logprobs_at_ref: torch.Tensor) -> to
     return (kl + tail_p * (tail_p.log() - tail_q.log())).clamp_min(0.0)
 
 
-def _summary(xs: list[float]) -> dict:
+def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from llmc.engines.torch_ref import topk_kl
+from llmc.engines.torch_ref import agreement
 from llmc.errors import EngineFailed, EngineUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,6 @@ class TensorRtLlmEngine:
         if reference is None:
             scores["topk_logprobs"], scores["topk_index"] = raw["topk_logprobs"], raw["topk_index"]
         else:
-            scores["kl"] = topk_kl(reference["topk_logprobs"], raw["at_reference"])
-            scores["top1"] = (raw["argmax"] == reference["topk_index"][..., 0]).double()
+            scores.update(agreement(reference, raw["at_reference"], raw["argmax"]))
         tput = {**result["throughput"], "engine_version": result["version"], "engine_load_s": result["load_s"]}
         return scores, tput
