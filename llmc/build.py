@@ -42,6 +42,7 @@ from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.store import Store, atomic_save_safetensors, atomic_write_json, stage_key
@@ -147,8 +148,8 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
 def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
     c = result.recipe.calibration
     docs = load_corpus(c.dataset, "calibration")
-    # Where activations live changes no result, so it stays out of the stage key.
-    cfg = {**c.model_dump(mode="json", exclude={"spill_activations"}), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+    # Where activations live and which device quantizes change no token, so they stay out of the stage key.
+    cfg = {**c.model_dump(mode="json", exclude={"spill_activations", "device"}), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
     key = stage_key("calibrate", cfg, [result.source.sha256])
     done = store.lookup("calibrate", key)
     with _Timer(result, "calibrate", key, done is not None):
@@ -164,7 +165,10 @@ def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
 
 
 def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
+    device = resolve_device(result.recipe.calibration.device)
     cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype, "propagate": propagate_for(scheme)}
+    if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
+        cfg["device"] = device.type
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
@@ -172,7 +176,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
             tokens = None
             if calib_key:
                 tokens = load_file(str(store.lookup("calibrate", calib_key) / "tokens.safetensors"))["input_ids"]
-            log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time")
+            log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
             with store.produce("quantize", key, resumable=True) as out:
                 quantize_model(
                     result.source,
@@ -183,18 +187,22 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     extra_meta={"calibration_key": calib_key},
                     on_layer_done=lambda i: die_if_asked(f"quantize:layer:{i}"),
                     spill_activations=result.recipe.calibration.spill_activations,
-                    shared_stats=_shared_stats_dir(result, store, calib_key),
+                    shared_stats=_shared_stats_dir(result, store, calib_key, device),
+                    device=device,
                 )
             done = store.lookup("quantize", key)
     return done, key
 
 
-def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None) -> Path | None:
+def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, device: torch.device) -> Path | None:
     """Where schemes calibrated on original outputs share statistics: one folder per model, data and dtype
     (and the stream's batch size, which fixes the exact arithmetic of the calibration forwards)."""
     if calib_key is None:
         return None
-    key = stage_key("shared-stats", {"dtype": result.recipe.model.dtype, "batch_size": CALIBRATION_BATCH_SIZE},
+    cfg = {"dtype": result.recipe.model.dtype, "batch_size": CALIBRATION_BATCH_SIZE}
+    if device.type != "cpu":
+        cfg["device"] = device.type
+    key = stage_key("shared-stats", cfg,
                     [result.source.sha256, calib_key])
     return store.root / "shared-stats" / key
 

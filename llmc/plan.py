@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -27,6 +28,7 @@ from llmc.compiler.capabilities import (
 )
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.activations import memory_available, should_spill
+from llmc.quant.device import resolve_device
 from llmc.quant.algorithms import ALGORITHMS
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
@@ -34,6 +36,9 @@ from llmc.recipe.schema import Recipe, Target
 IMPLEMENTED_ALGORITHMS = set(ALGORITHMS)
 # Measured on this class of machine (2 cores): ~800 calibration tok/s for a 135M model in fp32.
 _CPU_FLOPS = 2 * 135e6 * 800
+# Effective rate of the layer-at-a-time loop on an H100 (SmolLM2-width, 32x512 windows; GPTQ / SmoothQuant
+# 1.7 / 1.5 TFLOP/s in the model-forward units below: small layers are bound by launches and file writes).
+_GPU_FLOPS = 2 * 135e6 * 6_000
 
 
 @dataclass
@@ -54,6 +59,8 @@ class Plan:
                 f"  model: {e['params'] / 1e6:.1f}M params in {e['layers']} layers; "
                 f"peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
                 f"{', spilled to disk' if e.get('spill_activations') else ''}), "
+                f"calibrating on {e['device']}"
+                f"{' (~%.2f GB of GPU memory)' % e['device_memory_gb'] if e['device'] != 'cpu' else ''}, "
                 f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
             )
         for t in self.targets:
@@ -248,7 +255,19 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, shapes)
-        plan.estimates = _estimates(recipe, list(schemes.values()), config, params, nbytes)
+        device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
+        plan.estimates = _estimates(recipe, list(schemes.values()), config, params, nbytes, device)
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0] / 1e9
+            if free < plan.estimates["device_memory_gb"]:
+                from llmc.errors import ResourceError
+
+                raise ResourceError(
+                    f"calibrating one layer needs ~{plan.estimates['device_memory_gb']:.1f} GB on {device}, "
+                    f"{free:.1f} GB are free",
+                    fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
+                    "or set calibration.device: cpu",
+                )
         if cache_dir is not None:
             free = shutil.disk_usage(cache_dir).free / 1e9
             if free < plan.estimates["disk_gb"]:
@@ -274,7 +293,10 @@ def _calibration_passes(scheme: Scheme) -> float:
     return passes
 
 
-def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int) -> dict:
+def _estimates(
+    recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int,
+    device: torch.device = torch.device("cpu"),
+) -> dict:
     layers = config.get("num_hidden_layers", 1)
     hidden = config.get("hidden_size", 0)
     vocab = config.get("vocab_size", 0)
@@ -287,21 +309,28 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, params: int,
     spill = calibrated and should_spill(c.spill_activations, act // 2, memory_available())
     if spill:  # one batch of inputs and one of outputs resident (the stream's batches are 4 windows)
         act = 2 * min(4, c.samples) * c.seq_len * hidden * 4
+    batch_act = 2 * min(4, c.samples) * c.seq_len * hidden * 4  # one batch in, one out
+    awq_act = 0
     if any("awq" in s.algorithm for s in schemes):
         # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)
-        act += c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
+        awq_act = c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
+    act += awq_act
     passes = sum(_calibration_passes(s) for s in schemes)
     qbytes = sum(params * s.weights.bits / 8 + embed for s in schemes)
     ev = recipe.eval
     eval_tokens = ev.windows * ev.seq_len * (1 + len(schemes)) * len(ev.runtimes)
     flops_per_token = 2 * params
+    layer_flops = _GPU_FLOPS if device.type == "cuda" else _CPU_FLOPS
     return {
         "params": params,
         "layers": layers,
         "peak_memory_gb": (per_layer * 2 + embed + act) / 1e9,
         "disk_gb": (nbytes + qbytes * (1 + len(recipe.targets))) / 1e9,
-        "calibration_s": passes * c.samples * c.seq_len * flops_per_token / _CPU_FLOPS,
+        "calibration_s": passes * c.samples * c.seq_len * flops_per_token / layer_flops,
         "eval_s": eval_tokens * flops_per_token / _CPU_FLOPS,
         "cpu_count": os.cpu_count(),
         "spill_activations": spill,
+        "device": str(device),
+        # on the device: the layer (float weights + a float32 copy for the algorithms), a batch, AWQ's inputs
+        "device_memory_gb": (per_layer * 3 + batch_act + awq_act) / 1e9 if device.type != "cpu" else 0.0,
     }

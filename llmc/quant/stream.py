@@ -325,11 +325,15 @@ def quantize_model(
     on_layer_done: Callable[[int], None] | None = None,
     spill_activations: SpillMode = "auto",
     shared_stats: Path | None = None,
+    device: torch.device | str = "cpu",
 ) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc).
 
     `shared_stats`: a folder keyed by (model, calibration data, dtype) where schemes calibrated on
-    original outputs share their statistics (`llmc.quant.shared_stats`)."""
+    original outputs share their statistics (`llmc.quant.shared_stats`).
+    `device`: where each layer is calibrated and quantized (one layer and one batch of activations at a
+    time live there; the activations passed between layers, the embeddings and the files stay on the host)."""
+    device = torch.device(device)
     torch.manual_seed(0)
     propagate = propagate_for(scheme)
     reader = CheckpointReader(source.folder)
@@ -388,10 +392,11 @@ def quantize_model(
             continue
 
         materialize(layer, reader.with_prefix(prefix), dtype)
+        layer.to(device)
         stats = LayerStats()
-        layer_extras = [e[i] for e in extras]
+        layer_extras = to_device([e[i] for e in extras], device)
         if reuse:
-            stats = _stats_from(shared.load(i), linears, kv_modules)
+            stats = _stats_from(to_device(shared.load(i), device), linears, kv_modules)
             transform_layer(layer, prefix, stats, scheme)
         elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
@@ -401,8 +406,8 @@ def quantize_model(
             sink = next_inputs.put if propagate == "original" else None
             _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
             if shared is not None:
-                shared.save(i, {"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
-                                "value_absmax": stats.value_absmax})
+                shared.save(i, to_device({"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
+                                          "value_absmax": stats.value_absmax}, _HOST))
             if transform_layer(layer, prefix, stats, scheme) and scheme_reads_statistics(scheme):
                 # Rescaled weights change activation ranges (and Hessians): measure them again.
                 stats = LayerStats()
@@ -419,7 +424,7 @@ def quantize_model(
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
                 with torch.no_grad():
                     for h, (args, kwargs) in zip(hidden, layer_extras):
-                        next_inputs.put(_layer_output(layer(h, *args, **kwargs)))
+                        next_inputs.put(_layer_output(layer(h.to(device), *args, **kwargs)).to(_HOST))
                         if hidden.spilled:
                             del h
                             _return_free_heap_to_os()
@@ -501,11 +506,12 @@ def _observe(
     sink: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """Run the calibration batches through one layer, recording into `stats`; outputs go to `sink`."""
+    device = next(layer.parameters()).device
     with observing(layer, linears, stats, kv_modules, observe), torch.no_grad():
         for h, (args, kwargs) in zip(hidden, extras):
-            out = _layer_output(layer(h, *args, **kwargs))
+            out = _layer_output(layer(h.to(device), *args, **kwargs))
             if sink is not None:
-                sink(out)
+                sink(out.to(_HOST))
             if hidden.spilled:  # batch-sized buffers freed in a loop fragment the heap; give them back
                 del h, out
                 _return_free_heap_to_os()
@@ -532,4 +538,30 @@ def _layer_tensors(
     for name in kv_modules:
         tensors[f"{name}.k_scale"] = static_scale(stats.key_absmax[name], scheme.kv_cache)
         tensors[f"{name}.v_scale"] = static_scale(stats.value_absmax[name], scheme.kv_cache)
-    return tensors
+    return to_device(tensors, _HOST)
+
+
+_HOST = torch.device("cpu")
+
+
+def to_device(obj, device: torch.device):
+    """`obj` (tensors in nested tuples/lists/dicts) on `device`; a tensor shared by several entries (the one
+    mask or rotary table all batches use) is moved once and stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def go(o):
+        if isinstance(o, torch.Tensor):
+            if o.device == device:
+                return o
+            if id(o) not in moved:
+                moved[id(o)] = o.to(device)
+            return moved[id(o)]
+        if isinstance(o, tuple):
+            return tuple(go(x) for x in o)
+        if isinstance(o, list):
+            return [go(x) for x in o]
+        if isinstance(o, dict):
+            return {k: go(v) for k, v in o.items()}
+        return o
+
+    return go(obj)

@@ -199,6 +199,11 @@ class CalibrationSection(_Strict):
         description="keep the activations passed between layers on disk, one batch in memory at a time; "
         "auto: when two copies would take over a quarter of the available memory. Never changes results.",
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="where each decoder layer is calibrated and quantized; auto: the first CUDA GPU when "
+        "torch sees one, else the CPU. Results agree to float rounding, not bit for bit, across devices.",
+    )
 
 
 class Target(_Strict):

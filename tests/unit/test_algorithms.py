@@ -300,3 +300,54 @@ def test_gptq_on_stacked_linears_equals_one_at_a_time() -> None:
             single, _ = gptq_quantize(w, h, spec)
             assert torch.equal(q.scale, single.scale)
             assert (q.codes.float() == single.codes.float()).float().mean() > 0.99
+
+
+_BLOCK_COMPARISON = """
+import json, sys, torch
+from llmc.quant.algorithms import gptq
+from llmc.quant.numerics import compute_qparams
+from llmc.quant.spec import TensorSpec
+spec = TensorSpec(**json.loads(sys.argv[1]))
+device = "cuda" if torch.cuda.is_available() else "cpu"
+g = torch.Generator().manual_seed(0)
+out, n = 72, 96  # a partial row tile and a block width that is not a power of two
+block = torch.randn(out, n, generator=g)
+x = torch.randn(n, 3 * n, generator=g)
+h_chol, _ = gptq._prepare_inverse(x @ x.T / n, 0.01)
+scale, zp = compute_qparams(block, spec)
+group = torch.arange(n) // 32 if spec.strategy == "group" else torch.zeros(n, dtype=torch.long)
+args = [None if t is None else t.to(device) for t in (scale[:, group], None if zp is None else zp.float()[:, group], h_chol)]
+eager_codes, eager_err = gptq.gptq_block_eager(block.clone().to(device), *args, spec)
+codes, err = gptq.gptq_block_triton(block.clone().to(device), *args, spec)
+assert codes.dtype == torch.int8 and codes.shape == eager_codes.shape
+same = (codes == eager_codes).all(dim=1)  # rows whose codes all agree must carry the same errors
+print(json.dumps({"differing_codes": (codes != eager_codes).float().mean().item(),
+                  "max_code_step": (codes.int() - eager_codes.int()).abs().max().item(),
+                  "max_error_diff": (err[same] - eager_err[same]).abs().max().item() if same.any() else 0.0,
+                  "rows_compared": int(same.sum())}))
+"""
+
+
+@pytest.mark.parametrize("spec", [TensorSpec("int4", "group", group_size=32),
+                                  TensorSpec("int4", "group", group_size=32, symmetric=False),
+                                  TensorSpec("int8", "channel")], ids=["int4-sym", "int4-asym", "int8"])
+def test_triton_gptq_block_matches_the_eager_loop(spec: TensorSpec) -> None:
+    """One kernel launch per block must give the eager column loop's codes and errors. Without a GPU the
+    kernel runs in Triton's interpreter, which must be on before triton is first imported: a child process.
+    (On a GPU the kernel may fuse multiply-adds, so a rare code may round the other way.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", _BLOCK_COMPARISON, json.dumps(asdict(spec))],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["differing_codes"] <= 0.01 and m["max_code_step"] <= 1, m
+    assert m["rows_compared"] >= 36 and m["max_error_diff"] <= 1e-4, m

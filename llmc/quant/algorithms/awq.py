@@ -102,7 +102,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: TensorSpec, options: Awq
     n_out, n_in = w.shape
     x = x.reshape(-1, n_in).float()
     if x.shape[0] > options.clip_tokens:
-        x = x[torch.linspace(0, x.shape[0] - 1, options.clip_tokens).long()]
+        x = x[torch.linspace(0, x.shape[0] - 1, options.clip_tokens, device=x.device).long()]
     xg = x.reshape(x.shape[0], n_in // g, g)  # [t, G, g]
     wg = w.detach().float().reshape(n_out, n_in // g, g)  # [o, G, g]
     rows = max(1, (1 << 24) // (xg.shape[0] * xg.shape[1]))  # bounds the [o, G, t] products to 64 MB
@@ -115,7 +115,7 @@ def _clip_rows(wg: torch.Tensor, xg: torch.Tensor, spec: TensorSpec, options: Aw
     reference = torch.einsum("tGg,oGg->oGt", xg, wg)
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [o, G, 1]
     best_max = org_max.clone()
-    best_err = torch.full(org_max.shape, float("inf"))
+    best_err = torch.full(org_max.shape, float("inf"), device=wg.device)
     group_spec = replace(spec, strategy="channel", group_size=None)  # one row = one group
     for i in range(int(options.max_shrink * options.clip_grid)):
         max_val = org_max * (1 - i / options.clip_grid)

@@ -33,7 +33,7 @@ def accumulate_hessian(hessian: torch.Tensor | None, seen: int, x: torch.Tensor)
     x = x.reshape(-1, x.shape[-1]).float()
     m = x.shape[0]
     if hessian is None:
-        hessian = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32)
+        hessian = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     hessian = hessian * (seen / (seen + m)) + (x.T @ x) * (2.0 / (seen + m))
     return hessian, seen + m
 
@@ -47,12 +47,6 @@ def _row_qparams(weight: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, 
     return scale, zp
 
 
-def _column_qparams(scale: torch.Tensor, zp: torch.Tensor | None, col: int, spec: TensorSpec):
-    """The scale (and zero point) column that applies to input column `col`, shaped [out, 1]."""
-    j = col // spec.group_size if spec.strategy == "group" else 0
-    return scale[:, j : j + 1], None if zp is None else zp[:, j : j + 1]
-
-
 def _prepare_inverse(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Upper Cholesky factor of H⁻¹ (after damping; factorized in float64, returned in float32) and the
     mask of dead (never active) inputs."""
@@ -60,7 +54,7 @@ def _prepare_inverse(hessian: torch.Tensor, dampening: float) -> tuple[torch.Ten
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     damp = dampening * torch.mean(torch.diag(h))
-    h += damp * torch.eye(h.shape[0], dtype=h.dtype)
+    h += damp * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     h_inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
     return torch.linalg.cholesky(h_inv, upper=True).float(), dead
 
@@ -103,35 +97,72 @@ def _gptq_rows(
     """The column loop over a float32 weight [out, in] with per-row scales [out, 1 or groups]."""
     w = w.clone()
     n_out, n_in = w.shape
-    column_spec = replace(spec, strategy="channel", group_size=None)
 
     h_inv_chol, dead = _prepare_inverse(hessian, options.dampening)
     w[:, dead] = 0.0
-    order = torch.arange(n_in)
+    order = torch.arange(n_in, device=w.device)
     if options.act_order:
         order = torch.argsort(torch.diag(hessian), descending=True, stable=True)
         h = hessian[order][:, order]
         h_inv_chol, _ = _prepare_inverse(h, options.dampening)
         w = w[:, order]
+    # The scale (zero point) of each column, in processing order: [out, in].
+    group = order // spec.group_size if spec.strategy == "group" else torch.zeros_like(order)
+    scale_cols = scale.float()[:, group]
+    zp_cols = None if zp is None else zp.float()[:, group]
 
-    codes = torch.empty(n_out, n_in, dtype=torch.float8_e4m3fn if spec.info.is_float else torch.int8)
-    loss = torch.zeros((), dtype=torch.float64)
+    block_fn = gptq_block_triton if use_triton(w, spec) else gptq_block_eager
+    codes = torch.empty(n_out, n_in, dtype=torch.float8_e4m3fn if spec.info.is_float else torch.int8, device=w.device)
+    loss = torch.zeros((), dtype=torch.float64, device=w.device)
     bs = options.block_size
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
-        block = w[:, i1:i2].clone()
-        errors = torch.zeros_like(block)
-        h_blk = h_inv_chol[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = int(order[i1 + i])
-            s, z = _column_qparams(scale, zp, col, spec)
-            q_codes = quantize_with(block[:, i : i + 1], s, z, column_spec)
-            q = dequantize(q_codes, s, z, column_spec)[:, 0]
-            codes[:, col] = q_codes[:, 0]
-            d = h_blk[i, i]
-            err = (block[:, i] - q) / d
-            block[:, i:] -= err[:, None] * h_blk[i, i:][None, :]
-            errors[:, i] = err
+        z_blk = None if zp_cols is None else zp_cols[:, i1:i2]
+        block_codes, errors = block_fn(w[:, i1:i2].clone(), scale_cols[:, i1:i2], z_blk, h_inv_chol[i1:i2, i1:i2], spec)
+        codes[:, order[i1:i2]] = block_codes
         loss += (errors.double() ** 2).sum() / 2
         w[:, i2:] -= errors @ h_inv_chol[i1:i2, i2:]
     return codes, float(loss)
+
+
+def gptq_block_eager(
+    block: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, h_blk: torch.Tensor, spec: TensorSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the columns of `block` [out, b] in order (scales/zero points per column, [out, b]), each
+    column's error moved onto the later columns through the upper Cholesky factor `h_blk` [b, b] of H⁻¹.
+    Returns the codes [out, b] and the scaled errors [out, b]. Modifies `block`."""
+    column_spec = replace(spec, strategy="channel", group_size=None)
+    codes = torch.empty(block.shape, dtype=torch.float8_e4m3fn if spec.info.is_float else torch.int8,
+                        device=block.device)
+    errors = torch.zeros_like(block)
+    for i in range(block.shape[1]):
+        s, z = scale[:, i : i + 1], None if zp is None else zp[:, i : i + 1]
+        q_codes = quantize_with(block[:, i : i + 1], s, z, column_spec)
+        q = dequantize(q_codes, s, z, column_spec)[:, 0]
+        codes[:, i] = q_codes[:, 0]
+        err = (block[:, i] - q) / h_blk[i, i]
+        block[:, i:] -= err[:, None] * h_blk[i, i:][None, :]
+        errors[:, i] = err
+    return codes, errors
+
+
+def use_triton(w: torch.Tensor, spec: TensorSpec) -> bool:
+    """The fused kernel (`gptq_triton`) serves integer codes on CUDA, or anywhere under TRITON_INTERPRET=1
+    (how its tests run without a GPU)."""
+    import os
+
+    if spec.info.is_float or not (w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gptq_block_triton(
+    block: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, h_blk: torch.Tensor, spec: TensorSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from llmc.quant.algorithms.gptq_triton import gptq_block
+
+    return gptq_block(block, scale, zp, h_blk, spec)

@@ -1,0 +1,20 @@
+"""Which device calibrates and quantizes the layers (recipe key `calibration.device`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(requested: str) -> torch.device:
+    """The device a recipe's `calibration.device` names ("auto": CUDA when torch sees a GPU)."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        from llmc.errors import ResourceError
+
+        raise ResourceError(
+            f"calibration.device is '{requested}' but torch sees no CUDA GPU (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'})",
+            fix="set calibration.device: auto (or cpu), or run on a machine with a GPU and a CUDA build of torch",
+        )
+    return torch.device(requested)
