@@ -184,7 +184,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     out,
                     calibration=tokens,
                     dtype=_dtype(result.recipe),
-                    extra_meta={"calibration_key": calib_key},
+                    extra_meta={"calibration_key": calib_key, "device": device.type},
                     on_layer_done=lambda i: die_if_asked(f"quantize:layer:{i}"),
                     spill_activations=result.recipe.calibration.spill_activations,
                     shared_stats=_shared_stats_dir(result, store, calib_key, device),
