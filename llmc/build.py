@@ -208,7 +208,7 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
 
 
 def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
-    exporter = exporter_for(target.runtime, target.version)
+    exporter = exporter_for(target.runtime, target.version, qm.scheme)
     if exporter == "gguf":
         from llmc.compiler.gguf import GGUF_OPTIONS, export_gguf
 
@@ -223,6 +223,13 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 
         def write(out: Path) -> None:
             export_onnx(qm, out, **ONNX_OPTIONS)
+    elif exporter == "onnx-qdq":
+        from llmc.compiler.onnx_qdq import export_onnx_qdq
+
+        cfg = {"exporter": exporter, "target": _target_key(target)}
+
+        def write(out: Path) -> None:
+            export_onnx_qdq(qm, out)
     elif exporter in ("awq", "gptq"):
         from llmc.compiler import awq_format, gptq_format
 
@@ -311,15 +318,19 @@ def _engine_for(engine: str, folder: Path, dtype: str):
         from llmc.engines.onnxrt import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(folder, dtype=dtype)
+    if engine == "tensorrt":
+        from llmc.engines.tensorrt import TensorRtEngine
+
+        return TensorRtEngine(folder, dtype=dtype)
     raise ValueError(engine)
 
 
 # Which exported formats each evaluation engine loads.
 ENGINE_READS = {"torch": {"compressed-tensors"}, "vllm": {"compressed-tensors"}, "llama.cpp": {"gguf"},
-                "onnxruntime": {"onnx"}, "tensorrt-llm": {"modelopt-hf"}}
+                "onnxruntime": {"onnx", "onnx-qdq"}, "tensorrt-llm": {"modelopt-hf"}, "tensorrt": {"onnx-qdq"}}
 # Engines that cannot load the unquantized source are paired with the torch reference's baseline
 # (same windows, same token ids): their change then includes the engine's own arithmetic.
-BASELINE_FROM_TORCH = {"llama.cpp", "onnxruntime"}
+BASELINE_FROM_TORCH = {"llama.cpp", "onnxruntime", "tensorrt"}
 
 
 def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt,

@@ -111,7 +111,7 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                     f"but version range '{target.version}' admits no such release",
                     fix=f"widen version to include >={rule.since}",
                 )
-    exporter = exporter_for(target.runtime, target.version)
+    exporter = exporter_for(target.runtime, target.version, scheme)
     if exporter not in IMPLEMENTED_EXPORTERS:
         raise IncompatibleTargetError(
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
@@ -124,10 +124,11 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             check_exporter(exporter, target.runtime)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
-    if exporter in ("onnx", "awq", "gptq"):
-        from llmc.compiler import awq_format, gptq_format, onnx_genai
+    if exporter in ("onnx", "onnx-qdq", "awq", "gptq"):
+        from llmc.compiler import awq_format, gptq_format, onnx_genai, onnx_qdq
 
-        check = {"onnx": onnx_genai.check_scheme, "awq": awq_format.check_scheme, "gptq": gptq_format.check_scheme}
+        check = {"onnx": onnx_genai.check_scheme, "onnx-qdq": onnx_qdq.check_scheme,
+                 "awq": awq_format.check_scheme, "gptq": gptq_format.check_scheme}
         try:
             check[exporter](scheme)
         except IncompatibleTargetError as e:
@@ -248,7 +249,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
-            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version), "status": status})
+            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version, scheme), "status": status})
         _check_scheme(scheme, where)
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())

@@ -36,21 +36,26 @@ EXPORTERS = {
     "tensorrt-llm": "modelopt-hf",
     "llama.cpp": "gguf",
     "ollama": "gguf",
-    "onnxruntime": "onnx",
+    "onnxruntime": "onnx",  # INT4; 8-bit schemes get "onnx-qdq" (exporter_for)
+    "tensorrt": "onnx-qdq",
     "lmdeploy": "awq",
     "exllamav2": "gptq",
 }
 
 # Exporters implemented in this version of llmc.
-IMPLEMENTED_EXPORTERS = {"awq", "compressed-tensors", "gguf", "gptq", "modelopt-hf", "onnx", "trtllm-checkpoint"}
+IMPLEMENTED_EXPORTERS = {"awq", "compressed-tensors", "gguf", "gptq", "modelopt-hf", "onnx", "onnx-qdq",
+                         "trtllm-checkpoint"}
 
 # TensorRT-LLM reads the unified (ModelOpt HF) checkpoint from this version; a target pinned below it
 # gets the legacy per-rank checkpoint for trtllm-build.
 TRTLLM_UNIFIED_SINCE = "0.17.0"
 
 
-def exporter_for(runtime: str, version: str | None) -> str:
-    """The artifact kind a target gets: by runtime, and for TensorRT-LLM by its version range."""
+def exporter_for(runtime: str, version: str | None, scheme=None) -> str:
+    """The artifact kind a target gets: by runtime; for TensorRT-LLM by its version range; for ONNX
+    Runtime by the scheme (INT4 weights: onnxruntime-genai's MatMulNBits folder; 8-bit: a Q/DQ graph)."""
+    if runtime == "onnxruntime" and scheme is not None and scheme.weights.format != "int4":
+        return "onnx-qdq"
     if runtime == "tensorrt-llm" and version:
         from packaging.specifiers import SpecifierSet
         from packaging.version import Version
@@ -63,6 +68,10 @@ def exporter_for(runtime: str, version: str | None) -> str:
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
     "16-bit and the activation scales are unused, so there is no FP8 matmul speed-up"
+)
+_ORT_U8S8 = (
+    "Q/DQ fused into ORT's int8 GEMM (MatMulIntegerToFloat); on x86 CPUs without VNNI its u8s8 kernel "
+    "saturates 16-bit pair sums, which costs accuracy with full-range int8 weights (measured, docs/results.md)"
 )
 _MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations stay 16-bit, no FP4 matmul speed-up"
 
@@ -123,10 +132,25 @@ RULES: dict[tuple[str, str], Rule] = {
                                   cpu_note="llama.cpp quantizes activations itself (dynamic, blocks of 32)"),
     ("ollama", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
     ("ollama", "W4A16-INT"): Rule("sm70", cpu=True, since="0.1.0"),
-    # ONNX Runtime (onnxruntime-genai folder): MatMulNBits INT4 weight-only, CPU and CUDA EPs. ORT also runs
-    # Q/DQ INT8 graphs, but llmc's ONNX exporter writes MatMulNBits only, so W8A8 is not listed.
+    # ONNX Runtime: INT4 as onnxruntime-genai's MatMulNBits folder; 8-bit schemes as a standard Q/DQ graph
+    # (llmc.compiler.onnx_qdq; opset 21, static activation scales only, no KV cache), measured on this CPU.
     ("onnxruntime", "W4A16-INT"): Rule("sm70", cpu=True, since="1.17.0",
                                        cpu_note="MatMulNBits; accuracy_level 4 computes with int8 activations"),
+    ("onnxruntime", "W8A8-INT8"): Rule("sm70", cpu=True, since="1.20.0", cpu_note=_ORT_U8S8),
+    ("onnxruntime", "W8A16-INT8"): Rule("sm70", cpu=True, since="1.20.0",
+                                        cpu_note="DequantizeLinear -> MatMul (float compute)"),
+    ("onnxruntime", "W8A8-FP8"): Rule(None, cpu=True, since="1.20.0",
+                                      cpu_note="FP8 Q/DQ run as float on the CPU EP (exact, no FP8 speed-up)",
+                                      refuse_reason="ORT's FP8 Q/DQ graphs are verified on the CPU EP only; on a "
+                                      "GPU target tensorrt or vllm"),
+    # TensorRT (engine built from the Q/DQ graph with the tensorrt Python API; llmc.engines.tensorrt). The graph
+    # is opset 21 (blocked INT4 DequantizeLinear), which TensorRT 10's ONNX parser reads; not run here (no GPU).
+    ("tensorrt", "W8A8-INT8"): Rule("sm75", since="10.3.0", refuse_reason="TensorRT's INT8 Q/DQ GEMMs need sm75+"),
+    ("tensorrt", "W8A16-INT8"): Rule("sm80", since="10.3.0",
+                                     refuse_reason="TensorRT's weight-only (DQ -> MatMul) kernels need sm80+"),
+    ("tensorrt", "W4A16-INT"): Rule("sm80", since="10.3.0",
+                                    refuse_reason="TensorRT's INT4 block-quantized weight-only GEMM needs sm80+"),
+    ("tensorrt", "W8A8-FP8"): Rule("sm89", since="10.3.0", refuse_reason="TensorRT's FP8 GEMMs need Ada/Hopper (sm89+)"),
     # LMDeploy TurboMind reads AutoAWQ GEMM checkpoints (--model-format awq): 4-bit groups, GPU only.
     ("lmdeploy", "W4A16-INT"): Rule("sm75", since="0.2.0", refuse_reason="TurboMind's W4A16 kernels need sm75+"),
     # ExLlamaV2 reads GPTQ-format 4-bit checkpoints (its own EXL2 format is not written by llmc), CUDA only.
@@ -142,6 +166,7 @@ KNOWN_VERSIONS = {
     "llama.cpp": ["0.0.1"],
     "ollama": ["0.1.0", "0.5.0"],
     "onnxruntime": ["1.16.0", "1.17.0", "1.20.0", "1.31.0"],
+    "tensorrt": ["8.6.0", "10.0.0", "10.3.0", "10.8.0", "10.13.0"],
     "lmdeploy": ["0.1.0", "0.2.0", "0.6.0", "0.10.0", "0.18.0"],
     "exllamav2": ["0.0.11", "0.1.0", "0.2.0", "0.3.2"],
 }
@@ -181,6 +206,9 @@ PROOF = {
     "gptq": "conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
     "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX Runtime "
     "export, which is scored here",
+    "onnx-qdq": "loaded and scored in onnxruntime 1.32 here (CPU EP; default test run, tiny model): without ORT's "
+    "int8 kernel fusions the graph reproduces the torch reference of the same codes (KL ~1e-6); a TensorRT engine "
+    "is built and scored from it only on a GPU machine with TensorRT (test marked gpu)",
     "onnx": "loaded and scored in onnxruntime 1.32 here (CPU EP; tests in the default run on a tiny model, and "
     "the real model in the integration suite): fp32 compute reproduces the torch reference of the same codes "
     "(KL ~1e-6); MatMulNBits blocks decode to the canonical weights (fp16 scales); onnxruntime-genai's "

@@ -10,7 +10,7 @@ Backends, by the artifact the target already gets:
   `llmc-serve.json` gives `vllm serve`); the backend passes them to vLLM verbatim, so `model` is the
   version folder's path *inside Triton's container*: the repository is expected at `/models`
   (`docker run -v <artifact>/triton:/models ... tritonserver --model-repository=/models`).
-- onnx -> Triton's ONNX Runtime backend (`platform: onnxruntime_onnx`): inputs and outputs, with their
+- onnx, onnx-qdq -> Triton's ONNX Runtime backend (`platform: onnxruntime_onnx`): inputs and outputs, with their
   types and dynamic dims, read from the graph itself. The model is stateless under Triton: the client
   passes `past_key_values.*` and receives `present.*`, as onnxruntime-genai does in-process.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from llmc.errors import IncompatibleTargetError
 
 CONTAINER_REPOSITORY = "/models"
-BACKEND_FOR_EXPORTER = {"compressed-tensors": "vllm", "onnx": "onnxruntime"}
+BACKEND_FOR_EXPORTER = {"compressed-tensors": "vllm", "onnx": "onnxruntime", "onnx-qdq": "onnxruntime"}
 _ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 7: "TYPE_INT64", 6: "TYPE_INT32",
                    9: "TYPE_BOOL", 3: "TYPE_INT8", 2: "TYPE_UINT8"}
 

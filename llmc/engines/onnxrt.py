@@ -1,11 +1,15 @@
-"""ONNX Runtime engine: scores an ONNX artifact (onnxruntime-genai layout) with onnxruntime on the CPU.
+"""ONNX Runtime engine: scores an ONNX artifact with onnxruntime on the CPU, with the session options a
+deployment gets by default (all graph optimizations, so ORT's own Q/DQ and MatMulNBits kernels run).
 
-The artifact's decoder is one `model.onnx` with inputs input_ids, attention_mask and
-past_key_values.{i}.key/value, outputs logits and present.{i}.key/value (what onnxruntime-genai's
-model builder writes and `genai_config.json` names). Scoring runs each window as one prefill with an
-empty cache and reads the full logits, so besides the NLL it measures KL and top-1 agreement against a
-reference's top-k log-probs; decode tok/s feeds `present` back as `past` one token at a time, as
-onnxruntime-genai's generator does. (Not called onnxruntime.py: that would shadow the real package.)
+Two layouts:
+- onnxruntime-genai folder (`genai_config.json`): one `model.onnx` with inputs input_ids, attention_mask
+  and past_key_values.{i}.key/value, outputs logits and present.{i}.key/value. Decode tok/s feeds
+  `present` back as `past` one token at a time, as onnxruntime-genai's generator does.
+- Q/DQ graph (llmc.compiler.onnx_qdq; its `llmc-serve.json` says kind onnx-qdq): input_ids -> logits, no cache;
+  only prefill tok/s is measured.
+Scoring runs each window as one prefill and reads the full logits, so besides the NLL it measures KL and
+top-1 agreement against a reference's top-k log-probs. (Not called onnxruntime.py: that would shadow
+the real package.)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
 GENAI_CONFIG = "genai_config.json"
+QDQ_MODEL = "model.onnx"  # the Q/DQ graph's file (llmc.compiler.onnx_qdq.MODEL_FILE)
 
 
 def _ort():
@@ -32,6 +37,13 @@ def _ort():
     return onnxruntime
 
 
+def _serve_kind(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "llmc-serve.json").read_text()).get("kind")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return None
+
+
 class OnnxRuntimeEngine:
     name = "onnxruntime"
 
@@ -39,15 +51,20 @@ class OnnxRuntimeEngine:
         del dtype  # the graph's own types decide the arithmetic
         ort = _ort()
         folder = Path(folder)
-        try:
-            cfg = json.loads((folder / GENAI_CONFIG).read_text())["model"]
-        except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
-            raise EngineFailed(f"{folder} has no readable {GENAI_CONFIG} ({e})",
-                               fix="export the artifact for an onnxruntime target") from None
-        dec = cfg["decoder"]
-        self.model_path = folder / dec["filename"]
-        self.layers, self.kv_heads, self.head_size = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
-        self.inputs, self.outputs = dec["inputs"], dec["outputs"]
+        if _serve_kind(folder) == "onnx-qdq":
+            self.model_path, self.layers = folder / QDQ_MODEL, 0  # no KV cache
+            self.inputs, self.outputs = {"input_ids": "input_ids"}, {"logits": "logits"}
+        else:
+            try:
+                cfg = json.loads((folder / GENAI_CONFIG).read_text())["model"]
+            except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+                raise EngineFailed(f"{folder} has neither a readable {GENAI_CONFIG} ({e}) nor a Q/DQ {QDQ_MODEL}",
+                                   fix="export the artifact for an onnxruntime target") from None
+            dec = cfg["decoder"]
+            self.model_path = folder / dec["filename"]
+            self.layers, self.kv_heads, self.head_size = (dec["num_hidden_layers"], dec["num_key_value_heads"],
+                                                          dec["head_size"])
+            self.inputs, self.outputs = dec["inputs"], dec["outputs"]
         self.threads = threads or os.cpu_count() or 1
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
@@ -58,13 +75,16 @@ class OnnxRuntimeEngine:
             raise EngineFailed(f"onnxruntime could not load {self.model_path}: {e}",
                                fix="check the artifact with `llmc inspect`; re-export it if files are damaged") from None
         types = {i.name: i.type for i in self.session.get_inputs()}
-        self.kv_dtype = np.float16 if "float16" in types.get(self.inputs["past_key_names"] % 0, "") else np.float32
+        past = self.inputs.get("past_key_names")
+        self.kv_dtype = np.float16 if past and "float16" in types.get(past % 0, "") else np.float32
         self.version = ort.__version__
 
     def _feed(self, ids: np.ndarray, past: list[np.ndarray] | None, past_len: int) -> dict[str, np.ndarray]:
         b, s = ids.shape
-        feed = {self.inputs["input_ids"]: ids.astype(np.int64),
-                self.inputs["attention_mask"]: np.ones((b, past_len + s), dtype=np.int64)}
+        feed = {self.inputs["input_ids"]: ids.astype(np.int64)}
+        if not self.layers:
+            return feed
+        feed[self.inputs["attention_mask"]] = np.ones((b, past_len + s), dtype=np.int64)
         for i in range(self.layers):
             for j, kind in enumerate(("past_key_names", "past_value_names")):
                 feed[self.inputs[kind] % i] = (past[2 * i + j] if past is not None else
@@ -99,7 +119,7 @@ class OnnxRuntimeEngine:
             t = time.perf_counter()
             self._run(ids)
             prefill.append(ids.size / (time.perf_counter() - t))
-            if decode_tokens:
+            if decode_tokens and self.layers:
                 short = ids[:, :64]
                 logits, past = self._run(short)
                 nxt, n = logits[:, -1:].argmax(-1), short.shape[1]
@@ -109,7 +129,7 @@ class OnnxRuntimeEngine:
                     nxt, n = logits[:, -1:].argmax(-1), n + 1
                 decode.append(decode_tokens / (time.perf_counter() - t))
         return {"prefill_tokens_per_s": summary(prefill), "decode_tokens_per_s": summary(decode) if decode else None,
-                "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens, "repeats": repeats,
+                "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens if self.layers else 0, "repeats": repeats,
                 "threads": self.threads, "engine_version": self.version}
 
     def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,

@@ -83,6 +83,8 @@ def unevaluated_reason(exporter: str) -> str:
         return "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     if exporter == "onnx":
         return "not evaluated: add onnxruntime to eval.runtimes"
+    if exporter == "onnx-qdq":
+        return "not evaluated: add onnxruntime to eval.runtimes (or tensorrt, on a GPU machine with TensorRT)"
     if exporter in ("awq", "gptq"):
         return "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layout conformance-tested)"
     return f"not evaluated: no engine in eval.runtimes loads {exporter}"

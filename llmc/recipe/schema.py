@@ -16,7 +16,8 @@ from llmc.quant.spec import Scheme, TensorSpec
 
 SCHEMA_VERSION = 1
 
-Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "llama.cpp", "ollama", "onnxruntime", "lmdeploy", "exllamav2"]
+Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "tensorrt", "llama.cpp", "ollama", "onnxruntime", "lmdeploy",
+                  "exllamav2"]
 GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
 
 
@@ -264,11 +265,12 @@ class EvalSection(_Strict):
     )
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
     kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
-    runtimes: tuple[Literal["torch", "vllm", "llama.cpp", "onnxruntime", "tensorrt-llm"], ...] = Field(
+    runtimes: tuple[Literal["torch", "vllm", "llama.cpp", "onnxruntime", "tensorrt-llm", "tensorrt"], ...] = Field(
         default=("torch",),
         description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "
         "exports, llama.cpp reads GGUF exports, onnxruntime reads ONNX exports (both paired with the torch "
-        "baseline), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment)",
+        "baseline; ONNX Q/DQ graphs too), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment), "
+        "tensorrt builds an engine from ONNX Q/DQ graphs (NVIDIA GPU with the tensorrt package)",
     )
 
 

@@ -101,6 +101,26 @@ def _describe_onnx(path: Path) -> str:
     ])
 
 
+def _describe_onnx_qdq(path: Path) -> str:
+    from collections import Counter
+
+    import onnx
+
+    graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    ops = Counter(n.op_type for n in graph.node)
+    serve = path / "llmc-serve.json"
+    extra = json.loads(serve.read_text()) if serve.is_file() else {}
+    return "\n".join([
+        f"ONNX Q/DQ graph at {path} (input_ids -> logits, no KV cache)",
+        f"  ops: {ops['DequantizeLinear']} DequantizeLinear, {ops['QuantizeLinear']} QuantizeLinear, "
+        f"{ops['MatMul']} MatMul, {sum(ops.values())} nodes in all",
+        f"  scheme {extra.get('scheme', '?')}: weights {extra.get('weights', 'not written by llmc')}; "
+        f"activations {extra.get('activations', '?')}",
+        "  accepted by: onnxruntime (CPU EP here), TensorRT (engine: "
+        + extra.get("tensorrt", {}).get("build", "trtexec --onnx=model.onnx --stronglyTyped") + ")",
+    ])
+
+
 def describe(path: Path) -> str:
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -133,6 +153,8 @@ def describe(path: Path) -> str:
         ])
     if (path / "genai_config.json").is_file():
         return _describe_onnx(path)
+    if (path / "model.onnx").is_file():
+        return _describe_onnx_qdq(path)
     gguf_file = path if path.suffix == ".gguf" else path / "model.gguf"
     if gguf_file.is_file():
         return _describe_gguf(gguf_file)
