@@ -62,6 +62,7 @@ class Plan:
                 f"calibrating on {e['device']}"
                 f"{' (~%.2f GB of GPU memory)' % e['device_memory_gb'] if e['device'] != 'cpu' else ''}, "
                 f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
+                + (f", ONNX Q/DQ export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else "")
             )
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
@@ -269,6 +270,21 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                     fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
                     "or set calibration.device: cpu",
                 )
+        whole_model = [t["label"] for t in plan.targets if t["exporter"] in WHOLE_MODEL_EXPORTERS]
+        if whole_model:
+            # torch.onnx traces the whole model: float32 weights, the graph's copy of them, then the codes
+            need = 3 * params * 4 / 1e9
+            plan.estimates["export_memory_gb"] = need
+            available = memory_available()
+            if available is not None and need > available / 1e9:
+                from llmc.errors import ResourceError
+
+                raise ResourceError(
+                    f"the ONNX Q/DQ export for {', '.join(whole_model)} holds the whole model in float32 "
+                    f"(~{need:.1f} GB); {available / 1e9:.1f} GB of memory are available",
+                    fix="export these targets on a machine with more memory, or drop them (the vllm, "
+                        "tensorrt-llm and llama.cpp exporters stream one layer at a time)",
+                )
         if cache_dir is not None:
             free = shutil.disk_usage(cache_dir).free / 1e9
             if free < plan.estimates["disk_gb"]:
@@ -279,6 +295,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                     fix="free disk space or set LLMC_CACHE to a larger disk",
                 )
     return plan
+
+
+# Exporters that hold the whole model in memory at once (every other exporter streams layer files).
+WHOLE_MODEL_EXPORTERS = {"onnx-qdq"}
 
 
 def _calibration_passes(scheme: Scheme) -> float:

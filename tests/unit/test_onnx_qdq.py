@@ -199,3 +199,34 @@ def test_tensorrt_engine_from_the_qdq_graph_matches_the_torch_reference(exported
         reference = TorchEngine(ct).score(windows, top_k=16)
         scores = TensorRtEngine(folder).score(windows, reference, 16)
         assert scores["kl"].mean() < 1e-3 and scores["top1"].float().mean() > 0.95, name
+
+
+def test_build_exports_one_graph_per_target_and_scores_it_in_onnxruntime(tiny_model: Path, tmp_path: Path) -> None:
+    import yaml
+
+    from llmc.build import build
+    from llmc.recipe import parse_recipe
+    from llmc.store import Store
+
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "tiny-w8a8-static",
+        "model": {"source": str(tiny_model)},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
+                         "activations": {"format": "int8", "strategy": "tensor"}, "algorithm": "smoothquant"},
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0},
+        "targets": [{"runtime": "onnxruntime", "gpu_arch": "cpu"}, {"runtime": "tensorrt", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 64, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 200,
+                 "runtimes": ["torch", "onnxruntime"]},
+        "gates": {"max_ppl_increase_pct": 50.0},
+        "publish": {"registry": str(tmp_path / "registry")},
+    }))
+    result = build(recipe, Store(tmp_path / "cache"))
+    assert result.passed
+    arts = result.artifacts
+    assert {a["exporter"] for a in arts.values()} == {"onnx-qdq"} and len(arts) == 2
+    ort_eval = result.evals["onnxruntime:onnxruntime-cpu-tp1"]
+    assert ort_eval["baseline_engine"] == "torch" and "kld" in ort_eval
+    assert ort_eval["throughput"]["decode_tokens_per_s"] is None
+    # both targets hold the same graph: onnxruntime scores it once, for both
+    assert arts["onnxruntime-cpu-tp1"]["content_key"] == arts["tensorrt-sm90-tp1"]["content_key"]
+    assert result.evals["onnxruntime:tensorrt-sm90-tp1"] is ort_eval

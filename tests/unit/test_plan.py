@@ -195,3 +195,22 @@ def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
     assert docs.read_text() == render_matrix(), "regenerate: llmc matrix --write docs/compatibility.md"
+
+
+def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    """The ONNX Q/DQ exporter traces the whole float32 model: the planner estimates it and refuses, with
+    the fix, when the machine lacks the memory (before any weight loads)."""
+    import llmc.plan
+    from llmc.errors import ResourceError
+
+    static_int8 = {"weights": {"format": "int8", "strategy": "channel"},
+                   "activations": {"format": "int8", "strategy": "tensor"}}
+    plan = make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
+    need = plan.estimates["export_memory_gb"]
+    assert need == pytest.approx(3 * plan.estimates["params"] * 4 / 1e9)
+    assert "ONNX Q/DQ export" in plan.render()
+    assert "export_memory_gb" not in make_plan(recipe(static_int8, {"runtime": "vllm"}), tiny_model, tmp_path).estimates
+    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 / 2))
+    with pytest.raises(ResourceError, match="holds the whole model in float32") as e:
+        make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
+    assert "more memory" in e.value.fix
