@@ -224,9 +224,10 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
         def write(out: Path) -> None:
             export_onnx(qm, out, **ONNX_OPTIONS)
     elif exporter == "onnx-qdq":
-        from llmc.compiler.onnx_qdq import export_onnx_qdq
+        from llmc.compiler.onnx_qdq import OPSET, export_onnx_qdq
 
-        cfg = {"exporter": exporter, "target": _target_key(target)}
+        # the graph does not depend on the target: onnxruntime and tensorrt targets share one export
+        cfg = {"exporter": exporter, "opset": OPSET}
 
         def write(out: Path) -> None:
             export_onnx_qdq(qm, out)
@@ -265,6 +266,8 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
             export_compressed_tensors(qm, out, serve_args=serve)
     if target.triton:
         from llmc.compiler.triton_repo import model_name, write_triton_repo
+
+        cfg.setdefault("target", _target_key(target))  # the repository is named after the target
 
         write_artifact = write
 

@@ -47,7 +47,8 @@ def _serve_kind(folder: Path) -> str | None:
 class OnnxRuntimeEngine:
     name = "onnxruntime"
 
-    def __init__(self, folder: Path, *, dtype: str = "float32", threads: int | None = None) -> None:
+    def __init__(self, folder: Path, *, dtype: str = "float32", threads: int | None = None,
+                 session_config: dict[str, str] | None = None) -> None:
         del dtype  # the graph's own types decide the arithmetic
         ort = _ort()
         folder = Path(folder)
@@ -69,6 +70,8 @@ class OnnxRuntimeEngine:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.log_severity_level = 3
+        for key, value in (session_config or {}).items():  # e.g. {"session.disable_quant_qdq": "1"}
+            opts.add_session_config_entry(key, value)
         try:
             self.session = ort.InferenceSession(str(self.model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for invalid graphs/data

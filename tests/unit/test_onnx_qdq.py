@@ -132,6 +132,20 @@ def test_serve_file_says_what_the_graph_is(exported) -> None:
     assert serve["quantized_matmuls"] == 14 and serve["activation_qdq"] is True
     assert "trtexec --onnx=model.onnx --stronglyTyped" in serve["tensorrt"]["build"]
     assert (folder / "tokenizer.json").is_file()
+    # int8 activations: the session config that runs the graph exactly on CPUs whose int8 kernel saturates
+    assert serve["onnxruntime"]["exact_session_config"] == {"session.disable_quant_qdq": "1"}
+    assert "onnxruntime" not in json.loads((exported["w8a8-fp8-static"][1] / "llmc-serve.json").read_text())
+
+
+def test_exact_session_config_turns_off_the_int8_kernel_fusion(exported) -> None:
+    """With the serve file's session config, ORT runs DequantizeLinear -> float MatMul (the torch
+    reference's function); by default it fuses the Q/DQ MatMuls into its int8 kernel."""
+    _, folder, ct = exported["w8a8-int8-static"]
+    windows = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(4))
+    reference = TorchEngine(ct).score(windows, top_k=16)
+    config = json.loads((folder / "llmc-serve.json").read_text())["onnxruntime"]["exact_session_config"]
+    exact = OnnxRuntimeEngine(folder, session_config=config).score(windows, reference, 16)
+    assert exact["kl"].mean() < 2e-5 and torch.allclose(exact["nll"], reference["nll"], atol=1e-3)
 
 
 def test_refusals_name_the_fix() -> None:
