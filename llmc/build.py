@@ -208,7 +208,7 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
 
 
 def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
-    exporter = exporter_for(target.runtime, target.version, qm.scheme)
+    exporter = exporter_for(target.runtime, target.version)
     if exporter == "gguf":
         from llmc.compiler.gguf import GGUF_OPTIONS, export_gguf
 

@@ -62,7 +62,7 @@ class Plan:
                 f"calibrating on {e['device']}"
                 f"{' (~%.2f GB of GPU memory)' % e['device_memory_gb'] if e['device'] != 'cpu' else ''}, "
                 f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
-                + (f", ONNX Q/DQ export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else "")
+                + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else "")
             )
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
@@ -112,7 +112,7 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                     f"but version range '{target.version}' admits no such release",
                     fix=f"widen version to include >={rule.since}",
                 )
-    exporter = exporter_for(target.runtime, target.version, scheme)
+    exporter = exporter_for(target.runtime, target.version)
     if exporter not in IMPLEMENTED_EXPORTERS:
         raise IncompatibleTargetError(
             f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
@@ -250,7 +250,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
-            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version, scheme), "status": status})
+            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version), "status": status})
         _check_scheme(scheme, where)
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())
@@ -272,7 +272,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 )
         whole_model = [t["label"] for t in plan.targets if t["exporter"] in WHOLE_MODEL_EXPORTERS]
         if whole_model:
-            # torch.onnx traces the whole model: float32 weights, the graph's copy of them, then the codes
+            # the ONNX exporters hold the whole model: float32 weights, the graph's copy of them, then the codes
             need = 3 * params * 4 / 1e9
             plan.estimates["export_memory_gb"] = need
             available = memory_available()
@@ -280,7 +280,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 from llmc.errors import ResourceError
 
                 raise ResourceError(
-                    f"the ONNX Q/DQ export for {', '.join(whole_model)} holds the whole model in float32 "
+                    f"the ONNX export for {', '.join(whole_model)} holds the whole model in float32 "
                     f"(~{need:.1f} GB); {available / 1e9:.1f} GB of memory are available",
                     fix="export these targets on a machine with more memory, or drop them (the vllm, "
                         "tensorrt-llm and llama.cpp exporters stream one layer at a time)",
@@ -298,7 +298,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 
 
 # Exporters that hold the whole model in memory at once (every other exporter streams layer files).
-WHOLE_MODEL_EXPORTERS = {"onnx-qdq"}
+WHOLE_MODEL_EXPORTERS = {"onnx", "onnx-qdq"}
 
 
 def _calibration_passes(scheme: Scheme) -> float:

@@ -36,7 +36,7 @@ EXPORTERS = {
     "tensorrt-llm": "modelopt-hf",
     "llama.cpp": "gguf",
     "ollama": "gguf",
-    "onnxruntime": "onnx",  # INT4; 8-bit schemes get "onnx-qdq" (exporter_for)
+    "onnxruntime": "onnx",
     "tensorrt": "onnx-qdq",
     "lmdeploy": "awq",
     "exllamav2": "gptq",
@@ -51,11 +51,8 @@ IMPLEMENTED_EXPORTERS = {"awq", "compressed-tensors", "gguf", "gptq", "modelopt-
 TRTLLM_UNIFIED_SINCE = "0.17.0"
 
 
-def exporter_for(runtime: str, version: str | None, scheme=None) -> str:
-    """The artifact kind a target gets: by runtime; for TensorRT-LLM by its version range; for ONNX
-    Runtime by the scheme (INT4 weights: onnxruntime-genai's MatMulNBits folder; 8-bit: a Q/DQ graph)."""
-    if runtime == "onnxruntime" and scheme is not None and scheme.weights.format != "int4":
-        return "onnx-qdq"
+def exporter_for(runtime: str, version: str | None) -> str:
+    """The artifact kind a target gets: by runtime, and for TensorRT-LLM by its version range."""
     if runtime == "tensorrt-llm" and version:
         from packaging.specifiers import SpecifierSet
         from packaging.version import Version
@@ -132,8 +129,8 @@ RULES: dict[tuple[str, str], Rule] = {
                                   cpu_note="llama.cpp quantizes activations itself (dynamic, blocks of 32)"),
     ("ollama", "W8A16-INT8"): Rule("sm70", cpu=True, since="0.1.0"),
     ("ollama", "W4A16-INT"): Rule("sm70", cpu=True, since="0.1.0"),
-    # ONNX Runtime: INT4 as onnxruntime-genai's MatMulNBits folder; 8-bit schemes as a standard Q/DQ graph
-    # (llmc.compiler.onnx_qdq; opset 21, static activation scales only, no KV cache), measured on this CPU.
+    # ONNX Runtime (onnxruntime-genai folder, KV cache + GroupQueryAttention): INT4 as MatMulNBits; 8-bit schemes
+    # as codes -> DequantizeLinear (+ Q/DQ on static activations) in the builder's graph. Measured on this CPU.
     ("onnxruntime", "W4A16-INT"): Rule("sm70", cpu=True, since="1.17.0",
                                        cpu_note="MatMulNBits; accuracy_level 4 computes with int8 activations"),
     ("onnxruntime", "W8A8-INT8"): Rule("sm70", cpu=True, since="1.20.0", cpu_note=_ORT_U8S8),
@@ -206,11 +203,12 @@ PROOF = {
     "gptq": "conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
     "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX Runtime "
     "export, which is scored here",
-    "onnx-qdq": "loaded and scored in onnxruntime 1.32 here (CPU EP; default test run, tiny model): without ORT's "
-    "int8 kernel fusions the graph reproduces the torch reference of the same codes (KL ~1e-6); a TensorRT engine "
-    "is built and scored from it only on a GPU machine with TensorRT (test marked gpu)",
+    "onnx-qdq": "the standard-op Q/DQ graph is loaded and scored in onnxruntime 1.32 here (CPU EP; default test "
+    "run, tiny model): without ORT's int8 kernel fusions it reproduces the torch reference of the same codes "
+    "(KL < 2e-5); a TensorRT engine is built and scored from it only on a GPU machine with TensorRT (test marked "
+    "gpu, not run)",
     "onnx": "loaded and scored in onnxruntime 1.32 here (CPU EP; tests in the default run on a tiny model, and "
     "the real model in the integration suite): fp32 compute reproduces the torch reference of the same codes "
-    "(KL ~1e-6); MatMulNBits blocks decode to the canonical weights (fp16 scales); onnxruntime-genai's "
-    "genai_config.json written by its own builder",
+    "(INT4: KL ~1e-6, MatMulNBits blocks decode to the canonical weights with fp16 scales; 8-bit Q/DQ: KL < 1e-6 "
+    "with ORT's int8 kernel fusion off); onnxruntime-genai's genai_config.json written by its own builder",
 }

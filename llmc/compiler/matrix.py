@@ -40,9 +40,6 @@ def render_matrix() -> str:
     rows.insert(4, ("tensorrt-llm (pinned <" + TRTLLM_UNIFIED_SINCE + ")", "trtllm-checkpoint",
                     [v for v in trt if Version(v) < Version(TRTLLM_UNIFIED_SINCE)]))
     rows[3] = ("tensorrt-llm", "modelopt-hf", [v for v in trt if Version(v) >= Version(TRTLLM_UNIFIED_SINCE)])
-    at = next(i for i, r in enumerate(rows) if r[0] == "onnxruntime")
-    rows[at] = ("onnxruntime (INT4)", "onnx", KNOWN_VERSIONS["onnxruntime"])
-    rows.insert(at + 1, ("onnxruntime (8-bit: INT8, FP8)", "onnx-qdq", KNOWN_VERSIONS["onnxruntime"]))
     for runtime, exporter, versions in rows:
         done = "yes" if exporter in IMPLEMENTED_EXPORTERS else "no (planner refuses)"
         lines.append(f"| {runtime} | {exporter} | {done} | {PROOF.get(exporter, '')} | {', '.join(versions)} |")

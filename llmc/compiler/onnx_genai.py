@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,9 @@ from pathlib import Path
 
 from llmc import __version__
 from llmc.compiler.gptq_format import check_scheme as check_gptq_scheme
+from llmc.compiler.files import copy_tokenizer_files
 from llmc.compiler.gptq_format import export_gptq
+from llmc.compiler.onnx_qdq import float_model
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
@@ -43,16 +46,18 @@ MATMULNBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
 UNQUANTIZED_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
 # Initializer suffixes the builder gives weights *it* quantized (never present in an llmc export).
 _BUILDER_QUANTIZED_SUFFIXES = ("_Q4", "_Q8")
+_BUILDER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(attn|mlp)\.(\w+)\.MatMul\.weight")
 
 
 def check_scheme(scheme: Scheme) -> None:
     """Raise IncompatibleTargetError unless the exporter can carry the scheme exactly."""
-    bits = check_gptq_scheme(scheme, target="the ONNX Runtime exporter (MatMulNBits)")
+    if scheme.weights.format != "int4":
+        from llmc.compiler import onnx_qdq
+
+        onnx_qdq.check_scheme(scheme, target="the ONNX Runtime exporter (8-bit schemes as Q/DQ)")
+        return
+    check_gptq_scheme(scheme, target="the ONNX Runtime exporter (MatMulNBits)")
     w = scheme.weights
-    if bits != 4:
-        raise IncompatibleTargetError(
-            "the ONNX Runtime exporter carries INT4 weights (MatMulNBits 4-bit); this scheme's weights are int8",
-            fix="use W4A16 for the onnxruntime target, or target llama.cpp (Q8_0) for 8-bit weights on the CPU")
     if w.strategy != "group" or w.group_size not in MATMULNBITS_BLOCK_SIZES:
         got = f"group_size {w.group_size}" if w.strategy == "group" else f"strategy {w.strategy}"
         raise IncompatibleTargetError(
@@ -96,24 +101,65 @@ def _builder_quantized(out: Path) -> list[str]:
     return [i.name for i in model.graph.initializer if i.name.endswith(_BUILDER_QUANTIZED_SUFFIXES)]
 
 
+def builder_weights(graph) -> dict[str, list[str]]:
+    """{weight initializer: [module]} in the builder's float graph: its names are stable for the Llama
+    family (model.layers.N.attn.qkv_proj.MatMul.weight packs q, k and v)."""
+    packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = {}
+    for t in graph.initializer:
+        m = _BUILDER_WEIGHT.fullmatch(t.name)
+        if m:
+            layer, block, proj = m.groups()
+            parent = f"model.layers.{layer}." + ("self_attn" if block == "attn" else "mlp")
+            out[t.name] = [f"{parent}.{p}" for p in packed.get(proj, (proj,))]
+    return out
+
+
+def _put_codes_back(qm: QuantizedModel, out: Path) -> dict:
+    """Replace the builder's float weights by llmc's codes + DequantizeLinear (and Q/DQ on static
+    activations) in place; returns the summary's scheme fields."""
+    import onnx
+
+    from llmc.compiler.onnx_qdq import insert_qdq, scheme_summary
+
+    model = onnx.load(str(out / "model.onnx"))  # with its external data
+    counts = insert_qdq(model, qm, builder_weights(model.graph))
+    for f in out.glob("model.onnx*"):
+        f.unlink()  # the save below writes a new data file; appending to the old one would keep stale bytes
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    del model  # (onnx.checker does not know the builder's contrib ops; the evaluation loads the graph in ORT)
+    return {**scheme_summary(qm.scheme), **counts}
+
+
 def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> dict:
     """Write the ONNX Runtime / onnxruntime-genai folder for `qm` into `out`; returns the summary."""
     check_scheme(qm.scheme)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    int4 = qm.scheme.weights.format == "int4"
     with tempfile.TemporaryDirectory(prefix=".llmc-onnx-", dir=out.parent) as tmp:
-        gptq = Path(tmp) / "gptq"
-        gptq_summary = export_gptq(qm, gptq)
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(gptq), "-o", str(out),
-               "-p", "int4", "-e", "cpu", "-c", str(Path(tmp) / "cache"), "--extra_options",
-               "nodes_to_exclude=" + ",".join(UNQUANTIZED_NODES), f"accuracy_level={accuracy_level}"]
-        log("export: onnxruntime-genai model builder (int4 MatMulNBits from the canonical codes)")
+        if int4:  # the builder's GPTQ loader repacks the canonical codes into MatMulNBits unchanged
+            source = Path(tmp) / "gptq"
+            gptq_summary = export_gptq(qm, source)
+            options = ["-p", "int4", "--extra_options", "nodes_to_exclude=" + ",".join(UNQUANTIZED_NODES),
+                       f"accuracy_level={accuracy_level}"]
+            log("export: onnxruntime-genai model builder (int4 MatMulNBits from the canonical codes)")
+        else:  # a float graph from the dequantized weights; llmc puts the codes back as Q/DQ below
+            source = Path(tmp) / "float"
+            float_model(qm).save_pretrained(source)
+            copy_tokenizer_files(qm.root, source)
+            options = ["-p", "fp32"]
+            log("export: onnxruntime-genai model builder (float graph), then Q/DQ from the canonical codes")
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out),
+               "-e", "cpu", "-c", str(Path(tmp) / "cache"), *options]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
             raise EngineFailed(f"onnxruntime-genai's model builder failed (exit {proc.returncode}):\n{tail}",
                                fix="the builder supports the architectures its docs list; "
                                    f"model_type here is {qm.config.get('model_type')!r}")
+    qdq = None if int4 else _put_codes_back(qm, out)
     requantized = _builder_quantized(out)
     if requantized:
         raise EngineFailed(f"the ONNX builder quantized weights itself ({', '.join(requantized[:4])}): the "
@@ -131,16 +177,16 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
         "written_by": f"llmc {__version__} via onnxruntime_genai.models.builder {onnxruntime_genai.__version__}",
         "onnxruntime": onnxruntime.__version__,
         "execution_provider": "cpu",
-        "weights": "MatMulNBits int4, block = the scheme's group size, llmc's codes; scales rounded to float16",
-        "accuracy_level": accuracy_level,
-        "activations": "int8 per block inside MatMulNBits" if accuracy_level == 4 else "float32",
-        "max_relative_weight_error_fp16_scales": gptq_summary["max_relative_weight_error_fp16_scales"],
+        **({"weights": "MatMulNBits int4, block = the scheme's group size, llmc's codes; scales rounded to float16",
+            "accuracy_level": accuracy_level,
+            "activations": "int8 per block inside MatMulNBits" if accuracy_level == 4 else "float32",
+            "max_relative_weight_error_fp16_scales": gptq_summary["max_relative_weight_error_fp16_scales"],
+            "unquantized": list(UNQUANTIZED_NODES)} if int4 else qdq),
         "rotary_cache_max_error": rotary_error,
-        "unquantized": list(UNQUANTIZED_NODES),
         "run": "python -c \"import onnxruntime_genai as og; m = og.Model('<folder>'); ...\" (onnxruntime-genai), or "
                "onnxruntime.InferenceSession('<folder>/model.onnx')",
     }
-    if not math.isfinite(summary["max_relative_weight_error_fp16_scales"]):
+    if int4 and not math.isfinite(summary["max_relative_weight_error_fp16_scales"]):
         raise EngineFailed("non-finite weights after converting scales to float16", fix="check the quantized scales")
     atomic_write_json(out / SERVE_FILE, summary)
     json.loads((out / "genai_config.json").read_text())  # the builder wrote a parseable runtime config

@@ -25,7 +25,6 @@ import ast
 import logging
 import re
 import warnings
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +32,10 @@ import torch
 from torch import nn
 
 from llmc import __version__
+from llmc.compiler.files import copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.progress import log
-from llmc.quant.canonical import QuantizedModel, module_matches
+from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.store import atomic_write_json
 
@@ -43,8 +43,6 @@ SERVE_FILE = "llmc-serve.json"
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 OPSET = 21  # blocked DequantizeLinear (INT4 groups) and INT4/FP8 tensor types
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                    "chat_template.jinja")
 
 
 def check_scheme(scheme: Scheme, target: str = "the ONNX Q/DQ exporter") -> None:
@@ -157,99 +155,125 @@ def _codes_type(spec: TensorSpec) -> int:
     return {"int8": TensorProto.INT8, "int4": TensorProto.INT4, "fp8_e4m3": TensorProto.FLOAT8E4M3FN}[spec.format]
 
 
-def _weight_dq(module: str, tensors: dict[str, torch.Tensor], spec: TensorSpec) -> tuple[list, object]:
-    """Initializers and the DequantizeLinear node for one weight, laid out as the graph's [in, out] B."""
+def _weight_dq(name: str, modules: list[str], tensors: dict[str, torch.Tensor], spec: TensorSpec
+               ) -> tuple[list, object]:
+    """Initializers and the DequantizeLinear node for one MatMul weight, laid out as the graph's [in, out] B.
+    Several modules (a packed q/k/v) are concatenated along the output dimension; per-tensor scales then
+    become per-output-channel, which is the same function."""
     from onnx import TensorProto, helper
 
-    codes = tensors[f"{module}.weight"].t().contiguous()  # [in, out]
-    scale = tensors[f"{module}.weight_scale"].float()
-    zp = tensors.get(f"{module}.weight_zero_point")
+    codes = torch.cat([tensors[f"{m}.weight"] for m in modules]).t().contiguous()  # [in, out]
+    if spec.strategy == "tensor" and len(modules) > 1:
+        scale = torch.cat([tensors[f"{m}.weight_scale"].float().reshape(1).expand(tensors[f"{m}.weight"].shape[0])
+                           for m in modules])
+        zp = None
+        strategy = "channel"
+    else:
+        scale = torch.cat([tensors[f"{m}.weight_scale"].float() for m in modules])
+        zps = [tensors.get(f"{m}.weight_zero_point") for m in modules]
+        zp = None if zps[0] is None else torch.cat(zps)
+        strategy = spec.strategy
     kind = _codes_type(spec)
     raw = codes.view(torch.uint8).numpy() if spec.info.is_float else codes.numpy()
     attrs: dict = {}
-    if spec.strategy == "tensor":
+    if strategy == "tensor":
         scale_np, zp_np = scale.reshape(()).numpy(), None if zp is None else zp.reshape(()).numpy()
-    elif spec.strategy == "channel":
+    elif strategy == "channel":
         scale_np, zp_np = scale.reshape(-1).numpy(), None if zp is None else zp.reshape(-1).numpy()
         attrs["axis"] = 1
     else:  # groups run along the input dimension, which is axis 0 of B
         scale_np = scale.t().contiguous().numpy()
         zp_np = None if zp is None else zp.t().contiguous().numpy()
         attrs.update(axis=0, block_size=spec.group_size)
-    inits = [_tensor(f"{module}.weight_q", raw, kind),
-             helper.make_tensor(f"{module}.weight_scale", TensorProto.FLOAT, list(scale_np.shape),
+    inits = [_tensor(f"{name}.weight_q", raw, kind),
+             helper.make_tensor(f"{name}.weight_scale", TensorProto.FLOAT, list(scale_np.shape),
                                 np.ascontiguousarray(scale_np, np.float32).tobytes(), raw=True)]
-    inputs = [f"{module}.weight_q", f"{module}.weight_scale"]
+    inputs = [f"{name}.weight_q", f"{name}.weight_scale"]
     if zp_np is not None:
-        inits.append(_tensor(f"{module}.weight_zero_point", zp_np, kind))
-        inputs.append(f"{module}.weight_zero_point")
-    node = helper.make_node("DequantizeLinear", inputs, [f"{module}.weight_dq"], name=f"{module}/weight_dq", **attrs)
+        inits.append(_tensor(f"{name}.weight_zero_point", zp_np, kind))
+        inputs.append(f"{name}.weight_zero_point")
+    node = helper.make_node("DequantizeLinear", inputs, [f"{name}.weight_dq"], name=f"{name}/weight_dq", **attrs)
     return inits, node
 
 
-def _input_qdq(module: str, source: str, scale: torch.Tensor, spec: TensorSpec) -> tuple[list, list]:
+def _input_qdq(name: str, source: str, scale: torch.Tensor, spec: TensorSpec) -> tuple[list, list]:
     """QuantizeLinear -> DequantizeLinear on a MatMul's input with the calibrated per-tensor scale."""
     from onnx import TensorProto, helper
 
     kind = _codes_type(spec)
     zero = np.zeros((), np.uint8 if spec.info.is_float else np.int8)  # fp8 zero is the all-zero byte
-    inits = [helper.make_tensor(f"{module}.input_scale", TensorProto.FLOAT, [],
+    inits = [helper.make_tensor(f"{name}.input_scale", TensorProto.FLOAT, [],
                                 np.float32(scale.reshape(()).item()).tobytes(), raw=True),
-             _tensor(f"{module}.input_zero_point", zero, kind)]
-    names = [f"{module}.input_scale", f"{module}.input_zero_point"]
-    nodes = [helper.make_node("QuantizeLinear", [source, *names], [f"{module}.input_q"], name=f"{module}/input_q"),
-             helper.make_node("DequantizeLinear", [f"{module}.input_q", *names], [f"{module}.input_dq"],
-                              name=f"{module}/input_dq")]
+             _tensor(f"{name}.input_zero_point", zero, kind)]
+    names = [f"{name}.input_scale", f"{name}.input_zero_point"]
+    nodes = [helper.make_node("QuantizeLinear", [source, *names], [f"{name}.input_q"], name=f"{name}/input_q"),
+             helper.make_node("DequantizeLinear", [f"{name}.input_q", *names], [f"{name}.input_dq"],
+                              name=f"{name}/input_dq")]
     return inits, nodes
 
 
-def insert_qdq(graph_model, qm: QuantizedModel) -> dict:
-    """Rewrite the float graph in place: codes + DequantizeLinear for each quantized Linear, Q/DQ on
-    static activations. Returns counts for the summary."""
+def torch_onnx_weights(graph) -> dict[str, list[str]]:
+    """{weight initializer: [module]} for a torch.onnx graph, from the exporter's name-scope metadata."""
+    out: dict[str, list[str]] = {}
+    for node in graph.node:
+        if node.op_type == "MatMul":
+            module = _module_of(node)
+            if module is not None:
+                out[node.input[1]] = [module]
+    return out
+
+
+def insert_qdq(graph_model, qm: QuantizedModel, weights: dict[str, list[str]]) -> dict:
+    """Rewrite a float graph in place: codes + DequantizeLinear for each MatMul whose weight initializer
+    `weights` maps to quantized modules (several for a packed projection), Q/DQ on static activations.
+    Returns counts for the summary."""
     from onnx import numpy_helper
 
     scheme = qm.scheme
     graph = graph_model.graph
     inits = {t.name: t for t in graph.initializer}
-    matmuls: dict[str, list] = {}
-    for node in graph.node:
-        if node.op_type == "MatMul":
-            module = _module_of(node)
-            if module is not None and module in qm.quantized_modules:
-                matmuls.setdefault(module, []).append(node)
-    missing = sorted(set(qm.quantized_modules) - set(matmuls))
+    weights = {w: ms for w, ms in weights.items() if all(m in qm.quantized_modules for m in ms)}
+    missing = sorted(set(qm.quantized_modules) - {m for ms in weights.values() for m in ms})
     if missing:
         raise EngineFailed(f"the exported graph has no MatMul for {', '.join(missing[:4])}"
                            f"{' ...' if len(missing) > 4 else ''}", fix="report this as an llmc bug")
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in weights:
+            consumers.setdefault(node.input[1], []).append(node)
     new_nodes: dict[int, list] = {}  # id(matmul) -> nodes to put before it
-    replaced: set[str] = set()
     for tensors in qm.iter_files():
-        for module in [m for m in qm.quantized_modules if f"{m}.weight" in tensors]:
-            for node in matmuls[module]:
-                old = node.input[1]
-                if old not in inits:
-                    raise EngineFailed(f"{module}: its MatMul's weight is computed, not an initializer ({old})",
-                                       fix="report this as an llmc bug")
-                expected = qm.dequantized_weight(tensors, module).float().t().numpy()
-                got = numpy_helper.to_array(inits[old])
-                if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-5,
-                                                                  atol=1e-6 * float(np.abs(expected).max())):
-                    raise EngineFailed(f"{module}: the graph's weight {old} is not this module's dequantized weight",
-                                       fix="report this as an llmc bug")
-                w_inits, dq = _weight_dq(module, tensors, scheme.weights)
-                nodes = [dq]
-                graph.initializer.extend(w_inits)
+        for w, modules in weights.items():
+            if f"{modules[0]}.weight" not in tensors:
+                continue
+            expected = torch.cat([qm.dequantized_weight(tensors, m).float() for m in modules]).t().numpy()
+            got = numpy_helper.to_array(inits[w]) if w in inits else None
+            if got is None or got.shape != expected.shape or not np.allclose(
+                    got, expected, rtol=1e-5, atol=1e-6 * float(np.abs(expected).max())):
+                raise EngineFailed(f"{', '.join(modules)}: the graph's weight {w} is not "
+                                   "the dequantized weight of these modules", fix="report this as an llmc bug")
+            name = modules[0] if len(modules) == 1 else w.removesuffix(".weight")
+            w_inits, dq = _weight_dq(name, modules, tensors, scheme.weights)
+            graph.initializer.extend(w_inits)
+            input_scale = None
+            if scheme.activations is not None:
+                scales = [tensors[f"{m}.input_scale"] for m in modules]
+                if any(not torch.equal(scales[0], x) for x in scales[1:]):
+                    raise EngineFailed(f"{', '.join(modules)} share one MatMul in the graph but have different "
+                                       "input scales", fix="report this as an llmc bug")
+                input_scale = scales[0]
+            for i, node in enumerate(consumers[w]):
+                nodes = [dq] if i == 0 else []
                 node.input[1] = dq.output[0]
-                replaced.add(old)
-                if scheme.activations is not None:
-                    a_inits, qdq = _input_qdq(module, node.input[0], tensors[f"{module}.input_scale"],
+                if input_scale is not None:
+                    a_inits, qdq = _input_qdq(f"{name}.{i}" if i else name, node.input[0], input_scale,
                                               scheme.activations)
                     graph.initializer.extend(a_inits)
                     node.input[0] = qdq[-1].output[0]
                     nodes = qdq + nodes
                 new_nodes[id(node)] = nodes
     still_used = {i for n in graph.node for i in n.input}
-    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
+    kept = [t for t in graph.initializer if t.name not in weights or t.name in still_used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     ordered = []
@@ -259,6 +283,24 @@ def insert_qdq(graph_model, qm: QuantizedModel) -> dict:
     del graph.node[:]
     graph.node.extend(ordered)
     return {"quantized_matmuls": len(new_nodes), "activation_qdq": bool(scheme.activations)}
+
+
+def scheme_summary(scheme: Scheme) -> dict:
+    """What a Q/DQ graph holds, for llmc-serve.json (this exporter's and the ONNX Runtime folder's)."""
+    out = {
+        "scheme": scheme.name,
+        "weights": f"{scheme.weights.describe()} as codes -> DequantizeLinear",
+        "activations": (f"{scheme.activations.describe()}: QuantizeLinear -> DequantizeLinear with the "
+                        "calibrated scale" if scheme.activations else "float (weight-only)"),
+        "unquantized": list(scheme.ignore),
+    }
+    if scheme.activations is not None and scheme.activations.format == "int8":
+        out["onnxruntime"] = {
+            "exact_session_config": {"session.disable_quant_qdq": "1"},
+            "note": "ORT fuses int8 Q/DQ MatMuls into its u8s8 int8 kernel; on x86 CPUs without VNNI that kernel "
+                    "saturates 16-bit pair sums (measured +0.54% perplexity on SmolLM2 W8A8, docs/results.md). "
+                    "The session config above runs the graph exactly (float MatMul) at the cost of speed."}
+    return out
 
 
 def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
@@ -272,7 +314,7 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
     log("export: torch.onnx float graph (opset 21), then Q/DQ from the canonical codes")
     with torch.no_grad():
         proto = _export_float_graph(float_model(qm), max_len)
-    counts = insert_qdq(proto, qm)
+    counts = insert_qdq(proto, qm, torch_onnx_weights(proto.graph))
     onnx.save(proto, str(out / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
               location=DATA_FILE, size_threshold=1024)
     del proto
@@ -280,9 +322,7 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
         onnx.checker.check_model(str(out / MODEL_FILE))
     except onnx.checker.ValidationError as e:
         raise EngineFailed(f"the Q/DQ graph does not validate: {e}", fix="report this as an llmc bug") from None
-    for name in _TOKENIZER_FILES:
-        if (qm.root / name).is_file():
-            shutil.copy2(qm.root / name, out / name)
+    copy_tokenizer_files(qm.root, out)
     scheme = qm.scheme
     summary = {
         "llmc_version": __version__,
@@ -290,18 +330,8 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
         "graph": {"file": MODEL_FILE, "opset": OPSET, "inputs": {"input_ids": ["batch", "sequence"]},
                   "outputs": {"logits": ["batch", "sequence", "vocab"]}, "kv_cache": False,
                   "max_sequence": max_len},
-        "scheme": scheme.name,
-        "weights": f"{scheme.weights.describe()} as codes -> DequantizeLinear",
-        "activations": (f"{scheme.activations.describe()}: QuantizeLinear -> DequantizeLinear with the "
-                        "calibrated scale" if scheme.activations else "float (weight-only)"),
-        "unquantized": [m for m in ("lm_head",) if module_matches(m, scheme.ignore)],
+        **scheme_summary(scheme),
         **counts,
-        **({"onnxruntime": {
-            "exact_session_config": {"session.disable_quant_qdq": "1"},
-            "note": "ORT fuses int8 Q/DQ MatMuls into its u8s8 int8 kernel; on x86 CPUs without VNNI that kernel "
-                    "saturates 16-bit pair sums (measured +0.54% perplexity on SmolLM2 W8A8, docs/results.md). "
-                    "The session config above runs the graph exactly (float MatMul) at the cost of speed."}}
-           if scheme.activations is not None and scheme.activations.format == "int8" else {}),
         "tensorrt": {"build": f"trtexec --onnx={MODEL_FILE} --stronglyTyped --saveEngine=model.plan "
                               "--minShapes=input_ids:1x1 --optShapes=input_ids:1x512 --maxShapes=input_ids:8x2048",
                      "python": "llmc.engines.tensorrt.build_engine(folder)"},

@@ -1,7 +1,8 @@
-"""ONNX Q/DQ export (the graph TensorRT builds engines from and ONNX Runtime runs for 8-bit schemes):
-codes in the graph, numerics against the torch reference of the same canonical form, refusals, and the
-build wiring. Tiny random llama; onnxruntime runs on the CPU in the default test run; the TensorRT
-engine test needs a GPU with the tensorrt package."""
+"""8-bit schemes as Q/DQ ONNX: the standard-op graph TensorRT builds engines from (llmc.compiler.onnx_qdq,
+no KV cache) and the onnxruntime-genai folder with the codes put back as Q/DQ (llmc.compiler.onnx_genai,
+KV cache + fused attention): codes in the graph, numerics against the torch reference of the same
+canonical form, refusals, and the build wiring. Tiny random llama; onnxruntime runs on the CPU in the
+default test run; the TensorRT engine test needs a GPU with the tensorrt package."""
 
 from __future__ import annotations
 
@@ -162,13 +163,12 @@ def test_refusals_name_the_fix() -> None:
         check_scheme(scheme)
 
 
-def test_targets_route_to_the_qdq_exporter_and_the_planner_checks_it() -> None:
+def test_targets_route_to_the_qdq_exporters_and_the_planner_checks_them() -> None:
     from llmc.plan import check_target
     from llmc.recipe.schema import Target
 
-    assert exporter_for("onnxruntime", None, SCHEMES["w8a8-int8-static"]) == "onnx-qdq"
-    assert exporter_for("onnxruntime", None, SCHEMES["w4a16-g32-asym"]) == "onnx"  # MatMulNBits folder
-    assert exporter_for("tensorrt", None, SCHEMES["w4a16-g32-asym"]) == "onnx-qdq"
+    assert exporter_for("onnxruntime", None) == "onnx"  # onnxruntime-genai folder (MatMulNBits or Q/DQ)
+    assert exporter_for("tensorrt", None) == "onnx-qdq"
     ort_cpu = Target(runtime="onnxruntime", gpu_arch="cpu")
     assert check_target(SCHEMES["w8a8-int8-static"], ort_cpu)[0] == "cpu"
     dynamic = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True))
@@ -215,7 +215,7 @@ def test_tensorrt_engine_from_the_qdq_graph_matches_the_torch_reference(exported
         assert scores["kl"].mean() < 1e-3 and scores["top1"].float().mean() > 0.95, name
 
 
-def test_build_exports_one_graph_per_target_and_scores_it_in_onnxruntime(tiny_model: Path, tmp_path: Path) -> None:
+def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_model: Path, tmp_path: Path) -> None:
     import yaml
 
     from llmc.build import build
@@ -237,10 +237,52 @@ def test_build_exports_one_graph_per_target_and_scores_it_in_onnxruntime(tiny_mo
     result = build(recipe, Store(tmp_path / "cache"))
     assert result.passed
     arts = result.artifacts
-    assert {a["exporter"] for a in arts.values()} == {"onnx-qdq"} and len(arts) == 2
-    ort_eval = result.evals["onnxruntime:onnxruntime-cpu-tp1"]
-    assert ort_eval["baseline_engine"] == "torch" and "kld" in ort_eval
-    assert ort_eval["throughput"]["decode_tokens_per_s"] is None
-    # both targets hold the same graph: onnxruntime scores it once, for both
-    assert arts["onnxruntime-cpu-tp1"]["content_key"] == arts["tensorrt-sm90-tp1"]["content_key"]
-    assert result.evals["onnxruntime:tensorrt-sm90-tp1"] is ort_eval
+    assert {label: a["exporter"] for label, a in arts.items()} == {"onnxruntime-cpu-tp1": "onnx",
+                                                                     "tensorrt-sm90-tp1": "onnx-qdq"}
+    genai = result.evals["onnxruntime:onnxruntime-cpu-tp1"]  # KV cache: decode measured
+    assert genai["baseline_engine"] == "torch" and "kld" in genai
+    assert genai["throughput"]["decode_tokens_per_s"]["median"] > 0
+    trt_graph = result.evals["onnxruntime:tensorrt-sm90-tp1"]  # TensorRT's graph, scored by ORT here
+    assert "kld" in trt_graph and trt_graph["throughput"]["decode_tokens_per_s"] is None
+    # one quantization behind both: ORT computes nearly the same function from both graphs
+    assert abs(genai["perplexity"] / trt_graph["perplexity"] - 1) < 0.02
+
+
+@pytest.fixture(scope="module")
+def genai_folders(tmp_path_factory, exported) -> dict[str, Path]:
+    """The onnxruntime-genai folder (builder graph + llmc's Q/DQ) for two of the schemes."""
+    from llmc.compiler.onnx_genai import export_onnx
+
+    root = tmp_path_factory.mktemp("genai-qdq")
+    out = {}
+    for name in ("w8a8-int8-static", "w8a8-fp8-static"):
+        export_onnx(exported[name][0], root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8-static", "w8a8-fp8-static"])
+def test_genai_folder_with_qdq_reproduces_the_torch_reference_with_a_kv_cache(exported, genai_folders,
+                                                                             name: str) -> None:
+    """The builder's graph (GroupQueryAttention, KV cache) with llmc's codes put back: the packed q/k/v
+    MatMul holds the three modules' codes, ORT (fusion off) computes the torch reference's function, and
+    decoding through the cache works."""
+    qm, _, ct = exported[name]
+    folder = genai_folders[name]
+    model = onnx.load(str(folder / "model.onnx"))
+    inits = {t.name: t for t in model.graph.initializer}
+    tensors = {}
+    for t in qm.iter_files():
+        tensors.update(t)
+    packed = numpy_helper.to_array(inits["model.layers.0.attn.qkv_proj.MatMul.weight_q"])
+    want = torch.cat([tensors[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]).t()
+    if qm.scheme.weights.format == "fp8_e4m3":
+        packed, want = packed.astype(np.float32), want.float()
+    assert np.array_equal(packed.astype(np.float32), want.float().numpy())
+    assert not [n for n in inits if n.endswith("MatMul.weight") and "lm_head" not in n]  # no float copies left
+    windows = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(5))
+    reference = TorchEngine(ct).score(windows, top_k=16)
+    engine = OnnxRuntimeEngine(folder, session_config={"session.disable_quant_qdq": "1"})
+    scores = engine.score(windows, reference, 16)
+    assert scores["kl"].mean() < 1e-6 and torch.allclose(scores["nll"], reference["nll"], atol=1e-3)
+    assert engine.throughput(windows[:1], decode_tokens=3, repeats=1)["decode_tokens_per_s"]["median"] > 0

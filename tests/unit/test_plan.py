@@ -198,8 +198,8 @@ def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
 
 
 def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
-    """The ONNX Q/DQ exporter traces the whole float32 model: the planner estimates it and refuses, with
-    the fix, when the machine lacks the memory (before any weight loads)."""
+    """The ONNX exporters hold the whole float32 model: the planner estimates it and refuses, with the
+    fix, when the machine lacks the memory (before any weight loads)."""
     import llmc.plan
     from llmc.errors import ResourceError
 
@@ -208,7 +208,7 @@ def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp
     plan = make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
     need = plan.estimates["export_memory_gb"]
     assert need == pytest.approx(3 * plan.estimates["params"] * 4 / 1e9)
-    assert "ONNX Q/DQ export" in plan.render()
+    assert "ONNX export" in plan.render()
     assert "export_memory_gb" not in make_plan(recipe(static_int8, {"runtime": "vllm"}), tiny_model, tmp_path).estimates
     monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 / 2))
     with pytest.raises(ResourceError, match="holds the whole model in float32") as e:
