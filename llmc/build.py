@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.capabilities import exporter_for
-from llmc.quant.algorithms import propagate_for
+from llmc.quant.algorithms import alpha_for, propagate_for, smooth_for
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
 from llmc.errors import (
     EngineFailed,
@@ -169,6 +169,8 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
     cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype, "propagate": propagate_for(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
+    if "smoothquant" in scheme.algorithm and smooth_for(scheme) == "all":  # other keys stay as they were
+        cfg["smoothquant"] = {"smooth": "all", "alpha": alpha_for(scheme)}
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):

@@ -122,7 +122,7 @@ _SUPPORTED_PAIRS = {
 
 
 ALGORITHM_OPTIONS = {
-    "smoothquant": {"alpha", "propagate"},
+    "smoothquant": {"alpha", "propagate", "smooth"},
     "gptq": {"block_size", "dampening", "act_order", "propagate"},
     "awq": {"n_grid", "search", "duo_scaling", "clip", "propagate"},
 }
@@ -156,6 +156,9 @@ class QuantizationSection(_Strict):
                 f"options {', '.join(unknown)} do not apply to algorithm {self.algorithm}; "
                 f"fix: use {', '.join(sorted(known)) or 'no options'}"
             )
+        if self.options.get("smooth", "norms") not in ("norms", "all"):
+            raise ValueError("options.smooth is 'norms' (SmoothQuant folds into the RMSNorms before q/k/v and "
+                             "gate/up) or 'all' (also up_proj -> down_proj and v_proj -> o_proj)")
         if self.options.get("propagate", "quantized") not in ("quantized", "original"):
             raise ValueError("options.propagate is 'quantized' (next layer sees this layer quantized) or "
                              "'original' (sees it unquantized: one forward per layer instead of two)")

@@ -213,6 +213,40 @@ def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
     torch.testing.assert_close(logits_after, logits_before, rtol=1e-4, atol=1e-4)
 
 
+def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: Path) -> None:
+    """Static per-tensor activations: SmoothQuant also folds a scale into up_proj -> down_proj (alpha 1.0 by
+    default, as ModelOpt), keeps the layer's function, and leaves down_proj an input whose channels all
+    peak at the same value; dynamic per-token schemes keep the norms-only default."""
+    from llmc.quant.algorithms import alpha_for, smooth_for
+
+    static = Scheme(INT8_CH, TensorSpec("int8", "tensor"), algorithm="smoothquant")
+    dynamic = Scheme(INT8_CH, TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
+    assert (smooth_for(static), alpha_for(static)) == ("all", 1.0)
+    assert (smooth_for(dynamic), alpha_for(dynamic)) == ("norms", 0.5)
+    explicit = Scheme(INT8_CH, TensorSpec("int8", "tensor"), algorithm="smoothquant",
+                      algorithm_options=(("smooth", "norms"), ("alpha", 0.5)))
+    assert (smooth_for(explicit), alpha_for(explicit)) == ("norms", 0.5)
+
+    model, layer = _tiny_layer(tiny_model)
+    ids = torch.randint(3, 200, (2, 24))
+    before, logits_before = _layer_out(model, layer, ids)
+    linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    stats = stream.LayerStats()
+    with stream.observing(layer, linears, stats, {}), torch.no_grad():
+        model(ids)
+    up_before = layer.mlp.up_proj.weight.clone()
+    assert transform_layer(layer, "l.", stats, static)
+    assert not torch.equal(up_before, layer.mlp.up_proj.weight)
+    after, logits_after = _layer_out(model, layer, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits_after, logits_before, rtol=1e-4, atol=1e-4)
+    smoothed = stream.LayerStats()  # alpha 1: every input channel of down_proj now peaks at 1
+    with stream.observing(layer, linears, smoothed, {}), torch.no_grad():
+        model(ids)
+    torch.testing.assert_close(smoothed.channel_absmax["l.mlp.down_proj"],
+                               torch.ones_like(smoothed.channel_absmax["l.mlp.down_proj"]), rtol=1e-4, atol=1e-4)
+
+
 def test_awq_transform_lowers_quantized_layer_error(tiny_model: Path) -> None:
     model, layer = _tiny_layer(tiny_model)
     ids = torch.randint(3, 200, (4, 32))

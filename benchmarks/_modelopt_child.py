@@ -1,0 +1,63 @@
+"""Run one NVIDIA ModelOpt quantization on local files and score it; used by benchmarks/algorithms_vs_modelopt.py.
+
+    .venv-modelopt/bin/python benchmarks/_modelopt_child.py MODEL_DIR CALIB.safetensors EVAL.safetensors SCHEME GROUP
+
+Runs in ModelOpt's own venv (scripts/setup-peers.sh); imports nothing from llmc. SCHEME is fp8, int8-sq or
+int4-awq: ModelOpt's FP8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG and INT4_AWQ_CFG unchanged except the INT4 block
+size (GROUP: SmolLM2's 576 is not a multiple of ModelOpt's default 128). The model is scored by ModelOpt's
+own fake-quantized forward (what its export encodes) on the eval windows: mean token NLL over all windows.
+Prints one JSON line: perplexity, wall time of mtq.quantize alone, versions.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int8-sq": "INT8_SMOOTHQUANT_CFG", "int4-awq": "INT4_AWQ_CFG"}
+
+
+def main() -> None:
+    model_dir, calib_file, eval_file, scheme, group = sys.argv[1:6]
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    calib, evals = load_file(calib_file)["input_ids"], load_file(eval_file)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = copy.deepcopy(getattr(mtq, CONFIGS[scheme]))
+    for entry in cfg["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer" and "block_sizes" in entry.get("cfg", {}):
+            entry["cfg"]["block_sizes"] = {-1: int(group), "type": "static"}
+
+    def forward_loop(m) -> None:
+        with torch.no_grad():
+            for batch in calib.split(4):
+                m(input_ids=batch)
+
+    t = time.monotonic()
+    model = mtq.quantize(model, cfg, forward_loop)
+    wall = time.monotonic() - t
+    nll_sum, count = 0.0, 0
+    with torch.no_grad():
+        for batch in evals.split(4):
+            logits = model(input_ids=batch).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                    reduction="sum")
+            nll_sum, count = nll_sum + float(nll), count + batch[:, 1:].numel()
+    print(json.dumps({"scheme": scheme, "config": CONFIGS[scheme], "ppl": math.exp(nll_sum / count), "wall_s": wall,
+                      "modelopt": modelopt.__version__, "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()
