@@ -1,10 +1,11 @@
 """Run one llm-compressor oneshot on local files; used by benchmarks/algorithms_vs_llmcompressor.py.
 
-    .venv-llmcompressor/bin/python benchmarks/_llmcompressor_child.py MODEL_DIR TOKENS.safetensors SCHEME OUT_DIR
+    .venv-llmcompressor/bin/python benchmarks/_llmcompressor_child.py MODEL_DIR TOKENS.safetensors SCHEME OUT_DIR [GROUP]
 
 Runs in llm-compressor's own venv (scripts/setup-peers.sh); imports nothing from llmc. SCHEME is one of
-SCHEMES below, with group size 64 for INT4 (SmolLM2's 576 is not divisible by 128). Prints one JSON line:
-wall time of oneshot() alone, peak RSS, versions.
+the schemes in recipe() below; GROUP is the INT4 group size, 64 by default (SmolLM2's 576 is not
+divisible by 128; Gemma-3-270M takes 128). Prints one JSON line: wall time of oneshot() alone, peak RSS,
+versions.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ def w4a16(group: int) -> dict:
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
 
 
-def recipe(scheme: str) -> list:
+def recipe(scheme: str, g: int = 64) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
-    g = 64
     return {
         "gptq-w4a16": lambda: [GPTQModifier(config_groups=w4a16(g), ignore=["lm_head"], actorder=None)],
         "gptq-w4a16-actorder": lambda: [GPTQModifier(config_groups=w4a16(g), ignore=["lm_head"], actorder="static")],
@@ -43,6 +43,15 @@ def recipe(scheme: str) -> list:
         "rtn-w4a16": lambda: [QuantizationModifier(config_groups=w4a16(g), ignore=["lm_head"])],
         "sq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
                             QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+        # llm-compressor 0.14 maps Gemma3 to its default SmoothQuant mappings, which smooth
+        # post_attention_layernorm into gate/up_proj; in Gemma 2/3 that norm normalizes the attention
+        # output before the residual add, and gate/up_proj read pre_feedforward_layernorm's output.
+        "sq-w8a8-gemma-mappings": lambda: [
+            SmoothQuantModifier(smoothing_strength=0.5, mappings=[
+                [["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"],
+                [["re:.*gate_proj", "re:.*up_proj"], "re:.*pre_feedforward_layernorm"],
+            ]),
+            QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
         "sq-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
                                  GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], actorder=None)],
         "rtn-w8a8": lambda: [QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
@@ -51,6 +60,7 @@ def recipe(scheme: str) -> list:
 
 def main() -> None:
     model_dir, tokens_file, scheme, out = sys.argv[1:5]
+    group = int(sys.argv[5]) if len(sys.argv) > 5 else 64
     import llmcompressor
     import torch
     from datasets import Dataset
@@ -68,12 +78,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     t = time.monotonic()
-    llmcompressor.oneshot(model=model, dataset=ds, recipe=recipe(scheme), num_calibration_samples=n,
+    llmcompressor.oneshot(model=model, dataset=ds, recipe=recipe(scheme, group), num_calibration_samples=n,
                           max_seq_length=seq, pipeline="sequential", shuffle_calibration_samples=False)
     wall = time.monotonic() - t
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
-    print(json.dumps({"scheme": scheme, "wall_s": wall, "peak_rss_mb": _peak_rss_mb(),
+    print(json.dumps({"scheme": scheme, "group_size": group, "wall_s": wall, "peak_rss_mb": _peak_rss_mb(),
                       "llmcompressor": llmcompressor.__version__, "torch": torch.__version__, "out": out}))
 
 
