@@ -1,4 +1,5 @@
-"""Export INT4 weight-only schemes as an ONNX Runtime model folder that onnxruntime-genai runs.
+"""Export a scheme as an ONNX Runtime model folder that onnxruntime-genai runs (INT4 weight-only as
+MatMulNBits; 8-bit schemes as Q/DQ, see the end of this docstring).
 
 The graph is written by onnxruntime-genai's own model builder (the tool ORT ships for LLMs: fused
 GroupQueryAttention with KV cache, SkipSimplifiedLayerNormalization, RotaryEmbedding, MatMulNBits),
@@ -16,6 +17,12 @@ requantize them to 4 bits (measured on SmolLM2: +0.7% perplexity and 100x the KL
 `accuracy_level` is MatMulNBits' compute type on the CPU: 4 (ORT's CPU default, what a deployment
 gets) quantizes activations to int8 per block inside the kernel; 1 computes in float32 and reproduces
 the canonical model's function to rounding (KL ~1e-6 against the torch reference on SmolLM2).
+
+8-bit schemes (W8A8 INT8/FP8 with static activation scales, W8A16) go through the builder as a float
+model (the canonical weights dequantized), and llmc then puts its codes back into the builder's graph:
+each quantized MatMul's weight becomes codes -> DequantizeLinear (q/k/v, which the builder packs into
+one MatMul, concatenated), with QuantizeLinear -> DequantizeLinear and the calibrated scale on its input
+(llmc.compiler.onnx_qdq.insert_qdq; every replaced weight is checked against the canonical one first).
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import tempfile
 from pathlib import Path
 
 from llmc import __version__
-from llmc.compiler.gptq_format import check_scheme as check_gptq_scheme
 from llmc.compiler.files import copy_tokenizer_files
+from llmc.compiler.gptq_format import check_scheme as check_gptq_scheme
 from llmc.compiler.gptq_format import export_gptq
 from llmc.compiler.onnx_qdq import float_model
 from llmc.errors import EngineFailed, IncompatibleTargetError

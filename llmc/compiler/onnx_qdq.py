@@ -1,5 +1,6 @@
-"""Export a scheme as a standard-op ONNX graph with Q/DQ nodes: the graph TensorRT builds engines from,
-and the graph ONNX Runtime runs for 8-bit schemes.
+"""Export a scheme as a standard-op ONNX graph with Q/DQ nodes: the graph TensorRT builds engines from
+(the `tensorrt` target; onnxruntime scores it here). `insert_qdq` also puts 8-bit codes into
+onnxruntime-genai's graph for `onnxruntime` targets (llmc.compiler.onnx_genai).
 
 torch.onnx (the dynamo exporter, opset 21) writes the model's float graph with the dequantized
 weights. llmc then puts the scheme into the graph the way TensorRT and ONNX Runtime read quantization:
