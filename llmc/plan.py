@@ -252,6 +252,11 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             label = f"{name}/{t.label}" if name else t.label
             plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version), "status": status})
         _check_scheme(scheme, where)
+    if recipe.gates.min_decode_tokens_per_s is not None:
+        no_cache = sorted({t["label"] for t in plan.targets if t["exporter"] == "onnx-qdq"})
+        if no_cache:
+            plan.warnings.append(f"targets {', '.join(no_cache)}: their ONNX Q/DQ graph has no KV cache, so "
+                                 "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))

@@ -214,3 +214,11 @@ def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp
     with pytest.raises(ResourceError, match="holds the whole model in float32") as e:
         make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
     assert "more memory" in e.value.fix
+
+
+def test_decode_gate_on_a_graph_without_kv_cache_is_warned() -> None:
+    plan = make_plan(recipe(FP8, {"runtime": "tensorrt", "gpu_arch": "sm90"},
+                            gates={"min_decode_tokens_per_s": 5.0}))
+    assert any("no KV cache" in w and "tensorrt-sm90-tp1" in w for w in plan.warnings)
+    quiet = make_plan(recipe(FP8, {"runtime": "tensorrt", "gpu_arch": "sm90"}))
+    assert not any("KV cache" in w for w in quiet.warnings)
