@@ -24,12 +24,14 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+# the llmc side is the llm-compressor comparison's: same child process, runner and model source
+from algorithms_vs_llmcompressor import LLMC_CHILD, _run, model_source  # noqa: E402
 PEER_PYTHON = REPO / ".venv-modelopt" / "bin" / "python"
 GROUP = 64
 
@@ -43,33 +45,6 @@ PAIRS = {
                       "algorithm_options=(('smooth', 'norms'), ('alpha', 0.5)))", "int8-sq"),
     "int4-awq": (f"Scheme(TensorSpec('int4', 'group', group_size={GROUP}), algorithm='awq')", "int4-awq"),
 }
-
-LLMC_CHILD = """
-import json, sys, time, torch
-from pathlib import Path
-from safetensors.torch import load_file
-from llmc.compiler.compressed_tensors import export_compressed_tensors
-from llmc.model.source import ModelSource
-from llmc.quant.canonical import QuantizedModel
-from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
-folder, tokens, scheme, out = sys.argv[1], sys.argv[2], eval(sys.argv[3]), Path(sys.argv[4])
-torch.set_num_threads(2)
-ids = load_file(tokens)["input_ids"]
-t = time.monotonic()
-quantize_model(ModelSource(Path(folder), "smollm2", "smollm2"), scheme, out / "canonical", calibration=ids)
-wall = time.monotonic() - t
-export_compressed_tensors(QuantizedModel.open(out / "canonical"), out / "export")
-print(json.dumps({"wall_s": wall}))
-"""
-
-
-def _run(cmd: list[str]) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"{cmd[:3]} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -89,11 +64,9 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
-    from llmc.model.source import resolve_source
-    from llmc.store import Store
 
     torch.set_num_threads(2)
-    source = resolve_source("demo:smollm2-135m", Store.default())
+    source = model_source("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(source.folder)
     calib_docs = load_corpus("brown", "calibration")
     eval_ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.eval_windows, seed=None).ids
@@ -113,7 +86,8 @@ def main() -> None:
             for scheme in args.schemes:
                 llmc_expr, peer_scheme = PAIRS[scheme]
                 out = Path(tmp) / f"llmc-{scheme}-{seed}"
-                m = _run([sys.executable, "-c", LLMC_CHILD, str(source.folder), str(tokens), llmc_expr, str(out)])
+                m = _run([sys.executable, "-c", LLMC_CHILD, str(source.folder), str(tokens), llmc_expr, str(out),
+                          "smollm2-135m"])
                 ppl = math.exp(float(TorchEngine(out / "export").token_nll(eval_ids).mean()))
                 results = [("llmc", {"ppl": ppl, **m})]
                 if (peer_scheme, seed) not in peer_done:

@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmc.compiler.onnx_qdq import MODEL_FILE as QDQ_MODEL
+from llmc.compiler.onnx_qdq import SERVE_FILE
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
 GENAI_CONFIG = "genai_config.json"
-QDQ_MODEL = "model.onnx"  # the Q/DQ graph's file (llmc.compiler.onnx_qdq.MODEL_FILE)
 
 
 def _ort():
@@ -39,7 +40,7 @@ def _ort():
 
 def _serve_kind(folder: Path) -> str | None:
     try:
-        return json.loads((folder / "llmc-serve.json").read_text()).get("kind")
+        return json.loads((folder / SERVE_FILE).read_text()).get("kind")
     except (FileNotFoundError, json.JSONDecodeError, AttributeError):
         return None
 

@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.compiler.onnx_qdq import MODEL_FILE, SERVE_FILE
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
-
-MODEL_FILE = "model.onnx"
-SERVE_FILE = "llmc-serve.json"
 
 
 def _tensorrt():

@@ -196,14 +196,20 @@ def _layer_out(model, layer, ids):
     return captured["out"], logits
 
 
-def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
-    model, layer = _tiny_layer(tiny_model)
-    ids = torch.randint(3, 200, (2, 24))
-    before, logits_before = _layer_out(model, layer, ids)
+def _observed(model, layer, ids) -> stream.LayerStats:
+    """Layer 0's activation statistics ("l." prefix) from one forward of the whole model."""
     linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     stats = stream.LayerStats()
     with stream.observing(layer, linears, stats, {}), torch.no_grad():
         model(ids)
+    return stats
+
+
+def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
+    model, layer = _tiny_layer(tiny_model)
+    ids = torch.randint(3, 200, (2, 24))
+    before, logits_before = _layer_out(model, layer, ids)
+    stats = _observed(model, layer, ids)
     norm_before = layer.input_layernorm.weight.clone()
     scheme = Scheme(INT8_CH, TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
     assert transform_layer(layer, "l.", stats, scheme)
@@ -230,19 +236,14 @@ def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: P
     model, layer = _tiny_layer(tiny_model)
     ids = torch.randint(3, 200, (2, 24))
     before, logits_before = _layer_out(model, layer, ids)
-    linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    stats = stream.LayerStats()
-    with stream.observing(layer, linears, stats, {}), torch.no_grad():
-        model(ids)
+    stats = _observed(model, layer, ids)
     up_before = layer.mlp.up_proj.weight.clone()
     assert transform_layer(layer, "l.", stats, static)
     assert not torch.equal(up_before, layer.mlp.up_proj.weight)
     after, logits_after = _layer_out(model, layer, ids)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits_after, logits_before, rtol=1e-4, atol=1e-4)
-    smoothed = stream.LayerStats()  # alpha 1: every input channel of down_proj now peaks at 1
-    with stream.observing(layer, linears, smoothed, {}), torch.no_grad():
-        model(ids)
+    smoothed = _observed(model, layer, ids)  # alpha 1: every input channel of down_proj now peaks at 1
     torch.testing.assert_close(smoothed.channel_absmax["l.mlp.down_proj"],
                                torch.ones_like(smoothed.channel_absmax["l.mlp.down_proj"]), rtol=1e-4, atol=1e-4)
 
