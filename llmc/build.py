@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.capabilities import exporter_for
-from llmc.quant.algorithms import alpha_for, propagate_for, smooth_for
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
+from llmc.compiler.files import SERVE_FILE
 from llmc.errors import (
     EngineFailed,
     EngineUnavailable,
@@ -42,6 +42,7 @@ from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.algorithms import alpha_for, propagate_for, smooth_for
 from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
@@ -291,7 +292,7 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
         for p in sorted(done.iterdir())
         if p.is_file() and not p.name.startswith(".")
     }
-    weights_key = stage_key("artifact-content", {k: v for k, v in files.items() if k != "llmc-serve.json"})
+    weights_key = stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE})
     result.artifacts[label] = {"dir": str(done), "key": key, "files": files, "content_key": weights_key,
                                "exporter": exporter, "target": _target_key(target),
                                "scheme": qm.scheme.name, "scheme_detail": qm.scheme.to_dict()}

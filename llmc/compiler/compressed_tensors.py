@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.files import copy_tokenizer_files, write_shards
+from llmc.compiler.files import SERVE_FILE, copy_tokenizer_files, write_shards
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.store import atomic_write_json
@@ -110,7 +110,7 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
     atomic_write_json(out / "config.json", config)
     copy_tokenizer_files(qm.root, out)
     if serve_args is not None:
-        atomic_write_json(out / "llmc-serve.json", serve_args)
+        atomic_write_json(out / SERVE_FILE, serve_args)
     return written
 
 

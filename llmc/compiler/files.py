@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
 
 MAX_SHARD_BYTES = 2 << 30
+# Every artifact's runtime arguments and build facts (serve command, engine options, graph summary).
+SERVE_FILE = "llmc-serve.json"
 
 
 def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
@@ -89,5 +91,5 @@ def write_repacked_checkpoint(
     atomic_write_json(out / "config.json", config)
     copy_tokenizer_files(qm.root, out)
     if serve is not None:
-        atomic_write_json(out / "llmc-serve.json", serve)
+        atomic_write_json(out / SERVE_FILE, serve)
     return written, worst

@@ -47,6 +47,7 @@ import torch
 from safetensors import safe_open
 
 from llmc import __version__
+from llmc.compiler.files import SERVE_FILE
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
@@ -55,7 +56,6 @@ from llmc.store import disk_errors, atomic_write_json, atomic_write_text, fsync_
 
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
-SERVE_FILE = "llmc-serve.json"
 BLOCK = 32  # Q8_0 / Q4_0 / Q4_1 block size
 EMBEDDING_TYPES = ("f16", "q8_0", "f32")
 GGUF_OPTIONS = {"embedding_type": "f16", "requantize": False}  # what `llmc build` uses (part of its cache key)

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from llmc import __version__
-from llmc.compiler.files import copy_tokenizer_files
+from llmc.compiler.files import SERVE_FILE, copy_tokenizer_files
 from llmc.compiler.gptq_format import check_scheme as check_gptq_scheme
 from llmc.compiler.gptq_format import export_gptq
 from llmc.compiler.onnx_qdq import float_model
@@ -46,7 +46,6 @@ from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme
 from llmc.store import atomic_write_json
 
-SERVE_FILE = "llmc-serve.json"
 ONNX_OPTIONS = {"accuracy_level": 4}  # what `llmc build` uses (part of the export stage key)
 MATMULNBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # Nodes the builder would otherwise quantize itself (names are the builder's, stable across models).

@@ -33,14 +33,13 @@ import torch
 from torch import nn
 
 from llmc import __version__
-from llmc.compiler.files import copy_tokenizer_files
+from llmc.compiler.files import SERVE_FILE, copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.store import atomic_write_json
 
-SERVE_FILE = "llmc-serve.json"
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 OPSET = 21  # blocked DequantizeLinear (INT4 groups) and INT4/FP8 tensor types

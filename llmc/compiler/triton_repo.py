@@ -14,8 +14,12 @@ Backends, by the artifact the target already gets:
   types and dynamic dims, read from the graph itself. The model is stateless under Triton: the client
   passes `past_key_values.*` and receives `present.*`, as onnxruntime-genai does in-process.
 
-TensorRT-LLM is not written: its Triton backend runs a Python model file shipped in the backend's
-image (tensorrtllm_backend `all_models`), which llmc cannot provide.
+- modelopt-hf (TensorRT-LLM, LLM API) -> Triton's Python backend with llmc's own `1/model.py`
+  (llmc/compiler/_triton_trtllm_model.py, copied verbatim): it builds `tensorrt_llm.LLM` on the version folder
+  with `llmc-trtllm.yaml`'s options, as `trtllm-serve` would, and answers text_input -> text_output. It needs
+  Triton's TensorRT-LLM container (`nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3`), where
+  tensorrt_llm is importable. The legacy per-rank checkpoint (trtllm-checkpoint) gets no repository: it is
+  not servable until `trtllm-build` compiles it on the target GPU.
 """
 
 from __future__ import annotations
@@ -28,17 +32,27 @@ from pathlib import Path
 from llmc.errors import IncompatibleTargetError
 
 CONTAINER_REPOSITORY = "/models"
-BACKEND_FOR_EXPORTER = {"compressed-tensors": "vllm", "onnx": "onnxruntime", "onnx-qdq": "onnxruntime"}
+BACKEND_FOR_EXPORTER = {"compressed-tensors": "vllm", "onnx": "onnxruntime", "onnx-qdq": "onnxruntime",
+                        "modelopt-hf": "tensorrt_llm"}
+TRTLLM_MODEL_SOURCE = Path(__file__).with_name("_triton_trtllm_model.py")
 _ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 7: "TYPE_INT64", 6: "TYPE_INT32",
                    9: "TYPE_BOOL", 3: "TYPE_INT8", 2: "TYPE_UINT8"}
 
 
 def check_exporter(exporter: str, runtime: str) -> str:
     """The Triton backend for an exporter, or IncompatibleTargetError naming the ones there are."""
+    if exporter == "trtllm-checkpoint":
+        raise IncompatibleTargetError(
+            "triton: true is not available for the legacy TensorRT-LLM per-rank checkpoint (trtllm-checkpoint): "
+            "Triton cannot serve it until trtllm-build compiles it into an engine on the target GPU",
+            fix="let the tensorrt-llm target's version range include >=0.17 (ModelOpt checkpoint, served by the "
+            "LLM API), or drop triton: true and run trtllm-build on the serving machine")
     if exporter not in BACKEND_FOR_EXPORTER:
         raise IncompatibleTargetError(
-            f"serve: triton is not available for {runtime} targets ({exporter} artifacts)",
-            fix="use serve: triton with a vllm/sglang/tgi target (Triton's vLLM backend) or an onnxruntime target")
+            f"triton: true is not available for {runtime} targets ({exporter} artifacts)",
+            fix="use triton: true with a vllm/sglang/tgi target (Triton's vLLM backend), an onnxruntime or tensorrt "
+            "target (ONNX Runtime backend), or a tensorrt-llm target whose version takes the ModelOpt checkpoint "
+            "(Python backend on the LLM API)")
     return BACKEND_FOR_EXPORTER[exporter]
 
 
@@ -61,6 +75,9 @@ def write_triton_repo(artifact: Path, exporter: str, runtime: str, *, name: str,
         engine_args = {"model": f"{CONTAINER_REPOSITORY}/{name}/1", **((serve or {}).get("vllm") or {})}
         (version / "model.json").write_text(json.dumps(engine_args, indent=2) + "\n")
         config = _vllm_config(name)
+    elif backend == "tensorrt_llm":
+        shutil.copyfile(TRTLLM_MODEL_SOURCE, version / "model.py")
+        config = _trtllm_config(name)
     else:
         config = _onnx_config(name, version / "model.onnx")
     (model_dir / "config.pbtxt").write_text(config)
@@ -88,6 +105,27 @@ input [
 ]
 output [
   {{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }}
+]
+instance_group [ {{ count: 1, kind: KIND_MODEL }} ]
+'''
+
+
+def _trtllm_config(name: str) -> str:
+    # One prompt per request (max_batch_size 0); the LLM API batches concurrent requests in flight itself.
+    # KIND_MODEL: TensorRT-LLM places the model on its GPUs (tensor_parallel_size from llmc-trtllm.yaml).
+    return f'''name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [
+  {{ name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
+  {{ name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
+  {{ name: "seed", data_type: TYPE_UINT64, dims: [ 1 ], optional: true }}
+]
+output [
+  {{ name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] }}
 ]
 instance_group [ {{ count: 1, kind: KIND_MODEL }} ]
 '''

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from llmc.compiler.onnx_qdq import MODEL_FILE as QDQ_MODEL
-from llmc.compiler.onnx_qdq import SERVE_FILE
+from llmc.compiler.files import SERVE_FILE
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 

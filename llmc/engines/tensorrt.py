@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.onnx_qdq import MODEL_FILE, SERVE_FILE
+from llmc.compiler.files import SERVE_FILE
+from llmc.compiler.onnx_qdq import MODEL_FILE
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from llmc.compiler.files import SERVE_FILE
 from llmc.engines.environments import runtime_python
 from llmc.errors import EngineFailed, EngineUnavailable
 
@@ -59,7 +60,7 @@ class VllmEngine:
                                     fix="bash scripts/setup-vllm.sh")
 
     def _kv_cache_dtype(self) -> str:
-        serve = self.folder / "llmc-serve.json"
+        serve = self.folder / SERVE_FILE
         if serve.is_file():
             return json.loads(serve.read_text())["vllm"].get("kv_cache_dtype", "auto")
         return "auto"

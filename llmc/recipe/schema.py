@@ -221,7 +221,8 @@ class Target(_Strict):
     triton: bool = Field(
         default=False,
         description="also lay the artifact out as a Triton Inference Server model repository "
-        "(vllm/sglang/tgi targets: vLLM backend; onnxruntime: ONNX Runtime backend)",
+        "(vllm/sglang/tgi targets: vLLM backend; onnxruntime and tensorrt: ONNX Runtime backend; "
+        "tensorrt-llm with the ModelOpt checkpoint: Python backend on the LLM API)",
     )
 
     @field_validator("tensor_parallel")

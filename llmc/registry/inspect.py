@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from llmc.compiler.capabilities import RULES, scheme_keys
+from llmc.compiler.files import SERVE_FILE
 from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
 from llmc.quant.spec import Scheme
@@ -74,7 +75,7 @@ def _describe_gguf(path: Path) -> str:
 
 
 def _serve_line(path: Path) -> list[str]:
-    serve = path / "llmc-serve.json"
+    serve = path / SERVE_FILE
     return [f"  serve with: {json.loads(serve.read_text())['command']}"] if serve.is_file() else []
 
 
@@ -88,7 +89,7 @@ def _describe_onnx(path: Path) -> str:
     graph = onnx.load(str(path / dec["filename"]), load_external_data=False).graph
     ops = Counter(n.op_type for n in graph.node)
     blocks = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name in ("bits",)}
-    serve = path / "llmc-serve.json"
+    serve = path / SERVE_FILE
     extra = json.loads(serve.read_text()) if serve.is_file() else {}
     return "\n".join([
         f"ONNX Runtime model folder (onnxruntime-genai) at {path} ({cfg.get('type')}, {dec['num_hidden_layers']} layers)",
@@ -108,7 +109,7 @@ def _describe_onnx_qdq(path: Path) -> str:
 
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     ops = Counter(n.op_type for n in graph.node)
-    serve = path / "llmc-serve.json"
+    serve = path / SERVE_FILE
     extra = json.loads(serve.read_text()) if serve.is_file() else {}
     return "\n".join([
         f"ONNX Q/DQ graph at {path} (input_ids -> logits, no KV cache)",
@@ -213,8 +214,8 @@ def describe(path: Path) -> str:
             + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
             "  accepted by: " + "; ".join(r for r in accepting_runtimes(s) if r.split()[0] in ("vllm", "sglang", "tgi")),
         ]
-        if (path / "llmc-serve.json").is_file():
-            lines.append("  serve with: " + json.loads((path / "llmc-serve.json").read_text())["command"])
+        if (path / SERVE_FILE).is_file():
+            lines.append("  serve with: " + json.loads((path / SERVE_FILE).read_text())["command"])
         return "\n".join(lines)
     raise InputError(f"{path} is not an llmc artifact, quantized form or registry entry",
                      fix="pass a folder with config.json, quantized.json or manifest.json")

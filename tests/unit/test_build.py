@@ -165,19 +165,23 @@ def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies
         tiny_model, tmp_path / "registry",
         **{"quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32}},
            "targets": [{"runtime": "vllm", "gpu_arch": "sm90", "triton": True},
-                       {"runtime": "lmdeploy", "gpu_arch": "sm80"}, {"runtime": "exllamav2", "gpu_arch": "sm80"}]},
+                       {"runtime": "lmdeploy", "gpu_arch": "sm80"}, {"runtime": "exllamav2", "gpu_arch": "sm80"},
+                       {"runtime": "tensorrt-llm", "gpu_arch": "sm90", "triton": True}]},
     )
     result = build(parse_recipe(text), Store(tmp_path / "cache"))
-    assert sorted(a["exporter"] for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq"]
+    assert sorted(a["exporter"] for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq", "modelopt-hf"]
     entry = result.published / "artifacts"
     vllm_label = next(label for label, a in result.artifacts.items() if a["exporter"] == "compressed-tensors")
     version = next((entry / vllm_label / "triton").iterdir()) / "1"
     weights = entry / vllm_label / "model.safetensors"
     assert (version / "model.json").is_file()
     assert (version / "model.safetensors").stat().st_ino == weights.stat().st_ino  # linked in the registry too
+    trt_label = next(label for label, a in result.artifacts.items() if a["exporter"] == "modelopt-hf")
+    trt_version = next((entry / trt_label / "triton").iterdir()) / "1"
+    assert (trt_version / "model.py").is_file() and (trt_version / "llmc-trtllm.yaml").is_file()
     assert verify_entry(result.published) == []
     reasons = [r[-1] for r in summary_rows(result) if r[1] == "-"]
-    assert len(reasons) == 2 and all("LMDeploy / ExLlamaV2 need an NVIDIA GPU" in r for r in reasons)
+    assert len(reasons) == 3 and sum("LMDeploy / ExLlamaV2 need an NVIDIA GPU" in r for r in reasons) == 2
 
 
 def test_tensorrt_llm_engine_without_a_gpu_fails_its_artifact_with_the_fix(tiny_model: Path, tmp_path: Path,
