@@ -39,6 +39,9 @@ PAIRS = {
     # next layer calibrated on this layer's unquantized outputs: one forward per layer instead of two
     "gptq-w4a16-propagate-original": (W4 + ", algorithm='gptq', algorithm_options=(('propagate', 'original'),))",
                                       "gptq-w4a16"),
+    # llmc's GPTQ before true-sequential: every Hessian from the original layer, then a second forward
+    "gptq-w4a16-two-forwards": (W4 + ", algorithm='gptq', algorithm_options=(('true_sequential', False),))",
+                                "gptq-w4a16"),
     "awq-w4a16": (W4 + ", algorithm='awq')", "awq-w4a16"),
     # llmc's AWQ with the full 20-point grid llm-compressor uses (the default refines coarse-to-fine)
     "awq-w4a16-grid": (W4 + ", algorithm='awq', algorithm_options=(('search', 'grid'),))", "awq-w4a16"),

@@ -42,7 +42,7 @@ from llmc.model.source import ModelSource, resolve_source
 from llmc.plan import Plan, make_plan
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.algorithms import alpha_for, propagate_for, smooth_for
+from llmc.quant.algorithms import alpha_for, propagate_for, smooth_for, true_sequential_for
 from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
@@ -172,6 +172,8 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
         cfg["device"] = device.type
     if "smoothquant" in scheme.algorithm and smooth_for(scheme) == "all":  # other keys stay as they were
         cfg["smoothquant"] = {"smooth": "all", "alpha": alpha_for(scheme)}
+    if true_sequential_for(scheme):  # GPTQ's in-layer order changed its result: not the older cache entries
+        cfg["gptq"] = {"true_sequential": True}
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):

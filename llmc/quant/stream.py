@@ -36,12 +36,15 @@ from torch import nn
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
+from llmc.quant import true_sequential
 from llmc.quant.algorithms import (
     Observe,
+    gptq_options,
     observe_for,
     propagate_for,
     quantize_layer,
     transform_layer,
+    true_sequential_for,
 )
 from llmc.quant.activations import (
     Activations,
@@ -359,9 +362,9 @@ def quantize_model(
     reuse = shared is not None and not needs_inputs_after_transform(scheme) and shared.covers(all_linears, all_kv)
     if reuse:
         log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
+    gptq_in_forward = calibrate and true_sequential_for(scheme)
     if calibrate and not reuse:
         _register_kv_observer()
-        batches = list(calibration.split(batch_size))
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
         materialize(model, outer, dtype)
         act_bytes = calibration.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
@@ -369,8 +372,14 @@ def quantize_model(
         if spill:
             log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
                 "one batch in memory at a time")
-        if start and not inputs_dir(state_dir, start).is_dir():
-            log(f"no saved inputs for layer {start} (work folder from an older run): starting over")
+        forward_batch = batch_size
+        if gptq_in_forward and not spill and _fits_one_forward(config, calibration.shape, dtype, device):
+            forward_batch = calibration.shape[0]  # GPTQ inside the one forward that makes the outputs
+        batches = list(calibration.split(forward_batch))
+        if start and (not inputs_dir(state_dir, start).is_dir()
+                      or len(Activations.load(inputs_dir(state_dir, start), spill)) != len(batches)):
+            log(f"no saved inputs for layer {start} in {len(batches)} batches (work folder from an older run "
+                "or another machine): starting over")
             start = 0
         first = None if start else ActivationWriter(inputs_dir(state_dir, 0), spill)
         extras = capture_layer_inputs(model, layers, batches, first.put if first else None)
@@ -398,6 +407,10 @@ def quantize_model(
         if reuse:
             stats = _stats_from(to_device(shared.load(i), device), linears, kv_modules)
             transform_layer(layer, prefix, stats, scheme)
+        elif gptq_in_forward:
+            next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
+            quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats, scheme,
+                                                  next_inputs.put, batch_size)
         elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
             # observing) or with its quantized weights (one more pass, after quantizing).
@@ -413,13 +426,14 @@ def quantize_model(
                 stats = LayerStats()
                 replace_observe = Observe(hessians=observe.hessians, module_calls=())
                 _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
-        quantized = quantize_layer(layer, linears, stats, scheme)
+        if not gptq_in_forward:
+            quantized = quantize_layer(layer, linears, stats, scheme)
         stats.module_calls.clear()
 
         tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
         atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
         if calibrate and not reuse:
-            if propagate == "quantized":
+            if propagate == "quantized" and not gptq_in_forward:
                 for name, lin in linears.items():
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
                 with torch.no_grad():
@@ -515,6 +529,60 @@ def _observe(
             if hidden.spilled:  # batch-sized buffers freed in a loop fragment the heap; give them back
                 del h, out
                 _return_free_heap_to_os()
+
+
+def _quantize_true_sequential(
+    layer: nn.Module,
+    prefix: str,
+    linears: dict[str, nn.Linear],
+    kv_modules: dict[str, nn.Module],
+    hidden: Activations,
+    extras: list[tuple[tuple, dict]],
+    stats: LayerStats,
+    scheme: Scheme,
+    sink: Callable[[torch.Tensor], None],
+    batch_windows: int,
+) -> dict[str, QuantizedWeight]:
+    """GPTQ for one layer, each Linear on inputs through the layer's already-quantized Linears
+    (`llmc.quant.true_sequential`); the quantized layer's outputs go to `sink`, ranges into `stats`."""
+    device = next(layer.parameters()).device
+    options = gptq_options(scheme)
+    stacks = true_sequential.stacks_of(layer, prefix, linears)
+
+    def run(b: int) -> torch.Tensor:
+        args, kwargs = extras[b]
+        return _layer_output(layer(hidden[b].to(device), *args, **kwargs))
+
+    with observing(layer, linears, stats, kv_modules, RANGES_ONLY):
+        if len(hidden) == 1:
+            quantized, out = true_sequential.in_one_forward(lambda: run(0), linears, stacks, scheme.weights,
+                                                            options, batch_windows)
+            sink(out.to(_HOST))
+            return quantized
+        quantized = true_sequential.staged([functools.partial(run, b) for b in range(len(hidden))], linears,
+                                           stacks, scheme.weights, options)
+        with torch.no_grad():
+            for b in range(len(hidden)):
+                sink(run(b).to(_HOST))
+                if hidden.spilled:
+                    _return_free_heap_to_os()
+    return quantized
+
+
+def _fits_one_forward(config: dict, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one decoder layer's forward over every calibration window at once fits in a quarter of the
+    free memory of `device`: residual stream, norms, q/k/v/o and the MLP's intermediates per token, plus
+    attention scores as if materialized (batch x heads x seq²)."""
+    windows, seq = shape
+    hidden, inter = config.get("hidden_size", 0), config.get("intermediate_size", 0)
+    heads = config.get("num_attention_heads", 1)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    need = windows * seq * (8 * hidden + 4 * inter) * elem + windows * heads * seq * seq * 4
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = memory_available()
+    return free is not None and need <= free // 4
 
 
 def _layer_tensors(

@@ -123,7 +123,7 @@ _SUPPORTED_PAIRS = {
 
 ALGORITHM_OPTIONS = {
     "smoothquant": {"alpha", "propagate", "smooth"},
-    "gptq": {"block_size", "dampening", "act_order", "propagate"},
+    "gptq": {"block_size", "dampening", "act_order", "propagate", "true_sequential"},
     "awq": {"n_grid", "search", "duo_scaling", "clip", "propagate"},
 }
 
@@ -162,6 +162,14 @@ class QuantizationSection(_Strict):
         if self.options.get("propagate", "quantized") not in ("quantized", "original"):
             raise ValueError("options.propagate is 'quantized' (next layer sees this layer quantized) or "
                              "'original' (sees it unquantized: one forward per layer instead of two)")
+        if "true_sequential" in self.options:
+            if not isinstance(self.options["true_sequential"], bool):
+                raise ValueError("options.true_sequential is true or false")
+            if self.options["true_sequential"] and (self.algorithm != "gptq"
+                                                    or self.options.get("propagate", "quantized") != "quantized"):
+                raise ValueError("options.true_sequential quantizes each Linear inside the forward that makes the "
+                                 "next layer's quantized inputs: it needs algorithm gptq alone with propagate "
+                                 "quantized; fix: drop true_sequential, or the propagate option")
         if "smoothquant" in self.algorithm and self.activations is None:
             raise ValueError(
                 "smoothquant migrates activation outliers into weights and only helps when "

@@ -386,3 +386,41 @@ def test_triton_gptq_block_matches_the_eager_loop(spec: TensorSpec) -> None:
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["differing_codes"] <= 0.01 and m["max_code_step"] <= 1, m
     assert m["rows_compared"] >= 36 and m["max_error_diff"] <= 1e-4, m
+
+
+@pytest.mark.parametrize("spec", [INT4_G16, TensorSpec("int4", "group", 16, symmetric=False), INT8_CH])
+def test_compiled_cpu_gptq_block_matches_the_eager_loop(spec: TensorSpec) -> None:
+    """The numba column loop (the CPU default) against the torch-op loop: same codes, same errors to float
+    rounding (its rank-1 update may fuse into a multiply-add)."""
+    from llmc.quant.algorithms import gptq
+    from llmc.quant.numerics import compute_qparams
+
+    torch.manual_seed(0)
+    x = correlated_inputs(512, 64)
+    h_chol, _ = gptq._prepare_inverse(2 * x.T @ x / 512, 0.01)
+    w = torch.randn(48, 64)
+    scale, zp = compute_qparams(w, spec)
+    group = torch.arange(64) // 16 if spec.strategy == "group" else torch.zeros(64, dtype=torch.long)
+    s_cols = scale[:, group] if spec.strategy == "group" else scale.expand(48, 64)
+    z_cols = None if zp is None else zp.float()[:, group]
+    eager_codes, eager_err = gptq._integer_block(w.clone(), s_cols, z_cols, h_chol, spec)
+    codes, err = gptq.gptq_block_cpu(w.clone(), s_cols, z_cols, h_chol, spec)
+    assert codes.dtype == torch.int8 and (codes == eager_codes).float().mean() > 0.995
+    torch.testing.assert_close(err, eager_err, rtol=1e-4, atol=1e-4)
+    assert gptq.use_numba(w, spec) and not gptq.use_numba(w, TensorSpec("fp8_e4m3", "channel"))
+
+
+def test_gptq_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse() -> None:
+    from llmc.quant.algorithms import gptq
+
+    torch.manual_seed(0)
+    x = correlated_inputs(300, 48)
+    x[:, 5] = 0  # a dead input
+    h = 2 * x.T @ x / 300
+    u, dead = gptq._prepare_inverse(h, 0.01)
+    assert dead.tolist() == [i == 5 for i in range(48)]
+    damped = h.double().clone()
+    damped[5, 5] = 1.0
+    damped += 0.01 * torch.diag(damped).mean() * torch.eye(48, dtype=torch.float64)
+    assert torch.equal(u, u.triu()) and bool((torch.diag(u) > 0).all())
+    torch.testing.assert_close(u.double().T @ u.double(), torch.linalg.inv(damped), rtol=1e-5, atol=1e-6)

@@ -96,6 +96,16 @@ def propagate_for(scheme: Scheme) -> Literal["original", "quantized"]:
     return "quantized" if ("gptq" in steps(scheme) or "awq" in steps(scheme)) else "original"
 
 
+def true_sequential_for(scheme: Scheme) -> bool:
+    """Whether GPTQ quantizes each Linear on inputs through the layer's already-quantized Linears, inside
+    the forward that makes the next layer's inputs (`llmc.quant.true_sequential`; `options.true_sequential`
+    overrides). The default for GPTQ alone with quantized propagation: one forward per layer instead of
+    two (docs/results.md has the measured time and perplexity against the two-forward order)."""
+    if "true_sequential" in options(scheme):
+        return bool(options(scheme)["true_sequential"])
+    return steps(scheme) == ["gptq"] and propagate_for(scheme) == "quantized"
+
+
 # --------------------------------------------------------------------------- transforms
 
 
@@ -245,4 +255,5 @@ def quantize_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats, schem
     return out
 
 
-__all__ = ["ALGORITHMS", "Mapping", "Observe", "observe_for", "propagate_for", "quantize_layer", "transform_layer"]
+__all__ = ["ALGORITHMS", "Mapping", "Observe", "observe_for", "propagate_for", "quantize_layer", "transform_layer",
+           "true_sequential_for"]
