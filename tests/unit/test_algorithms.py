@@ -424,3 +424,12 @@ def test_gptq_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(
     damped += 0.01 * torch.diag(damped).mean() * torch.eye(48, dtype=torch.float64)
     assert torch.equal(u, u.triu()) and bool((torch.diag(u) > 0).all())
     torch.testing.assert_close(u.double().T @ u.double(), torch.linalg.inv(damped), rtol=1e-5, atol=1e-6)
+
+
+def test_gram_from_three_quadrants_is_exactly_symmetric_and_equals_xtx() -> None:
+    from llmc.quant.algorithms.gptq import gram
+
+    x = correlated_inputs(300, 600)
+    g = gram(x)
+    assert torch.equal(g, g.T)
+    torch.testing.assert_close(g, x.T @ x, rtol=1e-5, atol=1e-3)
