@@ -9,7 +9,9 @@ data-driven algorithm), runs the calibration windows through the layers in seque
 of layer i+1 are the outputs of layer i (original weights for RTN, as ModelOpt does; the
 already-quantized layer for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential pipeline does).
 Per layer: observe → transform (SmoothQuant/AWQ, `llmc.quant.algorithms`) → observe again if the
-transform changed statistics the scheme stores → quantize weights (RTN/GPTQ) → write.
+transform changed statistics the scheme stores → quantize weights (RTN/GPTQ) → write. GPTQ alone is
+true-sequential instead (`llmc.quant.true_sequential`): each Linear is quantized inside the forward that
+makes the next layer's inputs, from the inputs that reach it there.
 
 The activations passed between layers stay in memory or, when they would not fit, spill to disk
 one batch per file (`llmc.quant.activations`; recipe key `calibration.spill_activations`).

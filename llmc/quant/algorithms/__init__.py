@@ -101,9 +101,8 @@ def true_sequential_for(scheme: Scheme) -> bool:
     the forward that makes the next layer's inputs (`llmc.quant.true_sequential`; `options.true_sequential`
     overrides). The default for GPTQ alone with quantized propagation: one forward per layer instead of
     two (docs/results.md has the measured time and perplexity against the two-forward order)."""
-    if "true_sequential" in options(scheme):
-        return bool(options(scheme)["true_sequential"])
-    return steps(scheme) == ["gptq"] and propagate_for(scheme) == "quantized"
+    applies = steps(scheme) == ["gptq"] and propagate_for(scheme) == "quantized"  # else a transform comes first
+    return applies and bool(options(scheme).get("true_sequential", True))
 
 
 # --------------------------------------------------------------------------- transforms

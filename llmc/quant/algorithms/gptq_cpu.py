@@ -1,10 +1,11 @@
 """GPTQ's column loop over one block as one compiled CPU function (numba; imported only on the CPU path).
 
 On a CPU the eager loop (`gptq.gptq_block_eager`) is bound by the fixed cost of its small kernels, about a
-dozen per column (~90 µs per column on this 2-core AVX2 machine: 22 s of a 60 s SmolLM2-135M GPTQ run).
-Compiled, a column is a pass over its rows and a rank-1 update of the block's later columns in cache,
-the same arithmetic in the same order (the update may fuse into a multiply-add: errors agree to ~1e-6,
-codes measured equal on SmolLM2-sized blocks): 10x the eager loop (benchmarks/gptq_block_kernel.py).
+dozen per column (~90 µs per column on this 2-core AVX2 machine before its rework; GPTQ took 22 s of a 60 s
+SmolLM2-135M GPTQ run). Compiled, a column is a pass over its rows and a rank-1 update of the block's later
+columns, the same arithmetic in the same order (the update may fuse into a multiply-add: errors agree to
+~1e-6, codes measured equal): 2.6-7.5x the reworked eager loop per block
+(`python benchmarks/gptq_block_kernel.py --cpu`, benchmarks/results/gptq_block_kernel_cpu.jsonl).
 """
 
 from __future__ import annotations
