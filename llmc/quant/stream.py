@@ -378,14 +378,15 @@ def quantize_model(
         if gptq_in_forward and not spill and _fits_one_forward(config, calibration.shape, dtype, device):
             forward_batch = calibration.shape[0]  # GPTQ inside the one forward that makes the outputs
         batches = list(calibration.split(forward_batch))
-        if start and (not inputs_dir(state_dir, start).is_dir()
-                      or len(Activations.load(inputs_dir(state_dir, start), spill)) != len(batches)):
+        saved = inputs_dir(state_dir, start)
+        hidden = Activations.load(saved, spill) if start and saved.is_dir() else None
+        if start and (hidden is None or len(hidden) != len(batches)):
             log(f"no saved inputs for layer {start} in {len(batches)} batches (work folder from an older run "
                 "or another machine): starting over")
             start = 0
         first = None if start else ActivationWriter(inputs_dir(state_dir, 0), spill)
         extras = capture_layer_inputs(model, layers, batches, first.put if first else None)
-        hidden = Activations.load(inputs_dir(state_dir, start), spill) if start else first.commit()
+        hidden = hidden if start else first.commit()
     else:
         batches, extras, hidden, spill = [], [], Activations([]), False
 
@@ -438,12 +439,7 @@ def quantize_model(
             if propagate == "quantized" and not gptq_in_forward:
                 for name, lin in linears.items():
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
-                with torch.no_grad():
-                    for h, (args, kwargs) in zip(hidden, layer_extras):
-                        next_inputs.put(_layer_output(layer(h.to(device), *args, **kwargs)).to(_HOST))
-                        if hidden.spilled:
-                            del h
-                            _return_free_heap_to_os()
+                _forward_batches(layer, hidden, layer_extras, next_inputs.put)
             hidden = next_inputs.commit()
         # Progress moves only after the layer file and the next layer's inputs are complete; a run
         # killed anywhere before this line redoes layer i from its own saved inputs.
@@ -522,8 +518,19 @@ def _observe(
     sink: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """Run the calibration batches through one layer, recording into `stats`; outputs go to `sink`."""
+    with observing(layer, linears, stats, kv_modules, observe):
+        _forward_batches(layer, hidden, extras, sink)
+
+
+def _forward_batches(
+    layer: nn.Module,
+    hidden: Activations,
+    extras: list[tuple[tuple, dict]],
+    sink: Callable[[torch.Tensor], None] | None,
+) -> None:
+    """Every calibration batch through `layer` as it is now; each output to `sink` (on the host)."""
     device = next(layer.parameters()).device
-    with observing(layer, linears, stats, kv_modules, observe), torch.no_grad():
+    with torch.no_grad():
         for h, (args, kwargs) in zip(hidden, extras):
             out = _layer_output(layer(h.to(device), *args, **kwargs))
             if sink is not None:
@@ -566,11 +573,7 @@ def _quantize_true_sequential(
             return quantized
         quantized = true_sequential.staged([functools.partial(run, b) for b in range(len(hidden))], linears,
                                            stacks, scheme.weights, options)
-        with torch.no_grad():
-            for b in range(len(hidden)):
-                sink(run(b).to(_HOST))
-                if hidden.spilled:
-                    _return_free_heap_to_os()
+    _forward_batches(layer, hidden, extras, sink)  # the staged passes observed every range already
     return quantized
 
 

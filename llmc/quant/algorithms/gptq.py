@@ -167,6 +167,15 @@ def gptq_block_eager(
     return codes, errors
 
 
+def block_columns(
+    block: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A block [out, b] and its per-column scales/zero points as float32 [b, out], one column per contiguous
+    row: the integer column loops read a column and update the columns after it."""
+    cols, col_scale = block.t().float().contiguous(), scale.t().float().contiguous()
+    return cols, col_scale, None if zp is None else zp.t().float().contiguous()
+
+
 def _integer_block(
     block: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, h_blk: torch.Tensor, spec: TensorSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +184,7 @@ def _integer_block(
     no per-column spec dispatch. Every column costs a handful of small kernels; their launch overhead, not
     their arithmetic, is the time at these sizes."""
     qmin, qmax = spec.info.int_range(spec.symmetric)
-    cols, col_scale = block.t().contiguous(), scale.t().contiguous()
-    col_zp = None if zp is None else zp.t().float().contiguous()
+    cols, col_scale, col_zp = block_columns(block, scale, zp)
     codes, errors = torch.empty_like(cols), torch.empty_like(cols)
     diag = torch.diagonal(h_blk)
     for i in range(cols.shape[0]):

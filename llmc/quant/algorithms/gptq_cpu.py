@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from llmc.quant.algorithms.gptq import block_columns
 from llmc.quant.spec import TensorSpec
 
 
@@ -43,9 +44,8 @@ def gptq_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gptq.gptq_block_eager` for integer codes on CPU float32 tensors: (codes int8 [out, b], errors [out, b])."""
     qmin, qmax = spec.info.int_range(spec.symmetric)
-    cols, col_scale = block.t().float().contiguous(), scale.t().float().contiguous()
-    col_zp = col_scale if zp is None else zp.t().float().contiguous()  # unread without a zero point
+    cols, col_scale, col_zp = block_columns(block, scale, zp)
     codes, errors = torch.empty_like(cols), torch.empty_like(cols)
-    _block_loop(cols.numpy(), col_scale.numpy(), col_zp.numpy(), zp is not None,
+    _block_loop(cols.numpy(), col_scale.numpy(), (col_scale if col_zp is None else col_zp).numpy(), zp is not None,
                 h_blk.float().contiguous().numpy(), float(qmin), float(qmax), codes.numpy(), errors.numpy())
     return codes.t().to(torch.int8), errors.t()
