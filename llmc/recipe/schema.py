@@ -115,7 +115,7 @@ _SUPPORTED_PAIRS = {
     ("int8", "int8"): "W8A8-INT8",
     ("int8", None): "W8A16-INT8",
     ("int4", None): "W4A16",
-    ("int4", "fp8_e4m3"): "W4A8-FP8",
+    ("int4", "fp8_e4m3"): "W4AFP8",
     ("nvfp4", "nvfp4"): "NVFP4",
     ("nvfp4", None): "NVFP4A16",
 }

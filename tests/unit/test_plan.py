@@ -72,7 +72,42 @@ def test_version_range_without_support_is_refused() -> None:
         make_plan(recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 128},
                           "activations": {"format": "fp8_e4m3", "strategy": "token", "dynamic": True}},
                          {"runtime": "vllm", "version": "<0.8"}))
-    assert "<0.8" in e.value.message or "W4A8" in e.value.message
+    assert "supports W4AFP8 from 0.10.2" in e.value.message and ">=0.10.2" in e.value.fix
+
+
+W4AFP8_VLLM = {"weights": {"format": "int4", "strategy": "group", "group_size": 128},
+               "activations": {"format": "fp8_e4m3", "strategy": "token", "dynamic": True}}
+W4AFP8_TRTLLM = {"weights": {"format": "int4", "strategy": "group", "group_size": 128},
+                 "activations": {"format": "fp8_e4m3", "strategy": "tensor"}, "algorithm": "awq"}
+
+
+def test_w4afp8_plans_for_vllm_on_hopper_only() -> None:
+    plan = make_plan(recipe(W4AFP8_VLLM, {"runtime": "vllm", "gpu_arch": "sm90"}))
+    assert plan.targets[0]["status"] == "native" and plan.scheme.name == "W4AFP8"
+    for arch in ("sm89", "sm100"):  # vLLM matches its W4A8 kernel to sm90 exactly
+        with pytest.raises(IncompatibleTargetError, match="Hopper") as e:
+            make_plan(recipe(W4AFP8_VLLM, {"runtime": "vllm", "gpu_arch": arch}))
+        assert "sm90" in e.value.message + e.value.fix
+
+
+def test_w4afp8_activation_kind_follows_the_runtime_kernel() -> None:
+    """vLLM's kernel quantizes activations per token at run time; TensorRT-LLM's W4A8_AWQ uses one calibrated
+    scale: each refuses the other's recipe, naming the activations it needs."""
+    with pytest.raises(IncompatibleTargetError, match="dynamic per-token") as e:
+        make_plan(recipe(W4AFP8_TRTLLM, {"runtime": "vllm", "gpu_arch": "sm90"}))
+    assert "strategy: token, dynamic: true" in e.value.fix
+    with pytest.raises(IncompatibleTargetError, match="static scale per tensor") as e:
+        make_plan(recipe(W4AFP8_VLLM, {"runtime": "tensorrt-llm", "gpu_arch": "sm90"}))
+    assert "strategy: tensor" in e.value.fix
+    plan = make_plan(recipe(W4AFP8_TRTLLM, {"runtime": "tensorrt-llm", "gpu_arch": "sm89"}))
+    assert plan.targets[0]["exporter"] == "modelopt-hf"
+    with pytest.raises(IncompatibleTargetError, match="sm89"):
+        make_plan(recipe(W4AFP8_TRTLLM, {"runtime": "tensorrt-llm", "gpu_arch": "sm80"}))
+    with pytest.raises(IncompatibleTargetError, match="groups of 128"):
+        make_plan(recipe({**W4AFP8_VLLM, "weights": {"format": "int4", "strategy": "group", "group_size": 64}},
+                         {"runtime": "vllm", "gpu_arch": "sm90"}))
+    with pytest.raises(IncompatibleTargetError, match="W4AFP8"):  # no W4A8 kernel in llama.cpp
+        make_plan(recipe(W4AFP8_VLLM, {"runtime": "llama.cpp", "gpu_arch": "cpu"}))
 
 
 def test_version_range_check_on_a_supported_scheme() -> None:
@@ -222,3 +257,12 @@ def test_decode_gate_on_a_graph_without_kv_cache_is_warned() -> None:
     assert any("no KV cache" in w and "tensorrt-sm90-tp1" in w for w in plan.warnings)
     quiet = make_plan(recipe(FP8, {"runtime": "tensorrt", "gpu_arch": "sm90"}))
     assert not any("KV cache" in w for w in quiet.warnings)
+
+
+def test_w4afp8_on_a_model_whose_widths_128_does_not_divide_says_w4afp8_cannot_fit() -> None:
+    """SmolLM2's hidden size 576 rules out the group 128 both W4A8 kernels need: the fix must not suggest
+    a smaller group (the exporter would refuse it), but another scheme."""
+    r = recipe(W4AFP8_VLLM, {"runtime": "vllm", "gpu_arch": "sm90"})
+    with pytest.raises(IncompatibleTargetError, match="576") as e:
+        check_model(r, r.quantization.to_scheme(), SMOLLM2, SMOLLM2_LINEARS)
+    assert "W4AFP8 needs group_size 128" in e.value.fix and "W4A16 (use group_size 64)" in e.value.fix

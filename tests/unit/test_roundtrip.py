@@ -28,6 +28,8 @@ SCHEMES = {
     "w8a16-int8": Scheme(TensorSpec("int8", "channel")),
     "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32)),
     "w4a16-g32-asym": Scheme(TensorSpec("int4", "group", group_size=32, symmetric=False)),
+    "w4afp8": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("fp8_e4m3", "token", dynamic=True)),
+    "w4afp8-static": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("fp8_e4m3", "tensor")),
     "fp8-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
                      kv_cache=TensorSpec("fp8_e4m3", "tensor")),
 }
@@ -146,3 +148,21 @@ def test_pack_quantized_layout(tiny_model: Path, tmp_path: Path) -> None:
         assert tuple(h.get_tensor(f"{name}.weight_scale").shape) == (64, 128 // 32)
         assert h.get_tensor(f"{name}.weight_zero_point").dtype == torch.int32
         assert f"{name}.weight" not in h.keys()
+
+
+def test_w4afp8_config_is_the_compressed_tensors_preset_vllm_loads() -> None:
+    """W4AFP8's config carries compressed-tensors' own W4AFP8 preset arguments (what vLLM's
+    `_is_fp8_w4a8` matches) in the pack-quantized layout (CompressedTensorsW4A8Fp8 loads `weight_packed`)."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    from llmc.compiler.compressed_tensors import quantization_config
+
+    scheme = Scheme(TensorSpec("int4", "group", group_size=128), TensorSpec("fp8_e4m3", "token", dynamic=True))
+    cfg = quantization_config(scheme)
+    assert cfg["format"] == "pack-quantized"
+    group = cfg["config_groups"]["group_0"]
+    preset = PRESET_SCHEMES["W4AFP8"]
+    fields = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")
+    for ours, theirs in ((group["weights"], preset["weights"]), (group["input_activations"], preset["input_activations"])):
+        assert {f: ours.get(f) for f in fields} == {f: (v.value if hasattr(v, "value") else v)
+                                                    for f, v in theirs.model_dump(include=set(fields)).items()}

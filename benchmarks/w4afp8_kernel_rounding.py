@@ -1,0 +1,103 @@
+"""What the W4A8 kernels' own FP8 rounding costs, on top of the W4AFP8 scheme the torch reference scores.
+
+    python benchmarks/w4afp8_kernel_rounding.py [--model gemma3-270m] [--algorithm gptq] [--seed 0]
+        [--samples 16] [--seq-len 512] [--eval-windows 16]
+
+One W4AFP8 quantization (int4 symmetric groups of 128, dynamic per-token FP8 activations), exported as
+compressed-tensors, scored by llmc's torch reference three ways on the same Brown eval windows:
+  - as stored: weight = code x group scale (what llmc's reports and llm-compressor's own evaluation assume);
+  - vLLM: the group scales as vLLM's W4A8-FP8 scheme converts them at load (`convert_bf16_scales_to_fp8`:
+    per output row c = max|scale| / 448, group scale -> c x fp8_e4m3(scale / c); the /8 and x8 it adds around
+    that are exact); bf16 storage of the scales first, as the checkpoint dtype vLLM creates them in;
+  - TensorRT-LLM: the weight as ModelOpt simulates W4A8_AWQ's FP8 GEMM operand, fp8(code x scale / s2) x s2 with
+    s2 = max|code x scale| / 448 over the fused GEMM (`llmc.compiler.modelopt_hf.fp8_weight_operand`; the
+    conformance test checks it equals ModelOpt 0.47's own simulation). Activations stay per-token here.
+Neither kernel was run (both need a Hopper/Ada GPU); these are the kernels' documented conversions applied in
+the torch reference. Prints one JSON line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from algorithms_vs_llmcompressor import MODELS, model_source  # noqa: E402
+
+
+def vllm_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [out, in/g] as vLLM's W4A8-FP8 kernel uses them after loading them from bf16."""
+    s = scale.to(torch.bfloat16).float()
+    row = s.abs().amax(dim=1, keepdim=True) / 448.0
+    row = torch.where(row > 0, row, torch.ones_like(row))
+    return (s / row).to(torch.float8_e4m3fn).float() * row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m", choices=sorted(MODELS))
+    ap.add_argument("--algorithm", default="gptq", choices=["rtn", "gptq", "awq"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--eval-windows", type=int, default=16)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from llmc.calibration.corpora import load_corpus
+    from llmc.calibration.windows import make_windows
+    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.compiler.modelopt_hf import fp8_weight_operand, w4a8_weight_scale_2
+    from llmc.engines.torch_ref import TorchEngine
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.numerics import dequantize
+    from llmc.quant.spec import Scheme, TensorSpec
+    from llmc.quant.stream import quantize_model
+
+    torch.set_num_threads(2)
+    group = MODELS[args.model]["group"]
+    source = model_source(args.model)
+    tok = AutoTokenizer.from_pretrained(source.folder)
+    eval_ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.eval_windows, seed=None).ids
+    calib = make_windows(tok, load_corpus("brown", "calibration"), args.seq_len, args.samples, seed=args.seed).ids
+    scheme = Scheme(TensorSpec("int4", "group", group_size=group), TensorSpec("fp8_e4m3", "token", dynamic=True),
+                    algorithm=args.algorithm)
+    base = math.exp(float(TorchEngine(source.folder).token_nll(eval_ids).mean()))
+    print(json.dumps({"model": args.model, "scheme": scheme.name, "algorithm": args.algorithm, "seed": args.seed,
+                      "baseline_ppl": base}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="llmc-w4afp8-") as tmp:
+        t = time.monotonic()
+        quantize_model(source, scheme, Path(tmp) / "q", calibration=calib)
+        qm = QuantizedModel.open(Path(tmp) / "q")
+        export_compressed_tensors(qm, Path(tmp) / "export")
+        engine = TorchEngine(Path(tmp) / "export")
+        stored = {n: m.weight.data.clone() for n, m in engine.model.named_modules() if n in qm.quantized_modules}
+        variants = {"vllm": {}, "tensorrt-llm": {}}
+        for tensors in qm.iter_files():
+            scale_2 = w4a8_weight_scale_2(qm, tensors)
+            for name in scale_2:
+                codes, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
+                variants["vllm"][name] = dequantize(codes, vllm_group_scales(scale), None, scheme.weights)
+                variants["tensorrt-llm"][name] = fp8_weight_operand(dequantize(codes, scale, None, scheme.weights),
+                                                                    scale_2[name])
+        quantize_s = time.monotonic() - t
+        for variant, weights in {"as stored": stored, **variants}.items():
+            for name, w in weights.items():
+                engine.model.get_submodule(name).weight.data.copy_(w)
+            ppl = math.exp(float(engine.token_nll(eval_ids).mean()))
+            changed = sum(float((w - stored[n]).norm() ** 2) for n, w in weights.items()) ** 0.5
+            total = sum(float(w.norm() ** 2) for w in stored.values()) ** 0.5
+            print(json.dumps({"weights": variant, "ppl": ppl, "ppl_change_pct": 100 * (ppl / base - 1),
+                              "relative_weight_change": changed / total, "quantize_s": quantize_s}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
