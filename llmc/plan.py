@@ -107,7 +107,7 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             raise IncompatibleTargetError(
                 f"target {label}: {key} needs {need}+ on {target.runtime}, gpu_arch is {target.gpu_arch}: "
                 f"{rule.refuse_reason}",
-                fix=f"set gpu_arch to {need} or newer, or choose another scheme",
+                fix=f"set gpu_arch to {need if rule.native_until else need + ' or newer'}, or choose another scheme",
             )
         if target.version and rule.since:
             spec = SpecifierSet(target.version)

@@ -17,6 +17,13 @@ def arch_at_least(arch: str, minimum: str) -> bool:
     return ARCH_ORDER.index(arch) >= ARCH_ORDER.index(minimum)
 
 
+def arch_span(native_from: str, native_until: str | None = None) -> str:
+    """The archs a kernel runs on, as the docs and `llmc inspect` print them: sm80+, sm90 only, sm80-sm90."""
+    if native_until is None:
+        return f"{native_from}+"
+    return f"{native_from} only" if native_until == native_from else f"{native_from}-{native_until}"
+
+
 @dataclass(frozen=True)
 class Rule:
     native_from: str | None  # minimum GPU arch for the full scheme; None: no GPU support

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmc.compiler.capabilities import RULES, scheme_keys
+from llmc.compiler.capabilities import RULES, arch_span, scheme_keys
 from llmc.compiler.files import SERVE_FILE
 from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
@@ -34,7 +34,7 @@ def accepting_runtimes(scheme: Scheme) -> list[str]:
             continue
         native = max((r.native_from for r in rules if r.native_from), default=None, key=_arch_rank)
         until = min((r.native_until for r in rules if r.native_until), default=None, key=_arch_rank)
-        where = (f"{native} only" if until == native else f"{native}-{until}" if until else f"{native}+") if native else ""
+        where = arch_span(native, until) if native else ""
         if all(r.cpu for r in rules):
             where += (", " if where else "") + "cpu"
         degraded = [r.degraded_from for r in rules if r.degraded_from]
