@@ -5,8 +5,12 @@
 Runs in ModelOpt's own venv (scripts/setup-peers.sh); imports nothing from llmc. SCHEME is fp8, int8-sq or
 int4-awq: ModelOpt's FP8_DEFAULT_CFG, INT8_SMOOTHQUANT_CFG and INT4_AWQ_CFG unchanged except the INT4 block
 size (GROUP: SmolLM2's 576 is not a multiple of ModelOpt's default 128). The model is scored by ModelOpt's
-own fake-quantized forward (what its export encodes) on the eval windows: mean token NLL over all windows.
-Prints one JSON line: perplexity, wall time of mtq.quantize alone, versions.
+own fake-quantized forward on the eval windows: mean token NLL over all windows. For int4-awq it is scored a
+second time after ModelOpt's own export preprocessing (`requantize_resmooth_fused_llm_layers`, what
+`export_hf_checkpoint` runs first): awq_lite searches one pre_quant_scale per Linear, and the export averages
+them over Linears that share an input (q/k/v, gate/up), re-quantizing their weights, so that one scale can be
+folded into the norm; the second score is that of the checkpoint a runtime would load.
+Prints one JSON line: perplexity (and ppl_exported for int4-awq), wall time of mtq.quantize alone, versions.
 """
 
 from __future__ import annotations
@@ -45,18 +49,27 @@ def main() -> None:
             for batch in calib.split(4):
                 m(input_ids=batch)
 
+    def perplexity() -> float:
+        nll_sum, count = 0.0, 0
+        with torch.no_grad():
+            for batch in evals.split(4):
+                logits = model(input_ids=batch).logits[:, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                        batch[:, 1:].reshape(-1), reduction="sum")
+                nll_sum, count = nll_sum + float(nll), count + batch[:, 1:].numel()
+        return math.exp(nll_sum / count)
+
     t = time.monotonic()
     model = mtq.quantize(model, cfg, forward_loop)
     wall = time.monotonic() - t
-    nll_sum, count = 0.0, 0
-    with torch.no_grad():
-        for batch in evals.split(4):
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                    reduction="sum")
-            nll_sum, count = nll_sum + float(nll), count + batch[:, 1:].numel()
-    print(json.dumps({"scheme": scheme, "config": CONFIGS[scheme], "ppl": math.exp(nll_sum / count), "wall_s": wall,
-                      "modelopt": modelopt.__version__, "torch": torch.__version__}))
+    result = {"scheme": scheme, "config": CONFIGS[scheme], "ppl": perplexity(), "wall_s": wall}
+    if scheme == "int4-awq":
+        from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+        with torch.no_grad():
+            requantize_resmooth_fused_llm_layers(model)
+        result["ppl_exported"] = perplexity()
+    print(json.dumps({**result, "modelopt": modelopt.__version__, "torch": torch.__version__}))
 
 
 if __name__ == "__main__":

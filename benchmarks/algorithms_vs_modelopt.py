@@ -13,7 +13,9 @@ not a multiple of 128), and llmc's are the same formats with its own algorithms 
 for static activations, every foldable Linear smoothed with alpha 1.0; int8-sq-norms: the norms only,
 alpha 0.5, llmc's earlier default). Each tool's model is scored by
 its own emulation: ModelOpt's fake-quantized forward, llmc's torch reference on its compressed-tensors
-export; both are mean token NLL over all eval windows. The seeds' spread is the noise. Wall times are
+export; both are mean token NLL over all eval windows. For int4-awq ModelOpt's model is scored a second time
+after its export preprocessing (averaged pre_quant_scales of Linears sharing an input: the checkpoint a runtime
+loads), reported as `int4-awq-exported`. The seeds' spread is the noise. Wall times are
 printed but are not the point (ModelOpt's CPU path is not what it is built for). One JSON line per run,
 then a table.
 """
@@ -95,6 +97,9 @@ def main() -> None:
                                                            str(source.folder), str(tokens), str(eval_file), peer_scheme,
                                                            str(GROUP)])
                     results.append(("modelopt", peer_done[(peer_scheme, seed)]))
+                if "ppl_exported" in results[-1][1]:
+                    results.append(("modelopt", {**results[-1][1], "scheme": f"{peer_scheme}-exported",
+                                                 "ppl": results[-1][1]["ppl_exported"]}))
                 for tool, r in results:
                     row = {"scheme": scheme if tool == "llmc" else peer_scheme, "tool": tool, "seed": seed,
                            "ppl_change_pct": 100 * (r["ppl"] / base_ppl - 1), **r}

@@ -3,12 +3,14 @@
     python benchmarks/w4afp8_kernel_rounding.py [--model gemma3-270m] [--algorithm gptq] [--seed 0]
         [--samples 16] [--seq-len 512] [--eval-windows 16]
 
-One W4AFP8 quantization (int4 symmetric groups of 128, dynamic per-token FP8 activations), exported as
-compressed-tensors, scored by llmc's torch reference three ways on the same Brown eval windows:
+Two W4AFP8 quantizations (int4 symmetric groups of 128, dynamic per-token FP8 activations) with the same
+calibration, one with plain float32 group scales and one with `scale_grid="fp8_row"` (group scales on vLLM's
+per-row FP8 grid), each exported as compressed-tensors and scored by llmc's torch reference three ways on the
+same Brown eval windows:
   - as stored: weight = code x group scale (what llmc's reports and llm-compressor's own evaluation assume);
-  - vLLM: the group scales as vLLM's W4A8-FP8 scheme converts them at load (`convert_bf16_scales_to_fp8`:
-    per output row c = max|scale| / 448, group scale -> c x fp8_e4m3(scale / c); the /8 and x8 it adds around
-    that are exact); bf16 storage of the scales first, as the checkpoint dtype vLLM creates them in;
+  - vLLM: the group scales as vLLM's W4A8-FP8 scheme converts them at load (`convert_bf16_scales_to_fp8`,
+    emulated by `llmc.quant.numerics.fp8_row_group_scales`: bf16, per output row c = max|scale| / 448 with
+    vLLM's floor 1 / (448 x 512), group scale -> c x fp8_e4m3(scale / c), then its /8 repack);
   - TensorRT-LLM: the weight as ModelOpt simulates W4A8_AWQ's FP8 GEMM operand, fp8(code x scale / s2) x s2 with
     s2 = max|code x scale| / 448 over the fused GEMM (`llmc.compiler.modelopt_hf.fp8_weight_operand`; the
     conformance test checks it equals ModelOpt 0.47's own simulation). Activations stay per-token here.
@@ -32,14 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from algorithms_vs_llmcompressor import MODELS, model_source  # noqa: E402
 
 
-def vllm_group_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Group scales [out, in/g] as vLLM's W4A8-FP8 kernel uses them after loading them from bf16."""
-    s = scale.to(torch.bfloat16).float()
-    row = s.abs().amax(dim=1, keepdim=True) / 448.0
-    row = torch.where(row > 0, row, torch.ones_like(row))
-    return (s / row).to(torch.float8_e4m3fn).float() * row
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gemma3-270m", choices=sorted(MODELS))
@@ -58,7 +52,7 @@ def main() -> None:
     from llmc.compiler.modelopt_hf import fp8_weight_operand, w4a8_weight_scale_2
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel
-    from llmc.quant.numerics import dequantize
+    from llmc.quant.numerics import dequantize, fp8_row_group_scales
     from llmc.quant.spec import Scheme, TensorSpec
     from llmc.quant.stream import quantize_model
 
@@ -68,35 +62,37 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(source.folder)
     eval_ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.eval_windows, seed=None).ids
     calib = make_windows(tok, load_corpus("brown", "calibration"), args.seq_len, args.samples, seed=args.seed).ids
-    scheme = Scheme(TensorSpec("int4", "group", group_size=group), TensorSpec("fp8_e4m3", "token", dynamic=True),
-                    algorithm=args.algorithm)
     base = math.exp(float(TorchEngine(source.folder).token_nll(eval_ids).mean()))
-    print(json.dumps({"model": args.model, "scheme": scheme.name, "algorithm": args.algorithm, "seed": args.seed,
+    print(json.dumps({"model": args.model, "scheme": "W4AFP8", "algorithm": args.algorithm, "seed": args.seed,
                       "baseline_ppl": base}), flush=True)
-    with tempfile.TemporaryDirectory(prefix="llmc-w4afp8-") as tmp:
-        t = time.monotonic()
-        quantize_model(source, scheme, Path(tmp) / "q", calibration=calib)
-        qm = QuantizedModel.open(Path(tmp) / "q")
-        export_compressed_tensors(qm, Path(tmp) / "export")
-        engine = TorchEngine(Path(tmp) / "export")
-        stored = {n: m.weight.data.clone() for n, m in engine.model.named_modules() if n in qm.quantized_modules}
-        variants = {"vllm": {}, "tensorrt-llm": {}}
-        for tensors in qm.iter_files():
-            scale_2 = w4a8_weight_scale_2(qm, tensors)
-            for name in scale_2:
-                codes, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
-                variants["vllm"][name] = dequantize(codes, vllm_group_scales(scale), None, scheme.weights)
-                variants["tensorrt-llm"][name] = fp8_weight_operand(dequantize(codes, scale, None, scheme.weights),
-                                                                    scale_2[name])
-        quantize_s = time.monotonic() - t
-        for variant, weights in {"as stored": stored, **variants}.items():
-            for name, w in weights.items():
-                engine.model.get_submodule(name).weight.data.copy_(w)
-            ppl = math.exp(float(engine.token_nll(eval_ids).mean()))
-            changed = sum(float((w - stored[n]).norm() ** 2) for n, w in weights.items()) ** 0.5
-            total = sum(float(w.norm() ** 2) for w in stored.values()) ** 0.5
-            print(json.dumps({"weights": variant, "ppl": ppl, "ppl_change_pct": 100 * (ppl / base - 1),
-                              "relative_weight_change": changed / total, "quantize_s": quantize_s}), flush=True)
+    for grid in (None, "fp8_row"):
+        scheme = Scheme(TensorSpec("int4", "group", group_size=group, scale_grid=grid),
+                        TensorSpec("fp8_e4m3", "token", dynamic=True), algorithm=args.algorithm)
+        with tempfile.TemporaryDirectory(prefix="llmc-w4afp8-") as tmp:
+            t = time.monotonic()
+            quantize_model(source, scheme, Path(tmp) / "q", calibration=calib)
+            qm = QuantizedModel.open(Path(tmp) / "q")
+            export_compressed_tensors(qm, Path(tmp) / "export")
+            engine = TorchEngine(Path(tmp) / "export")
+            stored = {n: m.weight.data.clone() for n, m in engine.model.named_modules() if n in qm.quantized_modules}
+            variants = {"vllm": {}, "tensorrt-llm": {}}
+            for tensors in qm.iter_files():
+                scale_2 = w4a8_weight_scale_2(qm, tensors)
+                for name in scale_2:
+                    codes, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
+                    variants["vllm"][name] = dequantize(codes, fp8_row_group_scales(scale), None, scheme.weights)
+                    variants["tensorrt-llm"][name] = fp8_weight_operand(
+                        dequantize(codes, scale, None, scheme.weights), scale_2[name])
+            quantize_s = time.monotonic() - t
+            for variant, weights in {"as stored": stored, **variants}.items():
+                for name, w in weights.items():
+                    engine.model.get_submodule(name).weight.data.copy_(w)
+                ppl = math.exp(float(engine.token_nll(eval_ids).mean()))
+                changed = sum(float((w - stored[n]).norm() ** 2) for n, w in weights.items()) ** 0.5
+                total = sum(float(w.norm() ** 2) for w in stored.values()) ** 0.5
+                print(json.dumps({"scale_grid": grid or "float", "weights": variant, "ppl": ppl,
+                                  "ppl_change_pct": 100 * (ppl / base - 1), "relative_weight_change": changed / total,
+                                  "quantize_s": quantize_s}), flush=True)
 
 
 if __name__ == "__main__":

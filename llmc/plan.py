@@ -137,6 +137,12 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             check(scheme)
         except IncompatibleTargetError as e:
             raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
+    if target.runtime == "vllm":
+        from llmc.compiler.compressed_tensors import vllm_load_rounding
+
+        rounding = vllm_load_rounding(scheme)
+        if rounding:
+            warnings.append(f"target {label}: {rounding}")
     return status, warnings
 
 

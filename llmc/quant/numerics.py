@@ -5,7 +5,9 @@ Conventions follow compressed-tensors (what vLLM reads), so codes export without
   - symmetric integer scale = absmax / ((qmax - qmin) / 2), e.g. absmax / 7.5 for int4;
   - asymmetric ranges always include zero: scale = (max - min) / (qmax - qmin), zp = qmin - round(min / scale);
   - fp8 e4m3 scale = absmax / 448; codes are torch.float8_e4m3fn.
-Scales are float32. A zero range gets scale 1 so all-zero rows stay exact.
+Scales are float32. A zero range gets scale 1 so all-zero rows stay exact. A weight spec with
+`scale_grid="fp8_row"` puts its group scales on the grid vLLM's W4A8-FP8 kernel converts them to
+(`fp8_row_group_scales`), so the runtime's conversion changes nothing.
 """
 
 from __future__ import annotations
@@ -70,7 +72,43 @@ def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, to
     g = grouped_view(x.detach().float(), spec)
     scale, zp = qparams_from_range(g.amin(dim=-1), g.amax(dim=-1), spec)
     shape = _scale_shape(x, spec)
+    if spec.scale_grid == "fp8_row":
+        # All-zero groups must not set the row's scale (their scale 1 would): they take the grid's smallest step.
+        live = torch.where(g.abs().amax(dim=-1) > 0, scale, torch.zeros_like(scale))
+        return snap_to_fp8_rows(live.reshape(shape)), None
     return scale.reshape(shape), (zp.reshape(shape) if zp is not None else None)
+
+
+# vLLM's dynamic FP8 quantizer never uses a scale below 1 / (448 * 512) (`min_scaling_factor` in its kernels).
+_VLLM_FP8_MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
+
+
+def fp8_row_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [out, groups] as vLLM's W4A8-FP8 kernel applies them (`convert_bf16_scales_to_fp8`).
+
+    vLLM holds the checkpoint's scales in bf16, quantizes each row to FP8 with its dynamic per-token quantizer
+    (row scale c = max(row max / 448, 1 / (448 * 512)), value fp8_e4m3(scale / c)), then stores fp8(value / 8)
+    with c × 8. Returns c × 8 × fp8(fp8(scale / c) / 8) in float32: what the GEMM multiplies the codes by.
+    """
+    s, row = _bf16_and_row_scale(scale)
+    value = (s / row).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    value = (value / 8.0).to(torch.float8_e4m3fn).float() * 8.0
+    return row * value
+
+
+def _bf16_and_row_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = scale.float().to(torch.bfloat16).float()
+    return s, (s.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=_VLLM_FP8_MIN_SCALE)
+
+
+def snap_to_fp8_rows(scale: torch.Tensor) -> torch.Tensor:
+    """Round group scales [out, groups] (zero for all-zero groups) to the nearest scales that
+    `fp8_row_group_scales` leaves unchanged — vLLM's own rounding, done before the codes are chosen instead of after.
+    (Rounding up instead, so no weight is clipped further, measured worse for GPTQ on Gemma-3-270M: 43.26 against
+    41.48 ppl.) A group whose scale would round to zero gets the grid's smallest step, so no scale is zero."""
+    snapped = fp8_row_group_scales(scale)
+    smallest = _bf16_and_row_scale(scale)[1] * (8.0 * 2.0**-9)  # 8 × fp8_e4m3's smallest subnormal
+    return torch.where(snapped > 0, snapped, smallest.expand_as(snapped))
 
 
 def _expand(p: torch.Tensor, x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

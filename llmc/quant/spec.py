@@ -13,6 +13,10 @@ from typing import Literal
 NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
 Strategy = Literal["tensor", "channel", "group", "token"]
 Algorithm = Literal["rtn", "smoothquant", "gptq", "smoothquant+gptq", "awq"]
+# "fp8_row": every group scale is a per-row float32 scale times an FP8 e4m3 value (the row scale is the row's
+# largest group scale / 448), the form vLLM's W4A8-FP8 kernel converts group scales to at load; scales already
+# on that grid convert without loss. None: plain float32 scales.
+ScaleGrid = Literal["fp8_row"]
 
 FP8_E4M3_MAX = 448.0
 
@@ -43,6 +47,7 @@ class TensorSpec:
     group_size: int | None = None
     symmetric: bool = True
     dynamic: bool = False
+    scale_grid: ScaleGrid | None = None
 
     @property
     def info(self) -> FormatInfo:
@@ -56,7 +61,8 @@ class TensorSpec:
         grain = f"g{self.group_size}" if self.strategy == "group" else self.strategy
         sym = "sym" if self.symmetric else "asym"
         mode = "dynamic" if self.dynamic else "static"
-        return f"{self.format}/{grain}/{sym}/{mode}"
+        grid = f"/{self.scale_grid}-scales" if self.scale_grid else ""
+        return f"{self.format}/{grain}/{sym}/{mode}{grid}"
 
 
 @dataclass(frozen=True)

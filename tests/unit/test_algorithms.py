@@ -302,6 +302,25 @@ def test_streamed_algorithms_are_deterministic(algorithm, weights, acts, tmp_pat
         assert "model.layers.1.mlp.down_proj.input_scale" in outs[0]
 
 
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_w4afp8_scales_stay_on_vllms_fp8_row_grid(algorithm: str, tmp_path: Path, tiny_model_session: Path) -> None:
+    """GPTQ and AWQ quantize with the group scales vLLM's W4A8-FP8 kernel will use: every stored scale is a fixed
+    point of its load-time conversion (without the grid, GPTQ's and AWQ's scales are not)."""
+    from llmc.quant.numerics import fp8_row_group_scales
+
+    calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
+    src = ModelSource(tiny_model_session, "t", "t")
+    for grid in ("fp8_row", None):
+        scheme = Scheme(replace(INT4_G16, scale_grid=grid), TensorSpec("fp8_e4m3", "token", dynamic=True),
+                        algorithm=algorithm)
+        stream.quantize_model(src, scheme, tmp_path / str(grid), calibration=calib, batch_size=2)
+        scales = {k: v for k, v in load_file(str(tmp_path / str(grid) / "layers" / "00001.safetensors")).items()
+                  if k.endswith("weight_scale")}
+        assert len(scales) == 7
+        on_grid = [torch.equal(fp8_row_group_scales(s), s) for s in scales.values()]
+        assert all(on_grid) if grid else not any(on_grid)
+
+
 def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
     from llmc.quant.algorithms import _search_linear
 

@@ -124,3 +124,55 @@ def test_static_scale_is_idempotent_fake_quant() -> None:
 def test_group_size_must_divide() -> None:
     with pytest.raises(ValueError, match="does not divide"):
         quantize_weight(torch.randn(4, 96), TensorSpec("int4", "group", group_size=64))
+
+
+W4_FP8_ROW = TensorSpec("int4", "group", group_size=32, scale_grid="fp8_row")
+
+
+def _w4afp8_weight() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g) * 0.1
+    w[:, 7] *= 20.0  # an outlier input: its group's scale sets most rows' maximum
+    w[3, :32] = 0.0  # an all-zero group
+    w[5] *= 1e-6  # a row below vLLM's smallest FP8 row scale (1 / (448 * 512) per group maximum)
+    w[9] = 0.0  # an all-zero row
+    return w
+
+
+def test_fp8_row_scales_are_unchanged_by_vllms_w4a8_conversion() -> None:
+    """Served = scored: the group scales llmc stores on the fp8_row grid are exactly what vLLM's W4A8-FP8 kernel
+    multiplies by after its load-time conversion (bf16, per-row FP8, /8 repack); plain scales are not."""
+    from llmc.quant.numerics import fp8_row_group_scales
+
+    w = _w4afp8_weight()
+    snapped, _ = compute_qparams(w, W4_FP8_ROW)
+    plain, _ = compute_qparams(w, TensorSpec("int4", "group", group_size=32))
+    assert torch.equal(fp8_row_group_scales(snapped), snapped)
+    assert torch.equal(fp8_row_group_scales(snapped.to(torch.bfloat16)), snapped)  # as vLLM holds them: bf16
+    assert not torch.equal(fp8_row_group_scales(plain), plain)
+    assert bool((snapped > 0).all())
+    # nearest grid point: within half an FP8 step (2^-4 relative, + bf16's 2^-9) for groups not far below the
+    # row's maximum, where the FP8 value is normal even after the kernel's /8
+    live = w.reshape(64, 8, 32).abs().amax(dim=-1) > 0  # an all-zero group's plain scale is 1, not a range
+    row_max = torch.where(live, plain, 0).amax(dim=-1, keepdim=True)
+    normal = live & (plain >= row_max / 32) & (row_max > 1e-3)
+    assert float(((snapped - plain).abs() / plain)[normal].max()) <= 2**-4 + 2**-9
+    # the all-zero row and group quantize to zero codes and stay exact
+    q = quantize_weight(w, W4_FP8_ROW)
+    assert torch.equal(dequantize_weight(q, W4_FP8_ROW)[9], w[9]) and bool((q.codes[3, :32] == 0).all())
+
+
+def test_fp8_row_grid_loses_less_than_vllm_converting_plain_scales() -> None:
+    from llmc.quant.numerics import dequantize, fp8_row_group_scales
+
+    w = _w4afp8_weight()[10:]
+    plain_spec = TensorSpec("int4", "group", group_size=32)
+    plain = quantize_weight(w, plain_spec)
+    served_plain = dequantize(plain.codes, fp8_row_group_scales(plain.scale), None, plain_spec)
+    snapped = dequantize_weight(quantize_weight(w, W4_FP8_ROW), W4_FP8_ROW)
+
+    def err(x: torch.Tensor) -> float:
+        return float((x - w).norm() / w.norm())
+
+    assert err(snapped) < err(served_plain)
+    assert err(snapped) < 1.01 * err(dequantize_weight(plain, plain_spec))  # the grid itself costs under 1%

@@ -84,6 +84,11 @@ W4AFP8_TRTLLM = {"weights": {"format": "int4", "strategy": "group", "group_size"
 def test_w4afp8_plans_for_vllm_on_hopper_only() -> None:
     plan = make_plan(recipe(W4AFP8_VLLM, {"runtime": "vllm", "gpu_arch": "sm90"}))
     assert plan.targets[0]["status"] == "native" and plan.scheme.name == "W4AFP8"
+    assert plan.scheme.weights.scale_grid == "fp8_row" and not any("FP8 grid" in w for w in plan.warnings)
+    float_scales = {**W4AFP8_VLLM, "weights": {**W4AFP8_VLLM["weights"], "scale_grid": "float"}}
+    plan = make_plan(recipe(float_scales, {"runtime": "vllm", "gpu_arch": "sm90"}))
+    assert any("rounds the int4 group scales onto a per-row FP8 grid" in w and "scale_grid: float" in w
+               for w in plan.warnings)
     for arch in ("sm89", "sm100"):  # vLLM matches its W4A8 kernel to sm90 exactly
         with pytest.raises(IncompatibleTargetError, match="Hopper") as e:
             make_plan(recipe(W4AFP8_VLLM, {"runtime": "vllm", "gpu_arch": arch}))

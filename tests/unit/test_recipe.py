@@ -68,6 +68,9 @@ CASES = {
                     ["nvfp4 uses 16-element groups", "fix:"]),
     "weights token strategy": (with_("quantization.weights", {"format": "int8", "strategy": "token"}),
                                ["weights have no 'token' strategy", "fix:"]),
+    "fp8_row scales on int8 weights": (with_("quantization.weights", {"format": "int8", "strategy": "channel",
+                                                                      "scale_grid": "fp8_row"}),
+                                       ["scale_grid fp8_row is for symmetric int4 group scales", "fix:"]),
     "bad name": (with_("name", "has spaces"), ["'name'", "'has spaces'", "fix:"]),
     "empty targets": (with_("targets", []), ["'targets'", "at least 1", "fix:"]),
     "quantization and variants": (with_("variants", [{"name": "a", "quantization": BASE["quantization"]}]),
@@ -116,6 +119,27 @@ def test_not_a_recipe_at_all(text: str, needle: str) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+W4 = {"format": "int4", "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize("activations, scale_grid, algorithm, expected", [
+    ({"format": "fp8_e4m3", "strategy": "token", "dynamic": True}, None, "gptq", "fp8_row"),  # vLLM's W4AFP8
+    ({"format": "fp8_e4m3", "strategy": "token", "dynamic": True}, None, "rtn", "fp8_row"),
+    ({"format": "fp8_e4m3", "strategy": "token", "dynamic": True}, None, "awq", None),  # measured worse on the grid
+    ({"format": "fp8_e4m3", "strategy": "token", "dynamic": True}, "fp8_row", "awq", "fp8_row"),
+    ({"format": "fp8_e4m3", "strategy": "token", "dynamic": True}, "float", "gptq", None),
+    ({"format": "fp8_e4m3", "strategy": "tensor"}, None, "gptq", None),  # TensorRT-LLM's W4A8_AWQ rounds the weight
+    (None, None, "gptq", None),
+    (None, "fp8_row", "rtn", "fp8_row"),
+])
+def test_w4afp8_for_vllm_defaults_to_fp8_row_group_scales(activations, scale_grid, algorithm, expected) -> None:
+    q = {"weights": {**W4, **({"scale_grid": scale_grid} if scale_grid else {})}, "algorithm": algorithm}
+    if activations:
+        q["activations"] = activations
+    recipe = parse_recipe(with_("quantization", q))
+    assert recipe.quantization.to_scheme().weights.scale_grid == expected
 
 
 EXPECTED_SCHEMES = {

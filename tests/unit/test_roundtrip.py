@@ -29,6 +29,8 @@ SCHEMES = {
     "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32)),
     "w4a16-g32-asym": Scheme(TensorSpec("int4", "group", group_size=32, symmetric=False)),
     "w4afp8": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("fp8_e4m3", "token", dynamic=True)),
+    "w4afp8-fp8-row-scales": Scheme(TensorSpec("int4", "group", group_size=32, scale_grid="fp8_row"),
+                                    TensorSpec("fp8_e4m3", "token", dynamic=True)),
     "w4afp8-static": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("fp8_e4m3", "tensor")),
     "fp8-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
                      kv_cache=TensorSpec("fp8_e4m3", "tensor")),

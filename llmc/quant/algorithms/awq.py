@@ -116,7 +116,9 @@ def _clip_rows(wg: torch.Tensor, xg: torch.Tensor, spec: TensorSpec, options: Aw
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [o, G, 1]
     best_max = org_max.clone()
     best_err = torch.full(org_max.shape, float("inf"), device=wg.device)
-    group_spec = replace(spec, strategy="channel", group_size=None)  # one row = one group
+    # One row = one group. The clip search scores each group with its exact scale: a row's FP8 scale grid
+    # (`scale_grid`) depends on the bounds chosen for all its groups, so only the final quantization snaps.
+    group_spec = replace(spec, strategy="channel", group_size=None, scale_grid=None)
     for i in range(int(options.max_shrink * options.clip_grid)):
         max_val = org_max * (1 - i / options.clip_grid)
         clipped = torch.maximum(torch.minimum(wg, max_val), -max_val)
