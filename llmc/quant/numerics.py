@@ -70,11 +70,12 @@ def qparams_from_range(
 
 def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = grouped_view(x.detach().float(), spec)
-    scale, zp = qparams_from_range(g.amin(dim=-1), g.amax(dim=-1), spec)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale, zp = qparams_from_range(lo, hi, spec)
     shape = _scale_shape(x, spec)
     if spec.scale_grid == "fp8_row":
         # All-zero groups must not set the row's scale (their scale 1 would): they take the grid's smallest step.
-        live = torch.where(g.abs().amax(dim=-1) > 0, scale, torch.zeros_like(scale))
+        live = torch.where((hi > 0) | (lo < 0), scale, torch.zeros_like(scale))
         return snap_to_fp8_rows(live.reshape(shape)), None
     return scale.reshape(shape), (zp.reshape(shape) if zp is not None else None)
 
@@ -90,15 +91,16 @@ def fp8_row_group_scales(scale: torch.Tensor) -> torch.Tensor:
     (row scale c = max(row max / 448, 1 / (448 * 512)), value fp8_e4m3(scale / c)), then stores fp8(value / 8)
     with c × 8. Returns c × 8 × fp8(fp8(scale / c) / 8) in float32: what the GEMM multiplies the codes by.
     """
-    s, row = _bf16_and_row_scale(scale)
+    return _fp8_row_grid(scale)[0]
+
+
+def _fp8_row_grid(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_row_group_scales` and the row scales c it used ([out, 1])."""
+    s = scale.float().to(torch.bfloat16).float()
+    row = (s.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=_VLLM_FP8_MIN_SCALE)
     value = (s / row).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
     value = (value / 8.0).to(torch.float8_e4m3fn).float() * 8.0
-    return row * value
-
-
-def _bf16_and_row_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = scale.float().to(torch.bfloat16).float()
-    return s, (s.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=_VLLM_FP8_MIN_SCALE)
+    return row * value, row
 
 
 def snap_to_fp8_rows(scale: torch.Tensor) -> torch.Tensor:
@@ -106,8 +108,8 @@ def snap_to_fp8_rows(scale: torch.Tensor) -> torch.Tensor:
     `fp8_row_group_scales` leaves unchanged — vLLM's own rounding, done before the codes are chosen instead of after.
     (Rounding up instead, so no weight is clipped further, measured worse for GPTQ on Gemma-3-270M: 43.26 against
     41.48 ppl.) A group whose scale would round to zero gets the grid's smallest step, so no scale is zero."""
-    snapped = fp8_row_group_scales(scale)
-    smallest = _bf16_and_row_scale(scale)[1] * (8.0 * 2.0**-9)  # 8 × fp8_e4m3's smallest subnormal
+    snapped, row = _fp8_row_grid(scale)
+    smallest = row * (8.0 * 2.0**-9)  # 8 × fp8_e4m3's smallest subnormal
     return torch.where(snapped > 0, snapped, smallest.expand_as(snapped))
 
 
