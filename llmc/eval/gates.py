@@ -9,8 +9,12 @@ the median against the minimum. An evaluation that is missing or crashed fails i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from llmc.recipe.schema import Gates
+
+if TYPE_CHECKING:
+    from llmc.result import Evaluation
 
 
 @dataclass(frozen=True)
@@ -26,11 +30,12 @@ class Verdict:
         return asdict(self)
 
 
-def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | None = None) -> list[Verdict]:
+def evaluate_gates(gates: Gates, target: str, result: Evaluation) -> list[Verdict]:
+    """The verdicts of every gate the recipe sets on one evaluation (a failed evaluation fails as unavailable)."""
     verdicts: list[Verdict] = []
-    if result is None:
-        return [Verdict("artifact evaluated", target, False, error or "no result", "evaluation succeeds", "availability")]
-    change = result.get("ppl_change")
+    if result.error is not None:
+        return [Verdict("artifact evaluated", target, False, result.error, "evaluation succeeds", "availability")]
+    change = result.ppl_change
     if gates.max_ppl_increase_pct is not None:
         if change is None:
             verdicts.append(Verdict("max_ppl_increase_pct", target, False, "no perplexity change measured",
@@ -47,10 +52,10 @@ def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | 
                     "quality",
                 )
             )
-    kld, top1 = result.get("kld"), result.get("top1_agreement")
+    kld, top1 = result.kld, result.top1_agreement
     # a gate applies where the engine measures its metric (vLLM gives no full distributions: the
     # torch engine's row of the same artifact carries KL and top-1); "not measured" elsewhere fails
-    measures = result.get("measures", ["kld", "top1_agreement"])
+    measures = result.measures if result.measures is not None else ["kld", "top1_agreement"]
     if gates.max_mean_kld is not None and "kld" in measures:
         verdicts.append(Verdict(
             "max_mean_kld", target, kld is not None and kld["ci_high"] <= gates.max_mean_kld,
@@ -63,7 +68,7 @@ def evaluate_gates(gates: Gates, target: str, result: dict | None, error: str | 
             f"{top1['mean'] * 100:.2f}% (95% CI {top1['ci_low'] * 100:.2f}% .. {top1['ci_high'] * 100:.2f}%)"
             if top1 else "not measured",
             f"lower bound >= {gates.min_top1_agreement_pct}%", "quality"))
-    tput = result.get("throughput") or {}
+    tput = result.throughput or {}
     for gate_name, key in (
         ("min_prefill_tokens_per_s", "prefill_tokens_per_s"),
         ("min_decode_tokens_per_s", "decode_tokens_per_s"),

@@ -3,7 +3,7 @@
 Every model forbids unknown keys. Checks that need only the recipe live here as validators and
 raise ValueError with a message of the form "<what is wrong>; fix: <how>" — `load.py` turns those
 into one RecipeError naming the key. Checks that need the model's shape or the runtime's
-capabilities live in `llmc.plan`.
+capabilities (the target registry, `llmc.targets`) live in `llmc.plan`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmc.quant.spec import Scheme, TensorSpec
+from llmc.targets import runtime_names
 
 SCHEMA_VERSION = 1
 
-Runtime = Literal["vllm", "sglang", "tgi", "tensorrt-llm", "tensorrt", "llama.cpp", "ollama", "onnxruntime", "lmdeploy",
-                  "exllamav2"]
+Runtime = Literal[runtime_names()]  # every runtime in the target registry
 GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
 
 

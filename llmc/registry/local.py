@@ -23,7 +23,7 @@ from llmc.registry.outputs import write_report_files
 from llmc.store import COMPLETE_MARKER, Store, atomic_write_json, fsync_dir, sha256_file
 
 if TYPE_CHECKING:
-    from llmc.build import BuildResult
+    from llmc.result import BuildResult
 
 PACKAGES = ("torch", "transformers", "compressed-tensors", "safetensors", "gguf", "pydantic", "numpy")
 
@@ -85,7 +85,7 @@ def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "artifacts").mkdir(parents=True)
     for label, art in result.artifacts.items():
-        shutil.copytree(art["dir"], tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"),
+        shutil.copytree(art.dir, tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"),
                         copy_function=_copy_keeping_links())
     write_report_files(result, tmp)
     atomic_write_json(tmp / "manifest.json", manifest(result, tmp))

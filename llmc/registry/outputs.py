@@ -11,7 +11,7 @@ from llmc.eval.report import render_markdown, report_dict
 from llmc.store import Store, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
-    from llmc.build import BuildResult
+    from llmc.result import BuildResult
 
 
 def write_report_files(result: "BuildResult", out: Path) -> None:

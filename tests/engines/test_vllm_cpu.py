@@ -36,7 +36,7 @@ def w8a8(tmp_path_factory):
 
     store = Store(tmp_path_factory.mktemp("cache"))
     result = build_until(load_recipe(REPO / "recipes" / "smollm2-w8a8-int8.yaml"), store, "export")
-    artifact = Path(next(iter(result.artifacts.values()))["dir"])
+    artifact = next(iter(result.artifacts.values())).dir
     tok = AutoTokenizer.from_pretrained(result.source.folder)
     windows = make_windows(tok, load_corpus("brown", "eval"), 512, 4, seed=None).ids
     return result.source.folder, artifact, windows

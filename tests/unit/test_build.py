@@ -43,7 +43,7 @@ def recipe_text(model: Path, registry: Path, **overrides) -> str:
 
 
 def _artifact_hashes(result) -> dict[str, str]:
-    return {label: json.dumps(a["files"], sort_keys=True) for label, a in result.artifacts.items()}
+    return {label: json.dumps(a.files, sort_keys=True) for label, a in result.artifacts.items()}
 
 
 def test_build_caches_publishes_and_reruns_nothing(tiny_model: Path, tmp_path: Path) -> None:
@@ -88,11 +88,21 @@ def test_changing_calibration_seed_recomputes_calibration_and_downstream(tiny_mo
     assert cached["eval:torch:baseline"] is True  # the baseline does not depend on calibration
 
 
+# `llmc build` with a listener on the pipeline's events that SIGKILLs the process at one of them (llmc.events)
+_KILLED_AT = """
+import os, signal, sys
+from llmc import events
+from llmc.cli import main
+point = sys.argv.pop(1)
+events.subscribe(lambda event: event == point and os.kill(os.getpid(), signal.SIGKILL))
+main()
+"""
+
+
 def _cli_build(recipe: Path, cache: Path, die_at: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "LLMC_CACHE": str(cache), "LLMC_PROGRESS_JSON": "0"}
-    if die_at:
-        env["LLMC_DIE_AT"] = die_at
-    return subprocess.run([sys.executable, "-m", "llmc.cli", "build", str(recipe), "--no-publish"],
+    python = [sys.executable, "-c", _KILLED_AT, die_at] if die_at else [sys.executable, "-m", "llmc.cli"]
+    return subprocess.run([*python, "build", str(recipe), "--no-publish"],
                           env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -138,11 +148,11 @@ def test_one_quantization_exports_every_target_and_measures_batch_sizes(tiny_mod
     result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
     assert [s.name for s in result.stages].count("calibrate") == 1
     assert sum(s.name.startswith("quantize") for s in result.stages) == 1
-    exporters = sorted(a["exporter"] for a in result.artifacts.values())
+    exporters = sorted(a.format for a in result.artifacts.values())
     assert exporters == ["compressed-tensors", "modelopt-hf", "trtllm-checkpoint"]
-    legacy = next(a for a in result.artifacts.values() if a["exporter"] == "trtllm-checkpoint")
-    assert {"rank0.safetensors", "rank1.safetensors", "config.json"} <= set(legacy["files"])
-    by_batch = result.evals["torch:baseline"]["throughput"]["by_batch_size"]
+    legacy = next(a for a in result.artifacts.values() if a.format == "trtllm-checkpoint")
+    assert {"rank0.safetensors", "rank1.safetensors", "config.json"} <= set(legacy.files)
+    by_batch = result.evals["torch:baseline"].throughput["by_batch_size"]
     assert set(by_batch) == {"1", "2"} and by_batch["2"]["prefill_tokens_per_s"]["median"] > 0
     assert "Throughput by batch size" in render_markdown(result)
 
@@ -169,14 +179,14 @@ def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies
                        {"runtime": "tensorrt-llm", "gpu_arch": "sm90", "triton": True}]},
     )
     result = build(parse_recipe(text), Store(tmp_path / "cache"))
-    assert sorted(a["exporter"] for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq", "modelopt-hf"]
+    assert sorted(a.format for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq", "modelopt-hf"]
     entry = result.published / "artifacts"
-    vllm_label = next(label for label, a in result.artifacts.items() if a["exporter"] == "compressed-tensors")
+    vllm_label = next(label for label, a in result.artifacts.items() if a.format == "compressed-tensors")
     version = next((entry / vllm_label / "triton").iterdir()) / "1"
     weights = entry / vllm_label / "model.safetensors"
     assert (version / "model.json").is_file()
     assert (version / "model.safetensors").stat().st_ino == weights.stat().st_ino  # linked in the registry too
-    trt_label = next(label for label, a in result.artifacts.items() if a["exporter"] == "modelopt-hf")
+    trt_label = next(label for label, a in result.artifacts.items() if a.format == "modelopt-hf")
     trt_version = next((entry / trt_label / "triton").iterdir()) / "1"
     assert (trt_version / "model.py").is_file() and (trt_version / "llmc-trtllm.yaml").is_file()
     assert verify_entry(result.published) == []
@@ -194,7 +204,7 @@ def test_tensorrt_llm_engine_without_a_gpu_fails_its_artifact_with_the_fix(tiny_
                           "targets": [{"runtime": "tensorrt-llm", "gpu_arch": "sm90"}],
                           "eval.runtimes": ["torch", "tensorrt-llm"]})
     result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
-    errors = [e["error"] for e in result.evals.values() if "error" in e]
+    errors = [e.error for e in result.evals.values() if e.error]
     assert errors and "TensorRT-LLM engine needs its own environment" in errors[0] and ".venv-trtllm" in errors[0]
     assert not result.passed
     failed = [v for v in result.verdicts if not v.passed]

@@ -71,10 +71,10 @@ def test_same_artifact_same_data_evaluates_identically(tiny_model: Path, tmp_pat
     b = build(recipe, Store(tmp_path / "c2"), publish=False)
     for key in a.evals:
         ea, eb = a.evals[key], b.evals[key]
-        assert torch.equal(ea["_nll"], eb["_nll"])
-        assert ea["perplexity"] == eb["perplexity"] and ea["ppl_ci95"] == eb["ppl_ci95"]
-        if "kld" in ea:
-            assert ea["kld"] == eb["kld"] and ea["top1_agreement"] == eb["top1_agreement"]
+        assert torch.equal(ea.nll, eb.nll)
+        assert ea.perplexity == eb.perplexity and ea.ppl_ci95 == eb.ppl_ci95
+        if ea.kld is not None:
+            assert ea.kld == eb.kld and ea.top1_agreement == eb.top1_agreement
 
 
 def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tm
     names = [s.name for s in result.stages]
     assert names.count("calibrate") == 1
     assert {"fp8/vllm-sm90-tp1", "int4/vllm-sm90-tp1"} == set(result.artifacts)
-    assert result.artifacts["int4/vllm-sm90-tp1"]["scheme"] == "W4A16-INT"
+    assert result.artifacts["int4/vllm-sm90-tp1"].scheme == "W4A16-INT"
     report = json.loads((result.published / "report.json").read_text())
     assert set(report["variants"]) == {"fp8", "int4"}
     html = (result.published / "report.html").read_text()
@@ -111,20 +111,24 @@ def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_pa
 
 
 def test_gates_apply_only_where_the_engine_measures_the_metric() -> None:
-    from llmc.build import _cannot_run_here
+    from llmc.engines import engine_spec
     from llmc.eval.gates import evaluate_gates
+    from llmc.quant.canonical import scheme_from_dict
     from llmc.recipe.schema import Gates
+    from llmc.result import Evaluation
 
     gates = Gates(max_mean_kld=0.1, max_ppl_increase_pct=5.0)
     change = {"delta_pct": 1.0, "ci_low_pct": 0.5, "ci_high_pct": 1.5}
-    vllm_like = {"ppl_change": change, "measures": ["perplexity", "throughput"]}
+    vllm_like = Evaluation("vllm", ppl_change=change, measures=["perplexity", "throughput"])
     assert [v.gate for v in evaluate_gates(gates, "vllm:t", vllm_like)] == ["max_ppl_increase_pct"]
-    broken = {"ppl_change": change, "measures": ["perplexity", "kld"]}  # claims KL but has none: fails
+    broken = Evaluation("torch", ppl_change=change, measures=["perplexity", "kld"])  # claims KL but has none: fails
     kld_verdict = [v for v in evaluate_gates(gates, "torch:t", broken) if v.gate == "max_mean_kld"]
     assert kld_verdict and not kld_verdict[0].passed
-    fp8 = {"scheme_detail": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
-                             "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}}
-    int8 = {"scheme_detail": {"weights": {"format": "int8", "strategy": "channel"},
-                              "activations": {"format": "int8", "strategy": "token", "dynamic": True}}}
-    assert "W8A8-FP8" in _cannot_run_here("vllm", fp8)
-    assert _cannot_run_here("vllm", int8) is None and _cannot_run_here("torch", fp8) is None
+    failed = evaluate_gates(gates, "torch:t", Evaluation("torch", error="engine crashed"))
+    assert [(v.gate, v.passed, v.kind) for v in failed] == [("artifact evaluated", False, "availability")]
+    fp8 = scheme_from_dict({"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                            "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
+    int8 = scheme_from_dict({"weights": {"format": "int8", "strategy": "channel"},
+                             "activations": {"format": "int8", "strategy": "token", "dynamic": True}})
+    assert "W8A8-FP8" in engine_spec("vllm").cannot_run(fp8)
+    assert engine_spec("vllm").cannot_run(int8) is None and engine_spec("torch").cannot_run(fp8) is None

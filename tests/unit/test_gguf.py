@@ -327,12 +327,14 @@ def test_fp8_and_unsupported_architectures_are_refused(tiny_model_session: Path,
 
 
 def test_planner_refuses_fp8_for_llama_cpp_and_accepts_int() -> None:
-    from llmc.compiler.capabilities import IMPLEMENTED_EXPORTERS, RULES
+    from llmc import targets
 
-    assert "gguf" in IMPLEMENTED_EXPORTERS
-    for runtime in ("llama.cpp", "ollama"):
-        assert (runtime, "W8A16-FP8") not in RULES and (runtime, "W8A8-FP8") not in RULES
-        assert (runtime, "W8A16-INT8") in RULES and (runtime, "W4A16-INT") in RULES
+    assert targets.is_implemented("gguf")
+    for name in ("llama.cpp", "ollama"):
+        rules = targets.runtime(name).rules
+        assert targets.runtime(name).format == "gguf"
+        assert "W8A16-FP8" not in rules and "W8A8-FP8" not in rules
+        assert "W8A16-INT8" in rules and "W4A16-INT" in rules
 
 
 def test_a_failed_write_leaves_no_gguf(exported, tmp_path: Path, monkeypatch) -> None:

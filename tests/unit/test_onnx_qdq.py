@@ -15,7 +15,7 @@ import pytest
 import torch
 from onnx import TensorProto, numpy_helper
 
-from llmc.compiler.capabilities import exporter_for
+from llmc.targets import runtime
 from llmc.compiler.compressed_tensors import export_compressed_tensors
 from llmc.compiler.onnx_qdq import check_scheme, export_onnx_qdq
 from llmc.engines.onnxrt import OnnxRuntimeEngine
@@ -167,8 +167,8 @@ def test_targets_route_to_the_qdq_exporters_and_the_planner_checks_them() -> Non
     from llmc.plan import check_target
     from llmc.recipe.schema import Target
 
-    assert exporter_for("onnxruntime", None) == "onnx"  # onnxruntime-genai folder (MatMulNBits or Q/DQ)
-    assert exporter_for("tensorrt", None) == "onnx-qdq"
+    assert runtime("onnxruntime").format_for(None) == "onnx"  # onnxruntime-genai folder (MatMulNBits or Q/DQ)
+    assert runtime("tensorrt").format_for(None) == "onnx-qdq"
     ort_cpu = Target(runtime="onnxruntime", gpu_arch="cpu")
     assert check_target(SCHEMES["w8a8-int8-static"], ort_cpu)[0] == "cpu"
     dynamic = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True))
@@ -237,15 +237,15 @@ def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_mod
     result = build(recipe, Store(tmp_path / "cache"))
     assert result.passed
     arts = result.artifacts
-    assert {label: a["exporter"] for label, a in arts.items()} == {"onnxruntime-cpu-tp1": "onnx",
+    assert {label: a.format for label, a in arts.items()} == {"onnxruntime-cpu-tp1": "onnx",
                                                                      "tensorrt-sm90-tp1": "onnx-qdq"}
     genai = result.evals["onnxruntime:onnxruntime-cpu-tp1"]  # KV cache: decode measured
-    assert genai["baseline_engine"] == "torch" and "kld" in genai
-    assert genai["throughput"]["decode_tokens_per_s"]["median"] > 0
+    assert genai.baseline_engine == "torch" and genai.kld is not None
+    assert genai.throughput["decode_tokens_per_s"]["median"] > 0
     trt_graph = result.evals["onnxruntime:tensorrt-sm90-tp1"]  # TensorRT's graph, scored by ORT here
-    assert "kld" in trt_graph and trt_graph["throughput"]["decode_tokens_per_s"] is None
+    assert trt_graph.kld is not None and trt_graph.throughput["decode_tokens_per_s"] is None
     # one quantization behind both: ORT computes nearly the same function from both graphs
-    assert abs(genai["perplexity"] / trt_graph["perplexity"] - 1) < 0.02
+    assert abs(genai.perplexity / trt_graph.perplexity - 1) < 0.02
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmc.compiler.capabilities import EXPORTERS, IMPLEMENTED_EXPORTERS
 from llmc.errors import IncompatibleTargetError
 from llmc.plan import IMPLEMENTED_ALGORITHMS, check_model, make_plan
 from llmc.recipe import parse_recipe
@@ -123,15 +122,17 @@ def test_version_range_check_on_a_supported_scheme() -> None:
 
 def test_target_without_exporter_says_so(monkeypatch) -> None:
     # every runtime has an exporter today; a runtime whose exporter is missing must be named, with the alternatives
-    import llmc.plan
+    from llmc import targets
 
-    monkeypatch.setattr(llmc.plan, "IMPLEMENTED_EXPORTERS", IMPLEMENTED_EXPORTERS - {"onnx"})
+    assert all(targets.is_implemented(f) for rt in targets.runtimes() for f in {r.format for r in rt.matrix_rows()})
+    formats = dict(targets._FORMATS)
+    del formats["onnx"]
+    monkeypatch.setattr(targets, "_FORMATS", formats)
     w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
     with pytest.raises(IncompatibleTargetError) as e:
         make_plan(recipe(w4, {"runtime": "onnxruntime", "gpu_arch": "cpu"}))
     assert "onnx exporter for onnxruntime is not in this llmc version" in e.value.message
     assert "vllm" in e.value.fix and "onnxruntime" not in e.value.fix
-    assert set(EXPORTERS.values()) <= IMPLEMENTED_EXPORTERS
 
 
 def test_unimplemented_algorithms_are_refused() -> None:
@@ -231,7 +232,7 @@ def _numel(shape) -> int:
 
 
 def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
-    from llmc.compiler.matrix import render_matrix
+    from llmc.targets.matrix import render_matrix
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
     assert docs.read_text() == render_matrix(), "regenerate: llmc matrix --write docs/compatibility.md"

@@ -15,7 +15,7 @@ from tritonclient.grpc import model_config_pb2
 
 from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
 from llmc.compiler.onnx_genai import export_onnx
-from llmc.compiler.triton_repo import check_exporter, model_name, write_triton_repo
+from llmc.compiler.triton_repo import model_name, write_triton_repo
 from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
@@ -41,7 +41,7 @@ def test_vllm_backend_repository(quantized: QuantizedModel, tmp_path: Path) -> N
     export_compressed_tensors(quantized, artifact, serve_args=serve)
     name = model_name("recipe-w4a16/vllm-sm90-tp2")
     assert name == "recipe-w4a16_vllm-sm90-tp2"
-    model_dir = write_triton_repo(artifact, "compressed-tensors", "vllm", name=name, serve=serve)
+    model_dir = write_triton_repo(artifact, "vllm", name=name, serve=serve)
 
     cfg = _parse(model_dir)
     assert (cfg.name, cfg.backend, cfg.max_batch_size) == (name, "vllm", 0)
@@ -62,7 +62,7 @@ def test_onnxruntime_backend_repository_lists_the_graph_tensors(quantized: Quant
 
     artifact = tmp_path / "onnx"
     export_onnx(quantized, artifact, accuracy_level=1)
-    model_dir = write_triton_repo(artifact, "onnx", "onnxruntime", name="m")
+    model_dir = write_triton_repo(artifact, "onnxruntime", name="m")
     cfg = _parse(model_dir)
     assert (cfg.platform, cfg.max_batch_size) == ("onnxruntime_onnx", 0)
     graph = onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph
@@ -77,11 +77,15 @@ def test_onnxruntime_backend_repository_lists_the_graph_tensors(quantized: Quant
 
 
 def test_triton_is_refused_where_there_is_no_backend_for_the_artifact() -> None:
-    with pytest.raises(IncompatibleTargetError) as e:
-        check_exporter("gguf", "llama.cpp")
-    assert "vllm" in e.value.fix
     from llmc.plan import check_target
     from llmc.recipe.schema import Target
+    from llmc.targets import triton_backend
+
+    with pytest.raises(IncompatibleTargetError) as e:
+        triton_backend(Target(runtime="llama.cpp", gpu_arch="cpu"))
+    assert "vllm" in e.value.fix and "gguf" in e.value.message
+    assert triton_backend(Target(runtime="sglang")) == "vllm"
+    assert triton_backend(Target(runtime="tensorrt")) == "onnxruntime"
 
     with pytest.raises(IncompatibleTargetError, match="triton"):
         check_target(Scheme(TensorSpec("int4", "group", group_size=32)),
@@ -162,7 +166,7 @@ def test_tensorrt_llm_python_backend_repository(quantized: QuantizedModel, tmp_p
 
     artifact = tmp_path / "trt"
     export_modelopt_hf(quantized, artifact, tensor_parallel=2, max_batch_size=4)
-    model_dir = write_triton_repo(artifact, "modelopt-hf", "tensorrt-llm", name="m")
+    model_dir = write_triton_repo(artifact, "tensorrt_llm", name="m")
     cfg = _parse(model_dir)
     assert (cfg.backend, cfg.max_batch_size, cfg.model_transaction_policy.decoupled) == ("python", 0, False)
     inputs = {i.name: i for i in cfg.input}
@@ -212,7 +216,7 @@ def test_tensorrt_llm_python_backend_generates_on_a_gpu(quantized: QuantizedMode
 
     artifact = tmp_path / "trt"
     export_modelopt_hf(quantized, artifact)
-    model_dir = write_triton_repo(artifact, "modelopt-hf", "tensorrt-llm", name="m")
+    model_dir = write_triton_repo(artifact, "tensorrt_llm", name="m")
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
                         _stub_pb_utils({i.name for i in _parse(model_dir).input}))
     model = _load_model_py(model_dir / "1" / "model.py").TritonPythonModel()

@@ -256,3 +256,12 @@ def quantize_layer(layer: nn.Module, linears: dict[str, nn.Linear], stats, schem
 
 __all__ = ["ALGORITHMS", "Mapping", "Observe", "observe_for", "propagate_for", "quantize_layer", "transform_layer",
            "true_sequential_for"]
+
+
+def quantize_stage_config(scheme):  # TEMPORARY SHIM
+    cfg = {"propagate": propagate_for(scheme)}
+    if "smoothquant" in scheme.algorithm and smooth_for(scheme) == "all":
+        cfg["smoothquant"] = {"smooth": "all", "alpha": alpha_for(scheme)}
+    if true_sequential_for(scheme):
+        cfg["gptq"] = {"true_sequential": True}
+    return cfg

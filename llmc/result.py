@@ -1,0 +1,98 @@
+"""What a build produced, typed: its stages, artifacts, evaluations and gate verdicts.
+
+`llmc.build` fills a BuildResult; the reports (`llmc.eval`), the registry (`llmc.registry`) and the CLI read it.
+They import this module, never the orchestrator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmc.eval.gates import Verdict
+    from llmc.model.source import ModelSource
+    from llmc.plan import Plan
+    from llmc.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    name: str
+    key: str
+    cached: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One exported artifact: a target's files in the stage cache."""
+
+    label: str  # "<target label>" or "<variant>/<target label>"
+    dir: Path
+    key: str  # the export stage key
+    files: dict[str, str]  # top-level file name -> sha256
+    content_key: str  # hash of the files that evaluation reads (targets sharing weights share evaluations)
+    format: str  # the artifact format's name in `llmc.targets`
+    target: dict  # the recipe target as it enters stage keys
+    scheme: str  # the scheme's name, e.g. W8A8-FP8
+    scheme_detail: dict  # Scheme.to_dict()
+
+
+@dataclass
+class Evaluation:
+    """One engine's measurement of one model folder (an artifact, or the baseline), or why there is none.
+
+    Intervals are dicts as `llmc.eval.metrics` makes them ({mean, ci_low, ci_high} and the paired perplexity
+    change's {delta_pct, ci_low_pct, ci_high_pct})."""
+
+    engine: str
+    protocol: dict | None = None  # what entered the eval stage key (windows, seq_len, dtype, ...)
+    load_s: float | None = None
+    score_s: float | None = None
+    throughput: dict | None = None  # prefill/decode tokens/s summaries, engine version, threads
+    hardware: dict | None = None
+    key: str | None = None  # the eval stage key
+    perplexity: float | None = None
+    ppl_ci95: list[float] | None = None
+    measures: list[str] | None = None  # metrics this engine measures (gates apply only to those)
+    kld: dict | None = None
+    top1_agreement: dict | None = None
+    ppl_change: dict | None = None  # paired against the baseline (artifacts only)
+    baseline_engine: str | None = None  # the engine whose baseline the change is paired with
+    error: str | None = None  # the evaluation failed: why
+    skipped: str | None = None  # the engine cannot run this artifact here: why (not gated)
+    nll: torch.Tensor | None = field(default=None, repr=False)  # per-token NLL [windows, seq-1]; not serialized
+
+    @property
+    def succeeded(self) -> bool:
+        return self.error is None and self.skipped is None
+
+    def to_dict(self) -> dict:
+        """The JSON form (report.json, manifest): every field that is set, except the tensors."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "nll" and getattr(self, f.name) is not None}
+
+
+@dataclass
+class BuildResult:
+    recipe: Recipe
+    build_id: str
+    plan: Plan
+    source: ModelSource
+    stages: list[StageRecord] = field(default_factory=list)
+    calibration: dict | None = None
+    artifacts: dict[str, Artifact] = field(default_factory=dict)  # by label
+    evals: dict[str, Evaluation] = field(default_factory=dict)  # "<engine>:<artifact label or 'baseline'>"
+    target_evals: dict[str, list[str]] = field(default_factory=dict)  # artifact label -> its eval ids
+    verdicts: list[Verdict] = field(default_factory=list)
+    quantized_dirs: dict[str, Path] = field(default_factory=dict)  # variant name -> canonical form
+    published: Path | None = None
+    publish_noop: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts)
