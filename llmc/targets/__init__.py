@@ -130,6 +130,7 @@ from llmc.targets import (  # noqa: E402,F401  (registration side effects)
     onnx_runtime,
     tensorrt,
     lmdeploy,
+    exllamav2,
 )
 
 __all__ = ["ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes", "arch_at_least", "arch_span",
