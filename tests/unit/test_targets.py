@@ -28,3 +28,76 @@ def test_exllamav2_target_gets_gptq_checkpoints_on_cuda_only() -> None:
     with pytest.raises(IncompatibleTargetError, match="triton"):
         check_target(W4_G32, Target(runtime="exllamav2", gpu_arch="sm80", triton=True))
     assert "exllamav2" in Path("docs/compatibility.md").read_text()
+
+
+def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() -> None:
+    from llmc.targets.base import ARCH_ORDER
+
+    assert len(targets.runtimes()) == 10
+    for rt in targets.runtimes():
+        for row in rt.matrix_rows():
+            assert targets.is_implemented(row.format), (rt.name, row.format)
+        assert rt.known_versions and rt.rules
+        for key, rule in rt.rules.items():
+            for arch in (rule.native_from, rule.degraded_from, rule.native_until):
+                assert arch is None or arch in ARCH_ORDER, (rt.name, key, arch)
+
+
+def test_tensorrt_llm_version_picks_the_checkpoint_format() -> None:
+    assert targets.format_for(Target(runtime="tensorrt-llm")).name == "modelopt-hf"
+    assert targets.format_for(Target(runtime="tensorrt-llm", version=">=0.12")).name == "modelopt-hf"
+    assert targets.format_for(Target(runtime="tensorrt-llm", version="<0.17")).name == "trtllm-checkpoint"
+
+
+def test_recipe_runtimes_come_from_the_registry() -> None:
+    from pydantic import ValidationError
+
+    assert {Target(runtime=name).runtime for name in targets.runtime_names()} == set(targets.runtime_names())
+    with pytest.raises(ValidationError):
+        Target(runtime="no-such-runtime")
+
+
+def test_registering_a_name_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        targets.register_runtime(targets.runtime("vllm"))
+
+
+def test_stage_configs_are_the_keys_builds_had_before_the_registry(tiny_model_session: Path, tmp_path: Path) -> None:
+    """Artifacts in users' caches stay valid: each format's stage config is what llmc.build hashed before."""
+    from llmc.compiler.compressed_tensors import vllm_serve_args
+    from llmc.model.source import ModelSource
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.stream import quantize_model
+    from llmc.targets import ExportRequest, target_key
+
+    out = tmp_path / "q"
+    quantize_model(ModelSource(folder=tiny_model_session, sha256="x", origin="test"), W4_G32, out, calibration=None)
+    qm = QuantizedModel.open(out)
+
+    def config(target: Target) -> dict:
+        fmt = targets.format_for(target)
+        return {"exporter": fmt.name, **fmt.stage_config(ExportRequest(qm, target, max_model_len=512, max_batch_size=4))}
+
+    vllm = Target(runtime="vllm", tensor_parallel=2)
+    assert config(vllm) == {"exporter": "compressed-tensors", "target": target_key(vllm),
+                            "serve": vllm_serve_args(qm, tensor_parallel=2, max_model_len=512)}
+    trt = Target(runtime="tensorrt-llm")
+    assert config(trt) == {"exporter": "modelopt-hf", "target": target_key(trt),
+                           "options": {"tensor_parallel": 1, "max_batch_size": 4, "max_num_tokens": 8192}}
+    legacy = Target(runtime="tensorrt-llm", version="<0.17", tensor_parallel=2)
+    assert config(legacy)["options"] == {"tensor_parallel": 2, "dtype": "float16"}
+    assert config(Target(runtime="tensorrt")) == {"exporter": "onnx-qdq", "opset": 21}  # shared by every target
+    assert config(Target(runtime="llama.cpp", gpu_arch="cpu"))["options"] == {"embedding_type": "f16", "requantize": False}
+    assert config(Target(runtime="onnxruntime", gpu_arch="cpu"))["options"] == {"accuracy_level": 4}
+    assert config(Target(runtime="lmdeploy"))["serve"]["lmdeploy"]["model_format"] == "awq"
+    assert "triton" not in config(vllm)["target"] and "triton" in target_key(Target(runtime="vllm", triton=True))
+
+
+def test_reports_and_registry_import_neither_the_orchestrator_nor_an_engine() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, llmc.eval.report, llmc.registry.local, llmc.registry.inspect, llmc.result\n"
+            "print(sorted(m for m in sys.modules if m == 'llmc.build' or m.startswith('llmc.engines.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
