@@ -15,19 +15,12 @@ from __future__ import annotations
 
 from llmc.quant.algorithms import awq, gptq, rtn, smoothquant  # noqa: F401  (each registers itself)
 from llmc.quant.algorithms.mappings import Mapping
-from llmc.quant.algorithms.pipeline import (
-    Pipeline,
-    StreamOptions,
-    calibration_passes,
-    pipeline_of,
-    quantize_stage_config,
-)
+from llmc.quant.algorithms.pipeline import Pipeline, calibration_passes, quantize_stage_config
 from llmc.quant.algorithms.registry import (
     REGISTRY,
     Algorithm,
     AlgorithmOptions,
     Observe,
-    algorithm_calibrates,
     compose,
     names,
     register,
@@ -66,5 +59,4 @@ def alpha_for(scheme: Scheme) -> float:  # transitional: build.py/plan.py are re
 
 
 __all__ = ["IMPLEMENTED", "REGISTRY", "Algorithm", "AlgorithmOptions", "Mapping", "Observe", "Pipeline",
-           "StreamOptions", "algorithm_calibrates", "calibration_passes", "compose", "names", "pipeline_of",
-           "quantize_stage_config", "register", "steps_of"]
+           "calibration_passes", "compose", "names", "quantize_stage_config", "register", "steps_of"]

@@ -39,7 +39,7 @@ class AwqOptions(AlgorithmOptions):
     duo_scaling: bool = Field(default=True, description="true (the scale formula includes the weight magnitudes) "
                               "or false")
     clip: bool = Field(default=True, description="true (search a clipping range per weight group) or false")
-    clip_grid: int = Field(default=20, ge=1, description="the number of clipping ranges per search, a whole number")
+    clip_grid: int = Field(default=20, ge=1, description="the number of clipping ranges tried, a whole number >= 1")
     max_shrink: float = Field(default=0.5, ge=0, lt=1,
                               description="the largest fraction the clip search takes off a group's range, "
                               "from 0 to below 1")
@@ -51,7 +51,8 @@ class AwqOptions(AlgorithmOptions):
         if w.format != "int4":
             raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4")
         if w.strategy != "group" and self.clip:
-            raise ValueError("awq's clip search works per weight group; fix: weights.strategy group, or options.clip false")
+            raise ValueError("awq's clip search works per weight group; fix: weights.strategy group, or options.clip "
+                             "false")
 
     def extra_calibration_passes(self) -> float:
         return 1 + self.n_grid  # the grid search reruns each block

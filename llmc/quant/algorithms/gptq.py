@@ -23,6 +23,7 @@ from llmc.quant.numerics import (
 )
 from llmc.quant.spec import TensorSpec
 
+
 class GptqOptions(AlgorithmOptions):
     block_size: int = Field(default=128, ge=1, description="the number of columns quantized between updates of the "
                             "columns after them, a whole number >= 1")
@@ -43,7 +44,8 @@ class GptqOptions(AlgorithmOptions):
         return self.model_copy(update={"true_sequential": self.true_sequential and applies})
 
     def check(self, context: Context) -> None:
-        if "true_sequential" in self.model_fields_set and self.true_sequential and not self.resolve(context).true_sequential:
+        asked = "true_sequential" in self.model_fields_set and self.true_sequential
+        if asked and not self.resolve(context).true_sequential:
             raise ValueError("options.true_sequential quantizes each Linear inside the forward that makes the next "
                              "layer's quantized inputs: it needs algorithm gptq alone with propagate quantized; "
                              "fix: drop true_sequential, or the propagate option")

@@ -117,11 +117,15 @@ class Pipeline:
         return any(s.algorithm.hessians for s in self.steps)
 
     @property
+    def replays_module_calls(self) -> bool:
+        """True when a step keeps modules' calibration inputs to run them again (AWQ's search): memory."""
+        return any(s.algorithm.module_calls for s in self.steps)
+
+    @property
     def shares_statistics(self) -> bool:
         """True when calibration sees original outputs and records only ranges (no Hessians, no module
         calls): its statistics are the model's and the data's, not the scheme's (`llmc.quant.shared_stats`)."""
-        return (self.propagate == "original" and not self.observes_hessians
-                and not any(s.algorithm.module_calls for s in self.steps))
+        return self.propagate == "original" and not self.observes_hessians and not self.replays_module_calls
 
     @property
     def reads_statistics_after_transform(self) -> bool:
@@ -174,10 +178,6 @@ class Pipeline:
         """ValueError for what a recipe asks that the steps cannot do (the stream would quietly do otherwise)."""
         for s in self.steps:
             s.given.check(s.context)
-
-
-def pipeline_of(scheme: Scheme) -> Pipeline:
-    return Pipeline.of(scheme)
 
 
 def quantize_stage_config(scheme: Scheme) -> dict:
