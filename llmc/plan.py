@@ -21,11 +21,11 @@ from llmc import targets
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.device import resolve_device
-from llmc.quant.algorithms import ALGORITHMS
+from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
+from llmc.quant.algorithms import Pipeline, calibration_passes
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
 
-IMPLEMENTED_ALGORITHMS = set(ALGORITHMS)
 # Measured on this class of machine (2 cores): ~800 calibration tok/s for a 135M model in fp32.
 _CPU_FLOPS = 2 * 135e6 * 800
 # Effective rate of the layer-at-a-time loop on an H100 (SmolLM2-width, 32x512 windows; GPTQ / SmoothQuant
@@ -284,19 +284,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 
 
 
-def _calibration_passes(scheme: Scheme) -> float:
-    """Forward passes over the calibration tokens a scheme's algorithm costs (in model forwards)."""
-    if not scheme.needs_calibration:
-        return 0.0
-    steps = scheme.algorithm.split("+")
-    passes = 1.0 if scheme.algorithm == "rtn" else 2.0  # observe, then propagate through the quantized layer
-    if "awq" in steps:
-        passes += 1 + int(dict(scheme.algorithm_options).get("n_grid", 20))  # the grid search reruns each block
-    if "gptq" in steps:
-        passes += 1.0  # Hessians (x xᵀ per input) and the column loop, about one forward's worth at this width
-    return passes
-
-
 def _estimates(
     recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int,
     device: torch.device = torch.device("cpu"),
@@ -315,11 +302,11 @@ def _estimates(
     if spill:  # only the batch in flight is resident
         act = batch_act
     awq_act = 0
-    if any("awq" in s.algorithm for s in schemes):
+    if any(Pipeline.of(s).replays_module_calls for s in schemes):
         # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)
         awq_act = c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
     act += awq_act
-    passes = sum(_calibration_passes(s) for s in schemes)
+    passes = sum(calibration_passes(s) for s in schemes)
     qbytes = sum(params * s.weights.bits / 8 + embed for s in schemes)
     ev = recipe.eval
     eval_tokens = ev.windows * ev.seq_len * (1 + len(schemes)) * len(ev.runtimes)

@@ -12,7 +12,6 @@ from typing import Literal
 
 NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
 Strategy = Literal["tensor", "channel", "group", "token"]
-Algorithm = Literal["rtn", "smoothquant", "gptq", "smoothquant+gptq", "awq"]
 # "fp8_row": every group scale is a per-row float32 scale times an FP8 e4m3 value (the row scale is the row's
 # largest group scale / 448), the form vLLM's W4A8-FP8 kernel converts group scales to at load; scales already
 # on that grid convert without loss. None: plain float32 scales.
@@ -70,15 +69,22 @@ class Scheme:
     weights: TensorSpec
     activations: TensorSpec | None = None
     kv_cache: TensorSpec | None = None
-    algorithm: Algorithm = "rtn"
+    algorithm: str = "rtn"  # "+"-joined registered steps, e.g. "smoothquant+gptq" (`llmc.quant.algorithms`)
     ignore: tuple[str, ...] = ("lm_head",)
     algorithm_options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
 
     @property
+    def stores_ranges(self) -> bool:
+        """True when the written form holds scales measured on activations (static activation or KV-cache)."""
+        static_acts = self.activations is not None and not self.activations.dynamic
+        return static_acts or self.kv_cache is not None
+
+    @property
     def needs_calibration(self) -> bool:
         """True when any scale depends on activations, so calibration data must be run."""
-        static_acts = self.activations is not None and not self.activations.dynamic
-        return static_acts or self.kv_cache is not None or self.algorithm != "rtn"
+        from llmc.quant.algorithms.registry import algorithm_calibrates  # the registry imports this module
+
+        return self.stores_ranges or algorithm_calibrates(self.algorithm)
 
     @property
     def name(self) -> str:

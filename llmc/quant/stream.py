@@ -39,15 +39,7 @@ from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
 from llmc.quant import true_sequential
-from llmc.quant.algorithms import (
-    Observe,
-    gptq_options,
-    observe_for,
-    propagate_for,
-    quantize_layer,
-    transform_layer,
-    true_sequential_for,
-)
+from llmc.quant.algorithms import Observe, Pipeline
 from llmc.quant.activations import (
     Activations,
     ActivationWriter,
@@ -340,7 +332,8 @@ def quantize_model(
     time live there; the activations passed between layers, the embeddings and the files stay on the host)."""
     device = torch.device(device)
     torch.manual_seed(0)
-    propagate = propagate_for(scheme)
+    pipeline = Pipeline.of(scheme)
+    propagate = pipeline.propagate
     reader = CheckpointReader(source.folder)
     config = reader.config()
     model = build_skeleton(config, dtype)
@@ -356,15 +349,15 @@ def quantize_model(
     calibrate = scheme.needs_calibration
     if calibrate and calibration is None:
         raise ValueError("this scheme needs calibration data")
-    shared = SharedStats(shared_stats, n_layers) if shared_stats and calibrate and shares_statistics(scheme) else None
+    shared = SharedStats(shared_stats, n_layers) if shared_stats and calibrate and pipeline.shares_statistics else None
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
         all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
-    reuse = shared is not None and not needs_inputs_after_transform(scheme) and shared.covers(all_linears, all_kv)
+    reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
     if reuse:
         log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
-    gptq_in_forward = calibrate and true_sequential_for(scheme)
+    gptq_in_forward = calibrate and pipeline.true_sequential
     if calibrate and not reuse:
         _register_kv_observer()
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
@@ -409,28 +402,28 @@ def quantize_model(
         layer_extras = to_device([e[i] for e in extras], device)
         if reuse:
             stats = _stats_from(to_device(shared.load(i), device), linears, kv_modules)
-            transform_layer(layer, prefix, stats, scheme)
+            pipeline.transform_layer(layer, prefix, stats)
         elif gptq_in_forward:
             next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
-            quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats, scheme,
-                                                  next_inputs.put, batch_size)
+            quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats,
+                                                  pipeline, next_inputs.put, batch_size)
         elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
             # observing) or with its quantized weights (one more pass, after quantizing).
             next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
-            observe = observe_for(scheme, layer)
+            observe = pipeline.observe(layer)
             sink = next_inputs.put if propagate == "original" else None
             _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
             if shared is not None:
                 shared.save(i, to_device({"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
                                           "value_absmax": stats.value_absmax}, _HOST))
-            if transform_layer(layer, prefix, stats, scheme) and scheme_reads_statistics(scheme):
+            if pipeline.transform_layer(layer, prefix, stats) and pipeline.reads_statistics_after_transform:
                 # Rescaled weights change activation ranges (and Hessians): measure them again.
                 stats = LayerStats()
                 replace_observe = Observe(hessians=observe.hessians, module_calls=())
                 _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
         if not gptq_in_forward:
-            quantized = quantize_layer(layer, linears, stats, scheme)
+            quantized = pipeline.quantize_layer(linears, stats)
         stats.module_calls.clear()
 
         tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
@@ -474,17 +467,6 @@ def quantize_model(
     return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
 
 
-def shares_statistics(scheme: Scheme) -> bool:
-    """True when the scheme calibrates on original outputs and records only ranges (no Hessians, no
-    per-module inputs): its statistics are the model's and the data's, not the scheme's."""
-    return propagate_for(scheme) == "original" and not {"gptq", "awq"} & set(scheme.algorithm.split("+"))
-
-
-def needs_inputs_after_transform(scheme: Scheme) -> bool:
-    """SmoothQuant with stored activation/KV scales observes the smoothed layer again on its inputs."""
-    return "smoothquant" in scheme.algorithm and scheme_reads_statistics(scheme)
-
-
 def _kv_modules(layer: nn.Module, prefix: str, scheme: Scheme) -> dict[str, nn.Module]:
     if not scheme.kv_cache:
         return {}
@@ -499,12 +481,6 @@ def _stats_from(saved: dict[str, dict[str, torch.Tensor]], linears: dict, kv_mod
         key_absmax={n: saved["key_absmax"][n] for n in kv_modules},
         value_absmax={n: saved["value_absmax"][n] for n in kv_modules},
     )
-
-
-def scheme_reads_statistics(scheme: Scheme) -> bool:
-    """True when writing the scheme reads activation statistics after any weight transform."""
-    static_acts = scheme.activations is not None and not scheme.activations.dynamic
-    return static_acts or scheme.kv_cache is not None or "gptq" in scheme.algorithm
 
 
 def _observe(
@@ -548,14 +524,14 @@ def _quantize_true_sequential(
     hidden: Activations,
     extras: list[tuple[tuple, dict]],
     stats: LayerStats,
-    scheme: Scheme,
+    pipeline: Pipeline,
     sink: Callable[[torch.Tensor], None],
     batch_windows: int,
 ) -> dict[str, QuantizedWeight]:
     """GPTQ for one layer, each Linear on inputs through the layer's already-quantized Linears
     (`llmc.quant.true_sequential`); the quantized layer's outputs go to `sink`, ranges into `stats`."""
     device = next(layer.parameters()).device
-    options = gptq_options(scheme)
+    scheme, options = pipeline.scheme, pipeline.quantizer.options
     stacks = true_sequential.stacks_of(layer, prefix, linears)
 
     def run(b: int) -> torch.Tensor:
@@ -564,8 +540,7 @@ def _quantize_true_sequential(
 
     # Ranges only where the scheme stores them (static activation or KV-cache scales): abs() of every
     # Linear's input is a copy of the activations, ~3% of a SmolLM2 W4A16 run for nothing.
-    stores_ranges = (scheme.activations is not None and not scheme.activations.dynamic) or scheme.kv_cache is not None
-    with observing(layer, linears if stores_ranges else {}, stats, kv_modules, RANGES_ONLY):
+    with observing(layer, linears if scheme.stores_ranges else {}, stats, kv_modules, RANGES_ONLY):
         if len(hidden) == 1:
             quantized, out = true_sequential.in_one_forward(lambda: run(0), linears, stacks, scheme.weights,
                                                             options, batch_windows)

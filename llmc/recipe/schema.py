@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmc.quant.algorithms import Pipeline, compose, steps_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.targets import runtime_names
 
@@ -135,22 +136,24 @@ _SUPPORTED_PAIRS = {
 }
 
 
-ALGORITHM_OPTIONS = {
-    "smoothquant": {"alpha", "propagate", "smooth"},
-    "gptq": {"block_size", "dampening", "act_order", "propagate", "true_sequential"},
-    "awq": {"n_grid", "search", "duo_scaling", "clip", "propagate"},
-}
-
-
 class QuantizationSection(_Strict):
     weights: WeightQuant
     activations: ActivationQuant | None = None
     kv_cache: KvCacheQuant | None = None
-    algorithm: Literal["rtn", "smoothquant", "gptq", "smoothquant+gptq", "awq"] = "rtn"
+    algorithm: str = Field(
+        default="rtn",
+        description="rtn, gptq, smoothquant or awq, or a list applied in order: a transform (smoothquant, awq) then "
+        "a quantizer (rtn, gptq; rtn when none is named), e.g. [smoothquant, gptq], also spelled smoothquant+gptq",
+    )
     ignore: tuple[str, ...] = ("lm_head",)
     options: dict[str, float | int | bool | str] = Field(
-        default_factory=dict, description="algorithm options, e.g. smoothquant alpha"
+        default_factory=dict, description="the algorithm's options, e.g. smoothquant alpha (llmc.quant.algorithms)"
     )
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _composed(cls, v: object) -> str:
+        return compose(v)  # one "+"-joined spelling, so a list and the string give the same scheme and keys
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
@@ -163,49 +166,20 @@ class QuantizationSection(_Strict):
                 f"weights {self.weights.format} with activations {act or 'none'} is not a scheme "
                 f"any runtime executes; fix: pick one of {known}"
             )
-        known = set().union(*(ALGORITHM_OPTIONS.get(step, set()) for step in self.algorithm.split("+")))
-        unknown = sorted(set(self.options) - known)
-        if unknown:
-            raise ValueError(
-                f"options {', '.join(unknown)} do not apply to algorithm {self.algorithm}; "
-                f"fix: use {', '.join(sorted(known)) or 'no options'}"
-            )
-        if self.options.get("smooth", "norms") not in ("norms", "all"):
-            raise ValueError("options.smooth is 'norms' (SmoothQuant folds into the RMSNorms before q/k/v and "
-                             "gate/up) or 'all' (also up_proj -> down_proj and v_proj -> o_proj)")
-        if self.options.get("propagate", "quantized") not in ("quantized", "original"):
-            raise ValueError("options.propagate is 'quantized' (next layer sees this layer quantized) or "
-                             "'original' (sees it unquantized: one forward per layer instead of two)")
-        if "true_sequential" in self.options:
-            if not isinstance(self.options["true_sequential"], bool):
-                raise ValueError("options.true_sequential is true or false")
-            if self.options["true_sequential"] and (self.algorithm != "gptq"
-                                                    or self.options.get("propagate", "quantized") != "quantized"):
-                raise ValueError("options.true_sequential quantizes each Linear inside the forward that makes the "
-                                 "next layer's quantized inputs: it needs algorithm gptq alone with propagate "
-                                 "quantized; fix: drop true_sequential, or the propagate option")
-        if "smoothquant" in self.algorithm and self.activations is None:
-            raise ValueError(
-                "smoothquant migrates activation outliers into weights and only helps when "
-                "activations are quantized; fix: add activations, or use algorithm rtn/gptq/awq"
-            )
-        if self.algorithm == "awq" and self.weights.format != "int4":
-            raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4")
-        if self.algorithm == "awq" and self.weights.strategy != "group" and self.options.get("clip", True):
-            raise ValueError("awq's clip search works per weight group; fix: weights.strategy group, or options.clip false")
+        Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 
     def weight_scale_grid(self) -> Literal["fp8_row"] | None:
         """The recipe's scale_grid, or its default: vLLM's W4A8-FP8 kernel (int4 groups x dynamic per-token FP8)
         rounds group scales onto a per-row FP8 grid at load, so RTN and GPTQ quantize on that grid from the start.
-        Not AWQ: on Gemma-3-270M AWQ on the grid measured 47.4 ppl against 43.3 for plain scales as vLLM converts
-        them (docs/results.md), a loss not yet understood."""
+        Not an algorithm registered with fp8_row_by_default False: AWQ, measured worse on the grid (awq.py)."""
         grid = self.weights.scale_grid
         if grid is None:
             a = self.activations
             vllm_w4afp8 = (self.weights.format == "int4" and self.weights.strategy == "group" and self.weights.symmetric
                            and a is not None and a.format == "fp8_e4m3" and a.strategy == "token")
-            grid = "fp8_row" if vllm_w4afp8 and self.algorithm != "awq" else "float"
+            on_grid = all(step.fp8_row_by_default for step in steps_of(self.algorithm))
+            grid = "fp8_row" if vllm_w4afp8 and on_grid else "float"
         return None if grid == "float" else grid
 
     def to_scheme(self) -> Scheme:

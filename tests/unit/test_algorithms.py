@@ -13,9 +13,10 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
-from llmc.quant.algorithms import awq_layer, transform_layer
+from llmc.quant.algorithms import Pipeline
 from llmc.quant.algorithms.awq import (
     AwqOptions,
+    awq_layer,
     candidate_scales,
     fake_quantize_weight,
     search_clip,
@@ -144,7 +145,7 @@ def test_awq_scale_search_picks_the_grid_minimum() -> None:
     def err(s: torch.Tensor) -> float:
         return float(((x @ (fake_quantize_weight(w * s, INT4_G16) / s).T - ref) ** 2).mean())
 
-    best, errors = search_scale(x_mean, None, err, replace(opts, search="grid"))
+    best, errors = search_scale(x_mean, None, err, opts.model_copy(update={"search": "grid"}))
     # recompute every candidate directly and check the choice
     direct = [err(torch.ones(64))] + [err(candidate_scales(x_mean, None, i / 10)) for i in range(10)]
     assert errors == pytest.approx(direct)
@@ -212,7 +213,7 @@ def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
     stats = _observed(model, layer, ids)
     norm_before = layer.input_layernorm.weight.clone()
     scheme = Scheme(INT8_CH, TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
-    assert transform_layer(layer, "l.", stats, scheme)
+    assert Pipeline.of(scheme).transform_layer(layer, "l.", stats)
     after, logits_after = _layer_out(model, layer, ids)
     assert not torch.equal(norm_before, layer.input_layernorm.weight)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
@@ -223,22 +224,24 @@ def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: P
     """Static per-tensor activations: SmoothQuant also folds a scale into up_proj -> down_proj (alpha 1.0 by
     default, as ModelOpt), keeps the layer's function, and leaves down_proj an input whose channels all
     peak at the same value; dynamic per-token schemes keep the norms-only default."""
-    from llmc.quant.algorithms import alpha_for, smooth_for
+    def smooth_and_alpha(scheme: Scheme) -> tuple[str, float]:
+        options = Pipeline.of(scheme).transforms[0].options
+        return options.smooth, options.alpha
 
     static = Scheme(INT8_CH, TensorSpec("int8", "tensor"), algorithm="smoothquant")
     dynamic = Scheme(INT8_CH, TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
-    assert (smooth_for(static), alpha_for(static)) == ("all", 1.0)
-    assert (smooth_for(dynamic), alpha_for(dynamic)) == ("norms", 0.5)
+    assert smooth_and_alpha(static) == ("all", 1.0)
+    assert smooth_and_alpha(dynamic) == ("norms", 0.5)
     explicit = Scheme(INT8_CH, TensorSpec("int8", "tensor"), algorithm="smoothquant",
                       algorithm_options=(("smooth", "norms"), ("alpha", 0.5)))
-    assert (smooth_for(explicit), alpha_for(explicit)) == ("norms", 0.5)
+    assert smooth_and_alpha(explicit) == ("norms", 0.5)
 
     model, layer = _tiny_layer(tiny_model)
     ids = torch.randint(3, 200, (2, 24))
     before, logits_before = _layer_out(model, layer, ids)
     stats = _observed(model, layer, ids)
     up_before = layer.mlp.up_proj.weight.clone()
-    assert transform_layer(layer, "l.", stats, static)
+    assert Pipeline.of(static).transform_layer(layer, "l.", stats)
     assert not torch.equal(up_before, layer.mlp.up_proj.weight)
     after, logits_after = _layer_out(model, layer, ids)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
@@ -274,7 +277,7 @@ def test_awq_transform_lowers_quantized_layer_error(tiny_model: Path) -> None:
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     with stream.observing(layer, linears, stats, {}, obs), torch.no_grad():
         model(ids)
-    awq_layer(layer, stats, replace(scheme, algorithm_options=(("clip", False),)))
+    awq_layer(layer, "", stats, scheme.weights, AwqOptions(clip=False))
     scaled_fp, _ = _layer_out(model, layer, ids)
     torch.testing.assert_close(scaled_fp, before, rtol=1e-4, atol=1e-4)  # scaling alone keeps the function
     assert quantized_error() < rtn_error
@@ -322,15 +325,14 @@ def test_w4afp8_scales_stay_on_vllms_fp8_row_grid(algorithm: str, tmp_path: Path
 
 
 def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
-    from llmc.quant.algorithms import _search_linear
+    from llmc.quant.algorithms.awq import _search_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 32, bias=False)
     x = correlated_inputs(200, 64).float()
     calls = [((x[:100],), {}), ((x[100:],), {})]
-    scheme = Scheme(INT4_G16, algorithm="awq", algorithm_options=(("n_grid", 8), ("search", "grid")))
     x_mean = x.abs().mean(0)
-    s = _search_linear(lin, calls, x_mean, None, scheme)
+    s = _search_linear(lin, calls, x_mean, None, INT4_G16, AwqOptions(n_grid=8, search="grid"))
     w = lin.weight.data
 
     def direct(s: torch.Tensor) -> float:

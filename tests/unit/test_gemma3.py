@@ -4,7 +4,6 @@ random Gemma3ForCausalLM built here."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,8 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
-from llmc.quant.algorithms import awq_layer, transform_layer
-from llmc.quant.algorithms.awq import fake_quantize_weight
+from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms.awq import AwqOptions, awq_layer, fake_quantize_weight
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.numerics import static_scale
 from llmc.quant.spec import Scheme, TensorSpec
@@ -167,9 +166,9 @@ def test_smoothquant_and_awq_scaling_keep_a_gemma3_layers_function(gemma3: Path,
         norms = {n: layer.get_submodule(n).weight.clone() for n in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm")}
         if algorithm == "smoothquant":
             scheme = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
-            assert transform_layer(layer, "", stats, scheme)
+            assert Pipeline.of(scheme).transform_layer(layer, "", stats)
         else:
-            awq_layer(layer, stats, replace(Scheme(INT4_G16, algorithm="awq"), algorithm_options=(("clip", False),)))
+            awq_layer(layer, "", stats, INT4_G16, AwqOptions(clip=False))
         after, logits_after = _layer_io(model, index, ids)
         assert torch.equal(norms["post_attention_layernorm"], layer.post_attention_layernorm.weight)
         if algorithm == "smoothquant":  # AWQ may find s = 1 best on random weights; SmoothQuant always rescales

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream, true_sequential
-from llmc.quant.algorithms import true_sequential_for
+from llmc.quant.algorithms import Pipeline
 from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_quantize
 from llmc.quant.numerics import dequantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
@@ -113,16 +113,20 @@ def test_one_forward_outputs_are_the_quantized_layers_outputs() -> None:
     assert torch.equal(quantized["2"].codes, expected.codes)
 
 
+def _true_sequential(scheme: Scheme) -> bool:
+    return Pipeline.of(scheme).true_sequential
+
+
 def test_true_sequential_option() -> None:
     from pydantic import ValidationError
 
     from llmc.recipe.schema import QuantizationSection
 
-    assert true_sequential_for(GPTQ)
-    assert not true_sequential_for(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("propagate", "original"),)))
-    assert not true_sequential_for(Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True),
+    assert _true_sequential(GPTQ)
+    assert not _true_sequential(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("propagate", "original"),)))
+    assert not _true_sequential(Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True),
                                           algorithm="smoothquant+gptq"))
-    assert not true_sequential_for(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("true_sequential", False),)))
+    assert not _true_sequential(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("true_sequential", False),)))
     w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 16}}
     QuantizationSection.model_validate({**w4, "algorithm": "gptq", "options": {"true_sequential": False}})
     for options, algorithm, message in (
