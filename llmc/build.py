@@ -207,7 +207,7 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
         spec = engine_spec(engine)
         readable = {label: art for label, art in result.artifacts.items()
                     if engine in artifact_format(art.format).read_by}
-        base_engine = engine if spec.loads_source else "torch"
+        base_engine = spec.baseline_engine
         try:
             base = _eval_one(result, store, base_engine, result.source.folder, result.source.sha256, windows, prompt)
         except (EngineUnavailable, EngineFailed) as e:

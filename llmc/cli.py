@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from llmc.engines import ENGINE_NAMES
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
 
 EXIT_HELP = "Exit codes: " + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
@@ -175,7 +176,8 @@ def export(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
 @main.command(name="eval", epilog=EXIT_HELP)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--baseline", required=True, help="model source of the baseline (demo:..., folder or .gguf)")
-@click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch")
+@click.option("--engine", type=click.Choice(ENGINE_NAMES), default="torch",
+              help="engines that cannot load the baseline model compare with the torch reference's")
 @click.option("--windows", type=int, default=16)
 @click.option("--seq-len", type=int, default=512)
 @click.option("--max-ppl-increase-pct", type=float, default=None, help="quality gate")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 
 from llmc.compiler.onnx_qdq import MODEL_FILE as QDQ_MODEL
 from llmc.compiler.files import SERVE_FILE
+from llmc.engines.base import EngineBase
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
@@ -45,7 +47,7 @@ def _serve_kind(folder: Path) -> str | None:
         return None
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(EngineBase):
     name = "onnxruntime"
 
     def __init__(self, folder: Path, *, dtype: str = "float32", threads: int | None = None,
@@ -101,8 +103,11 @@ class OnnxRuntimeEngine:
         out = self.session.run(names, self._feed(ids, past, past_len))
         return out[0], out[1:]
 
-    def score(self, windows: torch.Tensor, reference: dict | None = None, top_k: int = 256) -> dict[str, torch.Tensor]:
-        """Per-token NLL, and either top-k log-probs (as a reference) or KL / top-1 against `reference`."""
+    def score(self, windows: torch.Tensor, reference: dict | None = None, top_k: int = 256,
+              batch_size: int = 1) -> dict[str, torch.Tensor]:
+        """Per-token NLL, and either top-k log-probs (as a reference) or KL / top-1 against `reference`.
+        One window at a time, whatever `batch_size`."""
+        del batch_size
         parts: dict[str, list[torch.Tensor]] = {}
         for w in range(windows.shape[0]):
             ids = windows[w : w + 1]
@@ -114,9 +119,12 @@ class OnnxRuntimeEngine:
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
 
-    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
-        """Prefill tok/s of `prompt` [1, n] and greedy decode tok/s after a 64-token prefill."""
-        ids = prompt.numpy()
+    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
+                   batch_sizes: Sequence[int] = (1,)) -> dict:
+        """Prefill tok/s of the prompt's first row and greedy decode tok/s after a 64-token prefill (batch 1
+        only, whatever `batch_sizes`: EngineSpec.batch_sizes)."""
+        del batch_sizes
+        ids = prompt[:1].numpy()
         self._run(ids[:, :8])  # warm-up
         prefill, decode = [], []
         for _ in range(repeats):
@@ -135,10 +143,3 @@ class OnnxRuntimeEngine:
         return {"prefill_tokens_per_s": summary(prefill), "decode_tokens_per_s": summary(decode) if decode else None,
                 "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens if self.layers else 0, "repeats": repeats,
                 "threads": self.threads, "engine_version": self.version}
-
-    def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
-                batch_size: int = 4, reference: dict | None = None, top_k: int = 256) -> tuple[dict, dict]:
-        """(scores, throughput), the interface every engine offers the build."""
-        del batch_size
-        return self.score(windows, reference, top_k), self.throughput(prompt[:1], decode_tokens, repeats)
-

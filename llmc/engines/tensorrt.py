@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from llmc.compiler.files import SERVE_FILE
 from llmc.compiler.onnx_qdq import MODEL_FILE
+from llmc.engines.base import EngineBase
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
@@ -79,7 +81,7 @@ def build_engine(folder: Path, out: Path | None = None, **kwargs) -> Path:
     return out
 
 
-class TensorRtEngine:
+class TensorRtEngine(EngineBase):
     name = "tensorrt"
 
     def __init__(self, folder: Path, *, dtype: str = "float32") -> None:
@@ -104,7 +106,10 @@ class TensorRtEngine:
         stream.synchronize()
         return out
 
-    def score(self, windows: torch.Tensor, reference: dict | None = None, top_k: int = 256) -> dict[str, torch.Tensor]:
+    def score(self, windows: torch.Tensor, reference: dict | None = None, top_k: int = 256,
+              batch_size: int = 1) -> dict[str, torch.Tensor]:
+        """Per-token NLL, and either top-k log-probs or KL / top-1 against `reference`; one window at a time."""
+        del batch_size
         parts: dict[str, list[torch.Tensor]] = {}
         for w in range(windows.shape[0]):
             ids = windows[w : w + 1]
@@ -114,7 +119,11 @@ class TensorRtEngine:
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
 
-    def throughput(self, prompt: torch.Tensor, repeats: int) -> dict:
+    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
+                   batch_sizes: Sequence[int] = (1,)) -> dict:
+        """Prefill tok/s of the prompt's first row. No KV cache in the Q/DQ graph: no decode figures."""
+        del decode_tokens, batch_sizes
+        prompt = prompt[:1]
         self._logits(prompt[:, :8])  # warm-up
         rates = []
         for _ in range(repeats):
@@ -124,8 +133,3 @@ class TensorRtEngine:
         return {"prefill_tokens_per_s": summary(rates), "decode_tokens_per_s": None,
                 "prompt_tokens": int(prompt.shape[1]), "decode_tokens": 0, "repeats": repeats,
                 "engine_version": self.version}
-
-    def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
-                batch_size: int = 4, reference: dict | None = None, top_k: int = 256) -> tuple[dict, dict]:
-        del decode_tokens, batch_size  # no KV cache in the Q/DQ graph: prefill only, one window at a time
-        return self.score(windows, reference, top_k), self.throughput(prompt[:1], repeats)

@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
@@ -72,7 +74,7 @@ def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torc
     return out
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     name = "torch"
 
     def __init__(self, folder: Path, *, dtype: str = "float32") -> None:
@@ -172,20 +174,16 @@ class TorchEngine:
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}
 
-    def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
-                batch_size: int = 4, reference: dict | None = None, top_k: int = 256,
-                throughput_batch_sizes: tuple[int, ...] = (1,)) -> tuple[dict, dict]:
-        """(scores, throughput): the engine interface the build uses (see llmc.engines.vllm_cpu too).
-        Throughput is measured at each of `throughput_batch_sizes` (the prompt repeated per sequence);
-        the top-level figures are the first batch size's."""
-        scores = self.score(windows, batch_size, reference=reference, top_k=top_k)
-        by_batch = {b: self.throughput(prompt.expand(b, -1), decode_tokens, repeats) for b in throughput_batch_sizes}
-        first = by_batch[throughput_batch_sizes[0]]
-        return scores, {**first, "batch_size": throughput_batch_sizes[0],
-                        "by_batch_size": {str(b): t for b, t in by_batch.items()}}
+    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
+                   batch_sizes: Sequence[int] = (1,)) -> dict:
+        """Throughput at each of `batch_sizes` (the prompt [1, n] repeated per sequence); the top-level figures
+        are the first batch size's, all of them under `by_batch_size`."""
+        by_batch = {b: self._throughput_at(prompt.expand(b, -1), decode_tokens, repeats) for b in batch_sizes}
+        first = by_batch[batch_sizes[0]]
+        return {**first, "batch_size": batch_sizes[0], "by_batch_size": {str(b): t for b, t in by_batch.items()}}
 
     @torch.no_grad()
-    def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
+    def _throughput_at(self, prompt: torch.Tensor, decode_tokens: int, repeats: int) -> dict:
         """Prefill tok/s of `prompt` ([batch, n]) and greedy decode tok/s of `decode_tokens` new tokens per
         sequence, counted over the whole batch."""
         prefill, decode = [], []

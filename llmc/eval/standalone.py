@@ -8,6 +8,7 @@ import torch
 
 from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
+from llmc.engines import engine_spec, open_engine
 from llmc.errors import InputError
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.eval.report import render_table
@@ -27,21 +28,22 @@ def evaluate_artifact(
     artifact: Path, baseline: str, store: Store, *, engine: str, windows: int, seq_len: int,
     max_ppl_increase_pct: float | None, threads: int | None,
 ) -> tuple[str, str | None]:
-    """Table text, and a failure message when the gate fails."""
+    """Table text, and a failure message when the gate fails. Engines that cannot load the source model
+    are compared with the torch reference's baseline, as in a build."""
     from transformers import AutoTokenizer
-
-    from llmc.build import _engine_for
 
     if threads:
         torch.set_num_threads(threads)
     src = resolve_source(baseline, store)
     tok = AutoTokenizer.from_pretrained(src.folder)
     ids = make_windows(tok, load_corpus("brown", "eval"), seq_len, windows, seed=None).ids
-    reference = _engine_for(engine, src.folder, "float32").score(ids)
+    with open_engine(engine_spec(engine).baseline_engine, src.folder, dtype="float32") as base:
+        reference = base.score(ids)
     base_nll = reference["nll"]
     rows, failures = [], []
     for label, folder in _artifact_folder(Path(artifact)):
-        scores = _engine_for(engine, folder, "float32").score(ids, reference=reference)
+        with open_engine(engine, folder, dtype="float32") as eng:
+            scores = eng.score(ids, reference=reference)
         nll = scores["nll"]
         ch = paired_ppl_change(base_nll, nll)
         kld = mean_interval(scores["kl"]) if "kl" in scores else None

@@ -1,37 +1,31 @@
 """Runs inside the TensorRT-LLM environment (a GPU machine), one process per evaluation.
 
-    python _trtllm_worker.py request.json out_dir
-
-request.json: {"model": folder, "llm_args": {...}, "tensors": file, "top_k": k, "decode_tokens": n,
-"repeats": r}; the tensors file holds `windows` [w, s] token ids, `prompt` [1, p] and, when scoring an
-artifact against a baseline, `reference_index` [w, s-1, k]. Writes out_dir/scores.safetensors (nll, and
-either top-k log-probs or the log-probs at the reference's indices + argmax) and out_dir/result.json.
+Usage: python trtllm_worker.py <request folder>   (wire format: _wire.py)
+request.json: {"model": folder, "llm_args": {...}, "top_k": k, "decode_tokens": n, "repeats": r}; tensors:
+              windows, prompt and, when scoring an artifact against a baseline, reference_index [w, s-1, k]
+scores: nll, and either topk_logprobs + topk_index or the log-probs at the reference's indices (at_reference)
+        + argmax
+result.json: {"throughput": {...}, "version": str, "load_s": float}
 Imports nothing from llmc: this environment has TensorRT-LLM's own pins.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+
+import _wire
 
 
-def _summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def main(request_file: str, out_dir: str) -> None:
+def main(folder: str) -> None:
     import tensorrt_llm
     from tensorrt_llm import LLM, SamplingParams
 
-    req = json.loads(Path(request_file).read_text())
-    io = load_file(req["tensors"])
-    windows, prompt, ref_index = io["windows"], io["prompt"], io.get("reference_index")
+    req, tensors = _wire.read_request(folder)
+    windows = torch.from_numpy(tensors["windows"])
+    ref_index = torch.from_numpy(tensors["reference_index"]) if "reference_index" in tensors else None
     t = time.monotonic()
     llm = LLM(model=req["model"], **req["llm_args"])
     load_s = time.monotonic() - t
@@ -51,9 +45,9 @@ def main(request_file: str, out_dir: str) -> None:
             row["argmax"] = logits.argmax(-1).int()
         for k, v in row.items():
             parts.setdefault(k, []).append(v)
-    save_file({k: torch.stack(v).contiguous() for k, v in parts.items()}, str(Path(out_dir) / "scores.safetensors"))
+    scores = {k: torch.stack(v).numpy() for k, v in parts.items()}
 
-    ids = prompt[0].tolist()
+    ids = tensors["prompt"].tolist()
     prefill, decode = [], []
     greedy = SamplingParams(max_tokens=req["decode_tokens"] or 1, ignore_eos=True, temperature=0.0)
     one = SamplingParams(max_tokens=1)
@@ -71,16 +65,14 @@ def main(request_file: str, out_dir: str) -> None:
             t = time.perf_counter()
             llm.generate([short], greedy)
             decode.append(req["decode_tokens"] / max(time.perf_counter() - t - short_prefill_s, 1e-9))
-    result = {
+    _wire.write_result(folder, {
         "version": tensorrt_llm.__version__,
         "load_s": load_s,
-        "throughput": {"prefill_tokens_per_s": _summary(prefill),
-                       "decode_tokens_per_s": _summary(decode) if decode else None,
+        "throughput": {"prefill_tokens_per_s": _wire.summary(prefill), "decode_tokens_per_s": _wire.summary(decode),
                        "prompt_tokens": len(ids), "decode_tokens": req["decode_tokens"], "repeats": req["repeats"],
                        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-    }
-    (Path(out_dir) / "result.json").write_text(json.dumps(result))
+    }, scores)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

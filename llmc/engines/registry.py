@@ -1,0 +1,146 @@
+"""Every evaluation engine, by name: what the build may ask of it and where its code lives.
+
+Importing this module imports no engine: each engine module (torch, onnxruntime, ...) is imported when
+`open_engine` opens it, so reading the registry (recipe validation, reports, the CLI) stays light.
+Adding an engine is one `EngineSpec` line here plus its module (docs/extending-engines.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from llmc.quant.spec import Scheme
+
+# The engine that scores the unquantized source for engines that cannot load it themselves.
+REFERENCE_ENGINE = "torch"
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class Engine(Protocol):
+    """A loaded model in one engine. Scores hold per-token tensors [windows, seq-1]: `nll` always; without a
+    reference also `topk_logprobs`/`topk_index` (to serve as one), with a reference `kl` and `top1`, where the
+    engine gives full distributions (vLLM returns the actual tokens' log-probs only, so NLL alone)."""
+
+    name: str
+
+    def score(self, windows: Tensor, *, batch_size: int = 4, reference: dict[str, Tensor] | None = None,
+              top_k: int = 256) -> dict[str, Tensor]: ...
+
+    def throughput(self, prompt: Tensor, *, decode_tokens: int, repeats: int,
+                   batch_sizes: Sequence[int] = (1,)) -> dict: ...
+
+    def measure(self, windows: Tensor, prompt: Tensor, *, decode_tokens: int, repeats: int, batch_size: int = 4,
+                reference: dict[str, Tensor] | None = None, top_k: int = 256,
+                throughput_batch_sizes: Sequence[int] = (1,)) -> tuple[dict[str, Tensor], dict]:
+        """(scores, throughput) in one go: out-of-process engines load the model once for both."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Engine: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineEnvironment:
+    """An engine that runs in its own Python environment (its pins clash with llmc's), through a worker
+    script in llmc/engines/workers/ (llmc.engines.runner). Where that Python is: llmc.engines.environments."""
+
+    worker: str  # file in llmc/engines/workers/ (an absolute path also works: tests use stand-ins)
+    python_variable: str  # environment variable naming the interpreter
+    venv: str  # conventional venv folder name, looked for in the current directory and an llmc checkout
+    module: str  # what that interpreter must be able to import
+    setup: str  # how to create the conventional venv
+    failure_fix: str  # the fix printed when the worker exits non-zero
+    timeout_s: float = DEFAULT_TIMEOUT_S  # for one worker run; LLMC_ENGINE_TIMEOUT_S overrides it
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    loader: str  # "module:Class", imported only when the engine is opened
+    loads_source: bool  # can score the unquantized source as the baseline; else paired with REFERENCE_ENGINE's
+    title: str = ""  # how messages name it; the name when empty
+    every_batch_size: bool = False  # measures throughput at every requested batch size; others at batch 1
+    cpu_build: bool = False  # runs here as its CPU build: schemes whose capability rule says cpu=False are skipped
+    environment: EngineEnvironment | None = None  # set for out-of-process engines
+
+    @property
+    def display(self) -> str:
+        return self.title or self.name
+
+    @property
+    def baseline_engine(self) -> str:
+        """The engine whose scores of the source model this engine's artifacts are compared with."""
+        return self.name if self.loads_source else REFERENCE_ENGINE
+
+    def batch_sizes(self, requested: Sequence[int]) -> list[int]:
+        """The batch sizes throughput is measured at (they enter the eval stage key)."""
+        return list(requested) if self.every_batch_size else [1]
+
+    def cannot_run(self, scheme: Scheme) -> str | None:
+        """Why this machine's build of the engine cannot run `scheme` (None: it can). A skipped evaluation is
+        reported with its reason and is not gated."""
+        return _cpu_build_refusal(self.name, scheme) if self.cpu_build else None
+
+    def open(self, folder: Path, *, dtype: str = "float32") -> Engine:
+        module, cls = self.loader.split(":")
+        return getattr(importlib.import_module(module), cls)(Path(folder), dtype=dtype)
+
+
+def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
+    """The capability data's verdict on `runtime`'s CPU build for `scheme` (measured limits, not guesses)."""
+    from llmc.targets import runtime as target_runtime
+    from llmc.targets import scheme_keys
+
+    rules = target_runtime(runtime).rules
+    for key in scheme_keys(scheme):
+        rule = rules.get(key)
+        if rule is None or not rule.cpu:
+            return f"{runtime}-cpu does not run {key}" + (f" ({rule.cpu_note})" if rule and rule.cpu_note else "")
+    return None
+
+
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+    EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True),
+    EngineSpec("vllm", "llmc.engines.vllm_cpu:VllmEngine", loads_source=True, title="vLLM", cpu_build=True,
+               environment=EngineEnvironment(
+                   worker="vllm_worker.py", python_variable="LLMC_VLLM_PYTHON", venv=".venv-vllm", module="vllm",
+                   setup="bash scripts/setup-vllm.sh",
+                   failure_fix="check that this vLLM version accepts the artifact (llmc inspect)")),
+    EngineSpec("llama.cpp", "llmc.engines.llamacpp:LlamaCppEngine", loads_source=False,
+               environment=EngineEnvironment(
+                   worker="llama_worker.py", python_variable="LLMC_LLAMA_PYTHON", venv=".venv-llama",
+                   module="llama_cpp", setup="bash scripts/setup-llama.sh",
+                   failure_fix="check the GGUF with `llmc inspect`; a crash (-11) at the first eval usually means "
+                               "a llama.cpp build for another CPU (bash scripts/setup-llama.sh)")),
+    EngineSpec("onnxruntime", "llmc.engines.onnxrt:OnnxRuntimeEngine", loads_source=False),
+    EngineSpec("tensorrt-llm", "llmc.engines.trtllm:TensorRtLlmEngine", loads_source=True, title="TensorRT-LLM",
+               environment=EngineEnvironment(
+                   worker="trtllm_worker.py", python_variable="LLMC_TRTLLM_PYTHON", venv=".venv-trtllm",
+                   module="tensorrt_llm",
+                   setup="on a GPU machine: python -m venv .venv-trtllm && .venv-trtllm/bin/pip install tensorrt-llm",
+                   failure_fix="check that this TensorRT-LLM version accepts the artifact (llmc inspect)")),
+    EngineSpec("tensorrt", "llmc.engines.tensorrt:TensorRtEngine", loads_source=False, title="TensorRT"),
+)}
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
+
+
+def engine_spec(name: str) -> EngineSpec:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINE_NAMES)}") from None
+
+
+def open_engine(name: str, folder: Path, *, dtype: str = "float32") -> Engine:
+    """Load the model in `folder` into engine `name` (EngineUnavailable / EngineFailed when it cannot)."""
+    return engine_spec(name).open(folder, dtype=dtype)

@@ -1,0 +1,62 @@
+"""The one wire format between llmc and an engine worker. Standard library and numpy only: every engine
+environment has numpy, not necessarily torch or safetensors, and none has llmc.
+
+A request folder holds
+    request.json   plain values (paths, counts, options)
+    tensors.npz    arrays: windows [n, seq] and prompt [p] token ids, reference_index [n, seq-1, k] when scoring
+                   against a reference
+and the worker answers in the same folder with
+    scores.npz     per-token arrays (nll [n, seq-1], and whatever else the engine measures)
+    result.json    plain values (throughput, engine version, load time); written last, so that its presence
+                   means the worker finished.
+
+llmc imports this file as llmc.engines.workers._wire; a worker imports it as `_wire` (its own folder is on
+sys.path when it runs as a script).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+REQUEST, TENSORS, SCORES, RESULT = "request.json", "tensors.npz", "scores.npz", "result.json"
+
+
+def write_request(folder: Path, request: dict, tensors: dict[str, np.ndarray]) -> None:
+    np.savez(Path(folder) / TENSORS, **tensors)
+    (Path(folder) / REQUEST).write_text(json.dumps(request))
+
+
+def read_request(folder: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    return json.loads((Path(folder) / REQUEST).read_text()), _load_npz(Path(folder) / TENSORS)
+
+
+def write_result(folder: str | Path, result: dict, scores: dict[str, np.ndarray]) -> None:
+    folder = Path(folder)
+    np.savez(folder / SCORES, **scores)
+    (folder / (RESULT + ".tmp")).write_text(json.dumps(result))
+    os.replace(folder / (RESULT + ".tmp"), folder / RESULT)
+
+
+def has_result(folder: Path) -> bool:
+    return (Path(folder) / RESULT).is_file()
+
+
+def read_result(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    return json.loads((Path(folder) / RESULT).read_text()), _load_npz(Path(folder) / SCORES)
+
+
+def summary(xs: list[float]) -> dict | None:
+    """Median, min, max and count of repeated timings (None when nothing was timed)."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        return {}
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}

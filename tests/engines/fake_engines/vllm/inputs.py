@@ -1,0 +1,2 @@
+def TokensPrompt(**kwargs):  # a TypedDict in vLLM
+    return dict(kwargs)

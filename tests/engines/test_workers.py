@@ -1,0 +1,90 @@
+"""The real workers of the out-of-process engines, run through the shared runner against stand-ins for vLLM,
+llama.cpp and TensorRT-LLM (tests/engines/fake_engines: deterministic logits, same API surface). The real
+engines' environments are tested in test_vllm_cpu.py / test_trtllm.py / tests/integration where installed;
+this runs everywhere and checks that each worker scores what the torch reference scores from the same logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmc.engines import open_engine
+from llmc.engines.environments import _importable_version
+from llmc.engines.torch_ref import score_logits
+
+FAKES = Path(__file__).with_name("fake_engines")
+_spec = importlib.util.spec_from_file_location("_fake_logits", FAKES / "_fake_logits.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+
+@pytest.fixture
+def fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This Python as every engine's environment, the stand-ins importable in it, a GPU that says so, and a
+    model folder (the stand-ins read nothing from it)."""
+    for var in ("LLMC_VLLM_PYTHON", "LLMC_LLAMA_PYTHON", "LLMC_TRTLLM_PYTHON"):
+        monkeypatch.setenv(var, sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(FAKES))
+    nvidia_smi = tmp_path / "bin" / "nvidia-smi"
+    nvidia_smi.parent.mkdir()
+    nvidia_smi.write_text("#!/bin/sh\n")
+    nvidia_smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{nvidia_smi.parent}:{os.environ['PATH']}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.gguf").write_bytes(b"")
+    _importable_version.cache_clear()
+    yield model
+    _importable_version.cache_clear()
+
+
+def _windows_and_reference(top_k: int = 8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, fake.VOCAB, (3, 20), generator=g)
+    return windows, score_logits(torch.randn(3, 19, fake.VOCAB, generator=g), windows[:, 1:], top_k)
+
+
+def _expected(windows: torch.Tensor, top_k: int, reference: dict | None) -> dict[str, torch.Tensor]:
+    logits = torch.stack([torch.from_numpy(fake.logits_for(w.tolist())[:-1]) for w in windows]).float()
+    return score_logits(logits, windows[:, 1:], top_k, reference)
+
+
+def test_vllm_worker_returns_the_actual_tokens_nll(fake_engines: Path) -> None:
+    windows, _ = _windows_and_reference()
+    with open_engine("vllm", fake_engines, dtype="float32") as engine:
+        scores, tput = engine.measure(windows, windows[:1], decode_tokens=3, repeats=2)
+        alone = engine.score(windows)
+    assert list(scores) == ["nll"] and scores["nll"].dtype == torch.float64
+    assert torch.allclose(scores["nll"], _expected(windows, 8, None)["nll"].double(), atol=1e-5)
+    assert torch.equal(alone["nll"], scores["nll"])
+    assert tput["engine_version"] == "0.0+fake" and tput["engine_dtype"] == "bfloat16"
+    assert tput["prefill_tokens_per_s"]["n"] == 2 and tput["decode_tokens_per_s"]["n"] == 2
+
+
+@pytest.mark.parametrize("engine_name", ["llama.cpp", "tensorrt-llm"])
+def test_full_distribution_workers_score_like_the_torch_reference(fake_engines: Path, engine_name: str) -> None:
+    windows, reference = _windows_and_reference()
+    with open_engine(engine_name, fake_engines, dtype="float32") as engine:
+        scores, tput = engine.measure(windows, windows[:1], decode_tokens=2, repeats=1, reference=reference, top_k=8)
+        throughput = engine.throughput(windows[:1], decode_tokens=2, repeats=1)
+    want = _expected(windows, 8, reference)
+    assert sorted(scores) == ["kl", "nll", "top1"]
+    for k in scores:
+        assert torch.allclose(scores[k].double(), want[k].double(), atol=1e-5), k
+    assert tput["engine_version"] == "0.0+fake" and tput["prompt_tokens"] == 20 and tput["repeats"] == 1
+    assert throughput["prefill_tokens_per_s"]["n"] == 1
+
+
+def test_tensorrt_llm_worker_serves_as_a_baseline(fake_engines: Path) -> None:
+    windows, _ = _windows_and_reference()
+    with open_engine("tensorrt-llm", fake_engines, dtype="float32") as engine:
+        scores = engine.score(windows, top_k=8)
+    want = _expected(windows, 8, None)
+    assert sorted(scores) == ["nll", "topk_index", "topk_logprobs"]
+    assert torch.equal(scores["topk_index"], want["topk_index"])
+    assert torch.allclose(scores["topk_logprobs"], want["topk_logprobs"], atol=1e-5)
