@@ -205,7 +205,8 @@ def test_tensorrt_llm_engine_without_a_gpu_fails_its_artifact_with_the_fix(tiny_
                           "eval.runtimes": ["torch", "tensorrt-llm"]})
     result = build(parse_recipe(text), Store(tmp_path / "cache"), publish=False)
     errors = [e.error for e in result.evals.values() if e.error]
-    assert errors and "TensorRT-LLM engine needs its own environment" in errors[0] and ".venv-trtllm" in errors[0]
+    assert errors and "TensorRT-LLM engine's Python, set by $LLMC_TRTLLM_PYTHON, does not exist" in errors[0]
+    assert ".venv-trtllm" in errors[0]  # the fix
     assert not result.passed
     failed = [v for v in result.verdicts if not v.passed]
     assert failed and failed[0].gate == "artifact evaluated"
