@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Do the shipped recipes still export byte-identical artifacts? Compares a git revision with the working tree.
+
+Usage (repository root, llmc's venv; PYTHONPATH must name this tree: the venv's editable llmc may point elsewhere):
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD    # recipes/*.yaml on tiny models, ~3-5 min
+    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base main --model real \\
+        --recipes recipes/smollm2-fp8-dynamic.yaml         # the recipe's own model: ~2 min (qdq-runtimes: ~12 min)
+
+    --recipes R...  recipe files (default: every recipes/*.yaml)
+    --keep DIR      an empty folder to keep the recipes and tiny models run and both caches in (DIR/base-cache,
+                    DIR/work-cache: each artifact is under stages/export/<key>); default: a temp dir, removed
+
+Exit status 0 only if every recipe's artifacts are byte-identical (1: some differ or failed to build).
+
+It checks `<rev>` out with `git worktree add --detach` into <tmp>/tree, runs this script there as a child
+(`sys.executable`, PYTHONPATH=<tmp>/tree, a fresh LLMC_CACHE at <work>/cache) that builds every recipe up to its
+export stage (`llmc.build.build_until(recipe, store, "export")`) and prints {recipe: {target label: {relative path:
+sha256}}} over every file of every artifact folder, recursively; removes the worktree (`git worktree remove
+--force`: the repository is never modified), copies the working tree (tracked + untracked, not ignored, uncommitted
+edits included) to the same <tmp>/tree and runs the child again with the same cache path. Then it prints one line
+per recipe, `identical` or the files that differ, and exits 0 only if all are identical.
+
+Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/compiler/onnx_qdq.py)
+is written by torch.onnx's dynamo exporter, which stores a Python stack trace in every node's metadata
+(`pkg.torch.onnx.stack_trace`): the absolute path of llmc's checkout and the line number of onnx_qdq.py's
+`_Logits.forward`, plus transformers'/torch's paths and lines in the venv. So that model.onnx changes when llmc
+is checked out elsewhere, and when a line moves in that file. Such a difference is reported as such.
+
+--model tiny (default): each recipe's model.source becomes a tiny random model of the same family built once here,
+with fixed seeds, from this tree's tests/conftest.py (Llama for demo:smollm2-135m — llama architecture, as the
+GGUF/llama.cpp exporter needs; Gemma3 for demo:gemma3-270m), hidden 128 / intermediate 256, so every Linear input
+is a multiple of 128 (W4AFP8's group 128, INT4 groups 32/64/128); its byte-level BPE tokenizer reads the Brown
+corpus. Calibration shrinks to 4 windows x 64 tokens. `eval` is left as shipped: it is not run, but its seq_len and
+batch_size enter vLLM's and TensorRT-LLM's serve arguments, which are artifact files. Both trees get the very same
+model folder and recipe texts. --model real: the recipes exactly as shipped.
+
+Not compared: the cache's own `.llmc-complete` marker in each stage folder (stage key + llmc version; never
+published). The export stage key is shown when it differs: outputs are identical, but users' caches rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"demo:smollm2-135m": "llama", "demo:gemma3-270m": "gemma3"}  # shipped model -> tiny family
+NOT_COMPARED = {".llmc-complete"}  # the store's completion marker (see the docstring)
+
+
+def tiny_model(family: str, folder: Path) -> Path:
+    """A deterministic tiny model of `family`, built by this tree's test helpers."""
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import make_tiny_model, make_tokenizer
+
+    if family == "llama":
+        return make_tiny_model(folder, hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, seed=0)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = make_tokenizer()  # as tests/unit/test_gemma3.py's make_tiny_gemma3, at W4AFP8-friendly widths
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08 if p.dim() == 2 else 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def prepare(recipes: list[Path], model: str, work: Path) -> list[Path]:
+    """The recipe texts both trees build: as shipped (real) or on tiny models with a small calibration."""
+    import yaml
+
+    out, models = [], {}
+    for path in recipes:
+        r = yaml.safe_load(path.read_text())
+        if model == "tiny":
+            family = TINY.get(r["model"]["source"])
+            if family is None:
+                sys.exit(f"{path}: no tiny stand-in for model.source {r['model']['source']!r}; add it to TINY")
+            if family not in models:
+                models[family] = tiny_model(family, work / f"tiny-{family}")
+            r["model"]["source"] = str(models[family])
+            r["calibration"] = {**r.get("calibration", {}), "samples": 4, "seq_len": 64}
+        (work / "recipes").mkdir(exist_ok=True)
+        out.append(work / "recipes" / path.name)
+        out[-1].write_text(yaml.safe_dump(r, sort_keys=False) if model == "tiny" else path.read_text())
+    return out
+
+
+def child(recipes: list[Path]) -> None:
+    """In a tree's own interpreter: build each recipe's export stage and print the hashes of its artifacts."""
+    import llmc
+    from llmc.build import build_until
+    from llmc.recipe import load_recipe
+    from llmc.store import Store
+
+    tree, cache = Path(os.environ["PYTHONPATH"]).resolve(), Path(os.environ["LLMC_CACHE"])
+    assert Path(llmc.__file__).resolve().is_relative_to(tree), f"imported {llmc.__file__}, not from {tree}"
+    store, result = Store(cache), {}  # one cache for all recipes, as a user's: equal stage keys share outputs
+    for path in recipes:
+        t = time.monotonic()
+        try:
+            built = build_until(load_recipe(path), store, "export")
+        except Exception as e:  # one broken recipe still lets the others be compared
+            result[path.stem] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        result[path.stem] = {label: {"files": hash_tree(Path(a["dir"])), "key": a["key"],
+                                     "dir": str(Path(a["dir"]).relative_to(store.root))}
+                             for label, a in built.artifacts.items()}
+        print(f"[compare_exports] {path.stem}: {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
+    print(json.dumps(result, sort_keys=True))
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in NOT_COMPARED}
+
+
+def run_tree(name: str, tree: Path, recipes: list[Path], work: Path) -> dict:
+    """Run the child on `tree` with a fresh cache at <work>/cache, then move that cache to <work>/<name>-cache."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "LLMC_CACHE": str(work / "cache"),
+           "LLMC_PROGRESS_JSON": "0", "TOKENIZERS_PARALLELISM": "false"}
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, __file__, "--child", "--recipes", *map(str, recipes)], cwd=tree, env=env,
+                          stdout=subprocess.PIPE, text=True)
+    print(f"{name} tree built in {time.monotonic() - t:.1f}s", flush=True)
+    if (work / "cache").exists():
+        (work / "cache").rename(work / f"{name}-cache")
+    if proc.returncode:
+        sys.exit(f"the {name} tree's child failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def why(base_file: Path, work_file: Path) -> str:
+    """A hint for a differing .onnx: is it only torch.onnx's per-node stack traces (source paths, line numbers)?"""
+    if base_file.suffix != ".onnx" or not base_file.is_file() or not work_file.is_file():
+        return ""
+    import onnx
+
+    def without_traces(f: Path) -> bytes:
+        m = onnx.load(str(f), load_external_data=False)
+        for node in m.graph.node:
+            keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
+            del node.metadata_props[:]
+            node.metadata_props.extend(keep)
+        return m.SerializeToString(deterministic=True)
+
+    same = without_traces(base_file) == without_traces(work_file)
+    return " [only its pkg.torch.onnx.stack_trace metadata differs]" if same else ""
+
+
+def compare(base: dict, work: dict, where: Path) -> bool:
+    print(f"not compared in any artifact folder: {', '.join(sorted(NOT_COMPARED))} (the cache's stage marker)")
+    same = True
+    for recipe in sorted(base.keys() | work.keys()):
+        b, w = base.get(recipe, {}), work.get(recipe, {})
+        if "error" in b or "error" in w or not b:
+            line = f"FAILED to build: base: {b.get('error', 'ok')}; work: {w.get('error', 'ok')}"
+        else:
+            diffs = []
+            for label in sorted(b.keys() | w.keys()):
+                bf, wf = b.get(label, {}).get("files", {}), w.get(label, {}).get("files", {})
+                for f in sorted(bf.keys() | wf.keys()):
+                    if f not in bf or f not in wf:
+                        diffs.append(f"{label}/{f} (only in {'base' if f in bf else 'work'})")
+                    elif bf[f] != wf[f]:
+                        diffs.append(f"{label}/{f}" + why(where / "base-cache" / b[label]["dir"] / f,
+                                                           where / "work-cache" / w[label]["dir"] / f))
+            n = sum(len(t["files"]) for t in w.values())
+            line = f"identical ({len(w)} artifacts, {n} files)" if not diffs else "DIFFERENT: " + ", ".join(diffs)
+            if not diffs and any(b[t]["key"] != w[t]["key"] for t in b):
+                line += "; export stage keys differ (cached builds would rebuild)"
+        same &= line.startswith("identical")
+        print(f"{recipe:24s} {line}")
+    return same
+
+
+def copy_working_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked files, not ignored ones), uncommitted edits included."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, stdout=subprocess.PIPE, text=True).stdout
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():  # a tracked file deleted in the working tree is listed too
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", help="git revision to compare the working tree with")
+    ap.add_argument("--recipes", nargs="+", type=Path, default=sorted((REPO / "recipes").glob("*.yaml")))
+    ap.add_argument("--model", choices=["tiny", "real"], default="tiny")
+    ap.add_argument("--keep", type=Path, help="keep caches, recipes and tiny models here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.recipes)
+    if not args.base:
+        ap.error("--base is required")
+    if args.keep and args.keep.exists() and any(args.keep.iterdir()):
+        ap.error(f"--keep {args.keep} is not empty")
+    t = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="compare-exports-") as tmp:
+        work = (args.keep or Path(tmp)).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        recipes = prepare([p.resolve() for p in args.recipes], args.model, work)
+        # Both trees run from one path: torch.onnx writes absolute source paths into the Q/DQ graph (see docstring).
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), args.base],
+                       check=True)
+        try:
+            base = run_tree("base", tree, recipes, work)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
+        copy_working_tree(tree)
+        current = run_tree("work", tree, recipes, work)
+        same = compare(base, current, work)
+    print(f"{'all identical' if same else 'artifacts differ'}; {time.monotonic() - t:.1f}s in all")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
