@@ -121,9 +121,12 @@ def child(recipes: list[Path]) -> None:
         except Exception as e:  # one broken recipe still lets the others be compared
             result[path.stem] = {"error": f"{type(e).__name__}: {e}"}
             continue
-        result[path.stem] = {label: {"files": hash_tree(Path(a["dir"])), "key": a["key"],
-                                     "dir": str(Path(a["dir"]).relative_to(store.root))}
-                             for label, a in built.artifacts.items()}
+        result[path.stem] = {}
+        for label, a in built.artifacts.items():
+            # typed llmc.result.Artifact since the registries; a dict in revisions before them
+            folder, key = (Path(a.dir), a.key) if hasattr(a, "dir") else (Path(a["dir"]), a["key"])
+            result[path.stem][label] = {"files": hash_tree(folder), "key": key,
+                                        "dir": str(folder.relative_to(store.root))}
         print(f"[compare_exports] {path.stem}: {time.monotonic() - t:.1f}s", file=sys.stderr, flush=True)
     print(json.dumps(result, sort_keys=True))
 
