@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmc.engines import ENGINE_NAMES
+from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.quant.algorithms import Pipeline, compose, steps_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.targets import runtime_names
@@ -280,7 +281,7 @@ class EvalSection(_Strict):
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
     kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
     runtimes: tuple[Literal[ENGINE_NAMES], ...] = Field(  # every engine in the engine registry
-        default=("torch",),
+        default=(REFERENCE_ENGINE,),
         description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "
         "exports, llama.cpp reads GGUF exports, onnxruntime reads ONNX exports (both paired with the torch "
         "baseline; ONNX Q/DQ graphs too), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment), "

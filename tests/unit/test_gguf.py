@@ -382,10 +382,10 @@ def test_build_exports_gguf_and_compressed_tensors_from_one_quantization(tiny_mo
     arts = result.artifacts
     for label in ("llama.cpp-cpu-tp1", "ollama-cpu-tp1"):
         a = arts[label]
-        assert a["exporter"] == "gguf" and {"model.gguf", "Modelfile", "llmc-serve.json"} <= set(a["files"])
+        assert a.format == "gguf" and {"model.gguf", "Modelfile", "llmc-serve.json"} <= set(a.files)
     # the same GGUF for both runtimes: identical content, so it is evaluated once
-    assert arts["llama.cpp-cpu-tp1"]["content_key"] == arts["ollama-cpu-tp1"]["content_key"]
-    assert "config.json" in arts["vllm-sm90-tp1"]["files"]
+    assert arts["llama.cpp-cpu-tp1"].content_key == arts["ollama-cpu-tp1"].content_key
+    assert "config.json" in arts["vllm-sm90-tp1"].files
     again = build_until(recipe, store, "export")
     assert all(s.cached for s in again.stages if s.name.startswith("export"))
 
