@@ -189,13 +189,14 @@ def test_inspect_and_triton_read_the_qdq_folder(exported, tmp_path: Path) -> Non
 
     from llmc.compiler.triton_repo import write_triton_repo
     from llmc.registry.inspect import describe
+    from llmc.targets import artifact_format
 
     _, folder, _ = exported["w8a8-int8-static"]
     text = describe(folder)
     assert "ONNX Q/DQ graph" in text and "28 DequantizeLinear, 14 QuantizeLinear" in text and "TensorRT" in text
     artifact = tmp_path / "artifact"
     shutil.copytree(folder, artifact)
-    model_dir = write_triton_repo(artifact, "onnx-qdq", "onnxruntime", name="m")
+    model_dir = write_triton_repo(artifact, artifact_format("onnx-qdq").triton_backend, name="m")
     cfg = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert cfg.platform == "onnxruntime_onnx"
     assert [(i.name, list(i.dims)) for i in cfg.input] == [("input_ids", [-1, -1])]
