@@ -124,6 +124,26 @@ def _export_float_graph(model: nn.Module, max_len: int):
     return program.model_proto
 
 
+STACK_TRACE = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(proto) -> int:
+    """Remove the Python stack trace torch.onnx records in each node's metadata; returns how many it removed.
+
+    The traces hold the absolute paths of llmc's checkout and of the Python environment, and source line numbers:
+    the artifact's bytes would depend on where, and from which source lines, it was built, and publishing it would
+    publish those paths. The exporter's name scopes stay (`_module_of` reads them)."""
+    removed = 0
+    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
+        for node in nodes:
+            keep = [p for p in node.metadata_props if p.key != STACK_TRACE]
+            if len(keep) != len(node.metadata_props):
+                removed += len(node.metadata_props) - len(keep)
+                del node.metadata_props[:]
+                node.metadata_props.extend(keep)
+    return removed
+
+
 def _module_of(node, prefix: str = "model.") -> str | None:
     """The Linear module a MatMul came from, from the exporter's name-scope metadata."""
     for prop in node.metadata_props:
@@ -315,6 +335,7 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
     with torch.no_grad():
         proto = _export_float_graph(float_model(qm), max_len)
     counts = insert_qdq(proto, qm, torch_onnx_weights(proto.graph))
+    drop_stack_traces(proto)
     onnx.save(proto, str(out / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
               location=DATA_FILE, size_threshold=1024)
     del proto

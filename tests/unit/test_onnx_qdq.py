@@ -138,6 +138,19 @@ def test_serve_file_says_what_the_graph_is(exported) -> None:
     assert "onnxruntime" not in json.loads((exported["w8a8-fp8-static"][1] / "llmc-serve.json").read_text())
 
 
+def test_graph_records_no_build_paths(exported) -> None:
+    """torch.onnx's per-node stack traces (absolute paths of the checkout and the venv, source line numbers) are
+    dropped, so the artifact's bytes do not depend on where it was built; the name scopes stay."""
+    import llmc
+    import onnx
+
+    _, folder, _ = exported["w8a8-int8-static"]
+    data = (folder / "model.onnx").read_bytes()
+    assert str(Path(llmc.__file__).resolve().parent.parent).encode() not in data and b"stack_trace" not in data
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert any(p.key == "pkg.torch.onnx.name_scopes" for n in graph.node for p in n.metadata_props)
+
+
 def test_exact_session_config_turns_off_the_int8_kernel_fusion(exported) -> None:
     """With the serve file's session config, ORT runs DequantizeLinear -> float MatMul (the torch
     reference's function); by default it fuses the Q/DQ MatMuls into its int8 kernel."""
