@@ -24,8 +24,10 @@ per recipe, `identical` or the files that differ, and exits 0 only if all are id
 Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/compiler/onnx_qdq.py)
 is written by torch.onnx's dynamo exporter, which stores a Python stack trace in every node's metadata
 (`pkg.torch.onnx.stack_trace`): the absolute path of llmc's checkout and the line number of onnx_qdq.py's
-`_Logits.forward`, plus transformers'/torch's paths and lines in the venv. So that model.onnx changes when llmc
-is checked out elsewhere, and when a line moves in that file. Such a difference is reported as such.
+`_Logits.forward`, plus transformers'/torch's paths and lines in the venv. So that model.onnx changed when llmc
+was checked out elsewhere, and when a line moved in that file. The exporter has dropped those traces since
+(`onnx_qdq.drop_stack_traces`), but revisions before that still write them, so both trees run from one path; a
+difference confined to that metadata is reported as such.
 
 --model tiny (default): each recipe's model.source becomes a tiny random model of the same family built once here,
 with fixed seeds, from this tree's tests/conftest.py (Llama for demo:smollm2-135m — llama architecture, as the
