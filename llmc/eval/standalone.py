@@ -16,12 +16,29 @@ from llmc.model.source import resolve_source
 from llmc.store import Store
 
 
-def _artifact_folder(path: Path) -> list[tuple[str, Path]]:
-    if (path / "manifest.json").is_file():
-        return [(p.name, p) for p in sorted((path / "artifacts").iterdir()) if (p / "config.json").is_file()]
-    if (path / "config.json").is_file():
-        return [(path.name, path)]
-    raise InputError(f"{path} is neither an artifact folder nor a registry entry")
+def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
+    """(label, folder) of each artifact at `path` — an artifact folder, or a registry entry's artifacts — that
+    `engine` loads, by the format the target registry recognises (an unquantized Hugging Face folder counts
+    for the engines that load source models)."""
+    from llmc.targets import recognize
+
+    entry = (path / "manifest.json").is_file()
+    if not entry and not path.is_dir():
+        raise InputError(f"{path} is neither an artifact folder nor a registry entry",
+                         fix="pass an exported artifact's folder or a registry entry")
+    candidates = sorted(p for p in (path / "artifacts").iterdir() if p.is_dir()) if entry else [path]
+    found, readable = [], []
+    for folder in candidates:
+        fmt = recognize(folder)
+        found.append(fmt.name if fmt else "unquantized" if (folder / "config.json").is_file() else None)
+        loads = engine in fmt.read_by if fmt else found[-1] == "unquantized" and engine_spec(engine).loads_source
+        if loads:
+            readable.append((folder.name, folder))
+    if not readable:
+        kinds = ", ".join(sorted({k for k in found if k})) or "none llmc recognises"
+        raise InputError(f"{path} holds no artifact the {engine} engine loads (found: {kinds})",
+                         fix="choose --engine among the engines that read that format (llmc inspect names them)")
+    return readable
 
 
 def evaluate_artifact(
@@ -41,7 +58,7 @@ def evaluate_artifact(
         reference = base.score(ids)
     base_nll = reference["nll"]
     rows, failures = [], []
-    for label, folder in _artifact_folder(Path(artifact)):
+    for label, folder in artifact_folders(Path(artifact), engine):
         with open_engine(engine, folder, dtype="float32") as eng:
             scores = eng.score(ids, reference=reference)
         nll = scores["nll"]

@@ -101,3 +101,23 @@ def test_reports_and_registry_import_neither_the_orchestrator_nor_an_engine() ->
             "print(sorted(m for m in sys.modules if m == 'llmc.build' or m.startswith('llmc.engines.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_llmc_eval_routes_artifacts_to_the_engines_that_read_their_format(tmp_path: Path) -> None:
+    from llmc.errors import InputError
+    from llmc.eval.standalone import artifact_folders
+
+    gguf = tmp_path / "gguf-artifact"
+    gguf.mkdir()
+    (gguf / "model.gguf").write_bytes(b"GGUF")
+    assert artifact_folders(gguf, "llama.cpp") == [("gguf-artifact", gguf)]
+    with pytest.raises(InputError, match="no artifact the torch engine loads.*gguf"):
+        artifact_folders(gguf, "torch")
+    plain = tmp_path / "hf"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert artifact_folders(plain, "torch") == [("hf", plain)]
+    with pytest.raises(InputError, match="unquantized"):
+        artifact_folders(plain, "onnxruntime")  # paired with the torch baseline: it cannot load the source
+    with pytest.raises(InputError, match="neither an artifact folder"):
+        artifact_folders(tmp_path / "missing", "torch")
