@@ -12,6 +12,7 @@ from pathlib import Path
 from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
 from llmc.targets import recognize
+from llmc.targets.base import architectures
 
 
 def describe(path: Path) -> str:
@@ -50,7 +51,7 @@ def describe(path: Path) -> str:
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
         q = cfg.get("quantization_config")
-        arch = ", ".join(cfg.get("architectures", []) or ["?"])
+        arch = architectures(cfg)
         if q is None:
             return f"unquantized Hugging Face checkpoint at {path} ({arch}, dtype {cfg.get('dtype') or cfg.get('torch_dtype')})"
         return f"Hugging Face checkpoint at {path} ({arch}) quantized with {q.get('quant_method')} (not produced by llmc)"

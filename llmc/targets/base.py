@@ -164,6 +164,11 @@ def quantization_config(folder: Path) -> dict | None:
     return q if isinstance(q, dict) else None
 
 
+def architectures(config: dict) -> str:
+    """A Hugging Face config's architectures as `llmc inspect` prints them ("?" when it names none)."""
+    return ", ".join(config.get("architectures", []) or ["?"])
+
+
 def serve_line(folder: Path) -> list[str]:
     """`llmc inspect`'s 'serve with' line from the artifact's serve file, where it has one."""
     from llmc.compiler.files import SERVE_FILE

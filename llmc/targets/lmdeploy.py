@@ -6,7 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmc.targets import register_format, register_runtime
-from llmc.targets.base import ArtifactFormat, ExportRequest, Rule, Runtime, quantization_config, read_json, serve_line, target_key
+from llmc.targets.base import (
+    ArtifactFormat,
+    ExportRequest,
+    Rule,
+    Runtime,
+    architectures,
+    quantization_config,
+    read_json,
+    serve_line,
+    target_key,
+)
 
 _NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layout conformance-tested)"
 
@@ -40,7 +50,7 @@ class AwqCheckpoint(ArtifactFormat):
     def describe(self, path: Path) -> str:
         config = read_json(path / "config.json") or {}
         q = config["quantization_config"]
-        arch = ", ".join(config.get("architectures", []) or ["?"])
+        arch = architectures(config)
         return "\n".join([
             f"AWQ checkpoint ({q.get('version', 'gemm').upper()} layout) at {path} ({arch})",
             f"  {q.get('bits')}-bit, group {q.get('group_size')}, zero point {q.get('zero_point')}",

@@ -9,7 +9,17 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from llmc.targets import register_format, register_runtime
-from llmc.targets.base import ArtifactFormat, ExportRequest, MatrixRow, Rule, Runtime, read_json, target_key
+from llmc.targets.base import (
+    ArtifactFormat,
+    ExportRequest,
+    MatrixRow,
+    Rule,
+    Runtime,
+    architectures,
+    quantization_config,
+    read_json,
+    target_key,
+)
 
 # TensorRT-LLM reads the unified (ModelOpt HF) checkpoint from this version; a target pinned below it gets the
 # legacy per-rank checkpoint for trtllm-build.
@@ -47,14 +57,14 @@ class ModelOptCheckpoint(ArtifactFormat):
         export_modelopt_hf(request.quantized, out, **self._options(request))
 
     def recognizes(self, path: Path) -> bool:
-        q = (read_json(path / "config.json") or {}).get("quantization_config") or {}
+        q = quantization_config(path) or {}
         return q.get("quant_method") == "modelopt" and (path / "hf_quant_config.json").is_file()
 
     def describe(self, path: Path) -> str:
         from llmc.compiler.modelopt_hf import HF_QUANT_CONFIG, LLM_API_OPTIONS
 
         config = read_json(path / "config.json") or {}
-        arch = ", ".join(config.get("architectures", []) or ["?"])
+        arch = architectures(config)
         hq = read_json(path / HF_QUANT_CONFIG)["quantization"]
         lines = [
             f"ModelOpt unified Hugging Face checkpoint (TensorRT-LLM) at {path} ({arch})",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmc.targets import register_format, register_runtime
-from llmc.targets.base import ArtifactFormat, ExportRequest, Rule, Runtime, quantization_config, target_key
+from llmc.targets.base import ArtifactFormat, ExportRequest, Rule, Runtime, architectures, quantization_config, target_key
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -50,7 +50,7 @@ class CompressedTensors(ArtifactFormat):
         config = read_json(path / "config.json") or {}
         q = config["quantization_config"]
         s = _scheme_from_config(q)
-        arch = ", ".join(config.get("architectures", []) or ["?"])
+        arch = architectures(config)
         return "\n".join([
             f"compressed-tensors checkpoint at {path} ({arch})",
             f"  scheme {s.name}: format {q.get('format')}, weights {s.weights.describe()}"
