@@ -24,7 +24,7 @@ from llmc.calibration.windows import make_windows
 from llmc.compiler.files import SERVE_FILE
 from llmc.engines import engine_spec, open_engine
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
-from llmc.eval.gates import evaluate_gates
+from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.source import resolve_source
 from llmc.plan import make_plan
@@ -307,11 +307,7 @@ def _hardware() -> dict:
 
 
 def _gate(result: BuildResult) -> None:
-    for ids in result.target_evals.values():
-        for eval_id in ids:
-            m = result.evals[eval_id]
-            if m.skipped is None:
-                result.verdicts += evaluate_gates(result.recipe.gates, eval_id, m)
+    result.verdicts += gate_build(result)  # per artifact; fails closed on what no engine measured
 
 
 def raise_for_gates(result: BuildResult) -> None:
