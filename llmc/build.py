@@ -315,7 +315,10 @@ def raise_for_gates(result: BuildResult) -> None:
     if not failed:
         return
     msg = "; ".join(f"{v.target} {v.gate}: measured {v.measured}, threshold {v.threshold}" for v in failed)
+    fix = "inspect report.md; relax the gate only if the loss is acceptable"
+    if any(not v.evaluated for v in failed):
+        fix = ("add an engine that measures the gate for that artifact to eval.runtimes (see the reason), or set "
+               "gates.allow_unevaluated: true to publish it unmeasured; " + fix)
     if any(v.kind in ("quality", "availability") for v in failed):
-        raise QualityGateError(f"gate failed, build not published: {msg}",
-                               fix="inspect report.md; relax the gate only if the loss is acceptable")
-    raise PerformanceGateError(f"gate failed, build not published: {msg}")
+        raise QualityGateError(f"gate failed, build not published: {msg}", fix=fix)
+    raise PerformanceGateError(f"gate failed, build not published: {msg}", fix=fix)

@@ -124,8 +124,7 @@ def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list
     if recipe.gates.allow_unevaluated:
         return warnings
     for t in plan_targets:
-        variant = t["label"].split("/")[0] if "/" in t["label"] else ""
-        scheme = schemes[variant]
+        scheme = _scheme_of(t["label"], schemes)
         if not set_gates(effective_gates(recipe.gates, scheme)):
             continue
         fmt = targets.artifact_format(t["exporter"])
@@ -140,6 +139,11 @@ def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list
     return warnings
 
 
+def _scheme_of(label: str, schemes: dict[str, Scheme]) -> Scheme:
+    """The scheme of a plan target labelled "<variant>/<target>" (several variants) or "<target>" (one, keyed "")."""
+    return schemes[""] if "" in schemes else schemes[label.split("/", 1)[0]]
+
+
 def emulated_performance_gates(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> str | None:
     """Why a performance gate can only ever read emulation timings for some target (None: it can read a runtime).
     The planner refuses such a recipe: the emulation's tokens/s is not the artifact's speed."""
@@ -147,7 +151,7 @@ def emulated_performance_gates(recipe: Recipe, schemes: dict[str, Scheme], plan_
     from llmc.engines import engine_spec
 
     for t in plan_targets:
-        scheme = schemes[t["label"].split("/")[0] if "/" in t["label"] else ""]
+        scheme = _scheme_of(t["label"], schemes)
         perf = [k for k in PERFORMANCE_GATES if getattr(effective_gates(recipe.gates, scheme), k) is not None]
         if not perf:
             continue

@@ -420,6 +420,10 @@ def test_no_engine_and_nan_metrics_fail_in_every_report() -> None:
     allowed = _synthetic_build({}, runtimes=[], gates={"max_mean_kld": 0.1, "allow_unevaluated": True})
     assert allowed.passed and allowed.gates_status[0] == "passed-unmeasured"
     assert "all" not in allowed.gates_status[1].split()[0] and "pass (not measured)" in render_markdown(allowed)
+    from llmc.eval.ci import junit_xml
+
+    suite = ET.fromstring(junit_xml("r", allowed.verdicts).split("\n", 1)[1])
+    assert suite.get("skipped") == "1" and suite.get("failures") == "0"  # CI sees it as skipped, not passed
 
     broken = _eval("torch", delta=math.nan, hi=math.nan, lo=math.nan)
     broken.perplexity = math.nan
