@@ -99,6 +99,12 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             warnings.append(f"target {label}: {key} on {target.gpu_arch}: {rule.degraded_effect}")
         else:
             need = rule.degraded_from or rule.native_from
+            if need is None:  # no GPU kernel at all (e.g. ONNX Runtime's FP8 Q/DQ): its CPU build runs it
+                raise IncompatibleTargetError(
+                    f"target {label}: {target.runtime} runs {key} on CPU only, gpu_arch is {target.gpu_arch}"
+                    + (f": {rule.refuse_reason}" if rule.refuse_reason else ""),
+                    fix="set gpu_arch: cpu, or choose another scheme or runtime for the GPU",
+                )
             raise IncompatibleTargetError(
                 f"target {label}: {key} needs {need}+ on {target.runtime}, gpu_arch is {target.gpu_arch}: "
                 f"{rule.refuse_reason}",
