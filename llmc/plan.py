@@ -7,7 +7,6 @@ say what the user loses.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -244,7 +243,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None:
-        config = json.loads((Path(model_folder) / "config.json").read_text())
+        from llmc.model.checkpoint import read_model_config
+
+        config = read_model_config(Path(model_folder))
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, shapes)

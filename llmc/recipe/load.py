@@ -9,9 +9,6 @@ escaped excerpt of the input and list at most MAX_LISTED problems.
 from __future__ import annotations
 
 import difflib
-import errno
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmc.errors import RecipeError
 from llmc.excerpt import excerpt, shorten
+from llmc.inputs import decode_utf8, read_input_bytes, shown
 from llmc.recipe.safe_yaml import YamlLimitError, load_yaml
 from llmc.recipe.schema import Recipe
 
@@ -26,62 +24,17 @@ MAX_RECIPE_BYTES = 1 << 20  # recipes are a few KB
 MAX_LISTED = 10  # problems listed in one message; the count says how many more
 
 _EXAMPLE_FIX = "pass the path of a recipe YAML, e.g. recipes/smollm2-fp8.yaml"
-_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
-
-
-def file_kind(mode: int) -> str:
-    """What a stat mode is, in words ("a directory", "a FIFO (named pipe)", ...)."""
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    return parse_recipe(read_recipe_text(path), source=shorten(str(path), 200))
+    return parse_recipe(read_recipe_text(path), source=shown(path))
 
 
 def read_recipe_text(path: str | Path) -> str:
     """The text of a recipe file: a regular file, at most MAX_RECIPE_BYTES, UTF-8; RecipeError otherwise."""
-    shown = shorten(str(path), 200)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise RecipeError(f"recipe {shown} does not exist", fix=_EXAMPLE_FIX) from None
-    except (OSError, ValueError) as e:  # ELOOP, ENOTDIR, EACCES, ENAMETOOLONG, an embedded NUL
-        what = "is a symlink loop" if getattr(e, "errno", None) == errno.ELOOP else f"cannot be read ({shorten(str(e), 100)})"
-        raise RecipeError(f"recipe {shown} {what}", fix=_EXAMPLE_FIX) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise RecipeError(f"recipe {shown} is {file_kind(st.st_mode)}, not a regular file", fix=_EXAMPLE_FIX)
-    if st.st_size > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe {shown} is {st.st_size:,} bytes; a recipe is at most {MAX_RECIPE_BYTES:,}",
-                          fix="a recipe is a few KB of YAML; check that this is the file you meant")
-    try:
-        # O_NONBLOCK: should the path have become a FIFO since the stat, open() does not wait for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise RecipeError(f"recipe {shown} cannot be read ({shorten(str(e), 100)})", fix=_EXAMPLE_FIX) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RecipeError(f"recipe {shown} is not a regular file", fix=_EXAMPLE_FIX)
-        chunks, size = [], 0
-        while size <= MAX_RECIPE_BYTES and (chunk := os.read(fd, MAX_RECIPE_BYTES + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as e:
-        raise RecipeError(f"recipe {shown} cannot be read ({shorten(str(e), 100)})", fix=_EXAMPLE_FIX) from None
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe {shown} is over {MAX_RECIPE_BYTES:,} bytes",
-                          fix="a recipe is a few KB of YAML; check that this is the file you meant")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise RecipeError(
-            f"recipe {shown} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} (line {line})",
-            fix="save the recipe as UTF-8 (e.g. iconv -f latin1 -t utf-8), or check that this is the recipe you meant",
-        ) from None
+    data = read_input_bytes(path, "recipe", MAX_RECIPE_BYTES, _EXAMPLE_FIX, error=RecipeError)
+    return decode_utf8(data, path, "recipe", "save the recipe as UTF-8 (e.g. iconv -f latin1 -t utf-8 r.yaml), or "
+                       "check that this is the recipe you meant", error=RecipeError)
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
