@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import InputError
+from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
 from llmc.model.checkpoint import read_model_config, safetensors_files
 from llmc.model.gguf_header import check_gguf_header
@@ -70,7 +71,7 @@ def describe_source(spec: str) -> Path:
         demo = DEMO_MODELS.get(name)
         if demo is None:
             raise InputError(
-                f"unknown demo model '{name}'", fix=f"use one of: {', '.join('demo:' + k for k in DEMO_MODELS)}"
+                f"unknown demo model {excerpt(name)}", fix=f"use one of: {', '.join('demo:' + k for k in DEMO_MODELS)}"
             )
         found = importlib.util.find_spec(demo.package)
         if found is None or not found.submodule_search_locations:
