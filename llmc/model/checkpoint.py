@@ -48,8 +48,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 MAX_HEADER_BYTES = 32 << 20  # safetensors' own reader takes up to 100 MB; real headers are KBs to a few MB
 MAX_CONFIG_BYTES = 4 << 20
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_DTYPE_BITS = {"F64": 64, "I64": 64, "U64": 64, "C64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16,
+               "I16": 16, "U16": 16, "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+               "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}  # every dtype safetensors 0.8 reads
 _REDOWNLOAD = "re-download or re-save the checkpoint; the file is truncated or corrupted"
 
 
@@ -98,10 +99,12 @@ def _check_entries(path: Path, header: object, data_bytes: int) -> None:
         numel = 1
         for d in shape:
             numel *= d
-        width = _DTYPE_BYTES.get(info["dtype"])
-        if width is not None and numel * width != offsets[1] - offsets[0]:
-            raise bad(f"tensor {excerpt(name)}: {info['dtype']} {shape} is {numel * width} bytes, its offsets span "
-                      f"{offsets[1] - offsets[0]}")
+        bits = _DTYPE_BITS.get(info["dtype"])
+        if bits is None:
+            raise bad(f"tensor {excerpt(name)} has unknown dtype {excerpt(info['dtype'])}")
+        if numel * bits != 8 * (offsets[1] - offsets[0]):
+            raise bad(f"tensor {excerpt(name)}: {info['dtype']} {shape} is {numel * bits / 8:g} bytes, its offsets "
+                      f"span {offsets[1] - offsets[0]}")
         spans.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(spans):

@@ -262,7 +262,8 @@ def mutated_tree(draw, base: st.SearchStrategy) -> object:
     for _ in range(draw(st.sampled_from([0, 0, 1, 1, 1, 2, 3]))):  # a third reach the model and the planner
         paths = _paths(tree)
         path = draw(st.sampled_from(paths))
-        op = draw(st.sampled_from(["replace", "replace", "delete", "unknown_key", "wrap", "nest", "enum"]))
+        op = draw(st.sampled_from(["enum", "enum", "enum", "number", "number", "replace", "replace", "delete",
+                                   "unknown_key", "wrap", "nest"]))
         if not path:
             if op == "replace":
                 tree = draw(NASTY)
@@ -272,6 +273,9 @@ def mutated_tree(draw, base: st.SearchStrategy) -> object:
             parent[key] = draw(NASTY)
         elif op == "enum":
             parent[key] = draw(st.sampled_from(ENUMS))
+        elif op == "number":  # near the ranges recipes use, so that many still plan: bounds and shape checks
+            parent[key] = draw(st.one_of(st.integers(-2, 5000), st.sampled_from([2**k for k in range(14)]),
+                                         st.floats(-1, 200, allow_nan=False)))
         elif op == "delete":
             del parent[key]
         elif op == "unknown_key" and isinstance(parent[key], dict):
@@ -307,7 +311,7 @@ def laughs(levels: int) -> str:
 
 @st.composite
 def text_mutation(draw, text: str) -> bytes:
-    op = draw(st.sampled_from(["none", "none", "tag", "anchor", "laughs", "recursive", "digits", "deep", "keys",
+    op = draw(st.sampled_from(["none"] * 8 + ["tag", "anchor", "laughs", "recursive", "digits", "deep", "keys",
                                "byte", "truncate", "bom", "crlf", "duplicate", "documents", "laughs_in_field"]))
     value_starts = [m.end() for m in re.finditer(r": |- ", text)] or [len(text)]
     at = draw(st.sampled_from(value_starts))

@@ -306,7 +306,8 @@ def test_safetensors_header_not_an_object_or_entries_wrong(tiny_model_session: P
     with pytest.raises(InputError, match="the header is a JSON list"):
         CheckpointReader(m)
     for field, value, needle in [("shape", [-1, 4], "has shape"), ("data_offsets", [10, 2], "has data_offsets"),
-                                 ("dtype", None, "has no dtype"), ("shape", [1, 1], "bytes, its offsets span")]:
+                                 ("dtype", None, "has no dtype"), ("dtype", "Q4_K", "unknown dtype .Q4_K."),
+                                 ("shape", [1, 1], "bytes, its offsets span")]:
         w.write_bytes(original)
         name = next(k for k in json.loads(original[8:8 + struct.unpack("<Q", original[:8])[0]]) if k != "__metadata__")
         _rewrite_header(w, lambda h: {**h, name: {**h[name], field: value}})
@@ -388,3 +389,19 @@ def test_corrupted_gguf_is_named_before_transformers(tmp_path: Path, mangle, nee
     with pytest.raises(InputError, match=needle) as e:
         resolve_source(str(f), Store(tmp_path / "c"))
     assert time.monotonic() - start < 2 and "could not read" in e.value.message
+
+
+@pytest.mark.parametrize("cache", ["/dev/null", "/etc/passwd/x"])
+def test_cache_that_cannot_be_a_directory(tmp_path: Path, cache: str) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text(BASE)
+    result = CliRunner().invoke(main, ["plan", str(f)], env={"LLMC_CACHE": cache})
+    assert result.exit_code == 7 and "cannot be used as a directory" in result.stderr and "LLMC_CACHE" in result.stderr
+
+
+def test_corrupted_hash_memo_is_rebuilt(tiny_model_session: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "c")
+    (store.root / "file-hashes.json").write_text("[1, 2]")
+    first = resolve_source(str(tiny_model_session), store).sha256
+    (store.root / "file-hashes.json").write_bytes(b"\xff")
+    assert resolve_source(str(tiny_model_session), store).sha256 == first
