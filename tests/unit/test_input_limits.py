@@ -405,3 +405,24 @@ def test_corrupted_hash_memo_is_rebuilt(tiny_model_session: Path, tmp_path: Path
     first = resolve_source(str(tiny_model_session), store).sha256
     (store.root / "file-hashes.json").write_bytes(b"\xff")
     assert resolve_source(str(tiny_model_session), store).sha256 == first
+
+
+@pytest.mark.parametrize("bad", ["fifo", "latin1"])
+def test_corpus_file_that_is_not_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    """A Brown directory (LLMC_BROWN_DIR) with a FIFO or a non-UTF-8 file among its 500: named, no hang."""
+    from llmc.calibration.corpora import brown_documents
+
+    root = tmp_path / "brown"
+    root.mkdir()
+    names = [f"c{chr(97 + i // 100 % 18)}{i % 100:02d}" for i in range(500)]
+    for n in names:
+        (root / n).write_text("The/at jury/nn said/vbd ./.\n")
+    victim = root / names[9]  # the first eval-split file
+    victim.unlink()
+    if bad == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.write_bytes(b"caf\xe9/nn ./.\n")
+    monkeypatch.setenv("LLMC_BROWN_DIR", str(root))
+    with pytest.raises(InputError, match="FIFO" if bad == "fifo" else "not UTF-8 text: byte 0xe9 at offset 3"):
+        brown_documents("eval")
