@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 hypothesis = pytest.importorskip("hypothesis", reason="pip install -e '.[dev]' installs hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from llmc.cli import main  # noqa: E402
