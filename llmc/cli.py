@@ -19,9 +19,9 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except LlmcError as e:
-        click.echo(f"llmc: {e.kind}: {e.message}", err=True)
+        click.echo(f"llmc: {e.kind}: {_printable(e.message)}", err=True)
         if e.fix:
-            click.echo(f"  fix: {e.fix}", err=True)
+            click.echo(f"  fix: {_printable(e.fix)}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("llmc: interrupted; finished stages are cached and a rerun resumes", err=True)
@@ -35,6 +35,15 @@ def _run(fn, *args, **kwargs):
         traceback.print_exc()
         click.echo(f"llmc: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(INTERNAL_ERROR_EXIT_CODE)
+
+
+def _printable(text: str, limit: int = 4000) -> str:
+    """A message as printed: control characters that came from the input escaped (a name holding terminal escape
+    sequences cannot drive the terminal), at most `limit` characters."""
+    from llmc.excerpt import escape
+
+    lines = [escape(line) for line in text[:limit].split("\n")]
+    return "\n".join(lines) + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 cache_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,

@@ -119,7 +119,16 @@ class Store:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from llmc.errors import InputError
+            from llmc.inputs import shown
+
+            raise InputError(f"the cache {shown(self.root)} cannot be used as a directory ({e.strerror})",
+                             fix="point --cache-dir or LLMC_CACHE at a writable directory") from None
 
     @classmethod
     def default(cls, override: str | Path | None = None) -> "Store":
@@ -155,8 +164,10 @@ class Store:
         st = path.stat()
         memo_path = self.root / "file-hashes.json"
         try:
-            memo = json.loads(memo_path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+        except (OSError, ValueError):  # unreadable or not JSON: a memo, rebuilt
+            memo = {}
+        if not isinstance(memo, dict):
             memo = {}
         tag = f"{st.st_size}:{st.st_mtime_ns}"
         entry = memo.get(str(path))

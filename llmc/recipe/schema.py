@@ -8,8 +8,9 @@ capabilities (the target registry, `llmc.targets`) live in `llmc.plan`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,7 +27,8 @@ GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and ±inf are no setting of anything; every number below also has a range (`ge`/`le`)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSection(_Strict):
@@ -40,7 +42,7 @@ class ModelSection(_Strict):
 class TensorQuant(_Strict):
     format: Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
     strategy: Literal["tensor", "channel", "group", "token"]
-    group_size: int | None = None
+    group_size: int | None = Field(default=None, ge=1, le=65536)
     symmetric: bool = True
     dynamic: bool = False
 
@@ -152,6 +154,28 @@ class QuantizationSection(_Strict):
         default_factory=dict, description="the algorithm's options, e.g. smoothquant alpha (llmc.quant.algorithms)"
     )
 
+    @field_validator("ignore")
+    @classmethod
+    def _ignore_regexes(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        """Compile every 're:' pattern now: a bad one is the recipe's error, not a crash mid-build."""
+        from llmc.excerpt import excerpt, shorten
+
+        for p in patterns:
+            if not p.startswith("re:"):
+                continue
+            if len(p) > 1003:
+                raise ValueError(f"ignore pattern {excerpt(p)} is longer than 1000 characters; fix: shorten it")
+            try:
+                re.compile(p[3:])
+            except (re.error, RecursionError, OverflowError, ValueError) as e:
+                where = f" at position {e.pos}" if getattr(e, "pos", None) is not None else ""
+                raise ValueError(
+                    f"ignore pattern {excerpt(p)} is not a valid regular expression "
+                    f"({shorten(getattr(e, 'msg', str(e)), 80)}{where}); fix: escape special characters with a "
+                    "backslash (e.g. 're:.*\\.mlp\\..*'), or give the module name without 're:'"
+                ) from None
+        return patterns
+
     @field_validator("algorithm", mode="before")
     @classmethod
     def _composed(cls, v: object) -> str:
@@ -208,7 +232,7 @@ class CalibrationSection(_Strict):
     dataset: Literal["brown"] = "brown"
     samples: int = Field(default=32, ge=1, le=4096)
     seq_len: int = Field(default=512, ge=16, le=32768)
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1, description="torch.Generator's seed range")
     spill_activations: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="keep the activations passed between layers on disk, one batch in memory at a time; "
@@ -273,8 +297,10 @@ class EvalSection(_Strict):
     batch_size: int = Field(default=4, ge=1, le=1024)
     decode_tokens: int = Field(default=16, ge=0, le=4096)
     throughput_repeats: int = Field(default=3, ge=1, le=100)
-    throughput_batch_sizes: tuple[int, ...] = Field(
+    throughput_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1024)], ...] = Field(
         default=(1,),
+        min_length=1,
+        max_length=16,
         description="batch sizes tokens/s is measured at (torch engine; other engines measure batch 1); "
         "gates and the report's headline use the first",
     )
@@ -307,16 +333,18 @@ class Gates(_Strict):
     max_ppl_increase_pct: float | None = Field(
         default=None,
         gt=0,
+        le=1e6,
         description="fail when the upper 95% bound of the paired perplexity increase exceeds this",
     )
     max_mean_kld: float | None = Field(
-        default=None, gt=0, description="fail when the upper 95% bound of mean per-token KL(base||quant) exceeds this"
+        default=None, gt=0, le=1e3,
+        description="fail when the upper 95% bound of mean per-token KL(base||quant) exceeds this"
     )
     min_top1_agreement_pct: float | None = Field(
         default=None, gt=0, le=100, description="fail when the lower 95% bound of top-1 agreement is below this"
     )
-    min_prefill_tokens_per_s: float | None = Field(default=None, gt=0)
-    min_decode_tokens_per_s: float | None = Field(default=None, gt=0)
+    min_prefill_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
+    min_decode_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
 
 
 class PublishSection(_Strict):
