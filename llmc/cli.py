@@ -12,7 +12,8 @@ import click
 from llmc.engines import ENGINE_NAMES
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
 
-EXIT_HELP = ("Exit codes: " + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
+EXIT_HELP = ("Exit codes: "
+             + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
              + ". Resource exhausted: disk full or over quota, a disk I/O error, out of host or GPU memory, or an "
              "engine process killed (out-of-memory killer); finished stages are kept and a rerun resumes.")
 

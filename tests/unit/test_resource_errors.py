@@ -242,23 +242,35 @@ def test_full_disk_at_each_write_site_exits_4_and_the_rerun_is_identical(
     assert published_artifact_hashes(tmp_path / "registry") == clean_build
 
 
-def test_out_of_memory_in_a_stage_is_exit_4_naming_the_stage(tmp_path: Path, tiny_model_session: Path,
-                                                             corpus: Path, monkeypatch) -> None:
+def _raiser(make):
+    def fail(*args, **kwargs):
+        raise make()
+
+    return fail
+
+
+@pytest.mark.parametrize("function, make, message", [
+    pytest.param("make_windows", MemoryError, "out of memory in stage 'calibrate'", marks=pytest.mark.slow),
+    pytest.param("quantize_model", _cpu_allocation_failure, "out of memory in stage 'quantize'",
+                 marks=pytest.mark.slow),
+    ("open_engine", lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+     "out of GPU memory in stage 'eval'"),
+], ids=["calibrate", "quantize", "eval-gpu"])
+def test_out_of_memory_in_a_stage_is_exit_4_naming_the_stage(
+        function: str, make, message: str, tmp_path: Path, tiny_model_session: Path, corpus: Path,
+        clean_build: dict[str, str], monkeypatch) -> None:
     import llmc.build
 
     use_corpus_file(corpus, monkeypatch.setattr)
-    real = llmc.build.open_engine
-
-    def open_engine(engine, folder, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-
-    monkeypatch.setattr(llmc.build, "open_engine", open_engine)
-    failed = _cli_build(tmp_path, tiny_model_session)
-    assert failed.exit_code == 4 and "Traceback" not in failed.stderr
-    assert "llmc: resource exhausted: out of GPU memory in stage 'eval'" in failed.stderr
-    assert "calibration.device: cpu" in failed.stderr
-    monkeypatch.setattr(llmc.build, "open_engine", real)
-    assert _cli_build(tmp_path, tiny_model_session).exit_code == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llmc.build, function, _raiser(make))
+        failed = _cli_build(tmp_path, tiny_model_session)
+    assert failed.exit_code == 4 and "Traceback" not in failed.stderr, failed.stderr
+    assert f"llmc: resource exhausted: {message} under {tmp_path}/cache/stages/" in failed.stderr, failed.stderr
+    assert "then rerun" in failed.stderr
+    rerun = _cli_build(tmp_path, tiny_model_session)  # memory freed
+    assert rerun.exit_code == 0, rerun.stderr
+    assert published_artifact_hashes(tmp_path / "registry") == clean_build
 
 
 def test_resource_error_escaping_any_seam_is_still_exit_4(tmp_path: Path) -> None:
