@@ -54,10 +54,11 @@ def use_corpus_file(path: Path, setattr_=None) -> None:
 
 
 def published_artifact_hashes(registry: Path) -> dict[str, str]:
-    """sha256 of every artifact file in every complete registry entry, by path inside the registry."""
+    """sha256 of every artifact file in every complete registry entry, by path inside the registry (a publish
+    killed just before its rename leaves a `.<build id>.tmp-<pid>` folder: not an entry)."""
     out = {}
     for entry in sorted(registry.glob("*/*")):
-        if (entry / COMPLETE_MARKER).is_file():
+        if not entry.name.startswith(".") and (entry / COMPLETE_MARKER).is_file():
             for f in sorted((entry / "artifacts").rglob("*")):
                 if f.is_file():
                     out[f.relative_to(registry).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
