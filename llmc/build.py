@@ -23,7 +23,8 @@ from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.files import SERVE_FILE
 from llmc.engines import engine_spec, open_engine
-from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
+from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
+                         ResourceError)
 from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.source import resolve_source
@@ -35,7 +36,7 @@ from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
-from llmc.store import Store, atomic_save_safetensors, atomic_write_json, stage_key
+from llmc.store import Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
@@ -44,7 +45,9 @@ def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | 
     if publish and result.passed:
         from llmc.registry.local import publish_build
 
-        result.published, result.publish_noop = publish_build(result, store)
+        with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
+            result.published, result.publish_noop = publish_build(result, store)
+        events.emit("publish:done")
     return result
 
 
@@ -113,6 +116,7 @@ def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
                 w = make_windows(tokenizer, docs, c.seq_len, c.samples, seed=c.seed)
                 atomic_save_safetensors(out / "tokens.safetensors", {"input_ids": w.ids})
                 atomic_write_json(out / "samples.json", {**cfg, "window_index": w.window_index, "bos": w.bos})
+                events.emit("calibrate:written")
             done = store.lookup("calibrate", key)
     result.calibration = json.loads((done / "samples.json").read_text())
     return key
@@ -233,6 +237,8 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
                     m.baseline_engine = base_engine
                     by_content[art.content_key] = m
                 result.evals[eval_id] = by_content[art.content_key]
+            except ResourceError:
+                raise  # the machine, not the artifact, failed: stop the build (exit 4) instead of failing a gate
             except LlmcError as e:
                 result.evals[eval_id] = Evaluation(engine, error=str(e))
 

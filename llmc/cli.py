@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from llmc.engines import ENGINE_NAMES
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
 
-EXIT_HELP = "Exit codes: " + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
+EXIT_HELP = ("Exit codes: "
+             + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
+             + ". Resource exhausted: disk full or over quota, a disk I/O error, out of host or GPU memory, or an "
+             "engine process killed (out-of-memory killer); finished stages are kept and a rerun resumes.")
 
 
 def _run(fn, *args, **kwargs):
@@ -19,17 +23,15 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except LlmcError as e:
-        click.echo(f"llmc: {e.kind}: {_printable(e.message)}", err=True)
-        if e.fix:
-            click.echo(f"  fix: {_printable(e.fix)}", err=True)
-        sys.exit(e.exit_code)
+        _fail(e)
     except KeyboardInterrupt:
         click.echo("llmc: interrupted; finished stages are cached and a rerun resumes", err=True)
         sys.exit(130)
-    except MemoryError:
-        click.echo("llmc: resource exhausted: out of memory; finished stages are cached, rerun resumes", err=True)
-        sys.exit(EXIT_CODES["resource exhausted"])
     except Exception as e:  # noqa: BLE001 - the one place that reports unexpected failures
+        from llmc.resource_errors import resource_error
+
+        if (resource := resource_error(e)) is not None:  # disk full, I/O error, out of memory: never "internal"
+            _fail(resource)
         import traceback
 
         traceback.print_exc()
@@ -44,6 +46,13 @@ def _printable(text: str, limit: int = 4000) -> str:
 
     lines = [escape(line) for line in text[:limit].split("\n")]
     return "\n".join(lines) + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
+def _fail(e: LlmcError) -> NoReturn:
+    click.echo(f"llmc: {e.kind}: {_printable(e.message)}", err=True)
+    if e.fix:
+        click.echo(f"  fix: {_printable(e.fix)}", err=True)
+    sys.exit(e.exit_code)
 
 
 cache_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -88,9 +97,11 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish:
             # a build that never reached its gates still tells CI why, as an error test case
             if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
                 from llmc.eval.ci import junit_xml
+                from llmc.resource_errors import resource_kind
                 from llmc.store import atomic_write_text
 
-                kind = e.kind if isinstance(e, LlmcError) else "internal error"
+                kind = (e.kind if isinstance(e, LlmcError)
+                        else "resource exhausted" if resource_kind(e) else "internal error")
                 atomic_write_text(junit, junit_xml(recipe.stem, [], error=(kind, f"{type(e).__name__}: {e}")))
             raise
 

@@ -9,7 +9,6 @@ work in its `.partial` directory across a crash; a non-resumable one starts it a
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -20,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from llmc import __version__
-from llmc.errors import ResourceError
+from llmc import events
+from llmc.errors import LlmcError
+from llmc.resource_errors import resource_error
 
 COMPLETE_MARKER = ".llmc-complete"
 
@@ -47,23 +48,28 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def disk_errors(what: str, where: Path) -> Iterator[None]:
+def resource_errors(what: str, where: Path) -> Iterator[None]:
+    """Turn a full disk, an exceeded quota, an I/O error or running out of memory inside the block (also when a
+    library wraps it, as safetensors does) into a ResourceError naming `what` was written `where`
+    (llmc.resource_errors). The innermost block names the most precise place; outer ones pass it on."""
     try:
         yield
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ResourceError(
-                f"disk full while writing {what} under {where}",
-                fix="free disk space or point LLMC_CACHE / --cache-dir at a larger disk, then rerun: "
-                "finished stages are kept and the build resumes",
-            ) from None
+    except LlmcError:
         raise
+    except Exception as e:
+        error = resource_error(e, what, where)
+        if error is None:
+            raise
+        raise error from e
+
+
+disk_errors = resource_errors  # the earlier name, for callers that still use it
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with disk_errors(path.name, path.parent):
+    with resource_errors(path.name, path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -76,6 +82,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
                 os.unlink(tmp)
             raise
     fsync_dir(path.parent)
+    events.emit(f"file:{path.name}")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -91,9 +98,9 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with disk_errors(path.name, path.parent):
+    with resource_errors(path.name, path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
             with open(tmp, "rb+") as f:
@@ -104,6 +111,7 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
                 os.unlink(tmp)
             raise
     fsync_dir(path.parent)
+    events.emit(f"file:{path.name}")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -150,7 +158,7 @@ class Store:
         if not resumable and partial.exists():
             shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
-        with disk_errors(f"stage '{stage}'", partial):
+        with resource_errors(f"stage '{stage}'", partial):
             yield partial
             atomic_write_json(partial / COMPLETE_MARKER, {"stage": stage, "key": key, "llmc": __version__})
             if final.exists():  # an older incomplete leftover (no marker): replace it

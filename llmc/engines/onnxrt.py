@@ -28,6 +28,7 @@ from llmc.compiler.files import SERVE_FILE
 from llmc.engines.base import EngineBase
 from llmc.engines.torch_ref import score_logits, summary
 from llmc.errors import EngineFailed, EngineUnavailable
+from llmc.resource_errors import raise_if_resource
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -78,6 +79,7 @@ class OnnxRuntimeEngine(EngineBase):
         try:
             self.session = ort.InferenceSession(str(self.model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for invalid graphs/data
+            raise_if_resource(e, f"onnxruntime loading {self.model_path}")
             raise EngineFailed(f"onnxruntime could not load {self.model_path}: {e}",
                                fix="check the artifact with `llmc inspect`; re-export it if files are damaged") from None
         types = {i.name: i.type for i in self.session.get_inputs()}

@@ -26,6 +26,7 @@ from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
+from llmc.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
@@ -106,6 +107,7 @@ class TorchEngine(EngineBase):
                     self.folder, dtype=self.dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
                 )
         except Exception as e:
+            raise_if_resource(e, f"transformers loading {self.folder}")
             raise EngineFailed(
                 f"transformers could not load {self.folder}: {type(e).__name__}: {e}",
                 fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",

@@ -19,6 +19,7 @@ from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
 from llmc.model.checkpoint import read_model_config, safetensors_files
 from llmc.model.gguf_header import check_gguf_header
+from llmc.resource_errors import raise_if_resource
 from llmc.store import Store, stage_key
 
 TOKENIZER_FILES = (
@@ -147,6 +148,7 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
     except Exception as e:  # transformers raises many types for a bad GGUF
+        raise_if_resource(e, f"unpacking {gguf.name}")
         raise InputError(
             f"transformers could not read {gguf} as a GGUF model: {type(e).__name__}: {e}",
             fix="check that the file is a complete GGUF of an architecture transformers supports",

@@ -9,6 +9,9 @@ and the worker answers in the same folder with
     scores.npz     per-token arrays (nll [n, seq-1], and whatever else the engine measures)
     result.json    plain values (throughput, engine version, load time); written last, so that its presence
                    means the worker finished.
+or, when the worker failed with an exception,
+    error.json     {"types": the exception's class names (MRO), "errno": int or null, "message": str}, for llmc
+                   to tell a resource failure (disk full, out of memory) from any other (llmc.resource_errors).
 
 llmc imports this file as llmc.engines.workers._wire; a worker imports it as `_wire` (its own folder is on
 sys.path when it runs as a script).
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-REQUEST, TENSORS, SCORES, RESULT = "request.json", "tensors.npz", "scores.npz", "result.json"
+REQUEST, TENSORS, SCORES, RESULT, ERROR = "request.json", "tensors.npz", "scores.npz", "result.json", "error.json"
 
 
 def write_request(folder: Path, request: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -40,6 +43,31 @@ def write_result(folder: str | Path, result: dict, scores: dict[str, np.ndarray]
     np.savez(folder / SCORES, **scores)
     (folder / (RESULT + ".tmp")).write_text(json.dumps(result))
     os.replace(folder / (RESULT + ".tmp"), folder / RESULT)
+
+
+def run(main, folder: str) -> None:
+    """A worker's entry point: `main(folder)`; an exception is also described in error.json, then re-raised
+    (its traceback goes to the worker's log and the exit status is non-zero)."""
+    try:
+        main(folder)
+    except BaseException as e:
+        err = getattr(e, "errno", None)
+        try:
+            (Path(folder) / ERROR).write_text(json.dumps({
+                "types": [c.__name__ for c in type(e).__mro__],
+                "errno": err if isinstance(err, int) else None,
+                "message": str(e)[:2000],
+            }))
+        except OSError:
+            pass  # the disk may be the thing that failed; llmc then reads the log instead
+        raise
+
+
+def read_error(folder: Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / ERROR).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def has_result(folder: Path) -> bool:
