@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from llmc.eval.ci import junit_xml, quality_speed_png, report_html
 from llmc.eval.report import render_markdown, report_dict
+from llmc.paths import confined
 from llmc.store import Store, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
@@ -26,6 +27,6 @@ def write_report_files(result: "BuildResult", out: Path) -> None:
 
 
 def write_build_outputs(result: "BuildResult", store: Store) -> Path:
-    out = store.root / "builds" / result.build_id
+    out = confined(store.root, f"builds/{result.build_id}", what="build folder")
     write_report_files(result, out)
     return out
