@@ -247,14 +247,16 @@ def inspect(path: Path) -> None:
 
 @main.command(epilog=EXIT_HELP)
 @click.argument("path", type=click.Path(path_type=Path))
-def verify(path: Path) -> None:
+@click.option("--require-signature", is_flag=True,
+              help="also fail when a registry entry is unsigned or its signature cannot be checked (no key set)")
+def verify(path: Path, require_signature: bool) -> None:
     """Verify a registry entry (files against manifest.json, and manifest.sig when LLMC_SIGNING_KEY or
     LLMC_SIGNING_KEY_FILE is set) or a cached stage output; non-zero exit on any difference."""
 
     def go():
         from llmc.registry.inspect import verify_path
 
-        text, problems = verify_path(path)
+        text, problems = verify_path(path, require_signature=require_signature)
         click.echo(text)
         _raise_if_modified(path, problems)
 

@@ -35,14 +35,18 @@ def inspect_path(path: Path) -> tuple[str, list[str]]:
     return "\n".join(lines), problems
 
 
-def verify_path(path: Path) -> tuple[str, list[str]]:
+def verify_path(path: Path, *, require_signature: bool = False) -> tuple[str, list[str]]:
     """Only the integrity part of `inspect_path`: (lines, problems). A path with no record to verify against is an
-    InputError."""
+    InputError. `require_signature`: a registry entry must also carry a signature that the key set here checks."""
     path = Path(path)
     if (path / "manifest.json").exists():
         from llmc.registry.local import verify_entry
+        from llmc.registry.signing import signature_status, signing_key
 
         problems = verify_entry(path)
+        status = signature_status(path, signing_key())[0]
+        if require_signature and not status.startswith("valid") and not any("signature" in p for p in problems):
+            problems.append(f"signature required, but {status}")
         return "\n".join([f"registry entry {path}", _files_line(path, problems), _signature_line(path)]), problems
     record = verify_record(path)
     if record is None:

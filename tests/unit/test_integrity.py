@@ -326,11 +326,13 @@ def test_manifest_signature_with_a_key_from_the_environment(published, tmp_path:
     monkeypatch.setenv("LLMC_SIGNING_KEY", secret)
     unsigned = CliRunner().invoke(main, ["inspect", str(b.entry)])  # published without a key
     assert unsigned.exit_code == 0 and "signature: unsigned" in unsigned.output
+    assert CliRunner().invoke(main, ["verify", "--require-signature", str(b.entry)]).exit_code == 7
     shutil.rmtree(b.entry)
     result = b.build()
     assert (b.entry / "manifest.sig").is_file() and verify_entry(b.entry) == []
     ok = CliRunner().invoke(main, ["inspect", str(b.entry)])
     assert ok.exit_code == 0 and "signature: valid" in ok.output
+    assert CliRunner().invoke(main, ["verify", "--require-signature", str(b.entry)]).exit_code == 0
 
     m = json.loads((b.entry / "manifest.json").read_text())
     m["model"]["source"] = "somewhere-else"  # files untouched, provenance edited
@@ -345,6 +347,7 @@ def test_manifest_signature_with_a_key_from_the_environment(published, tmp_path:
     monkeypatch.delenv("LLMC_SIGNING_KEY_FILE")
     unchecked = CliRunner().invoke(main, ["verify", str(b.entry)])
     assert unchecked.exit_code == 0 and "not checked" in unchecked.output
+    assert CliRunner().invoke(main, ["verify", "--require-signature", str(b.entry)]).exit_code == 7
 
     monkeypatch.setenv("LLMC_SIGNING_KEY", secret)
     repaired = b.build()  # a bad signature is a modified entry: republished, signed again
