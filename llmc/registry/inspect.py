@@ -18,6 +18,16 @@ from llmc.targets import recognize
 from llmc.targets.base import architectures
 
 
+def _gates_line(rep: object) -> str:
+    """The gates' state as the report recorded it: "all passed" only when every gate was measured."""
+    from llmc.eval.gates import gates_summary
+
+    try:
+        return gates_summary(rep.get("verdicts", []))[1]  # type: ignore[union-attr]
+    except (AttributeError, KeyError, TypeError):
+        return "unreadable (the manifest's report has no valid verdicts)"
+
+
 def describe(path: Path) -> str:
     return inspect_path(path)[0]
 
@@ -104,7 +114,7 @@ def _describe_entry(path: Path) -> tuple[str, list[str]]:
         f"  build {get('build_id')} of recipe '{get('recipe', 'name')}', scheme {get('report', 'scheme')}, "
         f"llmc {get('llmc_version')}",
         f"  model {get('model', 'source')} (sha256 {get('model', 'sha256')})",
-        f"  gates: {'all passed' if get('report', 'passed') is True else 'FAILED'}; files: {len(m['files'])}",
+        f"  gates: {_gates_line(m.get('report'))}; files: {len(m['files'])}",
         _files_line(path, problems),
         _signature_line(path),
     ]
