@@ -36,19 +36,29 @@ from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
-from llmc.store import Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
+from llmc.store import CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
 def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None) -> BuildResult:
-    result = build_until(recipe, store, "gate", threads=threads)
-    if publish and result.passed:
-        from llmc.registry.local import publish_build
+    """The whole pipeline. A cached output found changed when a later stage reads it or when it is published is
+    discarded (CorruptOutput) and the build runs once more, rebuilding exactly that output and what depends on
+    its bytes: exports are deterministic, so the rebuilt bytes are the recorded ones and their evaluations stand."""
+    from llmc.registry.local import publish_build
 
-        with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
-            result.published, result.publish_noop = publish_build(result, store)
-        events.emit("publish:done")
-    return result
+    for attempt in (1, 2):
+        try:
+            result = build_until(recipe, store, "gate", threads=threads)
+            if publish and result.passed:
+                with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
+                    result.published, result.publish_noop = publish_build(result, store)
+                events.emit("publish:done")
+            return result
+        except CorruptOutput as e:
+            if attempt == 2:
+                raise
+            log(f"warning: {e.message}; rebuilding it")
+    raise AssertionError("unreachable")
 
 
 def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None = None) -> BuildResult:
@@ -56,6 +66,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if threads:
         torch.set_num_threads(threads)
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
+    store.sweep()  # leftovers of processes that are gone
     source = resolve_source(recipe.model.source, store, recipe.model.dtype)
     plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
     log(plan.render())
@@ -133,7 +144,9 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
         if done is None:
             tokens = None
             if calib_key:
-                tokens = load_file(str(store.lookup("calibrate", calib_key) / "tokens.safetensors"))["input_ids"]
+                calibration = store.stage_dir("calibrate", calib_key)
+                store.require_intact(calibration)
+                tokens = load_file(str(calibration / "tokens.safetensors"))["input_ids"]
             log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
             with store.produce("quantize", key, resumable=True) as out:
                 quantize_model(
@@ -179,6 +192,7 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
     with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
             log(f"export: {fmt.name} for {label}")
+            store.require_intact(qm.root)  # the export is made from these bytes: every one as recorded
             with store.produce("export", key) as out:
                 fmt.write(request, out)
                 if target.triton:
@@ -188,7 +202,8 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
                                       serve=cfg.get("serve"))
                 events.emit("export:written")
             done = store.lookup("export", key)
-    files = {p.name: store.file_hash(p) for p in sorted(done.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    # the sha256 recorded when the export was written (reuse checked the sizes; publish checks every byte)
+    files = _top_level(store.recorded(done))
     result.artifacts[label] = Artifact(
         label=label, dir=done, key=key, files=files,
         content_key=stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE}),
@@ -239,6 +254,8 @@ def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
                 result.evals[eval_id] = by_content[art.content_key]
             except ResourceError:
                 raise  # the machine, not the artifact, failed: stop the build (exit 4) instead of failing a gate
+            except CorruptOutput:
+                raise  # not this engine's failure: the cached artifact changed; `build` rebuilds it
             except LlmcError as e:
                 result.evals[eval_id] = Evaluation(engine, error=str(e))
 
@@ -264,14 +281,26 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
     key = stage_key("eval", cfg, [content_key, reference.key if reference else ""])
+    # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
+    measured = None
+    if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights
+        measured = {k: v for k, v in _top_level(store.recorded(folder)).items() if k != SERVE_FILE}
     done = store.lookup("eval", key)
+    if done is not None and measured is not None:
+        recorded = json.loads((done / "metrics.json").read_text()).get("measured_files")
+        if recorded != measured:
+            store.discard(done, ["it measured other bytes than the artifact now records"])
+            done = None
     label = "baseline" if reference is None else Path(folder).name[:8]
     with _Timer(result, f"eval:{engine}:{label}", key, done is not None):
         if done is None:
             log(f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
             ref_scores = None
             if reference is not None:
-                ref_scores = load_file(str(store.lookup("eval", reference.key) / "scores.safetensors"))
+                store.require_intact(folder)  # measure exactly the bytes the export recorded
+                reference_dir = store.stage_dir("eval", reference.key)
+                store.require_intact(reference_dir)
+                ref_scores = load_file(str(reference_dir / "scores.safetensors"))
             with store.produce("eval", key) as out:
                 t = time.monotonic()
                 with open_engine(engine, folder, dtype=result.recipe.model.dtype) as eng:
@@ -286,6 +315,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 atomic_write_json(out / "metrics.json", {
                     "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
                     "throughput": tput, "hardware": _hardware(),
+                    **({"measured_files": measured} if measured is not None else {}),
                 })
                 events.emit("eval:written")
             done = store.lookup("eval", key)
@@ -300,6 +330,12 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         m.kld = mean_interval(scores["kl"], ev.bootstrap_samples)
         m.top1_agreement = mean_interval(scores["top1"], ev.bootstrap_samples)
     return m
+
+
+def _top_level(recorded: dict[str, dict]) -> dict[str, str]:
+    """sha256 of a stage output's top-level files, as recorded when it was written."""
+    return {rel: f["sha256"] for rel, f in sorted(recorded.items())
+            if "/" not in rel and not rel.startswith(".") and "sha256" in f}
 
 
 def _tokenizer_hash(store: Store, folder: Path) -> str | None:

@@ -241,15 +241,44 @@ def publish(recipe: Path, cache_dir: Path | None) -> None:
     _run(go)
 
 
+def _raise_if_modified(path: Path, problems: list[str]) -> None:
+    if problems:
+        from llmc.errors import InputError
+
+        raise InputError(f"{path}: {len(problems)} difference(s) from its record: {'; '.join(problems[:4])}",
+                         fix="publish the recipe again (llmc publish RECIPE repairs the entry), or rebuild the stage")
+
+
 @main.command(epilog=EXIT_HELP)
 @click.argument("path", type=click.Path(path_type=Path))
 def inspect(path: Path) -> None:
-    """Say what PATH is (artifact, quantized form, registry entry) and which runtimes accept it."""
+    """Say what PATH is (artifact, quantized form, registry entry) and which runtimes accept it; a registry entry
+    or cached stage output is also verified byte for byte (non-zero exit on any difference)."""
 
     def go():
-        from llmc.registry.inspect import describe
+        from llmc.registry.inspect import inspect_path
 
-        click.echo(describe(path))
+        text, problems = inspect_path(path)
+        click.echo(text)
+        _raise_if_modified(path, problems)
+
+    _run(go)
+
+
+@main.command(epilog=EXIT_HELP)
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--require-signature", is_flag=True,
+              help="also fail when a registry entry is unsigned or its signature cannot be checked (no key set)")
+def verify(path: Path, require_signature: bool) -> None:
+    """Verify a registry entry (files against manifest.json, and manifest.sig when LLMC_SIGNING_KEY or
+    LLMC_SIGNING_KEY_FILE is set) or a cached stage output; non-zero exit on any difference."""
+
+    def go():
+        from llmc.registry.inspect import verify_path
+
+        text, problems = verify_path(path, require_signature=require_signature)
+        click.echo(text)
+        _raise_if_modified(path, problems)
 
     _run(go)
 
@@ -259,21 +288,16 @@ def inspect(path: Path) -> None:
 @cache_option
 @click.option("--html", "as_html", is_flag=True, help="print the path of report.html instead")
 def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
-    """Reprint the report of a registry entry, a build directory, or a build id (prefix) in the cache."""
+    """Reprint the report of a build in the cache (its build id, a prefix, or its folder under <cache>/builds) or
+    of a registry entry (a folder whose manifest.json lists the report and whose report matches it). Any other
+    path is refused."""
 
     def go():
-        from llmc.errors import InputError
+        from llmc.registry.report import report_file
         from llmc.store import Store
 
-        folder = Path(entry)
-        if not (folder / "report.md").is_file():
-            hits = sorted((Store.default(cache_dir).root / "builds").glob(f"{entry}*"))
-            if len(hits) != 1:
-                raise InputError(f"{entry} is not a registry entry or build directory, and matches "
-                                 f"{len(hits)} build ids in the cache",
-                                 fix="pass the entry's path or a longer build id")
-            folder = hits[0]
-        click.echo(folder / "report.html" if as_html else (folder / "report.md").read_text())
+        path = report_file(entry, Store.default(cache_dir).root, "report.html" if as_html else "report.md")
+        click.echo(path if as_html else path.read_text())
 
     _run(go)
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
+from llmc.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.targets import runtime_names
@@ -36,7 +37,7 @@ class ModelSection(_Strict):
         description="'demo:smollm2-135m', a local Hugging Face folder, or a local .gguf file"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    name: str | None = Field(default=None, description="name used in the registry")
+    name: str | None = Field(default=None, pattern=SAFE_NAME, description="name used in the registry")
 
 
 class TensorQuant(_Strict):
@@ -252,7 +253,8 @@ class Target(_Strict):
     )
     gpu_arch: GpuArch = "sm90"
     tensor_parallel: int = Field(default=1, ge=1, le=64)
-    name: str | None = None
+    # the artifact's folder name in the cache's labels and the registry (artifacts/<name>): one safe component
+    name: str | None = Field(default=None, pattern=SAFE_NAME)
     triton: bool = Field(
         default=False,
         description="also lay the artifact out as a Triton Inference Server model repository "
@@ -353,7 +355,7 @@ class PublishSection(_Strict):
 
 class Recipe(_Strict):
     version: Literal[1] = SCHEMA_VERSION
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    name: str = Field(pattern=SAFE_NAME)  # the registry folder <registry>/<name>/
     model: ModelSection
     quantization: QuantizationSection | None = None
     variants: tuple[Variant, ...] = Field(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from llmc.eval.ci import junit_xml, quality_speed_png, report_html
 from llmc.eval.report import render_markdown, report_dict
+from llmc.paths import confined
 from llmc.store import Store, atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def write_report_files(result: "BuildResult", out: Path) -> None:
 def write_build_outputs(result: "BuildResult", store: Store) -> Path:
     """The build's report files in the cache, replaced as one folder (a disk that fills halfway through leaves
     the previous set or none, never a report.md beside a stale report.json)."""
-    out = store.root / "builds" / result.build_id
+    out = confined(store.root, f"builds/{result.build_id}", what="build folder")
     tmp, old = (out.with_name(f".{out.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -26,7 +26,7 @@ from llmc.cli import main
 from llmc.errors import ResourceError
 from llmc.resource_errors import (DISK_FULL, GPU_OUT_OF_MEMORY, IO_ERROR, OUT_OF_MEMORY, QUOTA, resource_error,
                                   resource_kind)
-from llmc.store import atomic_save_safetensors, atomic_write_json, resource_errors
+from llmc.store import atomic_save_safetensors, resource_errors
 from tests.unit.build_helpers import (every_stage_recipe, nothing_half_written_looks_complete,
                                       published_artifact_hashes, small_corpus_file, use_corpus_file)
 
