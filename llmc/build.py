@@ -23,6 +23,7 @@ from llmc.calibration.corpora import corpus_fingerprint, load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.compiler.files import SERVE_FILE
 from llmc.engines import engine_spec, open_engine
+from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
                          ResourceError)
 from llmc.eval.gates import gate_build
@@ -277,6 +278,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "throughput_batch_sizes": list(batch_sizes),
         "dtype": result.recipe.model.dtype,
         "top_k": ev.kl_top_k,
+        "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
         "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
@@ -300,7 +302,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 store.require_intact(folder)  # measure exactly the bytes the export recorded
                 reference_dir = store.stage_dir("eval", reference.key)
                 store.require_intact(reference_dir)
-                ref_scores = load_file(str(reference_dir / "scores.safetensors"))
+                ref_scores = load_reference(reference_dir)
             with store.produce("eval", key) as out:
                 t = time.monotonic()
                 with open_engine(engine, folder, dtype=result.recipe.model.dtype) as eng:
@@ -311,10 +313,14 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                                                reference=ref_scores, top_k=ev.kl_top_k,
                                                throughput_batch_sizes=batch_sizes)
                     score_s = time.monotonic() - t
-                atomic_save_safetensors(out / "scores.safetensors", scores)
+                per_token, head = split_head(scores)
+                atomic_save_safetensors(out / "scores.safetensors", per_token)
+                if head:
+                    atomic_save_safetensors(out / HEAD_FILE, head)
                 atomic_write_json(out / "metrics.json", {
                     "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
-                    "throughput": tput, "hardware": _hardware(),
+                    "throughput": tput, "hardware": _hardware(), "kld_kind": kld_kind(scores),
+                    "output_head": getattr(eng, "output_head", None) if reference is None else None,
                     **({"measured_files": measured} if measured is not None else {}),
                 })
                 events.emit("eval:written")
@@ -328,6 +334,8 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                    measures=["perplexity", "throughput"] + (["kld", "top1_agreement"] if "kl" in scores else []))
     if "kl" in scores:
         m.kld = mean_interval(scores["kl"], ev.bootstrap_samples)
+        if KL_BOUND in scores:
+            m.kld_bound = mean_interval(scores[KL_BOUND], ev.bootstrap_samples)
         m.top1_agreement = mean_interval(scores["top1"], ev.bootstrap_samples)
     return m
 

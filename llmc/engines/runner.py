@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmc.engines.agreement import HEAD_INPUT, OutputHead
 from llmc.engines.base import EngineBase
 from llmc.engines.environments import engine_python, environment_fix
 from llmc.engines.registry import EngineSpec
@@ -146,9 +147,16 @@ class WorkerEngine(EngineBase):
 
 def token_tensors(windows: torch.Tensor, prompt: torch.Tensor, reference: dict[str, torch.Tensor] | None = None
                   ) -> dict[str, np.ndarray]:
-    """The arrays every worker request carries: windows [n, seq], the prompt's first row, and the reference's
-    top-k token ids when the engine scores against one."""
+    """The arrays every worker request carries: windows [n, seq], the prompt's first row, and when the engine scores
+    against a reference, its top-k token ids and, where it recorded one, its output head (for the exact KL)."""
     tensors = {"windows": windows.long().numpy(), "prompt": prompt[0].long().numpy()}
     if reference is not None:
         tensors["reference_index"] = reference["topk_index"].long().numpy()
+        head = OutputHead.from_reference(reference)
+        if head is not None:  # float32: numpy has no bfloat16
+            tensors["reference_head_input"] = reference[HEAD_INPUT].float().numpy()
+            tensors["reference_head_weight"] = head.weight.float().numpy()
+            tensors["reference_head_post"] = np.array([head.post.scale, head.post.softcap or 0.0])
+            if head.bias is not None:
+                tensors["reference_head_bias"] = head.bias.float().numpy()
     return tensors

@@ -307,7 +307,8 @@ class EvalSection(_Strict):
         "gates and the report's headline use the first",
     )
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
-    kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
+    kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for the top-k "
+                          "KL bound (reported beside the exact KL; alone where that is unavailable)")
     runtimes: tuple[Literal[ENGINE_NAMES], ...] = Field(  # every engine in the engine registry
         default=(REFERENCE_ENGINE,),
         description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "

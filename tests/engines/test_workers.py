@@ -121,3 +121,26 @@ def test_a_worker_that_fails_otherwise_is_still_a_runtime_failure(fake_engines: 
     with pytest.raises(EngineFailed, match="unknown tensor type 42"):
         with open_engine("llama.cpp", fake_engines, dtype="float32") as engine:
             engine.measure(windows, windows[:1], decode_tokens=1, repeats=1)
+
+
+def test_llama_worker_computes_the_exact_kl_from_the_reference_head(fake_engines: Path) -> None:
+    """The baseline's output-head inputs and head cross the wire; the worker re-applies the head and returns the
+    full-vocabulary KL, the same as the torch engine computes from the same logits."""
+    from llmc.engines.agreement import EXACT, HEAD_INPUT, KL_BOUND, HeadPost, OutputHead, kld_kind
+
+    windows, _ = _windows_and_reference()
+    g = torch.Generator().manual_seed(1)
+    head = OutputHead(torch.randn(fake.VOCAB, 16, generator=g), torch.randn(fake.VOCAB, generator=g) * 0.1,
+                      HeadPost(scale=0.5, softcap=3.0))
+    hidden = torch.randn(3, 19, 16, generator=g)
+    reference = {**score_logits(head.logits(hidden), windows[:, 1:], 8), HEAD_INPUT: hidden, **head.tensors()}
+    with open_engine("llama.cpp", fake_engines, dtype="float32") as engine:
+        scores = engine.score(windows, reference=reference, top_k=8)
+    assert kld_kind(scores) == EXACT
+    logits = torch.stack([torch.from_numpy(fake.logits_for(w.tolist())[:-1]) for w in windows]).float()
+    lp, lq = head.logits(hidden).double().log_softmax(-1), logits.double().log_softmax(-1)
+    assert torch.allclose(scores["kl"], (lp.exp() * (lp - lq)).sum(-1), rtol=1e-5, atol=1e-6)
+    in_torch = _expected(windows, 8, reference)
+    for k in ("kl", KL_BOUND, "top1", "nll"):
+        assert torch.allclose(scores[k].double(), in_torch[k].double(), rtol=1e-5, atol=1e-5), k
+    assert (scores[KL_BOUND] <= scores["kl"] + 1e-6).all()

@@ -4,9 +4,16 @@ environment has numpy, not necessarily torch or safetensors, and none has llmc.
 A request folder holds
     request.json   plain values (paths, counts, options)
     tensors.npz    arrays: windows [n, seq] and prompt [p] token ids, reference_index [n, seq-1, k] when scoring
-                   against a reference
+                   against a reference, and when that reference recorded its output head (for the exact KL:
+                   llmc.engines.agreement, computed by _agreement.py) also
+                     reference_head_input  [n, seq-1, hidden] float32  what entered the baseline's head per token
+                     reference_head_weight [vocab, hidden] float32     the head's weight
+                     reference_head_bias   [vocab] float32             its bias, when it has one
+                     reference_head_post   [2] float64                 scale, soft-cap (0: none) after the head
+                   (the worker holds the weight and the head inputs, then a bounded chunk of tokens at a time)
 and the worker answers in the same folder with
-    scores.npz     per-token arrays (nll [n, seq-1], and whatever else the engine measures)
+    scores.npz     per-token arrays (nll [n, seq-1], and whatever else the engine measures; kl_exact [n, seq-1]
+                   when it was sent a reference head)
     result.json    plain values (throughput, engine version, load time); written last, so that its presence
                    means the worker finished.
 or, when the worker failed with an exception,
