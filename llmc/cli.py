@@ -55,6 +55,14 @@ def _fail(e: LlmcError) -> NoReturn:
     sys.exit(e.exit_code)
 
 
+def _relative(path: Path) -> str:
+    """A path as printed: relative to the working directory when it lies under it (as the recipe names it)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 cache_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
                             help="stage cache (default $LLMC_CACHE or ~/.cache/llmc)")
 threads_option = click.option("--threads", type=int, default=None, help="torch CPU threads")
@@ -133,7 +141,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
         for label, art in result.artifacts.items():
             click.echo(f"artifact {label}: {art.dir}")
         if result.published:
-            click.echo(f"published: {result.published}" + (" (already there; no-op)" if result.publish_noop else ""))
+            click.echo(f"published: {_relative(result.published)}" + (" (already there; no-op)" if result.publish_noop else ""))
     raise_for_gates(result)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import struct
 import subprocess
@@ -206,7 +205,8 @@ def test_fifo_and_dev_zero_as_recipe_and_as_model_source(tmp_path: Path) -> None
             r = CliRunner().invoke(main, ["--quiet", "plan", *args])
             signal.alarm(0)
             out.append([name, r.exit_code, r.stderr])
-        print(json.dumps(out))
+        import resource
+        print(json.dumps({{"results": out, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}}))
     """)
     (tmp_path / "fifo-source.yaml").write_text(BASE.replace("demo:smollm2-135m", str(fifo)))
     (tmp_path / "zero-source.yaml").write_text(BASE.replace("demo:smollm2-135m", "/dev/zero"))
@@ -214,9 +214,10 @@ def test_fifo_and_dev_zero_as_recipe_and_as_model_source(tmp_path: Path) -> None
     env = dict(os.environ, LLMC_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     p = subprocess.run([sys.executable, str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=180)
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
     assert p.returncode == 0, p.stderr[-2000:]
-    results = {name: (code, err) for name, code, err in json.loads(p.stdout.strip().splitlines()[-1])}
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    peak_mb = report["peak_mb"]  # this child's own peak (RUSAGE_CHILDREN would include every earlier test's children)
+    results = {name: (code, err) for name, code, err in report["results"]}
     assert results["fifo recipe"][0] == 2 and "FIFO (named pipe), not a regular file" in results["fifo recipe"][1]
     assert results["dev-zero recipe"][0] == 2 and "character device" in results["dev-zero recipe"][1]
     assert results["fifo source"][0] == 7 and "FIFO (named pipe), not a model file" in results["fifo source"][1]
