@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmc.data.sources import corpus_part
+
 if TYPE_CHECKING:
     from llmc.result import BuildResult
 
@@ -99,8 +101,11 @@ def render_markdown(result: BuildResult) -> str:
                    + f"; ignored: {', '.join(s.ignore) or 'none'}")
     if result.calibration:
         c = result.calibration
-        out.append(f"- calibration: {c['samples']} windows x {c['seq_len']} tokens, {c['dataset']} calibration split, seed {c['seed']}")
-    out.append(f"- evaluation protocol: {ev.corpus} eval split (every 10th file), documents joined with blank lines, "
+        out.append(f"- calibration: {c['samples']} {c.get('packing', 'windows')} x {c['seq_len']} tokens, "
+                   f"{c.get('dataset_label', c['dataset'])} calibration split, seed {c['seed']}"
+                   + (f", tokens sha256 {c['tokens_sha256'][:16]}" if c.get("tokens_sha256") else "")
+                   + "".join(f", chat template {k}: {v}" for k, v in (c.get("chat_templates") or {}).items()))
+    out.append(f"- evaluation protocol: {corpus_part(ev.corpus)}, documents joined with blank lines, "
                f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
                f"stride {ev.seq_len}, dtype {r.model.dtype}, ppl = exp(mean token NLL); "
                f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "

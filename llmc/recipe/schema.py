@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from llmc.data.sources import BrownSource, DataSource
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.quant.algorithms import Pipeline, compose, steps_of
@@ -204,8 +205,19 @@ class Variant(_Strict):
     quantization: QuantizationSection
 
 
+def _drop_defaults(data: dict, defaults: dict) -> dict:
+    """Keys added after a section shipped leave its dump (stage keys, build ids) while they hold their defaults."""
+    return {k: v for k, v in data.items() if not (k in defaults and v == defaults[k])}
+
+
 class CalibrationSection(_Strict):
-    dataset: Literal["brown"] = "brown"
+    dataset: DataSource = Field(default=BrownSource(), description="a data source (llmc.data.sources): brown, "
+                                "hf:<id>, or a mapping such as {kind: jsonl, path: x.jsonl, field: text}")
+    packing: Literal["windows", "samples"] = Field(
+        default="windows",
+        description="windows: rows joined and cut into full seq_len windows (every token is text); samples: one "
+        "row per sample, truncated to seq_len, each run at its own length (chat data: every sample's start is seen)",
+    )
     samples: int = Field(default=32, ge=1, le=4096)
     seq_len: int = Field(default=512, ge=16, le=32768)
     seed: int = 0
@@ -219,6 +231,10 @@ class CalibrationSection(_Strict):
         description="where each decoder layer is calibrated and quantized; auto: the first CUDA GPU when "
         "torch sees one, else the CPU. Results agree to float rounding, not bit for bit, across devices.",
     )
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"packing": "windows"})
 
 
 class Target(_Strict):
@@ -267,7 +283,11 @@ class Target(_Strict):
 
 
 class EvalSection(_Strict):
-    corpus: Literal["brown"] = "brown"
+    corpus: DataSource = Field(default=BrownSource(), description="a data source, as calibration.dataset; "
+                               "scored with the same windows protocol")
+    allow_calibration_overlap: bool = Field(
+        default=False, description="accept evaluation documents that the calibration data also holds"
+    )
     seq_len: int = Field(default=512, ge=16, le=32768)
     windows: int = Field(default=16, ge=2, le=100000)
     batch_size: int = Field(default=4, ge=1, le=1024)
@@ -287,6 +307,10 @@ class EvalSection(_Strict):
         "baseline; ONNX Q/DQ graphs too), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment), "
         "tensorrt builds an engine from ONNX Q/DQ graphs (NVIDIA GPU with the tensorrt package)",
     )
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"allow_calibration_overlap": False})
 
 
 class Gates(_Strict):
