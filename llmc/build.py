@@ -82,6 +82,8 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if last == "export":
         return result
     _evaluate(result, store, eval_tokens.input_ids)
+    if recipe.eval.tasks:
+        _evaluate_tasks(result, store, tokenizer)
     _gate(result)
     return result
 
@@ -301,6 +303,35 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
     return m
 
 
+def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
+    """eval.tasks through lm-evaluation-harness on the torch reference engine: the baseline and every artifact the
+    torch engine reads, each result cached under its model's content key."""
+    from llmc.eval import harness
+
+    ev, dtype = result.recipe.eval, result.recipe.model.dtype
+    cfg = {"tasks": harness.tasks_fingerprint(ev.tasks), "limit": ev.task_limit, "dtype": dtype,
+           "tokenizer_sha256": _tokenizer_hash(store, result.source.folder)}
+
+    def run(folder: Path, content_key: str, label: str) -> dict:
+        key = stage_key("tasks", cfg, [content_key])
+        done = store.lookup("tasks", key)
+        with _Timer(result, f"tasks:{label}", key, done is not None):
+            if done is None:
+                log(f"tasks: {', '.join(ev.tasks)} on {label} (lm-evaluation-harness, torch engine)")
+                with store.produce("tasks", key) as out, open_engine("torch", folder, dtype=dtype) as eng:
+                    atomic_write_json(out / "tasks.json", harness.run_tasks(eng, tokenizer, ev.tasks,
+                                                                            limit=ev.task_limit))
+                done = store.lookup("tasks", key)
+        return json.loads((done / "tasks.json").read_text())
+
+    if "torch:baseline" in result.evals:
+        result.evals["torch:baseline"].tasks = run(result.source.folder, result.source.sha256, "baseline")
+    for label, art in result.artifacts.items():
+        m = result.evals.get(f"torch:{label}")
+        if m is not None and m.succeeded:
+            m.tasks = run(art.dir, art.content_key, label)
+
+
 def _tokenizer_hash(store: Store, folder: Path) -> str | None:
     f = Path(folder) / "tokenizer.json"
     return store.file_hash(f) if f.is_file() else None
@@ -317,6 +348,12 @@ def _gate(result: BuildResult) -> None:
             m = result.evals[eval_id]
             if m.skipped is None:
                 result.verdicts += evaluate_gates(result.recipe.gates, eval_id, m)
+                if result.recipe.eval.tasks and m.engine == "torch":
+                    from llmc.eval.harness import task_verdicts
+
+                    base = result.evals.get("torch:baseline")
+                    result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, eval_id,
+                                                     base.tasks if base else None, m.tasks)
 
 
 def raise_for_gates(result: BuildResult) -> None:

@@ -124,6 +124,12 @@ def render_markdown(result: BuildResult) -> str:
                 cells = [f"{_fmt_tput(by[str(b)], 'prefill_tokens_per_s')} / "
                          f"{_fmt_tput(by[str(b)], 'decode_tokens_per_s')}" for b in ev.throughput_batch_sizes]
                 out.append(f"| {eval_id} | " + " | ".join(cells) + " |")
+    task_rows = [(eid, name, t) for eid, m in result.evals.items() for name, t in (m.tasks or {}).items()]
+    if task_rows:  # eval.tasks: lm-evaluation-harness accuracy, 95% interval = acc ± 1.96 · harness stderr
+        out += ["", "## Tasks (lm-evaluation-harness, torch engine)", "", "| engine:model | task | accuracy (95% CI) | n |",
+                "|---|---|---|---|"]
+        out += [f"| {eid} | {name} | {t['metric']} {t['acc']:.4f} [{t['ci_low']:.4f}, {t['ci_high']:.4f}] | {t['n']} |"
+                for eid, name, t in task_rows]
     out += ["", "## Gates", "", "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
     out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | {'pass' if v.passed else 'FAIL'} |"
             for v in result.verdicts] or ["| - | (no gates in the recipe) | | | |"]

@@ -207,7 +207,10 @@ class Variant(_Strict):
 
 def _drop_defaults(data: dict, defaults: dict) -> dict:
     """Keys added after a section shipped leave its dump (stage keys, build ids) while they hold their defaults."""
-    return {k: v for k, v in data.items() if not (k in defaults and v == defaults[k])}
+    def same(a, b) -> bool:  # a json dump gives lists where a python dump gives tuples
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    return {k: v for k, v in data.items() if not (k in defaults and same(v, defaults[k]))}
 
 
 class CalibrationSection(_Strict):
@@ -288,6 +291,11 @@ class EvalSection(_Strict):
     allow_calibration_overlap: bool = Field(
         default=False, description="accept evaluation documents that the calibration data also holds"
     )
+    tasks: tuple[str, ...] = Field(
+        default=(), description="lm-evaluation-harness tasks (names with offline data, or task YAML paths) run on "
+        "the baseline and each artifact through the torch engine (optional extra: llmc[harness])",
+    )
+    task_limit: int | None = Field(default=None, ge=1, description="at most this many documents per task")
     seq_len: int = Field(default=512, ge=16, le=32768)
     windows: int = Field(default=16, ge=2, le=100000)
     batch_size: int = Field(default=4, ge=1, le=1024)
@@ -310,7 +318,14 @@ class EvalSection(_Strict):
 
     @model_serializer(mode="wrap")
     def _compact(self, handler):
-        return _drop_defaults(handler(self), {"allow_calibration_overlap": False})
+        return _drop_defaults(handler(self), {"allow_calibration_overlap": False, "tasks": [], "task_limit": None})
+
+    @model_validator(mode="after")
+    def _tasks_run_on_torch(self) -> "EvalSection":
+        if self.tasks and REFERENCE_ENGINE not in self.runtimes:
+            raise ValueError(f"eval.tasks run through the {REFERENCE_ENGINE} engine; fix: add {REFERENCE_ENGINE} "
+                             "to eval.runtimes")
+        return self
 
 
 class Gates(_Strict):
@@ -327,6 +342,13 @@ class Gates(_Strict):
     )
     min_prefill_tokens_per_s: float | None = Field(default=None, gt=0)
     min_decode_tokens_per_s: float | None = Field(default=None, gt=0)
+    min_task_accuracy_ratio: float | None = Field(
+        default=None, gt=0, le=1, description="fail when an eval.tasks accuracy's lower 95% bound, divided by the "
+        "baseline's accuracy, is below this")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"min_task_accuracy_ratio": None})
 
 
 class PublishSection(_Strict):
