@@ -24,7 +24,7 @@ from llmc.data import stages as data
 from llmc.data.sources import label
 from llmc.engines import engine_spec, open_engine
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
-from llmc.eval.gates import evaluate_gates
+from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.source import resolve_source
 from llmc.plan import make_plan
@@ -343,17 +343,15 @@ def _hardware() -> dict:
 
 
 def _gate(result: BuildResult) -> None:
-    for ids in result.target_evals.values():
-        for eval_id in ids:
-            m = result.evals[eval_id]
-            if m.skipped is None:
-                result.verdicts += evaluate_gates(result.recipe.gates, eval_id, m)
-                if result.recipe.eval.tasks and m.engine == "torch":
-                    from llmc.eval.harness import task_verdicts
+    result.verdicts += gate_build(result)  # per artifact; fails closed on what no engine measured
+    if result.recipe.eval.tasks:  # lm-evaluation-harness accuracy against the baseline's (llmc.eval.harness)
+        from llmc.eval.harness import task_verdicts
 
-                    base = result.evals.get("torch:baseline")
-                    result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, eval_id,
-                                                     base.tasks if base else None, m.tasks)
+        base = result.evals.get("torch:baseline")
+        for eval_id, m in result.evals.items():
+            if m.engine == "torch" and eval_id != "torch:baseline" and m.succeeded:
+                result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, eval_id,
+                                                 base.tasks if base else None, m.tasks)
 
 
 def raise_for_gates(result: BuildResult) -> None:
@@ -361,7 +359,10 @@ def raise_for_gates(result: BuildResult) -> None:
     if not failed:
         return
     msg = "; ".join(f"{v.target} {v.gate}: measured {v.measured}, threshold {v.threshold}" for v in failed)
+    fix = "inspect report.md; relax the gate only if the loss is acceptable"
+    if any(not v.evaluated for v in failed):
+        fix = ("add an engine that measures the gate for that artifact to eval.runtimes (see the reason), or set "
+               "gates.allow_unevaluated: true to publish it unmeasured; " + fix)
     if any(v.kind in ("quality", "availability") for v in failed):
-        raise QualityGateError(f"gate failed, build not published: {msg}",
-                               fix="inspect report.md; relax the gate only if the loss is acceptable")
-    raise PerformanceGateError(f"gate failed, build not published: {msg}")
+        raise QualityGateError(f"gate failed, build not published: {msg}", fix=fix)
+    raise PerformanceGateError(f"gate failed, build not published: {msg}", fix=fix)

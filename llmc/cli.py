@@ -92,7 +92,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
            junit: Path | None, report_dir: Path | None) -> None:
     from llmc.build import build as run_build
     from llmc.build import raise_for_gates
-    from llmc.eval.report import render_table, report_dict, summary_rows
+    from llmc.eval.report import render_summary, report_dict
     from llmc.eval.ci import junit_xml
     from llmc.registry.outputs import write_build_outputs, write_report_files
     from llmc.store import Store, atomic_write_text
@@ -107,7 +107,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
     if as_json:
         click.echo(json.dumps(report_dict(result), indent=2, default=str))
     else:
-        click.echo(render_table(summary_rows(result)))
+        click.echo(render_summary(result))  # the table, its footnotes and the gates' state
         cached = sum(s.cached for s in result.stages)
         click.echo(f"\nstages: {len(result.stages)} ({cached} cached); report: {out_dir / 'report.md'}")
         for label, art in result.artifacts.items():

@@ -41,6 +41,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     estimates: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)
+    gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -58,6 +59,8 @@ class Plan:
             )
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
+        for name, described in self.gates.items():
+            lines.append(f"  gates{' for ' + name if name else ''}: {described}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
@@ -231,6 +234,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             label = f"{name}/{t.label}" if name else t.label
             plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
         _check_scheme(scheme, where)
+    _plan_gates(plan)
     if recipe.gates.min_decode_tokens_per_s is not None:
         no_cache = sorted({t["label"] for t in plan.targets
                            if not targets.artifact_format(t["exporter"]).measures_decode})
@@ -282,6 +286,22 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 )
     return plan
 
+
+
+def _plan_gates(plan: Plan) -> None:
+    """The gates each variant gets, and what the planner can already say about them (llmc.eval.gates)."""
+    from llmc.eval import gates
+
+    recipe = plan.recipe
+    refusal = None if recipe.gates.allow_unevaluated else gates.emulated_performance_gates(
+        recipe, plan.schemes, plan.targets)
+    if refusal:
+        from llmc.errors import RecipeError
+
+        raise RecipeError(refusal, fix="add a runtime that reads the artifact to eval.runtimes (its own speed), "
+                                       "or drop the performance gate; emulation timings are not gated")
+    plan.gates = {name: gates.describe_gates(recipe.gates, s) for name, s in plan.schemes.items()}
+    plan.warnings += gates.plan_warnings(recipe, plan.schemes, plan.targets)
 
 
 def _estimates(

@@ -96,4 +96,13 @@ class BuildResult:
 
     @property
     def passed(self) -> bool:
+        """No verdict failed (publishable). Not "every gate measured": see `gates_status`."""
         return all(v.passed for v in self.verdicts)
+
+    @property
+    def gates_status(self) -> tuple[str, str]:
+        """('passed' | 'passed-unmeasured' | 'failed' | 'none', a sentence): "all passed" only when every gate
+        was measured."""
+        from llmc.eval.gates import gates_summary
+
+        return gates_summary(self.verdicts)

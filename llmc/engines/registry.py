@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # The engine that scores the unquantized source for engines that cannot load it themselves.
 REFERENCE_ENGINE = "torch"
 DEFAULT_TIMEOUT_S = 3600.0
+# What an evaluation's tokens/s is (EngineSpec.speed_kind): only "runtime" is shown and gated as speed.
+SpeedKind = Literal["runtime", "reference", "emulated"]
 
 
 class Engine(Protocol):
@@ -72,10 +74,28 @@ class EngineSpec:
     every_batch_size: bool = False  # measures throughput at every requested batch size; others at batch 1
     cpu_build: bool = False  # runs here as its CPU build: schemes whose capability rule says cpu=False are skipped
     environment: EngineEnvironment | None = None  # set for out-of-process engines
+    # What its tokens/s measure. "runtime": the engine's own kernels run the artifact (a serving runtime's speed
+    # on this machine). "emulation": llmc computes the quantized arithmetic itself in float (dequantize, then
+    # matmul), so on a quantized artifact its tok/s is not the format's speed (reports never show it as speed,
+    # performance gates never read it); on the unquantized source it is the plain framework's speed.
+    speed: Literal["runtime", "emulation"] = "runtime"
+    emulated_formats: tuple[str, ...] = ()  # a runtime that runs these number formats as float arithmetic here
+    emulation_note: str = ""  # why, for reports
 
     @property
     def display(self) -> str:
         return self.title or self.name
+
+    def speed_kind(self, scheme: Scheme | None) -> SpeedKind:
+        """What this engine's tok/s on a model quantized with `scheme` (None: the unquantized source) is:
+        'runtime' (the runtime's own speed), 'reference' (plain framework speed of the unquantized model in an
+        emulating engine) or 'emulated' (llmc's emulation of the quantized arithmetic: not the artifact's speed)."""
+        if scheme is None:
+            return "runtime" if self.speed == "runtime" else "reference"
+        if self.speed == "emulation":
+            return "emulated"
+        formats = {t.format for t in (scheme.weights, scheme.activations, scheme.kv_cache) if t is not None}
+        return "emulated" if formats & set(self.emulated_formats) else "runtime"
 
     @property
     def baseline_engine(self) -> str:
@@ -110,7 +130,9 @@ def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True),
+    EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True,
+               speed="emulation", emulation_note="llmc's torch reference dequantizes weights and fake-quantizes "
+               "activations / KV cache in float: the function of the quantized model, not its speed"),
     EngineSpec("vllm", "llmc.engines.vllm_cpu:VllmEngine", loads_source=True, title="vLLM", cpu_build=True,
                environment=EngineEnvironment(
                    worker="vllm_worker.py", python_variable="LLMC_VLLM_PYTHON", venv=".venv-vllm", module="vllm",
@@ -122,7 +144,9 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                    module="llama_cpp", setup="bash scripts/setup-llama.sh",
                    failure_fix="check the GGUF with `llmc inspect`; a crash (-11) at the first eval usually means "
                                "a llama.cpp build for another CPU (bash scripts/setup-llama.sh)")),
-    EngineSpec("onnxruntime", "llmc.engines.onnxrt:OnnxRuntimeEngine", loads_source=False),
+    EngineSpec("onnxruntime", "llmc.engines.onnxrt:OnnxRuntimeEngine", loads_source=False,
+               emulated_formats=("fp8_e4m3",), emulation_note="ONNX Runtime's CPU execution provider runs FP8 "
+               "Q/DQ as float arithmetic (docs/results.md): the function, not FP8 speed"),
     EngineSpec("tensorrt-llm", "llmc.engines.trtllm:TensorRtLlmEngine", loads_source=True, title="TensorRT-LLM",
                environment=EngineEnvironment(
                    worker="trtllm_worker.py", python_variable="LLMC_TRTLLM_PYTHON", venv=".venv-trtllm",

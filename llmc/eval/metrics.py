@@ -13,8 +13,16 @@ import math
 import torch
 
 
+def _exp(x: float) -> float:
+    """exp that gives inf instead of raising for a huge mean NLL (a broken model: the gates fail it as non-finite)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def perplexity(token_nll: torch.Tensor) -> float:
-    return math.exp(token_nll.double().mean().item())
+    return _exp(token_nll.double().mean().item())
 
 
 def _bootstrap_means(values: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
@@ -28,7 +36,7 @@ def perplexity_interval(token_nll: torch.Tensor, samples: int = 1000, seed: int 
     window_means = token_nll.double().mean(dim=1)
     means = _bootstrap_means(window_means, samples, seed)
     lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return math.exp(lo.item()), math.exp(hi.item())
+    return _exp(lo.item()), _exp(hi.item())
 
 
 def paired_ppl_change(
@@ -42,7 +50,7 @@ def paired_ppl_change(
     lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
 
     def pct(x: float) -> float:
-        return (math.exp(x) - 1) * 100
+        return (_exp(x) - 1) * 100
 
     return {
         "delta_pct": pct(diff.mean().item()),

@@ -7,25 +7,63 @@ from typing import TYPE_CHECKING
 from llmc.data.sources import corpus_part
 
 if TYPE_CHECKING:
+    from llmc.engines.registry import SpeedKind
     from llmc.result import BuildResult
 
 
 def report_dict(result: BuildResult) -> dict:
     r = result.recipe
+    status, summary = result.gates_status
     return {
         "build_id": result.build_id,
         "recipe": r.name,
         "scheme": ", ".join(s.name for s in result.plan.schemes.values()),
         "variants": {n or s.name: s.to_dict() for n, s in result.plan.schemes.items()},
         "passed": result.passed,
-        "evals": {k: v.to_dict() for k, v in result.evals.items()},
+        "gates_status": status,  # "passed" only when every gate was measured; see llmc.eval.gates.gates_summary
+        "gates_summary": summary,
+        "evals": {k: {**v.to_dict(), "speed": speed_label(result, k)} for k, v in result.evals.items()},
         "targets": {label: {"artifact": str(art.dir), "exporter": art.format, "scheme": art.scheme,
                             "evals": result.target_evals.get(label, [])}
                     for label, art in result.artifacts.items()},
         "verdicts": [v.to_dict() for v in result.verdicts],
         "warnings": result.plan.warnings,
+        "suspicious_improvements": suspicious_improvements(result),
         "stages": [s.__dict__ for s in result.stages],
     }
+
+
+# --------------------------------------------------------------------------- what a tokens/s figure is
+
+
+_SPEED_WORDS = {
+    "runtime": "the runtime's own speed on this machine",
+    "reference": "plain framework speed of the unquantized model (not a serving runtime)",
+    "emulated": "llmc's emulation of the quantized arithmetic: not the artifact's speed",
+}
+
+
+def speed_kind(result: BuildResult, eval_id: str) -> SpeedKind:
+    """What the tokens/s of evaluation `eval_id` ("<engine>:<artifact label or 'baseline'>") is: the engine
+    registry says whether the engine runs the format or emulates it (EngineSpec.speed_kind)."""
+    from llmc.engines import engine_spec
+    from llmc.quant.canonical import scheme_from_dict
+
+    engine, label = eval_id.split(":", 1)
+    art = result.artifacts.get(label)
+    return engine_spec(engine).speed_kind(scheme_from_dict(art.scheme_detail) if art else None)
+
+
+def speed_label(result: BuildResult, eval_id: str) -> dict:
+    """report.json's account of a throughput figure: which engine measured it and what it is."""
+    from llmc.engines import engine_spec
+
+    kind = speed_kind(result, eval_id)
+    spec = engine_spec(eval_id.split(":", 1)[0])
+    out = {"engine": spec.name, "kind": kind, "meaning": _SPEED_WORDS[kind]}
+    if kind == "emulated" and spec.emulation_note:
+        out["note"] = spec.emulation_note
+    return out
 
 
 def _fmt_tput(throughput: dict | None, key: str) -> str:
@@ -33,15 +71,49 @@ def _fmt_tput(throughput: dict | None, key: str) -> str:
     return f"{s['median']:.1f}" if s else "-"
 
 
+def _speed_cell(result: BuildResult, eval_id: str, base_id: str | None, key: str) -> str:
+    """'base -> artifact' tokens/s where both are the runtime's own; emulation timings are not shown as speed."""
+    m = result.evals[eval_id]
+    if speed_kind(result, eval_id) != "runtime":
+        return "emulated (not speed)"
+    base = result.evals.get(base_id) if base_id else None
+    base_txt = _fmt_tput(base.throughput, key) if base is not None and speed_kind(result, base_id) == "runtime" else "-"
+    return f"{base_txt} -> {_fmt_tput(m.throughput, key)}"
+
+
+# --------------------------------------------------------------------------- suspicious improvements
+
+
+def suspicious_improvements(result: BuildResult) -> list[dict]:
+    """Artifacts whose perplexity is significantly *better* than the baseline's (paired interval below zero)."""
+    from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT
+
+    out = []
+    for label, ids in result.target_evals.items():
+        for eval_id in ids:
+            ch = result.evals[eval_id].ppl_change
+            if ch and ch["ci_high_pct"] < 0:
+                out.append({"eval": eval_id, "target": label, "delta_pct": ch["delta_pct"],
+                            "ci_low_pct": ch["ci_low_pct"], "ci_high_pct": ch["ci_high_pct"],
+                            "message": f"{eval_id}: {ch['delta_pct']:+.2f}% (95% CI {ch['ci_low_pct']:+.2f}% .. "
+                                       f"{ch['ci_high_pct']:+.2f}%): {SUSPICIOUS_IMPROVEMENT}"})
+    return out
+
+
+# --------------------------------------------------------------------------- the summary table
+
+
 def summary_rows(result: BuildResult) -> list[list[str]]:
     from llmc.targets import artifact_format
 
+    suspicious = {s["eval"] for s in suspicious_improvements(result)}
     rows = []
     for engine in result.recipe.eval.runtimes:
         for label in result.artifacts:
-            if f"{engine}:{label}" not in result.target_evals.get(label, []):
+            eval_id = f"{engine}:{label}"
+            if eval_id not in result.target_evals.get(label, []):
                 continue  # this engine does not load this artifact's format
-            m = result.evals[f"{engine}:{label}"]
+            m = result.evals[eval_id]
             base_engine = m.baseline_engine or engine
             base = result.evals.get(f"{base_engine}:baseline")
             if m.skipped is not None:
@@ -51,29 +123,64 @@ def summary_rows(result: BuildResult) -> list[list[str]]:
                 rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "ERROR: " + str(m.error or "baseline failed")[:60]])
                 continue
             ch = m.ppl_change
-            verdicts = [v for v in result.verdicts if v.target == f"{engine}:{label}"]
+            verdicts = [v for v in result.verdicts if v.target == eval_id]
             verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
             kld, top1 = m.kld, m.top1_agreement
             # an engine paired with another engine's baseline has no baseline speed of its own
-            base_tput = base.throughput if base_engine == engine else None
+            base_id = f"{base_engine}:baseline" if base_engine == engine else None
             rows.append([
                 label,
                 engine if base_engine == engine else f"{engine} (vs {base_engine} baseline)",
                 f"{base.perplexity:.3f}",
                 f"{m.perplexity:.3f}",
-                f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
+                f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
+                + (" (!)" if eval_id in suspicious else ""),
                 f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
                 f"{top1['mean'] * 100:.1f}% [{top1['ci_low'] * 100:.1f}, {top1['ci_high'] * 100:.1f}]" if top1 else "-",
-                f"{_fmt_tput(base_tput, 'prefill_tokens_per_s')} -> {_fmt_tput(m.throughput, 'prefill_tokens_per_s')}",
-                f"{_fmt_tput(base_tput, 'decode_tokens_per_s')} -> {_fmt_tput(m.throughput, 'decode_tokens_per_s')}",
+                _speed_cell(result, eval_id, base_id, "prefill_tokens_per_s"),
+                _speed_cell(result, eval_id, base_id, "decode_tokens_per_s"),
                 verdict if verdicts else "no gates",
             ])
     for label, art in result.artifacts.items():
+        unmeasured = [v for v in result.verdicts if v.target == label]  # gates no engine measured
         if not result.target_evals.get(label):
             fmt = artifact_format(art.format)
             reason = fmt.unevaluated or f"not evaluated: no engine in eval.runtimes loads {art.format}"
-            rows.append([label, "-", "-", "-", "-", "-", "-", "-", "-", reason])
+            rows.append([label, "-", "-", "-", "-", "-", "-", "-", "-", _with_unmeasured(reason, unmeasured)])
+        elif unmeasured:
+            rows.append([label, "(any)", "-", "-", "-", "-", "-", "-", "-", _with_unmeasured("", unmeasured)])
     return rows
+
+
+def _with_unmeasured(reason: str, unmeasured: list) -> str:
+    if not unmeasured:
+        return reason
+    gates = ", ".join(v.gate for v in unmeasured)
+    state = "pass unmeasured (allow_unevaluated)" if all(v.passed for v in unmeasured) else "FAIL"
+    return (f"{reason}; " if reason else "") + f"{state}: {gates} not measured on any engine"
+
+
+def footnotes(result: BuildResult) -> list[str]:
+    """What the summary table's marks mean, and the gates' overall state."""
+    from llmc.engines import engine_spec
+
+    notes = []
+    emulating = sorted({eid.split(":", 1)[0] for ids in result.target_evals.values() for eid in ids
+                        if result.evals[eid].succeeded and speed_kind(result, eid) == "emulated"})
+    if emulating:
+        notes.append("tok/s: measured by the row's engine; 'emulated (not speed)': "
+                     + "; ".join(f"{engine_spec(e).display}: {engine_spec(e).emulation_note}" for e in emulating)
+                     + " (report.md lists those timings as emulation timings)")
+    for s in suspicious_improvements(result):
+        notes.append(f"(!) suspicious improvement: {s['message']}")
+    _, summary = result.gates_status
+    notes.append(f"gates: {summary}")
+    return notes
+
+
+def render_summary(result: BuildResult) -> str:
+    """The table `llmc build` prints, with its footnotes."""
+    return render_table(summary_rows(result)) + "\n\n" + "\n".join(footnotes(result))
 
 
 HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "KLD (95% CI)", "top-1 (95% CI)",
@@ -111,28 +218,51 @@ def render_markdown(result: BuildResult) -> str:
                f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "
                f"KLD = mean per-token KL(baseline || quantized) over the baseline's top-{ev.kl_top_k} tokens plus one "
                f"bucket for the rest (a lower bound of full-vocabulary KL); top-1 = argmax agreement with the baseline")
+    out.append(f"- gates: {result.gates_status[1]}")
     out += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(row) + " |" for row in summary_rows(result)]
+    out += [""] + [f"{n}  " for n in footnotes(result)]
+    speeds = {eval_id: speed_kind(result, eval_id) for eval_id, m in result.evals.items() if m.throughput}
     if len(ev.throughput_batch_sizes) > 1:
-        # only engines that measure several batch sizes report them (the others measure batch 1)
+        # only engines that measure several batch sizes report them (the others measure batch 1); emulation
+        # timings are not speed and are listed apart, below
         out += ["", "## Throughput by batch size (median tokens/s: prefill / decode)", "",
-                "| engine:model | " + " | ".join(f"batch {b}" for b in ev.throughput_batch_sizes) + " |",
-                "|---|" + "---|" * len(ev.throughput_batch_sizes)]
+                "| engine:model | what it is | " + " | ".join(f"batch {b}" for b in ev.throughput_batch_sizes) + " |",
+                "|---|---|" + "---|" * len(ev.throughput_batch_sizes)]
         for eval_id, m in result.evals.items():
             by = (m.throughput or {}).get("by_batch_size") or {}
-            if all(str(b) in by for b in ev.throughput_batch_sizes):
+            if speeds.get(eval_id) != "emulated" and all(str(b) in by for b in ev.throughput_batch_sizes):
                 cells = [f"{_fmt_tput(by[str(b)], 'prefill_tokens_per_s')} / "
                          f"{_fmt_tput(by[str(b)], 'decode_tokens_per_s')}" for b in ev.throughput_batch_sizes]
-                out.append(f"| {eval_id} | " + " | ".join(cells) + " |")
+                out.append(f"| {eval_id} | {_SPEED_WORDS[speeds[eval_id]]} | " + " | ".join(cells) + " |")
+    emulated = [eval_id for eval_id, kind in speeds.items() if kind == "emulated"]
+    if emulated:
+        from llmc.engines import engine_spec
+
+        out += ["", "## Emulation timings (not speed)", "",
+                "The engine computed the quantized arithmetic in float; these times say how long llmc's emulation "
+                "took on this machine, not how fast the artifact runs in a serving runtime. Performance gates never "
+                "read them.", "", "| engine:model | prefill tok/s (emulation) | decode tok/s (emulation) | why |",
+                "|---|---|---|---|"]
+        for eval_id in emulated:
+            m = result.evals[eval_id]
+            note = engine_spec(eval_id.split(":", 1)[0]).emulation_note
+            out.append(f"| {eval_id} | {_fmt_tput(m.throughput, 'prefill_tokens_per_s')} | "
+                       f"{_fmt_tput(m.throughput, 'decode_tokens_per_s')} | {note} |")
     task_rows = [(eid, name, t) for eid, m in result.evals.items() for name, t in (m.tasks or {}).items()]
     if task_rows:  # eval.tasks: lm-evaluation-harness accuracy, 95% interval = acc ± 1.96 · harness stderr
         out += ["", "## Tasks (lm-evaluation-harness, torch engine)", "", "| engine:model | task | accuracy (95% CI) | n |",
                 "|---|---|---|---|"]
         out += [f"| {eid} | {name} | {t['metric']} {t['acc']:.4f} [{t['ci_low']:.4f}, {t['ci_high']:.4f}] | {t['n']} |"
                 for eid, name, t in task_rows]
-    out += ["", "## Gates", "", "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
-    out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | {'pass' if v.passed else 'FAIL'} |"
+    out += ["", "## Gates", "", f"{result.gates_status[1]}.", "",
+            "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
+    out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | "
+            f"{('pass' if v.evaluated else 'pass (not measured)') if v.passed else 'FAIL'} |"
             for v in result.verdicts] or ["| - | (no gates in the recipe) | | | |"]
+    suspicious = suspicious_improvements(result)
+    if suspicious:
+        out += ["", "## Suspicious improvements", ""] + [f"- {s['message']}" for s in suspicious]
     if result.plan.warnings:
         out += ["", "## Warnings", ""] + [f"- {w}" for w in result.plan.warnings]
     out += ["", "## Artifacts", ""]

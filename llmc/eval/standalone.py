@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.engines import engine_spec, open_engine
 from llmc.errors import InputError
+from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
@@ -57,7 +59,7 @@ def evaluate_artifact(
     with open_engine(engine_spec(engine).baseline_engine, src.folder, dtype="float32") as base:
         reference = base.score(ids)
     base_nll = reference["nll"]
-    rows, failures = [], []
+    rows, failures, suspicious = [], [], []
     for label, folder in artifact_folders(Path(artifact), engine):
         with open_engine(engine, folder, dtype="float32") as eng:
             scores = eng.score(ids, reference=reference)
@@ -67,17 +69,28 @@ def evaluate_artifact(
         top1 = mean_interval(scores["top1"]) if "top1" in scores else None
         lo, hi = perplexity_interval(nll)
         verdict = "-"
-        if max_ppl_increase_pct is not None:
+        bad = [name for name, x in (("perplexity", perplexity(nll)), ("baseline perplexity", perplexity(base_nll)),
+                                    ("perplexity change", ch["ci_high_pct"]), ("KLD", (kld or {}).get("mean", 0.0)),
+                                    ("top-1", (top1 or {}).get("mean", 0.0))) if not math.isfinite(x)]
+        if bad:  # a non-finite metric always fails, gate or not
+            verdict = "FAIL"
+            failures.append(f"{label}: non-finite {', '.join(bad)}")
+        elif ch["ci_high_pct"] < 0:
+            suspicious.append(f"(!) {label}: {ch['delta_pct']:+.2f}% (95% CI up to {ch['ci_high_pct']:+.2f}%): "
+                              f"{SUSPICIOUS_IMPROVEMENT}")
+        if max_ppl_increase_pct is not None and not bad:
             ok = ch["ci_high_pct"] <= max_ppl_increase_pct
             verdict = "pass" if ok else "FAIL"
             if not ok:
                 failures.append(f"{label}: perplexity change {ch['delta_pct']:+.2f}% (95% CI up to "
                                 f"{ch['ci_high_pct']:+.2f}%) exceeds {max_ppl_increase_pct}%")
         rows.append([label, engine, f"{perplexity(base_nll):.3f}", f"{perplexity(nll):.3f} [{lo:.2f}, {hi:.2f}]",
-                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]",
+                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
+                     + (" (!)" if not bad and ch["ci_high_pct"] < 0 else ""),
                      f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
                      f"{top1['mean'] * 100:.1f}%" if top1 else "-", verdict])
     text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "KLD (95% CI)",
                                "top-1", "gate"])
     text += f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows"
+    text += "".join(f"\n{n}" for n in suspicious)
     return text, "; ".join(failures) or None

@@ -329,6 +329,20 @@ class EvalSection(_Strict):
 
 
 class Gates(_Strict):
+    """Thresholds applied to every artifact (docs/results.md, "Default gates"). A recipe without a `gates:`
+    section gets the default quality gates of each variant's scheme family (`defaults: true`); a `gates:`
+    section holds exactly what it says, plus the defaults for the keys it leaves out when `defaults: true`."""
+
+    defaults: bool = Field(
+        default=False,
+        description="start from the scheme family's default quality gates (8-bit / 4-bit, llmc.eval.gates); "
+        "keys set here override them. A recipe without a gates section gets them",
+    )
+    allow_unevaluated: bool = Field(
+        default=False,
+        description="let a gate that no engine in eval.runtimes measured for an artifact pass, reported as not "
+        "measured (default: it fails, so nothing publishes unmeasured)",
+    )
     max_ppl_increase_pct: float | None = Field(
         default=None,
         gt=0,
@@ -366,7 +380,7 @@ class Recipe(_Strict):
     calibration: CalibrationSection = CalibrationSection()
     targets: tuple[Target, ...] = Field(min_length=1)
     eval: EvalSection = EvalSection()
-    gates: Gates = Gates()
+    gates: Gates = Gates(defaults=True)  # no gates section: the scheme family's default gates
     publish: PublishSection = PublishSection()
 
     @model_validator(mode="after")

@@ -15,6 +15,13 @@ from llmc.targets import recognize
 from llmc.targets.base import architectures
 
 
+def _gates_line(rep: dict) -> str:
+    """The gates' state as the report recorded it: "all passed" only when every gate was measured."""
+    from llmc.eval.gates import gates_summary
+
+    return gates_summary(rep.get("verdicts", []))[1]
+
+
 def describe(path: Path) -> str:
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -27,7 +34,7 @@ def describe(path: Path) -> str:
             f"registry entry {path}",
             f"  build {m['build_id']} of recipe '{m['recipe']['name']}', scheme {rep['scheme']}, llmc {m['llmc_version']}",
             f"  model {m['model']['source']} (sha256 {m['model']['sha256']})",
-            f"  gates: {'all passed' if rep['passed'] else 'FAILED'}; files: {len(m['files'])}, "
+            f"  gates: {_gates_line(rep)}; files: {len(m['files'])}, "
             + ("all sha256 match the manifest" if not bad else f"MODIFIED/MISSING: {', '.join(bad)}"),
         ]
         for label, t in rep["targets"].items():

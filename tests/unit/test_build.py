@@ -176,9 +176,12 @@ def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies
         **{"quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32}},
            "targets": [{"runtime": "vllm", "gpu_arch": "sm90", "triton": True},
                        {"runtime": "lmdeploy", "gpu_arch": "sm80"}, {"runtime": "exllamav2", "gpu_arch": "sm80"},
-                       {"runtime": "tensorrt-llm", "gpu_arch": "sm90", "triton": True}]},
+                       {"runtime": "tensorrt-llm", "gpu_arch": "sm90", "triton": True}],
+           # three of the four need a GPU to be evaluated: publishing them unmeasured must be asked for
+           "gates": {"max_ppl_increase_pct": 50.0, "allow_unevaluated": True}},
     )
     result = build(parse_recipe(text), Store(tmp_path / "cache"))
+    assert result.gates_status[0] == "passed-unmeasured"
     assert sorted(a.format for a in result.artifacts.values()) == ["awq", "compressed-tensors", "gptq", "modelopt-hf"]
     entry = result.published / "artifacts"
     vllm_label = next(label for label, a in result.artifacts.items() if a.format == "compressed-tensors")
@@ -192,6 +195,7 @@ def test_int4_targets_for_lmdeploy_exllamav2_and_triton_published_without_copies
     assert verify_entry(result.published) == []
     reasons = [r[-1] for r in summary_rows(result) if r[1] == "-"]
     assert len(reasons) == 3 and sum("LMDeploy / ExLlamaV2 need an NVIDIA GPU" in r for r in reasons) == 2
+    assert all("pass unmeasured (allow_unevaluated): max_ppl_increase_pct not measured" in r for r in reasons)
 
 
 def test_tensorrt_llm_engine_without_a_gpu_fails_its_artifact_with_the_fix(tiny_model: Path, tmp_path: Path,
