@@ -23,7 +23,9 @@ from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import label
 from llmc.engines import engine_spec, open_engine
-from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError
+from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
+from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
+                         ResourceError)
 from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.source import resolve_source
@@ -35,17 +37,29 @@ from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
-from llmc.store import Store, atomic_save_safetensors, atomic_write_json, stage_key
+from llmc.store import CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
 def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None) -> BuildResult:
-    result = build_until(recipe, store, "gate", threads=threads)
-    if publish and result.passed:
-        from llmc.registry.local import publish_build
+    """The whole pipeline. A cached output found changed when a later stage reads it or when it is published is
+    discarded (CorruptOutput) and the build runs once more, rebuilding exactly that output and what depends on
+    its bytes: exports are deterministic, so the rebuilt bytes are the recorded ones and their evaluations stand."""
+    from llmc.registry.local import publish_build
 
-        result.published, result.publish_noop = publish_build(result, store)
-    return result
+    for attempt in (1, 2):
+        try:
+            result = build_until(recipe, store, "gate", threads=threads)
+            if publish and result.passed:
+                with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
+                    result.published, result.publish_noop = publish_build(result, store)
+                events.emit("publish:done")
+            return result
+        except CorruptOutput as e:
+            if attempt == 2:
+                raise
+            log(f"warning: {e.message}; rebuilding it")
+    raise AssertionError("unreachable")
 
 
 def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None = None) -> BuildResult:
@@ -53,6 +67,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if threads:
         torch.set_num_threads(threads)
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
+    store.sweep()  # leftovers of processes that are gone
     source = resolve_source(recipe.model.source, store, recipe.model.dtype)
     plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
     log(plan.render())
@@ -120,6 +135,7 @@ def _calibrate(result: BuildResult, store: Store, tokens) -> str:
                     saved["attention_mask"] = tokens.attention_mask
                 atomic_save_safetensors(out / "tokens.safetensors", saved)
                 atomic_write_json(out / "samples.json", {**cfg, **data.provenance(c, tokens)})
+                events.emit("calibrate:written")
             done = store.lookup("calibrate", key)
     result.calibration = json.loads((done / "samples.json").read_text())
     return key
@@ -136,7 +152,9 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
         if done is None:
             tokens = mask = None
             if calib_key:
-                saved = load_file(str(store.lookup("calibrate", calib_key) / "tokens.safetensors"))
+                calibration = store.stage_dir("calibrate", calib_key)
+                store.require_intact(calibration)
+                saved = load_file(str(calibration / "tokens.safetensors"))
                 tokens, mask = saved["input_ids"], saved.get("attention_mask")
             log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
             with store.produce("quantize", key, resumable=True) as out:
@@ -184,6 +202,7 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
     with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
             log(f"export: {fmt.name} for {label}")
+            store.require_intact(qm.root)  # the export is made from these bytes: every one as recorded
             with store.produce("export", key) as out:
                 fmt.write(request, out)
                 if target.triton:
@@ -193,7 +212,8 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
                                       serve=cfg.get("serve"))
                 events.emit("export:written")
             done = store.lookup("export", key)
-    files = {p.name: store.file_hash(p) for p in sorted(done.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    # the sha256 recorded when the export was written (reuse checked the sizes; publish checks every byte)
+    files = _top_level(store.recorded(done))
     result.artifacts[label] = Artifact(
         label=label, dir=done, key=key, files=files,
         content_key=stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE}),
@@ -240,6 +260,10 @@ def _evaluate(result: BuildResult, store: Store, windows: torch.Tensor) -> None:
                     m.baseline_engine = base_engine
                     by_content[art.content_key] = m
                 result.evals[eval_id] = by_content[art.content_key]
+            except ResourceError:
+                raise  # the machine, not the artifact, failed: stop the build (exit 4) instead of failing a gate
+            except CorruptOutput:
+                raise  # not this engine's failure: the cached artifact changed; `build` rebuilds it
             except LlmcError as e:
                 result.evals[eval_id] = Evaluation(engine, error=str(e))
 
@@ -261,18 +285,31 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "throughput_batch_sizes": list(batch_sizes),
         "dtype": result.recipe.model.dtype,
         "top_k": ev.kl_top_k,
+        "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
         "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
     key = stage_key("eval", cfg, [content_key, reference.key if reference else ""])
+    # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
+    measured = None
+    if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights
+        measured = {k: v for k, v in _top_level(store.recorded(folder)).items() if k != SERVE_FILE}
     done = store.lookup("eval", key)
+    if done is not None and measured is not None:
+        recorded = json.loads((done / "metrics.json").read_text()).get("measured_files")
+        if recorded != measured:
+            store.discard(done, ["it measured other bytes than the artifact now records"])
+            done = None
     label = "baseline" if reference is None else Path(folder).name[:8]
     with _Timer(result, f"eval:{engine}:{label}", key, done is not None):
         if done is None:
             log(f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
             ref_scores = None
             if reference is not None:
-                ref_scores = load_file(str(store.lookup("eval", reference.key) / "scores.safetensors"))
+                store.require_intact(folder)  # measure exactly the bytes the export recorded
+                reference_dir = store.stage_dir("eval", reference.key)
+                store.require_intact(reference_dir)
+                ref_scores = load_reference(reference_dir)
             with store.produce("eval", key) as out:
                 t = time.monotonic()
                 with open_engine(engine, folder, dtype=result.recipe.model.dtype) as eng:
@@ -283,10 +320,15 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                                                reference=ref_scores, top_k=ev.kl_top_k,
                                                throughput_batch_sizes=batch_sizes)
                     score_s = time.monotonic() - t
-                atomic_save_safetensors(out / "scores.safetensors", scores)
+                per_token, head = split_head(scores)
+                atomic_save_safetensors(out / "scores.safetensors", per_token)
+                if head:
+                    atomic_save_safetensors(out / HEAD_FILE, head)
                 atomic_write_json(out / "metrics.json", {
                     "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
-                    "throughput": tput, "hardware": _hardware(),
+                    "throughput": tput, "hardware": _hardware(), "kld_kind": kld_kind(scores),
+                    "output_head": getattr(eng, "output_head", None) if reference is None else None,
+                    **({"measured_files": measured} if measured is not None else {}),
                 })
                 events.emit("eval:written")
             done = store.lookup("eval", key)
@@ -299,6 +341,8 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                    measures=["perplexity", "throughput"] + (["kld", "top1_agreement"] if "kl" in scores else []))
     if "kl" in scores:
         m.kld = mean_interval(scores["kl"], ev.bootstrap_samples)
+        if KL_BOUND in scores:
+            m.kld_bound = mean_interval(scores[KL_BOUND], ev.bootstrap_samples)
         m.top1_agreement = mean_interval(scores["top1"], ev.bootstrap_samples)
     return m
 
@@ -330,6 +374,12 @@ def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
         m = result.evals.get(f"torch:{label}")
         if m is not None and m.succeeded:
             m.tasks = run(art.dir, art.content_key, label)
+
+
+def _top_level(recorded: dict[str, dict]) -> dict[str, str]:
+    """sha256 of a stage output's top-level files, as recorded when it was written."""
+    return {rel: f["sha256"] for rel, f in sorted(recorded.items())
+            if "/" not in rel and not rel.startswith(".") and "sha256" in f}
 
 
 def _tokenizer_hash(store: Store, folder: Path) -> str | None:

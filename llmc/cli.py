@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from llmc.engines import ENGINE_NAMES
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
 
-EXIT_HELP = "Exit codes: " + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
+EXIT_HELP = ("Exit codes: "
+             + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
+             + ". Resource exhausted: disk full or over quota, a disk I/O error, out of host or GPU memory, or an "
+             "engine process killed (out-of-memory killer); finished stages are kept and a rerun resumes.")
 
 
 def _run(fn, *args, **kwargs):
@@ -19,22 +23,36 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except LlmcError as e:
-        click.echo(f"llmc: {e.kind}: {e.message}", err=True)
-        if e.fix:
-            click.echo(f"  fix: {e.fix}", err=True)
-        sys.exit(e.exit_code)
+        _fail(e)
     except KeyboardInterrupt:
         click.echo("llmc: interrupted; finished stages are cached and a rerun resumes", err=True)
         sys.exit(130)
-    except MemoryError:
-        click.echo("llmc: resource exhausted: out of memory; finished stages are cached, rerun resumes", err=True)
-        sys.exit(EXIT_CODES["resource exhausted"])
     except Exception as e:  # noqa: BLE001 - the one place that reports unexpected failures
+        from llmc.resource_errors import resource_error
+
+        if (resource := resource_error(e)) is not None:  # disk full, I/O error, out of memory: never "internal"
+            _fail(resource)
         import traceback
 
         traceback.print_exc()
         click.echo(f"llmc: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(INTERNAL_ERROR_EXIT_CODE)
+
+
+def _printable(text: str, limit: int = 4000) -> str:
+    """A message as printed: control characters that came from the input escaped (a name holding terminal escape
+    sequences cannot drive the terminal), at most `limit` characters."""
+    from llmc.excerpt import escape
+
+    lines = [escape(line) for line in text[:limit].split("\n")]
+    return "\n".join(lines) + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
+def _fail(e: LlmcError) -> NoReturn:
+    click.echo(f"llmc: {e.kind}: {_printable(e.message)}", err=True)
+    if e.fix:
+        click.echo(f"  fix: {_printable(e.fix)}", err=True)
+    sys.exit(e.exit_code)
 
 
 cache_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -79,9 +97,11 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish:
             # a build that never reached its gates still tells CI why, as an error test case
             if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
                 from llmc.eval.ci import junit_xml
+                from llmc.resource_errors import resource_kind
                 from llmc.store import atomic_write_text
 
-                kind = e.kind if isinstance(e, LlmcError) else "internal error"
+                kind = (e.kind if isinstance(e, LlmcError)
+                        else "resource exhausted" if resource_kind(e) else "internal error")
                 atomic_write_text(junit, junit_xml(recipe.stem, [], error=(kind, f"{type(e).__name__}: {e}")))
             raise
 
@@ -221,15 +241,44 @@ def publish(recipe: Path, cache_dir: Path | None) -> None:
     _run(go)
 
 
+def _raise_if_modified(path: Path, problems: list[str]) -> None:
+    if problems:
+        from llmc.errors import InputError
+
+        raise InputError(f"{path}: {len(problems)} difference(s) from its record: {'; '.join(problems[:4])}",
+                         fix="publish the recipe again (llmc publish RECIPE repairs the entry), or rebuild the stage")
+
+
 @main.command(epilog=EXIT_HELP)
 @click.argument("path", type=click.Path(path_type=Path))
 def inspect(path: Path) -> None:
-    """Say what PATH is (artifact, quantized form, registry entry) and which runtimes accept it."""
+    """Say what PATH is (artifact, quantized form, registry entry) and which runtimes accept it; a registry entry
+    or cached stage output is also verified byte for byte (non-zero exit on any difference)."""
 
     def go():
-        from llmc.registry.inspect import describe
+        from llmc.registry.inspect import inspect_path
 
-        click.echo(describe(path))
+        text, problems = inspect_path(path)
+        click.echo(text)
+        _raise_if_modified(path, problems)
+
+    _run(go)
+
+
+@main.command(epilog=EXIT_HELP)
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--require-signature", is_flag=True,
+              help="also fail when a registry entry is unsigned or its signature cannot be checked (no key set)")
+def verify(path: Path, require_signature: bool) -> None:
+    """Verify a registry entry (files against manifest.json, and manifest.sig when LLMC_SIGNING_KEY or
+    LLMC_SIGNING_KEY_FILE is set) or a cached stage output; non-zero exit on any difference."""
+
+    def go():
+        from llmc.registry.inspect import verify_path
+
+        text, problems = verify_path(path, require_signature=require_signature)
+        click.echo(text)
+        _raise_if_modified(path, problems)
 
     _run(go)
 
@@ -239,21 +288,16 @@ def inspect(path: Path) -> None:
 @cache_option
 @click.option("--html", "as_html", is_flag=True, help="print the path of report.html instead")
 def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
-    """Reprint the report of a registry entry, a build directory, or a build id (prefix) in the cache."""
+    """Reprint the report of a build in the cache (its build id, a prefix, or its folder under <cache>/builds) or
+    of a registry entry (a folder whose manifest.json lists the report and whose report matches it). Any other
+    path is refused."""
 
     def go():
-        from llmc.errors import InputError
+        from llmc.registry.report import report_file
         from llmc.store import Store
 
-        folder = Path(entry)
-        if not (folder / "report.md").is_file():
-            hits = sorted((Store.default(cache_dir).root / "builds").glob(f"{entry}*"))
-            if len(hits) != 1:
-                raise InputError(f"{entry} is not a registry entry or build directory, and matches "
-                                 f"{len(hits)} build ids in the cache",
-                                 fix="pass the entry's path or a longer build id")
-            folder = hits[0]
-        click.echo(folder / "report.html" if as_html else (folder / "report.md").read_text())
+        path = report_file(entry, Store.default(cache_dir).root, "report.html" if as_html else "report.md")
+        click.echo(path if as_html else path.read_text())
 
     _run(go)
 

@@ -37,7 +37,7 @@ class IncompatibleTargetError(LlmcError):
 
 
 class ResourceError(LlmcError):
-    """Out of disk or memory, or a stage exceeded a resource limit."""
+    """Out of disk (full, over quota, or failing with I/O errors) or memory (host, GPU), or over a resource limit."""
 
     exit_code = 4
     kind = "resource exhausted"

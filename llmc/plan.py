@@ -7,7 +7,6 @@ say what the user loses.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -102,6 +101,12 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
             warnings.append(f"target {label}: {key} on {target.gpu_arch}: {rule.degraded_effect}")
         else:
             need = rule.degraded_from or rule.native_from
+            if need is None:  # no GPU kernel at all (e.g. ONNX Runtime's FP8 Q/DQ): its CPU build runs it
+                raise IncompatibleTargetError(
+                    f"target {label}: {target.runtime} runs {key} on CPU only, gpu_arch is {target.gpu_arch}"
+                    + (f": {rule.refuse_reason}" if rule.refuse_reason else ""),
+                    fix="set gpu_arch: cpu, or choose another scheme or runtime for the GPU",
+                )
             raise IncompatibleTargetError(
                 f"target {label}: {key} needs {need}+ on {target.runtime}, gpu_arch is {target.gpu_arch}: "
                 f"{rule.refuse_reason}",
@@ -242,7 +247,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None:
-        config = json.loads((Path(model_folder) / "config.json").read_text())
+        from llmc.model.checkpoint import read_model_config
+
+        config = read_model_config(Path(model_folder))
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, shapes)

@@ -60,12 +60,16 @@ class Evaluation:
     ppl_ci95: list[float] | None = None
     measures: list[str] | None = None  # metrics this engine measures (gates apply only to those)
     kld: dict | None = None
+    kld_kind: str | None = None  # which KL `kld` is: "exact" (full vocabulary) | "topk_lower_bound" (llmc.engines.agreement)
+    kld_bound: dict | None = None  # the top-k lower bound beside an exact `kld`, for comparison
+    output_head: dict | None = None  # baseline: whether its output head reproduced its logits (exact KL), or why not
     top1_agreement: dict | None = None
     ppl_change: dict | None = None  # paired against the baseline (artifacts only)
     baseline_engine: str | None = None  # the engine whose baseline the change is paired with
     error: str | None = None  # the evaluation failed: why
     skipped: str | None = None  # the engine cannot run this artifact here: why (not gated)
     tasks: dict | None = None  # eval.tasks (lm-evaluation-harness): {task: {metric, acc, stderr, ci_low, ci_high, n}}
+    measured_files: dict | None = None  # artifact file -> sha256 of the bytes this evaluation measured
     nll: torch.Tensor | None = field(default=None, repr=False)  # per-token NLL [windows, seq-1]; not serialized
 
     @property

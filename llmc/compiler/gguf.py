@@ -46,13 +46,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from llmc import __version__
+from llmc import __version__, events
 from llmc.compiler.files import SERVE_FILE
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import TensorSpec
-from llmc.store import disk_errors, atomic_write_json, atomic_write_text, fsync_dir
+from llmc.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
@@ -637,7 +637,7 @@ def export_gguf(
     final = out / GGUF_FILE
     tmp = out / f".{GGUF_FILE}.{os.getpid()}.tmp"
     errors: dict[str, tuple[float, float, float]] = {}
-    with disk_errors(GGUF_FILE, out):
+    with resource_errors(GGUF_FILE, out):
         try:
             writer.write_header_to_file(tmp)
             writer.write_kv_data_to_file()
@@ -656,6 +656,7 @@ def export_gguf(
                 os.unlink(tmp)
             raise
     fsync_dir(out)
+    events.emit(f"file:{GGUF_FILE}")
 
     sq = sum(e[0] for e in errors.values())
     ref = sum(e[1] for e in errors.values())

@@ -38,6 +38,7 @@ from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
+from llmc.resource_errors import raise_if_resource
 from llmc.store import atomic_write_json
 
 MODEL_FILE = "model.onnx"
@@ -116,6 +117,7 @@ def _export_float_graph(model: nn.Module, max_len: int):
                                         input_names=["input_ids"], output_names=["logits"],
                                         dynamic_shapes=shapes, verbose=False)
     except Exception as e:  # the exporter raises many types for unsupported code
+        raise_if_resource(e, "torch.onnx exporting the graph")
         raise EngineFailed(f"torch.onnx could not export {type(model).__name__}: {type(e).__name__}: {e}",
                            fix="the Q/DQ exporter supports the Llama family that torch.onnx traces; use the "
                                "onnxruntime (INT4) or llama.cpp target for this model") from None

@@ -12,6 +12,9 @@ if TYPE_CHECKING:
 
 class EngineBase:
     name: str
+    # after scoring a model as a reference: whether its output head reproduced its logits, so that artifacts get
+    # the exact KL (llmc.engines.agreement); None where the engine records no head
+    output_head: dict | None = None
 
     def measure(self, windows: torch.Tensor, prompt: torch.Tensor, *, decode_tokens: int, repeats: int,
                 batch_size: int = 4, reference: dict[str, torch.Tensor] | None = None, top_k: int = 256,

@@ -2,8 +2,9 @@
 
 llama-cpp-python is built from source (`bash scripts/setup-llama.sh` -> .venv-llama; llmc.engines.environments
 says where else it may be) and kept out of llmc's environment; each evaluation runs workers/llama_worker.py in a
-child process (llmc.engines.runner). llama.cpp returns full logits, so besides the NLL it measures KL and top-1
-agreement against a reference's top-k log-probs.
+child process (llmc.engines.runner). llama.cpp returns full logits, so besides the NLL it measures top-1 agreement
+and KL divergence against the torch baseline: exact over the full vocabulary where the baseline recorded its output
+head (the worker re-applies it: llmc.engines.agreement), else the top-k lower bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from llmc.engines.environments import engine_version, require_engine
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors
-from llmc.engines.torch_ref import agreement
+from llmc.engines.agreement import agreement, with_exact_kl
 from llmc.errors import EngineFailed
 
 SPEC = engine_spec("llama.cpp")
@@ -49,6 +50,7 @@ class LlamaCppEngine(WorkerEngine):
         if reference is not None:
             scores.update(agreement(reference, torch.from_numpy(out["logprobs_at_reference"]),
                                     torch.from_numpy(out["top1_index"])))
+            with_exact_kl(scores, torch.from_numpy(out["kl_exact"]) if "kl_exact" in out else None)
         tput = {**result["throughput"], "engine_version": result["version"], "engine_load_s": result["load_s"],
                 "threads": self.threads}
         return scores, tput

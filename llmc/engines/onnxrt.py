@@ -7,9 +7,9 @@ Two layouts:
   `present` back as `past` one token at a time, as onnxruntime-genai's generator does.
 - Q/DQ graph (llmc.compiler.onnx_qdq; its `llmc-serve.json` says kind onnx-qdq): input_ids -> logits, no cache;
   only prefill tok/s is measured.
-Scoring runs each window as one prefill and reads the full logits, so besides the NLL it measures KL and
-top-1 agreement against a reference's top-k log-probs. (Not called onnxruntime.py: that would shadow
-the real package.)
+Scoring runs each window as one prefill and reads the full logits, so besides the NLL it measures KL divergence
+(exact where the reference carries its output head: llmc.engines.agreement) and top-1 agreement.
+(Not called onnxruntime.py: that would shadow the real package.)
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch
 from llmc.compiler.onnx_qdq import MODEL_FILE as QDQ_MODEL
 from llmc.compiler.files import SERVE_FILE
 from llmc.engines.base import EngineBase
-from llmc.engines.torch_ref import score_logits, summary
+from llmc.engines.agreement import reference_rows, score_logits
+from llmc.engines.torch_ref import summary
 from llmc.errors import EngineFailed, EngineUnavailable
+from llmc.resource_errors import raise_if_resource
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -78,6 +80,7 @@ class OnnxRuntimeEngine(EngineBase):
         try:
             self.session = ort.InferenceSession(str(self.model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for invalid graphs/data
+            raise_if_resource(e, f"onnxruntime loading {self.model_path}")
             raise EngineFailed(f"onnxruntime could not load {self.model_path}: {e}",
                                fix="check the artifact with `llmc inspect`; re-export it if files are damaged") from None
         types = {i.name: i.type for i in self.session.get_inputs()}
@@ -113,7 +116,7 @@ class OnnxRuntimeEngine(EngineBase):
             ids = windows[w : w + 1]
             logits, _ = self._run(ids.numpy())
             logits = torch.from_numpy(np.ascontiguousarray(logits[:, :-1])).float()
-            ref = None if reference is None else {k: v[w : w + 1] for k, v in reference.items()}
+            ref = None if reference is None else reference_rows(reference, w, w + 1)
             out = score_logits(logits, ids[:, 1:], top_k, ref)
             for k, v in out.items():
                 parts.setdefault(k, []).append(v)

@@ -24,7 +24,8 @@ import torch
 from llmc.compiler.files import SERVE_FILE
 from llmc.compiler.onnx_qdq import MODEL_FILE
 from llmc.engines.base import EngineBase
-from llmc.engines.torch_ref import score_logits, summary
+from llmc.engines.agreement import reference_rows, score_logits
+from llmc.engines.torch_ref import summary
 from llmc.errors import EngineFailed, EngineUnavailable
 
 
@@ -114,7 +115,7 @@ class TensorRtEngine(EngineBase):
         for w in range(windows.shape[0]):
             ids = windows[w : w + 1]
             logits = self._logits(ids)[:, :-1].float().cpu()
-            ref = None if reference is None else {k: v[w : w + 1] for k, v in reference.items()}
+            ref = None if reference is None else reference_rows(reference, w, w + 1)
             for k, v in score_logits(logits, ids[:, 1:], top_k, ref).items():
                 parts.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in parts.items()}

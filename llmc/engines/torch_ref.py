@@ -12,6 +12,7 @@ A plain (unquantized) folder runs as is; that is the baseline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -22,10 +23,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmc.engines.agreement import HeadCapture, reference_rows, score_logits
+from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
+from llmc.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
@@ -106,6 +110,7 @@ class TorchEngine(EngineBase):
                     self.folder, dtype=self.dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
                 )
         except Exception as e:
+            raise_if_resource(e, f"transformers loading {self.folder}")
             raise EngineFailed(
                 f"transformers could not load {self.folder}: {type(e).__name__}: {e}",
                 fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",
@@ -156,23 +161,35 @@ class TorchEngine(EngineBase):
     @torch.no_grad()
     def token_nll(self, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
         """[n, seq-1] float64 negative log-likelihood of tokens 1..seq-1 of each window."""
-        return self.score(windows, batch_size)["nll"]
+        return self._score(windows, batch_size, None, 1, capture_head=False)["nll"]
 
-    @torch.no_grad()
     def score(
         self, windows: torch.Tensor, batch_size: int = 4, reference: dict | None = None, top_k: int = 256
     ) -> dict[str, torch.Tensor]:
-        """Per-token NLL, plus either this model's top-k log-probs (to serve as a reference) or,
-        given a reference's top-k, per-token KL(reference || this) and top-1 agreement."""
+        """Per-token NLL, plus either this model's top-k log-probs and its output head's inputs (to serve as a
+        reference: llmc.engines.agreement) or, given a reference, per-token KL(reference || this) and top-1
+        agreement. `output_head` then says whether the head reproduced the model's logits (exact KL possible)."""
+        return self._score(windows, batch_size, reference, top_k, capture_head=reference is None)
+
+    @torch.no_grad()
+    def _score(self, windows: torch.Tensor, batch_size: int, reference: dict | None, top_k: int, *,
+               capture_head: bool) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
-        for start in range(0, windows.shape[0], batch_size):
-            batch = windows[start : start + batch_size]
-            logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            ref = None if reference is None else {k: v[start : start + batch_size] for k, v in reference.items()}
-            out = score_logits(logits, batch[:, 1:], top_k, ref)
-            for k, v in out.items():
-                parts.setdefault(k, []).append(v)
-        return {k: torch.cat(v) for k, v in parts.items()}
+        with HeadCapture(self.model) if capture_head else contextlib.nullcontext() as capture:
+            for start in range(0, windows.shape[0], batch_size):
+                batch = windows[start : start + batch_size]
+                logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                if capture is not None:
+                    capture.after_forward(logits)
+                ref = None if reference is None else reference_rows(reference, start, start + batch_size)
+                out = score_logits(logits, batch[:, 1:], top_k, ref)
+                for k, v in out.items():
+                    parts.setdefault(k, []).append(v)
+        scores = {k: torch.cat(v) for k, v in parts.items()}
+        if capture is not None:
+            scores.update(capture.tensors())
+            self.output_head = capture.report
+        return scores
 
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
                    batch_sizes: Sequence[int] = (1,)) -> dict:
@@ -212,45 +229,6 @@ class TorchEngine(EngineBase):
             "repeats": repeats,
             "threads": torch.get_num_threads(),
         }
-
-
-def score_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int, reference: dict | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """Per-token scores of next-token `logits` [b, s, vocab] for `targets` [b, s]: the NLL, plus either
-    the top-k log-probs (to serve as a reference) or, given a reference's `topk_logprobs`/`topk_index`
-    for the same rows, KL(reference || this) and top-1 agreement. Every engine with full logits uses it.
-
-    log p = logits - logsumexp(logits): only the few entries needed are ever formed, never a
-    full-vocabulary log-softmax (that alone cost ~15% on top of the forward pass)."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = {"nll": (lse.squeeze(-1) - logits.gather(-1, targets[..., None]).squeeze(-1)).double()}
-    if reference is None:
-        top = logits.topk(top_k, dim=-1)
-        out["topk_logprobs"], out["topk_index"] = top.values - lse, top.indices.int()
-    else:
-        out.update(agreement(reference, logits.gather(-1, reference["topk_index"].long()) - lse, logits.argmax(-1)))
-    return out
-
-
-def agreement(reference: dict, logprobs_at_reference: torch.Tensor, argmax: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-token KL(reference || this) and top-1 agreement, from this model's log-probs at the reference's
-    top-k indices and its own argmax (what engines scoring in another process send back)."""
-    return {"kl": topk_kl(reference["topk_logprobs"], logprobs_at_reference),
-            "top1": (argmax.long() == reference["topk_index"][..., 0].long()).double()}
-
-
-def topk_kl(ref_logprobs: torch.Tensor, new_logprobs_at_ref: torch.Tensor) -> torch.Tensor:
-    """KL(ref || new) per token over the reference's top-k tokens plus one bucket for the rest.
-
-    Exact on the top-k; merging the tail into one category can only lower KL (data processing
-    inequality), so this is a lower bound of the full-vocabulary KL, tight when the tail is light.
-    """
-    p = ref_logprobs.double().exp()
-    q_top = new_logprobs_at_ref.double()
-    kl = (p * (ref_logprobs.double() - q_top)).sum(-1)
-    tail_p = (1 - p.sum(-1)).clamp_min(1e-12)
-    tail_q = (1 - q_top.exp().sum(-1)).clamp_min(1e-12)
-    return (kl + tail_p * (tail_p.log() - tail_q.log())).clamp_min(0.0)
 
 
 def summary(xs: list[float]) -> dict:

@@ -4,7 +4,9 @@ TensorRT-LLM needs an NVIDIA GPU and pins its own torch/transformers, so it runs
 (LLMC_TRTLLM_PYTHON, .venv-trtllm, ...: llmc.engines.environments) as one child process per evaluation
 (workers/trtllm_worker.py through llmc.engines.runner). Through the LLM API's context logits it gives full
 distributions, so besides the NLL the build gets KL and top-1 agreement against the baseline's top-k
-log-probs, computed here exactly as for the torch engine. The artifact's `llmc-trtllm.yaml` (tensor
+log-probs, computed here exactly as for the torch engine. The KL is the top-k lower bound: the baseline is
+TensorRT-LLM's own run, and its LLM API returns logits, not the output head's inputs that the exact KL is
+computed from (llmc.engines.agreement). The artifact's `llmc-trtllm.yaml` (tensor
 parallel size, KV-cache dtype, ...) becomes the LLM arguments.
 """
 
@@ -19,7 +21,7 @@ import yaml
 from llmc.engines.environments import engine_python
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors
-from llmc.engines.torch_ref import agreement
+from llmc.engines.agreement import agreement
 from llmc.errors import EngineUnavailable
 
 SPEC = engine_spec("tensorrt-llm")

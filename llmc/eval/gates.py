@@ -216,7 +216,8 @@ def evaluate_gates(gates: Gates, target: str, result: Evaluation, *, speed: Spee
     if gates.max_mean_kld is not None and "kld" in measures:
         verdicts.append(Verdict(
             "max_mean_kld", target, kld is not None and kld["ci_high"] <= gates.max_mean_kld,
-            f"{kld['mean']:.5f} (95% CI {kld['ci_low']:.5f} .. {kld['ci_high']:.5f})" if kld else "not measured",
+            f"{kld['mean']:.5f} (95% CI {kld['ci_low']:.5f} .. {kld['ci_high']:.5f})" + _kld_kind_text(result)
+            if kld else "not measured",
             f"upper bound <= {gates.max_mean_kld}", "quality"))
     if gates.min_top1_agreement_pct is not None and "top1_agreement" in measures:
         ok = top1 is not None and top1["ci_low"] * 100 >= gates.min_top1_agreement_pct
@@ -331,3 +332,11 @@ def gates_summary(verdicts: list[Verdict] | list[dict]) -> tuple[str, str]:
         return "passed-unmeasured", (f"passed, but {len(unmeasured)} of {len(vs)} not measured on any engine "
                                      "(allowed by gates.allow_unevaluated)")
     return "passed", f"all {len(vs)} passed (every gate measured)"
+
+
+def _kld_kind_text(result: Evaluation) -> str:
+    """What a measured KL is, when it is not the exact full-vocabulary KL (llmc.engines.agreement)."""
+    if result.kld_kind != "topk_lower_bound":
+        return ""
+    k = (result.protocol or {}).get("top_k")
+    return f"; top-k lower bound (k={k}) of the full-vocabulary KL"

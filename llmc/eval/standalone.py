@@ -10,6 +10,7 @@ import torch
 from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
 from llmc.engines import engine_spec, open_engine
+from llmc.engines.agreement import TOPK_BOUND, kld_kind
 from llmc.errors import InputError
 from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
@@ -87,10 +88,12 @@ def evaluate_artifact(
         rows.append([label, engine, f"{perplexity(base_nll):.3f}", f"{perplexity(nll):.3f} [{lo:.2f}, {hi:.2f}]",
                      f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
                      + (" (!)" if not bad and ch["ci_high_pct"] < 0 else ""),
-                     f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
+                     (">=" if kld_kind(scores) == TOPK_BOUND else "")
+                     + f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
                      f"{top1['mean'] * 100:.1f}%" if top1 else "-", verdict])
     text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "KLD (95% CI)",
                                "top-1", "gate"])
-    text += f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows"
+    text += (f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows; "
+             "KLD = full-vocabulary KL(baseline || artifact), or where marked >= its top-256 lower bound")
     text += "".join(f"\n{n}" for n in suspicious)
     return text, "; ".join(failures) or None

@@ -8,6 +8,8 @@ or corrupted file is reported by name before any work starts.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -15,15 +17,17 @@ import torch
 from safetensors import safe_open
 
 from llmc.errors import InputError
+from llmc.excerpt import excerpt, shorten
+from llmc.inputs import file_kind, read_input_json, shown, stat_input
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
+    if not os.path.lexists(folder / "config.json"):
         raise InputError(
-            f"{folder} is not a Hugging Face model folder: config.json is missing",
+            f"{shown(folder)} is not a Hugging Face model folder: config.json is missing",
             fix="point model.source at the folder save_pretrained() wrote, or at a .gguf file",
         )
     files = sorted(folder.glob("*.safetensors"))
@@ -31,38 +35,119 @@ def safetensors_files(folder: Path) -> list[Path]:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise InputError(
-                f"{folder} holds only pickled weights ({', '.join(pickles)}); llmc does not unpickle "
+                f"{shown(folder)} holds only pickled weights ({shorten(', '.join(pickles), 200)}); llmc does not unpickle "
                 "checkpoints because loading a pickle can run arbitrary code",
                 fix="convert once where you trust the file: "
                 "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out, safe_serialization=True)",
             )
-        raise InputError(f"{folder} has no *.safetensors weights", fix="save the model with safe_serialization=True")
+        raise InputError(f"{shown(folder)} has no *.safetensors weights", fix="save the model with safe_serialization=True")
     for f in files:
         check_safetensors_header(f)
     return files
 
 
+MAX_HEADER_BYTES = 32 << 20  # safetensors' own reader takes up to 100 MB; real headers are KBs to a few MB
+MAX_CONFIG_BYTES = 4 << 20
+_DTYPE_BITS = {"F64": 64, "I64": 64, "U64": 64, "C64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16,
+               "I16": 16, "U16": 16, "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+               "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}  # every dtype safetensors 0.8 reads
+_REDOWNLOAD = "re-download or re-save the checkpoint; the file is truncated or corrupted"
+
+
 def check_safetensors_header(path: Path) -> dict:
-    """Validate the header and that the file is as long as the header says; return the header."""
-    size = path.stat().st_size
+    """Validate the header (a regular file; entries with dtype, shape and offsets that tile the data exactly) and that
+    the file is as long as the header says; return the header. Reads at most 8 + MAX_HEADER_BYTES bytes."""
+    st = stat_input(path, "weights file", _REDOWNLOAD)
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"weights file {shown(path)} is {file_kind(st.st_mode)}, not a regular file", fix=_REDOWNLOAD)
+    size = st.st_size
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or n > min(size - 8, 100_000_000):
+            if n <= 0 or n > min(size - 8, MAX_HEADER_BYTES):
                 raise ValueError(f"header length {n} does not fit a {size}-byte file")
             header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
+    except (struct.error, ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
         raise InputError(
-            f"{path} is not a readable safetensors file ({e})",
-            fix="re-download or re-save the checkpoint; the file is truncated or corrupted",
+            f"{shown(path)} is not a readable safetensors file ({shorten(str(e), 120)})", fix=_REDOWNLOAD
         ) from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
+    data_bytes = size - 8 - n
+    _check_entries(path, header, data_bytes)
+    return header
+
+
+def _check_entries(path: Path, header: object, data_bytes: int) -> None:
+    def bad(what: str) -> InputError:
+        return InputError(f"{shown(path)} is not a readable safetensors file ({what})", fix=_REDOWNLOAD)
+
+    if not isinstance(header, dict):
+        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+            raise bad(f"tensor {excerpt(name)} has no dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and len(shape) <= 16
+                and all(type(d) is int and 0 <= d < 1 << 48 for d in shape)):
+            raise bad(f"tensor {excerpt(name)} has shape {excerpt(shape)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {excerpt(name)} has data_offsets {excerpt(offsets)}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        bits = _DTYPE_BITS.get(info["dtype"])
+        if bits is None:
+            raise bad(f"tensor {excerpt(name)} has unknown dtype {excerpt(info['dtype'])}")
+        if numel * bits != 8 * (offsets[1] - offsets[0]):
+            raise bad(f"tensor {excerpt(name)}: {info['dtype']} {shape} is {numel * bits / 8:g} bytes, its offsets "
+                      f"span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {excerpt(name)} starts at byte {begin} of the data, after {end}: data overlap or a gap")
+        end = stop
+    if end != data_bytes:
         raise InputError(
-            f"{path} is truncated or padded: the header describes {8 + n + end} bytes, the file has {size}",
+            f"{shown(path)} is truncated or padded: the header describes {end} bytes of data, the file has {data_bytes}",
             fix="re-download or re-save the checkpoint",
         )
-    return header
+
+
+# config.json fields llmc reads, as whole numbers in [1, bound]; the first four must be present
+_REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_SIZE_BOUNDS = {"hidden_size": 1 << 18, "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 14,
+                "vocab_size": 1 << 24, "num_key_value_heads": 1 << 14, "intermediate_size": 1 << 20,
+                "head_dim": 1 << 14, "max_position_embeddings": 1 << 27}
+
+
+def read_model_config(folder: Path) -> dict:
+    """The folder's config.json, checked: a JSON object naming model_type, with the sizes llmc computes with as
+    whole numbers in a sane range (an absurd hidden_size would become a nonsense estimate or a huge allocation)."""
+    path = Path(folder) / "config.json"
+    fix = "point model.source at the folder save_pretrained() wrote (its config.json describes the model)"
+    config = read_input_json(path, "model config", MAX_CONFIG_BYTES, fix)
+    if not isinstance(config, dict):
+        raise InputError(f"model config {shown(path)} is a JSON {type(config).__name__}, not an object", fix=fix)
+    if not isinstance(config.get("model_type"), str):
+        raise InputError(f"model config {shown(path)} has no model_type", fix=fix)
+    for key, bound in _SIZE_BOUNDS.items():
+        value = config.get(key)
+        if value is None and key not in _REQUIRED_SIZES:
+            continue
+        if value is None:
+            raise InputError(f"model config {shown(path)} has no {key}", fix=fix)
+        if type(value) is not int or not 1 <= value <= bound:
+            raise InputError(f"model config {shown(path)}: {key} is {excerpt(value)}, not a whole number in "
+                             f"[1, {bound:,}]", fix=fix)
+    if not isinstance(config.get("tie_word_embeddings", False), bool):
+        raise InputError(f"model config {shown(path)}: tie_word_embeddings is "
+                         f"{excerpt(config['tie_word_embeddings'])}, not true or false", fix=fix)
+    return config
 
 
 class CheckpointReader:
@@ -110,4 +195,4 @@ class CheckpointReader:
         return {n[len(prefix):]: t for n, t in self.get_many(names).items()}
 
     def config(self) -> dict:
-        return json.loads((self.folder / "config.json").read_text())
+        return read_model_config(self.folder)

@@ -9,12 +9,17 @@ A recipe's `model.source` is one of
 from __future__ import annotations
 
 import importlib.util
-import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.model.checkpoint import safetensors_files
+from llmc.excerpt import excerpt
+from llmc.inputs import file_kind, shown, stat_input
+from llmc.model.checkpoint import read_model_config, safetensors_files
+from llmc.model.gguf_header import check_gguf_header
+from llmc.resource_errors import raise_if_resource
 from llmc.store import Store, stage_key
 
 TOKENIZER_FILES = (
@@ -57,7 +62,7 @@ class ModelSource:
     origin: str  # what the recipe named
 
     def config(self) -> dict:
-        return json.loads((self.folder / "config.json").read_text())
+        return read_model_config(self.folder)
 
 
 def describe_source(spec: str) -> Path:
@@ -67,7 +72,7 @@ def describe_source(spec: str) -> Path:
         demo = DEMO_MODELS.get(name)
         if demo is None:
             raise InputError(
-                f"unknown demo model '{name}'", fix=f"use one of: {', '.join('demo:' + k for k in DEMO_MODELS)}"
+                f"unknown demo model {excerpt(name)}", fix=f"use one of: {', '.join('demo:' + k for k in DEMO_MODELS)}"
             )
         found = importlib.util.find_spec(demo.package)
         if found is None or not found.submodule_search_locations:
@@ -82,11 +87,10 @@ def describe_source(spec: str) -> Path:
             raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
         return path
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise InputError(
-            f"model source {spec} does not exist",
-            fix="use demo:smollm2-135m or demo:gemma3-270m, a local .gguf file, or a local Hugging Face folder",
-        )
+    fix = "use demo:smollm2-135m or demo:gemma3-270m, a local .gguf file, or a local Hugging Face folder"
+    st = stat_input(path, "model source", fix)  # missing, a symlink loop, unreadable: said before any read
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise InputError(f"model source {shown(spec)} is {file_kind(st.st_mode)}, not a model file or folder", fix=fix)
     return path
 
 
@@ -99,11 +103,24 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
                 "because loading them can run code",
                 fix="point model.source at a Hugging Face folder with safetensors weights, or at a .gguf",
             )
+        check_gguf_header(path)  # structure and lengths, before hashing or handing it to transformers
         return _from_gguf(path, store, dtype, origin=spec)
     files = [path / "config.json", *safetensors_files(path)]
-    files += [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    read_model_config(path)
+    files += [f for f in (path / n for n in TOKENIZER_FILES) if _tokenizer_file(f)]
     digest = stage_key("source-folder", {n.name: store.file_hash(n) for n in files})
     return ModelSource(folder=path.resolve(), sha256=digest, origin=spec)
+
+
+def _tokenizer_file(path: Path) -> bool:
+    """True for a tokenizer file to hash; InputError for one present but not a regular file (a FIFO would hang)."""
+    if not os.path.lexists(path):
+        return False
+    st = stat_input(path, "tokenizer file", "replace it with the file save_pretrained() wrote")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"tokenizer file {shown(path)} is {file_kind(st.st_mode)}, not a regular file",
+                         fix="replace it with the file save_pretrained() wrote")
+    return True
 
 
 def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> ModelSource:
@@ -131,6 +148,7 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
     except Exception as e:  # transformers raises many types for a bad GGUF
+        raise_if_resource(e, f"unpacking {gguf.name}")
         raise InputError(
             f"transformers could not read {gguf} as a GGUF model: {type(e).__name__}: {e}",
             fix="check that the file is a complete GGUF of an architecture transformers supports",

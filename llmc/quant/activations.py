@@ -18,7 +18,8 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc.store import disk_errors, fsync_dir
+from llmc import events
+from llmc.store import fsync_dir, resource_errors
 
 SpillMode = Literal["auto", "always", "never"]
 # auto spills when input + output copies of the activations would take more than this share of
@@ -128,8 +129,9 @@ class ActivationWriter:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    with disk_errors(path.name, path.parent):
+    with resource_errors(path.name, path.parent):
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(path))
+    events.emit(f"file:{path.name}")
 
 
 def _read(folder: Path, b: int) -> torch.Tensor:

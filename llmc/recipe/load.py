@@ -1,4 +1,10 @@
-"""Recipe loading: YAML text -> typed Recipe, or one RecipeError that names key, value and fix."""
+"""Recipe loading: a recipe file -> typed Recipe, or one RecipeError that names key, value and fix.
+
+Only a regular file of at most MAX_RECIPE_BYTES of UTF-8 is read (a FIFO, /dev/zero or a directory is
+refused from its stat, before any read); the YAML goes through `safe_yaml` (depth, alias expansion and
+key limits; values that cannot be built are errors at their line); messages quote at most a short,
+escaped excerpt of the input and list at most MAX_LISTED problems.
+"""
 
 from __future__ import annotations
 
@@ -6,85 +12,116 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from llmc.errors import RecipeError
+from llmc.excerpt import excerpt, shorten
+from llmc.inputs import decode_utf8, read_input_bytes, shown
+from llmc.recipe.safe_yaml import YamlLimitError, load_yaml
 from llmc.recipe.schema import Recipe
+
+MAX_RECIPE_BYTES = 1 << 20  # recipes are a few KB
+MAX_LISTED = 10  # problems listed in one message; the count says how many more
+
+_EXAMPLE_FIX = "pass the path of a recipe YAML, e.g. recipes/smollm2-fp8.yaml"
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise RecipeError(
-            f"recipe {path} does not exist", fix="pass the path of a recipe YAML, e.g. recipes/smollm2-fp8.yaml"
-        ) from None
-    return parse_recipe(text, source=str(path))
+    return parse_recipe(read_recipe_text(path), source=shown(path))
+
+
+def read_recipe_text(path: str | Path) -> str:
+    """The text of a recipe file: a regular file, at most MAX_RECIPE_BYTES, UTF-8; RecipeError otherwise."""
+    data = read_input_bytes(path, "recipe", MAX_RECIPE_BYTES, _EXAMPLE_FIX, error=RecipeError)
+    return decode_utf8(data, path, "recipe", "save the recipe as UTF-8 (e.g. iconv -f latin1 -t utf-8 r.yaml), or "
+                       "check that this is the recipe you meant", error=RecipeError)
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise RecipeError(
-            f"{source}: not valid YAML{where}: {problem}",
-            fix="check indentation and quoting around that line",
-        ) from None
+        data = load_yaml(text)
+    except YamlLimitError as e:
+        raise RecipeError(f"{source}: not valid YAML{e.where}: {e.problem}", fix=e.fix) from None
     if not isinstance(data, dict):
         raise RecipeError(
             f"{source}: a recipe is a YAML mapping with keys name, model, quantization, targets; "
-            f"got {type(data).__name__}",
+            f"got {'nothing' if data is None else type(data).__name__}",
             fix="see recipes/smollm2-fp8.yaml for the shape",
         )
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_describe(e, data, source)) from None
+    except RecursionError:  # safe_yaml bounds depth; kept so that no input reaches the user as a traceback
+        raise RecipeError(f"{source}: the recipe nests too deeply", fix="remove the extra nesting") from None
 
 
 def _describe(error: ValidationError, data: dict, source: str) -> str:
     lines = []
     errors = error.errors()
     item_locs = [tuple(e["loc"]) for e in errors]
+    said: set[str] = set()
     for err in errors:
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        if len(lines) > MAX_LISTED:
+            break
+        loc = _in_data(data, [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))])
+        if len(loc) < len(err["loc"]) and _dotted(loc) in said:
+            continue  # another member of the same union (float | int | str ...): its first complaint says it
+        said.add(_dotted(loc))
         if err["type"] == "too_short" and any(
             len(other) > len(err["loc"]) and other[: len(err["loc"])] == tuple(err["loc"]) for other in item_locs
         ):
             continue  # a list "too short" only because its items failed: the item errors say why
-        key = _dotted(loc)
+        key = shorten(_dotted(loc), 80)
         kind = err["type"]
         value = _lookup(data, loc)
         if kind == "extra_forbidden":
             parent = _model_at(Recipe, loc[:-1])
             known = sorted(parent.model_fields) if parent else []
-            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            guess = difflib.get_close_matches(str(loc[-1])[:100], known, n=1)
             hint = f"did you mean '{guess[0]}'?" if guess else f"known keys here: {', '.join(known)}"
             lines.append(f"unknown key '{key}'; fix: remove it ({hint})")
         elif kind == "missing":
             lines.append(f"missing key '{key}'; fix: add it")
         elif kind == "value_error":
-            msg = str(err.get("ctx", {}).get("error", err["msg"]))
+            msg = shorten(str(err.get("ctx", {}).get("error", err["msg"])), 400)
             where = f"'{key}'" if key else "recipe"
             lines.append(f"{where}: {msg}")
         elif kind == "literal_error":
             expected = err.get("ctx", {}).get("expected", "")
-            lines.append(f"'{key}' = {value!r} is not allowed; fix: use one of {expected}")
+            lines.append(f"'{key}' = {excerpt(value)} is not allowed; fix: use one of {expected}")
         else:
-            lines.append(f"'{key}' = {value!r}: {err['msg']}; fix: give a {_expected(kind)}")
-    plural = "s" if len(lines) > 1 else ""
-    return f"{source}: invalid recipe ({len(lines)} problem{plural}):\n  - " + "\n  - ".join(lines)
+            lines.append(f"'{key}' = {excerpt(value)}: {shorten(err['msg'], 200)}; fix: give a {_expected(kind)}")
+    total = len(lines) if len(lines) <= MAX_LISTED else len(errors)
+    if len(lines) > MAX_LISTED:
+        lines = lines[:MAX_LISTED] + [f"... and more ({len(errors)} in all); fix the ones above first"]
+    plural = "s" if total > 1 else ""
+    return f"{source}: invalid recipe ({total} problem{plural}):\n  - " + "\n  - ".join(lines)
 
 
 def _dotted(loc: list[Any]) -> str:
     out = ""
     for p in loc:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _in_data(data: Any, loc: list[Any]) -> list[Any]:
+    """loc up to the value it names: what pydantic appends past a scalar are union members' tags ('float', 'int')."""
+    out: list[Any] = []
+    for p in loc:
+        if isinstance(data, dict):
+            out.append(p)
+            if p not in data:
+                break
+            data = data[p]
+        elif isinstance(data, (list, tuple)) and isinstance(p, int):
+            out.append(p)
+            if not 0 <= p < len(data):
+                break
+            data = data[p]
+        else:
+            break
     return out
 
 
@@ -123,6 +160,7 @@ def _expected(kind: str) -> str:
         "int_type": "whole number",
         "float_parsing": "number",
         "float_type": "number",
+        "finite_number": "finite number",
         "bool_parsing": "true or false",
         "bool_type": "true or false",
         "string_type": "string",

@@ -8,14 +8,16 @@ capabilities (the target registry, `llmc.targets`) live in `llmc.plan`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from llmc.data.sources import BrownSource, DataSource
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
+from llmc.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.targets import runtime_names
@@ -27,7 +29,8 @@ GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and ±inf are no setting of anything; every number below also has a range (`ge`/`le`)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSection(_Strict):
@@ -35,13 +38,13 @@ class ModelSection(_Strict):
         description="'demo:smollm2-135m', a local Hugging Face folder, or a local .gguf file"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    name: str | None = Field(default=None, description="name used in the registry")
+    name: str | None = Field(default=None, pattern=SAFE_NAME, description="name used in the registry")
 
 
 class TensorQuant(_Strict):
     format: Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
     strategy: Literal["tensor", "channel", "group", "token"]
-    group_size: int | None = None
+    group_size: int | None = Field(default=None, ge=1, le=65536)
     symmetric: bool = True
     dynamic: bool = False
 
@@ -153,6 +156,28 @@ class QuantizationSection(_Strict):
         default_factory=dict, description="the algorithm's options, e.g. smoothquant alpha (llmc.quant.algorithms)"
     )
 
+    @field_validator("ignore")
+    @classmethod
+    def _ignore_regexes(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        """Compile every 're:' pattern now: a bad one is the recipe's error, not a crash mid-build."""
+        from llmc.excerpt import excerpt, shorten
+
+        for p in patterns:
+            if not p.startswith("re:"):
+                continue
+            if len(p) > 1003:
+                raise ValueError(f"ignore pattern {excerpt(p)} is longer than 1000 characters; fix: shorten it")
+            try:
+                re.compile(p[3:])
+            except (re.error, RecursionError, OverflowError, ValueError) as e:
+                where = f" at position {e.pos}" if getattr(e, "pos", None) is not None else ""
+                raise ValueError(
+                    f"ignore pattern {excerpt(p)} is not a valid regular expression "
+                    f"({shorten(getattr(e, 'msg', str(e)), 80)}{where}); fix: escape special characters with a "
+                    "backslash (e.g. 're:.*\\.mlp\\..*'), or give the module name without 're:'"
+                ) from None
+        return patterns
+
     @field_validator("algorithm", mode="before")
     @classmethod
     def _composed(cls, v: object) -> str:
@@ -223,7 +248,7 @@ class CalibrationSection(_Strict):
     )
     samples: int = Field(default=32, ge=1, le=4096)
     seq_len: int = Field(default=512, ge=16, le=32768)
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1, description="torch.Generator's seed range")
     spill_activations: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="keep the activations passed between layers on disk, one batch in memory at a time; "
@@ -247,7 +272,8 @@ class Target(_Strict):
     )
     gpu_arch: GpuArch = "sm90"
     tensor_parallel: int = Field(default=1, ge=1, le=64)
-    name: str | None = None
+    # the artifact's folder name in the cache's labels and the registry (artifacts/<name>): one safe component
+    name: str | None = Field(default=None, pattern=SAFE_NAME)
     triton: bool = Field(
         default=False,
         description="also lay the artifact out as a Triton Inference Server model repository "
@@ -301,13 +327,16 @@ class EvalSection(_Strict):
     batch_size: int = Field(default=4, ge=1, le=1024)
     decode_tokens: int = Field(default=16, ge=0, le=4096)
     throughput_repeats: int = Field(default=3, ge=1, le=100)
-    throughput_batch_sizes: tuple[int, ...] = Field(
+    throughput_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1024)], ...] = Field(
         default=(1,),
+        min_length=1,
+        max_length=16,
         description="batch sizes tokens/s is measured at (torch engine; other engines measure batch 1); "
         "gates and the report's headline use the first",
     )
     bootstrap_samples: int = Field(default=1000, ge=100, le=100000)
-    kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for KL")
+    kl_top_k: int = Field(default=256, ge=1, le=4096, description="baseline log-probs kept per token for the top-k "
+                          "KL bound (reported beside the exact KL; alone where that is unavailable)")
     runtimes: tuple[Literal[ENGINE_NAMES], ...] = Field(  # every engine in the engine registry
         default=(REFERENCE_ENGINE,),
         description="engines that evaluate each artifact they load: torch and vllm read compressed-tensors "
@@ -346,16 +375,18 @@ class Gates(_Strict):
     max_ppl_increase_pct: float | None = Field(
         default=None,
         gt=0,
+        le=1e6,
         description="fail when the upper 95% bound of the paired perplexity increase exceeds this",
     )
     max_mean_kld: float | None = Field(
-        default=None, gt=0, description="fail when the upper 95% bound of mean per-token KL(base||quant) exceeds this"
+        default=None, gt=0, le=1e3,
+        description="fail when the upper 95% bound of mean per-token KL(base||quant) exceeds this"
     )
     min_top1_agreement_pct: float | None = Field(
         default=None, gt=0, le=100, description="fail when the lower 95% bound of top-1 agreement is below this"
     )
-    min_prefill_tokens_per_s: float | None = Field(default=None, gt=0)
-    min_decode_tokens_per_s: float | None = Field(default=None, gt=0)
+    min_prefill_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
+    min_decode_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
     min_task_accuracy_ratio: float | None = Field(
         default=None, gt=0, le=1, description="fail when an eval.tasks accuracy's lower 95% bound, divided by the "
         "baseline's accuracy, is below this")
@@ -371,7 +402,7 @@ class PublishSection(_Strict):
 
 class Recipe(_Strict):
     version: Literal[1] = SCHEMA_VERSION
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    name: str = Field(pattern=SAFE_NAME)  # the registry folder <registry>/<name>/
     model: ModelSection
     quantization: QuantizationSection | None = None
     variants: tuple[Variant, ...] = Field(

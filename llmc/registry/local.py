@@ -1,26 +1,40 @@
 """A registry that is a directory: <registry>/<recipe name>/<build id>/{artifacts/, manifest.json, report.md}.
 
 An entry appears by one rename of a fully written temp directory, so a listed entry is complete.
-The same build id already present is a no-op. manifest.json carries the provenance: sha256 of
-every file, the resolved recipe, model and data hashes, calibration sample ids, package versions,
-stage timings, evaluation results and gate verdicts.
+The same build id already present and intact (every byte as its manifest says, nothing extra, its signature valid
+when a key is set) is a no-op; a modified one is republished (the old folder is renamed away and the new one
+renamed in). manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
+calibration sample ids, package versions, stage timings, evaluation results and gate verdicts; manifest.sig its
+optional HMAC (`llmc.registry.signing`).
+
+Publication holds a lock per entry (`<registry>/.llmc-locks/<recipe>/<build id>.lock`); `.tmp-*` and `.old-*`
+folders whose lock is free were left by a process that is gone and are removed. Published files and folders get
+the modes the umask gives new ones (0644 / 0755 with the usual 022), whatever the cache's modes were.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from filelock import FileLock, Timeout
+
 from llmc import __version__
 from llmc.errors import InputError
 from llmc.eval.report import report_dict
+from llmc.paths import confined
+from llmc.progress import log
 from llmc.registry.outputs import write_report_files
-from llmc.store import COMPLETE_MARKER, Store, atomic_write_json, fsync_dir, sha256_file
+from llmc.registry.signing import SIGNATURE_FILE, sign, signature_status, signing_key
+from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, fsync_dir,
+                        record_files, sha256_file, walk_files)
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -38,12 +52,19 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def manifest(result: "BuildResult", entry: Path) -> dict:
-    files = {
-        str(p.relative_to(entry)): sha256_file(p)
-        for p in sorted(entry.rglob("*"))
-        if p.is_file() and p.name not in ("manifest.json", COMPLETE_MARKER)
-    }
+MANIFEST = "manifest.json"
+_NOT_IN_MANIFEST = (MANIFEST, SIGNATURE_FILE, COMPLETE_MARKER)
+_HEX = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = None) -> dict:
+    """The entry's manifest; `files` (relative path -> sha256) when already hashed, else every file is hashed."""
+    if files is None:
+        files = {
+            str(p.relative_to(entry)): sha256_file(p)
+            for p in sorted(entry.rglob("*"))
+            if p.is_file() and p.name not in _NOT_IN_MANIFEST
+        }
     return {
         "schema": "llmc-manifest/1",
         "build_id": result.build_id,
@@ -75,46 +96,183 @@ def _copy_keeping_links():
     return copy
 
 
+def _entry_lock(registry: Path, name: str, build_id: str) -> FileLock:
+    path = confined(registry, f".llmc-locks/{name}/{build_id}.lock", what="registry lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path), is_singleton=True)
+
+
+def sweep_registry(registry: Path) -> list[Path]:
+    """Remove `.tmp-*` / `.old-*` folders of publications whose process is gone (their entry lock is free)."""
+    removed = []
+    for leftover in sorted([*registry.glob("*/.*.tmp-*"), *registry.glob("*/.*.old-*")]):
+        build_id = leftover.name[1:].split(".", 1)[0]
+        if leftover.is_symlink() or not leftover.is_dir() or not _HEX.match(build_id):
+            continue
+        lock = _entry_lock(registry, leftover.parent.name, build_id)
+        try:
+            lock.acquire(blocking=False)
+        except Timeout:
+            continue  # being published right now
+        try:
+            log(f"removing {leftover}: left by an llmc publish that is gone")
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+        finally:
+            lock.release()
+    return removed
+
+
 def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
-    """Copy artifacts + manifest + report into the registry; (entry path, was it already there)."""
+    """Copy artifacts + manifest + report into the registry; (entry path, was it already there intact).
+
+    Every artifact byte copied is checked against the sha256 its export recorded: a cached export changed since
+    it was written is discarded and CorruptOutput raised (`llmc.build.build` rebuilds it and publishes again)."""
     registry = Path(result.recipe.publish.registry).expanduser()
-    entry = registry / result.recipe.name / result.build_id
-    if (entry / COMPLETE_MARKER).is_file():
-        return entry, True
-    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "artifacts").mkdir(parents=True)
-    for label, art in result.artifacts.items():
-        shutil.copytree(art.dir, tmp / "artifacts" / label, ignore=shutil.ignore_patterns(".*"),
-                        copy_function=_copy_keeping_links())
-    write_report_files(result, tmp)
-    atomic_write_json(tmp / "manifest.json", manifest(result, tmp))
-    atomic_write_json(tmp / COMPLETE_MARKER, {"build_id": result.build_id})
-    if entry.exists():  # an incomplete leftover
-        shutil.rmtree(entry)
-    os.replace(tmp, entry)
-    fsync_dir(entry.parent)
+    registry.mkdir(parents=True, exist_ok=True)
+    name, build_id = result.recipe.name, result.build_id
+    entry = confined(registry, f"{name}/{build_id}", what="registry entry")
+    with _entry_lock(registry, name, build_id):
+        sweep_registry(registry)
+        if (entry / COMPLETE_MARKER).is_file():
+            try:
+                problems = verify_entry(entry)
+            except InputError as e:
+                problems = [e.message]
+            if not problems:
+                return entry, True
+            log(f"warning: registry entry {entry} does not match its manifest ({'; '.join(problems[:4])}); "
+                "republishing it")
+        tmp = entry.with_name(f".{build_id}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _write_entry(result, store, tmp)
+            _swap_in(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return entry, False
 
 
+def _write_entry(result: "BuildResult", store: Store, tmp: Path) -> None:
+    (tmp / "artifacts").mkdir(parents=True)
+    for label, art in result.artifacts.items():
+        shutil.copytree(art.dir, confined(tmp, f"artifacts/{label}", what="artifact folder"),
+                        ignore=shutil.ignore_patterns(".*"), copy_function=_copy_keeping_links())
+    write_report_files(result, tmp)
+    files = record_files(tmp)  # one read of every byte: the manifest's hashes and the check against the cache
+    for label, art in result.artifacts.items():
+        expected = {rel: f for rel, f in store.recorded(art.dir).items()
+                    if not any(part.startswith(".") for part in rel.split("/"))}
+        prefix = f"artifacts/{label}/"
+        copied = {rel[len(prefix):]: f for rel, f in files.items() if rel.startswith(prefix)}
+        problems = _differences(expected, copied)
+        if problems:
+            store.discard(art.dir, problems)
+            raise CorruptOutput(f"cached export {art.dir} for {label} changed after it was written: "
+                                f"{'; '.join(problems[:4])}",
+                                fix="rerun: the export was discarded and is rebuilt")
+    digests = {rel: f["sha256"] for rel, f in files.items() if "sha256" in f}
+    atomic_write_json(tmp / MANIFEST, manifest(result, tmp, digests))
+    key = signing_key()
+    if key is not None:
+        sign(tmp, key)
+    atomic_write_json(tmp / COMPLETE_MARKER, {"build_id": result.build_id})
+    _follow_umask(tmp)
+
+
+def _differences(expected: dict[str, dict], copied: dict[str, dict]) -> list[str]:
+    if not expected:
+        return ["its export recorded no files (written by an older llmc)"]
+    problems = [f"missing {rel}" for rel in sorted(set(expected) - set(copied))]
+    problems += [f"extra {rel}" for rel in sorted(set(copied) - set(expected))]
+    problems += [f"modified {rel} (sha256 differs)" for rel in sorted(set(expected) & set(copied))
+                 if expected[rel].get("sha256") != copied[rel].get("sha256")]
+    return problems
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give every file and folder the mode a new one gets under the umask (copies keep the cache's 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for n in filenames:
+            path = os.path.join(dirpath, n)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
+def _swap_in(tmp: Path, entry: Path) -> None:
+    """Rename the written folder to the entry; a modified entry is renamed away first, then removed."""
+    old = None
+    if entry.exists() or entry.is_symlink():
+        old = entry.with_name(f".{entry.name}.old-{os.getpid()}")
+        os.replace(entry, old)
+    os.replace(tmp, entry)
+    fsync_dir(entry.parent)
+    if old is not None:
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(entry: Path) -> dict:
+    """The entry's manifest, refused (InputError) unless it is a regular file of JSON whose `files` maps
+    confined relative paths to sha256 digests."""
+    path = confined(Path(entry), MANIFEST, what="manifest")
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise InputError(f"{path} is not a regular file", fix="restore the entry by publishing it again")
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{entry} has no {MANIFEST}", fix="pass a registry entry folder") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({type(e).__name__})",
+                         fix="restore the entry by publishing it again") from None
+    files = m.get("files") if isinstance(m, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise InputError(f"{path} has no 'files' mapping of paths to sha256 digests",
+                         fix="restore the entry by publishing it again")
+    for rel in files:
+        confined(Path(entry), rel, what="manifest path")
+        if rel in _NOT_IN_MANIFEST:
+            raise InputError(f"{path} lists {rel}, which a manifest never covers",
+                             fix="restore the entry by publishing it again")
+    return m
+
+
 def verify_entry(entry: Path) -> list[str]:
-    """Files whose sha256 no longer matches the manifest (empty list: intact)."""
-    m = json.loads((Path(entry) / "manifest.json").read_text())
-    bad = []
-    for rel, digest in m["files"].items():
-        p = Path(entry) / rel
-        if not p.is_file() or sha256_file(p) != digest:
-            bad.append(rel)
-    return bad
+    """How the entry differs from its manifest: files modified, missing or extra, links, and an invalid signature
+    when a key is set (empty list: intact). A manifest listing a path outside the entry is an InputError."""
+    entry = Path(entry)
+    m = read_manifest(entry)
+    problems = []
+    present = {rel: (st, path) for rel, st, path in walk_files(entry) if rel not in _NOT_IN_MANIFEST}
+    for rel, digest in sorted(m["files"].items()):
+        if rel not in present:
+            problems.append(f"missing {rel}")
+            continue
+        st, path = present[rel]
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"not a regular file: {rel}")
+        elif sha256_file(path) != digest:
+            problems.append(f"modified {rel}")
+    problems += [f"extra {rel}" for rel in sorted(set(present) - set(m["files"]))]
+    status, failed = signature_status(entry, signing_key())
+    if failed:
+        problems.append(f"signature {status}")
+    return problems
 
 
 def find_entry(registry: Path, ref: str) -> Path:
-    """An entry by path, '<name>/<build id prefix>', or build-id prefix."""
-    p = Path(ref)
-    if (p / "manifest.json").is_file():
-        return p
-    hits = [d for d in Path(registry).glob("*/*") if (d / COMPLETE_MARKER).is_file()
-            and (d.name.startswith(ref) or f"{d.parent.name}/{d.name}".startswith(ref))]
+    """An entry of `registry` by '<name>/<build id prefix>' or build-id prefix."""
+    name, _, prefix = ref.rpartition("/")
+    if not _HEX.match(prefix) or (name and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", name)):
+        raise InputError(f"{ascii(ref)[:80]} is not '<recipe name>/<build id prefix>' or a build id prefix",
+                         fix="pass a build id (hex) or the entry's path")
+    hits = [d for d in Path(registry).glob(f"{name or '*'}/{prefix}*")
+            if not d.is_symlink() and (d / COMPLETE_MARKER).is_file()]
     if len(hits) != 1:
         raise InputError(f"{'no' if not hits else len(hits)} registry entries match '{ref}' under {registry}",
                          fix="pass a longer build id or the entry's path")

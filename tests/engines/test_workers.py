@@ -88,3 +88,59 @@ def test_tensorrt_llm_worker_serves_as_a_baseline(fake_engines: Path) -> None:
     assert sorted(scores) == ["nll", "topk_index", "topk_logprobs"]
     assert torch.equal(scores["topk_index"], want["topk_index"])
     assert torch.allclose(scores["topk_logprobs"], want["topk_logprobs"], atol=1e-5)
+
+
+@pytest.mark.parametrize("failure, message", [
+    ("memory", "out of memory in llama.cpp evaluating"),
+    ("disk", "disk full writing llama.cpp's files while evaluating"),
+    ("oom-killer", "out of memory in llama.cpp evaluating"),
+])
+def test_a_worker_that_runs_out_is_a_resource_error(fake_engines: Path, failure: str, message: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory or disk inside an engine's process is exit 4 with the fix, not "runtime failed": as the
+    worker's error.json says, or, for a worker the out-of-memory killer SIGKILLed, as its exit status says."""
+    from llmc.errors import ResourceError
+
+    monkeypatch.setenv("LLMC_FAKE_FAILURE", failure)
+    windows, _ = _windows_and_reference()
+    with pytest.raises(ResourceError) as e:
+        with open_engine("llama.cpp", fake_engines, dtype="float32") as engine:
+            engine.measure(windows, windows[:1], decode_tokens=1, repeats=1)
+    assert e.value.exit_code == 4 and e.value.message.startswith(message), e.value.message
+    assert "rerun" in e.value.fix
+    if failure == "oom-killer":
+        assert "SIGKILL" in e.value.message or "out-of-memory killer" in e.value.message
+
+
+def test_a_worker_that_fails_otherwise_is_still_a_runtime_failure(fake_engines: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmc.errors import EngineFailed
+
+    monkeypatch.setenv("LLMC_FAKE_FAILURE", "bad-model")
+    windows, _ = _windows_and_reference()
+    with pytest.raises(EngineFailed, match="unknown tensor type 42"):
+        with open_engine("llama.cpp", fake_engines, dtype="float32") as engine:
+            engine.measure(windows, windows[:1], decode_tokens=1, repeats=1)
+
+
+def test_llama_worker_computes_the_exact_kl_from_the_reference_head(fake_engines: Path) -> None:
+    """The baseline's output-head inputs and head cross the wire; the worker re-applies the head and returns the
+    full-vocabulary KL, the same as the torch engine computes from the same logits."""
+    from llmc.engines.agreement import EXACT, HEAD_INPUT, KL_BOUND, HeadPost, OutputHead, kld_kind
+
+    windows, _ = _windows_and_reference()
+    g = torch.Generator().manual_seed(1)
+    head = OutputHead(torch.randn(fake.VOCAB, 16, generator=g), torch.randn(fake.VOCAB, generator=g) * 0.1,
+                      HeadPost(scale=0.5, softcap=3.0))
+    hidden = torch.randn(3, 19, 16, generator=g)
+    reference = {**score_logits(head.logits(hidden), windows[:, 1:], 8), HEAD_INPUT: hidden, **head.tensors()}
+    with open_engine("llama.cpp", fake_engines, dtype="float32") as engine:
+        scores = engine.score(windows, reference=reference, top_k=8)
+    assert kld_kind(scores) == EXACT
+    logits = torch.stack([torch.from_numpy(fake.logits_for(w.tolist())[:-1]) for w in windows]).float()
+    lp, lq = head.logits(hidden).double().log_softmax(-1), logits.double().log_softmax(-1)
+    assert torch.allclose(scores["kl"], (lp.exp() * (lp - lq)).sum(-1), rtol=1e-5, atol=1e-6)
+    in_torch = _expected(windows, 8, reference)
+    for k in ("kl", KL_BOUND, "top1", "nll"):
+        assert torch.allclose(scores[k].double(), in_torch[k].double(), rtol=1e-5, atol=1e-5), k
+    assert (scores[KL_BOUND] <= scores["kl"] + 1e-6).all()

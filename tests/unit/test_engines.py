@@ -63,7 +63,8 @@ def test_open_engine_loads_the_torch_engine_and_measures_as_before(tiny_model: P
         scores, tput = engine.measure(windows, windows[:1], decode_tokens=2, repeats=1, batch_size=2, top_k=8,
                                       throughput_batch_sizes=engine_spec("torch").batch_sizes((1, 2)))
         again = engine.score(windows, batch_size=2, top_k=8)
-    assert sorted(scores) == ["nll", "topk_index", "topk_logprobs"]
+    assert sorted(scores) == ["head_input", "head_scale", "head_softcap", "head_weight", "nll", "topk_index",
+                              "topk_logprobs"]  # a reference: its output head's inputs too (test_agreement.py)
     assert all(torch.equal(scores[k], again[k]) for k in scores)
     assert tput["batch_size"] == 1 and sorted(tput["by_batch_size"]) == ["1", "2"]
     assert {"prefill_tokens_per_s", "decode_tokens_per_s", "prompt_tokens", "threads"} <= set(tput)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llmc.build import build
 from llmc.recipe import parse_recipe
-from llmc.store import Store
+from llmc.store import COMPLETE_MARKER, Store, record_files
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build import recipe_text  # noqa: E402
@@ -43,6 +43,10 @@ def test_broken_artifact_fails_quality_gate_with_junit(tiny_model: Path, tmp_pat
         if k.startswith("model.layers.0.") and k.endswith("weight_scale"):
             tensors[k] = torch.zeros_like(tensors[k])
     save_file(tensors, str(artifact), metadata={"format": "pt"})
+    # ...and record it as the export's output, as an exporter that wrote these bytes would (a changed cached output
+    # that was not recorded is rebuilt instead of measured: tests/unit/test_integrity.py)
+    marker = artifact.parent / COMPLETE_MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "files": record_files(artifact.parent)}))
 
     bad = _cli(["build", str(recipe), "--junit", str(tmp_path / "bad.xml")], tmp_path / "c", tmp_path)
     assert bad.returncode == 5, bad.stdout + bad.stderr  # quality gate
@@ -143,7 +147,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from llmc.eval.gates import (  # noqa: E402
-    DEFAULT_GATES, effective_gates, gate_artifact, gates_summary, plan_warnings, scheme_family,
+    DEFAULT_GATES, effective_gates, gate_artifact, gates_summary, scheme_family,
 )
 from llmc.quant.canonical import scheme_from_dict  # noqa: E402
 from llmc.recipe.schema import Gates  # noqa: E402

@@ -2,8 +2,9 @@
 
 Usage: python llama_worker.py <request folder>   (wire format: _wire.py)
 request.json: {"gguf": path, "decode_tokens": int, "repeats": int, "threads": int}; tensors: windows, prompt
-              and, to score against a reference, reference_index [n, seq-1, k]
-scores: nll [n, seq-1], top1_index [n, seq-1], logprobs_at_reference [n, seq-1, k] (when given a reference)
+              and, to score against a reference, reference_index [n, seq-1, k] and maybe its head (reference_head_*)
+scores: nll [n, seq-1], top1_index [n, seq-1], logprobs_at_reference [n, seq-1, k] (when given a reference),
+        kl_exact [n, seq-1] (when given a reference head whose vocabulary is the GGUF's)
 result.json: {"throughput": {...}, "version": str, "load_s": float}
 Imports only numpy and llama_cpp (llmc is not installed in that venv).
 """
@@ -13,6 +14,7 @@ import time
 
 import numpy as np
 
+import _agreement
 import _wire
 
 
@@ -29,8 +31,9 @@ def main(folder: str) -> None:
                 n_threads=req.get("threads", 2), seed=0, verbose=False)
     load_s = time.monotonic() - t
     ref = tensors.get("reference_index")
+    head = _agreement.reference_head(tensors)
 
-    nll, top1, at_ref = [], [], []
+    nll, top1, at_ref, kl_exact = [], [], [], []
     for w, ids in enumerate(windows):
         llm.reset()
         llm.eval(ids.tolist())
@@ -41,6 +44,8 @@ def main(folder: str) -> None:
         top1.append(logits.argmax(-1))
         if ref is not None:
             at_ref.append(np.take_along_axis(logits, ref[w], axis=-1) - lse)
+        if head is not None and head["weight"].shape[0] == logits.shape[-1]:
+            kl_exact.append(_agreement.exact_kl(head, head["input"][w], logits))
 
     prefill, decode = [], []
     n = req.get("decode_tokens", 0)
@@ -61,6 +66,8 @@ def main(folder: str) -> None:
     scores = {"nll": np.stack(nll), "top1_index": np.stack(top1)}
     if ref is not None:
         scores["logprobs_at_reference"] = np.stack(at_ref).astype(np.float32)
+    if kl_exact:
+        scores["kl_exact"] = np.stack(kl_exact)
     _wire.write_result(folder, {
         "throughput": {"prefill_tokens_per_s": _wire.summary(prefill), "decode_tokens_per_s": _wire.summary(decode),
                        "prompt_tokens": len(prompt), "decode_tokens": n, "repeats": req.get("repeats", 1)},
@@ -70,4 +77,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    _wire.run(main, sys.argv[1])

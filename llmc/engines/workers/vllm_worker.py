@@ -70,4 +70,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    _wire.run(main, sys.argv[1])

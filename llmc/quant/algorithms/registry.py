@@ -53,7 +53,7 @@ class AlgorithmOptions(BaseModel):
     (recipe errors quote it: "fix: set options.<key> to <description>")."""
 
     # strict: a recipe's `true` is no block size and "0.5" no alpha
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     def resolve(self, context: Context) -> AlgorithmOptions:
         """These options with the defaults that depend on the scheme or the composition filled in."""

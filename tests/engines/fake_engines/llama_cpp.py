@@ -1,5 +1,9 @@
 """Stand-in for llama-cpp-python's Llama, as much of it as llmc's llama.cpp worker uses."""
 
+import errno
+import os
+import signal
+
 import numpy as np
 
 from _fake_logits import logits_for
@@ -9,6 +13,16 @@ __version__ = "0.0+fake"
 
 class Llama:
     def __init__(self, model_path, **kwargs):
+        # LLMC_FAKE_FAILURE: fail as a real engine does when the machine runs out (tests of llmc's runner)
+        failure = os.environ.get("LLMC_FAKE_FAILURE")
+        if failure == "memory":
+            raise MemoryError("std::bad_alloc")
+        if failure == "disk":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if failure == "oom-killer":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if failure == "bad-model":
+            raise ValueError(f"{model_path}: unknown tensor type 42")
         self.tokens = []
 
     def reset(self):

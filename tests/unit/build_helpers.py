@@ -1,0 +1,77 @@
+"""What the fault tests (full disk, kill anywhere) share: a recipe that passes through every stage and write site
+of a build on a tiny model, a small corpus so a build takes seconds, and the hashes that say two builds
+published the same bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from llmc.store import COMPLETE_MARKER
+
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+CORPUS_DOCS = 4  # documents per split: plenty for 8 calibration and 4 evaluation windows of 64 tokens
+
+
+def every_stage_recipe(model: Path, registry: Path) -> str:
+    """Static INT8 (calibration, shared statistics, activations spilled to disk), two targets (compressed-tensors
+    safetensors and GGUF), evaluation in the torch engine, a gate, publication."""
+    return yaml.safe_dump({
+        "name": "tiny-int8",
+        "model": {"source": str(model)},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
+                         "activations": {"format": "int8", "strategy": "tensor"}},
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0, "spill_activations": "always"},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "llama.cpp"}],
+        "eval": {"seq_len": 64, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100},
+        "gates": {"max_ppl_increase_pct": 50.0},
+        "publish": {"registry": str(registry)},
+    })
+
+
+def small_corpus_file(path: Path) -> Path:
+    """The first CORPUS_DOCS Brown documents of each split as JSON, for builds that read them through
+    `use_corpus_file` (in this process or a child) instead of parsing all 500 files each time."""
+    from llmc.calibration.corpora import load_corpus
+
+    docs = {split: [[d.id, d.text] for d in load_corpus("brown", split)[:CORPUS_DOCS]]
+            for split in ("calibration", "eval")}
+    path.write_text(json.dumps(docs))
+    return path
+
+
+def use_corpus_file(path: Path, setattr_=None) -> None:
+    """Make llmc.build read its corpora from `small_corpus_file`'s JSON (`setattr_`: pytest's monkeypatch.setattr,
+    or plain setattr in a child process)."""
+    import llmc.build
+    from llmc.calibration.corpora import Document
+
+    docs = {split: [Document(i, t) for i, t in items] for split, items in json.loads(Path(path).read_text()).items()}
+    (setattr_ or setattr)(llmc.build, "load_corpus", lambda name, split: docs[split])
+
+
+def published_artifact_hashes(registry: Path) -> dict[str, str]:
+    """sha256 of every artifact file in every complete registry entry, by path inside the registry (a publish
+    killed just before its rename leaves a `.<build id>.tmp-<pid>` folder: not an entry)."""
+    out = {}
+    for entry in sorted(registry.glob("*/*")):
+        if not entry.name.startswith(".") and (entry / COMPLETE_MARKER).is_file():
+            for f in sorted((entry / "artifacts").rglob("*")):
+                if f.is_file():
+                    out[f.relative_to(registry).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def nothing_half_written_looks_complete(cache: Path, registry: Path) -> list[str]:
+    """Stage folders and registry entries under their final names that lack their completion marker, and build
+    report folders without their whole set of files."""
+    bad = [str(d) for d in (cache / "stages").glob("*/*")
+           if not d.name.endswith(".partial") and not (d / COMPLETE_MARKER).is_file()]
+    bad += [str(e) for e in registry.glob("*/*")
+            if not e.name.startswith(".") and not (e / COMPLETE_MARKER).is_file()]
+    bad += [str(b) for b in (cache / "builds").glob("*")  # a build's reports: the whole set or none
+            if not b.name.startswith(".") and not all((b / f).is_file() for f in REPORT_FILES)]
+    return bad

@@ -1,0 +1,118 @@
+"""Kill -9 anywhere, resume byte-identical, as a property: a build is SIGKILLed at the n-th event it emits
+(llmc.events: every file written atomically, calibration, each quantized layer, each export, each evaluation,
+publication), for seeded random n across all stages; nothing half-written looks complete, and the rerun publishes
+artifact files whose sha256 equal a clean build's. A few points run by default, many more under -m slow."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmc.registry.local import verify_entry
+from tests.unit.build_helpers import (every_stage_recipe, nothing_half_written_looks_complete,
+                                      published_artifact_hashes, small_corpus_file)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# `llmc build` in a child that either records every event it emits, or SIGKILLs itself at the n-th.
+_CHILD = """
+import os, signal, sys
+sys.path.insert(0, sys.argv.pop(1))
+from llmc import events
+from tests.unit.build_helpers import use_corpus_file
+use_corpus_file(sys.argv.pop(1))
+mode, arg = sys.argv.pop(1), sys.argv.pop(1)
+if mode == "record":
+    log = open(arg, "w")
+    events.subscribe(lambda event: (log.write(event + "\\n"), log.flush()))
+else:
+    left = [int(arg)]
+
+    def die_at_nth(event):
+        left[0] -= 1
+        if left[0] == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    events.subscribe(die_at_nth)
+from llmc.cli import main
+main()
+"""
+
+
+def _build(root: Path, corpus: Path, mode: str, arg: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLMC_PROGRESS_JSON": "0"}
+    return subprocess.run([sys.executable, "-c", _CHILD, str(REPO), str(corpus), mode, arg, "build",
+                           str(root / "recipe.yaml"), "--cache-dir", str(root / "cache")],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def _recipe(root: Path, model: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "recipe.yaml").write_text(every_stage_recipe(model, root / "registry"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, tiny_model_session: Path) -> tuple[Path, list[str], dict[str, str]]:
+    """(corpus file, the events of a clean build in order, its published artifact hashes)."""
+    tmp = tmp_path_factory.mktemp("kill-anywhere")
+    corpus = small_corpus_file(tmp / "corpus.json")
+    root = _recipe(tmp / "clean", tiny_model_session)
+    done = _build(root, corpus, "record", str(tmp / "events.txt"))
+    assert done.returncode == 0, done.stderr
+    events = (tmp / "events.txt").read_text().split()
+    hashes = published_artifact_hashes(root / "registry")
+    assert hashes
+    return corpus, events, hashes
+
+
+def test_the_build_emits_an_event_in_every_stage(clean) -> None:
+    _, events, _ = clean
+    for expected in ("file:tokens.safetensors", "calibrate:written", "file:b00000.safetensors", "quantize:layer:0",
+                     "quantize:layer:1", "file:00001.safetensors", "file:model.safetensors", "file:model.gguf",
+                     "export:written", "file:scores.safetensors", "eval:written", "file:manifest.json",
+                     "publish:done", "file:report.md"):
+        assert expected in events, expected
+    order = [events.index(e) for e in ("calibrate:written", "quantize:layer:1", "export:written", "eval:written",
+                                       "publish:done")]
+    assert order == sorted(order)
+
+
+def _kill_and_resume(n: int, root: Path, clean) -> subprocess.CompletedProcess:
+    corpus, events, hashes = clean
+    killed = _build(root, corpus, "kill", str(n))
+    assert killed.returncode == -9, f"not killed at event {n} ({events[n - 1]}): {killed.stderr[-2000:]}"
+    assert nothing_half_written_looks_complete(root / "cache", root / "registry") == []
+    resumed = _build(root, corpus, "kill", "0")  # 0: never
+    assert resumed.returncode == 0, resumed.stderr
+    assert published_artifact_hashes(root / "registry") == hashes, f"killed at event {n} ({events[n - 1]})"
+    entries = [e for e in (root / "registry").glob("*/*") if not e.name.startswith(".")]
+    assert len(entries) == 1 and verify_entry(entries[0]) == []
+    return resumed
+
+
+def test_killed_mid_quantize_resumes_at_the_next_layer(clean, tmp_path: Path, tiny_model_session: Path) -> None:
+    n = clean[1].index("quantize:layer:0") + 1
+    resumed = _kill_and_resume(n, _recipe(tmp_path, tiny_model_session), clean)
+    assert "resuming quantization at layer 1" in resumed.stderr
+
+
+NAMED = ["calibrate:written", "quantize:layer:1", "file:model.gguf", "export:written", "eval:written",
+         "file:manifest.json", "publish:done"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("event", NAMED)
+def test_killed_at_each_stage_resumes_identical(event: str, clean, tmp_path: Path, tiny_model_session: Path) -> None:
+    _kill_and_resume(clean[1].index(event) + 1, _recipe(tmp_path, tiny_model_session), clean)
+
+
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 16)])
+def test_killed_at_a_random_event_resumes_identical(seed: int, clean, tmp_path: Path, tiny_model_session: Path) -> None:
+    n = random.Random(seed).randrange(len(clean[1])) + 1
+    _kill_and_resume(n, _recipe(tmp_path, tiny_model_session), clean)
