@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from llmc import events
-from llmc.calibration.corpora import corpus_fingerprint, load_corpus
-from llmc.calibration.windows import make_windows
 from llmc.compiler.files import SERVE_FILE
+from llmc.data import stages as data
+from llmc.data.sources import label
 from llmc.engines import engine_spec, open_engine
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
@@ -78,7 +78,12 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
 
     tokenizer = AutoTokenizer.from_pretrained(source.folder)
     needs_calibration = any(s.needs_calibration for s in plan.schemes.values())
-    calib_key = _calibrate(result, store, tokenizer) if needs_calibration else None  # shared by all variants
+    # Both token sets first: a source that is missing, too small or shared with the other fails before any work.
+    calib_tokens = data.calibration_tokens(recipe.calibration, tokenizer) if needs_calibration else None
+    eval_tokens = data.eval_tokens(recipe.eval, tokenizer) if last == "gate" else None
+    if calib_tokens is not None and eval_tokens is not None:
+        data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
+    calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
     quantized = {}
     for name, scheme in plan.schemes.items():
         quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
@@ -91,7 +96,9 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
             _export(result, store, qm, quant_key, target, f"{name}/{target.label}" if name else target.label)
     if last == "export":
         return result
-    _evaluate(result, store, tokenizer)
+    _evaluate(result, store, eval_tokens.input_ids)
+    if recipe.eval.tasks:
+        _evaluate_tasks(result, store, tokenizer)
     _gate(result)
     return result
 
@@ -114,20 +121,20 @@ class _Timer:
 # --------------------------------------------------------------------------- calibrate, quantize
 
 
-def _calibrate(result: BuildResult, store: Store, tokenizer) -> str:
+def _calibrate(result: BuildResult, store: Store, tokens) -> str:
     c = result.recipe.calibration
-    docs = load_corpus(c.dataset, "calibration")
-    # Where activations live and which device quantizes change no token, so they stay out of the stage key.
-    cfg = {**c.model_dump(mode="json", exclude={"spill_activations", "device"}), "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+    cfg = data.calibration_config(c, tokens)
     key = stage_key("calibrate", cfg, [result.source.sha256])
     done = store.lookup("calibrate", key)
     with _Timer(result, "calibrate", key, done is not None):
         if done is None:
-            log(f"calibration: {c.samples} windows of {c.seq_len} tokens from {c.dataset} (seed {c.seed})")
+            log(f"calibration: {c.samples} {c.packing} of {c.seq_len} tokens from {label(c.dataset)} (seed {c.seed})")
             with store.produce("calibrate", key) as out:
-                w = make_windows(tokenizer, docs, c.seq_len, c.samples, seed=c.seed)
-                atomic_save_safetensors(out / "tokens.safetensors", {"input_ids": w.ids})
-                atomic_write_json(out / "samples.json", {**cfg, "window_index": w.window_index, "bos": w.bos})
+                saved = {"input_ids": tokens.input_ids}
+                if tokens.attention_mask is not None:
+                    saved["attention_mask"] = tokens.attention_mask
+                atomic_save_safetensors(out / "tokens.safetensors", saved)
+                atomic_write_json(out / "samples.json", {**cfg, **data.provenance(c, tokens)})
                 events.emit("calibrate:written")
             done = store.lookup("calibrate", key)
     result.calibration = json.loads((done / "samples.json").read_text())
@@ -143,11 +150,12 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
         if done is None:
-            tokens = None
+            tokens = mask = None
             if calib_key:
                 calibration = store.stage_dir("calibrate", calib_key)
                 store.require_intact(calibration)
-                tokens = load_file(str(calibration / "tokens.safetensors"))["input_ids"]
+                saved = load_file(str(calibration / "tokens.safetensors"))
+                tokens, mask = saved["input_ids"], saved.get("attention_mask")
             log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
             with store.produce("quantize", key, resumable=True) as out:
                 quantize_model(
@@ -155,6 +163,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     scheme,
                     out,
                     calibration=tokens,
+                    calibration_mask=mask,
                     dtype=getattr(torch, result.recipe.model.dtype),
                     extra_meta={"calibration_key": calib_key, "device": device.type},
                     on_layer_done=lambda i: events.emit(f"quantize:layer:{i}"),
@@ -214,14 +223,12 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 # --------------------------------------------------------------------------- evaluate, gate
 
 
-def _evaluate(result: BuildResult, store: Store, tokenizer) -> None:
+def _evaluate(result: BuildResult, store: Store, windows: torch.Tensor) -> None:
     """Each engine in eval.runtimes scores the baseline and every artifact whose format it loads, on the same
     windows. An engine that cannot load the unquantized source is paired with the torch reference's baseline
     (its change then includes the engine's own arithmetic); an artifact whose content another target already
     had is scored once."""
     ev = result.recipe.eval
-    docs = load_corpus(ev.corpus, "eval")
-    windows = make_windows(tokenizer, docs, ev.seq_len, ev.windows, seed=None).ids
     prompt = windows[:1]
     for engine in ev.runtimes:
         spec = engine_spec(engine)
@@ -269,7 +276,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
     batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
     cfg = {
         "engine": engine,
-        "corpus": ev.corpus,
+        "corpus": data.eval_corpus_config(ev),
         "split": "eval",
         "seq_len": ev.seq_len,
         "windows": ev.windows,
@@ -340,6 +347,35 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
     return m
 
 
+def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
+    """eval.tasks through lm-evaluation-harness on the torch reference engine: the baseline and every artifact the
+    torch engine reads, each result cached under its model's content key."""
+    from llmc.eval import harness
+
+    ev, dtype = result.recipe.eval, result.recipe.model.dtype
+    cfg = {"tasks": harness.tasks_fingerprint(ev.tasks), "limit": ev.task_limit, "dtype": dtype,
+           "tokenizer_sha256": _tokenizer_hash(store, result.source.folder)}
+
+    def run(folder: Path, content_key: str, label: str) -> dict:
+        key = stage_key("tasks", cfg, [content_key])
+        done = store.lookup("tasks", key)
+        with _Timer(result, f"tasks:{label}", key, done is not None):
+            if done is None:
+                log(f"tasks: {', '.join(ev.tasks)} on {label} (lm-evaluation-harness, torch engine)")
+                with store.produce("tasks", key) as out, open_engine("torch", folder, dtype=dtype) as eng:
+                    atomic_write_json(out / "tasks.json", harness.run_tasks(eng, tokenizer, ev.tasks,
+                                                                            limit=ev.task_limit))
+                done = store.lookup("tasks", key)
+        return json.loads((done / "tasks.json").read_text())
+
+    if "torch:baseline" in result.evals:
+        result.evals["torch:baseline"].tasks = run(result.source.folder, result.source.sha256, "baseline")
+    for label, art in result.artifacts.items():
+        m = result.evals.get(f"torch:{label}")
+        if m is not None and m.succeeded:
+            m.tasks = run(art.dir, art.content_key, label)
+
+
 def _top_level(recorded: dict[str, dict]) -> dict[str, str]:
     """sha256 of a stage output's top-level files, as recorded when it was written."""
     return {rel: f["sha256"] for rel, f in sorted(recorded.items())
@@ -358,6 +394,14 @@ def _hardware() -> dict:
 
 def _gate(result: BuildResult) -> None:
     result.verdicts += gate_build(result)  # per artifact; fails closed on what no engine measured
+    if result.recipe.eval.tasks:  # lm-evaluation-harness accuracy against the baseline's (llmc.eval.harness)
+        from llmc.eval.harness import task_verdicts
+
+        base = result.evals.get("torch:baseline")
+        for eval_id, m in result.evals.items():
+            if m.engine == "torch" and eval_id != "torch:baseline" and m.succeeded:
+                result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, eval_id,
+                                                 base.tasks if base else None, m.tasks)
 
 
 def raise_for_gates(result: BuildResult) -> None:

@@ -68,6 +68,7 @@ class Evaluation:
     baseline_engine: str | None = None  # the engine whose baseline the change is paired with
     error: str | None = None  # the evaluation failed: why
     skipped: str | None = None  # the engine cannot run this artifact here: why (not gated)
+    tasks: dict | None = None  # eval.tasks (lm-evaluation-harness): {task: {metric, acc, stderr, ci_low, ci_high, n}}
     measured_files: dict | None = None  # artifact file -> sha256 of the bytes this evaluation measured
     nll: torch.Tensor | None = field(default=None, repr=False)  # per-token NLL [windows, seq-1]; not serialized
 

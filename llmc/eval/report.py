@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmc.data.sources import corpus_part
+
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind
     from llmc.result import BuildResult
@@ -207,8 +209,11 @@ def render_markdown(result: BuildResult) -> str:
                    + f"; ignored: {', '.join(s.ignore) or 'none'}")
     if result.calibration:
         c = result.calibration
-        out.append(f"- calibration: {c['samples']} windows x {c['seq_len']} tokens, {c['dataset']} calibration split, seed {c['seed']}")
-    out.append(f"- evaluation protocol: {ev.corpus} eval split (every 10th file), documents joined with blank lines, "
+        out.append(f"- calibration: {c['samples']} {c.get('packing', 'windows')} x {c['seq_len']} tokens, "
+                   f"{c.get('dataset_label', c['dataset'])} calibration split, seed {c['seed']}"
+                   + (f", tokens sha256 {c['tokens_sha256'][:16]}" if c.get("tokens_sha256") else "")
+                   + "".join(f", chat template {k}: {v}" for k, v in (c.get("chat_templates") or {}).items()))
+    out.append(f"- evaluation protocol: {corpus_part(ev.corpus)}, documents joined with blank lines, "
                f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
                f"stride {ev.seq_len}, dtype {r.model.dtype}, ppl = exp(mean token NLL); "
                f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "
@@ -250,6 +255,12 @@ def render_markdown(result: BuildResult) -> str:
             note = engine_spec(eval_id.split(":", 1)[0]).emulation_note
             out.append(f"| {eval_id} | {_fmt_tput(m.throughput, 'prefill_tokens_per_s')} | "
                        f"{_fmt_tput(m.throughput, 'decode_tokens_per_s')} | {note} |")
+    task_rows = [(eid, name, t) for eid, m in result.evals.items() for name, t in (m.tasks or {}).items()]
+    if task_rows:  # eval.tasks: lm-evaluation-harness accuracy, 95% interval = acc ± 1.96 · harness stderr
+        out += ["", "## Tasks (lm-evaluation-harness, torch engine)", "", "| engine:model | task | accuracy (95% CI) | n |",
+                "|---|---|---|---|"]
+        out += [f"| {eid} | {name} | {t['metric']} {t['acc']:.4f} [{t['ci_low']:.4f}, {t['ci_high']:.4f}] | {t['n']} |"
+                for eid, name, t in task_rows]
     out += ["", "## Gates", "", f"{result.gates_status[1]}.", "",
             "| target | gate | measured | threshold | verdict |", "|---|---|---|---|---|"]
     out += [f"| {v.target} | {v.gate} | {v.measured} | {v.threshold} | "

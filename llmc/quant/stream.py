@@ -316,6 +316,7 @@ def quantize_model(
     out: Path,
     *,
     calibration: torch.Tensor | None,
+    calibration_mask: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     batch_size: int = CALIBRATION_BATCH_SIZE,
     extra_meta: dict | None = None,
@@ -326,6 +327,8 @@ def quantize_model(
 ) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc).
 
+    `calibration_mask`: per-sample calibration (right-padded rows, 1 = token): each sample runs as its own batch
+    at its own length, so no padding reaches a layer and no statistic, scale, Hessian or search can see it.
     `shared_stats`: a folder keyed by (model, calibration data, dtype) where schemes calibrated on
     original outputs share their statistics (`llmc.quant.shared_stats`).
     `device`: where each layer is calibrated and quantized (one layer and one batch of activations at a
@@ -368,9 +371,11 @@ def quantize_model(
             log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
                 "one batch in memory at a time")
         forward_batch = batch_size
-        if gptq_in_forward and not spill and _fits_one_forward(config, calibration.shape, dtype, device):
+        if gptq_in_forward and not spill and calibration_mask is None and _fits_one_forward(
+                config, calibration.shape, dtype, device):
             forward_batch = calibration.shape[0]  # GPTQ inside the one forward that makes the outputs
-        batches = list(calibration.split(forward_batch))
+        batches = unpadded_samples(calibration, calibration_mask) if calibration_mask is not None else list(
+            calibration.split(forward_batch))
         saved = inputs_dir(state_dir, start)
         hidden = Activations.load(saved, spill) if start and saved.is_dir() else None
         if start and (hidden is None or len(hidden) != len(batches)):
@@ -465,6 +470,14 @@ def quantize_model(
         shared.finish(all_linears, all_kv)
     shutil.rmtree(state_dir, ignore_errors=True)
     return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+
+def unpadded_samples(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """One [1, length] batch per right-padded row: the tokens its mask keeps, no padding."""
+    lengths = mask.long().sum(dim=1)
+    if not torch.equal(mask.long(), (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()):
+        raise ValueError("calibration rows must be right-padded: each mask is ones then zeros")
+    return [ids[i : i + 1, : int(n)] for i, n in enumerate(lengths.tolist()) if n > 0]
 
 
 def _kv_modules(layer: nn.Module, prefix: str, scheme: Scheme) -> dict[str, nn.Module]:

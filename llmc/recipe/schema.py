@@ -12,8 +12,9 @@ import re
 from dataclasses import replace
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from llmc.data.sources import BrownSource, DataSource
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.paths import SAFE_NAME
@@ -229,8 +230,22 @@ class Variant(_Strict):
     quantization: QuantizationSection
 
 
+def _drop_defaults(data: dict, defaults: dict) -> dict:
+    """Keys added after a section shipped leave its dump (stage keys, build ids) while they hold their defaults."""
+    def same(a, b) -> bool:  # a json dump gives lists where a python dump gives tuples
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    return {k: v for k, v in data.items() if not (k in defaults and same(v, defaults[k]))}
+
+
 class CalibrationSection(_Strict):
-    dataset: Literal["brown"] = "brown"
+    dataset: DataSource = Field(default=BrownSource(), description="a data source (llmc.data.sources): brown, "
+                                "hf:<id>, or a mapping such as {kind: jsonl, path: x.jsonl, field: text}")
+    packing: Literal["windows", "samples"] = Field(
+        default="windows",
+        description="windows: rows joined and cut into full seq_len windows (every token is text); samples: one "
+        "row per sample, truncated to seq_len, each run at its own length (chat data: every sample's start is seen)",
+    )
     samples: int = Field(default=32, ge=1, le=4096)
     seq_len: int = Field(default=512, ge=16, le=32768)
     seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1, description="torch.Generator's seed range")
@@ -244,6 +259,10 @@ class CalibrationSection(_Strict):
         description="where each decoder layer is calibrated and quantized; auto: the first CUDA GPU when "
         "torch sees one, else the CPU. Results agree to float rounding, not bit for bit, across devices.",
     )
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"packing": "windows"})
 
 
 class Target(_Strict):
@@ -293,7 +312,16 @@ class Target(_Strict):
 
 
 class EvalSection(_Strict):
-    corpus: Literal["brown"] = "brown"
+    corpus: DataSource = Field(default=BrownSource(), description="a data source, as calibration.dataset; "
+                               "scored with the same windows protocol")
+    allow_calibration_overlap: bool = Field(
+        default=False, description="accept evaluation documents that the calibration data also holds"
+    )
+    tasks: tuple[str, ...] = Field(
+        default=(), description="lm-evaluation-harness tasks (names with offline data, or task YAML paths) run on "
+        "the baseline and each artifact through the torch engine (optional extra: llmc[harness])",
+    )
+    task_limit: int | None = Field(default=None, ge=1, description="at most this many documents per task")
     seq_len: int = Field(default=512, ge=16, le=32768)
     windows: int = Field(default=16, ge=2, le=100000)
     batch_size: int = Field(default=4, ge=1, le=1024)
@@ -316,6 +344,17 @@ class EvalSection(_Strict):
         "baseline; ONNX Q/DQ graphs too), tensorrt-llm reads ModelOpt checkpoints (NVIDIA GPU, its own environment), "
         "tensorrt builds an engine from ONNX Q/DQ graphs (NVIDIA GPU with the tensorrt package)",
     )
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"allow_calibration_overlap": False, "tasks": [], "task_limit": None})
+
+    @model_validator(mode="after")
+    def _tasks_run_on_torch(self) -> "EvalSection":
+        if self.tasks and REFERENCE_ENGINE not in self.runtimes:
+            raise ValueError(f"eval.tasks run through the {REFERENCE_ENGINE} engine; fix: add {REFERENCE_ENGINE} "
+                             "to eval.runtimes")
+        return self
 
 
 class Gates(_Strict):
@@ -348,6 +387,13 @@ class Gates(_Strict):
     )
     min_prefill_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
     min_decode_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
+    min_task_accuracy_ratio: float | None = Field(
+        default=None, gt=0, le=1, description="fail when an eval.tasks accuracy's lower 95% bound, divided by the "
+        "baseline's accuracy, is below this")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"min_task_accuracy_ratio": None})
 
 
 class PublishSection(_Strict):

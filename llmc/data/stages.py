@@ -1,0 +1,56 @@
+"""What the build's calibrate and evaluate stages take from the data sources: the token sets, the stage-key
+configs and the provenance written beside the tokens (and so into the manifest)."""
+
+from __future__ import annotations
+
+from llmc.calibration.corpora import Document, corpus_fingerprint
+from llmc.data.hygiene import check_overlap
+from llmc.data.sources import BrownSource, label
+from llmc.data.tokens import TokenSet, make_tokens
+
+
+def is_legacy_brown(calibration) -> bool:
+    """Brown packed into windows: the stage key stays as it was before data sources existed (corpus hash +
+    config; the token ids follow from those and the model's tokenizer, whose hash is an input)."""
+    return calibration.dataset == BrownSource() and calibration.packing == "windows"
+
+
+def calibration_tokens(calibration, tokenizer) -> TokenSet:
+    c = calibration
+    return make_tokens(c.dataset, tokenizer, "calibration", packing=c.packing, count=c.samples, seq_len=c.seq_len,
+                       seed=c.seed)
+
+
+def calibration_config(calibration, tokens: TokenSet) -> dict:
+    """The calibrate stage's key config. Where activations live and which device quantizes change no token, so
+    they stay out."""
+    cfg = calibration.model_dump(mode="json", exclude={"spill_activations", "device"})
+    if is_legacy_brown(calibration):
+        docs = [Document(id=i, text=t) for i, t in zip(tokens.row_ids, tokens.texts)]
+        return {**cfg, "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+    return {**cfg, "tokens_sha256": tokens.sha256, "chat_templates": tokens.chat_templates, "split": "calibration"}
+
+
+def provenance(calibration, tokens: TokenSet) -> dict:
+    """Written beside the tokens (samples.json) and copied into the manifest."""
+    return {
+        "dataset_label": label(calibration.dataset),
+        "tokens_sha256": tokens.sha256,
+        "chat_templates": tokens.chat_templates,
+        "window_index": [p.get("window") for p in tokens.provenance] if calibration.packing == "windows" else None,
+        "samples_provenance": tokens.provenance,
+        "bos": tokens.bos,
+    }
+
+
+def eval_tokens(ev, tokenizer) -> TokenSet:
+    return make_tokens(ev.corpus, tokenizer, "eval", packing="windows", count=ev.windows, seq_len=ev.seq_len, seed=None)
+
+
+def eval_corpus_config(ev):
+    """The eval stage key's corpus entry: 'brown' as before, the source's fields otherwise."""
+    return ev.model_dump(mode="json")["corpus"]
+
+
+def check_calibration_eval_overlap(calib: TokenSet, evaluation: TokenSet, ev) -> int:
+    return check_overlap(calib.texts, evaluation.texts, allowed=ev.allow_calibration_overlap)

@@ -1,0 +1,150 @@
+"""lm-evaluation-harness tasks (`eval.tasks`) against the models llmc evaluates, through llmc's torch reference
+engine (the artifact as llmc loads it: compressed-tensors weights decompressed, activation and KV-cache
+quantization re-applied from the artifact's own scales).
+
+Optional: `pip install llmc[harness]` (lm-eval==0.4.13). A task is a harness task name whose data is present
+offline, or the path of a task YAML file (its folder is added to the harness's task search path). Loglikelihood
+tasks (multiple choice, loglikelihood) run; generation and rolling-loglikelihood tasks are refused with the reason.
+
+Accuracy is shown with the harness's standard error as a 95% interval (acc ± 1.96·stderr). The gate
+`min_task_accuracy_ratio` fails when the artifact's *lower* bound divided by the baseline's accuracy is below
+the ratio, so sampling noise cannot hide a drop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from llmc.errors import EngineUnavailable, InputError
+
+Z95 = 1.96
+
+
+def _harness():
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.api.model import LM
+    except ImportError:
+        raise EngineUnavailable("eval.tasks needs lm-evaluation-harness, which is not installed",
+                                fix="pip install 'llmc[harness]' (lm-eval==0.4.13), or drop eval.tasks") from None
+    return LM
+
+
+def make_lm(engine, tokenizer, batch_size: int = 8):
+    """An lm-eval `LM` over a loaded torch engine (`engine.model`, a transformers causal LM)."""
+    LM = _harness()
+
+    class LlmcTorchLM(LM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.tok = engine.model, tokenizer
+
+        def _encode(self, text: str) -> list[int]:
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            out = []
+            bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
+            for req in requests:
+                context, continuation = req.args
+                ctx, cont = bos + self._encode(context), self._encode(continuation)
+                ids = torch.tensor([ctx + cont])
+                with torch.no_grad():
+                    logits = self.model(input_ids=ids).logits[0, len(ctx) - 1 : -1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                target = torch.tensor(cont)
+                out.append((float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())))
+            return out
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise InputError("rolling-loglikelihood tasks are not supported by llmc's harness model",
+                             fix="use llmc's own perplexity (eval.corpus) for perplexity tasks")
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise InputError("generation tasks are not supported by llmc's harness model yet",
+                             fix="use multiple-choice or loglikelihood tasks")
+
+    return LlmcTorchLM()
+
+
+def task_names_and_paths(tasks: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Harness task names, and the folders to add to its search path, from names or task YAML paths."""
+    import yaml
+
+    names, include = [], []
+    for t in tasks:
+        p = Path(t).expanduser()
+        if p.suffix in (".yaml", ".yml"):
+            if not p.is_file():
+                raise InputError(f"task file '{t}' does not exist", fix="give a task YAML path or a harness task name")
+            names.append(yaml.safe_load(p.read_text())["task"])
+            include.append(str(p.parent.resolve()))
+        else:
+            names.append(t)
+    return names, sorted(set(include))
+
+
+def tasks_fingerprint(tasks: tuple[str, ...]) -> dict:
+    """What enters the tasks' stage key: names as given, and every task file's (and its folder's data files') hash."""
+    out = {}
+    for t in tasks:
+        p = Path(t).expanduser()
+        if p.is_file():
+            h = hashlib.sha256()
+            for f in sorted(p.parent.iterdir()):
+                if f.is_file():
+                    h.update(f.name.encode() + b"\0" + f.read_bytes())
+            out[t] = h.hexdigest()
+        else:
+            out[t] = None
+    return out
+
+
+def run_tasks(engine, tokenizer, tasks: tuple[str, ...], *, limit: int | None) -> dict[str, dict]:
+    """{task: {acc, stderr, ci_low, ci_high, n, metric}} for one loaded model."""
+    _harness()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    names, include = task_names_and_paths(tasks)
+    manager = TaskManager(include_path=include or None)
+    try:
+        results = lm_eval.simple_evaluate(model=make_lm(engine, tokenizer), tasks=names, task_manager=manager,
+                                          limit=limit, log_samples=False, bootstrap_iters=1000, random_seed=0,
+                                          numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    except (KeyError, ValueError) as e:
+        raise InputError(f"lm-evaluation-harness could not run tasks {names}: {e}",
+                         fix="check the task names (or task YAML files) and that their data is available offline") from None
+    out = {}
+    for name in names:
+        r = results["results"][name]
+        metric = "acc_norm" if "acc_norm,none" in r and "acc,none" not in r else "acc"
+        acc, se = float(r[f"{metric},none"]), r.get(f"{metric}_stderr,none")
+        se = float(se) if isinstance(se, (int, float)) else 0.0
+        n = results.get("n-samples", {}).get(name, {}).get("effective")
+        out[name] = {"metric": metric, "acc": acc, "stderr": se, "ci_low": max(0.0, acc - Z95 * se),
+                     "ci_high": min(1.0, acc + Z95 * se), "n": n}
+    return out
+
+
+def task_verdicts(ratio: float | None, target: str, baseline: dict | None, measured: dict | None) -> list:
+    from llmc.eval.gates import Verdict
+
+    if ratio is None or baseline is None:
+        return []
+    verdicts = []
+    for name, base in baseline.items():
+        m = (measured or {}).get(name)
+        if m is None:
+            verdicts.append(Verdict(f"min_task_accuracy_ratio:{name}", target, False, "not measured",
+                                    f">= {ratio}", "quality"))
+            continue
+        bound = m["ci_low"] / base["acc"] if base["acc"] > 0 else 1.0
+        verdicts.append(Verdict(
+            f"min_task_accuracy_ratio:{name}", target, bound >= ratio,
+            f"{m['metric']} {m['acc']:.4f} (95% CI {m['ci_low']:.4f} .. {m['ci_high']:.4f}) vs baseline "
+            f"{base['acc']:.4f}: lower bound ratio {bound:.4f}", f"lower bound / baseline >= {ratio}", "quality"))
+    return verdicts
