@@ -58,7 +58,7 @@ def published_artifact_hashes(registry: Path) -> dict[str, str]:
     killed just before its rename leaves a `.<build id>.tmp-<pid>` folder: not an entry)."""
     out = {}
     for entry in sorted(registry.glob("*/*")):
-        if not entry.name.startswith(".") and (entry / COMPLETE_MARKER).is_file():
+        if not entry.name.startswith(".") and not entry.parent.name.startswith(".") and (entry / COMPLETE_MARKER).is_file():
             for f in sorted((entry / "artifacts").rglob("*")):
                 if f.is_file():
                     out[f.relative_to(registry).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
@@ -70,8 +70,8 @@ def nothing_half_written_looks_complete(cache: Path, registry: Path) -> list[str
     report folders without their whole set of files."""
     bad = [str(d) for d in (cache / "stages").glob("*/*")
            if not d.name.endswith(".partial") and not (d / COMPLETE_MARKER).is_file()]
-    bad += [str(e) for e in registry.glob("*/*")
-            if not e.name.startswith(".") and not (e / COMPLETE_MARKER).is_file()]
+    bad += [str(e) for e in registry.glob("*/*")  # dot-named: temp folders and the registry's lock files
+            if not e.name.startswith(".") and not e.parent.name.startswith(".") and not (e / COMPLETE_MARKER).is_file()]
     bad += [str(b) for b in (cache / "builds").glob("*")  # a build's reports: the whole set or none
             if not b.name.startswith(".") and not all((b / f).is_file() for f in REPORT_FILES)]
     return bad
