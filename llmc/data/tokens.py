@@ -117,8 +117,9 @@ def _samples(source, part: list[Row], texts: list[str], tokenizer, role, count, 
     encoded = []
     for r, text in zip(part, texts):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if bos_id is not None and not chat.is_chat(r, source) and ids[:1] != [bos_id]:
-            ids = [bos_id] + ids  # plain text starts as windows do; a chat template writes its own start
+        templated = chat.is_chat(r, source) and source.chat_template != "none"
+        if bos_id is not None and not templated and ids[:1] != [bos_id]:
+            ids = [bos_id] + ids  # plain text (chat turns without a template too) starts as windows do
         if len(ids) >= 2:
             encoded.append((r, ids[:seq_len]))
     if count > len(encoded):

@@ -124,6 +124,7 @@ def test_jsonl_messages_go_through_the_chat_template(tmp_path: Path, tok) -> Non
     assert none.texts[0].startswith("user: question 0\nassistant: answer 0") and none.chat_templates == {
         f"jsonl:{path}": "none"}
     assert none.sha256 != ts.sha256
+    assert none.input_ids[0, 0].item() == tok.bos_token_id  # no template writes a start: BOS, as for plain text
     template_file = tmp_path / "t.jinja"
     template_file.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}")
     custom = make_tokens(src({"kind": "jsonl", "path": str(path), "messages": "messages",
