@@ -44,13 +44,13 @@ def small_corpus_file(path: Path) -> Path:
 
 
 def use_corpus_file(path: Path, setattr_=None) -> None:
-    """Make llmc.build read its corpora from `small_corpus_file`'s JSON (`setattr_`: pytest's monkeypatch.setattr,
-    or plain setattr in a child process)."""
-    import llmc.build
+    """Make the build's `brown` source read its documents from `small_corpus_file`'s JSON (`setattr_`: pytest's
+    monkeypatch.setattr, or plain setattr in a child process)."""
+    import llmc.data.loaders
     from llmc.calibration.corpora import Document
 
     docs = {split: [Document(i, t) for i, t in items] for split, items in json.loads(Path(path).read_text()).items()}
-    (setattr_ or setattr)(llmc.build, "load_corpus", lambda name, split: docs[split])
+    (setattr_ or setattr)(llmc.data.loaders, "brown_documents", lambda split: docs[split])
 
 
 def published_artifact_hashes(registry: Path) -> dict[str, str]:
