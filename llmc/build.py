@@ -370,10 +370,10 @@ def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
 
     if "torch:baseline" in result.evals:
         result.evals["torch:baseline"].tasks = run(result.source.folder, result.source.sha256, "baseline")
-    for label, art in result.artifacts.items():
-        m = result.evals.get(f"torch:{label}")
+    for target_label, art in result.artifacts.items():
+        m = result.evals.get(f"torch:{target_label}")
         if m is not None and m.succeeded:
-            m.tasks = run(art.dir, art.content_key, label)
+            m.tasks = run(art.dir, art.content_key, target_label)
 
 
 def _top_level(recorded: dict[str, dict]) -> dict[str, str]:
