@@ -198,6 +198,20 @@ def _file_mode(executable: bool = False) -> int:
     return (0o777 if executable else 0o666) & ~mask
 
 
+def remove_if_abandoned(leftover: Path, lock: FileLock) -> bool:
+    """Remove a work folder whose producer is gone (its lock is free: a live producer holds it); False if one lives."""
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        return False
+    try:
+        log(f"removing {leftover}: left by an llmc process that is gone")
+        shutil.rmtree(leftover, ignore_errors=True)
+        return True
+    finally:
+        lock.release()
+
+
 class Store:
     """The cache root: stage outputs plus a memo of file hashes.
 
@@ -346,17 +360,8 @@ class Store:
         for leftover in sorted([*stages.glob("*/*.partial"), *stages.glob("*/*.discard-*")]):
             if leftover.is_symlink() or not leftover.is_dir() or (leftover / RESUMABLE_MARKER).exists():
                 continue
-            lock = self._lock(leftover.parent.name, leftover.name.split(".", 1)[0])
-            try:
-                lock.acquire(blocking=False)
-            except Timeout:
-                continue  # a live process is working on it
-            try:
-                log(f"removing {leftover}: left by an llmc process that is gone")
-                shutil.rmtree(leftover, ignore_errors=True)
+            if remove_if_abandoned(leftover, self._lock(leftover.parent.name, leftover.name.split(".", 1)[0])):
                 removed.append(leftover)
-            finally:
-                lock.release()
         return removed
 
     def file_hash(self, path: Path) -> str:

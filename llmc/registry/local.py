@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from llmc import __version__
 from llmc.errors import InputError
@@ -33,7 +33,7 @@ from llmc.paths import confined
 from llmc.progress import log
 from llmc.registry.outputs import write_report_files
 from llmc.registry.signing import SIGNATURE_FILE, sign, signature_status, signing_key
-from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, fsync_dir,
+from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, fsync_dir, remove_if_abandoned,
                         record_files, sha256_file, walk_files)
 
 if TYPE_CHECKING:
@@ -109,17 +109,8 @@ def sweep_registry(registry: Path) -> list[Path]:
         build_id = leftover.name[1:].split(".", 1)[0]
         if leftover.is_symlink() or not leftover.is_dir() or not _HEX.match(build_id):
             continue
-        lock = _entry_lock(registry, leftover.parent.name, build_id)
-        try:
-            lock.acquire(blocking=False)
-        except Timeout:
-            continue  # being published right now
-        try:
-            log(f"removing {leftover}: left by an llmc publish that is gone")
-            shutil.rmtree(leftover, ignore_errors=True)
+        if remove_if_abandoned(leftover, _entry_lock(registry, leftover.parent.name, build_id)):
             removed.append(leftover)
-        finally:
-            lock.release()
     return removed
 
 
