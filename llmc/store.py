@@ -81,6 +81,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, _file_mode())  # mkstemp makes 0600; a cache shared by a team follows the umask
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

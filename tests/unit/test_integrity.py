@@ -462,3 +462,16 @@ def test_a_killed_producer_releases_its_stage_to_the_next_process(tmp_path: Path
                             capture_output=True, text=True, env=env, timeout=120)
     assert second.stdout.split() == ["produced", "second"], second.stderr
     assert (tmp_path / "cache" / "stages" / "demo" / ("0" * 32) / COMPLETE_MARKER).is_file()
+
+
+@pytest.mark.parametrize("umask,file_mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_atomic_writes_follow_the_umask(tmp_path: Path, umask: int, file_mode: int) -> None:
+    """A cache shared by a team must be readable by it: mkstemp's 0600 is not what the umask asks for."""
+    from llmc.store import atomic_write_json
+
+    old = os.umask(umask)
+    try:
+        atomic_write_json(tmp_path / "stage" / "marker.json", {"ok": True})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "stage" / "marker.json").stat().st_mode & 0o777 == file_mode
