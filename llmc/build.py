@@ -41,7 +41,8 @@ from llmc.store import CorruptOutput, Store, atomic_save_safetensors, atomic_wri
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
-def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None) -> BuildResult:
+def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None,
+          overrides: tuple[str, ...] = ()) -> BuildResult:
     """The whole pipeline. A cached output found changed when a later stage reads it or when it is published is
     discarded (CorruptOutput) and the build runs once more, rebuilding exactly that output and what depends on
     its bytes: exports are deterministic, so the rebuilt bytes are the recorded ones and their evaluations stand."""
@@ -50,6 +51,7 @@ def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | 
     for attempt in (1, 2):
         try:
             result = build_until(recipe, store, "gate", threads=threads)
+            result.overrides = tuple(overrides)  # the manifest records them beside the resolved recipe
             if publish and result.passed:
                 with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
                     result.published, result.publish_noop = publish_build(result, store)

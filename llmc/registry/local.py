@@ -70,6 +70,7 @@ def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = 
         "build_id": result.build_id,
         "llmc_version": __version__,
         "recipe": result.recipe.model_dump(mode="json"),
+        **({"overrides": list(result.overrides)} if result.overrides else {}),  # --set, applied to "recipe"
         "model": {"source": result.recipe.model.source, "sha256": result.source.sha256},
         "calibration": result.calibration,
         "packages": package_versions(),
