@@ -28,6 +28,7 @@ from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, Performance
                          ResourceError)
 from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.model.dtype import resolve_dtype, source_dtype
 from llmc.model.source import resolve_source
 from llmc.plan import make_plan
 from llmc.progress import log
@@ -70,11 +71,12 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
         torch.set_num_threads(threads)
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
     store.sweep()  # leftovers of processes that are gone
-    source = resolve_source(recipe.model.source, store, recipe.model.dtype)
+    source = resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype))
     plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
     log(plan.render())
     build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
-    result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source)
+    result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source,
+                         dtype=resolve_dtype(recipe.model.dtype, source.folder))
 
     from transformers import AutoTokenizer
 
@@ -145,7 +147,7 @@ def _calibrate(result: BuildResult, store: Store, tokens) -> str:
 
 def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
     device = resolve_device(result.recipe.calibration.device)
-    cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype, **quantize_stage_config(scheme)}
+    cfg = {"scheme": scheme.to_dict(), "dtype": result.dtype, **quantize_stage_config(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
     key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
@@ -166,7 +168,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     out,
                     calibration=tokens,
                     calibration_mask=mask,
-                    dtype=getattr(torch, result.recipe.model.dtype),
+                    dtype=getattr(torch, result.dtype),
                     extra_meta={"calibration_key": calib_key, "device": device.type},
                     on_layer_done=lambda i: events.emit(f"quantize:layer:{i}"),
                     spill_activations=result.recipe.calibration.spill_activations,
@@ -182,7 +184,7 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
     (and the stream's batch size, which fixes the exact arithmetic of the calibration forwards)."""
     if calib_key is None:
         return None
-    cfg = {"dtype": result.recipe.model.dtype, "batch_size": CALIBRATION_BATCH_SIZE}
+    cfg = {"dtype": result.dtype, "batch_size": CALIBRATION_BATCH_SIZE}
     if device.type != "cpu":
         cfg["device"] = device.type
     key = stage_key("shared-stats", cfg, [result.source.sha256, calib_key])
@@ -285,7 +287,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "decode_tokens": ev.decode_tokens,
         "repeats": ev.throughput_repeats,
         "throughput_batch_sizes": list(batch_sizes),
-        "dtype": result.recipe.model.dtype,
+        "dtype": result.dtype,
         "top_k": ev.kl_top_k,
         "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
         "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
@@ -314,7 +316,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 ref_scores = load_reference(reference_dir)
             with store.produce("eval", key) as out:
                 t = time.monotonic()
-                with open_engine(engine, folder, dtype=result.recipe.model.dtype) as eng:
+                with open_engine(engine, folder, dtype=result.dtype) as eng:
                     load_s = time.monotonic() - t
                     t = time.monotonic()
                     scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
@@ -354,7 +356,7 @@ def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
     torch engine reads, each result cached under its model's content key."""
     from llmc.eval import harness
 
-    ev, dtype = result.recipe.eval, result.recipe.model.dtype
+    ev, dtype = result.recipe.eval, result.dtype
     cfg = {"tasks": harness.tasks_fingerprint(ev.tasks), "limit": ev.task_limit, "dtype": dtype,
            "tokenizer_sha256": _tokenizer_hash(store, result.source.folder)}
 

@@ -164,7 +164,9 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> No
         r = _load(recipe, overrides)
         make_plan(r)
         store = Store.default(cache_dir)
-        src = resolve_source(r.model.source, store, r.model.dtype)
+        from llmc.model.dtype import source_dtype
+
+        src = resolve_source(r.model.source, store, source_dtype(r.model.dtype))
         click.echo(make_plan(r, src.folder, store.root).render())
 
     _run(go)
