@@ -157,17 +157,12 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> No
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
-        from llmc.model.source import resolve_source
-        from llmc.plan import make_plan
+        from llmc.plan import make_plan, plan_recipe
         from llmc.store import Store
 
         r = _load(recipe, overrides)
-        make_plan(r)
-        store = Store.default(cache_dir)
-        from llmc.model.dtype import source_dtype
-
-        src = resolve_source(r.model.source, store, source_dtype(r.model.dtype))
-        click.echo(make_plan(r, src.folder, store.root).render())
+        make_plan(r)  # the recipe and the targets first: no source is touched when they fail
+        click.echo(plan_recipe(r, Store.default(cache_dir), recipe).render())
 
     _run(go)
 

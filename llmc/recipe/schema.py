@@ -42,6 +42,14 @@ class ModelSection(_Strict):
         description="the dtype weights are held and unquantized tensors stored in; auto: the checkpoint's own "
         "(bf16 for most Hub models), float32 only inside the arithmetic that needs it (llmc.model.dtype)")
     name: str | None = Field(default=None, pattern=SAFE_NAME, description="name used in the registry")
+    config: str | None = Field(
+        default=None, max_length=4096,
+        description="a copy of the model's config.json (relative to the recipe's folder) that `llmc plan` reads when "
+        "the source is not on this machine (a Hub id offline): shapes, memory, disk and time without the weights")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"config": None})
 
 
 class TensorQuant(_Strict):
