@@ -30,7 +30,7 @@ from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.dtype import resolve_dtype, source_dtype
 from llmc.model.source import resolve_source
-from llmc.plan import make_plan
+from llmc.plan import check_disk, make_plan
 from llmc.progress import log
 from llmc.quant.algorithms import quantize_stage_config
 from llmc.quant.canonical import QuantizedModel, scheme_from_dict
@@ -38,7 +38,7 @@ from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
-from llmc.store import CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
+from llmc.store import COMPLETE_MARKER, CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
@@ -72,7 +72,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
     store.sweep()  # leftovers of processes that are gone
     source = resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype))
-    plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
+    plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
     log(plan.render())
     build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
     result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source,
@@ -88,6 +88,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
     calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
+    check_disk(plan, store.root, _pending_stages(result, store, calib_key))  # what is cached needs no new disk
     quantized = {}
     for name, scheme in plan.schemes.items():
         quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
@@ -145,12 +146,34 @@ def _calibrate(result: BuildResult, store: Store, tokens) -> str:
     return key
 
 
-def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
+def _quantize_key(result: BuildResult, scheme, calib_key: str | None) -> str:
     device = resolve_device(result.recipe.calibration.device)
     cfg = {"scheme": scheme.to_dict(), "dtype": result.dtype, **quantize_stage_config(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
-    key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
+    return stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
+
+
+def _pending_stages(result: BuildResult, store: Store, calib_key: str | None) -> set[str]:
+    """The plan's stage names whose outputs are not in the cache yet (evaluations always count: they are small)."""
+    pending = {s["stage"] for s in result.plan.estimates.get("stages", []) if s["stage"].startswith("eval")}
+    for name, scheme in result.plan.schemes.items():
+        labels = [f"{name}/{t.label}" if name else t.label for t in result.recipe.targets]
+        quant_key = _quantize_key(result, scheme, calib_key if scheme.needs_calibration else None)
+        quant_dir = store.stage_dir("quantize", quant_key)
+        if not (quant_dir / COMPLETE_MARKER).is_file():
+            pending |= {f"quantize {scheme.name}"} | {f"export {label}" for label in labels}
+            continue
+        qm = QuantizedModel.open(quant_dir)
+        for target, label in zip(result.recipe.targets, labels):
+            if not (store.stage_dir("export", _export_key(result, qm, quant_key, target)[0]) / COMPLETE_MARKER).is_file():
+                pending.add(f"export {label}")
+    return pending
+
+
+def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
+    device = resolve_device(result.recipe.calibration.device)
+    key = _quantize_key(result, scheme, calib_key)
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
         if done is None:
@@ -194,14 +217,19 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
 # --------------------------------------------------------------------------- export
 
 
-def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
+def _export_key(result: BuildResult, qm: QuantizedModel, quant_key: str, target: Target):
+    """(stage key, stage config, format, request) of one target's export."""
     fmt = format_for(target)
     ev = result.recipe.eval
     request = ExportRequest(quantized=qm, target=target, max_model_len=ev.seq_len, max_batch_size=ev.batch_size)
     cfg = {"exporter": fmt.name, **fmt.stage_config(request)}
     if target.triton:
         cfg.setdefault("target", target_key(target))  # the repository is named after the target
-    key = stage_key("export", cfg, [quant_key])
+    return stage_key("export", cfg, [quant_key]), cfg, fmt, request
+
+
+def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
+    key, cfg, fmt, request = _export_key(result, qm, quant_key, target)
     done = store.lookup("export", key)
     with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
