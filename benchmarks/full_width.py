@@ -65,8 +65,11 @@ def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, d
         shape = shapes[name]
         if len(shape) == 1:  # norms: ones, as trained checkpoints start
             t = torch.ones(shape, dtype=dtype)
-        else:
-            t = (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+        else:  # filled in row blocks: no float32 copy of a 128256 x 8192 embedding (4.2 GB)
+            t = torch.empty(shape, dtype=dtype)
+            for start in range(0, shape[0], 4096):
+                block = t[start : start + 4096]
+                block.copy_(torch.randn(block.shape, generator=gen) * 0.02)
         nbytes = t.numel() * t.element_size()
         if size and size + nbytes > SHARD_BYTES:
             flush()
@@ -79,11 +82,12 @@ def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, d
     return out
 
 
-def predict(recipe: Path, overrides: list[str], checkpoint: Path) -> dict:
+def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config: dict | None = None) -> dict:
+    """The plan's estimates for the checkpoint (or, without one, from its config: the same shapes)."""
     from llmc.plan import make_plan
     from llmc.recipe import load_recipe
 
-    plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False)
+    plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False, config=None if checkpoint else config)
     return plan.estimates
 
 
@@ -138,9 +142,10 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
             "stdout_tail": stdout[-1500:], "stderr_tail": stderr[-1500:] if child.returncode else ""}
 
 
-def du(path: Path) -> int:
-    out = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True).stdout.split()
-    return int(out[0]) if out else 0
+def du(path: Path, count_links: bool = False) -> int:
+    """Bytes on disk under `path`, each hard-linked file once (or, with count_links, every link: apparent size)."""
+    out = subprocess.run(["du", "-sbl" if count_links else "-sb", str(path)], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.stdout.split() else 0
 
 
 def main() -> None:
@@ -152,6 +157,8 @@ def main() -> None:
                     help="more overrides (defaults keep the run small: 1x128 calibration tokens, 2x32 eval tokens)")
     ap.add_argument("--work", type=Path, default=None, help="where checkpoints, cache and registry go")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="print only the plan's predictions for each N (from the config: no checkpoint, no build)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from llmc.model.source import resolve_source
@@ -163,6 +170,12 @@ def main() -> None:
              "eval.batch_size=1", "eval.decode_tokens=0", "eval.throughput_repeats=1", "gates.allow_unevaluated=true",
              "gates.max_ppl_increase_pct=1000000", "gates.max_mean_kld=1000", "gates.min_top1_agreement_pct=0.001"]
     for n in args.layers:
+        if args.predict_only:
+            config = json.loads((ROOT / "recipes" / "configs" / args.model / "config.json").read_text())
+            overrides = ["model.source=/nonexistent", *small, *args.overrides]
+            predicted = predict(args.recipe, overrides, None, {**config, "num_hidden_layers": n})
+            print(json.dumps({"model": args.model, "layers": n, "load": os.getloadavg(), "predicted": predicted}))
+            continue
         run = work / f"{args.model}-{n}"
         shutil.rmtree(run, ignore_errors=True)
         t = time.time()
@@ -176,6 +189,10 @@ def main() -> None:
         quantize_s = sum(s["seconds"] for k, s in stages.items() if k.startswith("quantize"))
         disk = {kind: du(run / "cache" / "stages" / kind) for kind in ("quantize", "export", "eval")
                 if (run / "cache" / "stages" / kind).is_dir()}
+        artifacts = {label: du(Path(t["artifact"]), count_links=True) / 1e9
+                     for label, t in report.get("targets", {}).items()}
+        streamed = {eid: bool((e.get("throughput") or {}).get("streamed")) for eid, e in report.get("evals", {}).items()
+                    if isinstance(e, dict)}
         row = {
             "model": args.model, "layers": n, "recipe": str(args.recipe), "overrides": overrides[1:],
             "load": os.getloadavg(), "checkpoint_gb": du(ckpt) / 1e9, "write_checkpoint_s": write_s,
@@ -185,7 +202,9 @@ def main() -> None:
             "measured": {"exit": measured["exit"], "wall_s": measured["wall_s"], "peak_rss_gb": measured["peak_rss"] / 1e9,
                          "stage_peak_gb": {k: v / 1e9 for k, v in measured["stage_peaks"].items()},
                          "quantize_s_per_layer": quantize_s / n, "disk_gb": {k: v / 1e9 for k, v in disk.items()},
-                         "registry_gb_apparent": du(run / "registry") / 1e9,
+                         "registry_gb_apparent": du(run / "registry", count_links=True) / 1e9,
+                         "registry_gb_new": du(run / "registry") / 1e9, "artifact_gb": artifacts,
+                         "eval_streamed": streamed,
                          "stages": {k: s["seconds"] for k, s in stages.items()}},
             "tail": measured["stderr_tail"] or measured["stdout_tail"][-600:],
         }

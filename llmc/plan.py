@@ -443,7 +443,9 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
         for label, reference, code_bytes in evals:
             st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
                                 artifact_code_bytes=code_bytes, **eval_kwargs)
+            # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
+            st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
             stages.append(st)
             if not streamed:
                 cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",

@@ -33,6 +33,7 @@ PROCESS_BYTES = 0.55e9  # python + torch + transformers + tokenizers imported (m
 CUDA_CONTEXT_BYTES = 0.6e9
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read + converted (page-cache-warm safetensors reads measured ~1-2 GB/s)
 DISK_WRITE_RATE = 0.5e9  # bytes/s written with fsync (canonical form, artifacts)
+EXPORT_RATE = 25e6  # artifact bytes/s of an export: read, convert, write, fsync, sha256 twice (measured at load ~28)
 LAYER_EFFICIENCY = 0.6  # share of the probed GEMM rate a decoder-layer forward reaches (attention, norms, copies)
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -154,7 +155,9 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
                + parts["forward temporaries"] + algorithm)
         for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
             parts[k] = 0.0
-    # the last step reads everything outside the layers again (rest.safetensors), after the last layer is dropped
+    parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
+    # the last step reads everything outside the layers again (rest.safetensors) and serializes it: two copies
+    # (the skeleton's own is released first; before that fix, three were measured at 8B width)
     host = max(sum(parts.values()), PROCESS_BYTES + 2 * shape.outer_params * e)
     flops = passes * 2 * tokens * layer * shape.active * shape.layers if calibrated else 0.0
     if gptq:  # the column loop: about in² · out per Linear
@@ -204,11 +207,11 @@ def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model
     e = ELEM[compute]
     if whole_model:
         host = PROCESS_BYTES + 3 * shape.params * 4
-    else:
-        host = PROCESS_BYTES + max(2 * shape.layer_params * 1.0, 2 * shape.outer_params * e)
+    else:  # the unquantized tensors outside the layers (read and written at once) and one layer's codes
+        host = PROCESS_BYTES + shape.outer_params * e + shape.layer_params * 1.0
     disk = 0.0 if shared_with else artifact_bytes
     why = f"same weight files as {shared_with} (hard links)" if shared_with else "its own files"
-    return Stage(f"export {label}", "cpu", host, 0.0, disk, artifact_bytes / DISK_WRITE_RATE,
+    return Stage(f"export {label}", "cpu", host, 0.0, disk, artifact_bytes / EXPORT_RATE,
                  "whole model in memory" if whole_model else "one layer at a time", why)
 
 
