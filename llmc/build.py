@@ -28,8 +28,9 @@ from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, Performance
                          ResourceError)
 from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.model.dtype import resolve_dtype, source_dtype
 from llmc.model.source import resolve_source
-from llmc.plan import make_plan
+from llmc.plan import check_disk, make_plan
 from llmc.progress import log
 from llmc.quant.algorithms import quantize_stage_config
 from llmc.quant.canonical import QuantizedModel, scheme_from_dict
@@ -37,11 +38,12 @@ from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
 from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
-from llmc.store import CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
+from llmc.store import COMPLETE_MARKER, CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
 
-def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None) -> BuildResult:
+def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None,
+          overrides: tuple[str, ...] = ()) -> BuildResult:
     """The whole pipeline. A cached output found changed when a later stage reads it or when it is published is
     discarded (CorruptOutput) and the build runs once more, rebuilding exactly that output and what depends on
     its bytes: exports are deterministic, so the rebuilt bytes are the recorded ones and their evaluations stand."""
@@ -50,6 +52,7 @@ def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | 
     for attempt in (1, 2):
         try:
             result = build_until(recipe, store, "gate", threads=threads)
+            result.overrides = tuple(overrides)  # the manifest records them beside the resolved recipe
             if publish and result.passed:
                 with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
                     result.published, result.publish_noop = publish_build(result, store)
@@ -68,11 +71,12 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
         torch.set_num_threads(threads)
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
     store.sweep()  # leftovers of processes that are gone
-    source = resolve_source(recipe.model.source, store, recipe.model.dtype)
-    plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
+    source = resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype))
+    plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
     log(plan.render())
     build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
-    result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source)
+    result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source,
+                         dtype=resolve_dtype(recipe.model.dtype, source.folder))
 
     from transformers import AutoTokenizer
 
@@ -84,6 +88,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
     calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
+    check_disk(plan, store.root, _pending_stages(result, store, calib_key))  # what is cached needs no new disk
     quantized = {}
     for name, scheme in plan.schemes.items():
         quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
@@ -141,12 +146,34 @@ def _calibrate(result: BuildResult, store: Store, tokens) -> str:
     return key
 
 
-def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
+def _quantize_key(result: BuildResult, scheme, calib_key: str | None) -> str:
     device = resolve_device(result.recipe.calibration.device)
-    cfg = {"scheme": scheme.to_dict(), "dtype": result.recipe.model.dtype, **quantize_stage_config(scheme)}
+    cfg = {"scheme": scheme.to_dict(), "dtype": result.dtype, **quantize_stage_config(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
-    key = stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
+    return stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
+
+
+def _pending_stages(result: BuildResult, store: Store, calib_key: str | None) -> set[str]:
+    """The plan's stage names whose outputs are not in the cache yet (evaluations always count: they are small)."""
+    pending = {s["stage"] for s in result.plan.estimates.get("stages", []) if s["stage"].startswith("eval")}
+    for name, scheme in result.plan.schemes.items():
+        labels = [f"{name}/{t.label}" if name else t.label for t in result.recipe.targets]
+        quant_key = _quantize_key(result, scheme, calib_key if scheme.needs_calibration else None)
+        quant_dir = store.stage_dir("quantize", quant_key)
+        if not (quant_dir / COMPLETE_MARKER).is_file():
+            pending |= {f"quantize {scheme.name}"} | {f"export {label}" for label in labels}
+            continue
+        qm = QuantizedModel.open(quant_dir)
+        for target, label in zip(result.recipe.targets, labels):
+            if not (store.stage_dir("export", _export_key(result, qm, quant_key, target)[0]) / COMPLETE_MARKER).is_file():
+                pending.add(f"export {label}")
+    return pending
+
+
+def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) -> tuple[Path, str]:
+    device = resolve_device(result.recipe.calibration.device)
+    key = _quantize_key(result, scheme, calib_key)
     done = store.lookup("quantize", key)
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
         if done is None:
@@ -164,7 +191,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     out,
                     calibration=tokens,
                     calibration_mask=mask,
-                    dtype=getattr(torch, result.recipe.model.dtype),
+                    dtype=getattr(torch, result.dtype),
                     extra_meta={"calibration_key": calib_key, "device": device.type},
                     on_layer_done=lambda i: events.emit(f"quantize:layer:{i}"),
                     spill_activations=result.recipe.calibration.spill_activations,
@@ -180,7 +207,7 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
     (and the stream's batch size, which fixes the exact arithmetic of the calibration forwards)."""
     if calib_key is None:
         return None
-    cfg = {"dtype": result.recipe.model.dtype, "batch_size": CALIBRATION_BATCH_SIZE}
+    cfg = {"dtype": result.dtype, "batch_size": CALIBRATION_BATCH_SIZE}
     if device.type != "cpu":
         cfg["device"] = device.type
     key = stage_key("shared-stats", cfg, [result.source.sha256, calib_key])
@@ -190,14 +217,19 @@ def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, 
 # --------------------------------------------------------------------------- export
 
 
-def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
+def _export_key(result: BuildResult, qm: QuantizedModel, quant_key: str, target: Target):
+    """(stage key, stage config, format, request) of one target's export."""
     fmt = format_for(target)
     ev = result.recipe.eval
     request = ExportRequest(quantized=qm, target=target, max_model_len=ev.seq_len, max_batch_size=ev.batch_size)
     cfg = {"exporter": fmt.name, **fmt.stage_config(request)}
     if target.triton:
         cfg.setdefault("target", target_key(target))  # the repository is named after the target
-    key = stage_key("export", cfg, [quant_key])
+    return stage_key("export", cfg, [quant_key]), cfg, fmt, request
+
+
+def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: str, target: Target, label: str) -> None:
+    key, cfg, fmt, request = _export_key(result, qm, quant_key, target)
     done = store.lookup("export", key)
     with _Timer(result, f"export:{label}", key, done is not None):
         if done is None:
@@ -283,7 +315,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
         "decode_tokens": ev.decode_tokens,
         "repeats": ev.throughput_repeats,
         "throughput_batch_sizes": list(batch_sizes),
-        "dtype": result.recipe.model.dtype,
+        "dtype": result.dtype,
         "top_k": ev.kl_top_k,
         "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
         "tokenizer_sha256": _tokenizer_hash(store, result.source.folder),
@@ -312,7 +344,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 ref_scores = load_reference(reference_dir)
             with store.produce("eval", key) as out:
                 t = time.monotonic()
-                with open_engine(engine, folder, dtype=result.recipe.model.dtype) as eng:
+                with open_engine(engine, folder, dtype=result.dtype) as eng:
                     load_s = time.monotonic() - t
                     t = time.monotonic()
                     scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
@@ -352,7 +384,7 @@ def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
     torch engine reads, each result cached under its model's content key."""
     from llmc.eval import harness
 
-    ev, dtype = result.recipe.eval, result.recipe.model.dtype
+    ev, dtype = result.recipe.eval, result.dtype
     cfg = {"tasks": harness.tasks_fingerprint(ev.tasks), "limit": ev.task_limit, "dtype": dtype,
            "tokenizer_sha256": _tokenizer_hash(store, result.source.folder)}
 

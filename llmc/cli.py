@@ -66,6 +66,9 @@ def _relative(path: Path) -> str:
 cache_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
                             help="stage cache (default $LLMC_CACHE or ~/.cache/llmc)")
 threads_option = click.option("--threads", type=int, default=None, help="torch CPU threads")
+set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                          help="override one recipe value, validated like the recipe and recorded in the manifest "
+                          "(repeatable), e.g. --set model.source=/ckpts/llama70b --set targets[0].tensor_parallel=8")
 
 
 @click.group(epilog=EXIT_HELP)
@@ -78,29 +81,30 @@ def main(quiet: bool) -> None:
     set_quiet(quiet)
 
 
-def _load(recipe_path: Path):
+def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
     from llmc.recipe import load_recipe
 
-    return load_recipe(recipe_path)
+    return load_recipe(recipe_path, overrides)
 
 
 @main.command(epilog=EXIT_HELP)
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @threads_option
+@set_option
 @click.option("--no-publish", is_flag=True, help="stop after the gates")
 @click.option("--json", "as_json", is_flag=True, help="print report.json instead of the table")
 @click.option("--junit", type=click.Path(path_type=Path), default=None,
               help="also write JUnit XML here (one test case per gate; a crashed build is an error case)")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="also write report.{json,md,html}, the plot and junit.xml here")
-def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
-          junit: Path | None, report_dir: Path | None) -> None:
+def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...], no_publish: bool,
+          as_json: bool, junit: Path | None, report_dir: Path | None) -> None:
     """Plan, calibrate, quantize, export, evaluate, gate and publish RECIPE."""
 
     def go():
         try:
-            _build(recipe, cache_dir, threads, no_publish, as_json, junit, report_dir)
+            _build(recipe, cache_dir, threads, no_publish, as_json, junit, report_dir, overrides)
         except Exception as e:
             # a build that never reached its gates still tells CI why, as an error test case
             if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
@@ -117,7 +121,7 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish:
 
 
 def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
-           junit: Path | None, report_dir: Path | None) -> None:
+           junit: Path | None, report_dir: Path | None, overrides: tuple[str, ...] = ()) -> None:
     from llmc.build import build as run_build
     from llmc.build import raise_for_gates
     from llmc.eval.report import render_summary, report_dict
@@ -126,7 +130,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
     from llmc.store import Store, atomic_write_text
 
     store = Store.default(cache_dir)
-    result = run_build(_load(recipe), store, publish=not no_publish, threads=threads)
+    result = run_build(_load(recipe, overrides), store, publish=not no_publish, threads=threads, overrides=overrides)
     out_dir = write_build_outputs(result, store)
     if report_dir is not None:
         write_report_files(result, report_dir)
@@ -148,19 +152,17 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
 @main.command(epilog=EXIT_HELP)
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
-def plan(recipe: Path, cache_dir: Path | None) -> None:
+@set_option
+def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> None:
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
-        from llmc.model.source import resolve_source
-        from llmc.plan import make_plan
+        from llmc.plan import make_plan, plan_recipe
         from llmc.store import Store
 
-        r = _load(recipe)
-        make_plan(r)
-        store = Store.default(cache_dir)
-        src = resolve_source(r.model.source, store, r.model.dtype)
-        click.echo(make_plan(r, src.folder, store.root).render())
+        r = _load(recipe, overrides)
+        make_plan(r)  # the recipe and the targets first: no source is touched when they fail
+        click.echo(plan_recipe(r, Store.default(cache_dir), recipe).render())
 
     _run(go)
 
@@ -169,14 +171,15 @@ def plan(recipe: Path, cache_dir: Path | None) -> None:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @threads_option
-def quantize(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
+@set_option
+def quantize(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...]) -> None:
     """Calibrate and quantize RECIPE's model into the canonical quantized form; print its path."""
 
     def go():
         from llmc.build import build_until
         from llmc.store import Store
 
-        result = build_until(_load(recipe), Store.default(cache_dir), "quantize", threads=threads)
+        result = build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads)
         for name, path in result.quantized_dirs.items():
             click.echo(f"{name}\t{path}" if name else str(path))
 
@@ -187,14 +190,15 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @threads_option
-def export(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
+@set_option
+def export(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...]) -> None:
     """Quantize (cached) and export every target of RECIPE; print each artifact's path."""
 
     def go():
         from llmc.build import build_until
         from llmc.store import Store
 
-        result = build_until(_load(recipe), Store.default(cache_dir), "export", threads=threads)
+        result = build_until(_load(recipe, overrides), Store.default(cache_dir), "export", threads=threads)
         for label, art in result.artifacts.items():
             click.echo(f"{label}\t{art.dir}")
 
@@ -234,7 +238,8 @@ def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: 
 @main.command(epilog=EXIT_HELP)
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
-def publish(recipe: Path, cache_dir: Path | None) -> None:
+@set_option
+def publish(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> None:
     """Publish RECIPE's build (every stage from cache when already built) into its registry."""
 
     def go():
@@ -242,7 +247,7 @@ def publish(recipe: Path, cache_dir: Path | None) -> None:
         from llmc.build import raise_for_gates
         from llmc.store import Store
 
-        result = run_build(_load(recipe), Store.default(cache_dir), publish=True)
+        result = run_build(_load(recipe, overrides), Store.default(cache_dir), publish=True, overrides=overrides)
         raise_for_gates(result)
         click.echo(f"{result.published}" + (" (already published; no-op)" if result.publish_noop else ""))
 

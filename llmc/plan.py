@@ -25,13 +25,6 @@ from llmc.quant.algorithms import Pipeline, calibration_passes
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
 
-# Measured on this class of machine (2 cores): ~800 calibration tok/s for a 135M model in fp32.
-_CPU_FLOPS = 2 * 135e6 * 800
-# Effective rate of the layer-at-a-time loop on an H100 (SmolLM2-width, 32x512 windows; GPTQ / SmoothQuant
-# 1.7 / 1.5 TFLOP/s in the model-forward units below: small layers are bound by launches and file writes).
-_GPU_FLOPS = 2 * 135e6 * 6_000
-
-
 @dataclass
 class Plan:
     recipe: Recipe
@@ -41,21 +34,16 @@ class Plan:
     estimates: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
+    basis: str = ""  # what the estimates were computed from, when not the source's own files
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
         lines = [f"plan for '{self.recipe.name}': {names}"]
         e = self.estimates
+        if self.basis:
+            lines.append(f"  planned from {self.basis}")
         if e:
-            lines.append(
-                f"  model: {e['params'] / 1e6:.1f}M params in {e['layers']} layers; "
-                f"peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
-                f"{', spilled to disk' if e.get('spill_activations') else ''}), "
-                f"calibrating on {e['device']}"
-                f"{' (~%.2f GB of GPU memory)' % e['device_memory_gb'] if e['device'] != 'cpu' else ''}, "
-                f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
-                + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else "")
-            )
+            lines += _render_estimates(e)
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
         for name, described in self.gates.items():
@@ -63,6 +51,35 @@ class Plan:
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
+
+
+def _render_estimates(e: dict) -> list[str]:
+    """The per-stage table: device, peak host RAM, peak GPU memory, new disk, time, strategy and why."""
+    lines = [
+        f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
+        f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available, "
+        f"{e['cpu_count']} CPUs; calibrating on {e['device']}",
+        f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
+        f"{', spilled to disk' if e.get('spill_activations') else ''})"
+        + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
+        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time':>9}  strategy",
+    ]
+    for s in e["stages"]:
+        gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
+        lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
+                     f"{s['disk_gb']:>6.2f} GB {_duration(s['seconds']):>9}  {s['strategy']}: {s['why']}")
+    lines.append(f"  disk: {e['disk_gb']:.2f} GB new in the cache (each file once; targets with identical weights "
+                 f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
+                 f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
@@ -227,8 +244,10 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
                                       fix="use fp8_e4m3, int8 or int4 weights")
 
 
-def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None) -> Plan:
-    """Check every variant x target; with the model folder, also shapes and resource estimates."""
+def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
+              config: dict | None = None, refuse: bool = True) -> Plan:
+    """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
+    and each stage's memory, disk and time, refusing what does not fit this machine."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
@@ -246,53 +265,107 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         if no_cache:
             plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
-    if model_folder is not None:
+    if model_folder is not None or config is not None:
+        from llmc import plan_shapes
         from llmc.model.checkpoint import read_model_config
 
-        config = read_model_config(Path(model_folder))
-        shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
+        if model_folder is not None:
+            config = read_model_config(Path(model_folder))
+            tensors = plan_shapes.from_headers(Path(model_folder))
+        else:
+            tensors = plan_shapes.from_config(config)
         for scheme in schemes.values():
-            plan.warnings += check_model(recipe, scheme, config, shapes)
+            plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
-        plan.estimates = _estimates(recipe, list(schemes.values()), config, params, nbytes, device)
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0] / 1e9
-            if free < plan.estimates["device_memory_gb"]:
-                from llmc.errors import ResourceError
+        plan.estimates = _estimates(recipe, list(schemes.values()), config, tensors, device, plan.targets,
+                                    model_folder)
+        from llmc.errors import ResourceError
 
-                raise ResourceError(
-                    f"calibrating one layer needs ~{plan.estimates['device_memory_gb']:.1f} GB on {device}, "
-                    f"{free:.1f} GB are free",
-                    fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
-                    "or set calibration.device: cpu",
-                )
-        whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
-        if whole_model:
-            # whole-model exporters (ONNX) hold float32 weights, the graph's copy of them, then the codes
-            need = 3 * params * 4 / 1e9
-            plan.estimates["export_memory_gb"] = need
-            available = memory_available()
-            if available is not None and need > available / 1e9:
-                from llmc.errors import ResourceError
-
-                streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
-                raise ResourceError(
-                    f"the export for {', '.join(whole_model)} holds the whole model in float32 "
-                    f"(~{need:.1f} GB); {available / 1e9:.1f} GB of memory are available",
-                    fix=f"export these targets on a machine with more memory, or drop them (the exporters for "
-                        f"{', '.join(streaming)} stream one layer at a time)",
-                )
-        if cache_dir is not None:
-            free = shutil.disk_usage(cache_dir).free / 1e9
-            if free < plan.estimates["disk_gb"]:
-                from llmc.errors import ResourceError
-
-                raise ResourceError(
-                    f"the build needs ~{plan.estimates['disk_gb']:.1f} GB under {cache_dir}, {free:.1f} GB are free",
-                    fix="free disk space or set LLMC_CACHE to a larger disk",
-                )
+        try:
+            refuse_if_it_does_not_fit(plan, device)
+            if cache_dir is not None:
+                check_disk(plan, Path(cache_dir))
+        except ResourceError as e:
+            if refuse:
+                raise
+            # planning for another machine (the source is not here): say what this one lacks, do not stop
+            plan.warnings.append(f"this machine could not run the build: {e.message} (fix: {e.fix})")
     return plan
 
+
+def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
+    """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
+    and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
+    from llmc.errors import ResourceError
+
+    e = plan.estimates
+    available = memory_available()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] / 1e9
+        if free < e["device_memory_gb"]:
+            raise ResourceError(
+                f"calibrating one layer needs ~{e['device_memory_gb']:.1f} GB on {device}, {free:.1f} GB are free",
+                fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
+                "or set calibration.device: cpu",
+            )
+    whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
+    if whole_model and available is not None and e["export_memory_gb"] > available / 1e9:
+        streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
+        raise ResourceError(
+            f"the export for {', '.join(whole_model)} holds the whole model in float32 "
+            f"(~{e['export_memory_gb']:.1f} GB); {available / 1e9:.1f} GB of memory are available",
+            fix=f"export these targets on a machine with more memory, or drop them (the exporters for "
+                f"{', '.join(streaming)} stream one layer at a time)",
+        )
+    if available is None:
+        return
+    for stage in e["stages"]:
+        if stage["host_gb"] <= available / 1e9:
+            continue
+        cheaper = e["cheaper"].get(stage["stage"])
+        raise ResourceError(
+            f"{stage['stage']} needs ~{stage['host_gb']:.1f} GB of host memory ({stage['strategy']}); "
+            f"{available / 1e9:.1f} GB are available",
+            fix=(f"{cheaper[0]} (~{cheaper[1]:.1f} GB)" if cheaper else
+                 "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
+                 "eval.seq_len (one batch of logits is batch x seq_len x vocab floats)"),
+        )
+
+
+def check_disk(plan: Plan, cache_dir: Path, pending: set[str] | None = None) -> None:
+    """ResourceError when the cache's disk cannot take what the build still has to write: every stage's new files,
+    or only the stages in `pending` (the build passes those whose outputs are not cached yet)."""
+    from llmc.errors import ResourceError
+
+    need = sum(s["disk_gb"] for s in plan.estimates["stages"] if pending is None or s["stage"] in pending)
+    free = shutil.disk_usage(cache_dir).free / 1e9
+    if free < need:
+        raise ResourceError(
+            f"the build needs ~{need:.1f} GB under {cache_dir}, {free:.1f} GB are free",
+            fix="free disk space or set LLMC_CACHE to a larger disk",
+        )
+
+
+def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None) -> Plan:
+    """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
+    offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
+    from llmc.model.checkpoint import read_model_config
+    from llmc.model.dtype import source_dtype
+    from llmc.model.source import resolve_source
+
+    source = recipe.model.source
+    if recipe.model.config is not None:
+        config_path = Path(recipe.model.config).expanduser()
+        if not config_path.is_absolute() and recipe_path is not None:
+            config_path = Path(recipe_path).parent / config_path
+        absent = source.startswith("hf:") or (":" not in source and not Path(source).expanduser().exists())
+        if absent:
+            folder = config_path if config_path.is_dir() else config_path.parent
+            plan = make_plan(recipe, config=read_model_config(folder), cache_dir=store.root, refuse=False)
+            plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
+            return plan
+    src = resolve_source(source, store, source_dtype(recipe.model.dtype))
+    return make_plan(recipe, src.folder, store.root)
 
 
 def _plan_gates(plan: Plan) -> None:
@@ -311,44 +384,98 @@ def _plan_gates(plan: Plan) -> None:
     plan.warnings += gates.plan_warnings(recipe, plan.schemes, plan.targets)
 
 
-def _estimates(
-    recipe: Recipe, schemes: list[Scheme], config: dict, params: int, nbytes: int,
-    device: torch.device = torch.device("cpu"),
-) -> dict:
-    layers = config.get("num_hidden_layers", 1)
-    hidden = config.get("hidden_size", 0)
-    vocab = config.get("vocab_size", 0)
-    elem = 4 if recipe.model.dtype == "float32" else 2
-    embed = vocab * hidden * elem
-    per_layer = max(nbytes - embed, 0) / max(layers, 1)
-    c = recipe.calibration
+def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, device: torch.device,
+               planned_targets: list[dict], model_folder: Path | None) -> dict:
+    from llmc import plan_resources as res
+    from llmc.engines.torch_stream import choose_streamed
+    from llmc.model.dtype import BYTES, resolve_dtype
+    from llmc.quant.canonical import module_matches
+    from llmc.quant.stream import CALIBRATION_BATCH_SIZE
+
+    compute = resolve_dtype(recipe.model.dtype, model_folder, config)
+    stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
+    shape = res.Shape.of(tensors, config, stored_elem)
+    available = memory_available()
+    machine = res.Machine(available, None, str(device), os.cpu_count())
+    c, ev = recipe.calibration, recipe.eval
+    e = res.ELEM[compute]
     calibrated = any(s.needs_calibration for s in schemes)
-    act = 2 * c.samples * c.seq_len * hidden * 4 if calibrated else 0
-    batch_act = 2 * min(4, c.samples) * c.seq_len * hidden * 4  # one batch in, one out (batches are 4 windows)
-    spill = calibrated and should_spill(c.spill_activations, act // 2, memory_available())
-    if spill:  # only the batch in flight is resident
-        act = batch_act
-    awq_act = 0
-    if any(Pipeline.of(s).replays_module_calls for s in schemes):
-        # AWQ keeps each module's calibration inputs for its grid search (about 2 + intermediate/hidden copies)
-        awq_act = c.samples * c.seq_len * (2 * hidden + config.get("intermediate_size", 4 * hidden)) * 4
-    act += awq_act
-    passes = sum(calibration_passes(s) for s in schemes)
-    qbytes = sum(params * s.weights.bits / 8 + embed for s in schemes)
-    ev = recipe.eval
-    eval_tokens = ev.windows * ev.seq_len * (1 + len(schemes)) * len(ev.runtimes)
-    flops_per_token = 2 * params
-    layer_flops = _GPU_FLOPS if device.type == "cuda" else _CPU_FLOPS
+    tokens = c.samples * c.seq_len
+    spill = calibrated and should_spill(c.spill_activations, tokens * shape.hidden * e, available)
+    stages: list[res.Stage] = []
+    cheaper: dict[str, tuple[str, float]] = {}
+    linears = tensors.linear_shapes()
+    artifact_bytes, canonical_bytes = {}, {}
+    for scheme in schemes:
+        quantized = sum(a * b for n, (a, b) in linears.items() if not module_matches(n, scheme.ignore))
+        rest = shape.params - quantized
+        canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
+        artifact_bytes[scheme.name] = quantized * scheme.weights.bits / 8 + rest * e
+        pipe = Pipeline.of(scheme)
+        kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
+                      seq_len=c.seq_len, batch=CALIBRATION_BATCH_SIZE, gptq=pipe.true_sequential or "gptq" in
+                      scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
+                      code_bytes=1.0, machine=machine)
+        q = res.quantize_stage(shape, spill=spill, **kwargs)
+        q.name, q.disk_bytes = f"quantize {scheme.name}", canonical_bytes[scheme.name]
+        stages.append(q)
+        if scheme.needs_calibration and not spill:
+            spilled = res.quantize_stage(shape, spill=True, **kwargs)
+            cheaper[q.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
+                               "activations in memory", spilled.host_bytes / 1e9)
+    seen: dict[tuple, str] = {}
+    for t, entry in zip(_targets_by_variant(recipe, schemes), planned_targets):
+        scheme, target = t
+        fmt = targets.artifact_format(entry["exporter"])
+        same = (scheme.name, entry["exporter"]) + ((target.tensor_parallel,) if fmt.shards_by_tp else ())
+        shared_with = seen.setdefault(same, entry["label"])
+        stages.append(res.export_stage(shape, label=entry["label"], artifact_bytes=artifact_bytes[scheme.name],
+                                       whole_model=fmt.whole_model,
+                                       shared_with=None if shared_with == entry["label"] else shared_with,
+                                       compute=compute, machine=machine))
+    dense = shape.params * e
+    streamed = choose_streamed(dense, available)
+    throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
+    eval_kwargs = dict(compute=compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
+                       top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine)
+    if "torch" in ev.runtimes:
+        evals = [("baseline", False, 0.0)] + [(s.name, True, 1.0) for s in schemes]
+        for label, reference, code_bytes in evals:
+            st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
+                                artifact_code_bytes=code_bytes, **eval_kwargs)
+            # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
+            st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
+            st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
+            stages.append(st)
+            if not streamed:
+                cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
+                                    res.eval_stage(shape, label=label, streamed=True, reference=reference,
+                                                   artifact_code_bytes=code_bytes, **eval_kwargs).host_bytes / 1e9)
+    quant = [s for s in stages if s.name.startswith("quantize")]
+    registry_bytes = sum(s.disk_bytes for s in stages if s.name.startswith("export"))
     return {
-        "params": params,
-        "layers": layers,
-        "peak_memory_gb": (per_layer * 2 + embed + act) / 1e9,
-        "disk_gb": (nbytes + qbytes * (1 + len(recipe.targets))) / 1e9,
-        "calibration_s": passes * c.samples * c.seq_len * flops_per_token / layer_flops,
-        "eval_s": eval_tokens * flops_per_token / _CPU_FLOPS,
+        "params": shape.params,
+        "layers": shape.layers,
+        "dtype": compute,
+        "stages": [s.as_dict() for s in stages],
+        "cheaper": cheaper,
+        "source_gb": shape.stored_bytes / 1e9,
+        "registry_gb": registry_bytes / 1e9,
+        "available_gb": (available or 0) / 1e9,
+        "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
+        "disk_gb": sum(s.disk_bytes for s in stages) / 1e9,
+        "calibration_s": sum(s.seconds for s in quant),
+        "eval_s": sum(s.seconds for s in stages if s.name.startswith("eval")),
         "cpu_count": os.cpu_count(),
         "spill_activations": spill,
+        "streamed_eval": streamed,
         "device": str(device),
-        # on the device: the layer (float weights + a float32 copy for the algorithms), a batch, AWQ's inputs
-        "device_memory_gb": (per_layer * 3 + batch_act + awq_act) / 1e9 if device.type != "cpu" else 0.0,
+        "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,
+        **({"export_memory_gb": 3 * shape.params * 4 / 1e9}
+           if any(targets.artifact_format(t["exporter"]).whole_model for t in planned_targets) else {}),
     }
+
+
+def _targets_by_variant(recipe: Recipe, schemes: list[Scheme]) -> list[tuple[Scheme, Target]]:
+    """(scheme, target) in the order make_plan lists plan.targets: every target of each variant."""
+    return [(s, t) for s in schemes for t in recipe.targets]

@@ -97,6 +97,8 @@ class BuildResult:
     quantized_dirs: dict[str, Path] = field(default_factory=dict)  # variant name -> canonical form
     published: Path | None = None
     publish_noop: bool = False
+    dtype: str = "float32"  # recipe.model.dtype resolved (auto: the checkpoint's own, llmc.model.dtype)
+    overrides: tuple[str, ...] = ()  # the command line's --set key.path=value, already applied to `recipe`
 
     @property
     def passed(self) -> bool:

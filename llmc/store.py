@@ -31,8 +31,10 @@ from llmc.errors import InputError, LlmcError
 from llmc.paths import confined
 from llmc.progress import log
 from llmc.resource_errors import resource_error
+from llmc.store_links import share_identical_files, sweep_blobs
 
 COMPLETE_MARKER = ".llmc-complete"
+BLOBS = "blobs"  # <cache>/blobs/<sha256[:2]>/<sha256>: hard links of large stage files (llmc.store_links)
 
 
 def canonical_json(obj: Any) -> str:
@@ -343,7 +345,9 @@ class Store:
             with resource_errors(f"stage '{stage}'", partial):
                 yield partial
                 (partial / RESUMABLE_MARKER).unlink(missing_ok=True)
-                marker = {"stage": stage, "key": key, "llmc": __version__, "files": record_files(partial)}
+                recorded = record_files(partial)
+                share_identical_files(partial, recorded, self.root / BLOBS)  # identical files stored once
+                marker = {"stage": stage, "key": key, "llmc": __version__, "files": recorded}
                 atomic_write_json(partial / COMPLETE_MARKER, marker)
                 if (final / COMPLETE_MARKER).is_file() and not self._problems(final, full=False):
                     shutil.rmtree(partial)  # another process finished it while this one worked: keep theirs
@@ -363,6 +367,7 @@ class Store:
                 continue
             if remove_if_abandoned(leftover, self._lock(leftover.parent.name, leftover.name.split(".", 1)[0])):
                 removed.append(leftover)
+        sweep_blobs(self.root / BLOBS)  # files no stage output links to any more
         return removed
 
     def file_hash(self, path: Path) -> str:

@@ -8,6 +8,10 @@ transformers and re-applies, from the artifact's own config and files, what the 
   - dynamic activations: per-token (or per-tensor) scales computed on the fly;
   - KV cache: keys and values quantize-dequantized with the stored `k_scale` / `v_scale`.
 A plain (unquantized) folder runs as is; that is the baseline.
+
+When the dense model would not fit (or with LLMC_TORCH_EVAL=streamed), the engine evaluates one decoder layer at
+a time instead (`llmc.engines.torch_stream`): the same hooks, the same NLL, a fraction of the memory. Its timings
+are then of the streamed pass, and no decode timing is taken (that would reload every layer per token).
 """
 
 from __future__ import annotations
@@ -81,10 +85,33 @@ def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torc
 class TorchEngine(EngineBase):
     name = "torch"
 
-    def __init__(self, folder: Path, *, dtype: str = "float32") -> None:
+    def __init__(self, folder: Path, *, dtype: str = "float32", streamed: bool | None = None) -> None:
         self.folder = Path(folder)
         self.dtype = getattr(torch, dtype)
-        self.model = self._load()
+        if streamed is None:
+            from llmc.engines.torch_stream import choose_streamed, dense_bytes
+            from llmc.quant.activations import memory_available
+
+            streamed = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
+        self.streamed = streamed
+        self.model = self._load_streaming() if streamed else self._load()
+
+    def _load_streaming(self) -> nn.Module:
+        from llmc.engines.torch_stream import build_streaming_model
+
+        try:
+            model, self._decoder, qcfg = build_streaming_model(self.folder, self.dtype)
+        except EngineFailed:
+            raise
+        except Exception as e:
+            raise_if_resource(e, f"loading {self.folder} one layer at a time")
+            raise EngineFailed(
+                f"could not prepare {self.folder} for streamed evaluation: {type(e).__name__}: {e}",
+                fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",
+            ) from None
+        if qcfg is not None:
+            self._apply_runtime_quantization(model, qcfg)
+        return model
 
     def _load(self) -> nn.Module:
         import warnings
@@ -176,15 +203,26 @@ class TorchEngine(EngineBase):
                capture_head: bool) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
         with HeadCapture(self.model) if capture_head else contextlib.nullcontext() as capture:
-            for start in range(0, windows.shape[0], batch_size):
+
+            def on_logits(start: int, logits: torch.Tensor) -> None:
                 batch = windows[start : start + batch_size]
-                logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
                 if capture is not None:
                     capture.after_forward(logits)
                 ref = None if reference is None else reference_rows(reference, start, start + batch_size)
                 out = score_logits(logits, batch[:, 1:], top_k, ref)
                 for k, v in out.items():
                     parts.setdefault(k, []).append(v)
+
+            t = time.perf_counter()
+            if self.streamed:
+                from llmc.engines.torch_stream import streamed_logits
+
+                streamed_logits(self.model, self._decoder, windows, batch_size, self.dtype, on_logits)
+            else:
+                for start in range(0, windows.shape[0], batch_size):
+                    on_logits(start, self.model(input_ids=windows[start : start + batch_size],
+                                                use_cache=False).logits[:, :-1].float())
+            self._scored = (windows.numel(), time.perf_counter() - t)
         scores = {k: torch.cat(v) for k, v in parts.items()}
         if capture is not None:
             scores.update(capture.tensors())
@@ -195,6 +233,12 @@ class TorchEngine(EngineBase):
                    batch_sizes: Sequence[int] = (1,)) -> dict:
         """Throughput at each of `batch_sizes` (the prompt [1, n] repeated per sequence); the top-level figures
         are the first batch size's, all of them under `by_batch_size`."""
+        if self.streamed:  # no per-token decode one layer at a time: the streamed scoring pass is the timing
+            tokens, seconds = getattr(self, "_scored", (0, 0.0))
+            rate = {"median": tokens / seconds, "min": tokens / seconds, "max": tokens / seconds, "n": 1} if seconds else None
+            first = {"prefill_tokens_per_s": rate, "decode_tokens_per_s": None, "streamed": True,
+                     "threads": torch.get_num_threads()}
+            return {**first, "batch_size": batch_sizes[0], "by_batch_size": {str(batch_sizes[0]): first}}
         by_batch = {b: self._throughput_at(prompt.expand(b, -1), decode_tokens, repeats) for b in batch_sizes}
         first = by_batch[batch_sizes[0]]
         return {**first, "batch_size": batch_sizes[0], "by_batch_size": {str(b): t for b, t in by_batch.items()}}

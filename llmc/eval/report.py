@@ -200,7 +200,7 @@ def render_markdown(result: BuildResult) -> str:
     schemes = result.plan.schemes
     out = [f"# {r.name}: {', '.join(s.name for s in schemes.values())}", ""]
     out.append(f"- build id: `{result.build_id}`")
-    out.append(f"- model: `{r.model.source}` ({r.model.dtype}), source sha256 `{result.source.sha256}`")
+    out.append(f"- model: `{r.model.source}` ({result.dtype}), source sha256 `{result.source.sha256}`")
     for name, s in schemes.items():
         out.append(f"- {'variant ' + name + ': ' if name else ''}scheme {s.name}, algorithm {s.algorithm}; "
                    f"weights {s.weights.describe()}"
@@ -215,7 +215,7 @@ def render_markdown(result: BuildResult) -> str:
                    + "".join(f", chat template {k}: {v}" for k, v in (c.get("chat_templates") or {}).items()))
     out.append(f"- evaluation protocol: {corpus_part(ev.corpus)}, documents joined with blank lines, "
                f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
-               f"stride {ev.seq_len}, dtype {r.model.dtype}, ppl = exp(mean token NLL); "
+               f"stride {ev.seq_len}, dtype {result.dtype}, ppl = exp(mean token NLL); "
                f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "
                f"KLD = mean per-token KL(baseline || quantized) over the full vocabulary (the baseline's output head "
                f"re-applied to its recorded inputs); a KLD marked >= is the top-{ev.kl_top_k} lower bound (the "

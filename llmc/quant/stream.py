@@ -447,6 +447,7 @@ def quantize_model(
         if on_layer_done:
             on_layer_done(i)
 
+    release(model)  # the skeleton's embeddings and head: read again below, so never two copies (70B: 4.2 GB each)
     rest = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
     rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from llmc.errors import RecipeError
 from llmc.excerpt import excerpt, shorten
 from llmc.inputs import decode_utf8, read_input_bytes, shown
+from llmc.recipe.overrides import apply_overrides
 from llmc.recipe.safe_yaml import YamlLimitError, load_yaml
 from llmc.recipe.schema import Recipe
 
@@ -26,8 +27,9 @@ MAX_LISTED = 10  # problems listed in one message; the count says how many more
 _EXAMPLE_FIX = "pass the path of a recipe YAML, e.g. recipes/smollm2-fp8.yaml"
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    return parse_recipe(read_recipe_text(path), source=shown(path))
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """The recipe at `path`, with `--set key.path=value` overrides applied before validation (llmc.recipe.overrides)."""
+    return parse_recipe(read_recipe_text(path), source=shown(path), overrides=overrides)
 
 
 def read_recipe_text(path: str | Path) -> str:
@@ -37,11 +39,14 @@ def read_recipe_text(path: str | Path) -> str:
                        "check that this is the recipe you meant", error=RecipeError)
 
 
-def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
+def parse_recipe(text: str, source: str = "<recipe>", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     try:
         data = load_yaml(text)
     except YamlLimitError as e:
         raise RecipeError(f"{source}: not valid YAML{e.where}: {e.problem}", fix=e.fix) from None
+    data = apply_overrides(data, overrides)
+    if overrides:
+        source = f"{source} with --set {', '.join(excerpt(o) for o in overrides[:4])}"
     if not isinstance(data, dict):
         raise RecipeError(
             f"{source}: a recipe is a YAML mapping with keys name, model, quantization, targets; "

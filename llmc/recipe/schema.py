@@ -37,8 +37,19 @@ class ModelSection(_Strict):
     source: str = Field(
         description="'demo:smollm2-135m', a local Hugging Face folder, or a local .gguf file"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="the dtype weights are held and unquantized tensors stored in; auto: the checkpoint's own "
+        "(bf16 for most Hub models), float32 only inside the arithmetic that needs it (llmc.model.dtype)")
     name: str | None = Field(default=None, pattern=SAFE_NAME, description="name used in the registry")
+    config: str | None = Field(
+        default=None, max_length=4096,
+        description="a copy of the model's config.json (relative to the recipe's folder) that `llmc plan` reads when "
+        "the source is not on this machine (a Hub id offline): shapes, memory, disk and time without the weights")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"config": None})
 
 
 class TensorQuant(_Strict):

@@ -33,6 +33,7 @@ from llmc.paths import confined
 from llmc.progress import log
 from llmc.registry.outputs import write_report_files
 from llmc.registry.signing import SIGNATURE_FILE, sign, signature_status, signing_key
+from llmc.store_links import link_or_copy
 from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, fsync_dir, remove_if_abandoned,
                         record_files, sha256_file, walk_files)
 
@@ -70,6 +71,7 @@ def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = 
         "build_id": result.build_id,
         "llmc_version": __version__,
         "recipe": result.recipe.model_dump(mode="json"),
+        **({"overrides": list(result.overrides)} if result.overrides else {}),  # --set, applied to "recipe"
         "model": {"source": result.recipe.model.source, "sha256": result.source.sha256},
         "calibration": result.calibration,
         "packages": package_versions(),
@@ -79,8 +81,9 @@ def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = 
 
 
 def _copy_keeping_links():
-    """A copytree copy function that links a file to its earlier copy when the sources were hard links
-    of one file (a Triton repository's version folder links the artifact's files): no second copy."""
+    """A copytree copy function: a hard link of the cached file where the filesystem allows (the registry then
+    stores no second copy; llmc.store_links), else a copy; sources that were hard links of one file (a Triton
+    repository's version folder links the artifact's files) stay links of one file."""
     copied: dict[tuple[int, int], str] = {}
 
     def copy(src: str, dst: str) -> str:
@@ -89,7 +92,7 @@ def _copy_keeping_links():
         if first is not None:
             os.link(first, dst)
         else:
-            shutil.copy2(src, dst)
+            link_or_copy(src, dst)
             copied[(st.st_dev, st.st_ino)] = dst
         return dst
 

@@ -82,6 +82,7 @@ class ModelOptCheckpoint(ArtifactFormat):
 @register_format
 class LegacyCheckpoint(ArtifactFormat):
     name = "trtllm-checkpoint"
+    shards_by_tp = True  # rank{N}.safetensors per tensor-parallel rank
     unevaluated = _NEEDS_GPU
     triton_refusal = (
         "triton: true is not available for the legacy TensorRT-LLM per-rank checkpoint (trtllm-checkpoint): "

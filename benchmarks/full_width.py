@@ -1,0 +1,218 @@
+"""Predicted vs measured at full width: synthetic checkpoints with the exact tensor shapes of Llama-3.1-8B and
+Llama-3.3-70B (their real config.json from recipes/configs/, the real vocabulary size, random bf16 weights, sharded
+safetensors with an index) but only N decoder layers, built by `llmc build` with a shipped recipe's quantization
+(`--set model.source=<checkpoint>`), end to end: quantize, export, evaluation (streamed when the dense model does
+not fit), gates, publish.
+
+    python benchmarks/full_width.py --model Llama-3.3-70B-Instruct --recipe recipes/llama70b-fp8.yaml --layers 1 2
+    python benchmarks/full_width.py --model Llama-3.1-8B --recipe recipes/llama70b-fp8.yaml --layers 1 2 4
+
+Per run: the plan's prediction for that checkpoint (llmc.plan: per-stage peak host RAM, disk, time) and what the
+build measured: the process's peak RSS (VmHWM) and per-stage peaks (VmRSS sampled every 0.1 s, attributed to the
+stage the build's log says is running), each stage output's size on disk (du: hard links once), the quantize stage's
+time per layer from report.json. The tokenizer is SmolLM2's (ids < 49,152 fit the 128,256-row embedding; the
+vocabulary size, which sets the embedding, head and logits, is the real one). One JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 2 << 30
+
+
+def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, dtype=torch.bfloat16) -> Path:
+    """config.json (num_hidden_layers = layers), tokenizer, *.safetensors shards + model.safetensors.index.json."""
+    from llmc.plan_shapes import from_config
+
+    config = json.loads((ROOT / "recipes" / "configs" / model / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_from / f).is_file():
+            shutil.copyfile(tokenizer_from / f, out / f)
+    shapes = from_config(config).shapes
+    gen = torch.Generator().manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    size = total = 0
+    names = list(shapes)
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for name in names:
+        shape = shapes[name]
+        if len(shape) == 1:  # norms: ones, as trained checkpoints start
+            t = torch.ones(shape, dtype=dtype)
+        else:  # filled in row blocks: no float32 copy of a 128256 x 8192 embedding (4.2 GB)
+            t = torch.empty(shape, dtype=dtype)
+            for start in range(0, shape[0], 4096):
+                block = t[start : start + 4096]
+                block.copy_(torch.randn(block.shape, generator=gen) * 0.02)
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            flush()
+        shard[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return out
+
+
+def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config: dict | None = None) -> dict:
+    """The plan's estimates for the checkpoint (or, without one, from its config: the same shapes)."""
+    from llmc.plan import make_plan
+    from llmc.recipe import load_recipe
+
+    plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False, config=None if checkpoint else config)
+    return plan.estimates
+
+
+_LOG = re.compile(r"^\[llmc (\d\d):(\d\d):(\d\d)\] (quantize|export|eval|calibration|tasks|published|plan)")
+
+
+def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, report: Path) -> dict:
+    """`llmc build` in a child; its peak RSS overall (VmHWM) and per stage (sampled), wall time, exit code."""
+    env = {**os.environ, "LLMC_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", "from llmc.cli import main; main()", "build", str(recipe),
+           "--report-dir", str(report), *[a for o in overrides for a in ("--set", o)],
+           "--set", f"publish.registry={registry}"]
+    t0 = time.time()
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    samples: list[tuple[float, int]] = []
+    hwm = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        status = Path(f"/proc/{child.pid}/status")
+        while not done.is_set():
+            try:
+                text = status.read_text()
+            except OSError:
+                break
+            rss = int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) * 1024
+            hwm[0] = max(hwm[0], int(re.search(r"VmHWM:\s+(\d+)", text).group(1)) * 1024)
+            samples.append((time.time(), rss))
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    stdout, stderr = child.communicate()
+    done.set()
+    thread.join()
+    wall = time.time() - t0
+    # stage windows from the log's timestamps (seconds): each starts at its line, ends at the next one
+    day = time.strftime("%Y-%m-%d", time.localtime(t0))
+    marks = []
+    for line in stderr.splitlines():
+        m = _LOG.match(line)
+        if m:
+            ts = time.mktime(time.strptime(f"{day} {m.group(1)}:{m.group(2)}:{m.group(3)}", "%Y-%m-%d %H:%M:%S"))
+            marks.append((ts, m.group(4) if m.group(4) != "calibration" else "quantize"))
+    peaks: dict[str, int] = {}
+    for i, (start, stage) in enumerate(marks):
+        stop = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
+        inside = [r for t, r in samples if start <= t < stop + 1]
+        if inside:
+            peaks[stage] = max(peaks.get(stage, 0), max(inside))
+    return {"exit": child.returncode, "wall_s": wall, "peak_rss": hwm[0], "stage_peaks": peaks,
+            "stdout_tail": stdout[-1500:], "stderr_tail": stderr[-1500:] if child.returncode else ""}
+
+
+def du(path: Path, count_links: bool = False) -> int:
+    """Bytes on disk under `path`, each hard-linked file once (or, with count_links, every link: apparent size)."""
+    out = subprocess.run(["du", "-sbl" if count_links else "-sb", str(path)], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.stdout.split() else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a folder name under recipes/configs/")
+    ap.add_argument("--recipe", type=Path, required=True)
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="more overrides (defaults keep the run small: 1x128 calibration tokens, 2x32 eval tokens)")
+    ap.add_argument("--work", type=Path, default=None, help="where checkpoints, cache and registry go")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="print only the plan's predictions for each N (from the config: no checkpoint, no build)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    from llmc.model.source import resolve_source
+    from llmc.store import Store
+
+    tokenizer = resolve_source("demo:smollm2-135m", Store.default()).folder
+    work = args.work or Path(tempfile.mkdtemp(prefix="llmc-full-width-", dir=str(Path.home())))
+    small = ["calibration.samples=1", "calibration.seq_len=128", "eval.windows=2", "eval.seq_len=32",
+             "eval.batch_size=1", "eval.decode_tokens=0", "eval.throughput_repeats=1", "gates.allow_unevaluated=true",
+             "gates.max_ppl_increase_pct=1000000", "gates.max_mean_kld=1000", "gates.min_top1_agreement_pct=0.001"]
+    for n in args.layers:
+        if args.predict_only:
+            config = json.loads((ROOT / "recipes" / "configs" / args.model / "config.json").read_text())
+            overrides = ["model.source=/nonexistent", *small, *args.overrides]
+            predicted = predict(args.recipe, overrides, None, {**config, "num_hidden_layers": n})
+            print(json.dumps({"model": args.model, "layers": n, "load": os.getloadavg(), "predicted": predicted}))
+            continue
+        run = work / f"{args.model}-{n}"
+        shutil.rmtree(run, ignore_errors=True)
+        t = time.time()
+        ckpt = write_checkpoint(args.model, n, run / "checkpoint", tokenizer)
+        write_s = time.time() - t
+        overrides = [f"model.source={ckpt}", *small, *args.overrides]
+        predicted = predict(args.recipe, overrides, ckpt)
+        measured = run_build(args.recipe, overrides, run / "cache", run / "registry", run / "report")
+        report = json.loads((run / "report" / "report.json").read_text()) if (run / "report" / "report.json").is_file() else {}
+        stages = {s["name"]: s for s in report.get("stages", [])}
+        quantize_s = sum(s["seconds"] for k, s in stages.items() if k.startswith("quantize"))
+        disk = {kind: du(run / "cache" / "stages" / kind) for kind in ("quantize", "export", "eval")
+                if (run / "cache" / "stages" / kind).is_dir()}
+        artifacts = {label: du(Path(t["artifact"]), count_links=True) / 1e9
+                     for label, t in report.get("targets", {}).items()}
+        streamed = {eid: bool((e.get("throughput") or {}).get("streamed")) for eid, e in report.get("evals", {}).items()
+                    if isinstance(e, dict)}
+        row = {
+            "model": args.model, "layers": n, "recipe": str(args.recipe), "overrides": overrides[1:],
+            "load": os.getloadavg(), "checkpoint_gb": du(ckpt) / 1e9, "write_checkpoint_s": write_s,
+            "predicted": {"stages": predicted["stages"], "peak_host_gb": max(s["host_gb"] for s in predicted["stages"]),
+                          "quantize_s_per_layer": predicted["calibration_s"] / n, "dtype": predicted["dtype"],
+                          "source_gb": predicted["source_gb"]},
+            "measured": {"exit": measured["exit"], "wall_s": measured["wall_s"], "peak_rss_gb": measured["peak_rss"] / 1e9,
+                         "stage_peak_gb": {k: v / 1e9 for k, v in measured["stage_peaks"].items()},
+                         "quantize_s_per_layer": quantize_s / n, "disk_gb": {k: v / 1e9 for k, v in disk.items()},
+                         "registry_gb_apparent": du(run / "registry", count_links=True) / 1e9,
+                         "registry_gb_new": du(run / "registry") / 1e9, "artifact_gb": artifacts,
+                         "eval_streamed": streamed,
+                         "stages": {k: s["seconds"] for k, s in stages.items()}},
+            "tail": measured["stderr_tail"] or measured["stdout_tail"][-600:],
+        }
+        print(json.dumps(row), flush=True)
+        if not args.keep:
+            shutil.rmtree(run / "checkpoint", ignore_errors=True)
+            shutil.rmtree(run / "cache", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

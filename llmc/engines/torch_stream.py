@@ -1,0 +1,182 @@
+"""Streamed evaluation for the torch reference: one decoder layer resident, every window through layer i before
+layer i+1 loads.
+
+The whole-model path (`TorchEngine` loading through transformers) holds every weight at once: a 70B in bf16 is
+~140 GB. Here the model is built on the meta device, only what lies outside the decoder layers (embeddings, final
+norm, output head) is loaded, and each decoder layer is read from the folder's safetensors, decompressed where
+it is quantized (compressed-tensors' own decompressors, as transformers' `dequantize=True` load uses), run on the
+hidden states of every window, and dropped. Activation and KV-cache quantization are emulated by the same hooks
+and attention function as the whole-model path (`TorchEngine._apply_runtime_quantization`, installed once on the
+skeleton: hooks live on modules, which materializing a layer keeps). Logits come from the model's own forward with
+the decoder layers replaced by a replay of the final hidden states, so the final norm, the output head and any
+post-processing the model applies are exactly the whole-model path's; NLL agrees with it (tests/unit/test_streamed_eval.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmc.errors import EngineFailed
+
+STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
+WHOLE_MODEL_SHARE = 0.5  # auto streams when the dense model would take more than this share of available memory
+
+
+def choose_streamed(dense_bytes: int, available: int | None, setting: str | None = None) -> bool:
+    """Whether the torch reference evaluates one layer at a time: forced by `setting` (or $LLMC_TORCH_EVAL), else
+    when the dense weights would take more than WHOLE_MODEL_SHARE of the available memory (unknown: whole)."""
+    setting = (setting or os.environ.get(STRATEGY_VARIABLE) or "auto").strip().lower()
+    if setting in ("streamed", "whole"):
+        return setting == "streamed"
+    return available is not None and dense_bytes > WHOLE_MODEL_SHARE * available
+
+
+def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """Bytes the folder's weights take once decompressed to `dtype` (headers only): quantized codes count as one
+    element each (int4 packs eight into an int32), scales and other side tensors as they are stored."""
+    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for f in safetensors_files(folder):
+        for name, info in check_safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            if name.endswith(".weight_packed"):
+                n *= 8
+            if name.endswith((".weight_packed", ".weight")):
+                total += n * elem
+            else:
+                total += info["data_offsets"][1] - info["data_offsets"][0]
+    return total
+
+
+class LayerDecoder:
+    """Dense tensors of a compressed-tensors folder, module by module (plain folders pass through)."""
+
+    def __init__(self, folder: Path, qcfg: dict | None) -> None:
+        from llmc.model.checkpoint import CheckpointReader
+
+        self.reader = CheckpointReader(folder)
+        self.qcfg = qcfg
+        self.groups = self._groups(qcfg) if qcfg else []
+
+    @staticmethod
+    def _groups(qcfg: dict) -> list[tuple[tuple[str, ...], object, str]]:
+        from compressed_tensors.quantization import QuantizationScheme
+
+        out = []
+        for group in qcfg.get("config_groups", {}).values():
+            scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"} | {
+                "format": group.get("format") or qcfg.get("format")})
+            out.append((tuple(group.get("targets") or ("Linear",)), scheme, group.get("format") or qcfg.get("format")))
+        return out
+
+    def tensors(self, prefix: str, exclude_prefix: str | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor under `prefix` (names relative to it), quantized modules decompressed to `weight`."""
+        names = [n for n in self.reader.names()
+                 if n.startswith(prefix) and not (exclude_prefix and n.startswith(exclude_prefix))]
+        raw = {n[len(prefix):]: t for n, t in self.reader.get_many(names).items()}
+        if not self.groups:
+            return raw
+        return self._decompress(raw, prefix)
+
+    def _decompress(self, raw: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        from compressed_tensors.compressors import BaseCompressor
+
+        from llmc.quant.canonical import module_matches
+
+        ignore = tuple(self.qcfg.get("ignore") or ())
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in raw.items():
+            module, _, local = name.rpartition(".")
+            if local.startswith("weight") and local != "weight" or (local == "weight" and f"{module}.weight_scale" in raw):
+                by_module.setdefault(module, {})[local] = t
+            elif local in ("input_scale", "input_zero_point", "k_scale", "v_scale"):
+                continue  # read by the runtime-quantization hooks, not parameters of the module
+            else:
+                out[name] = t
+        for module, state in by_module.items():
+            full = f"{prefix}{module}"
+            group = next(((scheme, fmt) for targets, scheme, fmt in self.groups
+                          if not module_matches(full, ignore) and _targets_match(full, targets)), None)
+            if group is None:
+                raise EngineFailed(f"{full} holds quantized tensors ({', '.join(sorted(state))}) but no "
+                                   "config_groups entry of quantization_config targets it")
+            scheme, fmt = group
+            compressor = BaseCompressor.get_value_from_registry(fmt)
+            dense = compressor.decompress(dict(state), scheme)
+            out[f"{module}.weight"] = dense["weight"]
+        return out
+
+
+def _targets_match(name: str, targets: tuple[str, ...]) -> bool:
+    """compressed-tensors targets: a class name (every quantized module llmc writes is a Linear) or 're:<regex>'."""
+    import re
+
+    return any(re.match(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
+
+
+class _Replay(nn.Module):
+    """Stands in for decoder layer 0 when computing logits: returns the final hidden states computed by streaming;
+    the other layers become pass-throughs."""
+
+    def __init__(self, hidden: torch.Tensor | None) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.hidden if self.hidden is not None else hidden_states
+
+
+def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LayerDecoder, dict | None]:
+    """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
+    from llmc.quant.stream import build_skeleton, decoder_layers, materialize
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    qcfg = config.pop("quantization_config", None)
+    model = build_skeleton(config, dtype)
+    prefix, _ = decoder_layers(model)
+    decoder = LayerDecoder(folder, qcfg)
+    materialize(model, decoder.tensors("", exclude_prefix=prefix + "."), dtype)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model, decoder, qcfg
+
+
+def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tensor, batch_size: int,
+                    dtype: torch.dtype, on_logits: Callable[[int, torch.Tensor], None]) -> None:
+    """Every window through layer i before layer i+1 loads; then `on_logits(start, logits[:, :-1] float32)` per
+    batch of `batch_size` windows, in order."""
+    from llmc.quant.stream import _layer_output, capture_layer_inputs, decoder_layers, materialize, release
+
+    prefix, layers = decoder_layers(model)
+    batches = list(windows.split(batch_size))
+    hidden: list[torch.Tensor] = []
+    extras = capture_layer_inputs(model, layers, batches, hidden.append)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            materialize(layer, decoder.tensors(f"{prefix}.{i}."), dtype)
+            for b, (args, kwargs) in enumerate(e[i] for e in extras):
+                hidden[b] = _layer_output(layer(hidden[b], *args, **kwargs))
+            release(layer)
+        original = list(layers)
+        try:
+            for b, batch in enumerate(batches):
+                for i in range(len(layers)):
+                    layers[i] = _Replay(hidden[b] if i == 0 else None)
+                logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+                on_logits(b * batch_size, logits)
+        finally:
+            for i, m in enumerate(original):
+                layers[i] = m

@@ -1,0 +1,219 @@
+"""What each stage of a build costs, per device, before any weight loads: peak host RAM, peak GPU memory, disk
+and time, and the strategy chosen for each (activations in memory or spilled, evaluation whole or streamed).
+
+Pure functions of the model's tensor shapes (llmc.plan_shapes), the recipe and the machine (`Machine`). The
+formulas follow what the code holds at its peak, named term by term in `Stage.parts`:
+  - quantize (llmc.quant.stream): the process, everything outside the decoder layers while calibrating (the
+    skeleton holds embeddings and head), one decoder layer in the compute dtype (+ its stored-dtype copy while it
+    is read when the two differ), the float32 copy the quantizer makes of the largest Linear, the layer's codes,
+    the activations passed between layers (two copies, or one batch in and out when spilled), one batch's
+    forward temporaries, and the algorithm's state (GPTQ: float32 Hessians + the float64 factorization of the
+    widest; AWQ: every module's calibration inputs);
+  - evaluation (torch reference): the whole dense model, or (streamed, llmc.engines.torch_stream) the outer
+    weights, one dense layer, the hidden states of every window and one batch's logits;
+  - disk: each file once (targets with identical weights share them through hard links), only what is not cached.
+Time = floating-point work / this machine's measured matmul rate in the compute dtype (`matmul_rate`: a small
+probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower than fp32), plus reading
+and writing the bytes. Constants measured at full width are in docs/results.md ("Planner at full width").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmc.plan_shapes import ModelTensors, active_fraction
+
+GB = 1e9
+PROCESS_BYTES = 0.55e9  # python + torch + transformers + tokenizers imported (measured: VmRSS before the first layer)
+CUDA_CONTEXT_BYTES = 0.6e9
+DISK_READ_RATE = 1.0e9  # bytes/s a layer is read + converted (page-cache-warm safetensors reads measured ~1-2 GB/s)
+DISK_WRITE_RATE = 0.5e9  # bytes/s written with fsync (canonical form, artifacts)
+EXPORT_RATE = 25e6  # artifact bytes/s of an export: read, convert, write, fsync, sha256 twice (measured at load ~28)
+LAYER_EFFICIENCY = 0.6  # share of the probed GEMM rate a decoder-layer forward reaches (attention, norms, copies)
+ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Machine:
+    available: int | None  # host bytes available (MemAvailable)
+    gpu_free: int | None  # bytes free on the calibration GPU (None: calibrating on the CPU)
+    device: str  # "cpu" | "cuda:0"
+    cpu_count: int | None = None
+
+
+@dataclass
+class Stage:
+    """One stage's cost on one device."""
+
+    name: str
+    device: str
+    host_bytes: float
+    gpu_bytes: float = 0.0
+    disk_bytes: float = 0.0  # new bytes this stage leaves in the cache
+    seconds: float = 0.0
+    strategy: str = ""
+    why: str = ""
+    parts: dict[str, float] = field(default_factory=dict)  # host_bytes term by term (tests, docs)
+
+    def as_dict(self) -> dict:
+        return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
+                "gpu_gb": self.gpu_bytes / GB, "disk_gb": self.disk_bytes / GB, "seconds": self.seconds,
+                "strategy": self.strategy, "why": self.why}
+
+
+@functools.cache
+def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
+    """FLOP/s of a [128, 1024] x [1024, 1024] matmul in `dtype_name` on `device`, measured now (best of 3)."""
+    dtype = getattr(torch, dtype_name)
+    dev = torch.device(device)
+    a = torch.randn(128, 1024, dtype=dtype, device=dev)
+    w = torch.randn(1024, 1024, dtype=dtype, device=dev)
+    torch.nn.functional.linear(a, w)  # warm-up
+    best = float("inf")
+    for _ in range(2):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 128 * 1024 * 1024 / max(best, 1e-9)
+
+
+@dataclass
+class Shape:
+    """The sizes the formulas use, from the tensors and config."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    layer_params: int  # the largest decoder layer
+    outer_params: int
+    largest_linear: int  # elements of the largest quantized Linear weight
+    widest_input: int  # the largest Linear input width (GPTQ's Hessian side)
+    intermediate: int
+    attn_width: int
+    active: float  # share of a layer's parameters one token runs through (MoE < 1)
+    stored_bytes: int
+
+    @classmethod
+    def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
+        per_layer = tensors.layer_params()
+        linears = tensors.linear_shapes()
+        in_layers = {n: s for n, s in linears.items() if f"{n}.weight" in tensors.layer_of}
+        h = config.get("hidden_size", 0)
+        heads = config.get("num_attention_heads", 1)
+        inter = config.get("moe_intermediate_size") if config.get("num_experts") else config.get("intermediate_size")
+        fraction = active_fraction(config)
+        largest = max(per_layer.values()) if per_layer else 0
+        experts = sum(tensors.numel(s) for n, s in in_layers.items() if ".experts." in n) / max(len(per_layer), 1)
+        active = (largest - experts * (1 - fraction)) / largest if largest else 1.0
+        return cls(params=tensors.params, layers=config.get("num_hidden_layers", 1), hidden=h, heads=heads,
+                   vocab=config.get("vocab_size", 0), layer_params=largest, outer_params=tensors.outer_params,
+                   largest_linear=max((a * b for a, b in in_layers.values()), default=0),
+                   widest_input=max((b for _, b in in_layers.values()), default=h),
+                   intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
+                   active=active, stored_bytes=tensors.stored_total(elem))
+
+
+def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
+                   batch: int, spill: bool, gptq: bool, awq: bool, passes: int, code_bytes: float,
+                   machine: Machine) -> Stage:
+    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU."""
+    e = ELEM[compute]
+    h, layer = shape.hidden, shape.layer_params
+    on_gpu = machine.device != "cpu"
+    copy = tokens * h * e  # one copy of the activations passed between layers
+    act = (2 * batch * seq_len * h * e if spill else 2 * copy) if calibrated else 0
+    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e + batch * shape.heads * seq_len ** 2 * e
+    algorithm = 0.0
+    if gptq:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
+        algorithm += 4 * (2 * h * h + shape.attn_width ** 2 + shape.widest_input ** 2) + 16 * shape.widest_input ** 2
+    if awq:  # every module's calibration inputs, kept for the grid search
+        algorithm += tokens * (2 * h + shape.attn_width + shape.intermediate) * e
+    parts = {
+        "process": PROCESS_BYTES,
+        "outer weights": shape.outer_params * e if calibrated else 0.0,
+        "layer": layer * (e + (stored_elem if stored_elem != e else 0)),
+        "quantizer float32 copy": 2 * 4 * shape.largest_linear,
+        "layer codes": layer * code_bytes,
+        "activations": act,
+        "forward temporaries": forward if calibrated else 0.0,
+        "algorithm state": algorithm,
+    }
+    gpu = 0.0
+    if on_gpu:  # the layer, its float32 copies, one batch and the algorithm state live on the GPU
+        gpu = (CUDA_CONTEXT_BYTES + layer * e + parts["quantizer float32 copy"] + 2 * batch * seq_len * h * e
+               + parts["forward temporaries"] + algorithm)
+        for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
+            parts[k] = 0.0
+    parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
+    # the last step reads everything outside the layers again (rest.safetensors) and serializes it: two copies
+    # (the skeleton's own is released first; before that fix, three were measured at 8B width)
+    host = max(sum(parts.values()), PROCESS_BYTES + 2 * shape.outer_params * e)
+    flops = passes * 2 * tokens * layer * shape.active * shape.layers if calibrated else 0.0
+    if gptq:  # the column loop: about in² · out per Linear
+        flops += 2 * shape.layers * shape.widest_input * shape.largest_linear * 4
+    rate = matmul_rate(compute, machine.device) * LAYER_EFFICIENCY
+    io = shape.stored_bytes / DISK_READ_RATE + shape.params * code_bytes / DISK_WRITE_RATE
+    strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
+    why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
+           f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
+           if calibrated else "weights only: no forward pass")
+    return Stage("quantize", machine.device, host, gpu, 0.0, flops / rate + io, strategy, why, parts)
+
+
+def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len: int, batch: int, streamed: bool,
+               reference: bool, artifact_code_bytes: float, top_k: int, throughput_tokens: int,
+               machine: Machine) -> Stage:
+    """One torch-reference evaluation (the baseline or an artifact), whole or one layer at a time, on the host."""
+    e = ELEM[compute]
+    h, tokens = shape.hidden, windows * seq_len
+    logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
+    scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
+    head = shape.vocab * h * e if not reference else 0.0  # an artifact holds the reference's head
+    parts = {"process": PROCESS_BYTES, "logits": logits, "scores and reference": scores + head}
+    if streamed:
+        parts |= {"outer weights": shape.outer_params * e,
+                  "layer": shape.layer_params * (e + artifact_code_bytes),
+                  "hidden states of every window": tokens * h * e,
+                  "forward temporaries": batch * seq_len * (4 * h + 3 * shape.intermediate) * e}
+    else:  # transformers loads the compressed artifact, then decompresses it in place: one layer's codes extra
+        parts |= {"model": shape.params * e + shape.layer_params * artifact_code_bytes,
+                  "forward temporaries": batch * seq_len * (4 * h + 3 * shape.intermediate) * e}
+    flops = 2 * (tokens + (0 if streamed else throughput_tokens)) * (
+        shape.layer_params * shape.active * shape.layers + shape.vocab * h)
+    io = shape.stored_bytes / DISK_READ_RATE
+    dense = shape.params * e
+    strategy = "streamed (one layer resident)" if streamed else "whole model"
+    why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
+           f"{(machine.available or 0) / GB:.1f} GB available")
+    return Stage(f"eval {label}", "cpu", sum(parts.values()), 0.0, 0.0,
+                 flops / (matmul_rate(compute, "cpu") * LAYER_EFFICIENCY) + io, strategy, why, parts)
+
+
+def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
+                 compute: str, machine: Machine) -> Stage:
+    """One export: streaming exporters hold about one layer's codes twice; whole-model ones (ONNX) the float32
+    model three times (weights, the graph's copy, the codes)."""
+    e = ELEM[compute]
+    if whole_model:
+        host = PROCESS_BYTES + 3 * shape.params * 4
+    else:  # the unquantized tensors outside the layers (read and written at once) and one layer's codes
+        host = PROCESS_BYTES + shape.outer_params * e + shape.layer_params * 1.0
+    disk = 0.0 if shared_with else artifact_bytes
+    why = f"same weight files as {shared_with} (hard links)" if shared_with else "its own files"
+    return Stage(f"export {label}", "cpu", host, 0.0, disk, artifact_bytes / EXPORT_RATE,
+                 "whole model in memory" if whole_model else "one layer at a time", why)
+
+
+def cpu_count() -> int | None:
+    return os.cpu_count()

@@ -1,0 +1,104 @@
+"""Planning the models people ship: offline from the config kept beside each recipe, per stage and device, refusing
+what does not fit before any weight loads, counting shared files once, and in the checkpoint's own dtype."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import llmc.plan
+from llmc.errors import ResourceError
+from llmc.plan import make_plan, plan_recipe
+from llmc.plan_shapes import from_config
+from llmc.recipe import load_recipe, parse_recipe
+from llmc.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+SCALE_RECIPES = ["llama70b-fp8", "llama31-8b-int4-awq", "llama31-8b-w8a8-sq", "qwen3-8b-fp8", "qwen3-30b-a3b-fp8",
+                 "mixtral-8x7b-int4", "llama405b-fp8-plan"]
+# parameters of the published checkpoints (their model.safetensors.index.json total_size / 2 bytes)
+PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.3-70B-Instruct": 70_553_706_496,
+             "Llama-3.1-405B-Instruct": 405_853_388_800, "Qwen3-8B": 8_190_735_360,
+             "Qwen3-30B-A3B": 30_532_122_624, "Mixtral-8x7B-Instruct-v0.1": 46_702_792_704}
+
+
+@pytest.mark.parametrize("model", PUBLISHED)
+def test_config_shapes_give_the_published_parameter_counts(model: str) -> None:
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    assert from_config(config).params == PUBLISHED[model]
+
+
+@pytest.mark.parametrize("name", SCALE_RECIPES)
+def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: Path) -> None:
+    path = REPO / "recipes" / f"{name}.yaml"
+    recipe = load_recipe(path)
+    assert recipe.model.source.startswith("hf:") and recipe.model.config
+    t = time.perf_counter()
+    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
+    assert time.perf_counter() - t < 5.0
+    stages = plan.estimates["stages"]
+    assert [s["stage"] for s in stages if s["stage"].startswith("quantize")]
+    assert sum(s["stage"].startswith("export") for s in stages) == len(recipe.targets)
+    assert all(s["host_gb"] > 0 and s["seconds"] >= 0 for s in stages)
+    text = plan.render()
+    assert "planned from" in text and "config.json" in text and "host RAM" in text
+    assert plan.estimates["dtype"] == "bfloat16"  # dtype: auto, the published checkpoints are bf16
+
+
+def test_the_70b_plan_streams_evaluation_and_stores_the_shared_vllm_weights_once(tmp_path: Path) -> None:
+    path = REPO / "recipes" / "llama70b-fp8.yaml"
+    plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
+    by = {s["stage"]: s for s in plan.estimates["stages"]}
+    tp4, tp8 = by["export vllm-sm90-tp4"], by["export vllm-sm90-tp8"]
+    assert tp4["disk_gb"] > 70 and tp8["disk_gb"] == 0 and "hard links" in tp8["why"]
+    if plan.estimates["available_gb"] < 141 / 2:
+        assert by["eval torch baseline"]["strategy"].startswith("streamed")
+        assert by["eval torch baseline"]["host_gb"] < 141 / 4  # one layer resident, not the 141 GB model
+
+
+def _tiny_recipe(source: Path, **sections) -> object:
+    return parse_recipe(yaml.safe_dump({
+        "name": "t", "model": {"source": str(source)},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
+                         "activations": {"format": "int8", "strategy": "tensor"}},
+        "targets": [{"runtime": "vllm"}], **sections}))
+
+
+def test_a_plan_that_does_not_fit_refuses_before_loading_naming_the_cheaper_strategy(
+        tiny_model: Path, monkeypatch) -> None:
+    recipe = _tiny_recipe(tiny_model, calibration={"samples": 512, "seq_len": 2048, "spill_activations": "never"})
+    need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
+    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 * 0.8))
+    with pytest.raises(ResourceError) as e:
+        make_plan(recipe, tiny_model)
+    assert f"~{need:.1f} GB of host memory" in e.value.message and "available" in e.value.message
+    assert "spill_activations" in e.value.fix and e.value.exit_code == 4
+
+
+def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_model: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LLMC_TORCH_EVAL", "whole")
+    recipe = _tiny_recipe(tiny_model, eval={"windows": 64, "seq_len": 1024, "batch_size": 64})
+    plan = make_plan(recipe, tiny_model)
+    base = next(s for s in plan.estimates["stages"] if s["stage"] == "eval torch baseline")
+    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(base["host_gb"] * 1e9 * 0.9))
+    with pytest.raises(ResourceError, match="eval torch baseline") as e:
+        make_plan(recipe, tiny_model)
+    assert "LLMC_TORCH_EVAL=streamed" in e.value.fix
+
+
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_and_halves_the_layer(tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in tiny_model.glob("tokenizer*"):
+        (bf16 / f.name).write_bytes(f.read_bytes())
+    auto = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "auto"}), bf16).estimates
+    fp32 = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "float32"}), bf16).estimates
+    assert auto["dtype"] == "bfloat16" and fp32["dtype"] == "float32"
+    assert auto["peak_memory_gb"] < fp32["peak_memory_gb"]
