@@ -71,7 +71,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     source = resolve_source(recipe.model.source, store, recipe.model.dtype)
     plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
     log(plan.render())
-    build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
+    build_id = build_id_for(recipe, source)
     result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source)
 
     from transformers import AutoTokenizer
@@ -101,6 +101,11 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
         _evaluate_tasks(result, store, tokenizer)
     _gate(result)
     return result
+
+
+def build_id_for(recipe: Recipe, source) -> str:
+    """The build id: the recipe (less where it publishes) and the model source's hash (a Hub commit included)."""
+    return stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
 
 
 class _Timer:

@@ -3,7 +3,9 @@
 A recipe's `model.source` is one of
   - `demo:<name>`: a real small model that ships inside a pip package (see DEMO_MODELS),
   - a local `.gguf` file: unpacked once into a cached safetensors folder,
-  - a local Hugging Face folder with safetensors weights.
+  - a local Hugging Face folder with safetensors weights (sharded ones through model.safetensors.index.json),
+  - `hf:<org>/<name>[@<branch|tag|sha>]`: a Hub checkpoint in the standard Hugging Face cache (`llmc.model.hub`),
+    fetched there when missing; its commit sha enters the source hash, so every stage key follows the commit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from llmc.errors import InputError
 from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
-from llmc.model.checkpoint import read_model_config, safetensors_files
+from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_files
+from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
 from llmc.model.gguf_header import check_gguf_header
 from llmc.resource_errors import raise_if_resource
 from llmc.store import Store, stage_key
@@ -28,6 +31,12 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    INDEX_FILE,
 )
 
 
@@ -60,6 +69,7 @@ class ModelSource:
     folder: Path  # a Hugging Face folder with safetensors weights, config and tokenizer
     sha256: str  # content hash over every file that defines the model
     origin: str  # what the recipe named
+    hub: dict | None = None  # hf: sources: repo_id, revision as written, the commit it resolved to
 
     def config(self) -> dict:
         return read_model_config(self.folder)
@@ -87,7 +97,8 @@ def describe_source(spec: str) -> Path:
             raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
         return path
     path = Path(spec).expanduser()
-    fix = "use demo:smollm2-135m or demo:gemma3-270m, a local .gguf file, or a local Hugging Face folder"
+    fix = ("use demo:smollm2-135m or demo:gemma3-270m, hf:<org>/<name>[@revision], a local .gguf file, or a local "
+           "Hugging Face folder")
     st = stat_input(path, "model source", fix)  # missing, a symlink loop, unreadable: said before any read
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         raise InputError(f"model source {shown(spec)} is {file_kind(st.st_mode)}, not a model file or folder", fix=fix)
@@ -95,6 +106,11 @@ def describe_source(spec: str) -> Path:
 
 
 def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSource:
+    if is_hub_spec(spec):
+        snapshot = download(parse_hub_spec(spec))
+        hub = describe_snapshot(snapshot)
+        return _from_folder(snapshot.folder, store, spec, "source-hf", {"repo_id": hub["repo_id"],
+                                                                      "commit": hub["commit"]}, hub)
     path = describe_source(spec)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -105,11 +121,17 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
             )
         check_gguf_header(path)  # structure and lengths, before hashing or handing it to transformers
         return _from_gguf(path, store, dtype, origin=spec)
+    return _from_folder(path, store, spec, "source-folder", {})
+
+
+def _from_folder(path: Path, store: Store, origin: str, kind: str, identity: dict,
+                 hub: dict | None = None) -> ModelSource:
+    """Hash every file that defines the model (config, weights, tokenizer) plus `identity` (a Hub commit)."""
     files = [path / "config.json", *safetensors_files(path)]
     read_model_config(path)
     files += [f for f in (path / n for n in TOKENIZER_FILES) if _tokenizer_file(f)]
-    digest = stage_key("source-folder", {n.name: store.file_hash(n) for n in files})
-    return ModelSource(folder=path.resolve(), sha256=digest, origin=spec)
+    digest = stage_key(kind, {**identity, **{n.name: store.file_hash(n) for n in files}})
+    return ModelSource(folder=path.resolve(), sha256=digest, origin=origin, hub=hub)
 
 
 def _tokenizer_file(path: Path) -> bool:

@@ -1,0 +1,168 @@
+"""`model.source: hf:<org>/<name>[@rev]`: resolved through huggingface_hub from a real on-disk Hub cache layout
+(models--org--name/{blobs,snapshots/<sha>,refs/main}), with the network off; and the error when it cannot be."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.errors import InputError
+from llmc.model.hub import parse_hub_spec
+from llmc.model.source import resolve_source
+from llmc.recipe.load import parse_recipe
+
+COMMIT_A = "a" * 40
+COMMIT_B = "b" * 40
+
+
+def put_in_hub_cache(model: Path, cache: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",),
+                     skip: tuple[str, ...] = ()) -> Path:
+    """Lay `model`'s files out exactly as huggingface_hub's cache does: content-addressed blobs, a snapshot folder
+    of relative symlinks named by the commit, and refs/<branch> holding the commit."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(model.iterdir()):
+        if f.name in skip:
+            continue
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch) -> Path:
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def _recipe(source: str) -> object:
+    return parse_recipe(yaml.safe_dump({
+        "name": "hub", "model": {"source": source},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"}},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+    }))
+
+
+def test_resolves_offline_from_the_hub_cache_and_records_the_commit(tiny_model, hub_cache, store):
+    from transformers import AutoTokenizer
+
+    from llmc.model.checkpoint import CheckpointReader
+
+    snapshot = put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_A)
+    src = resolve_source("hf:org/tiny", store)
+    assert src.folder == snapshot.resolve()
+    assert src.hub == {"repo_id": "org/tiny", "revision": "main", "commit": COMMIT_A}
+    reader = CheckpointReader(src.folder)  # the symlinked blobs read as the model's tensors
+    assert "model.embed_tokens.weight" in reader
+    assert AutoTokenizer.from_pretrained(src.folder)("the jury")["input_ids"]
+
+
+def test_a_moved_branch_changes_the_source_hash_and_the_build_id(tiny_model, hub_cache, store):
+    from llmc.build import build_id_for
+
+    put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_A)
+    first = resolve_source("hf:org/tiny", store)
+    again = resolve_source("hf:org/tiny@main", store)
+    assert again.sha256 == first.sha256  # same commit: same key, cached stages reused
+    put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_B)  # main now points at B (same bytes)
+    moved = resolve_source("hf:org/tiny", store)
+    assert moved.hub["commit"] == COMMIT_B
+    assert moved.sha256 != first.sha256
+    recipe = _recipe("hf:org/tiny")
+    assert build_id_for(recipe, moved) != build_id_for(recipe, first)
+    pinned = resolve_source(f"hf:org/tiny@{COMMIT_A}", store)  # a commit pinned in the recipe stays put
+    assert pinned.hub["commit"] == COMMIT_A and pinned.sha256 != moved.sha256
+
+
+def test_a_tag_resolves_through_its_ref(tiny_model, hub_cache, store):
+    put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_A, refs=("main", "v1.0"))
+    assert resolve_source("hf:org/tiny@v1.0", store).hub == {"repo_id": "org/tiny", "revision": "v1.0",
+                                                             "commit": COMMIT_A}
+
+
+def test_a_snapshot_without_its_weights_is_named(tiny_model, hub_cache, store):
+    put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_A, skip=("model.safetensors",))
+    with pytest.raises(InputError, match=r"org/tiny@main \(commit a{40}\) has no model\.safetensors") as e:
+        resolve_source("hf:org/tiny", store)
+    assert "safe_serialization=True" in e.value.fix
+
+
+def test_offline_and_not_cached_names_the_model_revision_and_three_fixes(hub_cache, store):
+    with pytest.raises(InputError) as e:
+        resolve_source("hf:org/absent@v2", store)
+    msg = str(e.value)
+    assert "model org/absent at revision v2 is not in the Hugging Face cache" in msg
+    assert "HF_HUB_OFFLINE is set" in msg
+    assert "hf download org/absent --revision v2" in e.value.fix
+    assert "HF_ENDPOINT" in e.value.fix and "local folder" in e.value.fix
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_network_error_names_the_endpoint_and_the_fixes(tmp_path, monkeypatch, store):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    t = time.monotonic()
+    with pytest.raises(InputError) as e:
+        resolve_source("hf:meta-llama/Llama-3.2-1B@main", store)
+    assert time.monotonic() - t < 60  # a refused connection is not retried for minutes
+    msg = str(e.value)
+    assert "meta-llama/Llama-3.2-1B at revision main" in msg
+    assert f"the Hub at {endpoint} cannot be reached" in msg
+    fix = e.value.fix
+    assert "hf download meta-llama/Llama-3.2-1B --revision main" in fix  # (1) pre-download into the cache
+    assert "set HF_ENDPOINT to a Hub mirror" in fix  # (2)
+    assert "local folder" in fix  # (3)
+    assert e.value.exit_code == 7
+
+
+@pytest.mark.parametrize("spec", ["hf:", "hf:org/", "hf:org/a/b", "hf:org/na..me", "hf:org/tiny@", "hf:org/tiny@../x",
+                                  "hf:org/tiny@-rf"])
+def test_malformed_hub_specs_are_refused_before_any_lookup(spec):
+    with pytest.raises(InputError) as e:
+        parse_hub_spec(spec)
+    assert "hf:<org>/<name>" in e.value.fix
+
+
+def test_hub_spec_parts():
+    assert parse_hub_spec("hf:Qwen/Qwen3-0.6B").shown == "Qwen/Qwen3-0.6B@main"
+    assert parse_hub_spec("hf:org/m@refs/pr/3").revision == "refs/pr/3"
+
+
+def test_sharded_hub_snapshot_reads_only_the_indexed_shards(tmp_path, hub_cache, store):
+    from llmc.model.checkpoint import CheckpointReader, safetensors_files
+
+    from tests.unit.test_sharded_checkpoint import make_sharded
+
+    model = make_sharded(tmp_path / "sharded")
+    (model / "consolidated.safetensors").write_bytes((model / sorted(model.glob("model-*"))[0].name).read_bytes())
+    put_in_hub_cache(model, hub_cache, "org/sharded", COMMIT_A)
+    src = resolve_source("hf:org/sharded", store)
+    names = [f.name for f in safetensors_files(src.folder)]
+    assert len(names) >= 2 and "consolidated.safetensors" not in names
+    assert set(CheckpointReader(src.folder).names()) == set(CheckpointReader(model).names())
