@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from llmc import events
 from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
+from llmc.data.bos import bos_decision
 from llmc.data.sources import label
 from llmc.engines import engine_spec, open_engine
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
@@ -83,6 +84,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     eval_tokens = data.eval_tokens(recipe.eval, tokenizer) if last == "gate" else None
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
+    result.bos = bos_decision(tokenizer).record()
     calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
     quantized = {}
     for name, scheme in plan.schemes.items():

@@ -97,6 +97,7 @@ class BuildResult:
     quantized_dirs: dict[str, Path] = field(default_factory=dict)  # variant name -> canonical form
     published: Path | None = None
     publish_noop: bool = False
+    bos: dict | None = None  # whether windows start with a BOS, which id and why (llmc.data.bos)
 
     @property
     def passed(self) -> bool:

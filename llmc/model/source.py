@@ -181,4 +181,24 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer_as_the_gguf_says(tok, gguf, out)
+
+
+def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
+    """Save the tokenizer adding a BOS exactly when the GGUF's tokenizer.ggml.add_bos_token says so (a GGUF can declare
+    a BOS id while saying not to add it), checked on the saved files as the build will load them."""
+    from transformers import AutoTokenizer
+
+    from llmc.data.bos import bos_decision, follow_gguf_flag, gguf_add_bos_flag
+    from llmc.progress import log
+
+    flag = gguf_add_bos_flag(gguf)
+    note = follow_gguf_flag(tok, flag)
+    if note:
+        log(f"{gguf.name}: {note}")
     tok.save_pretrained(out)
+    saved = bos_decision(AutoTokenizer.from_pretrained(out))
+    if flag is not None and saved.used != flag and saved.declared_id is not None:
+        raise InputError(f"the tokenizer unpacked from {gguf.name} {'adds no' if flag else 'adds a'} BOS while the "
+                         f"GGUF's tokenizer.ggml.add_bos_token is {flag}",
+                         fix="report this to llmc with the GGUF's name; meanwhile use a Hugging Face folder of the model")
