@@ -154,15 +154,170 @@ def test_hub_spec_parts():
     assert parse_hub_spec("hf:org/m@refs/pr/3").revision == "refs/pr/3"
 
 
-def test_sharded_hub_snapshot_reads_only_the_indexed_shards(tmp_path, hub_cache, store):
-    from llmc.model.checkpoint import CheckpointReader, safetensors_files
-
+@pytest.fixture(scope="module")
+def sharded_model(tmp_path_factory) -> Path:
     from tests.unit.test_sharded_checkpoint import make_sharded
 
-    model = make_sharded(tmp_path / "sharded")
+    return make_sharded(tmp_path_factory.mktemp("hub-sharded") / "model")
+
+
+def test_sharded_hub_snapshot_reads_only_the_indexed_shards(tmp_path, sharded_model, hub_cache, store):
+    from llmc.model.checkpoint import CheckpointReader, safetensors_files
+
+    model = tmp_path / "sharded"
+    shutil.copytree(sharded_model, model)
     (model / "consolidated.safetensors").write_bytes((model / sorted(model.glob("model-*"))[0].name).read_bytes())
     put_in_hub_cache(model, hub_cache, "org/sharded", COMMIT_A)
     src = resolve_source("hf:org/sharded", store)
     names = [f.name for f in safetensors_files(src.folder)]
     assert len(names) >= 2 and "consolidated.safetensors" not in names
     assert set(CheckpointReader(src.folder).names()) == set(CheckpointReader(model).names())
+
+
+# --------------------------------------------------------------------------- online, against a Hub on loopback
+
+
+class FakeHub:
+    """Just enough of the Hub's HTTP API for huggingface_hub's snapshot_download, on 127.0.0.1: repo info per
+    revision, the recursive tree listing, HEAD + GET of /<repo>/resolve/<commit>/<file>. Records every request."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+        from urllib.parse import unquote, urlparse
+
+        self.repos: dict[str, dict] = {}  # repo_id -> {"refs": {name: commit}, "commits": {commit: {path: bytes}}, ...}
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Authorization)
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body: bytes = b"", headers: dict | None = None, head: bool = False):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def _route(self, head: bool):
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path, self.headers.get("Authorization")))
+                parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"]:
+                    repo_id, rest = "/".join(parts[2:4]), parts[4:]
+                    repo = hub.repos.get(repo_id)
+                    if repo is None:
+                        return self._send(404, b'{"error": "Repository not found"}',
+                                          {"X-Error-Code": "RepoNotFound", "Content-Type": "application/json"})
+                    if repo.get("token") and self.headers.get("Authorization") != f"Bearer {repo['token']}":
+                        return self._send(401, b'{"error": "Access to model is restricted"}',
+                                          {"X-Error-Code": "GatedRepo", "Content-Type": "application/json"})
+                    if rest[:1] == ["revision"]:
+                        rev = "/".join(rest[1:])
+                        commit = repo["refs"].get(rev, rev if rev in repo["commits"] else None)
+                        if commit is None:
+                            return self._send(404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
+                        files = repo["commits"][commit]
+                        return self._send(200, json.dumps({"id": repo_id, "sha": commit, "siblings": [
+                            {"rfilename": f} for f in files]}).encode(), {"Content-Type": "application/json"})
+                    if rest[:1] == ["tree"]:
+                        files = repo["commits"][rest[1]]
+                        listing = [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                                   for f, b in files.items()]
+                        return self._send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    repo_id, commit, file = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+                    repo = hub.repos.get(repo_id)
+                    body = repo and repo["commits"].get(repo["refs"].get(commit, commit), {}).get(file)
+                    if body is None:
+                        return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
+                    return self._send(200, body, {"X-Repo-Commit": repo["refs"].get(commit, commit),
+                                                  "ETag": f'"{hashlib.sha256(body).hexdigest()}"'}, head)
+                return self._send(404, b"", None, head)
+
+            def do_GET(self):
+                self._route(head=False)
+
+            def do_HEAD(self):
+                self._route(head=True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def publish(self, repo_id: str, folder: Path, commit: str, extra: dict[str, bytes] | None = None,
+                token: str | None = None) -> None:
+        repo = self.repos.setdefault(repo_id, {"refs": {}, "commits": {}})
+        files = {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
+        repo["commits"][commit] = {**files, **(extra or {})}
+        repo["refs"]["main"] = commit
+        repo["token"] = token
+
+    def downloaded(self) -> set[str]:
+        return {p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p, _ in self.requests if m == "GET" and "/resolve/" in p}
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    hub = FakeHub()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored login token
+    yield hub
+    hub.close()
+
+
+def test_online_download_fetches_only_what_llmc_reads(sharded_model, fake_hub, store, monkeypatch):
+    model = sharded_model
+    junk = {"pytorch_model.bin": b"\x80\x04 pickle", "consolidated.safetensors": b"not read",
+            "original/params.json": b"{}", "README.md": b"# card", "onnx/model.onnx": b"graph"}
+    fake_hub.publish("org/sharded", model, COMMIT_A, extra=junk)
+    src = resolve_source("hf:org/sharded", store)
+    shards = {f.name for f in model.glob("model-*.safetensors")}
+    assert src.hub == {"repo_id": "org/sharded", "revision": "main", "commit": COMMIT_A}
+    got = fake_hub.downloaded()
+    assert shards <= got and "config.json" in got and "model.safetensors.index.json" in got
+    assert not got & set(junk)  # no pickle, no consolidated copy, nothing unused
+    assert {f.name for f in src.folder.iterdir()} == got  # and the snapshot holds exactly that
+
+    # the branch moves: the next resolve sees the new commit and changes the build's keys
+    fake_hub.publish("org/sharded", model, COMMIT_B)
+    moved = resolve_source("hf:org/sharded", store)
+    assert moved.hub["commit"] == COMMIT_B and moved.sha256 != src.sha256
+
+    # and with the network off, the cache answers for the branch's last known commit
+    fake_hub.close()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_source("hf:org/sharded", store).sha256 == moved.sha256
+
+
+def test_gated_model_needs_hf_token(tiny_model, fake_hub, store, monkeypatch):
+    fake_hub.publish("org/gated", tiny_model, COMMIT_A, token="hf_secret")
+    with pytest.raises(InputError, match="org/gated@main is a gated model") as e:
+        resolve_source("hf:org/gated", store)
+    assert "set HF_TOKEN" in e.value.fix
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert resolve_source("hf:org/gated", store).hub["commit"] == COMMIT_A
+    assert ("Bearer hf_secret") in {a for _, _, a in fake_hub.requests}
+
+
+def test_unknown_repo_and_revision_are_named(tiny_model, fake_hub, store):
+    fake_hub.publish("org/tiny", tiny_model, COMMIT_A)
+    with pytest.raises(InputError, match="model org/tiny has no revision 'v9'|model org/tiny has no revision v9"):
+        resolve_source("hf:org/tiny@v9", store)
+    with pytest.raises(InputError, match="model org/nothing was not found on the Hub"):
+        resolve_source("hf:org/nothing", store)
