@@ -321,3 +321,24 @@ def test_unknown_repo_and_revision_are_named(tiny_model, fake_hub, store):
         resolve_source("hf:org/tiny@v9", store)
     with pytest.raises(InputError, match="model org/nothing was not found on the Hub"):
         resolve_source("hf:org/nothing", store)
+
+
+def test_llmc_plan_on_a_hub_source_works_offline_from_the_cache(tiny_model, hub_cache, tmp_path):
+    """`llmc plan` with the network off: config and safetensors headers from the cached snapshot, no weights loaded."""
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    put_in_hub_cache(tiny_model, hub_cache, "org/tiny", COMMIT_A)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "hub", "model": {"source": "hf:org/tiny"},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"}},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+    }))
+    result = CliRunner().invoke(main, ["--quiet", "plan", str(recipe), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    assert "vllm" in result.output
+    recipe.write_text(recipe.read_text().replace("hf:org/tiny", "hf:org/absent"))
+    result = CliRunner().invoke(main, ["--quiet", "plan", str(recipe), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 7 and "org/absent at revision main" in result.output
