@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from llmc import events
 from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
+from llmc.data.bos import bos_decision
 from llmc.data.sources import label
 from llmc.engines import engine_spec, open_engine
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
@@ -74,7 +75,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     source = resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype))
     plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
     log(plan.render())
-    build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
+    build_id = build_id_for(recipe, source)
     result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder))
 
@@ -87,6 +88,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     eval_tokens = data.eval_tokens(recipe.eval, tokenizer) if last == "gate" else None
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
+    result.bos = bos_decision(tokenizer).record()
     calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
     check_disk(plan, store.root, _pending_stages(result, store, calib_key))  # what is cached needs no new disk
     quantized = {}
@@ -106,6 +108,11 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
         _evaluate_tasks(result, store, tokenizer)
     _gate(result)
     return result
+
+
+def build_id_for(recipe: Recipe, source) -> str:
+    """The build id: the recipe (less where it publishes) and the model source's hash (a Hub commit included)."""
+    return stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
 
 
 class _Timer:

@@ -99,6 +99,7 @@ class BuildResult:
     publish_noop: bool = False
     dtype: str = "float32"  # recipe.model.dtype resolved (auto: the checkpoint's own, llmc.model.dtype)
     overrides: tuple[str, ...] = ()  # the command line's --set key.path=value, already applied to `recipe`
+    bos: dict | None = None  # whether windows start with a BOS, which id and why (llmc.data.bos)
 
     @property
     def passed(self) -> bool:

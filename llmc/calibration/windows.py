@@ -1,8 +1,9 @@
 """Token windows: the published perplexity protocol, shared by calibration and evaluation.
 
 Documents are joined with "\\n\\n" and tokenized once; the stream is cut into non-overlapping
-windows of `seq_len - 1` tokens (tail dropped), each prefixed with the tokenizer's BOS token when
-it has one, so every window is exactly `seq_len` ids and the loss is taken on positions 1..n-1.
+windows of `seq_len - 1` tokens (tail dropped), each prefixed with the tokenizer's BOS token where
+the tokenizer adds one to text (`llmc.data.bos`), else windows of `seq_len` tokens; every window is exactly
+`seq_len` ids and the loss is taken on positions 1..n-1.
 Calibration draws a seeded random subset of windows; evaluation takes the first N in order.
 A window's id is its index in the stream, recorded so a build can say exactly what it saw.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.calibration.corpora import Document
+from llmc.data.bos import bos_decision
 from llmc.errors import InputError
 
 
@@ -45,7 +47,7 @@ def make_windows(
     tokenizer, docs: list[Document], seq_len: int, count: int, *, seed: int | None
 ) -> Windows:
     """`count` windows: seeded random choice (calibration) or the first `count` (seed=None, eval)."""
-    bos_id = tokenizer.bos_token_id
+    bos_id = bos_decision(tokenizer).token_id
     all_windows = cut_windows(tokenize_stream(tokenizer, docs), seq_len, bos_id)
     available = all_windows.shape[0]
     if count > available:

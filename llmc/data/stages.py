@@ -27,7 +27,10 @@ def calibration_config(calibration, tokens: TokenSet) -> dict:
     cfg = calibration.model_dump(mode="json", exclude={"spill_activations", "device"})
     if is_legacy_brown(calibration):
         docs = [Document(id=i, text=t) for i, t in zip(tokens.row_ids, tokens.texts)]
-        return {**cfg, "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+        legacy = {**cfg, "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}
+        # the ids follow from this key and the tokenizer, except where the BOS rule dropped a declared BOS
+        drops_bos = tokens.bos_decision is not None and tokens.bos_decision.differs_from_legacy
+        return {**legacy, "bos": False} if drops_bos else legacy
     return {**cfg, "tokens_sha256": tokens.sha256, "chat_templates": tokens.chat_templates, "split": "calibration"}
 
 
@@ -40,6 +43,7 @@ def provenance(calibration, tokens: TokenSet) -> dict:
         "window_index": [p.get("window") for p in tokens.provenance] if calibration.packing == "windows" else None,
         "samples_provenance": tokens.provenance,
         "bos": tokens.bos,
+        "bos_reason": tokens.bos_decision.reason if tokens.bos_decision else None,
     }
 
 

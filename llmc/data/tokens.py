@@ -1,7 +1,8 @@
 """Token ids from a data source: packed windows or one row per sample, with their provenance and content hash.
 
 Windows (default, and the perplexity protocol): rows are joined with "\\n\\n", tokenized once and cut into
-non-overlapping windows of `seq_len` ids (BOS + seq_len-1 when the tokenizer has a BOS), tail dropped —
+non-overlapping windows of `seq_len` ids (BOS + seq_len-1 where the tokenizer adds a BOS: `llmc.data.bos`), tail
+dropped —
 `llmc.calibration.windows`' protocol, id for id. Every position is real text, all windows have one shape
 (batched forwards, GPTQ in one forward), and samples shorter than seq_len waste nothing.
 
@@ -24,6 +25,7 @@ from typing import Literal
 import torch
 
 from llmc.data import chat
+from llmc.data.bos import BosDecision, bos_decision
 from llmc.data.registry import Role, Row, rows
 from llmc.data.sources import label
 from llmc.errors import InputError
@@ -39,7 +41,8 @@ class TokenSet:
     chat_templates: dict[str, str] = field(default_factory=dict)  # source label -> template id
     texts: list[str] = field(default_factory=list)  # the rendered documents read (for the overlap check)
     row_ids: list[str] = field(default_factory=list)  # their row ids, in the same order
-    bos: bool = False  # the tokenizer has a BOS token (windows start with it)
+    bos: bool = False  # windows/plain-text samples start with the BOS (the tokenizer adds one)
+    bos_decision: BosDecision | None = None  # which id and why (llmc.data.bos)
 
     @property
     def sha256(self) -> str:
@@ -66,8 +69,9 @@ def make_tokens(source, tokenizer, role: Role, *, packing: Packing, count: int, 
     texts = [chat.render(r, source, tokenizer) for r in part]
     templates = {label(source): chat.template_id(source, tokenizer)} if any(chat.is_chat(r, source) for r in part) else {}
     make = _windows if packing == "windows" else _samples
-    ids, mask, prov = make(source, part, texts, tokenizer, role, count, seq_len, seed)
-    return TokenSet(ids, mask, prov, templates, texts, [r.row for r in part], tokenizer.bos_token_id is not None)
+    bos = bos_decision(tokenizer)
+    ids, mask, prov = make(source, part, texts, tokenizer, bos.token_id, role, count, seq_len, seed)
+    return TokenSet(ids, mask, prov, templates, texts, [r.row for r in part], bos.used, bos)
 
 
 def _choose(available: int, count: int, seed: int | None) -> list[int]:
@@ -77,11 +81,10 @@ def _choose(available: int, count: int, seed: int | None) -> list[int]:
     return sorted(torch.randperm(available, generator=g)[:count].tolist())
 
 
-def _windows(source, part: list[Row], texts: list[str], tokenizer, role, count, seq_len, seed):
+def _windows(source, part: list[Row], texts: list[str], tokenizer, bos_id, role, count, seq_len, seed):
     joined = "\n\n".join(texts)
     enc = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
     stream = enc["input_ids"]
-    bos_id = tokenizer.bos_token_id
     body = seq_len - 1 if bos_id is not None else seq_len
     available = len(stream) // body
     if count > available:
@@ -111,8 +114,7 @@ def _windows(source, part: list[Row], texts: list[str], tokenizer, role, count, 
     return t.clone(), None, prov
 
 
-def _samples(source, part: list[Row], texts: list[str], tokenizer, role, count, seq_len, seed):
-    bos_id = tokenizer.bos_token_id
+def _samples(source, part: list[Row], texts: list[str], tokenizer, bos_id, role, count, seq_len, seed):
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     encoded = []
     for r, text in zip(part, texts):
@@ -156,4 +158,5 @@ def _mix(source, tokenizer, role, *, packing, count, seq_len, seed) -> TokenSet:
         texts=[t for s in sets for t in s.texts],
         row_ids=[r for s in sets for r in s.row_ids],
         bos=sets[0].bos,
+        bos_decision=sets[0].bos_decision,
     )

@@ -28,6 +28,7 @@ def report_dict(result: BuildResult) -> dict:
                     for label, art in result.artifacts.items()},
         "verdicts": [v.to_dict() for v in result.verdicts],
         "warnings": result.plan.warnings,
+        "bos": result.bos,  # the protocol's BOS: used or not, and why
         "suspicious_improvements": suspicious_improvements(result),
         "stages": [s.__dict__ for s in result.stages],
     }
@@ -194,13 +195,20 @@ def render_table(rows: list[list[str]], header: list[str] = HEADER) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def _bos_words(bos: dict | None, seq_len: int) -> str:
+    if bos is None:
+        return f"BOS + {seq_len - 1}"
+    return (f"BOS id {bos['token_id']} + {seq_len - 1}" if bos["used"] else "no BOS") + f": {bos['reason']}"
+
+
 def render_markdown(result: BuildResult) -> str:
     r = result.recipe
     ev = r.eval
     schemes = result.plan.schemes
     out = [f"# {r.name}: {', '.join(s.name for s in schemes.values())}", ""]
     out.append(f"- build id: `{result.build_id}`")
-    out.append(f"- model: `{r.model.source}` ({result.dtype}), source sha256 `{result.source.sha256}`")
+    out.append(f"- model: `{r.model.source}` ({result.dtype}), source sha256 `{result.source.sha256}`"
+               + (f", Hub commit `{result.source.hub['commit']}`" if result.source.hub else ""))
     for name, s in schemes.items():
         out.append(f"- {'variant ' + name + ': ' if name else ''}scheme {s.name}, algorithm {s.algorithm}; "
                    f"weights {s.weights.describe()}"
@@ -214,7 +222,8 @@ def render_markdown(result: BuildResult) -> str:
                    + (f", tokens sha256 {c['tokens_sha256'][:16]}" if c.get("tokens_sha256") else "")
                    + "".join(f", chat template {k}: {v}" for k, v in (c.get("chat_templates") or {}).items()))
     out.append(f"- evaluation protocol: {corpus_part(ev.corpus)}, documents joined with blank lines, "
-               f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens (BOS + {ev.seq_len - 1}), "
+               f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens "
+               f"({_bos_words(result.bos, ev.seq_len)}), "
                f"stride {ev.seq_len}, dtype {result.dtype}, ppl = exp(mean token NLL); "
                f"95% CIs by bootstrap over windows ({ev.bootstrap_samples} resamples), the change paired per window; "
                f"KLD = mean per-token KL(baseline || quantized) over the full vocabulary (the baseline's output head "

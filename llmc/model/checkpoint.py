@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,8 @@ def safetensors_files(folder: Path) -> list[Path]:
             f"{shown(folder)} is not a Hugging Face model folder: config.json is missing",
             fix="point model.source at the folder save_pretrained() wrote, or at a .gguf file",
         )
+    if os.path.lexists(folder / INDEX_FILE):
+        return _indexed_files(folder, read_index(folder / INDEX_FILE))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -43,6 +46,66 @@ def safetensors_files(folder: Path) -> list[Path]:
         raise InputError(f"{shown(folder)} has no *.safetensors weights", fix="save the model with safe_serialization=True")
     for f in files:
         check_safetensors_header(f)
+    return files
+
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # a weight_map of ~10^6 tensors; real ones are KBs to a few MB
+_INDEX_FIX = "re-download the checkpoint, or re-save it with save_pretrained(); its index and shards disagree"
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """model.safetensors.index.json: which shard holds each tensor."""
+
+    path: Path
+    weight_map: dict[str, str]  # tensor name -> shard file name (in the index's folder)
+
+    @property
+    def shards(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+
+def read_index(path: Path) -> ShardIndex:
+    """The index, checked: a JSON object whose weight_map maps tensor names to plain safetensors file names in the
+    same folder (no path separators, so an index cannot point llmc at a file elsewhere)."""
+    index = read_input_json(path, "shard index", MAX_INDEX_BYTES, _INDEX_FIX)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"shard index {shown(path)} has no weight_map object naming the shards", fix=_INDEX_FIX)
+    for name, shard in weight_map.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors")
+                and "/" not in shard and "\\" not in shard and not shard.startswith(".")):
+            raise InputError(f"shard index {shown(path)} maps tensor {excerpt(name)} to {excerpt(shard)}, not a "
+                             "*.safetensors file name in the same folder", fix=_INDEX_FIX)
+    return ShardIndex(Path(path), weight_map)
+
+
+def _indexed_files(folder: Path, index: ShardIndex) -> list[Path]:
+    """The shards the index names (other *.safetensors in the folder, e.g. a consolidated copy, are not read), each
+    present with a valid header holding exactly the tensors the index assigns to it."""
+    expected: dict[str, set[str]] = {}
+    for name, shard in index.weight_map.items():
+        expected.setdefault(shard, set()).add(name)
+    missing = [s for s in index.shards if not os.path.lexists(folder / s)]
+    if missing:
+        raise InputError(
+            f"{shown(folder)}: {len(missing)} of the {len(index.shards)} shards {INDEX_FILE} lists "
+            f"{'is' if len(missing) == 1 else 'are'} missing: {shorten(', '.join(missing), 200)}",
+            fix="download the missing shards (an interrupted download leaves some out), or re-save the checkpoint",
+        )
+    files = []
+    for shard in index.shards:
+        path = folder / shard
+        held = {n for n in check_safetensors_header(path) if n != "__metadata__"}
+        absent, unlisted = sorted(expected[shard] - held), sorted(held - expected[shard])
+        if absent:
+            raise InputError(f"{shown(path)} lacks {len(absent)} tensor(s) that {INDEX_FILE} places there "
+                             f"({shorten(', '.join(absent), 160)})", fix=_INDEX_FIX)
+        if unlisted:
+            raise InputError(f"{shown(path)} holds {len(unlisted)} tensor(s) that {INDEX_FILE} does not list for it "
+                             f"({shorten(', '.join(unlisted), 160)})", fix=_INDEX_FIX)
+        files.append(path)
     return files
 
 

