@@ -250,6 +250,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         from llmc.model.checkpoint import read_model_config
 
         config = read_model_config(Path(model_folder))
+        for t in recipe.targets:  # families the target's format does not cover: refused before any weight loads
+            targets.check_family(t, config)
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, shapes)

@@ -131,3 +131,32 @@ def test_compressed_tensors_export_reloads_with_the_reference_logits(family, sch
     assert quantized == linears
     assert effect > 1e-3, "quantization must be visible"
     assert diff < 1e-4, f"{name} {scheme_name}: export logits differ from the fake-quantized reference by {diff}"
+
+
+def _recipe(folder: Path, *targets: dict):
+    import yaml
+
+    from llmc.recipe import parse_recipe
+
+    return parse_recipe(yaml.safe_dump({"name": "f", "model": {"source": str(folder)},
+                                        "quantization": {"weights": {"format": "int4", "strategy": "group",
+                                                                     "group_size": 32}},
+                                        "targets": list(targets)}))
+
+
+def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_loads(tmp_path: Path, monkeypatch) -> None:
+    """Per-format family lists are data (llmc/targets/*): OLMo 2 to ONNX Runtime or TensorRT-LLM is refused at plan
+    time with the runtimes that take it; GGUF and compressed-tensors take it."""
+    from llmc.errors import IncompatibleTargetError
+    from llmc.model import checkpoint
+    from llmc.plan import make_plan
+
+    folder = make_tiny("olmo2", tmp_path / "olmo2")
+    monkeypatch.setattr(checkpoint.CheckpointReader, "get_many", lambda *a, **k: pytest.fail("weights were read"))
+    for target in ({"runtime": "onnxruntime", "gpu_arch": "cpu"}, {"runtime": "tensorrt-llm", "gpu_arch": "sm90"},
+                   {"runtime": "lmdeploy", "gpu_arch": "sm90"}):
+        with pytest.raises(IncompatibleTargetError, match="model_type is 'olmo2'") as refused:
+            make_plan(_recipe(folder, target), folder)
+        assert "vllm" in refused.value.fix and "llama.cpp" in refused.value.fix
+    plan = make_plan(_recipe(folder, {"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "llama.cpp"}), folder)
+    assert [t["exporter"] for t in plan.targets] == ["compressed-tensors", "gguf"]
