@@ -274,6 +274,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             tensors = plan_shapes.from_headers(Path(model_folder))
         else:
             tensors = plan_shapes.from_config(config)
+        for t in recipe.targets:  # families the target's format does not cover: refused before any weight loads
+            targets.check_family(t, config)
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too

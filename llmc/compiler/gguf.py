@@ -59,26 +59,32 @@ MODELFILE = "Modelfile"
 BLOCK = 32  # Q8_0 / Q4_0 / Q4_1 block size
 EMBEDDING_TYPES = ("f16", "q8_0", "f32")
 GGUF_OPTIONS = {"embedding_type": "f16", "requantize": False}  # what `llmc build` uses (part of its cache key)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # both are llama.cpp's `llama` architecture
 
-# HF module suffix -> llama.cpp tensor name inside block N
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """How one Hugging Face model family becomes a llama.cpp architecture. Tensor names come from the gguf
+    package's own tables for that architecture (gguf.TensorNameMap), so a family is one row here."""
+
+    arch: str  # gguf.MODEL_ARCH member
+    permute_qk: bool  # llama.cpp's rotary kernel for this architecture wants q/k rows interleaved (Llama-style)
+    norm_offset: float = 0.0  # added to every norm weight: Gemma's norms multiply by (1 + weight), llama.cpp by weight
+
+
+# As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily("LLAMA", permute_qk=True),
+    "mistral": GgufFamily("LLAMA", permute_qk=True),
+    "granite": GgufFamily("GRANITE", permute_qk=True),
+    "qwen2": GgufFamily("QWEN2", permute_qk=False),
+    "qwen3": GgufFamily("QWEN3", permute_qk=False),
+    "phi3": GgufFamily("PHI3", permute_qk=False),
+    "olmo2": GgufFamily("OLMO2", permute_qk=False),
+    "gemma2": GgufFamily("GEMMA2", permute_qk=False, norm_offset=1.0),
+    "gemma3": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
+    "gemma3_text": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
 }
-_OUTER_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+SUPPORTED_MODEL_TYPES = tuple(GGUF_FAMILIES)
 _CANONICAL_EXTRAS = (".weight_scale", ".weight_zero_point", ".input_scale", ".k_scale", ".v_scale")
 
 
@@ -234,25 +240,36 @@ class _Arch:
     vocab: int
     tied: bool
     rope_scaling: tuple[str, float] | None
+    family: GgufFamily
+    config: dict
+
+    @property
+    def gguf_arch(self):
+        return _gguf().MODEL_ARCH[self.family.arch]
+
+    def tensor_names(self):
+        """The gguf package's Hugging Face -> llama.cpp tensor-name table for this architecture."""
+        return _gguf().get_tensor_name_map(self.gguf_arch, self.n_layers)
 
 
 def _arch(config: dict) -> _Arch:
     mt = config.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise IncompatibleTargetError(
-            f"the GGUF exporter writes llama-architecture models ({', '.join(SUPPORTED_MODEL_TYPES)}); "
-            f"this model is {mt!r}",
+            f"the GGUF exporter writes the families {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {mt!r}",
             fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this architecture",
         )
     if config.get("mlp_bias"):
         raise IncompatibleTargetError("the GGUF exporter does not write MLP biases (mlp_bias=true)")
     rope = dict(config.get("rope_parameters") or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): llama.cpp's base is the global one
+        rope = dict(rope["full_attention"])
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
     factor = scaling.get("factor", rope.get("factor"))
-    if rope_type not in ("default", "linear"):
+    if rope_type not in ("default", "linear", "llama3"):
         raise IncompatibleTargetError(
-            f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default and linear are)",
+            f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default, linear and llama3 are)",
             fix="target a compressed-tensors runtime for this model",
         )
     n_head = config["num_attention_heads"]
@@ -268,18 +285,15 @@ def _arch(config: dict) -> _Arch:
         rms_eps=float(config.get("rms_norm_eps", 1e-6)),
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=("linear", float(factor)) if rope_type == "linear" else None,
+        rope_scaling=(rope_type, float(factor or 1.0)) if rope_type in ("linear", "llama3") else None,
+        family=GGUF_FAMILIES[mt],
+        config=config,
     )
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face llama tensor (None: not written)."""
-    if hf_name in _OUTER_NAMES:
-        return _OUTER_NAMES[hf_name]
-    m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+def gguf_name(hf_name: str, names) -> str | None:
+    """llama.cpp's name for a Hugging Face tensor, from the architecture's gguf.TensorNameMap (None: none)."""
+    return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -296,6 +310,8 @@ class Vocab:
     add_eos: bool
     chat_template: str | None
     notes: list[str] = field(default_factory=list)
+    model: str = "gpt2"  # llama.cpp's tokenizer model: gpt2 (byte-level BPE) or llama (SentencePiece-style)
+    scores: list[float] | None = None  # per token, for the llama model
 
 
 def _pre_tokenizer_kind(pre: dict | None) -> str | None:
@@ -334,37 +350,28 @@ def read_vocab(root: Path, config: dict) -> Vocab:
     tc_path = root / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
     model = tj.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback") or not _has_bytelevel(tj.get("pre_tokenizer")):
+    n_vocab = int(config.get("vocab_size") or len(model["vocab"]))
+    notes: list[str] = []
+    scores = None
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        # SentencePiece-style (Gemma, Llama 2, Mistral v0.1): the gguf package's own reader of such tokenizer.json
+        kind, pre, merges = "llama", None, []
+        tokens, scores, types = _spm_tokens(root, n_vocab)
+    elif model.get("type") == "BPE" and _has_bytelevel(tj.get("pre_tokenizer")):
+        kind, pre = "gpt2", _pre_tokenizer_kind(tj.get("pre_tokenizer"))
+        if pre is None:
+            pre = "default"
+            notes.append("pre-tokenizer not recognised: tokenizer.ggml.pre=default (llama.cpp may split text "
+                         "differently from the Hugging Face tokenizer)")
+        tokens, types = _bpe_tokens(tj, n_vocab)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    else:
         raise IncompatibleTargetError(
-            "the GGUF exporter writes byte-level BPE tokenizers (llama.cpp's `gpt2` model); this tokenizer is "
-            f"{model.get('type')} with pre-tokenizer {(tj.get('pre_tokenizer') or {}).get('type')}",
+            "the GGUF exporter writes byte-level BPE (llama.cpp's `gpt2`) and byte-fallback BPE (`llama`) "
+            f"tokenizers; this tokenizer is {model.get('type')} with pre-tokenizer "
+            f"{(tj.get('pre_tokenizer') or {}).get('type')}",
             fix="target a compressed-tensors runtime for this model",
         )
-    notes: list[str] = []
-    pre = _pre_tokenizer_kind(tj.get("pre_tokenizer"))
-    if pre is None:
-        pre = "default"
-        notes.append("pre-tokenizer not recognised: tokenizer.ggml.pre=default (llama.cpp may split text "
-                     "differently from the Hugging Face tokenizer)")
-    n_vocab = int(config.get("vocab_size") or len(model["vocab"]))
-    by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
-    added = {a["id"]: a for a in tj.get("added_tokens", [])}
-    for i, a in added.items():
-        by_id[i] = a["content"]
-    if by_id and max(by_id) >= n_vocab:
-        raise InputError(f"tokenizer has token id {max(by_id)} >= the model's vocab_size {n_vocab}")
-    tokens, types = [], []
-    for i in range(n_vocab):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            types.append(int(gguf.TokenType.UNUSED))
-        elif i in added:
-            tokens.append(by_id[i])
-            types.append(int(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED))
-        else:
-            tokens.append(by_id[i])
-            types.append(int(gguf.TokenType.NORMAL))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     ids = {t: i for i, t in enumerate(tokens)}
 
     def token_id(kind: str) -> int | None:
@@ -386,7 +393,48 @@ def read_vocab(root: Path, config: dict) -> Vocab:
     jinja = root / "chat_template.jinja"
     if template is None and jinja.is_file():
         template = jinja.read_text()
-    return Vocab(tokens, types, merges, pre, special, add_bos, add_eos, template, notes)
+    return Vocab(tokens, types, merges, pre, special, add_bos, add_eos, template, notes, kind, scores)
+
+
+def _bpe_tokens(tj: dict, n_vocab: int) -> tuple[list[str], list[int]]:
+    """Tokens and token types of a byte-level BPE tokenizer.json, padded to the model's vocab_size."""
+    gguf = _gguf()
+    by_id: dict[int, str] = {i: t for t, i in tj["model"]["vocab"].items()}
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    for i, a in added.items():
+        by_id[i] = a["content"]
+    if by_id and max(by_id) >= n_vocab:
+        raise InputError(f"tokenizer has token id {max(by_id)} >= the model's vocab_size {n_vocab}")
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(int(gguf.TokenType.UNUSED))
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(int(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED))
+        else:
+            tokens.append(by_id[i])
+            types.append(int(gguf.TokenType.NORMAL))
+    return tokens, types
+
+
+def _spm_tokens(root: Path, n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of a byte-fallback BPE tokenizer.json through gguf.vocab.LlamaHfVocab (what
+    convert_hf_to_gguf.py uses for these), padded to the model's vocab_size."""
+    gguf = _gguf()
+    tokens, scores, types = [], [], []
+    for text, score, toktype in gguf.vocab.LlamaHfVocab(root).all_tokens():
+        tokens.append(text.decode("utf-8") if isinstance(text, bytes) else text)
+        scores.append(float(score))
+        types.append(int(toktype))
+    if len(tokens) > n_vocab:
+        raise InputError(f"tokenizer has {len(tokens)} tokens > the model's vocab_size {n_vocab}")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(int(gguf.TokenType.UNUSED))
+    return tokens, scores, types
 
 
 def _adds_special(tj: dict, tc: dict, special: dict[str, int]) -> tuple[bool, bool]:
@@ -490,11 +538,14 @@ class _Item:
     shape: tuple[int, ...]
     qtype: str  # GGMLQuantizationType name
     permute_heads: int | None  # rotary permutation of rows with this many heads
+    norm_offset: float = 0.0  # added to a norm weight (Gemma)
+    generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
 
 
 def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[_Item]]:
     """Per canonical file, the tensors it becomes (from the safetensors headers; no data read)."""
     quantized = qm.quantized_modules
+    names = arch.tensor_names()
     per_file: list[list[_Item]] = []
     for f in qm.files():
         items: list[_Item] = []
@@ -504,9 +555,12 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[
                     continue
                 if k == "lm_head.weight" and arch.tied:
                     continue
-                name = gguf_name(k)
+                name = gguf_name(k, names)
                 if name is None:
-                    raise InputError(f"{qm.root}: tensor {k} has no llama.cpp counterpart; cannot write GGUF")
+                    raise IncompatibleTargetError(
+                        f"{qm.root}: tensor {k} has no counterpart in llama.cpp's {arch.family.arch.lower()} "
+                        "architecture (the gguf package's tensor-name table); cannot write GGUF",
+                        fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this model")
                 shape = tuple(h.get_slice(k).get_shape())
                 module = k.rsplit(".", 1)[0]
                 if len(shape) == 1:
@@ -518,13 +572,41 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[
                 else:
                     qtype = "F16"  # an ignored (unquantized) linear
                 heads = None
-                if module.endswith("self_attn.q_proj"):
+                if arch.family.permute_qk and name.split(".")[-2] == "attn_q":
                     heads = arch.n_head
-                elif module.endswith("self_attn.k_proj"):
+                elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
                     heads = arch.n_head_kv
-                items.append(_Item(k, name, shape, qtype, heads))
+                offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
+                items.append(_Item(k, name, shape, qtype, heads, offset))
         per_file.append(items)
+    if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
+        factors = llama3_rope_factors(arch)
+        per_file[-1].append(_Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None, generated=factors))
     return per_file
+
+
+def llama3_rope_factors(arch: _Arch) -> np.ndarray:
+    """Llama-3.1's rope scaling as llama.cpp takes it: one divisor per rotary frequency, the `rope_freqs` tensor
+    (as convert_hf_to_gguf.py computes it from the config's factor, low/high frequency factors and original
+    context length)."""
+    import math
+
+    c = arch.config.get("rope_scaling") or arch.config.get("rope_parameters") or {}
+    factor, low, high = (float(c.get("factor", 8.0)), float(c.get("low_freq_factor", 1.0)),
+                         float(c.get("high_freq_factor", 4.0)))
+    old_ctx = float(c.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (arch.rope_theta ** (np.arange(0, arch.head_dim, 2, dtype=np.float64) / arch.head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def _nbytes(shape: tuple[int, ...], qtype: str) -> int:
@@ -539,6 +621,8 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
              errors: dict[str, tuple[float, float, float]]) -> np.ndarray:
     """One canonical tensor -> the GGUF tensor's data (numpy; bytes for block types)."""
     gguf = _gguf()
+    if item.generated is not None:
+        return item.generated
     module = item.hf.rsplit(".", 1)[0]
     spec = qm.scheme.weights
     is_quantized = module in qm.quantized_modules and item.hf.endswith(".weight")
@@ -551,6 +635,8 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
 
     if not is_quantized:
         x = perm(tensors[item.hf].float())
+        if item.norm_offset:
+            x = x + item.norm_offset
         if item.qtype == "F32":
             return x.numpy().astype(np.float32)
         if item.qtype == "F16":
@@ -623,7 +709,7 @@ def export_gguf(
     notes.append("lm_head tied to token_embd (llama.cpp reuses it for the output)" if arch.tied
                  else f"output (lm_head) written as {next(i.qtype for i in items if i.name == 'output.weight')}")
 
-    writer = gguf.GGUFWriter(path=None, arch="llama")
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.gguf_arch])
     model_name = name or qm.config.get("_name_or_path") or qm.config.get("_model_name_or_path") or \
         str(qm.meta.get("source", {}).get("origin", "model"))
     _write_metadata(writer, gguf, arch, vocab, plan, qm, model_name, notes)
@@ -702,22 +788,27 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
     writer.add_head_count_kv(arch.n_head_kv)
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_rope_dimension_count(arch.head_dim)
-    if arch.head_dim * arch.n_head != arch.hidden:
+    if arch.head_dim * arch.n_head != arch.hidden or "head_dim" in arch.config:
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
-    if arch.rope_scaling is not None:
+    if arch.rope_scaling is not None and arch.rope_scaling[0] == "linear":  # llama3: the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(arch.rope_scaling[1])
     writer.add_layer_norm_rms_eps(arch.rms_eps)
+    _write_family_metadata(writer, arch)
     writer.add_vocab_size(arch.vocab)
     writer.add_file_type(int(gguf.LlamaFileType[plan.file_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
-    writer.add_token_merges(vocab.merges)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
     adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
               "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
     for kind, tid in vocab.special.items():
@@ -737,3 +828,21 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
     writer.add_string("llmc.gguf.type_plan", plan.describe())
     if notes:
         writer.add_array("llmc.gguf.notes", list(notes))
+
+
+def _write_family_metadata(writer, arch: _Arch) -> None:
+    """The keys a family's llama.cpp architecture reads beyond the common ones (as convert_hf_to_gguf.py writes
+    them): Gemma's soft-capping and sliding window, Granite's multipliers."""
+    c = arch.config
+    if arch.family.arch in ("GEMMA2", "GEMMA3") and c.get("sliding_window"):
+        writer.add_sliding_window(int(c["sliding_window"]))
+    if arch.family.arch == "GEMMA2":
+        writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 50.0))
+        writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 30.0))
+    if arch.family.arch == "GRANITE":
+        for key, add in (("embedding_multiplier", writer.add_embedding_scale),
+                         ("residual_multiplier", writer.add_residual_scale),
+                         ("attention_multiplier", writer.add_attention_scale),
+                         ("logits_scaling", writer.add_logit_scale)):
+            if c.get(key) is not None:
+                add(float(c[key]))

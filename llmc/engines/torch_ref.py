@@ -37,6 +37,7 @@ from llmc.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
+_EAGER: dict[int, bool] = {}  # attention modules whose model ran eager attention before the KV wrapper
 
 
 def _spec_from_args(args: dict) -> TensorSpec:
@@ -61,6 +62,11 @@ def _kv_attention(module, query, key, value, attention_mask, **kwargs):
         k_scale, v_scale, spec = entry
         key = fake_quantize(key, spec, k_scale)
         value = fake_quantize(value, spec, v_scale)
+    if _EAGER.get(id(module)):  # a family without sdpa (Gemma 2's logit soft-capping): its own attention
+        import sys
+
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -178,6 +184,7 @@ class TorchEngine(EngineBase):
                 k, v = scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale")
                 if k is not None and v is not None:
                     _KV_SCALES[id(mod)] = (k.float(), v.float(), spec)
+                    _EAGER[id(mod)] = model.config._attn_implementation == "eager"
                     found += 1
             if not found:
                 raise EngineFailed(f"{self.folder}: kv_cache_scheme is set but no k_scale/v_scale tensors exist")

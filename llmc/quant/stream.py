@@ -28,6 +28,7 @@ import ctypes
 import functools
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,12 @@ def build_skeleton(config_dict: dict, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     config = AutoConfig.for_model(**config_dict)
-    config._attn_implementation = "sdpa"
+    # sdpa where the family supports it; Gemma 2 (logit soft-capping) runs transformers' eager attention
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -147,10 +152,12 @@ class LayerStats:
 _ACTIVE_KV_STATS: LayerStats | None = None
 RANGES_ONLY = Observe(hessians=False, module_calls=())
 _MODULE_NAMES: dict[int, str] = {}
+_BASE_ATTENTION: dict[int, str] = {}  # the attention implementation each observed module ran before
 
 
 def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """sdpa attention that first records the absmax of the keys/values it would cache."""
+    """The model's attention (sdpa, or its own eager function) that first records the absmax of the
+    keys/values it would cache."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     stats = _ACTIVE_KV_STATS
@@ -159,6 +166,9 @@ def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
         for store, t in ((stats.key_absmax, key), (stats.value_absmax, value)):
             m = t.detach().abs().amax().float()
             store[name] = torch.maximum(store[name], m) if name in store else m
+    if _BASE_ATTENTION.get(id(module)) == "eager":
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -212,6 +222,7 @@ def observing(
         handles.append(layer.get_submodule(name).register_forward_pre_hook(call_hook(name), with_kwargs=True))
     for name, attn in kv_modules.items():
         _MODULE_NAMES[id(attn)] = name
+        _BASE_ATTENTION.setdefault(id(attn), attn.config._attn_implementation)
         attn.config._attn_implementation = KV_OBSERVER
     _ACTIVE_KV_STATS = stats
     try:
@@ -222,7 +233,7 @@ def observing(
             h.remove()
         for attn in kv_modules.values():
             _MODULE_NAMES.pop(id(attn), None)
-            attn.config._attn_implementation = "sdpa"
+            attn.config._attn_implementation = _BASE_ATTENTION.pop(id(attn), "sdpa")
 
 
 # --------------------------------------------------------------------------- capture
@@ -361,10 +372,13 @@ def quantize_model(
     if reuse:
         log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
     gptq_in_forward = calibrate and pipeline.true_sequential
-    if calibrate and not reuse:
-        _register_kv_observer()
+    traces_structure = calibrate and (bool(pipeline.transforms) or pipeline.true_sequential)
+    if traces_structure or (calibrate and not reuse):
         outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
         materialize(model, outer, dtype)
+    structure = LayerStructure(model, layers, calibration) if traces_structure else None
+    if calibrate and not reuse:
+        _register_kv_observer()
         act_bytes = calibration.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
         spill = should_spill(spill_activations, act_bytes, memory_available())
         if spill:
@@ -403,6 +417,8 @@ def quantize_model(
 
         materialize(layer, reader.with_prefix(prefix), dtype)
         layer.to(device)
+        if structure is not None:
+            structure.record(i, layer)
         stats = LayerStats()
         layer_extras = to_device([e[i] for e in extras], device)
         if reuse:
@@ -482,9 +498,76 @@ def unpadded_samples(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor
 
 
 def _kv_modules(layer: nn.Module, prefix: str, scheme: Scheme) -> dict[str, nn.Module]:
+    """The attention modules whose keys/values a KV cache holds: those that run transformers' attention
+    interface (they carry `head_dim` and an output projection), whatever their q/k/v Linears are called
+    (Phi-3 fuses them into qkv_proj)."""
     if not scheme.kv_cache:
         return {}
-    return {f"{prefix}{n}": m for n, m in layer.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")}
+    return {f"{prefix}{n}": m for n, m in layer.named_modules()
+            if hasattr(m, "head_dim") and isinstance(getattr(m, "o_proj", None), nn.Linear)}
+
+
+PROBE_TOKENS = 16  # tokens of the forward that traces a layer's structure
+
+
+class LayerStructure:
+    """The smoothing pairs of each decoder layer, found from the layer (`mappings.discover`) and recorded
+    for the algorithms (`mappings.remember`). One probe forward per distinct layer structure (names, classes
+    and shapes), on random hidden states with the masks and rotary tables the model gives a short window,
+    with the layer in float64 for the check (back in its own dtype, bit for bit, afterwards)."""
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, calibration: torch.Tensor) -> None:
+        ids = calibration[:1, :PROBE_TOKENS]
+        self.extras = capture_layer_inputs(model, layers, [ids])[0]
+        self.shape = (1, ids.shape[1], model.config.hidden_size)
+        self.found: dict[tuple, list] = {}
+
+    def record(self, index: int, layer: nn.Module) -> None:
+        from llmc.quant.algorithms import mappings
+
+        signature = tuple((n, type(m).__name__, tuple(p.shape for p in m.parameters(recurse=False)))
+                          for n, m in layer.named_modules())
+        if signature not in self.found:
+            self.found[signature] = self._discover(index, layer)
+            log(f"layer {index} ({type(layer).__name__}) smoothing pairs: "
+                + ("; ".join(f"{m.producer}{list(m.producer_rows) if m.producer_rows else ''} -> "
+                             f"{', '.join(m.consumers)}" for m in self.found[signature]) or "none"))
+        mappings.remember(layer, self.found[signature])
+
+    def _discover(self, index: int, layer: nn.Module) -> list:
+        from llmc.quant.algorithms import mappings
+
+        device = next(layer.parameters()).device
+        args, kwargs = _as_float64(to_device(self.extras[index], device))
+        x = torch.randn(self.shape, generator=torch.Generator().manual_seed(index), dtype=torch.float64).to(device)
+        with _in_float64(layer):
+            return mappings.discover(layer, lambda: (x, _layer_output(layer(x, *args, **kwargs))))
+
+
+@contextlib.contextmanager
+def _in_float64(module: nn.Module):
+    """`module`'s floating parameters and buffers in float64 inside, each back in its own dtype afterwards
+    (exact: float64 holds every float32/bf16/fp16 value)."""
+    slots = [(m, store, k) for m in module.modules() for store in (m._parameters, m._buffers)
+             for k, t in store.items() if t is not None and t.is_floating_point()]
+    dtypes = [store[k].dtype for _, store, k in slots]
+    for _, store, k in slots:
+        store[k].data = store[k].data.to(torch.float64)
+    try:
+        yield
+    finally:
+        for (_, store, k), dtype in zip(slots, dtypes):
+            store[k].data = store[k].data.to(dtype)
+
+
+def _as_float64(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.float64) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_as_float64(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _as_float64(v) for k, v in obj.items()}
+    return obj
 
 
 def _stats_from(saved: dict[str, dict[str, torch.Tensor]], linears: dict, kv_modules: dict) -> LayerStats:

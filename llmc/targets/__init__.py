@@ -91,6 +91,23 @@ def triton_backend(target: Target) -> str:
     return fmt.triton_backend
 
 
+def check_family(target: Target, config: dict) -> None:
+    """IncompatibleTargetError when the target's artifact format does not cover the model's family
+    (config.json's model_type), naming the runtimes whose formats do."""
+    from llmc.errors import IncompatibleTargetError
+
+    family = config.get("model_type")
+    fmt = format_for(target)
+    if fmt.families is None or family in fmt.families:
+        return
+    accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
+                 and (_FORMATS[rt.format].families is None or family in _FORMATS[rt.format].families)]
+    raise IncompatibleTargetError(
+        f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
+        f"({fmt.families_source}); this model's model_type is {family!r}",
+        fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
+
+
 def is_implemented(format_name: str) -> bool:
     return format_name in _FORMATS
 
@@ -134,5 +151,6 @@ from llmc.targets import (  # noqa: E402,F401  (registration side effects)
 )
 
 __all__ = ["ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes", "arch_at_least", "arch_span",
+           "check_family",
            "artifact_format", "format_for", "formats", "is_implemented", "recognize", "register_format",
            "register_runtime", "runtime", "runtime_names", "runtimes", "scheme_keys", "target_key"]

@@ -98,6 +98,12 @@ class ArtifactFormat:
     proof: ClassVar[str] = ""  # how its artifacts are proven (docs/compatibility.md)
     unevaluated: ClassVar[str] = ""  # the report's reason when no engine in eval.runtimes loads it
 
+    # Hugging Face model_types (model families) the format's exporter and runtime handle; None: any decoder-only
+    # causal LM transformers builds. `families_source` says where the list comes from. `llmc plan` refuses other
+    # families before any weight loads (`llmc.targets.check_family`).
+    families: ClassVar[frozenset[str] | None] = None
+    families_source: ClassVar[str] = ""
+
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""
 

@@ -25,6 +25,8 @@ _NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layou
 @register_format
 class GptqCheckpoint(ArtifactFormat):
     name = "gptq"
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX "

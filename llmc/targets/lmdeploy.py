@@ -24,6 +24,8 @@ _NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layou
 @register_format
 class AwqCheckpoint(ArtifactFormat):
     name = "awq"
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (LMDeploy/vLLM's AWQ kernels need a GPU): AutoAWQ GEMM layout (nibble order "
              "0 2 4 6 1 3 5 7, unsigned zeros, fp16 scales) decodes to the canonical weights exactly, and "

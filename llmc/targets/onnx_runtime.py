@@ -19,6 +19,9 @@ _ORT_U8S8 = (
 @register_format
 class OnnxGenai(ArtifactFormat):
     name = "onnx"
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = ("llmc maps the onnxruntime-genai builder's packed qkv/gate_up weights back to Llama-family "
+                       "modules; other families' graphs are not verified here")
     read_by = ("onnxruntime",)
     whole_model = True
     triton_backend = "onnxruntime"

@@ -12,6 +12,8 @@ from llmc.targets.base import ArtifactFormat, ExportRequest, Rule, Runtime, read
 @register_format
 class OnnxQdq(ArtifactFormat):
     name = "onnx-qdq"
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "the Q/DQ graph export is verified on Llama-family models only"
     read_by = ("onnxruntime", "tensorrt")
     whole_model = True
     measures_decode = False  # input_ids -> logits, no KV cache

@@ -31,6 +31,9 @@ _NEEDS_GPU = ("not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conf
 @register_format
 class ModelOptCheckpoint(ArtifactFormat):
     name = "modelopt-hf"
+    # TensorRT-LLM's PyTorch-backend model list (docs, 1.x): Gemma 2 and OLMo 2 are not in it
+    families = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "phi3", "granite"})
+    families_source = "TensorRT-LLM's PyTorch-backend model list"
     read_by = ("tensorrt-llm",)
     triton_backend = "tensorrt_llm"
     unevaluated = _NEEDS_GPU
@@ -83,6 +86,8 @@ class ModelOptCheckpoint(ArtifactFormat):
 class LegacyCheckpoint(ArtifactFormat):
     name = "trtllm-checkpoint"
     shards_by_tp = True  # rank{N}.safetensors per tensor-parallel rank
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "llmc's legacy per-rank layout maps Llama-family weights only"
     unevaluated = _NEEDS_GPU
     triton_refusal = (
         "triton: true is not available for the legacy TensorRT-LLM per-rank checkpoint (trtllm-checkpoint): "

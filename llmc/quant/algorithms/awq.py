@@ -236,7 +236,7 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
         x_mean = torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]).mean(dim=0)
         w_mean = weight_mean([c.weight for c in consumers], weights) if options.duo_scaling else None
         s = _search_mapping(parent, calls, consumers, x_mean, w_mean, weights, options)
-        divide_output(layer.get_submodule(m.producer), s)
+        divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
         multiply_input(consumers, s)
         for c in m.consumers:
             input_divisor[c] = s

@@ -1,14 +1,38 @@
 """Which operation produces the input of which Linears inside a decoder layer.
 
-SmoothQuant and AWQ rescale a shared input between its producer (an RMSNorm, or a Linear) and the
-Linears that consume it; AWQ measures the error at the output of `parent`. Names are relative to the
-decoder layer and follow the Llama family (Llama, Mistral, Qwen2/3, SmolLM, Gemma 2/3).
+SmoothQuant and AWQ rescale a shared input between its producer (a norm, or a Linear's output rows) and the
+Linears that consume it; AWQ measures the error at the output of `parent`. The pairs are found from the
+layer itself (`discover`), not from a list of names:
+
+1. trace one probe forward of the layer: Linears called on the same tensor object form a consumer group,
+   and the module whose output *is* that tensor is its candidate producer (a norm, when it is a leaf with a
+   1-D weight as wide as the input). A group whose input no module returned (an activation product such as
+   act(gate) * up, or an attention output) gets as candidates the earlier Linears' output-row slices of its
+   width (a fused producer such as Phi-3's gate_up_proj offers its slices);
+2. keep a candidate only if it *is* a smoothing pair: dividing the producer's outputs by a random positive
+   per-channel s and multiplying the consumers' input columns by s leaves the layer's output unchanged (in
+   float64, to 1e-5 of what the layer adds to its input). This rejects everything a name list would get
+   wrong: OLMo 2's post-norms (they normalize the sublayer's output, not the Linears' input), q_proj → o_proj
+   (softmax in between), v_proj → o_proj under grouped-query attention (widths differ), gate → down (SiLU).
+
+What this finds per family (tests/unit/test_families.py): Llama/Mistral/Qwen2/Qwen3/Granite: input_layernorm →
+q/k/v, post_attention_layernorm → gate/up, v → o (without GQA), up → down. Gemma 2/3: pre_feedforward_layernorm
+(not post_attention_layernorm) → gate/up. Phi-3: input_layernorm → qkv_proj, post_attention_layernorm →
+gate_up_proj, the up half of gate_up_proj → down_proj, the v slice of qkv_proj → o_proj (without GQA). OLMo 2:
+no norm pair (its norms follow the attention and the MLP; q/k/v and gate/up read the residual stream itself),
+so SmoothQuant there smooths only v → o and up → down, and AWQ searches only those.
+
+`layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
+before its algorithms run); for a layer never traced it falls back to the Llama-family names.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -17,11 +41,29 @@ class Mapping:
     producer: str
     consumers: tuple[str, ...]
     parent: str
-    from_norm: bool  # the producer is a norm (SmoothQuant only rescales these)
+    from_norm: bool  # the producer is a norm (SmoothQuant only rescales these unless smooth: all)
+    producer_rows: tuple[int, int] | None = None  # [start, end) of a fused producer's outputs the consumers read
 
 
 class UnsupportedLayout(ValueError):
     pass
+
+
+# Relative to what the layer adds to its input. The check runs in float64, but some norms compute in float32
+# whatever their input (Gemma's): a true pair then moves the output by ~1e-7 of it, a wrong one by ~1e-2 or more.
+PRESERVE_TOLERANCE = 1e-5
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, list[Mapping]] = weakref.WeakKeyDictionary()
+
+
+def remember(layer: nn.Module, mappings: list[Mapping]) -> None:
+    """Make `layer_mappings(layer)` answer `mappings` (found by `discover` on this layer or an identical one)."""
+    _RECORDED[layer] = mappings
+
+
+def layer_mappings(layer: nn.Module) -> list[Mapping]:
+    """The producer → consumers pairs of one decoder layer, in forward order."""
+    recorded = _RECORDED.get(layer)
+    return list(recorded) if recorded is not None else llama_family_mappings(layer)
 
 
 def _has(layer: nn.Module, name: str) -> bool:
@@ -32,16 +74,17 @@ def _has(layer: nn.Module, name: str) -> bool:
         return False
 
 
-def layer_mappings(layer: nn.Module) -> list[Mapping]:
-    """The producer → consumers pairs of one decoder layer, in forward order."""
+def llama_family_mappings(layer: nn.Module) -> list[Mapping]:
+    """The pairs by Llama-family names, for a layer `discover` has not traced (direct callers and tests)."""
     attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     mlp_norm = "pre_feedforward_layernorm" if _has(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
     needed = ["input_layernorm", *attn, "self_attn.o_proj", mlp_norm, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     missing = [n for n in needed if not _has(layer, n)]
     if missing:
         raise UnsupportedLayout(
-            f"{type(layer).__name__} has no {', '.join(missing)}: SmoothQuant/AWQ know Llama-family layers "
-            "(input_layernorm → q/k/v_proj, post_attention_layernorm → gate/up_proj); fix: use algorithm rtn or gptq"
+            f"{type(layer).__name__} has no {', '.join(missing)}: without a traced forward SmoothQuant/AWQ know "
+            "Llama-family layers only; fix: run it through llmc.quant.stream (which traces each layer), or use "
+            "algorithm rtn or gptq"
         )
     mappings = [Mapping("input_layernorm", attn, "self_attn", True)]
     v, o = layer.get_submodule("self_attn.v_proj"), layer.get_submodule("self_attn.o_proj")
@@ -50,3 +93,134 @@ def layer_mappings(layer: nn.Module) -> list[Mapping]:
     mappings.append(Mapping(mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), "mlp", True))
     mappings.append(Mapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj", False))
     return mappings
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def is_norm(module: nn.Module, width: int) -> bool:
+    """A leaf whose only parameters are a 1-D weight (and bias) as wide as its output: RMSNorm, LayerNorm."""
+    weight = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Linear) and not list(module.children()) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and weight.shape[0] == width)
+
+
+@dataclass
+class _Trace:
+    groups: list[tuple[str, ...]]  # Linears that read one tensor object, in call order
+    producer_of: dict[tuple[str, ...], str | None]  # the module that returned that tensor, if any
+    first_call: dict[str, int]  # call index of each Linear
+
+
+def _trace(layer: nn.Module, run: Callable[[], torch.Tensor]) -> _Trace:
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    produced: dict[int, str] = {}
+    inputs: dict[str, int] = {}
+    first_call: dict[str, int] = {}
+    keep: list[torch.Tensor] = []  # hold every traced tensor so no id is reused during the trace
+    handles = []
+
+    def out_hook(name: str):
+        def hook(_m, _args, out):
+            if isinstance(out, torch.Tensor):
+                keep.append(out)
+                produced.setdefault(id(out), name)
+
+        return hook
+
+    def in_hook(name: str):
+        def hook(_m, args):
+            keep.append(args[0])
+            inputs.setdefault(name, id(args[0]))
+            first_call.setdefault(name, len(first_call))
+
+        return hook
+
+    for name, module in layer.named_modules():
+        if name:
+            handles.append(module.register_forward_hook(out_hook(name)))
+        if name in linears:
+            handles.append(module.register_forward_pre_hook(in_hook(name)))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    by_input: dict[int, list[str]] = {}
+    for name in sorted(inputs, key=first_call.__getitem__):
+        by_input.setdefault(inputs[name], []).append(name)
+    groups = [tuple(g) for g in by_input.values()]
+    return _Trace(groups, {g: produced.get(inputs[g[0]]) for g in groups}, first_call)
+
+
+def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
+    """The module whose output AWQ scores: a lone consumer fed by a Linear is its own parent; otherwise the
+    layer's child block (self_attn, mlp) holding every consumer."""
+    if producer_is_linear and len(consumers) == 1:
+        return consumers[0]
+    tops = {c.split(".", 1)[0] for c in consumers}
+    if len(tops) == 1 and "." in consumers[0]:
+        return tops.pop()
+    return consumers[0] if len(consumers) == 1 else None
+
+
+def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
+    out = []
+    for group in trace.groups:
+        width = layer.get_submodule(group[0]).in_features
+        producer = trace.producer_of[group]
+        if producer is not None:
+            module = layer.get_submodule(producer)
+            linear = isinstance(module, nn.Linear) and module.out_features == width
+            parent = _parent(layer, group, linear)
+            if parent and (linear or is_norm(module, width)):
+                out.append(Mapping(producer, group, parent, not linear))
+            continue
+        parent = _parent(layer, group, True)
+        if parent is None:
+            continue
+        for name, lin in layer.named_modules():
+            if (not isinstance(lin, nn.Linear) or name in group or name not in trace.first_call
+                    or trace.first_call[name] > trace.first_call[group[0]] or lin.out_features < width):
+                continue
+            starts = sorted({*range(0, lin.out_features - width + 1, width), lin.out_features - width})
+            for start in starts:
+                rows = None if (start, start + width) == (0, lin.out_features) else (start, start + width)
+                out.append(Mapping(name, group, parent, False, rows))
+    return out
+
+
+def _preserves(layer: nn.Module, mapping: Mapping, run: Callable[[], torch.Tensor], baseline: torch.Tensor,
+               added: float, generator: torch.Generator) -> bool:
+    """Whether rescaling the pair by a random positive s leaves the layer's output as it was."""
+    from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
+
+    producer = layer.get_submodule(mapping.producer)
+    consumers = [layer.get_submodule(c) for c in mapping.consumers]
+    saved = {id(p): p.data.clone() for m in (producer, *consumers) for p in m.parameters(recurse=False)}
+    width = consumers[0].in_features
+    s = torch.exp(torch.empty(width, dtype=torch.float64).uniform_(-1, 1, generator=generator))
+    try:
+        divide_output(producer, s, mapping.producer_rows)
+        multiply_input(consumers, s)
+        with torch.no_grad():
+            changed = (run() - baseline).abs().max().item()
+    finally:
+        for m in (producer, *consumers):
+            for p in m.parameters(recurse=False):
+                p.data = saved[id(p)]
+    return changed <= PRESERVE_TOLERANCE * added
+
+
+def discover(layer: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> list[Mapping]:
+    """The smoothing pairs of `layer`, found by tracing and checking it (module docstring). `run()` runs one
+    probe forward of the layer as it is and returns (layer input, layer output); the layer must hold float64
+    weights and `run` float64 inputs."""
+    generator = torch.Generator().manual_seed(0)
+    trace = _trace(layer, lambda: run()[1])
+    with torch.no_grad():
+        x, baseline = run()
+    added = max((baseline - x).abs().max().item(), 1e-30)
+    found = [m for m in _candidates(layer, trace) if _preserves(layer, m, lambda: run()[1], baseline, added, generator)]
+    return sorted(found, key=lambda m: trace.first_call[m.consumers[0]])

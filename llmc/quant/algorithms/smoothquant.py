@@ -71,27 +71,51 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alph
     return s.clamp(min=MIN_SCALE)
 
 
-def divide_output(producer: nn.Module, s: torch.Tensor) -> None:
-    """Make `producer`'s output x become x / s (per output channel)."""
+def divide_output(producer: nn.Module, s: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    """Make `producer`'s output x become x / s (per output channel); `rows`: only that slice of a fused
+    Linear's outputs (Phi-3's up half of gate_up_proj), which s covers."""
     if isinstance(producer, nn.Linear):
-        producer.weight.data = producer.weight.data / s.to(producer.weight.dtype)[:, None]
+        start, end = rows or (0, producer.out_features)
+        weight = producer.weight.data.clone()
+        weight[start:end] = weight[start:end] / s.to(weight.dtype)[:, None]
+        producer.weight.data = weight
         if producer.bias is not None:
-            producer.bias.data = producer.bias.data / s.to(producer.bias.dtype)
+            bias = producer.bias.data.clone()
+            bias[start:end] = bias[start:end] / s.to(bias.dtype)
+            producer.bias.data = bias
         return
     weight = producer.weight.data
-    if "gemma" in type(producer).__name__.lower():
-        # Gemma's RMSNorm multiplies by (1 + weight).
-        producer.weight.data = ((1.0 + weight.float()) / s - 1.0).to(weight.dtype)
+    if scales_by_one_plus_weight(producer):  # Gemma's RMSNorms multiply by (1 + weight)
+        producer.weight.data = ((1.0 + _wide(weight)) / s - 1.0).to(weight.dtype)
     else:
-        producer.weight.data = (weight.float() / s).to(weight.dtype)
+        producer.weight.data = (_wide(weight) / s).to(weight.dtype)
     if getattr(producer, "bias", None) is not None:
-        producer.bias.data = (producer.bias.data.float() / s).to(producer.bias.dtype)
+        producer.bias.data = (_wide(producer.bias.data) / s).to(producer.bias.dtype)
+
+
+def scales_by_one_plus_weight(norm: nn.Module) -> bool:
+    """Whether a norm multiplies by (1 + weight) rather than weight: with its weight zeroed it still passes a
+    signal (asked of the module itself, not its class name)."""
+    weight = norm.weight.data
+    probe = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    try:
+        norm.weight.data = torch.zeros_like(weight)
+        with torch.no_grad():
+            out = norm(probe)
+    finally:
+        norm.weight.data = weight
+    return bool(out.abs().amax() > 0)
 
 
 def multiply_input(consumers: list[nn.Linear], s: torch.Tensor) -> None:
     """Scale the input columns of each consumer by s, so it sees x / s and computes the same y."""
     for lin in consumers:
-        lin.weight.data = (lin.weight.data.float() * s[None, :]).to(lin.weight.dtype)
+        lin.weight.data = (_wide(lin.weight.data) * s[None, :]).to(lin.weight.dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 arithmetic, or float64 where it already is (layer discovery checks pairs in float64)."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 @register("smoothquant", kind="transform", options=SmoothQuantOptions)
@@ -105,7 +129,7 @@ def smoothquant_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec,
             consumers = [layer.get_submodule(c) for c in m.consumers]
             absmax = stats.channel_absmax[prefix + m.consumers[0]]
             s = smoothing_scales(absmax, [c.weight for c in consumers], options.alpha)
-            divide_output(layer.get_submodule(m.producer), s)
+            divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
             multiply_input(consumers, s)
             changed = True
     return changed

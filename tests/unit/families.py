@@ -1,0 +1,66 @@
+"""Tiny random models of every dense family llmc supports, built from transformers' own config classes: the
+layouts the tests check layer discovery, quantization and export on (tests/unit/test_families.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.conftest import make_tokenizer
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=1024, tie_word_embeddings=True)
+
+# family -> (model_type, config overrides): each shows what sets the family apart
+FAMILIES: dict[str, tuple[str, dict]] = {
+    # no grouped-query attention, so v_proj -> o_proj is a smoothing pair; Llama-3.1's rope scaling
+    "llama": ("llama", dict(num_key_value_heads=4, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}, rope_theta=500000.0)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),  # q_norm / k_norm after the projections
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                   layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),  # fused qkv_proj and gate_up_proj
+    "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                attention_multiplier=0.2, logits_scaling=2.0)),
+    "olmo2": ("olmo2", dict(num_key_value_heads=4)),  # norms after attention and MLP, q/k norms
+}
+
+# what discovery finds per family (producer -> first consumer), the module docstring of mappings.py says why
+EXPECTED_PAIRS: dict[str, list[tuple[str, str]]] = {
+    "llama": [("input_layernorm", "self_attn.q_proj"), ("self_attn.v_proj", "self_attn.o_proj"),
+              ("post_attention_layernorm", "mlp.gate_proj"), ("mlp.up_proj", "mlp.down_proj")],
+    "mistral": [("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.gate_proj"),
+                ("mlp.up_proj", "mlp.down_proj")],
+    "gemma": [("input_layernorm", "self_attn.q_proj"), ("pre_feedforward_layernorm", "mlp.gate_proj"),
+              ("mlp.up_proj", "mlp.down_proj")],
+    "phi3": [("input_layernorm", "self_attn.qkv_proj"), ("self_attn.qkv_proj", "self_attn.o_proj"),
+             ("post_attention_layernorm", "mlp.gate_up_proj"), ("mlp.gate_up_proj", "mlp.down_proj")],
+    "olmo2": [("self_attn.v_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj")],
+}
+for _f in ("qwen2", "qwen3", "granite"):
+    EXPECTED_PAIRS[_f] = EXPECTED_PAIRS["mistral"]
+EXPECTED_PAIRS["gemma2"] = EXPECTED_PAIRS["gemma3"] = EXPECTED_PAIRS.pop("gemma")
+
+
+def make_tiny(family: str, folder: Path, *, seed: int = 0) -> Path:
+    """A random `family` model (2 layers, hidden 64) and a tokenizer, saved as a safetensors folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = FAMILIES[family]
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights so quantization error is visible; norms away from 0 and 1
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(0.2, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return Path(folder)

@@ -1,0 +1,162 @@
+"""Every dense family on tiny random models built from transformers' own config classes (tests/unit/families.py):
+layer discovery finds the smoothing pairs the family really has, and FP8 (static + KV), INT8 SmoothQuant W8A8,
+INT4 GPTQ and INT4 AWQ quantize through the layer stream; the compressed-tensors export reloads in transformers
+(llmc's torch engine) with the logits of the fake-quantized reference computed here from llmc's numerics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.engines.torch_ref import TorchEngine
+from llmc.model.source import ModelSource
+from llmc.quant import stream
+from llmc.quant.algorithms import mappings
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight
+from llmc.quant.spec import Scheme, TensorSpec
+
+from tests.unit.families import EXPECTED_PAIRS, FAMILIES, make_tiny
+
+SCHEMES = {
+    "fp8-static-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
+                            kv_cache=TensorSpec("fp8_e4m3", "tensor")),
+    "int8-smoothquant": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True),
+                               algorithm="smoothquant"),
+    "int4-gptq": Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq"),
+    "int4-awq": Scheme(TensorSpec("int4", "group", group_size=32), algorithm="awq"),
+}
+SEQ = 24  # longer than the sliding windows of the Gemma models (6), so sliding layers really mask
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, make_tiny(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    ids = torch.randint(3, 200, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 1
+    return ids
+
+
+def test_discovery_finds_each_familys_smoothing_pairs(family, tmp_path: Path, monkeypatch) -> None:
+    """The pairs found by tracing each layer: Llama-style pre-norms, Gemma's pre_feedforward_layernorm, Phi-3's
+    fused row slices, none from OLMo 2's post-norms; a true pair rescaled keeps the layer's function."""
+    name, folder = family
+    found: dict[int, list] = {}
+    real = mappings.remember
+    monkeypatch.setattr(mappings, "remember", lambda layer, ms: (found.__setitem__(id(layer), ms), real(layer, ms)))
+    stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES["int8-smoothquant"], tmp_path / "q",
+                          calibration=_ids(4, 1))
+    assert len(found) == 2  # every layer recorded
+    for pairs in found.values():
+        assert [(m.producer, m.consumers[0]) for m in pairs] == EXPECTED_PAIRS[name]
+    if name == "phi3":  # the v rows of qkv_proj (no GQA here) and the up half of gate_up_proj
+        rows = {m.producer: m.producer_rows for m in next(iter(found.values())) if not m.from_norm}
+        assert rows == {"self_attn.qkv_proj": (128, 192), "mlp.gate_up_proj": (128, 256)}
+
+
+def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, from_original: bool) -> nn.Module:
+    """The float model computing what the scheme computes: weights from llmc's numerics (RTN: quantized here
+    from the original weights; transforms: the canonical form's dequantized, transformed weights and norms),
+    activations fake-quantized with the canonical input scales, keys/values with its k/v scales."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
+    state = {}
+    for module in qm.quantized_modules:
+        lin = model.get_submodule(module)
+        state[f"{module}.weight"] = (dequantize_weight(quantize_weight(lin.weight.data, scheme.weights), scheme.weights)
+                                     if from_original else qm.dequantized_weight(tensors, module))
+        act = scheme.activations
+        if act is not None:
+            scale = None if act.dynamic else tensors[f"{module}.input_scale"]
+            lin.register_forward_pre_hook(lambda _m, a, s=scale, sp=act: (fake_quantize(a[0], sp, s), *a[1:]))
+    if not from_original:  # smoothed norms and biases
+        own = model.state_dict()
+        state.update({k: v for k, v in tensors.items() if k in own and k not in state})
+    model.load_state_dict(state, strict=False)
+    if scheme.kv_cache is not None:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.modeling_utils import AttentionInterface
+
+        base = model.config._attn_implementation
+        scales = {id(model.get_submodule(m)): (tensors[f"{m}.k_scale"], tensors[f"{m}.v_scale"])
+                  for m in qm.kv_cache_modules}
+
+        def attention(module, q, k, v, mask, **kw):
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            ks, vs = scales[id(module)]
+            k, v = fake_quantize(k, scheme.kv_cache, ks), fake_quantize(v, scheme.kv_cache, vs)
+            if base == "eager":
+                return sys.modules[type(module).__module__].eager_attention_forward(module, q, k, v, mask, **kw)
+            return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+        AttentionInterface.register("test_kv_reference", attention)
+        AttentionMaskInterface.register("test_kv_reference", sdpa_mask)
+        model.config._attn_implementation = "test_kv_reference"
+    return model
+
+
+def roundtrip(folder: Path, scheme: Scheme, work: Path) -> tuple[float, float, int]:
+    """(max |export logits - reference logits|, max |reference - float model|, quantized Linears): quantize
+    `folder` with `scheme`, export compressed-tensors, reload in transformers through llmc's torch engine."""
+    from transformers import AutoModelForCausalLM
+
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, work / "q",
+                          calibration=_ids(4, 1) if scheme.needs_calibration else None, batch_size=2)
+    qm = QuantizedModel.open(work / "q")
+    export_compressed_tensors(qm, work / "export")
+    ids = _ids(2, 2)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=ids).logits
+        want = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn")(input_ids=ids).logits
+        got = TorchEngine(work / "export").model(input_ids=ids, use_cache=False).logits
+    return (got - want).abs().max().item(), (want - base).abs().max().item(), len(qm.quantized_modules)
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+def test_compressed_tensors_export_reloads_with_the_reference_logits(family, scheme_name: str, tmp_path: Path) -> None:
+    name, folder = family
+    diff, effect, quantized = roundtrip(folder, SCHEMES[scheme_name], tmp_path)
+    linears = 2 * (4 if name == "phi3" else 7)  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert quantized == linears
+    assert effect > 1e-3, "quantization must be visible"
+    assert diff < 1e-4, f"{name} {scheme_name}: export logits differ from the fake-quantized reference by {diff}"
+
+
+def _recipe(folder: Path, *targets: dict):
+    import yaml
+
+    from llmc.recipe import parse_recipe
+
+    return parse_recipe(yaml.safe_dump({"name": "f", "model": {"source": str(folder)},
+                                        "quantization": {"weights": {"format": "int4", "strategy": "group",
+                                                                     "group_size": 32}},
+                                        "targets": list(targets)}))
+
+
+def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_loads(tmp_path: Path, monkeypatch) -> None:
+    """Per-format family lists are data (llmc/targets/*): OLMo 2 to ONNX Runtime or TensorRT-LLM is refused at plan
+    time with the runtimes that take it; GGUF and compressed-tensors take it."""
+    from llmc.errors import IncompatibleTargetError
+    from llmc.model import checkpoint
+    from llmc.plan import make_plan
+
+    folder = make_tiny("olmo2", tmp_path / "olmo2")
+    monkeypatch.setattr(checkpoint.CheckpointReader, "get_many", lambda *a, **k: pytest.fail("weights were read"))
+    for target in ({"runtime": "onnxruntime", "gpu_arch": "cpu"}, {"runtime": "tensorrt-llm", "gpu_arch": "sm90"},
+                   {"runtime": "lmdeploy", "gpu_arch": "sm90"}):
+        with pytest.raises(IncompatibleTargetError, match="model_type is 'olmo2'") as refused:
+            make_plan(_recipe(folder, target), folder)
+        assert "vllm" in refused.value.fix and "llama.cpp" in refused.value.fix
+    plan = make_plan(_recipe(folder, {"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "llama.cpp"}), folder)
+    assert [t["exporter"] for t in plan.targets] == ["compressed-tensors", "gguf"]
