@@ -423,8 +423,9 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
         stages.append(q)
         if scheme.needs_calibration and not spill:
             spilled = res.quantize_stage(shape, spill=True, **kwargs)
-            cheaper[q.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
-                               "activations in memory", spilled.host_bytes / 1e9)
+            if spilled.host_bytes < 0.95 * q.host_bytes:  # only a strategy that saves something is named
+                cheaper[q.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
+                                   "activations in memory", spilled.host_bytes / 1e9)
     seen: dict[tuple, str] = {}
     for t, entry in zip(_targets_by_variant(recipe, schemes), planned_targets):
         scheme, target = t
@@ -450,9 +451,11 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
             st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
             stages.append(st)
             if not streamed:
-                cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
-                                    res.eval_stage(shape, label=label, streamed=True, reference=reference,
-                                                   artifact_code_bytes=code_bytes, **eval_kwargs).host_bytes / 1e9)
+                lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,
+                                      artifact_code_bytes=code_bytes, **eval_kwargs).host_bytes
+                if lean < 0.95 * st.host_bytes:
+                    cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
+                                        lean / 1e9)
     quant = [s for s in stages if s.name.startswith("quantize")]
     registry_bytes = sum(s.disk_bytes for s in stages if s.name.startswith("export"))
     return {

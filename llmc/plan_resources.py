@@ -68,10 +68,10 @@ class Stage:
 
 @functools.cache
 def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
-    """FLOP/s of a [128, 1024] x [1024, 1024] matmul in `dtype_name` on `device`, measured now (best of 3)."""
+    """FLOP/s of a [64, 1024] x [1024, 1024] matmul in `dtype_name` on `device`, measured now (best of 3)."""
     dtype = getattr(torch, dtype_name)
     dev = torch.device(device)
-    a = torch.randn(128, 1024, dtype=dtype, device=dev)
+    a = torch.randn(64, 1024, dtype=dtype, device=dev)
     w = torch.randn(1024, 1024, dtype=dtype, device=dev)
     torch.nn.functional.linear(a, w)  # warm-up
     best = float("inf")
@@ -83,7 +83,7 @@ def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - t)
-    return 2 * 128 * 1024 * 1024 / max(best, 1e-9)
+    return 2 * 64 * 1024 * 1024 / max(best, 1e-9)
 
 
 @dataclass
