@@ -18,14 +18,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen():
     from llmc.model.source import DEMO_MODELS, describe_source, resolve_source
     from llmc.store import Store
 
     demo = DEMO_MODELS["qwen2.5-coder-0.5b"]
     if any(importlib.util.find_spec(p) is None for p in demo.parts):
         pytest.skip(f"the Qwen demo's part packages are not installed: {demo.pip_install}")
-    store = Store(tmp_path_factory.mktemp("qwen-cache"))
+    store = Store.default()  # $LLMC_CACHE: the unpacked folder is made once per cache
     return resolve_source("demo:qwen2.5-coder-0.5b", store), describe_source("demo:qwen2.5-coder-0.5b", store)
 
 
