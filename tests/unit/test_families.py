@@ -20,7 +20,6 @@ from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
-
 from tests.unit.families import EXPECTED_PAIRS, FAMILIES, make_tiny
 
 SCHEMES = {
