@@ -250,7 +250,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         from llmc.model.checkpoint import read_model_config
 
         config = read_model_config(Path(model_folder))
-        for t in recipe.targets:  # families the target's format does not cover: refused before any weight loads
+        from llmc.model.families import check_quantizable
+
+        check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
+        for t in recipe.targets:
             targets.check_family(t, config)
         shapes, params, nbytes = linear_shapes_from_headers(Path(model_folder))
         for scheme in schemes.values():
