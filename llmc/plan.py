@@ -274,7 +274,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             tensors = plan_shapes.from_headers(Path(model_folder))
         else:
             tensors = plan_shapes.from_config(config)
-        for t in recipe.targets:  # families the target's format does not cover: refused before any weight loads
+        from llmc.model.families import check_quantizable
+
+        check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
+        for t in recipe.targets:
             targets.check_family(t, config)
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())

@@ -341,8 +341,8 @@ def _has_bytelevel(pre: dict | None) -> bool:
 
 
 def read_vocab(root: Path, config: dict) -> Vocab:
-    """The byte-level BPE vocabulary in the canonical folder's tokenizer.json, as llama.cpp's `gpt2` model."""
-    gguf = _gguf()
+    """The canonical folder's tokenizer.json as llama.cpp's `gpt2` (byte-level BPE) or `llama` (byte-fallback BPE,
+    SentencePiece-style) tokenizer model."""
     path = root / "tokenizer.json"
     if not path.is_file():
         raise InputError(f"{root} has no tokenizer.json; GGUF embeds the tokenizer and llmc needs it to write one")

@@ -9,26 +9,26 @@ import torch
 
 from tests.conftest import make_tokenizer
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=1024, tie_word_embeddings=True)
+_COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "max_position_embeddings": 1024, "tie_word_embeddings": True}
 
 # family -> (model_type, config overrides): each shows what sets the family apart
 FAMILIES: dict[str, tuple[str, dict]] = {
     # no grouped-query attention, so v_proj -> o_proj is a smoothing pair; Llama-3.1's rope scaling
-    "llama": ("llama", dict(num_key_value_heads=4, rope_scaling={
+    "llama": ("llama", {"num_key_value_heads": 4, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 256}, rope_theta=500000.0)),
-    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
-    "qwen2": ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases
-    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),  # q_norm / k_norm after the projections
-    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
-                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
-    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
-                                   layer_types=["sliding_attention", "full_attention"])),
-    "phi3": ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),  # fused qkv_proj and gate_up_proj
-    "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5,
-                                attention_multiplier=0.2, logits_scaling=2.0)),
-    "olmo2": ("olmo2", dict(num_key_value_heads=4)),  # norms after attention and MLP, q/k norms
+        "original_max_position_embeddings": 256}, "rope_theta": 500000.0}),
+    "mistral": ("mistral", {"num_key_value_heads": 2, "sliding_window": None}),
+    "qwen2": ("qwen2", {"num_key_value_heads": 2}),  # q/k/v biases
+    "qwen3": ("qwen3", {"num_key_value_heads": 2, "head_dim": 16}),  # q_norm / k_norm after the projections
+    "gemma2": ("gemma2", {"num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("gemma3_text", {"num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+                                   "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {"num_key_value_heads": 4, "pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
+    "granite": ("granite", {"num_key_value_heads": 2, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    "olmo2": ("olmo2", {"num_key_value_heads": 4}),  # norms after attention and MLP, q/k norms
 }
 
 # what discovery finds per family (producer -> first consumer), the module docstring of mappings.py says why

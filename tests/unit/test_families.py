@@ -20,7 +20,6 @@ from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
-
 from tests.unit.families import EXPECTED_PAIRS, FAMILIES, make_tiny
 
 SCHEMES = {
@@ -160,3 +159,18 @@ def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_lo
         assert "vllm" in refused.value.fix and "llama.cpp" in refused.value.fix
     plan = make_plan(_recipe(folder, {"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "llama.cpp"}), folder)
     assert [t["exporter"] for t in plan.targets] == ["compressed-tensors", "gguf"]
+
+
+def test_plan_refuses_mixture_of_experts_models_from_the_config(tmp_path: Path) -> None:
+    """A tiny random Mixtral: refused at plan time (experts would stay unquantized), naming the expert count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.errors import IncompatibleTargetError
+    from llmc.plan import make_plan
+
+    config = AutoConfig.for_model("mixtral", vocab_size=300, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                  num_local_experts=4, num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(IncompatibleTargetError, match="Mixture-of-Experts model \\(4 experts per layer\\)"):
+        make_plan(_recipe(tmp_path / "mixtral", {"runtime": "vllm", "gpu_arch": "sm90"}), tmp_path / "mixtral")

@@ -5,8 +5,6 @@ and where transformers' GGUF loader knows the architecture, the file loads back 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,6 @@ from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import quantize_model
-
 from tests.unit.families import FAMILIES, make_tiny
 
 W8A16 = Scheme(TensorSpec("int8", "channel"))
