@@ -23,7 +23,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from llmc.engines.agreement import HeadCapture, reference_rows, score_logits
+from llmc import distributed
+from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference_rows, score_logits
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
@@ -32,6 +33,7 @@ from llmc.quant.spec import TensorSpec
 from llmc.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
+_HEAD_TENSORS = frozenset(HEAD_KEYS)
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
 
 
@@ -175,8 +177,10 @@ class TorchEngine(EngineBase):
     def _score(self, windows: torch.Tensor, batch_size: int, reference: dict | None, top_k: int, *,
                capture_head: bool) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
+        # Under torchrun each rank scores its own block of whole batches (the batches one process would run).
+        lo, hi = distributed.shard_bounds(windows.shape[0], batch_size) if distributed.active() else (0, len(windows))
         with HeadCapture(self.model) if capture_head else contextlib.nullcontext() as capture:
-            for start in range(0, windows.shape[0], batch_size):
+            for start in range(lo, hi, batch_size):
                 batch = windows[start : start + batch_size]
                 logits = self.model(input_ids=batch, use_cache=False).logits[:, :-1].float()
                 if capture is not None:
@@ -189,6 +193,8 @@ class TorchEngine(EngineBase):
         if capture is not None:
             scores.update(capture.tensors())
             self.output_head = capture.report
+        if distributed.active():
+            scores, self.output_head = _gathered(scores, getattr(self, "output_head", None) if capture_head else None)
         return scores
 
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
@@ -229,6 +235,22 @@ class TorchEngine(EngineBase):
             "repeats": repeats,
             "threads": torch.get_num_threads(),
         }
+
+
+def _gathered(scores: dict[str, torch.Tensor], head_report: dict | None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Every rank's per-window scores stacked in rank order (= window order), so intervals computed from them
+    are a single process's; the output head kept only when every rank that scored windows reproduced it."""
+    ranks = [(s, r) for s, r in distributed.gather_objects((scores, head_report)) if s]
+    if not ranks:
+        return scores, head_report
+    per_window = [k for k in ranks[0][0] if k not in _HEAD_TENSORS or k == HEAD_INPUT]
+    failed = next((r for _, r in ranks if r is not None and not r.get("reproduced", False)), None)
+    out = {k: torch.cat([s[k] for s, _ in ranks]) for k in per_window if all(k in s for s, _ in ranks)}
+    if failed is None:
+        out.update({k: v for k, v in ranks[0][0].items() if k in _HEAD_TENSORS and k != HEAD_INPUT})
+    else:
+        out.pop(HEAD_INPUT, None)
+    return out, failed if failed is not None else ranks[0][1]
 
 
 def summary(xs: list[float]) -> dict:
