@@ -272,3 +272,63 @@ def evenly_spaced_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
     local = picked[(picked >= offset) & (picked < offset + rows.shape[0])] - offset
     parts = gather_objects(rows[local.to(rows.device)])
     return torch.cat([p.to(rows.device) for p in parts])
+
+
+def launch_local(nproc: int, argv: list[str]) -> None:
+    """Run `python -m llmc ARGV` as `nproc` ranks on this node through torchrun's launcher (`--standalone`
+    rendezvous), as `torchrun --standalone --nproc-per-node N -m llmc ARGV` does. Returns when every rank exited 0.
+
+    A rank that fails ends the job (torchrun stops the others) and `launch_failure` says how. Finished layers are
+    kept: the rerun resumes at the layer that was running."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from llmc.errors import EXIT_CODES
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "llmc", *argv])
+    config, cmd, cmd_args = config_from_args(args)
+    try:
+        elastic_launch(config, cmd)(*cmd_args)
+    except ChildFailedError as e:
+        raise launch_failure(e.failures, set(EXIT_CODES.values())) from None
+
+
+class RankFailed(Exception):
+    """A rank of a `launch_local` job exited with one of llmc's exit codes (it printed its message itself)."""
+
+    def __init__(self, rank_: int, exit_code: int) -> None:
+        super().__init__(f"rank {rank_} exited with code {exit_code}")
+        self.rank, self.exit_code = rank_, exit_code
+
+
+class JobFailed(Exception):
+    """A rank died in a way llmc did not report itself (a signal, an unknown exit code): exit 70."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+RESUME_FIX = "finished layers are kept: run the same command again and it resumes at the layer that was running"
+
+
+def launch_failure(failures: dict, llmc_codes: set[int]) -> Exception:
+    """The error a failed job reports, from torchrun's {rank: ProcessFailure} (the lowest failed rank's): RankFailed
+    with the rank's own code when llmc reported it, ResourceError (exit 4) for a rank killed by SIGKILL (most often
+    the out-of-memory killer), JobFailed otherwise."""
+    from llmc.errors import ResourceError
+
+    rank_ = min(failures)
+    failure = failures[rank_]
+    if failure.exitcode > 0 and failure.exitcode in llmc_codes:
+        return RankFailed(rank_, failure.exitcode)
+    if failure.exitcode < 0:
+        what = f"rank {rank_} (pid {failure.pid}) was killed by {failure.signal_name()}"
+        if failure.signal_name() == "SIGKILL":
+            return ResourceError(f"{what}, most often by the out-of-memory killer; the job stopped",
+                                 fix=f"{RESUME_FIX}; for less memory per rank use fewer --nproc or "
+                                     "calibration.spill_activations: always")
+        return JobFailed(f"{what}; the job stopped", RESUME_FIX)
+    return JobFailed(f"rank {rank_} (pid {failure.pid}) exited with code {failure.exitcode}; the job stopped",
+                     f"see that rank's output above; {RESUME_FIX}")

@@ -41,6 +41,7 @@ class Plan:
     estimates: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
+    distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.scaling)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -56,6 +57,10 @@ class Plan:
                 f"disk ~{e['disk_gb']:.2f} GB, calibration ~{e['calibration_s']:.0f} s, eval ~{e['eval_s']:.0f} s"
                 + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else "")
             )
+        if self.distributed:
+            from llmc.scaling import render
+
+            lines += render(self.distributed)
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
         for name, described in self.gates.items():
@@ -227,8 +232,10 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
                                       fix="use fp8_e4m3, int8 or int4 weights")
 
 
-def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None) -> Plan:
-    """Check every variant x target; with the model folder, also shapes and resource estimates."""
+def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None,
+              nproc: int | None = None) -> Plan:
+    """Check every variant x target; with the model folder, also shapes and resource estimates (per rank when `nproc`
+    or torchrun's WORLD_SIZE says several)."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
@@ -255,6 +262,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings += check_model(recipe, scheme, config, shapes)
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         plan.estimates = _estimates(recipe, list(schemes.values()), config, params, nbytes, device)
+        nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
+        if nproc > 1:
+            plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config, shapes, plan.estimates,
+                                                     nproc)
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0] / 1e9
             if free < plan.estimates["device_memory_gb"]:
@@ -293,6 +304,27 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 )
     return plan
 
+
+
+def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
+                          nproc: int) -> dict:
+    """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.scaling)."""
+    from llmc.scaling import Workload, layer_shapes, plan_estimate
+
+    calibrated = [s for s in schemes if s.needs_calibration]
+    if not calibrated:
+        return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
+                                        "layer's Linears; run it as one process"}
+    pipelines = [Pipeline.of(s) for s in calibrated]
+    work = Workload(ranges=any(s.stores_ranges for s in calibrated),
+                    hessians=any(p.observes_hessians for p in pipelines),
+                    awq=any(p.replays_module_calls for p in pipelines),
+                    solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
+    c = recipe.calibration
+    activations_gb = 0.0 if estimates.get("spill_activations") else \
+        2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
+    flops = _GPU_FLOPS if str(estimates.get("device", "cpu")).startswith("cuda") else _CPU_FLOPS
+    return plan_estimate(estimates, layer_shapes(shapes), work, nproc, activations_gb, flops)
 
 
 def _plan_gates(plan: Plan) -> None:
