@@ -32,6 +32,14 @@ GATHER_CHUNK_ELEMENTS = 1 << 24
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 
+# Bytes this rank received from the others, by collective (payload only; benchmarks/distributed_scaling.py reads it).
+TRAFFIC: dict[str, int] = {}
+
+
+def _count(kind: str, nbytes: float) -> None:
+    TRAFFIC[kind] = TRAFFIC.get(kind, 0) + int(nbytes)
+
+
 @dataclass(frozen=True)
 class World:
     rank: int
@@ -117,6 +125,7 @@ def reduce_maxima(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     flat = _same_device_tensor(flat)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    _count("max", flat.numel() * 4 * 2 * (size() - 1) / size())  # a ring all-reduce's share
     out, at = [], 0
     for t in tensors:
         out.append(flat[at : at + t.numel()].reshape(t.shape).to(device=t.device, dtype=t.dtype))
@@ -136,6 +145,7 @@ def sum_in_rank_order(t: torch.Tensor) -> torch.Tensor:
         chunk = flat[start : start + GATHER_CHUNK_ELEMENTS].contiguous()
         parts = [torch.empty_like(chunk) for _ in range(world)]
         dist.all_gather(parts, chunk)
+        _count("sum", (world - 1) * chunk.numel() * chunk.element_size())
         total = parts[0].double()
         for p in parts[1:]:
             total = total + p.double()
@@ -166,6 +176,7 @@ def gather_objects(obj) -> list:
         return [obj]
     out = [None] * size()
     dist.all_gather_object(out, _to_cpu(obj))
+    _count("gather", sum(_tensor_bytes(o) for r, o in enumerate(out) if r != rank()))
     return out
 
 
@@ -175,6 +186,8 @@ def broadcast_object(obj, src: int = 0):
         return obj
     box = [_to_cpu(obj) if rank() == src else None]
     dist.broadcast_object_list(box, src=src)
+    if rank() != src:
+        _count("broadcast", _tensor_bytes(box[0]))
     return box[0]
 
 
@@ -216,6 +229,18 @@ def moved(obj, device: torch.device | str):
 
         return replace(obj, **{f.name: moved(getattr(obj, f.name), device) for f in fields(obj)})
     return obj
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
 
 
 def _to_cpu(obj):

@@ -210,3 +210,45 @@ def test_evaluation_split_over_ranks_is_identical(one_and_two, tmp_path: Path) -
     from llmc.eval.metrics import perplexity_interval
 
     assert perplexity_interval(results[0]["base"]["nll"]) == perplexity_interval(results[1]["base"]["nll"])
+
+
+@pytest.mark.slow
+def test_llmc_build_nproc_2_gives_the_single_process_build(tmp_path: Path) -> None:
+    import random
+
+    import yaml
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")
+    words = "the jury said it did find that many of the voters had been registered a truth".split()
+    rng = random.Random(0)
+    (tmp_path / "text").mkdir()
+    for d in range(12):
+        (tmp_path / "text" / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
+    source = {"kind": "text", "path": str(tmp_path / "text"), "holdout": 3}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "tiny-dist", "model": {"source": str(model)},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
+                         "activations": {"format": "int8", "strategy": "tensor"}},
+        "calibration": {"dataset": source, "samples": 8, "seq_len": 32, "seed": 0},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"corpus": source, "seq_len": 32, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1,
+                 "bootstrap_samples": 100},
+        "gates": {"max_ppl_increase_pct": 50.0, "allow_unevaluated": True},
+        "publish": {"registry": str(tmp_path / "registry")},
+    }))
+    runs = {}
+    for nproc in (1, 2):
+        cache = tmp_path / f"cache{nproc}"
+        r = subprocess.run([sys.executable, "-m", "llmc", "build", str(recipe), "--no-publish", "--cache-dir",
+                            str(cache), "--nproc", str(nproc)], env=_env(), capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[nproc] = (r.stdout, sorted((cache / "stages" / "quantize").glob("*/layers")))
+    assert runs[2][0].count("ppl base") == 1  # one table: rank 0 reports, rank 1 stayed quiet
+    (one,), (two,) = runs[1][1], runs[2][1]
+    assert one.parent.name == two.parent.name  # same stage key: maxima do not depend on the ranks
+    a, b = _layer_files(one.parent), _layer_files(two.parent)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
