@@ -252,3 +252,52 @@ def test_llmc_build_nproc_2_gives_the_single_process_build(tmp_path: Path) -> No
     assert one.parent.name == two.parent.name  # same stage key: maxima do not depend on the ranks
     a, b = _layer_files(one.parent), _layer_files(two.parent)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- planner, volumes, failures (no processes)
+
+
+def test_plan_with_nproc_gives_per_rank_estimates_and_exact_hessian_volume(tiny_model: Path, tmp_path: Path) -> None:
+    import yaml
+
+    from llmc.plan import make_plan
+    from llmc.recipe import parse_recipe
+
+    r = parse_recipe(yaml.safe_dump({
+        "name": "p", "model": {"source": str(tiny_model)},
+        "quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 16}, "algorithm": "gptq"},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}], "calibration": {"device": "cpu"}}))
+    assert not make_plan(r, tiny_model, tmp_path).distributed  # one process: no distributed line
+    plan = make_plan(r, tiny_model, tmp_path, nproc=4)
+    d = plan.distributed
+    # tiny model: q/k/v and gate/up read hidden (64) inputs, o_proj 64, down_proj 128: Hessians 3·64² + 128²
+    assert d["bytes_per_layer"]["Hessians (all-gather, fp32)"] == 3 * 4 * (3 * 64 * 64 + 128 * 128)
+    assert 1 < d["speedup"] <= 4 and d["memory_gb_per_rank"] > 0
+    assert "distributed: 4 ranks" in plan.render() and "Hessians" in plan.render()
+
+
+def test_llama_70b_down_proj_hessian_volume_is_28672_squared_floats() -> None:
+    from llmc import scaling
+
+    shapes = {"mlp.down_proj": (8192, 28672)}
+    work = scaling.Workload(ranges=False, hessians=True, awq=False, solve_on_rank0=True)
+    assert scaling.bytes_per_layer(shapes, 2, work)["Hessians (all-gather, fp32)"] == 28672 ** 2 * 4
+    assert scaling.amdahl_fit(745.0, 264.0, 4) == pytest.approx((641.33, 103.67), abs=0.01)
+
+
+def test_a_killed_rank_is_reported_with_its_signal_and_the_resume_fix() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from llmc.errors import EXIT_CODES, ResourceError
+
+    def failure(code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=1, pid=4242, exitcode=code, error_file="/nonexistent")
+
+    codes = set(EXIT_CODES.values())
+    killed = distributed.launch_failure({1: failure(-9)}, codes)
+    assert isinstance(killed, ResourceError) and "rank 1 (pid 4242) was killed by SIGKILL" in killed.message
+    assert "resumes" in killed.fix
+    gate = distributed.launch_failure({0: failure(5), 1: failure(-15)}, codes)
+    assert isinstance(gate, distributed.RankFailed) and gate.exit_code == 5  # rank 0's own llmc code
+    other = distributed.launch_failure({1: failure(-15)}, codes)
+    assert isinstance(other, distributed.JobFailed) and "SIGTERM" in other.message
