@@ -73,7 +73,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
         distributed.init(resolve_device(recipe.calibration.device))
     if distributed.is_main():
         store.sweep()  # leftovers of processes that are gone
-    source = resolve_source(recipe.model.source, store, recipe.model.dtype)
+    source = _main_first(lambda: resolve_source(recipe.model.source, store, recipe.model.dtype))
     plan = make_plan(recipe, source.folder, store.root)  # + model shape checks, from headers only
     log(plan.render())
     build_id = stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])

@@ -62,7 +62,7 @@ def launched() -> bool:
 def init(device: torch.device | str = "cpu") -> World:
     """Join the process group torchrun set up (NCCL when `device` is a GPU, gloo otherwise); idempotent."""
     w = world_from_env()
-    if w.size > 1 and not dist.is_initialized():
+    if w.size > 1 and not dist.is_initialized() and not _CLOSED:
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(w.local_rank)
@@ -70,9 +70,14 @@ def init(device: torch.device | str = "cpu") -> World:
     return w
 
 
+_CLOSED = False  # once the group is closed this process goes on alone (a build's rank 0 after quantize)
+
+
 def destroy() -> None:
+    global _CLOSED
     if dist.is_initialized():
         dist.destroy_process_group()
+        _CLOSED = True
 
 
 def active() -> bool:
@@ -306,15 +311,12 @@ def launch_local(nproc: int, argv: list[str]) -> None:
     A rank that fails ends the job (torchrun stops the others) and `launch_failure` says how. Finished layers are
     kept: the rerun resumes at the layer that was running."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
+    from torch.distributed.run import get_args_parser, run
 
     from llmc.errors import EXIT_CODES
 
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "llmc", *argv])
-    config, cmd, cmd_args = config_from_args(args)
-    try:
-        elastic_launch(config, cmd)(*cmd_args)
+    try:  # torchrun's own entry point, minus its error-file wrapper: the failures come back here
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "llmc", *argv]))
     except ChildFailedError as e:
         raise launch_failure(e.failures, set(EXIT_CODES.values())) from None
 

@@ -508,8 +508,11 @@ def _my_windows(ids: torch.Tensor, mask: torch.Tensor | None, batch_size: int):
     unit = 1 if mask is not None else batch_size
     lo, hi = distributed.shard_bounds(ids.shape[0], unit)
     if lo >= hi:
-        raise ValueError(f"{ids.shape[0]} calibration windows in batches of {unit} leave rank {distributed.rank()} "
-                         f"of {distributed.size()} without any; fix: use fewer processes or more calibration samples")
+        from llmc.errors import RecipeError
+
+        raise RecipeError(f"{ids.shape[0]} calibration windows in batches of {unit} leave rank {distributed.rank()} "
+                          f"of {distributed.size()} without any",
+                          fix="use fewer processes (--nproc) or more calibration.samples")
     return ids[lo:hi], None if mask is None else mask[lo:hi]
 
 
