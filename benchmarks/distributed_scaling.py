@@ -105,7 +105,8 @@ def measure(args) -> list[dict]:
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(r.stdout[-2000:] + r.stderr[-2000:])
-                ranks = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+                ranks = sorted((json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")),
+                               key=lambda x: x["rank"])
                 work = scaling.Workload(ranges=scheme != "gptq", hessians=scheme == "gptq", awq=False,
                                         solve_on_rank0=scheme == "gptq")
                 predicted = scaling.bytes_per_layer(shapes, nproc, work)

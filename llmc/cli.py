@@ -222,6 +222,10 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None) -> None:
         from llmc.store import Store
 
         result = build_until(_load(recipe), Store.default(cache_dir), "quantize", threads=threads)
+        from llmc.distributed import world_from_env
+
+        if world_from_env().rank > 0:  # under torchrun rank 0 prints
+            return
         for name, path in result.quantized_dirs.items():
             click.echo(f"{name}\t{path}" if name else str(path))
 

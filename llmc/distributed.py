@@ -138,9 +138,10 @@ def reduce_maxima(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def sum_in_rank_order(t: torch.Tensor) -> torch.Tensor:
-    """Σ over ranks of `t` in float64, added in rank order (the same bits whichever rank was first), returned
-    in float64 on `t`'s device. Gathered `GATHER_CHUNK_ELEMENTS` at a time to bound the memory it takes."""
+def sum_in_rank_order(t: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Σ over ranks r of `t` (times `weights[r]`, in float64), added in rank order (the same bits whichever rank was
+    first), returned in float64 on `t`'s device. `t` travels in its own dtype, `GATHER_CHUNK_ELEMENTS` at a time to
+    bound the memory it takes."""
     if not active():
         return t.double()
     flat = _same_device_tensor(t.detach().reshape(-1))
@@ -151,9 +152,10 @@ def sum_in_rank_order(t: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(chunk) for _ in range(world)]
         dist.all_gather(parts, chunk)
         _count("sum", (world - 1) * chunk.numel() * chunk.element_size())
-        total = parts[0].double()
-        for p in parts[1:]:
-            total = total + p.double()
+        w = weights or [1.0] * world
+        total = parts[0].double() * w[0]
+        for r in range(1, world):
+            total = total + parts[r].double() * w[r]
         out[start : start + chunk.numel()] = total
     return out.reshape(t.shape).to(t.device)
 
@@ -170,9 +172,9 @@ def combine_running_means(mean: torch.Tensor, count: int) -> tuple[torch.Tensor,
     computed as Σ_r mean_r·n_r / Σ_r n_r in float64, returned in `mean`'s dtype."""
     if not active():
         return mean, count
-    total = int(sum_float(float(count)))
-    summed = sum_in_rank_order(mean.double() * count)
-    return (summed / max(total, 1)).to(mean.dtype), total
+    counts = [int(c) for c in gather_objects(count)]
+    summed = sum_in_rank_order(mean, weights=[float(c) for c in counts])  # means travel in float32
+    return (summed / max(sum(counts), 1)).to(mean.dtype), sum(counts)
 
 
 def gather_objects(obj) -> list:
