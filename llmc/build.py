@@ -9,6 +9,7 @@ What varies by runtime, engine or algorithm comes from their registries (`llmc.t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -17,8 +18,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
-import contextlib
 
 from llmc import distributed, events
 from llmc.compiler.files import SERVE_FILE

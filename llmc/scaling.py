@@ -118,15 +118,17 @@ def plan_estimate(estimates: dict, shapes: dict[str, tuple[int, int]], work: Wor
                  solve_serial=work.solve_on_rank0)
     gather_gb = nproc * 4 * min(1 << 24, max((i * i for _, i in shapes.values()), default=0)) / 1e9 \
         if work.hessians else 0.0
-    return {"nproc": nproc, "memory_gb_per_rank": estimates["peak_memory_gb"] - activations_gb * (1 - 1 / nproc)
-            + gather_gb, "calibration_s_per_rank": tn, "bytes_per_layer": volume, "speedup": t1 / tn if tn else 1.0,
-            "link": f"{LINK_BYTES_PER_S[device] / 1e9:.0f} GB/s assumed ({'NVLink-class' if device == 'cuda' else 'gloo, loopback TCP'})"}
+    link = "NVLink-class" if device == "cuda" else "gloo, loopback TCP"
+    return {"nproc": nproc,
+            "memory_gb_per_rank": estimates["peak_memory_gb"] - activations_gb * (1 - 1 / nproc) + gather_gb,
+            "calibration_s_per_rank": tn, "bytes_per_layer": volume, "speedup": t1 / tn if tn else 1.0,
+            "link": f"{LINK_BYTES_PER_S[device] / 1e9:.0f} GB/s assumed ({link})"}
 
 
 def render(estimate: dict) -> list[str]:
     if "note" in estimate:
         return [f"  distributed: {estimate['nproc']} ranks: {estimate['note']}"]
     volume = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in estimate["bytes_per_layer"].items())
-    return [f"  distributed: {estimate['nproc']} ranks: ~{estimate['memory_gb_per_rank']:.2f} GB and "
-            f"~{estimate['calibration_s_per_rank']:.0f} s calibration per rank, predicted speed-up "
-            f"{estimate['speedup']:.2f}x; per layer each rank receives {volume} (link {estimate['link']})"]
+    return [(f"  distributed: {estimate['nproc']} ranks: ~{estimate['memory_gb_per_rank']:.2f} GB and "
+             f"~{estimate['calibration_s_per_rank']:.0f} s calibration per rank, predicted speed-up "
+             f"{estimate['speedup']:.2f}x; per layer each rank receives {volume} (link {estimate['link']})")]

@@ -39,7 +39,7 @@ def _kill_mid_layer() -> None:
     kill_rank, kill_layer = os.environ.get("LLMC_TEST_KILL_RANK"), os.environ.get("LLMC_TEST_KILL_LAYER")
     if kill_rank is None or int(kill_rank) != distributed.rank():
         return
-    import llmc.quant.stream as stream
+    from llmc.quant import stream
 
     real_commit = stream.ActivationWriter.commit
 
