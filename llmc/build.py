@@ -9,6 +9,7 @@ What varies by runtime, engine or algorithm comes from their registries (`llmc.t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc import events
+from llmc import distributed, events
 from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.bos import bos_decision
@@ -71,8 +72,11 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if threads:
         torch.set_num_threads(threads)
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
-    store.sweep()  # leftovers of processes that are gone
-    source = resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype))
+    if distributed.launched():  # torchrun: every rank calibrates and quantizes its block of windows
+        distributed.init(resolve_device(recipe.calibration.device))
+    if distributed.is_main():
+        store.sweep()  # leftovers of processes that are gone
+    source = _main_first(lambda: resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype)))
     plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
     log(plan.render())
     build_id = build_id_for(recipe, source)
@@ -89,12 +93,17 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
     result.bos = bos_decision(tokenizer).record()
-    calib_key = _calibrate(result, store, calib_tokens) if needs_calibration else None  # shared by all variants
+    calib_key = _main_first(lambda: _calibrate(result, store, calib_tokens)) if needs_calibration else None  # shared by all variants
     check_disk(plan, store.root, _pending_stages(result, store, calib_key))  # what is cached needs no new disk
     quantized = {}
     for name, scheme in plan.schemes.items():
         quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
         result.quantized_dirs[name] = quantized[name][0]
+    if distributed.active():  # the ranks' shared work ends here: rank 0 alone exports, evaluates and publishes
+        distributed.barrier()
+        distributed.destroy()
+        if distributed.world_from_env().rank != 0:
+            return result
     if last == "quantize":
         return result
     for name, (quant_dir, quant_key) in quantized.items():
@@ -158,6 +167,9 @@ def _quantize_key(result: BuildResult, scheme, calib_key: str | None) -> str:
     cfg = {"scheme": scheme.to_dict(), "dtype": result.dtype, **quantize_stage_config(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
+    ranks = distributed.world_from_env().size
+    if ranks > 1 and _sums_over_windows(scheme):  # sums over windows associate differently on N ranks (maxima do not)
+        cfg["ranks"] = ranks
     return stage_key("quantize", cfg, [result.source.sha256, calib_key or ""])
 
 
@@ -172,9 +184,9 @@ def _pending_stages(result: BuildResult, store: Store, calib_key: str | None) ->
             pending |= {f"quantize {scheme.name}"} | {f"export {label}" for label in labels}
             continue
         qm = QuantizedModel.open(quant_dir)
-        for target, label in zip(result.recipe.targets, labels):
+        for target, target_label in zip(result.recipe.targets, labels):
             if not (store.stage_dir("export", _export_key(result, qm, quant_key, target)[0]) / COMPLETE_MARKER).is_file():
-                pending.add(f"export {label}")
+                pending.add(f"export {target_label}")
     return pending
 
 
@@ -182,6 +194,10 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
     device = resolve_device(result.recipe.calibration.device)
     key = _quantize_key(result, scheme, calib_key)
     done = store.lookup("quantize", key)
+    if distributed.active() and distributed.broadcast_object(done is not None) != (done is not None):
+        raise ResourceError(f"rank {distributed.rank()} and rank 0 see different contents in the cache {store.root}",
+                            fix="under torchrun every rank needs the same cache folder: a filesystem shared by all "
+                                "nodes (--cache-dir / $LLMC_CACHE)")
     with _Timer(result, f"quantize:{scheme.name}", key, done is not None):
         if done is None:
             tokens = mask = None
@@ -191,7 +207,7 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                 saved = load_file(str(calibration / "tokens.safetensors"))
                 tokens, mask = saved["input_ids"], saved.get("attention_mask")
             log(f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
-            with store.produce("quantize", key, resumable=True) as out:
+            with _producing(store, "quantize", key) as out:
                 quantize_model(
                     result.source,
                     scheme,
@@ -207,6 +223,47 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                 )
             done = store.lookup("quantize", key)
     return done, key
+
+
+def _sums_over_windows(scheme) -> bool:
+    """Whether the scheme's result depends on sums over the calibration windows (Hessians, AWQ's search), whose last
+    bits may depend on how many ranks added them (llmc.distributed); ranges are maxima and do not."""
+    from llmc.quant.algorithms import Pipeline
+
+    pipeline = Pipeline.of(scheme)
+    return pipeline.observes_hessians or pipeline.replays_module_calls
+
+
+def _main_first(produce):
+    """`produce()` on rank 0 first (it writes the stage), then on the other ranks, which find it in the cache."""
+    if distributed.is_main():
+        out = produce()
+        distributed.barrier()
+        return out
+    distributed.barrier()
+    return produce()
+
+
+@contextlib.contextmanager
+def _producing(store: Store, stage: str, key: str):
+    """A resumable stage's work folder (`Store.produce`). Under torchrun rank 0 holds the stage's lock and the
+    others work in the same folder; rank 0 commits it after every rank is done (the stream writes files on rank 0
+    only)."""
+    if not distributed.active():
+        with store.produce(stage, key, resumable=True) as out:
+            yield out
+        return
+    if distributed.is_main():
+        with store.produce(stage, key, resumable=True) as out:
+            distributed.broadcast_object(str(out))
+            yield out
+            distributed.barrier()
+        distributed.barrier()  # committed: the others may look it up
+        return
+    out = Path(distributed.broadcast_object(None))
+    yield out
+    distributed.barrier()
+    distributed.barrier()
 
 
 def _shared_stats_dir(result: BuildResult, store: Store, calib_key: str | None, device: torch.device) -> Path | None:

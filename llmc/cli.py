@@ -98,9 +98,25 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
               help="also write JUnit XML here (one test case per gate; a crashed build is an error case)")
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="also write report.{json,md,html}, the plot and junit.xml here")
-def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...], no_publish: bool,
-          as_json: bool, junit: Path | None, report_dir: Path | None) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=1,
+              help="calibrate and quantize data-parallel in this many processes on this node (torchrun); "
+                   "for several nodes run `torchrun ... -m llmc build RECIPE` (docs/distributed.md)")
+def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...],
+          no_publish: bool, as_json: bool, junit: Path | None, report_dir: Path | None, nproc: int) -> None:
     """Plan, calibrate, quantize, export, evaluate, gate and publish RECIPE."""
+    from llmc import distributed
+
+    if nproc > 1 and not distributed.launched():
+        _launch(nproc, _without_nproc(sys.argv[1:]))
+        return
+    if distributed.world_from_env().rank > 0:  # a rank's share ends with the quantize stage; rank 0 reports
+        from llmc.build import build_until
+        from llmc.progress import set_quiet
+        from llmc.store import Store
+
+        set_quiet(True)
+        _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads))
+        return
 
     def go():
         try:
@@ -118,6 +134,33 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
             raise
 
     _run(go)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _launch(nproc: int, argv: list[str]) -> None:
+    """`llmc ARGV` as `nproc` torchrun ranks on this node; exits as the job did (llmc.distributed.launch_local)."""
+    from llmc import distributed
+
+    try:
+        distributed.launch_local(nproc, argv)
+    except LlmcError as e:
+        _fail(e)
+    except distributed.RankFailed as e:
+        sys.exit(e.exit_code)  # the rank printed its own message
+    except distributed.JobFailed as e:
+        click.echo(f"llmc: internal error: {e.message}\n  fix: {e.fix}", err=True)
+        sys.exit(INTERNAL_ERROR_EXIT_CODE)
 
 
 def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
@@ -153,7 +196,9 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @set_option
-def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="also estimate data-parallel calibration over this many processes (per rank, per layer)")
+def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc: int | None) -> None:
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
@@ -162,7 +207,7 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) -> No
 
         r = _load(recipe, overrides)
         make_plan(r)  # the recipe and the targets first: no source is touched when they fail
-        click.echo(plan_recipe(r, Store.default(cache_dir), recipe).render())
+        click.echo(plan_recipe(r, Store.default(cache_dir), recipe, nproc=nproc).render())
 
     _run(go)
 
@@ -180,6 +225,10 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None, override
         from llmc.store import Store
 
         result = build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads)
+        from llmc.distributed import world_from_env
+
+        if world_from_env().rank > 0:  # under torchrun rank 0 prints
+            return
         for name, path in result.quantized_dirs.items():
             click.echo(f"{name}\t{path}" if name else str(path))
 

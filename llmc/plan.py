@@ -35,6 +35,7 @@ class Plan:
     targets: list[dict] = field(default_factory=list)
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
     basis: str = ""  # what the estimates were computed from, when not the source's own files
+    distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.scaling)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -44,6 +45,10 @@ class Plan:
             lines.append(f"  planned from {self.basis}")
         if e:
             lines += _render_estimates(e)
+        if self.distributed:
+            from llmc.scaling import render
+
+            lines += render(self.distributed)
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
         for name, described in self.gates.items():
@@ -245,9 +250,10 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
 
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
-              config: dict | None = None, refuse: bool = True) -> Plan:
+              config: dict | None = None, refuse: bool = True, nproc: int | None = None) -> Plan:
     """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
-    and each stage's memory, disk and time, refusing what does not fit this machine."""
+    and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
+    what does not fit this machine."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
@@ -284,6 +290,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         plan.estimates = _estimates(recipe, list(schemes.values()), config, tensors, device, plan.targets,
                                     model_folder)
+        nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
+        if nproc > 1:
+            plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
+                                                     tensors.linear_shapes(), plan.estimates, nproc)
         from llmc.errors import ResourceError
 
         try:
@@ -351,7 +361,7 @@ def check_disk(plan: Plan, cache_dir: Path, pending: set[str] | None = None) -> 
         )
 
 
-def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None) -> Plan:
+def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
     """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
     offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
     from llmc.model.checkpoint import read_model_config
@@ -366,11 +376,36 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None) -> Plan:
         absent = source.startswith("hf:") or (":" not in source and not Path(source).expanduser().exists())
         if absent:
             folder = config_path if config_path.is_dir() else config_path.parent
-            plan = make_plan(recipe, config=read_model_config(folder), cache_dir=store.root, refuse=False)
+            plan = make_plan(recipe, config=read_model_config(folder), cache_dir=store.root, refuse=False,
+                             nproc=nproc)
             plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
             return plan
     src = resolve_source(source, store, source_dtype(recipe.model.dtype))
-    return make_plan(recipe, src.folder, store.root)
+    return make_plan(recipe, src.folder, store.root, nproc=nproc)
+
+
+def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
+                          nproc: int) -> dict:
+    """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.scaling)."""
+    from llmc.scaling import Workload, layer_shapes, plan_estimate
+
+    calibrated = [s for s in schemes if s.needs_calibration]
+    if not calibrated:
+        return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
+                                        "layer's Linears; run it as one process"}
+    pipelines = [Pipeline.of(s) for s in calibrated]
+    work = Workload(ranges=any(s.stores_ranges for s in calibrated),
+                    hessians=any(p.observes_hessians for p in pipelines),
+                    awq=any(p.replays_module_calls for p in pipelines),
+                    solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
+    c = recipe.calibration
+    activations_gb = 0.0 if estimates.get("spill_activations") else \
+        2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
+    from llmc.plan_resources import matmul_rate
+
+    device = str(estimates.get("device", "cpu"))
+    flops = matmul_rate(estimates.get("dtype", "float32"), device)  # measured here, as the stage times are
+    return plan_estimate(estimates, layer_shapes(shapes), work, nproc, activations_gb, flops)
 
 
 def _plan_gates(plan: Plan) -> None:

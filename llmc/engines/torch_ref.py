@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from llmc.engines.agreement import HeadCapture, reference_rows, score_logits
+from llmc import distributed
+from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference_rows, score_logits
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
@@ -36,6 +37,7 @@ from llmc.quant.spec import TensorSpec
 from llmc.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
+_HEAD_TENSORS = frozenset(HEAD_KEYS)
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
 _EAGER: dict[int, bool] = {}  # attention modules whose model ran eager attention before the KV wrapper
 
@@ -209,9 +211,13 @@ class TorchEngine(EngineBase):
     def _score(self, windows: torch.Tensor, batch_size: int, reference: dict | None, top_k: int, *,
                capture_head: bool) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
+        # Under torchrun each rank scores its own block of whole batches (the batches one process would run).
+        lo, hi = distributed.shard_bounds(windows.shape[0], batch_size) if distributed.active() else (0, len(windows))
+        mine = windows[lo:hi]  # lo is a multiple of batch_size: the same batches one process would run
         with HeadCapture(self.model) if capture_head else contextlib.nullcontext() as capture:
 
             def on_logits(start: int, logits: torch.Tensor) -> None:
+                start += lo
                 batch = windows[start : start + batch_size]
                 if capture is not None:
                     capture.after_forward(logits)
@@ -224,16 +230,18 @@ class TorchEngine(EngineBase):
             if self.streamed:
                 from llmc.engines.torch_stream import streamed_logits
 
-                streamed_logits(self.model, self._decoder, windows, batch_size, self.dtype, on_logits)
+                streamed_logits(self.model, self._decoder, mine, batch_size, self.dtype, on_logits)
             else:
-                for start in range(0, windows.shape[0], batch_size):
-                    on_logits(start, self.model(input_ids=windows[start : start + batch_size],
+                for start in range(0, mine.shape[0], batch_size):
+                    on_logits(start, self.model(input_ids=mine[start : start + batch_size],
                                                 use_cache=False).logits[:, :-1].float())
-            self._scored = (windows.numel(), time.perf_counter() - t)
+            self._scored = (mine.numel(), time.perf_counter() - t)
         scores = {k: torch.cat(v) for k, v in parts.items()}
         if capture is not None:
             scores.update(capture.tensors())
             self.output_head = capture.report
+        if distributed.active():
+            scores, self.output_head = _gathered(scores, getattr(self, "output_head", None) if capture_head else None)
         return scores
 
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
@@ -280,6 +288,22 @@ class TorchEngine(EngineBase):
             "repeats": repeats,
             "threads": torch.get_num_threads(),
         }
+
+
+def _gathered(scores: dict[str, torch.Tensor], head_report: dict | None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Every rank's per-window scores stacked in rank order (= window order), so intervals computed from them
+    are a single process's; the output head kept only when every rank that scored windows reproduced it."""
+    ranks = [(s, r) for s, r in distributed.gather_objects((scores, head_report)) if s]
+    if not ranks:
+        return scores, head_report
+    per_window = [k for k in ranks[0][0] if k not in _HEAD_TENSORS or k == HEAD_INPUT]
+    failed = next((r for _, r in ranks if r is not None and not r.get("reproduced", False)), None)
+    out = {k: torch.cat([s[k] for s, _ in ranks]) for k in per_window if all(k in s for s, _ in ranks)}
+    if failed is None:
+        out.update({k: v for k, v in ranks[0][0].items() if k in _HEAD_TENSORS and k != HEAD_INPUT})
+    else:
+        out.pop(HEAD_INPUT, None)
+    return out, failed if failed is not None else ranks[0][1]
 
 
 def summary(xs: list[float]) -> dict:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmc import distributed
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
@@ -356,13 +357,17 @@ def quantize_model(
     (out / "layers").mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
     progress_file = state_dir / "progress.json"
-    start = json.loads(progress_file.read_text())["next_layer"] if progress_file.is_file() else 0
+    start = _resume_layer(progress_file)
+    # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
+    act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
     if start:
         log(f"resuming quantization at layer {start}/{n_layers}")
 
     calibrate = scheme.needs_calibration
     if calibrate and calibration is None:
         raise ValueError("this scheme needs calibration data")
+    if calibrate and distributed.active():
+        calibration, calibration_mask = _my_windows(calibration, calibration_mask, batch_size)
     shared = SharedStats(shared_stats, n_layers) if shared_stats and calibrate and pipeline.shares_statistics else None
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
@@ -390,13 +395,13 @@ def quantize_model(
             forward_batch = calibration.shape[0]  # GPTQ inside the one forward that makes the outputs
         batches = unpadded_samples(calibration, calibration_mask) if calibration_mask is not None else list(
             calibration.split(forward_batch))
-        saved = inputs_dir(state_dir, start)
+        saved = inputs_dir(act_dir, start)
         hidden = Activations.load(saved, spill) if start and saved.is_dir() else None
-        if start and (hidden is None or len(hidden) != len(batches)):
+        if start and distributed.any_rank(hidden is None or len(hidden) != len(batches)):
             log(f"no saved inputs for layer {start} in {len(batches)} batches (work folder from an older run "
                 "or another machine): starting over")
             start = 0
-        first = None if start else ActivationWriter(inputs_dir(state_dir, 0), spill)
+        first = None if start else ActivationWriter(inputs_dir(act_dir, 0), spill)
         extras = capture_layer_inputs(model, layers, batches, first.put if first else None)
         hidden = hidden if start else first.commit()
     else:
@@ -425,17 +430,18 @@ def quantize_model(
             stats = _stats_from(to_device(shared.load(i), device), linears, kv_modules)
             pipeline.transform_layer(layer, prefix, stats)
         elif gptq_in_forward:
-            next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
+            next_inputs = ActivationWriter(inputs_dir(act_dir, i + 1), spill)
             quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats,
                                                   pipeline, next_inputs.put, batch_size)
         elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
             # observing) or with its quantized weights (one more pass, after quantizing).
-            next_inputs = ActivationWriter(inputs_dir(state_dir, i + 1), spill)
+            next_inputs = ActivationWriter(inputs_dir(act_dir, i + 1), spill)
             observe = pipeline.observe(layer)
             sink = next_inputs.put if propagate == "original" else None
             _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
-            if shared is not None:
+            distributed.reduce_layer_stats(stats)
+            if shared is not None and distributed.is_main():
                 shared.save(i, to_device({"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
                                           "value_absmax": stats.value_absmax}, _HOST))
             if pipeline.transform_layer(layer, prefix, stats) and pipeline.reads_statistics_after_transform:
@@ -443,27 +449,35 @@ def quantize_model(
                 stats = LayerStats()
                 replace_observe = Observe(hessians=observe.hessians, module_calls=())
                 _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
+                distributed.reduce_layer_stats(stats)
         if not gptq_in_forward:
-            quantized = pipeline.quantize_layer(linears, stats)
+            quantized = _quantize_spread(pipeline, linears, stats, device)
         stats.module_calls.clear()
 
-        tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
-        atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
+        if distributed.is_main():
+            tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
+            atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
         if calibrate and not reuse:
             if propagate == "quantized" and not gptq_in_forward:
                 for name, lin in linears.items():
                     lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
                 _forward_batches(layer, hidden, layer_extras, next_inputs.put)
             hidden = next_inputs.commit()
-        # Progress moves only after the layer file and the next layer's inputs are complete; a run
+        # Progress moves only after the layer file and the next layer's inputs are complete (on every rank); a run
         # killed anywhere before this line redoes layer i from its own saved inputs.
-        atomic_write_json(progress_file, {"next_layer": i + 1})
-        shutil.rmtree(inputs_dir(state_dir, i), ignore_errors=True)
+        distributed.barrier()
+        if distributed.is_main():
+            atomic_write_json(progress_file, {"next_layer": i + 1, **_world_entry()})
+        distributed.barrier()
+        shutil.rmtree(inputs_dir(act_dir, i), ignore_errors=True)
         release(layer)
         if on_layer_done:
             on_layer_done(i)
 
     release(model)  # the skeleton's embeddings and head: read again below, so never two copies (70B: 4.2 GB each)
+    distributed.barrier()
+    if not distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
+        return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
     rest = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
     rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)
@@ -487,6 +501,51 @@ def quantize_model(
         shared.finish(all_linears, all_kv)
     shutil.rmtree(state_dir, ignore_errors=True)
     return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+
+def _resume_layer(progress_file: Path) -> int:
+    """The layer a rerun starts at: progress.json's, when it was written by as many ranks as run now (each rank's
+    saved inputs are its own block of windows)."""
+    if not progress_file.is_file():
+        return 0
+    progress = json.loads(progress_file.read_text())
+    if progress.get("world_size", 1) != distributed.size():
+        log(f"the work folder was left by {progress.get('world_size', 1)} processes, this run has "
+            f"{distributed.size()}: starting over")
+        return 0
+    return progress["next_layer"]
+
+
+def _world_entry() -> dict:
+    return {"world_size": distributed.size()} if distributed.active() else {}
+
+
+def _my_windows(ids: torch.Tensor, mask: torch.Tensor | None, batch_size: int):
+    """This rank's contiguous block of calibration rows, cut on batch boundaries (per-sample: on samples)."""
+    unit = 1 if mask is not None else batch_size
+    lo, hi = distributed.shard_bounds(ids.shape[0], unit)
+    if lo >= hi:
+        from llmc.errors import RecipeError
+
+        raise RecipeError(f"{ids.shape[0]} calibration windows in batches of {unit} leave rank {distributed.rank()} "
+                          f"of {distributed.size()} without any",
+                          fix="use fewer processes (--nproc) or more calibration.samples")
+    return ids[lo:hi], None if mask is None else mask[lo:hi]
+
+
+def _quantize_spread(pipeline: Pipeline, linears: dict[str, nn.Linear], stats: LayerStats,
+                     device: torch.device) -> dict[str, QuantizedWeight]:
+    """The quantizer's codes for every Linear; under torchrun each group of Linears sharing an input (one Hessian)
+    is quantized on one rank and the results broadcast (llmc.distributed.spread)."""
+    if not distributed.active():
+        return pipeline.quantize_layer(linears, stats)
+    groups: dict[str, list[str]] = {}
+    for name in linears:
+        groups.setdefault(stats.hessian_of.get(name, name), []).append(name)
+    sizes = {n: lin.weight.numel() for n, lin in linears.items()}
+    results = distributed.spread(list(groups.values()), sizes,
+                                 lambda names: pipeline.quantize_layer({n: linears[n] for n in names}, stats))
+    return {n: distributed.moved(results[n], device) for n in linears}
 
 
 def unpadded_samples(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:

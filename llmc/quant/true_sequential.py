@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmc import distributed
 from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_quantize_shared
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.spec import TensorSpec
@@ -67,7 +68,10 @@ def stacks_of(layer: nn.Module, prefix: str, linears: dict[str, nn.Linear]) -> d
 
 def _quantize_stack(names: tuple[str, ...], linears: dict[str, nn.Linear], hessian: torch.Tensor,
                     spec: TensorSpec, options: GptqOptions, quantized: dict[str, QuantizedWeight]) -> None:
-    results, _ = gptq_quantize_shared([linears[n].weight.data for n in names], hessian, spec, options)
+    # Under torchrun: computed on rank 0, the codes broadcast (llmc.distributed); every rank then runs the same layer.
+    results = distributed.computed_once(
+        lambda: gptq_quantize_shared([linears[n].weight.data for n in names], hessian, spec, options)[0])
+    results = distributed.moved(results, hessian.device)
     for name, q in zip(names, results):
         quantized[name] = q
         _set_quantized(linears[name], q, spec)
@@ -94,6 +98,7 @@ def in_one_forward(
             hessian, tokens = None, 0
             for chunk in x.detach().split(batch_windows):
                 hessian, tokens = accumulate_hessian(hessian, tokens, chunk)
+            hessian, tokens = distributed.combine_running_means(hessian, tokens)  # over every rank's windows
             last[:] = [x, hessian]
         names = stacks.get(name, (name,))
         stack_input.update(dict.fromkeys(names[1:], x))
@@ -134,6 +139,7 @@ def staged(
                 batch_input = None
                 with contextlib.suppress(_Stop):
                     call()
+        hessian, tokens = distributed.combine_running_means(hessian, tokens)  # over every rank's windows
         for name in group:
             if name not in quantized:
                 names = stacks.get(name, (name,))

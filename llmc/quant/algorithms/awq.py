@@ -19,6 +19,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from llmc import distributed
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
 from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
@@ -187,14 +188,14 @@ def _search_mapping(parent: nn.Module, calls: list, consumers: list[nn.Linear], 
     originals = [c.weight.data.clone() for c in consumers]
     with torch.no_grad():
         reference = [_call(parent, a, k) for a, k in calls]
-    elements = sum(r.numel() for r in reference)
+    elements = distributed.sum_float(float(sum(r.numel() for r in reference)))  # over every rank's windows
 
     def output_error(s: torch.Tensor) -> float:
         for c, w in zip(consumers, originals):
             c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
         with torch.no_grad():
             total = sum(float((_call(parent, a, k) - r).float().pow(2).sum()) for (a, k), r in zip(calls, reference))
-        return total / elements
+        return distributed.sum_float(total) / elements  # every rank scores the same candidate on its own windows
 
     try:
         s, _ = search_scale(x_mean, w_mean, output_error, options)
@@ -211,6 +212,8 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
     w = linear.weight.data.float()
     x = torch.cat([_first_input(c).reshape(-1, linear.in_features).float() for c in calls])
     gram, elements = x.T @ x, x.shape[0] * linear.out_features
+    if distributed.active():  # the Gram matrix and the row count over every rank's windows
+        gram, elements = distributed.sum_in_rank_order(gram).float(), distributed.sum_float(float(elements))
 
     def output_error(s: torch.Tensor) -> float:
         delta = fake_quantize_weight(w * s, spec) / s - w
@@ -233,7 +236,7 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
         calls = stats.module_calls[m.parent]
         consumers = [layer.get_submodule(c) for c in m.consumers]
         x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
-        x_mean = torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]).mean(dim=0)
+        x_mean = distributed.mean_rows(torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]))
         w_mean = weight_mean([c.weight for c in consumers], weights) if options.duo_scaling else None
         s = _search_mapping(parent, calls, consumers, x_mean, w_mean, weights, options)
         divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
@@ -246,6 +249,8 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
         if not isinstance(lin, nn.Linear) or name.rsplit(".", 1)[-1] in _NO_CLIP or name not in stats.module_calls:
             continue
         x = torch.cat([_first_input(c).reshape(-1, lin.in_features) for c in stats.module_calls[name]])
+        if distributed.active():  # the rows the clip search samples, from every rank's windows
+            x = distributed.evenly_spaced_rows(x, options.clip_tokens)
         if name in input_divisor:
             x = x / input_divisor[name]
         lin.weight.data = search_clip(lin.weight.data, x, weights, options)
