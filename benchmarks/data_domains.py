@@ -7,6 +7,7 @@ chapter); then both schemes calibrated on chat-formatted samples with and withou
     scripts/setup-corpora.sh && python benchmarks/make_chat_set.py OUT/chat
     python benchmarks/make_cloze_task.py OUT/tasks       # a local multiple-choice task for eval.tasks
     PYTHONPATH=$PWD python benchmarks/data_domains.py OUT [--samples 8] [--windows 8] [--only domains|chat|tasks]
+    PYTHONPATH=$PWD python benchmarks/data_domains.py OUT --match chat-template   # only the builds so named
     PYTHONPATH=$PWD python benchmarks/data_domains.py OUT --table      # results.jsonl as a markdown table
 
 Runs go most informative first (a loaded machine may not finish the plan). Writes OUT/results.jsonl, one line
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--only", choices=("domains", "chat", "tasks"), default=None)
     ap.add_argument("--task-limit", type=int, default=100)
+    ap.add_argument("--match", default=None,
+                    help="run only the builds whose name contains this (e.g. chat-template, awq-cal-austen)")
     ap.add_argument("--table", action="store_true", help="print OUT/results.jsonl as a markdown table and stop")
     a = ap.parse_args()
     if a.table:
@@ -104,6 +107,8 @@ def main() -> None:
     for study, variant, calib, ev in plan:
         if a.only and a.only != study:
             continue
+        if a.match and a.match not in run_name(study, variant, calib, ev):
+            continue
         if study == "domains":
             name = f"{variant}-cal-{calib}-eval-{ev}"
             run(a.out, name, recipe(name, DOMAINS[calib], DOMAINS[ev], samples=a.samples, windows=a.windows,
@@ -112,6 +117,11 @@ def main() -> None:
             tasks_run(a, variant)
         else:
             chat_run(a, variant, calib)
+
+
+def run_name(study: str, variant: str, calib: str, ev: str | None) -> str:
+    return {"domains": f"{variant}-cal-{calib}-eval-{ev}", "tasks": f"{variant}-tasks"}.get(
+        study, f"{variant}-chat-template-{calib}")
 
 
 def table(path: Path) -> str:
