@@ -128,3 +128,47 @@ def test_overlap_is_checked_against_each_corpus(tiny_model: Path, tmp_path: Path
     calibration = {"dataset": corpora["truth"], "samples": 4, "seq_len": 48, "seed": 0}
     with pytest.raises(InputError, match="evaluation corpus 'truth'"):
         build_until(_recipe(tiny_model, corpora, calibration=calibration), Store(tmp_path / "cache"), "gate")
+
+
+# --------------------------------------------------------------------------- `llmc eval` on any data source
+
+
+def test_standalone_eval_reads_any_source_and_gates_kld_and_top1(tiny_model: Path, tmp_path: Path,
+                                                                 corpora: dict) -> None:
+    from llmc.eval.standalone import evaluate_artifact
+
+    store = Store(tmp_path / "cache")
+    built = build_until(_recipe(tiny_model, corpora["jury"]), store, "gate")
+    art = built.artifacts["vllm-sm90-tp1"].dir
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": " ".join(OTHER[(i + j) % len(OTHER)] for j in range(300))}) + "\n"
+                            for i in range(6)))
+    common = dict(engine="torch", windows=4, seq_len=48, max_ppl_increase_pct=None, threads=None)
+
+    # a folder path is a text source: the same windows as the build's, so the same perplexity
+    text, failed = evaluate_artifact(art, str(tiny_model), store, corpus=(corpora["jury"]["path"],), **common)
+    assert failed is None and f"{built.evals['torch:vllm-sm90-tp1'].perplexity:.3f}" in text
+    assert f"protocol: text:{corpora['jury']['path']} (whole), 4 windows x 48 tokens" in text
+
+    # two corpora (a folder and a jsonl mapping): a row each; KLD and top-1 gates from the command line
+    text, failed = evaluate_artifact(art, str(tiny_model), store, corpus=(
+        corpora["jury"]["path"], f"{{kind: jsonl, path: {rows}, field: text}}"),
+        max_mean_kld=1e-9, min_top1_agreement_pct=1.0, **{**common, "max_ppl_increase_pct": 1000.0})
+    header, _, jury, other = text.splitlines()[:4]
+    assert header.split()[:3] == ["artifact", "engine", "corpus"]
+    assert jury.split()[2] == "jury" and other.split()[2] == "rows" and "FAIL" in jury and "FAIL" in other
+    assert failed.count("max_mean_kld measured") == 2 and f"{art.name}@rows" in failed
+    assert "min_top1_agreement_pct" not in failed  # 1% agreement is met; only the KLD gate fails
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nope", "is not a data source"),
+    ("{kind: jsonl, path: x.jsonl}", "exactly one of 'field'"),
+])
+def test_standalone_eval_refuses_what_is_no_data_source(tmp_path: Path, value: str, message: str,
+                                                        monkeypatch) -> None:
+    from llmc.eval.standalone import parse_corpora
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=message):
+        parse_corpora((value,))
