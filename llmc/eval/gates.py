@@ -105,7 +105,10 @@ def describe_gates(gates: Gates, scheme: Scheme) -> str:
     parts = [names[k].format(getattr(eff, k)) for k in set_gates(eff)]
     origin = f" ({scheme_family(scheme)} defaults for unset keys)" if gates.defaults else ""
     unevaluated = "; allow_unevaluated" if gates.allow_unevaluated else ""
-    return (", ".join(parts) or "none") + origin + unevaluated
+    per_corpus = "".join(f"; on {corpus}: " + ", ".join(names[k].format(v) for k, v in o.model_dump().items()
+                                                         if v is not None)
+                         for corpus, o in gates.corpora.items())
+    return (", ".join(parts) or "none") + origin + unevaluated + per_corpus
 
 
 def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> list[str]:

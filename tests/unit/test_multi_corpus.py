@@ -76,6 +76,7 @@ def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model:
     assert truth_ppl.threshold == "upper bound <= +0.00%" and not truth_ppl.passed
     assert by_target[f"torch:{art}@truth"]["max_mean_kld"].passed  # the override replaced only what it set
     assert not result.passed
+    assert result.plan.gates[""].endswith("; on truth: ppl <= +1e-06%")  # the plan says what the override does
 
     lines = render_summary(result).splitlines()
     assert lines[0].split()[:3] == ["target", "engine", "corpus"]
