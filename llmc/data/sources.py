@@ -179,14 +179,19 @@ def corpus_label(source) -> str:
     return PurePath(parts[-1]).stem if parts else source.kind
 
 
+# The union's tags enter pydantic's error locations; named like pydantic's own function wrappers, which the recipe
+# loader leaves out of the key it prints (llmc.recipe.load), so an error reads 'eval.corpus[1].path', not '...list...'.
+_ONE, _LIST, _NAMED = "function-one-source", "function-source-list", "function-source-mapping"
+
+
 def _corpus_shape(value) -> str:
     """Which form `eval.corpus` takes: a list of sources, a mapping label -> source (a mapping without `kind`),
     or one source (a string or a mapping with `kind`)."""
     if isinstance(value, (list, tuple)):
-        return "list"
+        return _LIST
     if isinstance(value, dict) and "kind" not in value:
-        return "named"
-    return "one"
+        return _NAMED
+    return _ONE
 
 
 def _distinct_labels(corpora: tuple) -> tuple:
@@ -218,9 +223,9 @@ def _valid_names(corpora: dict) -> dict:
 # (labelled by `corpus_label`) or a mapping label -> source. Every corpus is scored with the same windows protocol.
 EvalCorpora = Annotated[
     Union[
-        Annotated[DataSource, Tag("one")],
-        Annotated[tuple[DataSource, ...], AfterValidator(_distinct_labels), Tag("list")],
-        Annotated[dict[str, DataSource], AfterValidator(_valid_names), Tag("named")],
+        Annotated[DataSource, Tag(_ONE)],
+        Annotated[tuple[DataSource, ...], AfterValidator(_distinct_labels), Tag(_LIST)],
+        Annotated[dict[str, DataSource], AfterValidator(_valid_names), Tag(_NAMED)],
     ],
     Discriminator(_corpus_shape),
 ]

@@ -173,3 +173,16 @@ def test_standalone_eval_refuses_what_is_no_data_source(tmp_path: Path, value: s
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError, match=message):
         parse_corpora((value,))
+
+
+@pytest.mark.parametrize("corpus, key", [
+    ("{kind: text}", "missing key 'eval.corpus.text'"),  # one source: the message it always had
+    ("[brown, {kind: text}]", "missing key 'eval.corpus[1].text'"),
+    ("{a: {kind: jsonl, path: x}}", "'eval.corpus.a.jsonl': a jsonl source needs exactly one of"),
+])
+def test_recipe_errors_name_the_corpus_key(corpus: str, key: str) -> None:
+    text = ("name: x\nmodel: {source: demo:smollm2-135m}\nquantization: {weights: {format: int8, strategy: channel}}\n"
+            f"targets: [{{runtime: vllm, gpu_arch: sm90}}]\neval: {{corpus: {corpus}}}\n")
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(text)
+    assert key in str(e.value)
