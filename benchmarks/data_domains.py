@@ -7,6 +7,7 @@ chapter); then both schemes calibrated on chat-formatted samples with and withou
     scripts/setup-corpora.sh && python benchmarks/make_chat_set.py OUT/chat
     python benchmarks/make_cloze_task.py OUT/tasks       # a local multiple-choice task for eval.tasks
     PYTHONPATH=$PWD python benchmarks/data_domains.py OUT [--samples 8] [--windows 8] [--only domains|chat|tasks]
+    PYTHONPATH=$PWD python benchmarks/data_domains.py OUT --match chat-template   # only the builds so named
     PYTHONPATH=$PWD python benchmarks/data_domains.py OUT --table      # results.jsonl as a markdown table
 
 Runs go most informative first (a loaded machine may not finish the plan). Writes OUT/results.jsonl, one line
@@ -71,7 +72,9 @@ def run(out: Path, name: str, spec: dict, tags: dict) -> None:
     wall = time.monotonic() - t
     with (out / "results.jsonl").open("a") as f:
         for eval_id, m in result.evals.items():
-            row = {**tags, "recipe": str(path), "eval": eval_id, "perplexity": m.perplexity, "ppl_ci95": m.ppl_ci95,
+            # a build on several corpora (eval.corpus as a mapping): each evaluation says which it was scored on
+            on = {"evaluated_on": m.corpus} if m.corpus else {}
+            row = {**tags, **on, "recipe": str(path), "eval": eval_id.split("@", 1)[0], "perplexity": m.perplexity, "ppl_ci95": m.ppl_ci95,
                    "ppl_change": m.ppl_change, "kld": m.kld, "windows": spec["eval"]["windows"],
                    "calibration": {k: result.calibration.get(k) for k in ("dataset_label", "packing", "samples",
                                                                            "tokens_sha256", "chat_templates")},
@@ -88,6 +91,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--only", choices=("domains", "chat", "tasks"), default=None)
     ap.add_argument("--task-limit", type=int, default=100)
+    ap.add_argument("--one-build-per-calibration", action="store_true",
+                    help="domains: one build per (scheme, calibration corpus), evaluated on every corpus at once "
+                         "(eval.corpus as a mapping; one quantization, named <scheme>-cal-<corpus>-eval-all)")
+    ap.add_argument("--match", default=None,
+                    help="run only the builds whose name contains this (e.g. chat-template, awq-cal-austen)")
     ap.add_argument("--table", action="store_true", help="print OUT/results.jsonl as a markdown table and stop")
     a = ap.parse_args()
     if a.table:
@@ -101,17 +109,28 @@ def main() -> None:
     plan += [("tasks", "w8a8-sq", "brown", "brown")]
     plan += [("domains", "w4a16-awq", c, e) for c, e in first] + [("chat", "w4a16-awq", t, None) for t in ("model", "none")]
     plan += [("domains", v, c, e) for v in VARIANTS for c, e in rest]
+    if a.one_build_per_calibration:  # the domain pairs regrouped: one build per calibration, all corpora evaluated
+        pairs = [(v, c) for study, v, c, _ in plan if study == "domains"]
+        plan = [p for p in plan if p[0] != "domains"] + [("domains", v, c, "all") for v, c in dict.fromkeys(pairs)]
     for study, variant, calib, ev in plan:
         if a.only and a.only != study:
             continue
+        if a.match and a.match not in run_name(study, variant, calib, ev):
+            continue
         if study == "domains":
             name = f"{variant}-cal-{calib}-eval-{ev}"
-            run(a.out, name, recipe(name, DOMAINS[calib], DOMAINS[ev], samples=a.samples, windows=a.windows,
+            run(a.out, name, recipe(name, DOMAINS[calib], DOMAINS if ev == "all" else DOMAINS[ev],
+                                    samples=a.samples, windows=a.windows,
                                     variant=variant), {"study": "domains", "calibrated_on": calib, "evaluated_on": ev})
         elif study == "tasks":
             tasks_run(a, variant)
         else:
             chat_run(a, variant, calib)
+
+
+def run_name(study: str, variant: str, calib: str, ev: str | None) -> str:
+    return {"domains": f"{variant}-cal-{calib}-eval-{ev}", "tasks": f"{variant}-tasks"}.get(
+        study, f"{variant}-chat-template-{calib}")
 
 
 def table(path: Path) -> str:

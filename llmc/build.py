@@ -23,7 +23,7 @@ from llmc import distributed, events
 from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.bos import bos_decision
-from llmc.data.sources import label
+from llmc.data.sources import corpora_of, label
 from llmc.engines import engine_spec, open_engine
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
@@ -39,7 +39,7 @@ from llmc.quant.canonical import QuantizedModel, scheme_from_dict
 from llmc.quant.device import resolve_device
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
 from llmc.recipe.schema import Recipe, Target
-from llmc.result import Artifact, BuildResult, Evaluation, StageRecord
+from llmc.result import Artifact, BuildResult, Evaluation, StageRecord, eval_id
 from llmc.store import COMPLETE_MARKER, CorruptOutput, Store, atomic_save_safetensors, atomic_write_json, resource_errors, stage_key
 from llmc.targets import ExportRequest, artifact_format, format_for, target_key, triton_backend
 
@@ -112,7 +112,8 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
             _export(result, store, qm, quant_key, target, f"{name}/{target.label}" if name else target.label)
     if last == "export":
         return result
-    _evaluate(result, store, eval_tokens.input_ids)
+    for corpus, tokens in eval_tokens.items():  # one corpus (None), or each of eval.corpus's, in recipe order
+        _evaluate(result, store, tokens.input_ids, corpus)
     if recipe.eval.tasks:
         _evaluate_tasks(result, store, tokenizer)
     _gate(result)
@@ -319,60 +320,66 @@ def _export(result: BuildResult, store: Store, qm: QuantizedModel, quant_key: st
 # --------------------------------------------------------------------------- evaluate, gate
 
 
-def _evaluate(result: BuildResult, store: Store, windows: torch.Tensor) -> None:
+def _evaluate(result: BuildResult, store: Store, windows: torch.Tensor, corpus: str | None = None) -> None:
     """Each engine in eval.runtimes scores the baseline and every artifact whose format it loads, on the same
-    windows. An engine that cannot load the unquantized source is paired with the torch reference's baseline
-    (its change then includes the engine's own arithmetic); an artifact whose content another target already
-    had is scored once."""
+    windows of one evaluation corpus (`corpus`: its label when eval.corpus names several, else None). An engine
+    that cannot load the unquantized source is paired with the torch reference's baseline (its change then
+    includes the engine's own arithmetic); an artifact whose content another target already had is scored once."""
     ev = result.recipe.eval
     prompt = windows[:1]
+    source = corpora_of(ev.corpus)[corpus]
     for engine in ev.runtimes:
         spec = engine_spec(engine)
         readable = {label: art for label, art in result.artifacts.items()
                     if engine in artifact_format(art.format).read_by}
         base_engine = spec.baseline_engine
         try:
-            base = _eval_one(result, store, base_engine, result.source.folder, result.source.sha256, windows, prompt)
+            base = _eval_one(result, store, base_engine, result.source.folder, result.source.sha256, windows, prompt,
+                             corpus=source)
         except (EngineUnavailable, EngineFailed) as e:
-            log(f"warning: baseline could not be evaluated in {base_engine}: {e}")
+            log(f"warning: baseline could not be evaluated in {base_engine}"
+                + (f" on {corpus}" if corpus is not None else "") + f": {e}")
             for label in readable:
-                result.target_evals.setdefault(label, []).append(f"{engine}:{label}")
-                result.evals[f"{engine}:{label}"] = Evaluation(engine, error=str(e))
+                result.target_evals.setdefault(label, []).append(eval_id(engine, label, corpus))
+                result.evals[eval_id(engine, label, corpus)] = Evaluation(engine, corpus=corpus, error=str(e))
             continue
-        result.evals[f"{base_engine}:baseline"] = base
+        base.corpus = corpus
+        result.evals[eval_id(base_engine, "baseline", corpus)] = base
         by_content: dict[str, Evaluation] = {}
         for label, art in readable.items():
-            eval_id = f"{engine}:{label}"
-            result.target_evals.setdefault(label, []).append(eval_id)
+            this = eval_id(engine, label, corpus)
+            result.target_evals.setdefault(label, []).append(this)
             reason = spec.cannot_run(scheme_from_dict(art.scheme_detail))
             if reason:
                 log(f"eval: {engine} skips {label}: {reason}")
-                result.evals[eval_id] = Evaluation(engine, skipped=reason)
+                result.evals[this] = Evaluation(engine, corpus=corpus, skipped=reason)
                 continue
             try:
                 if art.content_key not in by_content:
-                    m = _eval_one(result, store, engine, art.dir, art.content_key, windows, prompt, reference=base)
+                    m = _eval_one(result, store, engine, art.dir, art.content_key, windows, prompt, reference=base,
+                                  corpus=source)
                     m.ppl_change = paired_ppl_change(base.nll, m.nll, ev.bootstrap_samples)
                     m.baseline_engine = base_engine
+                    m.corpus = corpus
                     by_content[art.content_key] = m
-                result.evals[eval_id] = by_content[art.content_key]
+                result.evals[this] = by_content[art.content_key]
             except ResourceError:
                 raise  # the machine, not the artifact, failed: stop the build (exit 4) instead of failing a gate
             except CorruptOutput:
                 raise  # not this engine's failure: the cached artifact changed; `build` rebuilds it
             except LlmcError as e:
-                result.evals[eval_id] = Evaluation(engine, error=str(e))
+                result.evals[this] = Evaluation(engine, corpus=corpus, error=str(e))
 
 
 def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, content_key: str, windows, prompt,
-              reference: Evaluation | None = None) -> Evaluation:
-    """Evaluate one model folder in one engine. The baseline (no reference) also stores its top-k log-probs; an
-    artifact is scored against the baseline's, giving KL and top-1 agreement."""
+              reference: Evaluation | None = None, *, corpus) -> Evaluation:
+    """Evaluate one model folder in one engine on one corpus's windows. The baseline (no reference) also stores its
+    top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
     ev = result.recipe.eval
     batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
     cfg = {
         "engine": engine,
-        "corpus": data.eval_corpus_config(ev),
+        "corpus": data.eval_corpus_config(corpus),
         "split": "eval",
         "seq_len": ev.seq_len,
         "windows": ev.windows,
@@ -464,10 +471,12 @@ def _evaluate_tasks(result: BuildResult, store: Store, tokenizer) -> None:
                 done = store.lookup("tasks", key)
         return json.loads((done / "tasks.json").read_text())
 
-    if "torch:baseline" in result.evals:
-        result.evals["torch:baseline"].tasks = run(result.source.folder, result.source.sha256, "baseline")
+    first = next(iter(corpora_of(ev.corpus)))  # tasks read no corpus: their results sit on the first corpus's rows
+    base = result.evals.get(eval_id("torch", "baseline", first))
+    if base is not None:
+        base.tasks = run(result.source.folder, result.source.sha256, "baseline")
     for target_label, art in result.artifacts.items():
-        m = result.evals.get(f"torch:{target_label}")
+        m = result.evals.get(eval_id("torch", target_label, first))
         if m is not None and m.succeeded:
             m.tasks = run(art.dir, art.content_key, target_label)
 
@@ -493,10 +502,12 @@ def _gate(result: BuildResult) -> None:
     if result.recipe.eval.tasks:  # lm-evaluation-harness accuracy against the baseline's (llmc.eval.harness)
         from llmc.eval.harness import task_verdicts
 
-        base = result.evals.get("torch:baseline")
-        for eval_id, m in result.evals.items():
-            if m.engine == "torch" and eval_id != "torch:baseline" and m.succeeded:
-                result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, eval_id,
+        first = next(iter(corpora_of(result.recipe.eval.corpus)))  # where _evaluate_tasks put the results
+        base_id = eval_id("torch", "baseline", first)
+        base = result.evals.get(base_id)
+        for this, m in result.evals.items():
+            if m.engine == "torch" and m.corpus == first and this != base_id and m.succeeded:
+                result.verdicts += task_verdicts(result.recipe.gates.min_task_accuracy_ratio, this,
                                                  base.tasks if base else None, m.tasks)
 
 

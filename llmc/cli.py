@@ -261,11 +261,17 @@ def export(recipe: Path, cache_dir: Path | None, threads: int | None, overrides:
               help="engines that cannot load the baseline model compare with the torch reference's")
 @click.option("--windows", type=int, default=16)
 @click.option("--seq-len", type=int, default=512)
-@click.option("--max-ppl-increase-pct", type=float, default=None, help="quality gate")
+@click.option("--corpus", "corpus", multiple=True,
+              help="data source to evaluate on, as eval.corpus (docs/data.md): brown (default), hf:<id>, a .txt "
+              "file or folder, or a mapping such as '{kind: jsonl, path: x.jsonl, field: text}'; repeat for several")
+@click.option("--max-ppl-increase-pct", type=float, default=None, help="quality gate (upper 95%% bound)")
+@click.option("--max-mean-kld", type=float, default=None, help="quality gate on KL(baseline||artifact) (upper bound)")
+@click.option("--min-top1-agreement-pct", type=float, default=None, help="quality gate (lower 95%% bound)")
 @cache_option
 @threads_option
-def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: int,
-             max_ppl_increase_pct: float | None, cache_dir: Path | None, threads: int | None) -> None:
+def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: int, corpus: tuple[str, ...],
+             max_ppl_increase_pct: float | None, max_mean_kld: float | None, min_top1_agreement_pct: float | None,
+             cache_dir: Path | None, threads: int | None) -> None:
     """Evaluate an existing ARTIFACT (folder or registry entry) against a baseline, without rebuilding."""
 
     def go():
@@ -273,8 +279,9 @@ def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: 
         from llmc.store import Store
 
         text, failed = evaluate_artifact(artifact, baseline, Store.default(cache_dir), engine=engine,
-                                         windows=windows, seq_len=seq_len,
-                                         max_ppl_increase_pct=max_ppl_increase_pct, threads=threads)
+                                         windows=windows, seq_len=seq_len, corpus=corpus,
+                                         max_ppl_increase_pct=max_ppl_increase_pct, max_mean_kld=max_mean_kld,
+                                         min_top1_agreement_pct=min_top1_agreement_pct, threads=threads)
         click.echo(text)
         if failed:
             from llmc.errors import QualityGateError

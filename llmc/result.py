@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from llmc.recipe.schema import Recipe
 
 
+def eval_id(engine: str, label: str, corpus: str | None = None) -> str:
+    """The id of one evaluation: "<engine>:<artifact label or 'baseline'>", plus "@<corpus>" when eval.corpus names
+    several corpora (one corpus keeps the ids it always had)."""
+    return f"{engine}:{label}" + (f"@{corpus}" if corpus is not None else "")
+
+
+def parse_eval_id(eval_id: str) -> tuple[str, str, str | None]:
+    """(engine, artifact label or 'baseline', corpus label or None) of an `eval_id`. Artifact labels and corpus
+    labels are safe names, which never hold ':' or '@'."""
+    engine, rest = eval_id.split(":", 1)
+    label, _, corpus = rest.partition("@")
+    return engine, label, corpus or None
+
+
 @dataclass(frozen=True)
 class StageRecord:
     name: str
@@ -50,6 +64,7 @@ class Evaluation:
     change's {delta_pct, ci_low_pct, ci_high_pct})."""
 
     engine: str
+    corpus: str | None = None  # the eval.corpus label it was scored on; None when the recipe has one corpus
     protocol: dict | None = None  # what entered the eval stage key (windows, seq_len, dtype, ...)
     load_s: float | None = None
     score_s: float | None = None

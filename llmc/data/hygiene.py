@@ -17,12 +17,15 @@ def document_hashes(texts: list[str]) -> set[str]:
             for t in texts if t.strip()}
 
 
-def check_overlap(calibration_texts: list[str], eval_texts: list[str], *, allowed: bool) -> int:
-    """Number of documents in both; an error when there are any and the recipe did not allow it."""
+def check_overlap(calibration_texts: list[str], eval_texts: list[str], *, allowed: bool,
+                  corpus: str | None = None) -> int:
+    """Number of documents in both; an error when there are any and the recipe did not allow it. `corpus`: the
+    evaluation corpus's label, when eval.corpus names several."""
     shared = len(document_hashes(calibration_texts) & document_hashes(eval_texts))
     if shared and not allowed:
+        which = f"evaluation corpus '{corpus}'" if corpus is not None else "evaluation corpus"
         raise InputError(
-            f"{shared} documents appear both in the calibration data and in the evaluation corpus "
+            f"{shared} documents appear both in the calibration data and in the {which} "
             "(compared after case folding and whitespace collapsing)",
             fix="evaluate on text the calibration did not read (e.g. `holdout: 10` on the source, or another file), "
             "or set eval.allow_calibration_overlap: true to accept it knowingly",

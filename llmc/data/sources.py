@@ -17,9 +17,12 @@ evaluation text apart.
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      model_serializer, model_validator)
 
 
 class _Source(BaseModel):
@@ -157,3 +160,81 @@ def corpus_part(source) -> str:
     if source.holdout:
         return f"{label(source)} eval split (every {source.holdout}th document)"
     return f"{label(source)} (whole)"
+
+
+# --------------------------------------------------------------------------- several evaluation corpora
+
+CORPUS_LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # one name in eval ids ("torch:<artifact>@<label>") and reports
+
+
+def corpus_label(source) -> str:
+    """The short name a corpus of an `eval.corpus` list gets: brown, the Hub id's last part, a file's stem or a
+    folder's name, mix. A mapping names its corpora itself."""
+    if isinstance(source, BrownSource):
+        return "brown"
+    if isinstance(source, MixSource):
+        return "mix"
+    where = source.dataset if isinstance(source, HubSource) and source.dataset else source.path
+    parts = [p for p in PurePath(where).parts if not any(c in p for c in "*?[")]
+    return PurePath(parts[-1]).stem if parts else source.kind
+
+
+# The union's tags enter pydantic's error locations; named like pydantic's own function wrappers, which the recipe
+# loader leaves out of the key it prints (llmc.recipe.load), so an error reads 'eval.corpus[1].path', not '...list...'.
+_ONE, _LIST, _NAMED = "function-one-source", "function-source-list", "function-source-mapping"
+
+
+def _corpus_shape(value) -> str:
+    """Which form `eval.corpus` takes: a list of sources, a mapping label -> source (a mapping without `kind`),
+    or one source (a string or a mapping with `kind`)."""
+    if isinstance(value, (list, tuple)):
+        return _LIST
+    if isinstance(value, dict) and "kind" not in value:
+        return _NAMED
+    return _ONE
+
+
+def _distinct_labels(corpora: tuple) -> tuple:
+    if not corpora:
+        raise ValueError("eval.corpus is an empty list; fix: name at least one data source, e.g. brown")
+    labels = [corpus_label(s) for s in corpora]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"eval.corpus lists several corpora named {dupes}; fix: give eval.corpus as a mapping "
+                         "label -> source, e.g. {a: {kind: text, path: a/x.txt}, b: {kind: text, path: b/x.txt}}")
+    bad = [x for x in labels if not re.match(CORPUS_LABEL, x)]
+    if bad:
+        raise ValueError(f"eval.corpus: {bad} cannot name a corpus (letters, digits, '.', '_', '-'); fix: give "
+                         "eval.corpus as a mapping label -> source")
+    return corpora
+
+
+def _valid_names(corpora: dict) -> dict:
+    if not corpora:
+        raise ValueError("eval.corpus is an empty mapping; fix: name at least one data source, e.g. brown")
+    bad = [k for k in corpora if not re.match(CORPUS_LABEL, k)]
+    if bad:
+        raise ValueError(f"eval.corpus labels {bad} are not names (letters, digits, '.', '_', '-', at most 64); "
+                         "fix: rename them, e.g. support-tickets")
+    return corpora
+
+
+# eval.corpus: one source (as it always was: eval ids, stage keys and reports unchanged), a list of sources
+# (labelled by `corpus_label`) or a mapping label -> source. Every corpus is scored with the same windows protocol.
+EvalCorpora = Annotated[
+    Union[
+        Annotated[DataSource, Tag(_ONE)],
+        Annotated[tuple[DataSource, ...], AfterValidator(_distinct_labels), Tag(_LIST)],
+        Annotated[dict[str, DataSource], AfterValidator(_valid_names), Tag(_NAMED)],
+    ],
+    Discriminator(_corpus_shape),
+]
+
+
+def corpora_of(corpus) -> dict[str | None, object]:
+    """eval.corpus as {label: source}; one source -> {None: source} (its evaluations keep their unlabelled ids)."""
+    if isinstance(corpus, dict):
+        return dict(corpus)
+    if isinstance(corpus, tuple):
+        return {corpus_label(s): s for s in corpus}
+    return {None: corpus}

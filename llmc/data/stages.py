@@ -3,9 +3,11 @@ configs and the provenance written beside the tokens (and so into the manifest).
 
 from __future__ import annotations
 
+from pydantic import TypeAdapter
+
 from llmc.calibration.corpora import Document, corpus_fingerprint
 from llmc.data.hygiene import check_overlap
-from llmc.data.sources import BrownSource, label
+from llmc.data.sources import BrownSource, DataSource, corpora_of, label
 from llmc.data.tokens import TokenSet, make_tokens
 
 
@@ -47,14 +49,24 @@ def provenance(calibration, tokens: TokenSet) -> dict:
     }
 
 
-def eval_tokens(ev, tokenizer) -> TokenSet:
-    return make_tokens(ev.corpus, tokenizer, "eval", packing="windows", count=ev.windows, seq_len=ev.seq_len, seed=None)
+def eval_tokens(ev, tokenizer) -> dict[str | None, TokenSet]:
+    """The evaluation windows of every corpus in eval.corpus, by label (one corpus: the single key None)."""
+    return {name: make_tokens(source, tokenizer, "eval", packing="windows", count=ev.windows, seq_len=ev.seq_len,
+                              seed=None)
+            for name, source in corpora_of(ev.corpus).items()}
 
 
-def eval_corpus_config(ev):
-    """The eval stage key's corpus entry: 'brown' as before, the source's fields otherwise."""
-    return ev.model_dump(mode="json")["corpus"]
+def eval_corpus_config(source):
+    """The eval stage key's corpus entry: 'brown' as before, the source's fields otherwise. A corpus keys the same
+    whether it is the recipe's only corpus or one of several, so their evaluations are shared."""
+    return _SOURCE.dump_python(source, mode="json")
 
 
-def check_calibration_eval_overlap(calib: TokenSet, evaluation: TokenSet, ev) -> int:
-    return check_overlap(calib.texts, evaluation.texts, allowed=ev.allow_calibration_overlap)
+_SOURCE = TypeAdapter(DataSource)
+
+
+def check_calibration_eval_overlap(calib: TokenSet, evaluation: dict[str | None, TokenSet], ev) -> int:
+    """No evaluation corpus may hold calibration text (unless eval.allow_calibration_overlap): each is checked."""
+    return sum(check_overlap(calib.texts, tokens.texts, allowed=ev.allow_calibration_overlap,
+                             corpus=name)
+               for name, tokens in evaluation.items())

@@ -10,7 +10,8 @@ import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
 from llmc.eval.gates import effective_gates
-from llmc.eval.report import HEADER, footnotes, speed_kind, summary_rows
+from llmc.eval.report import footnotes, header, speed_kind, summary_rows
+from llmc.result import parse_eval_id
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -88,14 +89,14 @@ def plot_points(result: "BuildResult") -> tuple[list[tuple[str, float, dict]], l
     name, perplexity change). Emulation timings never become a speed point; non-finite numbers are not plotted."""
     speed_points, quality_points = [], []
     for label in result.artifacts:
-        for engine in result.recipe.eval.runtimes:
-            eval_id = f"{engine}:{label}"
+        for eval_id in result.target_evals.get(label, []):
+            engine, _, corpus = parse_eval_id(eval_id)
             m = result.evals.get(eval_id)
             ch = m.ppl_change if m else None
             if not ch or not all(math.isfinite(ch[k]) for k in ("delta_pct", "ci_low_pct", "ci_high_pct")):
                 continue
             tput = (m.throughput or {}).get("decode_tokens_per_s")
-            name = f"{label} ({engine})"
+            name = f"{label} ({engine})" if corpus is None else f"{label} ({engine}, {corpus})"
             if tput and speed_kind(result, eval_id) == "runtime" and math.isfinite(tput["median"]):
                 speed_points.append((name, tput["median"], ch))
             else:
@@ -109,7 +110,7 @@ def _yerr(ch: dict) -> list[list[float]]:
 
 def report_html(result: "BuildResult", markdown: str, png: bytes | None) -> str:
     rows = summary_rows(result)
-    table = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in HEADER) + "</tr>"
+    table = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header(result)) + "</tr>"
     for r in rows:
         cls = ' class="fail"' if "FAIL" in str(r[-1]) or str(r[-1]).startswith("ERROR") else ""
         table += f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"

@@ -73,9 +73,18 @@ def scheme_family(scheme: Scheme) -> str:
     return "4-bit" if min(bits) <= 4 else "8-bit"
 
 
-def effective_gates(gates: Gates, scheme: Scheme) -> Gates:
-    """The recipe's gates for one variant: with `defaults: true`, the family defaults fill every quality gate the
-    recipe leaves unset."""
+def gates_for_corpus(gates: Gates, corpus: str | None) -> Gates:
+    """The recipe's gates on one evaluation corpus: `gates.corpora[<label>]` replaces the thresholds it sets."""
+    override = gates.corpora.get(corpus) if corpus is not None else None
+    if override is None:
+        return gates
+    return gates.model_copy(update={k: v for k, v in override.model_dump().items() if v is not None})
+
+
+def effective_gates(gates: Gates, scheme: Scheme, corpus: str | None = None) -> Gates:
+    """The recipe's gates for one variant (on one evaluation corpus, with its overrides): with `defaults: true`,
+    the family defaults fill every quality gate the recipe leaves unset."""
+    gates = gates_for_corpus(gates, corpus)
     if not gates.defaults:
         return gates
     fill = {k: v for k, v in DEFAULT_GATES[scheme_family(scheme)].items() if getattr(gates, k) is None}
@@ -96,7 +105,10 @@ def describe_gates(gates: Gates, scheme: Scheme) -> str:
     parts = [names[k].format(getattr(eff, k)) for k in set_gates(eff)]
     origin = f" ({scheme_family(scheme)} defaults for unset keys)" if gates.defaults else ""
     unevaluated = "; allow_unevaluated" if gates.allow_unevaluated else ""
-    return (", ".join(parts) or "none") + origin + unevaluated
+    per_corpus = "".join(f"; on {corpus}: " + ", ".join(names[k].format(v) for k, v in o.model_dump().items()
+                                                         if v is not None)
+                         for corpus, o in gates.corpora.items())
+    return (", ".join(parts) or "none") + origin + unevaluated + per_corpus
 
 
 def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> list[str]:
@@ -289,31 +301,48 @@ def gate_artifact(gates: Gates, label: str, evaluations: Iterable[tuple[str, Eva
 
 
 def gate_build(result: BuildResult) -> list[Verdict]:
-    """Every verdict of a build, artifact by artifact (the recipe's gates resolved for each artifact's scheme)."""
+    """Every verdict of a build, artifact by artifact and, when eval.corpus names several corpora, corpus by corpus:
+    every gate applies on every corpus (with that corpus's overrides, `gates.corpora`), and a verdict's target
+    names its corpus ("<engine>:<artifact>@<corpus>", or "<artifact>@<corpus>" for a gate no engine measured)."""
+    from llmc.data.sources import corpora_of
     from llmc.engines import engine_spec
     from llmc.quant.canonical import scheme_from_dict
+    from llmc.result import parse_eval_id
     from llmc.targets import artifact_format
 
     verdicts: list[Verdict] = []
     for label, art in result.artifacts.items():
         scheme = scheme_from_dict(art.scheme_detail)
-        gates = effective_gates(result.recipe.gates, scheme)
-        evaluations = []
-        for eval_id in result.target_evals.get(label, []):
-            spec = engine_spec(eval_id.split(":", 1)[0])
-            evaluations.append((eval_id, result.evals[eval_id], spec.speed_kind(scheme), spec.emulation_note))
-        reason = None
-        if not evaluations:
-            fmt = artifact_format(art.format)
-            reason = (fmt.unevaluated or f"no engine in eval.runtimes loads {art.format}").removeprefix(
-                "not evaluated: ")
-        verdicts += gate_artifact(gates, label, evaluations, unevaluated_reason=reason)
-        for eval_id, m, _, _ in evaluations:  # a broken baseline breaks every comparison with it
-            base = result.evals.get(f"{m.baseline_engine}:baseline") if m.succeeded else None
-            bad = non_finite(base) if base is not None else []
-            if bad:
-                verdicts.append(Verdict(NON_FINITE_GATE, eval_id, False, f"baseline ({m.baseline_engine}): "
-                                        + ", ".join(bad), "every metric finite", "quality"))
+        for corpus in corpora_of(result.recipe.eval.corpus):
+            gates = effective_gates(result.recipe.gates, scheme, corpus)
+            evaluations = []
+            for eval_id in result.target_evals.get(label, []):
+                engine, _, on = parse_eval_id(eval_id)
+                if on == corpus:
+                    spec = engine_spec(engine)
+                    evaluations.append((eval_id, result.evals[eval_id], spec.speed_kind(scheme), spec.emulation_note))
+            reason = None
+            if not evaluations:
+                fmt = artifact_format(art.format)
+                reason = (fmt.unevaluated or f"no engine in eval.runtimes loads {art.format}").removeprefix(
+                    "not evaluated: ")
+            target = label if corpus is None else f"{label}@{corpus}"
+            verdicts += gate_artifact(gates, target, evaluations, unevaluated_reason=reason)
+            verdicts += _broken_baselines(result, evaluations)
+    return verdicts
+
+
+def _broken_baselines(result: BuildResult, evaluations: list) -> list[Verdict]:
+    """A non-finite baseline breaks every comparison with it: a failed verdict on each."""
+    from llmc.result import eval_id as make_eval_id
+
+    verdicts = []
+    for eval_id, m, _, _ in evaluations:
+        base = result.evals.get(make_eval_id(m.baseline_engine, "baseline", m.corpus)) if m.succeeded else None
+        bad = non_finite(base) if base is not None else []
+        if bad:
+            verdicts.append(Verdict(NON_FINITE_GATE, eval_id, False, f"baseline ({m.baseline_engine}): "
+                                    + ", ".join(bad), "every metric finite", "quality"))
     return verdicts
 
 

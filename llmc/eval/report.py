@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmc.data.sources import corpus_part
+from llmc.data.sources import corpora_of, corpus_part
+from llmc.result import eval_id as make_eval_id
+from llmc.result import parse_eval_id
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind
@@ -50,7 +52,7 @@ def speed_kind(result: BuildResult, eval_id: str) -> SpeedKind:
     from llmc.engines import engine_spec
     from llmc.quant.canonical import scheme_from_dict
 
-    engine, label = eval_id.split(":", 1)
+    engine, label, _ = parse_eval_id(eval_id)
     art = result.artifacts.get(label)
     return engine_spec(engine).speed_kind(scheme_from_dict(art.scheme_detail) if art else None)
 
@@ -104,19 +106,38 @@ def suspicious_improvements(result: BuildResult) -> list[dict]:
 # --------------------------------------------------------------------------- the summary table
 
 
-def summary_rows(result: BuildResult) -> list[list[str]]:
-    from llmc.targets import artifact_format
+def corpus_labels(result: BuildResult) -> list[str | None]:
+    """The evaluation corpora's labels in recipe order; [None] when the recipe has one corpus."""
+    return list(corpora_of(result.recipe.eval.corpus))
 
+
+def header(result: BuildResult) -> list[str]:
+    """The summary table's columns: a corpus column when eval.corpus names several."""
+    return HEADER if corpus_labels(result) == [None] else [*HEADER[:2], "corpus", *HEADER[2:]]
+
+
+def summary_rows(result: BuildResult) -> list[list[str]]:
+    """One row per (artifact, engine) — per (artifact, engine, corpus) when eval.corpus names several corpora."""
+    rows = []
+    for corpus in corpus_labels(result):
+        rows += [row if corpus is None else [*row[:2], corpus, *row[2:]] for row in _corpus_rows(result, corpus)]
+    several = corpus_labels(result) != [None]
+    for row in _unevaluated_rows(result):
+        rows.append(row if not several else [*row[:2], "-", *row[2:]])
+    return rows
+
+
+def _corpus_rows(result: BuildResult, corpus: str | None) -> list[list[str]]:
     suspicious = {s["eval"] for s in suspicious_improvements(result)}
     rows = []
     for engine in result.recipe.eval.runtimes:
         for label in result.artifacts:
-            eval_id = f"{engine}:{label}"
+            eval_id = make_eval_id(engine, label, corpus)
             if eval_id not in result.target_evals.get(label, []):
                 continue  # this engine does not load this artifact's format
             m = result.evals[eval_id]
             base_engine = m.baseline_engine or engine
-            base = result.evals.get(f"{base_engine}:baseline")
+            base = result.evals.get(make_eval_id(base_engine, "baseline", corpus))
             if m.skipped is not None:
                 rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "skipped: " + m.skipped[:70]])
                 continue
@@ -128,7 +149,7 @@ def summary_rows(result: BuildResult) -> list[list[str]]:
             verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
             kld, top1 = m.kld, m.top1_agreement
             # an engine paired with another engine's baseline has no baseline speed of its own
-            base_id = f"{base_engine}:baseline" if base_engine == engine else None
+            base_id = make_eval_id(base_engine, "baseline", corpus) if base_engine == engine else None
             rows.append([
                 label,
                 engine if base_engine == engine else f"{engine} (vs {base_engine} baseline)",
@@ -143,8 +164,17 @@ def summary_rows(result: BuildResult) -> list[list[str]]:
                 _speed_cell(result, eval_id, base_id, "decode_tokens_per_s"),
                 verdict if verdicts else "no gates",
             ])
+    return rows
+
+
+def _unevaluated_rows(result: BuildResult) -> list[list[str]]:
+    """Artifacts no engine loaded, and gates no engine measured (their verdicts name the artifact, with its
+    corpus when there are several)."""
+    from llmc.targets import artifact_format
+
+    rows = []
     for label, art in result.artifacts.items():
-        unmeasured = [v for v in result.verdicts if v.target == label]  # gates no engine measured
+        unmeasured = [v for v in result.verdicts if v.target == label or v.target.startswith(f"{label}@")]
         if not result.target_evals.get(label):
             fmt = artifact_format(art.format)
             reason = fmt.unevaluated or f"not evaluated: no engine in eval.runtimes loads {art.format}"
@@ -182,7 +212,7 @@ def footnotes(result: BuildResult) -> list[str]:
 
 def render_summary(result: BuildResult) -> str:
     """The table `llmc build` prints, with its footnotes."""
-    return render_table(summary_rows(result)) + "\n\n" + "\n".join(footnotes(result))
+    return render_table(summary_rows(result), header(result)) + "\n\n" + "\n".join(footnotes(result))
 
 
 HEADER = ["target", "engine", "ppl base", "ppl quant", "delta (95% CI)", "KLD (95% CI)", "top-1 (95% CI)",
@@ -221,7 +251,11 @@ def render_markdown(result: BuildResult) -> str:
                    f"{c.get('dataset_label', c['dataset'])} calibration split, seed {c['seed']}"
                    + (f", tokens sha256 {c['tokens_sha256'][:16]}" if c.get("tokens_sha256") else "")
                    + "".join(f", chat template {k}: {v}" for k, v in (c.get("chat_templates") or {}).items()))
-    out.append(f"- evaluation protocol: {corpus_part(ev.corpus)}, documents joined with blank lines, "
+    corpora = corpora_of(ev.corpus)
+    part = (corpus_part(ev.corpus) if list(corpora) == [None] else
+            f"{len(corpora)} corpora, each scored and gated on its own (" +
+            "; ".join(f"{name}: {corpus_part(source)}" for name, source in corpora.items()) + ")")
+    out.append(f"- evaluation protocol: {part}, documents joined with blank lines, "
                f"tokenized once, {ev.windows} non-overlapping windows of {ev.seq_len} tokens "
                f"({_bos_words(result.bos, ev.seq_len)}), "
                f"stride {ev.seq_len}, dtype {result.dtype}, ppl = exp(mean token NLL); "
@@ -234,7 +268,7 @@ def render_markdown(result: BuildResult) -> str:
     for eval_id, m in result.evals.items():  # a baseline whose head was not re-applied: why its KLDs are bounds
         if m.output_head and not m.output_head.get("reproduced"):
             out.append(f"- {eval_id}: KLD against it is the top-{ev.kl_top_k} lower bound: {m.output_head['reason']}")
-    out += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out += ["", "| " + " | ".join(header(result)) + " |", "|" + "---|" * len(header(result))]
     out += ["| " + " | ".join(row) + " |" for row in summary_rows(result)]
     out += [""] + [f"{n}  " for n in footnotes(result)]
     speeds = {eval_id: speed_kind(result, eval_id) for eval_id, m in result.evals.items() if m.throughput}

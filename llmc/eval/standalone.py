@@ -1,21 +1,25 @@
-"""`llmc eval`: evaluate an existing artifact (folder or registry entry) against a baseline."""
+"""`llmc eval`: evaluate an existing artifact (folder or registry entry) against a baseline, on any data source
+(`--corpus`, the schema of `eval.corpus`; repeat it for several corpora), with the build's quality gates."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
+from pydantic import TypeAdapter, ValidationError
 
-from llmc.calibration.corpora import load_corpus
-from llmc.calibration.windows import make_windows
+from llmc.data.sources import EvalCorpora, corpora_of, corpus_part
+from llmc.data.stages import eval_tokens
 from llmc.engines import engine_spec, open_engine
-from llmc.engines.agreement import TOPK_BOUND, kld_kind
-from llmc.errors import InputError
-from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT
+from llmc.engines.agreement import kld_kind
+from llmc.errors import InputError, RecipeError
+from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT, evaluate_gates, non_finite
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
+from llmc.result import Evaluation
 from llmc.store import Store
 
 
@@ -44,56 +48,105 @@ def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
     return readable
 
 
+def parse_corpora(values: tuple[str, ...] | list[str]):
+    """`--corpus` values as eval.corpus: each a data source in the recipe's form (`brown`, `hf:<id>`, a YAML
+    mapping such as `{kind: jsonl, path: x.jsonl, field: text}`) or the path of a text file or folder (a
+    `text` source). One value is one corpus; several are labelled as an eval.corpus list is (file stem, ...)."""
+    sources = []
+    for value in values or ("brown",):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, str) and parsed != "brown" and not parsed.startswith("hf:") and Path(parsed).exists():
+            parsed = {"kind": "text", "path": parsed}
+        sources.append(parsed)
+    try:
+        return TypeAdapter(EvalCorpora).validate_python(sources[0] if len(sources) == 1 else sources)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:3])
+        raise RecipeError(f"--corpus {' '.join(values)!r} is not a data source ({problems})",
+                          fix="brown, hf:<dataset id>, a .txt file or folder, or a mapping such as "
+                          "'{kind: jsonl, path: x.jsonl, field: text}' (docs/data.md)") from None
+
+
+@dataclass(frozen=True)
+class _Protocol:  # what data.stages.eval_tokens reads of an eval section
+    corpus: object
+    windows: int
+    seq_len: int
+
+
 def evaluate_artifact(
     artifact: Path, baseline: str, store: Store, *, engine: str, windows: int, seq_len: int,
-    max_ppl_increase_pct: float | None, threads: int | None,
+    max_ppl_increase_pct: float | None, threads: int | None, corpus: tuple[str, ...] = (),
+    max_mean_kld: float | None = None, min_top1_agreement_pct: float | None = None,
 ) -> tuple[str, str | None]:
-    """Table text, and a failure message when the gate fails. Engines that cannot load the source model
-    are compared with the torch reference's baseline, as in a build."""
+    """Table text, and a failure message when a gate fails. One row per artifact and corpus. Engines that cannot
+    load the source model are compared with the torch reference's baseline, as in a build; gates read the 95%
+    intervals as in a build (llmc.eval.gates)."""
     from transformers import AutoTokenizer
 
+    from llmc.recipe.schema import Gates
+
+    gates = Gates(max_ppl_increase_pct=max_ppl_increase_pct, max_mean_kld=max_mean_kld,
+                  min_top1_agreement_pct=min_top1_agreement_pct)
+    corpora = parse_corpora(corpus)
     if threads:
         torch.set_num_threads(threads)
     src = resolve_source(baseline, store)
     tok = AutoTokenizer.from_pretrained(src.folder)
-    ids = make_windows(tok, load_corpus("brown", "eval"), seq_len, windows, seed=None).ids
-    with open_engine(engine_spec(engine).baseline_engine, src.folder, dtype="float32") as base:
-        reference = base.score(ids)
-    base_nll = reference["nll"]
+    token_sets = eval_tokens(_Protocol(corpora, windows, seq_len), tok)
+    folders = artifact_folders(Path(artifact), engine)
+    several = list(token_sets) != [None]
     rows, failures, suspicious = [], [], []
-    for label, folder in artifact_folders(Path(artifact), engine):
-        with open_engine(engine, folder, dtype="float32") as eng:
-            scores = eng.score(ids, reference=reference)
-        nll = scores["nll"]
-        ch = paired_ppl_change(base_nll, nll)
-        kld = mean_interval(scores["kl"]) if "kl" in scores else None
-        top1 = mean_interval(scores["top1"]) if "top1" in scores else None
-        lo, hi = perplexity_interval(nll)
-        verdict = "-"
-        bad = [name for name, x in (("perplexity", perplexity(nll)), ("baseline perplexity", perplexity(base_nll)),
-                                    ("perplexity change", ch["ci_high_pct"]), ("KLD", (kld or {}).get("mean", 0.0)),
-                                    ("top-1", (top1 or {}).get("mean", 0.0))) if not math.isfinite(x)]
-        if bad:  # a non-finite metric always fails, gate or not
-            verdict = "FAIL"
-            failures.append(f"{label}: non-finite {', '.join(bad)}")
-        elif ch["ci_high_pct"] < 0:
-            suspicious.append(f"(!) {label}: {ch['delta_pct']:+.2f}% (95% CI up to {ch['ci_high_pct']:+.2f}%): "
-                              f"{SUSPICIOUS_IMPROVEMENT}")
-        if max_ppl_increase_pct is not None and not bad:
-            ok = ch["ci_high_pct"] <= max_ppl_increase_pct
-            verdict = "pass" if ok else "FAIL"
-            if not ok:
-                failures.append(f"{label}: perplexity change {ch['delta_pct']:+.2f}% (95% CI up to "
-                                f"{ch['ci_high_pct']:+.2f}%) exceeds {max_ppl_increase_pct}%")
-        rows.append([label, engine, f"{perplexity(base_nll):.3f}", f"{perplexity(nll):.3f} [{lo:.2f}, {hi:.2f}]",
-                     f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
-                     + (" (!)" if not bad and ch["ci_high_pct"] < 0 else ""),
-                     (">=" if kld_kind(scores) == TOPK_BOUND else "")
-                     + f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
-                     f"{top1['mean'] * 100:.1f}%" if top1 else "-", verdict])
-    text = render_table(rows, ["artifact", "engine", "ppl base", "ppl (95% CI)", "delta (95% CI)", "KLD (95% CI)",
-                               "top-1", "gate"])
-    text += (f"\nprotocol: brown eval split, {windows} windows x {seq_len} tokens, paired bootstrap over windows; "
-             "KLD = full-vocabulary KL(baseline || artifact), or where marked >= its top-256 lower bound")
+    for name, tokens in token_sets.items():
+        ids = tokens.input_ids
+        with open_engine(engine_spec(engine).baseline_engine, src.folder, dtype="float32") as base:
+            reference = base.score(ids)
+        base_nll = reference["nll"]
+        for label, folder in folders:
+            with open_engine(engine, folder, dtype="float32") as eng:
+                scores = eng.score(ids, reference=reference)
+            m = _evaluation(engine, scores, base_nll)
+            target = label + (f"@{name}" if several else "")
+            bad = non_finite(m) + ([f"baseline perplexity {perplexity(base_nll)}"]
+                                   if not torch.isfinite(base_nll.double().mean()) else [])
+            verdicts = [] if bad else evaluate_gates(gates, target, m, speed="emulated")
+            if bad:  # a non-finite metric always fails, gate or not
+                failures.append(f"{target}: non-finite {', '.join(bad)}")
+            failures += [f"{target}: {v.gate} measured {v.measured}, threshold {v.threshold}"
+                         for v in verdicts if not v.passed]
+            ch, kld, top1 = m.ppl_change, m.kld, m.top1_agreement
+            if not bad and ch["ci_high_pct"] < 0:
+                suspicious.append(f"(!) {target}: {ch['delta_pct']:+.2f}% (95% CI up to {ch['ci_high_pct']:+.2f}%): "
+                                  f"{SUSPICIOUS_IMPROVEMENT}")
+            lo, hi = m.ppl_ci95
+            verdict = "FAIL" if bad or not all(v.passed for v in verdicts) else "pass" if verdicts else "-"
+            rows.append([label, engine, *([name] if several else []), f"{perplexity(base_nll):.3f}",
+                         f"{m.perplexity:.3f} [{lo:.2f}, {hi:.2f}]",
+                         f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
+                         + (" (!)" if not bad and ch["ci_high_pct"] < 0 else ""),
+                         (">=" if m.kld_kind == "topk_lower_bound" else "")
+                         + f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
+                         f"{top1['mean'] * 100:.1f}% [{top1['ci_low'] * 100:.1f}, {top1['ci_high'] * 100:.1f}]"
+                         if top1 else "-", verdict])
+    text = render_table(rows, ["artifact", "engine", *(["corpus"] if several else []), "ppl base", "ppl (95% CI)",
+                               "delta (95% CI)", "KLD (95% CI)", "top-1 (95% CI)", "gate"])
+    parts = "; ".join((f"{n}: " if several else "") + corpus_part(c) for n, c in corpora_of(corpora).items())
+    text += (f"\nprotocol: {parts}, {windows} windows x {seq_len} tokens, paired bootstrap over windows; "
+             "KLD = full-vocabulary KL(baseline || artifact), or where marked >= its top-256 lower bound; "
+             "gates read the 95% interval's unfavourable end")
     text += "".join(f"\n{n}" for n in suspicious)
     return text, "; ".join(failures) or None
+
+
+def _evaluation(engine: str, scores: dict, base_nll: torch.Tensor) -> Evaluation:
+    """An artifact's scores against the baseline's, in the form the build's gates read."""
+    nll = scores["nll"]
+    m = Evaluation(engine, perplexity=perplexity(nll), ppl_ci95=list(perplexity_interval(nll)),
+                   ppl_change=paired_ppl_change(base_nll, nll), kld_kind=kld_kind(scores),
+                   measures=["perplexity"] + (["kld", "top1_agreement"] if "kl" in scores else []))
+    if "kl" in scores:
+        m.kld, m.top1_agreement = mean_interval(scores["kl"]), mean_interval(scores["top1"])
+    return m

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from llmc.data.sources import BrownSource, DataSource
+from llmc.data.sources import BrownSource, DataSource, EvalCorpora
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.paths import SAFE_NAME
@@ -323,8 +323,9 @@ class Target(_Strict):
 
 
 class EvalSection(_Strict):
-    corpus: DataSource = Field(default=BrownSource(), description="a data source, as calibration.dataset; "
-                               "scored with the same windows protocol")
+    corpus: EvalCorpora = Field(default=BrownSource(), description="a data source, as calibration.dataset, or "
+                                "several: a list of sources or a mapping label -> source, each scored with the "
+                                "same windows protocol and gated on its own")
     allow_calibration_overlap: bool = Field(
         default=False, description="accept evaluation documents that the calibration data also holds"
     )
@@ -368,6 +369,15 @@ class EvalSection(_Strict):
         return self
 
 
+class CorpusGates(_Strict):
+    """Quality thresholds on one evaluation corpus (`gates.corpora.<label>`), replacing the recipe-wide ones it
+    sets; the others apply as everywhere."""
+
+    max_ppl_increase_pct: float | None = Field(default=None, gt=0, le=1e6)
+    max_mean_kld: float | None = Field(default=None, gt=0, le=1e3)
+    min_top1_agreement_pct: float | None = Field(default=None, gt=0, le=100)
+
+
 class Gates(_Strict):
     """Thresholds applied to every artifact (docs/results.md, "Default gates"). A recipe without a `gates:`
     section gets the default quality gates of each variant's scheme family (`defaults: true`); a `gates:`
@@ -401,10 +411,13 @@ class Gates(_Strict):
     min_task_accuracy_ratio: float | None = Field(
         default=None, gt=0, le=1, description="fail when an eval.tasks accuracy's lower 95% bound, divided by the "
         "baseline's accuracy, is below this")
+    corpora: dict[str, CorpusGates] = Field(
+        default={}, description="per evaluation corpus (a label of eval.corpus): quality thresholds that replace "
+        "the ones above on that corpus; every gate applies on every corpus")
 
     @model_serializer(mode="wrap")
     def _compact(self, handler):
-        return _drop_defaults(handler(self), {"min_task_accuracy_ratio": None})
+        return _drop_defaults(handler(self), {"min_task_accuracy_ratio": None, "corpora": {}})
 
 
 class PublishSection(_Strict):
@@ -442,6 +455,20 @@ class Recipe(_Strict):
         if self.quantization is not None:
             return [("", self.quantization)]
         return [(v.name, v.quantization) for v in self.variants]
+
+    @model_validator(mode="after")
+    def _corpus_gates_name_corpora(self) -> "Recipe":
+        from llmc.data.sources import corpora_of
+
+        labels = [x for x in corpora_of(self.eval.corpus) if x is not None]
+        unknown = sorted(set(self.gates.corpora) - set(labels))
+        if unknown:
+            raise ValueError(
+                f"gates.corpora names {unknown}, which eval.corpus does not label "
+                f"({', '.join(labels) if labels else 'eval.corpus is one unlabelled corpus'}); fix: use a label of "
+                "eval.corpus (a list labels its corpora brown / the file stem / the Hub id's last part), or give "
+                "eval.corpus as a mapping label -> source")
+        return self
 
     @model_validator(mode="after")
     def _unique_targets(self) -> "Recipe":

@@ -111,7 +111,7 @@ def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_pa
     assert "vllm-sm90-tp1" in r.stdout and "KLD" in r.stdout and "FAIL" in r.stdout
     ok = _cli(["eval", str(result.published), "--baseline", str(tiny_model), "--windows", "4", "--seq-len", "64"],
               tmp_path / "c", tmp_path)
-    assert ok.returncode == 0 and "protocol: brown eval split, 4 windows x 64 tokens" in ok.stdout
+    assert ok.returncode == 0 and "protocol: brown eval split (every 10th file), 4 windows x 64 tokens" in ok.stdout
 
 
 def test_gates_apply_only_where_the_engine_measures_the_metric() -> None:
