@@ -141,8 +141,13 @@ def _weight_files(spec: HubSpec, commit: str, folder: Path) -> tuple[str, ...]:
 
 def _snapshot(spec: HubSpec, revision: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         path = snapshot_download(

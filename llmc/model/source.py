@@ -21,8 +21,8 @@ from llmc.errors import InputError
 from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
 from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_files
-from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
 from llmc.model.gguf_header import check_gguf_header
+from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
 from llmc.resource_errors import raise_if_resource
 from llmc.store import Store, stage_key
 

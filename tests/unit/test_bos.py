@@ -15,7 +15,6 @@ from llmc.data.bos import bos_decision, follow_gguf_flag
 from llmc.data.sources import BrownSource, TextSource
 from llmc.data.stages import calibration_config
 from llmc.data.tokens import make_tokens
-
 from tests.conftest import _TOKENIZER_TEXT, make_tokenizer
 
 TEXT = (_TOKENIZER_TEXT * 8).strip()
@@ -155,14 +154,13 @@ def test_gguf_declaring_a_bos_it_does_not_add_unpacks_to_windows_without_it(tiny
     tokenizer.ggml.add_bos_token false (the Qwen case) unpacks to a tokenizer that adds none, so no window starts
     with it; the same model with add_bos_token true gets a BOS on every window."""
     from gguf import GGUFReader
+    from transformers import AutoTokenizer
 
     from llmc.compiler.gguf import export_gguf
     from llmc.model.source import ModelSource, resolve_source
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec
     from llmc.quant.stream import quantize_model
-
-    from transformers import AutoTokenizer
 
     for adds in (False, True):
         model = tiny_model

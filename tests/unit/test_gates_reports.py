@@ -104,6 +104,11 @@ def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tm
 
 
 def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_bos_token = True  # BOS-first windows (llmc.data.bos), on which this quantization measurably raises ppl
+    tok.save_pretrained(tiny_model)
     result = build(parse_recipe(recipe_text(tiny_model, tmp_path / "registry")), Store(tmp_path / "c"))
     r = _cli(["eval", str(result.published), "--baseline", str(tiny_model), "--windows", "4", "--seq-len", "64",
               "--max-ppl-increase-pct", "0.0001"], tmp_path / "c", tmp_path)

@@ -11,7 +11,6 @@ import torch
 
 from llmc.errors import InputError
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader, safetensors_files
-
 from tests.conftest import make_tiny_model
 
 
