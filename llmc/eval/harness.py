@@ -46,11 +46,16 @@ def make_lm(engine, tokenizer, batch_size: int = 8):
             return self.tok(text, add_special_tokens=False)["input_ids"]
 
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            from llmc.data.bos import bos_decision
+
             out = []
-            bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
+            decision = bos_decision(self.tok)  # a BOS only where the tokenizer adds one, as in every other window
+            bos = [decision.token_id] if decision.used else []
+            # an empty context still needs one token to predict the first continuation token from (lm-eval's rule)
+            prefix = bos or [i for i in (decision.declared_id, self.tok.eos_token_id) if i is not None][:1]
             for req in requests:
                 context, continuation = req.args
-                ctx, cont = bos + self._encode(context), self._encode(continuation)
+                ctx, cont = (bos + self._encode(context)) or prefix, self._encode(continuation)
                 ids = torch.tensor([ctx + cont])
                 with torch.no_grad():
                     logits = self.model(input_ids=ids).logits[0, len(ctx) - 1 : -1].float()

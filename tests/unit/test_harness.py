@@ -13,6 +13,7 @@ import yaml
 pytest.importorskip("lm_eval")
 
 from llmc.build import build_until  # noqa: E402
+from llmc.data.bos import bos_decision  # noqa: E402
 from llmc.recipe import parse_recipe  # noqa: E402
 from llmc.store import Store  # noqa: E402
 
@@ -43,7 +44,8 @@ def _expected_accuracy(model_dir: Path, rows: list[dict]) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     right = 0
     for r in rows:
-        ctx = [tok.bos_token_id] + tok(r["question"], add_special_tokens=False)["input_ids"]
+        decision = bos_decision(tok)  # the windows' rule: a BOS only where the tokenizer adds one
+        ctx = ([decision.token_id] if decision.used else []) + tok(r["question"], add_special_tokens=False)["input_ids"]
         scores = []
         for c in r["choices"]:
             cont = tok(" " + c, add_special_tokens=False)["input_ids"]
