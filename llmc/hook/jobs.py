@@ -100,10 +100,13 @@ def fetch_source(source: dict, config: HookConfig) -> Path:
 def _download_mlflow(source: dict, config: HookConfig, into: Path) -> None:
     from llmc.registry.mlflow import _call, client
 
-    client(config.tracking_uri())  # MLflow installed?
+    c = client(config.tracking_uri())
     from mlflow.artifacts import download_artifacts
 
-    _call(f"download {source['uri']}", download_artifacts, artifact_uri=source["uri"], dst_path=str(into),
+    # the version's own artifact location, resolved by the hook's server (a bare models:/ URI would be resolved
+    # against the process's default registry, not the configured one)
+    where = _call(f"find {source['uri']}", c.get_model_version_download_uri, source["name"], source["version"])
+    _call(f"download {source['uri']}", download_artifacts, artifact_uri=where, dst_path=str(into),
           tracking_uri=config.tracking_uri())
 
 

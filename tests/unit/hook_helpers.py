@@ -96,12 +96,14 @@ main()
 
 def start_hook(config: Path, corpus: Path, log: Path, kill_at: str = "-") -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "LLMC_PROGRESS_JSON": "0", "LLMC_HOOK_MLFLOW_SECRET": SECRET}
+    seen = log.stat().st_size if log.exists() else 0  # a restart appends to the log: read only its own lines
     proc = subprocess.Popen([sys.executable, "-c", _HOOK_CHILD, str(REPO), str(corpus), kill_at, "hook", "serve",
                              "--config", str(config), "--port", "0"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "a"), start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "a"), start_new_session=True,
+                            cwd=config.parent)  # anything written relative to the working directory stays there
     deadline = time.monotonic() + 120
     while True:
-        found = re.findall(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+        found = re.findall(r"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes()[seen:].decode(errors="replace"))
         if found:
             return proc, found[-1]
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
