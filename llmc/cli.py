@@ -372,6 +372,22 @@ def hook_status(config_path: Path, as_json: bool) -> None:
     _run(go)
 
 
+@hook.command(name="webhook", epilog=EXIT_HELP)
+@config_option
+@click.option("--url", required=True, help="where MLflow reaches `llmc hook serve`, e.g. https://hook.example/webhooks/mlflow")
+@click.option("--name", default="llmc-hook", show_default=True)
+def hook_webhook(config_path: Path, url: str, name: str) -> None:
+    """Register the MLflow webhook (model_version.created -> URL) with the secret from LLMC_HOOK_MLFLOW_SECRET."""
+
+    def go():
+        from llmc.hook.commands import register_webhook
+        from llmc.hook.config import load_hook_config
+
+        click.echo(f"webhook {register_webhook(load_hook_config(config_path), url, name)}: model_version.created -> {url}")
+
+    _run(go)
+
+
 @hook.command(name="run", epilog=EXIT_HELP)
 @click.argument("model_uri")
 @config_option

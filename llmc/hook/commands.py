@@ -67,3 +67,20 @@ def raise_for_jobs(jobs: list[dict]) -> None:
     if all(str(j.get("error", "")).startswith("gate failed") for j in failed):
         raise QualityGateError(text)
     raise LlmcError(text, fix="see `llmc hook status` and the log above")
+
+
+def register_webhook(config: HookConfig, url: str, name: str = "llmc-hook") -> str:
+    """Create the MLflow webhook that sends `model_version.created` to `url`, signed with the secret from
+    LLMC_HOOK_MLFLOW_SECRET(_FILE); returns its id."""
+    from llmc.errors import InputError
+    from llmc.hook.config import MLFLOW_SECRET, secret
+    from llmc.registry.mlflow import _call, client
+
+    value = secret(MLFLOW_SECRET)
+    if value is None:
+        raise InputError(f"{MLFLOW_SECRET} is not set: a webhook without a secret cannot be verified",
+                         fix=f"set {MLFLOW_SECRET} or {MLFLOW_SECRET}_FILE to the secret `llmc hook serve` will use")
+    c = client(config.tracking_uri())
+    hook = _call("create the webhook", c.create_webhook, name, url, events=["model_version.created"], secret=value,
+                 description="llmc registry hook: build, gate and register deployment variants")
+    return hook.webhook_id

@@ -85,7 +85,9 @@ import os, signal, sys
 sys.path.insert(0, sys.argv.pop(1))
 from llmc import events
 from tests.unit.build_helpers import use_corpus_file
-use_corpus_file(sys.argv.pop(1))
+corpus = sys.argv.pop(1)
+if corpus != "-":
+    use_corpus_file(corpus)
 kill_at = sys.argv.pop(1)
 if kill_at != "-":
     events.subscribe(lambda event: event.startswith(kill_at) and os.kill(os.getpid(), signal.SIGKILL))
@@ -94,10 +96,11 @@ main()
 """
 
 
-def start_hook(config: Path, corpus: Path, log: Path, kill_at: str = "-") -> tuple[subprocess.Popen, str]:
+def start_hook(config: Path, corpus: Path | None, log: Path, kill_at: str = "-") -> tuple[subprocess.Popen, str]:
+    """`llmc hook serve --port 0` on `config` (the small corpus file instead of Brown unless None); (process, URL)."""
     env = {**os.environ, "LLMC_PROGRESS_JSON": "0", "LLMC_HOOK_MLFLOW_SECRET": SECRET}
     seen = log.stat().st_size if log.exists() else 0  # a restart appends to the log: read only its own lines
-    proc = subprocess.Popen([sys.executable, "-c", _HOOK_CHILD, str(REPO), str(corpus), kill_at, "hook", "serve",
+    proc = subprocess.Popen([sys.executable, "-c", _HOOK_CHILD, str(REPO), str(corpus or "-"), kill_at, "hook", "serve",
                              "--config", str(config), "--port", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "a"), start_new_session=True,
                             cwd=config.parent)  # anything written relative to the working directory stays there
