@@ -176,3 +176,43 @@ def test_sigkill_then_restart_registers_exactly_once_with_a_clean_builds_bytes(k
                 for k, v in _sha256_tree(got).items()} == clean
     finally:
         hook.stop()
+
+
+def test_hook_run_and_status_without_a_webhook(mlflow_uri, corpus, source_model, tmp_path, monkeypatch) -> None:
+    """`llmc hook run` builds and registers in its own process; again, it is a no-op; a recipe whose gate fails
+    registers nothing and exits 5; `llmc hook status` lists all three jobs."""
+    from click.testing import CliRunner
+    from mlflow import MlflowClient
+
+    from llmc.cli import main
+
+    use_corpus_file(corpus, monkeypatch.setattr)
+    monkeypatch.chdir(tmp_path)
+    recipe = tiny_recipe(tmp_path / "recipe.yaml", tmp_path / "unused")
+    failing = tiny_recipe(tmp_path / "failing.yaml", tmp_path / "unused", name="tiny-strict")
+    data = yaml.safe_load(failing.read_text())
+    data["gates"]["max_mean_kld"] = 1e-9  # no quantization passes this
+    failing.write_text(yaml.safe_dump(data))
+    config = hook_config(tmp_path / "hook.yaml", mlflow_uri, recipe, models="tiny-cli")
+    version = register_source_version(mlflow_uri, "tiny-cli", source_model)
+    uri = f"models:/tiny-cli/{version}"
+    client = MlflowClient(mlflow_uri)
+    runner = CliRunner()
+
+    first = runner.invoke(main, ["hook", "run", uri, "--config", str(config)])
+    assert first.exit_code == 0, first.output
+    assert f"tiny-cli.{VARIANT} v1" in first.output and " done " in first.output
+    again = runner.invoke(main, ["hook", "run", uri, "--config", str(config)])
+    assert again.exit_code == 0 and f"tiny-cli.{VARIANT} v1" in again.output
+    assert len(_versions(client, f"tiny-cli.{VARIANT}")) == 1
+
+    strict = runner.invoke(main, ["hook", "run", uri, "--config", str(config), "--recipe", str(failing)])
+    assert strict.exit_code == 5, strict.output
+    assert "gate failed (nothing registered): max_mean_kld" in strict.output
+    assert _versions(client, "tiny-cli.tiny-strict.vllm-sm90-tp1") == []
+
+    status = runner.invoke(main, ["hook", "status", "--config", str(config), "--json"])
+    listed = json.loads(status.output)
+    assert listed["worker"] is False
+    assert sorted(j["state"] for j in listed["jobs"]) == ["done", "failed"]
+    assert [j["attempts"] for j in listed["jobs"] if j["state"] == "done"] == [1]  # the second run built nothing
