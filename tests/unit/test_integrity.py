@@ -245,6 +245,7 @@ def test_a_byte_flipped_in_a_cached_export_is_caught_at_publish_and_rebuilt_iden
     manifest = json.loads((result.published / "manifest.json").read_text())
     (label,) = result.artifacts
     published_files = {rel.split("/", 2)[2]: d for rel, d in manifest["files"].items() if rel.startswith("artifacts/")}
+    assert published_files.pop("README.md")  # the model card, written at publication beside the export's files
     assert published_files == b.clean
     # the report's measurements are of exactly these bytes
     for ev in manifest["report"]["evals"].values():

@@ -1,0 +1,6 @@
+"""The registry hook: a model registry announces a new checkpoint, llmc builds, gates and registers its variants.
+
+`signatures` verifies deliveries (MLflow's HMAC, the Hugging Face Hub's shared secret), `config` maps registered
+models to recipes, `queue` is the durable on-disk job queue, `jobs` runs one job (fetch the source, build, register),
+`server` is `llmc hook serve` (Flask on werkzeug's server) with its one worker thread.
+"""

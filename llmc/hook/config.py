@@ -1,0 +1,126 @@
+"""The hook's configuration: which registered models build which recipes, where the queue lives, the secrets' names.
+
+    # hook.yaml
+    mlflow: {tracking_uri: http://127.0.0.1:5000}   # default: $MLFLOW_TRACKING_URI
+    state_dir: ./llmc-hook                          # queue, fetched sources, local registry (relative: to this file)
+    max_queued: 100                                  # queued + running jobs; beyond, deliveries get 503 (retried)
+    timestamp_tolerance_s: 300
+    routes:
+      - {models: "smollm2*", recipes: [recipes/smollm2-fp8.yaml]}   # registered-model name pattern (fnmatch)
+      - {tag: llmc.deploy, recipes: [recipes/smollm2-w4a16.yaml]}    # a model version carrying this tag
+
+Secrets never live in this file: the MLflow webhook secret comes from LLMC_HOOK_MLFLOW_SECRET or
+LLMC_HOOK_MLFLOW_SECRET_FILE, the Hub's from LLMC_HOOK_HF_SECRET or LLMC_HOOK_HF_SECRET_FILE.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmc.errors import InputError, RecipeError
+
+MLFLOW_SECRET = "LLMC_HOOK_MLFLOW_SECRET"
+HF_SECRET = "LLMC_HOOK_HF_SECRET"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Route(_Strict):
+    models: str | None = Field(default=None, description="fnmatch pattern over registered-model names")
+    tag: str | None = Field(default=None, description="'key' or 'key=value' the model version must carry")
+    recipes: tuple[str, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> "Route":
+        if (self.models is None) == (self.tag is None):
+            raise ValueError("a route names exactly one of 'models' (a name pattern) or 'tag'")
+        return self
+
+    def matches(self, name: str, tags: dict[str, str]) -> bool:
+        if self.models is not None:
+            return fnmatch.fnmatchcase(name, self.models)
+        key, sep, value = self.tag.partition("=")
+        return key in tags and (not sep or tags[key] == value)
+
+
+class MlflowSection(_Strict):
+    tracking_uri: str | None = None
+
+
+class HookConfig(_Strict):
+    mlflow: MlflowSection = MlflowSection()
+    state_dir: str = "./llmc-hook"
+    cache_dir: str | None = None
+    max_queued: int = Field(default=100, ge=1, le=100_000)
+    timestamp_tolerance_s: float = Field(default=300, gt=0, le=86_400)
+    routes: tuple[Route, ...] = ()
+    base: Path = Field(default=Path("."), exclude=True)  # the config file's folder: relative paths start there
+
+    def path(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else self.base / p
+
+    @property
+    def state(self) -> Path:
+        return self.path(self.state_dir)
+
+    def tracking_uri(self) -> str:
+        uri = self.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise RecipeError("no MLflow tracking URI: the hook config has no mlflow.tracking_uri and "
+                              "MLFLOW_TRACKING_URI is not set", fix="set one of them to the MLflow server's URL")
+        return uri
+
+    def recipes_for(self, name: str, tags: dict[str, str]) -> list[Path]:
+        """The recipe files every matching route names, each once, in config order."""
+        out: list[Path] = []
+        for route in self.routes:
+            if route.matches(name, tags):
+                out += [p for p in map(self.path, route.recipes) if p not in out]
+        return out
+
+
+def load_hook_config(path: Path) -> HookConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise InputError(f"hook config {path} does not exist", fix="pass the hook's YAML config file") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"hook config {path} is not valid YAML: {type(e).__name__}", fix="fix the file") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"hook config {path} is not a mapping", fix="see docs/registry-hook.md for the format")
+    try:
+        return HookConfig(**data, base=path.resolve().parent)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise RecipeError(f"hook config {path}: {where}: {first['msg']}",
+                          fix="see docs/registry-hook.md for the format") from None
+
+
+def secret(variable: str) -> str | None:
+    """A secret from the environment: `variable` itself or `variable`_FILE (a file holding it, whitespace stripped).
+    None when neither is set. Never logged: callers only say which variable they read."""
+    value, file_name = os.environ.get(variable), os.environ.get(f"{variable}_FILE")
+    if value and file_name:
+        raise InputError(f"both {variable} and {variable}_FILE are set", fix="set only one of them")
+    if file_name:
+        path = Path(file_name)
+        if not path.is_file():
+            raise InputError(f"{variable}_FILE names {path}, which is not a regular file",
+                             fix="point it at a file holding the secret")
+        text = path.read_text(encoding="utf-8").strip()
+        if not text:
+            raise InputError(f"the secret file {path} is empty", fix="write the secret into it")
+        return text
+    if value is not None and not value:
+        raise InputError(f"{variable} is set but empty", fix="unset it or give it the secret")
+    return value

@@ -1,0 +1,178 @@
+"""`llmc hook serve`: the webhook receiver (Flask, served by werkzeug) and the one worker thread that builds.
+
+Receivers (each enabled by its secret being set, never read from the config file):
+    POST /webhooks/mlflow       MLflow `model_version.created`, signed (llmc.hook.signatures.verify_mlflow)
+    POST /webhooks/huggingface  Hugging Face Hub repo webhooks, X-Webhook-Secret
+    GET  /status                the queue, as `llmc hook status --json` prints it
+    GET  /health
+A delivery that fails verification is answered 401 and logged (the reason, never the secret) and touches nothing.
+A verified one queues one job per recipe its route names (202), or says why it was ignored (200): another event,
+no route, or a version llmc registered itself. A full queue answers 503 with Retry-After, which MLflow retries.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from llmc.errors import InputError, LlmcError
+from llmc.hook import signatures
+from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, HookConfig, secret
+from llmc.hook.jobs import hf_source, mlflow_source, new_job, run_job
+from llmc.hook.queue import JobQueue, QueueFull
+from llmc.progress import log
+from llmc.recipe import load_recipe
+
+OWN_VERSION_TAG = "llmc.build_id"  # carried by every version llmc registers: never a source for another build
+
+
+def enqueue_for(config: HookConfig, queue: JobQueue, source: dict, delivery: str | None,
+                recipes: list[Path] | None = None) -> list[tuple[dict, bool]]:
+    """Queue one job per recipe the routes give `source` (or per `recipes`); [(job, new)]."""
+    paths = recipes if recipes is not None else config.recipes_for(source["name"], source.get("tags") or {})
+    return [queue.enqueue(new_job(load_recipe(p), p, source), delivery) for p in paths]
+
+
+def _summary(jobs: list[dict]) -> list[dict]:
+    keys = ("id", "state", "source", "recipe_path", "attempts", "build_id", "registrations", "error", "deliveries")
+    return [{k: j.get(k) for k in keys if j.get(k) is not None} | {"source": j["source"]["uri"]} for j in jobs]
+
+
+def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: Callable[[], float] = time.time):
+    from flask import Flask, jsonify, request
+
+    app = Flask("llmc-hook")
+    app.config["MAX_CONTENT_LENGTH"] = 1 << 20  # a delivery is a small JSON document
+    mlflow_secret, hf_secret = secret(MLFLOW_SECRET), secret(HF_SECRET)
+
+    def queue_jobs(source: dict, delivery: str | None):
+        try:
+            results = enqueue_for(config, queue, source, delivery)
+        except QueueFull as e:
+            log(f"hook: queue full, delivery {delivery} deferred: {e.message}")
+            return jsonify(error=e.message), 503, {"Retry-After": "60"}
+        except LlmcError as e:
+            log(f"hook: delivery {delivery} for {source['uri']} not queued: {e.kind}: {e.message}")
+            return jsonify(error=f"{e.kind}: {e.message}"), 500
+        if not results:
+            return jsonify(ignored=f"no route for {source['name']}"), 200
+        for job, new in results:
+            log(f"hook: delivery {delivery}: {source['uri']} -> job {job['id'][:12]} "
+                + ("queued" if new else f"already {job['state']} (duplicate; nothing to do)"))
+        wake.set()
+        return jsonify(jobs=[{"id": j["id"], "new": new, "state": j["state"]} for j, new in results]), 202
+
+    def refused(kind: str, reason: str):
+        log(f"hook: refused {kind} delivery from {request.remote_addr}: {reason}")
+        return jsonify(error="unauthorized"), 401
+
+    @app.post("/webhooks/mlflow")
+    def mlflow_webhook():
+        if mlflow_secret is None:
+            return jsonify(error=f"the MLflow receiver is off ({MLFLOW_SECRET} is not set)"), 404
+        body = request.get_data(cache=True)
+        reason = signatures.verify_mlflow(request.headers, body, mlflow_secret, now(), config.timestamp_tolerance_s)
+        if reason:
+            return refused("MLflow", reason)
+        delivery = request.headers.get(signatures.MLFLOW_DELIVERY_ID_HEADER)
+        try:
+            event = json.loads(body)
+            kind = (event["entity"], event["action"])
+            data = event["data"]
+        except (ValueError, KeyError, TypeError):
+            return jsonify(error="not an MLflow webhook payload"), 400
+        if kind != ("model_version", "created"):
+            return jsonify(ignored=f"event {kind[0]}.{kind[1]}"), 200
+        tags = data.get("tags") or {}
+        if OWN_VERSION_TAG in tags:
+            return jsonify(ignored="a version llmc registered"), 200
+        try:
+            source = mlflow_source(str(data["name"]), str(data["version"]), tags)
+        except (InputError, KeyError) as e:
+            log(f"hook: delivery {delivery} refused: {getattr(e, 'message', e)}")
+            return jsonify(error=getattr(e, "message", "no name/version")), 400
+        return queue_jobs(source, delivery)
+
+    @app.post("/webhooks/huggingface")
+    def hf_webhook():
+        if hf_secret is None:
+            return jsonify(error=f"the Hugging Face receiver is off ({HF_SECRET} is not set)"), 404
+        reason = signatures.verify_hf(request.headers, hf_secret)
+        if reason:
+            return refused("Hugging Face", reason)
+        try:
+            event = json.loads(request.get_data(cache=True))
+            scope, repo = event["event"]["scope"], event["repo"]
+            name, kind = repo["name"], repo.get("type", "model")
+            revision = repo.get("headSha") or "main"
+        except (ValueError, KeyError, TypeError):
+            return jsonify(error="not a Hugging Face webhook payload"), 400
+        if not str(scope).startswith("repo") or kind != "model" or event["event"].get("action") == "delete":
+            return jsonify(ignored=f"event {scope} on a {kind}"), 200
+        try:
+            source = hf_source(str(name), str(revision))
+        except InputError as e:
+            return jsonify(error=e.message), 400
+        return queue_jobs(source, request.headers.get("X-Request-Id") or f"hf:{name}@{revision}")
+
+    @app.get("/status")
+    def status():
+        return jsonify(jobs=_summary(queue.jobs()))
+
+    @app.get("/health")
+    def health():
+        return jsonify(ok=True)
+
+    return app
+
+
+class Worker(threading.Thread):
+    """Runs queued jobs one at a time while it holds the state folder's worker lock."""
+
+    def __init__(self, config: HookConfig, queue: JobQueue, wake: threading.Event) -> None:
+        super().__init__(name="llmc-hook-worker", daemon=True)
+        self.config, self.queue, self.wake = config, queue, wake
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with self.queue.worker_lock():
+            for jid in self.queue.recover():
+                log(f"hook: job {jid[:12]} was running when its worker died; queued again (resumes from the cache)")
+            while not self.stopping.is_set():
+                job = self.queue.take()
+                if job is None:
+                    self.wake.wait(1.0)
+                    self.wake.clear()
+                    continue
+                done = run_job(job, self.config, self.queue)
+                log(f"hook: job {job['id'][:12]} {done['state']}")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+
+
+def serve(config: HookConfig, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM. The worker starts first, so a restart resumes what a killed hook left."""
+    import signal
+
+    from werkzeug.serving import make_server
+
+    if secret(MLFLOW_SECRET) is None and secret(HF_SECRET) is None:
+        raise InputError(f"neither {MLFLOW_SECRET} nor {HF_SECRET} is set: the hook would accept no delivery",
+                         fix=f"set {MLFLOW_SECRET} (or {MLFLOW_SECRET}_FILE) to the secret the MLflow webhook was "
+                             "created with")
+    queue = JobQueue(config.state, config.max_queued)
+    wake = threading.Event()
+    worker = Worker(config, queue, wake)
+    worker.start()
+    server = make_server(host, port, create_app(config, queue, wake), threaded=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    log(f"hook: listening on http://{host}:{server.server_port} (state {config.state})")
+    try:
+        server.serve_forever()
+    finally:
+        worker.stop()
