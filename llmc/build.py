@@ -162,7 +162,7 @@ def _pending_stages(result: BuildResult, store: Store, calib_key: str | None) ->
         quant_key = _quantize_key(result, scheme, calib_key if scheme.needs_calibration else None)
         quant_dir = store.stage_dir("quantize", quant_key)
         if not (quant_dir / COMPLETE_MARKER).is_file():
-            pending |= {f"quantize {scheme.name}"} | {f"export {label}" for label in labels}
+            pending |= {f"quantize {name or scheme.name}"} | {f"export {label}" for label in labels}
             continue
         qm = QuantizedModel.open(quant_dir)
         for target, label in zip(result.recipe.targets, labels):

@@ -108,3 +108,18 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_and_halves_the_layer(tiny_mo
     fp32 = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "float32"}), bf16).estimates
     assert auto["dtype"] == "bfloat16" and fp32["dtype"] == "float32"
     assert auto["peak_memory_gb"] < fp32["peak_memory_gb"]
+
+
+def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    plan = make_plan(_tiny_recipe(tiny_model), tiny_model)
+    stages = {s["stage"]: s["disk_gb"] for s in plan.estimates["stages"]}
+    total, quantize = sum(stages.values()), next(v for k, v in stages.items() if k.startswith("quantize"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, int((total - quantize / 2) * 1e9)))
+    with pytest.raises(ResourceError, match="the build needs"):
+        llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
+    cached_quantize = {k for k in stages if not k.startswith("quantize")}
+    llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
