@@ -106,6 +106,7 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
     child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     samples: list[tuple[float, int]] = []
     hwm = [0]
+    anon_peak = [0]
     done = threading.Event()
 
     def sample() -> None:
@@ -116,6 +117,8 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
             except OSError:
                 break
             rss = int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) * 1024
+            anon = re.search(r"RssAnon:\s+(\d+)", text)  # without the mmapped checkpoint's resident pages
+            anon_peak[0] = max(anon_peak[0], int(anon.group(1)) * 1024 if anon else 0)
             hwm[0] = max(hwm[0], int(re.search(r"VmHWM:\s+(\d+)", text).group(1)) * 1024)
             samples.append((time.time(), rss))
             time.sleep(0.1)
@@ -140,7 +143,8 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
         inside = [r for t, r in samples if start <= t < stop + 1]
         if inside:
             peaks[stage] = max(peaks.get(stage, 0), max(inside))
-    return {"exit": child.returncode, "wall_s": wall, "peak_rss": hwm[0], "stage_peaks": peaks,
+    return {"exit": child.returncode, "wall_s": wall, "peak_rss": hwm[0], "peak_anon": anon_peak[0],
+            "stage_peaks": peaks,
             "stdout_tail": stdout[-1500:], "stderr_tail": stderr[-1500:] if child.returncode else ""}
 
 
@@ -202,6 +206,7 @@ def main() -> None:
                           "quantize_s_per_layer": predicted["calibration_s"] / n, "dtype": predicted["dtype"],
                           "source_gb": predicted["source_gb"]},
             "measured": {"exit": measured["exit"], "wall_s": measured["wall_s"], "peak_rss_gb": measured["peak_rss"] / 1e9,
+                         "peak_anon_gb": measured["peak_anon"] / 1e9,
                          "stage_peak_gb": {k: v / 1e9 for k, v in measured["stage_peaks"].items()},
                          "quantize_s_per_layer": quantize_s / n, "disk_gb": {k: v / 1e9 for k, v in disk.items()},
                          "registry_gb_apparent": du(run / "registry", count_links=True) / 1e9,

@@ -182,14 +182,14 @@ def _pending_stages(result: BuildResult, store: Store, calib_key: str | None) ->
     """The plan's stage names whose outputs are not in the cache yet (evaluations always count: they are small)."""
     pending = {s["stage"] for s in result.plan.estimates.get("stages", []) if s["stage"].startswith("eval")}
     for name, scheme in result.plan.schemes.items():
-        labels = [f"{name}/{t.label}" if name else t.label for t in result.recipe.targets]
+        target_labels = [f"{name}/{t.label}" if name else t.label for t in result.recipe.targets]
         quant_key = _quantize_key(result, scheme, calib_key if scheme.needs_calibration else None)
         quant_dir = store.stage_dir("quantize", quant_key)
         if not (quant_dir / COMPLETE_MARKER).is_file():
-            pending |= {f"quantize {scheme.name}"} | {f"export {label}" for label in labels}
+            pending |= {f"quantize {name or scheme.name}"} | {f"export {t}" for t in target_labels}
             continue
         qm = QuantizedModel.open(quant_dir)
-        for target, target_label in zip(result.recipe.targets, labels):
+        for target, target_label in zip(result.recipe.targets, target_labels):
             if not (store.stage_dir("export", _export_key(result, qm, quant_key, target)[0]) / COMPLETE_MARKER).is_file():
                 pending.add(f"export {target_label}")
     return pending

@@ -446,7 +446,8 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
     cheaper: dict[str, tuple[str, float]] = {}
     linears = tensors.linear_shapes()
     artifact_bytes, canonical_bytes = {}, {}
-    for scheme in schemes:
+    variant_labels = [n or s.name for (n, _), s in zip(recipe.variant_sections(), schemes)]  # stage names
+    for scheme, variant in zip(schemes, variant_labels):
         quantized = sum(a * b for n, (a, b) in linears.items() if not module_matches(n, scheme.ignore))
         rest = shape.params - quantized
         canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
@@ -457,7 +458,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
                       scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
                       code_bytes=1.0, machine=machine)
         q = res.quantize_stage(shape, spill=spill, **kwargs)
-        q.name, q.disk_bytes = f"quantize {scheme.name}", canonical_bytes[scheme.name]
+        q.name, q.disk_bytes = f"quantize {variant}", canonical_bytes[scheme.name]
         stages.append(q)
         if scheme.needs_calibration and not spill:
             spilled = res.quantize_stage(shape, spill=True, **kwargs)
@@ -480,7 +481,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
     eval_kwargs = dict(compute=compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
                        top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine)
     if "torch" in ev.runtimes:
-        evals = [("baseline", False, 0.0)] + [(s.name, True, 1.0) for s in schemes]
+        evals = [("baseline", False, 0.0)] + [(v, True, 1.0) for v in variant_labels]
         for label, reference, code_bytes in evals:
             st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
                                 artifact_code_bytes=code_bytes, **eval_kwargs)

@@ -80,14 +80,20 @@ def test_a_plan_that_does_not_fit_refuses_before_loading_naming_the_cheaper_stra
     assert "spill_activations" in e.value.fix and e.value.exit_code == 4
 
 
-def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_model: Path, monkeypatch) -> None:
+def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_model_factory, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    model = tiny_model_factory(tmp_path / "wide", hidden=512, layers=8, heads=8, kv_heads=4, intermediate=2048)
     monkeypatch.setenv("LLMC_TORCH_EVAL", "whole")
-    recipe = _tiny_recipe(tiny_model, eval={"windows": 64, "seq_len": 1024, "batch_size": 64})
-    plan = make_plan(recipe, tiny_model)
+    recipe = _tiny_recipe(model, eval={"windows": 2, "seq_len": 16, "batch_size": 1},
+                          calibration={"samples": 4, "seq_len": 64})
+    plan = make_plan(recipe, model)
     base = next(s for s in plan.estimates["stages"] if s["stage"] == "eval torch baseline")
-    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(base["host_gb"] * 1e9 * 0.9))
+    assert base["strategy"] == "whole model"
+    quantize = next(s for s in plan.estimates["stages"] if s["stage"].startswith("quantize"))
+    assert quantize["host_gb"] < base["host_gb"] * 0.9  # so that the evaluation is what does not fit
+    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(base["host_gb"] * 1e9 * 0.95))
     with pytest.raises(ResourceError, match="eval torch baseline") as e:
-        make_plan(recipe, tiny_model)
+        make_plan(recipe, model)
     assert "LLMC_TORCH_EVAL=streamed" in e.value.fix
 
 
@@ -102,3 +108,18 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_and_halves_the_layer(tiny_mo
     fp32 = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "float32"}), bf16).estimates
     assert auto["dtype"] == "bfloat16" and fp32["dtype"] == "float32"
     assert auto["peak_memory_gb"] < fp32["peak_memory_gb"]
+
+
+def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    plan = make_plan(_tiny_recipe(tiny_model), tiny_model)
+    stages = {s["stage"]: s["disk_gb"] for s in plan.estimates["stages"]}
+    total, quantize = sum(stages.values()), next(v for k, v in stages.items() if k.startswith("quantize"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, int((total - quantize / 2) * 1e9)))
+    with pytest.raises(ResourceError, match="the build needs"):
+        llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
+    cached_quantize = {k for k in stages if not k.startswith("quantize")}
+    llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
