@@ -19,12 +19,14 @@ from llmc.targets.base import (
 )
 
 
-_NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layout conformance-tested)"
+_NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmodel to eval.runtimes to load "
+              "it in GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)")
 
 
 @register_format
 class GptqCheckpoint(ArtifactFormat):
     name = "gptq"
+    read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX "
