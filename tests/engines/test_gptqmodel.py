@@ -65,6 +65,12 @@ def checkpoints(tmp_path_factory, tiny_model_session: Path) -> dict:
 def test_gptqmodel_scores_llmcs_checkpoint_like_the_torch_reference(checkpoints, scheme: str, layout: str) -> None:
     windows, source = checkpoints["windows"], checkpoints["source"]
     paths = checkpoints["schemes"][scheme]
+    if (layout, scheme) == ("gptq", "g32-asym"):
+        # GPTQModel 7.6 loads an asymmetric GPTQ v1 checkpoint only from its own quantizer (meta.quantizer
+        # "gptqmodel:>=0.9" or GPTAQ/FOEM), whatever the file holds: measured here, recorded in docs/results.md
+        with pytest.raises(EngineFailed, match="sym=False model with format=FORMAT.GPTQ is only supported"):
+            GptqModelEngine(paths[layout]).measure(windows[:1], windows[:1], decode_tokens=0, repeats=1)
+        return
     ours = TorchEngine(paths["reference"]).score(windows, reference=source, top_k=16)
     theirs, tput = GptqModelEngine(paths[layout]).measure(windows, windows[:1], decode_tokens=4, repeats=1,
                                                           reference=source, top_k=16)
