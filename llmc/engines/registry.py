@@ -154,6 +154,12 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                    setup="on a GPU machine: python -m venv .venv-trtllm && .venv-trtllm/bin/pip install tensorrt-llm",
                    failure_fix="check that this TensorRT-LLM version accepts the artifact (llmc inspect)")),
     EngineSpec("tensorrt", "llmc.engines.tensorrt:TensorRtEngine", loads_source=False, title="TensorRT"),
+    EngineSpec("gptqmodel", "llmc.engines.gptqmodel:GptqModelEngine", loads_source=False, title="GPTQModel",
+               environment=EngineEnvironment(
+                   worker="gptqmodel_worker.py", python_variable="LLMC_GPTQMODEL_PYTHON", venv=".venv-gptqmodel",
+                   module="gptqmodel", setup="bash scripts/setup-gptqmodel.sh",
+                   failure_fix="check the checkpoint with `llmc inspect`; LLMC_GPTQMODEL_BACKEND=gptq_torch (or "
+                               "awq_torch) picks GPTQModel's plain torch kernel instead of its automatic choice")),
 )}
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 

@@ -19,7 +19,8 @@ from llmc.targets.base import (
 )
 
 
-_NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layout conformance-tested)"
+_NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmodel to eval.runtimes to load "
+              "it in GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)")
 
 
 @register_format
@@ -27,8 +28,10 @@ class GptqCheckpoint(ArtifactFormat):
     name = "gptq"
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
+    read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = _NEEDS_GPU
-    proof = ("conformance only (ExLlamaV2 needs a GPU): GPTQ v1 layout decodes to the canonical weights exactly, and "
+    proof = ("loaded and scored here by GPTQModel's CPU kernels (engine gptqmodel; docs/results.md, issue 20); "
+             "ExLlamaV2 itself needs a GPU. GPTQ v1 layout decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX "
              "Runtime export, which is scored here")
 

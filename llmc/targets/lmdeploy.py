@@ -18,7 +18,8 @@ from llmc.targets.base import (
     target_key,
 )
 
-_NEEDS_GPU = "not evaluated here: LMDeploy / ExLlamaV2 need an NVIDIA GPU (layout conformance-tested)"
+_NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmodel to eval.runtimes to load "
+              "it in GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)")
 
 
 @register_format
@@ -26,8 +27,10 @@ class AwqCheckpoint(ArtifactFormat):
     name = "awq"
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"
+    read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = _NEEDS_GPU
-    proof = ("conformance only (LMDeploy/vLLM's AWQ kernels need a GPU): AutoAWQ GEMM layout (nibble order "
+    proof = ("loaded and scored here by GPTQModel's CPU AWQ kernels (engine gptqmodel; docs/results.md, issue 20); "
+             "LMDeploy/vLLM's AWQ kernels need a GPU. AutoAWQ GEMM layout (nibble order "
              "0 2 4 6 1 3 5 7, unsigned zeros, fp16 scales) decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own AWQ loader reads llmc's checkpoint back to the same weights (default test run)")
 

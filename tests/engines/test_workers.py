@@ -27,7 +27,7 @@ _spec.loader.exec_module(fake)
 def fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """This Python as every engine's environment, the stand-ins importable in it, a GPU that says so, and a
     model folder (the stand-ins read nothing from it)."""
-    for var in ("LLMC_VLLM_PYTHON", "LLMC_LLAMA_PYTHON", "LLMC_TRTLLM_PYTHON"):
+    for var in ("LLMC_VLLM_PYTHON", "LLMC_LLAMA_PYTHON", "LLMC_TRTLLM_PYTHON", "LLMC_GPTQMODEL_PYTHON"):
         monkeypatch.setenv(var, sys.executable)
     monkeypatch.setenv("PYTHONPATH", str(FAKES))
     nvidia_smi = tmp_path / "bin" / "nvidia-smi"
@@ -38,6 +38,7 @@ def fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.gguf").write_bytes(b"")
+    (model / "config.json").write_text("{}")
     _importable_version.cache_clear()
     yield model
     _importable_version.cache_clear()
@@ -66,7 +67,7 @@ def test_vllm_worker_returns_the_actual_tokens_nll(fake_engines: Path) -> None:
     assert tput["prefill_tokens_per_s"]["n"] == 2 and tput["decode_tokens_per_s"]["n"] == 2
 
 
-@pytest.mark.parametrize("engine_name", ["llama.cpp", "tensorrt-llm"])
+@pytest.mark.parametrize("engine_name", ["llama.cpp", "tensorrt-llm", "gptqmodel"])
 def test_full_distribution_workers_score_like_the_torch_reference(fake_engines: Path, engine_name: str) -> None:
     windows, reference = _windows_and_reference()
     with open_engine(engine_name, fake_engines, dtype="float32") as engine:
@@ -78,6 +79,25 @@ def test_full_distribution_workers_score_like_the_torch_reference(fake_engines: 
         assert torch.allclose(scores[k].double(), want[k].double(), atol=1e-5), k
     assert tput["engine_version"] == "0.0+fake" and tput["prompt_tokens"] == 20 and tput["repeats"] == 1
     assert throughput["prefill_tokens_per_s"]["n"] == 1
+
+
+def test_gptqmodel_worker_names_the_kernel_it_ran(fake_engines: Path) -> None:
+    windows, _ = _windows_and_reference()
+    with open_engine("gptqmodel", fake_engines, dtype="float32") as engine:
+        _, tput = engine.measure(windows, windows[:1], decode_tokens=2, repeats=1)
+    assert tput["kernels"] == ["TorchQuantLinear"] and tput["engine_dtype"] == "bfloat16"
+    assert tput["backend"] == "auto" and tput["decode_tokens_per_s"]["n"] == 1
+
+
+def test_gptqmodel_load_failure_is_a_runtime_failure(fake_engines: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmc.errors import EngineFailed
+
+    monkeypatch.setenv("LLMC_FAKE_FAILURE", "bad-model")
+    windows, _ = _windows_and_reference()
+    with pytest.raises(EngineFailed, match="qweight shape mismatch") as e:
+        with open_engine("gptqmodel", fake_engines, dtype="float32") as engine:
+            engine.measure(windows, windows[:1], decode_tokens=0, repeats=1)
+    assert "LLMC_GPTQMODEL_BACKEND" in e.value.fix
 
 
 def test_tensorrt_llm_worker_serves_as_a_baseline(fake_engines: Path) -> None:
