@@ -6,7 +6,6 @@ Usage: LLMC_GPTQMODEL_PYTHON=<venv>/bin/python python benchmarks/gptqmodel_agree
 """
 import json, math, os, sys, time
 from pathlib import Path
-import torch
 from transformers import AutoTokenizer
 from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
@@ -25,7 +24,6 @@ ref = TorchEngine(source).score(ids)
 base_nll = ref["nll"].double()
 def summary(name, s, tput=None):
     nll = s["nll"].double()
-    d = (nll.mean(1) - base_nll.mean(1))
     print(json.dumps({"engine": name, "ppl_base": math.exp(base_nll.mean()), "ppl": math.exp(nll.mean()),
                       "kld": s["kl"].double().mean().item() if "kl" in s else None,
                       "top1": s["top1"].float().mean().item() if "top1" in s else None,
