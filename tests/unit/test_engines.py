@@ -38,9 +38,9 @@ def test_importing_the_registry_imports_no_engine() -> None:
 
 
 def test_the_registry_says_what_the_build_asks_of_each_engine() -> None:
-    assert ENGINE_NAMES == ("torch", "vllm", "llama.cpp", "onnxruntime", "tensorrt-llm", "tensorrt")
+    assert ENGINE_NAMES == ("torch", "vllm", "llama.cpp", "onnxruntime", "tensorrt-llm", "tensorrt", "gptqmodel")
     assert [n for n in ENGINE_NAMES if engine_spec(n).baseline_engine == "torch" and n != "torch"] == [
-        "llama.cpp", "onnxruntime", "tensorrt"]
+        "llama.cpp", "onnxruntime", "tensorrt", "gptqmodel"]
     assert engine_spec("vllm").baseline_engine == "vllm"
     assert engine_spec("torch").batch_sizes((4, 1, 8)) == [4, 1, 8]
     assert [engine_spec(n).batch_sizes((4, 8)) for n in ENGINE_NAMES[1:]] == [[1]] * 5
