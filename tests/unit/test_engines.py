@@ -43,8 +43,8 @@ def test_the_registry_says_what_the_build_asks_of_each_engine() -> None:
         "llama.cpp", "onnxruntime", "tensorrt", "gptqmodel"]
     assert engine_spec("vllm").baseline_engine == "vllm"
     assert engine_spec("torch").batch_sizes((4, 1, 8)) == [4, 1, 8]
-    assert [engine_spec(n).batch_sizes((4, 8)) for n in ENGINE_NAMES[1:]] == [[1]] * 5
-    assert {n for n in ENGINE_NAMES if engine_spec(n).environment} == {"vllm", "llama.cpp", "tensorrt-llm"}
+    assert [engine_spec(n).batch_sizes((4, 8)) for n in ENGINE_NAMES[1:]] == [[1]] * 6
+    assert {n for n in ENGINE_NAMES if engine_spec(n).environment} == {"vllm", "llama.cpp", "tensorrt-llm", "gptqmodel"}
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         engine_spec("sglang")
 
