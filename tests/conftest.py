@@ -98,3 +98,12 @@ def store(tmp_path: Path):
 def tiny_model_factory():
     """make_tiny_model itself, for tests that need several shapes."""
     return make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _progress_speaks_again():
+    """`llmc --quiet` invoked in-process (click's CliRunner) leaves llmc.progress quiet for every later test."""
+    yield
+    from llmc.progress import set_quiet
+
+    set_quiet(False)
