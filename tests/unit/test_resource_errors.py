@@ -198,6 +198,10 @@ def _cli_build(root: Path, model: Path):
     return CliRunner().invoke(main, ["-q", "build", str(recipe), "--cache-dir", str(root / "cache")])
 
 
+def _cross_device_link(src, dst, *args, **kwargs):
+    raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(dst))
+
+
 # (write site, the path pattern that fills up, where the message must point)
 SITES = [
     ("calibration windows", "*/stages/calibrate/*/.tokens.safetensors*", "stages/calibrate/"),
@@ -228,6 +232,8 @@ def test_full_disk_at_each_write_site_exits_4_and_the_rerun_is_identical(
         clean_build: dict[str, str], monkeypatch) -> None:
     use_corpus_file(corpus, monkeypatch.setattr)
     with pytest.MonkeyPatch.context() as mp:
+        if site == "registry copy":  # the registry hard-links the cache's files; it copies them on another filesystem
+            mp.setattr(os, "link", _cross_device_link)
         disk = FullDisk(mp, pattern)
         failed = _cli_build(tmp_path, tiny_model_session)
     assert disk.hits, f"the build never wrote {pattern}"
