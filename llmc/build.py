@@ -97,7 +97,8 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     if calib_tokens is not None and eval_tokens is not None:
         data.check_calibration_eval_overlap(calib_tokens, eval_tokens, recipe.eval)
     result.bos = bos_decision(tokenizer).record()
-    calib_key = _main_first(lambda: _calibrate(result, store, calib_tokens)) if needs_calibration else None  # shared by all variants
+    # shared by all variants; under torchrun rank 0 calibrates first and the other ranks reuse its stage
+    calib_key = _main_first(lambda: _calibrate(result, store, calib_tokens)) if needs_calibration else None
     check_disk(plan, store.root, _pending_stages(result, store, calib_key))  # what is cached needs no new disk
     quantized = {}
     for name, scheme in plan.schemes.items():
