@@ -263,12 +263,17 @@ def test_a_finished_worker_leaves_no_children_behind(tmp_path: Path, monkeypatch
 
 def test_an_interrupt_kills_the_worker_and_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, pids = _hanging_worker(tmp_path, monkeypatch)
+    # Python's own Ctrl-C behaviour, whatever handler an earlier test in this process left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt_once_started() -> None:
         _pids(pids, 2, within_s=55)  # a loaded machine can take tens of seconds to start the worker (timeout: 60 s)
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does to llmc (the worker has its own session)
 
     threading.Thread(target=interrupt_once_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_worker(spec, {}, {}, about="x")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_worker(spec, {}, {}, about="x")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert all(_gone(pid) for pid in _pids(pids, 2))
