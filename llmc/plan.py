@@ -218,26 +218,6 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     return warnings
 
 
-def linear_shapes_from_headers(folder: Path) -> tuple[dict[str, tuple[int, int]], int, int]:
-    """2-D weight shapes (module name -> (out, in)), total parameter count and bytes, from headers only."""
-    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-
-    shapes: dict[str, tuple[int, int]] = {}
-    params = nbytes = 0
-    for f in safetensors_files(folder):
-        for name, info in check_safetensors_header(f).items():
-            if name == "__metadata__":
-                continue
-            n = 1
-            for d in info["shape"]:
-                n *= d
-            params += n
-            nbytes += info["data_offsets"][1] - info["data_offsets"][0]
-            if name.endswith(".weight") and len(info["shape"]) == 2 and "embed" not in name:
-                shapes[name[: -len(".weight")]] = tuple(info["shape"])
-    return shapes, params, nbytes
-
-
 def _check_scheme(scheme: Scheme, where: str) -> None:
     if scheme.algorithm not in IMPLEMENTED_ALGORITHMS:
         raise IncompatibleTargetError(

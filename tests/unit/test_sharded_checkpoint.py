@@ -107,9 +107,10 @@ def test_a_malformed_index_is_refused(sharded, text):
 
 
 def test_plan_shapes_come_from_the_indexed_shards_headers(sharded):
-    from llmc.plan import linear_shapes_from_headers
+    from llmc.plan_shapes import from_headers
 
-    shapes, params, _ = linear_shapes_from_headers(sharded)
+    tensors = from_headers(sharded)  # what make_plan reads
+    shapes, params = tensors.linear_shapes(), tensors.params
     state_params = sum(t.numel() for t in CheckpointReader(sharded).get_many(CheckpointReader(sharded).names()).values())
     assert params == state_params
     assert shapes["model.layers.0.mlp.up_proj"] == (128, 64)
