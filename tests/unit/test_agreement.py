@@ -198,3 +198,32 @@ def test_a_build_stores_the_head_and_gates_on_the_exact_kl(tiny_model: Path, tmp
     assert not (store.lookup("eval", art.key) / HEAD_FILE).is_file()
     assert art.kld_kind == EXACT and art.kld_bound["mean"] <= art.kld["mean"]
     assert "over the full vocabulary" in render_markdown(result)
+
+
+def test_the_workers_window_scores_are_torch_log_softmax_nll_top1_and_reference_logprobs() -> None:
+    head, hidden, logits = _random_head()  # logits [2 windows, 9 positions, vocab]: positions 0..8 score ids 1..9
+    vocab = logits.shape[-1]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, 10), generator=g)
+    reference_index = torch.topk(head.logits(hidden), 4, dim=-1).indices
+    wire = {"reference_index": reference_index.numpy(), "reference_head_input": hidden.numpy(),
+            "reference_head_weight": head.weight.numpy(), "reference_head_bias": head.bias.numpy(),
+            "reference_head_post": np.array([0.7, 4.0])}
+    scores = worker_agreement.WindowScores(wire)
+    for w in range(2):
+        scores.add(w, ids[w].numpy(), logits[w].numpy().astype(np.float64))
+    got = scores.arrays()
+
+    log_q = logits.double().log_softmax(-1)
+    assert np.allclose(got["nll"], -log_q.gather(-1, ids[:, 1:, None])[..., 0].numpy(), atol=1e-9)
+    assert (got["top1_index"] == logits.argmax(-1).numpy()).all()
+    assert np.allclose(got["logprobs_at_reference"], log_q.gather(-1, reference_index).numpy(), atol=1e-5)
+    assert np.allclose(got["kl_exact"], exact_kl(head, hidden, logits).numpy(), rtol=1e-5, atol=1e-7)
+
+    # another vocabulary (a GGUF that trimmed it): no exact KL, the rest still scored; no reference: NLL/top-1 only
+    trimmed = worker_agreement.WindowScores(wire)
+    trimmed.add(0, ids[0].numpy(), logits[0, :, :-1].numpy().astype(np.float64))
+    assert "kl_exact" not in trimmed.arrays() and "logprobs_at_reference" in trimmed.arrays()
+    bare = worker_agreement.WindowScores({})
+    bare.add(0, ids[0].numpy(), logits[0].numpy().astype(np.float64))
+    assert set(bare.arrays()) == {"nll", "top1_index"}

@@ -54,3 +54,37 @@ def exact_kl(head: dict[str, np.ndarray], hidden: np.ndarray, logits: np.ndarray
         with np.errstate(invalid="ignore"):  # p = 0 where log q = -inf too: contributes nothing
             out[start : start + rows] = np.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
     return np.maximum(out, 0.0)
+
+
+class WindowScores:
+    """The per-window scores a full-logits worker sends back, accumulated one window at a time: NLL, top-1, and
+    (when the request carries a reference) the log-probs at the reference's top-k indices and the exact KL."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.reference_index = tensors.get("reference_index")
+        self.head = reference_head(tensors)
+        self.nll: list[np.ndarray] = []
+        self.top1: list[np.ndarray] = []
+        self.at_reference: list[np.ndarray] = []
+        self.kl_exact: list[np.ndarray] = []
+
+    def add(self, window: int, ids: np.ndarray, logits: np.ndarray) -> None:
+        """Score window `window` (token ids [seq]) from the artifact's logits [seq - 1, vocab] (float64)."""
+        m = logits.max(-1, keepdims=True)
+        lse = m + np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        self.nll.append(lse[:, 0] - logits[np.arange(len(ids) - 1), ids[1:]])
+        self.top1.append(logits.argmax(-1))
+        if self.reference_index is not None:
+            self.at_reference.append(np.take_along_axis(logits, self.reference_index[window], axis=-1) - lse)
+        # a reference head of another vocabulary (a GGUF that padded or trimmed it) cannot give an exact KL
+        if self.head is not None and self.head["weight"].shape[0] == logits.shape[-1]:
+            self.kl_exact.append(exact_kl(self.head, self.head["input"][window], logits))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The scores to write back (_wire.write_result)."""
+        scores = {"nll": np.stack(self.nll), "top1_index": np.stack(self.top1)}
+        if self.at_reference:
+            scores["logprobs_at_reference"] = np.stack(self.at_reference).astype(np.float32)
+        if self.kl_exact:
+            scores["kl_exact"] = np.stack(self.kl_exact)
+        return scores

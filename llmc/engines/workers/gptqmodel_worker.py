@@ -41,22 +41,12 @@ def main(folder: str) -> None:
     kernels = quant_kernels(model)
     if not kernels:  # GPTQModel would otherwise run whatever it loaded, not its quantized kernels
         raise RuntimeError(f"GPTQModel loaded {req['model']} without any quantized layer")
-    ref = tensors.get("reference_index")
-    head = _agreement.reference_head(tensors)
+    scores = _agreement.WindowScores(tensors)
 
-    nll, top1, at_ref, kl_exact = [], [], [], []
-    n_tok = windows.shape[1]
     with torch.inference_mode():
         for w, ids in enumerate(windows):
             logits = model(torch.from_numpy(ids)[None]).logits[0, :-1].double().numpy()
-            m = logits.max(-1, keepdims=True)
-            lse = m + np.log(np.exp(logits - m).sum(-1, keepdims=True))
-            nll.append(lse[:, 0] - logits[np.arange(n_tok - 1), ids[1:]])
-            top1.append(logits.argmax(-1))
-            if ref is not None:
-                at_ref.append(np.take_along_axis(logits, ref[w], axis=-1) - lse)
-            if head is not None and head["weight"].shape[0] == logits.shape[-1]:
-                kl_exact.append(_agreement.exact_kl(head, head["input"][w], logits))
+            scores.add(w, ids, logits)
 
         prefill, decode = [], []
         n = int(req.get("decode_tokens", 0))
@@ -73,11 +63,6 @@ def main(folder: str) -> None:
                 model.generate(short, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False)
                 decode.append(n / max(time.monotonic() - t - first, 1e-9))
 
-    scores = {"nll": np.stack(nll), "top1_index": np.stack(top1)}
-    if ref is not None:
-        scores["logprobs_at_reference"] = np.stack(at_ref).astype(np.float32)
-    if kl_exact:
-        scores["kl_exact"] = np.stack(kl_exact)
     _wire.write_result(folder, {
         "throughput": {"prefill_tokens_per_s": _wire.summary(prefill), "decode_tokens_per_s": _wire.summary(decode),
                        "prompt_tokens": int(full.shape[1]), "decode_tokens": n, "repeats": req.get("repeats", 1)},
@@ -85,7 +70,7 @@ def main(folder: str) -> None:
         "load_s": load_s,
         "kernels": kernels,
         "threads": torch.get_num_threads(),
-    }, scores)
+    }, scores.arrays())
 
 
 if __name__ == "__main__":

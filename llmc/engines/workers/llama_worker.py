@@ -30,22 +30,13 @@ def main(folder: str) -> None:
     llm = Llama(model_path=req["gguf"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                 n_threads=req.get("threads", 2), seed=0, verbose=False)
     load_s = time.monotonic() - t
-    ref = tensors.get("reference_index")
-    head = _agreement.reference_head(tensors)
+    scores = _agreement.WindowScores(tensors)
 
-    nll, top1, at_ref, kl_exact = [], [], [], []
     for w, ids in enumerate(windows):
         llm.reset()
         llm.eval(ids.tolist())
         logits = np.asarray(llm.scores[: n_tok - 1], dtype=np.float64)
-        m = logits.max(-1, keepdims=True)
-        lse = m + np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        nll.append(lse[:, 0] - logits[np.arange(n_tok - 1), ids[1:]])
-        top1.append(logits.argmax(-1))
-        if ref is not None:
-            at_ref.append(np.take_along_axis(logits, ref[w], axis=-1) - lse)
-        if head is not None and head["weight"].shape[0] == logits.shape[-1]:
-            kl_exact.append(_agreement.exact_kl(head, head["input"][w], logits))
+        scores.add(w, ids, logits)
 
     prefill, decode = [], []
     n = req.get("decode_tokens", 0)
@@ -63,17 +54,12 @@ def main(folder: str) -> None:
                 llm.eval([nxt])
             decode.append(n / (time.monotonic() - t))
 
-    scores = {"nll": np.stack(nll), "top1_index": np.stack(top1)}
-    if ref is not None:
-        scores["logprobs_at_reference"] = np.stack(at_ref).astype(np.float32)
-    if kl_exact:
-        scores["kl_exact"] = np.stack(kl_exact)
     _wire.write_result(folder, {
         "throughput": {"prefill_tokens_per_s": _wire.summary(prefill), "decode_tokens_per_s": _wire.summary(decode),
                        "prompt_tokens": len(prompt), "decode_tokens": n, "repeats": req.get("repeats", 1)},
         "version": llama_cpp.__version__,
         "load_s": load_s,
-    }, scores)
+    }, scores.arrays())
 
 
 if __name__ == "__main__":
