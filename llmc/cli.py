@@ -109,13 +109,13 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
     if nproc > 1 and not distributed.launched():
         _launch(nproc, _without_nproc(sys.argv[1:]))
         return
-    if distributed.world_from_env().rank > 0:  # a rank's share ends with the quantize stage; rank 0 reports
+    if distributed.world_from_env().rank > 0:  # calibrates, quantizes and scores its share of windows; rank 0 reports
         from llmc.build import build_until
         from llmc.progress import set_quiet
         from llmc.store import Store
 
         set_quiet(True)
-        _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads))
+        _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "gate", threads=threads))
         return
 
     def go():
