@@ -99,7 +99,8 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="also write report.{json,md,html}, the plot and junit.xml here")
 @click.option("--nproc", type=click.IntRange(min=1), default=1,
-              help="calibrate and quantize data-parallel in this many processes on this node (torchrun); "
+              help="calibrate, quantize and evaluate (torch reference) data-parallel in this many processes on "
+                   "this node (torchrun); "
                    "for several nodes run `torchrun ... -m llmc build RECIPE` (docs/distributed.md)")
 def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...],
           no_publish: bool, as_json: bool, junit: Path | None, report_dir: Path | None, nproc: int) -> None:

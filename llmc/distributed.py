@@ -464,12 +464,18 @@ RESUME_FIX = ("finished stages and layers are kept: run the same command again a
 
 
 def launch_failure(failures: dict, llmc_codes: set[int]) -> Exception:
-    """The error a failed job reports, from torchrun's {rank: ProcessFailure} (the lowest failed rank's): RankFailed
-    with the rank's own code when llmc reported it, ResourceError (exit 4) for a rank killed by SIGKILL (most often
-    the out-of-memory killer), JobFailed otherwise."""
+    """The error a failed job reports, from torchrun's {rank: ProcessFailure}: RankFailed with the rank's own code when
+    llmc reported it, ResourceError (exit 4) for a rank killed by SIGKILL (most often the out-of-memory killer),
+    JobFailed otherwise. Which rank's: one killed by SIGKILL first (the others' failures follow from losing it: a
+    collective's peer gone), else the lowest; ranks ended by SIGTERM only when nothing else failed (torchrun sends
+    it to the survivors, and they may be listed too)."""
     from llmc.errors import ResourceError
 
-    rank_ = min(failures)
+    def cause(r: int) -> tuple[bool, bool, int]:
+        signal_ = failures[r].signal_name() if failures[r].exitcode < 0 else ""
+        return signal_ == "SIGTERM", signal_ != "SIGKILL", r
+
+    rank_ = min(failures, key=cause)
     failure = failures[rank_]
     if failure.exitcode > 0 and failure.exitcode in llmc_codes:
         return RankFailed(rank_, failure.exitcode)
