@@ -150,10 +150,10 @@ def _log_ranks(runtimes: list[str]) -> None:
     if not distributed.active():
         return
     used = list(dict.fromkeys(e for r in runtimes for e in (engine_spec(r).baseline_engine, r)))
-    split = [e for e in used if engine_spec(e).splits_over_ranks]
-    alone = [e for e in used if e not in split]
-    if split:
-        log(f"eval: {', '.join(split)} scores the windows split over {distributed.size()} ranks")
+    splitting = [e for e in used if engine_spec(e).splits_over_ranks]
+    alone = [e for e in used if e not in splitting]
+    if splitting:
+        log(f"eval: {', '.join(splitting)} scores the windows split over {distributed.size()} ranks")
     if alone:
         log(f"eval: {', '.join(alone)} runs on rank 0 alone (its own process); the other ranks wait")
 
