@@ -24,7 +24,7 @@ from llmc.compiler.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.bos import bos_decision
 from llmc.data.sources import corpora_of, label
-from llmc.engines import engine_spec, open_engine
+from llmc.engines import engine_spec, open_engine, split
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import (EngineFailed, EngineUnavailable, LlmcError, PerformanceGateError, QualityGateError,
                          ResourceError)
@@ -104,25 +104,58 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     for name, scheme in plan.schemes.items():
         quantized[name] = _quantize(result, store, scheme, calib_key if scheme.needs_calibration else None)
         result.quantized_dirs[name] = quantized[name][0]
-    if distributed.active():  # the ranks' shared work ends here: rank 0 alone exports, evaluates and publishes
+    if distributed.active():  # rank 0 alone exports, evaluates, gates and publishes; the others help it score
         distributed.barrier()
-        distributed.destroy()
-        if distributed.world_from_env().rank != 0:
+        if last != "gate":
+            distributed.destroy()
+            if distributed.world_from_env().rank != 0:
+                return result
+        elif _follow_or_lead() == "followed":
             return result
     if last == "quantize":
         return result
-    for name, (quant_dir, quant_key) in quantized.items():
-        qm = QuantizedModel.open(quant_dir)
-        for target in recipe.targets:
-            _export(result, store, qm, quant_key, target, f"{name}/{target.label}" if name else target.label)
-    if last == "export":
-        return result
-    for corpus, tokens in eval_tokens.items():  # one corpus (None), or each of eval.corpus's, in recipe order
-        _evaluate(result, store, tokens.input_ids, corpus)
+    try:  # under torchrun the other ranks wait for rank 0's scoring commands until it releases them (finally)
+        for name, (quant_dir, quant_key) in quantized.items():
+            qm = QuantizedModel.open(quant_dir)
+            for target in recipe.targets:
+                _export(result, store, qm, quant_key, target, f"{name}/{target.label}" if name else target.label)
+        if last == "export":
+            return result
+        _log_ranks(recipe.eval.runtimes)
+        for corpus, tokens in eval_tokens.items():  # one corpus (None), or each of eval.corpus's, in recipe order
+            _evaluate(result, store, tokens.input_ids, corpus)
+    finally:
+        distributed.release()
     if recipe.eval.tasks:
         _evaluate_tasks(result, store, tokenizer)
     _gate(result)
     return result
+
+
+def _follow_or_lead() -> str:
+    """After a torchrun job's quantize stage: rank 0 'leads' the evaluation (llmc.engines.split); the other ranks
+    score when it asks, until it releases them, and have then 'followed'."""
+    from llmc.engines.split import follow_scoring
+
+    distributed.open_commands()
+    if distributed.is_main():
+        return "leads"
+    follow_scoring()
+    distributed.destroy()
+    return "followed"
+
+
+def _log_ranks(runtimes: list[str]) -> None:
+    """Under torchrun, once: which evaluation engines split the windows over the ranks and which run on rank 0."""
+    if not distributed.active():
+        return
+    used = list(dict.fromkeys(e for r in runtimes for e in (engine_spec(r).baseline_engine, r)))
+    splitting = [e for e in used if engine_spec(e).splits_over_ranks]
+    alone = [e for e in used if e not in splitting]
+    if splitting:
+        log(f"eval: {', '.join(splitting)} scores the windows split over {distributed.size()} ranks")
+    if alone:
+        log(f"eval: {', '.join(alone)} runs on rank 0 alone (its own process); the other ranks wait")
 
 
 def build_id_for(recipe: Recipe, source) -> str:
@@ -412,7 +445,7 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
     with _Timer(result, f"eval:{engine}:{label}", key, done is not None):
         if done is None:
             log(f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
-            ref_scores = None
+            ref_scores = reference_dir = None
             if reference is not None:
                 store.require_intact(folder)  # measure exactly the bytes the export recorded
                 reference_dir = store.stage_dir("eval", reference.key)
@@ -420,7 +453,9 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                 ref_scores = load_reference(reference_dir)
             with store.produce("eval", key) as out:
                 t = time.monotonic()
-                with open_engine(engine, folder, dtype=result.dtype) as eng:
+                with split.scoring_ranks(engine, folder, dtype=result.dtype, windows=windows, top_k=ev.kl_top_k,
+                                         batch_size=ev.batch_size, reference_dir=reference_dir), \
+                        open_engine(engine, folder, dtype=result.dtype) as eng:
                     load_s = time.monotonic() - t
                     t = time.monotonic()
                     scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
@@ -434,7 +469,8 @@ def _eval_one(result: BuildResult, store: Store, engine: str, folder: Path, cont
                     atomic_save_safetensors(out / HEAD_FILE, head)
                 atomic_write_json(out / "metrics.json", {
                     "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
-                    "throughput": tput, "hardware": _hardware(), "kld_kind": kld_kind(scores),
+                    "throughput": tput, "hardware": {**_hardware(), "ranks": split.ranks_scoring(engine)},
+                    "kld_kind": kld_kind(scores),
                     "output_head": getattr(eng, "output_head", None) if reference is None else None,
                     **({"measured_files": measured} if measured is not None else {}),
                 })

@@ -99,7 +99,8 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
 @click.option("--report-dir", type=click.Path(path_type=Path), default=None,
               help="also write report.{json,md,html}, the plot and junit.xml here")
 @click.option("--nproc", type=click.IntRange(min=1), default=1,
-              help="calibrate and quantize data-parallel in this many processes on this node (torchrun); "
+              help="calibrate, quantize and evaluate (torch reference) data-parallel in this many processes on "
+                   "this node (torchrun); "
                    "for several nodes run `torchrun ... -m llmc build RECIPE` (docs/distributed.md)")
 def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...],
           no_publish: bool, as_json: bool, junit: Path | None, report_dir: Path | None, nproc: int) -> None:
@@ -109,13 +110,13 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
     if nproc > 1 and not distributed.launched():
         _launch(nproc, _without_nproc(sys.argv[1:]))
         return
-    if distributed.world_from_env().rank > 0:  # a rank's share ends with the quantize stage; rank 0 reports
+    if distributed.world_from_env().rank > 0:  # calibrates, quantizes and scores its share of windows; rank 0 reports
         from llmc.build import build_until
         from llmc.progress import set_quiet
         from llmc.store import Store
 
         set_quiet(True)
-        _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads))
+        _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "gate", threads=threads))
         return
 
     def go():

@@ -17,6 +17,7 @@ single-process path runs exactly as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,10 +75,10 @@ _CLOSED = False  # once the group is closed this process goes on alone (a build'
 
 
 def destroy() -> None:
-    global _CLOSED
+    global _CLOSED, _commands
     if dist.is_initialized():
-        dist.destroy_process_group()
-        _CLOSED = True
+        dist.destroy_process_group()  # every group, the commands' one included
+        _CLOSED, _commands = True, None
 
 
 def active() -> bool:
@@ -306,6 +307,125 @@ def evenly_spaced_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([p.to(rows.device) for p in parts])
 
 
+# --------------------------------------------------------------------------- rank 0 leads, the others follow
+# After the shared calibration rank 0 alone runs the rest of a build (exports, evaluations, gates, publishing) and
+# calls the other ranks in for the work they share (scoring windows in an engine that splits them: llmc.engines.split).
+# They wait in `follow` for its commands, which travel in a gloo group of their own: that wait may outlast the
+# collectives' timeout (rank 0 exporting a 70B checkpoint, or running vLLM alone), and a rank that dies ends the job
+# through torchrun anyway.
+
+FOLLOW_TIMEOUT = timedelta(days=2)
+_commands: dist.ProcessGroup | None = None
+_command_open = False  # rank 0: a command was sent and the other ranks may still be inside it
+
+
+class RankError(RuntimeError):
+    """Another rank failed in a way llmc does not report on purpose (an internal error there: exit 70 here too)."""
+
+
+def open_commands() -> None:
+    """Every rank, at the same point: create the group commands travel in (a collective)."""
+    global _commands
+    if active() and _commands is None:
+        _commands = dist.new_group(backend="gloo", timeout=FOLLOW_TIMEOUT)
+
+
+def _send(command) -> None:
+    dist.broadcast_object_list([command], src=0, group=_commands)
+
+
+@contextlib.contextmanager
+def leading(command: dict):
+    """Rank 0: the other ranks (in `follow`) run `command` while this block runs its own part of it. An exception
+    that leaves the block before every rank agreed on it (`agree`) may leave them inside a collective: then
+    `release` does not call them again; this rank's exit ends the job (torchrun stops the others)."""
+    global _command_open
+    if not active():
+        yield
+        return
+    _send(command)
+    _command_open = True
+    try:
+        yield
+    except BaseException as e:
+        if getattr(e, "ranks_agreed", False):
+            _command_open = False
+        raise
+    _command_open = False
+
+
+def follow(handle: Callable[[dict], None]) -> None:
+    """The ranks other than 0: run each command rank 0 sends (`leading`) with `handle`, until `release`. A failure
+    every rank raised together (`agree`) ends that command only: rank 0 decides what it means for the build, as one
+    process would. Anything else ends this process, and torchrun the job."""
+    if not active():
+        return
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=_commands)
+        if box[0] is None:
+            return
+        try:
+            handle(box[0])
+        except Exception as e:
+            if not getattr(e, "ranks_agreed", False):
+                raise
+
+
+def release() -> None:
+    """Rank 0: let the followers return and close the process group; this process goes on alone. Not while one may
+    still be inside a command that failed here: this rank's exit then ends the job."""
+    if not active() or _command_open:
+        return
+    if is_main() and _commands is not None:
+        _send(None)
+    destroy()
+
+
+def agree(failure: BaseException | None) -> None:
+    """Every rank learns whether any rank failed (one all-gather). If one did, every rank raises, so the ranks stay in
+    step: the failing rank its own exception, the others the same llmc error naming that rank (RankError for an
+    unexpected one). The raised exceptions are marked `ranks_agreed`."""
+    if not active():
+        if failure is not None:
+            raise failure
+        return
+    failed = [(r, d) for r, d in enumerate(gather_objects(_describe(failure) if failure is not None else None))
+              if d is not None]
+    if not failed:
+        return
+    if failure is not None:
+        failure.ranks_agreed = True
+        raise failure
+    error = _mirror(*failed[0])
+    error.ranks_agreed = True
+    raise error
+
+
+def _describe(e: BaseException) -> tuple[str, str, str | None]:
+    """(llmc error class name or '', message, fix) of a failure, picklable."""
+    from llmc.errors import LlmcError
+    from llmc.resource_errors import resource_error
+
+    e = e if isinstance(e, LlmcError) else (resource_error(e) or e)
+    if isinstance(e, LlmcError):
+        return type(e).__name__, e.message, e.fix
+    return "", f"{type(e).__name__}: {e}", None
+
+
+def _mirror(rank_: int, description: tuple[str, str, str | None]) -> Exception:
+    import llmc.errors
+
+    name, message, fix = description
+    cls = getattr(llmc.errors, name, None) if name else None
+    if isinstance(cls, type) and issubclass(cls, llmc.errors.LlmcError):
+        try:
+            return cls(f"rank {rank_}: {message}", fix=fix)
+        except TypeError:  # a class with another constructor
+            pass
+    return RankError(f"rank {rank_} failed: {message}")
+
+
 def launch_local(nproc: int, argv: list[str]) -> None:
     """Run `python -m llmc ARGV` as `nproc` ranks on this node through torchrun's launcher (`--standalone`
     rendezvous), as `torchrun --standalone --nproc-per-node N -m llmc ARGV` does. Returns when every rank exited 0.
@@ -339,16 +459,23 @@ class JobFailed(Exception):
         self.message, self.fix = message, fix
 
 
-RESUME_FIX = "finished layers are kept: run the same command again and it resumes at the layer that was running"
+RESUME_FIX = ("finished stages and layers are kept: run the same command again and it resumes where it "
+              "stopped (at the layer that was running, or the evaluation)")
 
 
 def launch_failure(failures: dict, llmc_codes: set[int]) -> Exception:
-    """The error a failed job reports, from torchrun's {rank: ProcessFailure} (the lowest failed rank's): RankFailed
-    with the rank's own code when llmc reported it, ResourceError (exit 4) for a rank killed by SIGKILL (most often
-    the out-of-memory killer), JobFailed otherwise."""
+    """The error a failed job reports, from torchrun's {rank: ProcessFailure}: RankFailed with the rank's own code when
+    llmc reported it, ResourceError (exit 4) for a rank killed by SIGKILL (most often the out-of-memory killer),
+    JobFailed otherwise. Which rank's: one killed by SIGKILL first (the others' failures follow from losing it: a
+    collective's peer gone), else the lowest; ranks ended by SIGTERM only when nothing else failed (torchrun sends
+    it to the survivors, and they may be listed too)."""
     from llmc.errors import ResourceError
 
-    rank_ = min(failures)
+    def cause(r: int) -> tuple[bool, bool, int]:
+        signal_ = failures[r].signal_name() if failures[r].exitcode < 0 else ""
+        return signal_ == "SIGTERM", signal_ != "SIGKILL", r
+
+    rank_ = min(failures, key=cause)
     failure = failures[rank_]
     if failure.exitcode > 0 and failure.exitcode in llmc_codes:
         return RankFailed(rank_, failure.exitcode)

@@ -74,6 +74,9 @@ class EngineSpec:
     every_batch_size: bool = False  # measures throughput at every requested batch size; others at batch 1
     cpu_build: bool = False  # runs here as its CPU build: schemes whose capability rule says cpu=False are skipped
     environment: EngineEnvironment | None = None  # set for out-of-process engines
+    # under torchrun, scores its share of the windows on every rank and gathers them (llmc.engines.split); others
+    # run on rank 0 alone
+    splits_over_ranks: bool = False
     # What its tokens/s measure. "runtime": the engine's own kernels run the artifact (a serving runtime's speed
     # on this machine). "emulation": llmc computes the quantized arithmetic itself in float (dequantize, then
     # matmul), so on a quantized artifact its tok/s is not the format's speed (reports never show it as speed,
@@ -131,6 +134,7 @@ def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True,
+               splits_over_ranks=True,
                speed="emulation", emulation_note="llmc's torch reference dequantizes weights and fake-quantizes "
                "activations / KV cache in float: the function of the quantized model, not its speed"),
     EngineSpec("vllm", "llmc.engines.vllm_cpu:VllmEngine", loads_source=True, title="vLLM", cpu_build=True,

@@ -96,13 +96,26 @@ class TorchEngine(EngineBase):
     def __init__(self, folder: Path, *, dtype: str = "float32", streamed: bool | None = None) -> None:
         self.folder = Path(folder)
         self.dtype = getattr(torch, dtype)
+        # Under torchrun every rank loads the model (llmc.engines.split); a failure on one is raised on all of them
+        # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow.
         if streamed is None:
             from llmc.engines.torch_stream import choose_streamed, dense_bytes
             from llmc.quant.activations import memory_available
 
-            streamed = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
+            streamed, failure = False, None
+            try:
+                streamed = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
+            except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                failure = e
+            distributed.agree(failure)
+            streamed = distributed.any_rank(streamed)
         self.streamed = streamed
-        self.model = self._load_streaming() if streamed else self._load()
+        failure = None
+        try:
+            self.model = self._load_streaming() if streamed else self._load()
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            failure = e
+        distributed.agree(failure)
 
     def _load_streaming(self) -> nn.Module:
         from llmc.engines.torch_stream import build_streaming_model
@@ -210,8 +223,22 @@ class TorchEngine(EngineBase):
     @torch.no_grad()
     def _score(self, windows: torch.Tensor, batch_size: int, reference: dict | None, top_k: int, *,
                capture_head: bool) -> dict[str, torch.Tensor]:
+        # Under torchrun each rank scores its own block of whole batches (the batches one process would run); a
+        # failure on one rank is raised on every rank before they gather.
+        failure, scores = None, {}
+        try:
+            scores = self._score_block(windows, batch_size, reference, top_k, capture_head=capture_head)
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            failure = e
+        distributed.agree(failure)
+        if distributed.active():
+            scores, self.output_head = _gathered(scores, getattr(self, "output_head", None) if capture_head else None)
+        return scores
+
+    def _score_block(self, windows: torch.Tensor, batch_size: int, reference: dict | None, top_k: int, *,
+                     capture_head: bool) -> dict[str, torch.Tensor]:
+        """This rank's scores: every window in one process, its block of whole batches under torchrun."""
         parts: dict[str, list[torch.Tensor]] = {}
-        # Under torchrun each rank scores its own block of whole batches (the batches one process would run).
         lo, hi = distributed.shard_bounds(windows.shape[0], batch_size) if distributed.active() else (0, len(windows))
         mine = windows[lo:hi]  # lo is a multiple of batch_size: the same batches one process would run
         with HeadCapture(self.model) if capture_head else contextlib.nullcontext() as capture:
@@ -240,8 +267,6 @@ class TorchEngine(EngineBase):
         if capture is not None:
             scores.update(capture.tensors())
             self.output_head = capture.report
-        if distributed.active():
-            scores, self.output_head = _gathered(scores, getattr(self, "output_head", None) if capture_head else None)
         return scores
 
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,

@@ -302,3 +302,7 @@ def test_a_killed_rank_is_reported_with_its_signal_and_the_resume_fix() -> None:
     assert isinstance(gate, distributed.RankFailed) and gate.exit_code == 5  # rank 0's own llmc code
     other = distributed.launch_failure({1: failure(-15)}, codes)
     assert isinstance(other, distributed.JobFailed) and "SIGTERM" in other.message
+    # torchrun lists the survivor it SIGTERMed, or a survivor failed on losing its peer: the SIGKILLed rank is named
+    for survivor in (-15, 70):
+        cause = distributed.launch_failure({0: failure(survivor), 1: failure(-9)}, codes)
+        assert isinstance(cause, ResourceError) and "rank 1 (pid 4242) was killed by SIGKILL" in cause.message
