@@ -61,13 +61,17 @@ def test_discovery_finds_each_familys_smoothing_pairs(family, tmp_path: Path, mo
         assert rows == {"self_attn.qkv_proj": (128, 192), "mlp.gate_up_proj": (128, 256)}
 
 
-def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, from_original: bool) -> nn.Module:
+def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, from_original: bool,
+                              prepare=None) -> nn.Module:
     """The float model computing what the scheme computes: weights from llmc's numerics (RTN: quantized here
     from the original weights; transforms: the canonical form's dequantized, transformed weights and norms),
-    activations fake-quantized with the canonical input scales, keys/values with its k/v scales."""
+    activations fake-quantized with the canonical input scales, keys/values with its k/v scales. `prepare(model)`
+    runs first (MoE: experts as per-expert Linears, tests/unit/test_moe.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if prepare is not None:
+        prepare(model)
     tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
     state = {}
     for module in qm.quantized_modules:
