@@ -49,7 +49,6 @@ class MoeLayout:
 LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
-    "qwen2_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
