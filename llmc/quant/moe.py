@@ -308,3 +308,20 @@ def canonical_entry(model: nn.Module, blocks: list[str], report: TokenReport | N
         "ignore": [f"re:.*\\.{layout.block}\\.{layout.router}$"],
         "tokens": report.to_dict() if report is not None else None,
     }
+
+
+def check_materialized(layer: nn.Module, prefix: str, folder) -> None:
+    """InputError when the checkpoint left a parameter of an MoE layer unread (a checkpoint holding fused 3-D
+    experts, `experts.gate_up_proj`, instead of the Hub's per-expert tensors): caught here, not as a meta tensor
+    deep inside a forward."""
+    missing = [n for n, p in layer.named_parameters() if p.is_meta]
+    if missing:
+        from llmc.errors import InputError
+
+        raise InputError(
+            f"{folder}: no tensor for {prefix}{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                                 else "")
+            + ": llmc reads Mixture-of-Experts experts per expert under the Hub checkpoint names "
+            "(…experts.<e>.w1.weight / …experts.<e>.gate_proj.weight), not fused 3-D tensors (…experts.gate_up_proj)",
+            fix="save the model with transformers' save_pretrained, which writes the per-expert Hub layout",
+        )

@@ -439,6 +439,8 @@ def quantize_model(
             continue
 
         materialize(layer, reader.with_prefix(prefix), dtype)
+        if moe_blocks:
+            moe.check_materialized(layer, prefix, source.folder)
         layer.to(device)
         if structure is not None:
             structure.record(i, layer)

@@ -286,3 +286,21 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
     generator = torch.Generator().manual_seed(1)
     assert mappings._preserves(layer, with_router, run, out, added, generator)
     assert not mappings._preserves(layer, without, run, out, added, generator)
+
+
+def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tmp_path: Path) -> None:
+    """A checkpoint holding transformers' in-memory fused tensors (experts.gate_up_proj) instead of the Hub's
+    per-expert ones: InputError (exit 7) naming the missing tensor and the fix, before any layer computes."""
+    import shutil
+
+    from llmc.errors import InputError
+
+    name, folder = family
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    state = {k: v.contiguous() for k, v in _float_model(folder).state_dict().items() if k != "lm_head.weight"}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InputError, match="not fused 3-D tensors") as refused:
+        _quantize(fused, SCHEMES["fp8-static-kv"], tmp_path / "q")
+    assert "save_pretrained" in refused.value.fix and refused.value.exit_code == 7
