@@ -138,7 +138,7 @@ def unfuse_experts(model: nn.Module) -> list[str]:
     """Replace every fused experts module of `model` by `ExpertLinears` (views), blocks under their Hub names.
     Returns the dotted names of the MoE blocks (empty for a dense model)."""
     found = [(name, module) for name, module in model.named_modules()
-             if _is_fused_experts(getattr(module, "experts", None) or nn.Module())]
+             if isinstance(getattr(module, "experts", None), nn.Module) and _is_fused_experts(module.experts)]
     if not found:
         return []
     layout = layout_of(model.config)

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import llmc.plan
-from llmc.errors import IncompatibleTargetError, ResourceError
+from llmc.errors import ResourceError
 from llmc.model.families import expert_count
 from llmc.plan import make_plan, plan_recipe
 from llmc.plan_shapes import from_config
