@@ -308,3 +308,26 @@ def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tm
     with pytest.raises(InputError, match="not fused 3-D tensors") as refused:
         _quantize(fused, SCHEMES["fp8-static-kv"], tmp_path / "q")
     assert "save_pretrained" in refused.value.fix and refused.value.exit_code == 7
+
+
+@pytest.mark.slow  # two whole builds: ~75 s on the loaded 2-core machine
+def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
+    """`llmc build` on a tiny Mixtral: FP8 static + KV for vLLM, evaluated in the torch engine from the exported files,
+    the token report in the quantize stage's output; with moe_calibrate_all_experts another quantize key (and stage)."""
+    from llmc.build import build
+    from llmc.recipe import parse_recipe
+    from llmc.store import Store
+    from tests.unit.test_build import recipe_text
+
+    folder = make_tiny("mixtral", tmp_path / "model")
+    store = Store(tmp_path / "cache")
+    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{"gates.max_ppl_increase_pct": 1000.0})),
+                   store, publish=False)
+    assert result.passed
+    quantized = next(store.root.glob("stages/quantize/*/quantized.json")).parent
+    tokens = json.loads((quantized / moe.TOKENS_FILE).read_text())["blocks"]
+    assert sorted(tokens) == ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
+    assert sum(tokens["model.layers.0.block_sparse_moe"]["tokens"]) == 8 * 64 * 2  # every calibration token, top-2
+    every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
+        "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
+    assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
