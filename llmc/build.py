@@ -206,6 +206,8 @@ def _quantize_key(result: BuildResult, scheme, calib_key: str | None) -> str:
     cfg = {"scheme": scheme.to_dict(), "dtype": result.dtype, **quantize_stage_config(scheme)}
     if device.type != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = device.type
+    if result.recipe.calibration.moe_calibrate_all_experts:  # MoE statistics from every token (keys without: as were)
+        cfg["moe_calibrate_all_experts"] = True
     ranks = distributed.world_from_env().size
     if ranks > 1 and _sums_over_windows(scheme):  # sums over windows associate differently on N ranks (maxima do not)
         cfg["ranks"] = ranks
@@ -259,6 +261,8 @@ def _quantize(result: BuildResult, store: Store, scheme, calib_key: str | None) 
                     spill_activations=result.recipe.calibration.spill_activations,
                     shared_stats=_shared_stats_dir(result, store, calib_key, device),
                     device=device,
+                    moe_calibrate_all_experts=result.recipe.calibration.moe_calibrate_all_experts,
+                    moe_min_tokens=result.recipe.calibration.moe_min_tokens,
                 )
             done = store.lookup("quantize", key)
     return done, key

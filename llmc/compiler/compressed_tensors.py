@@ -71,7 +71,9 @@ def compression_format(scheme: Scheme) -> str:
     raise NotImplementedError(f"compressed-tensors export of {w.format} weights is not implemented")
 
 
-def quantization_config(scheme: Scheme) -> dict:
+def quantization_config(scheme: Scheme, unquantized: tuple[str, ...] = ()) -> dict:
+    """compressed-tensors' quantization_config; `unquantized`: more modules for `ignore` (MoE routers, which vLLM
+    builds as Linear layers and would otherwise expect quantized)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     group = QuantizationScheme(
@@ -84,7 +86,7 @@ def quantization_config(scheme: Scheme) -> dict:
         format=compression_format(scheme),
         quantization_status="compressed",
         kv_cache_scheme=_args(scheme.kv_cache) if scheme.kv_cache else None,
-        ignore=list(scheme.ignore),
+        ignore=list(scheme.ignore) + [u for u in unquantized if u not in scheme.ignore],
     )
     d = config.model_dump(exclude_none=False)
     d["quant_method"] = "compressed-tensors"
@@ -132,7 +134,9 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
     out.mkdir(parents=True, exist_ok=True)
     written = write_shards(out, (compressed_module_tensors(qm, t) for t in qm.iter_files()))
     config = dict(qm.config)
-    config["quantization_config"] = quantization_config(qm.scheme)
+    # MoE: experts are written per expert under the family's Hub names (the canonical names: llmc.quant.moe), the
+    # layout vLLM's fused-MoE loaders read; the routers stay in high precision and are ignored.
+    config["quantization_config"] = quantization_config(qm.scheme, tuple((qm.meta.get("moe") or {}).get("ignore", ())))
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)

@@ -149,8 +149,14 @@ class TorchEngine(EngineBase):
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")
         try:
+            from llmc.model.families import expert_count
+
             if qcfg is None:
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
+            elif expert_count(config) > 1:  # MoE: llmc's own decompression into per-expert Linears (why: there)
+                from llmc.engines.torch_stream import build_dense_model
+
+                model = build_dense_model(self.folder, self.dtype)
             else:
                 from transformers import CompressedTensorsConfig
 

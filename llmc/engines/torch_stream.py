@@ -143,15 +143,34 @@ def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, 
     """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
     from llmc.quant.stream import build_skeleton, decoder_layers, materialize
 
+    from llmc.quant.moe import unfuse_experts
+
     config = json.loads((Path(folder) / "config.json").read_text())
     qcfg = config.pop("quantization_config", None)
     model = build_skeleton(config, dtype)
+    unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use
     prefix, _ = decoder_layers(model)
     decoder = LayerDecoder(folder, qcfg)
     materialize(model, decoder.tensors("", exclude_prefix=prefix + "."), dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model, decoder, qcfg
+
+
+def build_dense_model(folder: Path, dtype: torch.dtype) -> nn.Module:
+    """The whole model decompressed by `LayerDecoder` (compressed-tensors' decompressors) into per-expert Linears:
+    how the torch engine loads a quantized Mixture-of-Experts artifact. transformers 5.23's own load merges the
+    per-expert tensors into its fused 3-D parameters, which fails for int-quantized (W8A8-INT8) experts
+    ("Concatenate ... Ckpt contains: 0") and would leave no Linear for activation quantization to hook."""
+    from llmc.quant.stream import decoder_layers, materialize
+
+    model, decoder, _ = build_streaming_model(folder, dtype)
+    prefix, layers = decoder_layers(model)
+    materialize(layers, decoder.tensors(prefix + "."), dtype)
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise EngineFailed(f"{folder}: no tensor for {name}")
+    return model.eval()
 
 
 def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tensor, batch_size: int,

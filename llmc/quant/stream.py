@@ -40,7 +40,7 @@ from llmc import distributed
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
-from llmc.quant import true_sequential
+from llmc.quant import moe, true_sequential
 from llmc.quant.algorithms import Observe, Pipeline
 from llmc.quant.activations import (
     Activations,
@@ -52,7 +52,7 @@ from llmc.quant.activations import (
 )
 from llmc.quant.algorithms.gptq import accumulate_hessian
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
-from llmc.quant.numerics import QuantizedWeight, dequantize_weight, static_scale
+from llmc.quant.numerics import QuantizedWeight, dequantize_weight, quantize_weight, static_scale
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.spec import Scheme
 from llmc.store import atomic_save_safetensors, atomic_write_json
@@ -336,6 +336,8 @@ def quantize_model(
     spill_activations: SpillMode = "auto",
     shared_stats: Path | None = None,
     device: torch.device | str = "cpu",
+    moe_calibrate_all_experts: bool = False,
+    moe_min_tokens: int | None = None,
 ) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc).
 
@@ -344,7 +346,10 @@ def quantize_model(
     `shared_stats`: a folder keyed by (model, calibration data, dtype) where schemes calibrated on
     original outputs share their statistics (`llmc.quant.shared_stats`).
     `device`: where each layer is calibrated and quantized (one layer and one batch of activations at a
-    time live there; the activations passed between layers, the embeddings and the files stay on the host)."""
+    time live there; the activations passed between layers, the embeddings and the files stay on the host).
+    `moe_calibrate_all_experts`: Mixture-of-Experts blocks run every expert on every calibration token for
+    statistics (the layer's output stays the routed one); `moe_min_tokens`: experts routed fewer calibration tokens
+    are named in a warning (default: a tenth of an even share). Tokens routed per expert: `moe_tokens.json`."""
     device = torch.device(device)
     torch.manual_seed(0)
     pipeline = Pipeline.of(scheme)
@@ -352,6 +357,7 @@ def quantize_model(
     reader = CheckpointReader(source.folder)
     config = reader.config()
     model = build_skeleton(config, dtype)
+    moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
     layers_prefix, layers = decoder_layers(model)
     n_layers = len(layers)
     (out / "layers").mkdir(parents=True, exist_ok=True)
@@ -368,7 +374,15 @@ def quantize_model(
         raise ValueError("this scheme needs calibration data")
     if calibrate and distributed.active():
         calibration, calibration_mask = _my_windows(calibration, calibration_mask, batch_size)
-    shared = SharedStats(shared_stats, n_layers) if shared_stats and calibrate and pipeline.shares_statistics else None
+    if moe_blocks and calibrate and distributed.active():
+        from llmc.errors import RecipeError
+
+        raise RecipeError("Mixture-of-Experts calibration under torchrun is not implemented (tokens routed per expert "
+                          "differ by rank)", fix="calibrate in one process (no --nproc)")
+    # MoE: which experts were starved depends on the routed tokens, which shared ranges do not record
+    shared = (SharedStats(shared_stats, n_layers) if shared_stats and calibrate and pipeline.shares_statistics
+              and not moe_blocks else None)
+    moe_report = moe.TokenReport.load(out, moe_calibrate_all_experts) if moe_blocks and calibrate else None
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
@@ -393,6 +407,10 @@ def quantize_model(
         if gptq_in_forward and not spill and calibration_mask is None and _fits_one_forward(
                 config, calibration.shape, dtype, device):
             forward_batch = calibration.shape[0]  # GPTQ inside the one forward that makes the outputs
+        elif gptq_in_forward and moe_blocks:
+            # staged passes group Linears by the first input each batch reaches, which differs per batch when
+            # tokens are routed: MoE layers take the two-forward order instead (Hessians observed, then GPTQ)
+            gptq_in_forward = False
         batches = unpadded_samples(calibration, calibration_mask) if calibration_mask is not None else list(
             calibration.split(forward_batch))
         saved = inputs_dir(act_dir, start)
@@ -421,25 +439,30 @@ def quantize_model(
             continue
 
         materialize(layer, reader.with_prefix(prefix), dtype)
+        if moe_blocks:
+            moe.check_materialized(layer, prefix, source.folder)
         layer.to(device)
         if structure is not None:
             structure.record(i, layer)
         stats = LayerStats()
         layer_extras = to_device([e[i] for e in extras], device)
+        routed: dict[str, torch.Tensor] = {}  # MoE block -> tokens routed to each expert in this layer
         if reuse:
             stats = _stats_from(to_device(shared.load(i), device), linears, kv_modules)
             pipeline.transform_layer(layer, prefix, stats)
         elif gptq_in_forward:
             next_inputs = ActivationWriter(inputs_dir(act_dir, i + 1), spill)
-            quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats,
-                                                  pipeline, next_inputs.put, batch_size)
+            with moe.observing_experts(layer, moe_calibrate_all_experts, routed):
+                quantized = _quantize_true_sequential(layer, prefix, linears, kv_modules, hidden, layer_extras, stats,
+                                                      pipeline, next_inputs.put, batch_size)
         elif calibrate:
             # The next layer's inputs: this layer's outputs with original weights (collected while
             # observing) or with its quantized weights (one more pass, after quantizing).
             next_inputs = ActivationWriter(inputs_dir(act_dir, i + 1), spill)
             observe = pipeline.observe(layer)
             sink = next_inputs.put if propagate == "original" else None
-            _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
+            with moe.observing_experts(layer, moe_calibrate_all_experts, routed):
+                _observe(layer, linears, kv_modules, observe, hidden, layer_extras, stats, sink)
             distributed.reduce_layer_stats(stats)
             if shared is not None and distributed.is_main():
                 shared.save(i, to_device({"channel_absmax": stats.channel_absmax, "key_absmax": stats.key_absmax,
@@ -448,15 +471,27 @@ def quantize_model(
                 # Rescaled weights change activation ranges (and Hessians): measure them again.
                 stats = LayerStats()
                 replace_observe = Observe(hessians=observe.hessians, module_calls=())
-                _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
+                with moe.observing_experts(layer, moe_calibrate_all_experts, None):
+                    _observe(layer, linears, kv_modules, replace_observe, hidden, layer_extras, stats)
                 distributed.reduce_layer_stats(stats)
+        # MoE experts no calibration token reached (never with moe_calibrate_all_experts): RTN weights, and
+        # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
+        starved = [] if moe_calibrate_all_experts else moe.starved_linears(layer, prefix, routed, linears)
         if not gptq_in_forward:
-            quantized = _quantize_spread(pipeline, linears, stats, device)
+            quantized = _quantize_spread(pipeline, {n: m for n, m in linears.items() if n not in starved}, stats,
+                                         device)
+        quantized.update({n: quantize_weight(linears[n].weight.data, scheme.weights)
+                          for n in linears if n not in quantized})
+        if moe_report is not None and routed:
+            moe_report.add(i, prefix, routed, moe.proxy_input_ranges(stats, starved) if scheme.stores_ranges else {},
+                           moe_min_tokens, calibration.numel(), config)
         stats.module_calls.clear()
 
         if distributed.is_main():
             tensors = _layer_tensors(layer, prefix, linears, quantized, stats, scheme, kv_modules)
             atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
+            if moe_report is not None:
+                moe_report.save(out)
         if calibrate and not reuse:
             if propagate == "quantized" and not gptq_in_forward:
                 for name, lin in linears.items():
@@ -494,6 +529,7 @@ def quantize_model(
         "modules": modules,
         "kv_cache_modules": kv_names,
         "files": [f"layers/{i:05d}.safetensors" for i in range(n_layers)] + ["rest.safetensors"],
+        **({"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}),
         **(extra_meta or {}),
     }
     atomic_write_json(out / META_FILE, meta)
@@ -590,7 +626,9 @@ class LayerStructure:
             self.found[signature] = self._discover(index, layer)
             log(f"layer {index} ({type(layer).__name__}) smoothing pairs: "
                 + ("; ".join(f"{m.producer}{list(m.producer_rows) if m.producer_rows else ''} -> "
-                             f"{', '.join(m.consumers)}" for m in self.found[signature]) or "none"))
+                             f"{', '.join(m.consumers)}"
+                             + (f" (+ {', '.join(m.also_scaled)} scaled, kept unquantized)" if m.also_scaled else "")
+                             for m in self.found[signature]) or "none"))
         mappings.remember(layer, self.found[signature])
 
     def _discover(self, index: int, layer: nn.Module) -> list:

@@ -61,7 +61,7 @@ def stacks_of(layer: nn.Module, prefix: str, linears: dict[str, nn.Linear]) -> d
     stacks = {}
     for m in mappings:
         names = tuple(prefix + c for c in m.consumers)
-        if m.from_norm and len(names) > 1 and all(n in linears for n in names):
+        if m.from_norm and not m.routed and len(names) > 1 and all(n in linears for n in names):
             stacks.update(dict.fromkeys(names, names))
     return stacks
 
@@ -139,6 +139,8 @@ def staged(
                 batch_input = None
                 with contextlib.suppress(_Stop):
                     call()
+        if not group:  # the rest were never called (MoE experts no token reached): the caller quantizes them
+            break
         hessian, tokens = distributed.combine_running_means(hessian, tokens)  # over every rank's windows
         for name in group:
             if name not in quantized:

@@ -271,9 +271,22 @@ class CalibrationSection(_Strict):
         "torch sees one, else the CPU. Results agree to float rounding, not bit for bit, across devices.",
     )
 
+    moe_calibrate_all_experts: bool = Field(
+        default=False,
+        description="Mixture-of-Experts: run every expert on every calibration token for statistics only (the "
+        "layer's output stays the routed one), so no expert's scales rest on few tokens; costs one expert forward "
+        "per token per expert instead of top-k (llm-compressor's moe_calibrate_all_experts)",
+    )
+    moe_min_tokens: int | None = Field(
+        default=None, ge=0, le=2**40,
+        description="Mixture-of-Experts: experts routed fewer calibration tokens are named in a warning; default: a "
+        "tenth of an even share (tokens x top-k / experts / 10)",
+    )
+
     @model_serializer(mode="wrap")
     def _compact(self, handler):
-        return _drop_defaults(handler(self), {"packing": "windows"})
+        return _drop_defaults(handler(self), {"packing": "windows", "moe_calibrate_all_experts": False,
+                                              "moe_min_tokens": None})
 
 
 class Target(_Strict):

@@ -96,8 +96,19 @@ def check_family(target: Target, config: dict) -> None:
     (config.json's model_type), naming the runtimes whose formats do."""
     from llmc.errors import IncompatibleTargetError
 
+    from llmc.model.families import expert_count
+
     family = config.get("model_type")
     fmt = format_for(target)
+    if expert_count(config) > 1 and family not in fmt.moe_families:
+        accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
+                     and family in _FORMATS[rt.format].moe_families]
+        raise IncompatibleTargetError(
+            f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
+            f"(model_type {family!r}): only {', '.join(sorted(f.name for f in _FORMATS.values() if f.moe_families))} "
+            "artifacts carry per-expert weights, tested by a round-trip",
+            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
+                f"{', '.join(accepting) or 'none'}")
     if fmt.families is None or family in fmt.families:
         return
     accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS

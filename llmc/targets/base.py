@@ -103,6 +103,9 @@ class ArtifactFormat:
     # families before any weight loads (`llmc.targets.check_family`).
     families: ClassVar[frozenset[str] | None] = None
     families_source: ClassVar[str] = ""
+    # Mixture-of-Experts model_types whose per-expert export this format's exporter writes and a test round-trips
+    # (llmc.quant.moe); every other format refuses MoE models at plan time, whatever `families` says.
+    moe_families: ClassVar[frozenset[str]] = frozenset()
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""

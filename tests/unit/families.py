@@ -43,6 +43,15 @@ EXPECTED_PAIRS: dict[str, list[tuple[str, str]]] = {
              ("post_attention_layernorm", "mlp.gate_up_proj"), ("mlp.gate_up_proj", "mlp.down_proj")],
     "olmo2": [("self_attn.v_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj")],
 }
+# Mixture-of-Experts families (tests/unit/test_moe.py): 4 experts, top-2; transformers fuses their experts into 3-D
+# parameters, the saved checkpoint names them per expert (Hub layout)
+MOE_FAMILIES: dict[str, tuple[str, dict]] = {
+    "mixtral": ("mixtral", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                            "sliding_window": None}),
+    "qwen3_moe": ("qwen3_moe", {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 128, "norm_topk_prob": True}),
+}
+
 for _f in ("qwen2", "qwen3", "granite"):
     EXPECTED_PAIRS[_f] = EXPECTED_PAIRS["mistral"]
 EXPECTED_PAIRS["gemma2"] = EXPECTED_PAIRS["gemma3"] = EXPECTED_PAIRS.pop("gemma")
@@ -52,7 +61,7 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0) -> Path:
     """A random `family` model (2 layers, hidden 64) and a tokenizer, saved as a safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = FAMILIES[family]
+    model_type, overrides = {**FAMILIES, **MOE_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
@@ -60,7 +69,7 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights so quantization error is visible; norms away from 0 and 1
         for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(0.2, 0.3)
+            p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(0.2, 0.3)  # MoE: fused 3-D experts are weights
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return Path(folder)

@@ -61,13 +61,17 @@ def test_discovery_finds_each_familys_smoothing_pairs(family, tmp_path: Path, mo
         assert rows == {"self_attn.qkv_proj": (128, 192), "mlp.gate_up_proj": (128, 256)}
 
 
-def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, from_original: bool) -> nn.Module:
+def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, from_original: bool,
+                              prepare=None) -> nn.Module:
     """The float model computing what the scheme computes: weights from llmc's numerics (RTN: quantized here
     from the original weights; transforms: the canonical form's dequantized, transformed weights and norms),
-    activations fake-quantized with the canonical input scales, keys/values with its k/v scales."""
+    activations fake-quantized with the canonical input scales, keys/values with its k/v scales. `prepare(model)`
+    runs first (MoE: experts as per-expert Linears, tests/unit/test_moe.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if prepare is not None:
+        prepare(model)
     tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
     state = {}
     for module in qm.quantized_modules:
@@ -105,9 +109,10 @@ def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, 
     return model
 
 
-def roundtrip(folder: Path, scheme: Scheme, work: Path) -> tuple[float, float, int]:
+def roundtrip(folder: Path, scheme: Scheme, work: Path, prepare=None) -> tuple[float, float, int]:
     """(max |export logits - reference logits|, max |reference - float model|, quantized Linears): quantize
-    `folder` with `scheme`, export compressed-tensors, reload in transformers through llmc's torch engine."""
+    `folder` with `scheme`, export compressed-tensors, reload in transformers through llmc's torch engine.
+    `prepare`: as for `_fake_quantized_reference` (MoE: llmc.quant.moe.unfuse_experts)."""
     from transformers import AutoModelForCausalLM
 
     stream.quantize_model(ModelSource(folder, "t", "t"), scheme, work / "q",
@@ -117,7 +122,7 @@ def roundtrip(folder: Path, scheme: Scheme, work: Path) -> tuple[float, float, i
     ids = _ids(2, 2)
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=ids).logits
-        want = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn")(input_ids=ids).logits
+        want = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn", prepare)(input_ids=ids).logits
         got = TorchEngine(work / "export").model(input_ids=ids, use_cache=False).logits
     return (got - want).abs().max().item(), (want - base).abs().max().item(), len(qm.quantized_modules)
 
@@ -161,16 +166,24 @@ def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_lo
     assert [t["exporter"] for t in plan.targets] == ["compressed-tensors", "gguf"]
 
 
-def test_plan_refuses_mixture_of_experts_models_from_the_config(tmp_path: Path) -> None:
-    """A tiny random Mixtral: refused at plan time (experts would stay unquantized), naming the expert count."""
+def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_from_the_config(tmp_path: Path) -> None:
+    """A tiny random Mixtral plans for vLLM (compressed-tensors exports its experts, tests/unit/test_moe.py); a GGUF
+    target is refused at plan time naming the runtimes that take it; DeepSeek-V3 (MLA, shared experts) is refused
+    with that reason, from config.json alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmc.errors import IncompatibleTargetError
+    from llmc.model.families import check_quantizable
     from llmc.plan import make_plan
 
     config = AutoConfig.for_model("mixtral", vocab_size=300, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                   num_local_experts=4, num_experts_per_tok=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixtral")
-    with pytest.raises(IncompatibleTargetError, match="Mixture-of-Experts model \\(4 experts per layer\\)"):
-        make_plan(_recipe(tmp_path / "mixtral", {"runtime": "vllm", "gpu_arch": "sm90"}), tmp_path / "mixtral")
+    plan = make_plan(_recipe(tmp_path / "mixtral", {"runtime": "vllm", "gpu_arch": "sm90"}), tmp_path / "mixtral")
+    assert [t["exporter"] for t in plan.targets] == ["compressed-tensors"]
+    with pytest.raises(IncompatibleTargetError, match="does not write Mixture-of-Experts experts") as refused:
+        make_plan(_recipe(tmp_path / "mixtral", {"runtime": "llama.cpp"}), tmp_path / "mixtral")
+    assert "vllm" in refused.value.fix
+    with pytest.raises(IncompatibleTargetError, match="multi-head latent attention"):
+        check_quantizable({"model_type": "deepseek_v3", "n_routed_experts": 256})

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import llmc.plan
-from llmc.errors import IncompatibleTargetError, ResourceError
+from llmc.errors import ResourceError
 from llmc.model.families import expert_count
 from llmc.plan import make_plan, plan_recipe
 from llmc.plan_shapes import from_config
@@ -41,14 +41,10 @@ def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: 
     assert recipe.model.source.startswith("hf:") and recipe.model.config
     t = time.perf_counter()
     config = json.loads((path.parent / recipe.model.config).read_text())
-    if expert_count(config) > 1:  # MoE: refused from config.json alone until llmc quantizes experts (issue 21)
-        with pytest.raises(IncompatibleTargetError, match="Mixture-of-Experts") as refused:
-            plan_recipe(recipe, Store(tmp_path / "cache"), path)
-        assert time.perf_counter() - t < 5.0 and "llm-compressor" in refused.value.fix
-        assert not (tmp_path / "cache" / "stages").exists()  # nothing loaded, nothing written
-        return
     plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
     assert time.perf_counter() - t < 5.0
+    if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21)
+        assert all(t["exporter"] == "compressed-tensors" for t in plan.targets)
     stages = plan.estimates["stages"]
     assert [s["stage"] for s in stages if s["stage"].startswith("quantize")]
     assert sum(s["stage"].startswith("export") for s in stages) == len(recipe.targets)

@@ -233,14 +233,16 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
     input_divisor: dict[str, torch.Tensor] = {}
     for m in layer_mappings(layer):
         parent = layer.get_submodule(m.parent)
-        calls = stats.module_calls[m.parent]
+        calls = stats.module_calls.get(m.parent)
+        if not calls:  # an MoE expert no calibration token reached: it keeps s = 1 (plain RTN)
+            continue
         consumers = [layer.get_submodule(c) for c in m.consumers]
         x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
         x_mean = distributed.mean_rows(torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]))
         w_mean = weight_mean([c.weight for c in consumers], weights) if options.duo_scaling else None
         s = _search_mapping(parent, calls, consumers, x_mean, w_mean, weights, options)
         divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
-        multiply_input(consumers, s)
+        multiply_input(consumers + [layer.get_submodule(a) for a in m.also_scaled], s)  # the router: same input
         for c in m.consumers:
             input_divisor[c] = s
     if not options.clip:

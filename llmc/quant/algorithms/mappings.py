@@ -22,6 +22,13 @@ gate_up_proj, the up half of gate_up_proj → down_proj, the v slice of qkv_proj
 no norm pair (its norms follow the attention and the MLP; q/k/v and gate/up read the residual stream itself),
 so SmoothQuant there smooths only v → o and up → down, and AWQ searches only those.
 
+Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed subset of the norm's output, never
+the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
+the module that returned the block's input → every expert's gate and up (parent: the block, `routed`), with the
+router's input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the
+routing moves, which the check below rejects), and per expert up → down. The check then runs on them as on any
+candidate. Expert Linears are never offered as producers or consumers of other groups.
+
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
 """
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +50,8 @@ class Mapping:
     parent: str
     from_norm: bool  # the producer is a norm (SmoothQuant only rescales these unless smooth: all)
     producer_rows: tuple[int, int] | None = None  # [start, end) of a fused producer's outputs the consumers read
+    also_scaled: tuple[str, ...] = ()  # modules reading the same input whose columns take s too, never quantized
+    routed: bool = False  # consumers read routed subsets of the producer's output (MoE experts): no shared input
 
 
 class UnsupportedLayout(ValueError):
@@ -110,9 +119,10 @@ class _Trace:
     groups: list[tuple[str, ...]]  # Linears that read one tensor object, in call order
     producer_of: dict[tuple[str, ...], str | None]  # the module that returned that tensor, if any
     first_call: dict[str, int]  # call index of each Linear
+    block_input_producer: dict[str, str | None] = field(default_factory=dict)  # MoE block -> who made its input
 
 
-def _trace(layer: nn.Module, run: Callable[[], torch.Tensor]) -> _Trace:
+def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str, ...] = ()) -> _Trace:
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     produced: dict[int, str] = {}
     inputs: dict[str, int] = {}
@@ -139,7 +149,7 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor]) -> _Trace:
     for name, module in layer.named_modules():
         if name:
             handles.append(module.register_forward_hook(out_hook(name)))
-        if name in linears:
+        if name in linears or name in blocks:
             handles.append(module.register_forward_pre_hook(in_hook(name)))
     try:
         with torch.no_grad():
@@ -150,8 +160,9 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor]) -> _Trace:
     by_input: dict[int, list[str]] = {}
     for name in sorted(inputs, key=first_call.__getitem__):
         by_input.setdefault(inputs[name], []).append(name)
-    groups = [tuple(g) for g in by_input.values()]
-    return _Trace(groups, {g: produced.get(inputs[g[0]]) for g in groups}, first_call)
+    groups = [tuple(g) for g in by_input.values() if g[0] not in blocks]
+    return _Trace(groups, {g: produced.get(inputs[g[0]]) for g in groups}, first_call,
+                  {b: produced.get(inputs[b]) for b in blocks if b in inputs})
 
 
 def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
@@ -165,9 +176,34 @@ def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bo
     return consumers[0] if len(consumers) == 1 else None
 
 
-def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
+def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
+    """Per MoE block: the block input's producer -> every expert's gate and up (router scaled too), and per expert
+    up -> down (module docstring)."""
+    from llmc.quant import moe
+
     out = []
+    for name, block, experts in moe.routed_blocks(layer):
+        producer = trace.block_input_producer.get(name)
+        gate_up = tuple(f"{name}.experts.{e}.{p}" for e, x in enumerate(experts) for p in x.names[:2])
+        router = [n for n, m in block.named_children() if m is not experts and isinstance(
+            getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+        if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
+            out.append(Mapping(producer, gate_up, name, True, also_scaled=tuple(f"{name}.{r}" for r in router),
+                               routed=True))
+        for e, x in enumerate(experts):
+            _gate, up, down = (f"{name}.experts.{e}.{p}" for p in x.names)
+            out.append(Mapping(up, (down,), down, False))
+    return out
+
+
+def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
+    from llmc.quant import moe
+
+    experts = set(moe.expert_names(layer))
+    out = _moe_candidates(layer, trace)
     for group in trace.groups:
+        if experts & set(group):
+            continue
         width = layer.get_submodule(group[0]).in_features
         producer = trace.producer_of[group]
         if producer is not None:
@@ -181,7 +217,7 @@ def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
         if parent is None:
             continue
         for name, lin in layer.named_modules():
-            if (not isinstance(lin, nn.Linear) or name in group or name not in trace.first_call
+            if (not isinstance(lin, nn.Linear) or name in group or name in experts or name not in trace.first_call
                     or trace.first_call[name] > trace.first_call[group[0]] or lin.out_features < width):
                 continue
             starts = sorted({*range(0, lin.out_features - width + 1, width), lin.out_features - width})
@@ -197,7 +233,7 @@ def _preserves(layer: nn.Module, mapping: Mapping, run: Callable[[], torch.Tenso
     from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
 
     producer = layer.get_submodule(mapping.producer)
-    consumers = [layer.get_submodule(c) for c in mapping.consumers]
+    consumers = [layer.get_submodule(c) for c in mapping.consumers + mapping.also_scaled]
     saved = {id(p): p.data.clone() for m in (producer, *consumers) for p in m.parameters(recurse=False)}
     width = consumers[0].in_features
     s = torch.exp(torch.empty(width, dtype=torch.float64).uniform_(-1, 1, generator=generator))
@@ -217,10 +253,13 @@ def discover(layer: nn.Module, run: Callable[[], tuple[torch.Tensor, torch.Tenso
     """The smoothing pairs of `layer`, found by tracing and checking it (module docstring). `run()` runs one
     probe forward of the layer as it is and returns (layer input, layer output); the layer must hold float64
     weights and `run` float64 inputs."""
+    from llmc.quant import moe
+
     generator = torch.Generator().manual_seed(0)
-    trace = _trace(layer, lambda: run()[1])
+    trace = _trace(layer, lambda: run()[1], tuple(name for name, _b, _e in moe.routed_blocks(layer)))
     with torch.no_grad():
         x, baseline = run()
     added = max((baseline - x).abs().max().item(), 1e-30)
     found = [m for m in _candidates(layer, trace) if _preserves(layer, m, lambda: run()[1], baseline, added, generator)]
-    return sorted(found, key=lambda m: trace.first_call[m.consumers[0]])
+    # an expert no probe token reached has no call index: its pairs go last
+    return sorted(found, key=lambda m: trace.first_call.get(m.consumers[0], len(trace.first_call)))

@@ -118,6 +118,15 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
+def _input_absmax(stats, prefix: str, m) -> torch.Tensor | None:
+    """Per-channel max |x| of the producer's output: the consumers' shared input, or for MoE experts (each reads
+    its routed subset) the max over every expert that saw tokens, which covers every token the block received."""
+    if not m.routed:
+        return stats.channel_absmax.get(prefix + m.consumers[0])
+    seen = [stats.channel_absmax[prefix + c] for c in m.consumers if prefix + c in stats.channel_absmax]
+    return torch.stack(seen).amax(dim=0) if seen else None
+
+
 @register("smoothquant", kind="transform", options=SmoothQuantOptions)
 def smoothquant_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options: SmoothQuantOptions) -> bool:
     """Smooth each producer -> consumers mapping of `layer` in place (norms only unless smooth is "all");
@@ -126,10 +135,12 @@ def smoothquant_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec,
     changed = False
     for m in layer_mappings(layer):
         if m.from_norm or options.smooth == "all":
+            absmax = _input_absmax(stats, prefix, m)
+            if absmax is None:  # an MoE expert no calibration token reached: nothing to balance against
+                continue
             consumers = [layer.get_submodule(c) for c in m.consumers]
-            absmax = stats.channel_absmax[prefix + m.consumers[0]]
             s = smoothing_scales(absmax, [c.weight for c in consumers], options.alpha)
             divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
-            multiply_input(consumers, s)
+            multiply_input(consumers + [layer.get_submodule(a) for a in m.also_scaled], s)
             changed = True
     return changed

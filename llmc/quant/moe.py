@@ -1,0 +1,327 @@
+"""Mixture-of-Experts blocks as per-expert Linears, so every expert is quantized and calibrated on its own tokens.
+
+transformers 5 keeps a Mixtral / Qwen3-MoE block's experts as two fused 3-D parameters (`experts.gate_up_proj`
+[E, 2I, H], `experts.down_proj` [E, H, I]) that no Linear hook sees. `unfuse_experts(model)` replaces each such
+`experts` module by `ExpertLinears`: one `Expert` per index holding nn.Linear gate / up / down projections named
+as the family's Hub checkpoints name them (Mixtral `block_sparse_moe.experts.E.{w1,w3,w2}`, Qwen3-MoE
+`mlp.experts.E.{gate_proj,up_proj,down_proj}`). Its forward is transformers' own routed loop (the block's router
+picks top-k experts, each expert runs on the tokens routed to it, outputs weighted and index-added), so the
+layer computes what it computed before and a hook on an expert's Linear sees only that expert's routed tokens.
+
+Memory: each expert Linear's weight is a *view* of the fused parameter (`gate_up_proj[e, :I]`), never a copy: an
+unfused model takes no more memory than the fused one. In the layer stream the views are of meta tensors and are
+replaced by the checkpoint's own per-expert tensors when a layer is read, so no fused tensor exists at all there.
+
+Because the block keeps its module path under the Hub name (Mixtral's decoder layer calls `self.mlp` but the Hub
+names the block `block_sparse_moe`: the block is registered as `block_sparse_moe` and the layer's `mlp` attribute
+still reaches it), checkpoint names, canonical names and the compressed-tensors export are one and the same.
+
+The router (`gate`: a module with a [E, H] weight, not an nn.Linear) is kept as it is: never quantized; smoothing
+of the norm before the experts scales its input columns too (`mappings.Mapping.also_scaled`).
+
+Statistics: `observing_experts(layer, all_tokens, counts)` counts the tokens routed to each expert and, with
+`all_tokens` (recipe `calibration.moe_calibrate_all_experts`), runs every expert on every token so its hooks see
+all of them, while the block's output still takes only the routed rows (statistics only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """How a family's Hub checkpoints name one MoE block (what vLLM's fused-MoE loaders read)."""
+
+    block: str  # the block's name inside a decoder layer in the Hub checkpoint
+    gate: str  # the per-expert projection names: gate (through the activation), up, down
+    up: str
+    down: str
+    router: str = "gate"
+
+
+# model_type -> layout (transformers' conversion_mapping.py converts from exactly these names)
+LAYOUTS: dict[str, MoeLayout] = {
+    "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU MLP as three Linears under the family's names: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, layout: MoeLayout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act_fn) -> None:
+        super().__init__()
+        self.names = (layout.gate, layout.up, layout.down)
+        for name, lin in zip(self.names, (gate, up, down)):
+            self.add_module(name, lin)
+        self.act_fn = act_fn
+
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return tuple(getattr(self, n) for n in self.names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.projections()
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class ExpertLinears(nn.ModuleList):
+    """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears."""
+
+    def __init__(self, experts: list[Expert]) -> None:
+        super().__init__(experts)
+        self.all_tokens = False  # statistics mode: every expert sees every token (output still routed)
+        self.routed: torch.Tensor | None = None  # tokens routed per expert, counted while set
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():  # [expert, top-k slot, token]; as transformers' loop, E + 1 classes
+            mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
+        for e, expert in enumerate(self):
+            slot, token = torch.where(mask[e])
+            if self.routed is not None:
+                self.routed[e] += token.numel()
+            if self.all_tokens:  # the Linears' hooks see every token; only the routed rows enter the output
+                out = expert(hidden_states)[token]
+            elif token.numel() == 0:
+                continue
+            else:
+                out = expert(hidden_states[token])
+            out = out * top_k_weights[token, slot, None]
+            final.index_add_(0, token, out.to(final.dtype))
+        return final
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+
+
+def _linear_view(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear whose weight is `weight` itself (a view, no copy)."""
+    with torch.device("meta"):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    return lin
+
+
+def expert_linears(fused: nn.Module, layout: MoeLayout) -> ExpertLinears:
+    """Per-expert Linears viewing `fused`'s 3-D parameters (gate rows first, then up: transformers' order)."""
+    inter = fused.gate_up_proj.shape[1] // 2
+    return ExpertLinears([
+        Expert(layout, _linear_view(fused.gate_up_proj.data[e, :inter]), _linear_view(fused.gate_up_proj.data[e, inter:]),
+               _linear_view(fused.down_proj.data[e]), fused.act_fn)
+        for e in range(fused.gate_up_proj.shape[0])
+    ])
+
+
+def layout_of(config) -> MoeLayout:
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    layout = LAYOUTS.get(model_type)
+    if layout is None:
+        from llmc.errors import IncompatibleTargetError
+
+        raise IncompatibleTargetError(
+            f"model_type {model_type!r} keeps fused experts llmc has no per-expert layout for",
+            fix=f"use one of {', '.join(sorted(LAYOUTS))}, or a dense model",
+        )
+    return layout
+
+
+def unfuse_experts(model: nn.Module) -> list[str]:
+    """Replace every fused experts module of `model` by `ExpertLinears` (views), blocks under their Hub names.
+    Returns the dotted names of the MoE blocks (empty for a dense model)."""
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(getattr(module, "experts", None), nn.Module) and _is_fused_experts(module.experts)]
+    if not found:
+        return []
+    layout = layout_of(model.config)
+    blocks = []
+    for name, block in found:
+        block.experts = expert_linears(block.experts, layout)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if attr != layout.block:  # Mixtral: the layer calls self.mlp, the Hub names the block block_sparse_moe
+            del parent._modules[attr]
+            parent._modules[layout.block] = block
+            object.__setattr__(parent, attr, block)  # the layer's forward still finds it; the module tree does not
+        blocks.append(f"{parent_name}.{layout.block}")
+    return blocks
+
+
+def routed_blocks(layer: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertLinears]]:
+    """(block name, block, its experts) for every unfused MoE block inside `layer` (names layer-relative)."""
+    for name, module in layer.named_modules():
+        if isinstance(getattr(module, "experts", None), ExpertLinears):
+            yield name, module, module.experts
+
+
+def expert_names(layer: nn.Module) -> dict[str, tuple[int, int]]:
+    """Layer-relative name of every expert Linear -> (block index within the layer, expert index)."""
+    out = {}
+    for b, (name, _block, experts) in enumerate(routed_blocks(layer)):
+        for e, expert in enumerate(experts):
+            for proj in expert.names:
+                out[f"{name}.experts.{e}.{proj}"] = (b, e)
+    return out
+
+
+@contextlib.contextmanager
+def observing_experts(layer: nn.Module, all_tokens: bool, counts: dict[str, torch.Tensor] | None):
+    """Inside: each MoE block of `layer` adds the tokens routed to each expert to `counts[block name]` (when
+    `counts` is given) and, with `all_tokens`, runs every expert on every token (statistics only)."""
+    blocks = list(routed_blocks(layer))
+    for name, _block, experts in blocks:
+        experts.all_tokens = all_tokens
+        if counts is not None:
+            experts.routed = counts.setdefault(name, torch.zeros(len(experts), dtype=torch.long))
+    try:
+        yield
+    finally:
+        for _name, _block, experts in blocks:
+            experts.all_tokens, experts.routed = False, None
+
+
+def default_min_tokens(calibration_tokens: int, experts: int, top_k: int) -> int:
+    """A tenth of an even share of the routed tokens: what an expert gets if routing were uniform, / 10."""
+    return max(1, calibration_tokens * top_k // max(experts, 1) // 10)
+
+
+def starved_linears(layer: nn.Module, prefix: str, counts: dict[str, torch.Tensor], linears: dict) -> list[str]:
+    """The target Linears (full names) of experts that received no token while their statistics were observed."""
+    out = []
+    for block, routed in counts.items():
+        for e in (routed == 0).nonzero().flatten().tolist():
+            for proj in layer.get_submodule(f"{block}.experts.{e}").names:
+                name = f"{prefix}{block}.experts.{e}.{proj}"
+                if name in linears:
+                    out.append(name)
+    return out
+
+
+def proxy_input_ranges(stats, starved: list[str]) -> dict[str, str]:
+    """Give each starved expert Linear the largest input range the layer's other experts saw for the same
+    projection (its static activation scale then clips nothing any routed expert produced). Returns starved name ->
+    what it was given, for the warning."""
+    given = {}
+    for name in starved:
+        block, _, tail = name.rpartition(".experts.")
+        proj = tail.split(".", 1)[1]
+        peers = [n for n in stats.channel_absmax
+                 if n != name and n.startswith(f"{block}.experts.") and n.endswith(f".{proj}") and n not in starved]
+        if not peers:
+            continue
+        stats.channel_absmax[name] = torch.stack([stats.channel_absmax[n] for n in peers]).amax(dim=0)
+        stats.input_absmax[name] = stats.channel_absmax[name].amax()
+        given[name] = f"max over {len(peers)} other experts' {name.rsplit('.', 1)[1]}"
+    return given
+
+
+# --------------------------------------------------------------------------- the per-expert token report
+
+TOKENS_FILE = "moe_tokens.json"
+
+
+@dataclass
+class TokenReport:
+    """Tokens routed to each expert of each MoE block during calibration (`moe_tokens.json` in the quantized form,
+    and `moe.tokens` in quantized.json), with the experts under the threshold and what the starved ones got."""
+
+    all_experts: bool
+    blocks: dict  # full block name -> {"layer", "tokens", "min_tokens", "below", "starved"}
+
+    @classmethod
+    def load(cls, folder, all_experts: bool) -> TokenReport:
+        """The report a killed run left (its layers are not calibrated again on resume), else an empty one."""
+        import json
+        from pathlib import Path
+
+        f = Path(folder) / TOKENS_FILE
+        saved = json.loads(f.read_text()) if f.is_file() else {}
+        if saved.get("calibrate_all_experts") != all_experts:
+            saved = {}
+        return cls(all_experts, saved.get("blocks", {}))
+
+    def add(self, layer_index: int, prefix: str, routed: dict[str, torch.Tensor], proxies: dict[str, str],
+            min_tokens: int | None, calibration_tokens: int, config: dict) -> None:
+        from llmc.progress import log
+
+        for block, counts in routed.items():
+            tokens = counts.tolist()
+            top_k = int(config.get("num_experts_per_tok") or 1)
+            threshold = min_tokens if min_tokens is not None else default_min_tokens(calibration_tokens, len(tokens),
+                                                                                     top_k)
+            below = [e for e, n in enumerate(tokens) if n < threshold]
+            starved = [e for e, n in enumerate(tokens) if n == 0] if not self.all_experts else []
+            name = prefix + block
+            self.blocks[name] = {"layer": layer_index, "tokens": tokens, "min_tokens": threshold, "below": below,
+                                 "starved": starved}
+            log(f"layer {layer_index} {block}: calibration tokens routed to experts 0..{len(tokens) - 1}: {tokens}")
+            if below:
+                log(f"warning: layer {layer_index} {block}: experts {below} were routed fewer than {threshold} "
+                    f"calibration tokens ({', '.join(str(tokens[e]) for e in below)})"
+                    + ("; their statistics still come from every token (moe_calibrate_all_experts)" if self.all_experts
+                       else "; their scales rest on few tokens: fix: calibration.moe_calibrate_all_experts: true, "
+                            "or more calibration.samples"))
+            if starved:
+                given = sorted({v for k, v in proxies.items() if k.startswith(name + ".")})
+                log(f"warning: layer {layer_index} {block}: experts {starved} received no calibration token: their "
+                    "weights are quantized by round-to-nearest from their own range"
+                    + (f", their static input scales are the {'; '.join(given)}" if given else ""))
+
+    def save(self, folder) -> None:
+        from pathlib import Path
+
+        from llmc.store import atomic_write_json
+
+        atomic_write_json(Path(folder) / TOKENS_FILE, self.to_dict())
+
+    def to_dict(self) -> dict:
+        return {"calibrate_all_experts": self.all_experts, "blocks": self.blocks}
+
+
+def router_names(model: nn.Module, blocks: list[str]) -> list[str]:
+    """The full names of the routers of `blocks` (kept in high precision)."""
+    out = []
+    for name in blocks:
+        block = model.get_submodule(name)
+        out += [f"{name}.{n}" for n, m in block.named_children() if not isinstance(m, ExpertLinears)
+                and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+    return out
+
+
+def canonical_entry(model: nn.Module, blocks: list[str], report: TokenReport | None) -> dict:
+    """quantized.json's `moe` entry: the family's Hub layout, the blocks, the routers (unquantized, which the
+    exports' ignore lists name) and the token report."""
+    layout = layout_of(model.config)
+    routers = router_names(model, blocks)
+    return {
+        "layout": {"block": layout.block, "gate": layout.gate, "up": layout.up, "down": layout.down},
+        "blocks": blocks,
+        "routers": routers,
+        "ignore": [f"re:.*\\.{layout.block}\\.{layout.router}$"],
+        "tokens": report.to_dict() if report is not None else None,
+    }
+
+
+def check_materialized(layer: nn.Module, prefix: str, folder) -> None:
+    """InputError when the checkpoint left a parameter of an MoE layer unread (a checkpoint holding fused 3-D
+    experts, `experts.gate_up_proj`, instead of the Hub's per-expert tensors): caught here, not as a meta tensor
+    deep inside a forward."""
+    missing = [n for n, p in layer.named_parameters() if p.is_meta]
+    if missing:
+        from llmc.errors import InputError
+
+        raise InputError(
+            f"{folder}: no tensor for {prefix}{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                                 else "")
+            + ": llmc reads Mixture-of-Experts experts per expert under the Hub checkpoint names "
+            "(…experts.<e>.w1.weight / …experts.<e>.gate_proj.weight), not fused 3-D tensors (…experts.gate_up_proj)",
+            fix="save the model with transformers' save_pretrained, which writes the per-expert Hub layout",
+        )

@@ -1,0 +1,333 @@
+"""Mixture-of-Experts on tiny random Mixtral and Qwen3-MoE models (4 experts, top-2, hidden 64, 2 layers; built from
+transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under the Hub
+names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
+defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.model.source import ModelSource
+from llmc.quant import moe, stream
+from llmc.quant.algorithms import mappings
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.numerics import quantize_weight, static_scale
+from tests.unit.families import MOE_FAMILIES, make_tiny
+from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
+
+LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+STARVED = 3  # the expert the starved model's layer-0 router never picks
+CHANNEL = 5  # the embedding channel that makes it so
+
+
+@pytest.fixture(scope="module", params=list(MOE_FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, make_tiny(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+def _float_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _quantize(folder: Path, scheme, out: Path, **kw) -> QuantizedModel:
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out,
+                          calibration=_ids(4, 1) if scheme.needs_calibration else None, batch_size=2, **kw)
+    return QuantizedModel.open(out)
+
+
+def _tensors(qm: QuantizedModel) -> dict[str, torch.Tensor]:
+    return {k: v for t in qm.iter_files() for k, v in t.items()}
+
+
+def test_per_expert_linears_view_the_fused_experts_and_compute_the_same_logits(family) -> None:
+    """unfuse_experts: the same logits as transformers' fused block, Linears named as the saved (Hub) checkpoint,
+    weights that are views of the fused parameters (no copy)."""
+    name, folder = family
+    model = _float_model(folder)
+    ids = _ids(2, 3)
+    fused = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        blocks = moe.unfuse_experts(model)
+        after = model(input_ids=ids).logits
+    block, projections = LAYOUT[name]
+    assert blocks == [f"model.layers.{i}.{block}" for i in range(2)]
+    assert (after - before).abs().max().item() < 1e-5
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert set(model.state_dict()) - {"lm_head.weight"} == set(f.keys()) - {"lm_head.weight"}  # tied head
+    gate = model.get_submodule(f"model.layers.0.{block}.experts.2.{projections[0]}")
+    assert isinstance(gate, torch.nn.Linear) and gate.weight.data_ptr() == fused[2].data_ptr()
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+
+
+@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_logits(family, scheme_name: str,
+                                                                                   tmp_path: Path) -> None:
+    """FP8 static + KV, INT8 SmoothQuant W8A8, INT4 GPTQ and AWQ: every expert Linear in the canonical form (no fused
+    3-D float tensor left), the router kept in float and ignored by the export, experts written per expert in the
+    Hub naming; llmc's torch engine reloads the export with the fake-quantized reference's logits."""
+    from llmc.engines.torch_ref import TorchEngine
+
+    name, folder = family
+    scheme = SCHEMES[scheme_name]
+    qm = _quantize(folder, scheme, tmp_path / "q")
+    block, projections = LAYOUT[name]
+    experts = {f"model.layers.{i}.{block}.experts.{e}.{p}" for i in range(2) for e in range(4) for p in projections}
+    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == 2 * (4 + 12)
+    tensors = _tensors(qm)
+    assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point()]
+    router = f"model.layers.0.{block}.gate"
+    assert router not in qm.quantized_modules and tensors[f"{router}.weight"].dtype == torch.float32
+    export_compressed_tensors(qm, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert any(p.startswith("re:") and mappings_match(p, router) for p in config["quantization_config"]["ignore"])
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        assert f"model.layers.1.{block}.experts.3.{projections[2]}.weight_scale" in set(f.keys())
+
+    ids = _ids(2, 2)
+    with torch.no_grad():
+        base = _float_model(folder)(input_ids=ids).logits
+        reference = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)
+        want = reference(input_ids=ids).logits
+        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
+    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
+    assert (got - want).abs().max().item() < 1e-4
+    if scheme_name == "fp8-static-kv":  # the streamed evaluation (one layer resident) scores the same
+        whole = TorchEngine(tmp_path / "export", streamed=False).token_nll(ids)
+        torch.testing.assert_close(TorchEngine(tmp_path / "export", streamed=True).token_nll(ids), whole,
+                                   rtol=1e-5, atol=1e-5)
+    if scheme_name == "int4-gptq":  # weight-only: transformers' own compressed-tensors load agrees too
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+        own = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32,
+                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
+        with torch.no_grad():
+            assert (own(input_ids=ids).logits - want).abs().max().item() < 1e-4
+
+
+def mappings_match(pattern: str, name: str) -> bool:
+    from llmc.quant.canonical import module_matches
+
+    return module_matches(name, [pattern])
+
+
+def _routing(folder: Path, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(MoE block input [tokens, H], top-k expert index [tokens, k], the float model's experts) of `layer` on the
+    calibration windows, captured from transformers' own (fused) model."""
+    model = _float_model(folder)
+    mlp = model.model.layers[layer].mlp
+    seen = {}
+    mlp.register_forward_pre_hook(lambda _m, a: seen.__setitem__("x", a[0].reshape(-1, a[0].shape[-1])))
+    mlp.gate.register_forward_hook(lambda _m, _a, out: seen.__setitem__("top", out[2]))
+    with torch.no_grad():
+        for batch in _ids(4, 1).split(2):
+            model(input_ids=batch)
+            seen.setdefault("xs", []).append(seen["x"])
+            seen.setdefault("tops", []).append(seen["top"])
+    return torch.cat(seen["xs"]), torch.cat(seen["tops"]), mlp.experts
+
+
+def _expert_inputs(x: torch.Tensor, experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate/up input, down input) of expert e computed directly from the fused weights."""
+    inter = experts.gate_up_proj.shape[1] // 2
+    w = experts.gate_up_proj[e]
+    return x, experts.act_fn(x @ w[:inter].T) * (x @ w[inter:].T)
+
+
+def test_per_expert_scales_come_from_the_tokens_routed_to_each_expert(family, tmp_path: Path) -> None:
+    """Static FP8 input scales of every expert's gate/up and down equal the ones computed directly from the tokens
+    the router sent it (not the block's whole input); the token report counts them."""
+    name, folder = family
+    scheme = SCHEMES["fp8-static-kv"]
+    qm = _quantize(folder, scheme, tmp_path / "q")
+    tensors = _tensors(qm)
+    block, (gate, _up, down) = LAYOUT[name]
+    x, top, experts = _routing(folder)
+    counts = json.loads((tmp_path / "q" / moe.TOKENS_FILE).read_text())["blocks"][f"model.layers.0.{block}"]["tokens"]
+    assert counts == [int((top == e).any(dim=-1).sum()) for e in range(4)] and sum(counts) == x.shape[0] * 2
+    assert qm.meta["moe"]["tokens"]["blocks"][f"model.layers.0.{block}"]["tokens"] == counts
+    block_wide = static_scale(x.abs().amax(), scheme.activations)
+    narrower = 0
+    for e in range(4):
+        routed = x[(top == e).any(dim=-1)]
+        gate_in, down_in = _expert_inputs(routed, experts, e)
+        prefix = f"model.layers.0.{block}.experts.{e}"
+        want_gate = static_scale(gate_in.abs().amax(), scheme.activations)
+        torch.testing.assert_close(tensors[f"{prefix}.{gate}.input_scale"], want_gate, rtol=1e-5, atol=0)
+        torch.testing.assert_close(tensors[f"{prefix}.{down}.input_scale"],
+                                   static_scale(down_in.abs().amax(), scheme.activations), rtol=1e-5, atol=0)
+        narrower += bool(want_gate < block_wide * (1 - 1e-4))
+    assert narrower >= 1, "some expert's routed tokens must span less than the block's whole input"
+
+
+def _starve(folder: Path, name: str) -> Path:
+    """The same model with layer 0's router unable to pick expert STARVED: embedding channel CHANNEL is a positive
+    constant and the norm before the experts keeps its sign, so the router's input is positive there on every token;
+    STARVED's router row reads only that channel, negated (its logit is always the lowest), the other rows ignore it
+    (their routing still varies by token)."""
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.embed_tokens.weight"][:, CHANNEL] = 1.0
+    if "lm_head.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.0.post_attention_layernorm.weight"][CHANNEL] = 1.0
+    router = f"model.layers.0.{LAYOUT[name][0]}.gate.weight"
+    state[router][:, CHANNEL] = 0.0
+    row = torch.zeros_like(state[router][STARVED])
+    row[CHANNEL] = -50.0
+    state[router][STARVED] = row
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def starved(family, tmp_path_factory) -> tuple[str, Path]:
+    name, _ = family
+    folder = make_tiny(name, tmp_path_factory.mktemp(f"{name}-starved") / "model")
+    return name, _starve(folder, name)
+
+
+def test_a_starved_expert_is_reported_and_gets_the_widest_scale_of_its_peers(starved, tmp_path: Path, capsys) -> None:
+    """Expert STARVED gets no token in layer 0: the report and the warning name it; its weights are RTN from their own
+    range; its static input scales are the largest of the layer's other experts for the same projection."""
+    name, folder = starved
+    _x, top, _ = _routing(folder)
+    assert not (top == STARVED).any(), "the starved model must really starve the expert"
+    scheme = SCHEMES["fp8-static-kv"]
+    qm = _quantize(folder, scheme, tmp_path / "q")
+    block, projections = LAYOUT[name]
+    report = qm.meta["moe"]["tokens"]["blocks"][f"model.layers.0.{block}"]
+    assert report["tokens"][STARVED] == 0 and report["starved"] == [STARVED] and STARVED in report["below"]
+    err = capsys.readouterr().err
+    assert f"warning: layer 0 {block}: experts [{STARVED}] received no calibration token" in err
+    tensors, model = _tensors(qm), _float_model(folder)
+    moe.unfuse_experts(model)
+    for proj in projections:
+        prefix = f"model.layers.0.{block}.experts"
+        others = torch.stack([tensors[f"{prefix}.{e}.{proj}.input_scale"] for e in range(4) if e != STARVED])
+        assert torch.equal(tensors[f"{prefix}.{STARVED}.{proj}.input_scale"], others.amax(dim=0))
+        rtn = quantize_weight(model.get_submodule(f"{prefix}.{STARVED}.{proj}").weight.data, scheme.weights)
+        assert torch.equal(tensors[f"{prefix}.{STARVED}.{proj}.weight"].view(torch.uint8), rtn.codes.view(torch.uint8))
+
+
+def test_calibrating_every_expert_on_every_token_gives_the_starved_expert_data_driven_scales(starved,
+                                                                                             tmp_path: Path) -> None:
+    """moe_calibrate_all_experts: the starved expert's scales come from every calibration token (computed directly
+    here), while the layer's output stays the routed one (the next layer's statistics do not move)."""
+    name, folder = starved
+    scheme = SCHEMES["fp8-static-kv"]
+    routed = _tensors(_quantize(folder, scheme, tmp_path / "routed"))
+    qm = _quantize(folder, scheme, tmp_path / "all", moe_calibrate_all_experts=True)
+    every = _tensors(qm)
+    block, (gate, _up, down) = LAYOUT[name]
+    assert qm.meta["moe"]["tokens"]["calibrate_all_experts"] is True
+    assert qm.meta["moe"]["tokens"]["blocks"][f"model.layers.0.{block}"]["starved"] == []
+    x, _top, experts = _routing(folder)
+    gate_in, down_in = _expert_inputs(x, experts, STARVED)
+    prefix = f"model.layers.0.{block}.experts.{STARVED}"
+    want_down = static_scale(down_in.abs().amax(), scheme.activations)
+    torch.testing.assert_close(every[f"{prefix}.{gate}.input_scale"], static_scale(gate_in.abs().amax(),
+                               scheme.activations), rtol=1e-5, atol=0)
+    torch.testing.assert_close(every[f"{prefix}.{down}.input_scale"], want_down, rtol=1e-5, atol=0)
+    assert not torch.allclose(routed[f"{prefix}.{down}.input_scale"], want_down), "the proxy was not data-driven"
+    for k, t in every.items():  # layer 1 sees the same (routed) outputs of layer 0
+        if k.startswith("model.layers.1.self_attn") and k.endswith("input_scale"):
+            torch.testing.assert_close(t, routed[k], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("scheme_name", ["int8-smoothquant", "int4-gptq", "int4-gptq-two-forwards", "int4-awq"])
+def test_algorithms_quantize_a_starved_expert_by_round_to_nearest(starved, scheme_name: str, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """SmoothQuant, GPTQ (true-sequential: the starved expert's Linears are never called; and the two-forward order
+    MoE layers take when the windows do not fit one forward) and AWQ finish and leave the starved expert's down
+    projection as round-to-nearest codes of its own weights."""
+    name, folder = starved
+    if scheme_name == "int4-gptq-two-forwards":
+        monkeypatch.setattr(stream, "_fits_one_forward", lambda *a: False)
+        scheme_name = "int4-gptq"
+    scheme = SCHEMES[scheme_name]
+    qm = _quantize(folder, scheme, tmp_path / "q")
+    tensors, model = _tensors(qm), _float_model(folder)
+    moe.unfuse_experts(model)
+    block, projections = LAYOUT[name]
+    prefix = f"model.layers.0.{block}.experts.{STARVED}"
+    down = model.get_submodule(f"{prefix}.{projections[2]}").weight.data
+    if scheme_name == "int4-gptq":  # smoothing transforms rescale gate/up with the whole block; down is its own
+        rtn = quantize_weight(down, scheme.weights)
+        assert torch.equal(tensors[f"{prefix}.{projections[2]}.weight"], rtn.codes)
+    assert qm.meta["moe"]["tokens"]["blocks"][f"model.layers.0.{block}"]["starved"] == [STARVED]
+
+
+def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scaled_too(family) -> None:
+    """The structural check: post_attention_layernorm -> every expert's gate/up keeps the layer's function only when
+    the router's input columns take the same scale (else the routing moves)."""
+    name, folder = family
+    model = _float_model(folder).double()
+    moe.unfuse_experts(model)
+    layer = model.model.layers[0]
+    block, (gate, up, _down) = LAYOUT[name]
+    consumers = tuple(f"{block}.experts.{e}.{p}" for e in range(4) for p in (gate, up))
+    x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    position = torch.arange(16)[None]
+    rotary = model.model.rotary_emb(x, position)
+
+    def run():
+        return layer(x, attention_mask=None, position_ids=position, position_embeddings=rotary)
+
+    out = run()
+    added = (out - x).abs().max().item()
+    with_router = mappings.Mapping("post_attention_layernorm", consumers, block, True, also_scaled=(f"{block}.gate",),
+                                   routed=True)
+    without = mappings.Mapping("post_attention_layernorm", consumers, block, True, routed=True)
+    generator = torch.Generator().manual_seed(1)
+    assert mappings._preserves(layer, with_router, run, out, added, generator)
+    assert not mappings._preserves(layer, without, run, out, added, generator)
+
+
+def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tmp_path: Path) -> None:
+    """A checkpoint holding transformers' in-memory fused tensors (experts.gate_up_proj) instead of the Hub's
+    per-expert ones: InputError (exit 7) naming the missing tensor and the fix, before any layer computes."""
+    import shutil
+
+    from llmc.errors import InputError
+
+    _name, folder = family
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    state = {k: v.contiguous() for k, v in _float_model(folder).state_dict().items() if k != "lm_head.weight"}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InputError, match="not fused 3-D tensors") as refused:
+        _quantize(fused, SCHEMES["fp8-static-kv"], tmp_path / "q")
+    assert "save_pretrained" in refused.value.fix and refused.value.exit_code == 7
+
+
+@pytest.mark.slow  # two whole builds: ~75 s on the loaded 2-core machine
+def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
+    """`llmc build` on a tiny Mixtral: FP8 static + KV for vLLM, evaluated in the torch engine from the exported files,
+    the token report in the quantize stage's output; with moe_calibrate_all_experts another quantize key (and stage)."""
+    from llmc.build import build
+    from llmc.recipe import parse_recipe
+    from llmc.store import Store
+    from tests.unit.test_build import recipe_text
+
+    folder = make_tiny("mixtral", tmp_path / "model")
+    store = Store(tmp_path / "cache")
+    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{"gates.max_ppl_increase_pct": 1000.0})),
+                   store, publish=False)
+    assert result.passed
+    quantized = next(store.root.glob("stages/quantize/*/quantized.json")).parent
+    tokens = json.loads((quantized / moe.TOKENS_FILE).read_text())["blocks"]
+    assert sorted(tokens) == ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
+    assert sum(tokens["model.layers.0.block_sparse_moe"]["tokens"]) == 8 * 64 * 2  # every calibration token, top-2
+    every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
+        "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
+    assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
