@@ -45,9 +45,14 @@ def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes:
     return written
 
 
+# Not tokenizer files: the quantized form's own, and the shard index, which write_shards writes for the artifact's
+# shards (a source's index copied over it names the source's shards: the artifact would not load).
+_NOT_TOKENIZER = ("quantized.json", "config.json", "model.safetensors.index.json")
+
+
 def copy_tokenizer_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("quantized.json", "config.json"):
+        if f.suffix in (".json", ".jinja") and f.name not in _NOT_TOKENIZER:
             shutil.copyfile(f, out / f.name)
 
 

@@ -124,3 +124,23 @@ def test_the_index_enters_the_source_hash(sharded, store):
     index["metadata"] = {"total_size": 1}
     (sharded / INDEX_FILE).write_text(json.dumps(index))
     assert resolve_source(str(sharded), store).sha256 != before
+
+
+def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
+    """The source's index names the source's shards: neither the quantized form nor an artifact may carry it (an
+    artifact with it would name shards it does not have and fail to load; seen on a 70B-width build)."""
+    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.model.source import ModelSource
+    from llmc.quant import stream
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.spec import Scheme, TensorSpec
+
+    stream.quantize_model(ModelSource(sharded, "s", "s"), Scheme(TensorSpec("int4", "group", group_size=16)), tmp_path / "q",
+                          calibration=None)
+    assert not (tmp_path / "q" / INDEX_FILE).exists()
+    qm = QuantizedModel.open(tmp_path / "q")
+    for name, export in (("ct", export_compressed_tensors), ("modelopt", export_modelopt_hf)):
+        written = export(qm, tmp_path / name)
+        assert [f.name for f in safetensors_files(tmp_path / name)] == [f.name for f in written]
+        assert len(CheckpointReader(tmp_path / name).names()) > 0
