@@ -144,3 +144,29 @@ def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
         written = export(qm, tmp_path / name)
         assert [f.name for f in safetensors_files(tmp_path / name)] == [f.name for f in written]
         assert len(CheckpointReader(tmp_path / name).names()) > 0
+
+
+def test_write_shards_writes_each_shard_before_reading_past_it(tmp_path):
+    """An export holds one shard at a time: a shard is on disk before the parts after it are read; the shards and
+    the index written at the end read back as the parts."""
+    from llmc.compiler.files import write_shards
+
+    parts = [{f"t{i}": torch.full((25,), float(i))} for i in range(7)]  # 100 bytes each: shards of two parts
+
+    def produce():
+        for i, part in enumerate(parts):
+            if i >= 4:  # parts 0-1 overflowed at part 2, parts 2-3 at part 4: shard 1 is written
+                assert len(list(tmp_path.glob("*.safetensors"))) >= 1, f"nothing written before part {i}"
+            yield part
+
+    written = write_shards(tmp_path, produce(), max_bytes=250)
+    assert [f.name for f in written] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([f.name for f in written] + [INDEX_FILE])
+    from safetensors.torch import load_file
+
+    weight_map = _index(tmp_path)["weight_map"]
+    for part in parts:
+        (name, tensor), = part.items()
+        assert torch.equal(load_file(tmp_path / weight_map[name])[name], tensor)
+    single = write_shards(tmp_path / "one", parts[:2], max_bytes=250)
+    assert [f.name for f in single] == ["model.safetensors"] and not (tmp_path / "one" / INDEX_FILE).exists()
