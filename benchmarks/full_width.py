@@ -8,10 +8,12 @@ not fit), gates, publish.
     python benchmarks/full_width.py --model Llama-3.1-8B --recipe recipes/llama70b-fp8.yaml --layers 1 2 4
 
 Per run: the plan's prediction for that checkpoint (llmc.plan: per-stage peak host RAM, disk, time) and what the
-build measured: the process's peak RSS (VmHWM) and per-stage peaks (VmRSS sampled every 0.1 s, attributed to the
-stage the build's log says is running), each stage output's size on disk (du: hard links once), the quantize stage's
-time per layer from report.json. The tokenizer is SmolLM2's (ids < 49,152 fit the 128,256-row embedding; the
-vocabulary size, which sets the embedding, head and logits, is the real one). One JSON line per run.
+build measured: the process's peak RSS (VmHWM) and per-stage peaks of VmRSS, RssAnon and RssFile (sampled every
+0.1 s, attributed to the stage the build's log says is running; MEMORY_FIELDS says which one the plan predicts),
+each stage output's size on disk (du: hard links once), the quantize stage's time per layer from the stream's
+progress lines, the load average during the build. Checkpoint, cache and registry are removed after each run
+(--keep keeps them); the report and build.log stay. The tokenizer is SmolLM2's (ids < 49,152 fit the 128,256-row
+embedding; the vocabulary size, which sets the embedding, head and logits, is the real one). One JSON line per run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 2 << 30
+# Sampled per stage. RssAnon is what the process allocated (tensors, Python): what the planner predicts and what
+# the OOM killer counts. RssFile is the resident pages of mmapped files (the safetensors checkpoint is read through
+# mmap): clean page cache the kernel drops under pressure, so it varies with the machine's other load, not with the
+# build. VmRSS = RssAnon + RssFile + RssShmem; VmHWM (its peak) is still shown.
+MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
 def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, dtype=torch.bfloat16) -> Path:
@@ -93,7 +100,19 @@ def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config:
     return plan.estimates
 
 
-_LOG = re.compile(r"^\[llmc (\d\d):(\d\d):(\d\d)\] (quantize|export|eval|calibration|tasks|published|plan)")
+_LOG = re.compile(r"^\[llmc (\d\d):(\d\d):(\d\d)\] (quantize|export|eval|calibration|tasks|published|plan)(.*)")
+
+
+def stage_of(kind: str, rest: str) -> str:
+    """The stage a log line starts, named as the plan names it where it can: 'export <target label>', 'eval
+    baseline', 'eval artifact' (the log names an artifact by its folder's hash), else the line's first word."""
+    if kind == "calibration":
+        return "quantize"
+    if kind == "export" and " for " in rest:
+        return "export " + rest.rsplit(" for ", 1)[1].strip()
+    if kind == "eval" and " on " in rest:
+        return "eval baseline" if " on baseline " in rest else "eval artifact"
+    return kind
 
 
 def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, report: Path) -> dict:
@@ -104,9 +123,9 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
            "--set", f"publish.registry={registry}"]
     t0 = time.time()
     child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, dict[str, int]]] = []  # (time, {VmRSS, RssAnon, RssFile} in bytes)
     hwm = [0]
-    anon_peak = [0]
+    loads: list[float] = []  # 1-minute load average at each sample: the machine's other work during the build
     done = threading.Event()
 
     def sample() -> None:
@@ -116,11 +135,13 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
                 text = status.read_text()
             except OSError:
                 break
-            rss = int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) * 1024
-            anon = re.search(r"RssAnon:\s+(\d+)", text)  # without the mmapped checkpoint's resident pages
-            anon_peak[0] = max(anon_peak[0], int(anon.group(1)) * 1024 if anon else 0)
-            hwm[0] = max(hwm[0], int(re.search(r"VmHWM:\s+(\d+)", text).group(1)) * 1024)
-            samples.append((time.time(), rss))
+            fields = {k: int(m.group(1)) * 1024 for k in (*MEMORY_FIELDS, "VmHWM")
+                      if (m := re.search(rf"{k}:\s+(\d+)", text))}
+            if "VmRSS" not in fields:  # the child has exited (a zombie has no memory lines)
+                break
+            hwm[0] = max(hwm[0], fields.get("VmHWM", 0))
+            samples.append((time.time(), fields))
+            loads.append(os.getloadavg()[0])
             time.sleep(0.1)
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -136,21 +157,34 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
         m = _LOG.match(line)
         if m:
             ts = time.mktime(time.strptime(f"{day} {m.group(1)}:{m.group(2)}:{m.group(3)}", "%Y-%m-%d %H:%M:%S"))
-            marks.append((ts, m.group(4) if m.group(4) != "calibration" else "quantize"))
-    peaks: dict[str, int] = {}
+            marks.append((ts, stage_of(m.group(4), m.group(5))))
+    peaks: dict[str, dict[str, int]] = {}  # stage -> field -> peak bytes
     for i, (start, stage) in enumerate(marks):
         stop = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
-        inside = [r for t, r in samples if start <= t < stop + 1]
-        if inside:
-            peaks[stage] = max(peaks.get(stage, 0), max(inside))
-    return {"exit": child.returncode, "wall_s": wall, "peak_rss": hwm[0], "peak_anon": anon_peak[0],
-            "stage_peaks": peaks,
+        for t, fields in samples:
+            if start <= t < stop + 1:  # log timestamps are whole seconds
+                into = peaks.setdefault(stage, {})
+                for k in MEMORY_FIELDS:
+                    into[k] = max(into.get(k, 0), fields.get(k, 0))
+    return {"exit": child.returncode, "wall_s": wall, "peak_rss": hwm[0],
+            "peak": {k: max((f.get(k, 0) for _, f in samples), default=0) for k in MEMORY_FIELDS},
+            "stage_peaks": peaks, "load": [min(loads, default=0), max(loads, default=0)],
+            "layer_seconds": layer_seconds(stderr), "stderr": stderr,
             "stdout_tail": stdout[-1500:], "stderr_tail": stderr[-1500:] if child.returncode else ""}
+
+
+def layer_seconds(stderr: str) -> list[float]:
+    """Seconds each decoder layer took in the quantize stage: differences of the `llmc-progress` lines'
+    elapsed_s for 'quantize layers' (the stream's per-layer loop: read, calibrate, quantize, write one layer)."""
+    elapsed = [json.loads(line.split(" ", 1)[1])["elapsed_s"] for line in stderr.splitlines()
+               if line.startswith("llmc-progress ") and '"quantize layers"' in line]
+    return [b - a for a, b in zip([0.0, *elapsed], elapsed)]
 
 
 def du(path: Path, count_links: bool = False) -> int:
     """Bytes on disk under `path`, each hard-linked file once (or, with count_links, every link: apparent size)."""
-    out = subprocess.run(["du", "-sbl" if count_links else "-sb", str(path)], capture_output=True, text=True)
+    out = subprocess.run(["du", "-sbl" if count_links else "-sb", str(path)], capture_output=True, text=True,
+                         check=False)
     return int(out.stdout.split()[0]) if out.stdout.split() else 0
 
 
@@ -190,6 +224,7 @@ def main() -> None:
         overrides = [f"model.source={ckpt}", *small, *args.overrides]
         predicted = predict(args.recipe, overrides, ckpt)
         measured = run_build(args.recipe, overrides, run / "cache", run / "registry", run / "report")
+        (run / "build.log").write_text(measured["stderr"])  # kept: per-stage timestamps, the plan as printed
         report = json.loads((run / "report" / "report.json").read_text()) if (run / "report" / "report.json").is_file() else {}
         stages = {s["name"]: s for s in report.get("stages", [])}
         quantize_s = sum(s["seconds"] for k, s in stages.items() if k.startswith("quantize"))
@@ -206,8 +241,10 @@ def main() -> None:
                           "quantize_s_per_layer": predicted["calibration_s"] / n, "dtype": predicted["dtype"],
                           "source_gb": predicted["source_gb"]},
             "measured": {"exit": measured["exit"], "wall_s": measured["wall_s"], "peak_rss_gb": measured["peak_rss"] / 1e9,
-                         "peak_anon_gb": measured["peak_anon"] / 1e9,
-                         "stage_peak_gb": {k: v / 1e9 for k, v in measured["stage_peaks"].items()},
+                         "peak_gb": {k: v / 1e9 for k, v in measured["peak"].items()},
+                         "stage_peak_gb": {stage: {k: v / 1e9 for k, v in fields.items()}
+                                           for stage, fields in measured["stage_peaks"].items()},
+                         "layer_seconds": measured["layer_seconds"], "load_during": measured["load"],
                          "quantize_s_per_layer": quantize_s / n, "disk_gb": {k: v / 1e9 for k, v in disk.items()},
                          "registry_gb_apparent": du(run / "registry", count_links=True) / 1e9,
                          "registry_gb_new": du(run / "registry") / 1e9, "artifact_gb": artifacts,
@@ -216,9 +253,9 @@ def main() -> None:
             "tail": measured["stderr_tail"] or measured["stdout_tail"][-600:],
         }
         print(json.dumps(row), flush=True)
-        if not args.keep:
-            shutil.rmtree(run / "checkpoint", ignore_errors=True)
-            shutil.rmtree(run / "cache", ignore_errors=True)
+        if not args.keep:  # disk: a 70B-width run leaves ~20 GB; the registry holds links to the cache's files
+            for big in ("checkpoint", "cache", "registry"):
+                shutil.rmtree(run / big, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,15 @@ def _render_estimates(e: dict) -> list[str]:
         gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
         lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
                      f"{s['disk_gb']:>6.2f} GB {_duration(s['seconds']):>9}  {s['strategy']}: {s['why']}")
+    for s in e["stages"]:
+        if s.get("layer_seconds"):
+            lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
+                         f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
+                         f"~{_duration(s['seconds'])}, at the matmul and quantize rates probed on this machine now")
+    mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
+    if mapped:
+        lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
+                     f"{mapped:.2f} GB of their pages (page cache, not counted above) stay mapped in a stage")
     lines.append(f"  disk: {e['disk_gb']:.2f} GB new in the cache (each file once; targets with identical weights "
                  f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
                  f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
@@ -315,11 +324,15 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     if available is None:
         return
     for stage in e["stages"]:
-        if stage["host_gb"] <= available / 1e9:
+        # what it allocates plus the file pages it keeps mapped: evicting those re-reads them from disk on every use
+        # (a whole model mapped in a machine too small for it reads every weight again for each batch)
+        need = stage["host_gb"] + stage.get("mapped_gb", 0.0)
+        if need <= available / 1e9:
             continue
         cheaper = e["cheaper"].get(stage["stage"])
+        mapped = f", {stage['mapped_gb']:.1f} GB of it mapped checkpoint pages" if stage.get("mapped_gb", 0) >= 0.05 else ""
         raise ResourceError(
-            f"{stage['stage']} needs ~{stage['host_gb']:.1f} GB of host memory ({stage['strategy']}); "
+            f"{stage['stage']} needs ~{need:.1f} GB of host memory ({stage['strategy']}{mapped}); "
             f"{available / 1e9:.1f} GB are available",
             fix=(f"{cheaper[0]} (~{cheaper[1]:.1f} GB)" if cheaper else
                  "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
@@ -407,6 +420,7 @@ def _plan_gates(plan: Plan) -> None:
 def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, device: torch.device,
                planned_targets: list[dict], model_folder: Path | None) -> dict:
     from llmc import plan_resources as res
+    from llmc.compiler.files import MAX_SHARD_BYTES
     from llmc.engines.torch_stream import choose_streamed
     from llmc.model.dtype import BYTES, resolve_dtype
     from llmc.quant.canonical import module_matches
@@ -425,18 +439,20 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
     stages: list[res.Stage] = []
     cheaper: dict[str, tuple[str, float]] = {}
     linears = tensors.linear_shapes()
-    artifact_bytes, canonical_bytes = {}, {}
+    artifact_bytes, canonical_bytes, quantized_params = {}, {}, {}
     variant_labels = [n or s.name for (n, _), s in zip(recipe.variant_sections(), schemes)]  # stage names
     for scheme, variant in zip(schemes, variant_labels):
         quantized = sum(a * b for n, (a, b) in linears.items() if not module_matches(n, scheme.ignore))
         rest = shape.params - quantized
+        quantized_params[variant] = quantized
         canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
         artifact_bytes[scheme.name] = quantized * scheme.weights.bits / 8 + rest * e
         pipe = Pipeline.of(scheme)
         kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
                       seq_len=c.seq_len, batch=CALIBRATION_BATCH_SIZE, gptq=pipe.true_sequential or "gptq" in
                       scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
-                      code_bytes=1.0, machine=machine)
+                      code_bytes=1.0, machine=machine,
+                      weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
         q = res.quantize_stage(shape, spill=spill, **kwargs)
         q.name, q.disk_bytes = f"quantize {variant}", canonical_bytes[scheme.name]
         stages.append(q)
@@ -446,33 +462,50 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
                 cheaper[q.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
                                    "activations in memory", spilled.host_bytes / 1e9)
     seen: dict[tuple, str] = {}
+    # compressed-tensors and ModelOpt write the weights outside the layers unchanged, last (write_shards): when
+    # they exceed one shard they are shard files of their own, byte-identical between the two formats, and the
+    # store keeps one copy (hard links). Measured at 70B width: the TensorRT-LLM export added only its layer shards.
+    outer_passthrough = {"compressed-tensors", "modelopt-hf"}
+    outer_bytes = shape.outer_params * e
+    outer_written: set[str] = set()  # schemes whose outer shards an export already wrote
     for t, entry in zip(_targets_by_variant(recipe, schemes), planned_targets):
         scheme, target = t
         fmt = targets.artifact_format(entry["exporter"])
         same = (scheme.name, entry["exporter"]) + ((target.tensor_parallel,) if fmt.shards_by_tp else ())
         shared_with = seen.setdefault(same, entry["label"])
+        new_bytes = artifact_bytes[scheme.name]
+        if entry["exporter"] in outer_passthrough and outer_bytes > MAX_SHARD_BYTES:
+            if scheme.name in outer_written:
+                new_bytes -= outer_bytes
+            outer_written.add(scheme.name)
         stages.append(res.export_stage(shape, label=entry["label"], artifact_bytes=artifact_bytes[scheme.name],
+                                       new_bytes=new_bytes,
                                        whole_model=fmt.whole_model,
                                        shared_with=None if shared_with == entry["label"] else shared_with,
-                                       compute=compute, machine=machine))
+                                       compute=compute, machine=machine, max_shard_bytes=MAX_SHARD_BYTES,
+                                       passes_codes_through=scheme.weights.bits == 8 and entry["exporter"] in (
+                                           "compressed-tensors", "modelopt-hf")))
     dense = shape.params * e
     streamed = choose_streamed(dense, available)
     throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
     eval_kwargs = dict(compute=compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
-                       top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine)
+                       top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine, stored_elem=stored_elem)
     if "torch" in ev.runtimes:
         evals = [("baseline", False, 0.0)] + [(v, True, 1.0) for v in variant_labels]
         for label, reference, code_bytes in evals:
             st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
-                                artifact_code_bytes=code_bytes, **eval_kwargs)
+                                artifact_code_bytes=code_bytes, quantized_params=quantized_params.get(label, 0),
+                                **eval_kwargs)
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
             st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
             stages.append(st)
             if not streamed:
                 lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,
-                                      artifact_code_bytes=code_bytes, **eval_kwargs).host_bytes
-                if lean < 0.95 * st.host_bytes:
+                                      artifact_code_bytes=code_bytes, quantized_params=quantized_params.get(label, 0),
+                                      **eval_kwargs)
+                lean = lean.host_bytes + lean.mapped_bytes
+                if lean < 0.95 * (st.host_bytes + st.mapped_bytes):
                     cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
                                         lean / 1e9)
     quant = [s for s in stages if s.name.startswith("quantize")]

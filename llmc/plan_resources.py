@@ -59,11 +59,17 @@ class Stage:
     strategy: str = ""
     why: str = ""
     parts: dict[str, float] = field(default_factory=dict)  # host_bytes term by term (tests, docs)
+    # File pages the stage keeps mapped (safetensors are read through mmap): page cache, not the process's own
+    # memory (RssFile, not RssAnon); the kernel can drop them, at the price of reading them again.
+    mapped_bytes: float = 0.0
+    layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
+    fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
 
     def as_dict(self) -> dict:
         return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
                 "gpu_gb": self.gpu_bytes / GB, "disk_gb": self.disk_bytes / GB, "seconds": self.seconds,
-                "strategy": self.strategy, "why": self.why}
+                "strategy": self.strategy, "why": self.why, "mapped_gb": self.mapped_bytes / GB,
+                "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds}
 
 
 @functools.cache
@@ -84,6 +90,41 @@ def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - t)
     return 2 * 64 * 1024 * 1024 / max(best, 1e-9)
+
+
+@functools.cache
+def quantize_rate(dtype_name: str, weight_format: str = "fp8_e4m3", strategy: str = "tensor",
+                  group_size: int | None = None) -> float:
+    """Weight elements/s llmc's round-to-nearest quantizer (llmc.quant.numerics.quantize_weight: range, scale,
+    divide in float32, round, cast) processes, measured now on a [4096, 2048] weight in `dtype_name`: the
+    per-Linear arithmetic every algorithm ends with. It is memory-bound (float32 temporaries of the whole weight),
+    so it follows neither the matmul rate nor a cache-resident probe: a [1024, 1024] probe measured 0.68 G
+    elements/s where a 70B-width layer ran at 0.025 (benchmarks/layer_time.py); this size is past the caches."""
+    from llmc.quant.numerics import quantize_weight
+    from llmc.quant.spec import TensorSpec
+
+    spec = TensorSpec(weight_format, strategy, **({"group_size": group_size} if group_size else {}))
+    dtype = getattr(torch, dtype_name)
+    quantize_weight(torch.randn(256, 256).to(dtype), spec)  # warm-up: first-call dispatch
+    w = torch.randn(4096, 2048).to(dtype)
+    best = float("inf")
+    for _ in range(2):  # best of 2: a loaded machine slows some runs
+        t = time.perf_counter()
+        quantize_weight(w, spec)
+        best = min(best, time.perf_counter() - t)
+    return w.numel() / max(best, 1e-9)
+
+
+def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
+                  compute: str, code_bytes: float, device: str, weight_key: tuple = ("fp8_e4m3", "tensor", None)
+                  ) -> dict[str, float]:
+    """One decoder layer of the quantize stage, part by part: read it (`stored_bytes`), the calibration forward
+    passes over `tokens` (at the probed matmul rate), the quantizer's arithmetic (the probed quantize rate) and
+    writing its codes with fsync. benchmarks/layer_time.py measures the same parts at full width."""
+    forward = passes * 2 * tokens * layer_params * active / (matmul_rate(compute, device) * LAYER_EFFICIENCY)
+    return {"read": stored_bytes / DISK_READ_RATE, "forward": forward,
+            "quantize": layer_params / quantize_rate(compute, *weight_key),
+            "write": layer_params * code_bytes / DISK_WRITE_RATE}
 
 
 @dataclass
@@ -126,7 +167,7 @@ class Shape:
 
 def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
                    batch: int, spill: bool, gptq: bool, awq: bool, passes: int, code_bytes: float,
-                   machine: Machine) -> Stage:
+                   machine: Machine, weight_key: tuple = ("fp8_e4m3", "tensor", None)) -> Stage:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU."""
     e = ELEM[compute]
     h, layer = shape.hidden, shape.layer_params
@@ -159,36 +200,56 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
     # the last step reads everything outside the layers again (rest.safetensors) and serializes it: two copies
     # (the skeleton's own is released first; before that fix, three were measured at 8B width)
     host = max(sum(parts.values()), PROCESS_BYTES + 2 * shape.outer_params * e)
-    flops = passes * 2 * tokens * layer * shape.active * shape.layers if calibrated else 0.0
+    # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
+    # layers and writing their copy (rest.safetensors) once
+    parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
+                            passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
+                            device=machine.device, weight_key=weight_key)
+    per_layer = sum(parts_s.values())
     if gptq:  # the column loop: about in² · out per Linear
-        flops += 2 * shape.layers * shape.widest_input * shape.largest_linear * 4
-    rate = matmul_rate(compute, machine.device) * LAYER_EFFICIENCY
-    io = shape.stored_bytes / DISK_READ_RATE + shape.params * code_bytes / DISK_WRITE_RATE
+        per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
+            matmul_rate(compute, machine.device) * LAYER_EFFICIENCY)
+    fixed = shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE)
     strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
            f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
            if calibrated else "weights only: no forward pass")
-    return Stage("quantize", machine.device, host, gpu, 0.0, flops / rate + io, strategy, why, parts)
+    return Stage("quantize", machine.device, host, gpu, 0.0, per_layer * shape.layers + fixed, strategy, why, parts,
+                 mapped_bytes=layer * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)
 
 
 def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len: int, batch: int, streamed: bool,
                reference: bool, artifact_code_bytes: float, top_k: int, throughput_tokens: int,
-               machine: Machine) -> Stage:
-    """One torch-reference evaluation (the baseline or an artifact), whole or one layer at a time, on the host."""
+               machine: Machine, stored_elem: int | None = None, quantized_params: int = 0) -> Stage:
+    """One torch-reference evaluation (the baseline, reference=False, or an artifact scored against the baseline's
+    reference, reference=True), whole or one layer at a time, on the host. host_bytes is what the process
+    allocates (RssAnon); weights transformers or safetensors leave mapped from their files are `mapped_bytes`."""
     e = ELEM[compute]
+    stored_elem = stored_elem or e
     h, tokens = shape.hidden, windows * seq_len
     logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
     scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
-    head = shape.vocab * h * e if not reference else 0.0  # an artifact holds the reference's head
+    # an artifact loads the baseline's output head for the exact KL (llmc.engines.agreement); the baseline stores
+    # its own head's weight, no copy (measured at 70B width: artifact +2.5 GB RssAnon over the baseline)
+    head = shape.vocab * h * e if reference else 0.0
     parts = {"process": PROCESS_BYTES, "logits": logits, "scores and reference": scores + head}
-    if streamed:
+    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
+    mapped = 0.0
+    if streamed:  # the outer weights and each layer are copied out of the files (materialized), then dropped
         parts |= {"outer weights": shape.outer_params * e,
                   "layer": shape.layer_params * (e + artifact_code_bytes),
                   "hidden states of every window": tokens * h * e,
-                  "forward temporaries": batch * seq_len * (4 * h + 3 * shape.intermediate) * e}
-    else:  # transformers loads the compressed artifact, then decompresses it in place: one layer's codes extra
-        parts |= {"model": shape.params * e + shape.layer_params * artifact_code_bytes,
-                  "forward temporaries": batch * seq_len * (4 * h + 3 * shape.intermediate) * e}
+                  "forward temporaries": forward}
+        mapped = shape.layer_params * stored_elem
+    else:
+        # transformers maps the safetensors: tensors already in the compute dtype stay file pages (the baseline's
+        # whole model when the checkpoint is stored in it); what it converts or decompresses is allocated (an
+        # artifact's quantized Linears, decompressed to the compute dtype, plus one layer's codes while it does)
+        converted = shape.params if stored_elem != e else (quantized_params if artifact_code_bytes else 0)
+        parts |= {"model (converted or decompressed)": converted * e
+                  + shape.layer_params * artifact_code_bytes,
+                  "forward temporaries": forward}
+        mapped = (shape.params - converted) * stored_elem
     flops = 2 * (tokens + (0 if streamed else throughput_tokens)) * (
         shape.layer_params * shape.active * shape.layers + shape.vocab * h)
     io = shape.stored_bytes / DISK_READ_RATE
@@ -196,23 +257,41 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
            f"{(machine.available or 0) / GB:.1f} GB available")
+    if machine.available and streamed != (dense > 0.5 * machine.available):  # not auto's choice: set by the user
+        why = (f"LLMC_TORCH_EVAL chose it (the dense model takes {dense / GB:.1f} GB of the "
+               f"{machine.available / GB:.1f} GB available)")
     return Stage(f"eval {label}", "cpu", sum(parts.values()), 0.0, 0.0,
-                 flops / (matmul_rate(compute, "cpu") * LAYER_EFFICIENCY) + io, strategy, why, parts)
+                 flops / (matmul_rate(compute, "cpu") * LAYER_EFFICIENCY) + io, strategy, why, parts,
+                 mapped_bytes=mapped)
 
 
 def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
-                 compute: str, machine: Machine) -> Stage:
-    """One export: streaming exporters hold about one layer's codes twice; whole-model ones (ONNX) the float32
-    model three times (weights, the graph's copy, the codes)."""
+                 compute: str, machine: Machine, passes_codes_through: bool = False,
+                 max_shard_bytes: float = 2 << 30, new_bytes: float | None = None) -> Stage:
+    """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
+    (llmc.compiler.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
+    shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored (FP8/INT8 in
+    compressed-tensors or ModelOpt): measured at 70B width, 0.52 GB RssAnon, the process alone. Otherwise (int4
+    packing, other layouts; not measured at full width) one shard of new tensors and one layer's codes.
+    Whole-model exporters (ONNX) hold the float32 model three times (weights, the graph's copy, the codes)."""
     e = ELEM[compute]
+    mapped = 0.0
     if whole_model:
         host = PROCESS_BYTES + 3 * shape.params * 4
-    else:  # the unquantized tensors outside the layers (read and written at once) and one layer's codes
-        host = PROCESS_BYTES + shape.outer_params * e + shape.layer_params * 1.0
-    disk = 0.0 if shared_with else artifact_bytes
-    why = f"same weight files as {shared_with} (hard links)" if shared_with else "its own files"
+    elif passes_codes_through:
+        host = PROCESS_BYTES
+        mapped = min(artifact_bytes, max_shard_bytes) + shape.layer_params * e
+    else:
+        host = PROCESS_BYTES + min(artifact_bytes, max_shard_bytes) + shape.layer_params * 1.0
+        mapped = min(artifact_bytes, max_shard_bytes) + shape.layer_params * e
+    new_bytes = artifact_bytes if new_bytes is None else new_bytes  # less what identical files already hold
+    disk = 0.0 if shared_with else new_bytes
+    why = (f"same weight files as {shared_with} (hard links)" if shared_with else
+           "its own files" if new_bytes >= artifact_bytes else
+           f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
+           "export's (hard links)")
     return Stage(f"export {label}", "cpu", host, 0.0, disk, artifact_bytes / EXPORT_RATE,
-                 "whole model in memory" if whole_model else "one layer at a time", why)
+                 "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)
 
 
 def cpu_count() -> int | None:

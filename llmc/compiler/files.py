@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmc.store import atomic_save_safetensors, atomic_write_json
+from llmc.store import atomic_save_safetensors, atomic_write_json, fsync_dir
 
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
@@ -21,33 +22,56 @@ SERVE_FILE = "llmc-serve.json"
 
 def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
     """Write `parts` (one dict per canonical file, in order) as model.safetensors, or as
-    model-0000i-of-0000n.safetensors + model.safetensors.index.json when they exceed `max_bytes`."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json when they exceed `max_bytes`.
+
+    Each shard is written as soon as the next part would overflow it, so at most one shard's tensors are held at
+    a time: the tensors an exporter creates (packed int4 codes) and the mmapped pages of the canonical files it
+    passes through. (Collecting every shard before writing the first held the whole artifact: 5.2 GB of mapped
+    pages measured at 70B width, one layer; a packing exporter would have held every packed tensor.) The shard
+    count is known only at the end: shards written early get a temporary name and are renamed then."""
+    out = Path(out)
+    early: list[tuple[Path, list[str]]] = []  # shards written before the last one: temporary names
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
     for t in parts:
         nbytes = sum(v.numel() * v.element_size() for v in t.values())
-        if sizes[-1] and sizes[-1] + nbytes > max_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1].update(t)
-        sizes[-1] += nbytes
+        if size and size + nbytes > max_bytes:
+            path = out / f".model-{len(early) + 1:05d}.incomplete.safetensors"
+            atomic_save_safetensors(path, shard, metadata={"format": "pt"})
+            early.append((path, list(shard)))
+            shard, size = {}, 0
+        shard.update(t)
+        size += nbytes
+        total += nbytes
+    if not early:
+        atomic_save_safetensors(out / "model.safetensors", shard, metadata={"format": "pt"})
+        return [out / "model.safetensors"]
+    last = out / f".model-{len(early) + 1:05d}.incomplete.safetensors"
+    atomic_save_safetensors(last, shard, metadata={"format": "pt"})
+    early.append((last, list(shard)))
+    del shard
     written, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        atomic_save_safetensors(out / name, shard, metadata={"format": "pt"})
-        written.append(out / name)
-        weight_map.update(dict.fromkeys(shard, name))
-    if len(shards) > 1:
-        atomic_write_json(
-            out / "model.safetensors.index.json",
-            {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))},
-        )
+    for i, (path, names) in enumerate(early):
+        final = out / f"model-{i + 1:05d}-of-{len(early):05d}.safetensors"
+        os.replace(path, final)
+        written.append(final)
+        weight_map.update(dict.fromkeys(names, final.name))
+    fsync_dir(out)
+    atomic_write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
     return written
+
+
+# Not tokenizer files: the quantized form's own, and the shard index, which write_shards writes for the artifact's
+# shards (a source's index copied over it names the source's shards: the artifact would not load).
+_NOT_TOKENIZER = ("quantized.json", "config.json", "model.safetensors.index.json")
 
 
 def copy_tokenizer_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("quantized.json", "config.json"):
+        if f.suffix in (".json", ".jinja") and f.name not in _NOT_TOKENIZER:
             shutil.copyfile(f, out / f.name)
 
 

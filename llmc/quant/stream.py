@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from llmc import distributed
-from llmc.model.checkpoint import CheckpointReader
+from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
 from llmc.quant import moe, true_sequential
@@ -517,7 +517,7 @@ def quantize_model(
     rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)
     for f in TOKENIZER_FILES:
-        if (source.folder / f).is_file():
+        if f != INDEX_FILE and (source.folder / f).is_file():  # the source's shard index names none of these files
             shutil.copyfile(source.folder / f, out / f)
     meta = {
         "format": FORMAT_NAME,

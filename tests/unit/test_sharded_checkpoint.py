@@ -124,3 +124,49 @@ def test_the_index_enters_the_source_hash(sharded, store):
     index["metadata"] = {"total_size": 1}
     (sharded / INDEX_FILE).write_text(json.dumps(index))
     assert resolve_source(str(sharded), store).sha256 != before
+
+
+def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
+    """The source's index names the source's shards: neither the quantized form nor an artifact may carry it (an
+    artifact with it would name shards it does not have and fail to load; seen on a 70B-width build)."""
+    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.model.source import ModelSource
+    from llmc.quant import stream
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.spec import Scheme, TensorSpec
+
+    stream.quantize_model(ModelSource(sharded, "s", "s"), Scheme(TensorSpec("int4", "group", group_size=16)), tmp_path / "q",
+                          calibration=None)
+    assert not (tmp_path / "q" / INDEX_FILE).exists()
+    qm = QuantizedModel.open(tmp_path / "q")
+    for name, export in (("ct", export_compressed_tensors), ("modelopt", export_modelopt_hf)):
+        written = export(qm, tmp_path / name)
+        assert [f.name for f in safetensors_files(tmp_path / name)] == [f.name for f in written]
+        assert len(CheckpointReader(tmp_path / name).names()) > 0
+
+
+def test_write_shards_writes_each_shard_before_reading_past_it(tmp_path):
+    """An export holds one shard at a time: a shard is on disk before the parts after it are read; the shards and
+    the index written at the end read back as the parts."""
+    from llmc.compiler.files import write_shards
+
+    parts = [{f"t{i}": torch.full((25,), float(i))} for i in range(7)]  # 100 bytes each: shards of two parts
+
+    def produce():
+        for i, part in enumerate(parts):
+            if i >= 4:  # parts 0-1 overflowed at part 2, parts 2-3 at part 4: shard 1 is written
+                assert len(list(tmp_path.glob("*.safetensors"))) >= 1, f"nothing written before part {i}"
+            yield part
+
+    written = write_shards(tmp_path, produce(), max_bytes=250)
+    assert [f.name for f in written] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([f.name for f in written] + [INDEX_FILE])
+    from safetensors.torch import load_file
+
+    weight_map = _index(tmp_path)["weight_map"]
+    for part in parts:
+        (name, tensor), = part.items()
+        assert torch.equal(load_file(tmp_path / weight_map[name])[name], tensor)
+    single = write_shards(tmp_path / "one", parts[:2], max_bytes=250)
+    assert [f.name for f in single] == ["model.safetensors"] and not (tmp_path / "one" / INDEX_FILE).exists()
