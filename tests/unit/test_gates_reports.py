@@ -272,6 +272,9 @@ RECORDED = {
     "smollm2-int8-runtimes": {"": [("torch", 2.90, 3.38, 0.0279, 89.3), ("llama.cpp", 0.65, 0.87, 0.0048, 95.1)]},
     "smollm2-qdq-runtimes": {"": [("torch", 3.49, 4.07, 0.0336, 88.2), ("onnxruntime", 3.20, 3.68, 0.0330, 88.8)]},
     "gemma3-w4afp8": {"w4afp8-awq": [("torch", 28.3, 31.2, 0.229, 71.3)], "w4afp8-gptq": [("torch", 24.0, 24.0, None, None)]},
+    "gemma3-awq": {"": [("torch", 15.89, 17.52, 0.1803, 74.9), ("llama.cpp", 15.90, 17.45, 0.1809, 74.7)]},
+    "gemma3-int8-runtimes": {"": [("torch", 2.23, 2.76, 0.0213, 88.9), ("llama.cpp", 0.79, 1.14, 0.0036, 96.0)]},
+    "gemma3-variants": {"fp8-kv": [("torch", 2.73, 3.68, 0.0283, 88.4)], "w8a8-int8-sq": [("torch", 2.23, 2.76, 0.0213, 88.9)]},
 }
 
 
