@@ -17,6 +17,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from llmc import targets
+from llmc.data.sources import corpora_of
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.device import resolve_device
@@ -490,6 +491,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
     throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
     eval_kwargs = dict(compute=compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
                        top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine, stored_elem=stored_elem)
+    n_corpora = len(corpora_of(ev.corpus))
     if "torch" in ev.runtimes:
         evals = [("baseline", False, 0.0)] + [(v, True, 1.0) for v in variant_labels]
         for label, reference, code_bytes in evals:
@@ -499,6 +501,10 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
             st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
+            if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another
+                st.seconds *= n_corpora
+                st.disk_bytes *= n_corpora
+                st.strategy += f"; {n_corpora} corpora, one after another (time and disk x {n_corpora})"
             stages.append(st)
             if not streamed:
                 lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,

@@ -165,3 +165,21 @@ def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path
         llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
     cached_quantize = {k for k in stages if not k.startswith("quantize")}
     llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
+
+
+def test_each_evaluation_corpus_is_planned_its_time_and_disk(tiny_model: Path, tmp_path: Path) -> None:
+    """eval.corpus naming two corpora evaluates each on its own windows, one after another: the plan's evaluation
+    rows take twice the time and disk of one corpus, and the same memory (never both at once)."""
+    text = tmp_path / "austen.txt"
+    text.write_text("It is a truth universally acknowledged. " * 400)
+    (tmp_path / "c1").mkdir(), (tmp_path / "c2").mkdir()
+    one = make_plan(_tiny_recipe(tiny_model, eval={"corpus": "brown"}), tiny_model, tmp_path / "c1")
+    two = make_plan(_tiny_recipe(tiny_model, eval={"corpus": ["brown", {"kind": "text", "path": str(text)}]}), tiny_model, tmp_path / "c2")
+    rows_one = {s["stage"]: s for s in one.estimates["stages"] if s["stage"].startswith("eval")}
+    rows_two = {s["stage"]: s for s in two.estimates["stages"] if s["stage"].startswith("eval")}
+    assert rows_one and rows_one.keys() == rows_two.keys()
+    for name, row in rows_two.items():
+        assert row["seconds"] == pytest.approx(2 * rows_one[name]["seconds"], rel=1e-9)
+        assert row["disk_gb"] == pytest.approx(2 * rows_one[name]["disk_gb"], rel=1e-9)
+        assert row["host_gb"] == pytest.approx(rows_one[name]["host_gb"], rel=1e-9)
+        assert "2 corpora" in row["strategy"]
