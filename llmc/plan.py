@@ -270,7 +270,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             tensors = plan_shapes.from_headers(Path(model_folder))
         else:
             tensors = plan_shapes.from_config(config)
-        from llmc.model.families import check_quantizable
+        from llmc.model.families import check_quantizable, expert_count
 
         check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
         for t in recipe.targets:
@@ -281,6 +281,12 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         plan.estimates = _estimates(recipe, list(schemes.values()), config, tensors, device, plan.targets,
                                     model_folder)
         nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
+        if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
+            # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
+            raise IncompatibleTargetError(
+                f"data-parallel calibration ({nproc} processes) of a Mixture-of-Experts model is not implemented: "
+                "the tokens routed to each expert differ by rank and llmc does not reduce them yet",
+                fix="calibrate in one process (drop --nproc / run without torchrun)")
         if nproc > 1:
             plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
                                                      tensors.linear_shapes(), plan.estimates, nproc)

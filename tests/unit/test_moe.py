@@ -331,3 +331,28 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
     every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
         "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
     assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
+
+
+def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family, tmp_path: Path) -> None:
+    """--nproc 2 on a MoE model with a calibrated scheme: `llmc plan` refuses (exit 3) before torchrun starts;
+    weight-only RTN (no calibration) is planned per rank as for a dense model."""
+    import yaml
+
+    from llmc.errors import IncompatibleTargetError
+    from llmc.plan import make_plan
+    from llmc.recipe import parse_recipe
+
+    _name, folder = family
+
+    def recipe(quantization: dict):
+        return parse_recipe(yaml.safe_dump({"name": "t", "model": {"source": str(folder)}, "quantization": quantization,
+                                            "targets": [{"runtime": "vllm"}]}))
+
+    static = recipe({"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                     "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
+    with pytest.raises(IncompatibleTargetError, match="Mixture-of-Experts") as refused:
+        make_plan(static, folder, nproc=2)
+    assert "--nproc" in refused.value.fix and refused.value.exit_code == 3
+    make_plan(static, folder)  # one process: planned
+    weight_only = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}})
+    assert make_plan(weight_only, folder, nproc=2).distributed["nproc"] == 2
