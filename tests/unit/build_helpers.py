@@ -75,3 +75,32 @@ def nothing_half_written_looks_complete(cache: Path, registry: Path) -> list[str
     bad += [str(b) for b in (cache / "builds").glob("*")  # a build's reports: the whole set or none
             if not b.name.startswith(".") and not all((b / f).is_file() for f in REPORT_FILES)]
     return bad
+
+
+def tiny_text_recipe(root: Path, name: str, eval_section: dict) -> Path:
+    """A tiny model, 12 documents of random words as calibration and evaluation text (3 held out), INT8 W8A8 for one
+    vLLM target, permissive gates, publishing under `root/registry`: the torchrun build tests' recipe. `eval_section`
+    adds to eval's corpus and 32-token windows (windows, batch size, throughput settings)."""
+    import random
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(root / "model")
+    words = ["the", "jury", "said", "it", "did", "find", "that", "many", "of", "voters", "had", "been", "registered"]
+    rng = random.Random(0)
+    (root / "text").mkdir()
+    for d in range(12):
+        (root / "text" / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
+    source = {"kind": "text", "path": str(root / "text"), "holdout": 3}
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name, "model": {"source": str(model)},
+        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
+                         "activations": {"format": "int8", "strategy": "tensor"}},
+        "calibration": {"dataset": source, "samples": 8, "seq_len": 32, "seed": 0},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"corpus": source, "seq_len": 32, **eval_section},
+        "gates": {"max_ppl_increase_pct": 50.0, "allow_unevaluated": True},
+        "publish": {"registry": str(root / "registry")},
+    }))
+    return path

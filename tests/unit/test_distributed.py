@@ -215,31 +215,10 @@ def test_evaluation_split_over_ranks_is_identical(one_and_two, tmp_path: Path) -
 
 @pytest.mark.slow
 def test_llmc_build_nproc_2_gives_the_single_process_build(tmp_path: Path) -> None:
-    import random
+    from tests.unit.build_helpers import tiny_text_recipe
 
-    import yaml
-
-    from tests.conftest import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "model")
-    words = ["the", "jury", "said", "it", "did", "find", "that", "many", "of", "voters", "had", "been", "registered"]
-    rng = random.Random(0)
-    (tmp_path / "text").mkdir()
-    for d in range(12):
-        (tmp_path / "text" / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
-    source = {"kind": "text", "path": str(tmp_path / "text"), "holdout": 3}
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "tiny-dist", "model": {"source": str(model)},
-        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
-                         "activations": {"format": "int8", "strategy": "tensor"}},
-        "calibration": {"dataset": source, "samples": 8, "seq_len": 32, "seed": 0},
-        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
-        "eval": {"corpus": source, "seq_len": 32, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1,
-                 "bootstrap_samples": 100},
-        "gates": {"max_ppl_increase_pct": 50.0, "allow_unevaluated": True},
-        "publish": {"registry": str(tmp_path / "registry")},
-    }))
+    recipe = tiny_text_recipe(tmp_path, "tiny-dist", {"windows": 4, "decode_tokens": 2, "throughput_repeats": 1,
+                                                      "bootstrap_samples": 100})
     runs = {}
     for nproc in (1, 2):
         cache = tmp_path / f"cache{nproc}"

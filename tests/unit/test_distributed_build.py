@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-import yaml
 from safetensors.torch import load_file
 
 import llmc
 from llmc import distributed
+from tests.unit.build_helpers import tiny_text_recipe
 
 REPO = Path(llmc.__file__).resolve().parent.parent
 
@@ -58,29 +57,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
-    from tests.conftest import make_tiny_model
-
-    root = tmp_path_factory.mktemp("distbuild")
-    model = make_tiny_model(root / "model")
-    words = ["the", "jury", "said", "it", "did", "find", "that", "many", "of", "voters", "had", "been", "registered"]
-    rng = random.Random(0)
-    (root / "text").mkdir()
-    for d in range(12):
-        (root / "text" / f"doc{d:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
-    source = {"kind": "text", "path": str(root / "text"), "holdout": 3}
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "tiny-dist-eval", "model": {"source": str(model)},
-        "quantization": {"weights": {"format": "int8", "strategy": "channel"},
-                         "activations": {"format": "int8", "strategy": "tensor"}},
-        "calibration": {"dataset": source, "samples": 8, "seq_len": 32, "seed": 0},
-        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
-        "eval": {"corpus": source, "seq_len": 32, "windows": 8, "batch_size": 2, "decode_tokens": 2,
-                 "throughput_repeats": 1, "throughput_batch_sizes": [1], "bootstrap_samples": 100},
-        "gates": {"max_ppl_increase_pct": 50.0, "allow_unevaluated": True},
-        "publish": {"registry": str(root / "registry")},
-    }))
-    return path
+    return tiny_text_recipe(tmp_path_factory.mktemp("distbuild"), "tiny-dist-eval", {
+        "windows": 8, "batch_size": 2, "decode_tokens": 2, "throughput_repeats": 1, "throughput_batch_sizes": [1],
+        "bootstrap_samples": 100})
 
 
 def _build(recipe: Path, cache: Path, nproc: int, **env: str) -> subprocess.CompletedProcess:
