@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from _proc_status import memory_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # FP8 W8A8 with static activation scales and an FP8 KV cache: every layer runs the calibration forward, so the
@@ -86,16 +88,13 @@ def quantize_peak(recipe: Path, folder: Path, dtype: str, cache: Path, threads: 
     done = threading.Event()
 
     def sample() -> None:
-        status = Path(f"/proc/{child.pid}/status")
         while not done.is_set():
-            try:
-                text = status.read_text()
-            except OSError:
+            fields = memory_bytes(child.pid, ("RssAnon", "VmHWM"))
+            if fields is None:
                 break
-            anon, hwm = re.search(r"RssAnon:\s+(\d+)", text), re.search(r"VmHWM:\s+(\d+)", text)
-            if anon:  # absent once the child is a zombie
-                peaks[phase[0]] = max(peaks[phase[0]], int(anon.group(1)) * 1024)
-                peaks["hwm"] = max(peaks["hwm"], int(hwm.group(1)) * 1024)
+            if "RssAnon" in fields:  # absent once the child is a zombie
+                peaks[phase[0]] = max(peaks[phase[0]], fields["RssAnon"])
+                peaks["hwm"] = max(peaks["hwm"], fields["VmHWM"])
             time.sleep(0.05)
 
     thread = threading.Thread(target=sample, daemon=True)

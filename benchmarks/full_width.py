@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from _proc_status import memory_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 2 << 30
 # Sampled per stage. RssAnon is what the process allocated (tensors, Python): what the planner predicts and what
@@ -129,15 +131,9 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
     done = threading.Event()
 
     def sample() -> None:
-        status = Path(f"/proc/{child.pid}/status")
         while not done.is_set():
-            try:
-                text = status.read_text()
-            except OSError:
-                break
-            fields = {k: int(m.group(1)) * 1024 for k in (*MEMORY_FIELDS, "VmHWM")
-                      if (m := re.search(rf"{k}:\s+(\d+)", text))}
-            if "VmRSS" not in fields:  # the child has exited (a zombie has no memory lines)
+            fields = memory_bytes(child.pid, (*MEMORY_FIELDS, "VmHWM"))
+            if fields is None or "VmRSS" not in fields:  # the child has exited (a zombie has no memory lines)
                 break
             hwm[0] = max(hwm[0], fields.get("VmHWM", 0))
             samples.append((time.time(), fields))
