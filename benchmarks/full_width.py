@@ -140,25 +140,34 @@ def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, r
             loads.append(os.getloadavg()[0])
             time.sleep(0.1)
 
+    # stage windows from the time each log line arrives (the child's stderr is line-buffered): each starts at its
+    # line, ends at the next one. (The log's own timestamps are whole seconds: a window widened by one second to
+    # cover them gave the next stage's first second to the one before, e.g. the baseline evaluation's 2 GB of outer
+    # weights to the last export.)
     thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    stdout, stderr = child.communicate()
+    arrived: list[tuple[float, str]] = []
+    out_lines: list[str] = []
+    readers = [threading.Thread(target=lambda: [arrived.append((time.time(), ln)) for ln in child.stderr], daemon=True),
+               threading.Thread(target=lambda: out_lines.extend(child.stdout), daemon=True)]
+    for t in (thread, *readers):
+        t.start()
+    for t in readers:
+        t.join()
+    child.wait()
     done.set()
     thread.join()
     wall = time.time() - t0
-    # stage windows from the log's timestamps (seconds): each starts at its line, ends at the next one
-    day = time.strftime("%Y-%m-%d", time.localtime(t0))
+    stdout, stderr = "".join(out_lines), "".join(line for _, line in arrived)
     marks = []
-    for line in stderr.splitlines():
+    for ts, line in arrived:
         m = _LOG.match(line)
         if m:
-            ts = time.mktime(time.strptime(f"{day} {m.group(1)}:{m.group(2)}:{m.group(3)}", "%Y-%m-%d %H:%M:%S"))
             marks.append((ts, stage_of(m.group(4), m.group(5))))
     peaks: dict[str, dict[str, int]] = {}  # stage -> field -> peak bytes
     for i, (start, stage) in enumerate(marks):
         stop = marks[i + 1][0] if i + 1 < len(marks) else float("inf")
         for t, fields in samples:
-            if start <= t < stop + 1:  # log timestamps are whole seconds
+            if start <= t < stop:
                 into = peaks.setdefault(stage, {})
                 for k in MEMORY_FIELDS:
                     into[k] = max(into.get(k, 0), fields.get(k, 0))

@@ -58,12 +58,19 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         layer = LlamaDecoderLayer(config, 0)
+    params = sum(p.numel() for p in layer.parameters())
+    largest = max(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    fmt, strategy = args.weights.split(":")
+    # the planner's probes run first, in a fresh process, as `llmc plan` and the build run them before any weight
+    width, attn_width = config.hidden_size, config.num_attention_heads * config.head_dim
+    predicted = res.layer_seconds(params, stored_bytes=params * dtype.itemsize, tokens=args.tokens, passes=1.0,
+                                  active=1.0, compute=args.dtype, code_bytes=1.0, device="cpu", width=width,
+                                  seq_len=args.tokens, attn_width=attn_width, batch_tokens=args.tokens,
+                                  largest_linear=largest, weight_key=(fmt, strategy, None))
     layer = layer.to_empty(device="cpu").to(dtype)
     for p in layer.parameters():
         p.data.normal_(0, 0.02)
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-    params = sum(p.numel() for p in layer.parameters())
-    fmt, strategy = args.weights.split(":")
     spec = TensorSpec(fmt, strategy)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=str(Path.home())) as tmp:
@@ -96,14 +103,12 @@ def main() -> None:
         measured = {"read": best_of(args.repeats, read), "forward": best_of(args.repeats, forward),
                     "quantize": best_of(args.repeats, quantize)}
         measured["write"] = best_of(args.repeats, write)
-    predicted = res.layer_seconds(params, stored_bytes=params * dtype.itemsize, tokens=args.tokens, passes=1.0,
-                                  active=1.0, compute=args.dtype, code_bytes=1.0, device="cpu")
     print(json.dumps({
         "model": args.model, "layer_params": params, "tokens": args.tokens, "dtype": args.dtype,
         "measured_s": measured, "measured_total_s": sum(measured.values()),
         "predicted_s": predicted, "predicted_total_s": sum(predicted.values()),
-        "matmul_rate_gflops": res.matmul_rate(args.dtype, "cpu") / 1e9,
-        "quantize_rate_gelem": res.quantize_rate(args.dtype) / 1e9,
+        "matmul_rate_gflops": res.matmul_rate(args.dtype, "cpu", width, args.tokens) / 1e9,
+        "quantize_rate_gelem": res.quantize_rate(args.dtype, fmt, strategy, elements=largest) / 1e9,
         "load_before": load, "load_after": os.getloadavg(), "threads": torch.get_num_threads(),
     }))
 

@@ -404,7 +404,8 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
     from llmc.plan_resources import matmul_rate
 
     device = str(estimates.get("device", "cpu"))
-    flops = matmul_rate(estimates.get("dtype", "float32"), device)  # measured here, as the stage times are
+    flops = matmul_rate(estimates.get("dtype", "float32"), device, config.get("hidden_size") or 1024,
+                        c.seq_len)  # measured here, as the stage times are
     return plan_estimate(estimates, layer_shapes(shapes), work, nproc, activations_gb, flops)
 
 

@@ -12,9 +12,11 @@ formulas follow what the code holds at its peak, named term by term in `Stage.pa
   - evaluation (torch reference): the whole dense model, or (streamed, llmc.engines.torch_stream) the outer
     weights, one dense layer, the hidden states of every window and one batch's logits;
   - disk: each file once (targets with identical weights share them through hard links), only what is not cached.
-Time = floating-point work / this machine's measured matmul rate in the compute dtype (`matmul_rate`: a small
-probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower than fp32), plus reading
-and writing the bytes. Constants measured at full width are in docs/results.md ("Planner at full width").
+Time = floating-point work / this machine's measured matmul rate in the compute dtype at the model's width
+(`matmul_rate`: a small probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower
+than fp32) x the share a decoder layer reaches (`forward_efficiency`), plus the quantizer's arithmetic at its probed
+rate (`quantize_rate`), plus reading and writing the bytes. Constants measured at full width are in
+docs/results.md ("Planner at full width").
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import torch
 from llmc.plan_shapes import ModelTensors, active_fraction
 
 GB = 1e9
-PROCESS_BYTES = 0.55e9  # python + torch + transformers + tokenizers imported (measured: VmRSS before the first layer)
+PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: RssAnon of a build while it exports
+# FP8 (which allocates nothing else), 0.39-0.52 GB measured at 8B and 70B width
 CUDA_CONTEXT_BYTES = 0.6e9
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read + converted (page-cache-warm safetensors reads measured ~1-2 GB/s)
 DISK_WRITE_RATE = 0.5e9  # bytes/s written with fsync (canonical form, artifacts)
-EXPORT_RATE = 25e6  # artifact bytes/s of an export: read, convert, write, fsync, sha256 twice (measured at load ~28)
-LAYER_EFFICIENCY = 0.6  # share of the probed GEMM rate a decoder-layer forward reaches (attention, norms, copies)
+HASH_RATE = 1.5e9  # bytes/s sha256 (hashlib) reads back what a stage wrote (measured 1.56 GB/s on the 2-core EPYC)
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -72,16 +74,23 @@ class Stage:
                 "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds}
 
 
+def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: int = 64) -> float:
+    """FLOP/s of a [rows, width] x [width, 128] matmul in `dtype_name` on `device`, measured now (best of 3 after a
+    warm-up). `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's
+    float32 rate moves ~2x with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
+    (benchmarks/forward_efficiency.py)."""
+    return _matmul_rate(dtype_name, device, width, max(1, min(rows, 512)))
+
+
 @functools.cache
-def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
-    """FLOP/s of a [64, 1024] x [1024, 1024] matmul in `dtype_name` on `device`, measured now (best of 3)."""
+def _matmul_rate(dtype_name: str, device: str, width: int, rows: int) -> float:
     dtype = getattr(torch, dtype_name)
     dev = torch.device(device)
-    a = torch.randn(64, 1024, dtype=dtype, device=dev)
-    w = torch.randn(1024, 1024, dtype=dtype, device=dev)
+    a = torch.randn(rows, width, dtype=dtype, device=dev)
+    w = torch.randn(128, width, dtype=dtype, device=dev)
     torch.nn.functional.linear(a, w)  # warm-up
     best = float("inf")
-    for _ in range(2):
+    for _ in range(3):  # best of 3: a slow phase of the machine (seen: half the rate for ~0.1 s) passes
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t = time.perf_counter()
@@ -89,24 +98,57 @@ def matmul_rate(dtype_name: str, device: str = "cpu") -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - t)
-    return 2 * 64 * 1024 * 1024 / max(best, 1e-9)
+    return 2 * rows * width * 128 / max(best, 1e-9)
+
+
+def forward_efficiency(dtype_name: str, device: str) -> float:
+    """Share of the probed rates (`forward_seconds`) a decoder layer's forward reaches. Measured by
+    benchmarks/forward_efficiency.py on the 2-core AVX2 CPU, one Llama layer at SmolLM2, 8B and 70B width over
+    32-2048 tokens (benchmarks/results/forward_efficiency.jsonl): bf16 0.93-1.02 of the prediction at 1.0;
+    float32 0.57-0.90 of its probe (its weights stream from memory at few tokens where the probe's stay in cache),
+    so 0.75. GPUs: not measured (an older constant, 0.6)."""
+    if device != "cpu":
+        return 0.6
+    return 0.75 if dtype_name == "float32" else 1.0
+
+
+def forward_seconds(gemm_flops: float, attention_flops: float, *, compute: str, device: str, width: int,
+                    rows: int) -> float:
+    """Seconds of a forward's GEMMs (at the compute dtype's probed rate) and causal attention. On a CPU, attention
+    runs at the float32 rate whatever the dtype: PyTorch's CPU attention kernel computes its blocks in float32
+    (measured: a bf16 SmolLM2-width layer at 2048 tokens, where attention is a quarter of the FLOPs, ran no slower
+    than its GEMMs alone at the bf16 rate)."""
+    attention_dtype = "float32" if device == "cpu" else compute
+    seconds = gemm_flops / matmul_rate(compute, device, width, rows)
+    if attention_flops:
+        seconds += attention_flops / matmul_rate(attention_dtype, device, width, rows)
+    return seconds / forward_efficiency(compute, device)
+
+
+# glibc serves allocations above 32 MiB (its largest mmap threshold) with fresh mmapped pages, faulted in on first
+# touch: the quantizer's float32 temporaries of a large Linear always pay that. A probe whose temporaries are under
+# 32 MiB is served from the heap once the process has freed a few large blocks, and ran 3x faster than the layer it
+# stood for (0.5 vs 0.13 G elements/s at 70B width, benchmarks/layer_time.py); so the probe stays above it.
+QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
 
 
 @functools.cache
 def quantize_rate(dtype_name: str, weight_format: str = "fp8_e4m3", strategy: str = "tensor",
-                  group_size: int | None = None) -> float:
+                  group_size: int | None = None, elements: int = QUANTIZE_PROBE_ELEMENTS) -> float:
     """Weight elements/s llmc's round-to-nearest quantizer (llmc.quant.numerics.quantize_weight: range, scale,
-    divide in float32, round, cast) processes, measured now on a [4096, 2048] weight in `dtype_name`: the
-    per-Linear arithmetic every algorithm ends with. It is memory-bound (float32 temporaries of the whole weight),
-    so it follows neither the matmul rate nor a cache-resident probe: a [1024, 1024] probe measured 0.68 G
-    elements/s where a 70B-width layer ran at 0.025 (benchmarks/layer_time.py); this size is past the caches."""
+    divide in float32, round, cast) processes, measured now on a weight of `elements` (the model's largest Linear,
+    capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with. Memory-bound
+    (float32 temporaries of the whole weight), so it follows neither the matmul rate nor a cache-resident probe:
+    a [1024, 1024] probe measured 0.68 G elements/s where a 70B-width layer ran at 0.13 on a quiet machine."""
     from llmc.quant.numerics import quantize_weight
     from llmc.quant.spec import TensorSpec
 
     spec = TensorSpec(weight_format, strategy, **({"group_size": group_size} if group_size else {}))
     dtype = getattr(torch, dtype_name)
     quantize_weight(torch.randn(256, 256).to(dtype), spec)  # warm-up: first-call dispatch
-    w = torch.randn(4096, 2048).to(dtype)
+    elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
+    columns = max(256, min(4096, int(elements ** 0.5) // 256 * 256))
+    w = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
     best = float("inf")
     for _ in range(2):  # best of 2: a loaded machine slows some runs
         t = time.perf_counter()
@@ -116,14 +158,17 @@ def quantize_rate(dtype_name: str, weight_format: str = "fp8_e4m3", strategy: st
 
 
 def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
-                  compute: str, code_bytes: float, device: str, weight_key: tuple = ("fp8_e4m3", "tensor", None)
-                  ) -> dict[str, float]:
+                  compute: str, code_bytes: float, device: str, width: int, seq_len: int = 0, attn_width: int = 0,
+                  batch_tokens: int = 64, largest_linear: int = QUANTIZE_PROBE_ELEMENTS,
+                  weight_key: tuple = ("fp8_e4m3", "tensor", None)) -> dict[str, float]:
     """One decoder layer of the quantize stage, part by part: read it (`stored_bytes`), the calibration forward
-    passes over `tokens` (at the probed matmul rate), the quantizer's arithmetic (the probed quantize rate) and
-    writing its codes with fsync. benchmarks/layer_time.py measures the same parts at full width."""
-    forward = passes * 2 * tokens * layer_params * active / (matmul_rate(compute, device) * LAYER_EFFICIENCY)
-    return {"read": stored_bytes / DISK_READ_RATE, "forward": forward,
-            "quantize": layer_params / quantize_rate(compute, *weight_key),
+    passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
+    model's `width`), the quantizer's arithmetic (the probed quantize rate) and writing its codes with fsync.
+    benchmarks/layer_time.py measures the same parts at full width."""
+    forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
+                              compute=compute, device=device, width=width, rows=batch_tokens)
+    return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
+            "quantize": layer_params / quantize_rate(compute, *weight_key, elements=largest_linear),
             "write": layer_params * code_bytes / DISK_WRITE_RATE}
 
 
@@ -204,12 +249,16 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
     # layers and writing their copy (rest.safetensors) once
     parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
-                            device=machine.device, weight_key=weight_key)
+                            device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
+                            batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weight_key=weight_key)
     per_layer = sum(parts_s.values())
-    if gptq:  # the column loop: about in² · out per Linear
+    if gptq:  # the column loop in float32: about in² · out per Linear
+        fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
         per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
-            matmul_rate(compute, machine.device) * LAYER_EFFICIENCY)
-    fixed = shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE)
+            fp32_rate * forward_efficiency("float32", machine.device))
+    # ... and every file of the canonical form is hashed once when the stage completes (llmc.store.record_files)
+    canonical = shape.layers * layer * code_bytes + shape.outer_params * e
+    fixed = shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
     strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
            f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
@@ -229,18 +278,21 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
     h, tokens = shape.hidden, windows * seq_len
     logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
     scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
-    # an artifact loads the baseline's output head for the exact KL (llmc.engines.agreement); the baseline stores
-    # its own head's weight, no copy (measured at 70B width: artifact +2.5 GB RssAnon over the baseline)
+    # an artifact reads the baseline's output head for the exact KL (llmc.engines.agreement) through mmap: file
+    # pages, like the baseline's own head weight it stores (no copy)
     head = shape.vocab * h * e if reference else 0.0
-    parts = {"process": PROCESS_BYTES, "logits": logits, "scores and reference": scores + head}
+    parts = {"process": PROCESS_BYTES, "logits": logits, "scores and reference": scores}
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
-    mapped = 0.0
+    mapped = head
     if streamed:  # the outer weights and each layer are copied out of the files (materialized), then dropped
         parts |= {"outer weights": shape.outer_params * e,
-                  "layer": shape.layer_params * (e + artifact_code_bytes),
+                  # an artifact's layer: its codes (copied out of the file) and the dense layer decompressed
+                  # module by module, through a float32 copy of one Linear (measured at 8B width: +0.86 GB)
+                  "layer": shape.layer_params * (e + artifact_code_bytes)
+                  + (4 * shape.largest_linear if artifact_code_bytes else 0),
                   "hidden states of every window": tokens * h * e,
                   "forward temporaries": forward}
-        mapped = shape.layer_params * stored_elem
+        mapped += shape.layer_params * stored_elem
     else:
         # transformers maps the safetensors: tensors already in the compute dtype stay file pages (the baseline's
         # whole model when the checkpoint is stored in it); what it converts or decompresses is allocated (an
@@ -249,9 +301,11 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
         parts |= {"model (converted or decompressed)": converted * e
                   + shape.layer_params * artifact_code_bytes,
                   "forward temporaries": forward}
-        mapped = (shape.params - converted) * stored_elem
-    flops = 2 * (tokens + (0 if streamed else throughput_tokens)) * (
-        shape.layer_params * shape.active * shape.layers + shape.vocab * h)
+        mapped += (shape.params - converted) * stored_elem
+    scored = tokens + (0 if streamed else throughput_tokens)
+    forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
+                              2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
+                              compute=compute, device="cpu", width=h, rows=batch * seq_len)
     io = shape.stored_bytes / DISK_READ_RATE
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
@@ -261,7 +315,7 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
         why = (f"LLMC_TORCH_EVAL chose it (the dense model takes {dense / GB:.1f} GB of the "
                f"{machine.available / GB:.1f} GB available)")
     return Stage(f"eval {label}", "cpu", sum(parts.values()), 0.0, 0.0,
-                 flops / (matmul_rate(compute, "cpu") * LAYER_EFFICIENCY) + io, strategy, why, parts,
+                 forward + io, strategy, why, parts,
                  mapped_bytes=mapped)
 
 
@@ -290,7 +344,10 @@ def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model
            "its own files" if new_bytes >= artifact_bytes else
            f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
            "export's (hard links)")
-    return Stage(f"export {label}", "cpu", host, 0.0, disk, artifact_bytes / EXPORT_RATE,
+    # read the canonical form, write and fsync the artifact, hash it (the store's record, then the export's check);
+    # measured at 8B width on a quiet machine: 7.1-9.5 s for 2.32 GB, predicted 10 s (was 25 MB/s: 93 s)
+    seconds = artifact_bytes * (1 / DISK_READ_RATE + 1 / DISK_WRITE_RATE + 2 / HASH_RATE)
+    return Stage(f"export {label}", "cpu", host, 0.0, disk, seconds,
                  "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)
 
 

@@ -61,13 +61,15 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
 
 
 class LayerDecoder:
-    """Dense tensors of a compressed-tensors folder, module by module (plain folders pass through)."""
+    """Dense tensors of a compressed-tensors folder, module by module (plain folders pass through), quantized
+    weights decompressed to `dtype`."""
 
-    def __init__(self, folder: Path, qcfg: dict | None) -> None:
+    def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None) -> None:
         from llmc.model.checkpoint import CheckpointReader
 
         self.reader = CheckpointReader(folder)
         self.qcfg = qcfg
+        self.dtype = dtype
         self.groups = self._groups(qcfg) if qcfg else []
 
     @staticmethod
@@ -115,8 +117,12 @@ class LayerDecoder:
                                    "config_groups entry of quantization_config targets it")
             scheme, fmt = group
             compressor = BaseCompressor.get_value_from_registry(fmt)
-            dense = compressor.decompress(dict(state), scheme)
-            out[f"{module}.weight"] = dense["weight"]
+            # the decompressor returns the scale's dtype (float32): cast module by module, so that one Linear's
+            # float32 copy exists at a time, not the layer's (measured at 8B width: +0.87 GB per layer, then the
+            # compute-dtype copy on top)
+            dense = compressor.decompress(dict(state), scheme)["weight"]
+            out[f"{module}.weight"] = dense.to(self.dtype) if self.dtype is not None else dense
+            del dense
         return out
 
 
@@ -150,7 +156,7 @@ def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, 
     model = build_skeleton(config, dtype)
     unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use
     prefix, _ = decoder_layers(model)
-    decoder = LayerDecoder(folder, qcfg)
+    decoder = LayerDecoder(folder, qcfg, dtype)
     materialize(model, decoder.tensors("", exclude_prefix=prefix + "."), dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
