@@ -459,6 +459,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
         kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
                       seq_len=c.seq_len, batch=CALIBRATION_BATCH_SIZE, gptq=pipe.true_sequential or "gptq" in
                       scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
+                      whole_weight_copies=bool(pipe.transforms) or pipe.true_sequential or "gptq" in scheme.algorithm,
                       code_bytes=1.0, machine=machine,
                       weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
         q = res.quantize_stage(shape, spill=spill, **kwargs)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmc.plan_shapes import ModelTensors, active_fraction
+from llmc.quant.numerics import BLOCK_ELEMENTS
 
 GB = 1e9
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: RssAnon of a build while it exports
@@ -125,10 +126,8 @@ def forward_seconds(gemm_flops: float, attention_flops: float, *, compute: str, 
     return seconds / forward_efficiency(compute, device)
 
 
-# glibc serves allocations above 32 MiB (its largest mmap threshold) with fresh mmapped pages, faulted in on first
-# touch: the quantizer's float32 temporaries of a large Linear always pay that. A probe whose temporaries are under
-# 32 MiB is served from the heap once the process has freed a few large blocks, and ran 3x faster than the layer it
-# stood for (0.5 vs 0.13 G elements/s at 70B width, benchmarks/layer_time.py); so the probe stays above it.
+# The quantizer works on blocks of rows (llmc.quant.numerics.BLOCK_ELEMENTS) with float32 temporaries reused from
+# the heap; the probe's weight spans several blocks, so it runs the same path as a large Linear does.
 QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
 
 
@@ -138,8 +137,8 @@ def quantize_rate(dtype_name: str, weight_format: str = "fp8_e4m3", strategy: st
     """Weight elements/s llmc's round-to-nearest quantizer (llmc.quant.numerics.quantize_weight: range, scale,
     divide in float32, round, cast) processes, measured now on a weight of `elements` (the model's largest Linear,
     capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with. Memory-bound
-    (float32 temporaries of the whole weight), so it follows neither the matmul rate nor a cache-resident probe:
-    a [1024, 1024] probe measured 0.68 G elements/s where a 70B-width layer ran at 0.13 on a quiet machine."""
+    (float32 temporaries of each block of rows), so it follows neither the matmul rate nor a cache-resident
+    probe."""
     from llmc.quant.numerics import quantize_weight
     from llmc.quant.spec import TensorSpec
 
@@ -212,7 +211,8 @@ class Shape:
 
 def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
                    batch: int, spill: bool, gptq: bool, awq: bool, passes: int, code_bytes: float,
-                   machine: Machine, weight_key: tuple = ("fp8_e4m3", "tensor", None)) -> Stage:
+                   machine: Machine, weight_key: tuple = ("fp8_e4m3", "tensor", None),
+                   whole_weight_copies: bool = True) -> Stage:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU."""
     e = ELEM[compute]
     h, layer = shape.hidden, shape.layer_params
@@ -229,7 +229,10 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
         "process": PROCESS_BYTES,
         "outer weights": shape.outer_params * e if calibrated else 0.0,
         "layer": layer * (e + (stored_elem if stored_elem != e else 0)),
-        "quantizer float32 copy": 2 * 4 * shape.largest_linear,
+        # RTN works a block of rows at a time; GPTQ and the smoothing transforms (SmoothQuant, AWQ) make float32
+        # copies of a whole Linear
+        "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
+                                           else min(shape.largest_linear, BLOCK_ELEMENTS)),
         "layer codes": layer * code_bytes,
         "activations": act,
         "forward temporaries": forward if calibrated else 0.0,

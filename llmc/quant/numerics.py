@@ -70,9 +70,12 @@ def qparams_from_range(
 
 def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = grouped_view(x.detach().float(), spec)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    return _qparams_of_ranges(g.amin(dim=-1), g.amax(dim=-1), _scale_shape(x, spec), spec)
+
+
+def _qparams_of_ranges(lo: torch.Tensor, hi: torch.Tensor, shape: tuple[int, ...], spec: TensorSpec
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     scale, zp = qparams_from_range(lo, hi, spec)
-    shape = _scale_shape(x, spec)
     if spec.scale_grid == "fp8_row":
         # All-zero groups must not set the row's scale (their scale 1 would): they take the grid's smallest step.
         live = torch.where((hi > 0) | (lo < 0), scale, torch.zeros_like(scale))
@@ -143,13 +146,60 @@ def dequantize(
     return q * _expand(scale, q, spec)
 
 
-def quantize_weight(w: torch.Tensor, spec: TensorSpec) -> QuantizedWeight:
-    scale, zp = compute_qparams(w, spec)
-    return QuantizedWeight(codes=quantize_with(w, scale, zp, spec), scale=scale, zero_point=zp)
+# Rows of a large weight are quantized in blocks of about this many elements (float32 temporaries of 4 MB each).
+# Whole-weight temporaries (0.94 GB each for a 70B-width MLP projection) are fresh pages the kernel faults in on every
+# Linear, which on this VM cost more the more memory the process already holds: a 70B-width layer's RTN (FP8,
+# per-tensor) took 6.6 s in a small process and 17.2 s in one holding 6 GB, as a build does (outer weights, the
+# layer, its codes); in blocks of 2^20 elements 1.8-1.9 s there (2^22: 3.0-4.7 s; 2^18: noisier, no faster).
+BLOCK_ELEMENTS = 1 << 20
 
 
-def dequantize_weight(q: QuantizedWeight, spec: TensorSpec) -> torch.Tensor:
-    return dequantize(q.codes, q.scale, q.zero_point, spec)
+def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLOCK_ELEMENTS) -> QuantizedWeight:
+    """Codes and scales of `w` [out, in]. Above `block_elements`, a block of whole rows at a time: the same codes and
+    scales bit for bit (ranges are minima and maxima, and every row's arithmetic is its own), with one block's
+    float32 temporaries instead of the weight's."""
+    if w.dim() != 2 or w.numel() <= block_elements:
+        scale, zp = compute_qparams(w, spec)
+        return QuantizedWeight(codes=quantize_with(w, scale, zp, spec), scale=scale, zero_point=zp)
+    blocks = w.detach().split(max(1, block_elements // w.shape[1]))
+    if spec.strategy == "tensor":  # one range over every block
+        lo = torch.stack([b.amin() for b in blocks]).amin().float().reshape(1)
+        hi = torch.stack([b.amax() for b in blocks]).amax().float().reshape(1)
+        params = [_qparams_of_ranges(lo, hi, (1,), spec)] * len(blocks)
+    else:
+        params = [compute_qparams(b, spec) for b in blocks]
+    codes = None
+    row = 0
+    for b, (scale, zp) in zip(blocks, params):
+        c = quantize_with(b, scale, zp, spec)
+        if codes is None:
+            codes = torch.empty(w.shape, dtype=c.dtype)
+        codes[row : row + len(b)] = c
+        row += len(b)
+    if spec.strategy == "tensor":
+        scale, zp = params[0]
+    else:
+        scale = torch.cat([p[0] for p in params])
+        zp = None if params[0][1] is None else torch.cat([p[1] for p in params])
+    return QuantizedWeight(codes=codes, scale=scale, zero_point=zp)
+
+
+def dequantize_weight(q: QuantizedWeight, spec: TensorSpec, dtype: torch.dtype | None = None,
+                      block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
+    """The weight the codes stand for, in float32 (or `dtype`: the float32 values rounded once, as `.to(dtype)`
+    would), a block of rows at a time above `block_elements` like `quantize_weight`."""
+    codes = q.codes
+    if codes.dim() != 2 or codes.numel() <= block_elements:
+        w = dequantize(codes, q.scale, q.zero_point, spec)
+        return w if dtype is None else w.to(dtype)
+    out = torch.empty(codes.shape, dtype=dtype or torch.float32)
+    rows = max(1, block_elements // codes.shape[1])
+    for r in range(0, codes.shape[0], rows):
+        part = slice(r, r + rows)
+        scale = q.scale if spec.strategy == "tensor" else q.scale[part]
+        zp = q.zero_point if q.zero_point is None or spec.strategy == "tensor" else q.zero_point[part]
+        out[part] = dequantize(codes[part], scale, zp, spec)
+    return out
 
 
 def dynamic_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -495,7 +495,7 @@ def quantize_model(
         if calibrate and not reuse:
             if propagate == "quantized" and not gptq_in_forward:
                 for name, lin in linears.items():
-                    lin.weight.data = dequantize_weight(quantized[name], scheme.weights).to(dtype)
+                    lin.weight.data = dequantize_weight(quantized[name], scheme.weights, dtype)
                 _forward_batches(layer, hidden, layer_extras, next_inputs.put)
             hidden = next_inputs.commit()
         # Progress moves only after the layer file and the next layer's inputs are complete (on every rank); a run

@@ -35,7 +35,7 @@ class _Stop(Exception):
 
 
 def _set_quantized(lin: nn.Linear, q: QuantizedWeight, spec: TensorSpec) -> None:
-    lin.weight.data = dequantize_weight(q, spec).to(lin.weight.dtype)
+    lin.weight.data = dequantize_weight(q, spec, lin.weight.dtype)
 
 
 @contextlib.contextmanager

@@ -176,3 +176,26 @@ def test_fp8_row_grid_loses_less_than_vllm_converting_plain_scales() -> None:
 
     assert err(snapped) < err(served_plain)
     assert err(snapped) < 1.01 * err(dequantize_weight(plain, plain_spec))  # the grid itself costs under 1%
+
+
+@pytest.mark.parametrize("name", [*SPECS, "int4-g32-fp8-row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_quantized_in_blocks_of_rows_is_bit_identical_to_the_whole(name: str, dtype: torch.dtype) -> None:
+    """Large weights are quantized and dequantized a block of rows at a time (one block's float32 temporaries):
+    codes, scales, zero points and the dequantized weight must not change by a bit, whatever the block size
+    (blocks of one row, of rows that do not divide the weight's, and of more than one row)."""
+    spec = SPECS.get(name) or TensorSpec("int4", "group", group_size=32, scale_grid="fp8_row")
+    w = _weight(3).to(dtype)
+    w[10:13] *= 40.0  # the block holding these rows alone sets a per-tensor range
+    whole = quantize_weight(w, spec, block_elements=w.numel())
+    for block in (128, 5 * 128, 7 * 128 + 1):
+        q = quantize_weight(w, spec, block_elements=block)
+        assert torch.equal(q.codes.view(torch.int8), whole.codes.view(torch.int8)), block
+        assert torch.equal(q.scale, whole.scale) and q.scale.shape == whole.scale.shape
+        assert (q.zero_point is None) == (whole.zero_point is None)
+        if q.zero_point is not None:
+            assert torch.equal(q.zero_point, whole.zero_point)
+        for out in (None, torch.bfloat16):
+            expected = dequantize_weight(whole, spec, out, block_elements=w.numel())
+            assert torch.equal(dequantize_weight(q, spec, out, block_elements=block), expected)
+            assert expected.dtype == (out or torch.float32)
