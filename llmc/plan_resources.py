@@ -351,9 +351,9 @@ def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model
            "its own files" if new_bytes >= artifact_bytes else
            f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
            "export's (hard links)")
-    # read the canonical form, write and fsync the artifact, hash it (the store's record, then the export's check);
-    # measured at 8B width on a quiet machine: 7.1-9.5 s for 2.32 GB, predicted 10 s (was 25 MB/s: 93 s)
-    seconds = artifact_bytes * (1 / DISK_READ_RATE + 1 / DISK_WRITE_RATE + 2 / HASH_RATE)
+    # serialize and fsync the artifact from the mapped canonical form, then hash it (the store's record); measured on
+    # a quiet machine: 7.1-10.6 s for 2.32-2.98 GB at 8B width, 17-34 s for 5.1-7.6 GB at 70B width (was 25 MB/s)
+    seconds = artifact_bytes * (1 / DISK_WRITE_RATE + 1 / HASH_RATE)
     return Stage(f"export {label}", "cpu", host, 0.0, disk, seconds,
                  "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)
 
