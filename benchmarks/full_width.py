@@ -225,6 +225,9 @@ def main() -> None:
         shutil.rmtree(run, ignore_errors=True)
         t = time.time()
         ckpt = write_checkpoint(args.model, n, run / "checkpoint", tokenizer)
+        # a checkpoint a user builds is on disk already: without this the kernel writes the fresh one back during
+        # the build, and each layer's fsync waited behind it (70B width, N = 1: 12.2-13.0 s per layer, 8.4 s with this sync)
+        os.sync()
         write_s = time.time() - t
         overrides = [f"model.source={ckpt}", *small, *args.overrides]
         predicted = predict(args.recipe, overrides, ckpt)
