@@ -188,3 +188,24 @@ def test_each_evaluation_corpus_is_planned_its_time_and_disk(tiny_model: Path, t
         assert row["disk_gb"] == pytest.approx(2 * rows_one[name]["disk_gb"], rel=1e-9)
         assert row["host_gb"] == pytest.approx(rows_one[name]["host_gb"], rel=1e-9)
         assert "2 corpora" in row["strategy"]
+
+
+def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms_the_whole_linear() -> None:
+    """RTN quantizes a block of rows at a time (llmc.quant.numerics.BLOCK_ELEMENTS), so at 70B width its float32
+    temporaries are one block's, not the 8192 x 28672 MLP projection's (1.9 GB); GPTQ and the smoothing transforms
+    still copy the whole Linear, and are counted so."""
+    from llmc.plan_resources import ELEM, Machine, Shape, quantize_stage
+    from llmc.quant.numerics import BLOCK_ELEMENTS
+
+    config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
+    shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
+    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1, spill=False,
+                  gptq=False, awq=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
+                                                                                   device="cpu"))
+    rtn = quantize_stage(shape, whole_weight_copies=False, **kwargs)
+    whole = quantize_stage(shape, whole_weight_copies=True, **kwargs)
+    assert shape.largest_linear == config["hidden_size"] * config["intermediate_size"]
+    assert rtn.parts["quantizer float32 copy"] == 2 * 4 * BLOCK_ELEMENTS
+    assert whole.parts["quantizer float32 copy"] == 2 * 4 * shape.largest_linear
+    assert sum(whole.parts.values()) - sum(rtn.parts.values()) == pytest.approx(
+        8 * (shape.largest_linear - BLOCK_ELEMENTS))
