@@ -5,12 +5,14 @@ Pure functions of the model's tensor shapes (llmc.plan_shapes), the recipe and t
 formulas follow what the code holds at its peak, named term by term in `Stage.parts`:
   - quantize (llmc.quant.stream): the process, everything outside the decoder layers while calibrating (the
     skeleton holds embeddings and head), one decoder layer in the compute dtype (+ its stored-dtype copy while it
-    is read when the two differ), the float32 copy the quantizer makes of the largest Linear, the layer's codes,
+    is read when the two differ), the quantizer's float32 temporaries (one block of rows for RTN, the largest
+    Linear for GPTQ and the smoothing transforms), the layer's codes,
     the activations passed between layers (two copies, or one batch in and out when spilled), one batch's
     forward temporaries, and the algorithm's state (GPTQ: float32 Hessians + the float64 factorization of the
     widest; AWQ: every module's calibration inputs);
   - evaluation (torch reference): the whole dense model, or (streamed, llmc.engines.torch_stream) the outer
-    weights, one dense layer, the hidden states of every window and one batch's logits;
+    weights, one dense layer (an artifact's: + its codes and one Linear decompressed in float32), the hidden
+    states of every window and one batch's logits; the baseline's output head an artifact is scored with is mapped;
   - disk: each file once (targets with identical weights share them through hard links), only what is not cached.
 Time = floating-point work / this machine's measured matmul rate in the compute dtype at the model's width
 (`matmul_rate`: a small probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower
