@@ -501,14 +501,24 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
                        top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine, stored_elem=stored_elem)
     n_corpora = len(corpora_of(ev.corpus))
     if "torch" in ev.runtimes:
-        evals = [("baseline", False, 0.0)] + [(v, True, 1.0) for v in variant_labels]
-        for label, reference, code_bytes in evals:
+        # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
+        evals = [("baseline", False, 0.0, 0.0)] + [(v, True, s.weights.bits / 8, artifact_bytes[s.name])
+                                                   for v, s in zip(variant_labels, schemes)]
+        baseline_disk = 0.0
+        for label, reference, code_bytes, artifact_size in evals:
             st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
                                 artifact_code_bytes=code_bytes, quantized_params=quantized_params.get(label, 0),
                                 **eval_kwargs)
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
             st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
+            # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
+            # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
+            st.seconds += st.disk_bytes * (1 / res.DISK_WRITE_RATE + 1 / res.HASH_RATE)
+            if reference:
+                st.seconds += (artifact_size + baseline_disk) / res.HASH_RATE
+            else:
+                baseline_disk = st.disk_bytes
             if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another
                 st.seconds *= n_corpora
                 st.disk_bytes *= n_corpora

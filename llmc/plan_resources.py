@@ -293,9 +293,11 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
     if streamed:  # the outer weights and each layer are copied out of the files (materialized), then dropped
         parts |= {"outer weights": shape.outer_params * e,
                   # an artifact's layer: its codes (copied out of the file) and the dense layer decompressed
-                  # module by module, through a float32 copy of one Linear (measured at 8B width: +0.86 GB)
+                  # module by module through float32: a block of rows at a time for 8-bit codes, the whole Linear
+                  # for packed int4 (llmc.engines.torch_stream.LayerDecoder)
                   "layer": shape.layer_params * (e + artifact_code_bytes)
-                  + (4 * shape.largest_linear if artifact_code_bytes else 0),
+                  + (4 * (min(shape.largest_linear, BLOCK_ELEMENTS) if artifact_code_bytes >= 1
+                          else shape.largest_linear) if artifact_code_bytes else 0),
                   "hidden states of every window": tokens * h * e,
                   "forward temporaries": forward}
         mapped += shape.layer_params * stored_elem

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from llmc.errors import EngineFailed
+from llmc.quant.numerics import BLOCK_ELEMENTS
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
 WHOLE_MODEL_SHARE = 0.5  # auto streams when the dense model would take more than this share of available memory
@@ -117,12 +118,25 @@ class LayerDecoder:
                                    "config_groups entry of quantization_config targets it")
             scheme, fmt = group
             compressor = BaseCompressor.get_value_from_registry(fmt)
-            # the decompressor returns the scale's dtype (float32): cast module by module, so that one Linear's
-            # float32 copy exists at a time, not the layer's (measured at 8B width: +0.87 GB per layer, then the
-            # compute-dtype copy on top)
+            out[f"{module}.weight"] = self._decompressed(compressor, state, scheme)
+        return out
+
+    def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+        """One module's dense weight in `dtype`. The decompressor returns float32 (the scale's dtype); where the
+        codes are one per element (`weight` [out, in]: FP8, INT8) it runs on blocks of rows, each cast as it comes,
+        so its float32 result is one block's (llmc.quant.numerics.BLOCK_ELEMENTS), not the Linear's (0.94 GB of
+        fresh pages per 70B-width MLP projection) nor the layer's (decompressed whole, then cast: +0.87 GB per
+        8B-width layer measured). Packed codes (int4) are decompressed whole."""
+        codes = state.get("weight")
+        if codes is None or codes.dim() != 2 or codes.numel() <= BLOCK_ELEMENTS:
             dense = compressor.decompress(dict(state), scheme)["weight"]
-            out[f"{module}.weight"] = dense.to(self.dtype) if self.dtype is not None else dense
-            del dense
+            return dense.to(self.dtype) if self.dtype is not None else dense
+        rows = codes.shape[0]
+        out = torch.empty(codes.shape, dtype=self.dtype or torch.float32)
+        step = max(1, BLOCK_ELEMENTS // codes.shape[1])
+        for r in range(0, rows, step):  # per-row tensors (channel / group scales, zero points) follow the rows
+            part = {k: v[r : r + step] if v.dim() == 2 and v.shape[0] == rows else v for k, v in state.items()}
+            out[r : r + step] = compressor.decompress(part, scheme)["weight"]
         return out
 
 

@@ -78,3 +78,31 @@ def test_auto_streams_only_when_the_dense_model_does_not_fit(monkeypatch) -> Non
     monkeypatch.setenv("LLMC_TORCH_EVAL", "streamed")
     assert choose_streamed(1, 100)
     assert not choose_streamed(10**12, 100, setting="whole")
+
+
+@pytest.mark.parametrize("name", ["fp8-static-kv", "w8a8-int8-dynamic"])
+def test_an_artifact_decompressed_in_blocks_of_rows_scores_as_decompressed_whole(
+        name: str, tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    """Streamed evaluation decompresses 8-bit codes a block of rows at a time (one block's float32 temporaries):
+    with blocks of a few rows, the artifact's scores are the whole-model path's."""
+    import llmc.engines.torch_stream as torch_stream
+
+    scheme = SCHEMES[name]
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
+    quantize_model(src, scheme, tmp_path / "q", calibration=_ids(vocab, 4, 32, 0))
+    export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), tmp_path / "artifact")
+    windows = _ids(vocab, 3, 24, 1)
+    base = _scores(tiny_model, False, windows)
+    whole = _scores(tmp_path / "artifact", False, windows, reference=base)
+    blocks = []
+    real = torch_stream.LayerDecoder._decompressed
+    monkeypatch.setattr(torch_stream, "BLOCK_ELEMENTS", 3 * 64 + 5)  # a few rows, not dividing any Linear's
+
+    def counting(self, compressor, state, scheme):
+        blocks.append(state["weight"].shape[0] > 3)
+        return real(self, compressor, state, scheme)
+
+    monkeypatch.setattr(torch_stream.LayerDecoder, "_decompressed", counting)
+    _assert_close(whole, _scores(tmp_path / "artifact", True, windows, reference=base))
+    assert blocks and all(blocks)  # every quantized Linear went through the blocked path
