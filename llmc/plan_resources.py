@@ -40,6 +40,9 @@ CUDA_CONTEXT_BYTES = 0.6e9
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read + converted (page-cache-warm safetensors reads measured ~1-2 GB/s)
 DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs (canonical form, artifacts): 0.27-0.30 measured in
 # 70B-width builds on this VM (a layer's 0.86 GB of codes in 2.85 s, the 4.2 GB outer weights in 15.6 s)
+# weight elements/s compressed-tensors' decompressor turns codes into float32 (the torch engine reads an artifact
+# through it, streamed or whole): 0.145 G/s measured for FP8 on the 2-core EPYC, per call of 1M to 8M elements
+DECOMPRESS_RATE = 0.145e9
 HASH_RATE = 1.5e9  # bytes/s sha256 (hashlib) reads back what a stage wrote (measured 1.56 GB/s on the 2-core EPYC)
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -314,7 +317,7 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
     forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
                               compute=compute, device="cpu", width=h, rows=batch * seq_len)
-    io = shape.stored_bytes / DISK_READ_RATE
+    io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
