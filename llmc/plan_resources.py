@@ -11,8 +11,9 @@ formulas follow what the code holds at its peak, named term by term in `Stage.pa
     forward temporaries, and the algorithm's state (GPTQ: float32 Hessians + the float64 factorization of the
     widest; AWQ: every module's calibration inputs);
   - evaluation (torch reference): the whole dense model, or (streamed, llmc.engines.torch_stream) the outer
-    weights, one dense layer (an artifact's: + its codes and one Linear decompressed in float32), the hidden
-    states of every window and one batch's logits; the baseline's output head an artifact is scored with is mapped;
+    weights, one dense layer (an artifact's: + its codes and the float32 decompression of one block of rows, or of
+    one Linear for packed int4), the hidden states of every window and one batch's logits; the baseline's output
+    head an artifact is scored with is mapped;
   - disk: each file once (targets with identical weights share them through hard links), only what is not cached.
 Time = floating-point work / this machine's measured matmul rate in the compute dtype at the model's width
 (`matmul_rate`: a small probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower
@@ -111,9 +112,10 @@ def _matmul_rate(dtype_name: str, device: str, width: int, rows: int) -> float:
 def forward_efficiency(dtype_name: str, device: str) -> float:
     """Share of the probed rates (`forward_seconds`) a decoder layer's forward reaches. Measured by
     benchmarks/forward_efficiency.py on the 2-core AVX2 CPU, one Llama layer at SmolLM2, 8B and 70B width over
-    32-2048 tokens (benchmarks/results/forward_efficiency.jsonl): bf16 0.93-1.02 of the prediction at 1.0;
-    float32 0.57-0.90 of its probe (its weights stream from memory at few tokens where the probe's stay in cache),
-    so 0.75. GPUs: not measured (an older constant, 0.6)."""
+    32-2048 tokens (benchmarks/results/forward_efficiency.jsonl): with 1.0 for bf16 the prediction is 0.85-1.22x
+    the measured time; float32 reaches less of its probe (its weights stream from memory at few tokens where the
+    probe's stay in cache): with 0.75, 0.48-1.34x, on runs of a few milliseconds that move 2x between runs. GPUs:
+    not measured (an older constant, 0.6)."""
     if device != "cpu":
         return 0.6
     return 0.75 if dtype_name == "float32" else 1.0
@@ -317,6 +319,7 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
     forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
                               compute=compute, device="cpu", width=h, rows=batch * seq_len)
+    # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
     io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
