@@ -132,7 +132,7 @@ class LayerDecoder:
             dense = compressor.decompress(dict(state), scheme)["weight"]
             return dense.to(self.dtype) if self.dtype is not None else dense
         rows = codes.shape[0]
-        out = torch.empty(codes.shape, dtype=self.dtype or torch.float32)
+        out = torch.empty(codes.shape, dtype=self.dtype or torch.float32, device=codes.device)
         step = max(1, BLOCK_ELEMENTS // codes.shape[1])
         for r in range(0, rows, step):  # per-row tensors (channel / group scales, zero points) follow the rows
             part = {k: v[r : r + step] if v.dim() == 2 and v.shape[0] == rows else v for k, v in state.items()}

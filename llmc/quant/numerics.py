@@ -173,7 +173,7 @@ def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLO
     for b, (scale, zp) in zip(blocks, params):
         c = quantize_with(b, scale, zp, spec)
         if codes is None:
-            codes = torch.empty(w.shape, dtype=c.dtype)
+            codes = torch.empty(w.shape, dtype=c.dtype, device=w.device)
         codes[row : row + len(b)] = c
         row += len(b)
     if spec.strategy == "tensor":
@@ -192,7 +192,7 @@ def dequantize_weight(q: QuantizedWeight, spec: TensorSpec, dtype: torch.dtype |
     if codes.dim() != 2 or codes.numel() <= block_elements:
         w = dequantize(codes, q.scale, q.zero_point, spec)
         return w if dtype is None else w.to(dtype)
-    out = torch.empty(codes.shape, dtype=dtype or torch.float32)
+    out = torch.empty(codes.shape, dtype=dtype or torch.float32, device=codes.device)
     rows = max(1, block_elements // codes.shape[1])
     for r in range(0, codes.shape[0], rows):
         part = slice(r, r + rows)

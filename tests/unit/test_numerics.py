@@ -199,3 +199,13 @@ def test_a_weight_quantized_in_blocks_of_rows_is_bit_identical_to_the_whole(name
             expected = dequantize_weight(whole, spec, out, block_elements=w.numel())
             assert torch.equal(dequantize_weight(q, spec, out, block_elements=block), expected)
             assert expected.dtype == (out or torch.float32)
+
+
+@pytest.mark.parametrize("name", ["fp8-tensor", "int4-g32-asym"])
+def test_blocked_codes_and_weights_stay_on_the_weights_device(name: str) -> None:
+    """The blocked path allocates its outputs itself: on the weight's device (a GPU in calibration), not the host.
+    The meta device stands in for a GPU here."""
+    w = torch.empty(64, 128, device="meta")
+    q = quantize_weight(w, SPECS[name], block_elements=500)
+    assert q.codes.device == q.scale.device == w.device
+    assert dequantize_weight(q, SPECS[name], torch.bfloat16, block_elements=500).device == w.device
