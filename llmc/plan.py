@@ -23,6 +23,7 @@ from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.device import resolve_device
 from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms import Pipeline, calibration_passes
+from llmc.quant.algorithms.awq import AwqOptions
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
 
@@ -456,10 +457,13 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
         canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
         artifact_bytes[scheme.name] = quantized * scheme.weights.bits / 8 + rest * e
         pipe = Pipeline.of(scheme)
+        awq = next((st.options for st in pipe.steps if isinstance(st.options, AwqOptions)), None)
         kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
                       seq_len=c.seq_len, batch=CALIBRATION_BATCH_SIZE, gptq=pipe.true_sequential or "gptq" in
                       scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
                       whole_weight_copies=bool(pipe.transforms) or pipe.true_sequential or "gptq" in scheme.algorithm,
+                      discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
+                      awq_search=(awq.search_evaluations(), awq.clip_iterations(), awq.clip_tokens) if awq else None,
                       code_bytes=1.0, machine=machine,
                       weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
         q = res.quantize_stage(shape, spill=spill, **kwargs)

@@ -9,7 +9,8 @@ formulas follow what the code holds at its peak, named term by term in `Stage.pa
     Linear for GPTQ and the smoothing transforms), the layer's codes,
     the activations passed between layers (two copies, or one batch in and out when spilled), one batch's
     forward temporaries, and the algorithm's state (GPTQ: float32 Hessians + the float64 factorization of the
-    widest; AWQ: every module's calibration inputs);
+    widest; AWQ: every module's calibration inputs); algorithms that rescale smoothing pairs first find them on the
+    first layer in float64 (the layer + a candidate pair's rescaled consumers), a peak of its own;
   - evaluation (torch reference): the whole dense model, or (streamed, llmc.engines.torch_stream) the outer
     weights, one dense layer (an artifact's: + its codes and the float32 decompression of one block of rows, or of
     one Linear for packed int4), the hidden states of every window and one batch's logits; the baseline's output
@@ -44,6 +45,14 @@ DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs (canonical 
 # weight elements/s compressed-tensors' decompressor turns codes into float32 (the torch engine reads an artifact
 # through it, streamed or whole): 0.145 G/s measured for FP8 on the 2-core EPYC, per call of 1M to 8M elements
 DECOMPRESS_RATE = 0.145e9
+# float64 bytes of a decoder layer per second that smoothing-pair discovery gets through (llmc.quant.stream.
+# LayerStructure: the layer converted to float64 and back, one probe forward per candidate pair, each candidate's
+# rescaled weights): an 8B-width layer (1.75 GB in float64) took 13.6 s inside a build on the 2-core EPYC, 4.6 s in
+# a process holding nothing else (fresh pages fault in slower the more the process holds, as for the quantizer)
+DISCOVERY_RATE = 0.13e9
+# AWQ fake-quantizes candidate weights ((q(w * s) / s) in float32, cast back): that costs this many times the
+# quantizer probe's time per element (0.045 G elements/s against a 0.167 probe, int4 groups at 8B width)
+FAKE_QUANT_COST = 3.7
 HASH_RATE = 1.5e9  # bytes/s sha256 (hashlib) reads back what a stage wrote (measured 1.56 GB/s on the 2-core EPYC)
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -68,7 +77,9 @@ class Stage:
     seconds: float = 0.0
     strategy: str = ""
     why: str = ""
-    parts: dict[str, float] = field(default_factory=dict)  # host_bytes term by term (tests, docs)
+    # host_bytes term by term (tests, docs); a quantize stage's host_bytes is the largest of these terms' sum and its
+    # one-off peaks (writing the weights outside the layers, the first layer's pair discovery, named in `why`)
+    parts: dict[str, float] = field(default_factory=dict)
     # File pages the stage keeps mapped (safetensors are read through mmap): page cache, not the process's own
     # memory (RssFile, not RssAnon); the kernel can drop them, at the price of reading them again.
     mapped_bytes: float = 0.0
@@ -220,8 +231,12 @@ class Shape:
 def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
                    batch: int, spill: bool, gptq: bool, awq: bool, passes: int, code_bytes: float,
                    machine: Machine, weight_key: tuple = ("fp8_e4m3", "tensor", None),
-                   whole_weight_copies: bool = True) -> Stage:
-    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU."""
+                   whole_weight_copies: bool = True, discovers_pairs: bool = False,
+                   awq_search: tuple[int, int, int] | None = None) -> Stage:
+    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU. `discovers_pairs`: the
+    algorithm rescales smoothing pairs (SmoothQuant, AWQ, GPTQ's true-sequential order), found on the first layer
+    in float64 before it is calibrated. `awq_search`: AWQ's candidate scales per mapping, clipping ranges per Linear
+    and clip-search tokens (llmc.quant.algorithms.awq.AwqOptions)."""
     e = ELEM[compute]
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
@@ -233,6 +248,8 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
         algorithm += 4 * (2 * h * h + shape.attn_width ** 2 + shape.widest_input ** 2) + 16 * shape.widest_input ** 2
     if awq:  # every module's calibration inputs, kept for the grid search
         algorithm += tokens * (2 * h + shape.attn_width + shape.intermediate) * e
+    if awq_search:  # the down projection's search through its inputs' float32 Gram matrix, and its ΔW, ΔW·G
+        algorithm += 4 * shape.intermediate ** 2 + 2 * 4 * shape.largest_linear
     parts = {
         "process": PROCESS_BYTES,
         "outer weights": shape.outer_params * e if calibrated else 0.0,
@@ -256,6 +273,18 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
     # the last step reads everything outside the layers again (rest.safetensors) and serializes it: two copies
     # (the skeleton's own is released first; before that fix, three were measured at 8B width)
     host = max(sum(parts.values()), PROCESS_BYTES + 2 * shape.outer_params * e)
+    discovery = discovery_s = 0.0
+    if discovers_pairs and calibrated:
+        # the first layer in float64 (its own dtype released) and, while a candidate pair is checked, its rescaled
+        # consumers beside the originals: gate and up (two of the largest Linears), or for MoE every expert's gate
+        # and up (about two thirds of the layer)
+        pair = max(2 * shape.largest_linear, 2 / 3 * layer if shape.active < 1 else 0.0)
+        discovery = 8 * (layer + pair)
+        discovery_s = 8 * layer / DISCOVERY_RATE
+        if on_gpu:  # the layer is on the GPU when it is traced
+            gpu = max(gpu, CUDA_CONTEXT_BYTES + discovery + parts["activations"])
+        else:
+            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery)
     # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
     # layers and writing their copy (rest.safetensors) once
     parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
@@ -267,13 +296,29 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
         per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
             fp32_rate * forward_efficiency("float32", machine.device))
+    if awq_search:
+        # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
+        # (up -> down) is scored through its Gram matrix, out x in² per candidate; the clip search fake-quantizes
+        # every Linear but q and k once per clipping range. Measured at 8B width: one candidate of down 16.8 s, its
+        # clip search 17 s (32 tokens), the layer 229 s where RTN's takes 2 (docs/results.md)
+        evaluations, clip_iterations, clip_tokens = awq_search
+        searched = layer - h * shape.attn_width
+        down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down
+        fake_rate = quantize_rate(compute, *weight_key, elements=shape.largest_linear) / FAKE_QUANT_COST
+        fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
+        per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
+        per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # ... and every file of the canonical form is hashed once when the stage completes (llmc.store.record_files)
     canonical = shape.layers * layer * code_bytes + shape.outer_params * e
-    fixed = shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
+    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
+             + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
            f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
            if calibrated else "weights only: no forward pass")
+    if discovery:
+        why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
+                f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")
     return Stage("quantize", machine.device, host, gpu, 0.0, per_layer * shape.layers + fixed, strategy, why, parts,
                  mapped_bytes=layer * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)
 

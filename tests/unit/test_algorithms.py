@@ -155,6 +155,28 @@ def test_awq_scale_search_picks_the_grid_minimum() -> None:
     assert len(tried) < len(errors) and err(refined) == min(direct)
 
 
+@pytest.mark.parametrize("search", ["grid", "refine"])
+@pytest.mark.parametrize("n_grid", [20, 10, 7])
+def test_awq_plans_as_many_candidate_scales_as_the_search_scores(search: str, n_grid: int) -> None:
+    """The planner times AWQ's search by `search_evaluations()` candidates per mapping: what search_scale scores
+    when the best ratio is inside the grid (at an end, refinement has fewer neighbours: fewer)."""
+    options = AwqOptions(n_grid=n_grid, search=search)
+    x_mean = torch.linspace(0.5, 2.0, 8)
+    for best in (n_grid // 2, 0):  # an error unimodal in the ratio, lowest at `best`
+        calls = []
+
+        def error(s: torch.Tensor) -> float:
+            calls.append(s)
+            ratios = [i / n_grid for i in range(n_grid)]
+            i = next((i for i, r in enumerate(ratios) if torch.equal(s, candidate_scales(x_mean, None, r))), -1)
+            return 1e9 if i < 0 else float((i - best) ** 2)
+
+        search_scale(x_mean, None, error, options)
+        if best:
+            assert len(calls) == options.search_evaluations()
+        assert len(calls) <= options.search_evaluations()
+
+
 def test_awq_clip_minimizes_each_groups_output_error() -> None:
     torch.manual_seed(0)
     x = correlated_inputs(128, 32).float()
@@ -218,6 +240,30 @@ def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
     assert not torch.equal(norm_before, layer.input_layernorm.weight)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits_after, logits_before, rtol=1e-4, atol=1e-4)
+
+
+def test_smoothing_assigns_new_weights_and_never_writes_into_the_old_ones() -> None:
+    """Pair discovery (mappings._preserves) restores a rescaled pair by reference to its old tensors, without
+    cloning them: that is exact only while divide_output and multiply_input leave those tensors untouched."""
+    from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
+
+    torch.manual_seed(0)
+    norm, up, down = nn.RMSNorm(8), nn.Linear(8, 12, bias=True), nn.Linear(12, 8)
+    s8 = torch.rand(8, dtype=torch.float64) + 0.5
+    s4 = torch.rand(4, dtype=torch.float64) + 0.5
+    for module in (norm, up, down):
+        module.double()
+    modules = {"norm": norm, "up": up, "down": down}
+    old = {(m, k): p.data for m, mod in modules.items() for k, p in mod.named_parameters()}
+    values = {key: t.clone() for key, t in old.items()}
+    divide_output(norm, s8)
+    multiply_input([up], s8)
+    divide_output(up, s4, rows=(4, 8))  # a fused producer's slice of rows
+    multiply_input([down], torch.cat([torch.ones(4, dtype=torch.float64), s4, torch.ones(4, dtype=torch.float64)]))
+    for (m, k), tensor in old.items():
+        if (m, k) != ("down", "bias"):  # every weight and up's bias were replaced by new storage ...
+            assert modules[m].get_parameter(k).data_ptr() != tensor.data_ptr()
+        assert torch.equal(tensor, values[(m, k)])  # ... and every old tensor still holds its values
 
 
 def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: Path) -> None:

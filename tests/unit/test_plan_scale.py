@@ -14,6 +14,7 @@ import llmc.plan
 from llmc.errors import ResourceError
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.families import expert_count
+from llmc.quant.algorithms.awq import AwqOptions
 from llmc.plan import make_plan, plan_recipe
 from llmc.plan_shapes import from_config
 from llmc.recipe import load_recipe, parse_recipe
@@ -209,3 +210,48 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
     assert whole.parts["quantizer float32 copy"] == 2 * 4 * shape.largest_linear
     assert sum(whole.parts.values()) - sum(rtn.parts.values()) == pytest.approx(
         8 * (shape.largest_linear - BLOCK_ELEMENTS))
+
+
+def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_path: Path) -> None:
+    """SmoothQuant (and AWQ, GPTQ's true-sequential order) find the first layer's smoothing pairs in float64 before
+    calibrating it: at 8B width the layer (1.75 GB in float64) and a candidate's rescaled gate and up (0.94 GB) on
+    top of the weights outside the layers, the build's quantize peak (measured: docs/results.md). The same scheme by
+    RTN traces nothing."""
+    path = REPO / "recipes" / "llama31-8b-w8a8-sq.yaml"
+    config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
+    tensors = from_config(config)
+    layer, outer = max(tensors.layer_params().values()), tensors.outer_params
+    largest = config["hidden_size"] * config["intermediate_size"]
+    by_algorithm = {}
+    for algorithm in ("smoothquant", "rtn"):
+        sets = [f"quantization.algorithm={algorithm}"] + ([] if algorithm == "smoothquant" else ["quantization.options={}"])
+        plan = plan_recipe(load_recipe(path, sets), Store(tmp_path / "cache"), path)
+        by_algorithm[algorithm] = plan.estimates["stages"][0]
+    sq, rtn = by_algorithm["smoothquant"], by_algorithm["rtn"]
+    discovery_gb = (0.45e9 + outer * 2 + 8 * (layer + 2 * largest)) / 1e9
+    assert sq["host_gb"] >= discovery_gb - 0.01 and sq["host_gb"] > rtn["host_gb"] + 1.0
+    assert "smoothing pairs are found in float64" in sq["why"] and "float64" not in rtn["why"]
+    assert sq["fixed_seconds"] > rtn["fixed_seconds"]
+
+
+def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
+    """AWQ's search is weight-bound, not token-bound: at 8B width with 32 calibration tokens it was 229 s of a
+    layer whose forwards take 2 (docs/results.md). Each candidate scale of the lone up -> down mapping costs
+    out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
+    from llmc.plan_resources import ELEM, Machine, Shape, matmul_rate, quantize_stage
+
+    config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
+    shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
+    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=32, seq_len=32, batch=1, spill=False,
+                  gptq=False, awq=True, passes=21, code_bytes=1.0, discovers_pairs=True,
+                  machine=Machine(available=None, gpu_free=None, device="cpu"), weight_key=("int4", "group", 128))
+    refine = AwqOptions()
+    grid = AwqOptions(search="grid")
+    plain = quantize_stage(shape, awq_search=None, **kwargs)
+    per_layer = {o.search: quantize_stage(shape, awq_search=(o.search_evaluations(), o.clip_iterations(),
+                                                             o.clip_tokens), **kwargs).layer_seconds - plain.layer_seconds
+                 for o in (refine, grid)}
+    down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(
+        "float32", "cpu", config["intermediate_size"], 128)
+    assert per_layer["refine"] > refine.search_evaluations() * down_candidate * 0.8
+    assert 1.5 < per_layer["grid"] / per_layer["refine"] < 2.2

@@ -58,6 +58,14 @@ class AwqOptions(AlgorithmOptions):
     def extra_calibration_passes(self) -> float:
         return 1 + self.n_grid  # the grid search reruns each block
 
+    def search_evaluations(self) -> int:
+        """Candidate scales `search_scale` scores per mapping (at most): s = 1, then the grid or its refinement."""
+        return 1 + (self.n_grid if self.search == "grid" else len(range(0, self.n_grid, 4)) + 4)
+
+    def clip_iterations(self) -> int:
+        """Clipping ranges `search_clip` tries per Linear."""
+        return int(self.max_shrink * self.clip_grid) if self.clip else 0
+
 
 def fake_quantize_weight(w: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     scale, zp = compute_qparams(w, spec)
