@@ -280,7 +280,7 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
         # and up (about two thirds of the layer)
         pair = max(2 * shape.largest_linear, 2 / 3 * layer if shape.active < 1 else 0.0)
         discovery = 8 * (layer + pair)
-        discovery_s = 8 * layer / DISCOVERY_RATE
+        discovery_s = 8 * layer / DISCOVERY_RATE  # measured on the CPU: on a GPU, an upper bound
         if on_gpu:  # the layer is on the GPU when it is traced
             gpu = max(gpu, CUDA_CONTEXT_BYTES + discovery + parts["activations"])
         else:
