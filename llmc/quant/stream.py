@@ -393,8 +393,9 @@ def quantize_model(
     gptq_in_forward = calibrate and pipeline.true_sequential
     traces_structure = calibrate and (bool(pipeline.transforms) or pipeline.true_sequential)
     if traces_structure or (calibrate and not reuse):
-        outer = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
-        materialize(model, outer, dtype)
+        # no name kept for these tensors: release(model) below must free them before the rest is read again
+        materialize(model, reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")]),
+                    dtype)
     structure = LayerStructure(model, layers, calibration) if traces_structure else None
     if calibrate and not reuse:
         _register_kv_observer()
