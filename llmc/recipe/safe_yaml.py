@@ -81,6 +81,10 @@ class _Composer:
                                         ev.SequenceEndEvent, ev.MappingEndEvent)):
                     self._event(event)
         except yaml.MarkedYAMLError as e:
+            if "maximum nesting depth" in (e.problem or ""):  # libyaml >= 0.2.6 stops at 1,000 levels, scanning ahead
+                raise YamlLimitError(f"nested more than {MAX_DEPTH} levels deep (more than libyaml's own limit of "
+                                     "1,000)", *_at(e.problem_mark),
+                                     fix="a recipe nests a few levels; remove the extra nesting") from None
             problem = shorten(e.problem or str(e), 120)
             if e.context_mark is not None and e.context:  # where the unfinished construct began, then where it broke
                 line, col = _at(e.problem_mark)
