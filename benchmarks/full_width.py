@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from _proc_status import memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the plan is this checkout's, as the build's is (PYTHONPATH=ROOT), not the installed one
 SHARD_BYTES = 2 << 30
 # Sampled per stage. RssAnon is what the process allocated (tensors, Python): what the planner predicts and what
 # the OOM killer counts. RssFile is the resident pages of mmapped files (the safetensors checkpoint is read through

@@ -38,6 +38,8 @@ from llmc.quant.numerics import BLOCK_ELEMENTS
 GB = 1e9
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: RssAnon of a build while it exports
 # FP8 (which allocates nothing else), 0.39-0.52 GB measured at 8B and 70B width
+# llmc.compiler.files.REPACK_BLOCK_ELEMENTS (2^20) x ~10 int32 / float32 temporaries of the packing and its check
+REPACK_BLOCK_BYTES = 40e6
 CUDA_CONTEXT_BYTES = 0.6e9
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read + converted (page-cache-warm safetensors reads measured ~1-2 GB/s)
 DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs (canonical form, artifacts): 0.27-0.30 measured in
@@ -45,6 +47,10 @@ DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs (canonical 
 # weight elements/s compressed-tensors' decompressor turns codes into float32 (the torch engine reads an artifact
 # through it, streamed or whole): 0.145 G/s measured for FP8 on the 2-core EPYC, per call of 1M to 8M elements
 DECOMPRESS_RATE = 0.145e9
+# Quantized weight elements per second the GPTQ / AWQ layouts repack and check (int16 codes -> int32 words, then the
+# float32 decode against the canonical weight): 13-16 ns per element at 70B width on this VM, in a process holding
+# 0-6 GB (benchmarks/repack_export.py; 32 s for one 70B-width layer's export, 18.5 s of it writing and hashing).
+REPACK_RATE = 0.07e9
 # float64 bytes of a decoder layer per second that smoothing-pair discovery gets through (llmc.quant.stream.
 # LayerStructure: the layer converted to float64 and back, one probe forward per candidate pair, each candidate's
 # rescaled weights): an 8B-width layer (1.75 GB in float64) took 13.6 s inside a build on the 2-core EPYC, 4.6 s in
@@ -381,12 +387,16 @@ def eval_stage(shape: Shape, *, label: str, compute: str, windows: int, seq_len:
 
 def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
                  compute: str, machine: Machine, passes_codes_through: bool = False,
-                 max_shard_bytes: float = 2 << 30, new_bytes: float | None = None) -> Stage:
+                 max_shard_bytes: float = 2 << 30, new_bytes: float | None = None,
+                 repacked_bytes: float | None = None, bits: int = 4) -> Stage:
     """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
     (llmc.compiler.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
     shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored (FP8/INT8 in
-    compressed-tensors or ModelOpt): measured at 70B width, 0.52 GB RssAnon, the process alone. Otherwise (int4
-    packing, other layouts; not measured at full width) one shard of new tensors and one layer's codes.
+    compressed-tensors or ModelOpt): measured at 70B width, 0.52 GB RssAnon, the process alone. `repacked_bytes`:
+    the layers' weights in the GPTQ / AWQ layouts (llmc.compiler.files.write_repacked_checkpoint, a block of rows at
+    a time): one shard of them, and the largest Linear's packed blocks joined (measured at 70B width, one layer:
+    0.75-1.15 GB). Otherwise (compressed-tensors and TensorRT-LLM int4 packing) one shard of new tensors and one
+    layer's codes (over-predicted: 2.6 and 1.5 GB measured at 70B width, 3.45 planned).
     Whole-model exporters (ONNX) hold the float32 model three times (weights, the graph's copy, the codes)."""
     e = ELEM[compute]
     mapped = 0.0
@@ -398,6 +408,11 @@ def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model
     elif passes_codes_through:
         host = PROCESS_BYTES
         mapped = shard
+    elif repacked_bytes is not None:
+        # the codes' bits, twice (the blocks and their concatenation), and one block's int32 / float32 temporaries
+        largest_packed = shape.largest_linear * bits / 8
+        host = PROCESS_BYTES + min(repacked_bytes, max_shard_bytes) + 2 * largest_packed + REPACK_BLOCK_BYTES
+        mapped = shard + shape.layer_params * 1.0
     else:
         host = PROCESS_BYTES + min(artifact_bytes, max_shard_bytes) + shape.layer_params * 1.0
         mapped = shard + shape.layer_params * e
@@ -410,6 +425,8 @@ def export_stage(shape: Shape, *, label: str, artifact_bytes: float, whole_model
     # serialize and fsync the artifact from the mapped canonical form, then hash it (the store's record); measured on
     # a quiet machine: 7.1-10.6 s for 2.32-2.98 GB at 8B width, 17-34 s for 5.1-7.6 GB at 70B width (was 25 MB/s)
     seconds = artifact_bytes * (1 / DISK_WRITE_RATE + 1 / HASH_RATE)
+    if repacked_bytes is not None:
+        seconds += repacked_bytes * 8 / bits / REPACK_RATE
     return Stage(f"export {label}", "cpu", host, 0.0, disk, seconds,
                  "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)
 

@@ -31,6 +31,7 @@ from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) stored in nibble k
+OUTPUT_DIMS = {"qweight": 1, "qzeros": 1, "scales": 1}  # the dimension each stored tensor spans the output rows along
 
 
 def check_scheme(scheme: Scheme, target: str = "AWQ format") -> int:
@@ -44,24 +45,29 @@ def check_scheme(scheme: Scheme, target: str = "AWQ format") -> int:
     return w.group_size
 
 
+# Bit offset of output column c (within 8) in its int32 word: nibble k holds column AWQ_ORDER[k].
+_SHIFT = tuple(4 * AWQ_ORDER.index(c) for c in range(8))
+
+
 def pack_columns(values: torch.Tensor) -> torch.Tensor:
     """[n, m] unsigned 4-bit codes -> int32 [n, m // 8], nibble k = column 8j + AWQ_ORDER[k]."""
     n, m = values.shape
     if m % 8:
         raise ValueError(f"{m} columns do not pack into int32 words of 8 codes")
-    v = values.to(torch.int64).reshape(n, m // 8, 8)[:, :, list(AWQ_ORDER)]
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 1, 8)
-    words = (v << shifts).sum(dim=2)  # disjoint nibbles: sum == bitwise or
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+    # int32 shifts wrap into the sign bit, which is the word's bit pattern; one strided shift-or per column is
+    # ~6x faster than gathering the order and summing int64 nibbles (and a quarter of the temporaries)
+    v = values.to(torch.int32).reshape(n, m // 8, 8)
+    words = v[:, :, 0] << _SHIFT[0]
+    for c in range(1, 8):
+        words |= v[:, :, c] << _SHIFT[c]
+    return words
 
 
 def unpack_columns(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_columns: int32 [n, m / 8] -> int64 [n, m]."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 1, 8)
-    nibbles = (w.unsqueeze(-1) >> shifts) & 0xF  # [n, m/8, 8] in storage order
-    out = torch.empty_like(nibbles)
-    out[:, :, list(AWQ_ORDER)] = nibbles
+    """Inverse of pack_columns: int32 [n, m / 8] -> int32 [n, m]."""
+    out = torch.empty(*words.shape, 8, dtype=torch.int32, device=words.device)
+    for c in range(8):
+        out[:, :, c] = (words >> _SHIFT[c]) & 0xF  # arithmetic shift: the mask drops the sign's copies
     return out.reshape(words.shape[0], -1)
 
 
@@ -71,18 +77,19 @@ def to_awq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
     scale = scale.float().reshape(out_f, -1)
     zero = torch.zeros_like(scale, dtype=torch.int64) if zero_point is None else zero_point.to(torch.int64).reshape(scale.shape)
     return {
-        "qweight": pack_columns((codes.to(torch.int64) + 8).t().contiguous()),
+        "qweight": pack_columns((codes.to(torch.int16) + 8).t().contiguous()),  # int16: a quarter of int64's traffic
         "qzeros": pack_columns((zero + 8).t().contiguous()),
         "scales": scale.t().contiguous().to(torch.float16),
     }
 
 
 def dequantize_awq(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
-    """Independent decoding of the stored tensors (what an AWQ GEMM kernel computes), float32 [out, in]."""
+    """Independent decoding of the stored tensors (what an AWQ GEMM kernel computes): float32 [out, in], a view."""
     q = unpack_columns(t["qweight"])  # [in, out]
-    z = unpack_columns(t["qzeros"]).repeat_interleave(group_size, dim=0)  # [in, out]
-    s = t["scales"].float().repeat_interleave(group_size, dim=0)
-    return (s * (q - z).float()).t().contiguous()
+    groups, out_f = t["scales"].shape
+    z = unpack_columns(t["qzeros"])  # [groups, out]
+    w = (q.view(groups, group_size, out_f) - z[:, None, :]).float() * t["scales"].float()[:, None, :]
+    return w.view(-1, out_f).t()  # a view: the caller compares it, a copy would cost as much as the decoding
 
 
 def awq_quantization_config(scheme: Scheme, group_size: int, ignored: list[str]) -> dict:
@@ -110,7 +117,7 @@ def export_awq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> d
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     group_size = check_scheme(qm.scheme)
     written, worst = write_repacked_checkpoint(
-        qm, out, repack=to_awq, decode=lambda t: dequantize_awq(t, group_size),
+        qm, out, repack=to_awq, decode=lambda t: dequantize_awq(t, group_size), output_dims=OUTPUT_DIMS,
         quantization_config=awq_quantization_config(qm.scheme, group_size, list(qm.scheme.ignore)),
         dtype="float16",  # AWQ kernels compute in half precision
         serve=serve)

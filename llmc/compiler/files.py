@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmc.quant.numerics import dequantize
 from llmc.store import atomic_save_safetensors, atomic_write_json, fsync_dir
 
 if TYPE_CHECKING:
@@ -75,34 +76,67 @@ def copy_tokenizer_files(src: Path, out: Path) -> None:
             shutil.copyfile(f, out / f.name)
 
 
+# A repacked Linear is converted a block of this many canonical elements at a time (whole output rows): the int64
+# packing and float32 decoding temporaries of a whole 70B-width MLP projection were ~2 GB each (the AWQ-layout export
+# peaked at 9.27 GB and took 144 s at 70B width, one layer).
+REPACK_BLOCK_ELEMENTS = 1 << 20
+
+
+def _rows(p: torch.Tensor | None, start: int, stop: int, out_features: int) -> torch.Tensor | None:
+    """Output rows [start, stop) of a canonical scale / zero point; a per-tensor one is the same for every row."""
+    return p if p is None or p.dim() == 0 or p.shape[0] != out_features else p[start:stop]
+
+
 def write_repacked_checkpoint(
     qm: QuantizedModel,
     out: Path,
     *,
     repack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]],
     decode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    output_dims: dict[str, int | None],
     quantization_config: dict,
     dtype: str,
     serve: dict | None = None,
+    block_elements: int | None = None,
 ) -> tuple[list[Path], float]:
     """A Hugging Face folder in another tool's weight-only layout (GPTQ, AWQ): every quantized Linear's
     canonical codes / scale / zero point become `repack`'s tensors (named `<module>.<key>`), everything
     else is copied; plus config.json with `quantization_config`, the tokenizer and, when given, the
     runtime arguments (llmc-serve.json). Returns the weight files and the largest relative change of a
-    weight, `decode(repacked)` against the canonical weight (the layouts' float16 scales)."""
+    weight, `decode(repacked)` against the canonical weight (the layouts' float16 scales).
+
+    `repack` and `decode` see a block of whole output rows (a multiple of 8, so packed words never straddle two
+    blocks); `output_dims` names, per repacked tensor, the dimension its blocks are joined along (None: the tensor
+    does not depend on the output rows, e.g. GPTQ's g_idx, and the first block's is kept)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     worst = 0.0
 
-    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def repack_module(tensors: dict[str, torch.Tensor], m: str) -> dict[str, torch.Tensor]:
         nonlocal worst
+        codes, scale, zero = (tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"],
+                              tensors.get(f"{m}.weight_zero_point"))
+        out_features, in_features = codes.shape
+        step = max(8, (block_elements or REPACK_BLOCK_ELEMENTS) // max(in_features, 1) // 8 * 8)
+        blocks: list[dict[str, torch.Tensor]] = []
+        largest_change = largest_weight = 0.0
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            rows = (codes[start:stop], _rows(scale, start, stop, out_features), _rows(zero, start, stop, out_features))
+            packed = repack(*rows)
+            ref = dequantize(*rows, qm.scheme.weights).float()
+            largest_change = max(largest_change, (decode(packed) - ref).abs().max().item())
+            largest_weight = max(largest_weight, ref.abs().max().item())
+            blocks.append(packed)
+        worst = max(worst, largest_change / max(largest_weight, 1e-30))
+        return {f"{m}.{k}": blocks[0][k] if dim is None else torch.cat([b[k] for b in blocks], dim=dim)
+                for k, dim in output_dims.items()}
+
+    def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         converted: dict[str, torch.Tensor] = {}
         modules = [m for m in qm.quantized_modules if f"{m}.weight" in tensors]
         for m in modules:
-            packed = repack(tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"))
-            ref = qm.dequantized_weight(tensors, m).float()
-            worst = max(worst, (decode(packed) - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30))
-            converted.update({f"{m}.{k}": v for k, v in packed.items()})
+            converted.update(repack_module(tensors, m))
         replaced = {f"{m}.{s}" for m in modules for s in ("weight", "weight_scale", "weight_zero_point")}
         converted.update({k: v for k, v in tensors.items() if k not in replaced})
         return converted

@@ -92,6 +92,7 @@ class ArtifactFormat:
     read_by: ClassVar[tuple[str, ...]] = ()  # evaluation engines that load this format
     whole_model: ClassVar[bool] = False  # the exporter holds the whole model in memory (else streams layers)
     shards_by_tp: ClassVar[bool] = False  # its weight files depend on tensor_parallel (else targets share them)
+    repacks_layers: ClassVar[bool] = False  # writes the layers' codes in its own layout a block at a time
     measures_decode: ClassVar[bool] = True  # the artifact has a KV cache, so decode tok/s can be measured
     triton_backend: ClassVar[str | None] = None  # "vllm" | "onnxruntime" | "tensorrt_llm" | None
     triton_refusal: ClassVar[tuple[str, str] | None] = None  # (why, fix) where a backend is impossible, not missing

@@ -25,6 +25,7 @@ _NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqm
 @register_format
 class AwqCheckpoint(ArtifactFormat):
     name = "awq"
+    repacks_layers = True  # llmc.compiler.files.write_repacked_checkpoint
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"
     read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)

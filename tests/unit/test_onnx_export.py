@@ -119,6 +119,34 @@ def test_gptq_checkpoint_config(exported, tmp_path: Path) -> None:
     assert {f"{m}.qweight", f"{m}.qzeros", f"{m}.scales", f"{m}.g_idx"} <= names and f"{m}.weight" not in names
 
 
+@pytest.mark.parametrize("fmt, spec", [
+    ("awq", TensorSpec("int4", "group", group_size=32, symmetric=False)),
+    ("gptq", TensorSpec("int4", "group", group_size=32)),
+    ("gptq", TensorSpec("int8", "channel")),
+    ("gptq", TensorSpec("int8", "tensor")),
+])
+def test_repacking_a_block_of_rows_at_a_time_writes_the_same_checkpoint(
+        fmt: str, spec: TensorSpec, tiny_model_session: Path, tmp_path: Path, monkeypatch) -> None:
+    """Blocks of 24 output rows (64-row Linears: 24 + 24 + 16, so the last block is short) against one block per
+    Linear: the same bytes in every file, and the same float16-scale error (nonzero: these scales are float32)."""
+    from llmc.compiler import files
+
+    quantize_model(ModelSource(tiny_model_session, "test", str(tiny_model_session)), Scheme(spec), tmp_path / "q",
+                   calibration=None)
+    qm = QuantizedModel.open(tmp_path / "q")
+    export = AF.export_awq if fmt == "awq" else GF.export_gptq
+    whole = export(qm, tmp_path / "whole")
+    in_features = qm.config["hidden_size"]
+    monkeypatch.setattr(files, "REPACK_BLOCK_ELEMENTS", 24 * in_features)
+    blocked = export(qm, tmp_path / "blocked")
+    assert whole["max_relative_weight_error_fp16_scales"] > 0
+    assert blocked == whole
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "blocked").iterdir())
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "blocked" / name).read_bytes(), name
+
+
 # --- ONNX folder ----------------------------------------------------------------------------------------
 
 def _matmulnbits_weights(folder: Path) -> dict[str, np.ndarray]:

@@ -255,3 +255,27 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
         "float32", "cpu", config["intermediate_size"], 128)
     assert per_layer["refine"] > refine.search_evaluations() * down_candidate * 0.8
     assert 1.5 < per_layer["grid"] / per_layer["refine"] < 2.2
+
+
+def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repacking_time(tmp_path: Path) -> None:
+    """The GPTQ / AWQ layouts repack a block of rows at a time (llmc.compiler.files.write_repacked_checkpoint): one
+    shard of packed layers allocated, the largest Linear's packed blocks twice (the blocks and their concatenation)
+    and one block's temporaries, not compressed-tensors' one shard + one layer's codes; and the repacking's time on
+    top of writing and hashing the same number of bytes."""
+    from llmc.compiler.files import MAX_SHARD_BYTES
+    from llmc.plan_resources import PROCESS_BYTES, REPACK_BLOCK_BYTES, REPACK_RATE
+
+    path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
+    plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
+    by = {s["stage"]: s for s in plan.estimates["stages"]}
+    awq, vllm = by["export lmdeploy-sm80-tp1"], by["export vllm-sm80-tp1"]
+    config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
+    largest = config["hidden_size"] * config["intermediate_size"]
+    layer_linears = sum(a * b for name, (a, b) in from_config(config).linear_shapes().items()
+                        if name.startswith("model.layers."))
+    repacked = layer_linears * 4 / 8  # int4; lm_head is ignored by the recipe
+    assert repacked > MAX_SHARD_BYTES  # so one shard of them is what is held
+    expected = PROCESS_BYTES + MAX_SHARD_BYTES + 2 * largest * 4 / 8 + REPACK_BLOCK_BYTES
+    assert awq["host_gb"] == pytest.approx(expected / 1e9, rel=1e-6)
+    assert awq["host_gb"] < vllm["host_gb"]
+    assert awq["seconds"] - vllm["seconds"] == pytest.approx(layer_linears / REPACK_RATE, rel=1e-3)
