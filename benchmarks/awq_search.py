@@ -15,25 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
+from _timing import best_seconds
 from llmc.plan_resources import matmul_rate, quantize_rate
 from llmc.quant.algorithms.awq import fake_quantize_weight, search_clip
 from llmc.quant.spec import TensorSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def best_seconds(run, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
+
+from _timing import best_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"smollm2": None, "8b": "Llama-3.1-8B", "70b": "Llama-3.3-70B-Instruct"}
@@ -33,16 +34,6 @@ def config_of(name: str):
         return LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                            head_dim=64, vocab_size=49152)
     return AutoConfig.from_pretrained(ROOT / "recipes" / "configs" / CONFIGS[name])
-
-
-def best_of(fn, repeats: int = 2) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -76,7 +67,7 @@ def main() -> None:
                     with torch.no_grad():
                         layer(hidden, position_embeddings=position, attention_mask=None)
 
-                seconds = best_of(forward)
+                seconds = best_seconds(forward, 2, warmup=True)
                 gemm, attention = 2 * seq * params, 2 * seq * seq * attn_width
                 flops = gemm + attention
                 probe = matmul_rate(dtype_name, "cpu", config.hidden_size, seq)

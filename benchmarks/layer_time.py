@@ -14,22 +14,14 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from _timing import best_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def best_of(repeats: int, fn) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -100,9 +92,9 @@ def main() -> None:
         def write() -> None:
             atomic_save_safetensors(Path(tmp) / "codes.safetensors", codes)
 
-        measured = {"read": best_of(args.repeats, read), "forward": best_of(args.repeats, forward),
-                    "quantize": best_of(args.repeats, quantize)}
-        measured["write"] = best_of(args.repeats, write)
+        measured = {"read": best_seconds(read, args.repeats), "forward": best_seconds(forward, args.repeats),
+                    "quantize": best_seconds(quantize, args.repeats)}
+        measured["write"] = best_seconds(write, args.repeats)
     print(json.dumps({
         "model": args.model, "layer_params": params, "tokens": args.tokens, "dtype": args.dtype,
         "measured_s": measured, "measured_total_s": sum(measured.values()),
