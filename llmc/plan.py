@@ -448,15 +448,15 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
     stages: list[res.Stage] = []
     cheaper: dict[str, tuple[str, float]] = {}
     linears = tensors.linear_shapes()
-    artifact_bytes, canonical_bytes, quantized_params, rest_bytes = {}, {}, {}, {}
+    artifact_bytes, canonical_bytes, quantized_params, packed_bytes = {}, {}, {}, {}
     variant_labels = [n or s.name for (n, _), s in zip(recipe.variant_sections(), schemes)]  # stage names
     for scheme, variant in zip(schemes, variant_labels):
         quantized = sum(a * b for n, (a, b) in linears.items() if not module_matches(n, scheme.ignore))
         rest = shape.params - quantized
         quantized_params[variant] = quantized
         canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
-        artifact_bytes[scheme.name] = quantized * scheme.weights.bits / 8 + rest * e
-        rest_bytes[scheme.name] = rest * e
+        packed_bytes[scheme.name] = quantized * scheme.weights.bits / 8  # the quantized weights' codes, packed
+        artifact_bytes[scheme.name] = packed_bytes[scheme.name] + rest * e
         pipe = Pipeline.of(scheme)
         awq = next((st.options for st in pipe.steps if isinstance(st.options, AwqOptions)), None)
         kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
@@ -499,8 +499,7 @@ def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, dev
                                        compute=compute, machine=machine, max_shard_bytes=MAX_SHARD_BYTES,
                                        passes_codes_through=scheme.weights.bits == 8 and entry["exporter"] in (
                                            "compressed-tensors", "modelopt-hf"),
-                                       repacked_bytes=artifact_bytes[scheme.name] - rest_bytes[scheme.name]
-                                       if fmt.repacks_layers else None,
+                                       repacked_bytes=packed_bytes[scheme.name] if fmt.repacks_layers else None,
                                        bits=scheme.weights.bits))
     dense = shape.params * e
     streamed = choose_streamed(dense, available)
