@@ -83,7 +83,7 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
 
     def bad_payload(kind: str, delivery: str | None, e: payloads.PayloadError):
         log(f"hook: {kind} delivery {delivery} refused: {e.message}")
-        return jsonify(error=f"not a {kind} webhook payload: {e.message}"), 400
+        return jsonify(error=f"not {kind} webhook payload: {e.message}"), 400
 
     @app.post("/webhooks/mlflow")
     def mlflow_webhook():
@@ -100,7 +100,7 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
                 return jsonify(ignored=f"event {event.kind}"), 200
             version = payloads.model_version_created(event)
         except payloads.PayloadError as e:
-            return bad_payload("MLflow", delivery, e)
+            return bad_payload("an MLflow", delivery, e)
         tags = version.tag_map
         if OWN_VERSION_TAG in tags:
             return jsonify(ignored="a version llmc registered"), 200
@@ -121,7 +121,7 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
         try:
             event = payloads.hf_event(request.get_data(cache=True))
         except payloads.PayloadError as e:
-            return bad_payload("Hugging Face", request.headers.get("X-Request-Id"), e)
+            return bad_payload("a Hugging Face", request.headers.get("X-Request-Id"), e)
         scope, kind, revision = event.event.scope, event.repo.type, event.repo.headSha or "main"
         if not scope.startswith("repo") or kind != "model" or event.event.action == "delete":
             return jsonify(ignored=f"event {scope} on a {kind}"), 200
@@ -173,8 +173,9 @@ class HookServer(TcpWSGIServer):
         super().__init__(app, adj=Adjustments(
             host=host, port=port, threads=limits.threads, connection_limit=limits.connection_limit,
             channel_timeout=limits.idle_timeout_s, cleanup_interval=1, max_request_header_size=limits.max_header_bytes,
-            max_request_body_size=limits.max_body_bytes, asyncore_use_poll=True, expose_tracebacks=False,
-            ident="llmc-hook", log_socket_errors=False))
+            max_request_body_size=limits.max_body_bytes + 1,  # waitress refuses a body of exactly its limit
+            asyncore_use_poll=True,  # select() fails on descriptors past 1,023
+            expose_tracebacks=False, ident="llmc-hook", log_socket_errors=False))
 
     def readable(self) -> bool:
         now = time.time()

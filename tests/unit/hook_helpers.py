@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -41,6 +42,21 @@ def hook_config(path: Path, tracking_uri: str, recipe: Path, models: str = "tiny
                                     "cache_dir": str(path.parent / "cache"),
                                     "routes": [{"models": models, "recipes": [str(recipe)]}], **extra}))
     return path
+
+
+def make_receiver(tmp: Path, monkeypatch, max_queued: int):
+    """(Flask test client, queue, config) of the hook's app with both receivers on (the Hub's secret is "hf-" +
+    SECRET) and no worker: what a delivery leaves queued."""
+    from llmc.hook.config import load_hook_config
+    from llmc.hook.queue import JobQueue
+    from llmc.hook.server import create_app
+
+    monkeypatch.setenv("LLMC_HOOK_MLFLOW_SECRET", SECRET)
+    monkeypatch.setenv("LLMC_HOOK_HF_SECRET", "hf-" + SECRET)
+    recipe = tiny_recipe(tmp / "recipe.yaml", tmp / "registry")
+    config = load_hook_config(hook_config(tmp / "hook.yaml", "http://127.0.0.1:9", recipe, max_queued=max_queued))
+    queue = JobQueue(config.state, config.max_queued)
+    return create_app(config, queue, threading.Event()).test_client(), queue, config
 
 
 def free_port() -> int:

@@ -192,3 +192,97 @@ def test_json_nested_a_million_deep_is_a_400_and_the_server_stays_up(hook, body:
     assert b"nests deeper" in text
     _still_answering(url)
 
+
+
+# --------------------------------------------------------------------------- the limits themselves, in-process
+
+SHORT = dict(connection_limit=5, idle_timeout_s=0.5, header_timeout_s=0.5, request_timeout_s=1.5,
+             max_header_bytes=2048, max_body_bytes=4096)
+
+
+@pytest.fixture
+def short_limits():
+    """(HookServer with SHORT limits on a trivial app, its URL), its event loop in a thread; closed after."""
+    from llmc.hook.config import ServerSection
+    from llmc.hook.server import HookServer
+
+    def app(environ, start_response):
+        environ["wsgi.input"].read()
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    server = HookServer(app, ServerSection(**SHORT), "127.0.0.1", 0)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    yield server, f"http://127.0.0.1:{server.effective_port}"
+
+    def close_all() -> None:  # in the loop's thread: the loop ends once nothing is left to watch
+        for channel in list(server.active_channels.values()):
+            channel.handle_close()
+        server.close()
+
+    server.trigger.pull_trigger(close_all)
+    loop.join(10)
+    server.task_dispatcher.shutdown()
+
+
+def _closed_after(s: socket.socket, started: float, dribble: bytes = b"", every_s: float = 0.1,
+                  within_s: float = 5.0) -> float:
+    """Seconds from `started` until the server closed `s` (sending `dribble` every `every_s` meanwhile)."""
+    s.setblocking(False)
+    deadline = started + within_s
+    while time.monotonic() < deadline:
+        if select.select([s], [], [], every_s)[0]:
+            try:
+                if s.recv(4096) == b"":
+                    return time.monotonic() - started
+            except ConnectionResetError:
+                return time.monotonic() - started
+        if dribble:
+            try:
+                s.send(dribble)
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - started
+    raise AssertionError(f"still open after {within_s} s")
+
+
+def test_idle_header_and_request_timeouts_close_connections(short_limits) -> None:
+    _, url = short_limits
+    parts = urlsplit(url)
+    idle, headers, body = (socket.create_connection((parts.hostname, parts.port)) for _ in range(3))
+    headers.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")  # then a header byte every 0.1 s, never the blank line
+    body.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")  # then a body byte every 0.1 s
+    started = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        closed = list(pool.map(lambda args: _closed_after(*args),
+                               [(idle, started), (headers, started, b"x"), (body, started, b"x")]))
+    for s in (idle, headers, body):
+        s.close()
+    # each closed by its own timeout: dribbling keeps the other two from firing; maintenance runs once a second
+    assert SHORT["idle_timeout_s"] <= closed[0] < SHORT["idle_timeout_s"] + 2, closed
+    assert SHORT["header_timeout_s"] <= closed[1] < SHORT["header_timeout_s"] + 2, closed
+    assert SHORT["request_timeout_s"] <= closed[2] < SHORT["request_timeout_s"] + 2, closed
+
+
+def test_past_the_connection_limit_the_idlest_connection_is_shed(short_limits) -> None:
+    server, url = short_limits
+    parts = urlsplit(url)
+    oldest = [socket.create_connection((parts.hostname, parts.port)) for _ in range(3)]
+    time.sleep(0.1)
+    newer = [socket.create_connection((parts.hostname, parts.port)) for _ in range(SHORT["connection_limit"])]
+    try:
+        started = time.monotonic()
+        assert all(_closed_after(s, started, within_s=2) < 0.3 for s in oldest)  # shed at once, not at the timeout
+        status, text, _, _ = _request(url, "GET", "/")  # one more: sheds another idle one, and is answered
+        assert (status, text) == (200, b"ok")
+        assert len(server.active_channels) <= SHORT["connection_limit"]
+    finally:
+        for s in oldest + newer:
+            s.close()
+
+
+def test_bodies_and_headers_past_their_caps_are_refused(short_limits) -> None:
+    _, url = short_limits
+    assert _request(url, "POST", "/", b"x" * (SHORT["max_body_bytes"] + 1))[0] == 413
+    assert _request(url, "GET", "/", headers={"X-Big": "y" * SHORT["max_header_bytes"]})[0] == 431
+    assert _request(url, "POST", "/", b"x" * SHORT["max_body_bytes"])[0] == 200
