@@ -58,7 +58,8 @@ class ModelVersionCreated(_Payload):
     @classmethod
     def _tags_shape(cls, value: Any) -> Any:
         if value is not None and not isinstance(value, (dict, list)):
-            raise ValueError(f"tags are an object of string values or a list of {{key, value}}, not {type(value).__name__}")
+            raise ValueError("tags are an object of string values or a list of {key, value}, "
+                             f"not {type(value).__name__}")
         return value
 
     @field_validator("version")

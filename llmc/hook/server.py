@@ -27,6 +27,7 @@ from pathlib import Path
 from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
+from werkzeug.exceptions import HTTPException
 
 from llmc.errors import InputError, LlmcError
 from llmc.hook import payloads, signatures
@@ -145,6 +146,10 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
     def health():
         return jsonify(ok=True)
 
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):  # 404, 405, 413...: JSON like every other answer
+        return jsonify(error=f"{e.name}: {e.description}"), e.code
+
     return app
 
 
@@ -162,7 +167,8 @@ class _Channel(HTTPChannel):
 class HookServer(TcpWSGIServer):
     """waitress's TCP server under the hook's limits. waitress alone stops accepting at its connection limit (then
     ~1,000 idle sockets lock every delivery out until they time out); this one always accepts and, past the limit,
-    closes the connection that has been idle longest and is not being answered. Timeouts are enforced every second."""
+    closes the connection that has been idle longest and is not being answered. Timeouts are enforced every second.
+    It reads waitress's channel attributes (requests, request, last_activity): waitress is pinned in pyproject.toml."""
 
     channel_class = _Channel
 

@@ -58,8 +58,8 @@ def test_data_that_is_not_an_object_is_a_400_naming_data(receiver, data) -> None
     assert queue.jobs() == []
 
 
-@pytest.mark.parametrize("tags", ["llmc.build_id", '{"llmc.build_id": "x"}', ["llmc.build_id"], [["llmc.build_id", "x"]],
-                                  {"llmc.build_id": 1}, {"deploy": None}, [{"key": "k"}]],
+@pytest.mark.parametrize("tags", ["llmc.build_id", '{"llmc.build_id": "x"}', ["llmc.build_id"],
+                                  [["llmc.build_id", "x"]], {"llmc.build_id": 1}, {"deploy": None}, [{"key": "k"}]],
                          ids=["string", "json-in-a-string", "list-of-strings", "list-of-pairs", "int-value",
                               "null-value", "entry-without-value"])
 def test_tags_of_another_shape_are_refused_never_ignored(receiver, tags) -> None:
@@ -89,6 +89,14 @@ def test_bodies_that_are_not_an_mlflow_event_are_a_400(receiver, body: bytes) ->
     answer = _mlflow(client, body)
     assert answer.status_code == 400 and answer.json["error"].startswith("not an MLflow webhook payload"), answer.json
     assert queue.jobs() == []
+
+
+def test_http_errors_are_answered_in_json(receiver) -> None:  # found by the long fuzz run: a 413 was HTML
+    client, _, config = receiver
+    too_big = _mlflow(client, b"[" * (config.server.max_body_bytes + 1))
+    assert too_big.status_code == 413 and too_big.json["error"].startswith("Request Entity Too Large")
+    assert client.get("/nowhere").status_code == 404 and "error" in client.get("/nowhere").json
+    assert client.get("/webhooks/mlflow").status_code == 405 and "error" in client.get("/webhooks/mlflow").json
 
 
 @pytest.mark.parametrize("data", [{"name": ["tiny"], "version": "1"}, {"name": "tiny", "version": True},
@@ -151,7 +159,7 @@ _tags = (st.dictionaries(_tag_keys, st.text(max_size=16) | _json, max_size=4)
          | st.sampled_from(["llmc.build_id", "llmc.build_id=abc", '{"llmc.build_id": "x"}']) | _json)
 _data = st.fixed_dictionaries({}, optional={"name": _names, "version": _versions, "tags": _tags,
                                             "source": _json, "run_id": _json, "description": _json}) | _json
-_mlflow_events = st.fixed_dictionaries({}, optional={
+_mlflow_wild = st.fixed_dictionaries({}, optional={
     "entity": st.sampled_from(["model_version", "registered_model", "prompt"]) | _json,
     "action": st.sampled_from(["created", "updated", "deleted"]) | _json,
     "timestamp": _json, "data": _data}) | _json
@@ -164,8 +172,8 @@ _created = st.fixed_dictionaries({
                                    "version": st.integers(min_value=1, max_value=10**6).map(str)
                                    | st.integers(min_value=1, max_value=10**6)},
                                   optional={"tags": _good_tags | _tags, "description": _json})})
-_mlflow_events = st.one_of(_created, _created, _mlflow_events)
-_hf_events = st.fixed_dictionaries({}, optional={
+_mlflow_events = st.one_of(_created, _created, _mlflow_wild)
+_hf_wild = st.fixed_dictionaries({}, optional={
     "event": st.fixed_dictionaries({}, optional={"action": st.sampled_from(["create", "update", "delete"]) | _json,
                                                  "scope": st.sampled_from(["repo", "repo.content", "discussion"])
                                                  | _json}) | _json,
@@ -175,9 +183,10 @@ _hf_events = st.fixed_dictionaries({}, optional={
 _hf_events = st.fixed_dictionaries({
     "event": st.fixed_dictionaries({"action": st.sampled_from(["create", "update", "delete"]),
                                     "scope": st.sampled_from(["repo", "repo.content"])}),
-    "repo": st.fixed_dictionaries({"type": st.just("model"), "name": st.sampled_from(["org/tiny", "org/../x"]) | _names},
+    "repo": st.fixed_dictionaries({"type": st.just("model"),
+                                   "name": st.sampled_from(["org/tiny", "org/../x"]) | _names},
                                   optional={"headSha": st.text(alphabet="0123456789abcdef", min_size=1, max_size=40)
-                                            | _json})}) | _hf_events
+                                            | _json})}) | _hf_wild
 
 
 def _encoded(events) -> st.SearchStrategy[bytes]:
