@@ -1,8 +1,8 @@
 """The webhook payloads the hook reads, as schemas: every delivery is parsed and validated here before any field is
 used, and anything else is a `PayloadError` (answered 400, naming the field and the problem).
 
-Parsing is pydantic-core's JSON parser, which refuses nesting deeper than 200 while it parses (no Python recursion),
-so a deeply nested body costs one linear scan. Only the fields the hook uses are declared; others are ignored.
+Parsing is pydantic-core's JSON parser, which refuses nesting deeper than 200 as soon as it meets it (no Python
+recursion, nothing built from the rest of the body). Only the fields the hook uses are declared; others are ignored.
 
 MLflow 3.x (`mlflow/webhooks/types.py`) sends `{"entity", "action", "timestamp", "data"}`; for
 `model_version.created`, `data` holds `name`, `version` (a string), `tags` (an object of string values) and more.
@@ -19,7 +19,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
 MAX_ERRORS_SHOWN = 3
-MAX_DEPTH = 200  # pydantic-core's (jiter's) parser limit; MLflow's and the Hub's payloads nest 4 deep
+MAX_DEPTH = 200  # pydantic-core's (jiter's) parser limit; MLflow's and the Hub's payloads nest 3 deep
 
 
 class PayloadError(ValueError):
@@ -93,7 +93,7 @@ class HfEvent(_Payload):
 def _describe(error: ValidationError, prefix: str) -> str:
     parts = []
     for e in error.errors(include_url=False)[:MAX_ERRORS_SHOWN]:
-        where = ".".join([prefix, *map(str, e["loc"])]) if prefix else ".".join(map(str, e["loc"]))
+        where = ".".join(map(str, [prefix, *e["loc"]] if prefix else e["loc"]))
         parts.append(f"{where or 'the payload'}: {e['msg']}")
     more = error.error_count() - MAX_ERRORS_SHOWN
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

@@ -10,10 +10,7 @@ A verified one is validated against its schema (llmc.hook.payloads: 400 naming t
 job per recipe its route names (202), or says why it was ignored (200): another event, no route, or a version llmc
 registered itself. A full queue answers 503 with Retry-After, which MLflow retries.
 
-The HTTP server is waitress (pure Python; requests are read whole by its event loop before a worker thread sees
-them, so a slow client holds no thread), with the limits of the config's `server` section: body and header sizes,
-an idle timeout, a header and a whole-request timeout, and a connection limit that sheds the connection idle
-longest rather than refusing new ones, so idle or slow clients cannot lock a registry's delivery out.
+The HTTP server is waitress under the limits of the config's `server` section (llmc.hook.http_server).
 """
 
 from __future__ import annotations
@@ -24,21 +21,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from waitress.adjustments import Adjustments
-from waitress.channel import HTTPChannel
-from waitress.server import TcpWSGIServer
-from werkzeug.exceptions import HTTPException
-
 from llmc.errors import InputError, LlmcError
 from llmc.hook import payloads, signatures
-from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, STATUS_TOKEN, HookConfig, ServerSection, secret
+from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, STATUS_TOKEN, HookConfig, secret
 from llmc.hook.jobs import hf_source, mlflow_source, new_job, run_job
 from llmc.hook.queue import JobQueue, QueueFull
 from llmc.progress import log
 from llmc.recipe import load_recipe
 
 OWN_VERSION_TAG = "llmc.build_id"  # carried by every version llmc registers: never a source for another build
-SHED_LOG_INTERVAL_S = 10  # connections shed under load are logged at most this often
 
 
 def enqueue_for(config: HookConfig, queue: JobQueue, source: dict, delivery: str | None,
@@ -55,6 +46,7 @@ def _summary(jobs: list[dict]) -> list[dict]:
 
 def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: Callable[[], float] = time.time):
     from flask import Flask, jsonify, request
+    from werkzeug.exceptions import HTTPException
 
     app = Flask("llmc-hook")
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
@@ -153,70 +145,6 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
     return app
 
 
-class _Channel(HTTPChannel):
-    """waitress's connection, remembering when the request it is reading began (for the header/request timeouts)."""
-
-    request_started = 0.0
-
-    def received(self, data: bytes) -> bool:
-        if self.request is None:
-            self.request_started = time.time()
-        return super().received(data)
-
-
-class HookServer(TcpWSGIServer):
-    """waitress's TCP server under the hook's limits. waitress alone stops accepting at its connection limit (then
-    ~1,000 idle sockets lock every delivery out until they time out); this one always accepts and, past the limit,
-    closes the connection that has been idle longest and is not being answered. Timeouts are enforced every second.
-    It reads waitress's channel attributes (requests, request, last_activity): waitress is pinned in pyproject.toml."""
-
-    channel_class = _Channel
-
-    def __init__(self, app, limits: ServerSection, host: str, port: int) -> None:
-        self.limits = limits
-        self.shed = 0
-        self.shed_logged = 0.0
-        super().__init__(app, adj=Adjustments(
-            host=host, port=port, threads=limits.threads, connection_limit=limits.connection_limit,
-            channel_timeout=limits.idle_timeout_s, cleanup_interval=1, max_request_header_size=limits.max_header_bytes,
-            max_request_body_size=limits.max_body_bytes + 1,  # waitress refuses a body of exactly its limit
-            asyncore_use_poll=True,  # select() fails on descriptors past 1,023
-            expose_tracebacks=False, ident="llmc-hook", log_socket_errors=False))
-
-    def readable(self) -> bool:
-        now = time.time()
-        if now >= self.next_channel_cleanup:
-            self.next_channel_cleanup = now + self.adj.cleanup_interval
-            self.maintenance(now)
-        return self.accepting  # never paused by the connection limit: handle_accept sheds instead
-
-    def handle_accept(self) -> None:
-        super().handle_accept()
-        if len(self.active_channels) > self.limits.connection_limit:
-            idle = [c for c in self.active_channels.values() if not c.requests and not c.total_outbufs_len]
-            min(idle, key=lambda c: c.last_activity).handle_close()  # the newest is idle: never empty
-            self.shed += 1
-            if time.time() - self.shed_logged > SHED_LOG_INTERVAL_S:
-                log(f"hook: more than {self.limits.connection_limit} connections (server.connection_limit): "
-                    f"{self.shed} closed so far, idle longest first")
-                self.shed_logged = time.time()
-
-    def maintenance(self, now: float) -> None:
-        """Close connections idle past idle_timeout_s, or still sending a request's headers past header_timeout_s or
-        the whole request past request_timeout_s; never one whose request is being answered."""
-        for channel in list(self.active_channels.values()):
-            if channel.requests:
-                continue
-            partial = channel.request
-            if partial is None:
-                expired = now - channel.last_activity > self.limits.idle_timeout_s
-            else:
-                limit = self.limits.request_timeout_s if partial.headers_finished else self.limits.header_timeout_s
-                expired = now - channel.request_started > limit
-            if expired:
-                channel.will_close = True
-
-
 class Worker(threading.Thread):
     """Runs queued jobs one at a time while it holds the state folder's worker lock."""
 
@@ -250,6 +178,8 @@ def _stop_serving(*_) -> None:
 def serve(config: HookConfig, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM. The worker starts first, so a restart resumes what a killed hook left."""
     import signal
+
+    from llmc.hook.http_server import HookServer
 
     if secret(MLFLOW_SECRET) is None and secret(HF_SECRET) is None:
         raise InputError(f"neither {MLFLOW_SECRET} nor {HF_SECRET} is set: the hook would accept no delivery",

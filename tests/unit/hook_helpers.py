@@ -165,16 +165,12 @@ def post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def status_request(hook_url: str, token: str = SECRET) -> urllib.request.Request:
-    """GET /status with the bearer token the hook accepts (its MLflow secret)."""
-    return urllib.request.Request(f"{hook_url}/status", headers={"Authorization": f"Bearer {token}"})
-
-
 def wait_jobs(hook_url: str, done: int, timeout: float, proc: subprocess.Popen | None = None) -> list[dict]:
     """The hook's jobs once `done` of them finished (done or failed)."""
     deadline = time.monotonic() + timeout
+    status = urllib.request.Request(f"{hook_url}/status", headers={"Authorization": f"Bearer {SECRET}"})
     while True:
-        with urllib.request.urlopen(status_request(hook_url), timeout=10) as r:
+        with urllib.request.urlopen(status, timeout=10) as r:
             jobs = json.loads(r.read())["jobs"]
         if sum(j["state"] in ("done", "failed") for j in jobs) >= done:
             return jobs
