@@ -187,3 +187,22 @@ print("same codes")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "same codes" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Path) -> None:
+    """`llmc build` with `calibration.device: auto` on a (fake) GPU: plan, calibrate and quantize there, export and
+    evaluate; the quantize stage is keyed by its device, so the CPU's cached result is not reused for it."""
+    from llmc.build import build
+    from llmc.recipe import parse_recipe
+    from llmc.store import Store
+    from tests.conftest import make_tiny_model
+    from tests.unit.test_build import recipe_text
+
+    model, store = make_tiny_model(tmp_path / "m"), Store(tmp_path / "cache")
+    on_cpu = build(parse_recipe(recipe_text(model, tmp_path / "reg", **{"calibration.device": "cpu"})), store)
+    with fake_cuda():
+        on_gpu = build(parse_recipe(recipe_text(model, tmp_path / "reg")), store)
+    assert on_gpu.passed and on_cpu.passed and on_gpu.plan.estimates["device"].startswith("cuda")
+    quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu),
+                                                                                         ("cpu", on_cpu))}
+    assert quantize["gpu"].key != quantize["cpu"].key and not quantize["gpu"].cached
