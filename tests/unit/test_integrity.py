@@ -70,6 +70,10 @@ class Built:
 def _built_once(tmp_path_factory, tiny_model_factory_module) -> Built:
     root = tmp_path_factory.mktemp("built")
     model = tiny_model_factory_module(root / "model")
+    config = json.loads((model / "config.json").read_text())  # remote code llmc never runs, and a card to inherit
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
     recipe = tiny_recipe(model, root / "registry")
     result = build(parse_recipe(recipe), Store(root / "cache"))
     assert result.published is not None
@@ -548,3 +552,13 @@ def test_a_stripped_signature_fails_everywhere_with_a_key_set(published, monkeyp
     monkeypatch.delenv("LLMC_SIGNING_KEY")
     (b.entry / "manifest.sig").unlink()
     assert _verify(b.entry) == 0  # without a key, an unsigned entry is what it always was
+
+
+def test_the_published_config_carries_no_remote_code_and_the_card_no_local_path(published) -> None:
+    (label_dir,) = list((published.entry / "artifacts").iterdir())
+    assert "auto_map" not in json.loads((label_dir / "config.json").read_text())
+    card = (label_dir / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0"  # inherited from the source's own card
+    assert "base_model" not in meta  # an unnamed local folder: its path is this machine's business
+    assert str(published.model) not in card.split("---")[1]
