@@ -182,9 +182,17 @@ def _write_entry(result: "BuildResult", store: Store, tmp: Path) -> None:
     _follow_umask(tmp)
 
 
-# Manifest fields the build determines (the same build id gives the same values); the others ("report" with its stage
-# timings, "packages") are what the first publication measured, protected by the signature when a key is set.
-_BUILD_FIELDS = ("schema", "build_id", "llmc_version", "recipe", "overrides", "model", "calibration")
+# Manifest fields the build determines (the same build id gives the same values; the recipe less where it publishes,
+# as the build id hashes it); the others ("report" with its stage timings, "packages", "overrides") are what the
+# first publication measured or was told, protected by the signature when a key is set.
+_BUILD_FIELDS = ("schema", "build_id", "llmc_version", "recipe", "model", "calibration")
+
+
+def _build_fields(m: dict) -> dict:
+    fields = {k: m.get(k) for k in _BUILD_FIELDS}
+    if isinstance(fields["recipe"], dict):
+        fields["recipe"] = {k: v for k, v in fields["recipe"].items() if k != "publish"}
+    return fields
 
 
 def _differences_from_build(entry: Path, result: "BuildResult", store: Store) -> list[str]:
@@ -192,8 +200,9 @@ def _differences_from_build(entry: Path, result: "BuildResult", store: Store) ->
     sha256 against the cache's record of the export (so an artifact rewritten together with its manifest hash is
     caught), the model cards (a pure function of the build), and the manifest fields the build determines."""
     m = read_manifest(entry)
-    want = json.loads(json.dumps(manifest(result, entry, files={}), sort_keys=True, default=str))  # as written
-    problems = [f"manifest field {k!r} differs from the build's" for k in _BUILD_FIELDS if m.get(k) != want.get(k)]
+    have = _build_fields(m)
+    want = _build_fields(json.loads(json.dumps(manifest(result, entry, files={}), default=str)))  # as written
+    problems = [f"manifest field {k!r} differs from the build's" for k in _BUILD_FIELDS if have[k] != want[k]]
     published = {rel for rel in m["files"] if rel.startswith("artifacts/")}
     for label, art in result.artifacts.items():
         prefix = f"artifacts/{label}/"

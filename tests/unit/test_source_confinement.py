@@ -232,16 +232,40 @@ LEAVES = {"link-outside", "link-outside-relative", "dangling-outside"}
 REQUIRED = {"config.json", "model.safetensors"}
 
 
-@settings(max_examples=int(os.environ.get("LLMC_FUZZ_LINKS", 25)), derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(layout=st.fixed_dictionaries({name: st.sampled_from(KINDS) for name in FILES}))
+DEFAULT = dict(derandomize=True, deadline=None, database=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+LAYOUTS = st.fixed_dictionaries({name: st.sampled_from(KINDS) for name in FILES})
+
+
+@settings(max_examples=25, **DEFAULT)
+@given(layout=LAYOUTS)
 def test_property_a_source_is_read_only_when_no_link_leaves_it(layout: dict[str, str], tiny_model_session: Path,
                                                                tmp_path_factory) -> None:
+    _check_layout(layout, tiny_model_session, tmp_path_factory.mktemp("links"))
+
+
+@pytest.mark.slow
+@pytest.mark.fuzz_long
+@settings(max_examples=int(os.environ.get("LLMC_FUZZ_LINKS", 1000)), **dict(DEFAULT, derandomize=False))
+@given(layout=LAYOUTS)
+def test_property_a_source_is_read_only_when_no_link_leaves_it_long(layout: dict[str, str],
+                                                                    tiny_model_session: Path,
+                                                                    tmp_path_factory) -> None:
     tmp = tmp_path_factory.mktemp("links")
+    try:
+        _check_layout(layout, tiny_model_session, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_layout(layout: dict[str, str], tiny_model_session: Path, tmp: Path) -> None:
+    """Lay the tiny model out as `layout` says; it resolves exactly when no link leaves it, and an error quotes
+    no byte of the file outside."""
     secret = _secret_file(tmp)
     folder = tmp / "model"
     shutil.copytree(tiny_model_session, folder)
     (folder / "README.md").write_text("# tiny\n")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     (folder / "notes").mkdir()
     (folder / "notes" / "extra.txt").write_text("notes\n")
     (folder / ".inside").mkdir()
