@@ -221,8 +221,8 @@ def read_model_config(folder: Path) -> dict:
                          f"{excerpt(config['tie_word_embeddings'])}, not true or false", fix=fix)
     where = _non_finite(config)
     if where is not None:  # Python's json reads NaN/Infinity (and 1e999 as inf); JSON has no such number
-        raise InputError(f"model config {shown(path)}: {shorten(where, 120)} is not a finite number (NaN or Infinity is not JSON, "
-                         "and no model is defined by one)", fix=fix)
+        raise InputError(f"model config {shown(path)}: {shorten(where, 120)} is not a finite number (NaN or "
+                         "Infinity is not JSON, and no model is defined by one)", fix=fix)
     # auto_map names remote code (trust_remote_code), which llmc never runs: no artifact carries it on
     config.pop("auto_map", None)
     return config

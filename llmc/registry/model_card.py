@@ -142,8 +142,9 @@ def model_card(result: "BuildResult", label: str) -> str:
     scheme = art.scheme_detail
     cal = result.calibration or {}
     ev = result.recipe.eval
+    of = base_model or Path(result.recipe.model.source).name  # an unnamed local folder: its name, not its path
     out = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
-           f"# {result.recipe.name} / {label}: {art.scheme} of {base_model or Path(result.recipe.model.source).name}", "",
+           f"# {result.recipe.name} / {label}: {art.scheme} of {of}", "",
            f"Quantized by llmc {__version__} from `{result.recipe.model.source}` for `{art.target.get('runtime')}` "
            f"({art.format}).", "", "## Scheme", "", "```json", json.dumps(scheme, indent=1, sort_keys=True), "```", ""]
     out += ["## Calibration", ""]
