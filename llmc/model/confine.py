@@ -52,8 +52,8 @@ def source_file(folder: Path, name: str, what: str = "model file",
     roots = roots if roots is not None else allowed_roots(folder)
     target = Path(os.path.realpath(path))
     if not _inside(target, roots):
-        raise InputError(f"{what} {shown(path)} is a symbolic link to {shown(target)}, outside the model folder "
-                         f"{shown(roots[0])}; llmc reads nothing outside a model's folder", fix=_FIX)
+        raise InputError(f"{what} {shown(path)} leads through a symbolic link to {shown(target)}, outside the model "
+                         f"folder {shown(roots[0])}; llmc reads nothing outside a model's folder", fix=_FIX)
     return path
 
 
