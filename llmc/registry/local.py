@@ -1,9 +1,12 @@
 """A registry that is a directory: <registry>/<recipe name>/<build id>/{artifacts/, manifest.json, report.md}.
 
 An entry appears by one rename of a fully written temp directory, so a listed entry is complete.
-The same build id already present and intact (every byte as its manifest says, nothing extra, its signature valid
-when a key is set) is a no-op; a modified one is republished (the old folder is renamed away and the new one
-renamed in). manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
+The same build id already present and intact (every byte as its manifest says, nothing extra, the artifact files'
+sha256 those the cache recorded for the export, the model cards and the manifest fields the build determines the
+build's, and a valid signature when a key is set: a missing one is a failure then) is a no-op; any other is
+republished (the old folder is renamed away and the new one renamed in), signed when a key is set. An entry owns its
+bytes: copies or reflinks of the cache's files, never hard links (`llmc.store_links.clone_or_copy`), so damage to
+one entry reaches no other entry and no cached output. manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
 calibration sample ids, package versions, stage timings, evaluation results and gate verdicts; manifest.sig its
 optional HMAC (`llmc.registry.signing`). Each artifact folder gets its model card, README.md
 (`llmc.registry.model_card`).
