@@ -494,7 +494,7 @@ def test_one_corrupted_entry_leaves_every_other_entry_and_the_cache_verifying(pu
     shutil.rmtree(b.registry)  # published afresh from this cache, as a real publication is (not a test's copy)
     first = b.build()
     second = build(parse_recipe(b.recipe.replace("name: tiny-fp8", "name: tiny-fp8-again")), b.store)
-    assert second.build_id != first.build_id and second.stages[-1].cached is not None
+    assert second.build_id != first.build_id
     assert {a.dir for a in second.artifacts.values()} == {b.export}  # both entries publish the one cached export
     entries = [first.published, second.published]
     (model_file,) = list(entries[0].glob("artifacts/*/model.safetensors"))
