@@ -283,12 +283,26 @@ class Store:
         return d
 
     def recorded(self, folder: Path) -> dict[str, dict]:
-        """The files a complete stage output recorded when it was written (record_files' form)."""
+        """The files a complete stage output recorded when it was written (record_files' form); {} without one."""
+        return self.record(folder)[0]
+
+    def record(self, folder: Path) -> tuple[dict[str, dict], str | None]:
+        """(recorded files, None), or ({}, why there is no record): what is known, so a warning blames the right
+        cause (a concurrent process, damage, or an llmc that wrote no record)."""
         try:
-            files = json.loads((Path(folder) / COMPLETE_MARKER).read_text()).get("files")
-        except (OSError, ValueError, AttributeError):
-            files = None
-        return files if isinstance(files, dict) else {}
+            text = (Path(folder) / COMPLETE_MARKER).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}, (f"its {COMPLETE_MARKER} is gone: another llmc process discarded or replaced this output "
+                        "while this one was using it")
+        except (OSError, UnicodeDecodeError) as e:
+            return {}, f"its {COMPLETE_MARKER} cannot be read ({type(e).__name__})"
+        try:
+            files = json.loads(text).get("files")
+        except (ValueError, AttributeError):
+            return {}, f"its {COMPLETE_MARKER} is not the JSON object llmc writes (damaged or edited)"
+        if not isinstance(files, dict) or not files:
+            return {}, f"its {COMPLETE_MARKER} records no files (written by an llmc that kept no record, or edited)"
+        return files, None
 
     def require_intact(self, folder: Path) -> None:
         """Check every byte of a complete stage output against its record before reading it to produce another;
@@ -311,10 +325,8 @@ class Store:
         self._intact.add(tag)
 
     def _problems(self, folder: Path, *, full: bool) -> list[str]:
-        recorded = self.recorded(folder)
-        if not recorded:
-            return ["no record of its files (written by an older llmc, or its marker was edited)"]
-        return check_files(folder, recorded, full=full)
+        recorded, why = self.record(folder)
+        return [why] if why else check_files(folder, recorded, full=full)
 
     def discard(self, folder: Path, problems: list[str]) -> None:
         stage, key = folder.parent.name, folder.name
@@ -371,7 +383,12 @@ class Store:
         return removed
 
     def file_hash(self, path: Path) -> str:
-        """sha256 of a file, memoized by (path, size, mtime) so big checkpoints hash once."""
+        """sha256 of a file, memoized so big checkpoints hash once.
+
+        The memo is trusted only while the file's (path, size, mtime, ctime, inode, device) are all unchanged.
+        Editing a file in place changes its ctime, which no user can set back (`touch -d` and os.utime restore the
+        mtime but themselves set ctime to now); replacing it changes the inode. So the content is hashed again
+        after any write, rename over, copy or restore; only an untouched file keeps its memoized hash."""
         path = Path(path).resolve()
         st = path.stat()
         memo_path = self.root / "file-hashes.json"
@@ -381,7 +398,7 @@ class Store:
             memo = {}
         if not isinstance(memo, dict):
             memo = {}
-        tag = f"{st.st_size}:{st.st_mtime_ns}"
+        tag = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
         entry = memo.get(str(path))
         if entry and entry.get("tag") == tag:
             return entry["sha256"]

@@ -1,4 +1,4 @@
-"""Identical files stored once: hard links between stage outputs (and from the registry into the cache).
+"""Identical files stored once: hard links between stage outputs of the cache (never from a registry entry).
 
 Two targets whose weights are identical (two vLLM targets that differ only in their serve arguments, a TP 4 and a
 TP 8 compressed-tensors checkpoint) export byte-identical weight files. When a stage output is committed, each of
@@ -8,6 +8,10 @@ checked byte for byte before anything links to it, so a file edited in place (th
 shared again; a blob no stage output links to any more is removed by the next sweep. Where the filesystem refuses
 hard links (another device, no support, the link limit) the file simply stays a copy. Nothing is ever written
 through a link: every llmc write replaces its file (atomic rename).
+
+A registry entry owns its bytes (`clone_or_copy`): a copy-on-write clone where the filesystem makes one (btrfs,
+XFS, bcachefs: no second copy of the bytes until one side is written), else a byte copy; never a hard link, so a
+byte changed in one entry changes no other entry and no cached output.
 """
 
 from __future__ import annotations
@@ -54,12 +58,23 @@ def share_identical_files(folder: Path, recorded: dict[str, dict], blobs: Path) 
     return saved
 
 
-def link_or_copy(src: str | Path, dst: str | Path) -> str:
-    """A hard link of `src` at `dst` where the filesystem allows, else a copy (shutil.copy2)."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), the reflink ioctl (cp --reflink)
+
+
+def clone_or_copy(src: str | Path, dst: str | Path) -> str:
+    """A file at `dst` with the bytes of `src` and an inode of its own, flushed to disk: a copy-on-write clone where
+    the filesystem supports one, else a copy."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            import fcntl
+
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+        except (ImportError, OSError):  # not Linux, another filesystem, no reflink support: copy the bytes
+            fout.seek(0)
+            fout.truncate()
+            shutil.copyfileobj(fin, fout, 1 << 22)
+        fout.flush()
+        os.fsync(fout.fileno())
     return str(dst)
 
 

@@ -8,6 +8,7 @@ or corrupted file is reported by name before any work starts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from llmc.errors import InputError
 from llmc.excerpt import excerpt, shorten
 from llmc.inputs import file_kind, read_input_json, shown, stat_input
+from llmc.model.confine import source_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -32,8 +34,8 @@ def safetensors_files(folder: Path) -> list[Path]:
             fix="point model.source at the folder save_pretrained() wrote, or at a .gguf file",
         )
     if os.path.lexists(folder / INDEX_FILE):
-        return _indexed_files(folder, read_index(folder / INDEX_FILE))
-    files = sorted(folder.glob("*.safetensors"))
+        return _indexed_files(folder, read_index(source_file(folder, INDEX_FILE, "shard index")))
+    files = [source_file(folder, f.name, "weights file") for f in sorted(folder.glob("*.safetensors"))]
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -96,7 +98,7 @@ def _indexed_files(folder: Path, index: ShardIndex) -> list[Path]:
         )
     files = []
     for shard in index.shards:
-        path = folder / shard
+        path = source_file(folder, shard, "weights file")
         held = {n for n in check_safetensors_header(path) if n != "__metadata__"}
         absent, unlisted = sorted(expected[shard] - held), sorted(held - expected[shard])
         if absent:
@@ -128,10 +130,17 @@ def check_safetensors_header(path: Path) -> dict:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         with os.fdopen(fd, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            # the length is the file's first 8 bytes: never printed (a file that is no safetensors would be quoted)
             if n <= 0 or n > min(size - 8, MAX_HEADER_BYTES):
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+                raise ValueError(f"the header length its first 8 bytes give does not fit a {size}-byte file")
             header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
+    except UnicodeDecodeError:  # its message quotes the byte
+        raise InputError(f"{shown(path)} is not a readable safetensors file (its header is not UTF-8)",
+                         fix=_REDOWNLOAD) from None
+    except json.JSONDecodeError as e:  # e.msg is the parser's words, with no byte of the file
+        raise InputError(f"{shown(path)} is not a readable safetensors file (its header is not JSON: "
+                         f"{shorten(e.msg, 60)} at character {e.pos})", fix=_REDOWNLOAD) from None
+    except (struct.error, ValueError, RecursionError, OSError) as e:
         raise InputError(
             f"{shown(path)} is not a readable safetensors file ({shorten(str(e), 120)})", fix=_REDOWNLOAD
         ) from None
@@ -191,7 +200,7 @@ _SIZE_BOUNDS = {"hidden_size": 1 << 18, "num_hidden_layers": 1 << 12, "num_atten
 def read_model_config(folder: Path) -> dict:
     """The folder's config.json, checked: a JSON object naming model_type, with the sizes llmc computes with as
     whole numbers in a sane range (an absurd hidden_size would become a nonsense estimate or a huge allocation)."""
-    path = Path(folder) / "config.json"
+    path = source_file(Path(folder), "config.json", "model config")
     fix = "point model.source at the folder save_pretrained() wrote (its config.json describes the model)"
     config = read_input_json(path, "model config", MAX_CONFIG_BYTES, fix)
     if not isinstance(config, dict):
@@ -210,7 +219,27 @@ def read_model_config(folder: Path) -> dict:
     if not isinstance(config.get("tie_word_embeddings", False), bool):
         raise InputError(f"model config {shown(path)}: tie_word_embeddings is "
                          f"{excerpt(config['tie_word_embeddings'])}, not true or false", fix=fix)
+    where = _non_finite(config)
+    if where is not None:  # Python's json reads NaN/Infinity (and 1e999 as inf); JSON has no such number
+        raise InputError(f"model config {shown(path)}: {shorten(where, 120)} is not a finite number (NaN or "
+                         "Infinity is not JSON, and no model is defined by one)", fix=fix)
+    # auto_map names remote code (trust_remote_code), which llmc never runs: no artifact carries it on
+    config.pop("auto_map", None)
     return config
+
+
+def _non_finite(value: object) -> str | None:
+    """The dotted key of the first float in `value` that is NaN or infinite, else None (iterative: any depth)."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return where or "the value"
+        if isinstance(v, dict):
+            stack += [(f"{where}.{k}" if where else str(k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return None
 
 
 class CheckpointReader:

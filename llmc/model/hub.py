@@ -131,11 +131,12 @@ def download(spec: HubSpec) -> HubSnapshot:
 
 def _weight_files(spec: HubSpec, commit: str, folder: Path) -> tuple[str, ...]:
     """The shards the index lists (its weight_map values), else the single model.safetensors."""
-    index = folder / INDEX_FILE
+    from llmc.model.checkpoint import read_index
+    from llmc.model.confine import source_file
+
+    index = source_file(folder, INDEX_FILE, "shard index")  # a snapshot links into its blobs/, nowhere else
     if not index.is_file():
         return (SINGLE_WEIGHTS_FILE,)
-    from llmc.model.checkpoint import read_index
-
     return tuple(read_index(index).shards)
 
 

@@ -21,6 +21,7 @@ from llmc.errors import InputError
 from llmc.excerpt import excerpt
 from llmc.inputs import file_kind, shown, stat_input
 from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_files
+from llmc.model.confine import check_folder_confined, source_file
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
 from llmc.resource_errors import raise_if_resource
@@ -170,12 +171,29 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
 
 def _from_folder(path: Path, store: Store, origin: str, kind: str, identity: dict,
                  hub: dict | None = None) -> ModelSource:
-    """Hash every file that defines the model (config, weights, tokenizer) plus `identity` (a Hub commit)."""
+    """Hash every file that defines the model (config, weights, tokenizer) plus `identity` (a Hub commit), after
+    refusing any symbolic link that leaves the folder (`llmc.model.confine`): nothing outside it is read."""
+    if os.path.lexists(path / "config.json"):  # else safetensors_files says it is no model folder (none is walked)
+        check_folder_confined(path)
     files = [path / "config.json", *safetensors_files(path)]
     read_model_config(path)
-    files += [f for f in (path / n for n in TOKENIZER_FILES) if _tokenizer_file(f)]
-    digest = stage_key(kind, {**identity, **{n.name: store.file_hash(n) for n in files}})
+    files += [f for f in (source_file(path, n, "tokenizer file") for n in TOKENIZER_FILES) if _tokenizer_file(f)]
+    digest = stage_key(kind, {**identity, **{n.name: store.file_hash(n) for n in files},
+                              **_card_identity(path, hub)})
     return ModelSource(folder=path.resolve(), sha256=digest, origin=origin, hub=hub)
+
+
+def _card_identity(folder: Path, hub: dict | None) -> dict:
+    """What of the source's README.md reaches an artifact (the license its front matter declares, copied into each
+    model card), as part of the source hash; {} when it declares none, so that the keys of sources without one are
+    the ones they always were. A Hub snapshot's README is not read: llmc does not fetch it, so whether the cache
+    holds one depends on other tools, and the same commit must give the same artifact."""
+    if hub is not None:
+        return {}
+    from llmc.registry.model_card import source_metadata
+
+    license_ = source_metadata(folder).get("license")
+    return {"README.md:license": license_} if isinstance(license_, str) else {}
 
 
 def _tokenizer_file(path: Path) -> bool:

@@ -38,6 +38,7 @@ from torch import nn
 
 from llmc import distributed
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
+from llmc.model.confine import source_file
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.progress import log, steps
 from llmc.quant import moe, true_sequential
@@ -518,8 +519,9 @@ def quantize_model(
     rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)
     for f in TOKENIZER_FILES:
-        if f != INDEX_FILE and (source.folder / f).is_file():  # the source's shard index names none of these files
-            shutil.copyfile(source.folder / f, out / f)
+        path = source_file(source.folder, f, "tokenizer file")  # never a link leaving the folder (exit 7)
+        if f != INDEX_FILE and path.is_file():  # the source's shard index names none of these files
+            shutil.copyfile(path, out / f)
     meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

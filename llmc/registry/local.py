@@ -1,9 +1,12 @@
 """A registry that is a directory: <registry>/<recipe name>/<build id>/{artifacts/, manifest.json, report.md}.
 
 An entry appears by one rename of a fully written temp directory, so a listed entry is complete.
-The same build id already present and intact (every byte as its manifest says, nothing extra, its signature valid
-when a key is set) is a no-op; a modified one is republished (the old folder is renamed away and the new one
-renamed in). manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
+The same build id already present and intact (every byte as its manifest says, nothing extra, the artifact files'
+sha256 those the cache recorded for the export, the model cards and the manifest fields the build determines the
+build's, and a valid signature when a key is set: a missing one is a failure then) is a no-op; any other is
+republished (the old folder is renamed away and the new one renamed in), signed when a key is set. An entry owns its
+bytes: copies or reflinks of the cache's files, never hard links (`llmc.store_links.clone_or_copy`), so damage to
+one entry reaches no other entry and no cached output. manifest.json carries the provenance: sha256 of every file, the resolved recipe, model and data hashes,
 calibration sample ids, package versions, stage timings, evaluation results and gate verdicts; manifest.sig its
 optional HMAC (`llmc.registry.signing`). Each artifact folder gets its model card, README.md
 (`llmc.registry.model_card`).
@@ -15,6 +18,7 @@ the modes the umask gives new ones (0644 / 0755 with the usual 022), whatever th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,7 +39,7 @@ from llmc.progress import log
 from llmc.registry.model_card import CARD_FILE, model_card
 from llmc.registry.outputs import write_report_files
 from llmc.registry.signing import SIGNATURE_FILE, sign, signature_status, signing_key
-from llmc.store_links import link_or_copy
+from llmc.store_links import clone_or_copy
 from llmc.store import (COMPLETE_MARKER, CorruptOutput, Store, atomic_write_json, atomic_write_text, fsync_dir,
                         remove_if_abandoned, record_files, sha256_file, walk_files)
 
@@ -83,10 +87,11 @@ def manifest(result: "BuildResult", entry: Path, files: dict[str, str] | None = 
     }
 
 
-def _copy_keeping_links():
-    """A copytree copy function: a hard link of the cached file where the filesystem allows (the registry then
-    stores no second copy; llmc.store_links), else a copy; sources that were hard links of one file (a Triton
-    repository's version folder links the artifact's files) stay links of one file."""
+def _copy_owning_bytes():
+    """A copytree copy function giving the entry its own bytes (`llmc.store_links.clone_or_copy`: a reflink where the
+    filesystem has them, else a copy; never a hard link into the cache or another entry). Cached files that were
+    links of one file (a Triton repository's version folder links the artifact's files) become links of one copy
+    inside this entry."""
     copied: dict[tuple[int, int], str] = {}
 
     def copy(src: str, dst: str) -> str:
@@ -95,7 +100,7 @@ def _copy_keeping_links():
         if first is not None:
             os.link(first, dst)
         else:
-            link_or_copy(src, dst)
+            clone_or_copy(src, dst)
             copied[(st.st_dev, st.st_ino)] = dst
         return dst
 
@@ -133,7 +138,7 @@ def publish_build(result: "BuildResult", store: Store) -> tuple[Path, bool]:
         sweep_registry(registry)
         if (entry / COMPLETE_MARKER).is_file():
             try:
-                problems = verify_entry(entry)
+                problems = verify_entry(entry) or _differences_from_build(entry, result, store)
             except InputError as e:
                 problems = [e.message]
             if not problems:
@@ -154,12 +159,11 @@ def _write_entry(result: "BuildResult", store: Store, tmp: Path) -> None:
     (tmp / "artifacts").mkdir(parents=True)
     for label, art in result.artifacts.items():
         shutil.copytree(art.dir, confined(tmp, f"artifacts/{label}", what="artifact folder"),
-                        ignore=shutil.ignore_patterns(".*"), copy_function=_copy_keeping_links())
+                        ignore=shutil.ignore_patterns(".*"), copy_function=_copy_owning_bytes())
     write_report_files(result, tmp)
     files = record_files(tmp)  # one read of every byte: the manifest's hashes and the check against the cache
     for label, art in result.artifacts.items():
-        expected = {rel: f for rel, f in store.recorded(art.dir).items()
-                    if not any(part.startswith(".") for part in rel.split("/"))}
+        expected = _published_record(store, art.dir)
         prefix = f"artifacts/{label}/"
         copied = {rel[len(prefix):]: f for rel, f in files.items() if rel.startswith(prefix)}
         problems = _differences(expected, copied)
@@ -181,9 +185,50 @@ def _write_entry(result: "BuildResult", store: Store, tmp: Path) -> None:
     _follow_umask(tmp)
 
 
-def _differences(expected: dict[str, dict], copied: dict[str, dict]) -> list[str]:
-    if not expected:
-        return ["its export recorded no files (written by an older llmc)"]
+# Manifest fields the build determines (the same build id gives the same values; the recipe less where it publishes,
+# as the build id hashes it); the others ("report" with its stage timings, "packages", "overrides") are what the
+# first publication measured or was told, protected by the signature when a key is set.
+_BUILD_FIELDS = ("schema", "build_id", "llmc_version", "recipe", "model", "calibration")
+
+
+def _build_fields(m: dict) -> dict:
+    fields = {k: m.get(k) for k in _BUILD_FIELDS}
+    if isinstance(fields["recipe"], dict):
+        fields["recipe"] = {k: v for k, v in fields["recipe"].items() if k != "publish"}
+    return fields
+
+
+def _differences_from_build(entry: Path, result: "BuildResult", store: Store) -> list[str]:
+    """How an entry that matches its own manifest differs from what this build publishes: the artifact files'
+    sha256 against the cache's record of the export (so an artifact rewritten together with its manifest hash is
+    caught), the model cards (a pure function of the build), and the manifest fields the build determines."""
+    m = read_manifest(entry)
+    have = _build_fields(m)
+    want = _build_fields(json.loads(json.dumps(manifest(result, entry, files={}), default=str)))  # as written
+    problems = [f"manifest field {k!r} differs from the build's" for k in _BUILD_FIELDS if have[k] != want[k]]
+    published = {rel for rel in m["files"] if rel.startswith("artifacts/")}
+    for label, art in result.artifacts.items():
+        prefix = f"artifacts/{label}/"
+        recorded = _published_record(store, art.dir)
+        listed = {rel[len(prefix):]: {"sha256": d} for rel, d in m["files"].items() if rel.startswith(prefix)}
+        card = listed.pop(CARD_FILE, {}).get("sha256")
+        problems += [f"{p} in {prefix} (against the cache's record)" for p in _differences(recorded, listed)]
+        if card != hashlib.sha256(model_card(result, label).encode()).hexdigest():
+            problems.append(f"{prefix}{CARD_FILE} is not this build's model card")
+        published -= {rel for rel in published if rel.startswith(prefix)}
+    return problems + [f"extra {rel} (no artifact of this build)" for rel in sorted(published)]
+
+
+def _published_record(store: Store, export: Path) -> tuple[dict[str, dict], str | None]:
+    """The cache's record of an export's files, less the hidden ones (copytree leaves those out), or why none."""
+    recorded, why = store.record(export)
+    return {rel: f for rel, f in recorded.items() if not any(part.startswith(".") for part in rel.split("/"))}, why
+
+
+def _differences(expected: tuple[dict[str, dict], str | None], copied: dict[str, dict]) -> list[str]:
+    expected, why = expected
+    if why:
+        return [f"the cached export has no record of its files: {why}"]
     problems = [f"missing {rel}" for rel in sorted(set(expected) - set(copied))]
     problems += [f"extra {rel}" for rel in sorted(set(copied) - set(expected))]
     problems += [f"modified {rel} (sha256 differs)" for rel in sorted(set(expected) & set(copied))

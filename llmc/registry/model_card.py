@@ -30,12 +30,21 @@ DEMO_ORIGINS = {
 _LIBRARIES = {"gguf": "gguf", "onnx": "onnxruntime"}
 
 
+CARD_BYTES = 200_000  # of the source's README.md read for its front matter
+
+
 def source_metadata(folder: Path | None) -> dict:
-    """The YAML front matter of the source's own README.md (its license and base model), {} when absent or unreadable."""
-    card = Path(folder) / CARD_FILE if folder else None
-    if card is None or not card.is_file() or card.is_symlink():
+    """The YAML front matter of the source's own README.md (its license and base model), {} when absent or unreadable.
+    Read through `llmc.model.confine.source_file`: a README linked outside the folder is refused (exit 7)."""
+    from llmc.model.confine import source_file
+
+    if not folder:
         return {}
-    text = card.read_text(encoding="utf-8", errors="replace")[:200_000]
+    card = source_file(Path(folder), CARD_FILE, "model card")
+    if not card.is_file():
+        return {}
+    with open(card, "rb") as f:
+        text = f.read(CARD_BYTES).decode("utf-8", errors="replace")
     if not text.startswith("---"):
         return {}
     try:
@@ -45,12 +54,16 @@ def source_metadata(folder: Path | None) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def base_model_and_license(result: "BuildResult") -> tuple[str, str]:
+def base_model_and_license(result: "BuildResult") -> tuple[str | None, str]:
+    """The card's base_model (a Hub id or the recipe's model name; None for an unnamed local folder, whose path is
+    this machine's business) and license (a local source's own card's; `llmc.model.source` hashes it)."""
     origin = result.recipe.model.source
     if origin in DEMO_ORIGINS:
         return DEMO_ORIGINS[origin]
+    if result.source.hub:  # its README is not fetched (llmc.model.source._card_identity)
+        return result.recipe.model.name or result.source.hub["repo_id"], "unknown"
     license_ = source_metadata(result.source.folder).get("license")  # inherited from the source's own card
-    return result.recipe.model.name or origin, license_ if isinstance(license_, str) else "unknown"
+    return result.recipe.model.name, license_ if isinstance(license_, str) else "unknown"
 
 
 def serve_command(artifact_dir: Path) -> str | None:
@@ -118,7 +131,7 @@ def model_card(result: "BuildResult", label: str) -> str:
     base_model, license_ = base_model_and_license(result)
     rows = variant_metrics(result, label)
     meta = {
-        "base_model": base_model,
+        **({"base_model": base_model} if base_model else {}),
         "base_model_relation": "quantized",
         "library_name": _LIBRARIES.get(art.format.split("-")[0], "transformers"),
         "license": license_,
@@ -129,8 +142,9 @@ def model_card(result: "BuildResult", label: str) -> str:
     scheme = art.scheme_detail
     cal = result.calibration or {}
     ev = result.recipe.eval
+    of = base_model or Path(result.recipe.model.source).name  # an unnamed local folder: its name, not its path
     out = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
-           f"# {result.recipe.name} / {label}: {art.scheme} of {base_model}", "",
+           f"# {result.recipe.name} / {label}: {art.scheme} of {of}", "",
            f"Quantized by llmc {__version__} from `{result.recipe.model.source}` for `{art.target.get('runtime')}` "
            f"({art.format}).", "", "## Scheme", "", "```json", json.dumps(scheme, indent=1, sort_keys=True), "```", ""]
     out += ["## Calibration", ""]

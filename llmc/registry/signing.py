@@ -1,8 +1,11 @@
 """Optional manifest signature: HMAC-SHA256 of manifest.json's bytes, written beside it as manifest.sig.
 
 The key comes from the environment: LLMC_SIGNING_KEY (the key itself) or LLMC_SIGNING_KEY_FILE (a file holding
-it; surrounding whitespace is stripped). With a key, `llmc publish` signs and `llmc inspect`/`verify` check; without
-one, they say whether the entry is signed. The key is never printed or logged.
+it; surrounding whitespace is stripped). The MAC covers every byte of manifest.json: the file list and every other
+field (recipe, model and data hashes, report). With a key set, an entry without a valid signature is a failure
+everywhere: `llmc inspect`/`verify` exit non-zero, and publishing (`llmc build`, `llmc publish`, the registry hook)
+republishes it, signed, as it does any entry that differs from its build. Without a key they only say whether
+the entry is signed. The key is never printed or logged.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def signature_status(entry: Path, key: bytes | None) -> tuple[str, bool]:
     """(what to print, whether it is a failure) for the entry's signature under `key`."""
     sig_path = Path(entry) / SIGNATURE_FILE
     if not sig_path.is_file() or sig_path.is_symlink():
+        if key is not None:
+            return f"MISSING (a signing key is set, and the entry has no {SIGNATURE_FILE})", True
         return "unsigned", False
     if key is None:
         return f"signed; not checked (set {KEY_VARIABLE} or {KEY_FILE_VARIABLE} to check it)", False

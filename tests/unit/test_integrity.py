@@ -70,6 +70,10 @@ class Built:
 def _built_once(tmp_path_factory, tiny_model_factory_module) -> Built:
     root = tmp_path_factory.mktemp("built")
     model = tiny_model_factory_module(root / "model")
+    config = json.loads((model / "config.json").read_text())  # remote code llmc never runs, and a card to inherit
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
     recipe = tiny_recipe(model, root / "registry")
     result = build(parse_recipe(recipe), Store(root / "cache"))
     assert result.published is not None
@@ -325,11 +329,11 @@ def test_manifest_signature_with_a_key_from_the_environment(published, tmp_path:
     b = published
     secret = "k3y-that-must-never-be-printed"
     monkeypatch.setenv("LLMC_SIGNING_KEY", secret)
-    unsigned = CliRunner().invoke(main, ["inspect", str(b.entry)])  # published without a key
-    assert unsigned.exit_code == 0 and "signature: unsigned" in unsigned.output
+    unsigned = CliRunner().invoke(main, ["inspect", str(b.entry)])  # published without a key: a failure with one
+    assert unsigned.exit_code == 7 and "signature: MISSING" in unsigned.output
     assert CliRunner().invoke(main, ["verify", "--require-signature", str(b.entry)]).exit_code == 7
-    shutil.rmtree(b.entry)
-    result = b.build()
+    result = b.build()  # publishing signs the entry that lacked a signature
+    assert not result.publish_noop
     assert (b.entry / "manifest.sig").is_file() and verify_entry(b.entry) == []
     ok = CliRunner().invoke(main, ["inspect", str(b.entry)])
     assert ok.exit_code == 0 and "signature: valid" in ok.output
@@ -476,3 +480,85 @@ def test_atomic_writes_follow_the_umask(tmp_path: Path, umask: int, file_mode: i
     finally:
         os.umask(old)
     assert (tmp_path / "stage" / "marker.json").stat().st_mode & 0o777 == file_mode
+
+
+# ------------------------------------------------------------------ independent, self-healing registry entries
+
+
+def _verify(path: Path) -> int:
+    return CliRunner().invoke(main, ["verify", str(path)]).exit_code
+
+
+def test_one_corrupted_entry_leaves_every_other_entry_and_the_cache_verifying(published) -> None:
+    b = published
+    shutil.rmtree(b.registry)  # published afresh from this cache, as a real publication is (not a test's copy)
+    first = b.build()
+    second = build(parse_recipe(b.recipe.replace("name: tiny-fp8", "name: tiny-fp8-again")), b.store)
+    assert second.build_id != first.build_id
+    assert {a.dir for a in second.artifacts.values()} == {b.export}  # both entries publish the one cached export
+    entries = [first.published, second.published]
+    (model_file,) = list(entries[0].glob("artifacts/*/model.safetensors"))
+    _flip_byte_keeping_mtime(model_file)
+    assert _verify(entries[0]) == 7
+    assert _verify(entries[1]) == 0  # owns its bytes: no hard link shared with the other entry...
+    assert _verify(b.export) == 0  # ...nor with the cache
+    for entry in entries:
+        for f in entry.rglob("*"):
+            if f.is_file() and f.name == "model.safetensors":
+                assert f.stat().st_nlink == 1
+
+
+def test_an_artifact_rewritten_with_its_manifest_hash_is_repaired_by_publish(published, tmp_path: Path,
+                                                                              capsys) -> None:
+    b = published
+    (model_file,) = list(b.entry.glob("artifacts/*/model.safetensors"))
+    rel = model_file.relative_to(b.entry).as_posix()
+    _flip_byte_keeping_mtime(model_file)
+    m = json.loads((b.entry / "manifest.json").read_text())
+    m["files"][rel] = sha256_file(model_file)  # the tampering covers its tracks: the entry matches its manifest
+    (b.entry / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    assert verify_entry(b.entry) == []
+    (tmp_path / "recipe.yaml").write_text(b.recipe)
+    out = CliRunner().invoke(main, ["publish", "--cache-dir", str(b.cache), str(tmp_path / "recipe.yaml")])
+    assert out.exit_code == 0, out.output
+    assert "no-op" not in out.output and "against the cache's record" in capsys.readouterr().err + out.output
+    assert sha256_file(model_file) == b.clean["model.safetensors"]
+    assert verify_entry(b.entry) == [] and b.build().publish_noop  # repaired, and intact from then on
+
+
+def test_a_manifest_field_the_build_determines_is_repaired_by_publish(published) -> None:
+    b = published
+    m = json.loads((b.entry / "manifest.json").read_text())
+    m["model"] = {"source": "elsewhere", "sha256": "0" * 32}  # provenance rewritten, no file touched
+    (b.entry / "manifest.json").write_text(json.dumps(m))
+    assert verify_entry(b.entry) == []  # without a key the entry alone cannot tell; the build can
+    assert not b.build().publish_noop
+    assert json.loads((b.entry / "manifest.json").read_text())["model"]["source"] == str(b.model)
+
+
+def test_a_stripped_signature_fails_everywhere_with_a_key_set(published, monkeypatch) -> None:
+    b = published
+    monkeypatch.setenv("LLMC_SIGNING_KEY", "k3y")
+    assert not b.build().publish_noop and (b.entry / "manifest.sig").is_file()  # signed the unsigned entry
+    (b.entry / "manifest.sig").unlink()
+    for command in ("inspect", "verify"):
+        out = CliRunner().invoke(main, [command, str(b.entry)])
+        assert out.exit_code == 7 and "MISSING" in out.output, out.output
+    from llmc.registry.hub import upload_plan
+
+    with pytest.raises(InputError, match="signature MISSING"):
+        upload_plan(b.entry, "org/name")
+    assert not b.build().publish_noop and verify_entry(b.entry) == []  # publish signs it again
+    monkeypatch.delenv("LLMC_SIGNING_KEY")
+    (b.entry / "manifest.sig").unlink()
+    assert _verify(b.entry) == 0  # without a key, an unsigned entry is what it always was
+
+
+def test_the_published_config_carries_no_remote_code_and_the_card_no_local_path(published) -> None:
+    (label_dir,) = list((published.entry / "artifacts").iterdir())
+    assert "auto_map" not in json.loads((label_dir / "config.json").read_text())
+    card = (label_dir / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0"  # inherited from the source's own card
+    assert "base_model" not in meta  # an unnamed local folder: its path is this machine's business
+    assert str(published.model) not in card.split("---")[1]

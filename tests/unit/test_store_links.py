@@ -1,5 +1,5 @@
-"""Identical files are stored once: stage outputs share them through hard links, the registry links into the cache,
-a file changed in place is never shared again, and unreferenced blobs are swept."""
+"""Identical files are stored once: stage outputs share them through hard links, a file changed in place is never
+shared again, and unreferenced blobs are swept. The registry never links into the cache: it clones or copies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from llmc.store import Store
-from llmc.store_links import LINK_MIN_BYTES, link_or_copy, sweep_blobs
+from llmc.store_links import LINK_MIN_BYTES, clone_or_copy, sweep_blobs
 
 WEIGHTS = os.urandom(LINK_MIN_BYTES + 5)
 
@@ -56,8 +56,12 @@ def test_blobs_nothing_links_to_are_swept(tmp_path: Path) -> None:
     assert sweep_blobs(store.root / "blobs") == blobs and not blobs[0].exists()
 
 
-def test_link_or_copy_links_on_one_filesystem(tmp_path: Path) -> None:
+def test_clone_or_copy_gives_the_copy_its_own_inode(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    src.write_bytes(b"x" * 10)
-    link_or_copy(src, tmp_path / "dst")
-    assert _inode(tmp_path / "dst") == _inode(src)
+    src.write_bytes(WEIGHTS)
+    (tmp_path / "dst").write_bytes(b"longer than nothing" * 2)  # replaced, not appended to
+    clone_or_copy(src, tmp_path / "dst")
+    assert _inode(tmp_path / "dst") != _inode(src) and (tmp_path / "dst").read_bytes() == WEIGHTS
+    with open(tmp_path / "dst", "r+b") as f:  # a write to the copy changes nothing of the original
+        f.write(b"\0" * 16)
+    assert src.read_bytes() == WEIGHTS
