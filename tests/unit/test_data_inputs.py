@@ -59,11 +59,13 @@ def child(kind: str, path: Path, what: str = "rows") -> subprocess.CompletedProc
                           text=True, timeout=300, cwd=REPO)
 
 
-def test_deeply_nested_jsonl_row_is_exit_7_not_a_crash(tmp_path: Path) -> None:
-    """Through `datasets`, pyarrow's JSON reader died with SIGSEGV on this row (bb4e556)."""
+@pytest.mark.parametrize("nest", ['{"a": ', "["])
+def test_deeply_nested_jsonl_row_is_exit_7_not_a_crash(tmp_path: Path, nest: str) -> None:
+    """Through `datasets`, 100,000 nested objects killed the process with SIGSEGV (bb4e556; arrays: exit 1)."""
     path = tmp_path / "deep.jsonl"
     depth = 100_000
-    path.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": ' + "[" * depth + "]" * depth + "}\n")
+    inner = nest * depth + ("1" + "}" * depth if nest.startswith("{") else "]" * depth)
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": ' + inner + "}\n")
     done = child("jsonl", path)
     assert done.returncode == 7, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "deep.jsonl: line 2 nests more deeply" in done.stdout
