@@ -19,7 +19,7 @@ from llmc.calibration.corpora import brown_documents
 from llmc.data.registry import Row, loader
 from llmc.data.sources import label
 from llmc.errors import InputError
-from llmc.excerpt import shorten
+from llmc.excerpt import excerpt, shorten
 from llmc.inputs import read_input_text, shown
 
 
@@ -181,8 +181,8 @@ def _column_rows(source, where: str, records: Iterable[tuple[object, Path]]) -> 
         if column is None:
             column = "text" if isinstance(record, dict) and "text" in record else None
             if column is None:
-                keys = ", ".join(sorted(map(str, record))[:20]) if isinstance(record, dict) else ""
-                raise InputError(f"{where}: which column holds the text? (columns: {keys})",
+                raise InputError(f"{shown(where)}: which column holds the text? (columns: "
+                                 f"{_names(record if isinstance(record, dict) else [])})",
                                  fix="set 'field' (plain text) or 'messages' (chat turns)")
         value = _row_value(record, column, path, f"row {i}")
         if value is None:
@@ -193,14 +193,14 @@ def _column_rows(source, where: str, records: Iterable[tuple[object, Path]]) -> 
         if source.messages is not None:
             if not isinstance(value, list) or not all(isinstance(t, dict) and "role" in t and "content" in t
                                                       for t in value):
-                raise InputError(f"{where} row {i}: '{column}' is not a list of {{role, content}} turns",
+                raise InputError(f"{shown(where)} row {i}: {excerpt(column)} is not a list of {{role, content}} turns",
                                  fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
             yield Row(source=label(source), row=str(i),
                       messages=tuple({"role": t["role"], "content": t["content"]} for t in value))
         elif str(value).strip():
             yield Row(source=label(source), row=str(i), text=str(value))
     if not any_value and column is not None and column not in seen:
-        raise InputError(f"{where} has no column '{column}' (columns: {', '.join(sorted(seen)[:20])})",
+        raise InputError(f"{shown(where)} has no column {excerpt(column)} (columns: {_names(seen)})",
                          fix="name an existing column in 'field' (plain text) or 'messages' (chat turns)")
 
 
@@ -225,6 +225,11 @@ def parquet(source, *, max_chars: int | None = None) -> Iterator[Row]:
     yield from _column_rows(source, source.path, batches())
 
 
+def _names(columns: Iterable) -> str:
+    """Column names for a message: escaped, sorted, the first 20."""
+    return shorten(", ".join(excerpt(str(c), 40) for c in sorted(map(str, columns))[:20]), 400)
+
+
 def _arrow_column(schema, source, where: str) -> str:
     """The column a source reads, checked against an Arrow schema before any row is read: a string column for
     `field`, a list of {role, content} structs for `messages`."""
@@ -232,21 +237,22 @@ def _arrow_column(schema, source, where: str) -> str:
 
     column = source.field or source.messages or ("text" if "text" in schema.names else None)
     if column is None:
-        raise InputError(f"{where}: which column holds the text? (columns: {', '.join(schema.names[:20])})",
+        raise InputError(f"{shown(where)}: which column holds the text? (columns: {_names(schema.names)})",
                          fix="set 'field' (plain text) or 'messages' (chat turns)")
     if column not in schema.names:
-        raise InputError(f"{where} has no column '{column}' (columns: {', '.join(schema.names[:20])})",
+        raise InputError(f"{shown(where)} has no column {excerpt(column)} (columns: {_names(schema.names)})",
                          fix="name an existing column in 'field' (plain text) or 'messages' (chat turns)")
     t = schema.field(column).type
     if source.messages is not None:
         turn = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else None
         ok = turn is not None and pa.types.is_struct(turn) and {"role", "content"} <= {f.name for f in turn}
         if not ok:
-            raise InputError(f"{where}: column '{column}' is {shorten(str(t), 80)}, not a list of {{role, content}} turns",
+            raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not a list of "
+                             "{role, content} turns",
                              fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
     elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
               or pa.types.is_floating(t)):
-        raise InputError(f"{where}: column '{column}' is {shorten(str(t), 80)}, not text",
+        raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not text",
                          fix="point 'field' at a column of strings")
     return column
 

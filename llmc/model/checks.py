@@ -7,12 +7,14 @@ alone (no tensor data is read), so that a source llmc would mis-handle fails wit
   `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. A GGUF
   source is the one quantized input llmc takes: transformers' GGUF reader dequantizes it exactly to the declared
   dtype and the recipe quantizes that again; the plan says so.
-- **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added tokens,
-  config.json's and generation_config.json's ids) indexes a row of the embedding (and of the output head), and
+- **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
+  tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a row of the embedding (and of the output head), and
   `vocab_size` is the embedding's row count; heads, head_dim and the attention projections agree; model_type is a
   plain identifier; the recipe's seq_len fits `max_position_embeddings`; chat data has a chat template.
 
-The functions taking (config, tensors, facts) are pure; `check_source` gathers those inputs from a folder.
+The functions taking (config, tensors, facts) are pure; `check_source` gathers those inputs from a folder (the
+tokenizer is loaded, after its files pass llmc.model.tokenizer_files' size and shape checks: tokenizers renumbers
+an added token whose id is taken, so only the loaded tokenizer's ids are the ones the build will use).
 """
 
 from __future__ import annotations
@@ -205,13 +207,9 @@ def check_vocabulary(config: dict, tensors: Tensors, facts: TokenizerFacts, wher
     fix = (f"use the tokenizer this checkpoint was trained with (its ids must stay below {size:,}), or a checkpoint "
            "whose embedding covers this tokenizer; a tokenizer rebuilt from another file (e.g. a GGUF header) can "
            "number its tokens differently")
-    named = {f"the tokenizer's {role} ({facts.special_from[role]})": i for role, i in facts.special_ids.items()}
+    named = {f"the tokenizer's {role}": i for role, i in facts.special_ids.items()}
     if facts.max_id is not None:
-        named[f"the tokenizer's highest token id ({facts.max_id_from})"] = facts.max_id
-        for role, file in facts.unresolved.items():
-            # transformers appends a special token that is in no vocabulary, as the next id
-            named[f"the tokenizer's {role} ({file}; in no vocabulary, so transformers adds it as a new id)"] = \
-                facts.max_id + 1
+        named["the tokenizer's highest token id (its vocabulary and added tokens)"] = facts.max_id
     named.update(_config_token_ids(config, generation))
     for what, token_id in sorted(named.items(), key=lambda kv: -kv[1]):
         if token_id >= size:
@@ -276,7 +274,7 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
     from llmc.inputs import read_input_json, read_input_text, shown
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-    from llmc.model.tokenizer_files import read_tokenizer_facts
+    from llmc.model.tokenizer_files import load_tokenizer, tokenizer_facts
 
     where = shown(folder) if folder is not None else shown(recipe.model.source)
     check_config(config, where)
@@ -302,9 +300,9 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
                 if os.path.lexists(folder / "README.md") else "")
         refuse_quantized(found, where, base_model_of(card))
     check_shapes(config, tensors, where)
-    facts = read_tokenizer_facts(folder)
+    facts = tokenizer_facts(load_tokenizer(folder))  # the files size-capped and checked first
     generation = (read_input_json(folder / "generation_config.json", "generation config", 1 << 20, fix)
-                  if "generation_config.json" in facts.files else None)
+                  if os.path.lexists(folder / "generation_config.json") else None)
     check_vocabulary(config, tensors, facts, where, generation if isinstance(generation, dict) else None)
     check_recipe_fits(config, seq_lens, _chat_sources(recipe), facts.has_chat_template, where)
     return [statement] if statement else []

@@ -2,9 +2,9 @@
 
 transformers reads tokenizer.json, tokenizer_config.json and special_tokens_map.json whole, so a 500 MB garbage
 file costs ~1.4 GB before it fails with an internal error. Here each file is size-capped (a cap is several times
-the largest real file of its kind), must be a JSON object of the expected shape, and yields only what the
-consistency checks need (`TokenizerFacts`: the highest id, the special tokens' ids, a chat template's presence).
-`load_tokenizer` loads the tokenizer only after those checks, and turns a refusal by `tokenizers` into exit 7.
+the largest real file of its kind) and must be a JSON object of the expected shape.
+`load_tokenizer` loads the tokenizer only after those checks, and turns a refusal by `tokenizers` into exit 7;
+`tokenizer_facts` gives the consistency checks (llmc.model.checks) its ids as transformers numbers them.
 """
 
 from __future__ import annotations
@@ -34,15 +34,23 @@ _FIX = "replace the tokenizer files with those the model's tokenizer.save_pretra
 
 @dataclass
 class TokenizerFacts:
-    """What a folder's tokenizer files say, without loading the tokenizer."""
+    """What the consistency checks need from a loaded tokenizer (`tokenizer_facts`)."""
 
-    max_id: int | None = None  # the highest id of the vocabulary and added tokens (None: no file gave a vocabulary)
-    max_id_from: str = ""  # which file gave it
-    special_ids: dict[str, int] = field(default_factory=dict)  # role ('bos_token', 'eos_token', ...) -> id
-    special_from: dict[str, str] = field(default_factory=dict)  # role -> the file that named it
-    unresolved: dict[str, str] = field(default_factory=dict)  # role -> file, for a token in no vocabulary
+    max_id: int | None = None  # the highest id it can produce: len(tokenizer) - 1
+    special_ids: dict[str, int] = field(default_factory=dict)  # 'bos_token', ..., or an added special token's text
     has_chat_template: bool = False
-    files: list[str] = field(default_factory=list)  # the tokenizer files present
+
+
+def tokenizer_facts(tokenizer) -> TokenizerFacts:
+    """The ids as transformers actually numbers them (tokenizers renumbers an added token whose id is taken, so a
+    file's ids cannot be trusted), and whether a chat template is there."""
+    special = {role: getattr(tokenizer, f"{role}_id", None) for role in SPECIAL_ROLES}
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            special.setdefault(f"added special token {token_id}", token_id)
+    return TokenizerFacts(max_id=len(tokenizer) - 1 if len(tokenizer) else None,
+                          special_ids={k: v for k, v in special.items() if type(v) is int},
+                          has_chat_template=bool(getattr(tokenizer, "chat_template", None)))
 
 
 def _read(folder: Path, name: str, kind: type | tuple[type, ...] = dict):
@@ -65,86 +73,65 @@ def _bad(folder: Path, name: str, what: str) -> InputError:
     return InputError(f"tokenizer file {shown(folder / name)}: {what}", fix=_FIX)
 
 
-def read_tokenizer_facts(folder: Path) -> TokenizerFacts:
-    """Read every tokenizer file present in `folder` with its cap; InputError (exit 7) naming the file for one
-    that is too large, not JSON, or not shaped as that file is."""
+def check_tokenizer_files(folder: Path) -> None:
+    """Read every tokenizer file present in `folder` with its cap: InputError (exit 7) naming the file for one that
+    is too large, not JSON, or not shaped as that file is, before transformers reads any of them whole."""
     folder = Path(folder)
-    facts = TokenizerFacts(files=[n for n in (*JSON_CAPS, *OTHER_CAPS) if os.path.lexists(folder / n)])
     for name, cap in OTHER_CAPS.items():
-        if name in facts.files:
+        if os.path.lexists(folder / name):
             st = stat_input(folder / name, "tokenizer file", _FIX)
             if st.st_size > cap:
                 raise _bad(folder, name, f"{st.st_size:,} bytes; at most {cap:,} are read")
-    ids: dict[str, int] = {}  # token text -> id, from every vocabulary and added-token list
-    highest: list[tuple[int, str]] = []
+    for name in JSON_CAPS:
+        if os.path.lexists(folder / name):
+            _CHECKS.get(name, lambda folder, value: None)(folder, _read(folder, name))
 
-    def learn(text, id_, name: str) -> None:
-        if not (isinstance(text, str) and type(id_) is int and id_ >= 0):
-            raise _bad(folder, name, "a token entry is not a (text, non-negative id) pair")
-        ids.setdefault(text, id_)
-        highest.append((id_, name))
 
-    if "tokenizer.json" in facts.files:
-        tj = _read(folder, "tokenizer.json")
-        model = tj.get("model")
-        if not isinstance(model, dict):
-            raise _bad(folder, "tokenizer.json", "has no 'model' object")
-        vocab = model.get("vocab")
-        if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: text -> id
-            for text, id_ in vocab.items():
-                learn(text, id_, "tokenizer.json")
-        elif isinstance(vocab, list):  # Unigram: [[text, score], ...], the id is the position
-            for id_, entry in enumerate(vocab):
-                if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
-                    raise _bad(folder, "tokenizer.json", f"vocabulary entry {id_} is not a [text, score] pair")
-                ids.setdefault(entry[0], id_)
-            if vocab:
-                highest.append((len(vocab) - 1, "tokenizer.json"))
-        elif vocab is not None:
-            raise _bad(folder, "tokenizer.json", "its model's vocab is neither an object nor a list")
-        added = tj.get("added_tokens", [])
-        if not isinstance(added, list) or not all(isinstance(a, dict) for a in added):
-            raise _bad(folder, "tokenizer.json", "added_tokens is not a list of objects")
-        for a in added:
-            learn(a.get("content"), a.get("id"), "tokenizer.json")
-        del tj, model, vocab, added
-    if "vocab.json" in facts.files:
-        for text, id_ in _read(folder, "vocab.json").items():
-            learn(text, id_, "vocab.json")
-    if "added_tokens.json" in facts.files:
-        for text, id_ in _read(folder, "added_tokens.json").items():
-            learn(text, id_, "added_tokens.json")
-    maps: list[tuple[str, dict]] = []
-    if "tokenizer_config.json" in facts.files:
-        tc = _read(folder, "tokenizer_config.json")
-        decoder = tc.get("added_tokens_decoder", {})
-        if not isinstance(decoder, dict):
-            raise _bad(folder, "tokenizer_config.json", "added_tokens_decoder is not an object")
-        for key, entry in decoder.items():
-            if not (isinstance(key, str) and key.isdigit() and len(key) < 12):
-                raise _bad(folder, "tokenizer_config.json", "an added_tokens_decoder key is not a token id")
-            learn(_token_text(entry), int(key), "tokenizer_config.json")
-        facts.has_chat_template = bool(tc.get("chat_template"))
-        maps.append(("tokenizer_config.json", tc))
-    if "special_tokens_map.json" in facts.files:
-        maps.append(("special_tokens_map.json", _read(folder, "special_tokens_map.json")))
-    if "chat_template.json" in facts.files:
-        facts.has_chat_template = facts.has_chat_template or bool(_read(folder, "chat_template.json").get("chat_template"))
-    facts.has_chat_template = facts.has_chat_template or "chat_template.jinja" in facts.files
-    if highest:
-        facts.max_id, facts.max_id_from = max(highest)
-    for name, mapping in reversed(maps):  # tokenizer_config.json wins, as in transformers
-        for role in SPECIAL_ROLES:
-            text = _token_text(mapping.get(role))
-            if text is None:
-                continue
-            if text in ids:
-                facts.special_ids[role], facts.special_from[role] = ids[text], name
-                facts.unresolved.pop(role, None)
-            elif highest:  # transformers appends a special token missing from the vocabulary: a new id
-                facts.unresolved[role] = name
-                facts.special_ids.pop(role, None)
-    return facts
+def _tokenizer_json(folder: Path, tj: dict) -> None:
+    model = tj.get("model")
+    if not isinstance(model, dict):
+        raise _bad(folder, "tokenizer.json", "has no 'model' object")
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: text -> id
+        if not all(type(i) is int and i >= 0 for i in vocab.values()):
+            raise _bad(folder, "tokenizer.json", "a vocabulary id is not a non-negative whole number")
+    elif isinstance(vocab, list):  # Unigram: [[text, score], ...]
+        if not all(isinstance(e, list) and e and isinstance(e[0], str) for e in vocab):
+            raise _bad(folder, "tokenizer.json", "a vocabulary entry is not a [text, score] pair")
+    elif vocab is not None:
+        raise _bad(folder, "tokenizer.json", "its model's vocab is neither an object nor a list")
+    added = tj.get("added_tokens", [])
+    if not (isinstance(added, list) and all(isinstance(a, dict) and isinstance(a.get("content"), str)
+                                            and type(a.get("id")) is int and a["id"] >= 0 for a in added)):
+        raise _bad(folder, "tokenizer.json", "added_tokens is not a list of {id, content} objects")
+
+
+def _tokenizer_config(folder: Path, tc: dict) -> None:
+    decoder = tc.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise _bad(folder, "tokenizer_config.json", "added_tokens_decoder is not an object")
+    for key, entry in decoder.items():
+        if not (key.isdigit() and len(key) < 12):
+            raise _bad(folder, "tokenizer_config.json", "an added_tokens_decoder key is not a token id")
+        if not (isinstance(entry, dict) and isinstance(entry.get("content"), str)):
+            raise _bad(folder, "tokenizer_config.json", "an added_tokens_decoder entry has no content")
+    _special_tokens(folder, tc, "tokenizer_config.json")
+
+
+def _special_tokens(folder: Path, mapping: dict, name: str = "special_tokens_map.json") -> None:
+    for role in SPECIAL_ROLES:
+        value = mapping.get(role)
+        if value is not None and _token_text(value) is None:
+            raise _bad(folder, name, f"{role} is neither a string nor an object with a string content")
+
+
+def _token_ids(folder: Path, ids: dict, name: str = "added_tokens.json") -> None:
+    if not all(type(i) is int and i >= 0 for i in ids.values()):
+        raise _bad(folder, name, "a token id is not a non-negative whole number")
+
+
+_CHECKS = {"tokenizer.json": _tokenizer_json, "tokenizer_config.json": _tokenizer_config,
+           "special_tokens_map.json": _special_tokens, "added_tokens.json": _token_ids, "vocab.json": _token_ids}
 
 
 def load_tokenizer(folder: Path):
@@ -152,13 +139,13 @@ def load_tokenizer(folder: Path):
     transformers refuses is InputError (exit 7) naming the folder, not an internal error."""
     from transformers import AutoTokenizer
 
-    read_tokenizer_facts(folder)
+    check_tokenizer_files(folder)
     try:
         return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as e:
-        raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded ({type(e).__name__}: "
-                         f"{shorten(str(e).splitlines()[0] if str(e) else '', 120)})", fix=_FIX) from None
-    except Exception as e:  # tokenizers' Rust errors (a PyO3 exception type), e.g. an unknown model type
-        if type(e).__module__.split(".")[0] not in ("tokenizers", "builtins"):
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers' Rust side raise many types (PyO3: Exception)
+        if not isinstance(e, (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)) \
+                and type(e).__module__.split(".")[0] not in ("tokenizers", "builtins"):
             raise
-        raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded ({type(e).__name__})", fix=_FIX) from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded ({type(e).__name__}: {shorten(first, 120)})",
+                         fix=_FIX) from None

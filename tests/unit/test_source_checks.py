@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from llmc.cli import main
 from llmc.errors import InputError
 from llmc.model import checks
-from llmc.model.tokenizer_files import TokenizerFacts, read_tokenizer_facts
+from llmc.model.tokenizer_files import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build import recipe_text  # noqa: E402
@@ -139,7 +139,8 @@ def test_bos_past_the_embedding_is_refused_at_plan_time(tiny_model_session: Path
     edit_json(model / "tokenizer_config.json", bos_token="<|bos|>")
     code, out = plan(model, tmp_path)
     assert code == 7, out
-    assert f"id {rows + 1:,}, past the {rows:,}-row embedding" in out and "tokenizer" in out
+    # tokenizers numbers an added token past a gap as the next free id: rows, still past the embedding
+    assert f"bos_token is id {rows:,}, past the {rows:,}-row embedding" in out
 
 
 def test_config_token_ids_and_vocab_size_against_the_embedding(tiny_model_session: Path, tmp_path: Path) -> None:
@@ -154,23 +155,37 @@ def test_config_token_ids_and_vocab_size_against_the_embedding(tiny_model_sessio
     assert code == 7 and f"vocab_size is {rows + 10:,} but model.embed_tokens.weight has {rows:,} rows" in out, out
 
 
-def test_facts_from_the_tokenizer_files(tiny_model_session: Path) -> None:
-    facts = read_tokenizer_facts(tiny_model_session)
-    from transformers import AutoTokenizer
+def test_an_added_token_whose_id_is_taken_is_checked_as_transformers_numbers_it(tiny_model_session: Path,
+                                                                                 tmp_path: Path) -> None:
+    """tokenizer.json says the new BOS is id 5, which the vocabulary already uses: tokenizers renumbers it to the
+    first free id, past the embedding (found by test_fuzz_sources). The loaded tokenizer's ids are checked."""
+    model = copy_model(tiny_model_session, tmp_path)
+    rows = json.loads((model / "config.json").read_text())["vocab_size"]
+    tj = json.loads((model / "tokenizer.json").read_text())
+    tj["added_tokens"].append({"id": 5, "content": "<|bos|>", "single_word": False, "lstrip": False, "rstrip": False,
+                               "normalized": False, "special": True})
+    (model / "tokenizer.json").write_text(json.dumps(tj))
+    edit_json(model / "tokenizer_config.json", bos_token="<|bos|>")
+    code, out = plan(model, tmp_path)
+    assert code == 7 and f"bos_token is id {rows:,}, past the {rows:,}-row embedding" in out, out
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_session)
-    assert facts.max_id == len(tok) - 1
-    assert facts.special_ids == {"bos_token": tok.bos_token_id, "eos_token": tok.eos_token_id,
-                                 "unk_token": tok.unk_token_id}
-    assert not facts.has_chat_template
+
+def test_facts_of_a_loaded_tokenizer(tiny_model_session: Path) -> None:
+    tok = load_tokenizer(tiny_model_session)
+    facts = tokenizer_facts(tok)
+    assert facts.max_id == len(tok) - 1 and not facts.has_chat_template
+    assert {facts.special_ids[r] for r in ("bos_token", "eos_token", "unk_token")} == {
+        tok.bos_token_id, tok.eos_token_id, tok.unk_token_id}
 
 
-def test_unresolved_special_token_is_predicted_as_the_next_id() -> None:
-    facts = TokenizerFacts(max_id=99, max_id_from="tokenizer.json", unresolved={"pad_token": "tokenizer_config.json"})
-    tensors = {"model.embed_tokens.weight": ("F32", (100, 8))}
-    with pytest.raises(InputError, match="pad_token .*id 100, past the 100-row embedding"):
-        checks.check_vocabulary({"vocab_size": 100}, tensors, facts, "/m")
+def test_vocabulary_check_is_a_pure_function() -> None:
+    facts = TokenizerFacts(max_id=99, special_ids={"pad_token": 100})
+    with pytest.raises(InputError, match="pad_token is id 100, past the 100-row embedding"):
+        checks.check_vocabulary({"vocab_size": 100}, {"model.embed_tokens.weight": ("F32", (100, 8))}, facts, "/m")
     checks.check_vocabulary({"vocab_size": 101}, {"model.embed_tokens.weight": ("F32", (101, 8))}, facts, "/m")
+    with pytest.raises(InputError, match="lm_head.weight has 90 rows|past the 90-row"):
+        checks.check_vocabulary({}, {"model.embed_tokens.weight": ("F32", (101, 8)),
+                                     "lm_head.weight": ("F32", (90, 8))}, facts, "/m")
 
 
 # --------------------------------------------------------------------------- config and recipe consistency
@@ -218,6 +233,8 @@ def test_seq_len_past_the_context_and_chat_data_without_a_template(tiny_model_se
     ("tokenizer.json", b"[" * 100_000, "cannot be read as JSON"),
     ("tokenizer_config.json", b"{not json", "is not JSON"),
     ("tokenizer_config.json", b'{"added_tokens_decoder": {"x": {}}}', "not a token id"),
+    ("tokenizer_config.json", b'{"bos_token": [1]}', "bos_token is neither a string"),
+    ("tokenizer.json", b'{"model": {"vocab": {"a": -1}}}', "not a non-negative whole number"),
     ("special_tokens_map.json", b"[1, 2]", "holds a JSON list"),
 ])
 def test_corrupt_tokenizer_files_are_exit_7(tiny_model_session: Path, tmp_path: Path, name: str, body: bytes,
@@ -242,8 +259,6 @@ def test_huge_tokenizer_is_refused_from_its_size_without_reading_it(tiny_model_s
 
 
 def test_load_tokenizer_turns_a_refused_tokenizer_into_exit_7(tiny_model_session: Path, tmp_path: Path) -> None:
-    from llmc.model.tokenizer_files import load_tokenizer
-
     model = copy_model(tiny_model_session, tmp_path)
     tj = json.loads((model / "tokenizer.json").read_text())
     tj["model"]["type"] = "NoSuchModel"
