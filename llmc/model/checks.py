@@ -149,6 +149,24 @@ def check_config(config: dict, where: str) -> None:
                          f"{heads} and there is no head_dim", fix=fix)
 
 
+def check_transformers_config(config: dict, where: str) -> None:
+    """transformers' own validation of the config (its config classes check field types: `mlp_bias: null`, a list
+    for `pretraining_tp`), which the build's model load would otherwise fail on as an internal error."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "transformers_version")}
+    try:
+        AutoConfig.for_model(config["model_type"], **fields)
+    except Exception as e:  # noqa: BLE001 - an unknown model_type, a strict-dataclass field error, ...
+        from llmc.resource_errors import raise_if_resource
+
+        raise_if_resource(e, "reading the model config")
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"model config {where}: transformers refuses it ({type(e).__name__}: {shorten(first, 160)})",
+                         fix="repair config.json (a model_type transformers knows, each field of its type), or "
+                         "re-save the model with save_pretrained()") from None
+
+
 def check_shapes(config: dict, tensors: Tensors, where: str) -> None:
     """The checkpoint holds the model's tensors, and the attention projections have the rows heads x head_dim say."""
     fix = "point model.source at a complete checkpoint whose config.json describes its weights"
@@ -274,10 +292,11 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
     from llmc.inputs import read_input_json, read_input_text, shown
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-    from llmc.model.tokenizer_files import load_tokenizer, tokenizer_facts
+    from llmc.model.tokenizer_files import VOCABULARY_FILES, load_tokenizer, tokenizer_facts
 
     where = shown(folder) if folder is not None else shown(recipe.model.source)
     check_config(config, where)
+    check_transformers_config(config, where)
     seq_lens = {"calibration.seq_len": recipe.calibration.seq_len, "eval.seq_len": recipe.eval.seq_len}
     from llmc.model.dtype import source_dtype
 
@@ -300,6 +319,9 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
                 if os.path.lexists(folder / "README.md") else "")
         refuse_quantized(found, where, base_model_of(card))
     check_shapes(config, tensors, where)
+    if not any(os.path.lexists(folder / n) for n in VOCABULARY_FILES):
+        return [f"{where} has no tokenizer ({', '.join(VOCABULARY_FILES)}): a build will stop when it loads one",
+                *([statement] if statement else [])]
     facts = tokenizer_facts(load_tokenizer(folder))  # the files size-capped and checked first
     generation = (read_input_json(folder / "generation_config.json", "generation config", 1 << 20, fix)
                   if os.path.lexists(folder / "generation_config.json") else None)

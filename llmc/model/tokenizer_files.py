@@ -16,6 +16,7 @@ from pathlib import Path
 from llmc.errors import InputError
 from llmc.excerpt import shorten
 from llmc.inputs import read_input_json, shown, stat_input
+from llmc.resource_errors import raise_if_resource
 
 # bytes; the largest real files seen: tokenizer.json 33 MB (Gemma 3, 262k tokens), tokenizer_config.json 1.2 MB
 JSON_CAPS = {
@@ -28,6 +29,7 @@ JSON_CAPS = {
     "chat_template.json": 4 << 20,
 }
 OTHER_CAPS = {"tokenizer.model": 64 << 20, "merges.txt": 64 << 20, "chat_template.jinja": 4 << 20}
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer needs one of these
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _FIX = "replace the tokenizer files with those the model's tokenizer.save_pretrained() wrote"
 
@@ -140,12 +142,14 @@ def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     check_tokenizer_files(folder)
+    if not any(os.path.lexists(Path(folder) / n) for n in VOCABULARY_FILES):
+        raise InputError(f"{shown(folder)} has no tokenizer (none of {', '.join(VOCABULARY_FILES)})",
+                         fix="save the model's tokenizer into the folder: tokenizer.save_pretrained(folder)")
     try:
         return AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # noqa: BLE001 - transformers and tokenizers' Rust side raise many types (PyO3: Exception)
-        if not isinstance(e, (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)) \
-                and type(e).__module__.split(".")[0] not in ("tokenizers", "builtins"):
-            raise
+    except Exception as e:  # noqa: BLE001 - transformers, huggingface_hub's config validation and tokenizers' Rust
+        # side (a bare Exception) raise many types for files they refuse
+        raise_if_resource(e, "loading the tokenizer", folder)
         first = str(e).splitlines()[0] if str(e) else ""
         raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded ({type(e).__name__}: {shorten(first, 120)})",
-                         fix=_FIX) from None
+                         fix=f"{_FIX}; check config.json too (transformers reads it to pick the tokenizer)") from None
