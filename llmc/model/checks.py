@@ -290,41 +290,59 @@ def _chat_sources(recipe) -> list[str]:
 def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     """Every check above for a recipe's model source (InputError, exit 7, on the first failure); returns what the
     plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
-    from llmc.inputs import read_input_json, read_input_text, shown
+    from llmc.inputs import shown
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
+    from llmc.model.dtype import source_dtype
     from llmc.model.tokenizer_files import VOCABULARY_FILES, load_tokenizer, tokenizer_facts
 
     where = shown(folder) if folder is not None else shown(recipe.model.source)
-    check_config(config, where)
-    check_transformers_config(config, where)
-    seq_lens = {"calibration.seq_len": recipe.calibration.seq_len, "eval.seq_len": recipe.eval.seq_len}
-    from llmc.model.dtype import source_dtype
-
     statement = gguf_statement(recipe.model.source, source_dtype(recipe.model.dtype))
-    if folder is None:
-        check_recipe_fits(config, seq_lens, [], True, where)
-        return [statement] if statement else []
-    folder = Path(folder)
+    notes = [statement] if statement else []
     tensors: Tensors = {}
-    for f in safetensors_files(folder):
+    for f in safetensors_files(folder) if folder is not None else []:
         for name, info in check_safetensors_header(f).items():
             if name != "__metadata__":
                 tensors[name] = (info["dtype"], tuple(info["shape"]))
-    fix = "replace the file with the one the model was saved with"
-    hf_quant = (read_input_json(folder / "hf_quant_config.json", "ModelOpt config", 1 << 20, fix)
-                if os.path.lexists(folder / "hf_quant_config.json") else None)
-    found = quantized_kind(config, tensors, hf_quant)
+    found = quantized_kind(config, tensors, _optional_json(folder, "hf_quant_config.json"))
     if found is not None:
-        card = (read_input_text(folder / "README.md", "model card", 1 << 20, fix)
-                if os.path.lexists(folder / "README.md") else "")
-        refuse_quantized(found, where, base_model_of(card))
+        refuse_quantized(found, where, base_model_of(_model_card(folder)))
+    check_config(config, where)
+    check_transformers_config(config, where)
+    seq_lens = {"calibration.seq_len": recipe.calibration.seq_len, "eval.seq_len": recipe.eval.seq_len}
+    if folder is None:
+        check_recipe_fits(config, seq_lens, [], True, where)
+        return notes
     check_shapes(config, tensors, where)
     if not any(os.path.lexists(folder / n) for n in VOCABULARY_FILES):
         return [f"{where} has no tokenizer ({', '.join(VOCABULARY_FILES)}): a build will stop when it loads one",
-                *([statement] if statement else [])]
+                *notes]
     facts = tokenizer_facts(load_tokenizer(folder))  # the files size-capped and checked first
-    generation = (read_input_json(folder / "generation_config.json", "generation config", 1 << 20, fix)
-                  if os.path.lexists(folder / "generation_config.json") else None)
-    check_vocabulary(config, tensors, facts, where, generation if isinstance(generation, dict) else None)
+    check_vocabulary(config, tensors, facts, where, _optional_json(folder, "generation_config.json"))
     check_recipe_fits(config, seq_lens, _chat_sources(recipe), facts.has_chat_template, where)
-    return [statement] if statement else []
+    return notes
+
+
+_SIDE_FILE_BYTES = 1 << 20
+
+
+def _optional_json(folder: Path | None, name: str) -> dict | None:
+    """A small JSON side file of the folder, or None when there is none (or it is not an object)."""
+    from llmc.inputs import read_input_json
+
+    if folder is None or not os.path.lexists(Path(folder) / name):
+        return None
+    value = read_input_json(Path(folder) / name, name, _SIDE_FILE_BYTES,
+                            "replace the file with the one the model was saved with")
+    return value if isinstance(value, dict) else None
+
+
+def _model_card(folder: Path | None) -> str:
+    """The folder's README.md (where a card names base_model), or '' when absent or unreadable."""
+    from llmc.inputs import read_input_text
+
+    if folder is None or not os.path.lexists(Path(folder) / "README.md"):
+        return ""
+    try:
+        return read_input_text(Path(folder) / "README.md", "model card", _SIDE_FILE_BYTES, "")
+    except InputError:
+        return ""

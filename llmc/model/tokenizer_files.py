@@ -39,7 +39,7 @@ class TokenizerFacts:
     """What the consistency checks need from a loaded tokenizer (`tokenizer_facts`)."""
 
     max_id: int | None = None  # the highest id it can produce: len(tokenizer) - 1
-    special_ids: dict[str, int] = field(default_factory=dict)  # 'bos_token', ..., or an added special token's text
+    special_ids: dict[str, int] = field(default_factory=dict)  # 'bos_token', ..., 'added special token <id>'
     has_chat_template: bool = False
 
 
@@ -55,12 +55,12 @@ def tokenizer_facts(tokenizer) -> TokenizerFacts:
                           has_chat_template=bool(getattr(tokenizer, "chat_template", None)))
 
 
-def _read(folder: Path, name: str, kind: type | tuple[type, ...] = dict):
+def _read(folder: Path, name: str) -> dict:
     path = folder / name
     value = read_input_json(path, "tokenizer file", JSON_CAPS[name], _FIX)
-    if not isinstance(value, kind):
-        raise InputError(f"tokenizer file {shown(path)} holds a JSON {type(value).__name__}, not the "
-                         f"{'object' if kind is dict else 'value'} a {name} holds", fix=_FIX)
+    if not isinstance(value, dict):
+        raise InputError(f"tokenizer file {shown(path)} holds a JSON {type(value).__name__}, not the object a "
+                         f"{name} holds", fix=_FIX)
     return value
 
 
