@@ -195,6 +195,8 @@ def test_vocabulary_check_is_a_pure_function() -> None:
     ({"model_type": "/abs/path"}, "is not an architecture name"),
     ({"head_dim": 24}, "q_proj.weight has 64 rows, but config.json's 4 heads x head_dim 24 make 96"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"mlp_bias": None}, "transformers refuses it"),  # found by test_fuzz_sources: an internal error before
+    ({"model_type": "no_such_family"}, "transformers refuses it"),
 ])
 def test_inconsistent_configs(tiny_model_session: Path, tmp_path: Path, change: dict, needle: str) -> None:
     model = copy_model(tiny_model_session, tmp_path)
