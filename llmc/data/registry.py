@@ -1,6 +1,7 @@
 """Data-source loaders by `kind`: each turns a source into its rows (documents or chat samples), in a stable order.
 
-A loader yields every row of the source, in order; `read_rows()` then applies the role's part (`holdout`, Brown's file split).
+A loader yields every row of the source, in order; `read_rows()` then applies the role's part (`holdout`,
+Brown's file split) and stops where the recipe has enough text.
 Register a new kind with `@loader("kind")` and add its schema class to `llmc.data.sources.DataSource`.
 """
 

@@ -8,9 +8,10 @@ alone (no tensor data is read), so that a source llmc would mis-handle fails wit
   source is the one quantized input llmc takes: transformers' GGUF reader dequantizes it exactly to the declared
   dtype and the recipe quantizes that again; the plan says so.
 - **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
-  tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a row of the embedding (and of the output head), and
-  `vocab_size` is the embedding's row count; heads, head_dim and the attention projections agree; model_type is a
-  plain identifier; the recipe's seq_len fits `max_position_embeddings`; chat data has a chat template.
+  tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a
+  row of the embedding (and of the output head), and `vocab_size` is the embedding's row count; heads, head_dim
+  and the attention projections agree; transformers accepts the config; model_type is a plain identifier; the
+  recipe's seq_len fits `max_position_embeddings`; chat data has a chat template.
 
 The functions taking (config, tensors, facts) are pure; `check_source` gathers those inputs from a folder (the
 tokenizer is loaded, after its files pass llmc.model.tokenizer_files' size and shape checks: tokenizers renumbers
@@ -111,12 +112,15 @@ def base_model_of(card: str) -> str | None:
 def refuse_quantized(found: QuantizedKind, where: str, base_model: str | None) -> None:
     """InputError for an already-quantized source: what it is, why llmc cannot start from it, and the fix."""
     hub_id = base_model is not None and re.match(r"^[\w.-]+/[\w.-]+$", base_model) and not base_model.startswith(".")
-    parent = (f"its model card names the unquantized parent: model.source: {'hf:' if hub_id else ''}{shorten(base_model, 120)}"
-              if base_model else "point model.source at the unquantized checkpoint it was made from (a model card's base_model "
-              "usually names it)")
+    parent = ("point model.source at the unquantized checkpoint it was made from (a model card's base_model usually "
+              "names it)")
+    if base_model:
+        parent = f"its model card names the unquantized parent: model.source: {'hf:' if hub_id else ''}" + \
+            shorten(base_model, 120)
+    why = _WHY.get(found.kind, "its weights are quantized codes")
     raise InputError(
-        f"model source {where} is already quantized ({found.kind}: {found.evidence}); {_WHY.get(found.kind, 'its weights are quantized codes')}, "
-        "and quantizing codes again without their scales gives a model that scores like noise",
+        f"model source {where} is already quantized ({found.kind}: {found.evidence}); {why}, and quantizing codes "
+        "again without their scales gives a model that scores like noise",
         fix=f"{parent}; llmc dequantizes only GGUF sources (docs/model-sources.md)",
     )
 

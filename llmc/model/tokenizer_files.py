@@ -151,5 +151,6 @@ def load_tokenizer(folder: Path):
         # side (a bare Exception) raise many types for files they refuse
         raise_if_resource(e, "loading the tokenizer", folder)
         first = str(e).splitlines()[0] if str(e) else ""
-        raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded ({type(e).__name__}: {shorten(first, 120)})",
+        raise InputError(f"the tokenizer in {shown(folder)} cannot be loaded "
+                         f"({type(e).__name__}: {shorten(first, 120)})",
                          fix=f"{_FIX}; check config.json too (transformers reads it to pick the tokenizer)") from None
