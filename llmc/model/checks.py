@@ -5,8 +5,8 @@ alone (no tensor data is read), so that a source llmc would mis-handle fails wit
   `weight_scale(_inv)` tensors, bitsandbytes and every other `quantization_config` are refused with the fix (the
   unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's
   `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. A GGUF
-  source is the one quantized input llmc takes: transformers' GGUF reader dequantizes it exactly to the declared
-  dtype and the recipe quantizes that again; the plan says so.
+  source is the one quantized input llmc takes: transformers' GGUF reader dequantizes it to the declared dtype
+  and the recipe quantizes that again; the plan says so.
 - **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
   tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a
   row of the embedding (and of the output head), and `vocab_size` is the embedding's row count; heads, head_dim
@@ -269,8 +269,9 @@ def gguf_statement(spec: str, dtype: str) -> str | None:
         name = Path(spec).name
     else:
         return None
+    rounding = "" if dtype == "float32" else f", rounded to {dtype}"
     return (f"model.source is a GGUF ({excerpt(name, 80)}): transformers' GGUF reader dequantizes its quantized "
-            f"tensors exactly to {dtype} (each code times its block's scale) and this recipe quantizes that model "
+            f"tensors (each code times its block's scale, in float32{rounding}) and this recipe quantizes that model "
             "again, so the result carries the GGUF's quantization error as well as this recipe's; the baseline is "
             "the dequantized GGUF")
 
