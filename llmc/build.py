@@ -32,6 +32,7 @@ from llmc.eval.gates import gate_build
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.model.dtype import resolve_dtype, source_dtype
 from llmc.model.source import resolve_source
+from llmc.model.tokenizer_files import load_tokenizer
 from llmc.plan import check_disk, make_plan
 from llmc.progress import log
 from llmc.quant.algorithms import quantize_stage_config
@@ -87,9 +88,7 @@ def build_until(recipe: Recipe, store: Store, last: str, *, threads: int | None 
     result = BuildResult(recipe=recipe, build_id=build_id, plan=plan, source=source,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder))
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    tokenizer = load_tokenizer(source.folder)  # size-capped files; a refused tokenizer is exit 7
     needs_calibration = any(s.needs_calibration for s in plan.schemes.values())
     # Both token sets first: a source that is missing, too small or shared with the other fails before any work.
     calib_tokens = data.calibration_tokens(recipe.calibration, tokenizer) if needs_calibration else None

@@ -266,10 +266,14 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         from llmc import plan_shapes
         from llmc.model.checkpoint import read_model_config
 
+        from llmc.model.checks import check_source
+
         if model_folder is not None:
             config = read_model_config(Path(model_folder))
+            plan.warnings += check_source(recipe, config, Path(model_folder))  # exit 7 before the weights' layout
             tensors = plan_shapes.from_headers(Path(model_folder))
         else:
+            plan.warnings += check_source(recipe, config, None)
             tensors = plan_shapes.from_config(config)
         from llmc.model.families import check_quantizable, expert_count
 

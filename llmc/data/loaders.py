@@ -1,21 +1,38 @@
-"""The built-in data-source loaders: brown, text, jsonl/json/parquet/csv and hf (all tabular formats through the
-`datasets` library, so no format is parsed here by hand)."""
+"""The built-in data-source loaders: brown, text, jsonl/json/csv (Python's json and csv modules, a row at a time),
+parquet (pyarrow, the named column in batches after its type is checked) and hf (the `datasets` library).
+
+Each yields rows lazily, so a recipe that needs 256 tokens stops reading after them (`read_rows`' max_chars), and
+parses its files with bounded memory and depth: a malformed, oversized or deeply nested file is an InputError
+(exit 7) naming the file and the line, never a crash inside a C parser."""
 
 from __future__ import annotations
 
+import csv
 import glob
+import itertools
+import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from llmc.calibration.corpora import brown_documents
 from llmc.data.registry import Row, loader
 from llmc.data.sources import label
 from llmc.errors import InputError
+from llmc.excerpt import excerpt, shorten
+from llmc.inputs import read_input_text, shown
 
 
 @loader("brown")
 def brown(source, role) -> list[Row]:
     return [Row(source="brown", row=d.id, text=d.text) for d in brown_documents(role)]
+
+
+# A row of a jsonl/csv file is read whole before it is parsed: longer ones are refused (split the document, or use
+# a text source, which reads only what the recipe needs). A .json file is parsed whole: larger ones are refused.
+MAX_ROW_BYTES = 16 << 20
+MAX_JSON_FILE_BYTES = 64 << 20
+BATCH_ROWS = 256  # parquet / saved-dataset rows converted to Python at a time
 
 
 def _files(pattern: str, suffixes: tuple[str, ...]) -> list[Path]:
@@ -33,73 +50,246 @@ def _files(pattern: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 @loader("text")
-def text(source) -> list[Row]:
+def text(source, *, max_chars: int | None = None) -> Iterator[Row]:
+    """One document per file (or per `separator` piece); a UTF-8 byte-order mark is not text. With `max_chars`, a
+    file is read up to one character past it (the rest cannot be needed)."""
     files = _files(source.path, (".txt",))
     root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    out = []
     for f in files:
-        body = f.read_text(encoding="utf-8", errors="replace")
+        with _opened(f, encoding="utf-8-sig", errors="replace") as handle:
+            body = handle.read(-1 if max_chars is None else max_chars + 1)
         name = str(f.relative_to(root))
         pieces = body.split(source.separator) if source.separator else [body]
         for i, piece in enumerate(pieces):
             if piece.strip():
-                out.append(Row(source=label(source), row=f"{name}#{i}" if source.separator else name,
-                               text=piece.strip("\n")))
-    return out
+                yield Row(source=label(source), row=f"{name}#{i}" if source.separator else name,
+                          text=piece.strip("\n"))
 
 
-def _dataset_rows(ds, source, where: str) -> list[Row]:
-    column = source.field or source.messages or _default_column(ds.column_names, where)
-    if column not in ds.column_names:
-        raise InputError(f"{where} has no column '{column}' (columns: {', '.join(ds.column_names)})",
-                         fix="name an existing column in 'field' (plain text) or 'messages' (chat turns)")
-    out = []
-    for i, value in enumerate(ds[column]):
-        if source.messages is not None:
-            if not isinstance(value, list) or not all(isinstance(t, dict) and "role" in t and "content" in t
-                                                      for t in value):
-                raise InputError(f"{where} row {i}: '{column}' is not a list of {{role, content}} turns",
-                                 fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
-            out.append(Row(source=label(source), row=str(i),
-                           messages=tuple({"role": t["role"], "content": t["content"]} for t in value)))
-        elif value is not None and str(value).strip():
-            out.append(Row(source=label(source), row=str(i), text=str(value)))
-    return out
+def _opened(path: Path, **text_mode):
+    """A data file opened for reading (text mode when `text_mode` names an encoding); InputError if it cannot be."""
+    try:
+        return open(path, "r" if text_mode else "rb", **text_mode)
+    except OSError as e:
+        raise InputError(f"data file {shown(path)} cannot be read ({e.strerror})",
+                         fix="check the path and its permissions") from None
 
 
-def _default_column(columns: list[str], where: str) -> str:
-    if "text" in columns:
-        return "text"
-    raise InputError(f"{where}: which column holds the text? (columns: {', '.join(columns)})",
-                     fix="set 'field' (plain text) or 'messages' (chat turns)")
+def _bad_file(path: Path, what: str, fix: str = "repair or re-export the file") -> InputError:
+    return InputError(f"data file {shown(path)}: {what}", fix=fix)
+
+
+def _row_value(record, column: str, path: Path, where: str):
+    if not isinstance(record, dict):
+        raise _bad_file(path, f"{where} is a JSON {type(record).__name__}, not an object",
+                        fix="write one JSON object per row, e.g. {\"text\": \"...\"}")
+    return record.get(column)
+
+
+def _json_value(text: str, path: Path, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad_file(path, f"{where} is not JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # Python's parser stops at the interpreter's recursion limit; no C parser sees it
+        raise _bad_file(path, f"{where} nests more deeply than any text or chat row does",
+                        fix="a row is an object of text columns, or of a list of {role, content} turns") from None
+    except ValueError as e:  # an integer of thousands of digits
+        raise _bad_file(path, f"{where} cannot be read as JSON ({shorten(str(e), 80)})") from None
+
+
+def _utf8(data: bytes, path: Path, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad_file(path, f"{where} is not UTF-8 text (at byte {e.start} of it)",
+                        fix="save the file as UTF-8") from None
+
+
+def _json_records(path: Path) -> Iterator[dict]:
+    """A .json file: one array of objects (read whole, up to MAX_JSON_FILE_BYTES), or JSON lines."""
+    with _opened(path) as f:
+        start = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not start.startswith(b"["):
+        yield from _jsonl_records(path)
+        return
+    data = read_input_text(path, "data file", MAX_JSON_FILE_BYTES,
+                           "write it as JSON lines (.jsonl, one object per line), which is read a row at a time")
+    records = _json_value(data.lstrip("\ufeff"), path, "the file")
+    del data
+    if not isinstance(records, list):
+        raise _bad_file(path, f"holds a JSON {type(records).__name__}, not an array of row objects",
+                        fix="write a JSON array of objects, or JSON lines")
+    yield from records
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """A text file's lines, each read up to MAX_ROW_BYTES and decoded as UTF-8 (a leading byte-order mark dropped)."""
+    with _opened(path) as f:
+        for number in itertools.count(1):
+            line = f.readline(MAX_ROW_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_ROW_BYTES:
+                raise _bad_file(path, f"line {number} is over {MAX_ROW_BYTES:,} bytes",
+                                fix="split long documents into several rows, or use a text source (kind: text), "
+                                "which reads only as much as the recipe needs")
+            text = _utf8(line, path, f"line {number}")
+            yield text.lstrip("\ufeff") if number == 1 else text
+
+
+def _jsonl_records(path: Path) -> Iterator[dict]:
+    """The objects of a JSON-lines file, one line at a time."""
+    for number, text in enumerate(_lines(path), 1):
+        if text.strip():
+            yield _json_value(text, path, f"line {number}")
+
+
+def _csv_records(path: Path) -> Iterator[dict]:
+    """The rows of a CSV file with a header line, parsed by Python's csv module (strict: an unterminated quote is
+    an error, as it was for pandas) one row at a time."""
+    csv.field_size_limit(MAX_ROW_BYTES)
+    reader = csv.DictReader(_lines(path), strict=True)
+    try:
+        yield from reader
+    except csv.Error as e:
+        raise _bad_file(path, f"line {reader.line_num} is not CSV ({shorten(str(e), 80)})",
+                        fix="write a header line and one row per document (quote fields holding commas or "
+                        "newlines), or use jsonl") from None
+
+
+_RECORDS = {"jsonl": _jsonl_records, "json": _json_records, "csv": _csv_records}
 
 
 @loader("jsonl")
 @loader("json")
-@loader("parquet")
 @loader("csv")
-def records(source) -> list[Row]:
-    import datasets
+def records(source, *, max_chars: int | None = None) -> Iterator[Row]:
+    """Rows of jsonl/json/csv files, parsed in Python one row at a time (no C parser sees a file first: a row
+    nested 100,000 deep is a clear error, not a crash of pyarrow's reader)."""
+    files = _files(source.path, (f".{source.kind}",))
+    read = _RECORDS[source.kind]
+    yield from _column_rows(source, source.path, ((record, path) for path in files for record in read(path)))
 
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[source.kind]
-    files = [str(f) for f in _files(source.path, (f".{source.kind}",))]
-    with _quiet(datasets):
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
-    return _dataset_rows(ds, source, source.path)
+
+def _column_rows(source, where: str, records: Iterable[tuple[object, Path]]) -> Iterator[Row]:
+    """Rows from (record, file) pairs: the `field` (plain text) or `messages` (chat turns) column of each."""
+    column = source.field or source.messages
+    seen: set[str] = set()
+    any_value = False
+    for i, (record, path) in enumerate(records):
+        if column is None:
+            column = "text" if isinstance(record, dict) and "text" in record else None
+            if column is None:
+                raise InputError(f"{shown(where)}: which column holds the text? (columns: "
+                                 f"{_names(record if isinstance(record, dict) else [])})",
+                                 fix="set 'field' (plain text) or 'messages' (chat turns)")
+        value = _row_value(record, column, path, f"row {i}")
+        if value is None:
+            if len(seen) < 100:
+                seen.update(map(str, record))
+            continue
+        any_value = True
+        if source.messages is not None:
+            if not isinstance(value, list) or not all(isinstance(t, dict) and "role" in t and "content" in t
+                                                      for t in value):
+                raise InputError(f"{shown(where)} row {i}: {excerpt(column)} is not a list of {{role, content}} turns",
+                                 fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
+            yield Row(source=label(source), row=str(i),
+                      messages=tuple({"role": t["role"], "content": t["content"]} for t in value))
+        elif str(value).strip():
+            yield Row(source=label(source), row=str(i), text=str(value))
+    if not any_value and column is not None and column not in seen:
+        raise InputError(f"{shown(where)} has no column {excerpt(column)} (columns: {_names(seen)})",
+                         fix="name an existing column in 'field' (plain text) or 'messages' (chat turns)")
+
+
+@loader("parquet")
+def parquet(source, *, max_chars: int | None = None) -> Iterator[Row]:
+    """Rows of parquet files, BATCH_ROWS at a time, reading only the named column once its type is checked."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def batches():
+        for path in _files(source.path, (".parquet",)):
+            try:
+                f = pq.ParquetFile(path)
+                column = _arrow_column(f.schema_arrow, source, str(path))
+                for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
+                    for value in batch.column(0).to_pylist():
+                        yield {column: value}, path
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise _bad_file(path, f"is not a readable parquet file ({type(e).__name__})",
+                                fix="re-export the file (pyarrow.parquet.write_table or Dataset.to_parquet)") from None
+
+    yield from _column_rows(source, source.path, batches())
+
+
+def _names(columns: Iterable) -> str:
+    """Column names for a message: escaped, sorted, the first 20."""
+    return shorten(", ".join(excerpt(str(c), 40) for c in sorted(map(str, columns))[:20]), 400)
+
+
+def _arrow_column(schema, source, where: str) -> str:
+    """The column a source reads, checked against an Arrow schema before any row is read: a string column for
+    `field`, a list of {role, content} structs for `messages`."""
+    import pyarrow as pa
+
+    column = source.field or source.messages or ("text" if "text" in schema.names else None)
+    if column is None:
+        raise InputError(f"{shown(where)}: which column holds the text? (columns: {_names(schema.names)})",
+                         fix="set 'field' (plain text) or 'messages' (chat turns)")
+    if column not in schema.names:
+        raise InputError(f"{shown(where)} has no column {excerpt(column)} (columns: {_names(schema.names)})",
+                         fix="name an existing column in 'field' (plain text) or 'messages' (chat turns)")
+    t = schema.field(column).type
+    if source.messages is not None:
+        turn = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else None
+        ok = turn is not None and pa.types.is_struct(turn) and {"role", "content"} <= {f.name for f in turn}
+        if not ok:
+            raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not a list of "
+                             "{role, content} turns",
+                             fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
+    elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+              or pa.types.is_floating(t)):
+        raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not text",
+                         fix="point 'field' at a column of strings")
+    return column
 
 
 @loader("hf")
-def hub(source) -> list[Row]:
+def hub(source, *, max_chars: int | None = None) -> Iterator[Row]:
     import datasets
 
     with _quiet(datasets):
-        if source.path is not None:
-            ds = datasets.load_from_disk(source.path)
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[source.split]
-        else:
-            ds = _load_hub(datasets, source)
-    return _dataset_rows(ds, source, label(source))
+        ds = _load_saved(datasets, source) if source.path is not None else _load_hub(datasets, source)
+    column = _arrow_column(ds.features.arrow_schema, source, label(source))
+    yield from _column_rows(source, label(source), ((r, source.path) for batch in
+                                                    ds.select_columns([column]).iter(batch_size=BATCH_ROWS)
+                                                    for r in ({column: v} for v in batch[column])))
+
+
+def _load_saved(datasets, source):
+    """A folder written by save_to_disk: its own files are checked before datasets opens it."""
+    folder = Path(source.path).expanduser()
+    fix = "give the folder Dataset.save_to_disk (or DatasetDict.save_to_disk) wrote"
+    if not folder.is_dir():
+        raise InputError(f"hf source path {shown(folder)} is not a folder", fix=fix)
+    if not ((folder / "dataset_dict.json").is_file() or
+            ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())):
+        raise InputError(f"hf source path {shown(folder)} is not a saved dataset (no dataset_dict.json, or no "
+                         "state.json and dataset_info.json)", fix=fix)
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged folder
+        raise InputError(f"hf source path {shown(folder)} cannot be read as a saved dataset ({type(e).__name__})",
+                         fix=fix) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if source.split not in ds:
+            raise InputError(f"the saved dataset {shown(folder)} has no split '{source.split}' (splits: "
+                             f"{', '.join(ds)})", fix="set split to one of them")
+        ds = ds[source.split]
+    return ds
 
 
 def _load_hub(datasets, source):

@@ -1,12 +1,13 @@
 """Data-source loaders by `kind`: each turns a source into its rows (documents or chat samples), in a stable order.
 
-A loader returns every row of the source; `rows()` then applies the role's part (`holdout`, Brown's file split).
+A loader yields every row of the source, in order; `read_rows()` then applies the role's part (`holdout`,
+Brown's file split) and stops where the recipe has enough text.
 Register a new kind with `@loader("kind")` and add its schema class to `llmc.data.sources.DataSource`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,7 +26,7 @@ class Row:
     messages: tuple[dict, ...] | None = None
 
 
-Loader = Callable[..., list[Row]]
+Loader = Callable[..., Iterable[Row]]
 _LOADERS: dict[str, Loader] = {}
 
 
@@ -38,8 +39,15 @@ def loader(kind: str) -> Callable[[Loader], Loader]:
 
 
 def rows(source, role: Role) -> list[Row]:
-    """The rows of `source` that `role` may read. Brown's loader splits by file itself; other kinds with
-    `holdout: N` give evaluation every N-th row and calibration the rest; without holdout, all rows."""
+    """Every row of `source` that `role` may read."""
+    return read_rows(source, role)[0]
+
+
+def read_rows(source, role: Role, max_chars: int | None = None) -> tuple[list[Row], bool]:
+    """The rows of `source` that `role` may read, and whether that is all of them. Brown's loader splits by file
+    itself; other kinds with `holdout: N` give evaluation every N-th row and calibration the rest; without holdout,
+    all rows. `max_chars`: stop once the role's rows hold that many characters (a loader yields rows lazily, and
+    cuts a single document there), so a recipe needing 256 tokens does not read a 1 GiB file whole."""
     from llmc.data import loaders  # noqa: F401  (registers the built-in kinds)
 
     if source.kind == "mix":
@@ -48,10 +56,15 @@ def rows(source, role: Role) -> list[Row]:
     if fn is None:
         raise InputError(f"no loader is registered for data source kind '{source.kind}'",
                          fix=f"use one of {sorted(_LOADERS)}")
-    if source.kind == "brown":
-        return fn(source, role)
-    everything = fn(source)
-    if source.holdout is None:
-        return everything
+    if source.kind == "brown":  # a fixed corpus of 6 MB, always read whole (its stage keys assume it)
+        return list(fn(source, role)), True
     n = source.holdout
-    return [r for i, r in enumerate(everything) if (i % n == n - 1) == (role == "eval")]
+    out, chars = [], 0
+    for i, r in enumerate(fn(source, max_chars=max_chars)):
+        if n is not None and (i % n == n - 1) != (role == "eval"):
+            continue
+        if max_chars is not None and chars >= max_chars:
+            return out, False
+        out.append(r)
+        chars += len(r.text) if r.text is not None else sum(len(str(t["content"])) for t in r.messages)
+    return out, max_chars is None or chars <= max_chars  # over it: a document was cut (the text loader)

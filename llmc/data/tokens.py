@@ -26,11 +26,22 @@ import torch
 
 from llmc.data import chat
 from llmc.data.bos import BosDecision, bos_decision
-from llmc.data.registry import Role, Row, rows
+from llmc.data.registry import Role, Row, read_rows
 from llmc.data.sources import label
 from llmc.errors import InputError
+from llmc.progress import log
 
 Packing = Literal["windows", "samples"]
+# How much of a source is read: READ_CHARS_PER_TOKEN characters per token the recipe needs (English runs ~4 per
+# token), at least MIN_READ_CHARS. A source smaller than that is read whole; a larger one only that far (more when
+# its tokens turn out longer), so a 1 GiB file costs no more than the recipe's tokens do. A seeded calibration
+# draw then picks among the windows or rows read; evaluation takes the first ones, which a cut does not change.
+READ_CHARS_PER_TOKEN = 16
+MIN_READ_CHARS = 1 << 20
+
+
+class _TooLittleData(InputError):
+    """The part read holds fewer windows or samples than asked for."""
 
 
 @dataclass
@@ -65,12 +76,34 @@ def make_tokens(source, tokenizer, role: Role, *, packing: Packing, count: int, 
     """`count` windows or samples of `source`'s `role` part (seeded draw, or the first `count` when seed is None)."""
     if source.kind == "mix":
         return _mix(source, tokenizer, role, packing=packing, count=count, seq_len=seq_len, seed=seed)
-    part = rows(source, role)
+    budget = max(MIN_READ_CHARS, count * seq_len * READ_CHARS_PER_TOKEN)
+    while True:
+        part, complete = read_rows(source, role, budget)
+        try:
+            tokens = _token_set(source, part, complete, tokenizer, role, packing, count, seq_len, seed)
+        except _TooLittleData:
+            if complete:
+                raise
+            budget *= 4  # tokens much longer than READ_CHARS_PER_TOKEN characters: read further
+            continue
+        if not complete:
+            log(f"{label(source)}: read the first {budget:,} characters of its {role} text (the recipe needs "
+                f"{count} x {seq_len} tokens), not the whole source")
+        return tokens
+
+
+def _token_set(source, part, complete: bool, tokenizer, role, packing, count, seq_len, seed) -> TokenSet:
+    """The token set of the rows read. A cut source (not `complete`) keeps its last window spare: the cut may
+    tokenize differently from the whole text there. (A cut document still holds over seq_len tokens: the budget
+    is at least READ_CHARS_PER_TOKEN characters per token of a sample.)"""
     texts = [chat.render(r, source, tokenizer) for r in part]
     templates = {label(source): chat.template_id(source, tokenizer)} if any(chat.is_chat(r, source) for r in part) else {}
-    make = _windows if packing == "windows" else _samples
     bos = bos_decision(tokenizer)
-    ids, mask, prov = make(source, part, texts, tokenizer, bos.token_id, role, count, seq_len, seed)
+    if packing == "windows":
+        ids, mask, prov = _windows(source, part, texts, tokenizer, bos.token_id, role, count, seq_len, seed,
+                                   spare=int(not complete))
+    else:
+        ids, mask, prov = _samples(source, part, texts, tokenizer, bos.token_id, role, count, seq_len, seed)
     return TokenSet(ids, mask, prov, templates, texts, [r.row for r in part], bos.used, bos)
 
 
@@ -81,14 +114,14 @@ def _choose(available: int, count: int, seed: int | None) -> list[int]:
     return sorted(torch.randperm(available, generator=g)[:count].tolist())
 
 
-def _windows(source, part: list[Row], texts: list[str], tokenizer, bos_id, role, count, seq_len, seed):
+def _windows(source, part: list[Row], texts: list[str], tokenizer, bos_id, role, count, seq_len, seed, spare=0):
     joined = "\n\n".join(texts)
     enc = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
     stream = enc["input_ids"]
     body = seq_len - 1 if bos_id is not None else seq_len
-    available = len(stream) // body
+    available = max(len(stream) // body - spare, 0)
     if count > available:
-        raise InputError(
+        raise _TooLittleData(
             f"asked for {count} windows of {seq_len} tokens ({count * body} tokens) but the {role} part of "
             f"{label(source)} holds {len(stream)} tokens in {len(part)} documents: {available} windows",
             fix=f"lower the count to at most {available}, shorten seq_len, or give more text",
@@ -125,7 +158,7 @@ def _samples(source, part: list[Row], texts: list[str], tokenizer, bos_id, role,
         if len(ids) >= 2:
             encoded.append((r, ids[:seq_len]))
     if count > len(encoded):
-        raise InputError(
+        raise _TooLittleData(
             f"asked for {count} samples but the {role} part of {label(source)} holds {len(encoded)} non-empty "
             f"rows (of {len(part)})", fix=f"lower the count to at most {len(encoded)}, or give more rows",
         )

@@ -85,8 +85,7 @@ def evaluate_artifact(
     """Table text, and a failure message when a gate fails. One row per artifact and corpus. Engines that cannot
     load the source model are compared with the torch reference's baseline, as in a build; gates read the 95%
     intervals as in a build (llmc.eval.gates)."""
-    from transformers import AutoTokenizer
-
+    from llmc.model.tokenizer_files import load_tokenizer
     from llmc.recipe.schema import Gates
 
     gates = Gates(max_ppl_increase_pct=max_ppl_increase_pct, max_mean_kld=max_mean_kld,
@@ -95,7 +94,7 @@ def evaluate_artifact(
     if threads:
         torch.set_num_threads(threads)
     src = resolve_source(baseline, store)
-    tok = AutoTokenizer.from_pretrained(src.folder)
+    tok = load_tokenizer(src.folder)
     token_sets = eval_tokens(_Protocol(corpora, windows, seq_len), tok)
     folders = artifact_folders(Path(artifact), engine)
     several = list(token_sets) != [None]

@@ -213,13 +213,13 @@ def test_estimates_from_headers_only(tiny_model: Path, tmp_path: Path) -> None:
 def test_spilled_activations_shrink_the_memory_estimate(tiny_model: Path, tmp_path: Path) -> None:
     static_int8 = {"weights": {"format": "int8", "strategy": "channel"},
                    "activations": {"format": "int8", "strategy": "tensor"}}
-    calib = {"samples": 64, "seq_len": 2048}
+    calib = {"samples": 64, "seq_len": 1024}  # tiny_model's max_position_embeddings (llmc.model.checks)
     kept = make_plan(recipe(static_int8, {"runtime": "vllm"}, calibration={**calib, "spill_activations": "never"}),
                      tiny_model, tmp_path)
     spilled = make_plan(recipe(static_int8, {"runtime": "vllm"}, calibration={**calib, "spill_activations": "always"}),
                         tiny_model, tmp_path)
     hidden = 64  # tiny_model's width: two fp32 copies of 64 windows, against one batch of 4 in and out
-    drop = (2 * 64 - 2 * 4) * 2048 * hidden * 4 / 1e9
+    drop = (2 * 64 - 2 * 4) * 1024 * hidden * 4 / 1e9
     assert kept.estimates["peak_memory_gb"] - spilled.estimates["peak_memory_gb"] == pytest.approx(drop)
     assert "spilled to disk" in spilled.render() and "spilled to disk" not in kept.render()
 

@@ -99,7 +99,7 @@ def _tiny_recipe(source: Path, **sections) -> object:
 
 def test_a_plan_that_does_not_fit_refuses_before_loading_naming_the_cheaper_strategy(
         tiny_model: Path, monkeypatch) -> None:
-    recipe = _tiny_recipe(tiny_model, calibration={"samples": 512, "seq_len": 2048, "spill_activations": "never"})
+    recipe = _tiny_recipe(tiny_model, calibration={"samples": 1024, "seq_len": 1024, "spill_activations": "never"})
     need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
     monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 * 0.8))
     with pytest.raises(ResourceError) as e:
