@@ -1,11 +1,11 @@
 """Quality of quantized checkpoints for benchmarks/gpu_calibration.py, by one function for every tool: the relative
 error of the final hidden state (after the final norm) on held-out tokens, against the unquantized model.
 
-    python benchmarks/_hidden_error_child.py MODEL_DIR HELDOUT.safetensors REFERENCE.safetensors NAME=FOLDER [...]
+    python benchmarks/_hidden_error_child.py MODEL_DIR HELDOUT.safetensors NAME=FOLDER [NAME=FOLDER ...]
 
 Each FOLDER is a compressed-tensors checkpoint (llmc's export or llm-compressor's save), loaded by llmc's torch
 reference engine (weights dequantized, the artifact's activation quantization applied to every Linear's input) in
-float32 on the host. The unquantized model's hidden states are computed once and kept in REFERENCE. Error = ||h_q - h||_F / ||h||_F over all held-out tokens. Prints one JSON line per folder as it
+float32 on the host. Error = ||h_q - h||_F / ||h||_F over all held-out tokens. Prints one JSON line per folder as it
 is scored (a time limit then keeps those already printed).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 def main() -> None:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from llmc.engines.torch_ref import TorchEngine
 
@@ -32,13 +32,8 @@ def main() -> None:
         model = TorchEngine(folder, streamed=False).model
         return torch.cat([model.model(input_ids=b).last_hidden_state.float() for b in heldout.split(2)])
 
-    cache = Path(sys.argv[3])
-    if cache.is_file():
-        reference = load_file(cache)["hidden"]
-    else:
-        reference = final_hidden(model_dir)
-        save_file({"hidden": reference}, cache)
-    for item in sys.argv[4:]:
+    reference = final_hidden(model_dir)
+    for item in sys.argv[3:]:
         name, folder = item.split("=", 1)
         t = time.monotonic()
         error = float((final_hidden(Path(folder)) - reference).norm() / reference.norm())
