@@ -85,7 +85,7 @@ def write_model(folder: Path, shape: str, layers: int, dtype_name: str) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.normal_(0.0, 0.02, generator=gen)
     model.save_pretrained(folder, safe_serialization=True)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")),
@@ -101,8 +101,13 @@ def run_step(cmd: list[str], timeout: float, env: dict) -> tuple[list[dict], str
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         error = f"time limit ({timeout:.0f} s) reached"
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return lines, error
+    lines = []
+    for line in stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # a library's own output on stdout
+            continue
+    return [line for line in lines if isinstance(line, dict)], error
 
 
 def layer2_row(row: dict) -> dict:
@@ -167,6 +172,7 @@ def main() -> None:
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "rows.jsonl"
+    jsonl.write_text("")  # this run's rows only, as summary.md
     rows: list[dict] = []
 
     def emit(row: dict) -> None:

@@ -99,6 +99,15 @@ def test_summary_compares_layer_2_and_marks_failures() -> None:
     assert "0.0125" in table and "failed: ValueError: bad" in table
 
 
+def test_a_step_past_its_time_limit_keeps_what_it_printed() -> None:
+    script = "import json, time; print('not json'); print(json.dumps({'a': 1}), flush=True); time.sleep(30)"
+    lines, error = gpu.run_step([sys.executable, "-c", script], 3, dict(os.environ))
+    assert lines == [{"a": 1}] and error == "time limit (3 s) reached"
+    lines, error = gpu.run_step([sys.executable, "-c", "import sys; print('{}'); sys.exit('boom')"], 30,
+                                dict(os.environ))
+    assert lines == [{}] and error.startswith("exit 1") and "boom" in error
+
+
 @pytest.mark.slow
 def test_the_whole_run_on_this_cpu_at_tiny_width(tmp_path: Path) -> None:
     """The GPU command's path end to end (llmc only, unless llm-compressor imports in this Python)."""
