@@ -41,6 +41,16 @@ def w4afp8(group: int) -> dict:
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)}
 
 
+def fp8_static() -> dict:
+    """FP8 weights per output channel (llmc's fp8_e4m3 'channel' layout, so both tools write the same format) and
+    compressed-tensors' FP8 preset's activations: static, one scale per tensor, set from the calibration data."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+    return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)}
+
+
 def recipe(scheme: str, g: int = 64) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
@@ -65,6 +75,7 @@ def recipe(scheme: str, g: int = 64) -> list:
             QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
         "sq-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
                                  GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], actorder=None)],
+        "fp8-static": lambda: [QuantizationModifier(config_groups=fp8_static(), ignore=["lm_head"])],
         "rtn-w8a8": lambda: [QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
     }[scheme]()
 

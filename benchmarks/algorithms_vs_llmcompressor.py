@@ -46,6 +46,8 @@ PAIRS = {
     # llmc's AWQ with the full 20-point grid llm-compressor uses (the default refines coarse-to-fine)
     "awq-w4a16-grid": (W4 + ", algorithm='awq', algorithm_options=(('search', 'grid'),))", "awq-w4a16"),
     "sq-w8a8": (W8A8 + "algorithm='smoothquant')", "sq-w8a8"),
+    # FP8 weights per channel, static per-tensor FP8 activations set from the calibration data (no algorithm)
+    "fp8-static": ("Scheme(TensorSpec('fp8_e4m3', 'channel'), TensorSpec('fp8_e4m3', 'tensor'))", "fp8-static"),
     # int4 weights x dynamic per-token FP8 activations (vLLM's W4A8-FP8 kernel; group 128 there)
     "gptq-w4afp8": (W4 + ", TensorSpec('fp8_e4m3', 'token', dynamic=True), algorithm='gptq')", "gptq-w4afp8"),
     "awq-w4afp8": (W4 + ", TensorSpec('fp8_e4m3', 'token', dynamic=True), algorithm='awq')", "awq-w4afp8"),

@@ -1,19 +1,26 @@
-"""Calibration on a GPU: llmc's GPTQ / AWQ / SmoothQuant on CUDA against llm-compressor on the same GPU
-(and llmc on the host's CPU cores), side by side on one machine.
+"""Calibration on a GPU, llmc against llm-compressor 0.14 side by side, per decoder layer and against the floor.
 
-    python benchmarks/gpu_calibration.py [--shape smollm2|llama-1b] [--layers N] [--samples 64]
-        [--seq-len 512] [--schemes gptq-w4a16 awq-w4a16 sq-w8a8] [--repeats 2]
-        [--tokenizer DIR] [--peer-path DIR] [--cpu]
+    python benchmarks/gpu_calibration.py --out DIR [--shape llama-8b|llama-70b|smollm2|tiny] [--layers 3]
+        [--samples 128] [--seq-len 2048] [--schemes gptq-w4a16 fp8-static sq-w8a8 awq-w4a16]
+        [--tools llmc llm-compressor] [--device cuda|cpu] [--dtype bfloat16] [--budget-s 450] [--step-timeout-s 120]
+        [--heldout-samples 2] [--heldout-seq-len 1024] [--peer-python PY] [--work DIR]
 
-No weights travel to a lent GPU machine, so the model is synthetic: the named architecture's shape
-with random weights (the wall time of these algorithms depends on shapes and token counts, not on the
-values), written to disk first, plus a tokenizer folder (`--tokenizer`, SmolLM2's) because
-llm-compressor saves one. Calibration tokens are seeded random ids, the same file for every tool.
-Each run is a fresh child process timing the quantization call alone (llmc: quantize_model with
-`device="cuda"`, layers streamed from disk; llm-compressor 0.14: oneshot with its sequential pipeline,
-model in host memory, layers onloaded to the GPU). `--peer-path` is a folder holding llm-compressor
-and its dependencies (prepended to PYTHONPATH). `--cpu` also times llmc on the CPU and reports how
-many weight codes the CUDA run gives differently (float rounding differs by device).
+No weights travel to a lent GPU machine, so the model is synthetic: the named architecture's decoder layer with random
+weights (wall time depends on shapes and token counts, not values), `--layers` of them, written to disk in `--dtype`
+with a word-level tokenizer made here; the calibration tokens are seeded random ids, one file both tools read. Each
+tool runs in a fresh child process (benchmarks/_llmc_gpu_child.py, benchmarks/_llmcompressor_gpu_child.py) that first
+measures the floor in that same process — one plain forward of every calibration token through one decoder layer
+(benchmarks/_layer_floor.py) — then times the quantization call alone, imports and CUDA start-up outside the timer:
+llmc's quantize_model with `device`, layers streamed from disk; llm-compressor's oneshot with its sequential pipeline,
+model in host memory. Both compute in `--dtype`. Reported per run: total wall, each decoder layer's time, the floor
+and layer 2's time as a multiple of it, peak GPU memory (torch's max allocated) and peak host RSS. Layer 2 of 3 is the
+one compared: layer 1 carries the embeddings' forward, and llm-compressor's last subgraph the final norm and LM head.
+Once every run is timed, all outputs (compressed-tensors) are scored by one function
+(benchmarks/_hidden_error_child.py): final hidden-state relative error on held-out tokens.
+
+Every step has a time limit (`--step-timeout-s`, cut to what is left of `--budget-s`); a step that fails or runs out
+of time is written as a row with its error and the run goes on. Rows go to DIR/rows.jsonl as they come, the table to
+DIR/summary.md. `--device cpu --shape tiny` runs the same path on a CPU in seconds (docs/results.md).
 """
 
 from __future__ import annotations
@@ -22,151 +29,230 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+HERE = REPO / "benchmarks"
+sys.path.insert(0, str(HERE))
 from algorithms_vs_llmcompressor import PAIRS  # noqa: E402  (same scheme pairs as the CPU comparison)
 
-SHAPES = {  # (hidden, intermediate, heads, kv heads, default layers, vocab)
-    "smollm2": (576, 1536, 9, 3, 30, 49152),
-    "llama-1b": (2048, 8192, 32, 8, 16, 49152),
+SHAPES = {  # hidden, intermediate, attention heads, KV heads, vocab
+    "tiny": (128, 256, 4, 2, 1024),
+    "smollm2": (576, 1536, 9, 3, 49152),
+    "llama-8b": (4096, 14336, 32, 8, 128256),  # Llama-3.1-8B
+    "llama-70b": (8192, 28672, 64, 8, 128256),  # Llama-3.3-70B
 }
-
-LLMC_CHILD = """
-import json, sys, time, torch
-from pathlib import Path
-from safetensors.torch import load_file
-from llmc.model.source import ModelSource
-from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
-folder, tokens, scheme, out, device = sys.argv[1], sys.argv[2], eval(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
-ids = load_file(tokens)["input_ids"]
-from transformers import AutoModelForCausalLM  # noqa: F401
-import transformers.models.llama.modeling_llama  # noqa: F401  (imports are outside llm-compressor's timer too)
-if device == "cuda":
-    torch.zeros(1, device="cuda")  # CUDA context start-up is not calibration time (llm-compressor's is outside too)
-t = time.monotonic()
-quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, out, calibration=ids, device=device)
-if device == "cuda":
-    torch.cuda.synchronize()
-wall = time.monotonic() - t
-peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
-print(json.dumps({"wall_s": wall, "peak_gpu_mb": peak}))
-"""
+SCHEMES = ["gptq-w4a16", "fp8-static", "sq-w8a8", "awq-w4a16"]
+TOOLS = ["llmc", "llm-compressor"]
+MIN_STEP_S = 15  # a step is not started with less of the budget left
 
 
-def write_model(folder: Path, shape: str, layers: int, tokenizer: Path | None) -> None:
+def int4_group(shape: str) -> int:
+    """128 (both tools' usual W4A16 group) where it divides every Linear's input width, else 64 (SmolLM2's 576)."""
+    hidden, inter = SHAPES[shape][:2]
+    return 128 if hidden % 128 == 0 and inter % 128 == 0 else 64
+
+
+def scheme_pair(scheme: str, group: int) -> tuple[str, str]:
+    """(llmc Scheme expression, llm-compressor recipe name) with the INT4 group filled in."""
+    llmc_expr, peer = PAIRS[scheme]
+    return llmc_expr.format(group=group), peer
+
+
+def write_model(folder: Path, shape: str, layers: int, dtype_name: str) -> None:
+    """A Llama checkpoint of `shape` with `layers` random decoder layers (normal(0, 0.02) weights, unit norms, tied
+    embeddings) and a word-level tokenizer (llm-compressor saves one; nothing is downloaded)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    hidden, inter, heads, kv, _, vocab = SHAPES[shape]
+    hidden, inter, heads, kv, vocab = SHAPES[shape]
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
-                         tie_word_embeddings=True, rope_theta=100000.0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    if tokenizer is not None:
-        for f in tokenizer.iterdir():
-            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-                shutil.copyfile(f, folder / f.name)
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
+                         tie_word_embeddings=True, rope_theta=500000.0, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(getattr(torch, dtype_name))
+    model.tie_weights()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.save_pretrained(folder, safe_serialization=True)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(folder)
 
 
-def _run(cmd: list[str], env: dict | None = None) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"{cmd[:3]} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def run_step(cmd: list[str], timeout: float, env: dict) -> tuple[list[dict], str | None]:
+    """The JSON lines a child printed, and its error (non-zero exit, or the time limit) or None."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        stdout, error = r.stdout, (None if r.returncode == 0 else f"exit {r.returncode}: {r.stderr[-2500:]}")
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        error = f"time limit ({timeout:.0f} s) reached"
+    lines = []
+    for line in stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # a library's own output on stdout
+            continue
+    return [line for line in lines if isinstance(line, dict)], error
 
 
-def code_mismatch(a: Path, b: Path) -> float:
-    """Fraction of quantized weight codes that differ between two canonical forms."""
-    import torch
-    from safetensors.torch import load_file
+def layer2_row(row: dict) -> dict:
+    """Adds layer 2's time and its multiple of the floor measured in the same process."""
+    layers = row.get("layer_s") or []
+    if len(layers) > 1 and layers[1] is not None:
+        row["layer2_s"] = layers[1]
+        if row.get("floor_s"):
+            row["layer2_x_floor"] = layers[1] / row["floor_s"]
+    return row
 
-    differ = total = 0
-    for fa in sorted((a / "layers").glob("*.safetensors")):
-        ta, tb = load_file(str(fa)), load_file(str(b / "layers" / fa.name))
-        for k, v in ta.items():
-            if k.endswith(".weight") and v.dtype in (torch.int8, torch.uint8):
-                differ += int((v != tb[k]).sum())
-                total += v.numel()
-    return differ / max(total, 1)
+
+def summary(rows: list[dict]) -> str:
+    runs = {(r["scheme"], r["tool"]): r for r in rows if r.get("kind") == "run"}
+    errors = {(r["scheme"], r["tool"]): r["hidden_rel_error"] for r in rows if r.get("kind") == "quality"}
+    lines = ["| scheme | tool | wall s | layer 2 s | floor s | layer 2 ÷ floor | llmc ÷ llm-compressor (layer 2) "
+             "| peak GPU MB | peak RSS MB | hidden-state rel. error |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "–"
+
+    for (scheme, tool), r in runs.items():
+        if "error" in r:
+            lines.append(f"| {scheme} | {tool} | failed: {r['error'].strip().splitlines()[-1][:100]} | | | | | | | |")
+            continue
+        peer = runs.get((scheme, "llm-compressor"), {})
+        ratio = (r["layer2_s"] / peer["layer2_s"] if tool == "llmc" and "layer2_s" in r and "layer2_s" in peer
+                 else None)
+        lines.append(f"| {scheme} | {tool} | {f(r.get('wall_s'), '.2f')} | {f(r.get('layer2_s'), '.3f')} "
+                     f"| {f(r.get('floor_s'), '.4f')} | {f(r.get('layer2_x_floor'), '.1f')}× "
+                     f"| {f(ratio, '.2f')}{'×' if ratio else ''} | {f(r.get('peak_gpu_mb'), ',.0f')} "
+                     f"| {f(r.get('peak_rss_mb'), ',.0f')} | {f(errors.get((scheme, tool)), '.4f')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--schemes", nargs="+", default=["gptq-w4a16", "awq-w4a16", "sq-w8a8"], choices=sorted(PAIRS))
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--tokenizer", type=Path)
-    ap.add_argument("--peer-path", type=Path)
-    ap.add_argument("--cpu", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for rows.jsonl and summary.md")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--schemes", nargs="+", default=SCHEMES, choices=SCHEMES)
+    ap.add_argument("--tools", nargs="+", default=TOOLS, choices=TOOLS)
+    ap.add_argument("--device", default="cuda", help="cuda or cpu (cpu: the same path, e.g. at --shape tiny)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--budget-s", type=float, default=450, help="the whole run's time limit; steps past it are skipped")
+    ap.add_argument("--step-timeout-s", type=float, default=120)
+    ap.add_argument("--heldout-samples", type=int, default=2, help="0: no quality step")
+    ap.add_argument("--heldout-seq-len", type=int, default=1024)
+    ap.add_argument("--peer-python", default=sys.executable, help="the Python that imports llm-compressor")
+    ap.add_argument("--work", type=Path, help="where the model and outputs are written (default: a temp folder)")
     args = ap.parse_args()
+    if args.layers < 3:
+        ap.error("--layers must be at least 3: layer 2 is the one compared, and neither neighbour's extra work is in it")
 
     import torch
     from safetensors.torch import save_file
 
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA GPU visible to torch: this benchmark times calibration on a GPU")
-    layers = args.layers or SHAPES[args.shape][4]
-    peer_env = None
-    if args.peer_path:
-        # only the peer's folder: llmc's own dependencies (a newer transformers) must not shadow its pins
-        peer_env = {**os.environ, "PYTHONPATH": str(args.peer_path), "THREADS": str(os.cpu_count())}
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-                      "layers": layers, "samples": args.samples, "seq_len": args.seq_len}), flush=True)
-    rows: dict[tuple[str, str], list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="llmc-gpu-calibration-") as tmp:
-        model = Path(tmp) / "model"
-        write_model(model, args.shape, layers, args.tokenizer)
-        tokens = Path(tmp) / "tokens.safetensors"
-        vocab = SHAPES[args.shape][5]
-        ids = torch.randint(0, vocab, (args.samples, args.seq_len), generator=torch.Generator().manual_seed(0))
-        save_file({"input_ids": ids}, str(tokens))
-        for rep in range(args.repeats):
-            for scheme in args.schemes:
-                llmc_expr, peer_scheme = PAIRS[scheme]
-                tools = ["llmc-cuda"] + (["llm-compressor-cuda"] if peer_env else []) + (["llmc-cpu"] if args.cpu else [])
-                for tool in tools:
-                    out = Path(tmp) / f"{tool}-{scheme}-{rep}"
-                    if tool.startswith("llmc"):
-                        device = tool.removeprefix("llmc-")
-                        m = _run([sys.executable, "-c", LLMC_CHILD, str(model), str(tokens), llmc_expr, str(out), device])
-                    else:
-                        try:
-                            m = _run([sys.executable, str(REPO / "benchmarks" / "_llmcompressor_child.py"),
-                                      str(model), str(tokens), peer_scheme, str(out)], env=peer_env)
-                        except RuntimeError as e:  # keep llmc's rows when the peer cannot run here
-                            print(json.dumps({"scheme": scheme, "tool": tool, "error": str(e)[-1500:]}), flush=True)
-                            continue
-                    row = {"scheme": scheme, "tool": tool, "repeat": rep, **m}
-                    if tool == "llmc-cpu":
-                        row["codes_differing_from_cuda"] = code_mismatch(Path(tmp) / f"llmc-cuda-{scheme}-{rep}", out)
-                    rows.setdefault((scheme, tool), []).append(row)
-                    print(json.dumps(row), flush=True)
-                    if not tool.startswith("llmc"):
-                        shutil.rmtree(out, ignore_errors=True)
-            for p in Path(tmp).glob(f"*-{rep}"):
-                shutil.rmtree(p, ignore_errors=True)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU visible to torch: pass --device cpu (e.g. with --shape tiny) to check the path here")
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / "rows.jsonl"
+    jsonl.write_text("")  # this run's rows only, as summary.md
+    rows: list[dict] = []
 
-    print("\n| scheme | tool | wall s (median [min, max]) | vs llmc-cuda |")
-    print("|---|---|---|---|")
-    for scheme in args.schemes:
-        ref = statistics.median(r["wall_s"] for r in rows[(scheme, "llmc-cuda")])
-        for (s, tool), rs in rows.items():
-            if s != scheme:
-                continue
-            walls = [r["wall_s"] for r in rs]
-            print(f"| {scheme} | {tool} | {statistics.median(walls):.1f} [{min(walls):.1f}, {max(walls):.1f}] "
-                  f"| {statistics.median(walls) / ref:.2f}x |")
+    def emit(row: dict) -> None:
+        rows.append(row)
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - start)
+
+    group = int4_group(args.shape)
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    emit({"kind": "setup", "device": args.device, "device_name": torch.cuda.get_device_name()
+          if args.device.startswith("cuda") else "cpu", "torch": torch.__version__, "shape": args.shape,
+          "dims": SHAPES[args.shape], "layers": args.layers, "samples": args.samples, "seq_len": args.seq_len,
+          "dtype": args.dtype, "int4_group": group, "cpus": os.cpu_count(), "llmc_commit": git.stdout.strip() or None})
+    env = {**os.environ, "THREADS": os.environ.get("THREADS", str(os.cpu_count())), "PYTHONPATH": os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p])}
+    work = Path(tempfile.mkdtemp(prefix="llmc-gpu-calibration-", dir=args.work))
+    try:
+        model, tokens, heldout = work / "model", work / "tokens.safetensors", work / "heldout.safetensors"
+        t = time.monotonic()
+        write_model(model, args.shape, args.layers, args.dtype)
+        vocab = SHAPES[args.shape][4]
+        save_file({"input_ids": torch.randint(3, vocab, (args.samples, args.seq_len),
+                                              generator=torch.Generator().manual_seed(0))}, str(tokens))
+        save_file({"input_ids": torch.randint(3, vocab, (max(args.heldout_samples, 1), args.heldout_seq_len),
+                                              generator=torch.Generator().manual_seed(1))}, str(heldout))
+        emit({"kind": "model", "write_s": time.monotonic() - t,
+              "bytes": sum(f.stat().st_size for f in model.glob("*.safetensors"))})
+
+        outputs: list[str] = []
+        for scheme in args.schemes:
+            llmc_expr, peer_scheme = scheme_pair(scheme, group)
+            for tool in args.tools:
+                out = work / f"{tool}-{scheme}"
+                if left() < MIN_STEP_S:
+                    emit({"kind": "run", "scheme": scheme, "tool": tool, "error": "skipped: --budget-s spent"})
+                    continue
+                if tool == "llmc":
+                    cmd = [sys.executable, str(HERE / "_llmc_gpu_child.py"), str(model), str(tokens), llmc_expr,
+                           str(out), args.dtype, args.device]
+                    folder = out / "export"
+                else:
+                    cmd = [args.peer_python, str(HERE / "_llmcompressor_gpu_child.py"), str(model), str(tokens),
+                           peer_scheme, str(out), str(group), args.dtype, args.device]
+                    folder = out
+                t = time.monotonic()
+                lines, error = run_step(cmd, min(args.step_timeout_s, left()), env)
+                row = {"kind": "run", "scheme": scheme, "tool": tool, "step_s": time.monotonic() - t,
+                       **(lines[-1] if lines else {})}
+                if error:
+                    row["error"] = error
+                else:
+                    outputs.append(f"{tool}:{scheme}={folder}")
+                emit(layer2_row(row))
+                shutil.rmtree(out / "canonical", ignore_errors=True)  # llmc's export is what is scored
+
+        # Every timing first; the scoring (host only) then gets what is left of the budget, and a cut keeps the
+        # errors already printed.
+        if args.heldout_samples and outputs:
+            if left() < MIN_STEP_S:
+                emit({"kind": "quality", "error": "skipped: --budget-s spent"})
+            else:
+                t = time.monotonic()
+                lines, error = run_step([sys.executable, str(HERE / "_hidden_error_child.py"), str(model),
+                                         str(heldout), *outputs], left(), env)
+                for line in lines:
+                    tool, scheme = line.pop("name").split(":")
+                    emit({"kind": "quality", "scheme": scheme, "tool": tool,
+                          "heldout_tokens": args.heldout_samples * args.heldout_seq_len, **line})
+                if error:
+                    emit({"kind": "quality", "error": error, "step_s": time.monotonic() - t})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    table = summary(rows)
+    (args.out / "summary.md").write_text(table)
+    print("\n" + table + f"\ntotal {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
