@@ -1,0 +1,121 @@
+"""llmc's NVFP4 / MXFP4 / MXFP8 / block-FP8 tensors decode, through compressed-tensors' own compressors and through
+transformers loading a whole checkpoint, to exactly llmc's dequantized weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmc.compiler.microscaling_export import (
+    COMPRESSED_TENSORS_FORMATS,
+    compressed_tensors_fp8_block_tensors,
+    compressed_tensors_scheme,
+    compressed_tensors_tensors,
+    modelopt_nvfp4_tensors,
+)
+from llmc.quant.block_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from llmc.quant.microscaling import (
+    MICROSCALING_FORMATS,
+    NVFP4,
+    dequantize_blocks,
+    e2m1_decode,
+    quantize_blocks,
+    unpack_e2m1,
+)
+
+pytest.importorskip("compressed_tensors")
+
+
+def _weight(rows: int = 64, cols: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[3, 40] = 0.5  # outlier
+    w[5, :32] = 0.0  # zero blocks
+    w[6, 32:64] *= 1e-5  # tiny blocks: subnormal E4M3 scales, small E8M0 exponents
+    return w
+
+
+def _quantized(name: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(stored tensors, llmc's float32 dequantized weight)."""
+    if name == "fp8_block":
+        codes, scale = quantize_fp8_blocks(w)
+        return compressed_tensors_fp8_block_tensors(codes, scale), dequantize_fp8_blocks(codes, scale)
+    q = quantize_blocks(w, MICROSCALING_FORMATS[name])
+    return compressed_tensors_tensors(q), dequantize_blocks(q)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED_TENSORS_FORMATS))
+def test_compressed_tensors_compressor_decodes_llmc_bytes_exactly(name: str) -> None:
+    from compressed_tensors.compressors import BaseCompressor
+
+    w = _weight()
+    stored, ours = _quantized(name, w)
+    compressor = BaseCompressor.get_value_from_registry(COMPRESSED_TENSORS_FORMATS[name][0])
+    decoded = compressor.decompress(stored, compressed_tensors_scheme(name, ["Linear"]))["weight"]
+    # compressed-tensors decodes FP4 into bf16 (its unpacking's dtype): llmc's float32 values rounded once to bf16.
+    # MX and block-FP8 values are code x power of two / float32 scale: exact in float32.
+    expected = ours.to(decoded.dtype)
+    assert decoded.shape == w.shape
+    assert torch.equal(decoded, expected), (decoded.float() - expected.float()).abs().max()
+
+
+def _write_checkpoint(base: Path, out: Path, name: str) -> dict[str, torch.Tensor]:
+    """A copy of `base` with every decoder-layer Linear in `name`, configured with compressed-tensors' preset;
+    returns llmc's dequantized weights by parameter name."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    tensors, reference = {}, {}
+    for key, value in load_file(base / "model.safetensors").items():
+        if not key.endswith("_proj.weight"):
+            tensors[key] = value
+            continue
+        stored, reference[key] = _quantized(name, value)
+        module = key.removesuffix(".weight")
+        tensors.update({f"{module}.{local}": t for local, t in stored.items()})
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((base / "config.json").read_text())
+    quant = QuantizationConfig(config_groups={"group_0": compressed_tensors_scheme(name, ["Linear"])},
+                               format=COMPRESSED_TENSORS_FORMATS[name][0], quantization_status="compressed",
+                               ignore=["lm_head"]).model_dump(mode="json")
+    config["quantization_config"] = {**quant, "quant_method": "compressed-tensors",
+                                     "version": compressed_tensors.__version__}
+    (out / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED_TENSORS_FORMATS))
+def test_transformers_decompresses_an_llmc_checkpoint_to_llmc_weights(name: str, tiny_model_factory,
+                                                                      tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    base = tiny_model_factory(tmp_path / "base", hidden=128, intermediate=256)
+    reference = _write_checkpoint(base, tmp_path / name, name)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
+    state = model.state_dict()
+    assert len(reference) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    for key, ours in reference.items():
+        expected = ours.to(torch.bfloat16).float() if name == "nvfp4" else ours
+        assert torch.equal(state[key], expected), (key, (state[key] - expected).abs().max())
+
+
+def test_modelopt_layout_is_the_same_bytes_with_the_reciprocal_global_scale() -> None:
+    w = _weight(seed=2)
+    q = quantize_blocks(w, NVFP4)
+    ct, mo = compressed_tensors_tensors(q), modelopt_nvfp4_tensors(q)
+    assert torch.equal(mo["weight"], ct["weight_packed"]) and mo["weight"].dtype == torch.uint8
+    assert torch.equal(mo["weight_scale"].view(torch.uint8), ct["weight_scale"].view(torch.uint8))
+    assert mo["weight_scale_2"].shape == () and mo["weight_scale_2"].dtype == torch.float32
+    # ModelOpt's decode (NVFP4QTensor.dequantize): e2m1[nibble] x (weight_scale x weight_scale_2), per 16 elements.
+    modelopt = (e2m1_decode(unpack_e2m1(mo["weight"])).unflatten(-1, (-1, 16))
+                * (mo["weight_scale"].float() * mo["weight_scale_2"]).unsqueeze(-1)).flatten(-2)
+    ours = dequantize_blocks(q)
+    assert (modelopt - ours).abs().max().item() <= ours.abs().max().item() * 2.0**-23
+    with pytest.raises(ValueError, match="nvfp4"):
+        modelopt_nvfp4_tensors(quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"]))
