@@ -119,3 +119,79 @@ def test_modelopt_layout_is_the_same_bytes_with_the_reciprocal_global_scale() ->
     assert (modelopt - ours).abs().max().item() <= ours.abs().max().item() * 2.0**-23
     with pytest.raises(ValueError, match="nvfp4"):
         modelopt_nvfp4_tensors(quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"]))
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def test_gguf_mxfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks
+
+    w = _weight()
+    q = quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"])
+    raw = gguf_mxfp4_blocks(q)
+    assert raw.shape == (64, 256 // 32 * 17) and raw.dtype == "uint8"
+    # byte order spelled out for the first block of row 0: exponent, then element j | element j + 16 << 4
+    codes = q.codes[0, :32]
+    assert raw[0, 0] == q.scale[0, 0].item()
+    assert raw[0, 1:17].tolist() == (codes[:16] | (codes[16:] << 4)).tolist()
+    decoded = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.MXFP4))
+    assert torch.equal(decoded, dequantize_blocks(q))
+
+
+def test_gguf_nvfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    from llmc.compiler.microscaling_export import gguf_nvfp4_blocks
+
+    w = _weight()
+    q = quantize_blocks(w, NVFP4)
+    raw, scale = gguf_nvfp4_blocks(q)
+    assert raw.shape == (64, 256 // 64 * 36) and scale.dtype == "float32"
+    codes = q.codes[0, :64]
+    assert raw[0, :4].tolist() == q.scale[0, :4].view(torch.uint8).tolist()
+    assert raw[0, 4:12].tolist() == (codes[:8] | (codes[8:16] << 4)).tolist()  # sub-block 0: j | j + 8
+    assert raw[0, 12:20].tolist() == (codes[16:24] | (codes[24:32] << 4)).tolist()  # sub-block 1
+    # gguf-py decodes code x block scale (no global scale: llama.cpp multiplies the product by `.scale`).
+    decoded = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.NVFP4))
+    block_scale = q.scale.float().repeat_interleave(16, -1)
+    assert torch.equal(decoded, e2m1_decode(q.codes) * block_scale)
+    ours = dequantize_blocks(q)
+    assert ((decoded * torch.from_numpy(scale) - ours).abs() <= ours.abs() * 2.0**-22).all()
+
+
+def test_gguf_file_round_trip_of_both_fp4_types(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
+
+    w = _weight(seed=4)
+    mx = quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"])
+    nv = quantize_blocks(w, NVFP4)
+    nv_raw, nv_scale = gguf_nvfp4_blocks(nv)
+    writer = GGUFWriter(tmp_path / "fp4.gguf", "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", gguf_mxfp4_blocks(mx), raw_dtype=GGMLQuantizationType.MXFP4)
+    writer.add_tensor("blk.0.ffn_down.weight", nv_raw, raw_dtype=GGMLQuantizationType.NVFP4)
+    writer.add_tensor("blk.0.ffn_down.scale", nv_scale)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "fp4.gguf").tensors}
+    up, down = tensors["blk.0.ffn_up.weight"], tensors["blk.0.ffn_down.weight"]
+    assert up.tensor_type == GGMLQuantizationType.MXFP4 and down.tensor_type == GGMLQuantizationType.NVFP4
+    assert [int(n) for n in down.shape] == [256, 64]  # ggml order: row length first
+    assert torch.equal(torch.from_numpy(quants.dequantize(up.data, up.tensor_type)), dequantize_blocks(mx))
+    scaled = quants.dequantize(down.data, down.tensor_type) * tensors["blk.0.ffn_down.scale"].data
+    assert torch.allclose(torch.from_numpy(scaled), dequantize_blocks(nv), rtol=2.0**-22, atol=0)
+
+
+def test_gguf_blocks_refuse_widths_the_layout_cannot_hold() -> None:
+    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gguf_nvfp4_blocks(quantize_blocks(torch.ones(2, 48), NVFP4))
+    with pytest.raises(ValueError, match="GGUF MXFP4"):
+        gguf_mxfp4_blocks(quantize_blocks(torch.ones(2, 64), NVFP4))
