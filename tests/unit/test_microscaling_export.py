@@ -195,3 +195,48 @@ def test_gguf_blocks_refuse_widths_the_layout_cannot_hold() -> None:
         gguf_nvfp4_blocks(quantize_blocks(torch.ones(2, 48), NVFP4))
     with pytest.raises(ValueError, match="GGUF MXFP4"):
         gguf_mxfp4_blocks(quantize_blocks(torch.ones(2, 64), NVFP4))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+def test_compressed_tensors_own_quantizer_gives_llmc_bytes(name: str) -> None:
+    """compressed-tensors' observer math (generate_gparam, calculate_qparams) and compressor on the same weight give
+    llmc's bytes, except in two kinds of block. NVFP4: where the block scale rounds to 0 in E4M3 (an all-zero block,
+    or one below 2^-10 of the largest block's scale) compressed-tensors stores its dtype's eps, 0.125, which zeroes
+    the block's codes; llmc stores 0 for an all-zero block and 2^-9 for a live one, keeping its values. MX: where the
+    block's absmax mantissa is 1.75 or more, compressed-tensors rounds the absmax up to the next power of two before
+    taking its exponent (`round_to_power_2`), one above OCP's floor(log2(amax)) - emax_elem that llmc (and ggml's
+    quantizer) follows."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    w = _weight()
+    fmt = MICROSCALING_FORMATS[name]
+    scheme = compressed_tensors_scheme(name, ["Linear"])
+    blocks = w.unflatten(-1, (-1, fmt.block_size))
+    state = {"weight": w}
+    global_scale = None
+    if name == "nvfp4":
+        global_scale = state["weight_global_scale"] = generate_gparam(w.min(), w.max())
+    state["weight_scale"], _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale)
+    compressor = BaseCompressor.get_value_from_registry(COMPRESSED_TENSORS_FORMATS[name][0])
+    theirs = compressor.compress(state, scheme)
+    ours = compressed_tensors_tensors(quantize_blocks(w, fmt))
+    codes = "weight" if name == "mxfp8" else "weight_packed"
+    if name == "nvfp4":
+        assert torch.equal(theirs["weight_global_scale"], ours["weight_global_scale"])
+        their_scale, our_scale = theirs["weight_scale"].float(), ours["weight_scale"].float()
+        underflow = (blocks.abs().amax(-1) / 6 * global_scale).to(torch.float8_e4m3fn).float() == 0
+        assert 0 < underflow.sum() < underflow.numel()
+        assert torch.equal(their_scale[~underflow], our_scale[~underflow])
+        assert (their_scale[underflow] == 0.125).all() and (our_scale[underflow] <= 2.0**-9).all()
+        same = ~underflow.repeat_interleave(8, -1)  # 8 packed bytes per 16-element block
+        assert torch.equal(theirs[codes][same], ours[codes][same])
+        return
+    amax = blocks.abs().amax(-1)
+    mantissa, _ = torch.frexp(amax)  # amax = mantissa x 2^e, mantissa in [0.5, 1)
+    rounds_up = (amax > 0) & (mantissa >= 0.875)
+    shift = theirs["weight_scale"].to(torch.int16) - ours["weight_scale"].to(torch.int16)
+    assert torch.equal(shift, rounds_up.to(torch.int16))
+    assert 0 < rounds_up.sum() < rounds_up.numel()
+    same = ~rounds_up.repeat_interleave(theirs[codes].shape[-1] // rounds_up.shape[-1], -1)
+    assert torch.equal(theirs[codes].view(torch.uint8)[same], ours[codes].view(torch.uint8)[same])
