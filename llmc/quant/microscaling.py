@@ -144,9 +144,10 @@ def e8m0_shared_exponent(amax: torch.Tensor, element_emax: int) -> torch.Tensor:
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' NVFP4 global scale 448 * 6 / amax (float32 [1]): the largest block's scale lands on
-    E4M3's maximum. 1 for an all-zero tensor."""
+    E4M3's maximum. 1 for an all-zero tensor; at most float32's largest value (an amax below 2688 / 3.4e38)."""
     amax = amax.float().reshape(1)
-    return torch.where(amax > 0, (FP8_E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
+    scale = ((FP8_E4M3_MAX * E2M1_MAX) / amax).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
 def modelopt_weight_scale_2(global_scale: torch.Tensor) -> torch.Tensor:
@@ -195,7 +196,7 @@ def quantize_with_scales(x: torch.Tensor, scale: torch.Tensor, fmt: Microscaling
     if fmt.element == "e2m1":
         codes = e2m1_encode(y)
     else:
-        codes = y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        codes = y.clamp(-fmt.element_max, fmt.element_max).to(torch.float8_e4m3fn)
     return BlockQuantized(codes=codes.flatten(-2), scale=scale, global_scale=global_scale, format=fmt)
 
 

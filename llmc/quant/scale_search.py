@@ -44,7 +44,7 @@ def search_block_scales(x: torch.Tensor, fmt: MicroscalingFormat, steps: Sequenc
                         importance: torch.Tensor | None = None) -> BlockQuantized:
     """Codes and scales of x [..., n] in `fmt` with each block's scale chosen among the round-to-nearest scale and
     its neighbours `steps` grid points away, by (importance-weighted) squared error. NVFP4 keeps round-to-nearest's
-    global scale (or the one given); `importance` is [n] and must be non-negative."""
+    global scale (or the one given); `importance` is [n], non-negative."""
     if importance is not None:
         if importance.shape != (x.shape[-1],):
             raise ValueError(f"importance must hold one weight per column ({x.shape[-1]}), got {tuple(importance.shape)}")

@@ -69,7 +69,7 @@ def _nearest_even(y: torch.Tensor, codes: list[int], value) -> torch.Tensor:
 
 
 E2M1_POSITIVE = list(range(8))
-E4M3_POSITIVE = [b for b in range(0x7F)]  # 0x7F is NaN
+E4M3_POSITIVE = list(range(0x7F))  # 0x7F is NaN
 
 
 def _probe_points(grid: list[float]) -> torch.Tensor:
@@ -223,6 +223,14 @@ def test_nvfp4_block_scale_never_underflows_to_zero_for_a_live_block() -> None:
     assert q.scale[0, 1].float().item() == 2.0**-9
     step = 2.0**-9 / q.global_scale.item()  # 1e-6 is 1.375 steps: code 1.5, where a zero scale would give 0
     assert dequantize_blocks(q)[0, 16].item() == pytest.approx(1.5 * step, rel=1e-6)
+
+
+def test_nvfp4_global_scale_stays_finite_for_a_subnormal_tensor() -> None:
+    w = torch.full((1, 16), 1e-39)  # 448 * 6 / 1e-39 overflows float32
+    q = quantize_blocks(w, NVFP4)
+    assert torch.isfinite(q.global_scale).all() and q.global_scale.item() == torch.finfo(torch.float32).max
+    assert torch.isfinite(dequantize_blocks(q)).all()
+    assert nvfp4_global_scale(torch.tensor(0.0)).item() == 1.0
 
 
 def test_nvfp4_activations_with_a_calibrated_global_scale_saturate_beyond_it() -> None:
