@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from llmc.model.source import describe_source
-from llmc.quant.microscaling import MXFP4, MXFP8, NVFP4
-from llmc.quant.microscaling import quantize_blocks
+from llmc.quant.microscaling import MXFP4, MXFP8, NVFP4, quantize_blocks
 from llmc.quant.scale_search import block_errors, search_block_scales
 
 PICK = ("attn_q.weight", "attn_v.weight", "ffn_up.weight", "ffn_down.weight")

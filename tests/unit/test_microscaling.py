@@ -34,6 +34,7 @@ from llmc.quant.microscaling import (
     nvfp4_global_scale,
     pack_e2m1,
     quantize_blocks,
+    quantize_with_scales,
     unpack_e2m1,
 )
 
@@ -163,6 +164,16 @@ def test_mx_codes_are_the_nearest_even_element_of_x_over_the_shared_scale(fmt) -
     assert torch.equal(dq, (elem.unflatten(-1, (-1, fmt.block_size)) * y.new_tensor(exps).exp2().unsqueeze(-1))
                        .flatten(-2))
     assert torch.equal(dq[2], torch.zeros_like(dq[2]))
+
+
+def test_mxfp8_elements_round_to_nearest_even_at_every_e4m3_midpoint() -> None:
+    """Every E4M3 value, every midpoint (the ties) and points beside them, quantized at scale 1 (exponent 127)."""
+    pts = _probe_points([_e4m3_from_bits(b) for b in E4M3_POSITIVE])
+    pts = torch.cat([pts, -pts, torch.zeros(-2 * len(pts) % 32)]).reshape(1, -1)
+    scale = torch.full((1, pts.shape[1] // 32), 127, dtype=torch.uint8)
+    got = quantize_with_scales(pts, scale, MXFP8).codes.view(torch.uint8).long()
+    expected = _nearest_even(pts.abs(), E4M3_POSITIVE, _e4m3_from_bits) | (0x80 * torch.signbit(pts))
+    assert torch.equal(got, expected.long())
 
 
 def test_mxfp8_subnormal_elements_round_to_nearest_even() -> None:
