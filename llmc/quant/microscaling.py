@@ -1,0 +1,226 @@
+"""Block-scaled 4- and 8-bit floats (NVFP4, MXFP4, MXFP8) as pure functions over tensors.
+
+Each format is data (`MicroscalingFormat`): an element type, how many consecutive elements along the last dimension
+share one scale, and how that scale is encoded.
+
+  - Elements. E2M1 (4 bits: sign, 2 exponent bits, 1 mantissa bit) holds ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}; its code is
+    the magnitude's index in that list, bit 3 the sign. E4M3 is torch.float8_e4m3fn (max 448, subnormals down to
+    2^-9). Rounding is to nearest, ties to even, saturating at ±6 / ±448 (OCP Microscaling spec v1.0, §5.3).
+  - MX scales (MXFP4, MXFP8: 32 elements per scale) are E8M0, 2^(e - 127), 0xFF = NaN. The shared exponent is
+    floor(log2(amax)) - emax_elem (emax_elem 2 for E2M1, 8 for E4M3), clamped to the E8M0 range (spec §6.3).
+  - NVFP4 (16 elements per scale): an E4M3 block scale times a float32 per-tensor scale. `global_scale` is kept as
+    compressed-tensors stores it, a divisor: global_scale = 448 * 6 / amax(tensor), block scale =
+    e4m3(amax(block) / 6 * global_scale), value = code * (block scale / global_scale). ModelOpt (and llama.cpp's
+    GGUF `.scale` tensor) store its reciprocal as a multiplier, `weight_scale_2` (`modelopt_weight_scale_2`).
+
+Every temporary is created on the input's device. Non-finite inputs are refused (an E4M3 cast would silently
+saturate an inf to 448).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from llmc.errors import InputError
+from llmc.quant.spec import FP8_E4M3_MAX
+
+E2M1_MAX = 6.0
+# Magnitude of each E2M1 code 0..7 (codes 8..15 are the same magnitudes, negative).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# Smallest positive E4M3 value (a subnormal).
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+@dataclass(frozen=True)
+class MicroscalingFormat:
+    name: str
+    element: Literal["e2m1", "e4m3"]
+    block_size: int  # consecutive elements along the last dimension that share one scale
+    scale: Literal["e8m0", "e4m3"]  # "e4m3" scales come with a float32 per-tensor global scale (NVFP4)
+
+    @property
+    def element_max(self) -> float:
+        return E2M1_MAX if self.element == "e2m1" else FP8_E4M3_MAX
+
+    @property
+    def element_emax(self) -> int:
+        """Exponent of the element type's largest normal power of two (OCP MX: emax_elem)."""
+        return 2 if self.element == "e2m1" else 8
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per element, scales included (the per-tensor global scale aside)."""
+        return (4 if self.element == "e2m1" else 8) + 8 / self.block_size
+
+
+NVFP4 = MicroscalingFormat("nvfp4", element="e2m1", block_size=16, scale="e4m3")
+MXFP4 = MicroscalingFormat("mxfp4", element="e2m1", block_size=32, scale="e8m0")
+MXFP8 = MicroscalingFormat("mxfp8", element="e4m3", block_size=32, scale="e8m0")
+MICROSCALING_FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP8)}
+
+
+@dataclass
+class BlockQuantized:
+    codes: torch.Tensor  # x's shape; uint8 E2M1 codes (0..15, unpacked) or float8_e4m3fn
+    scale: torch.Tensor  # [..., n // block_size]: uint8 E8M0 exponents or float8_e4m3fn block scales
+    global_scale: torch.Tensor | None  # NVFP4: float32 [1], compressed-tensors' divisor; None for MX
+    format: MicroscalingFormat
+
+
+# --------------------------------------------------------------------------- elements
+
+
+def require_finite(amax: torch.Tensor, what: str) -> None:
+    """Refuse NaN/Inf inputs, seen through their absolute maxima (NaN propagates into amax). Meta tensors hold no
+    values, so they pass."""
+    if amax.device.type != "meta" and not bool(torch.isfinite(amax).all()):
+        raise InputError(f"{what} holds NaN or infinite values; no block-scaled format can represent them",
+                         fix="find where the non-finite values come from (a corrupt checkpoint, an overflowed "
+                             "fp16 weight) and quantize finite weights")
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """y rounded to the nearest E2M1 value, ties to even, saturating at ±6 (float32, sign kept, so -0.1 -> -0).
+
+    The grid step is 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; torch.round rounds halves to even, and an even multiple
+    of the step is an E2M1 value with an even mantissa."""
+    a = y.float().abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign((torch.round(a / step) * step).clamp(max=E2M1_MAX), y.float())
+
+
+def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15, bit 3 the sign) of y rounded to nearest even with saturation."""
+    r = e2m1_round(y)
+    a = r.abs()
+    # Magnitude -> index in E2M1_MAGNITUDES: 2a below 2 (0, .5, 1, 1.5 -> 0..3), a + 2 in [2, 4), a / 2 + 4 above.
+    index = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.uint8)
+    return index | (torch.signbit(r).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes."""
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8).bool(), -magnitude, magnitude)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 codes per byte along the last dimension, element 2i in the low nibble and 2i + 1 in the high one
+    (compressed-tensors' `weight_packed`, ModelOpt's packed `weight`)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"packing E2M1 codes needs an even last dimension, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_e2m1`."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def e8m0_decode(exponents: torch.Tensor) -> torch.Tensor:
+    """float32 2^(e - 127) of E8M0 exponents (uint8); 0xFF is NaN."""
+    e = exponents.to(torch.int32)
+    one = torch.ones((), dtype=torch.float32, device=exponents.device)
+    value = torch.ldexp(one, (e - E8M0_BIAS).float())
+    return torch.where(e == E8M0_NAN, torch.nan, value)
+
+
+def e8m0_shared_exponent(amax: torch.Tensor, element_emax: int) -> torch.Tensor:
+    """E8M0 exponent (uint8) of the OCP MX shared scale 2^(floor(log2(amax)) - element_emax), clamped to the
+    representable 2^-127..2^127; a block of zeros gets the smallest scale (exponent 0)."""
+    _, e = torch.frexp(amax.float())  # amax = m * 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1, exactly
+    shared = (e - 1 - element_emax).clamp(-E8M0_BIAS, E8M0_BIAS)
+    return torch.where(amax > 0, shared + E8M0_BIAS, 0).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- scales
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' NVFP4 global scale 448 * 6 / amax (float32 [1]): the largest block's scale lands on
+    E4M3's maximum. 1 for an all-zero tensor; at most float32's largest value (an amax below 2688 / 3.4e38)."""
+    amax = amax.float().reshape(1)
+    scale = ((FP8_E4M3_MAX * E2M1_MAX) / amax).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def modelopt_weight_scale_2(global_scale: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's per-tensor `weight_scale_2` (and llama.cpp's GGUF `.scale`): the multiplier 1 / global_scale."""
+    return 1.0 / global_scale.float()
+
+
+def global_scale_from_modelopt(weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' divisor from ModelOpt's multiplier."""
+    return 1.0 / weight_scale_2.float()
+
+
+def _blocks(x: torch.Tensor, fmt: MicroscalingFormat) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] % fmt.block_size:
+        raise ValueError(f"{fmt.name} scales blocks of {fmt.block_size} elements along the last dimension; "
+                         f"shape {tuple(x.shape)} does not divide into them")
+    return x.unflatten(-1, (-1, fmt.block_size))
+
+
+def nvfp4_block_scale(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales e4m3(amax / 6 * global_scale), saturating at 448. A block that is not all zero never gets
+    scale 0 (its values would all round to 0): its scale is at least E4M3's smallest subnormal."""
+    s = (block_amax.float() / E2M1_MAX * global_scale).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    floor = torch.full_like(s, E4M3_MIN_SUBNORMAL)
+    return torch.where((block_amax > 0) & (s.float() == 0), floor, s)
+
+
+def scale_values(scale: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 scale each block's codes are multiplied by: 2^(e - 127) for E8M0 exponents (uint8), block scale /
+    global scale for NVFP4."""
+    if scale.dtype == torch.uint8:
+        return e8m0_decode(scale)
+    return scale.float() / global_scale
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+
+
+def quantize_with_scales(x: torch.Tensor, scale: torch.Tensor, fmt: MicroscalingFormat,
+                         global_scale: torch.Tensor | None = None) -> BlockQuantized:
+    """Codes of x for the given encoded block scales (round to nearest even, saturating). A block whose scale is 0
+    gets zero codes."""
+    step = scale_values(scale, global_scale).unsqueeze(-1)
+    blocks = _blocks(x.float(), fmt)
+    y = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
+    if fmt.element == "e2m1":
+        codes = e2m1_encode(y)
+    else:
+        codes = y.clamp(-fmt.element_max, fmt.element_max).to(torch.float8_e4m3fn)
+    return BlockQuantized(codes=codes.flatten(-2), scale=scale, global_scale=global_scale, format=fmt)
+
+
+def quantize_blocks(x: torch.Tensor, fmt: MicroscalingFormat,
+                    global_scale: torch.Tensor | None = None) -> BlockQuantized:
+    """Round-to-nearest codes and scales of x [..., n] in `fmt` (n a multiple of fmt.block_size).
+
+    NVFP4 computes the global scale from x's absolute maximum unless one is given (a calibrated activation scale:
+    then blocks beyond the calibrated range saturate). MX formats take no global scale."""
+    amax = _blocks(x.detach(), fmt).abs().amax(dim=-1)
+    require_finite(amax, f"a tensor quantized to {fmt.name}")
+    if fmt.scale == "e8m0":
+        if global_scale is not None:
+            raise ValueError(f"{fmt.name} has no global scale")
+        return quantize_with_scales(x, e8m0_shared_exponent(amax, fmt.element_emax), fmt)
+    if global_scale is None:
+        global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
+    global_scale = global_scale.float().reshape(1).to(x.device)
+    return quantize_with_scales(x, nvfp4_block_scale(amax, global_scale), fmt, global_scale)
+
+
+def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The values the codes stand for: float32 code * scale (compressed-tensors' order for NVFP4: code *
+    (block scale / global scale)), then rounded once to `dtype` if given."""
+    values = e2m1_decode(q.codes) if q.format.element == "e2m1" else q.codes.float()
+    out = (_blocks(values, q.format) * scale_values(q.scale, q.global_scale).unsqueeze(-1)).flatten(-2)
+    return out if dtype is None else out.to(dtype)
