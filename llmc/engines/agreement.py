@@ -164,7 +164,7 @@ class HeadCapture:
             self._verify(hidden, logits)
             if self.head is None:
                 return
-        self.inputs.append(hidden.clone())
+        self.inputs.append(hidden.to("cpu", copy=True))  # the reference lives on the host, whatever computed it
 
     def _verify(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         weight = self._module.weight.detach()
@@ -186,7 +186,7 @@ class HeadCapture:
         """The reference's head tensors (empty when the head was not reproduced)."""
         if self.head is None or not self.inputs:
             return {}
-        return {HEAD_INPUT: torch.cat(self.inputs), **self.head.tensors()}
+        return {HEAD_INPUT: torch.cat(self.inputs), **{k: v.cpu() for k, v in self.head.tensors().items()}}
 
     def close(self) -> None:
         if self._hook is not None:
@@ -221,7 +221,7 @@ def exact_kl(head: OutputHead, head_input: torch.Tensor, logits: torch.Tensor,
     hidden = head_input.reshape(-1, head_input.shape[-1])
     flat = logits.reshape(-1, vocab)
     rows = chunk_rows(vocab, chunk_bytes)
-    out = torch.empty(flat.shape[0], dtype=torch.float64)
+    out = torch.empty(flat.shape[0], dtype=torch.float64, device=flat.device)
     for start in range(0, flat.shape[0], rows):
         log_p = head.logits(hidden[start : start + rows]).log_softmax(-1)
         log_q = flat[start : start + rows].float().log_softmax(-1)

@@ -9,6 +9,9 @@ transformers and re-applies, from the artifact's own config and files, what the 
   - KV cache: keys and values quantize-dequantized with the stored `k_scale` / `v_scale`.
 A plain (unquantized) folder runs as is; that is the baseline.
 
+`device`: where the model computes (a GPU: the whole model resident, or one decoder layer at a time when streamed).
+Windows go in from the host and every score comes back to the host, so callers never see a device tensor.
+
 When the dense model would not fit (or with LLMC_TORCH_EVAL=streamed), the engine evaluates one decoder layer at
 a time instead (`llmc.engines.torch_stream`): the same hooks, the same NLL, a fraction of the memory. Its timings
 are then of the streamed pass, and no decode timing is taken (that would reload every layer per token).
@@ -93,9 +96,11 @@ def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torc
 class TorchEngine(EngineBase):
     name = "torch"
 
-    def __init__(self, folder: Path, *, dtype: str = "float32", streamed: bool | None = None) -> None:
+    def __init__(self, folder: Path, *, dtype: str = "float32", streamed: bool | None = None,
+                 device: str | torch.device = "cpu") -> None:
         self.folder = Path(folder)
         self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
         # Under torchrun every rank loads the model (llmc.engines.split); a failure on one is raised on all of them
         # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow.
         if streamed is None:
@@ -130,6 +135,8 @@ class TorchEngine(EngineBase):
                 f"could not prepare {self.folder} for streamed evaluation: {type(e).__name__}: {e}",
                 fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",
             ) from None
+        # what lies outside the decoder layers computes on the device too; the layers come one at a time
+        model._apply(lambda t: t if t.is_meta else t.to(self.device))
         if qcfg is not None:
             self._apply_runtime_quantization(model, qcfg)
         return model
@@ -169,7 +176,7 @@ class TorchEngine(EngineBase):
                 f"transformers could not load {self.folder}: {type(e).__name__}: {e}",
                 fix="check the artifact with `llmc inspect`; it may be incomplete or corrupted",
             ) from None
-        model.eval()
+        model.eval().to(self.device)
         if qcfg is not None:
             self._apply_runtime_quantization(model, qcfg)
         return model
@@ -190,6 +197,7 @@ class TorchEngine(EngineBase):
                 if not isinstance(mod, nn.Linear) or module_matches(name, ignore):
                     continue
                 scale = scales.get(f"{name}.input_scale")
+                scale = None if scale is None else scale.to(self.device)
                 if not spec.dynamic and scale is None:
                     raise EngineFailed(f"{self.folder}: static activations but no {name}.input_scale in the files")
                 mod.register_forward_pre_hook(
@@ -204,7 +212,7 @@ class TorchEngine(EngineBase):
             for name, mod in model.named_modules():
                 k, v = scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale")
                 if k is not None and v is not None:
-                    _KV_SCALES[id(mod)] = (k.float(), v.float(), spec)
+                    _KV_SCALES[id(mod)] = (k.float().to(self.device), v.float().to(self.device), spec)
                     _EAGER[id(mod)] = model.config._attn_implementation == "eager"
                     found += 1
             if not found:
@@ -251,29 +259,36 @@ class TorchEngine(EngineBase):
 
             def on_logits(start: int, logits: torch.Tensor) -> None:
                 start += lo
-                batch = windows[start : start + batch_size]
+                batch = windows[start : start + batch_size].to(self.device)
                 if capture is not None:
                     capture.after_forward(logits)
-                ref = None if reference is None else reference_rows(reference, start, start + batch_size)
+                ref = None if reference is None else {
+                    k: v.to(self.device) for k, v in reference_rows(reference, start, start + batch_size).items()}
                 out = score_logits(logits, batch[:, 1:], top_k, ref)
-                for k, v in out.items():
-                    parts.setdefault(k, []).append(v)
+                for k, v in out.items():  # scored where the logits are, kept on the host
+                    parts.setdefault(k, []).append(v.cpu())
 
             t = time.perf_counter()
             if self.streamed:
                 from llmc.engines.torch_stream import streamed_logits
 
-                streamed_logits(self.model, self._decoder, mine, batch_size, self.dtype, on_logits)
+                streamed_logits(self.model, self._decoder, mine, batch_size, self.dtype, on_logits, self.device)
             else:
                 for start in range(0, mine.shape[0], batch_size):
-                    on_logits(start, self.model(input_ids=mine[start : start + batch_size],
-                                                use_cache=False).logits[:, :-1].float())
+                    ids = mine[start : start + batch_size].to(self.device)
+                    on_logits(start, self.model(input_ids=ids, use_cache=False).logits[:, :-1].float())
+            self._synchronize()
             self._scored = (mine.numel(), time.perf_counter() - t)
         scores = {k: torch.cat(v) for k, v in parts.items()}
         if capture is not None:
             scores.update(capture.tensors())
             self.output_head = capture.report
         return scores
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work, so that a time taken after it is the work's (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def throughput(self, prompt: torch.Tensor, decode_tokens: int, repeats: int,
                    batch_sizes: Sequence[int] = (1,)) -> dict:
@@ -294,10 +309,13 @@ class TorchEngine(EngineBase):
         """Prefill tok/s of `prompt` ([batch, n]) and greedy decode tok/s of `decode_tokens` new tokens per
         sequence, counted over the whole batch."""
         prefill, decode = [], []
+        prompt = prompt.to(self.device)
         self.model(input_ids=prompt[:, :8], use_cache=False)  # warm-up
         for _ in range(repeats):
+            self._synchronize()
             t = time.perf_counter()
             self.model(input_ids=prompt, use_cache=False)
+            self._synchronize()
             prefill.append(prompt.numel() / (time.perf_counter() - t))
             if decode_tokens:
                 short = prompt[:, :64]
@@ -309,6 +327,7 @@ class TorchEngine(EngineBase):
                 for _ in range(decode_tokens):
                     out = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
                     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                self._synchronize()
                 decode.append(decode_tokens * prompt.shape[0] / (time.perf_counter() - t))
                 del t_prefill
         return {

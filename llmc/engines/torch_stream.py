@@ -194,18 +194,21 @@ def build_dense_model(folder: Path, dtype: torch.dtype) -> nn.Module:
 
 
 def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tensor, batch_size: int,
-                    dtype: torch.dtype, on_logits: Callable[[int, torch.Tensor], None]) -> None:
+                    dtype: torch.dtype, on_logits: Callable[[int, torch.Tensor], None],
+                    device: torch.device = torch.device("cpu")) -> None:
     """Every window through layer i before layer i+1 loads; then `on_logits(start, logits[:, :-1] float32)` per
-    batch of `batch_size` windows, in order."""
+    batch of `batch_size` windows, in order. `device`: where the model outside the layers already is; each layer is
+    read on the host and computes there, and the windows' hidden states stay there between layers."""
     from llmc.quant.stream import _layer_output, capture_layer_inputs, decoder_layers, materialize, release
 
     prefix, layers = decoder_layers(model)
-    batches = list(windows.split(batch_size))
+    batches = [b.to(device) for b in windows.split(batch_size)]
     hidden: list[torch.Tensor] = []
     extras = capture_layer_inputs(model, layers, batches, hidden.append)
     with torch.no_grad():
         for i, layer in enumerate(layers):
             materialize(layer, decoder.tensors(f"{prefix}.{i}."), dtype)
+            layer.to(device)
             for b, (args, kwargs) in enumerate(e[i] for e in extras):
                 hidden[b] = _layer_output(layer(hidden[b], *args, **kwargs))
             release(layer)

@@ -206,3 +206,35 @@ def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Pat
     quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu),
                                                                                          ("cpu", on_cpu))}
     assert quantize["gpu"].key != quantize["cpu"].key and not quantize["gpu"].cached
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_the_torch_evaluation_on_the_gpu_scores_as_on_the_host(models, streamed: bool, tmp_path: Path) -> None:
+    """The torch reference engine with `device="cuda"` (whole model resident, or one layer at a time): an FP8
+    artifact with static activation and KV-cache scales (host tensors read from its files), baseline first as the
+    reference of the artifact's exact KL; every score comes back as a host tensor equal to the CPU engine's."""
+    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.engines.torch_ref import TorchEngine
+    from llmc.quant.canonical import QuantizedModel
+
+    _quantize(models["qwen3"], SCHEMES["fp8-static-kv"], tmp_path / "q", "cpu")
+    artifact = tmp_path / "artifact"
+    export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), artifact)
+    windows = torch.randint(3, 200, (3, 20), generator=torch.Generator().manual_seed(2))
+
+    def scores(device: str) -> tuple[dict, dict]:
+        reference = TorchEngine(models["qwen3"], streamed=streamed, device=device).score(windows, batch_size=2)
+        return reference, TorchEngine(artifact, streamed=streamed, device=device).score(windows, 2, reference)
+
+    cpu = scores("cpu")
+    with fake_cuda():
+        gpu = scores("cuda")
+    assert "kl" in gpu[1] and "kl_topk_bound" in gpu[1]  # the exact KL through the reference's head
+    for c, g in zip(cpu, gpu):
+        assert c.keys() == g.keys()
+        for k in c:
+            assert type(g[k]) is torch.Tensor and g[k].device.type == "cpu", k
+            if k == "topk_index":  # near-ties deep in a random model's top 256 of 300 may swap places
+                assert (g[k] == c[k]).float().mean() > 0.95 and torch.equal(g[k][..., 0], c[k][..., 0]), k
+            else:
+                torch.testing.assert_close(g[k], c[k], rtol=1e-4, atol=1e-5, msg=k)
