@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmc.pipeline.ids import StageId
 from llmc.plan_shapes import ModelTensors, active_fraction
 from llmc.quant.numerics import BLOCK_ELEMENTS
 
@@ -91,6 +92,13 @@ class Stage:
     mapped_bytes: float = 0.0
     layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
     fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
+
+    id: StageId | None = None  # the stage (or the part of it) this row costs
+
+    def named(self, id: StageId) -> Stage:
+        """This row, as the stage `id`."""
+        self.id, self.name = id, str(id)
+        return self
 
     def as_dict(self) -> dict:
         return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
