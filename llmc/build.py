@@ -20,7 +20,6 @@ from llmc.model.source import resolve_source
 from llmc.pipeline import ranks
 from llmc.pipeline.calibrate import Calibrate
 from llmc.pipeline.context import Build
-from llmc.pipeline.gate import raise_for_gates  # noqa: F401  (the CLI's and tests' entry point)
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
