@@ -12,24 +12,33 @@ import shutil
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from llmc import targets
-from llmc.errors import IncompatibleTargetError
+from llmc import plan_resources as res
+from llmc import plan_shapes, targets
+from llmc.engines.torch_stream import choose_streamed
+from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
+from llmc.eval import gates
+from llmc.model.checkpoint import read_model_config
+from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
+from llmc.model.families import check_quantizable, expert_count
+from llmc.model.source import resolve_source
+from llmc.pipeline.context import Costing
+from llmc.pipeline.ids import Kind, StageId
+from llmc.pipeline.stages import stages
+from llmc.plan_resources import matmul_rate
+from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
-from llmc.quant.device import resolve_device
 from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms import Pipeline
+from llmc.quant.device import resolve_device
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
+from llmc.scaling import Workload, layer_shapes, plan_estimate, render
 
-if TYPE_CHECKING:
-    from llmc.pipeline.ids import StageId
-    from llmc.plan_resources import Stage as CostRow
 
 @dataclass
 class Plan:
@@ -42,7 +51,7 @@ class Plan:
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.scaling)
-    rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+    rows: list[res.Stage] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -53,8 +62,6 @@ class Plan:
         if e:
             lines += _render_estimates(e)
         if self.distributed:
-            from llmc.scaling import render
-
             lines += render(self.distributed)
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
@@ -177,8 +184,6 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
 
 def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Shape checks against the model's config and its Linear weights' shapes."""
-    from llmc.quant.canonical import module_matches
-
     warnings: list[str] = []
     quantized = {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)}
     w = scheme.weights
@@ -268,15 +273,11 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None or config is not None:
-        from llmc import plan_shapes
-        from llmc.model.checkpoint import read_model_config
-
         if model_folder is not None:
             config = read_model_config(Path(model_folder))
             tensors = plan_shapes.from_headers(Path(model_folder))
         else:
             tensors = plan_shapes.from_config(config)
-        from llmc.model.families import check_quantizable, expert_count
 
         check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
         for t in recipe.targets:
@@ -295,7 +296,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         if nproc > 1:
             plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
                                                      tensors.linear_shapes(), plan.estimates, nproc)
-        from llmc.errors import ResourceError
 
         try:
             refuse_if_it_does_not_fit(plan, device)
@@ -312,8 +312,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
     and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
-    from llmc.errors import ResourceError
-
     e = plan.estimates
     available = memory_available()
     if device.type == "cuda":
@@ -355,8 +353,6 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
 def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None = None) -> None:
     """ResourceError when the cache's disk cannot take what the build still has to write: every stage's new files,
     or only the rows of the stages in `pending` (the build passes those whose outputs are not cached yet)."""
-    from llmc.errors import ResourceError
-
     need = sum(row.disk_bytes for row in plan.rows
                if pending is None or any(p.covers(row.id) for p in pending)) / 1e9
     free = shutil.disk_usage(cache_dir).free / 1e9
@@ -370,10 +366,6 @@ def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None 
 def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
     """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
     offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
-    from llmc.model.checkpoint import read_model_config
-    from llmc.model.dtype import source_dtype
-    from llmc.model.source import resolve_source
-
     source = recipe.model.source
     if recipe.model.config is not None:
         config_path = Path(recipe.model.config).expanduser()
@@ -393,8 +385,6 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: i
 def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
                           nproc: int) -> dict:
     """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.scaling)."""
-    from llmc.scaling import Workload, layer_shapes, plan_estimate
-
     calibrated = [s for s in schemes if s.needs_calibration]
     if not calibrated:
         return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
@@ -402,12 +392,11 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
     pipelines = [Pipeline.of(s) for s in calibrated]
     work = Workload(ranges=any(s.stores_ranges for s in calibrated),
                     hessians=any(p.observes_hessians for p in pipelines),
-                    awq=any(p.replays_module_calls for p in pipelines),
+                    module_calls=any(p.replays_module_calls for p in pipelines),
                     solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
     c = recipe.calibration
     activations_gb = 0.0 if estimates.get("spill_activations") else \
         2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
-    from llmc.plan_resources import matmul_rate
 
     device = str(estimates.get("device", "cpu"))
     flops = matmul_rate(estimates.get("dtype", "float32"), device, config.get("hidden_size") or 1024,
@@ -417,14 +406,10 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
 
 def _plan_gates(plan: Plan) -> None:
     """The gates each variant gets, and what the planner can already say about them (llmc.eval.gates)."""
-    from llmc.eval import gates
-
     recipe = plan.recipe
     refusal = None if recipe.gates.allow_unevaluated else gates.emulated_performance_gates(
         recipe, plan.schemes, plan.targets)
     if refusal:
-        from llmc.errors import RecipeError
-
         raise RecipeError(refusal, fix="add a runtime that reads the artifact to eval.runtimes (its own speed), "
                                        "or drop the performance gate; emulation timings are not gated")
     plan.gates = {name: gates.describe_gates(recipe.gates, s) for name, s in plan.schemes.items()}
@@ -434,13 +419,6 @@ def _plan_gates(plan: Plan) -> None:
 def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors, device: torch.device,
                planned_targets: list[dict], model_folder: Path | None) -> tuple[dict, list]:
     """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
-    from llmc import plan_resources as res
-    from llmc.engines.torch_stream import choose_streamed
-    from llmc.model.dtype import BYTES, resolve_dtype
-    from llmc.pipeline.context import Costing
-    from llmc.pipeline.ids import Kind
-    from llmc.pipeline.stages import stages
-
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = res.Shape.of(tensors, config, stored_elem)

@@ -98,13 +98,12 @@ class Quantize:
                             packed=packed, artifact=packed + rest * e)
         c.bytes_of[self.id.of[0]] = sizes
         pipe = Pipeline.of(scheme)
-        hessians = pipe.observes_hessians  # GPTQ, true-sequential or not
         kwargs = dict(compute=c.compute, stored_elem=c.stored_elem, calibrated=scheme.needs_calibration,
                       tokens=c.tokens, seq_len=c.recipe.calibration.seq_len, batch=CALIBRATION_BATCH_SIZE,
-                      gptq=hessians, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
-                      whole_weight_copies=bool(pipe.transforms) or hessians,
+                      hessians=pipe.observes_hessians, replays_module_calls=pipe.replays_module_calls, passes=calibration_passes(scheme),
+                      whole_weight_copies=bool(pipe.transforms) or pipe.observes_hessians,
                       discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
-                      awq_search=pipe.search_cost, code_bytes=1.0, machine=c.machine,
+                      search=pipe.search_cost, code_bytes=1.0, machine=c.machine,
                       weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
         row = res.quantize_stage(shape, spill=c.spill, **kwargs)
         row.disk_bytes = sizes.canonical

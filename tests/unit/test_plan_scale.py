@@ -201,7 +201,7 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1, spill=False,
-                  gptq=False, awq=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
+                  hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
                                                                                    device="cpu"))
     rtn = quantize_stage(shape, whole_weight_copies=False, **kwargs)
     whole = quantize_stage(shape, whole_weight_copies=True, **kwargs)
@@ -243,12 +243,12 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=32, seq_len=32, batch=1, spill=False,
-                  gptq=False, awq=True, passes=21, code_bytes=1.0, discovers_pairs=True,
+                  hessians=False, replays_module_calls=True, passes=21, code_bytes=1.0, discovers_pairs=True,
                   machine=Machine(available=None, gpu_free=None, device="cpu"), weight_key=("int4", "group", 128))
     refine = AwqOptions()
     grid = AwqOptions(search="grid")
-    plain = quantize_stage(shape, awq_search=None, **kwargs)
-    per_layer = {o.search: quantize_stage(shape, awq_search=(o.search_evaluations(), o.clip_iterations(),
+    plain = quantize_stage(shape, search=None, **kwargs)
+    per_layer = {o.search: quantize_stage(shape, search=(o.search_evaluations(), o.clip_iterations(),
                                                              o.clip_tokens), **kwargs).layer_seconds - plain.layer_seconds
                  for o in (refine, grid)}
     down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(
