@@ -162,14 +162,18 @@ def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path
     import shutil
     from collections import namedtuple
 
+    from llmc.pipeline.ids import Kind
+
     plan = make_plan(_tiny_recipe(tiny_model), tiny_model)
-    stages = {s["stage"]: s["disk_gb"] for s in plan.estimates["stages"]}
-    total, quantize = sum(stages.values()), next(v for k, v in stages.items() if k.startswith("quantize"))
+    total = sum(row.disk_bytes for row in plan.rows) / 1e9
+    quantize = next(row.disk_bytes for row in plan.rows if row.id.kind is Kind.QUANTIZE) / 1e9
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, int((total - quantize / 2) * 1e9)))
     with pytest.raises(ResourceError, match="the build needs"):
         llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
-    cached_quantize = {k for k in stages if not k.startswith("quantize")}
+    with pytest.raises(ResourceError, match="the build needs"):  # pending: every row, named by its stage's ids
+        llmc.plan.check_disk(plan, tmp_path, {row.id for row in plan.rows})
+    cached_quantize = {row.id for row in plan.rows if row.id.kind is not Kind.QUANTIZE}
     llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
 
 
