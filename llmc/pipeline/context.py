@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from llmc.data.tokens import TokenSet
 from llmc.pipeline.runner import Runner
-
-if TYPE_CHECKING:
-    from llmc.data.tokens import TokenSet
-    from llmc.plan_resources import Machine, Shape, Stage
-    from llmc.recipe.schema import Recipe
-    from llmc.result import BuildResult
+from llmc.plan_resources import ELEM, Machine, Shape, Stage
+from llmc.recipe.schema import Recipe
+from llmc.result import BuildResult
 
 
 @dataclass
@@ -65,6 +62,5 @@ class Costing:
 
     @property
     def elem(self) -> int:
-        from llmc.plan_resources import ELEM
-
+        """Bytes per element of the compute dtype."""
         return ELEM[self.compute]

@@ -1,17 +1,15 @@
 """Quantize a model one decoder layer at a time.
 
 Peak memory is one decoder layer plus the calibration activations, whatever the depth: the model
-is built on the meta device, and each layer's weights are read from the safetensors checkpoint,
-calibrated, quantized, written, and dropped before the next layer is read.
+is built on the meta device (`llmc.model.skeleton`), and each layer's weights are read from the safetensors
+checkpoint, calibrated, quantized, written, and dropped before the next layer is read.
 
-Calibration, when the scheme needs it (static activation scales, KV-cache scales, or a
-data-driven algorithm), runs the calibration windows through the layers in sequence: the inputs
-of layer i+1 are the outputs of layer i (original weights for RTN, as ModelOpt does; the
-already-quantized layer for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential pipeline does).
-Per layer: observe → transform (SmoothQuant/AWQ, `llmc.quant.algorithms`) → observe again if the
-transform changed statistics the scheme stores → quantize weights (RTN/GPTQ) → write. GPTQ alone is
-true-sequential instead (`llmc.quant.true_sequential`): each Linear is quantized inside the forward that
-makes the next layer's inputs, from the inputs that reach it there.
+How the calibration data moves through the layers is a data flow (`llmc.quant.flows`), chosen from the scheme's
+pipeline and what fits: none (data-free), statistics an earlier scheme recorded (shared-statistics), each layer's
+outputs passed on to the next (sequential: original weights for RTN, as ModelOpt does; the already-quantized layer
+for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential pipeline does), or GPTQ quantizing each Linear inside the
+forward that makes the next layer's inputs (true-sequential). Per layer this loop materializes it, lets the flow
+observe and transform it, quantizes what the flow left (RTN/GPTQ), writes it, lets the flow pass its outputs on.
 
 The activations passed between layers stay in memory or, when they would not fit, spill to disk
 one batch per file (`llmc.quant.activations`; recipe key `calibration.spill_activations`).
@@ -59,9 +57,6 @@ def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> di
         for n, m in layer.named_modules()
         if isinstance(m, nn.Linear) and not module_matches(f"{prefix}{n}", ignore)
     }
-
-
-# --------------------------------------------------------------------------- capture
 
 
 # --------------------------------------------------------------------------- main loop
