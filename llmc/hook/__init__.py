@@ -2,5 +2,6 @@
 
 `signatures` verifies deliveries (MLflow's HMAC, the Hugging Face Hub's shared secret), `config` maps registered
 models to recipes, `queue` is the durable on-disk job queue, `jobs` runs one job (fetch the source, build, register),
-`server` is `llmc hook serve` (Flask on werkzeug's server) with its one worker thread.
+`payloads` validates what deliveries carry, `server` is `llmc hook serve` (a Flask app and its one worker thread)
+and `http_server` the waitress server it runs on, with connection limits and timeouts.
 """

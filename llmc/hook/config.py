@@ -5,12 +5,14 @@
     state_dir: ./llmc-hook                          # queue, fetched sources, local registry (relative: to this file)
     max_queued: 100                                  # queued + running jobs; beyond, deliveries get 503 (retried)
     timestamp_tolerance_s: 300
+    server: {connection_limit: 100, idle_timeout_s: 10}   # the HTTP server's limits (ServerSection)
     routes:
       - {models: "smollm2*", recipes: [recipes/smollm2-fp8.yaml]}   # registered-model name pattern (fnmatch)
       - {tag: llmc.deploy, recipes: [recipes/smollm2-w4a16.yaml]}    # a model version carrying this tag
 
 Secrets never live in this file: the MLflow webhook secret comes from LLMC_HOOK_MLFLOW_SECRET or
-LLMC_HOOK_MLFLOW_SECRET_FILE, the Hub's from LLMC_HOOK_HF_SECRET or LLMC_HOOK_HF_SECRET_FILE.
+LLMC_HOOK_MLFLOW_SECRET_FILE, the Hub's from LLMC_HOOK_HF_SECRET or LLMC_HOOK_HF_SECRET_FILE; GET /status takes
+either of them, or LLMC_HOOK_STATUS_TOKEN(_FILE), as a bearer token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from llmc.errors import InputError, RecipeError
 
 MLFLOW_SECRET = "LLMC_HOOK_MLFLOW_SECRET"
 HF_SECRET = "LLMC_HOOK_HF_SECRET"
+STATUS_TOKEN = "LLMC_HOOK_STATUS_TOKEN"  # optional: a read-only token for GET /status besides the receivers' secrets
 
 
 class _Strict(BaseModel):
@@ -54,12 +57,28 @@ class MlflowSection(_Strict):
     tracking_uri: str | None = None
 
 
+class ServerSection(_Strict):
+    """The limits `llmc hook serve` holds every connection to (llmc.hook.server). A delivery is one small request:
+    MLflow and the Hub connect, send it at once and read the answer within seconds."""
+    connection_limit: int = Field(default=100, ge=2, le=10_000, description=(
+        "open connections; one more closes the connection idle longest (never one whose request is being served)"))
+    idle_timeout_s: float = Field(default=10, gt=0, le=3600, description="a connection silent this long is closed")
+    header_timeout_s: float = Field(default=10, gt=0, le=3600,
+                                    description="the request line and headers must arrive within this")
+    request_timeout_s: float = Field(default=30, gt=0, le=3600,
+                                     description="the whole request, body included, must arrive within this")
+    max_header_bytes: int = Field(default=16 << 10, ge=1 << 10, le=1 << 20)
+    max_body_bytes: int = Field(default=1 << 20, ge=1 << 10, le=64 << 20)
+    threads: int = Field(default=4, ge=1, le=64, description="requests answered at once")
+
+
 class HookConfig(_Strict):
     mlflow: MlflowSection = MlflowSection()
     state_dir: str = "./llmc-hook"
     cache_dir: str | None = None
     max_queued: int = Field(default=100, ge=1, le=100_000)
     timestamp_tolerance_s: float = Field(default=300, gt=0, le=86_400)
+    server: ServerSection = ServerSection()
     routes: tuple[Route, ...] = ()
     base: Path = Field(default=Path("."), exclude=True)  # the config file's folder: relative paths start there
 

@@ -1,26 +1,29 @@
-"""`llmc hook serve`: the webhook receiver (Flask, served by werkzeug) and the one worker thread that builds.
+"""`llmc hook serve`: the webhook receiver (a Flask app served by waitress) and the one worker thread that builds.
 
 Receivers (each enabled by its secret being set, never read from the config file):
     POST /webhooks/mlflow       MLflow `model_version.created`, signed (llmc.hook.signatures.verify_mlflow)
     POST /webhooks/huggingface  Hugging Face Hub repo webhooks, X-Webhook-Secret
-    GET  /status                the queue, as `llmc hook status --json` prints it
+    GET  /status                the queue, as `llmc hook status --json` prints it; `Authorization: Bearer <secret>`
     GET  /health
 A delivery that fails verification is answered 401 and logged (the reason, never the secret) and touches nothing.
-A verified one queues one job per recipe its route names (202), or says why it was ignored (200): another event,
-no route, or a version llmc registered itself. A full queue answers 503 with Retry-After, which MLflow retries.
+A verified one is validated against its schema (llmc.hook.payloads: 400 naming the field otherwise), then queues one
+job per recipe its route names (202), or says why it was ignored (200): another event, no route, or a version llmc
+registered itself. A full queue answers 503 with Retry-After, which MLflow retries.
+
+The HTTP server is waitress under the limits of the config's `server` section (llmc.hook.http_server).
 """
 
 from __future__ import annotations
 
-import json
+import hmac
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from llmc.errors import InputError, LlmcError
-from llmc.hook import signatures
-from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, HookConfig, secret
+from llmc.hook import payloads, signatures
+from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, STATUS_TOKEN, HookConfig, secret
 from llmc.hook.jobs import hf_source, mlflow_source, new_job, run_job
 from llmc.hook.queue import JobQueue, QueueFull
 from llmc.progress import log
@@ -43,10 +46,12 @@ def _summary(jobs: list[dict]) -> list[dict]:
 
 def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: Callable[[], float] = time.time):
     from flask import Flask, jsonify, request
+    from werkzeug.exceptions import HTTPException
 
     app = Flask("llmc-hook")
-    app.config["MAX_CONTENT_LENGTH"] = 1 << 20  # a delivery is a small JSON document
+    app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     mlflow_secret, hf_secret = secret(MLFLOW_SECRET), secret(HF_SECRET)
+    status_tokens = [t for t in (secret(STATUS_TOKEN), mlflow_secret, hf_secret) if t]
 
     def queue_jobs(source: dict, delivery: str | None):
         try:
@@ -54,9 +59,9 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
         except QueueFull as e:
             log(f"hook: queue full, delivery {delivery} deferred: {e.message}")
             return jsonify(error=e.message), 503, {"Retry-After": "60"}
-        except LlmcError as e:
+        except LlmcError as e:  # the hook's own recipes or state folder, not the delivery: said in the log only
             log(f"hook: delivery {delivery} for {source['uri']} not queued: {e.kind}: {e.message}")
-            return jsonify(error=f"{e.kind}: {e.message}"), 500
+            return jsonify(error="the hook could not queue the job; its log says why"), 500
         if not results:
             return jsonify(ignored=f"no route for {source['name']}"), 200
         for job, new in results:
@@ -69,6 +74,10 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
         log(f"hook: refused {kind} delivery from {request.remote_addr}: {reason}")
         return jsonify(error="unauthorized"), 401
 
+    def bad_payload(kind: str, delivery: str | None, e: payloads.PayloadError):
+        log(f"hook: {kind} delivery {delivery} refused: {e.message}")
+        return jsonify(error=f"not {kind} webhook payload: {e.message}"), 400
+
     @app.post("/webhooks/mlflow")
     def mlflow_webhook():
         if mlflow_secret is None:
@@ -79,21 +88,20 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
             return refused("MLflow", reason)
         delivery = request.headers.get(signatures.MLFLOW_DELIVERY_ID_HEADER)
         try:
-            event = json.loads(body)
-            kind = (event["entity"], event["action"])
-            data = event["data"]
-        except (ValueError, KeyError, TypeError):
-            return jsonify(error="not an MLflow webhook payload"), 400
-        if kind != ("model_version", "created"):
-            return jsonify(ignored=f"event {kind[0]}.{kind[1]}"), 200
-        tags = data.get("tags") or {}
+            event = payloads.mlflow_event(body)
+            if event.kind != "model_version.created":
+                return jsonify(ignored=f"event {event.kind}"), 200
+            version = payloads.model_version_created(event)
+        except payloads.PayloadError as e:
+            return bad_payload("an MLflow", delivery, e)
+        tags = version.tag_map
         if OWN_VERSION_TAG in tags:
             return jsonify(ignored="a version llmc registered"), 200
         try:
-            source = mlflow_source(str(data["name"]), str(data["version"]), tags)
-        except (InputError, KeyError) as e:
-            log(f"hook: delivery {delivery} refused: {getattr(e, 'message', e)}")
-            return jsonify(error=getattr(e, "message", "no name/version")), 400
+            source = mlflow_source(version.name, version.version, tags)
+        except InputError as e:
+            log(f"hook: delivery {delivery} refused: {e.message}")
+            return jsonify(error=e.message), 400
         return queue_jobs(source, delivery)
 
     @app.post("/webhooks/huggingface")
@@ -104,27 +112,35 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
         if reason:
             return refused("Hugging Face", reason)
         try:
-            event = json.loads(request.get_data(cache=True))
-            scope, repo = event["event"]["scope"], event["repo"]
-            name, kind = repo["name"], repo.get("type", "model")
-            revision = repo.get("headSha") or "main"
-        except (ValueError, KeyError, TypeError):
-            return jsonify(error="not a Hugging Face webhook payload"), 400
-        if not str(scope).startswith("repo") or kind != "model" or event["event"].get("action") == "delete":
+            event = payloads.hf_event(request.get_data(cache=True))
+        except payloads.PayloadError as e:
+            return bad_payload("a Hugging Face", request.headers.get("X-Request-Id"), e)
+        scope, kind, revision = event.event.scope, event.repo.type, event.repo.headSha or "main"
+        if not scope.startswith("repo") or kind != "model" or event.event.action == "delete":
             return jsonify(ignored=f"event {scope} on a {kind}"), 200
         try:
-            source = hf_source(str(name), str(revision))
+            source = hf_source(event.repo.name, revision)
         except InputError as e:
             return jsonify(error=e.message), 400
-        return queue_jobs(source, request.headers.get("X-Request-Id") or f"hf:{name}@{revision}")
+        return queue_jobs(source, request.headers.get("X-Request-Id") or f"hf:{event.repo.name}@{revision}")
 
     @app.get("/status")
     def status():
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), t.encode())
+                                                 for t in status_tokens):
+            log(f"hook: refused a status request from {request.remote_addr}")
+            return jsonify(error="unauthorized: send Authorization: Bearer <secret>"), 401, {
+                "WWW-Authenticate": 'Bearer realm="llmc-hook"'}
         return jsonify(jobs=_summary(queue.jobs()))
 
     @app.get("/health")
     def health():
         return jsonify(ok=True)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):  # 404, 405, 413...: JSON like every other answer
+        return jsonify(error=f"{e.name}: {e.description}"), e.code
 
     return app
 
@@ -155,11 +171,15 @@ class Worker(threading.Thread):
         self.wake.set()
 
 
+def _stop_serving(*_) -> None:
+    raise SystemExit(0)  # out of waitress's loop, which shuts its threads down
+
+
 def serve(config: HookConfig, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM. The worker starts first, so a restart resumes what a killed hook left."""
     import signal
 
-    from werkzeug.serving import make_server
+    from llmc.hook.http_server import HookServer
 
     if secret(MLFLOW_SECRET) is None and secret(HF_SECRET) is None:
         raise InputError(f"neither {MLFLOW_SECRET} nor {HF_SECRET} is set: the hook would accept no delivery",
@@ -169,10 +189,11 @@ def serve(config: HookConfig, host: str, port: int) -> None:
     wake = threading.Event()
     worker = Worker(config, queue, wake)
     worker.start()
-    server = make_server(host, port, create_app(config, queue, wake), threaded=True)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    log(f"hook: listening on http://{host}:{server.server_port} (state {config.state})")
+    server = HookServer(create_app(config, queue, wake), config.server, host, port)
+    signal.signal(signal.SIGTERM, _stop_serving)
+    log(f"hook: listening on http://{host}:{server.effective_port} (state {config.state})")
     try:
-        server.serve_forever()
+        server.run()
     finally:
         worker.stop()
+        server.close()

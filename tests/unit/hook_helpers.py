@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -41,6 +42,21 @@ def hook_config(path: Path, tracking_uri: str, recipe: Path, models: str = "tiny
                                     "cache_dir": str(path.parent / "cache"),
                                     "routes": [{"models": models, "recipes": [str(recipe)]}], **extra}))
     return path
+
+
+def make_receiver(tmp: Path, monkeypatch, max_queued: int):
+    """(Flask test client, queue, config) of the hook's app with both receivers on (the Hub's secret is "hf-" +
+    SECRET) and no worker: what a delivery leaves queued."""
+    from llmc.hook.config import load_hook_config
+    from llmc.hook.queue import JobQueue
+    from llmc.hook.server import create_app
+
+    monkeypatch.setenv("LLMC_HOOK_MLFLOW_SECRET", SECRET)
+    monkeypatch.setenv("LLMC_HOOK_HF_SECRET", "hf-" + SECRET)
+    recipe = tiny_recipe(tmp / "recipe.yaml", tmp / "registry")
+    config = load_hook_config(hook_config(tmp / "hook.yaml", "http://127.0.0.1:9", recipe, max_queued=max_queued))
+    queue = JobQueue(config.state, config.max_queued)
+    return create_app(config, queue, threading.Event()).test_client(), queue, config
 
 
 def free_port() -> int:
@@ -81,8 +97,11 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
 
 # `llmc hook serve` in a child: the small corpus instead of Brown's 500 files, and optionally SIGKILL at an event.
 _HOOK_CHILD = """
-import os, signal, sys
+import os, resource, signal, sys
 sys.path.insert(0, sys.argv.pop(1))
+nofile = int(sys.argv.pop(1))
+if nofile:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from llmc import events
 from tests.unit.build_helpers import use_corpus_file
 corpus = sys.argv.pop(1)
@@ -96,12 +115,14 @@ main()
 """
 
 
-def start_hook(config: Path, corpus: Path | None, log: Path, kill_at: str = "-") -> tuple[subprocess.Popen, str]:
-    """`llmc hook serve --port 0` on `config` (the small corpus file instead of Brown unless None); (process, URL)."""
+def start_hook(config: Path, corpus: Path | None, log: Path, kill_at: str = "-",
+               nofile: int = 0) -> tuple[subprocess.Popen, str]:
+    """`llmc hook serve --port 0` on `config` (the small corpus file instead of Brown unless None); (process, URL).
+    `nofile`: the child's soft limit on open descriptors (0: inherited)."""
     env = {**os.environ, "LLMC_PROGRESS_JSON": "0", "LLMC_HOOK_MLFLOW_SECRET": SECRET}
     seen = log.stat().st_size if log.exists() else 0  # a restart appends to the log: read only its own lines
-    proc = subprocess.Popen([sys.executable, "-c", _HOOK_CHILD, str(REPO), str(corpus or "-"), kill_at, "hook", "serve",
-                             "--config", str(config), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-c", _HOOK_CHILD, str(REPO), str(nofile), str(corpus or "-"), kill_at,
+                             "hook", "serve", "--config", str(config), "--port", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "a"), start_new_session=True,
                             cwd=config.parent)  # anything written relative to the working directory stays there
     deadline = time.monotonic() + 120
@@ -113,15 +134,20 @@ def start_hook(config: Path, corpus: Path | None, log: Path, kill_at: str = "-")
         time.sleep(0.2)
 
 
+def signed_headers(body: bytes, secret: str = SECRET, timestamp: int | None = None,
+                   delivery_id: str | None = None) -> dict:
+    """The headers MLflow sends with `body` (signed exactly as sent)."""
+    delivery_id = delivery_id or str(uuid.uuid4())
+    ts = str(int(time.time()) if timestamp is None else timestamp)
+    return {"Content-Type": "application/json", "X-MLflow-Delivery-Id": delivery_id, "X-MLflow-Timestamp": ts,
+            "X-MLflow-Signature": mlflow_signature(secret, delivery_id, ts, body)}
+
+
 def signed_delivery(payload: dict, secret: str = SECRET, timestamp: int | None = None,
                     delivery_id: str | None = None) -> tuple[bytes, dict]:
     """A delivery exactly as MLflow sends one (body, headers)."""
-    body = json.dumps(payload)
-    delivery_id = delivery_id or str(uuid.uuid4())
-    ts = str(int(time.time()) if timestamp is None else timestamp)
-    return body.encode(), {"Content-Type": "application/json", "X-MLflow-Delivery-Id": delivery_id,
-                           "X-MLflow-Timestamp": ts,
-                           "X-MLflow-Signature": mlflow_signature(secret, delivery_id, ts, body.encode())}
+    body = json.dumps(payload).encode()
+    return body, signed_headers(body, secret, timestamp, delivery_id)
 
 
 def version_created(name: str, version: str, tags: dict | None = None) -> dict:
@@ -142,8 +168,9 @@ def post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
 def wait_jobs(hook_url: str, done: int, timeout: float, proc: subprocess.Popen | None = None) -> list[dict]:
     """The hook's jobs once `done` of them finished (done or failed)."""
     deadline = time.monotonic() + timeout
+    status = urllib.request.Request(f"{hook_url}/status", headers={"Authorization": f"Bearer {SECRET}"})
     while True:
-        with urllib.request.urlopen(f"{hook_url}/status", timeout=10) as r:
+        with urllib.request.urlopen(status, timeout=10) as r:
             jobs = json.loads(r.read())["jobs"]
         if sum(j["state"] in ("done", "failed") for j in jobs) >= done:
             return jobs

@@ -4,7 +4,6 @@ Hub upload plan (never pretending to reach the Hub)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from llmc.hook import signatures
 from llmc.hook.config import load_hook_config
 from llmc.hook.jobs import parse_model_uri
 from llmc.hook.queue import JobQueue
-from tests.unit.hook_helpers import SECRET, hook_config, signed_delivery, tiny_recipe, version_created
+from tests.unit.hook_helpers import SECRET, make_receiver, signed_delivery, tiny_recipe, version_created
 
 
 # --------------------------------------------------------------------------- signatures
@@ -57,14 +56,7 @@ def test_verify_hf_compares_the_shared_secret() -> None:
 @pytest.fixture
 def receiver(tmp_path: Path, monkeypatch):
     """(Flask test client, queue, config) with both receivers on and no worker: what a delivery leaves queued."""
-    from llmc.hook.server import create_app
-
-    monkeypatch.setenv("LLMC_HOOK_MLFLOW_SECRET", SECRET)
-    monkeypatch.setenv("LLMC_HOOK_HF_SECRET", "hf-" + SECRET)
-    recipe = tiny_recipe(tmp_path / "recipe.yaml", tmp_path / "registry")
-    config = load_hook_config(hook_config(tmp_path / "hook.yaml", "http://127.0.0.1:9", recipe, max_queued=2))
-    queue = JobQueue(config.state, config.max_queued)
-    return create_app(config, queue, threading.Event()).test_client(), queue, config
+    return make_receiver(tmp_path, monkeypatch, max_queued=2)
 
 
 def _post(client, payload: dict, **kw):

@@ -239,7 +239,9 @@ def _preserves(layer: nn.Module, mapping: Mapping, run: Callable[[], torch.Tenso
     # up in float64 is 3.8 GB)
     saved = {id(p): p.data for m in (producer, *consumers) for p in m.parameters(recurse=False)}
     width = consumers[0].in_features
-    s = torch.exp(torch.empty(width, dtype=torch.float64).uniform_(-1, 1, generator=generator))
+    # drawn on the host (one seeded generator for every device: the same probe on a CPU and a GPU), used on the layer's
+    s = torch.exp(torch.empty(width, dtype=torch.float64).uniform_(-1, 1, generator=generator)).to(
+        consumers[0].weight.device)
     try:
         divide_output(producer, s, mapping.producer_rows)
         multiply_input(consumers, s)
