@@ -24,11 +24,11 @@ from llmc.store import stage_key
 
 class Export:
     share = Share.MAIN
+
     def __init__(self, quantize: Quantize, target: Target) -> None:
         self.quantize, self.target = quantize, target  # the stage whose output it exports
         self.variant, self.scheme = quantize.variant, quantize.scheme
-        variant = self.variant
-        self.label = f"{variant}/{target.label}" if variant else target.label
+        self.label = f"{self.variant}/{target.label}" if self.variant else target.label
         self.id = StageId(Kind.EXPORT, (self.label,))
         self.format = targets.format_for(target)
 
