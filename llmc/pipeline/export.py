@@ -75,7 +75,9 @@ class Export:
 
     def cost(self, c: Costing) -> None:
         scheme, fmt, sizes = self.scheme, self.format, c.bytes_of[self.quantize.id.of[0]]
-        same = (scheme.name, fmt.name) + ((self.target.tensor_parallel,) if fmt.shards_by_tp else ())
+        # targets share weight files when they export the same quantize stage's output in the same format (and,
+        # where the files depend on it, the same tensor-parallel degree)
+        same = (self.quantize.id, fmt.name) + ((self.target.tensor_parallel,) if fmt.shards_by_tp else ())
         shared_with = c.exports_seen.setdefault(same, self.label)
         new_bytes = sizes.artifact
         outer_bytes = c.shape.outer_params * c.elem

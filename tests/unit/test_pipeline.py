@@ -144,3 +144,16 @@ def test_no_import_cycle_through_the_pipeline() -> None:
     for m in modules:
         done = subprocess.run([sys.executable, "-c", f"import {m}"], cwd=REPO, capture_output=True, text=True)
         assert done.returncode == 0, (m, done.stderr[-2000:])
+
+
+def test_variants_of_one_scheme_name_plan_their_own_export_files(tiny_model_session: Path) -> None:
+    """Two variants of the same scheme (W4A16-INT) by different algorithms write different weights: each export
+    counts its own files; two targets of one variant in the same format share them."""
+    r = yaml.safe_load(_recipe(str(tiny_model_session)))
+    w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
+    r["variants"] = [{"name": "rtn", "quantization": w4}, {"name": "gptq", "quantization": {**w4, "algorithm": "gptq"}}]
+    r["targets"] = [{"runtime": "vllm", "gpu_arch": "sm90"}, {"runtime": "sglang", "gpu_arch": "sm90"}]
+    plan = make_plan(parse_recipe(yaml.safe_dump(r)), tiny_model_session)
+    disk = {str(row.id): row.disk_bytes for row in plan.rows if row.id.kind is Kind.EXPORT}
+    assert disk["export rtn/vllm-sm90-tp1"] > 0 and disk["export gptq/vllm-sm90-tp1"] == disk["export rtn/vllm-sm90-tp1"]
+    assert disk["export rtn/sglang-sm90-tp1"] == 0 and disk["export gptq/sglang-sm90-tp1"] == 0
