@@ -107,7 +107,7 @@ def measure(args) -> list[dict]:
                     raise SystemExit(r.stdout[-2000:] + r.stderr[-2000:])
                 ranks = sorted((json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")),
                                key=lambda x: x["rank"])
-                work = scaling.Workload(ranges=scheme != "gptq", hessians=scheme == "gptq", awq=False,
+                work = scaling.Workload(ranges=scheme != "gptq", hessians=scheme == "gptq", module_calls=False,
                                         solve_on_rank0=scheme == "gptq")
                 predicted = scaling.bytes_per_layer(shapes, nproc, work)
                 row = {"scheme": scheme, "nproc": nproc, "hidden": args.hidden, "layers": args.layers,
@@ -152,7 +152,7 @@ def model(args) -> None:
           f"{solve * layers:.1f} s for {layers} layers.")
     print("N  bytes/rank/layer (Hessians + codes)  comm s @100 GB/s  @25 GB/s  llm-compressor-like T(N)  "
           "llmc T(N) (solve on rank 0)  speed-up llmc")
-    work = scaling.Workload(ranges=False, hessians=True, awq=False, solve_on_rank0=True)
+    work = scaling.Workload(ranges=False, hessians=True, module_calls=False, solve_on_rank0=True)
     for n in (1, 2, 4, 8):
         volume = sum(scaling.bytes_per_layer(shapes, n, work).values())
         comm_fast, comm_pcie = layers * volume / 100e9, layers * volume / 25e9

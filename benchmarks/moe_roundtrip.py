@@ -43,7 +43,7 @@ def block_cost(folder: Path, tokens: int = 2048, repeats: int = 15) -> dict[bool
     """Seconds of layer 0's MoE block forward while statistics are observed, routed vs every expert on every token."""
     from transformers import AutoModelForCausalLM
 
-    from llmc.quant.stream import LayerStats, observing
+    from llmc.quant.observe import LayerStats, observing
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     moe.unfuse_experts(model)

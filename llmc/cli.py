@@ -167,7 +167,7 @@ def _launch(nproc: int, argv: list[str]) -> None:
 def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
            junit: Path | None, report_dir: Path | None, overrides: tuple[str, ...] = ()) -> None:
     from llmc.build import build as run_build
-    from llmc.build import raise_for_gates
+    from llmc.pipeline.gate import raise_for_gates
     from llmc.eval.report import render_summary, report_dict
     from llmc.eval.ci import junit_xml
     from llmc.registry.outputs import write_build_outputs, write_report_files
@@ -301,7 +301,7 @@ def publish(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) ->
 
     def go():
         from llmc.build import build as run_build
-        from llmc.build import raise_for_gates
+        from llmc.pipeline.gate import raise_for_gates
         from llmc.store import Store
 
         result = run_build(_load(recipe, overrides), Store.default(cache_dir), publish=True, overrides=overrides)

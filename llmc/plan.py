@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,16 +17,29 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from llmc import targets
-from llmc.data.sources import corpora_of
-from llmc.errors import IncompatibleTargetError
+from llmc import plan_resources as res
+from llmc import plan_shapes, targets
+from llmc.engines.torch_stream import choose_streamed
+from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
+from llmc.eval import gates
+from llmc.model.checkpoint import read_model_config
+from llmc.model.checks import check_source
+from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
+from llmc.model.families import check_quantizable, expert_count
+from llmc.model.source import resolve_source
+from llmc.pipeline.context import Costing
+from llmc.pipeline.ids import Kind, StageId
+from llmc.pipeline.stages import stages
+from llmc.plan_resources import matmul_rate
+from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
-from llmc.quant.device import resolve_device
 from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
-from llmc.quant.algorithms import Pipeline, calibration_passes
-from llmc.quant.algorithms.awq import AwqOptions
+from llmc.quant.algorithms import Pipeline
+from llmc.quant.device import resolve_device
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe, Target
+from llmc.scaling import Workload, layer_shapes, plan_estimate, render
+
 
 @dataclass
 class Plan:
@@ -38,6 +52,7 @@ class Plan:
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.scaling)
+    rows: list[res.Stage] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -48,8 +63,6 @@ class Plan:
         if e:
             lines += _render_estimates(e)
         if self.distributed:
-            from llmc.scaling import render
-
             lines += render(self.distributed)
         for t in self.targets:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
@@ -172,8 +185,6 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
 
 def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Shape checks against the model's config and its Linear weights' shapes."""
-    from llmc.quant.canonical import module_matches
-
     warnings: list[str] = []
     quantized = {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)}
     w = scheme.weights
@@ -263,11 +274,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
                                  "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
     if model_folder is not None or config is not None:
-        from llmc import plan_shapes
-        from llmc.model.checkpoint import read_model_config
-
-        from llmc.model.checks import check_source
-
         if model_folder is not None:
             config = read_model_config(Path(model_folder))
             plan.warnings += check_source(recipe, config, Path(model_folder))  # exit 7 before the weights' layout
@@ -275,7 +281,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         else:
             plan.warnings += check_source(recipe, config, None)
             tensors = plan_shapes.from_config(config)
-        from llmc.model.families import check_quantizable, expert_count
 
         check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
         for t in recipe.targets:
@@ -283,8 +288,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
-        plan.estimates = _estimates(recipe, list(schemes.values()), config, tensors, device, plan.targets,
-                                    model_folder)
+        plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
         nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
@@ -295,7 +299,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         if nproc > 1:
             plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
                                                      tensors.linear_shapes(), plan.estimates, nproc)
-        from llmc.errors import ResourceError
 
         try:
             refuse_if_it_does_not_fit(plan, device)
@@ -312,8 +315,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
     and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
-    from llmc.errors import ResourceError
-
     e = plan.estimates
     available = memory_available()
     if device.type == "cuda":
@@ -352,12 +353,11 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
         )
 
 
-def check_disk(plan: Plan, cache_dir: Path, pending: set[str] | None = None) -> None:
+def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None = None) -> None:
     """ResourceError when the cache's disk cannot take what the build still has to write: every stage's new files,
-    or only the stages in `pending` (the build passes those whose outputs are not cached yet)."""
-    from llmc.errors import ResourceError
-
-    need = sum(s["disk_gb"] for s in plan.estimates["stages"] if pending is None or s["stage"] in pending)
+    or only the rows of the stages in `pending` (the build passes those whose outputs are not cached yet)."""
+    need = sum(row.disk_bytes for row in plan.rows
+               if pending is None or any(p.covers(row.id) for p in pending)) / 1e9
     free = shutil.disk_usage(cache_dir).free / 1e9
     if free < need:
         raise ResourceError(
@@ -369,10 +369,6 @@ def check_disk(plan: Plan, cache_dir: Path, pending: set[str] | None = None) -> 
 def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
     """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
     offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
-    from llmc.model.checkpoint import read_model_config
-    from llmc.model.dtype import source_dtype
-    from llmc.model.source import resolve_source
-
     source = recipe.model.source
     if recipe.model.config is not None:
         config_path = Path(recipe.model.config).expanduser()
@@ -392,8 +388,6 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: i
 def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
                           nproc: int) -> dict:
     """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.scaling)."""
-    from llmc.scaling import Workload, layer_shapes, plan_estimate
-
     calibrated = [s for s in schemes if s.needs_calibration]
     if not calibrated:
         return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
@@ -401,12 +395,11 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
     pipelines = [Pipeline.of(s) for s in calibrated]
     work = Workload(ranges=any(s.stores_ranges for s in calibrated),
                     hessians=any(p.observes_hessians for p in pipelines),
-                    awq=any(p.replays_module_calls for p in pipelines),
+                    module_calls=any(p.replays_module_calls for p in pipelines),
                     solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
     c = recipe.calibration
     activations_gb = 0.0 if estimates.get("spill_activations") else \
         2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
-    from llmc.plan_resources import matmul_rate
 
     device = str(estimates.get("device", "cpu"))
     flops = matmul_rate(estimates.get("dtype", "float32"), device, config.get("hidden_size") or 1024,
@@ -416,158 +409,56 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
 
 def _plan_gates(plan: Plan) -> None:
     """The gates each variant gets, and what the planner can already say about them (llmc.eval.gates)."""
-    from llmc.eval import gates
-
     recipe = plan.recipe
     refusal = None if recipe.gates.allow_unevaluated else gates.emulated_performance_gates(
         recipe, plan.schemes, plan.targets)
     if refusal:
-        from llmc.errors import RecipeError
-
         raise RecipeError(refusal, fix="add a runtime that reads the artifact to eval.runtimes (its own speed), "
                                        "or drop the performance gate; emulation timings are not gated")
     plan.gates = {name: gates.describe_gates(recipe.gates, s) for name, s in plan.schemes.items()}
     plan.warnings += gates.plan_warnings(recipe, plan.schemes, plan.targets)
 
 
-def _estimates(recipe: Recipe, schemes: list[Scheme], config: dict, tensors, device: torch.device,
-               planned_targets: list[dict], model_folder: Path | None) -> dict:
-    from llmc import plan_resources as res
-    from llmc.compiler.files import MAX_SHARD_BYTES
-    from llmc.engines.torch_stream import choose_streamed
-    from llmc.model.dtype import BYTES, resolve_dtype
-    from llmc.quant.canonical import module_matches
-    from llmc.quant.stream import CALIBRATION_BATCH_SIZE
-
+def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors, device: torch.device,
+               planned_targets: list[dict], model_folder: Path | None) -> tuple[dict, list]:
+    """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = res.Shape.of(tensors, config, stored_elem)
     available = memory_available()
-    machine = res.Machine(available, None, str(device), os.cpu_count())
-    c, ev = recipe.calibration, recipe.eval
-    e = res.ELEM[compute]
-    calibrated = any(s.needs_calibration for s in schemes)
+    c = recipe.calibration
     tokens = c.samples * c.seq_len
-    spill = calibrated and should_spill(c.spill_activations, tokens * shape.hidden * e, available)
-    stages: list[res.Stage] = []
-    cheaper: dict[str, tuple[str, float]] = {}
-    linears = tensors.linear_shapes()
-    artifact_bytes, canonical_bytes, quantized_params, packed_bytes = {}, {}, {}, {}
-    variant_labels = [n or s.name for (n, _), s in zip(recipe.variant_sections(), schemes)]  # stage names
-    for scheme, variant in zip(schemes, variant_labels):
-        quantized = sum(a * b for n, (a, b) in linears.items() if not module_matches(n, scheme.ignore))
-        rest = shape.params - quantized
-        quantized_params[variant] = quantized
-        canonical_bytes[scheme.name] = quantized * 1 + rest * e  # int4 codes are stored one per byte
-        packed_bytes[scheme.name] = quantized * scheme.weights.bits / 8  # the quantized weights' codes, packed
-        artifact_bytes[scheme.name] = packed_bytes[scheme.name] + rest * e
-        pipe = Pipeline.of(scheme)
-        awq = next((st.options for st in pipe.steps if isinstance(st.options, AwqOptions)), None)
-        kwargs = dict(compute=compute, stored_elem=stored_elem, calibrated=scheme.needs_calibration, tokens=tokens,
-                      seq_len=c.seq_len, batch=CALIBRATION_BATCH_SIZE, gptq=pipe.true_sequential or "gptq" in
-                      scheme.algorithm, awq=pipe.replays_module_calls, passes=calibration_passes(scheme),
-                      whole_weight_copies=bool(pipe.transforms) or pipe.true_sequential or "gptq" in scheme.algorithm,
-                      discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
-                      awq_search=(awq.search_evaluations(), awq.clip_iterations(), awq.clip_tokens) if awq else None,
-                      code_bytes=1.0, machine=machine,
-                      weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
-        q = res.quantize_stage(shape, spill=spill, **kwargs)
-        q.name, q.disk_bytes = f"quantize {variant}", canonical_bytes[scheme.name]
-        stages.append(q)
-        if scheme.needs_calibration and not spill:
-            spilled = res.quantize_stage(shape, spill=True, **kwargs)
-            if spilled.host_bytes < 0.95 * q.host_bytes:  # only a strategy that saves something is named
-                cheaper[q.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
-                                   "activations in memory", spilled.host_bytes / 1e9)
-    seen: dict[tuple, str] = {}
-    # compressed-tensors and ModelOpt write the weights outside the layers unchanged, last (write_shards): when
-    # they exceed one shard they are shard files of their own, byte-identical between the two formats, and the
-    # store keeps one copy (hard links). Measured at 70B width: the TensorRT-LLM export added only its layer shards.
-    outer_passthrough = {"compressed-tensors", "modelopt-hf"}
-    outer_bytes = shape.outer_params * e
-    outer_written: set[str] = set()  # schemes whose outer shards an export already wrote
-    for t, entry in zip(_targets_by_variant(recipe, schemes), planned_targets):
-        scheme, target = t
-        fmt = targets.artifact_format(entry["exporter"])
-        same = (scheme.name, entry["exporter"]) + ((target.tensor_parallel,) if fmt.shards_by_tp else ())
-        shared_with = seen.setdefault(same, entry["label"])
-        new_bytes = artifact_bytes[scheme.name]
-        if entry["exporter"] in outer_passthrough and outer_bytes > MAX_SHARD_BYTES:
-            if scheme.name in outer_written:
-                new_bytes -= outer_bytes
-            outer_written.add(scheme.name)
-        stages.append(res.export_stage(shape, label=entry["label"], artifact_bytes=artifact_bytes[scheme.name],
-                                       new_bytes=new_bytes,
-                                       whole_model=fmt.whole_model,
-                                       shared_with=None if shared_with == entry["label"] else shared_with,
-                                       compute=compute, machine=machine, max_shard_bytes=MAX_SHARD_BYTES,
-                                       passes_codes_through=scheme.weights.bits == 8 and entry["exporter"] in (
-                                           "compressed-tensors", "modelopt-hf"),
-                                       repacked_bytes=packed_bytes[scheme.name] if fmt.repacks_layers else None,
-                                       bits=scheme.weights.bits))
-    dense = shape.params * e
-    streamed = choose_streamed(dense, available)
-    throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
-    eval_kwargs = dict(compute=compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
-                       top_k=ev.kl_top_k, throughput_tokens=throughput, machine=machine, stored_elem=stored_elem)
-    n_corpora = len(corpora_of(ev.corpus))
-    if "torch" in ev.runtimes:
-        # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
-        evals = [("baseline", False, 0.0, 0.0)] + [(v, True, s.weights.bits / 8, artifact_bytes[s.name])
-                                                   for v, s in zip(variant_labels, schemes)]
-        baseline_disk = 0.0
-        for label, reference, code_bytes, artifact_size in evals:
-            st = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
-                                artifact_code_bytes=code_bytes, quantized_params=quantized_params.get(label, 0),
-                                **eval_kwargs)
-            # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
-            st.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
-            st.disk_bytes += 0 if reference else shape.vocab * shape.hidden * e
-            # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
-            # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
-            st.seconds += st.disk_bytes * (1 / res.DISK_WRITE_RATE + 1 / res.HASH_RATE)
-            if reference:
-                st.seconds += (artifact_size + baseline_disk) / res.HASH_RATE
-            else:
-                baseline_disk = st.disk_bytes
-            if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another
-                st.seconds *= n_corpora
-                st.disk_bytes *= n_corpora
-                st.strategy += f"; {n_corpora} corpora, one after another (time and disk x {n_corpora})"
-            stages.append(st)
-            if not streamed:
-                lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,
-                                      artifact_code_bytes=code_bytes, quantized_params=quantized_params.get(label, 0),
-                                      **eval_kwargs)
-                lean = lean.host_bytes + lean.mapped_bytes
-                if lean < 0.95 * (st.host_bytes + st.mapped_bytes):
-                    cheaper[st.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
-                                        lean / 1e9)
-    quant = [s for s in stages if s.name.startswith("quantize")]
-    registry_bytes = sum(s.disk_bytes for s in stages if s.name.startswith("export"))
-    return {
+    calibrated = any(s.needs_calibration for s in schemes.values())
+    costing = Costing(recipe=recipe, shape=shape, machine=res.Machine(available, None, str(device), os.cpu_count()),
+                      linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
+                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * res.ELEM[compute],
+                                                        available))
+    streamed = choose_streamed(shape.params * res.ELEM[compute], available)  # the torch engine's evaluation
+    costing.streamed_eval = streamed
+    for stage in stages(recipe, schemes):
+        stage.cost(costing)
+    rows = costing.rows
+    quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
+    registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
+    estimates = {
         "params": shape.params,
         "layers": shape.layers,
         "dtype": compute,
-        "stages": [s.as_dict() for s in stages],
-        "cheaper": cheaper,
+        "stages": [s.as_dict() for s in rows],
+        "cheaper": costing.cheaper,
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
-        "disk_gb": sum(s.disk_bytes for s in stages) / 1e9,
+        "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),
-        "eval_s": sum(s.seconds for s in stages if s.name.startswith("eval")),
+        "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),
-        "spill_activations": spill,
+        "spill_activations": costing.spill,
         "streamed_eval": streamed,
         "device": str(device),
         "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,
         **({"export_memory_gb": 3 * shape.params * 4 / 1e9}
            if any(targets.artifact_format(t["exporter"]).whole_model for t in planned_targets) else {}),
     }
-
-
-def _targets_by_variant(recipe: Recipe, schemes: list[Scheme]) -> list[tuple[Scheme, Target]]:
-    """(scheme, target) in the order make_plan lists plan.targets: every target of each variant."""
-    return [(s, t) for s in schemes for t in recipe.targets]
+    return estimates, rows

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmc.pipeline.ids import StageId
 from llmc.plan_shapes import ModelTensors, active_fraction
 from llmc.quant.numerics import BLOCK_ELEMENTS
 
@@ -92,6 +93,13 @@ class Stage:
     mapped_bytes: float = 0.0
     layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
     fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
+
+    id: StageId | None = None  # the stage (or the part of it) this row costs
+
+    def named(self, id: StageId) -> Stage:
+        """This row, as the stage `id`."""
+        self.id, self.name = id, str(id)
+        return self
 
     def as_dict(self) -> dict:
         return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
@@ -238,14 +246,15 @@ class Shape:
 
 
 def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
-                   batch: int, spill: bool, gptq: bool, awq: bool, passes: int, code_bytes: float,
+                   batch: int, spill: bool, hessians: bool, replays_module_calls: bool, passes: int, code_bytes: float,
                    machine: Machine, weight_key: tuple = ("fp8_e4m3", "tensor", None),
                    whole_weight_copies: bool = True, discovers_pairs: bool = False,
-                   awq_search: tuple[int, int, int] | None = None) -> Stage:
+                   search: tuple[int, int, int] | None = None) -> Stage:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU. `discovers_pairs`: the
     algorithm rescales smoothing pairs (SmoothQuant, AWQ, GPTQ's true-sequential order), found on the first layer
-    in float64 before it is calibrated. `awq_search`: AWQ's candidate scales per mapping, clipping ranges per Linear
-    and clip-search tokens (llmc.quant.algorithms.awq.AwqOptions)."""
+    in float64 before it is calibrated. `hessians`: the quantizer observes every input's Hessian (GPTQ);
+    `replays_module_calls`: a step keeps each module's calibration inputs (AWQ); `search`: a step's candidate scales
+    per mapping, clipping ranges per Linear and clip-search tokens (`AlgorithmOptions.search_cost`: AWQ's)."""
     e = ELEM[compute]
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
@@ -253,11 +262,11 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
     act = (2 * batch * seq_len * h * e if spill else 2 * copy) if calibrated else 0
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e + batch * shape.heads * seq_len ** 2 * e
     algorithm = 0.0
-    if gptq:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
+    if hessians:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
         algorithm += 4 * (2 * h * h + shape.attn_width ** 2 + shape.widest_input ** 2) + 16 * shape.widest_input ** 2
-    if awq:  # every module's calibration inputs, kept for the grid search
+    if replays_module_calls:  # every module's calibration inputs, kept for the grid search
         algorithm += tokens * (2 * h + shape.attn_width + shape.intermediate) * e
-    if awq_search:  # the down projection's search through its inputs' float32 Gram matrix, and its ΔW, ΔW·G
+    if search:  # the down projection's search through its inputs' float32 Gram matrix, and its ΔW, ΔW·G
         algorithm += 4 * shape.intermediate ** 2 + 2 * 4 * shape.largest_linear
     parts = {
         "process": PROCESS_BYTES,
@@ -302,16 +311,16 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
                             batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weight_key=weight_key)
     per_layer = sum(parts_s.values())
-    if gptq:  # the column loop in float32: about in² · out per Linear
+    if hessians:  # the column loop in float32: about in² · out per Linear
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
         per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
             fp32_rate * forward_efficiency("float32", machine.device))
-    if awq_search:
+    if search:
         # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
         # (up -> down) is scored through its Gram matrix, out x in² per candidate; the clip search fake-quantizes
         # every Linear but q and k once per clipping range. Measured at 8B width: one candidate of down 16.8 s, its
         # clip search 17 s (32 tokens), the layer 229 s where RTN's takes 2 (docs/results.md)
-        evaluations, clip_iterations, clip_tokens = awq_search
+        evaluations, clip_iterations, clip_tokens = search
         searched = layer - h * shape.attn_width
         down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down
         fake_rate = quantize_rate(compute, *weight_key, elements=shape.largest_linear) / FAKE_QUANT_COST

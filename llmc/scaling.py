@@ -47,7 +47,7 @@ class Workload:
 
     ranges: bool
     hessians: bool
-    awq: bool
+    module_calls: bool  # AWQ's search: input means, candidate losses, Gram matrices
     solve_on_rank0: bool  # GPTQ true-sequential quantizes inside the forward, on rank 0
     clip_tokens: int = 512
     candidates: int = 20
@@ -65,7 +65,7 @@ def bytes_per_layer(shapes: dict[str, tuple[int, int]], nproc: int, work: Worklo
         out["ranges (all-reduce max)"] = 2 * others / nproc * 4 * sum(i for _, i in shapes.values())
     if work.hessians:
         out["Hessians (all-gather, fp32)"] = others * 4 * sum(w * w for w in width.values())
-    if work.awq:
+    if work.module_calls:
         out["AWQ means, losses, Gram, clip rows"] = others * (
             8 * sum(width.values()) + 8 * work.candidates * len(groups)
             + 4 * sum(w * w for g, w in width.items() if g.endswith("o_proj"))  # a lone Linear's Gram matrix

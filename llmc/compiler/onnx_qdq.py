@@ -72,7 +72,7 @@ def check_scheme(scheme: Scheme, target: str = "the ONNX Q/DQ exporter") -> None
 
 def float_model(qm: QuantizedModel) -> nn.Module:
     """The canonical model with dequantized weights, in float32, as a transformers module."""
-    from llmc.quant.stream import build_skeleton, materialize
+    from llmc.model.skeleton import build_skeleton, materialize
 
     model = build_skeleton(qm.config, torch.float32)
     quantized = qm.quantized_modules

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 
 from llmc.errors import EngineFailed
+from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
+                                 release)
+from llmc.quant.moe import unfuse_experts
 from llmc.quant.numerics import BLOCK_ELEMENTS
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
@@ -161,10 +164,6 @@ class _Replay(nn.Module):
 
 def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LayerDecoder, dict | None]:
     """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
-    from llmc.quant.stream import build_skeleton, decoder_layers, materialize
-
-    from llmc.quant.moe import unfuse_experts
-
     config = json.loads((Path(folder) / "config.json").read_text())
     qcfg = config.pop("quantization_config", None)
     model = build_skeleton(config, dtype)
@@ -182,8 +181,6 @@ def build_dense_model(folder: Path, dtype: torch.dtype) -> nn.Module:
     how the torch engine loads a quantized Mixture-of-Experts artifact. transformers 5.23's own load merges the
     per-expert tensors into its fused 3-D parameters, which fails for int-quantized (W8A8-INT8) experts
     ("Concatenate ... Ckpt contains: 0") and would leave no Linear for activation quantization to hook."""
-    from llmc.quant.stream import decoder_layers, materialize
-
     model, decoder, _ = build_streaming_model(folder, dtype)
     prefix, layers = decoder_layers(model)
     materialize(layers, decoder.tensors(prefix + "."), dtype)
@@ -199,7 +196,6 @@ def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tens
     """Every window through layer i before layer i+1 loads; then `on_logits(start, logits[:, :-1] float32)` per
     batch of `batch_size` windows, in order. `device`: where the model outside the layers already is; each layer is
     read on the host and computes there, and the windows' hidden states stay there between layers."""
-    from llmc.quant.stream import _layer_output, capture_layer_inputs, decoder_layers, materialize, release
 
     prefix, layers = decoder_layers(model)
     batches = [b.to(device) for b in windows.split(batch_size)]
@@ -210,7 +206,7 @@ def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tens
             materialize(layer, decoder.tensors(f"{prefix}.{i}."), dtype)
             layer.to(device)
             for b, (args, kwargs) in enumerate(e[i] for e in extras):
-                hidden[b] = _layer_output(layer(hidden[b], *args, **kwargs))
+                hidden[b] = layer_output(layer(hidden[b], *args, **kwargs))
             release(layer)
         original = list(layers)
         try:

@@ -93,6 +93,11 @@ class ArtifactFormat:
     whole_model: ClassVar[bool] = False  # the exporter holds the whole model in memory (else streams layers)
     shards_by_tp: ClassVar[bool] = False  # its weight files depend on tensor_parallel (else targets share them)
     repacks_layers: ClassVar[bool] = False  # writes the layers' codes in its own layout a block at a time
+    # 8-bit codes are written as the canonical form stores them: read through mmap, never copied (the planner's cost)
+    passes_8bit_codes: ClassVar[bool] = False
+    # the weights outside the layers are written unchanged, last, as shard files of their own once they exceed one
+    # shard: byte-identical between the formats that set this, so the store keeps one copy (hard links)
+    outer_weights_as_stored: ClassVar[bool] = False
     measures_decode: ClassVar[bool] = True  # the artifact has a KV cache, so decode tok/s can be measured
     triton_backend: ClassVar[str | None] = None  # "vllm" | "onnxruntime" | "tensorrt_llm" | None
     triton_refusal: ClassVar[tuple[str, str] | None] = None  # (why, fix) where a backend is impossible, not missing

@@ -31,6 +31,8 @@ _NEEDS_GPU = ("not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conf
 @register_format
 class ModelOptCheckpoint(ArtifactFormat):
     name = "modelopt-hf"
+    passes_8bit_codes = True
+    outer_weights_as_stored = True  # llmc.compiler.files.write_shards
     # TensorRT-LLM's PyTorch-backend model list (docs, 1.x): Gemma 2 and OLMo 2 are not in it
     families = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "phi3", "granite"})
     families_source = "TensorRT-LLM's PyTorch-backend model list"

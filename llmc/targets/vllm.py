@@ -17,6 +17,8 @@ _MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations
 @register_format
 class CompressedTensors(ArtifactFormat):
     name = "compressed-tensors"
+    passes_8bit_codes = True
+    outer_weights_as_stored = True  # llmc.compiler.files.write_shards
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)

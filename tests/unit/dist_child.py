@@ -39,16 +39,16 @@ def _kill_mid_layer() -> None:
     kill_rank, kill_layer = os.environ.get("LLMC_TEST_KILL_RANK"), os.environ.get("LLMC_TEST_KILL_LAYER")
     if kill_rank is None or int(kill_rank) != distributed.rank():
         return
-    from llmc.quant import stream
+    from llmc.quant.activations import ActivationWriter
 
-    real_commit = stream.ActivationWriter.commit
+    real_commit = ActivationWriter.commit
 
     def commit(self):
         if self.final.name == f"inputs-{int(kill_layer) + 1:05d}":  # this layer's outputs, before progress moves
             os.kill(os.getpid(), signal.SIGKILL)
         return real_commit(self)
 
-    stream.ActivationWriter.commit = commit
+    ActivationWriter.commit = commit
 
 
 def quantize(model: Path, out: Path, names: list[str]) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
-from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms import Observe, Pipeline
 from llmc.quant.algorithms.awq import (
     AwqOptions,
     awq_layer,
@@ -26,6 +26,7 @@ from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_qua
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.smoothquant import smoothing_scales
 from llmc.quant.numerics import dequantize_weight, quantize_weight
+from llmc.quant.observe import LayerStats, observing
 from llmc.quant.spec import Scheme, TensorSpec
 
 INT4_G16 = TensorSpec("int4", "group", group_size=16)
@@ -219,11 +220,11 @@ def _layer_out(model, layer, ids):
     return captured["out"], logits
 
 
-def _observed(model, layer, ids) -> stream.LayerStats:
+def _observed(model, layer, ids) -> LayerStats:
     """Layer 0's activation statistics ("l." prefix) from one forward of the whole model."""
     linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    stats = stream.LayerStats()
-    with stream.observing(layer, linears, stats, {}), torch.no_grad():
+    stats = LayerStats()
+    with observing(layer, linears, stats, {}), torch.no_grad():
         model(ids)
     return stats
 
@@ -318,10 +319,10 @@ def test_awq_transform_lowers_quantized_layer_error(tiny_model: Path) -> None:
 
     rtn_error = quantized_error()
     scheme = Scheme(INT4_G16, algorithm="awq")
-    obs = stream.Observe(hessians=False, module_calls=tuple(sorted({m.parent for m in layer_mappings(layer)} | {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)})))
-    stats = stream.LayerStats()
+    obs = Observe(hessians=False, module_calls=tuple(sorted({m.parent for m in layer_mappings(layer)} | {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)})))
+    stats = LayerStats()
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    with stream.observing(layer, linears, stats, {}, obs), torch.no_grad():
+    with observing(layer, linears, stats, {}, obs), torch.no_grad():
         model(ids)
     awq_layer(layer, "", stats, scheme.weights, AwqOptions(clip=False))
     scaled_fp, _ = _layer_out(model, layer, ids)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmc.build import build, raise_for_gates
+from llmc.build import build
+from llmc.pipeline.gate import raise_for_gates
 from llmc.errors import QualityGateError
 from llmc.recipe import parse_recipe
 from llmc.registry.local import verify_entry

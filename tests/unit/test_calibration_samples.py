@@ -1,5 +1,5 @@
 """Per-sample calibration: padded rows with an attention mask. Padding must not move any scale, Hessian or
-search: every algorithm sees each sample at its own length (llmc.quant.stream.unpadded_samples)."""
+search: every algorithm sees each sample at its own length (llmc.quant.flows.unpadded_samples)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import llmc.quant.flows as flows
 import llmc.quant.stream as stream
 from llmc.model.source import ModelSource
 from llmc.quant.spec import Scheme, TensorSpec
@@ -58,7 +59,7 @@ def test_appending_padding_changes_no_scale(name: str, tmp_path: Path, tiny_mode
 
 def test_rows_must_be_right_padded() -> None:
     ids = torch.arange(8).view(2, 4)
-    assert [t.tolist() for t in stream.unpadded_samples(ids, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))] == [
+    assert [t.tolist() for t in flows.unpadded_samples(ids, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))] == [
         [[0, 1]], [[4, 5, 6, 7]]]
     with pytest.raises(ValueError, match="right-padded"):
-        stream.unpadded_samples(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+        flows.unpadded_samples(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import llmc.model.skeleton as skeleton
 import llmc.quant.stream as stream
 from llmc.errors import ResourceError
 from llmc.model.source import ModelSource
@@ -34,7 +35,7 @@ def test_moving_extras_keeps_one_shared_tensor_shared() -> None:
     """All batches share one mask / rotary table; moving them must not make one copy per batch."""
     mask, cos = torch.ones(2, 2), torch.zeros(3)
     extras = [((mask,), {"position_embeddings": (cos, cos), "flag": True}) for _ in range(4)]
-    moved = stream.to_device(extras, torch.device("meta"))
+    moved = skeleton.to_device(extras, torch.device("meta"))
     masks = {id(args[0]) for args, _ in moved}
     tables = {id(t) for _, kwargs in moved for t in kwargs["position_embeddings"]}
     assert len(masks) == 1 and len(tables) == 1

@@ -260,7 +260,7 @@ def test_llama_70b_down_proj_hessian_volume_is_28672_squared_floats() -> None:
     from llmc import scaling
 
     shapes = {"mlp.down_proj": (8192, 28672)}
-    work = scaling.Workload(ranges=False, hessians=True, awq=False, solve_on_rank0=True)
+    work = scaling.Workload(ranges=False, hessians=True, module_calls=False, solve_on_rank0=True)
     assert scaling.bytes_per_layer(shapes, 2, work)["Hessians (all-gather, fp32)"] == 28672 ** 2 * 4
     assert scaling.amdahl_fit(745.0, 264.0, 4) == pytest.approx((641.33, 103.67), abs=0.01)
 

@@ -356,7 +356,7 @@ def test_plan_warns_about_no_gates_perplexity_alone_and_unmeasurable_targets() -
 
 def _synthetic_build(evals: dict[str, Evaluation], *, runtimes: list[str], gates: dict | None = None):
     """A BuildResult for one FP8 artifact whose evaluations are given (no model is loaded)."""
-    from llmc.build import _gate
+    from llmc.pipeline.gate import apply_gates
     from llmc.model.source import ModelSource
     from llmc.plan import make_plan
     from llmc.result import Artifact, BuildResult
@@ -377,7 +377,7 @@ def _synthetic_build(evals: dict[str, Evaluation], *, runtimes: list[str], gates
         result.evals[eval_id] = m
         if not eval_id.endswith(":baseline"):
             result.target_evals.setdefault(label, []).append(eval_id)
-    _gate(result)
+    apply_gates(result)
     return result
 
 

@@ -12,11 +12,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from llmc.model.source import ModelSource
-from llmc.quant import stream
+from llmc.quant import flows, stream
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.algorithms.awq import AwqOptions, awq_layer, fake_quantize_weight
 from llmc.quant.algorithms.mappings import layer_mappings
+from llmc.quant.algorithms import Observe
 from llmc.quant.numerics import static_scale
+from llmc.quant.observe import LayerStats, observing
 from llmc.quant.spec import Scheme, TensorSpec
 
 from tests.conftest import make_tokenizer
@@ -90,13 +92,13 @@ def test_streamed_calibration_sees_the_whole_models_activations(gemma3: Path, tm
     assert not torch.equal(wide["model.layers.0.self_attn.o_proj"], ref["model.layers.0.self_attn.o_proj"])
 
     observed: dict[str, torch.Tensor] = {}
-    real_observe = stream._observe
+    real_observe = flows.observe_batches
 
     def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
         real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
         observed.update(stats.channel_absmax)
 
-    monkeypatch.setattr(stream, "_observe", keep)
+    monkeypatch.setattr(flows, "observe_batches", keep)
     stream.quantize_model(ModelSource(gemma3, "g", "g"), W8A8_STATIC, tmp_path / "q", calibration=calib, batch_size=2)
     written = {}
     for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
@@ -159,9 +161,9 @@ def test_smoothquant_and_awq_scaling_keep_a_gemma3_layers_function(gemma3: Path,
         assert [m.producer for m in layer_mappings(layer) if m.from_norm] == ["input_layernorm", "pre_feedforward_layernorm"]
         before, logits_before = _layer_io(model, index, ids)
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-        observe = stream.Observe(hessians=False, module_calls=tuple(sorted({m.parent for m in layer_mappings(layer)} | set(linears))))
-        stats = stream.LayerStats()
-        with stream.observing(layer, linears, stats, {}, observe), torch.no_grad():
+        observe = Observe(hessians=False, module_calls=tuple(sorted({m.parent for m in layer_mappings(layer)} | set(linears))))
+        stats = LayerStats()
+        with observing(layer, linears, stats, {}, observe), torch.no_grad():
             model(input_ids=ids, use_cache=False)
         norms = {n: layer.get_submodule(n).weight.clone() for n in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm")}
         if algorithm == "smoothquant":

@@ -162,14 +162,18 @@ def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path
     import shutil
     from collections import namedtuple
 
+    from llmc.pipeline.ids import Kind
+
     plan = make_plan(_tiny_recipe(tiny_model), tiny_model)
-    stages = {s["stage"]: s["disk_gb"] for s in plan.estimates["stages"]}
-    total, quantize = sum(stages.values()), next(v for k, v in stages.items() if k.startswith("quantize"))
+    total = sum(row.disk_bytes for row in plan.rows) / 1e9
+    quantize = next(row.disk_bytes for row in plan.rows if row.id.kind is Kind.QUANTIZE) / 1e9
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, int((total - quantize / 2) * 1e9)))
     with pytest.raises(ResourceError, match="the build needs"):
         llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
-    cached_quantize = {k for k in stages if not k.startswith("quantize")}
+    with pytest.raises(ResourceError, match="the build needs"):  # pending: every row, named by its stage's ids
+        llmc.plan.check_disk(plan, tmp_path, {row.id for row in plan.rows})
+    cached_quantize = {row.id for row in plan.rows if row.id.kind is not Kind.QUANTIZE}
     llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
 
 
@@ -201,7 +205,7 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1, spill=False,
-                  gptq=False, awq=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
+                  hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
                                                                                    device="cpu"))
     rtn = quantize_stage(shape, whole_weight_copies=False, **kwargs)
     whole = quantize_stage(shape, whole_weight_copies=True, **kwargs)
@@ -243,12 +247,12 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=32, seq_len=32, batch=1, spill=False,
-                  gptq=False, awq=True, passes=21, code_bytes=1.0, discovers_pairs=True,
+                  hessians=False, replays_module_calls=True, passes=21, code_bytes=1.0, discovers_pairs=True,
                   machine=Machine(available=None, gpu_free=None, device="cpu"), weight_key=("int4", "group", 128))
     refine = AwqOptions()
     grid = AwqOptions(search="grid")
-    plain = quantize_stage(shape, awq_search=None, **kwargs)
-    per_layer = {o.search: quantize_stage(shape, awq_search=(o.search_evaluations(), o.clip_iterations(),
+    plain = quantize_stage(shape, search=None, **kwargs)
+    per_layer = {o.search: quantize_stage(shape, search=(o.search_evaluations(), o.clip_iterations(),
                                                              o.clip_tokens), **kwargs).layer_seconds - plain.layer_seconds
                  for o in (refine, grid)}
     down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(

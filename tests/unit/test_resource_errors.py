@@ -255,21 +255,21 @@ def _raiser(make):
     return fail
 
 
-@pytest.mark.parametrize("function, make, message", [
-    pytest.param("make_windows", MemoryError, "out of memory in stage 'calibrate'", marks=pytest.mark.slow),
-    pytest.param("quantize_model", _cpu_allocation_failure, "out of memory in stage 'quantize'",
+@pytest.mark.parametrize("function, make, message", [  # a function each stage's module calls while it writes
+    pytest.param("llmc.pipeline.calibrate.atomic_save_safetensors", MemoryError, "out of memory in stage 'calibrate'",
                  marks=pytest.mark.slow),
-    ("open_engine", lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    pytest.param("llmc.pipeline.quantize.quantize_model", _cpu_allocation_failure,
+                 "out of memory in stage 'quantize'", marks=pytest.mark.slow),
+    ("llmc.pipeline.evaluate.open_engine",
+     lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
      "out of GPU memory in stage 'eval'"),
 ], ids=["calibrate", "quantize", "eval-gpu"])
 def test_out_of_memory_in_a_stage_is_exit_4_naming_the_stage(
         function: str, make, message: str, tmp_path: Path, tiny_model_session: Path, corpus: Path,
         clean_build: dict[str, str], monkeypatch) -> None:
-    import llmc.build
-
     use_corpus_file(corpus, monkeypatch.setattr)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmc.build, function, _raiser(make))
+        mp.setattr(function, _raiser(make))
         failed = _cli_build(tmp_path, tiny_model_session)
     assert failed.exit_code == 4 and "Traceback" not in failed.stderr, failed.stderr
     assert f"llmc: resource exhausted: {message} under {tmp_path}/cache/stages/" in failed.stderr, failed.stderr

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import llmc.model.skeleton as skeleton
+import llmc.quant.flows as flows
 import llmc.quant.stream as stream
 from llmc.model.source import ModelSource
 from llmc.quant.spec import Scheme, TensorSpec
@@ -17,7 +19,7 @@ from llmc.quant.spec import Scheme, TensorSpec
 def test_at_most_one_layer_materialized(depth: int, tmp_path: Path, monkeypatch, tiny_model_factory) -> None:
     folder = tiny_model_factory(tmp_path / "m", layers=depth)
     captured = {}
-    real_build = stream.build_skeleton
+    real_build = skeleton.build_skeleton
 
     def capture(*a, **k):
         captured["model"] = real_build(*a, **k)
@@ -27,10 +29,10 @@ def test_at_most_one_layer_materialized(depth: int, tmp_path: Path, monkeypatch,
     seen: list[int] = []
 
     def real_layers() -> int:
-        _, layers = stream.decoder_layers(captured["model"])
+        _, layers = skeleton.decoder_layers(captured["model"])
         return sum(any(p.device.type != "meta" for p in layer.parameters()) for layer in layers)
 
-    real_materialize = stream.materialize
+    real_materialize = skeleton.materialize
 
     def checked_materialize(module, tensors, dtype):
         real_materialize(module, tensors, dtype)
@@ -83,20 +85,20 @@ def test_spilled_activations_give_identical_results_one_batch_resident(
                           spill_activations="never")
 
     resident: list[int | None] = []
-    real_observe = stream._observe
+    real_observe = flows.observe_batches
 
     def observe(layer, linears, kv, obs, hidden, *rest):
         resident.append(None if hidden._tensors is None else len(hidden._tensors))
         return real_observe(layer, linears, kv, obs, hidden, *rest)
 
-    real_true_sequential = stream._quantize_true_sequential  # GPTQ: Hessians inside the outputs' forward
+    real_true_sequential = flows.quantize_true_sequential  # GPTQ: Hessians inside the outputs' forward
 
     def true_sequential(layer, prefix, linears, kv, hidden, *rest):
         resident.append(None if hidden._tensors is None else len(hidden._tensors))
         return real_true_sequential(layer, prefix, linears, kv, hidden, *rest)
 
-    monkeypatch.setattr(stream, "_observe", observe)
-    monkeypatch.setattr(stream, "_quantize_true_sequential", true_sequential)
+    monkeypatch.setattr(flows, "observe_batches", observe)
+    monkeypatch.setattr(flows, "quantize_true_sequential", true_sequential)
     stream.quantize_model(source, scheme, tmp_path / "disk", calibration=calib, batch_size=2,
                           spill_activations="always")
     assert resident and all(r is None for r in resident)  # every layer read its inputs from disk
@@ -167,7 +169,7 @@ def test_second_scheme_reuses_statistics_without_a_forward_and_gets_identical_re
     def no_forward(*a, **k):
         raise AssertionError("calibration forward run although the statistics were shared")
 
-    real_capture = stream.capture_layer_inputs
+    real_capture = skeleton.capture_layer_inputs
 
     def structure_probe_only(model, layers, batches, *a, **k):
         # SmoothQuant still traces each layer's structure (llmc.quant.algorithms.mappings): one short window
@@ -175,8 +177,9 @@ def test_second_scheme_reuses_statistics_without_a_forward_and_gets_identical_re
             no_forward()
         return real_capture(model, layers, batches, *a, **k)
 
-    monkeypatch.setattr(stream, "capture_layer_inputs", structure_probe_only)
-    monkeypatch.setattr(stream, "_observe", no_forward)
+    monkeypatch.setattr(stream, "capture_layer_inputs", structure_probe_only)  # the structure probe
+    monkeypatch.setattr(flows, "capture_layer_inputs", structure_probe_only)  # the calibration inputs
+    monkeypatch.setattr(flows, "observe_batches", no_forward)
     stream.quantize_model(source, second, tmp_path / "second", calibration=calib, shared_stats=shared)
     _assert_same(_layer_files(tmp_path / "alone"), _layer_files(tmp_path / "second"))
 

@@ -66,6 +66,9 @@ class AwqOptions(AlgorithmOptions):
         """Clipping ranges `search_clip` tries per Linear."""
         return int(self.max_shrink * self.clip_grid) if self.clip else 0
 
+    def search_cost(self) -> tuple[int, int, int]:
+        return self.search_evaluations(), self.clip_iterations(), self.clip_tokens
+
 
 def fake_quantize_weight(w: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     scale, zp = compute_qparams(w, spec)

@@ -122,6 +122,17 @@ class Pipeline:
         return any(s.algorithm.module_calls for s in self.steps)
 
     @property
+    def search_cost(self) -> tuple[int, int, int] | None:
+        """The first step's search cost (`AlgorithmOptions.search_cost`), for the planner."""
+        return next((c for c in (s.options.search_cost() for s in self.steps) if c is not None), None)
+
+    @property
+    def sums_over_windows(self) -> bool:
+        """Whether the result depends on sums over the calibration windows (Hessians, AWQ's search), whose last bits
+        may depend on how many ranks added them (llmc.distributed); ranges are maxima and do not."""
+        return self.observes_hessians or self.replays_module_calls
+
+    @property
     def shares_statistics(self) -> bool:
         """True when calibration sees original outputs and records only ranges (no Hessians, no module
         calls): its statistics are the model's and the data's, not the scheme's (`llmc.quant.shared_stats`)."""

@@ -77,6 +77,11 @@ class AlgorithmOptions(BaseModel):
         (`llmc.quant.true_sequential`; GPTQ's, the only quantizer that can)."""
         return False
 
+    def search_cost(self) -> tuple[int, int, int] | None:
+        """What a step that searches over its inputs costs the planner (llmc.plan_resources.quantize_stage): candidate
+        scales per mapping, clipping ranges per Linear and the clip search's tokens; None when it searches nothing."""
+        return None
+
 
 @dataclass(frozen=True)
 class Algorithm:

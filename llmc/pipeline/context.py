@@ -1,0 +1,66 @@
+"""What the stages share: during a build (`Build`: the runner, the result they append to, the tokens) and during
+planning (`Costing`: the model's shape, this machine, and the facts earlier stages' costs leave for later ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llmc.data.tokens import TokenSet
+from llmc.pipeline.runner import Runner
+from llmc.plan_resources import ELEM, Machine, Shape, Stage
+from llmc.recipe.schema import Recipe
+from llmc.result import BuildResult
+
+
+@dataclass
+class Build:
+    """One build in progress. Each stage reads what earlier ones left here and appends its own outputs to
+    `result` (calibration record, quantized folders, artifacts, evaluations, verdicts)."""
+
+    recipe: Recipe
+    runner: Runner
+    result: BuildResult
+    device: torch.device
+    tokenizer: object
+    calibration: TokenSet | None  # the calibration windows (None: no scheme calibrates)
+    evaluation: dict | None  # corpus label (None when one corpus) -> its windows; None: the build stops before eval
+    calib_key: str | None = None  # the calibrate stage's key, once it ran
+    quantized: dict[str, tuple[Path, str]] = field(default_factory=dict)  # variant -> (quantize folder, its key)
+
+
+@dataclass(frozen=True)
+class SchemeBytes:
+    """A scheme's sizes on this model, which the quantize stage's cost computes and the export and eval costs read."""
+
+    quantized_params: int  # weights the scheme quantizes
+    canonical: float  # the quantize stage's output: codes one per byte, the rest in the compute dtype
+    packed: float  # the quantized weights' codes, packed at the scheme's bits
+    artifact: float  # packed codes + the rest in the compute dtype
+
+
+@dataclass
+class Costing:
+    """One plan in progress: `llmc plan` walks the stages, each appending its rows of cost."""
+
+    recipe: Recipe
+    shape: Shape
+    machine: Machine
+    linears: dict[str, tuple[int, int]]
+    compute: str  # the compute dtype's name
+    stored_elem: int  # bytes per element of the source's stored weights
+    spill: bool  # whether the calibration activations are spilled to disk
+    tokens: int  # calibration tokens
+    streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
+    rows: list[Stage] = field(default_factory=list)
+    cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
+    bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes
+    exports_seen: dict[tuple, str] = field(default_factory=dict)  # identical export -> the first target's label
+    outer_written: set[str] = field(default_factory=set)  # schemes whose outer-weight shards an export wrote
+
+    @property
+    def elem(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return ELEM[self.compute]

@@ -1,0 +1,230 @@
+"""The evaluate stage: each engine in eval.runtimes scores the baseline and every artifact whose format it loads,
+on the same windows of each evaluation corpus; each scoring is cached on its own.
+
+Key of one scoring: the engine, the evaluation protocol (corpus, windows, lengths, throughput settings, dtype,
+tokenizer), the scored model's content key and the baseline's scoring key. Cost: `llmc.plan_resources.eval_stage`
+for the torch engine's scorings (the baseline, then each variant), per corpus."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from llmc import plan_resources as res
+from llmc import targets
+from llmc.compiler.files import SERVE_FILE
+from llmc.data import stages as data
+from llmc.data.sources import corpora_of
+from llmc.engines import engine_spec, open_engine, split
+from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
+from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
+from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.pipeline import ranks
+from llmc.pipeline.context import Build, Costing
+from llmc.pipeline.ids import Kind, StageId
+from llmc.pipeline.runner import Runner, read_json
+from llmc.progress import log
+from llmc.pipeline.quantize import Quantize
+from llmc.quant.canonical import scheme_from_dict
+from llmc.result import Evaluation, eval_id
+from llmc.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
+
+
+class Evaluate:
+    id = StageId(Kind.EVAL)
+    share = ranks.Share.HELPED
+
+    def __init__(self, quantizes: list[Quantize]) -> None:
+        self.quantizes = quantizes  # the variants whose artifacts it scores (their plan rows)
+
+    def pending(self, b: Build) -> bool:
+        return True  # evaluations always count in the disk check: they are small
+
+    def run(self, b: Build) -> None:
+        ranks.log_scoring(b.recipe.eval.runtimes)
+        for corpus, tokens in b.evaluation.items():  # one corpus (None), or each of eval.corpus's, in recipe order
+            _evaluate(b, tokens.input_ids, corpus)
+
+    def cost(self, c: Costing) -> None:
+        ev, shape = c.recipe.eval, c.shape
+        if "torch" not in ev.runtimes:
+            return
+        streamed = c.streamed_eval
+        throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
+        kwargs = dict(compute=c.compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
+                      top_k=ev.kl_top_k, throughput_tokens=throughput, machine=c.machine, stored_elem=c.stored_elem)
+        n_corpora = len(corpora_of(ev.corpus))
+        # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
+        scorings = [("baseline", False, 0.0, 0.0, 0)]
+        for q in self.quantizes:
+            sizes = c.bytes_of[q.id.of[0]]
+            scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params))
+        baseline_disk = 0.0
+        for label, reference, code_bytes, artifact_size, quantized_params in scorings:
+            row = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
+                                 artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
+            row.named(StageId(Kind.EVAL, ("torch", label)))
+            # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
+            row.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
+            row.disk_bytes += 0 if reference else shape.vocab * shape.hidden * c.elem
+            # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
+            # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
+            row.seconds += row.disk_bytes * (1 / res.DISK_WRITE_RATE + 1 / res.HASH_RATE)
+            if reference:
+                row.seconds += (artifact_size + baseline_disk) / res.HASH_RATE
+            else:
+                baseline_disk = row.disk_bytes
+            if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another
+                row.seconds *= n_corpora
+                row.disk_bytes *= n_corpora
+                row.strategy += f"; {n_corpora} corpora, one after another (time and disk x {n_corpora})"
+            c.rows.append(row)
+            if not streamed:
+                lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,
+                                      artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
+                lean = lean.host_bytes + lean.mapped_bytes
+                if lean < 0.95 * (row.host_bytes + row.mapped_bytes):
+                    c.cheaper[row.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
+                                           lean / 1e9)
+
+
+def _evaluate(b: Build, windows: torch.Tensor, corpus: str | None) -> None:
+    """Each engine scores the baseline and every artifact whose format it loads on one corpus's windows (`corpus`:
+    its label when eval.corpus names several, else None). An engine that cannot load the unquantized source is
+    paired with the torch reference's baseline (its change then includes the engine's own arithmetic); an artifact
+    whose content another target already had is scored once."""
+    result, ev = b.result, b.recipe.eval
+    prompt = windows[:1]
+    source = corpora_of(ev.corpus)[corpus]
+    for engine in ev.runtimes:
+        spec = engine_spec(engine)
+        readable = {label: art for label, art in result.artifacts.items()
+                    if engine in targets.artifact_format(art.format).read_by}
+        base_engine = spec.baseline_engine
+        try:
+            base = _score(b, base_engine, result.source.folder, result.source.sha256, windows, prompt, corpus=source)
+        except (EngineUnavailable, EngineFailed) as e:
+            where = f" on {corpus}" if corpus is not None else ""
+            log(f"warning: baseline could not be evaluated in {base_engine}{where}: {e}")
+            for label in readable:
+                result.target_evals.setdefault(label, []).append(eval_id(engine, label, corpus))
+                result.evals[eval_id(engine, label, corpus)] = Evaluation(engine, corpus=corpus, error=str(e))
+            continue
+        base.corpus = corpus
+        result.evals[eval_id(base_engine, "baseline", corpus)] = base
+        by_content: dict[str, Evaluation] = {}
+        for label, art in readable.items():
+            this = eval_id(engine, label, corpus)
+            result.target_evals.setdefault(label, []).append(this)
+            reason = spec.cannot_run(scheme_from_dict(art.scheme_detail))
+            if reason:
+                log(f"eval: {engine} skips {label}: {reason}")
+                result.evals[this] = Evaluation(engine, corpus=corpus, skipped=reason)
+                continue
+            try:
+                if art.content_key not in by_content:
+                    m = _score(b, engine, art.dir, art.content_key, windows, prompt, reference=base, corpus=source)
+                    m.ppl_change = paired_ppl_change(base.nll, m.nll, ev.bootstrap_samples)
+                    m.baseline_engine = base_engine
+                    m.corpus = corpus
+                    by_content[art.content_key] = m
+                result.evals[this] = by_content[art.content_key]
+            except ResourceError:
+                raise  # the machine, not the artifact, failed: stop the build (exit 4) instead of failing a gate
+            except CorruptOutput:
+                raise  # not this engine's failure: the cached artifact changed; `build` rebuilds it
+            except LlmcError as e:
+                result.evals[this] = Evaluation(engine, corpus=corpus, error=str(e))
+
+
+def _score(b: Build, engine: str, folder: Path, content_key: str, windows, prompt,
+           reference: Evaluation | None = None, *, corpus) -> Evaluation:
+    """One model folder scored in one engine on one corpus's windows. The baseline (no reference) also stores its
+    top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
+    ev, dtype, runner = b.recipe.eval, b.result.dtype, b.runner
+    batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
+    cfg = {
+        "engine": engine,
+        "corpus": data.eval_corpus_config(corpus),
+        "split": "eval",
+        "seq_len": ev.seq_len,
+        "windows": ev.windows,
+        "decode_tokens": ev.decode_tokens,
+        "repeats": ev.throughput_repeats,
+        "throughput_batch_sizes": list(batch_sizes),
+        "dtype": dtype,
+        "top_k": ev.kl_top_k,
+        "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
+        "tokenizer_sha256": tokenizer_hash(runner, b.result.source.folder),
+        "windows_sha256": stage_key("windows", windows.tolist()),
+    }
+    key = stage_key("eval", cfg, [content_key, reference.key if reference else ""])
+    # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
+    measured = None
+    if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights
+        measured = {k: v for k, v in runner.recorded_files(folder).items() if k != SERVE_FILE}
+
+    def outdated(done: Path) -> list[str]:
+        if measured is not None and read_json(done, "metrics.json").get("measured_files") != measured:
+            return ["it measured other bytes than the artifact now records"]
+        return []
+
+    reference_dir = runner.output(StageId(Kind.EVAL), reference.key) if reference is not None else None
+
+    def produce(out: Path) -> None:
+        ref_scores = load_reference(reference_dir) if reference_dir is not None else None
+        t = time.monotonic()
+        with split.scoring_ranks(engine, folder, dtype=dtype, windows=windows, top_k=ev.kl_top_k,
+                                 batch_size=ev.batch_size, reference_dir=reference_dir), \
+                open_engine(engine, folder, dtype=dtype) as eng:
+            load_s = time.monotonic() - t
+            t = time.monotonic()
+            scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,
+                                       repeats=ev.throughput_repeats, batch_size=ev.batch_size,
+                                       reference=ref_scores, top_k=ev.kl_top_k, throughput_batch_sizes=batch_sizes)
+            score_s = time.monotonic() - t
+        per_token, head = split_head(scores)
+        atomic_save_safetensors(out / "scores.safetensors", per_token)
+        if head:
+            atomic_save_safetensors(out / HEAD_FILE, head)
+        atomic_write_json(out / "metrics.json", {
+            "engine": engine, "protocol": cfg, "load_s": load_s, "score_s": score_s,
+            "throughput": tput, "hardware": {**_hardware(), "ranks": split.ranks_scoring(engine)},
+            "kld_kind": kld_kind(scores),
+            "output_head": getattr(eng, "output_head", None) if reference is None else None,
+            **({"measured_files": measured} if measured is not None else {}),
+        })
+
+    label = "baseline" if reference is None else Path(folder).name[:8]
+    # measure exactly the bytes the export recorded, against the baseline's scores as recorded
+    done = runner.run(StageId(Kind.EVAL, (engine, label)), key, produce, outdated=outdated,
+                      inputs=[folder, reference_dir] if reference_dir is not None else [],
+                      announce=f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
+    stored = read_json(done, "metrics.json")
+    scores = load_file(str(done / "scores.safetensors"))
+    nll = scores["nll"]
+    m = Evaluation(**stored, key=key, perplexity=perplexity(nll),
+                   ppl_ci95=list(perplexity_interval(nll, ev.bootstrap_samples)), nll=nll,
+                   # what this engine measures: vLLM returns only the actual tokens' log-probs, so no KL / top-1
+                   measures=["perplexity", "throughput"] + (["kld", "top1_agreement"] if "kl" in scores else []))
+    if "kl" in scores:
+        m.kld = mean_interval(scores["kl"], ev.bootstrap_samples)
+        if KL_BOUND in scores:
+            m.kld_bound = mean_interval(scores[KL_BOUND], ev.bootstrap_samples)
+        m.top1_agreement = mean_interval(scores["top1"], ev.bootstrap_samples)
+    return m
+
+
+def tokenizer_hash(runner: Runner, folder: Path) -> str | None:
+    f = Path(folder) / "tokenizer.json"
+    return runner.file_hash(f) if f.is_file() else None
+
+
+def _hardware() -> dict:
+    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -1,0 +1,27 @@
+"""The pipeline's stages, in order, for one recipe: what `llmc build` runs and `llmc plan` costs.
+
+Every stage has an `id` (`llmc.pipeline.ids.StageId`), a `share` (how the ranks of a torchrun job share it,
+`llmc.pipeline.ranks.Share`), `cost(costing)` (appends its rows to the plan), `pending(build)` (whether its output
+must still be written: the disk check) and `run(build)` (through the runner's cache protocol)."""
+
+from __future__ import annotations
+
+from llmc.pipeline.calibrate import Calibrate
+from llmc.pipeline.evaluate import Evaluate
+from llmc.pipeline.export import Export
+from llmc.pipeline.gate import Gate
+from llmc.pipeline.ids import Kind
+from llmc.pipeline.publish import Publish
+from llmc.pipeline.quantize import Quantize
+from llmc.pipeline.tasks import Tasks
+from llmc.quant.spec import Scheme
+from llmc.recipe.schema import Recipe
+
+
+def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH) -> list:
+    """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
+    evaluate, tasks, gate, publish."""
+    quantizes = [Quantize(variant, scheme) for variant, scheme in schemes.items()]
+    every = [Calibrate(), *quantizes, *(Export(q, t) for q in quantizes for t in recipe.targets),
+             Evaluate(quantizes), Tasks(), Gate(), Publish()]
+    return [s for s in every if not s.id.kind.comes_after(last)]

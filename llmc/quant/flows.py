@@ -1,0 +1,284 @@
+"""Data flows: how the calibration data moves through the layer loop (`llmc.quant.stream.quantize_model`). The
+scheme's pipeline chooses one (`flow_for`); each is registered under its name, as algorithms are
+(`llmc.quant.algorithms.registry`):
+
+  data-free          nothing calibrates: each layer's weights are quantized as read
+  shared-statistics  the ranges an earlier scheme recorded on the same model and data (`llmc.quant.shared_stats`):
+                     no calibration forward at all
+  sequential         each layer observes its inputs, is transformed (SmoothQuant, AWQ), observed again where the
+                     transform changed what the scheme stores, quantized; the next layer's inputs are this layer's
+                     original outputs (collected while observing) or its quantized outputs (one more pass)
+  true-sequential    GPTQ quantizes each Linear inside the forward that makes the next layer's inputs
+                     (`llmc.quant.true_sequential`)
+
+Mixture-of-Experts blocks are an observation mode of the calibrating flows, not a flow: they count the tokens
+routed to each expert and, with `calibration.moe_calibrate_all_experts`, run every expert on every token for
+statistics (`llmc.quant.moe.observing_experts`). A flow reads and moves the loop's state (`Stream`: the activations
+between layers) and one layer's work (`LayerWork`); the loop does the rest (materialize, quantize what the flow
+left unquantized, write, resume, release).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from llmc import distributed
+from llmc.model.skeleton import HOST, capture_layer_inputs, layer_output, to_device
+from llmc.progress import log
+from llmc.quant import moe, true_sequential
+from llmc.quant.activations import Activations, ActivationWriter, inputs_dir, memory_available
+from llmc.quant.algorithms import Observe, Pipeline
+from llmc.quant.numerics import QuantizedWeight, dequantize_weight
+from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
+                                register_kv_observer, stats_from_shared)
+from llmc.quant.shared_stats import SharedStats
+
+
+@dataclass(frozen=True)
+class FlowNeeds:
+    """What chooses the flow: the scheme's pipeline and the calibration's shape on this machine."""
+
+    calibrates: bool  # the scheme needs calibration data
+    shared_cover: bool  # shared statistics of an earlier scheme cover every Linear and KV module (and may be used)
+    true_sequential: bool  # the quantizer quantizes inside the forward (GPTQ's default)
+    moe: bool  # the model has Mixture-of-Experts blocks
+    one_forward: bool  # every calibration window fits one forward of a layer (unspilled, unmasked)
+
+
+@dataclass
+class Stream:
+    """The layer loop's state a flow reads and moves."""
+
+    model: nn.Module
+    layers: nn.ModuleList
+    pipeline: Pipeline
+    dtype: torch.dtype
+    device: torch.device
+    batch_size: int
+    act_dir: Path  # this rank's saved activations (state/inputs-<i>/)
+    start: int  # the first layer to quantize (a resumed run's)
+    spill: bool  # activations between layers live on disk, one batch in memory at a time
+    one_forward: bool  # every calibration window fits one forward of a layer
+    moe_all_experts: bool
+    shared: SharedStats | None = None
+    hidden: Activations = field(default_factory=lambda: Activations([]))  # the current layer's inputs
+    extras: list = field(default_factory=list)  # per batch, per layer: (args, kwargs) the model passes the layer
+
+
+@dataclass
+class LayerWork:
+    """One decoder layer's work: what the flow observes into and what it leaves for the loop."""
+
+    index: int
+    prefix: str
+    module: nn.Module
+    linears: dict[str, nn.Linear]
+    kv_modules: dict[str, nn.Module]
+    extras: list  # per batch: (args, kwargs), on the layer's device
+    stats: LayerStats = field(default_factory=LayerStats)
+    routed: dict[str, torch.Tensor] = field(default_factory=dict)  # MoE block -> tokens routed to each expert
+    quantized: dict[str, QuantizedWeight] | None = None  # set by a flow that quantizes (else the loop does)
+    next_inputs: ActivationWriter | None = None
+
+
+class DataFlow:
+    name: ClassVar[str]
+
+    @staticmethod
+    def applies(needs: FlowNeeds) -> bool:
+        raise NotImplementedError
+
+    def prepare(self, s: Stream, calibration: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Before the first layer: the first layer's inputs (or nothing)."""
+
+    def calibrate(self, s: Stream, w: LayerWork) -> None:
+        """The layer's statistics into `w.stats` (and its transform applied); may quantize it (`w.quantized`)."""
+
+    def propagate(self, s: Stream, w: LayerWork) -> None:
+        """After the layer is written: the next layer's inputs into `s.hidden`."""
+
+
+FLOWS: dict[str, type[DataFlow]] = {}  # in the order `flow_for` asks them
+
+
+def register_flow(name: str) -> Callable[[type[DataFlow]], type[DataFlow]]:
+    def register(cls: type[DataFlow]) -> type[DataFlow]:
+        if name in FLOWS:
+            raise ValueError(f"data flow {name} registered twice")
+        cls.name = name
+        FLOWS[name] = cls
+        return cls
+
+    return register
+
+
+def flow_for(needs: FlowNeeds) -> DataFlow:
+    """The first registered flow that applies."""
+    return next(cls for cls in FLOWS.values() if cls.applies(needs))()
+
+
+@register_flow("data-free")
+class DataFree(DataFlow):
+    @staticmethod
+    def applies(needs: FlowNeeds) -> bool:
+        return not needs.calibrates
+
+
+@register_flow("shared-statistics")
+class SharedStatistics(DataFlow):
+    @staticmethod
+    def applies(needs: FlowNeeds) -> bool:
+        return needs.shared_cover
+
+    def prepare(self, s: Stream, calibration, mask) -> None:
+        log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
+
+    def calibrate(self, s: Stream, w: LayerWork) -> None:
+        w.stats = stats_from_shared(to_device(s.shared.load(w.index), s.device), w.linears, w.kv_modules)
+        s.pipeline.transform_layer(w.module, w.prefix, w.stats)
+
+
+class _Calibrating(DataFlow):
+    """The flows that run the calibration windows through each layer."""
+
+    def forward_batch(self, s: Stream, calibration: torch.Tensor) -> int:
+        return s.batch_size
+
+    def prepare(self, s: Stream, calibration: torch.Tensor, mask: torch.Tensor | None) -> None:
+        register_kv_observer()
+        batches = unpadded_samples(calibration, mask) if mask is not None else list(
+            calibration.split(self.forward_batch(s, calibration)))
+        saved = inputs_dir(s.act_dir, s.start)
+        hidden = Activations.load(saved, s.spill) if s.start and saved.is_dir() else None
+        if s.start and distributed.any_rank(hidden is None or len(hidden) != len(batches)):
+            log(f"no saved inputs for layer {s.start} in {len(batches)} batches (work folder from an older run "
+                "or another machine): starting over")
+            s.start = 0
+        first = None if s.start else ActivationWriter(inputs_dir(s.act_dir, 0), s.spill)
+        s.extras = capture_layer_inputs(s.model, s.layers, batches, first.put if first else None)
+        s.hidden = hidden if s.start else first.commit()
+
+    def propagate(self, s: Stream, w: LayerWork) -> None:
+        s.hidden = w.next_inputs.commit()
+
+
+@register_flow("true-sequential")
+class TrueSequential(_Calibrating):
+    @staticmethod
+    def applies(needs: FlowNeeds) -> bool:
+        # MoE: staged passes group Linears by the first input each batch reaches, which differs per batch when
+        # tokens are routed, so MoE layers take the two-forward order (Hessians observed, then GPTQ) unless every
+        # window runs in one forward
+        return needs.calibrates and needs.true_sequential and (needs.one_forward or not needs.moe)
+
+    def forward_batch(self, s: Stream, calibration: torch.Tensor) -> int:
+        return calibration.shape[0] if s.one_forward else s.batch_size  # GPTQ inside the one forward it makes
+
+    def calibrate(self, s: Stream, w: LayerWork) -> None:
+        w.next_inputs = ActivationWriter(inputs_dir(s.act_dir, w.index + 1), s.spill)
+        with moe.observing_experts(w.module, s.moe_all_experts, w.routed):
+            w.quantized = quantize_true_sequential(w.module, w.prefix, w.linears, w.kv_modules, s.hidden, w.extras,
+                                                   w.stats, s.pipeline, w.next_inputs.put, s.batch_size)
+
+
+@register_flow("sequential")
+class Sequential(_Calibrating):
+    @staticmethod
+    def applies(needs: FlowNeeds) -> bool:
+        return needs.calibrates
+
+    def calibrate(self, s: Stream, w: LayerWork) -> None:
+        # The next layer's inputs: this layer's outputs with original weights (collected while observing) or with
+        # its quantized weights (one more pass, after quantizing: `propagate`).
+        pipeline, layer = s.pipeline, w.module
+        w.next_inputs = ActivationWriter(inputs_dir(s.act_dir, w.index + 1), s.spill)
+        observe = pipeline.observe(layer)
+        sink = w.next_inputs.put if pipeline.propagate == "original" else None
+        with moe.observing_experts(layer, s.moe_all_experts, w.routed):
+            observe_batches(layer, w.linears, w.kv_modules, observe, s.hidden, w.extras, w.stats, sink)
+        distributed.reduce_layer_stats(w.stats)
+        if s.shared is not None and distributed.is_main():
+            s.shared.save(w.index, to_device({"channel_absmax": w.stats.channel_absmax,
+                                              "key_absmax": w.stats.key_absmax,
+                                              "value_absmax": w.stats.value_absmax}, HOST))
+        if pipeline.transform_layer(layer, w.prefix, w.stats) and pipeline.reads_statistics_after_transform:
+            # Rescaled weights change activation ranges (and Hessians): measure them again.
+            w.stats = LayerStats()
+            again = Observe(hessians=observe.hessians, module_calls=())
+            with moe.observing_experts(layer, s.moe_all_experts, None):
+                observe_batches(layer, w.linears, w.kv_modules, again, s.hidden, w.extras, w.stats)
+            distributed.reduce_layer_stats(w.stats)
+
+    def propagate(self, s: Stream, w: LayerWork) -> None:
+        if s.pipeline.propagate == "quantized":
+            for name, lin in w.linears.items():
+                lin.weight.data = dequantize_weight(w.quantized[name], s.pipeline.scheme.weights, s.dtype)
+            forward_batches(w.module, s.hidden, w.extras, w.next_inputs.put)
+        super().propagate(s, w)
+
+
+def quantize_true_sequential(
+    layer: nn.Module,
+    prefix: str,
+    linears: dict[str, nn.Linear],
+    kv_modules: dict[str, nn.Module],
+    hidden: Activations,
+    extras: list[tuple[tuple, dict]],
+    stats: LayerStats,
+    pipeline: Pipeline,
+    sink: Callable[[torch.Tensor], None],
+    batch_windows: int,
+) -> dict[str, QuantizedWeight]:
+    """GPTQ for one layer, each Linear on inputs through the layer's already-quantized Linears
+    (`llmc.quant.true_sequential`); the quantized layer's outputs go to `sink`, ranges into `stats`."""
+    device = next(layer.parameters()).device
+    scheme, options = pipeline.scheme, pipeline.quantizer.options
+    stacks = true_sequential.stacks_of(layer, prefix, linears)
+
+    def run(b: int) -> torch.Tensor:
+        args, kwargs = extras[b]
+        return layer_output(layer(hidden[b].to(device), *args, **kwargs))
+
+    # Ranges only where the scheme stores them (static activation or KV-cache scales): abs() of every
+    # Linear's input is a copy of the activations, ~3% of a SmolLM2 W4A16 run for nothing.
+    with observing(layer, linears if scheme.stores_ranges else {}, stats, kv_modules, RANGES_ONLY):
+        if len(hidden) == 1:
+            quantized, out = true_sequential.in_one_forward(lambda: run(0), linears, stacks, scheme.weights,
+                                                            options, batch_windows)
+            sink(out.to(HOST))
+            return quantized
+        quantized = true_sequential.staged([functools.partial(run, b) for b in range(len(hidden))], linears,
+                                           stacks, scheme.weights, options)
+    forward_batches(layer, hidden, extras, sink)  # the staged passes observed every range already
+    return quantized
+
+
+def fits_one_forward(config: dict, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one decoder layer's forward over every calibration window at once fits in a quarter of the
+    free memory of `device`: residual stream, norms, q/k/v/o and the MLP's intermediates per token, plus
+    attention scores as if materialized (batch x heads x seq²)."""
+    windows, seq = shape
+    hidden, inter = config.get("hidden_size", 0), config.get("intermediate_size", 0)
+    heads = config.get("num_attention_heads", 1)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    need = windows * seq * (8 * hidden + 4 * inter) * elem + windows * heads * seq * seq * 4
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = memory_available()
+    return free is not None and need <= free // 4
+
+
+def unpadded_samples(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """One [1, length] batch per right-padded row: the tokens its mask keeps, no padding."""
+    lengths = mask.long().sum(dim=1)
+    if not torch.equal(mask.long(), (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()):
+        raise ValueError("calibration rows must be right-padded: each mask is ones then zeros")
+    return [ids[i : i + 1, : int(n)] for i, n in enumerate(lengths.tolist()) if n > 0]

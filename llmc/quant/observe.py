@@ -1,0 +1,166 @@
+"""What the calibration pass over one decoder layer records (`LayerStats`): per-Linear input ranges, KV-cache
+ranges, GPTQ's Hessians and AWQ's module calls, through hooks (`observing`); and the calibration batches run
+through a layer (`forward_batches`, `observe_batches`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmc.model.skeleton import HOST, layer_output, return_free_heap_to_os
+from llmc.quant.activations import Activations
+from llmc.quant.algorithms import Observe
+from llmc.quant.algorithms.gptq import accumulate_hessian
+
+KV_OBSERVER = "llmc_observe_kv"
+
+
+@dataclass
+class LayerStats:
+    """What one calibration pass over a layer observed."""
+
+    input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per Linear, scalar
+    channel_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per Linear, [in]
+    key_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # per attention module
+    value_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    # GPTQ: H = 2/n Σ x xᵀ per distinct input; Linears fed the same tensor share one (hessian_of).
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    hessian_tokens: dict[str, int] = field(default_factory=dict)
+    hessian_of: dict[str, str] = field(default_factory=dict)
+    # AWQ: (args, kwargs) of each call, per layer-relative module name.
+    module_calls: dict[str, list[tuple[tuple, dict]]] = field(default_factory=dict)
+
+
+_ACTIVE_KV_STATS: LayerStats | None = None
+RANGES_ONLY = Observe(hessians=False, module_calls=())
+_MODULE_NAMES: dict[int, str] = {}
+_BASE_ATTENTION: dict[int, str] = {}  # the attention implementation each observed module ran before
+
+
+def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's attention (sdpa, or its own eager function) that first records the absmax of the
+    keys/values it would cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    stats = _ACTIVE_KV_STATS
+    name = _MODULE_NAMES.get(id(module))
+    if stats is not None and name is not None:
+        for store, t in ((stats.key_absmax, key), (stats.value_absmax, value)):
+            m = t.detach().abs().amax().float()
+            store[name] = torch.maximum(store[name], m) if name in store else m
+    if _BASE_ATTENTION.get(id(module)) == "eager":
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_kv_observer() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(KV_OBSERVER, _observe_kv_attention)
+    AttentionMaskInterface.register(KV_OBSERVER, sdpa_mask)
+
+
+@contextlib.contextmanager
+def observing(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    stats: LayerStats,
+    kv_modules: dict[str, nn.Module],
+    observe: Observe = RANGES_ONLY,
+):
+    global _ACTIVE_KV_STATS
+    handles = []
+    last_input: list = [None, None]  # (tensor, Hessian key) of the latest hooked call
+
+    def pre_hook(name: str) -> Callable:
+        def hook(_mod, args):
+            x = args[0].detach()
+            a = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            prev = stats.channel_absmax.get(name)
+            stats.channel_absmax[name] = a if prev is None else torch.maximum(prev, a)
+            stats.input_absmax[name] = stats.channel_absmax[name].amax()
+            if observe.hessians:
+                shared = last_input[1] if last_input[0] is args[0] else name
+                key = stats.hessian_of.setdefault(name, shared)
+                if key == name:
+                    stats.hessians[key], stats.hessian_tokens[key] = accumulate_hessian(
+                        stats.hessians.get(key), stats.hessian_tokens.get(key, 0), x
+                    )
+                last_input[:] = [args[0], key]
+
+        return hook
+
+    def call_hook(name: str) -> Callable:
+        def hook(_mod, args, kwargs):
+            stats.module_calls.setdefault(name, []).append((args, kwargs))
+
+        return hook
+
+    for name, lin in linears.items():
+        handles.append(lin.register_forward_pre_hook(pre_hook(name)))
+    for name in observe.module_calls:
+        handles.append(layer.get_submodule(name).register_forward_pre_hook(call_hook(name), with_kwargs=True))
+    for name, attn in kv_modules.items():
+        _MODULE_NAMES[id(attn)] = name
+        _BASE_ATTENTION.setdefault(id(attn), attn.config._attn_implementation)
+        attn.config._attn_implementation = KV_OBSERVER
+    _ACTIVE_KV_STATS = stats
+    try:
+        yield stats
+    finally:
+        _ACTIVE_KV_STATS = None
+        for h in handles:
+            h.remove()
+        for attn in kv_modules.values():
+            _MODULE_NAMES.pop(id(attn), None)
+            attn.config._attn_implementation = _BASE_ATTENTION.pop(id(attn), "sdpa")
+
+
+def stats_from_shared(saved: dict[str, dict[str, torch.Tensor]], linears: dict, kv_modules: dict) -> LayerStats:
+    channel = {n: saved["channel_absmax"][n] for n in linears}
+    return LayerStats(
+        input_absmax={n: t.amax() for n, t in channel.items()},  # as the observer derives it
+        channel_absmax=channel,
+        key_absmax={n: saved["key_absmax"][n] for n in kv_modules},
+        value_absmax={n: saved["value_absmax"][n] for n in kv_modules},
+    )
+
+
+def observe_batches(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    kv_modules: dict[str, nn.Module],
+    observe: Observe,
+    hidden: Activations,
+    extras: list[tuple[tuple, dict]],
+    stats: LayerStats,
+    sink: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Run the calibration batches through one layer, recording into `stats`; outputs go to `sink`."""
+    with observing(layer, linears, stats, kv_modules, observe):
+        forward_batches(layer, hidden, extras, sink)
+
+
+def forward_batches(
+    layer: nn.Module,
+    hidden: Activations,
+    extras: list[tuple[tuple, dict]],
+    sink: Callable[[torch.Tensor], None] | None,
+) -> None:
+    """Every calibration batch through `layer` as it is now; each output to `sink` (on the host)."""
+    device = next(layer.parameters()).device
+    with torch.no_grad():
+        for h, (args, kwargs) in zip(hidden, extras):
+            out = layer_output(layer(h.to(device), *args, **kwargs))
+            if sink is not None:
+                sink(out.to(HOST))
+            if hidden.spilled:  # batch-sized buffers freed in a loop fragment the heap; give them back
+                del h, out
+                return_free_heap_to_os()
