@@ -26,6 +26,7 @@ docs/results.md ("Planner at full width").
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -177,9 +178,11 @@ def quantize_rate(dtype_name: str, weight_format: str = "fp8_e4m3", strategy: st
 
     spec = TensorSpec(weight_format, strategy, **({"group_size": group_size} if group_size else {}))
     dtype = getattr(torch, dtype_name)
-    quantize_weight(torch.randn(256, 256).to(dtype), spec)  # warm-up: first-call dispatch
+    # columns a multiple of 256 and of the group size (any the recipe validator accepts: 48 divides SmolLM2's 576)
+    step = math.lcm(256, group_size or 1)
+    quantize_weight(torch.randn(256, step).to(dtype), spec)  # warm-up: first-call dispatch
     elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
-    columns = max(256, min(4096, int(elements ** 0.5) // 256 * 256))
+    columns = max(step, min(4096, int(elements ** 0.5)) // step * step)
     w = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
     best = float("inf")
     for _ in range(2):  # best of 2: a loaded machine slows some runs

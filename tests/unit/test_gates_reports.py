@@ -502,3 +502,24 @@ def test_nan_weights_without_gates_fail_and_do_not_publish(tmp_path: Path) -> No
     assert r.returncode == 5, r.stdout + r.stderr
     assert "no gates:" in r.stderr and "finite metrics" in r.stderr and "nan" in r.stderr
     assert not (tmp_path / "registry").exists()
+
+
+def test_report_html_is_a_page_with_tables_headings_and_three_quality_panels() -> None:
+    """report.html renders the markdown report (headings, tables), escapes what came from inputs, and plots
+    perplexity change, KLD and top-1 agreement side by side."""
+    import struct
+
+    from llmc.eval.ci import quality_speed_png, report_html
+    from llmc.eval.report import render_markdown
+
+    art = _eval("torch", delta=4.0, hi=4.9, kld=0.04, top1=87.0, decode=21.9)
+    result = _synthetic_build({"torch:baseline": _baseline("torch", 29.4), "torch:vllm-sm90-tp1": art},
+                              runtimes=["torch"])
+    md = render_markdown(result)
+    page = report_html(result, md + "\n\nmodel note: <script>alert(1)</script>\n", quality_speed_png(result))
+    assert "<pre>" not in page.split("<h2>Full report</h2>")[1]  # rendered, not a raw-text block
+    assert page.count("<table>") >= 3 and "<h2>Gates</h2>" in page and "<th>" in page
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    png = quality_speed_png(result)
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 2.5 * height  # three panels side by side: perplexity change, KLD, top-1

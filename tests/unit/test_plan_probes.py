@@ -1,0 +1,15 @@
+"""The planner's rate probes run for every scheme the recipe validator accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.plan_resources import quantize_rate
+
+
+@pytest.mark.parametrize("group_size", [32, 48, 96, 192, 128, 320])
+def test_the_quantizer_probe_takes_any_group_size(group_size: int) -> None:
+    """48, 96 and 192 divide SmolLM2's widths but not 256: bb4e556's probe quantized a fixed 256 x 256 matrix and
+    crashed `llmc plan` for them."""
+    rate = quantize_rate("float32", "int4", "group", group_size, elements=1 << 16)
+    assert rate > 0
