@@ -133,13 +133,15 @@ class _FullFile:
 class FullDisk:
     """Every write to a path matching `pattern` fails as on a full disk, through the low-level function each
     write site calls: safetensors' save_file, the file llmc's atomic writers open (os.fdopen), shutil.copyfile
-    (tokenizer files, registry copies), and the file gguf's writer opens. `hits` counts the failed writes."""
+    (tokenizer files), the file a registry entry's own copy opens (llmc.store_links.clone_or_copy), and the file
+    gguf's writer opens. `hits` counts the failed writes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pattern: str) -> None:
         import gguf.gguf_writer
         import safetensors.torch
 
         import llmc.quant.activations
+        import llmc.store_links
 
         self.pattern, self.hits = pattern, 0
         real_save, real_fdopen, real_copyfile = safetensors.torch.save_file, os.fdopen, shutil.copyfile
@@ -167,6 +169,7 @@ class FullDisk:
         monkeypatch.setattr(os, "fdopen", fdopen)
         monkeypatch.setattr(shutil, "copyfile", copyfile)
         monkeypatch.setattr(gguf.gguf_writer, "open", open_, raising=False)
+        monkeypatch.setattr(llmc.store_links, "open", open_, raising=False)
 
     def _full(self, path) -> bool:
         hit = fnmatch.fnmatch(str(path), self.pattern)
