@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from _timing import best_seconds  # a sibling: benchmarks run as scripts from this folder
 
 # tokens per forward: enough to fill a GPU's matmuls, small enough that the layer's MLP intermediate stays modest
 FLOOR_BATCH_TOKENS = 16384
@@ -48,12 +49,7 @@ def floor_seconds(model_dir: Path, samples: int, seq_len: int, dtype: torch.dtyp
             layer(chunk, position_embeddings=position_embeddings, attention_mask=None, position_ids=positions)
         sync()
 
-    one_pass()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        one_pass()
-        best = min(best, time.perf_counter() - t)
+    best = best_seconds(one_pass, repeats, warmup=True)
     del layer, hidden, position_embeddings
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -19,11 +19,10 @@ import os
 import random
 import re
 import shutil
-import signal
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +36,7 @@ from llmc.cli import main  # noqa: E402
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE  # noqa: E402
 from llmc.model.source import DEMO_MODELS  # noqa: E402
 from llmc.recipe.schema import Recipe  # noqa: E402
+from tests.unit.timeouts import alarm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
@@ -52,20 +52,6 @@ LONG = dict(DEFAULT, derandomize=False)
 
 # --- the property ----------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _alarm(seconds: int) -> Iterator[None]:
-    """A case that blocks (a FIFO opened for reading) fails the test instead of hanging the suite."""
-
-    def fire(*_):
-        raise TimeoutError(f"llmc plan did not finish in {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _tree(root: Path) -> set[str]:
@@ -94,7 +80,7 @@ class Workspace:
         os.chdir(self.dir)
         start = time.monotonic()
         try:
-            with _alarm(PER_CASE_S):
+            with alarm(PER_CASE_S):
                 result = CliRunner().invoke(main, ["--quiet", "plan", "recipe.yaml"])
         finally:
             os.chdir(cwd)

@@ -22,11 +22,9 @@ import json
 import random
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import os
@@ -41,6 +39,7 @@ import llmc.data.loaders as loaders  # noqa: E402
 import llmc.data.tokens as tokens_module  # noqa: E402
 from llmc.errors import INTERNAL_ERROR_EXIT_CODE, InputError, LlmcError  # noqa: E402
 from tests.conftest import make_tokenizer  # noqa: E402
+from tests.unit.timeouts import alarm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build import recipe_text  # noqa: E402
@@ -51,20 +50,6 @@ DEFAULT = dict(derandomize=True, deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                       HealthCheck.data_too_large])
 LONG = dict(DEFAULT, derandomize=False)
-
-
-@contextlib.contextmanager
-def _alarm(seconds: int) -> Iterator[None]:
-    def fire(*_):
-        raise TimeoutError(f"did not finish in {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # --------------------------------------------------------------------------- data sources
@@ -161,7 +146,7 @@ def _check_data_source(tmp: Path, case: tuple[str, dict, bytes], packing: str) -
         return "recipe error"
     start = time.monotonic()
     try:
-        with _alarm(PER_CASE_S):
+        with alarm(PER_CASE_S, "the case"):
             ts = tokens_module.make_tokens(source, TOKENIZER, "calibration", packing=packing, count=2, seq_len=16,
                                            seed=0)
         outcome = "tokens"
@@ -286,7 +271,7 @@ def _check_folder(model: Path, apply) -> str:
         recipe = parse_recipe(recipe_text(folder, Path(tmp) / "reg", **{"eval.seq_len": 64}))
         start = time.monotonic()
         try:
-            with _alarm(PER_CASE_S):
+            with alarm(PER_CASE_S, "the case"):
                 make_plan(recipe, folder, Path(tmp) / "cache", refuse=False)
                 tok = load_tokenizer(folder)  # what the build does next
             ids = [len(tok) - 1, *tok.all_special_ids]
