@@ -21,8 +21,6 @@ def floor_seconds(model_dir: Path, samples: int, seq_len: int, dtype: torch.dtyp
                   repeats: int = 2) -> float:
     """Best of `repeats` timed passes (after one untimed pass) of samples x seq_len tokens through one decoder layer
     built from `model_dir`'s config.json. GPU memory it used is released before returning."""
-    import time
-
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
