@@ -27,7 +27,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from _layer_floor import floor_seconds, peak_gpu_mb, peak_rss_mb
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec

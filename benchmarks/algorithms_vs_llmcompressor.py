@@ -69,7 +69,7 @@ MODELS = {
 def model_source(name: str):
     """The fp32 safetensors folder of --model (unpacked from its GGUF once, cached in llmc's store)."""
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     store = Store.default()
     if name == "smollm2-135m":
@@ -86,7 +86,7 @@ LLMC_CHILD = """
 import json, sys, time, torch
 from pathlib import Path
 from safetensors.torch import load_file
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec

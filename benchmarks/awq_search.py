@@ -1,4 +1,4 @@
-"""AWQ's search costs at a model's full width, the parts the planner times (llmc.plan_resources.quantize_stage,
+"""AWQ's search costs at a model's full width, the parts the planner times (llmc.planning.resources.quantize_stage,
 `awq_search`): one candidate scale fake-quantizing a Linear ((q(w x s) / s) in float32, cast back) against the
 quantizer probe (`quantize_rate`, hence FAKE_QUANT_COST), one candidate of the lone up -> down mapping scored
 through the Gram matrix of its inputs (out x in² FLOPs) against the float32 matmul probe, and the clip search of one
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from _timing import best_seconds
-from llmc.plan_resources import matmul_rate, quantize_rate
+from llmc.planning.resources import matmul_rate, quantize_rate
 from llmc.quant.algorithms.awq import fake_quantize_weight, search_clip
 from llmc.quant.spec import TensorSpec
 

@@ -54,7 +54,7 @@ def bf16_folder(source: str, cache: Path, work: Path) -> Path:
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
     from llmc.model.dtype import checkpoint_dtype
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     folder = resolve_source(source, Store.default(cache)).folder
     if checkpoint_dtype([check_safetensors_header(f) for f in safetensors_files(folder)]) == "bfloat16":

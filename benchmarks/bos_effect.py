@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmc.data.sources import BrownSource
 from llmc.data.tokens import make_tokens
 from llmc.model.source import resolve_source
-from llmc.store import Store
+from llmc.storage.store import Store
 
 
 def token_nll(model, ids: torch.Tensor, skip: int, batch: int = 4) -> torch.Tensor:

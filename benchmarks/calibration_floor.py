@@ -36,7 +36,7 @@ def main() -> None:
     from llmc.model.source import resolve_source
     from llmc.quant.spec import Scheme, TensorSpec
     from llmc.quant.stream import quantize_model
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     src = resolve_source("demo:smollm2-135m", Store.default())
     tok = AutoTokenizer.from_pretrained(src.folder)

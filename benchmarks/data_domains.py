@@ -59,7 +59,7 @@ def recipe(name: str, dataset, corpus, *, samples: int, windows: int, packing: s
 def run(out: Path, name: str, spec: dict, tags: dict) -> None:
     from llmc.build import build_until
     from llmc.recipe.load import load_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     path = out / "recipes" / f"{name}.yaml"
     results = out / "results.jsonl"

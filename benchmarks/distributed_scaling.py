@@ -6,11 +6,11 @@
 `measure` builds a random Llama-shaped model, quantizes it with RTN-static+KV and with GPTQ as one process and as two
 torchrun ranks (gloo, one thread each), and records per run: the wall time of the quantize call, the time spent in
 GPTQ's solve, and the bytes each rank received through llmc.distributed's collectives, next to the bytes
-llmc.scaling predicts from the shapes. On this machine (2 cores shared with other jobs) two ranks cannot be faster
+llmc.planning.scaling predicts from the shapes. On this machine (2 cores shared with other jobs) two ranks cannot be faster
 than one: both compete for the same cores, and the load from other work changes every timing. The run shows that
 the ranks agree, what the collectives move, and what the coordination costs; not a speed-up.
 
-`model` predicts multi-GPU times for Llama-3-8B's shapes: the communication volume per layer from llmc.scaling (the
+`model` predicts multi-GPU times for Llama-3-8B's shapes: the communication volume per layer from llmc.planning.scaling (the
 same formulas the measurement checks), llm-compressor's published GPTQ figures (745 s on 1 GPU, 264 s on 4:
 docs.vllm.ai/projects/llm-compressor, distributed oneshot) split by Amdahl's law into a part that divides by N and
 one that does not, and what llmc's choice of solving each GPTQ stack on rank 0 (true-sequential) adds to that.
@@ -87,7 +87,7 @@ def child(model: str, out: str, scheme: str, windows: int, seq_len: int) -> None
 def measure(args) -> list[dict]:
     import torch
 
-    from llmc import scaling
+    from llmc.planning import scaling
     from tests.conftest import make_tiny_model
 
     rows = []
@@ -128,7 +128,7 @@ def gptq_solve_s_h100(shapes: dict[str, tuple[int, int]]) -> float:
     """One layer's GPTQ solve on an H100, from this repository's measurements (docs/results.md, GPTQ's column loop as
     one Triton kernel): ~0.1 ms per 128-column block per ~2000 rows, so blocks x rows/2000 x 0.1 ms per stack; plus
     the inverse Hessians (~in³ flops each) at an assumed 20 TFLOP/s (fp32 Cholesky: not measured here)."""
-    from llmc import scaling
+    from llmc.planning import scaling
 
     total = 0.0
     for group in scaling.input_groups(shapes):
@@ -139,7 +139,7 @@ def gptq_solve_s_h100(shapes: dict[str, tuple[int, int]]) -> float:
 
 
 def model(args) -> None:
-    from llmc import scaling
+    from llmc.planning import scaling
 
     shapes = llama_shapes(LLAMA3_8B["hidden"], LLAMA3_8B["intermediate"], LLAMA3_8B["heads"], LLAMA3_8B["kv_heads"])
     layers = LLAMA3_8B["layers"]
@@ -161,7 +161,7 @@ def model(args) -> None:
         print(f"{n}  {volume / 1e9:8.2f} GB {'':27s}{comm_fast:8.1f}  {comm_pcie:8.1f}  {spread:12.0f} s "
               f"{llmc:22.0f} s {'':14s}{(t1) / llmc:5.2f}x")
     if args.measured and Path(args.measured).is_file():
-        print("\nmeasured here (bytes each rank received per layer vs llmc.scaling's prediction):")
+        print("\nmeasured here (bytes each rank received per layer vs llmc.planning.scaling's prediction):")
         for line in Path(args.measured).read_text().splitlines():
             row = json.loads(line)
             if row["nproc"] < 2:

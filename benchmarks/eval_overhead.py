@@ -35,7 +35,7 @@ def main() -> None:
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     src = resolve_source("demo:smollm2-135m", Store.default())
     tok = AutoTokenizer.from_pretrained(src.folder)

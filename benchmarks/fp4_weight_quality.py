@@ -23,7 +23,7 @@ from llmc.data.tokens import make_tokens
 from llmc.model.source import resolve_source
 from llmc.quant.microscaling import MXFP4, NVFP4, dequantize_blocks, quantize_blocks
 from llmc.quant.scale_search import search_block_scales
-from llmc.store import Store
+from llmc.storage.store import Store
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

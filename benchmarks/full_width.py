@@ -7,7 +7,7 @@ not fit), gates, publish.
     python benchmarks/full_width.py --model Llama-3.3-70B-Instruct --recipe recipes/llama70b-fp8.yaml --layers 1 2
     python benchmarks/full_width.py --model Llama-3.1-8B --recipe recipes/llama70b-fp8.yaml --layers 1 2 4
 
-Per run: the plan's prediction for that checkpoint (llmc.plan: per-stage peak host RAM, disk, time) and what the
+Per run: the plan's prediction for that checkpoint (llmc.planning.plan: per-stage peak host RAM, disk, time) and what the
 build measured: the process's peak RSS (VmHWM) and per-stage peaks of VmRSS, RssAnon and RssFile (sampled every
 0.1 s, attributed to the stage the build's log says is running; MEMORY_FIELDS says which one the plan predicts),
 each stage output's size on disk (du: hard links once), the quantize stage's time per layer from the stream's
@@ -47,7 +47,7 @@ MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, dtype=torch.bfloat16) -> Path:
     """config.json (num_hidden_layers = layers), tokenizer, *.safetensors shards + model.safetensors.index.json."""
-    from llmc.plan_shapes import from_config
+    from llmc.planning.shapes import from_config
 
     config = json.loads((ROOT / "recipes" / "configs" / model / "config.json").read_text())
     config["num_hidden_layers"] = layers
@@ -96,7 +96,7 @@ def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, d
 
 def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config: dict | None = None) -> dict:
     """The plan's estimates for the checkpoint (or, without one, from its config: the same shapes)."""
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
     from llmc.recipe import load_recipe
 
     plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False, config=None if checkpoint else config)
@@ -208,7 +208,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     tokenizer = resolve_source("demo:smollm2-135m", Store.default()).folder
     work = args.work or Path(tempfile.mkdtemp(prefix="llmc-full-width-", dir=str(Path.home())))

@@ -6,7 +6,7 @@ families) where llama.cpp is not built.
 """
 import sys, time, torch
 from pathlib import Path
-from llmc.compiler.gguf import export_gguf
+from llmc.formats.gguf import export_gguf
 from llmc.quant.canonical import QuantizedModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 q = Path(sys.argv[1]); src = Path(sys.argv[2]); out = Path(sys.argv[3] if len(sys.argv) > 3 else "gguf-check")

@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from llmc.calibration.corpora import load_corpus
 from llmc.calibration.windows import make_windows
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.gptqmodel import GptqModelEngine
 from llmc.engines.torch_ref import TorchEngine
 from llmc.quant.canonical import QuantizedModel

@@ -1,5 +1,5 @@
 """Where one full-width decoder layer's quantize time goes, part by part, beside what the planner predicts for each
-part (llmc.plan_resources.layer_seconds): read the layer from safetensors, the calibration forward, the quantizer's
+part (llmc.planning.resources.layer_seconds): read the layer from safetensors, the calibration forward, the quantizer's
 arithmetic (RTN, the recipe's weight spec), write the layer's codes (fsync). One Llama decoder layer at the real
 width of `--model` (recipes/configs/<model>/config.json), random weights in `--dtype`.
 
@@ -31,10 +31,10 @@ def main() -> None:
         LlamaRotaryEmbedding,
     )
 
-    from llmc import plan_resources as res
+    from llmc.planning import resources as res
     from llmc.quant.numerics import quantize_weight
     from llmc.quant.spec import TensorSpec
-    from llmc.store import atomic_save_safetensors
+    from llmc.storage.store import atomic_save_safetensors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Llama-3.3-70B-Instruct")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from llmc.model.source import ModelSource
-from llmc.progress import set_quiet
+from llmc.telemetry.progress import set_quiet
 from llmc.quant import moe, stream
 from tests.unit.families import MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, roundtrip

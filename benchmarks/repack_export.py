@@ -1,4 +1,4 @@
-"""The GPTQ- and AWQ-layout exports (llmc.compiler.files.write_repacked_checkpoint) on one canonical form, each in a
+"""The GPTQ- and AWQ-layout exports (llmc.formats.files.write_repacked_checkpoint) on one canonical form, each in a
 fresh process: wall time and peak RssAnon (sampled every 50 ms), for this checkout's code and, with --code, another
 checkout's (e.g. a worktree of an earlier commit), in the same run.
 
@@ -31,9 +31,9 @@ from pathlib import Path
 from llmc.quant.canonical import QuantizedModel
 fmt, src, out = sys.argv[1:4]
 if fmt == "awq":
-    from llmc.compiler.awq_format import export_awq as export
+    from llmc.formats.awq_format import export_awq as export
 else:
-    from llmc.compiler.gptq_format import export_gptq as export
+    from llmc.formats.gptq_format import export_gptq as export
 qm = QuantizedModel.open(Path(src))
 print("start", flush=True)
 t = time.perf_counter()

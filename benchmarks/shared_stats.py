@@ -26,7 +26,7 @@ import json, sys, time, torch
 from pathlib import Path
 from safetensors.torch import load_file
 from llmc.model.source import resolve_source
-from llmc.store import Store
+from llmc.storage.store import Store
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import quantize_model
 out, scheme, tokens, shared = Path(sys.argv[1]), eval(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -58,7 +58,7 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
     from transformers import AutoTokenizer
 
     source = resolve_source("demo:smollm2-135m", Store.default())

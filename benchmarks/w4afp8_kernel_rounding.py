@@ -12,7 +12,7 @@ same Brown eval windows:
     emulated by `llmc.quant.numerics.fp8_row_group_scales`: bf16, per output row c = max|scale| / 448 with
     vLLM's floor 1 / (448 x 512), group scale -> c x fp8_e4m3(scale / c), then its /8 repack);
   - TensorRT-LLM: the weight as ModelOpt simulates W4A8_AWQ's FP8 GEMM operand, fp8(code x scale / s2) x s2 with
-    s2 = max|code x scale| / 448 over the fused GEMM (`llmc.compiler.modelopt_hf.fp8_weight_operand`; the
+    s2 = max|code x scale| / 448 over the fused GEMM (`llmc.formats.modelopt_hf.fp8_weight_operand`; the
     conformance test checks it equals ModelOpt 0.47's own simulation). Activations stay per-token here.
 Neither kernel was run (both need a Hopper/Ada GPU); these are the kernels' documented conversions applied in
 the torch reference. Prints one JSON line per variant.
@@ -48,8 +48,8 @@ def main() -> None:
 
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
-    from llmc.compiler.modelopt_hf import fp8_weight_operand, w4a8_weight_scale_2
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.formats.modelopt_hf import fp8_weight_operand, w4a8_weight_scale_2
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.numerics import dequantize, fp8_row_group_scales

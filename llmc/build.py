@@ -3,7 +3,7 @@
 The stages are objects (`llmc.pipeline.stages`); this module prepares what they share (the plan, the source, the
 token windows) and walks them, each through the runner's cache protocol (`llmc.pipeline.runner`), as the ranks of
 a torchrun job share them (`llmc.pipeline.ranks`). Each stage is a function of its inputs, stored under a key that
-hashes its config, its inputs' keys and the llmc version (`llmc.store`): rerunning an unchanged recipe finds every
+hashes its config, its inputs' keys and the llmc version (`llmc.storage.store`): rerunning an unchanged recipe finds every
 stage done; changing a field recomputes exactly the stages whose keys it enters (gates enter none: they are
 re-applied on every run from cached evaluations).
 """
@@ -23,12 +23,12 @@ from llmc.pipeline.context import Build
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
-from llmc.plan import check_disk, make_plan
-from llmc.progress import log
+from llmc.planning.plan import check_disk, make_plan
+from llmc.telemetry.progress import log
 from llmc.quant.device import resolve_device
 from llmc.recipe.schema import Recipe
 from llmc.result import BuildResult
-from llmc.store import CorruptOutput, Store, stage_key
+from llmc.storage.store import CorruptOutput, Store, stage_key
 
 
 def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | None = None,

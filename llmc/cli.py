@@ -28,7 +28,7 @@ def _run(fn, *args, **kwargs):
         click.echo("llmc: interrupted; finished stages are cached and a rerun resumes", err=True)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the one place that reports unexpected failures
-        from llmc.resource_errors import resource_error
+        from llmc.storage.resource_errors import resource_error
 
         if (resource := resource_error(e)) is not None:  # disk full, I/O error, out of memory: never "internal"
             _fail(resource)
@@ -42,7 +42,7 @@ def _run(fn, *args, **kwargs):
 def _printable(text: str, limit: int = 4000) -> str:
     """A message as printed: control characters that came from the input escaped (a name holding terminal escape
     sequences cannot drive the terminal), at most `limit` characters."""
-    from llmc.excerpt import escape
+    from llmc.inputs.excerpt import escape
 
     lines = [escape(line) for line in text[:limit].split("\n")]
     return "\n".join(lines) + (f"... ({len(text)} characters)" if len(text) > limit else "")
@@ -76,7 +76,7 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
 @click.option("-q", "--quiet", is_flag=True, help="no progress output")
 def main(quiet: bool) -> None:
     """Quantize a Hugging Face causal LM into evaluated, gated, runtime-ready artifacts."""
-    from llmc.progress import set_quiet
+    from llmc.telemetry.progress import set_quiet
 
     set_quiet(quiet)
 
@@ -112,8 +112,8 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
         return
     if distributed.world_from_env().rank > 0:  # calibrates, quantizes and scores its share of windows; rank 0 reports
         from llmc.build import build_until
-        from llmc.progress import set_quiet
-        from llmc.store import Store
+        from llmc.telemetry.progress import set_quiet
+        from llmc.storage.store import Store
 
         set_quiet(True)
         _run(lambda: build_until(_load(recipe, overrides), Store.default(cache_dir), "gate", threads=threads))
@@ -126,8 +126,8 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
             # a build that never reached its gates still tells CI why, as an error test case
             if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
                 from llmc.eval.ci import junit_xml
-                from llmc.resource_errors import resource_kind
-                from llmc.store import atomic_write_text
+                from llmc.storage.resource_errors import resource_kind
+                from llmc.storage.store import atomic_write_text
 
                 kind = (e.kind if isinstance(e, LlmcError)
                         else "resource exhausted" if resource_kind(e) else "internal error")
@@ -170,8 +170,8 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
     from llmc.pipeline.gate import raise_for_gates
     from llmc.eval.report import render_summary, report_dict
     from llmc.eval.ci import junit_xml
-    from llmc.registry.outputs import write_build_outputs, write_report_files
-    from llmc.store import Store, atomic_write_text
+    from llmc.publish.outputs import write_build_outputs, write_report_files
+    from llmc.storage.store import Store, atomic_write_text
 
     store = Store.default(cache_dir)
     result = run_build(_load(recipe, overrides), store, publish=not no_publish, threads=threads, overrides=overrides)
@@ -203,8 +203,8 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
-        from llmc.plan import make_plan, plan_recipe
-        from llmc.store import Store
+        from llmc.planning.plan import make_plan, plan_recipe
+        from llmc.storage.store import Store
 
         r = _load(recipe, overrides)
         make_plan(r)  # the recipe and the targets first: no source is touched when they fail
@@ -223,7 +223,7 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None, override
 
     def go():
         from llmc.build import build_until
-        from llmc.store import Store
+        from llmc.storage.store import Store
 
         result = build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads)
         from llmc.distributed import world_from_env
@@ -246,7 +246,7 @@ def export(recipe: Path, cache_dir: Path | None, threads: int | None, overrides:
 
     def go():
         from llmc.build import build_until
-        from llmc.store import Store
+        from llmc.storage.store import Store
 
         result = build_until(_load(recipe, overrides), Store.default(cache_dir), "export", threads=threads)
         for label, art in result.artifacts.items():
@@ -277,7 +277,7 @@ def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: 
 
     def go():
         from llmc.eval.standalone import evaluate_artifact
-        from llmc.store import Store
+        from llmc.storage.store import Store
 
         text, failed = evaluate_artifact(artifact, baseline, Store.default(cache_dir), engine=engine,
                                          windows=windows, seq_len=seq_len, corpus=corpus,
@@ -302,7 +302,7 @@ def publish(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) ->
     def go():
         from llmc.build import build as run_build
         from llmc.pipeline.gate import raise_for_gates
-        from llmc.store import Store
+        from llmc.storage.store import Store
 
         result = run_build(_load(recipe, overrides), Store.default(cache_dir), publish=True, overrides=overrides)
         raise_for_gates(result)
@@ -326,7 +326,7 @@ def inspect(path: Path) -> None:
     or cached stage output is also verified byte for byte (non-zero exit on any difference)."""
 
     def go():
-        from llmc.registry.inspect import inspect_path
+        from llmc.publish.inspect import inspect_path
 
         text, problems = inspect_path(path)
         click.echo(text)
@@ -344,7 +344,7 @@ def verify(path: Path, require_signature: bool) -> None:
     LLMC_SIGNING_KEY_FILE is set) or a cached stage output; non-zero exit on any difference."""
 
     def go():
-        from llmc.registry.inspect import verify_path
+        from llmc.publish.inspect import verify_path
 
         text, problems = verify_path(path, require_signature=require_signature)
         click.echo(text)
@@ -363,8 +363,8 @@ def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
     path is refused."""
 
     def go():
-        from llmc.registry.report import report_file
-        from llmc.store import Store
+        from llmc.publish.report import report_file
+        from llmc.storage.store import Store
 
         path = report_file(entry, Store.default(cache_dir).root, "report.html" if as_html else "report.md")
         click.echo(path if as_html else path.read_text())
@@ -378,8 +378,8 @@ def matrix(write_to: Path | None) -> None:
     """Print the compatibility matrix (format x runtime x GPU arch x version) the planner checks against."""
 
     def go():
-        from llmc.targets.matrix import render_matrix
-        from llmc.store import atomic_write_text
+        from llmc.runtimes.matrix import render_matrix
+        from llmc.storage.store import atomic_write_text
 
         text = render_matrix()
         if write_to:

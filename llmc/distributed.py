@@ -405,7 +405,7 @@ def agree(failure: BaseException | None) -> None:
 def _describe(e: BaseException) -> tuple[str, str, str | None]:
     """(llmc error class name or '', message, fix) of a failure, picklable."""
     from llmc.errors import LlmcError
-    from llmc.resource_errors import resource_error
+    from llmc.storage.resource_errors import resource_error
 
     e = e if isinstance(e, LlmcError) else (resource_error(e) or e)
     if isinstance(e, LlmcError):

@@ -1,6 +1,6 @@
 """What a build produced, typed: its stages, artifacts, evaluations and gate verdicts.
 
-`llmc.build` fills a BuildResult; the reports (`llmc.eval`), the registry (`llmc.registry`) and the CLI read it.
+`llmc.build` fills a BuildResult; the reports (`llmc.eval`), the registry (`llmc.publish`) and the CLI read it.
 They import this module, never the orchestrator.
 """
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from llmc.eval.gates import Verdict
     from llmc.model.source import ModelSource
-    from llmc.plan import Plan
+    from llmc.planning.plan import Plan
     from llmc.recipe.schema import Recipe
 
 
@@ -50,7 +50,7 @@ class Artifact:
     key: str  # the export stage key
     files: dict[str, str]  # top-level file name -> sha256
     content_key: str  # hash of the files that evaluation reads (targets sharing weights share evaluations)
-    format: str  # the artifact format's name in `llmc.targets`
+    format: str  # the artifact format's name in `llmc.runtimes`
     target: dict  # the recipe target as it enters stage keys
     scheme: str  # the scheme's name, e.g. W8A8-FP8
     scheme_detail: dict  # Scheme.to_dict()

@@ -21,7 +21,7 @@ sha256}}} over every file of every artifact folder, recursively; removes the wor
 edits included) to the same <tmp>/tree and runs the child again with the same cache path. Then it prints one line
 per recipe, `identical` or the files that differ, and exits 0 only if all are identical.
 
-Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/compiler/onnx_qdq.py)
+Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/formats/onnx_qdq.py)
 is written by torch.onnx's dynamo exporter, which stores a Python stack trace in every node's metadata
 (`pkg.torch.onnx.stack_trace`): the absolute path of llmc's checkout and the line number of onnx_qdq.py's
 `_Logits.forward`, plus transformers'/torch's paths and lines in the venv. So that model.onnx changed when llmc
@@ -111,7 +111,7 @@ def child(recipes: list[Path]) -> None:
     import llmc
     from llmc.build import build_until
     from llmc.recipe import load_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     tree, cache = Path(os.environ["PYTHONPATH"]).resolve(), Path(os.environ["LLMC_CACHE"])
     assert Path(llmc.__file__).resolve().is_relative_to(tree), f"imported {llmc.__file__}, not from {tree}"

@@ -2,7 +2,7 @@
 """Import cycles among llmc's modules, from the imports that run at import time, and the count of imports inside
 functions (overall and for the modules named).
 
-Usage: python scripts/import_cycles.py [REPO] [MODULE...]     e.g. python scripts/import_cycles.py . llmc.plan
+Usage: python scripts/import_cycles.py [REPO] [MODULE...]     e.g. python scripts/import_cycles.py . llmc.planning.plan
 
 The graph: one edge per module-level `import` / `from ... import` of an llmc module (imports under
 `if TYPE_CHECKING:` and inside functions never run at import time and are left out; importing `a.b` also imports

@@ -89,7 +89,7 @@ def tiny_model_session(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def store(tmp_path: Path):
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     return Store(tmp_path / "cache")
 
@@ -102,8 +102,8 @@ def tiny_model_factory():
 
 @pytest.fixture(autouse=True)
 def _progress_speaks_again():
-    """`llmc --quiet` invoked in-process (click's CliRunner) leaves llmc.progress quiet for every later test."""
+    """`llmc --quiet` invoked in-process (click's CliRunner) leaves llmc.telemetry.progress quiet for every later test."""
     yield
-    from llmc.progress import set_quiet
+    from llmc.telemetry.progress import set_quiet
 
     set_quiet(False)

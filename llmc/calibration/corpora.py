@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from llmc.errors import InputError
-from llmc.inputs import read_input_text
+from llmc.inputs.files import read_input_text
 
 Split = Literal["calibration", "eval"]
 

@@ -19,8 +19,8 @@ from llmc.calibration.corpora import brown_documents
 from llmc.data.registry import Row, loader
 from llmc.data.sources import label
 from llmc.errors import InputError
-from llmc.excerpt import excerpt, shorten
-from llmc.inputs import read_input_text, shown
+from llmc.inputs.excerpt import excerpt, shorten
+from llmc.inputs.files import read_input_text, shown
 
 
 @loader("brown")

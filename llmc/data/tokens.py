@@ -29,7 +29,7 @@ from llmc.data.bos import BosDecision, bos_decision
 from llmc.data.registry import Role, Row, read_rows
 from llmc.data.sources import label
 from llmc.errors import InputError
-from llmc.progress import log
+from llmc.telemetry.progress import log
 
 Packing = Literal["windows", "samples"]
 # How much of a source is read: READ_CHARS_PER_TOKEN characters per token the recipe needs (English runs ~4 per

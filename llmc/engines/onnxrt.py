@@ -5,7 +5,7 @@ Two layouts:
 - onnxruntime-genai folder (`genai_config.json`): one `model.onnx` with inputs input_ids, attention_mask
   and past_key_values.{i}.key/value, outputs logits and present.{i}.key/value. Decode tok/s feeds
   `present` back as `past` one token at a time, as onnxruntime-genai's generator does.
-- Q/DQ graph (llmc.compiler.onnx_qdq; its `llmc-serve.json` says kind onnx-qdq): input_ids -> logits, no cache;
+- Q/DQ graph (llmc.formats.onnx_qdq; its `llmc-serve.json` says kind onnx-qdq): input_ids -> logits, no cache;
   only prefill tok/s is measured.
 Scoring runs each window as one prefill and reads the full logits, so besides the NLL it measures KL divergence
 (exact where the reference carries its output head: llmc.engines.agreement) and top-1 agreement.
@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmc.compiler.onnx_qdq import MODEL_FILE as QDQ_MODEL
-from llmc.compiler.files import SERVE_FILE
+from llmc.formats.onnx_qdq import MODEL_FILE as QDQ_MODEL
+from llmc.formats.files import SERVE_FILE
 from llmc.engines.base import EngineBase
 from llmc.engines.agreement import reference_rows, score_logits
 from llmc.engines.torch_ref import summary
 from llmc.errors import EngineFailed, EngineUnavailable
-from llmc.resource_errors import raise_if_resource
+from llmc.storage.resource_errors import raise_if_resource
 
 GENAI_CONFIG = "genai_config.json"
 

@@ -26,8 +26,8 @@ from llmc.engines.environments import engine_python, environment_fix
 from llmc.engines.registry import EngineSpec
 from llmc.engines.workers import _wire
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
-from llmc.resource_errors import DISK_FULL, IO_ERROR, OUT_OF_MEMORY, QUOTA, error_for, kind_from_description
-from llmc.store import resource_errors
+from llmc.storage.resource_errors import DISK_FULL, IO_ERROR, OUT_OF_MEMORY, QUOTA, error_for, kind_from_description
+from llmc.storage.store import resource_errors
 
 WORKERS = Path(__file__).with_name("workers")
 TIMEOUT_VARIABLE = "LLMC_ENGINE_TIMEOUT_S"

@@ -1,4 +1,4 @@
-"""TensorRT engine: builds a TensorRT engine from an ONNX Q/DQ artifact (llmc.compiler.onnx_qdq) with the
+"""TensorRT engine: builds a TensorRT engine from an ONNX Q/DQ artifact (llmc.formats.onnx_qdq) with the
 `tensorrt` Python API and scores it on the GPU.
 
 The network is created strongly typed, so TensorRT keeps the graph's types: float32 where the graph is
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.files import SERVE_FILE
-from llmc.compiler.onnx_qdq import MODEL_FILE
+from llmc.formats.files import SERVE_FILE
+from llmc.formats.onnx_qdq import MODEL_FILE
 from llmc.engines.base import EngineBase
 from llmc.engines.agreement import reference_rows, score_logits
 from llmc.engines.torch_ref import summary
@@ -74,7 +74,7 @@ def build_serialized(folder: Path, *, max_batch: int = 8, opt_sequence: int = 51
 
 def build_engine(folder: Path, out: Path | None = None, **kwargs) -> Path:
     """Build the engine for the artifact in `folder` and write it to `out` (default: <folder>/model.plan)."""
-    from llmc.store import atomic_write_bytes
+    from llmc.storage.store import atomic_write_bytes
 
     data, _ = build_serialized(folder, **kwargs)
     out = Path(out) if out else Path(folder) / "model.plan"

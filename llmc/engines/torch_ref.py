@@ -37,7 +37,7 @@ from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
-from llmc.resource_errors import raise_if_resource
+from llmc.storage.resource_errors import raise_if_resource
 
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)

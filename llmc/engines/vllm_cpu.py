@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.files import SERVE_FILE
+from llmc.formats.files import SERVE_FILE
 from llmc.engines.environments import engine_version, require_engine
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors

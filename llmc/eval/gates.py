@@ -113,7 +113,7 @@ def describe_gates(gates: Gates, scheme: Scheme) -> str:
 
 def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> list[str]:
     """What the plan says about the gates: none at all, perplexity alone, and targets no engine here can measure."""
-    from llmc import targets
+    from llmc import runtimes as targets
     from llmc.engines import engine_spec
 
     by_message: dict[str, list[str]] = {}  # the same warning for several variants is said once
@@ -159,7 +159,7 @@ def _scheme_of(label: str, schemes: dict[str, Scheme]) -> Scheme:
 def emulated_performance_gates(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> str | None:
     """Why a performance gate can only ever read emulation timings for some target (None: it can read a runtime).
     The planner refuses such a recipe: the emulation's tokens/s is not the artifact's speed."""
-    from llmc import targets
+    from llmc import runtimes as targets
     from llmc.engines import engine_spec
 
     for t in plan_targets:
@@ -308,7 +308,7 @@ def gate_build(result: BuildResult) -> list[Verdict]:
     from llmc.engines import engine_spec
     from llmc.quant.canonical import scheme_from_dict
     from llmc.result import parse_eval_id
-    from llmc.targets import artifact_format
+    from llmc.runtimes import artifact_format
 
     verdicts: list[Verdict] = []
     for label, art in result.artifacts.items():

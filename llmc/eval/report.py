@@ -170,7 +170,7 @@ def _corpus_rows(result: BuildResult, corpus: str | None) -> list[list[str]]:
 def _unevaluated_rows(result: BuildResult) -> list[list[str]]:
     """Artifacts no engine loaded, and gates no engine measured (their verdicts name the artifact, with its
     corpus when there are several)."""
-    from llmc.targets import artifact_format
+    from llmc.runtimes import artifact_format
 
     rows = []
     for label, art in result.artifacts.items():

@@ -20,14 +20,14 @@ from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perp
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
 from llmc.result import Evaluation
-from llmc.store import Store
+from llmc.storage.store import Store
 
 
 def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
     """(label, folder) of each artifact at `path` — an artifact folder, or a registry entry's artifacts — that
     `engine` loads, by the format the target registry recognises (an unquantized Hugging Face folder counts
     for the engines that load source models)."""
-    from llmc.targets import recognize
+    from llmc.runtimes import recognize
 
     entry = (path / "manifest.json").is_file()
     if not entry and not path.is_dir():

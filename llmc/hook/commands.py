@@ -32,7 +32,7 @@ def _source_tags(config: HookConfig, source: dict) -> dict:
     """The MLflow version's tags (routes may select by tag); {} when the registry cannot say."""
     if source["kind"] != "mlflow" or not any(r.tag for r in config.routes):
         return {}
-    from llmc.registry.mlflow import _call, client
+    from llmc.publish.mlflow import _call, client
 
     c = client(config.tracking_uri())
     return dict(_call("read the model version", c.get_model_version, source["name"], source["version"]).tags or {})
@@ -74,7 +74,7 @@ def register_webhook(config: HookConfig, url: str, name: str = "llmc-hook") -> s
     LLMC_HOOK_MLFLOW_SECRET(_FILE); returns its id."""
     from llmc.errors import InputError
     from llmc.hook.config import MLFLOW_SECRET, secret
-    from llmc.registry.mlflow import _call, client
+    from llmc.publish.mlflow import _call, client
 
     value = secret(MLFLOW_SECRET)
     if value is None:

@@ -15,7 +15,7 @@ from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 
 from llmc.hook.config import ServerSection
-from llmc.progress import log
+from llmc.telemetry.progress import log
 
 SHED_LOG_INTERVAL_S = 10  # connections shed under load are logged at most this often
 

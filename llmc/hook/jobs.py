@@ -17,8 +17,8 @@ from pathlib import Path
 from llmc.errors import InputError, LlmcError, RegistryError
 from llmc.hook.config import HookConfig
 from llmc.hook.queue import JobQueue, job_id
-from llmc.paths import SAFE_NAME, confined
-from llmc.progress import log
+from llmc.storage.paths import SAFE_NAME, confined
+from llmc.telemetry.progress import log
 from llmc.recipe.schema import Recipe
 
 _VERSION = re.compile(r"^[0-9]{1,12}$")
@@ -98,7 +98,7 @@ def fetch_source(source: dict, config: HookConfig) -> Path:
 
 
 def _download_mlflow(source: dict, config: HookConfig, into: Path) -> None:
-    from llmc.registry.mlflow import _call, client
+    from llmc.publish.mlflow import _call, client
 
     c = client(config.tracking_uri())
     from mlflow.artifacts import download_artifacts
@@ -136,8 +136,8 @@ def run_job(job: dict, config: HookConfig, queue: JobQueue) -> dict:
     """Run a job taken from the queue; returns it as finally stored (state done or failed). Any failure is recorded
     on the job, never raised: the worker goes on with the next."""
     from llmc.build import build
-    from llmc.registry.mlflow import client, idempotency_key, register_build
-    from llmc.store import Store
+    from llmc.publish.mlflow import client, idempotency_key, register_build
+    from llmc.storage.store import Store
 
     source = job["source"]
     try:

@@ -20,8 +20,8 @@ from filelock import FileLock, Timeout
 
 from llmc import __version__
 from llmc.errors import InputError, ResourceError
-from llmc.paths import confined
-from llmc.store import atomic_write_json
+from llmc.storage.paths import confined
+from llmc.storage.store import atomic_write_json
 
 STATES = ("queued", "running", "done", "failed")
 _ID_CHARS = set("0123456789abcdef")

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from llmc.errors import InputError
-from llmc.excerpt import excerpt, shorten
-from llmc.inputs import file_kind, read_input_json, shown, stat_input
+from llmc.inputs.excerpt import excerpt, shorten
+from llmc.inputs.files import file_kind, read_input_json, shown, stat_input
 from llmc.model.confine import source_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

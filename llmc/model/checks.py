@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.excerpt import excerpt, shorten
+from llmc.inputs.excerpt import excerpt, shorten
 from llmc.model.tokenizer_files import TokenizerFacts
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape), from the headers
@@ -162,7 +162,7 @@ def check_transformers_config(config: dict, where: str) -> None:
     try:
         AutoConfig.for_model(config["model_type"], **fields)
     except Exception as e:  # noqa: BLE001 - an unknown model_type, a strict-dataclass field error, ...
-        from llmc.resource_errors import raise_if_resource
+        from llmc.storage.resource_errors import raise_if_resource
 
         raise_if_resource(e, "reading the model config")
         first = str(e).splitlines()[0] if str(e) else ""
@@ -295,7 +295,7 @@ def _chat_sources(recipe) -> list[str]:
 def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     """Every check above for a recipe's model source (InputError, exit 7, on the first failure); returns what the
     plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
-    from llmc.inputs import shown
+    from llmc.inputs.files import shown
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
     from llmc.model.dtype import source_dtype
     from llmc.model.tokenizer_files import VOCABULARY_FILES, load_tokenizer, tokenizer_facts
@@ -332,7 +332,7 @@ _SIDE_FILE_BYTES = 1 << 20
 
 def _optional_json(folder: Path | None, name: str) -> dict | None:
     """A small JSON side file of the folder, or None when there is none (or it is not an object)."""
-    from llmc.inputs import read_input_json
+    from llmc.inputs.files import read_input_json
 
     if folder is None or not os.path.lexists(Path(folder) / name):
         return None
@@ -343,7 +343,7 @@ def _optional_json(folder: Path | None, name: str) -> dict | None:
 
 def _model_card(folder: Path | None) -> str:
     """The folder's README.md (where a card names base_model), or '' when absent or unreadable."""
-    from llmc.inputs import read_input_text
+    from llmc.inputs.files import read_input_text
 
     if folder is None or not os.path.lexists(Path(folder) / "README.md"):
         return ""

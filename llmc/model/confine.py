@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.inputs import shown
+from llmc.inputs.files import shown
 
 _FIX = ("copy the file into the model folder in place of the link (cp --remove-destination \"$(readlink -f FILE)\" "
         "FILE) if it belongs to the model, else remove the link")

@@ -13,8 +13,8 @@ import struct
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.excerpt import excerpt
-from llmc.inputs import shown
+from llmc.inputs.excerpt import excerpt
+from llmc.inputs.files import shown
 
 MAX_KEY_BYTES = 1 << 16
 MAX_ARRAY_STRINGS = 1 << 23  # vocabularies are up to a few hundred thousand tokens

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.excerpt import excerpt
+from llmc.inputs.excerpt import excerpt
 
 PREFIX = "hf:"
 

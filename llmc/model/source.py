@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.excerpt import excerpt
-from llmc.inputs import file_kind, shown, stat_input
+from llmc.inputs.excerpt import excerpt
+from llmc.inputs.files import file_kind, shown, stat_input
 from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_files
 from llmc.model.confine import check_folder_confined, source_file
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
-from llmc.resource_errors import raise_if_resource
-from llmc.store import Store, stage_key
+from llmc.storage.resource_errors import raise_if_resource
+from llmc.storage.store import Store, stage_key
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -190,7 +190,7 @@ def _card_identity(folder: Path, hub: dict | None) -> dict:
     holds one depends on other tools, and the same commit must give the same artifact."""
     if hub is not None:
         return {}
-    from llmc.registry.model_card import source_metadata
+    from llmc.publish.model_card import source_metadata
 
     license_ = source_metadata(folder).get("license")
     return {"README.md:license": license_} if isinstance(license_, str) else {}
@@ -224,7 +224,7 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmc.progress import log
+    from llmc.telemetry.progress import log
 
     log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
     torch_dtype = getattr(torch, dtype)
@@ -252,7 +252,7 @@ def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     from llmc.data.bos import bos_decision, follow_gguf_flag, gguf_add_bos_flag
-    from llmc.progress import log
+    from llmc.telemetry.progress import log
 
     flag = gguf_add_bos_flag(gguf)
     note = follow_gguf_flag(tok, flag)

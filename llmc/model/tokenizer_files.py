@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.excerpt import shorten
-from llmc.inputs import read_input_json, shown, stat_input
-from llmc.resource_errors import raise_if_resource
+from llmc.inputs.excerpt import shorten
+from llmc.inputs.files import read_input_json, shown, stat_input
+from llmc.storage.resource_errors import raise_if_resource
 
 # bytes; the largest real files seen: tokenizer.json 33 MB (Gemma 3, 262k tokens), tokenizer_config.json 1.2 MB
 JSON_CAPS = {

@@ -13,7 +13,7 @@ from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
 from llmc.pipeline.runner import read_json
-from llmc.store import atomic_save_safetensors, atomic_write_json, stage_key
+from llmc.storage.store import atomic_save_safetensors, atomic_write_json, stage_key
 
 
 class Calibrate:

@@ -10,7 +10,7 @@ import torch
 
 from llmc.data.tokens import TokenSet
 from llmc.pipeline.runner import Runner
-from llmc.plan_resources import ELEM, Machine, Shape, Stage
+from llmc.planning.resources import ELEM, Machine, Shape, Stage
 from llmc.recipe.schema import Recipe
 from llmc.result import BuildResult
 

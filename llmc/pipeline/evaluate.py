@@ -2,7 +2,7 @@
 on the same windows of each evaluation corpus; each scoring is cached on its own.
 
 Key of one scoring: the engine, the evaluation protocol (corpus, windows, lengths, throughput settings, dtype,
-tokenizer), the scored model's content key and the baseline's scoring key. Cost: `llmc.plan_resources.eval_stage`
+tokenizer), the scored model's content key and the baseline's scoring key. Cost: `llmc.planning.resources.eval_stage`
 for the torch engine's scorings (the baseline, then each variant), per corpus."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc import plan_resources as res
-from llmc import targets
-from llmc.compiler.files import SERVE_FILE
+from llmc.planning import resources as res
+from llmc import runtimes as targets
+from llmc.formats.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec, open_engine, split
@@ -28,11 +28,11 @@ from llmc.pipeline import ranks
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.progress import log
+from llmc.telemetry.progress import log
 from llmc.pipeline.quantize import Quantize
 from llmc.quant.canonical import scheme_from_dict
 from llmc.result import Evaluation, eval_id
-from llmc.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
+from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
 
 
 class Evaluate:

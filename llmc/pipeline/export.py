@@ -1,17 +1,17 @@
 """The export stage of one scheme for one target: the runtime's artifact written from the canonical quantized form
-by the target's artifact format (`llmc.targets`).
+by the target's artifact format (`llmc.runtimes`).
 
 Key: the format's name and its stage config (its options, the target where the artifact depends on it), and the
-quantize stage's key. Cost: `llmc.plan_resources.export_stage` with what the format states about itself (whole
+quantize stage's key. Cost: `llmc.planning.resources.export_stage` with what the format states about itself (whole
 model in memory, repacked layers, 8-bit codes passed through, outer weights written as stored)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from llmc import plan_resources as res
-from llmc import targets
-from llmc.compiler.files import MAX_SHARD_BYTES, SERVE_FILE
+from llmc.planning import resources as res
+from llmc import runtimes as targets
+from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
@@ -19,7 +19,7 @@ from llmc.quant.canonical import QuantizedModel
 from llmc.pipeline.quantize import Quantize
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
-from llmc.store import stage_key
+from llmc.storage.store import stage_key
 
 
 class Export:
@@ -59,7 +59,7 @@ class Export:
         def produce(out: Path) -> None:
             fmt.write(request, out)
             if target.triton:
-                from llmc.compiler.triton_repo import model_name, write_triton_repo
+                from llmc.formats.triton_repo import model_name, write_triton_repo
 
                 write_triton_repo(out, targets.triton_backend(target),
                                   name=model_name(f"{b.recipe.name}-{label}"), serve=cfg.get("serve"))

@@ -7,7 +7,7 @@ from enum import Enum
 
 
 class Kind(str, Enum):
-    """The stages in pipeline order. The value is the stage's folder in the cache (`llmc.store`) where it has one;
+    """The stages in pipeline order. The value is the stage's folder in the cache (`llmc.storage.store`) where it has one;
     a str, so `build_until(recipe, store, "export")` keeps working."""
 
     CALIBRATE = "calibrate"
@@ -20,7 +20,7 @@ class Kind(str, Enum):
 
     @property
     def emits_written(self) -> bool:
-        """Whether the runner emits '<kind>:written' once the stage's files are written (llmc.events); the quantize
+        """Whether the runner emits '<kind>:written' once the stage's files are written (llmc.telemetry.events); the quantize
         stage reports each layer instead, the tasks stage nothing (as before the stages were objects)."""
         return self in (Kind.CALIBRATE, Kind.EXPORT, Kind.EVAL)
 

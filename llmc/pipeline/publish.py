@@ -1,4 +1,4 @@
-"""The publish stage: artifacts, manifest, report and model card into the registry (`llmc.registry.local`), then
+"""The publish stage: artifacts, manifest, report and model card into the registry (`llmc.publish.local`), then
 the Hugging Face Hub where the recipe names one. Only a build whose gates passed publishes; the same build id
 publishes once (a no-op after)."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc import events
+from llmc.telemetry import events
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.progress import log
-from llmc.registry.local import publish_build
-from llmc.store import resource_errors
+from llmc.telemetry.progress import log
+from llmc.publish.local import publish_build
+from llmc.storage.store import resource_errors
 
 
 class Publish:
@@ -34,6 +34,6 @@ class Publish:
             result.published, result.publish_noop = publish_build(result, b.runner.store)
         events.emit("publish:done")
         if recipe.publish.hub:  # after the local entry is complete: the Hub gets its verified bytes
-            from llmc.registry.hub import publish_to_hub  # huggingface_hub: only for recipes that publish there
+            from llmc.publish.hub import publish_to_hub  # huggingface_hub: only for recipes that publish there
 
             log(f"published to the Hub: {publish_to_hub(result.published, recipe.publish.hub)}")

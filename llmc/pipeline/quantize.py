@@ -3,7 +3,7 @@ algorithm (`llmc.quant.stream`), written in llmc's canonical quantized form.
 
 Key: the scheme, the compute dtype, the algorithm's key entries, the device type where it is not the CPU, the MoE
 calibration mode where set, the number of ranks where sums over windows depend on it; the source and the
-calibration windows. Cost: `llmc.plan_resources.quantize_stage` with what the scheme's algorithm states about
+calibration windows. Cost: `llmc.planning.resources.quantize_stage` with what the scheme's algorithm states about
 itself (`Pipeline`): Hessians, replayed module calls, transforms, search sizes, calibration passes."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc import events
-from llmc import plan_resources as res
+from llmc.telemetry import events
+from llmc.planning import resources as res
 from llmc.pipeline import ranks
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
@@ -22,7 +22,7 @@ from llmc.quant.algorithms import Pipeline, calibration_passes, quantize_stage_c
 from llmc.quant.canonical import module_matches
 from llmc.quant.spec import Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
-from llmc.store import stage_key
+from llmc.storage.store import stage_key
 
 
 class Quantize:

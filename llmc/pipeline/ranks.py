@@ -20,8 +20,8 @@ import torch
 from llmc import distributed
 from llmc.engines import engine_spec
 from llmc.errors import ResourceError
-from llmc.progress import log
-from llmc.store import Store
+from llmc.telemetry.progress import log
+from llmc.storage.store import Store
 
 T = TypeVar("T")
 

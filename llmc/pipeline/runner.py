@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from llmc import events
+from llmc.telemetry import events
 from llmc.pipeline import ranks
 from llmc.pipeline.ids import StageId
-from llmc.progress import log
+from llmc.telemetry.progress import log
 from llmc.result import StageRecord
-from llmc.store import COMPLETE_MARKER, Store
+from llmc.storage.store import COMPLETE_MARKER, Store
 
 
 class Runner:

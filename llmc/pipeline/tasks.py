@@ -16,7 +16,7 @@ from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
 from llmc.pipeline.runner import read_json
 from llmc.result import eval_id
-from llmc.store import atomic_write_json, stage_key
+from llmc.storage.store import atomic_write_json, stage_key
 
 
 class Tasks:

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc import events
-from llmc.store import fsync_dir, resource_errors
+from llmc.telemetry import events
+from llmc.storage.store import fsync_dir, resource_errors
 
 SpillMode = Literal["auto", "always", "never"]
 # auto spills when input + output copies of the activations would take more than this share of

@@ -31,7 +31,7 @@ from torch import nn
 
 from llmc import distributed
 from llmc.model.skeleton import HOST, capture_layer_inputs, layer_output, to_device
-from llmc.progress import log
+from llmc.telemetry.progress import log
 from llmc.quant import moe, true_sequential
 from llmc.quant.activations import Activations, ActivationWriter, inputs_dir, memory_available
 from llmc.quant.algorithms import Observe, Pipeline

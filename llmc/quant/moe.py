@@ -250,7 +250,7 @@ class TokenReport:
 
     def add(self, layer_index: int, prefix: str, routed: dict[str, torch.Tensor], proxies: dict[str, str],
             min_tokens: int | None, calibration_tokens: int, config: dict) -> None:
-        from llmc.progress import log
+        from llmc.telemetry.progress import log
 
         for block, counts in routed.items():
             tokens = counts.tolist()
@@ -278,7 +278,7 @@ class TokenReport:
     def save(self, folder) -> None:
         from pathlib import Path
 
-        from llmc.store import atomic_write_json
+        from llmc.storage.store import atomic_write_json
 
         atomic_write_json(Path(folder) / TOKENS_FILE, self.to_dict())
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc.store import atomic_save_safetensors, atomic_write_json
+from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 KINDS = ("channel_absmax", "key_absmax", "value_absmax")
 COMPLETE = "complete.json"

@@ -37,7 +37,7 @@ from llmc.model.confine import source_file
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
-from llmc.progress import log, steps
+from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
 from llmc.quant.activations import SpillMode, inputs_dir, memory_available, should_spill
 from llmc.quant.algorithms import Pipeline
@@ -47,7 +47,7 @@ from llmc.quant.numerics import QuantizedWeight, quantize_weight, static_scale
 from llmc.quant.observe import LayerStats
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.spec import Scheme
-from llmc.store import atomic_save_safetensors, atomic_write_json
+from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
 

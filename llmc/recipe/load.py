@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from llmc.errors import RecipeError
-from llmc.excerpt import excerpt, shorten
-from llmc.inputs import decode_utf8, read_input_bytes, shown
+from llmc.inputs.excerpt import excerpt, shorten
+from llmc.inputs.files import decode_utf8, read_input_bytes, shown
 from llmc.recipe.overrides import apply_overrides
 from llmc.recipe.safe_yaml import YamlLimitError, load_yaml
 from llmc.recipe.schema import Recipe

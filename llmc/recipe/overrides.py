@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from llmc.errors import RecipeError
-from llmc.excerpt import excerpt
+from llmc.inputs.excerpt import excerpt
 from llmc.recipe.safe_yaml import YamlLimitError, load_yaml
 
 MAX_OVERRIDES = 64

@@ -19,7 +19,7 @@ import yaml
 from yaml import events as ev
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from llmc.excerpt import escape, excerpt, shorten
+from llmc.inputs.excerpt import escape, excerpt, shorten
 
 MAX_DEPTH = 32  # a recipe nests about 6 deep
 MAX_NODES = 20_000  # after alias expansion; a recipe has a few hundred

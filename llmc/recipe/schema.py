@@ -3,7 +3,7 @@
 Every model forbids unknown keys. Checks that need only the recipe live here as validators and
 raise ValueError with a message of the form "<what is wrong>; fix: <how>" — `load.py` turns those
 into one RecipeError naming the key. Checks that need the model's shape or the runtime's
-capabilities (the target registry, `llmc.targets`) live in `llmc.plan`.
+capabilities (the target registry, `llmc.runtimes`) live in `llmc.planning.plan`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from llmc.data.sources import BrownSource, DataSource, EvalCorpora
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
-from llmc.paths import SAFE_NAME
+from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.targets import runtime_names
+from llmc.runtimes import runtime_names
 
 SCHEMA_VERSION = 1
 
@@ -171,7 +171,7 @@ class QuantizationSection(_Strict):
     @classmethod
     def _ignore_regexes(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
         """Compile every 're:' pattern now: a bad one is the recipe's error, not a crash mid-build."""
-        from llmc.excerpt import excerpt, shorten
+        from llmc.inputs.excerpt import excerpt, shorten
 
         for p in patterns:
             if not p.startswith("re:"):
@@ -435,7 +435,7 @@ class Gates(_Strict):
 
 class PublishSection(_Strict):
     registry: str = "./registry"
-    # also push each build to the Hugging Face Hub (llmc.registry.hub): one branch per build
+    # also push each build to the Hugging Face Hub (llmc.publish.hub): one branch per build
     hub: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$",
                             description="Hugging Face Hub repository 'org/name'")
 

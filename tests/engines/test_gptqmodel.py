@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmc.compiler import awq_format as AF
-from llmc.compiler import gptq_format as GF
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats import awq_format as AF
+from llmc.formats import gptq_format as GF
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.gptqmodel import GptqModelEngine, gptqmodel_available
 from llmc.engines.torch_ref import TorchEngine
 from llmc.errors import EngineFailed

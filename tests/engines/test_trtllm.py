@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu,
 
 
 def test_fp8_checkpoint_in_tensorrt_llm_agrees_with_the_torch_reference(tmp_path: Path, tiny_model: Path) -> None:
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
-    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.formats.modelopt_hf import export_modelopt_hf
     from llmc.engines.torch_ref import TorchEngine
     from llmc.engines.trtllm import TensorRtLlmEngine
     from llmc.model.source import ModelSource

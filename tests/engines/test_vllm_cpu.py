@@ -32,7 +32,7 @@ def w8a8(tmp_path_factory):
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.recipe import load_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     store = Store(tmp_path_factory.mktemp("cache"))
     result = build_until(load_recipe(REPO / "recipes" / "smollm2-w8a8-int8.yaml"), store, "export")

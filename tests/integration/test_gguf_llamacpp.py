@@ -41,7 +41,7 @@ def smollm2(tmp_path_factory):
     from llmc.calibration.windows import make_windows
     from llmc.errors import InputError
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     try:
         source = resolve_source("demo:smollm2-135m", Store.default())
@@ -62,8 +62,8 @@ def _ppl(nll: np.ndarray) -> float:
     [("w8a16", 2.0), ("w4a16-g64", 3.0)],
 )
 def test_llama_cpp_perplexity_matches_torch_reference(smollm2, scheme_name: str, tolerance_pct: float) -> None:
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
-    from llmc.compiler.gguf import export_gguf
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.formats.gguf import export_gguf
     from llmc.engines.llamacpp import LlamaCppEngine
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel

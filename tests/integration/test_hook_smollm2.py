@@ -26,7 +26,7 @@ def test_smollm2_version_in_mlflow_gets_its_fp8_variants_registered_by_the_webho
     from mlflow import MlflowClient
 
     from llmc.model.source import resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     server, uri = start_mlflow(tmp_path / "mlflow")
     hook = None

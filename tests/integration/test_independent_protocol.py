@@ -58,7 +58,7 @@ def _llmc_baseline_ppl(source: str, tmp_path: Path) -> tuple[float, bool]:
     from llmc.engines.torch_ref import TorchEngine
     from llmc.model.source import resolve_source
     from llmc.model.tokenizer_files import load_tokenizer
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     folder = resolve_source(source, Store.default(), "float32").folder
     windows = make_windows(load_tokenizer(folder), load_corpus("brown", "eval"), SEQ_LEN, WINDOWS, seed=None)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llmc.compiler.modelopt_hf import (
+from llmc.formats.modelopt_hf import (
     HF_QUANT_CONFIG,
     export_modelopt_hf,
     fp8_weight_operand,
@@ -171,7 +171,7 @@ export_tensorrt_llm_checkpoint(model, "llama", torch.float16, export_dir=out, in
 
 
 def test_legacy_tp2_checkpoint_matches_modelopt_and_remerges(tiny: Path, tmp_path: Path) -> None:
-    from llmc.compiler.trtllm_legacy import export_trtllm_legacy
+    from llmc.formats.trtllm_legacy import export_trtllm_legacy
 
     ref = tmp_path / "modelopt"
     done = subprocess.run([str(MODELOPT_PYTHON), "-c", _MODELOPT_LEGACY, str(tiny), str(ref), "2"],
@@ -188,7 +188,7 @@ def test_legacy_tp2_checkpoint_matches_modelopt_and_remerges(tiny: Path, tmp_pat
         ours, theirs = (_layout_file(d / f"rank{r}.safetensors") for d in (tmp_path / "tp2", ref))
         assert ours == theirs
     cfg_ours, cfg_theirs = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "tp2", ref))
-    # rotary_base: ModelOpt 0.47 under transformers 5 omits it (see llmc/compiler/trtllm_legacy.py)
+    # rotary_base: ModelOpt 0.47 under transformers 5 omits it (see llmc/formats/trtllm_legacy.py)
     assert _keys(cfg_ours) - {"rotary_base"} == _keys(cfg_theirs)
     assert cfg_ours["mapping"] == cfg_theirs["mapping"] and cfg_ours["quantization"] == cfg_theirs["quantization"]
 

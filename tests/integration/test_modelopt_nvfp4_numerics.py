@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc.compiler.microscaling_export import modelopt_nvfp4_tensors
+from llmc.formats.microscaling_export import modelopt_nvfp4_tensors
 from llmc.quant.microscaling import (
     NVFP4,
     BlockQuantized,

@@ -23,14 +23,14 @@ def smollm2_w4(tmp_path_factory):
 
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.engines.torch_ref import TorchEngine
     from llmc.errors import InputError
     from llmc.model.source import resolve_source
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec
     from llmc.quant.stream import quantize_model
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     try:
         source = resolve_source("demo:smollm2-135m", Store.default())
@@ -50,7 +50,7 @@ def smollm2_w4(tmp_path_factory):
 @pytest.mark.parametrize(("accuracy_level", "tolerance_pct", "max_kld"), [(1, 0.1, 1e-4), (4, 1.0, 0.01)])
 def test_onnxruntime_perplexity_matches_torch_reference(smollm2_w4, accuracy_level: int, tolerance_pct: float,
                                                         max_kld: float) -> None:
-    from llmc.compiler.onnx_genai import export_onnx
+    from llmc.formats.onnx_genai import export_onnx
     from llmc.engines.onnxrt import OnnxRuntimeEngine
 
     qm, windows, reference, root = smollm2_w4

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 @pytest.fixture(scope="module")
 def qwen():
     from llmc.model.source import DEMO_MODELS, describe_source, resolve_source
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     demo = DEMO_MODELS["qwen2.5-coder-0.5b"]
     if any(importlib.util.find_spec(p) is None for p in demo.parts):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from llmc.store import COMPLETE_MARKER
+from llmc.storage.store import COMPLETE_MARKER
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 CORPUS_DOCS = 4  # documents per split: plenty for 8 calibration and 4 evaluation windows of 64 tokens

@@ -102,7 +102,7 @@ sys.path.insert(0, sys.argv.pop(1))
 nofile = int(sys.argv.pop(1))
 if nofile:
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from llmc import events
+from llmc.telemetry import events
 from tests.unit.build_helpers import use_corpus_file
 corpus = sys.argv.pop(1)
 if corpus != "-":

@@ -17,7 +17,7 @@ from llmc.quant.algorithms.gptq import GptqOptions
 from llmc.quant.algorithms.registry import AlgorithmOptions, register
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.recipe import parse_recipe
-from llmc.store import canonical_json
+from llmc.storage.store import canonical_json
 
 INT4_G16 = TensorSpec("int4", "group", group_size=16)
 INT8_CH = TensorSpec("int8", "channel")
@@ -28,7 +28,7 @@ KV = TensorSpec("fp8_e4m3", "tensor")
 
 
 # --------------------------------------------------------------------------- the formulas before the registry
-# Copied from llmc/quant/algorithms/__init__.py, llmc/build.py::_quantize, llmc/plan.py::_calibration_passes and
+# Copied from llmc/quant/algorithms/__init__.py, llmc/build.py::_quantize, llmc/planning/plan.py::_calibration_passes and
 # llmc/quant/stream.py as they were: cache keys and estimates must not move.
 
 
@@ -194,7 +194,7 @@ def test_unknown_algorithms_and_impossible_orders_are_recipe_errors(algorithm, n
 
 def test_awq_then_gptq_parses_but_is_not_implemented() -> None:
     from llmc.errors import IncompatibleTargetError
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     recipe = parse_recipe(_recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 64},
                                    "algorithm": ["awq", "gptq"]}))

@@ -15,7 +15,7 @@ from llmc.cli import main
 from llmc.errors import InputError, ResourceError
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.source import resolve_source
-from llmc.store import Store, atomic_write_bytes
+from llmc.storage.store import Store, atomic_write_bytes
 
 
 def test_pickled_checkpoint_is_refused(tiny_model: Path, tmp_path: Path) -> None:

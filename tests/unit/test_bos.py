@@ -156,7 +156,7 @@ def test_gguf_declaring_a_bos_it_does_not_add_unpacks_to_windows_without_it(tiny
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
-    from llmc.compiler.gguf import export_gguf
+    from llmc.formats.gguf import export_gguf
     from llmc.model.source import ModelSource, resolve_source
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec

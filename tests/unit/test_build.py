@@ -12,8 +12,8 @@ from llmc.build import build
 from llmc.pipeline.gate import raise_for_gates
 from llmc.errors import QualityGateError
 from llmc.recipe import parse_recipe
-from llmc.registry.local import verify_entry
-from llmc.store import Store
+from llmc.publish.local import verify_entry
+from llmc.storage.store import Store
 
 
 def recipe_text(model: Path, registry: Path, **overrides) -> str:

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from llmc.registry.local import verify_entry
+from llmc.publish.local import verify_entry
 from tests.unit.build_helpers import every_stage_recipe, published_artifact_hashes, small_corpus_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = """
 import sys
 sys.path.insert(0, sys.argv.pop(1))
-from llmc import events
+from llmc.telemetry import events
 from tests.unit.build_helpers import use_corpus_file
 use_corpus_file(sys.argv.pop(1))
 log = open(sys.argv.pop(1), "w")

@@ -11,7 +11,7 @@ import pytest
 
 from llmc.errors import InputError
 from llmc.model import source as S
-from llmc.store import Store
+from llmc.storage.store import Store
 
 PIECES = [b"GGUF" + bytes(range(256)) * 3, bytes(range(255, -1, -1)) * 5, b"tail"]
 

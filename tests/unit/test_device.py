@@ -13,7 +13,7 @@ import llmc.model.skeleton as skeleton
 import llmc.quant.stream as stream
 from llmc.errors import ResourceError
 from llmc.model.source import ModelSource
-from llmc.plan import make_plan
+from llmc.planning.plan import make_plan
 from llmc.quant.device import resolve_device
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.recipe import parse_recipe
@@ -59,7 +59,7 @@ def test_auto_is_the_cpu_without_a_gpu_and_the_plan_says_where(tiny_model: Path,
 
 
 def _mean_nll(canonical: Path, tokens: torch.Tensor) -> float:
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel
 
@@ -106,7 +106,7 @@ def test_cuda_gives_the_cpu_form_up_to_rounding(name: str, tmp_path: Path, tiny_
 @needs_gpu
 def test_build_calibrates_on_the_gpu_and_keys_the_result_by_device(tiny_model: Path, tmp_path: Path) -> None:
     from llmc.build import build
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     store = Store(tmp_path / "cache")
     on_gpu = build(parse_recipe(recipe_text(tiny_model, tmp_path / "reg")), store)

@@ -194,7 +194,7 @@ def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Pat
     evaluate; the quantize stage is keyed by its device, so the CPU's cached result is not reused for it."""
     from llmc.build import build
     from llmc.recipe import parse_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
     from tests.conftest import make_tiny_model
     from tests.unit.test_build import recipe_text
 
@@ -213,7 +213,7 @@ def test_the_torch_evaluation_on_the_gpu_scores_as_on_the_host(models, streamed:
     """The torch reference engine with `device="cuda"` (whole model resident, or one layer at a time): an FP8
     artifact with static activation and KV-cache scales (host tensors read from its files), baseline first as the
     reference of the artifact's exact KL; every score comes back as a host tensor equal to the CPU engine's."""
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel
 

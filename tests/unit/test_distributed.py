@@ -240,7 +240,7 @@ def test_llmc_build_nproc_2_gives_the_single_process_build(tmp_path: Path) -> No
 def test_plan_with_nproc_gives_per_rank_estimates_and_exact_hessian_volume(tiny_model: Path, tmp_path: Path) -> None:
     import yaml
 
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
     from llmc.recipe import parse_recipe
 
     r = parse_recipe(yaml.safe_dump({
@@ -257,7 +257,7 @@ def test_plan_with_nproc_gives_per_rank_estimates_and_exact_hessian_volume(tiny_
 
 
 def test_llama_70b_down_proj_hessian_volume_is_28672_squared_floats() -> None:
-    from llmc import scaling
+    from llmc.planning import scaling
 
     shapes = {"mlp.down_proj": (8192, 28672)}
     work = scaling.Workload(ranges=False, hessians=True, module_calls=False, solve_on_rank0=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.torch_ref import TorchEngine
 from llmc.model.source import ModelSource
 from llmc.quant import stream
@@ -149,11 +149,11 @@ def _recipe(folder: Path, *targets: dict):
 
 
 def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_loads(tmp_path: Path, monkeypatch) -> None:
-    """Per-format family lists are data (llmc/targets/*): OLMo 2 to ONNX Runtime or TensorRT-LLM is refused at plan
+    """Per-format family lists are data (llmc/runtimes/*): OLMo 2 to ONNX Runtime or TensorRT-LLM is refused at plan
     time with the runtimes that take it; GGUF and compressed-tensors take it."""
     from llmc.errors import IncompatibleTargetError
     from llmc.model import checkpoint
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     folder = make_tiny("olmo2", tmp_path / "olmo2")
     monkeypatch.setattr(checkpoint.CheckpointReader, "get_many", lambda *a, **k: pytest.fail("weights were read"))
@@ -174,7 +174,7 @@ def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_f
 
     from llmc.errors import IncompatibleTargetError
     from llmc.model.families import check_quantizable
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     config = AutoConfig.for_model("mixtral", vocab_size=300, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -261,7 +261,7 @@ def _embedding_rows(folder: Path) -> int:
 
 def _check_folder(model: Path, apply) -> str:
     from llmc.model.tokenizer_files import load_tokenizer
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
     from llmc.recipe import parse_recipe
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llmc.build import build
 from llmc.recipe import parse_recipe
-from llmc.store import COMPLETE_MARKER, Store, record_files
+from llmc.storage.store import COMPLETE_MARKER, Store, record_files
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build import recipe_text  # noqa: E402
@@ -322,7 +322,7 @@ def _recipe(**overrides) -> dict:
 
 def test_plan_refuses_a_performance_gate_only_emulation_could_measure() -> None:
     from llmc.errors import RecipeError
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     with pytest.raises(RecipeError) as e:
         make_plan(parse_recipe(yaml.safe_dump(_recipe(gates={"min_decode_tokens_per_s": 5.0}))))
@@ -337,7 +337,7 @@ def test_plan_refuses_a_performance_gate_only_emulation_could_measure() -> None:
 
 
 def test_plan_warns_about_no_gates_perplexity_alone_and_unmeasurable_targets() -> None:
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     def warnings(**overrides) -> list[str]:
         return make_plan(parse_recipe(yaml.safe_dump(_recipe(**overrides)))).warnings
@@ -358,7 +358,7 @@ def _synthetic_build(evals: dict[str, Evaluation], *, runtimes: list[str], gates
     """A BuildResult for one FP8 artifact whose evaluations are given (no model is loaded)."""
     from llmc.pipeline.gate import apply_gates
     from llmc.model.source import ModelSource
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
     from llmc.result import Artifact, BuildResult
 
     r = _recipe(eval={"runtimes": runtimes}, targets=[{"runtime": "vllm", "gpu_arch": "sm90"}])

@@ -113,7 +113,7 @@ def test_streamed_calibration_sees_the_whole_models_activations(gemma3: Path, tm
 def test_streamed_rtn_export_reproduces_direct_fake_quantization(gemma3: Path, tmp_path: Path) -> None:
     """RTN W4A16 g16 through quantize → compressed-tensors export → torch engine gives the logits of the
     original model with each decoder Linear's weight replaced by its direct fake-quantization."""
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.engines.torch_ref import TorchEngine
     from llmc.quant.canonical import QuantizedModel
 

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from llmc.compiler import gguf as G
+from llmc.formats import gguf as G
 from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
@@ -328,7 +328,7 @@ def test_fp8_and_unsupported_architectures_are_refused(tiny_model_session: Path,
 
 
 def test_planner_refuses_fp8_for_llama_cpp_and_accepts_int() -> None:
-    from llmc import targets
+    from llmc import runtimes as targets
 
     assert targets.is_implemented("gguf")
     for name in ("llama.cpp", "ollama"):
@@ -368,7 +368,7 @@ def test_build_exports_gguf_and_compressed_tensors_from_one_quantization(tiny_mo
 
     from llmc.build import build_until
     from llmc.recipe import parse_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     recipe = parse_recipe(yaml.safe_dump({
         "name": "tiny-w8",

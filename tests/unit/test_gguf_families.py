@@ -11,7 +11,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from llmc.compiler import gguf as G
+from llmc.formats import gguf as G
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec

@@ -176,7 +176,7 @@ def tiny_entry(tmp_path_factory, tiny_model_session: Path):
     """A published tiny build whose source card says `license: mit`."""
     from llmc.build import build
     from llmc.recipe import load_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
     from tests.unit.build_helpers import small_corpus_file, use_corpus_file
 
     tmp = tmp_path_factory.mktemp("card")
@@ -204,7 +204,7 @@ def _front_matter(text: str) -> dict:
 
 
 def test_every_published_artifact_has_a_model_card_in_the_manifest(tiny_entry) -> None:
-    from llmc.registry.local import read_manifest, verify_entry
+    from llmc.publish.local import read_manifest, verify_entry
 
     entry = tiny_entry.published
     card = entry / "artifacts" / "vllm-sm90-tp1" / "README.md"
@@ -224,7 +224,7 @@ def test_every_published_artifact_has_a_model_card_in_the_manifest(tiny_entry) -
 
 
 def test_the_hub_upload_plan_puts_one_artifact_at_the_root_on_a_branch_per_build(tiny_entry) -> None:
-    from llmc.registry.hub import upload_plan
+    from llmc.publish.hub import upload_plan
 
     plan = upload_plan(tiny_entry.published, "org/tiny-w8")
     paths = dict(plan.files)
@@ -237,7 +237,7 @@ def test_the_hub_upload_plan_puts_one_artifact_at_the_root_on_a_branch_per_build
 def test_the_hub_plan_refuses_a_modified_entry(tiny_entry, tmp_path: Path) -> None:
     import shutil
 
-    from llmc.registry.hub import upload_plan
+    from llmc.publish.hub import upload_plan
 
     copy = tmp_path / "entry"
     shutil.copytree(tiny_entry.published, copy)
@@ -247,7 +247,7 @@ def test_the_hub_plan_refuses_a_modified_entry(tiny_entry, tmp_path: Path) -> No
 
 
 def test_pushing_to_an_unreachable_hub_is_a_clear_registry_error(tiny_entry, monkeypatch) -> None:
-    from llmc.registry.hub import push, upload_plan
+    from llmc.publish.hub import push, upload_plan
     from tests.unit.hook_helpers import free_port
 
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token_never_printed")

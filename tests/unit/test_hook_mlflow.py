@@ -134,7 +134,7 @@ def _clean_build_hashes(job: dict, state: Path, corpus: Path, root: Path, monkey
     from llmc.build import build
     from llmc.hook.jobs import _model_folder
     from llmc.recipe.schema import Recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     use_corpus_file(corpus, monkeypatch.setattr)
     recipe = Recipe.model_validate(job["recipe"])

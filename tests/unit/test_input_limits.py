@@ -25,7 +25,7 @@ from llmc.model.checkpoint import CheckpointReader, check_safetensors_header, re
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.source import resolve_source
 from llmc.recipe import load_recipe, parse_recipe
-from llmc.store import Store
+from llmc.storage.store import Store
 
 BASE = ("name: r\nmodel: {source: demo:smollm2-135m}\n"
         "quantization: {weights: {format: int8, strategy: channel}, ignore: [lm_head]}\n"
@@ -230,7 +230,7 @@ def test_fifo_and_dev_zero_as_recipe_and_as_model_source(tmp_path: Path) -> None
 
 def test_cpu_only_rule_on_a_gpu_arch_is_a_message_not_a_crash() -> None:
     """ONNX Runtime's FP8 Q/DQ rule has no GPU arch; the message builder used to add None to a string."""
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     r = parse_recipe(BASE.replace("{format: int8, strategy: channel}", "{format: fp8_e4m3, strategy: channel}, "
                                   "activations: {format: fp8_e4m3, strategy: tensor}")

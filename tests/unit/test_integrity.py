@@ -26,13 +26,13 @@ from click.testing import CliRunner
 
 from llmc.build import build
 from llmc.cli import main
-from llmc.compiler.files import SERVE_FILE
+from llmc.formats.files import SERVE_FILE
 from llmc.errors import InputError, RecipeError
-from llmc.paths import confined
+from llmc.storage.paths import confined
 from llmc.recipe import parse_recipe
-from llmc.registry.local import verify_entry
-from llmc.registry.outputs import write_build_outputs
-from llmc.store import COMPLETE_MARKER, Store, sha256_file
+from llmc.publish.local import verify_entry
+from llmc.publish.outputs import write_build_outputs
+from llmc.storage.store import COMPLETE_MARKER, Store, sha256_file
 
 def tiny_recipe(model: Path, registry: Path) -> str:
     return yaml.safe_dump({
@@ -418,7 +418,7 @@ def test_published_files_follow_the_umask(umask: int, file_mode: int, dir_mode: 
 _PRODUCER = """
 import sys, time
 from pathlib import Path
-from llmc.store import Store
+from llmc.storage.store import Store
 store, name, pause, flag = Store(Path(sys.argv[1])), sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
 done = store.lookup("demo", "0" * 32)
 if done is None:
@@ -472,7 +472,7 @@ def test_a_killed_producer_releases_its_stage_to_the_next_process(tmp_path: Path
 @pytest.mark.parametrize("umask,file_mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_atomic_writes_follow_the_umask(tmp_path: Path, umask: int, file_mode: int) -> None:
     """A cache shared by a team must be readable by it: mkstemp's 0600 is not what the umask asks for."""
-    from llmc.store import atomic_write_json
+    from llmc.storage.store import atomic_write_json
 
     old = os.umask(umask)
     try:
@@ -544,7 +544,7 @@ def test_a_stripped_signature_fails_everywhere_with_a_key_set(published, monkeyp
     for command in ("inspect", "verify"):
         out = CliRunner().invoke(main, [command, str(b.entry)])
         assert out.exit_code == 7 and "MISSING" in out.output, out.output
-    from llmc.registry.hub import upload_plan
+    from llmc.publish.hub import upload_plan
 
     with pytest.raises(InputError, match="signature MISSING"):
         upload_plan(b.entry, "org/name")

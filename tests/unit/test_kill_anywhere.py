@@ -1,5 +1,5 @@
 """Kill -9 anywhere, resume byte-identical, as a property: a build is SIGKILLed at the n-th event it emits
-(llmc.events: every file written atomically, calibration, each quantized layer, each export, each evaluation,
+(llmc.telemetry.events: every file written atomically, calibration, each quantized layer, each export, each evaluation,
 publication), for seeded random n across all stages; nothing half-written looks complete, and the rerun publishes
 artifact files whose sha256 equal a clean build's. A few points run by default, many more under -m slow."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.registry.local import verify_entry
+from llmc.publish.local import verify_entry
 from tests.unit.build_helpers import (every_stage_recipe, nothing_half_written_looks_complete,
                                       published_artifact_hashes, small_corpus_file)
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = """
 import os, signal, sys
 sys.path.insert(0, sys.argv.pop(1))
-from llmc import events
+from llmc.telemetry import events
 from tests.unit.build_helpers import use_corpus_file
 use_corpus_file(sys.argv.pop(1))
 mode, arg = sys.argv.pop(1), sys.argv.pop(1)

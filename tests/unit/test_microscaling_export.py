@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmc.compiler.microscaling_export import (
+from llmc.formats.microscaling_export import (
     COMPRESSED_TENSORS_FORMATS,
     compressed_tensors_fp8_block_tensors,
     compressed_tensors_scheme,
@@ -127,7 +127,7 @@ def test_modelopt_layout_is_the_same_bytes_with_the_reciprocal_global_scale() ->
 def test_gguf_mxfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
     from gguf import GGMLQuantizationType, quants
 
-    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks
+    from llmc.formats.microscaling_export import gguf_mxfp4_blocks
 
     w = _weight()
     q = quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"])
@@ -144,7 +144,7 @@ def test_gguf_mxfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
 def test_gguf_nvfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
     from gguf import GGMLQuantizationType, quants
 
-    from llmc.compiler.microscaling_export import gguf_nvfp4_blocks
+    from llmc.formats.microscaling_export import gguf_nvfp4_blocks
 
     w = _weight()
     q = quantize_blocks(w, NVFP4)
@@ -165,7 +165,7 @@ def test_gguf_nvfp4_blocks_decode_through_gguf_py_to_llmc_weights() -> None:
 def test_gguf_file_round_trip_of_both_fp4_types(tmp_path: Path) -> None:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
+    from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 
     w = _weight(seed=4)
     mx = quantize_blocks(w, MICROSCALING_FORMATS["mxfp4"])
@@ -189,7 +189,7 @@ def test_gguf_file_round_trip_of_both_fp4_types(tmp_path: Path) -> None:
 
 
 def test_gguf_blocks_refuse_widths_the_layout_cannot_hold() -> None:
-    from llmc.compiler.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
+    from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 
     with pytest.raises(ValueError, match="multiple of 64"):
         gguf_nvfp4_blocks(quantize_blocks(torch.ones(2, 48), NVFP4))

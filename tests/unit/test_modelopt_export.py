@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmc.compiler.modelopt_hf import (
+from llmc.formats.modelopt_hf import (
     export_modelopt_hf,
     pack_int4_rows,
     quant_algo,
@@ -20,7 +20,7 @@ from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import quantize_model
-from llmc.registry.inspect import describe
+from llmc.publish.inspect import describe
 
 
 def test_int4_row_packing_round_trips_and_matches_modelopts_nibble_order() -> None:
@@ -85,7 +85,7 @@ def test_int8_kv_cache_exports_as_modelopt_int8_kv(tmp_path: Path, tiny_model_se
 def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Path) -> None:
     from safetensors.torch import load_file
 
-    from llmc.compiler.trtllm_legacy import export_trtllm_legacy
+    from llmc.formats.trtllm_legacy import export_trtllm_legacy
 
     scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
     quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=torch.randint(3, 200, (2, 16)))

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
 from llmc.quant import moe, stream
 from llmc.quant.algorithms import mappings
@@ -316,7 +316,7 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
     the token report in the quantize stage's output; with moe_calibrate_all_experts another quantize key (and stage)."""
     from llmc.build import build
     from llmc.recipe import parse_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
     from tests.unit.test_build import recipe_text
 
     folder = make_tiny("mixtral", tmp_path / "model")
@@ -339,7 +339,7 @@ def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family,
     import yaml
 
     from llmc.errors import IncompatibleTargetError
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
     from llmc.recipe import parse_recipe
 
     _name, folder = family

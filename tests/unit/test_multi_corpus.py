@@ -14,7 +14,7 @@ from llmc.build import build_until
 from llmc.errors import InputError, RecipeError
 from llmc.eval.report import render_markdown, render_summary, report_dict
 from llmc.recipe import parse_recipe
-from llmc.store import Store
+from llmc.storage.store import Store
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()
 OTHER = "a truth universally acknowledged that a single man in possession of good fortune must want".split()

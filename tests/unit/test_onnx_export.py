@@ -13,10 +13,10 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from llmc.compiler import awq_format as AF
-from llmc.compiler import gptq_format as GF
-from llmc.compiler.compressed_tensors import export_compressed_tensors
-from llmc.compiler.onnx_genai import UNQUANTIZED_NODES, check_scheme, export_onnx
+from llmc.formats import awq_format as AF
+from llmc.formats import gptq_format as GF
+from llmc.formats.compressed_tensors import export_compressed_tensors
+from llmc.formats.onnx_genai import UNQUANTIZED_NODES, check_scheme, export_onnx
 from llmc.engines.agreement import EXACT, kld_kind
 from llmc.engines.onnxrt import OnnxRuntimeEngine
 from llmc.engines.torch_ref import TorchEngine
@@ -129,7 +129,7 @@ def test_repacking_a_block_of_rows_at_a_time_writes_the_same_checkpoint(
         fmt: str, spec: TensorSpec, tiny_model_session: Path, tmp_path: Path, monkeypatch) -> None:
     """Blocks of 24 output rows (64-row Linears: 24 + 24 + 16, so the last block is short) against one block per
     Linear: the same bytes in every file, and the same float16-scale error (nonzero: these scales are float32)."""
-    from llmc.compiler import files
+    from llmc.formats import files
 
     quantize_model(ModelSource(tiny_model_session, "test", str(tiny_model_session)), Scheme(spec), tmp_path / "q",
                    calibration=None)
@@ -216,7 +216,7 @@ def test_graph_uses_ort_fused_ops_and_keeps_unquantized_tensors_float(exported) 
 
 
 def test_rotary_check_catches_a_misread_rope_theta(exported) -> None:
-    from llmc.compiler.onnx_genai import _rotary_error
+    from llmc.formats.onnx_genai import _rotary_error
 
     qm, folder, _ = exported["g32-sym"]
     config = dict(qm.config)
@@ -287,7 +287,7 @@ def test_refuses_what_matmulnbits_cannot_hold_exactly() -> None:
 
 
 def test_planner_accepts_w4a16_and_refuses_dynamic_w8a8_for_onnxruntime() -> None:
-    from llmc.plan import check_target
+    from llmc.planning.plan import check_target
     from llmc.recipe.schema import Target
 
     target = Target(runtime="onnxruntime", gpu_arch="cpu")
@@ -314,7 +314,7 @@ def test_engine_names_a_damaged_artifact(exported, tmp_path: Path) -> None:
 
 
 def test_inspect_describes_the_folder(exported) -> None:
-    from llmc.registry.inspect import describe
+    from llmc.publish.inspect import describe
 
     _, folder, _ = exported["g32-sym"]
     text = describe(folder)
@@ -400,9 +400,9 @@ def test_onnxruntime_genai_awq_loader_reads_llmc_awq_to_the_canonical_weights(ex
 
 
 def test_lmdeploy_and_exllamav2_targets_plan_build_and_inspect(exported, tmp_path: Path) -> None:
-    from llmc.plan import check_target
+    from llmc.planning.plan import check_target
     from llmc.recipe.schema import Target
-    from llmc.registry.inspect import describe
+    from llmc.publish.inspect import describe
 
     assert check_target(SCHEMES["g32-sym"], Target(runtime="lmdeploy", gpu_arch="sm80"))[0] == "native"
     with pytest.raises(IncompatibleTargetError, match="sm75"):

@@ -1,5 +1,5 @@
-"""8-bit schemes as Q/DQ ONNX: the standard-op graph TensorRT builds engines from (llmc.compiler.onnx_qdq,
-no KV cache) and the onnxruntime-genai folder with the codes put back as Q/DQ (llmc.compiler.onnx_genai,
+"""8-bit schemes as Q/DQ ONNX: the standard-op graph TensorRT builds engines from (llmc.formats.onnx_qdq,
+no KV cache) and the onnxruntime-genai folder with the codes put back as Q/DQ (llmc.formats.onnx_genai,
 KV cache + fused attention): codes in the graph, numerics against the torch reference of the same
 canonical form, refusals, and the build wiring. Tiny random llama; onnxruntime runs on the CPU in the
 default test run; the TensorRT engine test needs a GPU with the tensorrt package."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 from onnx import TensorProto, numpy_helper
 
-from llmc.targets import runtime
-from llmc.compiler.compressed_tensors import export_compressed_tensors
-from llmc.compiler.onnx_qdq import check_scheme, export_onnx_qdq
+from llmc.runtimes import runtime
+from llmc.formats.compressed_tensors import export_compressed_tensors
+from llmc.formats.onnx_qdq import check_scheme, export_onnx_qdq
 from llmc.engines.onnxrt import OnnxRuntimeEngine
 from llmc.engines.torch_ref import TorchEngine
 from llmc.errors import IncompatibleTargetError
@@ -177,7 +177,7 @@ def test_refusals_name_the_fix() -> None:
 
 
 def test_targets_route_to_the_qdq_exporters_and_the_planner_checks_them() -> None:
-    from llmc.plan import check_target
+    from llmc.planning.plan import check_target
     from llmc.recipe.schema import Target
 
     assert runtime("onnxruntime").format_for(None) == "onnx"  # onnxruntime-genai folder (MatMulNBits or Q/DQ)
@@ -200,9 +200,9 @@ def test_inspect_and_triton_read_the_qdq_folder(exported, tmp_path: Path) -> Non
     from tritonclient.grpc import model_config_pb2
     from google.protobuf import text_format
 
-    from llmc.compiler.triton_repo import write_triton_repo
-    from llmc.registry.inspect import describe
-    from llmc.targets import artifact_format
+    from llmc.formats.triton_repo import write_triton_repo
+    from llmc.publish.inspect import describe
+    from llmc.runtimes import artifact_format
 
     _, folder, _ = exported["w8a8-int8-static"]
     text = describe(folder)
@@ -234,7 +234,7 @@ def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_mod
 
     from llmc.build import build
     from llmc.recipe import parse_recipe
-    from llmc.store import Store
+    from llmc.storage.store import Store
 
     recipe = parse_recipe(yaml.safe_dump({
         "name": "tiny-w8a8-static",
@@ -265,7 +265,7 @@ def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_mod
 @pytest.fixture(scope="module")
 def genai_folders(tmp_path_factory, exported) -> dict[str, Path]:
     """The onnxruntime-genai folder (builder graph + llmc's Q/DQ) for two of the schemes."""
-    from llmc.compiler.onnx_genai import export_onnx
+    from llmc.formats.onnx_genai import export_onnx
 
     root = tmp_path_factory.mktemp("genai-qdq")
     out = {}

@@ -14,10 +14,10 @@ from llmc.pipeline import ranks
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
-from llmc.plan import make_plan
+from llmc.planning.plan import make_plan
 from llmc.quant.flows import FLOWS, FlowNeeds, flow_for
 from llmc.recipe import parse_recipe
-from llmc.store import CorruptOutput, Store
+from llmc.storage.store import CorruptOutput, Store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,7 +129,7 @@ def test_the_store_is_looked_up_by_the_runner_only() -> None:
 
 def test_the_planner_and_the_stream_name_no_algorithm_or_format() -> None:
     names = ("gptq", "awq", "smoothquant", "compressed-tensors", "modelopt-hf", "gguf")
-    for module in ("llmc/plan.py", "llmc/quant/stream.py", "llmc/pipeline/quantize.py", "llmc/pipeline/export.py",
+    for module in ("llmc/planning/plan.py", "llmc/quant/stream.py", "llmc/pipeline/quantize.py", "llmc/pipeline/export.py",
                    "llmc/build.py"):
         code = [line.split("#")[0] for line in (REPO / module).read_text().splitlines()]
         quoted = [line for line in code if any(f'"{n}' in line.lower() or f"'{n}" in line.lower() for n in names)]
@@ -139,7 +139,7 @@ def test_the_planner_and_the_stream_name_no_algorithm_or_format() -> None:
 @pytest.mark.slow  # a fresh interpreter per module: ~30 s on an idle 2-core machine
 def test_no_import_cycle_through_the_pipeline() -> None:
     """Each pipeline module imports on its own, in a fresh interpreter (a cycle fails one of them)."""
-    modules = ["llmc.pipeline.stages", "llmc.pipeline.runner", "llmc.pipeline.evaluate", "llmc.build", "llmc.plan",
+    modules = ["llmc.pipeline.stages", "llmc.pipeline.runner", "llmc.pipeline.evaluate", "llmc.build", "llmc.planning.plan",
                "llmc.quant.flows", "llmc.quant.stream", "llmc.model.skeleton"]
     for m in modules:
         done = subprocess.run([sys.executable, "-c", f"import {m}"], cwd=REPO, capture_output=True, text=True)

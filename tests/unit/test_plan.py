@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from llmc.errors import IncompatibleTargetError
-from llmc.plan import IMPLEMENTED_ALGORITHMS, check_model, make_plan
+from llmc.planning.plan import IMPLEMENTED_ALGORITHMS, check_model, make_plan
 from llmc.recipe import parse_recipe
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"}, "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
@@ -122,7 +122,7 @@ def test_version_range_check_on_a_supported_scheme() -> None:
 
 def test_target_without_exporter_says_so(monkeypatch) -> None:
     # every runtime has an exporter today; a runtime whose exporter is missing must be named, with the alternatives
-    from llmc import targets
+    from llmc import runtimes as targets
 
     assert all(targets.is_implemented(f) for rt in targets.runtimes() for f in {r.format for r in rt.matrix_rows()})
     formats = dict(targets._FORMATS)
@@ -232,7 +232,7 @@ def _numel(shape) -> int:
 
 
 def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
-    from llmc.targets.matrix import render_matrix
+    from llmc.runtimes.matrix import render_matrix
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
     assert docs.read_text() == render_matrix(), "regenerate: llmc matrix --write docs/compatibility.md"
@@ -241,7 +241,7 @@ def test_docs_compatibility_matrix_is_generated_from_the_planner_data() -> None:
 def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     """The ONNX exporters hold the whole float32 model: the planner estimates it and refuses, with the
     fix, when the machine lacks the memory (before any weight loads)."""
-    import llmc.plan
+    import llmc.planning.plan
     from llmc.errors import ResourceError
 
     static_int8 = {"weights": {"format": "int8", "strategy": "channel"},
@@ -251,7 +251,7 @@ def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp
     assert need == pytest.approx(3 * plan.estimates["params"] * 4 / 1e9)
     assert "ONNX export" in plan.render()
     assert "export_memory_gb" not in make_plan(recipe(static_int8, {"runtime": "vllm"}), tiny_model, tmp_path).estimates
-    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 / 2))
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 / 2))
     with pytest.raises(ResourceError, match="holds the whole model in float32") as e:
         make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
     assert "more memory" in e.value.fix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmc.plan_resources import quantize_rate
+from llmc.planning.resources import quantize_rate
 
 
 @pytest.mark.parametrize("group_size", [32, 48, 96, 192, 128, 320])

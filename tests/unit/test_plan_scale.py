@@ -10,15 +10,15 @@ import pytest
 import torch
 import yaml
 
-import llmc.plan
+import llmc.planning.plan
 from llmc.errors import ResourceError
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.families import expert_count
 from llmc.quant.algorithms.awq import AwqOptions
-from llmc.plan import make_plan, plan_recipe
-from llmc.plan_shapes import from_config
+from llmc.planning.plan import make_plan, plan_recipe
+from llmc.planning.shapes import from_config
 from llmc.recipe import load_recipe, parse_recipe
-from llmc.store import Store
+from llmc.storage.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE_RECIPES = ["llama70b-fp8", "llama31-8b-int4-awq", "llama31-8b-w8a8-sq", "qwen3-8b-fp8", "qwen3-30b-a3b-fp8",
@@ -101,7 +101,7 @@ def test_a_plan_that_does_not_fit_refuses_before_loading_naming_the_cheaper_stra
         tiny_model: Path, monkeypatch) -> None:
     recipe = _tiny_recipe(tiny_model, calibration={"samples": 1024, "seq_len": 1024, "spill_activations": "never"})
     need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
-    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 * 0.8))
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.8))
     with pytest.raises(ResourceError) as e:
         make_plan(recipe, tiny_model)
     assert f"~{need:.1f} GB of host memory" in e.value.message and "available" in e.value.message
@@ -117,7 +117,7 @@ def test_a_build_whose_plan_does_not_fit_exits_4_before_any_weight_loads(tiny_mo
 
     recipe = _tiny_recipe(tiny_model, calibration={"samples": 4, "seq_len": 32})
     need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
-    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 * 0.5))
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.5))
     read: list[str] = []
     real_get_many = CheckpointReader.get_many
     monkeypatch.setattr(CheckpointReader, "get_many", lambda self, names: read.extend(names) or real_get_many(self, names))
@@ -139,7 +139,7 @@ def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_mo
     need = base["host_gb"] + base["mapped_gb"]  # the whole model mapped from its files, kept resident
     quantize = next(s for s in plan.estimates["stages"] if s["stage"].startswith("quantize"))
     assert quantize["host_gb"] + quantize["mapped_gb"] < need * 0.9  # so that the evaluation is what does not fit
-    monkeypatch.setattr(llmc.plan, "memory_available", lambda: int(need * 1e9 * 0.95))
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.95))
     with pytest.raises(ResourceError, match="eval torch baseline") as e:
         make_plan(recipe, model)
     assert "LLMC_TORCH_EVAL=streamed" in e.value.fix
@@ -170,11 +170,11 @@ def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, int((total - quantize / 2) * 1e9)))
     with pytest.raises(ResourceError, match="the build needs"):
-        llmc.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
+        llmc.planning.plan.check_disk(plan, tmp_path)  # everything still to write: does not fit
     with pytest.raises(ResourceError, match="the build needs"):  # pending: every row, named by its stage's ids
-        llmc.plan.check_disk(plan, tmp_path, {row.id for row in plan.rows})
+        llmc.planning.plan.check_disk(plan, tmp_path, {row.id for row in plan.rows})
     cached_quantize = {row.id for row in plan.rows if row.id.kind is not Kind.QUANTIZE}
-    llmc.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
+    llmc.planning.plan.check_disk(plan, tmp_path, cached_quantize)  # the canonical form is cached: the rest fits
 
 
 def test_each_evaluation_corpus_is_planned_its_time_and_disk(tiny_model: Path, tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
     """RTN quantizes a block of rows at a time (llmc.quant.numerics.BLOCK_ELEMENTS), so at 70B width its float32
     temporaries are one block's, not the 8192 x 28672 MLP projection's (1.9 GB); GPTQ and the smoothing transforms
     still copy the whole Linear, and are counted so."""
-    from llmc.plan_resources import ELEM, Machine, Shape, quantize_stage
+    from llmc.planning.resources import ELEM, Machine, Shape, quantize_stage
     from llmc.quant.numerics import BLOCK_ELEMENTS
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
@@ -242,7 +242,7 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     """AWQ's search is weight-bound, not token-bound: at 8B width with 32 calibration tokens it was 229 s of a
     layer whose forwards take 2 (docs/results.md). Each candidate scale of the lone up -> down mapping costs
     out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
-    from llmc.plan_resources import ELEM, Machine, Shape, matmul_rate, quantize_stage
+    from llmc.planning.resources import ELEM, Machine, Shape, matmul_rate, quantize_stage
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
@@ -262,12 +262,12 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
 
 
 def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repacking_time(tmp_path: Path) -> None:
-    """The GPTQ / AWQ layouts repack a block of rows at a time (llmc.compiler.files.write_repacked_checkpoint): one
+    """The GPTQ / AWQ layouts repack a block of rows at a time (llmc.formats.files.write_repacked_checkpoint): one
     shard of packed layers allocated, the largest Linear's packed blocks twice (the blocks and their concatenation)
     and one block's temporaries, not compressed-tensors' one shard + one layer's codes; and the repacking's time on
     top of writing and hashing the same number of bytes."""
-    from llmc.compiler.files import MAX_SHARD_BYTES
-    from llmc.plan_resources import PROCESS_BYTES, REPACK_BLOCK_BYTES, REPACK_RATE
+    from llmc.formats.files import MAX_SHARD_BYTES
+    from llmc.planning.resources import PROCESS_BYTES, REPACK_BLOCK_BYTES, REPACK_RATE
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)

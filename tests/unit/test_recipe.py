@@ -153,7 +153,7 @@ EXPECTED_SCHEMES = {
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipes_parse_and_plan(path: Path) -> None:
-    from llmc.plan import make_plan
+    from llmc.planning.plan import make_plan
 
     recipe = load_recipe(path)
     assert recipe.name == path.stem

@@ -24,9 +24,9 @@ from click.testing import CliRunner
 
 from llmc.cli import main
 from llmc.errors import ResourceError
-from llmc.resource_errors import (DISK_FULL, GPU_OUT_OF_MEMORY, IO_ERROR, OUT_OF_MEMORY, QUOTA, resource_error,
+from llmc.storage.resource_errors import (DISK_FULL, GPU_OUT_OF_MEMORY, IO_ERROR, OUT_OF_MEMORY, QUOTA, resource_error,
                                   resource_kind)
-from llmc.store import atomic_save_safetensors, resource_errors
+from llmc.storage.store import atomic_save_safetensors, resource_errors
 from tests.unit.build_helpers import (every_stage_recipe, nothing_half_written_looks_complete,
                                       published_artifact_hashes, small_corpus_file, use_corpus_file)
 
@@ -133,7 +133,7 @@ class _FullFile:
 class FullDisk:
     """Every write to a path matching `pattern` fails as on a full disk, through the low-level function each
     write site calls: safetensors' save_file, the file llmc's atomic writers open (os.fdopen), shutil.copyfile
-    (tokenizer files), the file a registry entry's own copy opens (llmc.store_links.clone_or_copy), and the file
+    (tokenizer files), the file a registry entry's own copy opens (llmc.storage.links.clone_or_copy), and the file
     gguf's writer opens. `hits` counts the failed writes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pattern: str) -> None:
@@ -141,7 +141,7 @@ class FullDisk:
         import safetensors.torch
 
         import llmc.quant.activations
-        import llmc.store_links
+        import llmc.storage.links
 
         self.pattern, self.hits = pattern, 0
         real_save, real_fdopen, real_copyfile = safetensors.torch.save_file, os.fdopen, shutil.copyfile
@@ -169,7 +169,7 @@ class FullDisk:
         monkeypatch.setattr(os, "fdopen", fdopen)
         monkeypatch.setattr(shutil, "copyfile", copyfile)
         monkeypatch.setattr(gguf.gguf_writer, "open", open_, raising=False)
-        monkeypatch.setattr(llmc.store_links, "open", open_, raising=False)
+        monkeypatch.setattr(llmc.storage.links, "open", open_, raising=False)
 
     def _full(self, path) -> bool:
         hit = fnmatch.fnmatch(str(path), self.pattern)
@@ -292,7 +292,7 @@ def test_resource_error_escaping_any_seam_is_still_exit_4(tmp_path: Path) -> Non
 
     out = tmp_path / "matrix.md"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("llmc.store.atomic_write_text", matrix_write)
+        mp.setattr("llmc.storage.store.atomic_write_text", matrix_write)
         result = CliRunner().invoke(llmc.cli.main, ["matrix", "--write", str(out)])
     assert result.exit_code == 4 and "Traceback" not in result.stderr
     assert f"disk full under {out}" in result.stderr
@@ -326,14 +326,14 @@ def test_build_on_a_real_filesystem_that_fills_up(seed: int, small_filesystem: P
                                                   corpus: Path, clean_build: dict[str, str], monkeypatch) -> None:
     """Cache and registry on a tmpfs of a seeded random size below what the build needs: exit 4 wherever it
     fills; grown to enough, the rerun publishes the clean build's bytes."""
-    import llmc.plan
+    import llmc.planning.plan
 
     use_corpus_file(corpus, monkeypatch.setattr)
     refused = _cli_build(small_filesystem, tiny_model_session)  # the planner sees 64 KiB free and refuses first
     assert refused.exit_code == 4 and f"under {small_filesystem}/cache" in refused.stderr, refused.stderr
     # Past the planner (its estimate is generous), the disk fills wherever the seeded size runs out.
     real_usage = shutil.disk_usage
-    monkeypatch.setattr(llmc.plan.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40))
+    monkeypatch.setattr(llmc.planning.plan.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40))
     sizes = random.Random(seed).sample(range(16, 1600, 8), 3)  # KiB; the build writes ~1.9 MB
     for size_kib in sorted(sizes):
         _resize(small_filesystem, size_kib * 1024)

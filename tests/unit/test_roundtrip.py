@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.torch_ref import TorchEngine
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
@@ -157,7 +157,7 @@ def test_w4afp8_config_is_the_compressed_tensors_preset_vllm_loads() -> None:
     `_is_fp8_w4a8` matches) in the pack-quantized layout (CompressedTensorsW4A8Fp8 loads `weight_packed`)."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from llmc.compiler.compressed_tensors import quantization_config
+    from llmc.formats.compressed_tensors import quantization_config
 
     scheme = Scheme(TensorSpec("int4", "group", group_size=128), TensorSpec("fp8_e4m3", "token", dynamic=True))
     cfg = quantization_config(scheme)

@@ -107,7 +107,7 @@ def test_a_malformed_index_is_refused(sharded, text):
 
 
 def test_plan_shapes_come_from_the_indexed_shards_headers(sharded):
-    from llmc.plan_shapes import from_headers
+    from llmc.planning.shapes import from_headers
 
     tensors = from_headers(sharded)  # what make_plan reads
     shapes, params = tensors.linear_shapes(), tensors.params
@@ -129,8 +129,8 @@ def test_the_index_enters_the_source_hash(sharded, store):
 def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
     """The source's index names the source's shards: neither the quantized form nor an artifact may carry it (an
     artifact with it would name shards it does not have and fail to load; seen on a 70B-width build)."""
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
-    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.formats.modelopt_hf import export_modelopt_hf
     from llmc.model.source import ModelSource
     from llmc.quant import stream
     from llmc.quant.canonical import QuantizedModel
@@ -149,7 +149,7 @@ def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
 def test_write_shards_writes_each_shard_before_reading_past_it(tmp_path):
     """An export holds one shard at a time: a shard is on disk before the parts after it are read; the shards and
     the index written at the end read back as the parts."""
-    from llmc.compiler.files import write_shards
+    from llmc.formats.files import write_shards
 
     parts = [{f"t{i}": torch.full((25,), float(i))} for i in range(7)]  # 100 bytes each: shards of two parts
 

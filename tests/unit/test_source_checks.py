@@ -46,7 +46,7 @@ def fp8_artifact(tiny_model_session: Path, tmp_path_factory) -> Path:
     """llmc's own FP8 output (compressed-tensors, as the vllm target writes it), with a model card naming its
     parent as a Hub id."""
     import llmc.quant.stream as stream
-    from llmc.compiler.compressed_tensors import export_compressed_tensors
+    from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec

@@ -26,7 +26,7 @@ from llmc.cli import main  # noqa: E402
 from llmc.errors import InputError  # noqa: E402
 from llmc.model.checkpoint import read_model_config  # noqa: E402
 from llmc.model.source import _from_folder, resolve_source  # noqa: E402
-from llmc.store import Store  # noqa: E402
+from llmc.storage.store import Store  # noqa: E402
 
 SECRET = b"TOPSECRET-4f1c2d\nroot:$6$salt$hash:19000:0:99999:7:::\n"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llmc.store import Store
-from llmc.store_links import LINK_MIN_BYTES, clone_or_copy, sweep_blobs
+from llmc.storage.store import Store
+from llmc.storage.links import LINK_MIN_BYTES, clone_or_copy, sweep_blobs
 
 WEIGHTS = os.urandom(LINK_MIN_BYTES + 5)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmc.compiler.compressed_tensors import export_compressed_tensors
+from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.torch_ref import TorchEngine
 from llmc.engines.torch_stream import choose_streamed
 from llmc.model.source import ModelSource

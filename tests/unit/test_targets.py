@@ -1,4 +1,4 @@
-"""The target registry (llmc.targets): each runtime's record, looked up by the planner, build, inspect and docs."""
+"""The target registry (llmc.runtimes): each runtime's record, looked up by the planner, build, inspect and docs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc import targets
+from llmc import runtimes as targets
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.recipe.schema import Target
@@ -15,7 +15,7 @@ W4_G32 = Scheme(TensorSpec("int4", "group", group_size=32))
 
 
 def test_exllamav2_target_gets_gptq_checkpoints_on_cuda_only() -> None:
-    from llmc.plan import check_target
+    from llmc.planning.plan import check_target
 
     rt = targets.runtime("exllamav2")
     assert rt.format == "gptq" and targets.format_for(Target(runtime="exllamav2")).name == "gptq"
@@ -31,7 +31,7 @@ def test_exllamav2_target_gets_gptq_checkpoints_on_cuda_only() -> None:
 
 
 def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() -> None:
-    from llmc.targets.base import ARCH_ORDER
+    from llmc.runtimes.base import ARCH_ORDER
 
     assert len(targets.runtimes()) == 10
     for rt in targets.runtimes():
@@ -64,11 +64,11 @@ def test_registering_a_name_twice_is_refused() -> None:
 
 def test_stage_configs_are_the_keys_builds_had_before_the_registry(tiny_model_session: Path, tmp_path: Path) -> None:
     """Artifacts in users' caches stay valid: each format's stage config is what llmc.build hashed before."""
-    from llmc.compiler.compressed_tensors import vllm_serve_args
+    from llmc.formats.compressed_tensors import vllm_serve_args
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.stream import quantize_model
-    from llmc.targets import ExportRequest, target_key
+    from llmc.runtimes import ExportRequest, target_key
 
     out = tmp_path / "q"
     quantize_model(ModelSource(folder=tiny_model_session, sha256="x", origin="test"), W4_G32, out, calibration=None)
@@ -97,7 +97,7 @@ def test_reports_and_registry_import_neither_the_orchestrator_nor_an_engine() ->
     import subprocess
     import sys
 
-    code = ("import sys, llmc.eval.report, llmc.registry.local, llmc.registry.inspect, llmc.result\n"
+    code = ("import sys, llmc.eval.report, llmc.publish.local, llmc.publish.inspect, llmc.result\n"
             "print(sorted(m for m in sys.modules if m == 'llmc.build'\n"
             "             or m.startswith('llmc.engines.') and m != 'llmc.engines.registry'))")  # the registry is data
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

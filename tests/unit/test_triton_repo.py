@@ -13,9 +13,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from llmc.compiler.compressed_tensors import export_compressed_tensors, vllm_serve_args
-from llmc.compiler.onnx_genai import export_onnx
-from llmc.compiler.triton_repo import model_name, write_triton_repo
+from llmc.formats.compressed_tensors import export_compressed_tensors, vllm_serve_args
+from llmc.formats.onnx_genai import export_onnx
+from llmc.formats.triton_repo import model_name, write_triton_repo
 from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
@@ -77,9 +77,9 @@ def test_onnxruntime_backend_repository_lists_the_graph_tensors(quantized: Quant
 
 
 def test_triton_is_refused_where_there_is_no_backend_for_the_artifact() -> None:
-    from llmc.plan import check_target
+    from llmc.planning.plan import check_target
     from llmc.recipe.schema import Target
-    from llmc.targets import triton_backend
+    from llmc.runtimes import triton_backend
 
     with pytest.raises(IncompatibleTargetError) as e:
         triton_backend(Target(runtime="llama.cpp", gpu_arch="cpu"))
@@ -162,7 +162,7 @@ def test_tensorrt_llm_python_backend_repository(quantized: QuantizedModel, tmp_p
     import numpy as np
     import yaml
 
-    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.formats.modelopt_hf import export_modelopt_hf
 
     artifact = tmp_path / "trt"
     export_modelopt_hf(quantized, artifact, tensor_parallel=2, max_batch_size=4)
@@ -212,7 +212,7 @@ def test_tensorrt_llm_python_backend_generates_on_a_gpu(quantized: QuantizedMode
     import numpy as np
 
     pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is not installed (GPU machines, its own environment)")
-    from llmc.compiler.modelopt_hf import export_modelopt_hf
+    from llmc.formats.modelopt_hf import export_modelopt_hf
 
     artifact = tmp_path / "trt"
     export_modelopt_hf(quantized, artifact)

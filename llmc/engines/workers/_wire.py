@@ -18,7 +18,7 @@ and the worker answers in the same folder with
                    means the worker finished.
 or, when the worker failed with an exception,
     error.json     {"types": the exception's class names (MRO), "errno": int or null, "message": str}, for llmc
-                   to tell a resource failure (disk full, out of memory) from any other (llmc.resource_errors).
+                   to tell a resource failure (disk full, out of memory) from any other (llmc.storage.resource_errors).
 
 llmc imports this file as llmc.engines.workers._wire; a worker imports it as `_wire` (its own folder is on
 sys.path when it runs as a script).

@@ -1,0 +1,160 @@
+"""Export the canonical quantized form as a compressed-tensors checkpoint (vLLM, SGLang, TGI).
+
+The config is built with compressed-tensors' own pydantic classes; int4 codes are packed with its
+`pack_to_int32`. Our codes already follow its conventions (signed codes, zero points in the signed
+range), so every tensor is written as computed — nothing is re-rounded on export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmc.formats.files import SERVE_FILE, copy_tokenizer_files, write_shards
+from llmc.errors import IncompatibleTargetError
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.storage.store import atomic_write_json
+
+
+def _args(spec: TensorSpec):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    fields = dict(
+        num_bits=spec.bits,
+        type="float" if spec.info.is_float else "int",
+        strategy=spec.strategy,
+        symmetric=spec.symmetric,
+        dynamic=spec.dynamic,
+    )
+    if spec.strategy == "group":
+        fields["group_size"] = spec.group_size
+    return QuantizationArgs(**fields)
+
+
+def check_scheme(scheme: Scheme) -> None:
+    """Refuse what vLLM's compressed-tensors loader would not match to a kernel (raised before any weight loads)."""
+    w, a = scheme.weights, scheme.activations
+    if scheme.name == "W4AFP8" and not (w.strategy == "group" and w.group_size == 128 and w.symmetric
+                                         and a.strategy == "token" and a.dynamic):
+        raise IncompatibleTargetError(
+            f"vLLM's W4A8-FP8 kernel takes symmetric int4 weights in groups of 128 with dynamic per-token FP8 "
+            f"activations; this scheme has weights {w.describe()}, activations {a.describe()}",
+            fix="weights {format: int4, strategy: group, group_size: 128}, activations {format: fp8_e4m3, "
+            "strategy: token, dynamic: true}",
+        )
+
+
+def vllm_load_rounding(scheme: Scheme) -> str | None:
+    """What vLLM changes in this scheme's weights at load, which llmc's evaluation (code x stored scale) does not
+    see; None when it changes nothing. Costs measured on Gemma-3-270M (benchmarks/w4afp8_kernel_rounding.py)."""
+    if scheme.name != "W4AFP8" or scheme.weights.scale_grid == "fp8_row":
+        return None
+    what = "vLLM's W4A8-FP8 kernel rounds the int4 group scales onto a per-row FP8 grid at load, which the evaluation "
+    if scheme.algorithm == "awq":
+        return what + ("does not see (+0.9% perplexity for AWQ); AWQ quantized on that grid measured worse "
+                       "(docs/results.md), so it keeps plain scales; fix: none needed, or algorithm gptq, which "
+                       "quantizes on the grid (+0.0% at load)")
+    return what + ("does not see (+1.3% perplexity for GPTQ); fix: remove 'scale_grid: float' so the scales are "
+                   "quantized on that grid")
+
+
+def compression_format(scheme: Scheme) -> str:
+    w = scheme.weights
+    if w.format == "int4" or (w.format == "int8" and scheme.activations is None):
+        return "pack-quantized"
+    if w.format == "fp8_e4m3":
+        return "float-quantized"
+    if w.format == "int8":
+        return "int-quantized"
+    raise NotImplementedError(f"compressed-tensors export of {w.format} weights is not implemented")
+
+
+def quantization_config(scheme: Scheme, unquantized: tuple[str, ...] = ()) -> dict:
+    """compressed-tensors' quantization_config; `unquantized`: more modules for `ignore` (MoE routers, which vLLM
+    builds as Linear layers and would otherwise expect quantized)."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    group = QuantizationScheme(
+        targets=["Linear"],
+        weights=_args(scheme.weights),
+        input_activations=_args(scheme.activations) if scheme.activations else None,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": group},
+        format=compression_format(scheme),
+        quantization_status="compressed",
+        kv_cache_scheme=_args(scheme.kv_cache) if scheme.kv_cache else None,
+        ignore=list(scheme.ignore) + [u for u in unquantized if u not in scheme.ignore],
+    )
+    d = config.model_dump(exclude_none=False)
+    d["quant_method"] = "compressed-tensors"
+    from compressed_tensors import __version__ as ct_version
+
+    d["version"] = ct_version
+    # None-valued keys clutter the config and older readers (vLLM pins an older
+    # compressed-tensors) reject some; keep only what is set.
+    return _drop_none(d)
+
+
+def _drop_none(x):
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
+    return x
+
+
+def compressed_module_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename/pack one file's canonical tensors into compressed-tensors' on-disk names."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    scheme = qm.scheme
+    packed = compression_format(scheme) == "pack-quantized"
+    out = dict(tensors)
+    if not packed:
+        return out
+    bits = scheme.weights.bits
+    for name in qm.quantized_modules:
+        codes = out.pop(f"{name}.weight", None)
+        if codes is None:
+            continue
+        out[f"{name}.weight_packed"] = pack_to_int32(codes, bits)
+        out[f"{name}.weight_shape"] = torch.tensor(list(codes.shape), dtype=torch.int64)
+        zp = out.pop(f"{name}.weight_zero_point", None)
+        if zp is not None:
+            out[f"{name}.weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+    return out
+
+
+def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict | None = None) -> list[Path]:
+    """Write config.json, sharded safetensors + index, tokenizer files and runtime arguments."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_shards(out, (compressed_module_tensors(qm, t) for t in qm.iter_files()))
+    config = dict(qm.config)
+    # MoE: experts are written per expert under the family's Hub names (the canonical names: llmc.quant.moe), the
+    # layout vLLM's fused-MoE loaders read; the routers stay in high precision and are ignored.
+    config["quantization_config"] = quantization_config(qm.scheme, tuple((qm.meta.get("moe") or {}).get("ignore", ())))
+    config["dtype"] = qm.meta.get("dtype", "float32")
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    copy_tokenizer_files(qm.root, out)
+    if serve_args is not None:
+        atomic_write_json(out / SERVE_FILE, serve_args)
+    return written
+
+
+def vllm_serve_args(qm: QuantizedModel, *, tensor_parallel: int, max_model_len: int | None) -> dict:
+    """The arguments `vllm serve` / `vllm.LLM` need to run this artifact as built."""
+    args = {
+        "quantization": "compressed-tensors",
+        "dtype": qm.meta.get("dtype", "float32") if qm.meta.get("dtype") != "float32" else "auto",
+        "tensor_parallel_size": tensor_parallel,
+        "kv_cache_dtype": "fp8" if qm.scheme.kv_cache and qm.scheme.kv_cache.format == "fp8_e4m3" else "auto",
+    }
+    if max_model_len:
+        args["max_model_len"] = max_model_len
+    return {"vllm": args, "command": "vllm serve <artifact> " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in args.items())}

@@ -1,0 +1,850 @@
+"""Export the canonical quantized form as a GGUF file plus an Ollama Modelfile (llama.cpp, Ollama).
+
+Written with the `gguf` library's GGUFWriter, streaming: tensor infos come from the files' headers,
+then each canonical file (one decoder layer) is converted and appended, so peak memory is one layer.
+
+Type mapping (GGUF block formats hold 32 weights along the input dimension with one fp16 scale):
+
+    canonical weights                       GGUF      how
+    int8 symmetric, per-tensor/channel or   Q8_0      codes copied, block scale = the canonical scale in fp16
+      group with group % 32 == 0
+    int4 symmetric, same granularities      Q4_0      nibble = code + 8, block scale = canonical scale in fp16
+    int4 asymmetric, same granularities     Q4_1      nibble = code + 8, d = scale, m = -(zero_point + 8) * scale
+    any other int8 / int4 grid              Q8_0/Q4_0/Q4_1, requantized in blocks of 32 from the dequantized
+      (group not a multiple of 32,            canonical weights with gguf.quants (adds rounding error; reported)
+      asymmetric int8)
+    fp8 / nvfp4                             refused: llama.cpp has no such weight type here
+    norms, biases                           F32 (exact)
+    token_embd / untied output              F16 by default (the lm_head is left unquantized by the scheme and a
+                                            tied lm_head *is* token_embd in llama.cpp), or Q8_0 / F32 on request
+
+Re-packing the codes is exact except for rounding each scale to fp16 (relative error <= 2^-11, well below
+the quantization step); requantizing from dequantized weights instead would add up to half a Q-step of
+fresh rounding per weight. Every written block is decoded again with gguf.quants and the added error
+against the canonical dequantized weights is measured, logged and stored in llmc-serve.json; the type
+plan itself is in the GGUF's `llmc.*` metadata.
+
+Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.py does (Hugging Face
+keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
+interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
+
+Activations: llama.cpp quantizes activations itself (dynamic, blocks of 32) for Q8_0/Q4 matmuls, so a
+W8A8 scheme's activation settings are not carried; a KV-cache scheme maps to llama.cpp's runtime
+`--cache-type-k/v q8_0` option (noted in llmc-serve.json), fp8 KV is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from llmc import __version__
+
+from llmc.telemetry import events
+from llmc.formats.files import SERVE_FILE
+from llmc.errors import IncompatibleTargetError, InputError
+from llmc.telemetry.progress import log
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import TensorSpec
+from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
+
+GGUF_FILE = "model.gguf"
+MODELFILE = "Modelfile"
+BLOCK = 32  # Q8_0 / Q4_0 / Q4_1 block size
+EMBEDDING_TYPES = ("f16", "q8_0", "f32")
+GGUF_OPTIONS = {"embedding_type": "f16", "requantize": False}  # what `llmc build` uses (part of its cache key)
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """How one Hugging Face model family becomes a llama.cpp architecture. Tensor names come from the gguf
+    package's own tables for that architecture (gguf.TensorNameMap), so a family is one row here."""
+
+    arch: str  # gguf.MODEL_ARCH member
+    permute_qk: bool  # llama.cpp's rotary kernel for this architecture wants q/k rows interleaved (Llama-style)
+    norm_offset: float = 0.0  # added to every norm weight: Gemma's norms multiply by (1 + weight), llama.cpp by weight
+
+
+# As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily("LLAMA", permute_qk=True),
+    "mistral": GgufFamily("LLAMA", permute_qk=True),
+    "granite": GgufFamily("GRANITE", permute_qk=True),
+    "qwen2": GgufFamily("QWEN2", permute_qk=False),
+    "qwen3": GgufFamily("QWEN3", permute_qk=False),
+    "phi3": GgufFamily("PHI3", permute_qk=False),
+    "olmo2": GgufFamily("OLMO2", permute_qk=False),
+    "gemma2": GgufFamily("GEMMA2", permute_qk=False, norm_offset=1.0),
+    "gemma3": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
+    "gemma3_text": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
+}
+SUPPORTED_MODEL_TYPES = tuple(GGUF_FAMILIES)
+_CANONICAL_EXTRAS = (".weight_scale", ".weight_zero_point", ".input_scale", ".k_scale", ".v_scale")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - gguf is a core dependency
+        raise InputError("the GGUF exporter needs the `gguf` package", fix="pip install gguf") from None
+    return gguf
+
+
+# --------------------------------------------------------------------------- q/k permutation
+
+
+def llama_permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q/k projection (or its scales, codes, bias) from HF's rotary layout to llama.cpp's.
+
+    Within each head the rows [x_0..x_{d/2-1} | y_0..y_{d/2-1}] become [x_0, y_0, x_1, y_1, ...].
+    `n_head` is the number of heads the rows hold: attention heads for q, KV heads for k.
+    """
+    rows = t.shape[0]
+    if rows % (2 * n_head):
+        raise InputError(f"cannot permute {rows} rows into {n_head} rotary heads")
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def llama_unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of `llama_permute`."""
+    rows = t.shape[0]
+    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+# --------------------------------------------------------------------------- block packing
+
+
+def _block_scales(scale: torch.Tensor, shape: tuple[int, int], spec: TensorSpec) -> np.ndarray:
+    """The canonical scale (or zero point) of every 32-block: [rows, cols // 32]."""
+    rows, cols = shape
+    nb = cols // BLOCK
+    s = scale.reshape(scale.shape[0] if scale.dim() > 1 else 1, -1)
+    if spec.strategy == "group":
+        s = s.repeat_interleave(spec.group_size // BLOCK, dim=1)
+    return s.expand(rows, nb).numpy() if s.shape != (rows, nb) else s.numpy()
+
+
+def _fp16(x: np.ndarray, what: str) -> np.ndarray:
+    h = x.astype(np.float16)
+    if not np.isfinite(h).all():
+        raise InputError(f"{what}: a block scale does not fit fp16 (|scale| > 65504); GGUF blocks store fp16 scales")
+    return h
+
+
+def pack_q8_0(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """int8 codes [rows, cols] with one scale per 32-block [rows, cols//32] -> Q8_0 bytes [rows, cols//32*34]."""
+    rows, cols = codes.shape
+    nb = cols // BLOCK
+    out = np.empty((rows, nb, 2 + BLOCK), dtype=np.uint8)
+    out[..., :2] = _fp16(scales, "Q8_0").reshape(rows, nb, 1).view(np.uint8)
+    out[..., 2:] = codes.astype(np.int8).reshape(rows, nb, BLOCK).view(np.uint8)
+    return out.reshape(rows, nb * (2 + BLOCK))
+
+
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    rows, cols = codes.shape
+    nib = (codes.astype(np.int16) + 8).astype(np.uint8).reshape(rows, cols // BLOCK, BLOCK)
+    return nib[..., : BLOCK // 2] | (nib[..., BLOCK // 2 :] << np.uint8(4))
+
+
+def pack_q4_0(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Signed int4 codes in [-8, 7] -> Q4_0 (value = (nibble - 8) * d), 18 bytes per block."""
+    rows, cols = codes.shape
+    nb = cols // BLOCK
+    out = np.empty((rows, nb, 2 + BLOCK // 2), dtype=np.uint8)
+    out[..., :2] = _fp16(scales, "Q4_0").reshape(rows, nb, 1).view(np.uint8)
+    out[..., 2:] = _nibbles(codes)
+    return out.reshape(rows, -1)
+
+
+def pack_q4_1(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> np.ndarray:
+    """Asymmetric int4 ((code - zp) * s, codes and zp signed) -> Q4_1 (value = nibble * d + m), 20 bytes/block."""
+    rows, cols = codes.shape
+    nb = cols // BLOCK
+    out = np.empty((rows, nb, 4 + BLOCK // 2), dtype=np.uint8)
+    out[..., :2] = _fp16(scales, "Q4_1").reshape(rows, nb, 1).view(np.uint8)
+    m = -(zero_points.astype(np.float32) + 8.0) * scales
+    out[..., 2:4] = _fp16(m, "Q4_1").reshape(rows, nb, 1).view(np.uint8)
+    out[..., 4:] = _nibbles(codes)
+    return out.reshape(rows, -1)
+
+
+# --------------------------------------------------------------------------- the type plan
+
+
+@dataclass(frozen=True)
+class TypePlan:
+    """What the scheme's weights become in GGUF, and how."""
+
+    weight_type: str  # GGMLQuantizationType name: Q8_0, Q4_0, Q4_1
+    method: str  # "repacked" (codes copied, scales to fp16) or "requantized" (from dequantized weights)
+    file_type: str  # LlamaFileType name
+    embedding_type: str  # F16, Q8_0, F32
+    reason: str
+
+    def describe(self) -> str:
+        return f"linear weights {self.weight_type} ({self.method}: {self.reason}); embeddings {self.embedding_type}"
+
+
+def type_plan(spec: TensorSpec, embedding_type: str = "f16", requantize: bool = False) -> TypePlan:
+    if spec.format in ("fp8_e4m3", "nvfp4"):
+        raise IncompatibleTargetError(
+            f"GGUF has no {spec.format} weight type that llama.cpp runs; llama.cpp/Ollama cannot take this scheme",
+            fix="quantize for llama.cpp/Ollama with int8 (W8A16-INT8 -> Q8_0) or int4 (W4A16 -> Q4_0/Q4_1) weights",
+        )
+    if embedding_type not in EMBEDDING_TYPES:
+        raise InputError(f"unknown GGUF embedding type {embedding_type!r}", fix=f"use one of {EMBEDDING_TYPES}")
+    aligned = spec.strategy in ("tensor", "channel") or (spec.strategy == "group" and spec.group_size % BLOCK == 0)
+    if spec.format == "int8":
+        wtype, ftype = "Q8_0", "MOSTLY_Q8_0"
+        repack = spec.symmetric and aligned
+        why = ("per-" + spec.strategy if spec.strategy != "group" else f"group {spec.group_size}") + " int8 grid"
+        if not spec.symmetric:
+            why = "Q8_0 has no zero point; asymmetric int8 requantized"
+    else:
+        wtype, ftype = ("Q4_0", "MOSTLY_Q4_0") if spec.symmetric else ("Q4_1", "MOSTLY_Q4_1")
+        repack = aligned
+        why = f"int4 {'group ' + str(spec.group_size) if spec.strategy == 'group' else spec.strategy} grid"
+        if spec.strategy == "group" and not aligned:
+            why = f"canonical group size {spec.group_size} differs from GGUF's blocks of {BLOCK}: requantized"
+    if repack and requantize:
+        why += "; requantization forced"
+    elif repack:
+        why += f" fits {wtype} blocks of {BLOCK} exactly"
+    elif "requantized" not in why:
+        why += f" does not fit {wtype} blocks of {BLOCK}: requantized from the dequantized weights"
+    method = "repacked" if repack and not requantize else "requantized"
+    return TypePlan(wtype, method, ftype, embedding_type.upper(), why)
+
+
+# --------------------------------------------------------------------------- model metadata
+
+
+@dataclass
+class _Arch:
+    n_layers: int
+    hidden: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn: int
+    ctx: int
+    rope_theta: float
+    rms_eps: float
+    vocab: int
+    tied: bool
+    rope_scaling: tuple[str, float] | None
+    family: GgufFamily
+    config: dict
+
+    @property
+    def gguf_arch(self):
+        return _gguf().MODEL_ARCH[self.family.arch]
+
+    def tensor_names(self):
+        """The gguf package's Hugging Face -> llama.cpp tensor-name table for this architecture."""
+        return _gguf().get_tensor_name_map(self.gguf_arch, self.n_layers)
+
+
+def _arch(config: dict) -> _Arch:
+    mt = config.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise IncompatibleTargetError(
+            f"the GGUF exporter writes the families {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {mt!r}",
+            fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this architecture",
+        )
+    if config.get("mlp_bias"):
+        raise IncompatibleTargetError("the GGUF exporter does not write MLP biases (mlp_bias=true)")
+    rope = dict(config.get("rope_parameters") or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): llama.cpp's base is the global one
+        rope = dict(rope["full_attention"])
+    scaling = config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
+    factor = scaling.get("factor", rope.get("factor"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise IncompatibleTargetError(
+            f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default, linear and llama3 are)",
+            fix="target a compressed-tensors runtime for this model",
+        )
+    n_head = config["num_attention_heads"]
+    return _Arch(
+        n_layers=config["num_hidden_layers"],
+        hidden=config["hidden_size"],
+        n_head=n_head,
+        n_head_kv=config.get("num_key_value_heads") or n_head,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+        ffn=config["intermediate_size"],
+        ctx=config.get("max_position_embeddings", 2048),
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        vocab=config["vocab_size"],
+        tied=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=(rope_type, float(factor or 1.0)) if rope_type in ("linear", "llama3") else None,
+        family=GGUF_FAMILIES[mt],
+        config=config,
+    )
+
+
+def gguf_name(hf_name: str, names) -> str | None:
+    """llama.cpp's name for a Hugging Face tensor, from the architecture's gguf.TensorNameMap (None: none)."""
+    return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@dataclass
+class Vocab:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str
+    special: dict[str, int]  # bos / eos / unk / pad -> id
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    notes: list[str] = field(default_factory=list)
+    model: str = "gpt2"  # llama.cpp's tokenizer model: gpt2 (byte-level BPE) or llama (SentencePiece-style)
+    scores: list[float] | None = None  # per token, for the llama model
+
+
+def _pre_tokenizer_kind(pre: dict | None) -> str | None:
+    """llama.cpp's `tokenizer.ggml.pre` for the byte-level pre-tokenizers it names, from tokenizer.json."""
+    if not pre:
+        return None
+
+    def is_bytelevel(p: dict) -> bool:
+        return p.get("type") == "ByteLevel" and p.get("use_regex", True)
+
+    if is_bytelevel(pre):
+        return "gpt-2"  # the GPT-2 split regex (llama.cpp spells it with a hyphen)
+    if pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers", [])
+        if (len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits")
+                and is_bytelevel(parts[1])):
+            return "smollm"  # single digits, then the GPT-2 regex (starcoder / smollm family)
+    return None
+
+
+def _has_bytelevel(pre: dict | None) -> bool:
+    if not pre:
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    return pre.get("type") == "Sequence" and any(_has_bytelevel(p) for p in pre.get("pretokenizers", []))
+
+
+def read_vocab(root: Path, config: dict) -> Vocab:
+    """The canonical folder's tokenizer.json as llama.cpp's `gpt2` (byte-level BPE) or `llama` (byte-fallback BPE,
+    SentencePiece-style) tokenizer model."""
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"{root} has no tokenizer.json; GGUF embeds the tokenizer and llmc needs it to write one")
+    tj = json.loads(path.read_text())
+    tc_path = root / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    model = tj.get("model", {})
+    n_vocab = int(config.get("vocab_size") or len(model["vocab"]))
+    notes: list[str] = []
+    scores = None
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        # SentencePiece-style (Gemma, Llama 2, Mistral v0.1): the gguf package's own reader of such tokenizer.json
+        kind, pre, merges = "llama", None, []
+        tokens, scores, types = _spm_tokens(root, n_vocab)
+    elif model.get("type") == "BPE" and _has_bytelevel(tj.get("pre_tokenizer")):
+        kind, pre = "gpt2", _pre_tokenizer_kind(tj.get("pre_tokenizer"))
+        if pre is None:
+            pre = "default"
+            notes.append("pre-tokenizer not recognised: tokenizer.ggml.pre=default (llama.cpp may split text "
+                         "differently from the Hugging Face tokenizer)")
+        tokens, types = _bpe_tokens(tj, n_vocab)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    else:
+        raise IncompatibleTargetError(
+            "the GGUF exporter writes byte-level BPE (llama.cpp's `gpt2`) and byte-fallback BPE (`llama`) "
+            f"tokenizers; this tokenizer is {model.get('type')} with pre-tokenizer "
+            f"{(tj.get('pre_tokenizer') or {}).get('type')}",
+            fix="target a compressed-tensors runtime for this model",
+        )
+    ids = {t: i for i, t in enumerate(tokens)}
+
+    def token_id(kind: str) -> int | None:
+        tok = tc.get(f"{kind}_token")
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        if isinstance(tok, str) and tok in ids:
+            return ids[tok]
+        v = config.get(f"{kind}_token_id")
+        if isinstance(v, list):
+            v = v[0] if v else None
+        return int(v) if v is not None else None
+
+    special = {k: v for k in ("bos", "eos", "unk", "pad") if (v := token_id(k)) is not None}
+    add_bos, add_eos = _adds_special(tj, tc, special)
+    template = tc.get("chat_template")
+    if isinstance(template, list):  # named templates: keep the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja = root / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text()
+    return Vocab(tokens, types, merges, pre, special, add_bos, add_eos, template, notes, kind, scores)
+
+
+def _bpe_tokens(tj: dict, n_vocab: int) -> tuple[list[str], list[int]]:
+    """Tokens and token types of a byte-level BPE tokenizer.json, padded to the model's vocab_size."""
+    gguf = _gguf()
+    by_id: dict[int, str] = {i: t for t, i in tj["model"]["vocab"].items()}
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    for i, a in added.items():
+        by_id[i] = a["content"]
+    if by_id and max(by_id) >= n_vocab:
+        raise InputError(f"tokenizer has token id {max(by_id)} >= the model's vocab_size {n_vocab}")
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(int(gguf.TokenType.UNUSED))
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(int(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED))
+        else:
+            tokens.append(by_id[i])
+            types.append(int(gguf.TokenType.NORMAL))
+    return tokens, types
+
+
+def _spm_tokens(root: Path, n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of a byte-fallback BPE tokenizer.json through gguf.vocab.LlamaHfVocab (what
+    convert_hf_to_gguf.py uses for these), padded to the model's vocab_size."""
+    gguf = _gguf()
+    tokens, scores, types = [], [], []
+    for text, score, toktype in gguf.vocab.LlamaHfVocab(root).all_tokens():
+        tokens.append(text.decode("utf-8") if isinstance(text, bytes) else text)
+        scores.append(float(score))
+        types.append(int(toktype))
+    if len(tokens) > n_vocab:
+        raise InputError(f"tokenizer has {len(tokens)} tokens > the model's vocab_size {n_vocab}")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(int(gguf.TokenType.UNUSED))
+    return tokens, scores, types
+
+
+def _adds_special(tj: dict, tc: dict, special: dict[str, int]) -> tuple[bool, bool]:
+    """Whether the Hugging Face tokenizer adds BOS / EOS when encoding (llama.cpp must do the same)."""
+    post = tj.get("post_processor") or {}
+    single = []
+    if post.get("type") == "TemplateProcessing":
+        single = post.get("single", [])
+    elif post.get("type") == "Sequence":
+        for p in post.get("processors", []):
+            if p.get("type") == "TemplateProcessing":
+                single = p.get("single", [])
+    first = "SpecialToken" in single[0] if single else False
+    last = "SpecialToken" in single[-1] if single else False
+    add_bos = bool(tc.get("add_bos_token", first and "bos" in special))
+    add_eos = bool(tc.get("add_eos_token", last and len(single) > 1 and "eos" in special))
+    return add_bos, add_eos
+
+
+# --------------------------------------------------------------------------- Ollama Modelfile
+
+_CHATML_TEMPLATE = (
+    "{{- if .Messages }}\n"
+    "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}\n"
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+    "{{ else }}\n"
+    "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+    "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+    "{{ end }}{{ .Response }}{{ if .Response }}<|im_end|>{{ end }}"
+)
+
+
+def ollama_modelfile(vocab: Vocab, header: str) -> tuple[str, dict]:
+    """The Modelfile text and what it maps: TEMPLATE for ChatML chat templates, SYSTEM, stop tokens."""
+    lines = [f"# {line}" for line in header.splitlines()] + [f"FROM ./{GGUF_FILE}"]
+    info: dict = {"template": None, "system": None, "stop": []}
+    t = vocab.chat_template
+    stops: list[str] = []
+    if t and "<|im_start|>" in t and "<|im_end|>" in t:
+        info["template"] = "chatml"
+        lines.append(f'TEMPLATE """{_CHATML_TEMPLATE}"""')
+        m = re.search(r"<\|im_start\|>system(?:\\n|\n)(.+?)<\|im_end\|>", t)
+        if m and "{{" not in m.group(1) and '"' not in m.group(1):
+            info["system"] = m.group(1)
+            lines.append(f'SYSTEM """{m.group(1)}"""')
+        stops += ["<|im_start|>", "<|im_end|>"]
+    elif t:
+        info["template"] = "not mapped"
+        lines.append("# the chat template is not a form llmc maps to Ollama's TEMPLATE; Ollama reads the GGUF's "
+                     "tokenizer.chat_template instead")
+    eos = vocab.special.get("eos")
+    if eos is not None and vocab.tokens[eos] not in stops:
+        stops.append(vocab.tokens[eos])
+    for s in stops:
+        quoted = s.replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'PARAMETER stop "{quoted}"')
+    info["stop"] = stops
+    return "\n".join(lines) + "\n", info
+
+
+# --------------------------------------------------------------------------- the export
+
+
+@dataclass
+class GGUFExport:
+    path: Path
+    modelfile: Path
+    plan: TypePlan
+    tensors: dict[str, str]  # gguf name -> type name
+    weight_error: dict[str, float]  # added error of the linear weights vs the canonical dequantized ones
+    notes: list[str]
+
+    def summary(self) -> dict:
+        return {
+            "file": self.path.name,
+            "type_plan": {
+                "linear_weights": self.plan.weight_type,
+                "method": self.plan.method,
+                "reason": self.plan.reason,
+                "embeddings": self.plan.embedding_type,
+                "norms": "F32",
+                "file_type": self.plan.file_type,
+            },
+            "tensor_types": _count(self.tensors.values()),
+            "added_error_vs_canonical": self.weight_error,
+            "notes": self.notes,
+        }
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class _Item:
+    hf: str  # canonical (HF) tensor name
+    name: str  # gguf name
+    shape: tuple[int, ...]
+    qtype: str  # GGMLQuantizationType name
+    permute_heads: int | None  # rotary permutation of rows with this many heads
+    norm_offset: float = 0.0  # added to a norm weight (Gemma)
+    generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
+
+
+def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[_Item]]:
+    """Per canonical file, the tensors it becomes (from the safetensors headers; no data read)."""
+    quantized = qm.quantized_modules
+    names = arch.tensor_names()
+    per_file: list[list[_Item]] = []
+    for f in qm.files():
+        items: list[_Item] = []
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if k.endswith(_CANONICAL_EXTRAS):
+                    continue
+                if k == "lm_head.weight" and arch.tied:
+                    continue
+                name = gguf_name(k, names)
+                if name is None:
+                    raise IncompatibleTargetError(
+                        f"{qm.root}: tensor {k} has no counterpart in llama.cpp's {arch.family.arch.lower()} "
+                        "architecture (the gguf package's tensor-name table); cannot write GGUF",
+                        fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this model")
+                shape = tuple(h.get_slice(k).get_shape())
+                module = k.rsplit(".", 1)[0]
+                if len(shape) == 1:
+                    qtype = "F32"
+                elif module in quantized:
+                    qtype = plan.weight_type if shape[-1] % BLOCK == 0 else "F16"
+                elif name in ("token_embd.weight", "output.weight"):
+                    qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
+                else:
+                    qtype = "F16"  # an ignored (unquantized) linear
+                heads = None
+                if arch.family.permute_qk and name.split(".")[-2] == "attn_q":
+                    heads = arch.n_head
+                elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
+                    heads = arch.n_head_kv
+                offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
+                items.append(_Item(k, name, shape, qtype, heads, offset))
+        per_file.append(items)
+    if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
+        factors = llama3_rope_factors(arch)
+        per_file[-1].append(_Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None, generated=factors))
+    return per_file
+
+
+def llama3_rope_factors(arch: _Arch) -> np.ndarray:
+    """Llama-3.1's rope scaling as llama.cpp takes it: one divisor per rotary frequency, the `rope_freqs` tensor
+    (as convert_hf_to_gguf.py computes it from the config's factor, low/high frequency factors and original
+    context length)."""
+    import math
+
+    c = arch.config.get("rope_scaling") or arch.config.get("rope_parameters") or {}
+    factor, low, high = (float(c.get("factor", 8.0)), float(c.get("low_freq_factor", 1.0)),
+                         float(c.get("high_freq_factor", 4.0)))
+    old_ctx = float(c.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (arch.rope_theta ** (np.arange(0, arch.head_dim, 2, dtype=np.float64) / arch.head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _nbytes(shape: tuple[int, ...], qtype: str) -> int:
+    gguf = _gguf()
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    n = int(np.prod(shape))
+    return n // block * size
+
+
+def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, plan: TypePlan,
+             errors: dict[str, tuple[float, float, float]]) -> np.ndarray:
+    """One canonical tensor -> the GGUF tensor's data (numpy; bytes for block types)."""
+    gguf = _gguf()
+    if item.generated is not None:
+        return item.generated
+    module = item.hf.rsplit(".", 1)[0]
+    spec = qm.scheme.weights
+    is_quantized = module in qm.quantized_modules and item.hf.endswith(".weight")
+
+    def perm(t: torch.Tensor | None) -> torch.Tensor | None:
+        # rows only: a per-tensor scale ([1]) is shared by every row and needs no permutation
+        if t is None or item.permute_heads is None or t.shape[0] != item.shape[0]:
+            return t
+        return llama_permute(t, item.permute_heads)
+
+    if not is_quantized:
+        x = perm(tensors[item.hf].float())
+        if item.norm_offset:
+            x = x + item.norm_offset
+        if item.qtype == "F32":
+            return x.numpy().astype(np.float32)
+        if item.qtype == "F16":
+            return x.numpy().astype(np.float16)
+        return gguf.quants.quantize(x.numpy().astype(np.float32), gguf.GGMLQuantizationType[item.qtype])
+
+    canonical = perm(qm.dequantized_weight(tensors, module).float()).numpy()
+    if item.qtype == "F16":  # input dimension not a multiple of 32: no block type fits
+        data = canonical.astype(np.float16)
+        decoded = data.astype(np.float32)
+    else:
+        qtype = gguf.GGMLQuantizationType[item.qtype]
+        if plan.method == "repacked":
+            codes = perm(tensors[f"{module}.weight"]).numpy()
+            shape2d = tuple(codes.shape)
+            scales = _block_scales(perm(tensors[f"{module}.weight_scale"].float()), shape2d, spec)
+            if item.qtype == "Q8_0":
+                data = pack_q8_0(codes, scales)
+            elif item.qtype == "Q4_0":
+                data = pack_q4_0(codes, scales)
+            else:
+                zp = _block_scales(perm(tensors[f"{module}.weight_zero_point"].float()), shape2d, spec)
+                data = pack_q4_1(codes, scales, zp)
+        else:
+            data = gguf.quants.quantize(canonical.astype(np.float32), qtype)
+        decoded = gguf.quants.dequantize(data, qtype)
+    diff = (decoded - canonical).astype(np.float64)
+    errors[item.name] = (float((diff**2).sum()), float((canonical.astype(np.float64) ** 2).sum()),
+                         float(np.abs(diff).max()))
+    return data
+
+
+def export_gguf(
+    qm: QuantizedModel,
+    out: Path,
+    *,
+    embedding_type: str = "f16",
+    requantize: bool = False,
+    name: str | None = None,
+) -> GGUFExport:
+    """Write `model.gguf`, an Ollama `Modelfile` and `llmc-serve.json` under `out` (each atomically)."""
+    gguf = _gguf()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    scheme = qm.scheme
+    plan = type_plan(scheme.weights, embedding_type, requantize)
+    notes: list[str] = []
+    if scheme.kv_cache is not None and scheme.kv_cache.info.is_float:
+        raise IncompatibleTargetError(
+            "llama.cpp has no fp8 KV cache; this scheme's KV-cache format cannot be honoured",
+            fix="drop kv_cache for llama.cpp/Ollama targets, or use an int8 KV cache (llama.cpp's q8_0 cache type)",
+        )
+    if scheme.activations is not None:
+        notes.append(f"activations ({scheme.activations.describe()}) are not carried: llama.cpp quantizes "
+                     "activations itself, dynamically in blocks of 32, for Q8_0/Q4 matmuls")
+    if scheme.kv_cache is not None:
+        notes.append("KV-cache quantization is a llama.cpp runtime option: run with --cache-type-k q8_0 "
+                     "--cache-type-v q8_0 (dynamic blocks of 32, not the scheme's static scales)")
+    arch = _arch(qm.config)
+    vocab = read_vocab(qm.root, qm.config)
+    notes += vocab.notes
+    per_file = _plan_tensors(qm, arch, plan)
+    items = [i for f in per_file for i in f]
+    n_f16_fallback = sum(1 for i in items if i.hf.rsplit(".", 1)[0] in qm.quantized_modules and i.qtype == "F16")
+    if n_f16_fallback:
+        notes.append(f"{n_f16_fallback} quantized weights have an input dimension not divisible by {BLOCK}: "
+                     "written as F16 from the dequantized canonical weights")
+    if arch.tied and any(i.hf == "lm_head.weight" for i in items):
+        raise InputError("tie_word_embeddings is set but lm_head.weight is present")
+    notes.append("lm_head tied to token_embd (llama.cpp reuses it for the output)" if arch.tied
+                 else f"output (lm_head) written as {next(i.qtype for i in items if i.name == 'output.weight')}")
+
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.gguf_arch])
+    model_name = name or qm.config.get("_name_or_path") or qm.config.get("_model_name_or_path") or \
+        str(qm.meta.get("source", {}).get("origin", "model"))
+    _write_metadata(writer, gguf, arch, vocab, plan, qm, model_name, notes)
+    for i in items:
+        t = gguf.GGMLQuantizationType[i.qtype]
+        np_dtype = {"F32": np.float32, "F16": np.float16}.get(i.qtype, np.uint8)
+        shape = i.shape if np_dtype is not np.uint8 else gguf.quant_shape_to_byte_shape(i.shape, t)
+        writer.add_tensor_info(i.name, shape, np.dtype(np_dtype), _nbytes(i.shape, i.qtype),
+                               raw_dtype=t if np_dtype is np.uint8 else None)
+
+    final = out / GGUF_FILE
+    tmp = out / f".{GGUF_FILE}.{os.getpid()}.tmp"
+    errors: dict[str, tuple[float, float, float]] = {}
+    with resource_errors(GGUF_FILE, out):
+        try:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for tensors, file_items in zip(qm.iter_files(), per_file):
+                for i in file_items:
+                    writer.write_tensor_data(_convert(qm, tensors, i, plan, errors))
+                del tensors
+            writer.close()
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    fsync_dir(out)
+    events.emit(f"file:{GGUF_FILE}")
+
+    sq = sum(e[0] for e in errors.values())
+    ref = sum(e[1] for e in errors.values())
+    weight_error = {
+        "relative_rms": (sq / ref) ** 0.5 if ref else 0.0,
+        "worst_tensor_relative_rms": max(((e[0] / e[1]) ** 0.5 if e[1] else 0.0 for e in errors.values()),
+                                         default=0.0),
+        "max_abs": max((e[2] for e in errors.values()), default=0.0),
+    }
+    tensor_types = {i.name: i.qtype for i in items}
+    log(f"gguf: {plan.describe()}; norms F32; added error vs canonical weights: relative RMS "
+        f"{weight_error['relative_rms']:.2e} (max abs {weight_error['max_abs']:.2e})")
+    for n in notes:
+        log(f"gguf: {n}")
+
+    header = (f"Ollama Modelfile written by llmc {__version__} for {model_name}\n"
+              f"scheme {scheme.name} ({scheme.weights.describe()}); {plan.describe()}\n"
+              f"create: ollama create <name> -f Modelfile")
+    modelfile_text, modelfile_info = ollama_modelfile(vocab, header)
+    atomic_write_text(out / MODELFILE, modelfile_text)
+    result = GGUFExport(final, out / MODELFILE, plan, tensor_types, weight_error, notes)
+    serve = {
+        "llama.cpp": {"model": GGUF_FILE, "n_ctx": arch.ctx,
+                      "command": f"llama-cli -m {GGUF_FILE} -c {arch.ctx}"
+                      + (" --cache-type-k q8_0 --cache-type-v q8_0" if scheme.kv_cache else "")},
+        "ollama": {"modelfile": MODELFILE, "command": "ollama create <name> -f Modelfile", **modelfile_info},
+        "gguf": result.summary(),
+    }
+    atomic_write_json(out / SERVE_FILE, serve)
+    return result
+
+
+def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm: QuantizedModel, model_name: str,
+                    notes: list[str]) -> None:
+    writer.add_type("model")
+    writer.add_name(str(model_name))
+    writer.add_quantized_by(f"llmc {__version__}")
+    writer.add_context_length(arch.ctx)
+    writer.add_embedding_length(arch.hidden)
+    writer.add_block_count(arch.n_layers)
+    writer.add_feed_forward_length(arch.ffn)
+    writer.add_head_count(arch.n_head)
+    writer.add_head_count_kv(arch.n_head_kv)
+    writer.add_rope_freq_base(arch.rope_theta)
+    writer.add_rope_dimension_count(arch.head_dim)
+    if arch.head_dim * arch.n_head != arch.hidden or "head_dim" in arch.config:
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
+    if arch.rope_scaling is not None and arch.rope_scaling[0] == "linear":  # llama3: the rope_freqs tensor
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(arch.rope_scaling[1])
+    writer.add_layer_norm_rms_eps(arch.rms_eps)
+    _write_family_metadata(writer, arch)
+    writer.add_vocab_size(arch.vocab)
+    writer.add_file_type(int(gguf.LlamaFileType[plan.file_type]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
+    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
+              "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
+    for kind, tid in vocab.special.items():
+        adders[kind](tid)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_eos_token(vocab.add_eos)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+
+    scheme = qm.scheme
+    writer.add_string("llmc.version", __version__)
+    writer.add_string("llmc.scheme", scheme.name)
+    writer.add_string("llmc.scheme.weights", scheme.weights.describe())
+    writer.add_string("llmc.source.sha256", str(qm.meta.get("source", {}).get("sha256", "")))
+    writer.add_string("llmc.gguf.weight_type", plan.weight_type)
+    writer.add_string("llmc.gguf.weight_method", plan.method)
+    writer.add_string("llmc.gguf.type_plan", plan.describe())
+    if notes:
+        writer.add_array("llmc.gguf.notes", list(notes))
+
+
+def _write_family_metadata(writer, arch: _Arch) -> None:
+    """The keys a family's llama.cpp architecture reads beyond the common ones (as convert_hf_to_gguf.py writes
+    them): Gemma's soft-capping and sliding window, Granite's multipliers."""
+    c = arch.config
+    if arch.family.arch in ("GEMMA2", "GEMMA3") and c.get("sliding_window"):
+        writer.add_sliding_window(int(c["sliding_window"]))
+    if arch.family.arch == "GEMMA2":
+        writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 50.0))
+        writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 30.0))
+    if arch.family.arch == "GRANITE":
+        for key, add in (("embedding_multiplier", writer.add_embedding_scale),
+                         ("residual_multiplier", writer.add_residual_scale),
+                         ("attention_multiplier", writer.add_attention_scale),
+                         ("logits_scaling", writer.add_logit_scale)):
+            if c.get(key) is not None:
+                add(float(c[key]))

@@ -1,0 +1,153 @@
+"""Export integer weight-only schemes as a GPTQ-format checkpoint (AutoGPTQ / GPTQModel "gptq" v1).
+
+The layout ExLlama(v2), LMDeploy's GPTQ path, transformers + GPTQModel and onnxruntime-genai's model
+builder read. For each quantized Linear `m` (bits b, 32 // b codes per int32):
+
+    m.qweight   int32 [in // (32/b), out]   unsigned codes, packed along the *input* dim, low bits first
+    m.qzeros    int32 [groups, out // (32/b)] zero point - 1 (the v1 format's historical offset),
+                                            packed along the output dim, masked to b bits
+    m.scales    float16 [groups, out]
+    m.g_idx     int32 [in]                   group of each input channel (i // group_size: no act-order
+                                            permutation is needed, llmc's GPTQ stores codes in input order)
+    m.bias      unchanged
+
+    weight[o, i] = scales[g, o] * (q[i, o] - (qzeros[g, o] + 1)),  g = g_idx[i]
+
+Canonical signed codes c in [-2^(b-1), 2^(b-1)) with zero point z (0 when symmetric) map exactly to
+unsigned q = c + 2^(b-1), zero z + 2^(b-1); only the scales are rounded (float32 -> float16, relative
+error <= 2^-11, measured and returned). Per-channel and per-tensor scales become one group spanning the
+input (group_size -1 in the config). FP8 and activation-quantized schemes are refused: the format is
+weight-only integer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmc.formats.files import write_repacked_checkpoint
+from llmc.errors import IncompatibleTargetError
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme
+
+BITS = {"int4": 4, "int8": 8}
+# The dimension each stored tensor spans the output rows along (g_idx depends on the input channels only).
+OUTPUT_DIMS = {"qweight": 1, "qzeros": 1, "scales": 1, "g_idx": None}
+
+
+def check_scheme(scheme: Scheme, target: str = "GPTQ format") -> int:
+    """Bits of the scheme's weights, or IncompatibleTargetError naming what the format cannot hold."""
+    w = scheme.weights
+    if w is None or w.format not in BITS:
+        raise IncompatibleTargetError(
+            f"{target} holds integer weights (int4/int8); this scheme's weights are {w.format if w else 'unquantized'}",
+            fix="use a W4A16 or W8A16 integer scheme for this target, or a compressed-tensors / TensorRT-LLM target")
+    if scheme.activations is not None:
+        raise IncompatibleTargetError(
+            f"{target} is weight-only; this scheme also quantizes activations ({scheme.name})",
+            fix="use the weight-only variant of the scheme (e.g. W8A16 / W4A16) for this target")
+    if scheme.weights.strategy == "group" and scheme.weights.group_size is None:
+        raise IncompatibleTargetError(f"{target}: group strategy without a group size")
+    return BITS[w.format]
+
+
+def pack_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, m] unsigned codes (< 2^bits) -> int32 [n // (32/bits), m]; row n*k + j sits at bits j*bits."""
+    per = 32 // bits
+    n, m = values.shape
+    if n % per:
+        raise ValueError(f"{n} rows do not pack into int32 words of {per} codes")
+    # int32 shifts wrap into the sign bit, which is the word's bit pattern (one shift-or per code in the word: ~6x
+    # faster than summing int64 fields)
+    v = values.to(torch.int32).reshape(n // per, per, m)
+    words = v[:, 0].clone()
+    for j in range(1, per):
+        words |= v[:, j] << (j * bits)
+    return words
+
+
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_along_rows: int32 [n / per, m] -> int32 [n, m] unsigned codes."""
+    per = 32 // bits
+    codes = torch.empty(words.shape[0], per, words.shape[1], dtype=torch.int32, device=words.device)
+    for j in range(per):
+        codes[:, j] = (words >> (j * bits)) & ((1 << bits) - 1)  # arithmetic shift: the mask drops the sign's copies
+    return codes.reshape(-1, words.shape[-1])
+
+
+@dataclass
+class GPTQTensors:
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+
+def to_gptq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int) -> GPTQTensors:
+    """Canonical [out, in] signed codes + [out, groups] (or [out,1] / [1]) scales -> GPTQ v1 tensors."""
+    out_f, in_f = codes.shape
+    offset = 1 << (bits - 1)
+    scale = scale.float().reshape(out_f, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out_f, 1)
+    groups = scale.shape[1]
+    group_size = in_f // groups
+    zero = torch.zeros_like(scale, dtype=torch.int64) if zero_point is None else zero_point.to(torch.int64).reshape(out_f, groups)
+    unsigned = (codes.to(torch.int16) + offset).t().contiguous()  # [in, out]; int16 holds 8-bit codes + 128
+    stored_zero = ((zero + offset - 1) & ((1 << bits) - 1)).t().contiguous()  # [groups, out]
+    return GPTQTensors(
+        qweight=pack_along_rows(unsigned, bits),
+        qzeros=pack_along_rows(stored_zero.t().contiguous(), bits).t().contiguous(),
+        scales=scale.t().contiguous().to(torch.float16),
+        g_idx=(torch.arange(in_f, dtype=torch.int32) // group_size),
+    )
+
+
+def dequantize_gptq(t: GPTQTensors, bits: int) -> torch.Tensor:
+    """Independent decoding of the stored tensors (what a GPTQ kernel computes): float32 [out, in], a view."""
+    q = unpack_rows(t.qweight, bits)  # [in, out]
+    z = unpack_rows(t.qzeros.t().contiguous(), bits).t()  # [groups, out]
+    g = t.g_idx.long()
+    zeros = ((z + 1) & ((1 << bits) - 1))[g]  # [in, out]
+    return (t.scales.float()[g] * (q - zeros).float()).t()  # a view: the caller compares it
+
+
+def gptq_quantization_config(scheme: Scheme, bits: int) -> dict:
+    w = scheme.weights
+    return {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": bits,
+        "group_size": w.group_size if w.strategy == "group" else -1,
+        "desc_act": False,
+        "sym": bool(w.symmetric),
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "static_groups": False,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": ["llmc"], "algorithm": scheme.algorithm},
+    }
+
+
+def serve_args(*, tensor_parallel: int = 1) -> dict:
+    """How ExLlamaV2 loads the artifact (it reads GPTQ-format folders as they are)."""
+    args = {"model_dir": "<artifact>", "tensor_parallel": tensor_parallel > 1}
+    return {"exllamav2": args, "command": "python -c \"from exllamav2 import ExLlamaV2, ExLlamaV2Config; "
+            "m = ExLlamaV2(ExLlamaV2Config('<artifact>'))\" (or TabbyAPI with model_dir set to the artifact)"}
+
+
+def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> dict:
+    """Write config.json (with quantization_config), GPTQ-format safetensors, the tokenizer and, when
+    given, the runtime arguments (llmc-serve.json).
+
+    Returns a summary with the largest relative weight error the float16 scales introduced."""
+    bits = check_scheme(qm.scheme)
+
+    def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return vars(to_gptq(codes, scale, zero_point, bits))
+
+    written, worst = write_repacked_checkpoint(
+        qm, out, repack=repack, decode=lambda t: dequantize_gptq(GPTQTensors(**t), bits), output_dims=OUTPUT_DIMS,
+        quantization_config=gptq_quantization_config(qm.scheme, bits), dtype=qm.meta.get("dtype", "float32"),
+        serve=serve)
+    return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}

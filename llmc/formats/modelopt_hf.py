@@ -1,0 +1,223 @@
+"""Export the canonical quantized form as a ModelOpt-style unified Hugging Face checkpoint, the format
+TensorRT-LLM (LLM API, `trtllm-serve`) loads, plus an LLM-API options YAML.
+
+Layout as NVIDIA ModelOpt 0.47 writes it (`export_hf_checkpoint`; the conformance test compares names,
+dtypes, shapes and config keys with ModelOpt's own export of the same tiny model):
+
+    scheme (canonical)                         quant_algo            per Linear
+    fp8 per-tensor W + static per-tensor A     FP8                   weight fp8_e4m3fn, weight_scale (), input_scale ()
+    int8 per-channel W + static per-tensor A   W8A8_SQ_PER_CHANNEL   weight int8, weight_scale [out], input_scale (),
+                                                                     pre_quant_scale [in]
+    int4 symmetric group W, no A               W4A16_AWQ             weight uint8 [out/2, in] (two output rows per
+                                                                     byte, low nibble = even row), weight_scale [out, in/g]
+    int4 symmetric g128 W + static per-tensor  W4A8_AWQ              as W4A16_AWQ, plus weight_scale_2 () and input_scale ()
+      FP8 A
+    KV cache fp8 / int8                        kv_cache_quant_algo   k_proj.k_scale (), v_proj.v_scale ()
+
+Dequantized values are code × scale in every case, so our codes and scales are written as computed
+(ModelOpt derives int4 scales as absmax/7, compressed-tensors as absmax/7.5: a different choice of
+scale, the same arithmetic at load). SmoothQuant and AWQ scales are already folded into the norms /
+previous Linears in the canonical form, so the `pre_quant_scale` tensors ModelOpt writes (every Linear for
+SQ; o_proj/down_proj for AWQ) are ones.
+
+W4A8_AWQ's GEMM runs in FP8: the kernel scales the int4 codes by weight_scale / weight_scale_2 into FP8 and
+multiplies by the FP8 activations, so the weight it really uses is fp8(code × weight_scale / weight_scale_2) ×
+weight_scale_2 (ModelOpt's own simulation of it, checked against ModelOpt 0.47). weight_scale_2 is
+max|code × weight_scale| / 448 over the Linears TensorRT-LLM fuses into one GEMM (q/k/v, gate/up), as ModelOpt
+writes it; `fp8_weight_operand` computes that weight for evaluating the scheme the way the kernel runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmc.formats.files import copy_tokenizer_files, write_shards
+from llmc.errors import IncompatibleTargetError
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme
+from llmc.storage.store import atomic_write_json, atomic_write_text
+
+MODELOPT_LAYOUT_VERSION = "0.47.0"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+LLM_API_OPTIONS = "llmc-trtllm.yaml"
+_NOT_NORM_FED = ("o_proj", "down_proj")  # Linears whose input comes from another Linear, not a norm
+
+
+def quant_algo(scheme: Scheme) -> str:
+    """ModelOpt's name for the scheme, or IncompatibleTargetError naming the closest supported one."""
+    w, a = scheme.weights, scheme.activations
+    if w.format == "fp8_e4m3" and w.strategy == "tensor" and a and a.format == "fp8_e4m3" and a.strategy == "tensor" and not a.dynamic:
+        return "FP8"
+    if w.format == "int8" and w.strategy == "channel" and a and a.format == "int8" and a.strategy == "tensor" and not a.dynamic:
+        return "W8A8_SQ_PER_CHANNEL"
+    if w.format == "int4" and w.strategy == "group" and w.symmetric and a is None:
+        return "W4A16_AWQ"
+    if scheme.name == "W4AFP8":
+        if w.strategy == "group" and w.group_size == 128 and w.symmetric and a.strategy == "tensor" and not a.dynamic:
+            return "W4A8_AWQ"
+        raise IncompatibleTargetError(
+            f"TensorRT-LLM's W4A8_AWQ takes symmetric int4 weights in groups of 128 and FP8 activations with one "
+            f"static scale per tensor; this scheme has weights {w.describe()}, activations {a.describe()}",
+            fix="weights {format: int4, strategy: group, group_size: 128}, activations {format: fp8_e4m3, "
+            "strategy: tensor} (static: calibrated)",
+        )
+    raise IncompatibleTargetError(
+        f"TensorRT-LLM's ModelOpt checkpoint has no layout for {scheme.name} ({w.describe()}"
+        f"{', activations ' + a.describe() if a else ''})",
+        fix="use FP8 per-tensor weights + static per-tensor FP8 activations, INT8 per-channel weights + static "
+        "per-tensor INT8 activations (SmoothQuant), or symmetric INT4 group weights (AWQ/GPTQ)",
+    )
+
+
+def kv_cache_algo(scheme: Scheme) -> str | None:
+    if scheme.kv_cache is None:
+        return None
+    return "FP8" if scheme.kv_cache.format == "fp8_e4m3" else "INT8"
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [out, in] (int8 storage, -8..7) -> uint8 [out/2, in]: row 2j in the low nibble, 2j+1 high."""
+    if codes.shape[0] % 2:
+        raise IncompatibleTargetError(f"INT4 packing needs an even output dimension, got {codes.shape[0]}",
+                                      fix="leave this module unquantized (quantization.ignore)")
+    nib = (codes.to(torch.int16) & 0x0F).to(torch.uint8)
+    return (nib[0::2] | (nib[1::2] << 4)).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4_rows."""
+    low, high = (packed & 0x0F).to(torch.int8), (packed >> 4).to(torch.int8)
+    low, high = torch.where(low > 7, low - 16, low), torch.where(high > 7, high - 16, high)
+    return torch.stack([low, high], dim=1).reshape(2 * packed.shape[0], packed.shape[1])
+
+
+# Linears TensorRT-LLM runs as one GEMM, so they share the GEMM's per-tensor scales.
+FUSED_GEMMS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_gemm_of(name: str, quantized: list[str] | dict) -> list[str]:
+    """The quantized Linears fused with `name` into one GEMM (itself included)."""
+    parent, _, leaf = name.rpartition(".")
+    for group in FUSED_GEMMS:
+        if leaf in group:
+            return [m for m in (f"{parent}.{g}" for g in group) if m in quantized]
+    return [name]
+
+
+def fp8_weight_operand(weight: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """The dequantized int4 weight as W4A8's FP8 GEMM uses it: rounded to FP8 on the per-tensor grid."""
+    return (weight.float() / weight_scale_2).to(torch.float8_e4m3fn).float() * weight_scale_2
+
+
+def w4a8_weight_scale_2(qm: QuantizedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """weight_scale_2 (float32 scalar) of every quantized Linear in one canonical file: max|code × scale| / 448
+    over its fused GEMM."""
+    from llmc.quant.spec import FP8_E4M3_MAX
+
+    peak = {name: qm.dequantized_weight(tensors, name).abs().amax()
+            for name in qm.quantized_modules if f"{name}.weight" in tensors}
+    return {name: torch.stack([peak[m] for m in fused_gemm_of(name, peak)]).amax().float() / FP8_E4M3_MAX
+            for name in peak}
+
+
+def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor], algo: str) -> dict[str, torch.Tensor]:
+    """One canonical file's tensors under ModelOpt's names, dtypes and packing."""
+    out = dict(tensors)
+    dtype = getattr(torch, qm.meta.get("dtype", "float32"))
+    scale_2 = w4a8_weight_scale_2(qm, tensors) if algo == "W4A8_AWQ" else {}
+    for name, info in qm.quantized_modules.items():
+        if f"{name}.weight" not in out:
+            continue
+        scale = out.pop(f"{name}.weight_scale").float()
+        if algo == "FP8":
+            out[f"{name}.weight_scale"] = scale.reshape(())
+            out[f"{name}.input_scale"] = out.pop(f"{name}.input_scale").float().reshape(())
+        elif algo == "W8A8_SQ_PER_CHANNEL":
+            out[f"{name}.weight_scale"] = scale.reshape(-1)
+            out[f"{name}.input_scale"] = out.pop(f"{name}.input_scale").float().reshape(())
+            out[f"{name}.pre_quant_scale"] = torch.ones(info["shape"][1], dtype=dtype)
+        else:
+            out[f"{name}.weight"] = pack_int4_rows(out[f"{name}.weight"])
+            out[f"{name}.weight_scale"] = scale
+            if algo == "W4A8_AWQ":
+                out[f"{name}.weight_scale_2"] = scale_2[name].reshape(())
+                out[f"{name}.input_scale"] = out.pop(f"{name}.input_scale").float().reshape(())
+            if name.endswith(_NOT_NORM_FED):
+                # ModelOpt keeps AWQ scales it cannot fold into a norm as pre_quant_scale on these;
+                # ours are folded into the previous Linear already, so the multiplier is one.
+                out[f"{name}.pre_quant_scale"] = torch.ones(info["shape"][1], dtype=dtype)
+    for attn in qm.kv_cache_modules:
+        for kind, proj in (("k", "k_proj"), ("v", "v_proj")):
+            t = out.pop(f"{attn}.{kind}_scale", None)
+            if t is not None:
+                out[f"{attn}.{proj}.{kind}_scale"] = t.float().reshape(())
+    return out
+
+
+def excluded_modules(qm: QuantizedModel) -> list[str]:
+    """What ModelOpt lists as not quantized: the scheme's ignore list and the token embedding."""
+    from safetensors import safe_open
+
+    with safe_open(str(qm.root / "rest.safetensors"), "pt") as f:
+        embeddings = [k.removesuffix(".weight") for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
+    return sorted(set(qm.scheme.ignore) | set(embeddings))
+
+
+def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str]) -> dict:
+    quantization: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_algo(scheme)}
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        quantization.update({"group_size": scheme.weights.group_size, "has_zero_point": False, "pre_quant_scale": True})
+    quantization["exclude_modules"] = excluded
+    return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}
+
+
+def config_quantization(scheme: Scheme, algo: str, excluded: list[str]) -> dict:
+    """config.json's quantization_config, as ModelOpt writes it beside hf_quant_config.json."""
+    q: dict = {}
+    if algo == "FP8":
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        q["config_groups"] = {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}}
+    q["ignore"] = excluded
+    q["quant_algo"] = algo
+    if scheme.kv_cache is not None:
+        q["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8,
+                                "type": "float" if scheme.kv_cache.format == "fp8_e4m3" else "int"}
+    q["producer"] = {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}
+    q["quant_method"] = "modelopt"
+    return q
+
+
+def llm_api_options(scheme: Scheme, *, tensor_parallel: int, max_batch_size: int, max_num_tokens: int) -> str:
+    """TensorRT-LLM LLM-API options (`trtllm-serve <dir> --extra_llm_api_options llmc-trtllm.yaml`)."""
+    lines = [
+        "# TensorRT-LLM LLM-API options written by llmc for this checkpoint",
+        f"tensor_parallel_size: {tensor_parallel}",
+        f"max_batch_size: {max_batch_size}",
+        f"max_num_tokens: {max_num_tokens}",
+    ]
+    kv = kv_cache_algo(scheme)
+    if kv:
+        lines += ["kv_cache_config:", f"  dtype: {kv.lower()}"]
+    return "\n".join(lines) + "\n"
+
+
+def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 1, max_batch_size: int = 8,
+                       max_num_tokens: int = 8192) -> list[Path]:
+    """Write the unified checkpoint (config.json, hf_quant_config.json, safetensors, tokenizer) + LLM-API YAML."""
+    algo = quant_algo(qm.scheme)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_shards(out, (modelopt_tensors(qm, t, algo) for t in qm.iter_files()))
+    config = dict(qm.config)
+    excluded = excluded_modules(qm)
+    config["quantization_config"] = config_quantization(qm.scheme, algo, excluded)
+    config["dtype"] = qm.meta.get("dtype", "float32")
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    atomic_write_json(out / HF_QUANT_CONFIG, hf_quant_config(qm.scheme, algo, excluded))
+    copy_tokenizer_files(qm.root, out)
+    atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
+                                                             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))
+    return written

@@ -1,0 +1,199 @@
+"""Export a scheme as an ONNX Runtime model folder that onnxruntime-genai runs (INT4 weight-only as
+MatMulNBits; 8-bit schemes as Q/DQ, see the end of this docstring).
+
+The graph is written by onnxruntime-genai's own model builder (the tool ORT ships for LLMs: fused
+GroupQueryAttention with KV cache, SkipSimplifiedLayerNormalization, RotaryEmbedding, MatMulNBits),
+so llmc does not maintain a second ONNX graph writer. The builder does not quantize anything here: it
+is fed the canonical codes as a GPTQ-format checkpoint (llmc.formats.gptq_format), which its GPTQ
+loader repacks into MatMulNBits blocks unchanged. Everything the scheme leaves unquantized (the
+embedding, the lm_head) is excluded from the builder's own RTN quantizer, which would otherwise
+requantize them to 4 bits (measured on SmolLM2: +0.7% perplexity and 100x the KL of the exact export).
+
+    <out>/model.onnx, model.onnx.data   the decoder (external data)
+    <out>/genai_config.json             onnxruntime-genai's runtime config (inputs/outputs, KV layout, search)
+    <out>/tokenizer files               copied by the builder
+    <out>/llmc-serve.json               how it was built and what to expect
+
+`accuracy_level` is MatMulNBits' compute type on the CPU: 4 (ORT's CPU default, what a deployment
+gets) quantizes activations to int8 per block inside the kernel; 1 computes in float32 and reproduces
+the canonical model's function to rounding (KL ~1e-6 against the torch reference on SmolLM2).
+
+8-bit schemes (W8A8 INT8/FP8 with static activation scales, W8A16) go through the builder as a float
+model (the canonical weights dequantized), and llmc then puts its codes back into the builder's graph:
+each quantized MatMul's weight becomes codes -> DequantizeLinear (q/k/v, which the builder packs into
+one MatMul, concatenated), with QuantizeLinear -> DequantizeLinear and the calibrated scale on its input
+(llmc.formats.onnx_qdq.insert_qdq; every replaced weight is checked against the canonical one first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llmc import __version__
+from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
+from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
+from llmc.formats.gptq_format import export_gptq
+from llmc.formats.onnx_qdq import float_model
+from llmc.errors import EngineFailed, IncompatibleTargetError
+from llmc.telemetry.progress import log
+from llmc.quant.canonical import QuantizedModel
+from llmc.quant.spec import Scheme
+from llmc.storage.store import atomic_write_json
+
+ONNX_OPTIONS = {"accuracy_level": 4}  # what `llmc build` uses (part of the export stage key)
+MATMULNBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# Nodes the builder would otherwise quantize itself (names are the builder's, stable across models).
+UNQUANTIZED_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
+# Initializer suffixes the builder gives weights *it* quantized (never present in an llmc export).
+_BUILDER_QUANTIZED_SUFFIXES = ("_Q4", "_Q8")
+_BUILDER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(attn|mlp)\.(\w+)\.MatMul\.weight")
+
+
+def check_scheme(scheme: Scheme) -> None:
+    """Raise IncompatibleTargetError unless the exporter can carry the scheme exactly."""
+    if scheme.weights.format != "int4":
+        from llmc.formats import onnx_qdq
+
+        onnx_qdq.check_scheme(scheme, target="the ONNX Runtime exporter (8-bit schemes as Q/DQ)")
+        return
+    check_gptq_scheme(scheme, target="the ONNX Runtime exporter (MatMulNBits)")
+    w = scheme.weights
+    if w.strategy != "group" or w.group_size not in MATMULNBITS_BLOCK_SIZES:
+        got = f"group_size {w.group_size}" if w.strategy == "group" else f"strategy {w.strategy}"
+        raise IncompatibleTargetError(
+            f"MatMulNBits needs block-wise scales with a block of {'/'.join(map(str, MATMULNBITS_BLOCK_SIZES))}; "
+            f"the scheme has {got}",
+            fix="use strategy: group with group_size 32, 64 or 128")
+    if scheme.kv_cache is not None:
+        raise IncompatibleTargetError(
+            "onnxruntime-genai keeps the KV cache in the activation dtype; the scheme quantizes it",
+            fix="drop kv_cache from the scheme for the onnxruntime target")
+
+
+def _rotary_error(out: Path, config: dict) -> float | None:
+    """Largest |cos_cache - cos(p * theta^(-2i/d))| over the cache, or None when the model's rotary is
+    not the default kind (scaled variants are the builder's to compute). Catches a config the builder
+    misread (e.g. a rope theta it did not find falls back to 10000)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default" or theta is None:
+        return None
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    init = {i.name: i for i in model.graph.initializer}
+    if "cos_cache" not in init:
+        return None
+    onnx.external_data_helper.load_external_data_for_tensor(init["cos_cache"], str(out))
+    cos = numpy_helper.to_array(init["cos_cache"]).astype(np.float64)
+    half = cos.shape[1]
+    inv = float(theta) ** (-np.arange(0, 2 * half, 2) / (2 * half))
+    pos = np.arange(cos.shape[0])[:, None]
+    return float(np.abs(cos - np.cos(pos * inv)).max())
+
+
+def _builder_quantized(out: Path) -> list[str]:
+    import onnx
+
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    return [i.name for i in model.graph.initializer if i.name.endswith(_BUILDER_QUANTIZED_SUFFIXES)]
+
+
+def builder_weights(graph) -> dict[str, list[str]]:
+    """{weight initializer: [module]} in the builder's float graph: its names are stable for the Llama
+    family (model.layers.N.attn.qkv_proj.MatMul.weight packs q, k and v)."""
+    packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = {}
+    for t in graph.initializer:
+        m = _BUILDER_WEIGHT.fullmatch(t.name)
+        if m:
+            layer, block, proj = m.groups()
+            parent = f"model.layers.{layer}." + ("self_attn" if block == "attn" else "mlp")
+            out[t.name] = [f"{parent}.{p}" for p in packed.get(proj, (proj,))]
+    return out
+
+
+def _put_codes_back(qm: QuantizedModel, out: Path) -> dict:
+    """Replace the builder's float weights by llmc's codes + DequantizeLinear (and Q/DQ on static
+    activations) in place; returns the summary's scheme fields."""
+    import onnx
+
+    from llmc.formats.onnx_qdq import insert_qdq, scheme_summary
+
+    model = onnx.load(str(out / "model.onnx"))  # with its external data
+    counts = insert_qdq(model, qm, builder_weights(model.graph))
+    for f in out.glob("model.onnx*"):
+        f.unlink()  # the save below writes a new data file; appending to the old one would keep stale bytes
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    del model  # (onnx.checker does not know the builder's contrib ops; the evaluation loads the graph in ORT)
+    return {**scheme_summary(qm.scheme), **counts}
+
+
+def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> dict:
+    """Write the ONNX Runtime / onnxruntime-genai folder for `qm` into `out`; returns the summary."""
+    check_scheme(qm.scheme)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    int4 = qm.scheme.weights.format == "int4"
+    with tempfile.TemporaryDirectory(prefix=".llmc-onnx-", dir=out.parent) as tmp:
+        if int4:  # the builder's GPTQ loader repacks the canonical codes into MatMulNBits unchanged
+            source = Path(tmp) / "gptq"
+            gptq_summary = export_gptq(qm, source)
+            options = ["-p", "int4", "--extra_options", "nodes_to_exclude=" + ",".join(UNQUANTIZED_NODES),
+                       f"accuracy_level={accuracy_level}"]
+            log("export: onnxruntime-genai model builder (int4 MatMulNBits from the canonical codes)")
+        else:  # a float graph from the dequantized weights; llmc puts the codes back as Q/DQ below
+            source = Path(tmp) / "float"
+            float_model(qm).save_pretrained(source)
+            copy_tokenizer_files(qm.root, source)
+            options = ["-p", "fp32"]
+            log("export: onnxruntime-genai model builder (float graph), then Q/DQ from the canonical codes")
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out),
+               "-e", "cpu", "-c", str(Path(tmp) / "cache"), *options]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise EngineFailed(f"onnxruntime-genai's model builder failed (exit {proc.returncode}):\n{tail}",
+                               fix="the builder supports the architectures its docs list; "
+                                   f"model_type here is {qm.config.get('model_type')!r}")
+    qdq = None if int4 else _put_codes_back(qm, out)
+    requantized = _builder_quantized(out)
+    if requantized:
+        raise EngineFailed(f"the ONNX builder quantized weights itself ({', '.join(requantized[:4])}): the "
+                           "artifact would not hold llmc's codes", fix="report this as an llmc bug")
+    rotary_error = _rotary_error(out, qm.config)
+    # float32 angles round by ~p * 2^-24 at position p (5e-4 at 8192); a misread theta is off by O(1)
+    if rotary_error is not None and rotary_error > 1e-2:
+        raise EngineFailed(f"the ONNX graph's rotary cos cache differs from the model's rope theta by up to "
+                           f"{rotary_error:.3g}: the builder misread the config", fix="report this as an llmc bug")
+    import onnxruntime
+    import onnxruntime_genai
+
+    summary = {
+        "runtime": "onnxruntime-genai",
+        "written_by": f"llmc {__version__} via onnxruntime_genai.models.builder {onnxruntime_genai.__version__}",
+        "onnxruntime": onnxruntime.__version__,
+        "execution_provider": "cpu",
+        **({"weights": "MatMulNBits int4, block = the scheme's group size, llmc's codes; scales rounded to float16",
+            "accuracy_level": accuracy_level,
+            "activations": "int8 per block inside MatMulNBits" if accuracy_level == 4 else "float32",
+            "max_relative_weight_error_fp16_scales": gptq_summary["max_relative_weight_error_fp16_scales"],
+            "unquantized": list(UNQUANTIZED_NODES)} if int4 else qdq),
+        "rotary_cache_max_error": rotary_error,
+        "run": "python -c \"import onnxruntime_genai as og; m = og.Model('<folder>'); ...\" (onnxruntime-genai), or "
+               "onnxruntime.InferenceSession('<folder>/model.onnx')",
+    }
+    if int4 and not math.isfinite(summary["max_relative_weight_error_fp16_scales"]):
+        raise EngineFailed("non-finite weights after converting scales to float16", fix="check the quantized scales")
+    atomic_write_json(out / SERVE_FILE, summary)
+    json.loads((out / "genai_config.json").read_text())  # the builder wrote a parseable runtime config
+    return summary

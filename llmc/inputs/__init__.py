@@ -1,0 +1,1 @@
+"""Reading what the user hands llmc: files read safely (files), escaped excerpts for error messages (excerpt)."""

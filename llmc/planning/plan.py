@@ -1,0 +1,465 @@
+"""Plan a build before any weight loads: compatibility, model-shape checks, and estimates.
+
+Reads only the recipe, the model's config.json and its safetensors headers. Incompatibilities are
+IncompatibleTargetError with the target, the reason and the fix; degradations are warnings that
+say what the user loses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from llmc.planning import resources as res
+from llmc.planning import shapes as plan_shapes
+from llmc import runtimes as targets
+from llmc.engines.torch_stream import choose_streamed
+from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
+from llmc.eval import gates
+from llmc.model.checkpoint import read_model_config
+from llmc.model.checks import check_source
+from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
+from llmc.model.families import check_quantizable, expert_count
+from llmc.model.source import resolve_source
+from llmc.pipeline.context import Costing
+from llmc.pipeline.ids import Kind, StageId
+from llmc.pipeline.stages import stages
+from llmc.planning.resources import matmul_rate
+from llmc.quant.canonical import module_matches
+from llmc.quant.activations import memory_available, should_spill
+from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
+from llmc.quant.algorithms import Pipeline
+from llmc.quant.device import resolve_device
+from llmc.quant.spec import Scheme
+from llmc.recipe.schema import Recipe, Target
+from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    scheme: Scheme  # the first (or only) variant's
+    schemes: dict[str, Scheme] = field(default_factory=dict)  # variant name ("" when single) -> scheme
+    warnings: list[str] = field(default_factory=list)
+    estimates: dict = field(default_factory=dict)
+    targets: list[dict] = field(default_factory=list)
+    gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
+    basis: str = ""  # what the estimates were computed from, when not the source's own files
+    distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
+    rows: list[res.Stage] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+
+    def render(self) -> str:
+        names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
+        lines = [f"plan for '{self.recipe.name}': {names}"]
+        e = self.estimates
+        if self.basis:
+            lines.append(f"  planned from {self.basis}")
+        if e:
+            lines += _render_estimates(e)
+        if self.distributed:
+            lines += render(self.distributed)
+        for t in self.targets:
+            lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
+        for name, described in self.gates.items():
+            lines.append(f"  gates{' for ' + name if name else ''}: {described}")
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+
+def _render_estimates(e: dict) -> list[str]:
+    """The per-stage table: device, peak host RAM, peak GPU memory, new disk, time, strategy and why."""
+    lines = [
+        f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
+        f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available, "
+        f"{e['cpu_count']} CPUs; calibrating on {e['device']}",
+        f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
+        f"{', spilled to disk' if e.get('spill_activations') else ''})"
+        + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
+        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time':>9}  strategy",
+    ]
+    for s in e["stages"]:
+        gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
+        lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
+                     f"{s['disk_gb']:>6.2f} GB {_duration(s['seconds']):>9}  {s['strategy']}: {s['why']}")
+    for s in e["stages"]:
+        if s.get("layer_seconds"):
+            lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
+                         f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
+                         f"~{_duration(s['seconds'])}, at the matmul and quantize rates probed on this machine now")
+    mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
+    if mapped:
+        lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
+                     f"{mapped:.2f} GB of their pages (page cache, not counted above) stay mapped in a stage")
+    lines.append(f"  disk: {e['disk_gb']:.2f} GB new in the cache (each file once; targets with identical weights "
+                 f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
+                 f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
+    """Status ('native'/'degraded'/'cpu') and warnings; raises when the target cannot run it."""
+    warnings: list[str] = []
+    status = "native"
+    label = target.label
+    rt = targets.runtime(target.runtime)
+    for key in targets.scheme_keys(scheme):
+        rule = rt.rules.get(key)
+        if rule is None:
+            raise IncompatibleTargetError(
+                f"target {label}: {target.runtime} does not run {key} checkpoints",
+                fix=f"{target.runtime} runs: {', '.join(sorted(rt.rules))}" if rt.rules else f"{target.runtime} is not supported",
+            )
+        if target.gpu_arch == "cpu":
+            if not rule.cpu:
+                on_cpu = sorted(k for k, r in rt.rules.items() if r.cpu)
+                raise IncompatibleTargetError(
+                    f"target {label}: {target.runtime} has no CPU support for {key}"
+                    + (f" ({rule.cpu_note})" if rule.cpu_note else ""),
+                    fix="target a GPU arch" + (f", or pick a scheme its CPU build runs ({', '.join(on_cpu)})"
+                                               if on_cpu else ""),
+                )
+            status = "cpu"
+        elif rule.native_until and targets.arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
+            raise IncompatibleTargetError(
+                f"target {label}: {target.runtime} runs {key} on {rule.native_until} only, gpu_arch is "
+                f"{target.gpu_arch}: {rule.refuse_reason}",
+                fix=f"set gpu_arch to {rule.native_until}, or choose another scheme for {target.gpu_arch}",
+            )
+        elif rule.native_from and targets.arch_at_least(target.gpu_arch, rule.native_from):
+            pass
+        elif rule.degraded_from and targets.arch_at_least(target.gpu_arch, rule.degraded_from):
+            status = "degraded"
+            warnings.append(f"target {label}: {key} on {target.gpu_arch}: {rule.degraded_effect}")
+        else:
+            need = rule.degraded_from or rule.native_from
+            if need is None:  # no GPU kernel at all (e.g. ONNX Runtime's FP8 Q/DQ): its CPU build runs it
+                raise IncompatibleTargetError(
+                    f"target {label}: {target.runtime} runs {key} on CPU only, gpu_arch is {target.gpu_arch}"
+                    + (f": {rule.refuse_reason}" if rule.refuse_reason else ""),
+                    fix="set gpu_arch: cpu, or choose another scheme or runtime for the GPU",
+                )
+            raise IncompatibleTargetError(
+                f"target {label}: {key} needs {need}+ on {target.runtime}, gpu_arch is {target.gpu_arch}: "
+                f"{rule.refuse_reason}",
+                fix=f"set gpu_arch to {need if rule.native_until else need + ' or newer'}, or choose another scheme",
+            )
+        if target.version and rule.since:
+            spec = SpecifierSet(target.version)
+            ok = [v for v in rt.known_versions if Version(v) >= Version(rule.since) and v in spec]
+            if not ok and Version(rule.since) not in spec:
+                raise IncompatibleTargetError(
+                    f"target {label}: {target.runtime} supports {key} from {rule.since}, "
+                    f"but version range '{target.version}' admits no such release",
+                    fix=f"widen version to include >={rule.since}",
+                )
+    format_name = rt.format_for(target.version)
+    if not targets.is_implemented(format_name):
+        raise IncompatibleTargetError(
+            f"target {label}: the {format_name} exporter for {target.runtime} is not in this llmc version",
+            fix="target " + ", ".join(sorted(r.name for r in targets.runtimes() if targets.is_implemented(r.format))),
+        )
+    try:
+        if target.triton:
+            targets.triton_backend(target)
+        targets.artifact_format(format_name).check_scheme(scheme)
+    except IncompatibleTargetError as e:
+        raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
+    warnings += [f"target {label}: {w}" for w in rt.plan_warnings(scheme)]
+    return status, warnings
+
+
+def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """Shape checks against the model's config and its Linear weights' shapes."""
+    warnings: list[str] = []
+    quantized = {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)}
+    w = scheme.weights
+    if w.strategy == "group":
+        bad = sorted({s[1] for s in quantized.values() if s[1] % w.group_size})
+        if bad:
+            # group sizes the runtimes' W4A16 kernels (Marlin, Machete, TensorRT-LLM) accept
+            divisors = [g for g in (32, 64, 128) if all(d % g == 0 for d in bad)]
+            fix = f"use group_size {max(divisors)}" if divisors else "use strategy: channel"
+            if scheme.name == "W4AFP8":  # its kernels (vLLM, TensorRT-LLM) take groups of 128 only
+                fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
+            raise IncompatibleTargetError(
+                f"quantization.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
+                f"of this model",
+                fix=fix,
+            )
+    if config.get("tie_word_embeddings") and not module_matches("lm_head", scheme.ignore):
+        raise IncompatibleTargetError(
+            "lm_head is tied to the input embeddings in this model; quantizing it would untie them",
+            fix="keep 'lm_head' in quantization.ignore",
+        )
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    inter = config.get("intermediate_size")
+    for t in recipe.targets:
+        tp = t.tensor_parallel
+        if tp == 1:
+            continue
+        if heads and heads % tp:
+            raise IncompatibleTargetError(
+                f"target {t.label}: tensor_parallel {tp} does not divide the {heads} attention heads",
+                fix=f"use a tensor_parallel that divides {heads}",
+            )
+        if kv and (kv % tp if tp <= kv else tp % kv):
+            raise IncompatibleTargetError(
+                f"target {t.label}: tensor_parallel {tp} does not divide the {kv} KV heads "
+                "(nor is it a multiple of them, which runtimes would need to replicate KV heads)",
+                fix=f"use a tensor_parallel that divides {kv} or is a multiple of it",
+            )
+        if inter and inter % tp:
+            raise IncompatibleTargetError(
+                f"target {t.label}: tensor_parallel {tp} does not divide intermediate_size {inter}",
+                fix="use a tensor_parallel that divides it",
+            )
+        if w.strategy == "group":
+            for n, (_, cols) in quantized.items():
+                if n.endswith(("o_proj", "down_proj")) and (cols // tp) % w.group_size:
+                    raise IncompatibleTargetError(
+                        f"target {t.label}: row-parallel {n} splits its {cols} inputs into {cols // tp} per rank, "
+                        f"not a multiple of group_size {w.group_size}",
+                        fix="lower group_size or tensor_parallel",
+                    )
+    return warnings
+
+
+def _check_scheme(scheme: Scheme, where: str) -> None:
+    if scheme.algorithm not in IMPLEMENTED_ALGORITHMS:
+        raise IncompatibleTargetError(
+            f"{where}.algorithm '{scheme.algorithm}' is not implemented in this llmc version",
+            fix=f"use one of: {', '.join(sorted(IMPLEMENTED_ALGORITHMS))}",
+        )
+    if scheme.weights.format == "nvfp4" or scheme.activations and scheme.activations.format == "nvfp4":
+        raise IncompatibleTargetError(f"{where}: nvfp4 quantization is not implemented in this llmc version",
+                                      fix="use fp8_e4m3, int8 or int4 weights")
+
+
+def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
+              config: dict | None = None, refuse: bool = True, nproc: int | None = None) -> Plan:
+    """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
+    and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
+    what does not fit this machine."""
+    schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
+    plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
+    for name, scheme in schemes.items():
+        where = f"variants[{name}].quantization" if name else "quantization"
+        for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message
+            status, warns = check_target(scheme, t)
+            plan.warnings += [f"{name}: {w}" if name else w for w in warns]
+            label = f"{name}/{t.label}" if name else t.label
+            plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
+        _check_scheme(scheme, where)
+    _plan_gates(plan)
+    if recipe.gates.min_decode_tokens_per_s is not None:
+        no_cache = sorted({t["label"] for t in plan.targets
+                           if not targets.artifact_format(t["exporter"]).measures_decode})
+        if no_cache:
+            plan.warnings.append(f"targets {', '.join(no_cache)}: their artifact has no KV cache, so "
+                                 "min_decode_tokens_per_s cannot be measured for them and that gate will fail")
+    if model_folder is not None or config is not None:
+        if model_folder is not None:
+            config = read_model_config(Path(model_folder))
+            plan.warnings += check_source(recipe, config, Path(model_folder))  # exit 7 before the weights' layout
+            tensors = plan_shapes.from_headers(Path(model_folder))
+        else:
+            plan.warnings += check_source(recipe, config, None)
+            tensors = plan_shapes.from_config(config)
+
+        check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
+        for t in recipe.targets:
+            targets.check_family(t, config)
+        for scheme in schemes.values():
+            plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
+        device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
+        plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
+        nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
+        if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
+            # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
+            raise IncompatibleTargetError(
+                f"data-parallel calibration ({nproc} processes) of a Mixture-of-Experts model is not implemented: "
+                "the tokens routed to each expert differ by rank and llmc does not reduce them yet",
+                fix="calibrate in one process (drop --nproc / run without torchrun)")
+        if nproc > 1:
+            plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
+                                                     tensors.linear_shapes(), plan.estimates, nproc)
+
+        try:
+            refuse_if_it_does_not_fit(plan, device)
+            if cache_dir is not None:
+                check_disk(plan, Path(cache_dir))
+        except ResourceError as e:
+            if refuse:
+                raise
+            # planning for another machine (the source is not here): say what this one lacks, do not stop
+            plan.warnings.append(f"this machine could not run the build: {e.message} (fix: {e.fix})")
+    return plan
+
+
+def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
+    """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
+    and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
+    e = plan.estimates
+    available = memory_available()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] / 1e9
+        if free < e["device_memory_gb"]:
+            raise ResourceError(
+                f"calibrating one layer needs ~{e['device_memory_gb']:.1f} GB on {device}, {free:.1f} GB are free",
+                fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
+                "or set calibration.device: cpu",
+            )
+    whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
+    if whole_model and available is not None and e["export_memory_gb"] > available / 1e9:
+        streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
+        raise ResourceError(
+            f"the export for {', '.join(whole_model)} holds the whole model in float32 "
+            f"(~{e['export_memory_gb']:.1f} GB); {available / 1e9:.1f} GB of memory are available",
+            fix=f"export these targets on a machine with more memory, or drop them (the exporters for "
+                f"{', '.join(streaming)} stream one layer at a time)",
+        )
+    if available is None:
+        return
+    for stage in e["stages"]:
+        # what it allocates plus the file pages it keeps mapped: evicting those re-reads them from disk on every use
+        # (a whole model mapped in a machine too small for it reads every weight again for each batch)
+        need = stage["host_gb"] + stage.get("mapped_gb", 0.0)
+        if need <= available / 1e9:
+            continue
+        cheaper = e["cheaper"].get(stage["stage"])
+        mapped = f", {stage['mapped_gb']:.1f} GB of it mapped checkpoint pages" if stage.get("mapped_gb", 0) >= 0.05 else ""
+        raise ResourceError(
+            f"{stage['stage']} needs ~{need:.1f} GB of host memory ({stage['strategy']}{mapped}); "
+            f"{available / 1e9:.1f} GB are available",
+            fix=(f"{cheaper[0]} (~{cheaper[1]:.1f} GB)" if cheaper else
+                 "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
+                 "eval.seq_len (one batch of logits is batch x seq_len x vocab floats)"),
+        )
+
+
+def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None = None) -> None:
+    """ResourceError when the cache's disk cannot take what the build still has to write: every stage's new files,
+    or only the rows of the stages in `pending` (the build passes those whose outputs are not cached yet)."""
+    need = sum(row.disk_bytes for row in plan.rows
+               if pending is None or any(p.covers(row.id) for p in pending)) / 1e9
+    free = shutil.disk_usage(cache_dir).free / 1e9
+    if free < need:
+        raise ResourceError(
+            f"the build needs ~{need:.1f} GB under {cache_dir}, {free:.1f} GB are free",
+            fix="free disk space or set LLMC_CACHE to a larger disk",
+        )
+
+
+def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
+    """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
+    offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
+    source = recipe.model.source
+    if recipe.model.config is not None:
+        config_path = Path(recipe.model.config).expanduser()
+        if not config_path.is_absolute() and recipe_path is not None:
+            config_path = Path(recipe_path).parent / config_path
+        absent = source.startswith("hf:") or (":" not in source and not Path(source).expanduser().exists())
+        if absent:
+            folder = config_path if config_path.is_dir() else config_path.parent
+            plan = make_plan(recipe, config=read_model_config(folder), cache_dir=store.root, refuse=False,
+                             nproc=nproc)
+            plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
+            return plan
+    src = resolve_source(source, store, source_dtype(recipe.model.dtype))
+    return make_plan(recipe, src.folder, store.root, nproc=nproc)
+
+
+def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
+                          nproc: int) -> dict:
+    """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.planning.scaling)."""
+    calibrated = [s for s in schemes if s.needs_calibration]
+    if not calibrated:
+        return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
+                                        "layer's Linears; run it as one process"}
+    pipelines = [Pipeline.of(s) for s in calibrated]
+    work = Workload(ranges=any(s.stores_ranges for s in calibrated),
+                    hessians=any(p.observes_hessians for p in pipelines),
+                    module_calls=any(p.replays_module_calls for p in pipelines),
+                    solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
+    c = recipe.calibration
+    activations_gb = 0.0 if estimates.get("spill_activations") else \
+        2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
+
+    device = str(estimates.get("device", "cpu"))
+    flops = matmul_rate(estimates.get("dtype", "float32"), device, config.get("hidden_size") or 1024,
+                        c.seq_len)  # measured here, as the stage times are
+    return plan_estimate(estimates, layer_shapes(shapes), work, nproc, activations_gb, flops)
+
+
+def _plan_gates(plan: Plan) -> None:
+    """The gates each variant gets, and what the planner can already say about them (llmc.eval.gates)."""
+    recipe = plan.recipe
+    refusal = None if recipe.gates.allow_unevaluated else gates.emulated_performance_gates(
+        recipe, plan.schemes, plan.targets)
+    if refusal:
+        raise RecipeError(refusal, fix="add a runtime that reads the artifact to eval.runtimes (its own speed), "
+                                       "or drop the performance gate; emulation timings are not gated")
+    plan.gates = {name: gates.describe_gates(recipe.gates, s) for name, s in plan.schemes.items()}
+    plan.warnings += gates.plan_warnings(recipe, plan.schemes, plan.targets)
+
+
+def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors, device: torch.device,
+               planned_targets: list[dict], model_folder: Path | None) -> tuple[dict, list]:
+    """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
+    compute = resolve_dtype(recipe.model.dtype, model_folder, config)
+    stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
+    shape = res.Shape.of(tensors, config, stored_elem)
+    available = memory_available()
+    c = recipe.calibration
+    tokens = c.samples * c.seq_len
+    calibrated = any(s.needs_calibration for s in schemes.values())
+    costing = Costing(recipe=recipe, shape=shape, machine=res.Machine(available, None, str(device), os.cpu_count()),
+                      linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
+                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * res.ELEM[compute],
+                                                        available))
+    streamed = choose_streamed(shape.params * res.ELEM[compute], available)  # the torch engine's evaluation
+    costing.streamed_eval = streamed
+    for stage in stages(recipe, schemes):
+        stage.cost(costing)
+    rows = costing.rows
+    quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
+    registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
+    estimates = {
+        "params": shape.params,
+        "layers": shape.layers,
+        "dtype": compute,
+        "stages": [s.as_dict() for s in rows],
+        "cheaper": costing.cheaper,
+        "source_gb": shape.stored_bytes / 1e9,
+        "registry_gb": registry_bytes / 1e9,
+        "available_gb": (available or 0) / 1e9,
+        "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
+        "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
+        "calibration_s": sum(s.seconds for s in quant),
+        "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
+        "cpu_count": os.cpu_count(),
+        "spill_activations": costing.spill,
+        "streamed_eval": streamed,
+        "device": str(device),
+        "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,
+        **({"export_memory_gb": 3 * shape.params * 4 / 1e9}
+           if any(targets.artifact_format(t["exporter"]).whole_model for t in planned_targets) else {}),
+    }
+    return estimates, rows

