@@ -35,6 +35,8 @@ from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
+from llmc.formats.compressed_tensors import spec_from_args
+from llmc.model.attention import register_kv_attention, route_kv
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
@@ -42,45 +44,14 @@ from llmc.storage.resource_errors import raise_if_resource
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
-_EAGER: dict[int, bool] = {}  # attention modules whose model ran eager attention before the KV wrapper
 
 
-def _spec_from_args(args: dict) -> TensorSpec:
-    """compressed-tensors QuantizationArgs (as dict) -> our TensorSpec."""
-    is_float = args.get("type", "int") == "float"
-    bits = args.get("num_bits", 8)
-    fmt = "fp8_e4m3" if is_float and bits == 8 else ("int8" if bits == 8 else "int4")
-    return TensorSpec(
-        format=fmt,
-        strategy=args.get("strategy") or "tensor",
-        group_size=args.get("group_size"),
-        symmetric=args.get("symmetric", True),
-        dynamic=bool(args.get("dynamic", False)),
-    )
-
-
-def _kv_attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _quantize_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     entry = _KV_SCALES.get(id(module))
-    if entry is not None:
-        k_scale, v_scale, spec = entry
-        key = fake_quantize(key, spec, k_scale)
-        value = fake_quantize(value, spec, v_scale)
-    if _EAGER.get(id(module)):  # a family without sdpa (Gemma 2's logit soft-capping): its own attention
-        import sys
-
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _register_kv_attention() -> None:
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(KV_ATTENTION, _kv_attention)
-    AttentionMaskInterface.register(KV_ATTENTION, sdpa_mask)
+    if entry is None:
+        return key, value
+    k_scale, v_scale, spec = entry
+    return fake_quantize(key, spec, k_scale), fake_quantize(value, spec, v_scale)
 
 
 def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -191,7 +162,7 @@ class TorchEngine(EngineBase):
         ignore = tuple(qcfg.get("ignore") or ())
         del QuantizationConfig  # imported to fail loudly here if compressed-tensors is missing
         if act_args:
-            spec = _spec_from_args(act_args)
+            spec = spec_from_args(act_args)
             scales = _artifact_tensors(self.folder, (".input_scale",)) if not spec.dynamic else {}
             for name, mod in model.named_modules():
                 if not isinstance(mod, nn.Linear) or module_matches(name, ignore):
@@ -205,19 +176,18 @@ class TorchEngine(EngineBase):
                 )
         kv_args = qcfg.get("kv_cache_scheme")
         if kv_args:
-            spec = _spec_from_args(kv_args)
+            spec = spec_from_args(kv_args)
             scales = _artifact_tensors(self.folder, (".k_scale", ".v_scale"))
-            _register_kv_attention()
-            found = 0
+            register_kv_attention(KV_ATTENTION, _quantize_kv)
+            scaled = []
             for name, mod in model.named_modules():
                 k, v = scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale")
                 if k is not None and v is not None:
                     _KV_SCALES[id(mod)] = (k.float().to(self.device), v.float().to(self.device), spec)
-                    _EAGER[id(mod)] = model.config._attn_implementation == "eager"
-                    found += 1
-            if not found:
+                    scaled.append((mod, model.config))
+            if not scaled:
                 raise EngineFailed(f"{self.folder}: kv_cache_scheme is set but no k_scale/v_scale tensors exist")
-            model.config._attn_implementation = KV_ATTENTION
+            route_kv(scaled, KV_ATTENTION)
 
     # ------------------------------------------------------------------ measurements
 

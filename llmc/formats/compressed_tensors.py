@@ -33,6 +33,20 @@ def _args(spec: TensorSpec):
     return QuantizationArgs(**fields)
 
 
+def spec_from_args(args: dict) -> TensorSpec:
+    """A quantization_config's QuantizationArgs (as a dict, as read from config.json) as llmc's TensorSpec."""
+    is_float = args.get("type", "int") == "float"
+    bits = args.get("num_bits", 8)
+    fmt = "fp8_e4m3" if is_float and bits == 8 else ("int8" if bits == 8 else "int4")
+    return TensorSpec(
+        format=fmt,
+        strategy=args.get("strategy") or "tensor",
+        group_size=args.get("group_size"),
+        symmetric=args.get("symmetric", True),
+        dynamic=bool(args.get("dynamic", False)),
+    )
+
+
 def check_scheme(scheme: Scheme) -> None:
     """Refuse what vLLM's compressed-tensors loader would not match to a kernel (raised before any weight loads)."""
     w, a = scheme.weights, scheme.activations

@@ -5,13 +5,13 @@ through a layer (`forward_batches`, `observe_batches`)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from llmc.model.attention import register_kv_attention, route_kv, unroute_kv
 from llmc.model.skeleton import HOST, layer_output, return_free_heap_to_os
 from llmc.quant.activations import Activations
 from llmc.quant.algorithms import Observe
@@ -39,32 +39,21 @@ class LayerStats:
 _ACTIVE_KV_STATS: LayerStats | None = None
 RANGES_ONLY = Observe(hessians=False, module_calls=())
 _MODULE_NAMES: dict[int, str] = {}
-_BASE_ATTENTION: dict[int, str] = {}  # the attention implementation each observed module ran before
 
 
-def _observe_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's attention (sdpa, or its own eager function) that first records the absmax of the
-    keys/values it would cache."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _observe_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record the absmax of the keys/values the module would cache; they pass on unchanged."""
     stats = _ACTIVE_KV_STATS
     name = _MODULE_NAMES.get(id(module))
     if stats is not None and name is not None:
         for store, t in ((stats.key_absmax, key), (stats.value_absmax, value)):
             m = t.detach().abs().amax().float()
             store[name] = torch.maximum(store[name], m) if name in store else m
-    if _BASE_ATTENTION.get(id(module)) == "eager":
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return key, value
 
 
 def register_kv_observer() -> None:
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(KV_OBSERVER, _observe_kv_attention)
-    AttentionMaskInterface.register(KV_OBSERVER, sdpa_mask)
+    register_kv_attention(KV_OBSERVER, _observe_kv)
 
 
 @contextlib.contextmanager
@@ -109,8 +98,7 @@ def observing(
         handles.append(layer.get_submodule(name).register_forward_pre_hook(call_hook(name), with_kwargs=True))
     for name, attn in kv_modules.items():
         _MODULE_NAMES[id(attn)] = name
-        _BASE_ATTENTION.setdefault(id(attn), attn.config._attn_implementation)
-        attn.config._attn_implementation = KV_OBSERVER
+    route_kv([(attn, attn.config) for attn in kv_modules.values()], KV_OBSERVER)
     _ACTIVE_KV_STATS = stats
     try:
         yield stats
@@ -120,7 +108,7 @@ def observing(
             h.remove()
         for attn in kv_modules.values():
             _MODULE_NAMES.pop(id(attn), None)
-            attn.config._attn_implementation = _BASE_ATTENTION.pop(id(attn), "sdpa")
+        unroute_kv([(attn, attn.config) for attn in kv_modules.values()])
 
 
 def stats_from_shared(saved: dict[str, dict[str, torch.Tensor]], linears: dict, kv_modules: dict) -> LayerStats:

@@ -67,14 +67,14 @@ class CompressedTensors(ArtifactFormat):
 
 
 def _scheme_from_config(qcfg: dict):
-    from llmc.engines.torch_ref import _spec_from_args
+    from llmc.formats.compressed_tensors import spec_from_args
     from llmc.quant.spec import Scheme
 
     group = next(iter(qcfg["config_groups"].values()))
     return Scheme(
-        weights=_spec_from_args(group["weights"]),
-        activations=_spec_from_args(group["input_activations"]) if group.get("input_activations") else None,
-        kv_cache=_spec_from_args(qcfg["kv_cache_scheme"]) if qcfg.get("kv_cache_scheme") else None,
+        weights=spec_from_args(group["weights"]),
+        activations=spec_from_args(group["input_activations"]) if group.get("input_activations") else None,
+        kv_cache=spec_from_args(qcfg["kv_cache_scheme"]) if qcfg.get("kv_cache_scheme") else None,
         ignore=tuple(qcfg.get("ignore") or ()),
     )
 

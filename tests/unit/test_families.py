@@ -87,7 +87,7 @@ def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, 
         state.update({k: v for k, v in tensors.items() if k in own and k not in state})
     model.load_state_dict(state, strict=False)
     if scheme.kv_cache is not None:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
         from transformers.modeling_utils import AttentionInterface
 
         base = model.config._attn_implementation
@@ -103,9 +103,12 @@ def _fake_quantized_reference(folder: Path, qm: QuantizedModel, scheme: Scheme, 
                 return sys.modules[type(module).__module__].eager_attention_forward(module, q, k, v, mask, **kw)
             return sdpa_attention_forward(module, q, k, v, mask, **kw)
 
-        AttentionInterface.register("test_kv_reference", attention)
-        AttentionMaskInterface.register("test_kv_reference", sdpa_mask)
-        model.config._attn_implementation = "test_kv_reference"
+        # the mask the base attention takes: an eager function adds a float mask (given SDPA's boolean one it adds
+        # 0/1 and masks nothing)
+        reference = f"test_kv_reference_{base}"
+        AttentionInterface.register(reference, attention)
+        AttentionMaskInterface.register(reference, eager_mask if base == "eager" else sdpa_mask)
+        model.config._attn_implementation = reference
     return model
 
 
