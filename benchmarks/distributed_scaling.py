@@ -125,7 +125,7 @@ def measure(args) -> list[dict]:
 
 
 def gptq_solve_s_h100(shapes: dict[str, tuple[int, int]]) -> float:
-    """One layer's GPTQ solve on an H100, from this repository's measurements (docs/results.md, GPTQ's column loop as
+    """One layer's GPTQ solve on an H100, from this repository's measurements (docs/gpu.md, GPTQ's column loop as
     one Triton kernel): ~0.1 ms per 128-column block per ~2000 rows, so blocks x rows/2000 x 0.1 ms per stack; plus
     the inverse Hessians (~in³ flops each) at an assumed 20 TFLOP/s (fp32 Cholesky: not measured here)."""
     from llmc.planning import scaling

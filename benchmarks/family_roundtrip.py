@@ -1,4 +1,4 @@
-"""The per-family table of docs/results.md: for each dense family (tiny random model from transformers' config
+"""The per-family table of docs/models.md: for each dense family (tiny random model from transformers' config
 classes, tests/unit/families.py) and scheme, the max |logits| difference between the compressed-tensors export
 reloaded in transformers and the fake-quantized reference, beside the quantization's own effect; the same
 computation tests/unit/test_families.py asserts on.

@@ -1,5 +1,5 @@
 """A canonical quantized form -> GGUF -> transformers' GGUF loader: does the file read back into the canonical
-model (tokenizer ids, logits, NLL on 256 tokens of Brown text)? Used for Gemma-3-270M (docs/results.md, model
+model (tokenizer ids, logits, NLL on 256 tokens of Brown text)? Used for Gemma-3-270M (docs/models.md, model
 families) where llama.cpp is not built.
 
     PYTHONPATH=. python benchmarks/gguf_transformers_check.py QUANTIZED_FOLDER SOURCE_FOLDER [OUT]

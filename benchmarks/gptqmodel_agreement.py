@@ -1,4 +1,4 @@
-"""GPTQModel against llmc's torch reference on the same weights and the same Brown eval windows (docs/results.md, issue 20).
+"""GPTQModel against llmc's torch reference on the same weights and the same Brown eval windows (docs/formats-and-runtimes.md, issue 20).
 
 Usage: LLMC_GPTQMODEL_PYTHON=<venv>/bin/python python benchmarks/gptqmodel_agreement.py SOURCE CANONICAL GPTQ_EXPORT AWQ_EXPORT WINDOWS SEQ_LEN
   SOURCE: the unquantized model folder; CANONICAL: the quantize stage folder the two exports came from (its

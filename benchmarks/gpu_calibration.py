@@ -20,7 +20,7 @@ Once every run is timed, all outputs (compressed-tensors) are scored by one func
 
 Every step has a time limit (`--step-timeout-s`, cut to what is left of `--budget-s`); a step that fails or runs out
 of time is written as a row with its error and the run goes on. Rows go to DIR/rows.jsonl as they come, the table to
-DIR/summary.md. `--device cpu --shape tiny` runs the same path on a CPU in seconds (docs/results.md).
+DIR/summary.md. `--device cpu --shape tiny` runs the same path on a CPU in seconds (docs/gpu.md).
 """
 
 from __future__ import annotations

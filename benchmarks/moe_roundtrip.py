@@ -1,4 +1,4 @@
-"""docs/results.md "Mixture-of-Experts": for a tiny random Mixtral and Qwen3-MoE (4 experts, top-2, hidden 64, 2
+"""docs/models.md "Mixture-of-Experts": for a tiny random Mixtral and Qwen3-MoE (4 experts, top-2, hidden 64, 2
 layers; tests/unit/families.py) and each scheme, the max |logits| difference between the compressed-tensors export
 reloaded by llmc's torch engine and the fake-quantized reference, beside the quantization's own effect (the
 computation tests/unit/test_moe.py asserts on); then the cost of `calibration.moe_calibrate_all_experts`: the

@@ -7,7 +7,7 @@
 # dependencies resolved, wheels only (cp312 manylinux for the one compiled package), so the set is the same every
 # time. Refuses (exit 1) when the folder would exceed LIMIT_MB (default 16; the run tool carries 64 MiB in all).
 #
-#     bash scripts/gpu-wheels.sh            # then the one command in docs/results.md ("One command on a lent GPU")
+#     bash scripts/gpu-wheels.sh            # then the one command in docs/gpu.md ("The GPU benchmark at Llama-3.1-8B and Llama-3.3-70B width")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${GPU_WHEELS:-.gpu-wheels}

@@ -2,7 +2,7 @@
 # GPTQModel (CPU) in its own venv (.venv-gptqmodel, or $VENV): the `gptqmodel` evaluation engine, which loads
 # llmc's GPTQ-format (exllamav2 target) and AutoAWQ-format (lmdeploy target) checkpoints with GPTQModel's own
 # CPU kernels. 7.6.0 is the newest release that accepts torch 2.13 (7.7.0 wants torch>=2.14.1, a CUDA wheel
-# on PyPI); the sdist builds no extension at install time. Idempotent. Measured: docs/results.md, "Runtimes".
+# on PyPI); the sdist builds no extension at install time. Idempotent. Measured: docs/formats-and-runtimes.md, "Runtimes".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

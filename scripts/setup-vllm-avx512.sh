@@ -3,9 +3,9 @@
 # (.venv-vllm-avx512, or $VENV): the builds with vLLM's CPU W4A16 kernel (cpu_gemm_wna16), which the AVX2 build
 # (scripts/setup-vllm.sh) lacks. Picks the best build this CPU's /proc/cpuinfo flags allow and refuses (exit 3)
 # on a CPU without AVX-512, where every one of them stops at its first AVX-512 instruction; VLLM_CPU_VARIANT=...
-# forces one (that is how docs/results.md recorded the failure here). Point llmc's `vllm` engine at it with
+# forces one (that is how docs/formats-and-runtimes.md recorded the failure here). Point llmc's `vllm` engine at it with
 # LLMC_VLLM_PYTHON=$VENV/bin/python. `--variant` prints the package it would install and exits. Idempotent.
-# Measured on a PyPI-only machine (docs/results.md, issue 20): the PyPI torch fallback installs, the requirements
+# Measured on a PyPI-only machine (docs/formats-and-runtimes.md, issue 20): the PyPI torch fallback installs, the requirements
 # then stop at ResolutionImpossible on xgrammar==0.1.29 under that torch pin; with download.pytorch.org reachable
 # the +cpu torch is used instead (not tried here).
 set -euo pipefail

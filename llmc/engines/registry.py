@@ -2,7 +2,7 @@
 
 Importing this module imports no engine: each engine module (torch, onnxruntime, ...) is imported when
 `open_engine` opens it, so reading the registry (recipe validation, reports, the CLI) stays light.
-Adding an engine is one `EngineSpec` line here plus its module (docs/extending-engines.md).
+Adding an engine is one `EngineSpec` line here plus its module (docs/extending.md, "Adding an evaluation engine").
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                                "a llama.cpp build for another CPU (bash scripts/setup-llama.sh)")),
     EngineSpec("onnxruntime", "llmc.engines.onnxrt:OnnxRuntimeEngine", loads_source=False,
                emulated_formats=("fp8_e4m3",), emulation_note="ONNX Runtime's CPU execution provider runs FP8 "
-               "Q/DQ as float arithmetic (docs/results.md): the function, not FP8 speed"),
+               "Q/DQ as float arithmetic (docs/formats-and-runtimes.md): the function, not FP8 speed"),
     EngineSpec("tensorrt-llm", "llmc.engines.trtllm:TensorRtLlmEngine", loads_source=True, title="TensorRT-LLM",
                environment=EngineEnvironment(
                    worker="trtllm_worker.py", python_variable="LLMC_TRTLLM_PYTHON", venv=".venv-trtllm",

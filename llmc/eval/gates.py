@@ -1,6 +1,6 @@
 """Gates: the recipe's thresholds applied to measured results, each a verdict with its reason.
 
-Rules (docs/results.md, "Default gates"):
+Rules (docs/evaluation.md, "Default gates"):
 - A quality gate is evaluated on the 95% interval, on the side that protects the user — it fails when the *upper*
   bound of the paired perplexity increase (or of mean KL divergence) exceeds the limit, or the *lower* bound of
   top-1 agreement is under it — so noise cannot hide a regression. Throughput gates compare the median against
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from llmc.recipe.schema import Recipe
     from llmc.result import BuildResult, Evaluation
 
-# Default quality gates per scheme family, from measured numbers with a margin (docs/results.md, "Default gates").
+# Default quality gates per scheme family, from measured numbers with a margin (docs/evaluation.md, "Default gates").
 # 8-bit (W8A8 FP8/INT8, W8A16, FP8 KV): SmolLM2-135M measured at most +4.9% perplexity (upper bound), KLD <= 0.039,
 # top-1 >= 87.0% (lower bounds); an FP8 build that moved the distribution (KLD 0.20, top-1 77%, perplexity -12%)
 # must fail. 4-bit weights (W4A16, W4AFP8): at most +39% (RTN), KLD <= 0.39, top-1 >= 63.3%.

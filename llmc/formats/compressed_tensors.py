@@ -68,7 +68,7 @@ def vllm_load_rounding(scheme: Scheme) -> str | None:
     what = "vLLM's W4A8-FP8 kernel rounds the int4 group scales onto a per-row FP8 grid at load, which the evaluation "
     if scheme.algorithm == "awq":
         return what + ("does not see (+0.9% perplexity for AWQ); AWQ quantized on that grid measured worse "
-                       "(docs/results.md), so it keeps plain scales; fix: none needed, or algorithm gptq, which "
+                       "(docs/calibration.md), so it keeps plain scales; fix: none needed, or algorithm gptq, which "
                        "quantizes on the grid (+0.0% at load)")
     return what + ("does not see (+1.3% perplexity for GPTQ); fix: remove 'scale_grid: float' so the scales are "
                    "quantized on that grid")

@@ -320,7 +320,7 @@ def scheme_summary(scheme: Scheme) -> dict:
         out["onnxruntime"] = {
             "exact_session_config": {"session.disable_quant_qdq": "1"},
             "note": "ORT fuses int8 Q/DQ MatMuls into its u8s8 int8 kernel; on x86 CPUs without VNNI that kernel "
-                    "saturates 16-bit pair sums (measured +0.54% perplexity on SmolLM2 W8A8, docs/results.md). "
+                    "saturates 16-bit pair sums (measured +0.54% perplexity on SmolLM2 W8A8, docs/formats-and-runtimes.md). "
                     "The session config above runs the graph exactly (float MatMul) at the cost of speed."}
     return out
 

@@ -20,7 +20,7 @@ Time = floating-point work / this machine's measured matmul rate in the compute 
 (`matmul_rate`: a small probe at plan time; a CPU without bf16 instructions runs bf16 GEMMs several times slower
 than fp32) x the share a decoder layer reaches (`forward_efficiency`), plus the quantizer's arithmetic at its probed
 rate (`quantize_rate`), plus reading and writing the bytes. Constants measured at full width are in
-docs/results.md ("Planner at full width").
+docs/planner.md ("Planner at full width").
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def quantize_stage(shape: Shape, *, compute: str, stored_elem: int, calibrated: 
         # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
         # (up -> down) is scored through its Gram matrix, out x in² per candidate; the clip search fake-quantizes
         # every Linear but q and k once per clipping range. Measured at 8B width: one candidate of down 16.8 s, its
-        # clip search 17 s (32 tokens), the layer 229 s where RTN's takes 2 (docs/results.md)
+        # clip search 17 s (32 tokens), the layer 229 s where RTN's takes 2 (docs/planner.md)
         evaluations, clip_iterations, clip_tokens = search
         searched = layer - h * shape.attn_width
         down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down

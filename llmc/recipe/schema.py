@@ -392,7 +392,7 @@ class CorpusGates(_Strict):
 
 
 class Gates(_Strict):
-    """Thresholds applied to every artifact (docs/results.md, "Default gates"). A recipe without a `gates:`
+    """Thresholds applied to every artifact (docs/evaluation.md, "Default gates"). A recipe without a `gates:`
     section gets the default quality gates of each variant's scheme family (`defaults: true`); a `gates:`
     section holds exactly what it says, plus the defaults for the keys it leaves out when `defaults: true`."""
 

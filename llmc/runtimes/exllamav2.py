@@ -31,7 +31,7 @@ class GptqCheckpoint(ArtifactFormat):
     families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
     read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = _NEEDS_GPU
-    proof = ("loaded and scored here by GPTQModel's CPU kernels (engine gptqmodel; docs/results.md, issue 20); "
+    proof = ("loaded and scored here by GPTQModel's CPU kernels (engine gptqmodel; docs/formats-and-runtimes.md, issue 20); "
              "ExLlamaV2 itself needs a GPU. GPTQ v1 layout decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX "
              "Runtime export, which is scored here")

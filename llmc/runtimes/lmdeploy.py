@@ -30,7 +30,7 @@ class AwqCheckpoint(ArtifactFormat):
     families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"
     read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = _NEEDS_GPU
-    proof = ("loaded and scored here by GPTQModel's CPU AWQ kernels (engine gptqmodel; docs/results.md, issue 20); "
+    proof = ("loaded and scored here by GPTQModel's CPU AWQ kernels (engine gptqmodel; docs/formats-and-runtimes.md, issue 20); "
              "LMDeploy/vLLM's AWQ kernels need a GPU. AutoAWQ GEMM layout (nibble order "
              "0 2 4 6 1 3 5 7, unsigned zeros, fp16 scales) decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own AWQ loader reads llmc's checkpoint back to the same weights (default test run)")

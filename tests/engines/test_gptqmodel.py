@@ -67,7 +67,7 @@ def test_gptqmodel_scores_llmcs_checkpoint_like_the_torch_reference(checkpoints,
     paths = checkpoints["schemes"][scheme]
     if (layout, scheme) == ("gptq", "g32-asym"):
         # GPTQModel 7.6 loads an asymmetric GPTQ v1 checkpoint only from its own quantizer (meta.quantizer
-        # "gptqmodel:>=0.9" or GPTAQ/FOEM), whatever the file holds: measured here, recorded in docs/results.md
+        # "gptqmodel:>=0.9" or GPTAQ/FOEM), whatever the file holds: measured here, recorded in docs/formats-and-runtimes.md
         with pytest.raises(EngineFailed, match="sym=False model with format=FORMAT.GPTQ is only supported"):
             GptqModelEngine(paths[layout]).measure(windows[:1], windows[:1], decode_tokens=0, repeats=1)
         return

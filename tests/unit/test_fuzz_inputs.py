@@ -8,7 +8,7 @@ special files). The property, for every case: `llmc plan` (in-process through cl
 with a documented code other than 70, prints no traceback and no raw control characters, finishes in
 bounded time, and writes nothing outside its cache (LLMC_CACHE) - not in the working directory, not in $HOME.
 
-The default run is a fixed-seed budget (derandomized); `-m fuzz_long` runs the long one (docs/results.md).
+The default run is a fixed-seed budget (derandomized); `-m fuzz_long` runs the long one (docs/reliability.md).
 """
 
 from __future__ import annotations

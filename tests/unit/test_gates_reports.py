@@ -251,7 +251,7 @@ def test_default_gates_include_kld_and_top1_and_catch_a_moved_distribution() -> 
     assert all(v.passed for v in gate_artifact(effective_gates(recipe.gates, fp8), "t", [("torch:t", demo, "emulated", "")]))
 
 
-# Recorded numbers per shipped recipe (docs/results.md; upper bound of the perplexity change and of KLD, lower bound
+# Recorded numbers per shipped recipe (docs/evaluation.md; upper bound of the perplexity change and of KLD, lower bound
 # of top-1 where the docs give the interval, else the mean), per variant and engine. None: not recorded.
 RECORDED = {
     "smollm2-fp8": {"": [("torch", 4.03, 4.88, 0.0391, 87.0),

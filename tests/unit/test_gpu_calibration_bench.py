@@ -1,4 +1,4 @@
-"""benchmarks/gpu_calibration.py, the one command a lent GPU machine runs (docs/results.md): every scheme pair it
+"""benchmarks/gpu_calibration.py, the one command a lent GPU machine runs (docs/gpu.md): every scheme pair it
 names is a valid llmc Scheme at every shape it offers (at bb4e556 the W4 pairs kept an unfilled `{group}`), the
 synthetic checkpoint it writes has the named shape and a tokenizer that loads offline, the floor runs on the host, and
 (slow) the whole run on this CPU at a tiny width writes every row it promises."""

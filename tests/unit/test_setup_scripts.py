@@ -1,5 +1,5 @@
 """scripts/setup-vllm-avx512.sh picks vLLM's CPU build from the CPU's flags, and refuses (exit 3) on a CPU without
-AVX-512, where every AVX-512 build dies with SIGILL while loading its kernels (docs/results.md, issue 20)."""
+AVX-512, where every AVX-512 build dies with SIGILL while loading its kernels (docs/formats-and-runtimes.md, issue 20)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from llmc.quant.algorithms.registry import (
 )
 
 # What the planner accepts: every registered algorithm alone (a transform then RTN), and the compositions of
-# several that have run end to end and been measured (docs/results.md). Others the composition rules allow
+# several that have run end to end and been measured (docs/calibration.md). Others the composition rules allow
 # (awq+gptq) are refused as not implemented until they are.
 IMPLEMENTED: frozenset[str] = frozenset(names()) | {"smoothquant+gptq"}
 

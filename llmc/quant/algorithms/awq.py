@@ -236,7 +236,7 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
 
 @register("awq", kind="transform", options=AwqOptions, propagate="quantized", module_calls=awq_module_calls,
           # On Gemma-3-270M AWQ on vLLM's fp8_row scale grid measured 47.4 ppl against 43.3 for plain scales as
-          # vLLM converts them (docs/results.md), a loss not yet understood: AWQ keeps plain scales by default.
+          # vLLM converts them (docs/calibration.md), a loss not yet understood: AWQ keeps plain scales by default.
           fp8_row_by_default=False)
 def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options: AwqOptions) -> bool:
     """AWQ scale search over each mapping in forward order, then clip search per Linear; True (weights change)."""

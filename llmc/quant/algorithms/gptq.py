@@ -38,7 +38,7 @@ class GptqOptions(AlgorithmOptions):
         """Whether GPTQ quantizes each Linear on inputs through the layer's already-quantized Linears, inside the
         forward that makes the next layer's inputs (`llmc.quant.true_sequential`; `options.true_sequential`
         turns it off). The default for GPTQ alone with quantized propagation (a transform first needs the whole
-        layer's statistics): one forward per layer instead of two (docs/results.md has the measured time and
+        layer's statistics): one forward per layer instead of two (docs/calibration.md has the measured time and
         perplexity against the two-forward order)."""
         applies = context.propagate == "quantized" and not context.after_transform
         return self.model_copy(update={"true_sequential": self.true_sequential and applies})

@@ -33,7 +33,7 @@ class StreamOptions(AlgorithmOptions):
     outputs measured 56-70% worse perplexity change on SmolLM2 W4A16), else the original layer's (RTN,
     SmoothQuant: as ModelOpt does, one layer forward per layer instead of two; SmoothQuant W8A8: 0.48x
     llm-compressor's time instead of 0.81x, perplexity 43.997 vs 43.910 mean over three seeds; llm-compressor
-    44.026; docs/results.md)."""
+    44.026; docs/calibration.md)."""
 
     propagate: Propagate | None = Field(
         default=None,

@@ -40,7 +40,7 @@ class SmoothQuantOptions(AlgorithmOptions):
         Static per-tensor activations default to "all" with alpha 1.0 (all of the activations' range moves into
         the weights), as ModelOpt: one scale for a whole tensor cannot cover down_proj's input outliers. SmolLM2
         static W8A8-INT8 (seed 0, 16 windows): "norms" alpha 0.5 +100% perplexity, "all" alpha 0.5 +31%, "all"
-        alpha 1.0 +8.80%, ModelOpt +8.83% (docs/results.md). Dynamic per-token activations keep "norms" and
+        alpha 1.0 +8.80%, ModelOpt +8.83% (docs/calibration.md). Dynamic per-token activations keep "norms" and
         alpha 0.5, as measured before (+1.66%)."""
         a = context.scheme.activations
         static_per_tensor = a is not None and not a.dynamic and a.strategy == "tensor"
