@@ -78,8 +78,10 @@ def decode_utf8(data: bytes, path: str | Path, what: str, fix: str, error: type[
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise error(f"{what} {shown(path)} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
-                    f"(line {line})", fix=fix) from None
+        bad = data[e.start:min(e.end, e.start + 4)]
+        bad = ("byte " if len(bad) == 1 else "bytes ") + " ".join(f"0x{b:02x}" for b in bad)
+        raise error(f"{what} {shown(path)} is not UTF-8 text: {bad} at offset {e.start} (line {line}: {e.reason})",
+                    fix=fix) from None
 
 
 def read_input_text(path: str | Path, what: str, limit: int, fix: str, error: type[LlmcError] = InputError) -> str:

@@ -429,3 +429,13 @@ def test_corpus_file_that_is_not_text(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("LLMC_BROWN_DIR", str(root))
     with pytest.raises(InputError, match="FIFO" if bad == "fifo" else "not UTF-8 text: byte 0xe9 at offset 3"):
         brown_documents("eval")
+
+
+def test_a_non_utf8_file_is_named_with_the_bad_bytes_and_why(tmp_path: Path) -> None:
+    from llmc.inputs.files import read_input_text
+
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes(b"fine\nab\xe2\x28\xa1 more")  # a 3-byte lead followed by an ASCII byte
+    with pytest.raises(InputError) as e:
+        read_input_text(bad, "the file", 1 << 20, fix="save it as UTF-8")
+    assert "byte 0xe2 at offset 7 (line 2: invalid continuation byte)" in e.value.message
