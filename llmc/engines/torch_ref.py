@@ -40,6 +40,7 @@ from llmc.model.attention import register_kv_attention, route_kv
 from llmc.quant.numerics import fake_quantize
 from llmc.quant.spec import TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
+from llmc.telemetry.progress import steps
 
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)
@@ -244,7 +245,7 @@ class TorchEngine(EngineBase):
 
                 streamed_logits(self.model, self._decoder, mine, batch_size, self.dtype, on_logits, self.device)
             else:
-                for start in range(0, mine.shape[0], batch_size):
+                for start in steps(range(0, mine.shape[0], batch_size), "score windows", unit="batch"):
                     ids = mine[start : start + batch_size].to(self.device)
                     on_logits(start, self.model(input_ids=ids, use_cache=False).logits[:, :-1].float())
             self._synchronize()

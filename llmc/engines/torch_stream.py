@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from llmc.errors import EngineFailed
+from llmc.telemetry.progress import steps
 from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release)
 from llmc.quant.moe import unfuse_experts
@@ -202,7 +203,7 @@ def streamed_logits(model: nn.Module, decoder: LayerDecoder, windows: torch.Tens
     hidden: list[torch.Tensor] = []
     extras = capture_layer_inputs(model, layers, batches, hidden.append)
     with torch.no_grad():
-        for i, layer in enumerate(layers):
+        for i, layer in steps(enumerate(layers), "score windows, layer by layer", total=len(layers), unit="layer"):
             materialize(layer, decoder.tensors(f"{prefix}.{i}."), dtype)
             layer.to(device)
             for b, (args, kwargs) in enumerate(e[i] for e in extras):

@@ -29,7 +29,7 @@ from llmc import __version__
 from llmc.telemetry import events
 from llmc.errors import InputError, LlmcError
 from llmc.storage.paths import confined
-from llmc.telemetry.progress import log
+from llmc.telemetry.progress import Meter, log
 from llmc.storage.resource_errors import resource_error
 from llmc.storage.links import share_identical_files, sweep_blobs
 
@@ -126,11 +126,19 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
     events.emit(f"file:{path.name}")
 
 
+_METERED_HASH_BYTES = 1 << 28  # files this large say how far their hashing has got (a 70B shard takes minutes)
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        size = os.fstat(f.fileno()).st_size
+        meter = Meter(f"hash {Path(path).name}", size, unit="B", every_s=10.0) if size >= _METERED_HASH_BYTES else None
+        with meter or contextlib.nullcontext():
+            while block := f.read(chunk):
+                h.update(block)
+                if meter is not None:
+                    meter.advance(len(block))
     return h.hexdigest()
 
 

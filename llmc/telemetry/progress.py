@@ -29,19 +29,52 @@ def log(message: str) -> None:
         print(f"[llmc {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def steps(items: Iterable[T], stage: str, total: int | None = None) -> Iterator[T]:
-    """Iterate with a bar on a terminal and a JSON progress line per item for logs."""
+class Meter:
+    """Progress of one long step counted in `unit`s (layers, batches, bytes): a tqdm bar with its ETA on a
+    terminal; elsewhere an `llmc-progress` JSON line ({stage, done, total, unit, elapsed_s, eta_s}) at most every
+    `every_s` seconds, and one when the step ends."""
+
+    def __init__(self, stage: str, total: int | None, *, unit: str = "it", every_s: float = 0.0) -> None:
+        self.stage, self.total, self.unit, self.every_s = stage, total, unit, every_s
+        self.done = 0
+        self._emit_json = os.environ.get("LLMC_PROGRESS_JSON", "1") != "0" and not _QUIET
+        show_bar = sys.stderr.isatty() and not _QUIET
+        self._emit_json = self._emit_json and not show_bar
+        self._start = self._last = time.monotonic()
+        self._bar = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, disable=not show_bar,
+                         unit=unit, unit_scale=unit == "B")
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        self._bar.update(n)
+        now = time.monotonic()
+        if self._emit_json and (now - self._last >= self.every_s or self.done == self.total):
+            self._last = now
+            self._print(now)
+
+    def _print(self, now: float) -> None:
+        elapsed = now - self._start
+        line = {"stage": self.stage, "done": self.done, "total": self.total, "elapsed_s": round(elapsed, 2)}
+        if self.unit != "it":
+            line["unit"] = self.unit
+        if self.total and self.done:
+            line["eta_s"] = round(elapsed / self.done * (self.total - self.done), 1)
+        print("llmc-progress " + json.dumps(line), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Meter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def steps(items: Iterable[T], stage: str, total: int | None = None, *, unit: str = "it") -> Iterator[T]:
+    """Iterate with a bar (and ETA) on a terminal and a JSON progress line per item for logs."""
     total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)
-    emit_json = os.environ.get("LLMC_PROGRESS_JSON", "1") != "0" and not _QUIET
-    show_bar = sys.stderr.isatty() and not _QUIET
-    start = time.monotonic()
-    bar = tqdm(total=total, desc=stage, file=sys.stderr, leave=False, disable=not show_bar)
-    try:
-        for i, item in enumerate(items, 1):
+    with Meter(stage, total, unit=unit) as meter:
+        for item in items:
             yield item
-            bar.update(1)
-            if emit_json and not show_bar:
-                line = {"stage": stage, "done": i, "total": total, "elapsed_s": round(time.monotonic() - start, 2)}
-                print("llmc-progress " + json.dumps(line), file=sys.stderr, flush=True)
-    finally:
-        bar.close()
+            meter.advance()
