@@ -264,4 +264,4 @@ def test_a_new_algorithm_is_one_registered_function() -> None:
         assert p.transform_layer(layer, "", None)
         assert torch.equal(layer[0].weight.data, w * 3)
     finally:
-        REGISTRY.pop("double")
+        REGISTRY.remove("double")

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from llmc.quant.spec import Scheme
+from llmc.registry import Registry
 
 Propagate = Literal["original", "quantized"]
 Kind = Literal["transform", "quantizer"]
@@ -96,7 +97,7 @@ class Algorithm:
     fp8_row_by_default: bool = True  # W4AFP8 for vLLM quantizes on the kernel's scale grid by default
 
 
-REGISTRY: dict[str, Algorithm] = {}
+REGISTRY: Registry[Algorithm] = Registry("algorithm")
 DEFAULT_QUANTIZER = "rtn"  # what a list of transforms alone ends with
 
 
@@ -104,16 +105,14 @@ def register(name: str, *, kind: Kind, options: type[AlgorithmOptions], **facts)
     """Decorator: record the decorated layer function as algorithm `name` (facts: the other `Algorithm` fields)."""
 
     def record(layer: Callable) -> Callable:
-        if name in REGISTRY:
-            raise ValueError(f"algorithm {name} is registered twice")
-        REGISTRY[name] = Algorithm(name=name, kind=kind, options=options, layer=layer, **facts)
+        REGISTRY.add(name, Algorithm(name=name, kind=kind, options=options, layer=layer, **facts))
         return layer
 
     return record
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(REGISTRY))
+    return tuple(sorted(REGISTRY))  # not registration order: that follows the package's imports
 
 
 def _names_of(kind: Kind) -> str:
