@@ -55,14 +55,9 @@ SCHEMES: dict[tuple[NumberFormat, NumberFormat | None], str] = {
 KV_CACHE_SCHEMES: dict[NumberFormat, str] = {"fp8_e4m3": "KV-FP8", "int8": "KV-INT8"}  # capability keys too
 
 
-def scheme_name(weights: NumberFormat, activations: NumberFormat | None) -> str:
-    """The scheme's name (`SCHEMES`); ValueError naming the pairs there are when no runtime executes this one."""
-    try:
-        return SCHEMES[(weights, activations)]
-    except KeyError:
-        known = ", ".join(f"{w}+{a or 'none'} ({n})" for (w, a), n in SCHEMES.items())
-        raise ValueError(f"weights {weights} with activations {activations or 'none'} is not a scheme any runtime "
-                         f"executes; fix: pick one of {known}") from None
+def pair_name(weights: NumberFormat, activations: NumberFormat | None) -> str:
+    """How messages spell a weight/activation pair: "int4+none"."""
+    return f"{weights}+{activations or 'none'}"
 
 
 @dataclass(frozen=True)
@@ -114,8 +109,10 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        """The scheme's name in `SCHEMES`: W8A8-FP8, W4A16-INT, W4AFP8 (int4 weights, fp8 activations), ..."""
-        return scheme_name(self.weights.format, self.activations.format if self.activations else None)
+        """The scheme's name in `SCHEMES`: W8A8-FP8, W4A16-INT, W4AFP8 (int4 weights, fp8 activations), ...; a pair
+        no runtime executes (only a Scheme built in code, never a recipe's) is named by its formats: "int4+int8"."""
+        pair = (self.weights.format, self.activations.format if self.activations else None)
+        return SCHEMES.get(pair) or pair_name(*pair)
 
     def to_dict(self) -> dict:
         return asdict(self)

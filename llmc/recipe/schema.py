@@ -19,7 +19,7 @@ from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
-from llmc.quant.spec import Scheme, TensorSpec, scheme_name
+from llmc.quant.spec import SCHEMES, Scheme, TensorSpec, pair_name
 from llmc.runtimes import runtime_names
 from llmc.runtimes.base import ARCH_ORDER
 
@@ -184,7 +184,11 @@ class QuantizationSection(_Strict):
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
-        scheme_name(self.weights.format, self.activations.format if self.activations else None)  # a known pair
+        pair = (self.weights.format, self.activations.format if self.activations else None)
+        if pair not in SCHEMES:
+            known = ", ".join(f"{pair_name(*p)} ({name})" for p, name in SCHEMES.items())
+            raise ValueError(f"weights {pair[0]} with activations {pair[1] or 'none'} is not a scheme any runtime "
+                             f"executes; fix: pick one of {known}")
         Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 
