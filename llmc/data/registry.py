@@ -2,7 +2,8 @@
 
 A loader yields every row of the source, in order; `read_rows()` then applies the role's part (`holdout`,
 Brown's file split) and stops where the recipe has enough text.
-Register a new kind with `@loader("kind")` and add its schema class to `llmc.data.sources.DataSource`.
+Register a new kind with `@loader("kind")` (a `llmc.registry.Registry`) and add its schema class to
+`llmc.data.sources.DataSource`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from llmc.errors import InputError
+from llmc.data.sources import BrownSource, MixSource
+from llmc.registry import Registry
 
 Role = Literal["calibration", "eval"]
 
@@ -27,15 +29,11 @@ class Row:
 
 
 Loader = Callable[..., Iterable[Row]]
-_LOADERS: dict[str, Loader] = {}
+LOADERS: Registry[Loader] = Registry("data source kind")
 
 
 def loader(kind: str) -> Callable[[Loader], Loader]:
-    def register(fn: Loader) -> Loader:
-        _LOADERS[kind] = fn
-        return fn
-
-    return register
+    return LOADERS.register(kind)
 
 
 def rows(source, role: Role) -> list[Row]:
@@ -50,13 +48,10 @@ def read_rows(source, role: Role, max_chars: int | None = None) -> tuple[list[Ro
     cuts a single document there), so a recipe needing 256 tokens does not read a 1 GiB file whole."""
     from llmc.data import loaders  # noqa: F401  (registers the built-in kinds)
 
-    if source.kind == "mix":
+    if isinstance(source, MixSource):
         raise ValueError("a mix has no rows of its own: take each part's (llmc.data.tokens)")
-    fn = _LOADERS.get(source.kind)
-    if fn is None:
-        raise InputError(f"no loader is registered for data source kind '{source.kind}'",
-                         fix=f"use one of {sorted(_LOADERS)}")
-    if source.kind == "brown":  # a fixed corpus of 6 MB, always read whole (its stage keys assume it)
+    fn = LOADERS[source.kind]  # UnknownName (bad input, exit 7) naming the registered kinds
+    if isinstance(source, BrownSource):  # a fixed corpus of 6 MB, always read whole (its stage keys assume it)
         return list(fn(source, role)), True
     n = source.holdout
     out, chars = [], 0

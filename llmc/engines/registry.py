@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from llmc.registry import Registry
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -132,7 +134,8 @@ def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
     return None
 
 
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+ENGINES: Registry[EngineSpec] = Registry("engine")
+for _spec in (
     EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True,
                splits_over_ranks=True,
                speed="emulation", emulation_note="llmc's torch reference dequantizes weights and fake-quantizes "
@@ -164,15 +167,14 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                    module="gptqmodel", setup="bash scripts/setup-gptqmodel.sh",
                    failure_fix="check the checkpoint with `llmc inspect`; LLMC_GPTQMODEL_BACKEND=gptq_torch (or "
                                "awq_torch) picks GPTQModel's plain torch kernel instead of its automatic choice")),
-)}
-ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
+):
+    ENGINES.add(_spec.name, _spec)
+ENGINE_NAMES: tuple[str, ...] = ENGINES.names()
 
 
 def engine_spec(name: str) -> EngineSpec:
-    try:
-        return ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINE_NAMES)}") from None
+    """The engine registered as `name` (UnknownName, also a ValueError, naming the registered ones)."""
+    return ENGINES[name]
 
 
 def open_engine(name: str, folder: Path, *, dtype: str = "float32") -> Engine:

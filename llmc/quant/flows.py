@@ -39,6 +39,7 @@ from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
                                 register_kv_observer, stats_from_shared)
 from llmc.quant.shared_stats import SharedStats
+from llmc.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -105,15 +106,13 @@ class DataFlow:
         """After the layer is written: the next layer's inputs into `s.hidden`."""
 
 
-FLOWS: dict[str, type[DataFlow]] = {}  # in the order `flow_for` asks them
+FLOWS: Registry[type[DataFlow]] = Registry("data flow")  # in the order `flow_for` asks them
 
 
 def register_flow(name: str) -> Callable[[type[DataFlow]], type[DataFlow]]:
     def register(cls: type[DataFlow]) -> type[DataFlow]:
-        if name in FLOWS:
-            raise ValueError(f"data flow {name} registered twice")
+        FLOWS.add(name, cls)
         cls.name = name
-        FLOWS[name] = cls
         return cls
 
     return register

@@ -39,6 +39,27 @@ FORMATS: dict[str, FormatInfo] = {
 }
 
 
+# Every scheme a runtime executes, one line each: (weight format, activation format or None) -> its name. The name
+# is the scheme's capability key in the runtimes' rules (docs/compatibility.md), what messages call it, and part of
+# stage keys and records: a spelling never changes. The recipe accepts these pairs only.
+SCHEMES: dict[tuple[NumberFormat, NumberFormat | None], str] = {
+    ("fp8_e4m3", "fp8_e4m3"): "W8A8-FP8",
+    ("fp8_e4m3", None): "W8A16-FP8",
+    ("int8", "int8"): "W8A8-INT8",
+    ("int8", None): "W8A16-INT8",
+    ("int4", None): "W4A16-INT",
+    ("int4", "fp8_e4m3"): "W4AFP8",
+    ("nvfp4", "nvfp4"): "W4A4-NVFP4",
+    ("nvfp4", None): "W4A16-NVFP4",
+}
+KV_CACHE_SCHEMES: dict[NumberFormat, str] = {"fp8_e4m3": "KV-FP8", "int8": "KV-INT8"}  # capability keys too
+
+
+def pair_name(weights: NumberFormat, activations: NumberFormat | None) -> str:
+    """How messages spell a weight/activation pair: "int4+none"."""
+    return f"{weights}+{activations or 'none'}"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     format: NumberFormat
@@ -88,17 +109,10 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        """Conventional short name: W8A8-FP8, W4A16, W8A8-INT8, W4AFP8 (int4 weights, fp8 activations), ..."""
-        w = self.weights
-        if w.format == "int4" and self.activations is not None and self.activations.format == "fp8_e4m3":
-            return "W4AFP8"
-        wname = f"W{w.bits}"
-        if self.activations is None:
-            aname = "A16"
-        else:
-            aname = f"A{self.activations.bits}"
-        kind = {"fp8_e4m3": "FP8", "int8": "INT8", "int4": "INT", "nvfp4": "NVFP4"}[w.format]
-        return f"{wname}{aname}-{kind}"
+        """The scheme's name in `SCHEMES`: W8A8-FP8, W4A16-INT, W4AFP8 (int4 weights, fp8 activations), ...; a pair
+        no runtime executes (only a Scheme built in code, never a recipe's) is named by its formats: "int4+int8"."""
+        pair = (self.weights.format, self.activations.format if self.activations else None)
+        return SCHEMES.get(pair) or pair_name(*pair)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,13 +19,14 @@ from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
-from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.spec import SCHEMES, Scheme, TensorSpec, pair_name
 from llmc.runtimes import runtime_names
+from llmc.runtimes.base import ARCH_ORDER
 
 SCHEMA_VERSION = 1
 
 Runtime = Literal[runtime_names()]  # every runtime in the target registry
-GpuArch = Literal["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
+GpuArch = Literal[("cpu", *ARCH_ORDER)]  # every arch the runtimes' rules know (llmc.runtimes.base)
 
 
 class _Strict(BaseModel):
@@ -140,19 +141,6 @@ class KvCacheQuant(_Strict):
     format: Literal["fp8_e4m3", "int8"]
 
 
-_SUPPORTED_PAIRS = {
-    # (weight format, activation format or None) -> scheme name used in messages
-    ("fp8_e4m3", "fp8_e4m3"): "W8A8-FP8",
-    ("fp8_e4m3", None): "W8A16-FP8",
-    ("int8", "int8"): "W8A8-INT8",
-    ("int8", None): "W8A16-INT8",
-    ("int4", None): "W4A16",
-    ("int4", "fp8_e4m3"): "W4AFP8",
-    ("nvfp4", "nvfp4"): "NVFP4",
-    ("nvfp4", None): "NVFP4A16",
-}
-
-
 class QuantizationSection(_Strict):
     weights: WeightQuant
     activations: ActivationQuant | None = None
@@ -196,15 +184,11 @@ class QuantizationSection(_Strict):
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
-        act = self.activations.format if self.activations else None
-        if (self.weights.format, act) not in _SUPPORTED_PAIRS:
-            known = ", ".join(
-                f"{w}+{a or 'none'} ({n})" for (w, a), n in _SUPPORTED_PAIRS.items()
-            )
-            raise ValueError(
-                f"weights {self.weights.format} with activations {act or 'none'} is not a scheme "
-                f"any runtime executes; fix: pick one of {known}"
-            )
+        pair = (self.weights.format, self.activations.format if self.activations else None)
+        if pair not in SCHEMES:
+            known = ", ".join(f"{pair_name(*p)} ({name})" for p, name in SCHEMES.items())
+            raise ValueError(f"weights {pair[0]} with activations {pair[1] or 'none'} is not a scheme any runtime "
+                             f"executes; fix: pick one of {known}")
         Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 

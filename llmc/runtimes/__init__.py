@@ -1,4 +1,5 @@
-"""Runtime targets: one registry of everything llmc knows about each runtime it exports for.
+"""Runtime targets: the registries (`llmc.registry`) of every runtime llmc exports for and the artifact formats
+they read.
 
 Each module beside this file registers one runtime family and the artifact format it reads (the exporter,
 its stage-key options, its capability rules as data, its Triton backend, what `llmc inspect` recognises,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmc.registry import Registry
 from llmc.runtimes.base import (
     ArtifactFormat,
     ExportRequest,
@@ -26,49 +28,44 @@ if TYPE_CHECKING:
     from llmc.quant.spec import Scheme
     from llmc.recipe.schema import Target
 
-_RUNTIMES: dict[str, Runtime] = {}
-_FORMATS: dict[str, ArtifactFormat] = {}
+RUNTIMES: Registry[Runtime] = Registry("runtime")  # in the order of docs/compatibility.md
+FORMATS: Registry[ArtifactFormat] = Registry("artifact format")
 
 
 def register_runtime(runtime: Runtime) -> Runtime:
-    if runtime.name in _RUNTIMES:
-        raise ValueError(f"runtime {runtime.name} is registered twice")
-    _RUNTIMES[runtime.name] = runtime
-    return runtime
+    return RUNTIMES.add(runtime.name, runtime)
 
 
 def register_format(cls: type[ArtifactFormat]) -> type[ArtifactFormat]:
     """Class decorator: one instance of each format, looked up by its name."""
-    if cls.name in _FORMATS:
-        raise ValueError(f"artifact format {cls.name} is registered twice")
-    _FORMATS[cls.name] = cls()
+    FORMATS.add(cls.name, cls())
     return cls
 
 
 def runtime(name: str) -> Runtime:
-    return _RUNTIMES[name]
+    return RUNTIMES[name]
 
 
 def runtimes() -> list[Runtime]:
     """Every registered runtime, in registration order (the order of docs/compatibility.md)."""
-    return list(_RUNTIMES.values())
+    return list(RUNTIMES.values())
 
 
 def runtime_names() -> tuple[str, ...]:
-    return tuple(_RUNTIMES)
+    return RUNTIMES.names()
 
 
 def artifact_format(name: str) -> ArtifactFormat:
-    return _FORMATS[name]
+    return FORMATS[name]
 
 
 def formats() -> list[ArtifactFormat]:
-    return list(_FORMATS.values())
+    return list(FORMATS.values())
 
 
 def format_for(target: Target) -> ArtifactFormat:
-    """The format a recipe target gets (KeyError when its runtime's format has no exporter in this llmc)."""
-    return _FORMATS[runtime(target.runtime).format_for(target.version)]
+    """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here)."""
+    return FORMATS[runtime(target.runtime).format_for(target.version)]
 
 
 def triton_backend(target: Target) -> str:
@@ -80,8 +77,8 @@ def triton_backend(target: Target) -> str:
         raise IncompatibleTargetError(*fmt.triton_refusal)
     if fmt.triton_backend is None:
         by_backend: dict[str, list[str]] = {}
-        for rt in _RUNTIMES.values():
-            backend = _FORMATS[rt.format].triton_backend if rt.format in _FORMATS else None
+        for rt in RUNTIMES.values():
+            backend = FORMATS[rt.format].triton_backend if rt.format in FORMATS else None
             if backend:
                 by_backend.setdefault(backend, []).append(rt.name)
         options = [f"{'/'.join(names)} (Triton's {backend} backend)" for backend, names in by_backend.items()]
@@ -101,18 +98,18 @@ def check_family(target: Target, config: dict) -> None:
     family = config.get("model_type")
     fmt = format_for(target)
     if expert_count(config) > 1 and family not in fmt.moe_families:
-        accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
-                     and family in _FORMATS[rt.format].moe_families]
+        accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
+                     and family in FORMATS[rt.format].moe_families]
         raise IncompatibleTargetError(
             f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
-            f"(model_type {family!r}): only {', '.join(sorted(f.name for f in _FORMATS.values() if f.moe_families))} "
+            f"(model_type {family!r}): only {', '.join(sorted(f.name for f in FORMATS.values() if f.moe_families))} "
             "artifacts carry per-expert weights, tested by a round-trip",
             fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
                 f"{', '.join(accepting) or 'none'}")
     if fmt.families is None or family in fmt.families:
         return
-    accepting = [rt.name for rt in _RUNTIMES.values() if rt.format in _FORMATS
-                 and (_FORMATS[rt.format].families is None or family in _FORMATS[rt.format].families)]
+    accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
+                 and (FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]
     raise IncompatibleTargetError(
         f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
         f"({fmt.families_source}); this model's model_type is {family!r}",
@@ -120,12 +117,12 @@ def check_family(target: Target, config: dict) -> None:
 
 
 def is_implemented(format_name: str) -> bool:
-    return format_name in _FORMATS
+    return format_name in FORMATS
 
 
 def recognize(path) -> ArtifactFormat | None:
     """The format of the artifact at `path`, or None."""
-    return next((f for f in _FORMATS.values() if f.recognizes(path)), None)
+    return next((f for f in FORMATS.values() if f.recognizes(path)), None)
 
 
 def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[str]:
@@ -133,7 +130,7 @@ def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[s
     reading `format_name`, when given)."""
     out = []
     keys = scheme_keys(scheme)
-    for rt in sorted(_RUNTIMES.values(), key=lambda r: r.name):
+    for rt in sorted(RUNTIMES.values(), key=lambda r: r.name):
         rules = [rt.rules.get(k) for k in keys]
         if any(r is None for r in rules) or (format_name and rt.format != format_name):
             continue
@@ -161,7 +158,7 @@ from llmc.runtimes import (  # noqa: E402,F401  (registration side effects)
     exllamav2,
 )
 
-__all__ = ["ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes", "arch_at_least", "arch_span",
-           "check_family",
+__all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes",
+           "arch_at_least", "arch_span", "check_family",
            "artifact_format", "format_for", "formats", "is_implemented", "recognize", "register_format",
            "register_runtime", "runtime", "runtime_names", "runtimes", "scheme_keys", "target_key"]

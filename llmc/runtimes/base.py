@@ -13,12 +13,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from llmc.quant.spec import KV_CACHE_SCHEMES, Scheme
+
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
-    from llmc.quant.spec import Scheme
     from llmc.recipe.schema import Target
 
-ARCH_ORDER = ["sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"]
+# Every NVIDIA GPU architecture a rule or a recipe target names, oldest first (the recipe's `gpu_arch` takes these
+# and "cpu"): one line each.
+ARCH_ORDER: tuple[str, ...] = (
+    "sm70",  # Volta (V100)
+    "sm75",  # Turing (T4)
+    "sm80",  # Ampere (A100)
+    "sm86",  # Ampere (A10, RTX 30xx)
+    "sm89",  # Ada Lovelace (L4, L40S, RTX 40xx): first FP8 tensor cores
+    "sm90",  # Hopper (H100, H200)
+    "sm100",  # Blackwell (B200): first FP4 tensor cores
+    "sm120",  # Blackwell (RTX 50xx, RTX PRO 6000)
+)
 
 
 def arch_at_least(arch: str, minimum: str) -> bool:
@@ -51,20 +63,9 @@ class Rule:
 
 
 def scheme_keys(scheme: Scheme) -> list[str]:
-    """Capability keys a scheme needs: its GEMM scheme and, if any, its KV-cache format."""
-    w, a = scheme.weights, scheme.activations
-    if w.format == "nvfp4":
-        key = "W4A4-NVFP4" if a else "W4A16-NVFP4"
-    elif w.format == "int4":
-        key = "W4AFP8" if a else "W4A16-INT"
-    elif w.format == "int8":
-        key = "W8A8-INT8" if a else "W8A16-INT8"
-    else:
-        key = "W8A8-FP8" if a else "W8A16-FP8"
-    keys = [key]
-    if scheme.kv_cache:
-        keys.append("KV-FP8" if scheme.kv_cache.format == "fp8_e4m3" else "KV-INT8")
-    return keys
+    """Capability keys a scheme needs: its GEMM scheme's name and, if any, its KV-cache format's
+    (`llmc.quant.spec.SCHEMES`, `KV_CACHE_SCHEMES`)."""
+    return [scheme.name] + ([KV_CACHE_SCHEMES[scheme.kv_cache.format]] if scheme.kv_cache else [])
 
 
 def target_key(target: Target) -> dict:

@@ -11,7 +11,7 @@ import yaml
 from torch import nn
 
 from llmc.errors import RecipeError
-from llmc.quant.algorithms import IMPLEMENTED, REGISTRY, Pipeline, calibration_passes, names, quantize_stage_config
+from llmc.quant.algorithms import IMPLEMENTED, ALGORITHMS, Pipeline, calibration_passes, names, quantize_stage_config
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.quant.algorithms.gptq import GptqOptions
 from llmc.quant.algorithms.registry import AlgorithmOptions, register
@@ -136,10 +136,10 @@ def test_calibration_passes_and_stream_properties_are_the_old_ones() -> None:
 
 def test_each_algorithm_is_registered_once_with_its_kind() -> None:
     assert names() == ("awq", "gptq", "rtn", "smoothquant")
-    assert {n: REGISTRY[n].kind for n in names()} == {"awq": "transform", "gptq": "quantizer", "rtn": "quantizer",
+    assert {n: ALGORITHMS[n].kind for n in names()} == {"awq": "transform", "gptq": "quantizer", "rtn": "quantizer",
                                                      "smoothquant": "transform"}
-    assert REGISTRY["gptq"].options is GptqOptions and REGISTRY["awq"].options is AwqOptions
-    assert [n for n in names() if not REGISTRY[n].calibrates] == ["rtn"]
+    assert ALGORITHMS["gptq"].options is GptqOptions and ALGORITHMS["awq"].options is AwqOptions
+    assert [n for n in names() if not ALGORITHMS[n].calibrates] == ["rtn"]
     assert IMPLEMENTED == {"rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq"}  # what plan.py accepted
     with pytest.raises(ValueError, match="registered twice"):
         register("gptq", kind="quantizer", options=GptqOptions)(lambda *a: {})
@@ -264,4 +264,4 @@ def test_a_new_algorithm_is_one_registered_function() -> None:
         assert p.transform_layer(layer, "", None)
         assert torch.equal(layer[0].weight.data, w * 3)
     finally:
-        REGISTRY.pop("double")
+        ALGORITHMS.remove("double")

@@ -34,7 +34,7 @@ def test_importing_the_registry_imports_no_engine() -> None:
             "or m in ('torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-    assert eval(out) == ["llmc", "llmc.engines", "llmc.engines.registry"]
+    assert eval(out) == ["llmc", "llmc.engines", "llmc.engines.registry", "llmc.errors", "llmc.registry"]
 
 
 def test_the_registry_says_what_the_build_asks_of_each_engine() -> None:

@@ -125,9 +125,13 @@ def test_target_without_exporter_says_so(monkeypatch) -> None:
     from llmc import runtimes as targets
 
     assert all(targets.is_implemented(f) for rt in targets.runtimes() for f in {r.format for r in rt.matrix_rows()})
-    formats = dict(targets._FORMATS)
-    del formats["onnx"]
-    monkeypatch.setattr(targets, "_FORMATS", formats)
+    from llmc.registry import Registry
+
+    formats = Registry(targets.FORMATS.kind)
+    for name, fmt in targets.FORMATS.items():
+        if name != "onnx":
+            formats.add(name, fmt)
+    monkeypatch.setattr(targets, "FORMATS", formats)
     w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
     with pytest.raises(IncompatibleTargetError) as e:
         make_plan(recipe(w4, {"runtime": "onnxruntime", "gpu_arch": "cpu"}))

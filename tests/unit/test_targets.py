@@ -43,6 +43,27 @@ def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() ->
                 assert arch is None or arch in ARCH_ORDER, (rt.name, key, arch)
 
 
+def test_scheme_names_and_gpu_archs_come_from_one_table_each() -> None:
+    """A scheme's name, its capability key and the recipe's accepted pairs all read llmc.quant.spec.SCHEMES;
+    the recipe's gpu_arch takes ARCH_ORDER (and cpu)."""
+    import typing
+
+    from llmc.quant.spec import KV_CACHE_SCHEMES, SCHEMES
+    from llmc.recipe.schema import GpuArch
+    from llmc.runtimes.base import ARCH_ORDER
+
+    for (w, a), name in SCHEMES.items():
+        for kv in (None, *KV_CACHE_SCHEMES):
+            scheme = Scheme(TensorSpec(w, "channel"), TensorSpec(a, "token", dynamic=True) if a else None,
+                            TensorSpec(kv, "tensor") if kv else None)
+            assert scheme.name == name
+            assert targets.scheme_keys(scheme) == [name] + ([KV_CACHE_SCHEMES[kv]] if kv else [])
+    assert set(SCHEMES.values()) | set(KV_CACHE_SCHEMES.values()) >= {k for rt in targets.runtimes() for k in rt.rules}
+    w4a8 = Scheme(TensorSpec("int4", "channel"), TensorSpec("int8", "token", dynamic=True))  # no runtime runs it
+    assert w4a8.name == "int4+int8" and targets.scheme_keys(w4a8) == ["int4+int8"]
+    assert typing.get_args(GpuArch) == ("cpu", *ARCH_ORDER)
+
+
 def test_tensorrt_llm_version_picks_the_checkpoint_format() -> None:
     assert targets.format_for(Target(runtime="tensorrt-llm")).name == "modelopt-hf"
     assert targets.format_for(Target(runtime="tensorrt-llm", version=">=0.12")).name == "modelopt-hf"

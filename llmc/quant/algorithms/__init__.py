@@ -17,7 +17,7 @@ from llmc.quant.algorithms import awq, gptq, rtn, smoothquant  # noqa: F401  (ea
 from llmc.quant.algorithms.mappings import Mapping
 from llmc.quant.algorithms.pipeline import Pipeline, calibration_passes, quantize_stage_config
 from llmc.quant.algorithms.registry import (
-    REGISTRY,
+    ALGORITHMS,
     Algorithm,
     AlgorithmOptions,
     Observe,
@@ -34,5 +34,5 @@ IMPLEMENTED: frozenset[str] = frozenset(names()) | {"smoothquant+gptq"}
 
 
 
-__all__ = ["IMPLEMENTED", "REGISTRY", "Algorithm", "AlgorithmOptions", "Mapping", "Observe", "Pipeline",
+__all__ = ["ALGORITHMS", "IMPLEMENTED", "Algorithm", "AlgorithmOptions", "Mapping", "Observe", "Pipeline",
            "calibration_passes", "compose", "names", "quantize_stage_config", "register", "steps_of"]

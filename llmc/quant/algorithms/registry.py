@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from llmc.quant.spec import Scheme
+from llmc.registry import Registry
 
 Propagate = Literal["original", "quantized"]
 Kind = Literal["transform", "quantizer"]
@@ -96,7 +97,7 @@ class Algorithm:
     fp8_row_by_default: bool = True  # W4AFP8 for vLLM quantizes on the kernel's scale grid by default
 
 
-REGISTRY: dict[str, Algorithm] = {}
+ALGORITHMS: Registry[Algorithm] = Registry("algorithm")
 DEFAULT_QUANTIZER = "rtn"  # what a list of transforms alone ends with
 
 
@@ -104,20 +105,18 @@ def register(name: str, *, kind: Kind, options: type[AlgorithmOptions], **facts)
     """Decorator: record the decorated layer function as algorithm `name` (facts: the other `Algorithm` fields)."""
 
     def record(layer: Callable) -> Callable:
-        if name in REGISTRY:
-            raise ValueError(f"algorithm {name} is registered twice")
-        REGISTRY[name] = Algorithm(name=name, kind=kind, options=options, layer=layer, **facts)
+        ALGORITHMS.add(name, Algorithm(name=name, kind=kind, options=options, layer=layer, **facts))
         return layer
 
     return record
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(REGISTRY))
+    return tuple(sorted(ALGORITHMS))  # not registration order: that follows the package's imports
 
 
 def _names_of(kind: Kind) -> str:
-    return ", ".join(n for n in names() if REGISTRY[n].kind == kind)
+    return ", ".join(n for n in names() if ALGORITHMS[n].kind == kind)
 
 
 def compose(algorithm: str | Sequence[str]) -> str:
@@ -135,11 +134,11 @@ def compose(algorithm: str | Sequence[str]) -> str:
         raise ValueError(f"the algorithm list is empty; fix: name one of {', '.join(names())}")
     shown = "+".join(steps)
     for s in steps:
-        if s not in REGISTRY:
+        if s not in ALGORITHMS:
             where = f" in '{shown}'" if len(steps) > 1 else ""
             raise ValueError(f"unknown algorithm '{s}'{where}; fix: use {', '.join(names())}, or a list of them "
                              "applied in order, e.g. [smoothquant, gptq]")
-    kinds = [REGISTRY[s].kind for s in steps]
+    kinds = [ALGORITHMS[s].kind for s in steps]
     if kinds.count("quantizer") > 1:
         raise ValueError(f"'{shown}' quantizes twice; fix: keep one quantizer ({_names_of('quantizer')}), last")
     if "quantizer" in kinds[:-1]:
@@ -156,8 +155,8 @@ def compose(algorithm: str | Sequence[str]) -> str:
 
 def steps_of(algorithm: str) -> tuple[Algorithm, ...]:
     """The registered steps of a composed algorithm, ending with its quantizer (RTN when none is named)."""
-    steps = tuple(REGISTRY[s] for s in compose(algorithm).split("+"))
-    return steps if steps[-1].kind == "quantizer" else (*steps, REGISTRY[DEFAULT_QUANTIZER])
+    steps = tuple(ALGORITHMS[s] for s in compose(algorithm).split("+"))
+    return steps if steps[-1].kind == "quantizer" else (*steps, ALGORITHMS[DEFAULT_QUANTIZER])
 
 
 def algorithm_calibrates(algorithm: str) -> bool:
