@@ -31,7 +31,7 @@ def main() -> None:
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model, StreamOptions
 
     scheme = eval(scheme_expr, {"Scheme": Scheme, "TensorSpec": TensorSpec})  # noqa: S307 - the benchmark's own table
     torch.set_num_threads(int(os.environ.get("THREADS", os.cpu_count() or 1)))
@@ -47,7 +47,8 @@ def main() -> None:
 
     t = time.monotonic()
     quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out) / "canonical",
-                   calibration=ids, dtype=dtype, device=device, on_layer_done=layer_done)
+                   Calibration(ids),
+                   StreamOptions(dtype=dtype, device=device, on_layer_done=layer_done))
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.monotonic() - t

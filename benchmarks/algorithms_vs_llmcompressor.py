@@ -90,12 +90,12 @@ from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 folder, tokens, scheme, out, name = sys.argv[1], sys.argv[2], eval(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 torch.set_num_threads(2)
 ids = load_file(tokens)["input_ids"]
 t = time.monotonic()
-quantize_model(ModelSource(Path(folder), name, name), scheme, out / "canonical", calibration=ids)
+quantize_model(ModelSource(Path(folder), name, name), scheme, out / "canonical", Calibration(ids))
 wall = time.monotonic() - t
 export_compressed_tensors(QuantizedModel.open(out / "canonical"), out / "export")
 print(json.dumps({"wall_s": wall, "peak_rss_mb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024}))

@@ -1,4 +1,4 @@
-"""AWQ's search costs at a model's full width, the parts the planner times (llmc.planning.resources.quantize_stage,
+"""AWQ's search costs at a model's full width, the parts the planner times (llmc.pipeline.quantize.quantize_cost,
 `awq_search`): one candidate scale fake-quantizing a Linear ((q(w x s) / s) in float32, cast back) against the
 quantizer probe (`quantize_rate`, hence FAKE_QUANT_COST), one candidate of the lone up -> down mapping scored
 through the Gram matrix of its inputs (out x in² FLOPs) against the float32 matmul probe, and the clip search of one
@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from _timing import best_seconds
-from llmc.planning.resources import matmul_rate, quantize_rate
+from llmc.planning.machine import matmul_rate
+from llmc.quant.numerics import quantize_rate
 from llmc.quant.algorithms.awq import fake_quantize_weight, search_clip
 from llmc.quant.spec import TensorSpec
 
@@ -39,7 +40,7 @@ def main() -> None:
     spec = TensorSpec("int4", "group", group_size=128)
     w = (torch.randn(hidden, inter) * 0.02).to(torch.bfloat16)
     s = torch.rand(inter) + 0.5
-    probe = quantize_rate("bfloat16", "int4", "group", 128, elements=w.numel())
+    probe = quantize_rate(spec, "bfloat16", elements=w.numel())
     fake = best_seconds(lambda: (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype), 2)
     wf, gram = w.float(), torch.randn(inter, inter)
     candidate = best_seconds(lambda: float((((fake_quantize_weight(wf * s, spec) / s - wf) @ gram) * wf).sum()), 1)

@@ -35,7 +35,7 @@ def main() -> None:
     from llmc.calibration.windows import make_windows
     from llmc.model.source import resolve_source
     from llmc.quant.spec import Scheme, TensorSpec
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model
     from llmc.storage.store import Store
 
     src = resolve_source("demo:smollm2-135m", Store.default())
@@ -59,7 +59,7 @@ def main() -> None:
     def run(scheme: Scheme) -> None:
         out = work / "q"
         shutil.rmtree(out, ignore_errors=True)
-        quantize_model(src, scheme, out, calibration=calib if scheme.needs_calibration else None)
+        quantize_model(src, scheme, out, Calibration(calib) if scheme.needs_calibration else None)
 
     runs = {"floor (plain forward)": floor, **{k: (lambda s=s: run(s)) for k, s in schemes.items()}}
     times: dict[str, list[float]] = {k: [] for k in runs}

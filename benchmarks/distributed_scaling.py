@@ -53,7 +53,7 @@ def child(model: str, out: str, scheme: str, windows: int, seq_len: int) -> None
     from llmc.model.source import ModelSource
     from llmc.quant.algorithms import gptq
     from llmc.quant.spec import Scheme, TensorSpec
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model
 
     schemes = {"rtn-static-kv": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"),
                                        TensorSpec("fp8_e4m3", "tensor")),
@@ -77,7 +77,7 @@ def child(model: str, out: str, scheme: str, windows: int, seq_len: int) -> None
     calibration = torch.randint(3, 250, (windows, seq_len), generator=torch.Generator().manual_seed(0))
     distributed.barrier()
     t = time.perf_counter()
-    quantize_model(ModelSource(Path(model), "m", "m"), schemes[scheme], Path(out), calibration=calibration)
+    quantize_model(ModelSource(Path(model), "m", "m"), schemes[scheme], Path(out), Calibration(calibration))
     wall = time.perf_counter() - t
     print("RESULT " + json.dumps({"rank": distributed.rank(), "wall_s": wall, "solve_s": solve[0],
                                   "received_bytes": dict(distributed.TRAFFIC)}), flush=True)

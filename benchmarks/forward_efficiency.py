@@ -1,4 +1,4 @@
-"""How much of the planner's matmul probe a decoder layer's forward reaches (llmc.planning.resources.forward_efficiency):
+"""How much of the planner's matmul probe a decoder layer's forward reaches (llmc.planning.machine.forward_efficiency):
 one Llama decoder layer at the real width of SmolLM2-135M, Llama-3.1-8B and Llama-3.3-70B (random weights), its
 forward over one sequence of `seq` tokens timed (best of 2 after a warm-up), against what the planner predicts for it
 (`forward_seconds`: `matmul_rate` probed at the model's width and tokens as `llmc plan` probes it). Efficiency =
@@ -7,7 +7,7 @@ forward over one sequence of `seq` tokens timed (best of 2 after a warm-up), aga
     python benchmarks/forward_efficiency.py                      # every (model, dtype, seq) below
     python benchmarks/forward_efficiency.py --models smollm2 --seqs 512 2048
 
-One JSON line per case; the planner's constant is the one in llmc.planning.resources.forward_efficiency.
+One JSON line per case; the planner's constant is the one in llmc.planning.machine.forward_efficiency.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def config_of(name: str):
 def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from llmc.planning.resources import forward_efficiency, forward_seconds, matmul_rate
+    from llmc.planning.machine import forward_efficiency, forward_seconds, matmul_rate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

@@ -1,5 +1,5 @@
 """Where one full-width decoder layer's quantize time goes, part by part, beside what the planner predicts for each
-part (llmc.planning.resources.layer_seconds): read the layer from safetensors, the calibration forward, the quantizer's
+part (llmc.pipeline.quantize.layer_seconds): read the layer from safetensors, the calibration forward, the quantizer's
 arithmetic (RTN, the recipe's weight spec), write the layer's codes (fsync). One Llama decoder layer at the real
 width of `--model` (recipes/configs/<model>/config.json), random weights in `--dtype`.
 
@@ -31,7 +31,9 @@ def main() -> None:
         LlamaRotaryEmbedding,
     )
 
-    from llmc.planning import resources as res
+    from llmc.pipeline.quantize import layer_seconds
+    from llmc.planning.machine import matmul_rate
+    from llmc.quant.numerics import quantize_rate
     from llmc.quant.numerics import quantize_weight
     from llmc.quant.spec import TensorSpec
     from llmc.storage.store import atomic_save_safetensors
@@ -55,10 +57,10 @@ def main() -> None:
     fmt, strategy = args.weights.split(":")
     # the planner's probes run first, in a fresh process, as `llmc plan` and the build run them before any weight
     width, attn_width = config.hidden_size, config.num_attention_heads * config.head_dim
-    predicted = res.layer_seconds(params, stored_bytes=params * dtype.itemsize, tokens=args.tokens, passes=1.0,
+    predicted = layer_seconds(params, stored_bytes=params * dtype.itemsize, tokens=args.tokens, passes=1.0,
                                   active=1.0, compute=args.dtype, code_bytes=1.0, device="cpu", width=width,
                                   seq_len=args.tokens, attn_width=attn_width, batch_tokens=args.tokens,
-                                  largest_linear=largest, weight_key=(fmt, strategy, None))
+                                  largest_linear=largest, weights=TensorSpec(fmt, strategy))
     layer = layer.to_empty(device="cpu").to(dtype)
     for p in layer.parameters():
         p.data.normal_(0, 0.02)
@@ -99,8 +101,8 @@ def main() -> None:
         "model": args.model, "layer_params": params, "tokens": args.tokens, "dtype": args.dtype,
         "measured_s": measured, "measured_total_s": sum(measured.values()),
         "predicted_s": predicted, "predicted_total_s": sum(predicted.values()),
-        "matmul_rate_gflops": res.matmul_rate(args.dtype, "cpu", width, args.tokens) / 1e9,
-        "quantize_rate_gelem": res.quantize_rate(args.dtype, fmt, strategy, elements=largest) / 1e9,
+        "matmul_rate_gflops": matmul_rate(args.dtype, "cpu", width, args.tokens) / 1e9,
+        "quantize_rate_gelem": quantize_rate(TensorSpec(fmt, strategy), args.dtype, elements=largest) / 1e9,
         "load_before": load, "load_after": os.getloadavg(), "threads": torch.get_num_threads(),
     }))
 

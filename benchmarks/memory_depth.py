@@ -33,12 +33,12 @@ import json, sys, time, torch
 from pathlib import Path
 from llmc.model.source import ModelSource
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 folder, out, scheme, samples, seq = sys.argv[1], sys.argv[2], eval(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(2)
 calib = torch.randint(0, 49152, (samples, seq), generator=torch.Generator().manual_seed(0))
 t = time.monotonic()
-quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out), calibration=calib)
+quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out), Calibration(calib))
 print(json.dumps({"wall_s": time.monotonic() - t, "peak_rss_mb": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024}))
 """
 

@@ -33,8 +33,8 @@ def cost(folder: Path, scheme_name: str, work: Path, windows: int, seq: int, rep
         for all_experts in (False, True):
             out = work / f"{scheme_name}-{all_experts}-{r}"
             t = time.perf_counter()
-            stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES[scheme_name], out, calibration=ids,
-                                  moe_calibrate_all_experts=all_experts)
+            stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES[scheme_name], out,
+                                  stream.Calibration(ids, moe_all_experts=all_experts))
             times[all_experts].append(time.perf_counter() - t)
     return statistics.median(times[False]), statistics.median(times[True])
 

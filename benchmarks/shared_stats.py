@@ -28,13 +28,13 @@ from safetensors.torch import load_file
 from llmc.model.source import resolve_source
 from llmc.storage.store import Store
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 out, scheme, tokens, shared = Path(sys.argv[1]), eval(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.set_num_threads(2)
 source = resolve_source("demo:smollm2-135m", Store.default())
 calib = load_file(tokens)["input_ids"]
 t = time.monotonic()
-quantize_model(source, scheme, out, calibration=calib, shared_stats=Path(shared) if shared != "-" else None)
+quantize_model(source, scheme, out, Calibration(calib, shared_stats=Path(shared) if shared != "-" else None))
 print(json.dumps({"wall_s": time.monotonic() - t}))
 """
 

@@ -54,7 +54,7 @@ def main() -> None:
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.numerics import dequantize, fp8_row_group_scales
     from llmc.quant.spec import Scheme, TensorSpec
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model
 
     torch.set_num_threads(2)
     group = MODELS[args.model]["group"]
@@ -70,7 +70,7 @@ def main() -> None:
                         TensorSpec("fp8_e4m3", "token", dynamic=True), algorithm=args.algorithm)
         with tempfile.TemporaryDirectory(prefix="llmc-w4afp8-") as tmp:
             t = time.monotonic()
-            quantize_model(source, scheme, Path(tmp) / "q", calibration=calib)
+            quantize_model(source, scheme, Path(tmp) / "q", Calibration(calib))
             qm = QuantizedModel.open(Path(tmp) / "q")
             export_compressed_tensors(qm, Path(tmp) / "export")
             engine = TorchEngine(Path(tmp) / "export")

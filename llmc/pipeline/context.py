@@ -10,7 +10,10 @@ import torch
 
 from llmc.data.tokens import TokenSet
 from llmc.pipeline.runner import Runner
-from llmc.planning.resources import ELEM, Machine, Shape, Stage
+from llmc.model.dtype import BYTES
+from llmc.planning.machine import Machine
+from llmc.planning.rows import CostRow
+from llmc.planning.shapes import Shape
 from llmc.recipe.schema import Recipe
 from llmc.result import BuildResult
 
@@ -54,7 +57,7 @@ class Costing:
     spill: bool  # whether the calibration activations are spilled to disk
     tokens: int  # calibration tokens
     streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
-    rows: list[Stage] = field(default_factory=list)
+    rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
     bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes
     exports_seen: dict[tuple, str] = field(default_factory=dict)  # identical export -> the first target's label
@@ -63,4 +66,4 @@ class Costing:
     @property
     def elem(self) -> int:
         """Bytes per element of the compute dtype."""
-        return ELEM[self.compute]
+        return BYTES[self.compute]

@@ -2,8 +2,11 @@
 on the same windows of each evaluation corpus; each scoring is cached on its own.
 
 Key of one scoring: the engine, the evaluation protocol (corpus, windows, lengths, throughput settings, dtype,
-tokenizer), the scored model's content key and the baseline's scoring key. Cost: `llmc.planning.resources.eval_stage`
-for the torch engine's scorings (the baseline, then each variant), per corpus."""
+tokenizer), the scored model's content key and the baseline's scoring key. Cost (`eval_cost`): the torch engine's
+scorings (the baseline, then each variant), per corpus: the whole dense model, or (streamed,
+llmc.engines.torch_stream) the outer weights, one dense layer (an artifact's: + its codes and the float32
+decompression of one block of rows, or of one Linear for packed int4), the hidden states of every window and one
+batch's logits; the baseline's output head an artifact is scored with is mapped."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc.planning import resources as res
 from llmc import runtimes as targets
 from llmc.formats.files import SERVE_FILE
 from llmc.data import stages as data
@@ -25,14 +27,23 @@ from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.pipeline import ranks
+from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
+from llmc.planning.machine import DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES, Machine, forward_seconds
+from llmc.planning.rows import GB, CostRow
+from llmc.planning.shapes import Shape
+from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.telemetry.progress import log
 from llmc.pipeline.quantize import Quantize
 from llmc.quant.canonical import scheme_from_dict
 from llmc.result import Evaluation, eval_id
 from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
+
+# weight elements/s compressed-tensors' decompressor turns codes into float32 (the torch engine reads an artifact
+# through it, streamed or whole): docs/planner-constants.md#decompress_rate
+DECOMPRESS_RATE = 0.145e9
 
 
 class Evaluate:
@@ -66,7 +77,7 @@ class Evaluate:
             scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params))
         baseline_disk = 0.0
         for label, reference, code_bytes, artifact_size, quantized_params in scorings:
-            row = res.eval_stage(shape, label=f"torch {label}", streamed=streamed, reference=reference,
+            row = eval_cost(shape, label=f"torch {label}", streamed=streamed, reference=reference,
                                  artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
             row.named(StageId(Kind.EVAL, ("torch", label)))
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
@@ -74,9 +85,9 @@ class Evaluate:
             row.disk_bytes += 0 if reference else shape.vocab * shape.hidden * c.elem
             # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
             # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
-            row.seconds += row.disk_bytes * (1 / res.DISK_WRITE_RATE + 1 / res.HASH_RATE)
+            row.seconds += row.disk_bytes * (1 / DISK_WRITE_RATE + 1 / HASH_RATE)
             if reference:
-                row.seconds += (artifact_size + baseline_disk) / res.HASH_RATE
+                row.seconds += (artifact_size + baseline_disk) / HASH_RATE
             else:
                 baseline_disk = row.disk_bytes
             if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another
@@ -85,12 +96,66 @@ class Evaluate:
                 row.strategy += f"; {n_corpora} corpora, one after another (time and disk x {n_corpora})"
             c.rows.append(row)
             if not streamed:
-                lean = res.eval_stage(shape, label=label, streamed=True, reference=reference,
+                lean = eval_cost(shape, label=label, streamed=True, reference=reference,
                                       artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
                 lean = lean.host_bytes + lean.mapped_bytes
                 if lean < 0.95 * (row.host_bytes + row.mapped_bytes):
                     c.cheaper[row.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
                                            lean / 1e9)
+
+
+def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: int, batch: int, streamed: bool,
+              reference: bool, artifact_code_bytes: float, top_k: int, throughput_tokens: int,
+              machine: Machine, stored_elem: int | None = None, quantized_params: int = 0) -> CostRow:
+    """One torch-reference evaluation (the baseline, reference=False, or an artifact scored against the baseline's
+    reference, reference=True), whole or one layer at a time, on the host. host_bytes is what the process
+    allocates (RssAnon); weights transformers or safetensors leave mapped from their files are `mapped_bytes`."""
+    e = BYTES[compute]
+    stored_elem = stored_elem or e
+    h, tokens = shape.hidden, windows * seq_len
+    logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
+    scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
+    # an artifact reads the baseline's output head for the exact KL (llmc.engines.agreement) through mmap: file
+    # pages, like the baseline's own head weight it stores (no copy)
+    head = shape.vocab * h * e if reference else 0.0
+    parts = {"process": PROCESS_BYTES, "logits": logits, "scores and reference": scores}
+    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
+    mapped = head
+    if streamed:  # the outer weights and each layer are copied out of the files (materialized), then dropped
+        parts |= {"outer weights": shape.outer_params * e,
+                  # an artifact's layer: its codes (copied out of the file) and the dense layer decompressed
+                  # module by module through float32: a block of rows at a time for 8-bit codes, the whole Linear
+                  # for packed int4 (llmc.engines.torch_stream.LayerDecoder)
+                  "layer": shape.layer_params * (e + artifact_code_bytes)
+                  + (4 * (min(shape.largest_linear, BLOCK_ELEMENTS) if artifact_code_bytes >= 1
+                          else shape.largest_linear) if artifact_code_bytes else 0),
+                  "hidden states of every window": tokens * h * e,
+                  "forward temporaries": forward}
+        mapped += shape.layer_params * stored_elem
+    else:
+        # transformers maps the safetensors: tensors already in the compute dtype stay file pages (the baseline's
+        # whole model when the checkpoint is stored in it); what it converts or decompresses is allocated (an
+        # artifact's quantized Linears, decompressed to the compute dtype, plus one layer's codes while it does)
+        converted = shape.params if stored_elem != e else (quantized_params if artifact_code_bytes else 0)
+        parts |= {"model (converted or decompressed)": converted * e
+                  + shape.layer_params * artifact_code_bytes,
+                  "forward temporaries": forward}
+        mapped += (shape.params - converted) * stored_elem
+    scored = tokens + (0 if streamed else throughput_tokens)
+    forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
+                              2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
+                              compute=compute, device="cpu", width=h, rows=batch * seq_len)
+    # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
+    io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
+    dense = shape.params * e
+    strategy = "streamed (one layer resident)" if streamed else "whole model"
+    why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
+           f"{(machine.available or 0) / GB:.1f} GB available")
+    if machine.available and streamed != (dense > 0.5 * machine.available):  # not auto's choice: set by the user
+        why = (f"LLMC_TORCH_EVAL chose it (the dense model takes {dense / GB:.1f} GB of the "
+               f"{machine.available / GB:.1f} GB available)")
+    return CostRow(f"eval {label}", "cpu", sum(parts.values()), 0.0, 0.0, forward + io, strategy, why, parts,
+                   mapped_bytes=mapped)
 
 
 def _evaluate(b: Build, windows: torch.Tensor, corpus: str | None) -> None:

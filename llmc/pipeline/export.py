@@ -2,24 +2,34 @@
 by the target's artifact format (`llmc.runtimes`).
 
 Key: the format's name and its stage config (its options, the target where the artifact depends on it), and the
-quantize stage's key. Cost: `llmc.planning.resources.export_stage` with what the format states about itself (whole
-model in memory, repacked layers, 8-bit codes passed through, outer weights written as stored)."""
+quantize stage's key. Cost (`export_cost`): from what the format states about itself (whole model in memory,
+repacked layers, 8-bit codes passed through, outer weights written as stored) and the scheme's sizes the quantize
+stage's cost left (`SchemeBytes`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.planning import resources as res
 from llmc import runtimes as targets
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
+from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
+from llmc.planning.machine import DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES, Machine
+from llmc.planning.rows import GB, CostRow
+from llmc.planning.shapes import Shape
 from llmc.quant.canonical import QuantizedModel
 from llmc.pipeline.quantize import Quantize
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
 from llmc.storage.store import stage_key
+
+# llmc.formats.files.REPACK_BLOCK_ELEMENTS (2^20) x ~10 int32 / float32 temporaries of the packing and its check
+REPACK_BLOCK_BYTES = 40e6
+# quantized weight elements per second a repacking format packs and checks (int16 codes -> int32 words, then the
+# float32 decode against the canonical weight): docs/planner-constants.md#repack_rate
+REPACK_RATE = 0.07e9
 
 
 class Export:
@@ -82,15 +92,58 @@ class Export:
         new_bytes = sizes.artifact
         outer_bytes = c.shape.outer_params * c.elem
         if fmt.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES:
-            # measured at 70B width: the TensorRT-LLM export after the vLLM one added only its layer shards
+            # a second format that writes them as stored adds only its layer shards (identical files are linked)
             if scheme.name in c.outer_written:
                 new_bytes -= outer_bytes
             c.outer_written.add(scheme.name)
-        row = res.export_stage(c.shape, label=self.label, artifact_bytes=sizes.artifact, new_bytes=new_bytes,
-                               whole_model=fmt.whole_model,
-                               shared_with=None if shared_with == self.label else shared_with,
-                               compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
-                               passes_codes_through=scheme.weights.bits == 8 and fmt.passes_8bit_codes,
-                               repacked_bytes=sizes.packed if fmt.repacks_layers else None,
-                               bits=scheme.weights.bits)
+        row = export_cost(c.shape, label=self.label, artifact_bytes=sizes.artifact, new_bytes=new_bytes,
+                          whole_model=fmt.whole_model,
+                          shared_with=None if shared_with == self.label else shared_with,
+                          compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
+                          passes_codes_through=scheme.weights.bits == 8 and fmt.passes_8bit_codes,
+                          repacked_bytes=sizes.packed if fmt.repacks_layers else None,
+                          bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+
+def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
+                compute: str, machine: Machine, passes_codes_through: bool = False,
+                max_shard_bytes: float = 2 << 30, new_bytes: float | None = None,
+                repacked_bytes: float | None = None, bits: int = 4) -> CostRow:
+    """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
+    (llmc.formats.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
+    shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored: the process alone.
+    `repacked_bytes`: the layers' weights in a repacking format's layout (llmc.formats.files.
+    write_repacked_checkpoint, a block of rows at a time): one shard of them, and the largest Linear's packed blocks
+    joined. Otherwise one shard of new tensors and one layer's codes (an upper bound). Whole-model exporters hold
+    the float32 model three times (weights, the graph's copy, the codes). The figures measured against each case:
+    docs/planner-constants.md#export-memory."""
+    e = BYTES[compute]
+    mapped = 0.0
+    # the largest shard: write_shards never splits one canonical file, and the weights outside the layers are one
+    shard = min(artifact_bytes, max(max_shard_bytes, shape.outer_params * e))
+    if whole_model:
+        host = PROCESS_BYTES + 3 * shape.params * 4
+    elif passes_codes_through:
+        host = PROCESS_BYTES
+        mapped = shard
+    elif repacked_bytes is not None:
+        # the codes' bits, twice (the blocks and their concatenation), and one block's int32 / float32 temporaries
+        largest_packed = shape.largest_linear * bits / 8
+        host = PROCESS_BYTES + min(repacked_bytes, max_shard_bytes) + 2 * largest_packed + REPACK_BLOCK_BYTES
+        mapped = shard + shape.layer_params * 1.0
+    else:
+        host = PROCESS_BYTES + min(artifact_bytes, max_shard_bytes) + shape.layer_params * 1.0
+        mapped = shard + shape.layer_params * e
+    new_bytes = artifact_bytes if new_bytes is None else new_bytes  # less what identical files already hold
+    disk = 0.0 if shared_with else new_bytes
+    why = (f"same weight files as {shared_with} (hard links)" if shared_with else
+           "its own files" if new_bytes >= artifact_bytes else
+           f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
+           "export's (hard links)")
+    # serialize and fsync the artifact from the mapped canonical form, then hash it (the store's record)
+    seconds = artifact_bytes * (1 / DISK_WRITE_RATE + 1 / HASH_RATE)
+    if repacked_bytes is not None:
+        seconds += repacked_bytes * 8 / bits / REPACK_RATE
+    return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,
+                   "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)

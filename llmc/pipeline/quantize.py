@@ -3,8 +3,19 @@ algorithm (`llmc.quant.stream`), written in llmc's canonical quantized form.
 
 Key: the scheme, the compute dtype, the algorithm's key entries, the device type where it is not the CPU, the MoE
 calibration mode where set, the number of ranks where sums over windows depend on it; the source and the
-calibration windows. Cost: `llmc.planning.resources.quantize_stage` with what the scheme's algorithm states about
-itself (`Pipeline`): Hessians, replayed module calls, transforms, search sizes, calibration passes."""
+calibration windows. Cost (`quantize_cost`): what `llmc.quant.stream` holds at its peak, term by term, and its time
+per decoder layer, from what the scheme's algorithm states about itself (`Pipeline`: Hessians, replayed module
+calls, transforms, search sizes, calibration passes) and the quantizer's probed rate at the scheme's weights
+(`llmc.quant.numerics.quantize_rate`).
+
+The peak, term by term (`CostRow.parts`): the process, everything outside the decoder layers while calibrating (the
+skeleton holds embeddings and head), one decoder layer in the compute dtype (+ its stored-dtype copy while it is read
+when the two differ), the quantizer's float32 temporaries (one block of rows when it quantizes a Linear by itself,
+the largest Linear when the algorithm copies whole weights), the layer's codes, the activations passed between
+layers (two copies, or one batch in and out when spilled), one batch's forward temporaries, and the algorithm's
+state (Hessians: float32 + the float64 factorization of the widest input; replayed module calls: every module's
+calibration inputs); algorithms that rescale smoothing pairs first find them on the first layer in float64 (the
+layer + a candidate pair's rescaled consumers), a peak of its own."""
 
 from __future__ import annotations
 
@@ -14,15 +25,27 @@ import torch
 from safetensors.torch import load_file
 
 from llmc.telemetry import events
-from llmc.planning import resources as res
 from llmc.pipeline import ranks
+from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms import Pipeline, calibration_passes, quantize_stage_config
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES,
+                                   Machine, forward_efficiency, forward_seconds, matmul_rate)
+from llmc.planning.rows import GB, CostRow
+from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
-from llmc.quant.spec import Scheme
-from llmc.quant.stream import CALIBRATION_BATCH_SIZE, quantize_model
+from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
+
+# float64 bytes of a decoder layer per second smoothing-pair discovery gets through (llmc.quant.stream.LayerStructure:
+# the layer in float64 and back, one probe forward per candidate pair): docs/planner-constants.md#discovery_rate
+DISCOVERY_RATE = 0.13e9
+# a search's fake quantization of candidate weights ((q(w * s) / s) in float32, cast back) costs this many times the
+# quantizer probe's time per element: docs/planner-constants.md#fake_quant_cost
+FAKE_QUANT_COST = 3.7
 
 
 class Quantize:
@@ -57,18 +80,16 @@ class Quantize:
         c = b.recipe.calibration
 
         def produce(out: Path) -> None:
-            tokens = mask = None
+            windows = None
             if calibration is not None:
                 saved = load_file(str(calibration / "tokens.safetensors"))
-                tokens, mask = saved["input_ids"], saved.get("attention_mask")
-            quantize_model(
-                b.result.source, scheme, out, calibration=tokens, calibration_mask=mask,
-                dtype=getattr(torch, b.result.dtype),
-                extra_meta={"calibration_key": calib_key, "device": device.type},
-                on_layer_done=lambda i: events.emit(f"quantize:layer:{i}"),
-                spill_activations=c.spill_activations, shared_stats=self._shared_stats(b, calib_key),
-                device=device, moe_calibrate_all_experts=c.moe_calibrate_all_experts,
-                moe_min_tokens=c.moe_min_tokens)
+                windows = Calibration(saved["input_ids"], mask=saved.get("attention_mask"), spill=c.spill_activations,
+                                      shared_stats=self._shared_stats(b, calib_key),
+                                      moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens)
+            quantize_model(b.result.source, scheme, out, windows,
+                           StreamOptions(dtype=getattr(torch, b.result.dtype), device=device,
+                                         extra_meta={"calibration_key": calib_key, "device": device.type},
+                                         on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
 
         key = self.key(b)
         done = b.runner.run(
@@ -103,13 +124,125 @@ class Quantize:
                       hessians=pipe.observes_hessians, replays_module_calls=pipe.replays_module_calls, passes=calibration_passes(scheme),
                       whole_weight_copies=bool(pipe.transforms) or pipe.observes_hessians,
                       discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
-                      search=pipe.search_cost, code_bytes=1.0, machine=c.machine,
-                      weight_key=(scheme.weights.format, scheme.weights.strategy, scheme.weights.group_size))
-        row = res.quantize_stage(shape, spill=c.spill, **kwargs)
+                      search=pipe.search_cost, code_bytes=1.0, machine=c.machine, weights=scheme.weights)
+        row = quantize_cost(shape, spill=c.spill, **kwargs)
         row.disk_bytes = sizes.canonical
         c.rows.append(row.named(self.id))
         if scheme.needs_calibration and not c.spill:
-            spilled = res.quantize_stage(shape, spill=True, **kwargs)
+            spilled = quantize_cost(shape, spill=True, **kwargs)
             if spilled.host_bytes < 0.95 * row.host_bytes:  # only a strategy that saves something is named
                 c.cheaper[row.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
                                        "activations in memory", spilled.host_bytes / 1e9)
+
+
+FP8_PER_TENSOR = TensorSpec("fp8_e4m3", "tensor")
+
+
+def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
+                  compute: str, code_bytes: float, device: str, width: int, seq_len: int = 0, attn_width: int = 0,
+                  batch_tokens: int = 64, largest_linear: int = QUANTIZE_PROBE_ELEMENTS,
+                  weights: TensorSpec = FP8_PER_TENSOR) -> dict[str, float]:
+    """One decoder layer of the quantize stage, part by part: read it (`stored_bytes`), the calibration forward
+    passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
+    model's `width`), the quantizer's arithmetic (its probed rate at the scheme's `weights`) and writing its codes
+    with fsync. benchmarks/layer_time.py measures the same parts at full width."""
+    forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
+                              compute=compute, device=device, width=width, rows=batch_tokens)
+    return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
+            "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear),
+            "write": layer_params * code_bytes / DISK_WRITE_RATE}
+
+
+def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
+                  batch: int, spill: bool, hessians: bool, replays_module_calls: bool, passes: int,
+                  code_bytes: float, machine: Machine, weights: TensorSpec = FP8_PER_TENSOR,
+                  whole_weight_copies: bool = True, discovers_pairs: bool = False,
+                  search: tuple[int, int, int] | None = None) -> CostRow:
+    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU. `discovers_pairs`: the
+    algorithm rescales smoothing pairs, found on the first layer in float64 before it is calibrated. `hessians`: the
+    quantizer observes every input's Hessian; `replays_module_calls`: a step keeps each module's calibration inputs;
+    `search`: a step's candidate scales per mapping, clipping ranges per Linear and clip-search tokens
+    (`Pipeline.search_cost`)."""
+    e = BYTES[compute]
+    h, layer = shape.hidden, shape.layer_params
+    on_gpu = machine.device != "cpu"
+    copy = tokens * h * e  # one copy of the activations passed between layers
+    act = (2 * batch * seq_len * h * e if spill else 2 * copy) if calibrated else 0
+    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e + batch * shape.heads * seq_len ** 2 * e
+    algorithm = 0.0
+    if hessians:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
+        algorithm += 4 * (2 * h * h + shape.attn_width ** 2 + shape.widest_input ** 2) + 16 * shape.widest_input ** 2
+    if replays_module_calls:  # every module's calibration inputs, kept for the grid search
+        algorithm += tokens * (2 * h + shape.attn_width + shape.intermediate) * e
+    if search:  # the down projection's search through its inputs' float32 Gram matrix, and its ΔW, ΔW·G
+        algorithm += 4 * shape.intermediate ** 2 + 2 * 4 * shape.largest_linear
+    parts = {
+        "process": PROCESS_BYTES,
+        "outer weights": shape.outer_params * e if calibrated else 0.0,
+        "layer": layer * (e + (stored_elem if stored_elem != e else 0)),
+        # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
+        # of a whole Linear
+        "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
+                                           else min(shape.largest_linear, BLOCK_ELEMENTS)),
+        "layer codes": layer * code_bytes,
+        "activations": act,
+        "forward temporaries": forward if calibrated else 0.0,
+        "algorithm state": algorithm,
+    }
+    gpu = 0.0
+    if on_gpu:  # the layer, its float32 copies, one batch and the algorithm state live on the GPU
+        gpu = (CUDA_CONTEXT_BYTES + layer * e + parts["quantizer float32 copy"] + 2 * batch * seq_len * h * e
+               + parts["forward temporaries"] + algorithm)
+        for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
+            parts[k] = 0.0
+    parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
+    # the last step reads everything outside the layers again (rest.safetensors) and writes it, the skeleton's copy
+    # released first: one copy (docs/planner-constants.md#outer-weights-copy)
+    host = max(sum(parts.values()), PROCESS_BYTES + shape.outer_params * e)
+    discovery = discovery_s = 0.0
+    if discovers_pairs and calibrated:
+        # the first layer in float64 (its own dtype released) and, while a candidate pair is checked, its rescaled
+        # consumers beside the originals: gate and up (two of the largest Linears), or for MoE every expert's gate
+        # and up (about two thirds of the layer)
+        pair = max(2 * shape.largest_linear, 2 / 3 * layer if shape.active < 1 else 0.0)
+        discovery = 8 * (layer + pair)
+        discovery_s = 8 * layer / DISCOVERY_RATE  # measured on the CPU: on a GPU, an upper bound
+        if on_gpu:  # the layer is on the GPU when it is traced
+            gpu = max(gpu, CUDA_CONTEXT_BYTES + discovery + parts["activations"])
+        else:
+            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery)
+    # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
+    # layers and writing their copy (rest.safetensors) once
+    parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
+                            passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
+                            device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
+                            batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights)
+    per_layer = sum(parts_s.values())
+    if hessians:  # the column loop in float32: about in² · out per Linear
+        fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
+        per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
+            fp32_rate * forward_efficiency("float32", machine.device))
+    if search:
+        # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
+        # (up -> down) is scored through its Gram matrix, out x in² per candidate; the clip search fake-quantizes
+        # every Linear but q and k once per clipping range (docs/planner-constants.md#fake_quant_cost)
+        evaluations, clip_iterations, clip_tokens = search
+        searched = layer - h * shape.attn_width
+        down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down
+        fake_rate = quantize_rate(weights, compute, elements=shape.largest_linear) / FAKE_QUANT_COST
+        fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
+        per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
+        per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
+    # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
+    canonical = shape.layers * layer * code_bytes + shape.outer_params * e
+    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
+             + discovery_s)
+    strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
+    why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
+           f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
+           if calibrated else "weights only: no forward pass")
+    if discovery:
+        why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
+                f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")
+    return CostRow("quantize", machine.device, host, gpu, 0.0, per_layer * shape.layers + fixed, strategy, why, parts,
+                   mapped_bytes=layer * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)

@@ -17,7 +17,6 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from llmc.planning import resources as res
 from llmc.planning import shapes as plan_shapes
 from llmc import runtimes as targets
 from llmc.engines.torch_stream import choose_streamed
@@ -31,13 +30,14 @@ from llmc.model.source import resolve_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
-from llmc.planning.resources import matmul_rate
+from llmc.planning.machine import Machine, matmul_rate
+from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
 from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.device import resolve_device
-from llmc.quant.spec import Scheme
+from llmc.quant.spec import FORMATS, Scheme
 from llmc.recipe.schema import Recipe, Target
 from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
 
@@ -53,7 +53,7 @@ class Plan:
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
-    rows: list[res.Stage] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+    rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -247,9 +247,11 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
             f"{where}.algorithm '{scheme.algorithm}' is not implemented in this llmc version",
             fix=f"use one of: {', '.join(sorted(IMPLEMENTED_ALGORITHMS))}",
         )
-    if scheme.weights.format == "nvfp4" or scheme.activations and scheme.activations.format == "nvfp4":
-        raise IncompatibleTargetError(f"{where}: nvfp4 quantization is not implemented in this llmc version",
-                                      fix="use fp8_e4m3, int8 or int4 weights")
+    for spec in (scheme.weights, scheme.activations):
+        if spec is not None and not spec.info.implemented:
+            *others, last = [name for name, info in FORMATS.items() if info.implemented]
+            raise IncompatibleTargetError(f"{where}: {spec.format} quantization is not implemented in this llmc "
+                                          "version", fix=f"use {', '.join(others)} or {last} weights")
 
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
@@ -425,16 +427,16 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
-    shape = res.Shape.of(tensors, config, stored_elem)
+    shape = plan_shapes.Shape.of(tensors, config, stored_elem)
     available = memory_available()
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
-    costing = Costing(recipe=recipe, shape=shape, machine=res.Machine(available, None, str(device), os.cpu_count()),
+    costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
                       linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
-                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * res.ELEM[compute],
+                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * BYTES[compute],
                                                         available))
-    streamed = choose_streamed(shape.params * res.ELEM[compute], available)  # the torch engine's evaluation
+    streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
     costing.streamed_eval = streamed
     for stage in stages(recipe, schemes):
         stage.cost(costing)

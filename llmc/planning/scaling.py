@@ -66,7 +66,7 @@ def bytes_per_layer(shapes: dict[str, tuple[int, int]], nproc: int, work: Worklo
     if work.hessians:
         out["Hessians (all-gather, fp32)"] = others * 4 * sum(w * w for w in width.values())
     if work.module_calls:
-        out["AWQ means, losses, Gram, clip rows"] = others * (
+        out["search: input means, losses, Gram, clip rows"] = others * (
             8 * sum(width.values()) + 8 * work.candidates * len(groups)
             + 4 * sum(w * w for g, w in width.items() if g.endswith("o_proj"))  # a lone Linear's Gram matrix
         ) + 4 * work.clip_tokens * sum(i for _, i in shapes.values()) * others / nproc

@@ -135,3 +135,41 @@ def active_fraction(config: dict) -> float:
     experts = config.get("num_local_experts") or config.get("num_experts") or 0
     top = config.get("num_experts_per_tok") or experts
     return top / experts if experts else 1.0
+
+
+@dataclass
+class Shape:
+    """The sizes the stages' cost models use, from the tensors and config."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    layer_params: int  # the largest decoder layer
+    outer_params: int
+    largest_linear: int  # elements of the largest quantized Linear weight
+    widest_input: int  # the largest Linear input width (GPTQ's Hessian side)
+    intermediate: int
+    attn_width: int
+    active: float  # share of a layer's parameters one token runs through (MoE < 1)
+    stored_bytes: int
+
+    @classmethod
+    def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
+        per_layer = tensors.layer_params()
+        linears = tensors.linear_shapes()
+        in_layers = {n: s for n, s in linears.items() if f"{n}.weight" in tensors.layer_of}
+        h = config.get("hidden_size", 0)
+        heads = config.get("num_attention_heads", 1)
+        inter = config.get("moe_intermediate_size") if config.get("num_experts") else config.get("intermediate_size")
+        fraction = active_fraction(config)
+        largest = max(per_layer.values()) if per_layer else 0
+        experts = sum(tensors.numel(s) for n, s in in_layers.items() if ".experts." in n) / max(len(per_layer), 1)
+        active = (largest - experts * (1 - fraction)) / largest if largest else 1.0
+        return cls(params=tensors.params, layers=config.get("num_hidden_layers", 1), hidden=h, heads=heads,
+                   vocab=config.get("vocab_size", 0), layer_params=largest, outer_params=tensors.outer_params,
+                   largest_linear=max((a * b for a, b in in_layers.values()), default=0),
+                   widest_input=max((b for _, b in in_layers.values()), default=h),
+                   intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
+                   active=active, stored_bytes=tensors.stored_total(elem))

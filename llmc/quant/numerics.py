@@ -12,6 +12,9 @@ Scales are float32. A zero range gets scale 1 so all-zero rows stay exact. A wei
 
 from __future__ import annotations
 
+import functools
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -146,11 +149,9 @@ def dequantize(
     return q * _expand(scale, q, spec)
 
 
-# Rows of a large weight are quantized in blocks of about this many elements (float32 temporaries of 4 MB each).
-# Whole-weight temporaries (0.94 GB each for a 70B-width MLP projection) are fresh pages the kernel faults in on every
-# Linear, which on this VM cost more the more memory the process already holds: a 70B-width layer's RTN (FP8,
-# per-tensor) took 6.6 s in a small process and 17.2 s in one holding 6 GB, as a build does (outer weights, the
-# layer, its codes); in blocks of 2^20 elements 1.8-1.9 s there (2^22: 3.0-4.7 s; 2^18: noisier, no faster).
+# Rows of a large weight are quantized in blocks of about this many elements (float32 temporaries of 4 MB each):
+# whole-weight temporaries are fresh pages the kernel faults in on every Linear, which cost more the more memory the
+# process already holds (docs/planner-constants.md#block_elements).
 BLOCK_ELEMENTS = 1 << 20
 
 
@@ -233,3 +234,28 @@ def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """Per-tensor scale for a symmetric static activation or KV-cache spec from its observed absmax."""
     scale, _ = qparams_from_range(-absmax.reshape(1), absmax.reshape(1), spec)
     return scale
+
+
+# The probe's weight spans several blocks of rows, so it runs the same path as a large Linear does.
+QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
+
+
+@functools.cache
+def quantize_rate(spec: TensorSpec, dtype_name: str, elements: int = QUANTIZE_PROBE_ELEMENTS) -> float:
+    """Weight elements/s `quantize_weight` processes at `spec`, measured now on a weight of `elements` (the model's
+    largest Linear, capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with, as
+    the planner times it. Memory-bound (float32 temporaries of each block of rows), so it follows neither the matmul
+    rate nor a cache-resident probe."""
+    dtype = getattr(torch, dtype_name)
+    # columns a multiple of 256 and of the group size (any the recipe validator accepts: 48 divides SmolLM2's 576)
+    step = math.lcm(256, spec.group_size or 1)
+    quantize_weight(torch.randn(256, step).to(dtype), spec)  # warm-up: first-call dispatch
+    elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
+    columns = max(step, min(4096, int(elements ** 0.5)) // step * step)
+    w = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
+    best = float("inf")
+    for _ in range(2):  # best of 2: a loaded machine slows some runs
+        t = time.perf_counter()
+        quantize_weight(w, spec)
+        best = min(best, time.perf_counter() - t)
+    return w.numel() / max(best, 1e-9)

@@ -24,6 +24,7 @@ FP8_E4M3_MAX = 448.0
 class FormatInfo:
     bits: int
     is_float: bool
+    implemented: bool = True  # False: recipes may name it, this llmc version cannot quantize to it
 
     def int_range(self, symmetric: bool) -> tuple[int, int]:
         """Code range; signed for both symmetric and asymmetric (compressed-tensors convention)."""
@@ -35,7 +36,7 @@ FORMATS: dict[str, FormatInfo] = {
     "fp8_e4m3": FormatInfo(bits=8, is_float=True),
     "int8": FormatInfo(bits=8, is_float=False),
     "int4": FormatInfo(bits=4, is_float=False),
-    "nvfp4": FormatInfo(bits=4, is_float=True),
+    "nvfp4": FormatInfo(bits=4, is_float=True, implemented=False),
 }
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +63,38 @@ def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> di
 # --------------------------------------------------------------------------- main loop
 
 
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
+class Calibration:
+    """The calibration windows and how the stream runs them through the layers."""
+
+    tokens: torch.Tensor  # [windows, seq_len] token ids
+    # per-sample calibration (right-padded rows, 1 = token): each sample runs as its own batch at its own length, so
+    # no padding reaches a layer and no statistic, scale, Hessian or search can see it
+    mask: torch.Tensor | None = None
+    batch_size: int = CALIBRATION_BATCH_SIZE  # windows per forward
+    spill: SpillMode = "auto"  # the activations passed between layers: in memory or on disk (llmc.quant.activations)
+    # a folder keyed by (model, calibration data, dtype) where schemes calibrated on original outputs share their
+    # statistics (llmc.quant.shared_stats)
+    shared_stats: Path | None = None
+    # Mixture-of-Experts blocks run every expert on every token for statistics (the layer's output stays the routed
+    # one); experts routed fewer than `moe_min_tokens` (default: a tenth of an even share) are named in a warning.
+    # Tokens routed per expert: `moe_tokens.json`.
+    moe_all_experts: bool = False
+    moe_min_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Where and in what the stream computes, and what it reports."""
+
+    dtype: torch.dtype = torch.float32
+    # where each layer is calibrated and quantized (one layer and one batch of activations at a time live there; the
+    # activations passed between layers, the embeddings and the files stay on the host)
+    device: torch.device | str = "cpu"
+    extra_meta: Mapping[str, object] | None = None  # entries added to quantized.json
+    on_layer_done: Callable[[int], None] | None = None  # called with each layer's index once it is written
+
+
 @dataclass
 class StreamResult:
     layers: int
@@ -70,35 +102,15 @@ class StreamResult:
     calibrated: bool
 
 
-def quantize_model(
-    source: ModelSource,
-    scheme: Scheme,
-    out: Path,
-    *,
-    calibration: torch.Tensor | None,
-    calibration_mask: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    batch_size: int = CALIBRATION_BATCH_SIZE,
-    extra_meta: dict | None = None,
-    on_layer_done: Callable[[int], None] | None = None,
-    spill_activations: SpillMode = "auto",
-    shared_stats: Path | None = None,
-    device: torch.device | str = "cpu",
-    moe_calibrate_all_experts: bool = False,
-    moe_min_tokens: int | None = None,
-) -> StreamResult:
-    """Write the canonical quantized form of `source` under `out` (resumable, see module doc).
-
-    `calibration_mask`: per-sample calibration (right-padded rows, 1 = token): each sample runs as its own batch
-    at its own length, so no padding reaches a layer and no statistic, scale, Hessian or search can see it.
-    `shared_stats`: a folder keyed by (model, calibration data, dtype) where schemes calibrated on
-    original outputs share their statistics (`llmc.quant.shared_stats`).
-    `device`: where each layer is calibrated and quantized (one layer and one batch of activations at a
-    time live there; the activations passed between layers, the embeddings and the files stay on the host).
-    `moe_calibrate_all_experts`: Mixture-of-Experts blocks run every expert on every calibration token for
-    statistics (the layer's output stays the routed one); `moe_min_tokens`: experts routed fewer calibration tokens
-    are named in a warning (default: a tenth of an even share). Tokens routed per expert: `moe_tokens.json`."""
-    device = torch.device(device)
+def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: Calibration | None,
+                   options: StreamOptions = StreamOptions()) -> StreamResult:
+    """Write the canonical quantized form of `source` under `out` (resumable, see module doc), calibrated on
+    `calibration`'s windows (None: a scheme that does not calibrate)."""
+    cal = calibration
+    windows, mask = (cal.tokens, cal.mask) if cal is not None else (None, None)
+    batch = cal.batch_size if cal is not None else CALIBRATION_BATCH_SIZE
+    moe_all = cal is not None and cal.moe_all_experts
+    dtype, device = options.dtype, torch.device(options.device)
     torch.manual_seed(0)
     pipeline = Pipeline.of(scheme)
     reader = CheckpointReader(source.folder)
@@ -115,7 +127,7 @@ def quantize_model(
         log(f"resuming quantization at layer {start}/{n_layers}")
 
     calibrate = scheme.needs_calibration
-    if calibrate and calibration is None:
+    if calibrate and cal is None:
         raise ValueError("this scheme needs calibration data")
     if calibrate and distributed.active():
         if moe_blocks:
@@ -123,11 +135,11 @@ def quantize_model(
 
             raise RecipeError("Mixture-of-Experts calibration under torchrun is not implemented (tokens routed per "
                               "expert differ by rank)", fix="calibrate in one process (no --nproc)")
-        calibration, calibration_mask = _my_windows(calibration, calibration_mask, batch_size)
+        windows, mask = _my_windows(windows, mask, batch)
     # MoE: which experts were starved depends on the routed tokens, which shared ranges do not record
-    shared = (SharedStats(shared_stats, n_layers) if shared_stats and calibrate and pipeline.shares_statistics
+    shared = (SharedStats(cal.shared_stats, n_layers) if calibrate and cal.shared_stats and pipeline.shares_statistics
               and not moe_blocks else None)
-    moe_report = moe.TokenReport.load(out, moe_calibrate_all_experts) if moe_blocks and calibrate else None
+    moe_report = moe.TokenReport.load(out, moe_all) if moe_blocks and calibrate else None
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
@@ -135,13 +147,13 @@ def quantize_model(
     reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
     spill = one_forward = False
     if calibrate and not reuse:
-        act_bytes = calibration.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
-        spill = should_spill(spill_activations, act_bytes, memory_available())
+        act_bytes = windows.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
+        spill = should_spill(cal.spill, act_bytes, memory_available())
         if spill:
             log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
                 "one batch in memory at a time")
-        one_forward = (pipeline.true_sequential and not spill and calibration_mask is None
-                       and fits_one_forward(config, calibration.shape, dtype, device))
+        one_forward = (pipeline.true_sequential and not spill and mask is None
+                       and fits_one_forward(config, windows.shape, dtype, device))
     flow = flow_for(FlowNeeds(calibrates=calibrate, shared_cover=reuse, true_sequential=pipeline.true_sequential,
                               moe=bool(moe_blocks), one_forward=one_forward))
     traces_structure = calibrate and (bool(pipeline.transforms) or pipeline.true_sequential)
@@ -149,12 +161,11 @@ def quantize_model(
         # no name kept for these tensors: release(model) below must free them before the rest is read again
         materialize(model, reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")]),
                     dtype)
-    structure = LayerStructure(model, layers, calibration) if traces_structure else None
+    structure = LayerStructure(model, layers, windows) if traces_structure else None
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
-    s = Stream(model, layers, pipeline, dtype, device, batch_size, act_dir, start, spill, one_forward,
-               moe_calibrate_all_experts, shared)
-    flow.prepare(s, calibration, calibration_mask)
+    s = Stream(model, layers, pipeline, dtype, device, batch, act_dir, start, spill, one_forward, moe_all, shared)
+    flow.prepare(s, windows, mask)
 
     modules: dict[str, dict] = {}
     kv_names: list[str] = []
@@ -176,7 +187,7 @@ def quantize_model(
         flow.calibrate(s, w)
         # MoE experts no calibration token reached (never with moe_calibrate_all_experts): RTN weights, and
         # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
-        starved = [] if moe_calibrate_all_experts else moe.starved_linears(w.module, prefix, w.routed, w.linears)
+        starved = [] if moe_all else moe.starved_linears(w.module, prefix, w.routed, w.linears)
         if w.quantized is None:
             w.quantized = _quantize_spread(pipeline, {n: m for n, m in w.linears.items() if n not in starved},
                                            w.stats, device)
@@ -185,7 +196,7 @@ def quantize_model(
         if moe_report is not None and w.routed:
             moe_report.add(i, prefix, w.routed,
                            moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
-                           moe_min_tokens, calibration.numel(), config)
+                           cal.moe_min_tokens, windows.numel(), config)
         w.stats.module_calls.clear()
         if distributed.is_main():
             tensors = _layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, w.kv_modules)
@@ -201,15 +212,16 @@ def quantize_model(
         distributed.barrier()
         shutil.rmtree(inputs_dir(act_dir, i), ignore_errors=True)
         release(w.module)
-        if on_layer_done:
-            on_layer_done(i)
+        if options.on_layer_done:
+            options.on_layer_done(i)
 
-    release(model)  # the skeleton's embeddings and head: read again below, so never two copies (70B: 4.2 GB each)
+    release(model)  # the skeleton's embeddings and head: read again below, so never two copies
+    # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
     if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
         moe_entry = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
         _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
-                    {**moe_entry, **(extra_meta or {})})
+                    {**moe_entry, **(options.extra_meta or {})})
         if shared is not None and not reuse:
             shared.finish(all_linears, all_kv)
         shutil.rmtree(state_dir, ignore_errors=True)

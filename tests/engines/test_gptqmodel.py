@@ -46,7 +46,7 @@ def checkpoints(tmp_path_factory, tiny_model_session: Path) -> dict:
     out = {}
     for name, scheme in SCHEMES.items():
         quantize_model(ModelSource(tiny_model_session, "test", str(tiny_model_session)), scheme, root / f"q-{name}",
-                       calibration=None)
+                       None)
         qm = QuantizedModel.open(root / f"q-{name}")
         for f in qm.files():
             t = load_file(str(f))

@@ -37,11 +37,11 @@ def test_fp8_checkpoint_in_tensorrt_llm_agrees_with_the_torch_reference(tmp_path
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.spec import Scheme, TensorSpec
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model
 
     scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
     calib = torch.randint(3, 200, (8, 64))
-    quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q", calibration=calib)
+    quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q", Calibration(calib))
     qm = QuantizedModel.open(tmp_path / "q")
     export_modelopt_hf(qm, tmp_path / "trt", tensor_parallel=1)
     export_compressed_tensors(qm, tmp_path / "ct")

@@ -73,7 +73,7 @@ def test_llama_cpp_perplexity_matches_torch_reference(smollm2, scheme_name: str,
     source, windows, root = smollm2
     spec = {"w8a16": TensorSpec("int8", "channel"), "w4a16-g64": TensorSpec("int4", "group", group_size=64)}
     qdir = root / f"q-{scheme_name}"
-    quantize_model(source, Scheme(spec[scheme_name]), qdir, calibration=None)
+    quantize_model(source, Scheme(spec[scheme_name]), qdir, None)
     qm = QuantizedModel.open(qdir)
     res = export_gguf(qm, root / f"gguf-{scheme_name}")
     export_compressed_tensors(qm, root / f"ct-{scheme_name}")

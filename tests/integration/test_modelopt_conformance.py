@@ -24,7 +24,7 @@ from llmc.formats.modelopt_hf import (
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers]
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-3000:]
 
     calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
-    quantize_model(ModelSource(tiny, "tiny", "tiny"), scheme, tmp_path / "canonical", calibration=calib)
+    quantize_model(ModelSource(tiny, "tiny", "tiny"), scheme, tmp_path / "canonical", Calibration(calib))
     qm = QuantizedModel.open(tmp_path / "canonical")
     ours = tmp_path / "llmc"
     export_modelopt_hf(qm, ours)
@@ -179,7 +179,7 @@ def test_legacy_tp2_checkpoint_matches_modelopt_and_remerges(tiny: Path, tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     scheme, _, _ = CASES["fp8+kv"]
     calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
-    quantize_model(ModelSource(tiny, "tiny", "tiny"), scheme, tmp_path / "canonical", calibration=calib)
+    quantize_model(ModelSource(tiny, "tiny", "tiny"), scheme, tmp_path / "canonical", Calibration(calib))
     qm = QuantizedModel.open(tmp_path / "canonical")
     res1 = export_trtllm_legacy(qm, tmp_path / "tp1", tensor_parallel=1)
     export_trtllm_legacy(qm, tmp_path / "tp2", tensor_parallel=2)

@@ -40,7 +40,7 @@ def smollm2_w4(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-onnx")
     tok = AutoTokenizer.from_pretrained(source.folder)
     windows = make_windows(tok, docs, SEQ_LEN, WINDOWS, seed=None).ids
-    quantize_model(source, Scheme(TensorSpec("int4", "group", group_size=64)), root / "q", calibration=None)
+    quantize_model(source, Scheme(TensorSpec("int4", "group", group_size=64)), root / "q", None)
     qm = QuantizedModel.open(root / "q")
     export_compressed_tensors(qm, root / "ct")
     reference = TorchEngine(root / "ct").score(windows)

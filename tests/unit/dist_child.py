@@ -53,11 +53,11 @@ def _kill_mid_layer() -> None:
 
 def quantize(model: Path, out: Path, names: list[str]) -> None:
     from llmc.model.source import ModelSource
-    from llmc.quant.stream import quantize_model
+    from llmc.quant.stream import Calibration, quantize_model
 
     _kill_mid_layer()
     for name in names:
-        quantize_model(ModelSource(model, "t", "t"), SCHEMES[name], out / name, calibration=calibration_windows())
+        quantize_model(ModelSource(model, "t", "t"), SCHEMES[name], out / name, Calibration(calibration_windows()))
 
 
 def evaluate(artifact: Path, windows: Path, out: Path) -> None:

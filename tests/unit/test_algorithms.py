@@ -342,7 +342,7 @@ def test_streamed_algorithms_are_deterministic(algorithm, weights, acts, tmp_pat
     src = ModelSource(tiny_model_session, "t", "t")
     outs = []
     for run in ("a", "b"):
-        stream.quantize_model(src, scheme, tmp_path / run, calibration=calib, batch_size=2)
+        stream.quantize_model(src, scheme, tmp_path / run, stream.Calibration(calib, batch_size=2))
         outs.append(load_file(str(tmp_path / run / "layers" / "00001.safetensors")))
     assert outs[0].keys() == outs[1].keys()
     for k in outs[0]:
@@ -363,7 +363,7 @@ def test_w4afp8_scales_stay_on_vllms_fp8_row_grid(algorithm: str, tmp_path: Path
     for grid in ("fp8_row", None):
         scheme = Scheme(replace(INT4_G16, scale_grid=grid), TensorSpec("fp8_e4m3", "token", dynamic=True),
                         algorithm=algorithm)
-        stream.quantize_model(src, scheme, tmp_path / str(grid), calibration=calib, batch_size=2)
+        stream.quantize_model(src, scheme, tmp_path / str(grid), stream.Calibration(calib, batch_size=2))
         scales = {k: v for k, v in load_file(str(tmp_path / str(grid) / "layers" / "00001.safetensors")).items()
                   if k.endswith("weight_scale")}
         assert len(scales) == 7

@@ -169,7 +169,7 @@ def test_gguf_declaring_a_bos_it_does_not_add_unpacks_to_windows_without_it(tiny
             tok.add_bos_token = True
             tok.save_pretrained(tiny_model)
         q = tmp_path / f"q-{adds}"
-        quantize_model(ModelSource(model, "t", str(model)), Scheme(TensorSpec("int8", "channel")), q, calibration=None)
+        quantize_model(ModelSource(model, "t", str(model)), Scheme(TensorSpec("int8", "channel")), q, None)
         gguf = export_gguf(QuantizedModel.open(q), tmp_path / f"gguf-{adds}").path
         fields = GGUFReader(gguf).fields
         assert fields["tokenizer.ggml.bos_token_id"].contents() == 1

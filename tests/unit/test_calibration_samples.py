@@ -39,7 +39,7 @@ def _samples(pad_to: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantized(folder: Path, out: Path, scheme: Scheme, ids, mask) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out, calibration=ids, calibration_mask=mask)
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out, stream.Calibration(ids, mask=mask))
     return {f"{p.name}:{k}": v for p in sorted((out / "layers").iterdir()) for k, v in load_file(str(p)).items()}
 
 

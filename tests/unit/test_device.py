@@ -82,7 +82,9 @@ def test_cuda_gives_the_cpu_form_up_to_rounding(name: str, tmp_path: Path, tiny_
     calib = torch.randint(3, 200, (8, 32), generator=torch.Generator().manual_seed(0))
     source = ModelSource(folder, "t", "t")
     for device in ("cpu", "cuda"):
-        stream.quantize_model(source, scheme, tmp_path / device, calibration=calib, batch_size=2, device=device)
+        stream.quantize_model(source, scheme, tmp_path / device,
+                              stream.Calibration(calib, batch_size=2),
+                              stream.StreamOptions(device=device))
     if name not in ("awq", "gptq"):
         for f in sorted((tmp_path / "cpu" / "layers").glob("*.safetensors")):
             cpu, gpu = load_file(str(f)), load_file(str(tmp_path / "cuda" / "layers" / f.name))

@@ -57,8 +57,8 @@ def _same_gptq_loop(monkeypatch) -> None:
 
 def _quantize(folder: Path, scheme: Scheme, out: Path, device: str, **kw) -> dict[str, torch.Tensor]:
     calibration = torch.randint(3, 200, (4, 24), generator=torch.Generator().manual_seed(0))
-    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out, calibration=calibration, batch_size=2,
-                          device=device, **kw)
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out,
+                          stream.Calibration(calibration, batch_size=2, **kw), stream.StreamOptions(device=device))
     files = sorted((out / "layers").glob("*.safetensors")) + [out / "rest.safetensors"]
     return {f"{f.name}:{k}": t for f in files for k, t in load_file(str(f)).items()}
 
@@ -121,7 +121,7 @@ def test_per_sample_calibration_and_shared_statistics_on_the_gpu(models, tmp_pat
     for device in ("cpu", "cuda"):
         with fake_cuda() if device == "cuda" else _nothing():
             files = [_quantize(models["llama"], SCHEMES[name], tmp_path / device / name, device,
-                               calibration_mask=mask, shared_stats=shared / device)
+                               mask=mask, shared_stats=shared / device)
                      for name in ("fp8-static-kv", "smoothquant")]
         if device == "cpu":
             cpu_files = files

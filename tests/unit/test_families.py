@@ -52,7 +52,7 @@ def test_discovery_finds_each_familys_smoothing_pairs(family, tmp_path: Path, mo
     real = mappings.remember
     monkeypatch.setattr(mappings, "remember", lambda layer, ms: (found.__setitem__(id(layer), ms), real(layer, ms)))
     stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES["int8-smoothquant"], tmp_path / "q",
-                          calibration=_ids(4, 1))
+                          stream.Calibration(_ids(4, 1)))
     assert len(found) == 2  # every layer recorded
     for pairs in found.values():
         assert [(m.producer, m.consumers[0]) for m in pairs] == EXPECTED_PAIRS[name]
@@ -119,7 +119,7 @@ def roundtrip(folder: Path, scheme: Scheme, work: Path, prepare=None) -> tuple[f
     from transformers import AutoModelForCausalLM
 
     stream.quantize_model(ModelSource(folder, "t", "t"), scheme, work / "q",
-                          calibration=_ids(4, 1) if scheme.needs_calibration else None, batch_size=2)
+                          stream.Calibration(_ids(4, 1), batch_size=2) if scheme.needs_calibration else None)
     qm = QuantizedModel.open(work / "q")
     export_compressed_tensors(qm, work / "export")
     ids = _ids(2, 2)

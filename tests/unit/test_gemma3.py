@@ -99,7 +99,8 @@ def test_streamed_calibration_sees_the_whole_models_activations(gemma3: Path, tm
         observed.update(stats.channel_absmax)
 
     monkeypatch.setattr(flows, "observe_batches", keep)
-    stream.quantize_model(ModelSource(gemma3, "g", "g"), W8A8_STATIC, tmp_path / "q", calibration=calib, batch_size=2)
+    stream.quantize_model(ModelSource(gemma3, "g", "g"), W8A8_STATIC, tmp_path / "q",
+                          stream.Calibration(calib, batch_size=2))
     written = {}
     for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
         written.update(load_file(str(f)))
@@ -118,7 +119,7 @@ def test_streamed_rtn_export_reproduces_direct_fake_quantization(gemma3: Path, t
     from llmc.quant.canonical import QuantizedModel
 
     scheme = Scheme(INT4_G16)
-    stream.quantize_model(ModelSource(gemma3, "g", "g"), scheme, tmp_path / "q", calibration=None)
+    stream.quantize_model(ModelSource(gemma3, "g", "g"), scheme, tmp_path / "q", None)
     export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), tmp_path / "export")
     ids = torch.randint(3, 200, (2, SEQ), generator=torch.Generator().manual_seed(2))
 

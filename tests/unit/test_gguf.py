@@ -47,7 +47,7 @@ FP16_EPS = 2.0**-11  # fp16's relative rounding error (unit roundoff)
 
 
 def _quantized(model: Path, scheme: Scheme, out: Path) -> QuantizedModel:
-    quantize_model(ModelSource(model, "test", str(model)), scheme, out, calibration=None)
+    quantize_model(ModelSource(model, "test", str(model)), scheme, out, None)
     return QuantizedModel.open(out)
 
 

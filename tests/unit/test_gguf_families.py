@@ -29,7 +29,7 @@ TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "phi3")
 def exported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
     folder = make_tiny(request.param, root / "model")
-    quantize_model(ModelSource(folder, "t", str(folder)), W8A16, root / "q", calibration=None)
+    quantize_model(ModelSource(folder, "t", str(folder)), W8A16, root / "q", None)
     qm = QuantizedModel.open(root / "q")
     G.export_gguf(qm, root / "out")
     return request.param, folder, qm, root / "out" / G.GGUF_FILE

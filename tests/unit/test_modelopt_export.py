@@ -19,7 +19,7 @@ from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 from llmc.publish.inspect import describe
 
 
@@ -55,7 +55,7 @@ def test_layouts_modelopt_lacks_are_refused_with_a_fix(scheme: Scheme) -> None:
 def test_export_writes_a_loadable_layout_and_inspect_names_it(tmp_path: Path, tiny_model_session: Path) -> None:
     scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
     calib = torch.randint(3, 200, (2, 16))
-    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=calib)
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", Calibration(calib))
     qm = QuantizedModel.open(tmp_path / "q")
     export_modelopt_hf(qm, tmp_path / "trt", tensor_parallel=2)
     t = load_file(str(tmp_path / "trt" / "model.safetensors"))
@@ -72,7 +72,7 @@ def test_export_writes_a_loadable_layout_and_inspect_names_it(tmp_path: Path, ti
 def test_int8_kv_cache_exports_as_modelopt_int8_kv(tmp_path: Path, tiny_model_session: Path) -> None:
     scheme = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), TensorSpec("int8", "tensor"))
     calib = torch.randint(3, 200, (2, 16))
-    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=calib)
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", Calibration(calib))
     qm = QuantizedModel.open(tmp_path / "q")
     export_modelopt_hf(qm, tmp_path / "trt", tensor_parallel=1)
     t = load_file(str(tmp_path / "trt" / "model.safetensors"))
@@ -88,7 +88,8 @@ def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Pa
     from llmc.formats.trtllm_legacy import export_trtllm_legacy
 
     scheme = Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
-    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q", calibration=torch.randint(3, 200, (2, 16)))
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, tmp_path / "q",
+                   Calibration(torch.randint(3, 200, (2, 16))))
     qm = QuantizedModel.open(tmp_path / "q")
     one = export_trtllm_legacy(qm, tmp_path / "tp1", tensor_parallel=1)
     export_trtllm_legacy(qm, tmp_path / "tp2", tensor_parallel=2)

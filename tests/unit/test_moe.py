@@ -39,8 +39,8 @@ def _float_model(folder: Path):
 
 
 def _quantize(folder: Path, scheme, out: Path, **kw) -> QuantizedModel:
-    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out,
-                          calibration=_ids(4, 1) if scheme.needs_calibration else None, batch_size=2, **kw)
+    calibration = stream.Calibration(_ids(4, 1), batch_size=2, **kw) if scheme.needs_calibration else None
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, out, calibration)
     return QuantizedModel.open(out)
 
 
@@ -225,7 +225,7 @@ def test_calibrating_every_expert_on_every_token_gives_the_starved_expert_data_d
     name, folder = starved
     scheme = SCHEMES["fp8-static-kv"]
     routed = _tensors(_quantize(folder, scheme, tmp_path / "routed"))
-    qm = _quantize(folder, scheme, tmp_path / "all", moe_calibrate_all_experts=True)
+    qm = _quantize(folder, scheme, tmp_path / "all", moe_all_experts=True)
     every = _tensors(qm)
     block, (gate, _up, down) = LAYOUT[name]
     assert qm.meta["moe"]["tokens"]["calibrate_all_experts"] is True

@@ -38,7 +38,7 @@ def _quantized(model: Path, scheme: Scheme, out: Path) -> QuantizedModel:
     difference between the runtimes is arithmetic alone."""
     from safetensors.torch import load_file, save_file
 
-    quantize_model(ModelSource(model, "test", str(model)), scheme, out, calibration=None)
+    quantize_model(ModelSource(model, "test", str(model)), scheme, out, None)
     qm = QuantizedModel.open(out)
     for f in qm.files():
         t = load_file(str(f))
@@ -131,8 +131,7 @@ def test_repacking_a_block_of_rows_at_a_time_writes_the_same_checkpoint(
     Linear: the same bytes in every file, and the same float16-scale error (nonzero: these scales are float32)."""
     from llmc.formats import files
 
-    quantize_model(ModelSource(tiny_model_session, "test", str(tiny_model_session)), Scheme(spec), tmp_path / "q",
-                   calibration=None)
+    quantize_model(ModelSource(tiny_model_session, "test", str(tiny_model_session)), Scheme(spec), tmp_path / "q", None)
     qm = QuantizedModel.open(tmp_path / "q")
     export = AF.export_awq if fmt == "awq" else GF.export_gptq
     whole = export(qm, tmp_path / "whole")

@@ -24,7 +24,7 @@ from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 
 SCHEMES = {
     "w8a8-int8-static": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor")),
@@ -44,7 +44,7 @@ def exported(tmp_path_factory, tiny_model_session: Path) -> dict[str, tuple[Quan
     for name, scheme in SCHEMES.items():
         q = root / f"q-{name}"
         quantize_model(ModelSource(tiny_model_session, "test", "test"), scheme, q,
-                       calibration=calib if scheme.needs_calibration else None)
+                       Calibration(calib) if scheme.needs_calibration else None)
         qm = QuantizedModel.open(q)
         export_onnx_qdq(qm, root / f"onnx-{name}")
         export_compressed_tensors(qm, root / f"ct-{name}")

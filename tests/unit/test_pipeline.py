@@ -128,9 +128,13 @@ def test_the_store_is_looked_up_by_the_runner_only() -> None:
 
 
 def test_the_planner_and_the_stream_name_no_algorithm_or_format() -> None:
-    names = ("gptq", "awq", "smoothquant", "compressed-tensors", "modelopt-hf", "gguf")
-    for module in ("llmc/planning/plan.py", "llmc/quant/stream.py", "llmc/pipeline/quantize.py", "llmc/pipeline/export.py",
-                   "llmc/build.py"):
+    """Every module of the planner and the pipeline, the stream and the build: what a format or an algorithm costs
+    or needs, it states itself (no quoted name outside comments)."""
+    names = ("gptq", "awq", "smoothquant", "compressed-tensors", "modelopt-hf", "gguf", "nvfp4")
+    modules = sorted(str(p.relative_to(REPO)) for folder in ("llmc/planning", "llmc/pipeline")
+                     for p in (REPO / folder).glob("*.py"))
+    assert "llmc/planning/plan.py" in modules and "llmc/pipeline/quantize.py" in modules
+    for module in modules + ["llmc/quant/stream.py", "llmc/build.py"]:
         code = [line.split("#")[0] for line in (REPO / module).read_text().splitlines()]
         quoted = [line for line in code if any(f'"{n}' in line.lower() or f"'{n}" in line.lower() for n in names)]
         assert not quoted, (module, quoted)

@@ -199,16 +199,19 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
     """RTN quantizes a block of rows at a time (llmc.quant.numerics.BLOCK_ELEMENTS), so at 70B width its float32
     temporaries are one block's, not the 8192 x 28672 MLP projection's (1.9 GB); GPTQ and the smoothing transforms
     still copy the whole Linear, and are counted so."""
-    from llmc.planning.resources import ELEM, Machine, Shape, quantize_stage
+    from llmc.model.dtype import BYTES
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape
     from llmc.quant.numerics import BLOCK_ELEMENTS
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
-    shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
+    shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1, spill=False,
                   hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
                                                                                    device="cpu"))
-    rtn = quantize_stage(shape, whole_weight_copies=False, **kwargs)
-    whole = quantize_stage(shape, whole_weight_copies=True, **kwargs)
+    rtn = quantize_cost(shape, whole_weight_copies=False, **kwargs)
+    whole = quantize_cost(shape, whole_weight_copies=True, **kwargs)
     assert shape.largest_linear == config["hidden_size"] * config["intermediate_size"]
     assert rtn.parts["quantizer float32 copy"] == 2 * 4 * BLOCK_ELEMENTS
     assert whole.parts["quantizer float32 copy"] == 2 * 4 * shape.largest_linear
@@ -242,17 +245,22 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     """AWQ's search is weight-bound, not token-bound: at 8B width with 32 calibration tokens it was 229 s of a
     layer whose forwards take 2 (docs/planner.md). Each candidate scale of the lone up -> down mapping costs
     out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
-    from llmc.planning.resources import ELEM, Machine, Shape, matmul_rate, quantize_stage
+    from llmc.model.dtype import BYTES
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine, matmul_rate
+    from llmc.planning.shapes import Shape
+    from llmc.quant.spec import TensorSpec
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
-    shape = Shape.of(from_config(config), config, ELEM["bfloat16"])
+    shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
     kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=32, seq_len=32, batch=1, spill=False,
                   hessians=False, replays_module_calls=True, passes=21, code_bytes=1.0, discovers_pairs=True,
-                  machine=Machine(available=None, gpu_free=None, device="cpu"), weight_key=("int4", "group", 128))
+                  machine=Machine(available=None, gpu_free=None, device="cpu"),
+                  weights=TensorSpec("int4", "group", group_size=128))
     refine = AwqOptions()
     grid = AwqOptions(search="grid")
-    plain = quantize_stage(shape, search=None, **kwargs)
-    per_layer = {o.search: quantize_stage(shape, search=(o.search_evaluations(), o.clip_iterations(),
+    plain = quantize_cost(shape, search=None, **kwargs)
+    per_layer = {o.search: quantize_cost(shape, search=(o.search_evaluations(), o.clip_iterations(),
                                                              o.clip_tokens), **kwargs).layer_seconds - plain.layer_seconds
                  for o in (refine, grid)}
     down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(
@@ -267,7 +275,8 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     and one block's temporaries, not compressed-tensors' one shard + one layer's codes; and the repacking's time on
     top of writing and hashing the same number of bytes."""
     from llmc.formats.files import MAX_SHARD_BYTES
-    from llmc.planning.resources import PROCESS_BYTES, REPACK_BLOCK_BYTES, REPACK_RATE
+    from llmc.pipeline.export import REPACK_BLOCK_BYTES, REPACK_RATE
+    from llmc.planning.machine import PROCESS_BYTES
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)

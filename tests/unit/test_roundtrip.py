@@ -18,7 +18,7 @@ from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight, static_scale
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 
 SCHEMES = {
     "fp8-static": Scheme(TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor")),
@@ -75,7 +75,7 @@ def test_export_reload_matches_fake_quantized_model(name: str, tiny_model: Path,
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     calib = _calibration(vocab)
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
-    quantize_model(src, scheme, tmp_path / "q", calibration=calib if scheme.needs_calibration else None)
+    quantize_model(src, scheme, tmp_path / "q", Calibration(calib) if scheme.needs_calibration else None)
     qm = QuantizedModel.open(tmp_path / "q")
     export_compressed_tensors(qm, tmp_path / "artifact")
 
@@ -113,7 +113,7 @@ def test_kv_scales_match_the_cache_a_runtime_fills(kv_format: str, tiny_model: P
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     calib = _calibration(vocab)
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
-    quantize_model(src, scheme, tmp_path / "q", calibration=calib)
+    quantize_model(src, scheme, tmp_path / "q", Calibration(calib))
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     kmax = [torch.tensor(0.0)] * model.config.num_hidden_layers
     vmax = list(kmax)
@@ -135,7 +135,7 @@ def test_pack_quantized_layout(tiny_model: Path, tmp_path: Path) -> None:
     """int4 is stored as compressed-tensors pack-quantized: int32 words, 8 codes each, plus shape."""
     scheme = SCHEMES["w4a16-g32-asym"]
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
-    quantize_model(src, scheme, tmp_path / "q", calibration=None)
+    quantize_model(src, scheme, tmp_path / "q", None)
     export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "pack-quantized"

@@ -137,7 +137,7 @@ def test_an_export_of_a_sharded_source_reads_its_own_shards(sharded, tmp_path):
     from llmc.quant.spec import Scheme, TensorSpec
 
     stream.quantize_model(ModelSource(sharded, "s", "s"), Scheme(TensorSpec("int4", "group", group_size=16)), tmp_path / "q",
-                          calibration=None)
+                          None)
     assert not (tmp_path / "q" / INDEX_FILE).exists()
     qm = QuantizedModel.open(tmp_path / "q")
     for name, export in (("ct", export_compressed_tensors), ("modelopt", export_modelopt_hf)):

@@ -53,7 +53,7 @@ def fp8_artifact(tiny_model_session: Path, tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("fp8")
     stream.quantize_model(ModelSource(tiny_model_session, "t", "t"), Scheme(TensorSpec("fp8_e4m3", "channel")),
-                          work / "q", calibration=None, batch_size=2)
+                          work / "q", None)
     export_compressed_tensors(QuantizedModel.open(work / "q"), work / "export")
     return work / "export"
 

@@ -41,10 +41,9 @@ def test_at_most_one_layer_materialized(depth: int, tmp_path: Path, monkeypatch,
     monkeypatch.setattr(stream, "materialize", checked_materialize)
     scheme = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"))  # static: runs the layers
     calib = torch.randint(3, 200, (4, 16))
-    result = stream.quantize_model(
-        ModelSource(folder, "t", "t"), scheme, tmp_path / "q", calibration=calib,
-        on_layer_done=lambda i: seen.append(real_layers()),
-    )
+    result = stream.quantize_model(ModelSource(folder, "t", "t"), scheme, tmp_path / "q",
+                                   stream.Calibration(calib),
+                                   stream.StreamOptions(on_layer_done=lambda i: seen.append(real_layers())))
     assert result.layers == depth and result.calibrated
     assert max(seen) <= 1  # never two layers at once
     assert seen[-1] == 0  # and none left at the end
@@ -81,8 +80,7 @@ def test_spilled_activations_give_identical_results_one_batch_resident(
     folder = tiny_model_factory(tmp_path / "m", layers=3)
     calib = torch.randint(3, 200, (8, 16))
     source = ModelSource(folder, "t", "t")
-    stream.quantize_model(source, scheme, tmp_path / "mem", calibration=calib, batch_size=2,
-                          spill_activations="never")
+    stream.quantize_model(source, scheme, tmp_path / "mem", stream.Calibration(calib, batch_size=2, spill="never"))
 
     resident: list[int | None] = []
     real_observe = flows.observe_batches
@@ -99,8 +97,7 @@ def test_spilled_activations_give_identical_results_one_batch_resident(
 
     monkeypatch.setattr(flows, "observe_batches", observe)
     monkeypatch.setattr(flows, "quantize_true_sequential", true_sequential)
-    stream.quantize_model(source, scheme, tmp_path / "disk", calibration=calib, batch_size=2,
-                          spill_activations="always")
+    stream.quantize_model(source, scheme, tmp_path / "disk", stream.Calibration(calib, batch_size=2, spill="always"))
     assert resident and all(r is None for r in resident)  # every layer read its inputs from disk
     _assert_same(_layer_files(tmp_path / "mem"), _layer_files(tmp_path / "disk"))
     assert not (tmp_path / "disk" / "state").exists()  # spill files go once the form is complete
@@ -115,7 +112,7 @@ def test_killed_between_inputs_and_progress_resumes_exactly(
     folder = tiny_model_factory(tmp_path / "m", layers=3)
     calib = torch.randint(3, 200, (4, 16))
     source = ModelSource(folder, "t", "t")
-    stream.quantize_model(source, GPTQ, tmp_path / "clean", calibration=calib, batch_size=2)
+    stream.quantize_model(source, GPTQ, tmp_path / "clean", stream.Calibration(calib, batch_size=2))
 
     real_write = stream.atomic_write_json
 
@@ -126,12 +123,11 @@ def test_killed_between_inputs_and_progress_resumes_exactly(
 
     monkeypatch.setattr(stream, "atomic_write_json", die_on_second_layer)
     with pytest.raises(KeyboardInterrupt):
-        stream.quantize_model(source, GPTQ, tmp_path / "crashy", calibration=calib, batch_size=2,
-                              spill_activations=spill)
+        stream.quantize_model(source, GPTQ, tmp_path / "crashy", stream.Calibration(calib, batch_size=2, spill=spill))
     assert (tmp_path / "crashy" / "state" / "inputs-00002").is_dir()  # written before the kill
     monkeypatch.setattr(stream, "atomic_write_json", real_write)
-    stream.quantize_model(source, GPTQ, tmp_path / "crashy", calibration=calib, batch_size=2,
-                          spill_activations=resume_spill)
+    stream.quantize_model(source, GPTQ, tmp_path / "crashy",
+                          stream.Calibration(calib, batch_size=2, spill=resume_spill))
     _assert_same(_layer_files(tmp_path / "clean"), _layer_files(tmp_path / "crashy"))
 
 
@@ -160,10 +156,10 @@ def test_second_scheme_reuses_statistics_without_a_forward_and_gets_identical_re
     folder = tiny_model_factory(tmp_path / "m", layers=3)
     calib = torch.randint(3, 200, (8, 16))
     source = ModelSource(folder, "t", "t")
-    stream.quantize_model(source, second, tmp_path / "alone", calibration=calib)  # no sharing
+    stream.quantize_model(source, second, tmp_path / "alone", stream.Calibration(calib))  # no sharing
 
     shared = tmp_path / "shared"
-    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "first", calibration=calib, shared_stats=shared)
+    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "first", stream.Calibration(calib, shared_stats=shared))
     assert (shared / "complete.json").is_file()
 
     def no_forward(*a, **k):
@@ -180,7 +176,7 @@ def test_second_scheme_reuses_statistics_without_a_forward_and_gets_identical_re
     monkeypatch.setattr(stream, "capture_layer_inputs", structure_probe_only)  # the structure probe
     monkeypatch.setattr(flows, "capture_layer_inputs", structure_probe_only)  # the calibration inputs
     monkeypatch.setattr(flows, "observe_batches", no_forward)
-    stream.quantize_model(source, second, tmp_path / "second", calibration=calib, shared_stats=shared)
+    stream.quantize_model(source, second, tmp_path / "second", stream.Calibration(calib, shared_stats=shared))
     _assert_same(_layer_files(tmp_path / "alone"), _layer_files(tmp_path / "second"))
 
 
@@ -189,11 +185,12 @@ def test_statistics_are_not_shared_where_they_depend_on_the_scheme(tmp_path: Pat
     calib = torch.randint(3, 200, (4, 16))
     source = ModelSource(folder, "t", "t")
     # GPTQ calibrates each layer on the quantized previous one: nothing it sees is reusable
-    stream.quantize_model(source, GPTQ, tmp_path / "gptq", calibration=calib, shared_stats=tmp_path / "s1")
+    stream.quantize_model(source, GPTQ, tmp_path / "gptq", stream.Calibration(calib, shared_stats=tmp_path / "s1"))
     assert not (tmp_path / "s1").exists()
     # statistics without KV ranges do not cover a KV-cache scheme: it calibrates (and completes them again)
-    stream.quantize_model(source, SQ_DYNAMIC, tmp_path / "sq", calibration=calib, shared_stats=tmp_path / "s2")
+    stream.quantize_model(source, SQ_DYNAMIC, tmp_path / "sq", stream.Calibration(calib, shared_stats=tmp_path / "s2"))
     covered = json.loads((tmp_path / "s2" / "complete.json").read_text())
     assert covered["kv_modules"] == []
-    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "kv", calibration=calib, shared_stats=tmp_path / "s2")
+    stream.quantize_model(source, FP8_STATIC_KV, tmp_path / "kv",
+                          stream.Calibration(calib, shared_stats=tmp_path / "s2"))
     assert json.loads((tmp_path / "s2" / "complete.json").read_text())["kv_modules"]

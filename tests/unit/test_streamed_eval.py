@@ -15,7 +15,7 @@ from llmc.engines.torch_stream import choose_streamed
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import quantize_model
+from llmc.quant.stream import Calibration, quantize_model
 
 SCHEMES = {
     "fp8-static-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
@@ -52,7 +52,7 @@ def test_streamed_evaluation_equals_the_whole_model(name: str, tiny_model: Path,
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
     quantize_model(src, scheme, tmp_path / "q",
-                   calibration=_ids(vocab, 4, 32, 0) if scheme.needs_calibration else None)
+                   Calibration(_ids(vocab, 4, 32, 0)) if scheme.needs_calibration else None)
     export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), tmp_path / "artifact")
     windows = _ids(vocab, 5, 40, 1)  # an odd count: the last batch is a partial one
 
@@ -90,7 +90,7 @@ def test_an_artifact_decompressed_in_blocks_of_rows_scores_as_decompressed_whole
     scheme = SCHEMES[name]
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))
-    quantize_model(src, scheme, tmp_path / "q", calibration=_ids(vocab, 4, 32, 0))
+    quantize_model(src, scheme, tmp_path / "q", Calibration(_ids(vocab, 4, 32, 0)))
     export_compressed_tensors(QuantizedModel.open(tmp_path / "q"), tmp_path / "artifact")
     windows = _ids(vocab, 3, 24, 1)
     base = _scores(tiny_model, False, windows)

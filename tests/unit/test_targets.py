@@ -92,7 +92,7 @@ def test_stage_configs_are_the_keys_builds_had_before_the_registry(tiny_model_se
     from llmc.runtimes import ExportRequest, target_key
 
     out = tmp_path / "q"
-    quantize_model(ModelSource(folder=tiny_model_session, sha256="x", origin="test"), W4_G32, out, calibration=None)
+    quantize_model(ModelSource(folder=tiny_model_session, sha256="x", origin="test"), W4_G32, out, None)
     qm = QuantizedModel.open(out)
 
     def config(target: Target) -> dict:

@@ -27,7 +27,7 @@ from llmc.quant.stream import quantize_model
 def quantized(tmp_path_factory, tiny_model_session: Path) -> QuantizedModel:
     out = tmp_path_factory.mktemp("triton") / "q"
     scheme = Scheme(TensorSpec("int4", "group", group_size=32))
-    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, out, calibration=None)
+    quantize_model(ModelSource(tiny_model_session, "t", "t"), scheme, out, None)
     return QuantizedModel.open(out)
 
 

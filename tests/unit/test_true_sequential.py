@@ -44,7 +44,8 @@ def test_gptq_true_sequential_equals_a_whole_model_reference(tiny_model: Path, t
     from transformers import AutoModelForCausalLM
 
     calib = _calibration()
-    stream.quantize_model(ModelSource(tiny_model, "t", "t"), GPTQ, tmp_path / "q", calibration=calib, batch_size=2)
+    stream.quantize_model(ModelSource(tiny_model, "t", "t"), GPTQ, tmp_path / "q",
+                          stream.Calibration(calib, batch_size=2))
     streamed = _codes(tmp_path / "q", 2)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -71,7 +72,7 @@ def test_staged_passes_give_the_one_forward_result(tiny_model: Path, tmp_path: P
     """When every window does not fit in one forward, the staged order (a pass per group of Linears sharing an
     input, then the outputs' pass) gives the same bits: same windows per Hessian sum, same order."""
     calib, src = _calibration(), ModelSource(tiny_model, "t", "t")
-    stream.quantize_model(src, GPTQ, tmp_path / "one", calibration=calib, batch_size=2)
+    stream.quantize_model(src, GPTQ, tmp_path / "one", stream.Calibration(calib, batch_size=2))
 
     passes = []
     real_staged = true_sequential.staged
@@ -86,7 +87,7 @@ def test_staged_passes_give_the_one_forward_result(tiny_model: Path, tmp_path: P
 
     monkeypatch.setattr(stream, "fits_one_forward", lambda *a: False)
     monkeypatch.setattr(true_sequential, "staged", counting)
-    stream.quantize_model(src, GPTQ, tmp_path / "staged", calibration=calib, batch_size=2)
+    stream.quantize_model(src, GPTQ, tmp_path / "staged", stream.Calibration(calib, batch_size=2))
     assert len(passes) == 2 * 4 * 2  # layers x groups (q/k/v, o, gate/up, down) x batches
     one, staged = _codes(tmp_path / "one", 2), _codes(tmp_path / "staged", 2)
     assert one.keys() == staged.keys()

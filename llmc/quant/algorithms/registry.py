@@ -79,7 +79,7 @@ class AlgorithmOptions(BaseModel):
         return False
 
     def search_cost(self) -> tuple[int, int, int] | None:
-        """What a step that searches over its inputs costs the planner (llmc.planning.resources.quantize_stage): candidate
+        """What a step that searches over its inputs costs the planner (llmc.pipeline.quantize.quantize_cost): candidate
         scales per mapping, clipping ranges per Linear and the clip search's tokens; None when it searches nothing."""
         return None
 

@@ -1,0 +1,82 @@
+"""This machine as the stages' costs see it: its memory and device (`Machine`), its probed matmul rates
+(`matmul_rate`, measured at plan time), the share of them a decoder layer's forward reaches, and the rates and sizes
+the cost models take as constants (the process, disk reads and writes, hashing).
+
+The constants were measured on the development VM (2-core AVX2 EPYC); each one's measurement, command and spread is
+in docs/planner-constants.md under its name.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
+CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
+DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
+DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
+HASH_RATE = 1.5e9  # bytes/s sha256 reads back what a stage wrote: docs/planner-constants.md#hash_rate
+
+
+@dataclass
+class Machine:
+    available: int | None  # host bytes available (MemAvailable)
+    gpu_free: int | None  # bytes free on the calibration GPU (None: calibrating on the CPU)
+    device: str  # "cpu" | "cuda:0"
+    cpu_count: int | None = None
+
+
+def cpu_count() -> int | None:
+    return os.cpu_count()
+
+
+def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: int = 64) -> float:
+    """FLOP/s of a [rows, width] x [width, 128] matmul in `dtype_name` on `device`, measured now (best of 3 after a
+    warm-up). `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's
+    float32 rate moves with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
+    (benchmarks/forward_efficiency.py)."""
+    return _matmul_rate(dtype_name, device, width, max(1, min(rows, 512)))
+
+
+@functools.cache
+def _matmul_rate(dtype_name: str, device: str, width: int, rows: int) -> float:
+    dtype = getattr(torch, dtype_name)
+    dev = torch.device(device)
+    a = torch.randn(rows, width, dtype=dtype, device=dev)
+    w = torch.randn(128, width, dtype=dtype, device=dev)
+    torch.nn.functional.linear(a, w)  # warm-up
+    best = float("inf")
+    for _ in range(3):  # best of 3: a slow phase of the machine passes
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * rows * width * 128 / max(best, 1e-9)
+
+
+def forward_efficiency(dtype_name: str, device: str) -> float:
+    """Share of the probed rates (`forward_seconds`) a decoder layer's forward reaches: float32 less than bf16 on a
+    CPU (its weights stream from memory at few tokens where the probe's stay in cache). Measured by
+    benchmarks/forward_efficiency.py: docs/planner-constants.md#forward_efficiency (GPUs: not measured)."""
+    if device != "cpu":
+        return 0.6
+    return 0.75 if dtype_name == "float32" else 1.0
+
+
+def forward_seconds(gemm_flops: float, attention_flops: float, *, compute: str, device: str, width: int,
+                    rows: int) -> float:
+    """Seconds of a forward's GEMMs (at the compute dtype's probed rate) and causal attention. On a CPU, attention
+    runs at the float32 rate whatever the dtype: PyTorch's CPU attention kernel computes its blocks in float32
+    (docs/planner-constants.md#forward_efficiency)."""
+    attention_dtype = "float32" if device == "cpu" else compute
+    seconds = gemm_flops / matmul_rate(compute, device, width, rows)
+    if attention_flops:
+        seconds += attention_flops / matmul_rate(attention_dtype, device, width, rows)
+    return seconds / forward_efficiency(compute, device)

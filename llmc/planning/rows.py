@@ -1,0 +1,45 @@
+"""A row of the plan's table: one stage's (or one part of a stage's) cost on one device, as its `cost` computes
+it (llmc/pipeline/<stage>.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmc.pipeline.ids import StageId
+
+GB = 1e9
+
+
+@dataclass
+class CostRow:
+    """One stage's cost on one device."""
+
+    name: str
+    device: str
+    host_bytes: float
+    gpu_bytes: float = 0.0
+    disk_bytes: float = 0.0  # new bytes this stage leaves in the cache
+    seconds: float = 0.0
+    strategy: str = ""
+    why: str = ""
+    # host_bytes term by term (tests, docs); a quantize stage's host_bytes is the largest of these terms' sum and its
+    # one-off peaks (writing the weights outside the layers, the first layer's pair discovery, named in `why`)
+    parts: dict[str, float] = field(default_factory=dict)
+    # File pages the stage keeps mapped (safetensors are read through mmap): page cache, not the process's own
+    # memory (RssFile, not RssAnon); the kernel can drop them, at the price of reading them again.
+    mapped_bytes: float = 0.0
+    layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
+    fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
+
+    id: StageId | None = None  # the stage (or the part of it) this row costs
+
+    def named(self, id: StageId) -> CostRow:
+        """This row, as the stage `id`."""
+        self.id, self.name = id, str(id)
+        return self
+
+    def as_dict(self) -> dict:
+        return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
+                "gpu_gb": self.gpu_bytes / GB, "disk_gb": self.disk_bytes / GB, "seconds": self.seconds,
+                "strategy": self.strategy, "why": self.why, "mapped_gb": self.mapped_bytes / GB,
+                "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds}
