@@ -229,8 +229,9 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
     torch_dtype = getattr(torch, dtype)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
+                                                     trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad GGUF
         raise_if_resource(e, f"unpacking {gguf.name}")
         raise InputError(
@@ -259,7 +260,7 @@ def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
     if note:
         log(f"{gguf.name}: {note}")
     tok.save_pretrained(out)
-    saved = bos_decision(AutoTokenizer.from_pretrained(out))
+    saved = bos_decision(AutoTokenizer.from_pretrained(out, trust_remote_code=False))
     if flag is not None and saved.used != flag and saved.declared_id is not None:
         raise InputError(f"the tokenizer unpacked from {gguf.name} {'adds no' if flag else 'adds a'} BOS while the "
                          f"GGUF's tokenizer.ggml.add_bos_token is {flag}",
