@@ -73,7 +73,8 @@ def test_clone_or_copy_gives_the_copy_its_own_inode(tmp_path: Path) -> None:
 
 def _reflink_folder(tmp_path: Path) -> Path:
     """A folder on a filesystem that clones (FICLONE): LLMC_TEST_REFLINK_DIR (e.g. a btrfs or XFS mount) or the
-    test's own tmp folder; skip, naming the filesystem's answer, where neither clones."""
+    test's own tmp folder; skip, naming the filesystem's answer, where neither clones. As root, an XFS image does:
+    truncate -s 512M x.img && mkfs.xfs -m reflink=1 x.img && mount -o loop x.img /mnt/x (apt install xfsprogs)."""
     import errno
     import fcntl
 
