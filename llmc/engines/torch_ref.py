@@ -131,7 +131,7 @@ class TorchEngine(EngineBase):
             from llmc.model.families import expert_count
 
             if qcfg is None:
-                model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
+                model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)
             elif expert_count(config) > 1:  # MoE: llmc's own decompression into per-expert Linears (why: there)
                 from llmc.engines.torch_stream import build_dense_model
 
@@ -140,7 +140,8 @@ class TorchEngine(EngineBase):
                 from transformers import CompressedTensorsConfig
 
                 model = AutoModelForCausalLM.from_pretrained(
-                    self.folder, dtype=self.dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
+                    self.folder, dtype=self.dtype, quantization_config=CompressedTensorsConfig(dequantize=True),
+                    trust_remote_code=False,  # never a folder's own code (llmc.model.tokenizer_files)
                 )
         except Exception as e:
             raise_if_resource(e, f"transformers loading {self.folder}")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.quant.numerics import dequantize
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json, fsync_dir
 
@@ -73,7 +73,7 @@ _NOT_TOKENIZER = ("quantized.json", "config.json", "model.safetensors.index.json
 def copy_tokenizer_files(src: Path, out: Path) -> None:
     for f in src.iterdir():
         if f.suffix in (".json", ".jinja") and f.name not in _NOT_TOKENIZER:
-            shutil.copyfile(f, out / f.name)
+            copy_tokenizer_file(f, out / f.name)  # tokenizer_config.json without an auto_map
 
 
 # A repacked Linear is converted a block of this many canonical elements at a time (whole output rows): the int64

@@ -298,7 +298,7 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     from llmc.inputs.files import shown
     from llmc.model.checkpoint import check_safetensors_header, safetensors_files
     from llmc.model.dtype import source_dtype
-    from llmc.model.tokenizer_files import VOCABULARY_FILES, load_tokenizer, tokenizer_facts
+    from llmc.model.tokenizer_files import VOCABULARY_FILES, custom_tokenizer_code, load_tokenizer, tokenizer_facts
 
     where = shown(folder) if folder is not None else shown(recipe.model.source)
     statement = gguf_statement(recipe.model.source, source_dtype(recipe.model.dtype))
@@ -322,6 +322,7 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
         return [f"{where} has no tokenizer ({', '.join(VOCABULARY_FILES)}): a build will stop when it loads one",
                 *notes]
     facts = tokenizer_facts(load_tokenizer(folder))  # the files size-capped and checked first
+    notes += [n for n in [custom_tokenizer_code(folder)] if n]  # code it names is never run; said
     check_vocabulary(config, tensors, facts, where, _optional_json(folder, "generation_config.json"))
     check_recipe_fits(config, seq_lens, _chat_sources(recipe), facts.has_chat_template, where)
     return notes

@@ -14,7 +14,7 @@ import hashlib
 import importlib.util
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import InputError
@@ -150,12 +150,51 @@ def _join_parts(name: str, demo: DemoModel, store: Store) -> Path:
     return done / demo.gguf_name
 
 
+LOG_HASH_BYTES = 1 << 30  # hashing more than this (not memoized) is said in the build log: it takes a while
+
+
+@dataclass(frozen=True)
+class LocatedSource:
+    """A source's folder, checked and confined, and the files that define it, before any is hashed: all `llmc plan`
+    needs (it reads config and safetensors headers only). `hashed` gives the ModelSource a build keys its stages by."""
+
+    folder: Path
+    origin: str
+    kind: str = ""  # the source hash's stage-key kind ("source-folder", "source-hf")
+    identity: dict = field(default_factory=dict)  # enters the hash beside the files (a Hub commit)
+    files: tuple[Path, ...] = ()  # every file that defines the model, by content
+    hub: dict | None = None
+    sha256: str | None = None  # known without hashing the files here (a GGUF's unpacked folder: its cache key)
+
+    def hashed(self, store: Store) -> ModelSource:
+        """The content hash over `files` (each memoized by Store.file_hash until the file changes), said in the log
+        when more than LOG_HASH_BYTES of them are not memoized yet; the same key resolve_source always gave."""
+        if self.sha256 is not None:
+            return ModelSource(folder=self.folder, sha256=self.sha256, origin=self.origin, hub=self.hub)
+        fresh = sum(f.stat().st_size for f in self.files if store.memoized_file_hash(f) is None)
+        if fresh > LOG_HASH_BYTES:
+            from llmc.telemetry.progress import log
+
+            log(f"hashing {fresh / 1e9:.1f} GB of {shown(self.folder)} for the build's stage keys (once: memoized "
+                "until a file changes)")
+        digest = stage_key(self.kind, {**self.identity, **{n.name: store.file_hash(n) for n in self.files},
+                                       **_card_identity(self.folder, self.hub)})
+        return ModelSource(folder=self.folder, sha256=digest, origin=self.origin, hub=self.hub)
+
+
 def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSource:
+    """The source a recipe names, located, checked and hashed by content (a build's stage keys need the hash)."""
+    return locate_source(spec, store, dtype).hashed(store)
+
+
+def locate_source(spec: str, store: Store, dtype: str = "float32") -> LocatedSource:
+    """The source a recipe names, located and checked without reading any weight's data (`llmc plan`); a GGUF is
+    unpacked once into the cache, which its hash keys."""
     if is_hub_spec(spec):
         snapshot = download(parse_hub_spec(spec))
         hub = describe_snapshot(snapshot)
-        return _from_folder(snapshot.folder, store, spec, "source-hf", {"repo_id": hub["repo_id"],
-                                                                      "commit": hub["commit"]}, hub)
+        return _locate_folder(snapshot.folder, spec, "source-hf", {"repo_id": hub["repo_id"],
+                                                                   "commit": hub["commit"]}, hub)
     path = describe_source(spec, store)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -166,21 +205,26 @@ def resolve_source(spec: str, store: Store, dtype: str = "float32") -> ModelSour
             )
         check_gguf_header(path)  # structure and lengths, before hashing or handing it to transformers
         return _from_gguf(path, store, dtype, origin=spec)
-    return _from_folder(path, store, spec, "source-folder", {})
+    return _locate_folder(path, spec, "source-folder", {})
 
 
-def _from_folder(path: Path, store: Store, origin: str, kind: str, identity: dict,
-                 hub: dict | None = None) -> ModelSource:
-    """Hash every file that defines the model (config, weights, tokenizer) plus `identity` (a Hub commit), after
-    refusing any symbolic link that leaves the folder (`llmc.model.confine`): nothing outside it is read."""
+def _locate_folder(path: Path, origin: str, kind: str, identity: dict, hub: dict | None = None) -> LocatedSource:
+    """Every file that defines the model (config, weights, tokenizer), listed after refusing any symbolic link that
+    leaves the folder (`llmc.model.confine`): nothing outside it is read. Hashed by LocatedSource.hashed, with
+    `identity` (a Hub commit)."""
     if os.path.lexists(path / "config.json"):  # else safetensors_files says it is no model folder (none is walked)
         check_folder_confined(path)
     files = [path / "config.json", *safetensors_files(path)]
     read_model_config(path)
     files += [f for f in (source_file(path, n, "tokenizer file") for n in TOKENIZER_FILES) if _tokenizer_file(f)]
-    digest = stage_key(kind, {**identity, **{n.name: store.file_hash(n) for n in files},
-                              **_card_identity(path, hub)})
-    return ModelSource(folder=path.resolve(), sha256=digest, origin=origin, hub=hub)
+    return LocatedSource(folder=path.resolve(), origin=origin, kind=kind, identity=identity, files=tuple(files),
+                         hub=hub)
+
+
+def _from_folder(path: Path, store: Store, origin: str, kind: str, identity: dict,
+                 hub: dict | None = None) -> ModelSource:
+    """A local or Hub folder located and hashed (what resolve_source does for one)."""
+    return _locate_folder(path, origin, kind, identity, hub).hashed(store)
 
 
 def _card_identity(folder: Path, hub: dict | None) -> dict:
@@ -207,7 +251,7 @@ def _tokenizer_file(path: Path) -> bool:
     return True
 
 
-def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> ModelSource:
+def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> LocatedSource:
     gguf_hash = store.file_hash(gguf)
     key = stage_key("source-gguf", {"sha256": gguf_hash, "dtype": dtype})
     done = store.lookup("source", key)
@@ -216,7 +260,7 @@ def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> ModelSource
             _unpack_gguf(gguf, out, dtype)
         done = store.lookup("source", key)
     assert done is not None
-    return ModelSource(folder=done, sha256=key, origin=origin)
+    return LocatedSource(folder=done, origin=origin, sha256=key)
 
 
 def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
@@ -229,8 +273,9 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
     torch_dtype = getattr(torch, dtype)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
+                                                     trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad GGUF
         raise_if_resource(e, f"unpacking {gguf.name}")
         raise InputError(
@@ -259,7 +304,7 @@ def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
     if note:
         log(f"{gguf.name}: {note}")
     tok.save_pretrained(out)
-    saved = bos_decision(AutoTokenizer.from_pretrained(out))
+    saved = bos_decision(AutoTokenizer.from_pretrained(out, trust_remote_code=False))
     if flag is not None and saved.used != flag and saved.declared_id is not None:
         raise InputError(f"the tokenizer unpacked from {gguf.name} {'adds no' if flag else 'adds a'} BOS while the "
                          f"GGUF's tokenizer.ggml.add_bos_token is {flag}",

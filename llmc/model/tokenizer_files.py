@@ -5,11 +5,20 @@ file costs ~1.4 GB before it fails with an internal error. Here each file is siz
 the largest real file of its kind) and must be a JSON object of the expected shape.
 `load_tokenizer` loads the tokenizer only after those checks, and turns a refusal by `tokenizers` into exit 7;
 `tokenizer_facts` gives the consistency checks (llmc.model.checks) its ids as transformers numbers them.
+
+Custom tokenizer code (an `auto_map` naming a module of the folder, as `trust_remote_code` would import) is never
+run: every load passes trust_remote_code=False (without it transformers asks "Do you wish to run the custom code?"
+on stdin, and a "y" — typed, or piped in by a script — runs the folder's Python). As with config.json's auto_map,
+the name is dropped: the tokenizer is transformers' own class (tokenizer.json), said in a plan warning, and no
+artifact's tokenizer_config.json carries the auto_map on. A tokenizer_class that only the folder's code defines is
+refused (exit 7): transformers would otherwise quietly substitute a generic class for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,17 +145,76 @@ _CHECKS = {"tokenizer.json": _tokenizer_json, "tokenizer_config.json": _tokenize
            "special_tokens_map.json": _special_tokens, "added_tokens.json": _token_ids, "vocab.json": _token_ids}
 
 
+def _auto_map_tokenizer(mapping: dict) -> list[str]:
+    """The custom tokenizer classes an auto_map names: {"AutoTokenizer": [slow, fast]} or the legacy [slow, fast]."""
+    refs = mapping.get("auto_map")
+    if isinstance(refs, dict):
+        refs = refs.get("AutoTokenizer")
+    if isinstance(refs, str):
+        refs = [refs]
+    return [r for r in refs if isinstance(r, str)] if isinstance(refs, (list, tuple)) else []
+
+
+def _known_to_transformers(class_name: str) -> bool:
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    base = class_name.removesuffix("Fast")
+    return any(tokenizer_class_from_name(n) is not None for n in (class_name, base, base + "Fast"))
+
+
+def custom_tokenizer_code(folder: Path) -> str | None:
+    """None when the folder names no custom tokenizer code; else the warning the plan states (the code is not run,
+    transformers' own tokenizer_class loads the files). InputError (exit 7) when there is no tokenizer_class, or one
+    that only the folder's code defines: transformers would need the code. Reads tokenizer_config.json size-capped."""
+    folder = Path(folder)
+    path = folder / "tokenizer_config.json"
+    tc = _read(folder, path.name) if os.path.lexists(path) else {}
+    refs = _auto_map_tokenizer(tc)  # transformers 5 takes a tokenizer's code from here only (not config.json)
+    if not refs:
+        return None
+    class_name = tc.get("tokenizer_class")
+    shown_refs = ", ".join(shorten(r, 80) for r in refs)
+    if not (isinstance(class_name, str) and _known_to_transformers(class_name)):
+        which = (f"its tokenizer class {shorten(class_name, 80)}, which transformers does not define"
+                 if isinstance(class_name, str) else "its tokenizer, and no tokenizer_class transformers defines")
+        raise InputError(
+            f"{shown(path)} names custom tokenizer code ({shown_refs}) for {which}; llmc never runs a model "
+            "folder's code",
+            fix="if tokenizer.json is the whole tokenizer, set \"tokenizer_class\": \"PreTrainedTokenizerFast\" in "
+                "tokenizer_config.json and delete its auto_map; otherwise use a checkpoint whose tokenizer transformers "
+                "loads without trust_remote_code")
+    return (f"{shown(path)} names custom tokenizer code ({shown_refs}); llmc never runs it: the tokenizer is "
+            f"transformers' own {shorten(class_name, 80)}, and the auto_map is dropped from every artifact")
+
+
+def copy_tokenizer_file(src: Path, dst: Path) -> None:
+    """Copy one tokenizer file into an artifact; tokenizer_config.json without its auto_map (no artifact names code
+    llmc did not run, as config.json's auto_map is dropped). Other files, and a config without one, byte for byte."""
+    if Path(src).name == "tokenizer_config.json":
+        try:
+            value = json.loads(Path(src).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # checked when the source was read; whatever it is now is copied as it is
+            value = None
+        if isinstance(value, dict) and "auto_map" in value:
+            del value["auto_map"]
+            Path(dst).write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            return
+    shutil.copyfile(src, dst)
+
+
 def load_tokenizer(folder: Path):
     """AutoTokenizer.from_pretrained(folder) after the capped reads above; a tokenizer that `tokenizers` or
-    transformers refuses is InputError (exit 7) naming the folder, not an internal error."""
+    transformers refuses is InputError (exit 7) naming the folder, not an internal error. Never runs the folder's
+    own code (custom_tokenizer_code)."""
     from transformers import AutoTokenizer
 
     check_tokenizer_files(folder)
+    custom_tokenizer_code(folder)  # refuses a class only the folder's code defines
     if not any(os.path.lexists(Path(folder) / n) for n in VOCABULARY_FILES):
         raise InputError(f"{shown(folder)} has no tokenizer (none of {', '.join(VOCABULARY_FILES)})",
                          fix="save the model's tokenizer into the folder: tokenizer.save_pretrained(folder)")
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers, huggingface_hub's config validation and tokenizers' Rust
         # side (a bare Exception) raise many types for files they refuse
         raise_if_resource(e, "loading the tokenizer", folder)

@@ -26,7 +26,7 @@ from llmc.model.checkpoint import read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import check_quantizable, expert_count
-from llmc.model.source import resolve_source
+from llmc.model.source import locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
@@ -384,8 +384,8 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: i
                              nproc=nproc)
             plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
             return plan
-    src = resolve_source(source, store, source_dtype(recipe.model.dtype))
-    return make_plan(recipe, src.folder, store.root, nproc=nproc)
+    located = locate_source(source, store, source_dtype(recipe.model.dtype))  # no weight data read, none hashed
+    return make_plan(recipe, located.folder, store.root, nproc=nproc)
 
 
 def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,

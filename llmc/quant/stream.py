@@ -37,6 +37,7 @@ from llmc.model.confine import source_file
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
+from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
 from llmc.quant.activations import SpillMode, inputs_dir, memory_available, should_spill
@@ -238,7 +239,7 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
     for f in TOKENIZER_FILES:
         path = source_file(source.folder, f, "tokenizer file")  # never a link leaving the folder (exit 7)
         if f != INDEX_FILE and path.is_file():  # the source's shard index names none of these files
-            shutil.copyfile(path, out / f)
+            copy_tokenizer_file(path, out / f)  # tokenizer_config.json without an auto_map
     meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

@@ -398,22 +398,33 @@ class Store:
         mtime but themselves set ctime to now); replacing it changes the inode. So the content is hashed again
         after any write, rename over, copy or restore; only an untouched file keeps its memoized hash."""
         path = Path(path).resolve()
-        st = path.stat()
+        memo, tag = self._hash_memo(), _file_tag(path)
+        entry = memo.get(str(path))
+        if isinstance(entry, dict) and entry.get("tag") == tag:
+            return entry["sha256"]
+        digest = sha256_file(path)
+        memo[str(path)] = {"tag": tag, "sha256": digest}
+        atomic_write_json(self.root / "file-hashes.json", memo)
+        return digest
+
+    def memoized_file_hash(self, path: Path) -> str | None:
+        """file_hash's answer when the memo holds it for the file as it is now, else None; reads no file content."""
+        path = Path(path).resolve()
+        entry = self._hash_memo().get(str(path))
+        return entry["sha256"] if isinstance(entry, dict) and entry.get("tag") == _file_tag(path) else None
+
+    def _hash_memo(self) -> dict:
         memo_path = self.root / "file-hashes.json"
         try:
             memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
         except (OSError, ValueError):  # unreadable or not JSON: a memo, rebuilt
             memo = {}
-        if not isinstance(memo, dict):
-            memo = {}
-        tag = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
-        entry = memo.get(str(path))
-        if entry and entry.get("tag") == tag:
-            return entry["sha256"]
-        digest = sha256_file(path)
-        memo[str(path)] = {"tag": tag, "sha256": digest}
-        atomic_write_json(memo_path, memo)
-        return digest
+        return memo if isinstance(memo, dict) else {}
+
+
+def _file_tag(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
 
 
 def _summary(problems: list[str], shown: int = 4) -> str:

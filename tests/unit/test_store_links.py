@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from llmc.storage.store import Store
 from llmc.storage.links import LINK_MIN_BYTES, clone_or_copy, sweep_blobs
 
@@ -65,3 +67,85 @@ def test_clone_or_copy_gives_the_copy_its_own_inode(tmp_path: Path) -> None:
     with open(tmp_path / "dst", "r+b") as f:  # a write to the copy changes nothing of the original
         f.write(b"\0" * 16)
     assert src.read_bytes() == WEIGHTS
+
+
+# --- the two branches of clone_or_copy: a copy-on-write clone, and the byte copy when the filesystem has none ----
+
+def _reflink_folder(tmp_path: Path) -> Path:
+    """A folder on a filesystem that clones (FICLONE): LLMC_TEST_REFLINK_DIR (e.g. a btrfs or XFS mount) or the
+    test's own tmp folder; skip, naming the filesystem's answer, where neither clones. As root, an XFS image does:
+    truncate -s 512M x.img && mkfs.xfs -m reflink=1 x.img && mount -o loop x.img /mnt/x (apt install xfsprogs)."""
+    import errno
+    import fcntl
+
+    from llmc.storage.links import FICLONE
+
+    folder = Path(os.environ.get("LLMC_TEST_REFLINK_DIR") or tmp_path)
+    probe = folder / f".reflink-probe-{os.getpid()}"
+    probe.write_bytes(b"x" * 4096)
+    try:
+        with open(probe, "rb") as fin, open(probe.with_suffix(".clone"), "wb") as fout:
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+    except OSError as e:
+        pytest.skip(f"{folder} does not clone files (FICLONE: {errno.errorcode.get(e.errno, e.errno)}); set "
+                    "LLMC_TEST_REFLINK_DIR to a folder on btrfs or XFS (reflink=1) to run this")
+    finally:
+        for p in (probe, probe.with_suffix(".clone")):
+            p.unlink(missing_ok=True)
+    return folder
+
+
+def _independent(src: Path, dst: Path, data: bytes) -> None:
+    """`dst` holds `data` in an inode of its own, linked once, and a write to either side leaves the other as it was."""
+    assert dst.read_bytes() == data and _inode(dst) != _inode(src)
+    assert src.stat().st_nlink == 1 and dst.stat().st_nlink == 1
+    with open(dst, "r+b") as f:
+        f.write(b"\0" * 16)
+    assert src.read_bytes() == data
+    with open(src, "r+b") as f:
+        f.seek(len(data) // 2)
+        f.write(b"\xff" * 16)
+    assert dst.read_bytes() == b"\0" * 16 + data[16:]
+
+
+def test_clone_or_copy_clones_where_the_filesystem_can(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    folder = _reflink_folder(tmp_path)
+    src, dst = folder / f"src-{os.getpid()}", folder / f"dst-{os.getpid()}"
+    try:
+        src.write_bytes(WEIGHTS)
+        dst.write_bytes(b"an older entry's bytes" * 4)
+
+        def no_byte_copy(*args, **kwargs):
+            raise AssertionError("clone_or_copy copied bytes on a filesystem that clones")
+
+        monkeypatch.setattr(shutil, "copyfileobj", no_byte_copy)
+        clone_or_copy(src, dst)
+        _independent(src, dst, WEIGHTS)
+    finally:
+        src.unlink(missing_ok=True)
+        dst.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("code", ["EOPNOTSUPP", "EXDEV", "EINVAL"])
+def test_clone_or_copy_copies_where_the_filesystem_cannot_clone(code: str, tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import fcntl
+    import shutil
+
+    copies = []
+    real_copy = shutil.copyfileobj
+
+    def refuse_after_a_partial_write(fd, request, arg):
+        os.write(fd, b"half a clone")  # what a clone that failed part way could leave: the copy must replace it
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "ioctl", refuse_after_a_partial_write)
+    monkeypatch.setattr(shutil, "copyfileobj", lambda *a, **k: copies.append(a) or real_copy(*a, **k))
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(WEIGHTS)
+    dst.write_bytes(b"an older entry's bytes" * 4)
+    assert clone_or_copy(src, dst) == str(dst)
+    assert len(copies) == 1
+    _independent(src, dst, WEIGHTS)
