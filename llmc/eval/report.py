@@ -237,7 +237,7 @@ def render_markdown(result: BuildResult) -> str:
     schemes = result.plan.schemes
     out = [f"# {r.name}: {', '.join(s.name for s in schemes.values())}", ""]
     out.append(f"- build id: `{result.build_id}`")
-    out.append(f"- model: `{r.model.source}` ({result.dtype}), source sha256 `{result.source.sha256}`"
+    out.append(f"- model: `{r.model.source}` ({result.dtype}), source content key `{result.source.sha256}` (llmc's key over its config, weights and tokenizer files)"
                + (f", Hub commit `{result.source.hub['commit']}`" if result.source.hub else ""))
     for name, s in schemes.items():
         out.append(f"- {'variant ' + name + ': ' if name else ''}scheme {s.name}, algorithm {s.algorithm}; "

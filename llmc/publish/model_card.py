@@ -181,7 +181,8 @@ def model_card(result: "BuildResult", label: str) -> str:
     out += ["", "## Serve", ""] + ([f"```\n{command}\n```"] if command else ["See the target runtime's documentation."])
     out += ["", "## Provenance", "",
             f"- build id: `{result.build_id}`", f"- llmc version: {__version__}",
-            f"- source: `{result.recipe.model.source}`, sha256 `{result.source.sha256}`",
+            f"- source: `{result.recipe.model.source}`, content key `{result.source.sha256}` (llmc's key over the "
+            "source's config, weights and tokenizer files; the files' own sha256 are in the manifest)",
             f"- export stage key: `{art.key}`"]
     out += [f"- `{name}`: sha256 `{digest}`" for name, digest in sorted(art.files.items())]
     return "\n".join(out) + "\n"
