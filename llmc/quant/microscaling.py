@@ -150,6 +150,18 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
+def shared_nvfp4_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
+    """One NVFP4 global scale for weights a runtime fuses into one matmul (q/k/v, gate/up): from their joint amax.
+
+    vLLM and SGLang load fused siblings with a single global scale, the largest stored one, so siblings stored with
+    different global scales decode wrong there; llm-compressor's observers share the scale across such groups."""
+    if not weights:
+        raise ValueError("a shared global scale needs at least one weight")
+    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    require_finite(amax, "a weight quantized to nvfp4")
+    return nvfp4_global_scale(amax)
+
+
 def modelopt_weight_scale_2(global_scale: torch.Tensor) -> torch.Tensor:
     """ModelOpt's per-tensor `weight_scale_2` (and llama.cpp's GGUF `.scale`): the multiplier 1 / global_scale."""
     return 1.0 / global_scale.float()

@@ -226,6 +226,30 @@ def test_nvfp4_scales_follow_compressed_tensors_convention() -> None:
     assert torch.equal(dq, e2m1_decode(q.codes) * step)
 
 
+def test_nvfp4_hand_checked_case_follows_the_spec() -> None:
+    """Three 16-element blocks worked by hand from NVIDIA's definition: global scale 448 · 6 / amax, block scale
+    e4m3(block amax / 6 · global scale), codes the E2M1 nearest (ties to even) of x / (block scale / global)."""
+    w = torch.zeros(1, 48)
+    w[0, :8] = torch.tensor([6.0, -3.0, 1.5, 0.25, 0.75, 2.5, 5.0, -0.1])  # amax 6: global scale 448
+    w[0, 16:20] = torch.tensor([0.75, 0.1875, -0.0625, 0.3125])  # scale 0.75 / 6 · 448 = 56: step 1/8
+    w[0, 32:34] = torch.tensor([1.0, -0.5])  # 1 / 6 · 448 = 74.67 rounds to E4M3 72: step 72/448, 1.0 saturates
+    q = quantize_blocks(w, NVFP4)
+    assert q.global_scale.item() == 448.0
+    assert modelopt_weight_scale_2(q.global_scale).item() == pytest.approx(1 / 448, rel=1e-7)
+    assert q.scale.float().tolist() == [[448.0, 56.0, 72.0]]
+    # 0.25 and 0.75, 2.5, 5 are E2M1 midpoints: they go to the even mantissa (0, 1, 2, 4); -0.1 to -0 (code 8).
+    assert q.codes[0, :8].tolist() == [7, 13, 3, 0, 2, 4, 6, 8]
+    assert q.codes[0, 16:20].tolist() == [7, 3, 9, 4]
+    assert q.codes[0, 32:34].tolist() == [7, 13]
+    assert int(q.codes[0, 8:16].sum() + q.codes[0, 20:32].sum() + q.codes[0, 34:].sum()) == 0
+    expected = torch.zeros(1, 48)
+    expected[0, :8] = torch.tensor([6.0, -3.0, 1.5, 0.0, 1.0, 2.0, 4.0, -0.0])
+    expected[0, 16:20] = torch.tensor([0.75, 0.1875, -0.0625, 0.25])
+    expected[0, 32:34] = torch.tensor([6.0, -3.0]) * (72.0 / 448.0)
+    assert torch.allclose(dequantize_blocks(q), expected, rtol=2.0**-23, atol=0)
+    assert pack_e2m1(q.codes)[0, :4].tolist() == [0xD7, 0x03, 0x42, 0x86]  # even element in the low nibble
+
+
 def test_nvfp4_block_scale_never_underflows_to_zero_for_a_live_block() -> None:
     w = torch.zeros(1, 32)
     w[0, 0] = 1.0

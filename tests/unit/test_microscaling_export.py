@@ -14,14 +14,18 @@ from llmc.formats.microscaling_export import (
     compressed_tensors_fp8_block_tensors,
     compressed_tensors_scheme,
     compressed_tensors_tensors,
+    fused_groups,
     modelopt_nvfp4_tensors,
+    nvfp4_global_scales,
 )
 from llmc.quant.block_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from llmc.quant.microscaling import (
     MICROSCALING_FORMATS,
     NVFP4,
+    BlockQuantized,
     dequantize_blocks,
     e2m1_decode,
+    nvfp4_global_scale,
     quantize_blocks,
     unpack_e2m1,
 )
@@ -103,6 +107,42 @@ def test_transformers_decompresses_an_llmc_checkpoint_to_llmc_weights(name: str,
     for key, ours in reference.items():
         expected = ours.to(torch.bfloat16).float() if name == "nvfp4" else ours
         assert torch.equal(state[key], expected), (key, (state[key] - expected).abs().max())
+
+
+def test_each_group_names_its_compression_format() -> None:
+    """A mixed-precision checkpoint's loaders read each config group's own `format` (llm-compressor writes it)."""
+    for name, (compression, _, _) in COMPRESSED_TENSORS_FORMATS.items():
+        assert compressed_tensors_scheme(name, ["Linear"]).format == compression
+
+
+def test_fused_siblings_share_one_global_scale_so_a_fused_loader_decodes_each() -> None:
+    """vLLM and SGLang load q/k/v (and gate/up) as one matmul with one NVFP4 global scale, the largest stored
+    (`weight_global_scale.max()`): with per-tensor scales the other siblings decode wrong; shared, exactly."""
+    g = torch.Generator().manual_seed(5)
+    spread = {"self_attn.q_proj": 0.02, "self_attn.k_proj": 0.05, "self_attn.v_proj": 0.01,
+              "self_attn.o_proj": 0.03, "mlp.gate_proj": 0.02, "mlp.up_proj": 0.04, "mlp.down_proj": 0.02}
+    weights = {f"model.layers.0.{local}": torch.randn(32, 64, generator=g) * std for local, std in spread.items()}
+    names = list(weights)
+    q, k, v, o, gate, up, down = names
+    assert fused_groups(names) == [[q, k, v], [o], [gate, up], [down]]
+    assert fused_groups([q, k, o]) == [[q], [k], [o]]  # a set fuses only when all of it is there
+    scales = nvfp4_global_scales(weights)
+    joint = nvfp4_global_scale(torch.stack([weights[n].abs().amax() for n in (q, k, v)]).amax())
+    assert all(torch.equal(scales[n], joint) for n in (q, k, v))
+    assert torch.equal(scales[o], nvfp4_global_scale(weights[o].abs().amax()))
+
+    def fused_load(group: list[str], given: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quantize_blocks(weights[n], NVFP4, global_scale=given.get(n)) for n in group]
+        fused = BlockQuantized(codes=torch.cat([p.codes for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                               global_scale=torch.stack([p.global_scale for p in parts]).amax().reshape(1),
+                               format=NVFP4)
+        return dequantize_blocks(fused), torch.cat([dequantize_blocks(p) for p in parts])
+
+    for group in ([q, k, v], [gate, up]):
+        runtime, ours = fused_load(group, scales)
+        assert torch.equal(runtime, ours)
+        runtime, ours = fused_load(group, {})
+        assert (runtime - ours).abs().max() > 0.1 * ours.abs().max()
 
 
 def test_modelopt_layout_is_the_same_bytes_with_the_reciprocal_global_scale() -> None:
