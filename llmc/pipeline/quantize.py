@@ -214,7 +214,9 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         if on_gpu:  # the layer is on the GPU when it is traced
             gpu = max(gpu, CUDA_CONTEXT_BYTES + discovery + parts["activations"])
         else:
-            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery)
+            # (layer 1's weights are being read ahead meanwhile: llmc.quant.overlap)
+            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery
+                       + parts["next layer read ahead"])
     # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
     # layers and writing their copy (rest.safetensors) once
     parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
