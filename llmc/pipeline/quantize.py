@@ -196,6 +196,10 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
             parts[k] = 0.0
     parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
+    # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
+    # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
+    parts["previous layer being written"] = layer * code_bytes
+    parts["next layer read ahead"] = layer * stored_elem
     # the last step reads everything outside the layers again (rest.safetensors) and writes it, the skeleton's copy
     # released first: one copy (docs/planner-constants.md#outer-weights-copy)
     host = max(sum(parts.values()), PROCESS_BYTES + shape.outer_params * e)
@@ -210,7 +214,9 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         if on_gpu:  # the layer is on the GPU when it is traced
             gpu = max(gpu, CUDA_CONTEXT_BYTES + discovery + parts["activations"])
         else:
-            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery)
+            # (layer 1's weights are being read ahead meanwhile: llmc.quant.overlap)
+            host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery
+                       + parts["next layer read ahead"])
     # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
     # layers and writing their copy (rest.safetensors) once
     parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,

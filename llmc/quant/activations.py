@@ -92,9 +92,9 @@ class Activations:
 class ActivationWriter:
     """Collects the next layer's inputs batch by batch and publishes them as one folder.
 
-    Spilled batches go to disk as they are produced; in-memory ones are written at `commit`. The
-    folder appears under its final name only when complete (rename), so a killed run never resumes
-    from a partial set.
+    Spilled batches go to disk as they are produced; in-memory ones are written by `persist`. The folder appears
+    under its final name only when every batch is in it (rename), so a killed run never resumes from a partial set;
+    progress moves past a layer only once `persist` has made the folder durable.
     """
 
     def __init__(self, final: Path, spill: bool):
@@ -103,29 +103,46 @@ class ActivationWriter:
         shutil.rmtree(self.partial, ignore_errors=True)
         self.partial.mkdir(parents=True)
         self._tensors: list[torch.Tensor] = []
+        self._count = 0
 
     def put(self, tensor: torch.Tensor) -> None:
-        b = len(self._tensors)
+        b = self._count
+        self._count += 1
         if self.spill:
             _write(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor})
-            self._tensors.append(torch.empty(0))  # only counts the batch
         else:
             self._tensors.append(tensor)
 
     def commit(self) -> Activations:
-        if not self.spill:  # one file (one fsync) per layer, not one per batch
-            _write(self.partial / ALL_BATCHES, {f"b{b:05d}": t for b, t in enumerate(self._tensors)})
-        # Files need no rename of their own (the folder is renamed once), only to be on disk first.
-        for f in self.partial.iterdir():
-            with open(f, "rb+") as handle:
-                os.fsync(handle.fileno())
+        """`publish`, then `persist`: the inputs, durable under their final name."""
+        hidden = self.publish()
+        self.persist()
+        return hidden
+
+    def publish(self) -> Activations:
+        """The inputs as the next layer reads them, now: in memory, or spilled batches under the final folder name
+        (renamed, not yet fsynced)."""
+        if not self.spill:
+            return Activations(tensors=list(self._tensors))
         shutil.rmtree(self.final, ignore_errors=True)
         os.replace(self.partial, self.final)
+        return Activations(folder=self.final, count=self._count)
+
+    def persist(self) -> None:
+        """Make the published inputs durable under their final name (may run on another thread than `publish`:
+        it only reads the batches)."""
+        if not self.spill:  # one file (one fsync) per layer, not one per batch
+            _write(self.partial / ALL_BATCHES, {f"b{b:05d}": t for b, t in enumerate(self._tensors)})
+        folder = self.final if self.spill else self.partial
+        # Files need no rename of their own (the folder is renamed once), only to be on disk first.
+        for f in folder.iterdir():
+            with open(f, "rb+") as handle:
+                os.fsync(handle.fileno())
+        if not self.spill:
+            shutil.rmtree(self.final, ignore_errors=True)
+            os.replace(self.partial, self.final)
         fsync_dir(self.final.parent)
-        tensors, self._tensors = self._tensors, []  # hand over: the writer must not keep them alive
-        if self.spill:
-            return Activations(folder=self.final, count=len(tensors))
-        return Activations(tensors=tensors)
+        self._tensors = []  # the writer must not keep them alive
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:

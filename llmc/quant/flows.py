@@ -15,7 +15,7 @@ Mixture-of-Experts blocks are an observation mode of the calibrating flows, not 
 routed to each expert and, with `calibration.moe_calibrate_all_experts`, run every expert on every token for
 statistics (`llmc.quant.moe.observing_experts`). A flow reads and moves the loop's state (`Stream`: the activations
 between layers) and one layer's work (`LayerWork`); the loop does the rest (materialize, quantize what the flow
-left unquantized, write, resume, release).
+left unquantized, write, make the next layer's inputs durable, resume, release).
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class DataFlow:
         """The layer's statistics into `w.stats` (and its transform applied); may quantize it (`w.quantized`)."""
 
     def propagate(self, s: Stream, w: LayerWork) -> None:
-        """After the layer is written: the next layer's inputs into `s.hidden`."""
+        """After the layer is quantized: the next layer's inputs into `s.hidden` (published: the loop makes them
+        durable with `w.next_inputs.persist`, on its writer's thread)."""
 
 
 FLOWS: Registry[type[DataFlow]] = Registry("data flow")  # in the order `flow_for` asks them
@@ -165,7 +166,7 @@ class _Calibrating(DataFlow):
         s.hidden = hidden if s.start else first.commit()
 
     def propagate(self, s: Stream, w: LayerWork) -> None:
-        s.hidden = w.next_inputs.commit()
+        s.hidden = w.next_inputs.publish()
 
 
 @register_flow("true-sequential")

@@ -16,12 +16,14 @@ one batch per file (`llmc.quant.activations`; recipe key `calibration.spill_acti
 
 Resume: after each layer, its file, the next layer's inputs (`state/inputs-<i+1>/`) and
 `progress.json` are written atomically in that order; a rerun in the same work directory continues
-at `progress.json`'s layer from that layer's saved inputs.
+at `progress.json`'s layer from that layer's saved inputs. These writes run on one background thread while the
+next layer computes, and the next layer's weights are read while this one computes (`llmc.quant.overlap`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 from collections.abc import Callable, Mapping
@@ -40,12 +42,13 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
-from llmc.quant.activations import SpillMode, inputs_dir, memory_available, should_spill
+from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memory_available, should_spill
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
 from llmc.quant.numerics import QuantizedWeight, quantize_weight, static_scale
 from llmc.quant.observe import LayerStats
+from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
@@ -93,7 +96,11 @@ class StreamOptions:
     # activations passed between layers, the embeddings and the files stay on the host)
     device: torch.device | str = "cpu"
     extra_meta: Mapping[str, object] | None = None  # entries added to quantized.json
-    on_layer_done: Callable[[int], None] | None = None  # called with each layer's index once it is written
+    # called with each layer's index once it is durable (with `overlap`: on the writer's thread)
+    on_layer_done: Callable[[int], None] | None = None
+    # each layer's writes run while the next layer computes, and its weights are read while the previous one
+    # computes (llmc.quant.overlap); the same files either way. Off under torchrun.
+    overlap: bool = True
 
 
 @dataclass
@@ -170,6 +177,9 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
 
     modules: dict[str, dict] = {}
     kv_names: list[str] = []
+    overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave with the loop's
+    writer = LayerWriter(overlap)
+    weights = Prefetcher(lambda j: reader.with_prefix(f"{layers_prefix}.{j}."), range(s.start, n_layers), overlap)
     for i in steps(range(n_layers), "quantize layers", total=n_layers):
         prefix = f"{layers_prefix}.{i}."
         w = LayerWork(i, prefix, layers[i], target_linears(layers[i], prefix, scheme.ignore),
@@ -178,7 +188,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         kv_names += list(w.kv_modules)
         if i < s.start:
             continue
-        materialize(w.module, reader.with_prefix(prefix), dtype)
+        materialize(w.module, weights.take(i), dtype)
         if moe_blocks:
             moe.check_materialized(w.module, prefix, source.folder)
         w.module.to(device)
@@ -200,21 +210,19 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                            cal.moe_min_tokens, windows.numel(), config)
         w.stats.module_calls.clear()
         if distributed.is_main():
-            tensors = _layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, w.kv_modules)
-            atomic_save_safetensors(out / "layers" / f"{i:05d}.safetensors", tensors)
+            tensors = on_host(_layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, w.kv_modules))
+            writer.submit(i, functools.partial(atomic_save_safetensors, out / "layers" / f"{i:05d}.safetensors",
+                                               tensors))
             if moe_report is not None:
                 moe_report.save(out)
         flow.propagate(s, w)
-        # Progress moves only after the layer file and the next layer's inputs are complete (on every rank); a run
-        # killed anywhere before this line redoes layer i from its own saved inputs.
-        distributed.barrier()
-        if distributed.is_main():
-            atomic_write_json(progress_file, {"next_layer": i + 1, **_world_entry()})
-        distributed.barrier()
-        shutil.rmtree(inputs_dir(act_dir, i), ignore_errors=True)
+        # Progress moves only after the layer file and the next layer's inputs are durable (the writer's order, on
+        # every rank); a run killed anywhere before that redoes layer i from its own saved inputs.
+        writer.submit(i, functools.partial(_commit_layer, i, w.next_inputs, progress_file, act_dir,
+                                           options.on_layer_done))
         release(w.module)
-        if options.on_layer_done:
-            options.on_layer_done(i)
+    writer.close()
+    weights.close()
 
     release(model)  # the skeleton's embeddings and head: read again below, so never two copies
     # (docs/planner-constants.md#outer-weights-copy)
@@ -253,6 +261,21 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
         **extra_meta,
     }
     atomic_write_json(out / META_FILE, meta)
+
+
+def _commit_layer(i: int, next_inputs: ActivationWriter | None, progress_file: Path, act_dir: Path,
+                  on_layer_done: Callable[[int], None] | None) -> None:
+    """After layer i's file is durable: the next layer's inputs made durable, then progress moved past layer i (on
+    every rank), then layer i's own inputs removed."""
+    if next_inputs is not None:
+        next_inputs.persist()
+    distributed.barrier()
+    if distributed.is_main():
+        atomic_write_json(progress_file, {"next_layer": i + 1, **_world_entry()})
+    distributed.barrier()
+    shutil.rmtree(inputs_dir(act_dir, i), ignore_errors=True)
+    if on_layer_done:
+        on_layer_done(i)
 
 
 def _resume_layer(progress_file: Path) -> int:

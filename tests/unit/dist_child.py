@@ -41,14 +41,14 @@ def _kill_mid_layer() -> None:
         return
     from llmc.quant.activations import ActivationWriter
 
-    real_commit = ActivationWriter.commit
+    real_publish = ActivationWriter.publish
 
-    def commit(self):
+    def publish(self):
         if self.final.name == f"inputs-{int(kill_layer) + 1:05d}":  # this layer's outputs, before progress moves
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_commit(self)
+        return real_publish(self)
 
-    ActivationWriter.commit = commit
+    ActivationWriter.publish = publish
 
 
 def quantize(model: Path, out: Path, names: list[str]) -> None:

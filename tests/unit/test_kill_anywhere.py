@@ -116,3 +116,105 @@ def test_killed_at_each_stage_resumes_identical(event: str, clean, tmp_path: Pat
 def test_killed_at_a_random_event_resumes_identical(seed: int, clean, tmp_path: Path, tiny_model_session: Path) -> None:
     n = random.Random(seed).randrange(len(clean[1])) + 1
     _kill_and_resume(n, _recipe(tmp_path, tiny_model_session), clean)
+
+
+# --------------------------------------------------------------------------- killed during an overlapped write
+
+# The quantize stage's layer loop alone (quicker than a build), its writes overlapped with the next layer's compute
+# (llmc.quant.overlap): records each event with the thread that emitted it, or SIGKILLs itself at the k-th time an
+# event is emitted (by name: events of two threads interleave differently from run to run).
+_QUANTIZE_CHILD = """
+import collections, os, signal, sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from llmc.model.source import ModelSource
+from llmc.quant import stream
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.telemetry import events
+model, out, spill, mode, arg = sys.argv[2:7]
+if mode == "record":
+    log = open(arg, "w")
+    events.subscribe(lambda e: (log.write(f"{e} {threading.current_thread().name}\\n"), log.flush()))
+elif mode == "kill":
+    name, k = arg.rsplit("#", 1)
+    seen = collections.Counter()
+
+    def die(event):
+        seen[event] += 1
+        if event == name and seen[event] == int(k):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    events.subscribe(die)
+scheme = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor"))
+ids = torch.randint(3, 200, (6, 24), generator=torch.Generator().manual_seed(0))
+stream.quantize_model(ModelSource(Path(model), "t", "t"), scheme, Path(out), stream.Calibration(ids, batch_size=2, spill=spill),
+                      stream.StreamOptions(on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
+"""
+
+
+def _quantize_child(model: Path, out: Path, spill: str, mode: str, arg: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _QUANTIZE_CHILD, str(REPO), str(model), str(out), spill, mode, arg],
+                          env={**os.environ, "LLMC_PROGRESS_JSON": "0"}, capture_output=True, text=True, timeout=600)
+
+
+def _tree_hashes(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def overlapped(tmp_path_factory):
+    """A 3-layer model, and per spill mode (run once, when first asked for): a clean run's files, and the events its
+    writer thread emitted, each as `name#k` (its k-th emission)."""
+    from llmc.quant.overlap import WRITER_THREAD
+    from tests.conftest import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("overlapped-kill")
+    model = make_tiny_model(tmp / "model", layers=3)
+    runs: dict[str, tuple[dict[str, str], list[str]]] = {}
+
+    def clean(spill: str) -> tuple[dict[str, str], list[str]]:
+        if spill not in runs:
+            done = _quantize_child(model, tmp / f"clean-{spill}", spill, "record", str(tmp / f"events-{spill}.txt"))
+            assert done.returncode == 0, done.stderr
+            seen: dict[str, int] = {}
+            on_writer = []
+            for line in (tmp / f"events-{spill}.txt").read_text().splitlines():
+                event, thread = line.split()
+                seen[event] = seen.get(event, 0) + 1
+                if thread.startswith(WRITER_THREAD):
+                    on_writer.append(f"{event}#{seen[event]}")
+            runs[spill] = (_tree_hashes(tmp / f"clean-{spill}"), on_writer)
+        return runs[spill]
+
+    return model, clean
+
+
+def _writer_events(spill: str, default: str) -> list:
+    """Every event of the writer's jobs in the 3-layer run: layer files, the next layer's inputs (in memory: written,
+    then fsynced and renamed), progress, the layer-done report. One by default, all under -m slow."""
+    per_layer = ["file:{i:05d}.safetensors#1", "file:progress.json#{n}", "quantize:layer:{i}#1"]
+    if spill == "never":
+        per_layer.insert(1, "file:batches.safetensors#{n}")
+    points = [e.format(i=i, n=i + 1) for i in range(3) for e in per_layer]
+    return [pytest.param(spill, p, marks=() if p == default else pytest.mark.slow, id=f"{spill}-{p}") for p in points]
+
+
+@pytest.mark.parametrize("spill, event", _writer_events("never", "file:batches.safetensors#2")
+                         + _writer_events("always", "file:00001.safetensors#1"))
+def test_killed_during_an_overlapped_write_resumes_identical(spill: str, event: str, overlapped,
+                                                            tmp_path: Path) -> None:
+    model, clean = overlapped
+    hashes, on_writer = clean(spill)
+    assert event in on_writer, f"{event} is not emitted on the writer's thread: {on_writer}"
+    out = tmp_path / "out"
+    killed = _quantize_child(model, out, spill, "kill", event)
+    assert killed.returncode == -9, f"not killed at {event}: {killed.stderr[-2000:]}"
+    resumed = _quantize_child(model, out, spill, "kill", "never#1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _tree_hashes(out) == hashes, f"killed at {event}"
+    if event.startswith("quantize:layer:"):  # reported once progress has moved past that layer
+        assert f"resuming quantization at layer {int(event.split(':')[2].split('#')[0]) + 1}/3" in resumed.stderr

@@ -129,7 +129,7 @@ def test_a_build_whose_plan_does_not_fit_exits_4_before_any_weight_loads(tiny_mo
 
 def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_model_factory, tmp_path: Path,
                                                                          monkeypatch) -> None:
-    model = tiny_model_factory(tmp_path / "wide", hidden=512, layers=8, heads=8, kv_heads=4, intermediate=2048)
+    model = tiny_model_factory(tmp_path / "wide", hidden=512, layers=12, heads=8, kv_heads=4, intermediate=2048)
     monkeypatch.setenv("LLMC_TORCH_EVAL", "whole")
     recipe = _tiny_recipe(model, eval={"windows": 2, "seq_len": 16, "batch_size": 1},
                           calibration={"samples": 4, "seq_len": 64})
