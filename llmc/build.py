@@ -23,6 +23,7 @@ from llmc.pipeline.context import Build
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
+from llmc.planning import probes
 from llmc.planning.plan import check_disk, make_plan
 from llmc.telemetry.progress import log
 from llmc.quant.device import resolve_device
@@ -58,6 +59,7 @@ def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int 
     ranks.start(device)  # torchrun: every rank calibrates and quantizes its block of windows
     if ranks.is_main():
         store.sweep()  # leftovers of processes that are gone
+    probes.use_cache(store.root)  # this machine's rates, as earlier plans probed them (or probed now)
     source = ranks.main_first(lambda: resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype)))
     plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
     log(plan.render())

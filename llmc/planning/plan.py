@@ -30,6 +30,7 @@ from llmc.model.source import locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
+from llmc.planning import probes
 from llmc.planning.machine import Machine, matmul_rate
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
@@ -54,6 +55,7 @@ class Plan:
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
     rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+    rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -63,6 +65,8 @@ class Plan:
             lines.append(f"  planned from {self.basis}")
         if e:
             lines += _render_estimates(e)
+        if self.rates:
+            lines.append(f"  {self.rates}")
         if self.distributed:
             lines += render(self.distributed)
         for t in self.targets:
@@ -93,7 +97,7 @@ def _render_estimates(e: dict) -> list[str]:
         if s.get("layer_seconds"):
             lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
-                         f"~{_duration(s['seconds'])}, at the matmul and quantize rates probed on this machine now")
+                         f"~{_duration(s['seconds'])}, at this machine's probed rates")
     mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
     if mapped:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
@@ -291,7 +295,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
+        probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
+        plan.rates = probes.book().describe()
         nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
@@ -372,6 +378,7 @@ def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None 
 def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
     """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
     offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
+    probes.use_cache(store.root)  # this machine's rates, as earlier plans probed them (or probed now)
     source = recipe.model.source
     if recipe.model.config is not None:
         config_path = Path(recipe.model.config).expanduser()

@@ -1,0 +1,108 @@
+"""A plan whose predictions hold on a busy machine (issue 35): probes repeated, summarized and cached per machine;
+a time range; the compute dtype's speed on this device; a time budget; rank-deficient Hessians; what is cached;
+the embeddings and head at the dtype they are held in. Probes are pinned or counted, never timed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.planning import machine, probes
+from llmc.planning.plan import make_plan
+from llmc.quant import numerics
+from llmc.recipe import parse_recipe
+
+FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+       "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
+
+
+def recipe(quant: dict = FP8, **extra):
+    return parse_recipe(yaml.safe_dump({"name": "p", "model": {"source": "demo:smollm2-135m"}, "quantization": quant,
+                                        "targets": [{"runtime": "vllm"}], **extra}))
+
+
+@pytest.fixture(autouse=True)
+def own_rates(monkeypatch):
+    """Each test starts with no rates measured, and never writes the user's cache."""
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    monkeypatch.delenv("LLMC_REPROBE", raising=False)
+
+
+def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8)) -> dict:
+    """Probes whose runs return these rates in turn (counted, not timed)."""
+    calls = {"matmul": 0, "quantize": 0}
+
+    def timer(kind, rates):
+        def make(*_args):
+            def run_once():
+                calls[kind] += 1
+                return rates[calls[kind] % len(rates)]
+            return run_once
+        return make
+
+    monkeypatch.setattr(machine, "_matmul_timer", timer("matmul", matmul))
+    monkeypatch.setattr(numerics, "_quantize_timer", timer("quantize", quantize))
+    return calls
+
+
+# 1. Robust probes, cached
+
+
+def test_each_probe_is_timed_several_times_and_read_as_its_median_or_either_end() -> None:
+    runs = iter([5.0, 1.0, 4.0, 2.0, 3.0])
+    book = probes.RateBook()
+    probe = book.probe("k", lambda: next(runs))
+    assert len(probe.samples) == probes.REPEATS == 5
+    assert (probe.read("median"), probe.read("fastest"), probe.read("slowest")) == (3.0, 5.0, 1.0)
+    assert book.probe("k", lambda: pytest.fail("measured twice")) is probe  # once per process at most
+    with probes.reading("slowest"):
+        probes._book = book
+        assert probes.rate("k", lambda: pytest.fail("measured twice")) == 1.0
+    assert probes.rate("k", lambda: 0.0) == 3.0
+
+
+def test_rates_are_cached_per_machine_and_read_again_until_stale_or_another_machine(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    path = tmp_path / probes.RATES_FILE
+    probes.RateBook(path).probe("matmul x", lambda: 2.0)
+    saved = json.loads(path.read_text())
+    assert saved["machine"] == probes.fingerprint() and saved["rates"]["matmul x"]["samples"] == [2.0] * 5
+
+    again = probes.RateBook(path)  # the next plan, in another process
+    assert again.probe("matmul x", lambda: pytest.fail("re-probed a fresh rate")).probed_now is False
+    assert "read from the cache" in again.describe() and "--reprobe" in again.describe()
+    assert probes.RateBook(path, reprobe=True).probe("matmul x", lambda: 3.0).samples == (3.0,) * 5
+
+    now = probes.time.time()
+    monkeypatch.setattr(probes.time, "time", lambda: now + probes.MAX_AGE_S + 60)  # a week later: stale
+    assert probes.RateBook(path).probe("matmul x", lambda: 4.0).probed_now
+    monkeypatch.setattr(probes.time, "time", lambda: now)
+    other = {**probes.fingerprint(), "cpus": 1024}
+    monkeypatch.setattr(probes, "fingerprint", lambda: other)  # the cache folder moved to another machine
+    assert probes.RateBook(path).probe("matmul x", lambda: 5.0).samples == (5.0,) * 5
+
+
+def test_reprobe_from_the_environment_measures_again(tmp_path: Path, monkeypatch) -> None:
+    probes.use_cache(tmp_path).probe("q", lambda: 1.0)
+    probes._book = probes.RateBook()
+    assert not probes.use_cache(tmp_path).probe("q", lambda: 2.0).probed_now
+    monkeypatch.setenv("LLMC_REPROBE", "1")  # what `--reprobe` sets
+    assert probes.use_cache(tmp_path).probe("q", lambda: 2.0).samples == (2.0,) * 5
+
+
+def test_the_plan_says_where_its_rates_came_from(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    calls = pin_probes(monkeypatch)
+    probes.use_cache(tmp_path / "cache")
+    first = make_plan(recipe(), tiny_model, tmp_path)
+    assert calls["matmul"] >= probes.REPEATS and "probed now" in first.render()
+    assert "read from the cache" not in first.render()
+    probes._book = probes.RateBook()  # a later process
+    probes.use_cache(tmp_path / "cache")
+    before = dict(calls)
+    second = make_plan(recipe(), tiny_model, tmp_path)
+    assert calls == before, "the second plan probed again instead of reading the cache"
+    assert "read from the cache" in second.render() and "probed now" not in second.render()
+    assert second.estimates["stages"] == first.estimates["stages"]  # same rates, same numbers
