@@ -22,6 +22,12 @@ DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-co
 DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
 HASH_RATE = 1.5e9  # bytes/s sha256 reads back what a stage wrote: docs/planner-constants.md#hash_rate
 
+# The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
+# width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
+# -21% (70B, whole stage) to +29% (8B, one layer); exports -52% (a hard-linked export after others' writeback) to
+# +40%; evaluations -29% to +10%. Kinds not measured get the widest of these.
+TIME_ERROR = {"quantize": (-0.21, 0.29), "export": (-0.52, 0.40), "eval": (-0.29, 0.10)}
+
 
 @dataclass
 class Machine:
@@ -67,6 +73,15 @@ def _matmul_timer(dtype_name: str, device: str, width: int, rows: int):
         return 2 * rows * width * 128 / max(time.perf_counter() - t, 1e-9)
 
     return run_once
+
+
+def time_range(kind: str, fastest: float, slowest: float) -> tuple[float, float]:
+    """What a stage predicted to take `fastest`..`slowest` seconds (at its probes' fastest and slowest runs) may
+    take, given the cost model's measured error for its kind (TIME_ERROR): measured = predicted / (1 + error)."""
+    under = min(lo for lo, _ in TIME_ERROR.values())
+    over = max(hi for _, hi in TIME_ERROR.values())
+    lo, hi = TIME_ERROR.get(kind, (under, over))
+    return fastest / (1 + hi), slowest / (1 + lo)
 
 
 def forward_efficiency(dtype_name: str, device: str) -> float:

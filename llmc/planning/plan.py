@@ -31,7 +31,7 @@ from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
-from llmc.planning.machine import Machine, matmul_rate
+from llmc.planning.machine import Machine, matmul_rate, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
@@ -87,17 +87,21 @@ def _render_estimates(e: dict) -> list[str]:
         f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if e.get('spill_activations') else ''})"
         + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
-        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time':>9}  strategy",
+        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
     ]
     for s in e["stages"]:
         gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
         lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
-                     f"{s['disk_gb']:>6.2f} GB {_duration(s['seconds']):>9}  {s['strategy']}: {s['why']}")
+                     f"{s['disk_gb']:>6.2f} GB {_span(s['seconds_low'], s['seconds_high']):>13}  "
+                     f"{s['strategy']}: {s['why']}")
     for s in e["stages"]:
         if s.get("layer_seconds"):
             lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
                          f"~{_duration(s['seconds'])}, at this machine's probed rates")
+    low, high = e["seconds_range"]
+    lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)} (the range: the probes' fastest and "
+                 "slowest runs, widened by the cost model's measured error per stage, docs/planner.md)")
     mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
     if mapped:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
@@ -106,6 +110,15 @@ def _render_estimates(e: dict) -> list[str]:
                  f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
                  f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
     return lines
+
+
+def _span(low: float, high: float) -> str:
+    """A time range in the unit of its upper end: '40-75 s', '3-9 min', '1.2-3.4 h'."""
+    if high < 120:
+        return f"{low:.0f}-{high:.0f} s"
+    if high < 7200:
+        return f"{low / 60:.0f}-{high / 60:.0f} min"
+    return f"{low / 3600:.1f}-{high / 3600:.1f} h"
 
 
 def _duration(seconds: float) -> str:
@@ -439,15 +452,28 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
-    costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
-                      linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
-                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * BYTES[compute],
-                                                        available))
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
-    costing.streamed_eval = streamed
-    for stage in stages(recipe, schemes):
-        stage.cost(costing)
+
+    def walk() -> Costing:
+        costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
+                          linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
+                          spill=calibrated and should_spill(c.spill_activations,
+                                                            tokens * shape.hidden * BYTES[compute], available),
+                          streamed_eval=streamed)
+        for stage in stages(recipe, schemes):
+            stage.cost(costing)
+        return costing
+
+    costing = walk()
     rows = costing.rows
+    # the time range: the stages costed again at each probe's fastest and slowest run, then widened by the cost
+    # model's own measured error per stage kind
+    with probes.reading("fastest"):
+        fastest = [r.seconds for r in walk().rows]
+    with probes.reading("slowest"):
+        slowest = [r.seconds for r in walk().rows]
+    for row, fast, slow in zip(rows, fastest, slowest):
+        row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
     quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
     registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
     estimates = {
@@ -462,6 +488,8 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),
+        "seconds": sum(s.seconds for s in rows),
+        "seconds_range": (sum(s.seconds_range[0] for s in rows), sum(s.seconds_range[1] for s in rows)),
         "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),
         "spill_activations": costing.spill,

@@ -106,3 +106,29 @@ def test_the_plan_says_where_its_rates_came_from(tiny_model: Path, tmp_path: Pat
     assert calls == before, "the second plan probed again instead of reading the cache"
     assert "read from the cache" in second.render() and "probed now" not in second.render()
     assert second.estimates["stages"] == first.estimates["stages"]  # same rates, same numbers
+
+
+# 2. The plan states its uncertainty
+
+
+def test_with_steady_probes_the_range_is_the_cost_models_measured_error(tiny_model: Path, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))  # every run alike: no spread from the machine
+    plan = make_plan(recipe(), tiny_model, tmp_path)
+    for row in plan.rows:
+        lo, hi = machine.TIME_ERROR[row.id.kind.value]
+        assert row.seconds_range == pytest.approx((row.seconds / (1 + hi), row.seconds / (1 + lo)))
+    e = plan.estimates
+    assert e["seconds_range"][0] < e["seconds"] < e["seconds_range"][1]
+    assert "time (range)" in plan.render() and "in all" in plan.render()
+
+
+def test_a_spread_in_the_probes_widens_the_range(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    steady = make_plan(recipe(), tiny_model, tmp_path).estimates
+    probes._book = probes.RateBook()
+    pin_probes(monkeypatch, matmul=(5e9, 10e9, 10e9, 10e9, 20e9), quantize=(0.5e8, 1e8, 1e8, 1e8, 2e8))
+    busy = make_plan(recipe(), tiny_model, tmp_path).estimates
+    assert busy["seconds"] == pytest.approx(steady["seconds"])  # the same median
+    assert busy["seconds_range"][0] < steady["seconds_range"][0]
+    assert busy["seconds_range"][1] > steady["seconds_range"][1]
