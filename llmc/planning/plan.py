@@ -39,6 +39,7 @@ from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.device import resolve_device
 from llmc.quant.spec import FORMATS, Scheme
+from llmc.quant.stream import CALIBRATION_BATCH_SIZE
 from llmc.recipe.schema import Recipe, Target
 from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
 
@@ -311,6 +312,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
         plan.rates = probes.book().describe()
+        plan.warnings += _slow_dtype_warning(plan.estimates)
         nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
@@ -332,6 +334,28 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             # planning for another machine (the source is not here): say what this one lacks, do not stop
             plan.warnings.append(f"this machine could not run the build: {e.message} (fix: {e.fix})")
     return plan
+
+
+# a compute dtype whose probed matmul rate is this many times below float32's on this CPU gets a warning
+SLOW_DTYPE_RATIO = 2.0
+# the instruction-set flags (/proc/cpuinfo) that make a 16-bit dtype's matmuls native on an x86 CPU
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def _slow_dtype_warning(e: dict) -> list[str]:
+    """A compute dtype far slower than float32 on this CPU (bf16 without bf16 instructions): both times, the fix."""
+    slow = e.get("slow_dtype")
+    if not slow:
+        return []
+    dtype = e["dtype"]
+    flags = set(probes.fingerprint()["cpu_flags"].split())
+    native = NATIVE_FLAGS.get(dtype, ())
+    why = (f"this CPU has none of {', '.join(native)} in /proc/cpuinfo, so torch emulates {dtype} matmuls"
+           if native and flags and not flags & set(native) else "as probed on this CPU")
+    return [f"{dtype} matmuls run {slow['ratio']:.1f}x slower than float32 here ({why}): this build is predicted "
+            f"at ~{_duration(e['seconds'])} in {dtype}, ~{_duration(slow['float32_seconds'])} in float32. Fix: set "
+            f"model.dtype: float32 (twice the memory for the weights it holds), or build on a CPU with "
+            f"{' / '.join(native) or f'native {dtype}'} or on a GPU (calibration.device: cuda)"]
 
 
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
@@ -454,7 +478,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     calibrated = any(s.needs_calibration for s in schemes.values())
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
 
-    def walk() -> Costing:
+    def walk(compute: str = compute) -> Costing:
         costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
                           spill=calibrated and should_spill(c.spill_activations,
@@ -474,6 +498,13 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         slowest = [r.seconds for r in walk().rows]
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
+    slow_dtype = {}
+    if device.type == "cpu" and compute != "float32":
+        rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)
+        ratio = (matmul_rate("float32", "cpu", shape.hidden, rows_probed)
+                 / matmul_rate(compute, "cpu", shape.hidden, rows_probed))
+        if ratio >= SLOW_DTYPE_RATIO:
+            slow_dtype = {"ratio": ratio, "float32_seconds": sum(r.seconds for r in walk("float32").rows)}
     quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
     registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
     estimates = {
@@ -489,6 +520,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),
         "seconds": sum(s.seconds for s in rows),
+        **({"slow_dtype": slow_dtype} if slow_dtype else {}),
         "seconds_range": (sum(s.seconds_range[0] for s in rows), sum(s.seconds_range[1] for s in rows)),
         "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),

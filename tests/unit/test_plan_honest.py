@@ -132,3 +132,33 @@ def test_a_spread_in_the_probes_widens_the_range(tiny_model: Path, tmp_path: Pat
     assert busy["seconds"] == pytest.approx(steady["seconds"])  # the same median
     assert busy["seconds_range"][0] < steady["seconds_range"][0]
     assert busy["seconds_range"][1] > steady["seconds_range"][1]
+
+
+# 3. A compute dtype far slower than float32 on this CPU
+
+
+def pin_matmul_by_dtype(monkeypatch, rates: dict[str, float]) -> None:
+    monkeypatch.setattr(machine, "_matmul_timer", lambda dtype, *_: lambda: rates[dtype])
+    monkeypatch.setattr(numerics, "_quantize_timer", lambda *_: lambda: 1e8)
+
+
+def test_bf16_far_slower_than_float32_warns_with_both_times_and_the_fix(tiny_model: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    pin_matmul_by_dtype(monkeypatch, {"float32": 21.5e9, "bfloat16": 2.9e9})  # the AVX2 VM's probes (issue 35)
+    monkeypatch.setattr(probes, "fingerprint", lambda: {"cpu_flags": "avx avx2 fma"})
+    plan = make_plan(recipe(model={"source": "demo:smollm2-135m", "dtype": "bfloat16"}), tiny_model, tmp_path)
+    [warning] = [w for w in plan.warnings if "slower than float32" in w]
+    f32 = plan.estimates["slow_dtype"]["float32_seconds"]
+    assert f32 < plan.estimates["seconds"]
+    assert "7.4x" in warning and "avx512_bf16" in warning and "model.dtype: float32" in warning
+    assert "calibration.device: cuda" in warning
+    assert warning.count("~") == 2  # both predicted times
+
+
+def test_no_warning_where_bf16_runs_about_as_fast(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    pin_matmul_by_dtype(monkeypatch, {"float32": 20e9, "bfloat16": 30e9})  # a CPU with AMX
+    plan = make_plan(recipe(model={"source": "demo:smollm2-135m", "dtype": "bfloat16"}), tiny_model, tmp_path)
+    assert not [w for w in plan.warnings if "slower than float32" in w] and "slow_dtype" not in plan.estimates
+    pin_matmul_by_dtype(monkeypatch, {"float32": 21.5e9, "bfloat16": 2.9e9})
+    plan = make_plan(recipe(), tiny_model, tmp_path)  # float32 compute: nothing to compare
+    assert not [w for w in plan.warnings if "slower than float32" in w]
