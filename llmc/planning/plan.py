@@ -273,10 +273,12 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
 
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
-              config: dict | None = None, refuse: bool = True, nproc: int | None = None) -> Plan:
+              config: dict | None = None, refuse: bool = True, nproc: int | None = None,
+              check_time: bool = True) -> Plan:
     """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
     and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
-    what does not fit this machine."""
+    what does not fit this machine or, with `check_time`, the recipe's time budget (the build checks it later,
+    against the stages it still has to run)."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
@@ -326,6 +328,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 
         try:
             refuse_if_it_does_not_fit(plan, device)
+            if check_time:
+                check_budget(plan)
             if cache_dir is not None:
                 check_disk(plan, Path(cache_dir))
         except ResourceError as e:
@@ -397,6 +401,31 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
                  "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
                  "eval.seq_len (one batch of logits is batch x seq_len x vocab floats)"),
         )
+
+
+def check_budget(plan: Plan, pending: Collection[StageId] | None = None) -> None:
+    """ResourceError when the predicted time of the stages still to run (all, or those in `pending`) exceeds the
+    recipe's resources.max_hours; a warning when only the upper end of its range does."""
+    budget = plan.recipe.resources.max_hours
+    rows = [r for r in plan.rows if pending is None or any(p.covers(r.id) for p in pending)]
+    if budget is None or not rows:
+        return
+    seconds = sum(r.seconds for r in rows)
+    low = sum((r.seconds_range or (r.seconds, r.seconds))[0] for r in rows)
+    high = sum((r.seconds_range or (r.seconds, r.seconds))[1] for r in rows)
+    predicted = f"~{_duration(seconds)} ({_span(low, high)})"
+    if seconds > budget * 3600:
+        longest = max(rows, key=lambda r: r.seconds)
+        slow = plan.estimates.get("slow_dtype")
+        raise ResourceError(
+            f"the plan predicts {predicted} for the stages still to run, more than resources.max_hours "
+            f"({budget:g} h); the longest is {longest.name} (~{_duration(longest.seconds)})",
+            fix=(f"set model.dtype: float32 (~{_duration(slow['float32_seconds'])} on this CPU), " if slow else "")
+            + "lower calibration.samples / seq_len or eval.windows, calibrate on a GPU (calibration.device: cuda), "
+              "or raise resources.max_hours")
+    if high > budget * 3600:
+        plan.warnings.append(f"the plan predicts {predicted} for the stages still to run: the upper end of the "
+                             f"range is over resources.max_hours ({budget:g} h)")
 
 
 def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None = None) -> None:

@@ -162,3 +162,61 @@ def test_no_warning_where_bf16_runs_about_as_fast(tiny_model: Path, tmp_path: Pa
     pin_matmul_by_dtype(monkeypatch, {"float32": 21.5e9, "bfloat16": 2.9e9})
     plan = make_plan(recipe(), tiny_model, tmp_path)  # float32 compute: nothing to compare
     assert not [w for w in plan.warnings if "slower than float32" in w]
+
+
+# 4. A time budget
+
+
+def test_a_plan_over_the_time_budget_is_refused_with_exit_4_and_the_fix(tiny_model: Path, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    from llmc.errors import ResourceError
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    e = make_plan(recipe(), tiny_model, tmp_path).estimates
+    assert "resources" not in recipe().model_dump(mode="json")  # recipes without a budget dump as before
+    under = e["seconds"] / 3600 / 2
+    with pytest.raises(ResourceError, match=r"resources.max_hours") as err:
+        make_plan(recipe(resources={"max_hours": under}), tiny_model, tmp_path)
+    assert err.value.exit_code == 4 and "raise resources.max_hours" in err.value.fix
+    assert "calibration.samples" in err.value.fix
+    # the point fits, the range's upper end does not: a warning, not a refusal
+    between = (e["seconds"] + e["seconds_range"][1]) / 2 / 3600
+    plan = make_plan(recipe(resources={"max_hours": between}), tiny_model, tmp_path)
+    assert any("upper end of the range" in w for w in plan.warnings)
+    assert not any("max_hours" in w for w in make_plan(recipe(resources={"max_hours": 1e4}), tiny_model,
+                                                          tmp_path).warnings)
+
+
+def test_the_budget_counts_only_the_stages_still_to_run(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    from llmc.errors import ResourceError
+    from llmc.pipeline.ids import Kind
+    from llmc.planning.plan import check_budget
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    total = make_plan(recipe(), tiny_model, tmp_path).estimates["seconds"]
+    plan = make_plan(recipe(resources={"max_hours": total / 3600 / 2}), tiny_model, tmp_path, check_time=False)
+    with pytest.raises(ResourceError):
+        check_budget(plan)
+    cheap = [r for r in plan.rows if r.id.kind is Kind.EXPORT]
+    assert sum(r.seconds for r in cheap) < total / 2
+    check_budget(plan, [r.id for r in cheap])  # quantize and evaluations cached: the exports fit
+    check_budget(plan, [])  # everything cached
+
+
+def test_a_build_over_its_time_budget_stops_before_any_weight_loads(tiny_model: Path, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    from llmc.build import build
+    from llmc.errors import ResourceError
+    from llmc.model.checkpoint import CheckpointReader
+    from llmc.storage.store import Store
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    r = recipe(model={"source": str(tiny_model)}, calibration={"samples": 4, "seq_len": 32},
+               resources={"max_hours": 1e-9})
+    read: list[str] = []
+    real = CheckpointReader.get_many
+    monkeypatch.setattr(CheckpointReader, "get_many", lambda self, names: read.extend(names) or real(self, names))
+    with pytest.raises(ResourceError, match="max_hours") as e:
+        build(r, Store(tmp_path / "cache"), publish=False)
+    assert e.value.exit_code == 4 and read == []
+    assert not any((tmp_path / "cache" / "stages").glob("*/*"))
