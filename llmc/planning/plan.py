@@ -225,6 +225,7 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
             "lm_head is tied to the input embeddings in this model; quantizing it would untie them",
             fix="keep 'lm_head' in quantization.ignore",
         )
+    warnings += _hessian_rank_warning(recipe, scheme, quantized)
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size")
@@ -257,6 +258,24 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
                         fix="lower group_size or tensor_parallel",
                     )
     return warnings
+
+
+def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]]) -> list[str]:
+    """An algorithm that solves with each Linear's input Hessian (X^T X, in x in) needs at least `in` calibration
+    tokens for it to have full rank; from fewer, the solve rests on its dampening alone in the directions no token
+    spans, and the quantized weights come out far worse than the same tokens give other algorithms."""
+    if not quantized or not Pipeline.of(scheme).observes_hessians:
+        return []
+    c = recipe.calibration
+    tokens = c.samples * c.seq_len
+    name, (_, widest) = max(quantized.items(), key=lambda item: item[1][1])
+    if tokens >= widest:
+        return []
+    return [f"{scheme.algorithm} accumulates each Linear's input Hessian ({widest} x {widest} for the widest, "
+            f"{name}) over {tokens:,} calibration tokens (calibration.samples {c.samples} x seq_len {c.seq_len}), "
+            f"fewer than its {widest} inputs: the Hessian is rank-deficient and the solve rests on its dampening. "
+            f"Fix: calibrate on at least {widest:,} tokens, e.g. calibration.samples: "
+            f"{-(-widest // c.seq_len)} at seq_len {c.seq_len}"]
 
 
 def _check_scheme(scheme: Scheme, where: str) -> None:

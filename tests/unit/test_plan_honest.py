@@ -220,3 +220,25 @@ def test_a_build_over_its_time_budget_stops_before_any_weight_loads(tiny_model: 
         build(r, Store(tmp_path / "cache"), publish=False)
     assert e.value.exit_code == 4 and read == []
     assert not any((tmp_path / "cache" / "stages").glob("*/*"))
+
+
+# 5. Hessians from fewer tokens than the widest input
+
+
+def test_hessians_from_fewer_tokens_than_the_widest_input_are_warned_with_the_tokens_needed(
+        tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    int8 = {"weights": {"format": "int8", "strategy": "channel"}}
+    few = {"samples": 4, "seq_len": 16}  # 64 tokens; tiny_model's down projections take 128 inputs
+
+    def rank_warnings(quant: dict, calibration: dict) -> list[str]:
+        plan = make_plan(recipe(quant, calibration=calibration), tiny_model, tmp_path)
+        return [w for w in plan.warnings if "rank-deficient" in w]
+
+    [warning] = rank_warnings({**int8, "algorithm": "gptq"}, few)
+    assert "64 calibration tokens" in warning and "128 x 128" in warning and "down_proj" in warning
+    assert "calibration.samples: 8 at seq_len 16" in warning
+    assert rank_warnings({**int8, "algorithm": "gptq"}, {"samples": 8, "seq_len": 16}) == []
+    assert rank_warnings({**int8, "algorithm": "rtn"}, few) == []  # no Hessian
+    ignored = {**int8, "algorithm": "gptq", "ignore": ["lm_head", "re:.*down_proj"]}
+    assert rank_warnings(ignored, few) == []  # the widest quantized input is then 64: 64 tokens span it
