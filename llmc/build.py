@@ -24,7 +24,7 @@ from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
-from llmc.planning.plan import check_budget, check_disk, make_plan
+from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache_note, unpacked_sources
 from llmc.telemetry.progress import log
 from llmc.quant.device import resolve_device
 from llmc.recipe.schema import Recipe
@@ -60,9 +60,11 @@ def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int 
     if ranks.is_main():
         store.sweep()  # leftovers of processes that are gone
     probes.use_cache(store.root)  # this machine's rates, as earlier plans probed them (or probed now)
+    unpacked = unpacked_sources(store.root)
     source = ranks.main_first(lambda: resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype)))
     # + model shape checks and memory, from headers only; the time budget once the cached stages are known (below)
     plan = make_plan(recipe, source.folder, check_time=False)
+    plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
     result = BuildResult(recipe=recipe, build_id=build_id_for(recipe, source), plan=plan, source=source,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder), overrides=tuple(overrides))
 
@@ -80,6 +82,7 @@ def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int 
 
     walk = stages(recipe, plan.schemes, last)
     pending = [s.id for s in walk if s.pending(b)]
+    plan.mark_cached(pending, [s.id for s in walk])  # rows of cached stages say so; the totals count the rest
     log(plan.render())
     check_budget(plan, pending)  # before any weight loads: the time of what is not cached yet
     check_disk(plan, store.root, pending)  # what is cached needs no new disk

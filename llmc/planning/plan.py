@@ -57,6 +57,28 @@ class Plan:
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
     rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
     rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
+    cache_writes: list[str] = field(default_factory=list)  # what planning itself wrote to the cache (a GGUF unpacked)
+
+    def mark_cached(self, pending: Collection[StageId], walked: Collection[StageId] | None = None) -> None:
+        """The build knows which stages' outputs are cached: their rows say so, rows of stages after the command's
+        last (`walked`: the stages it runs; None: all) say they do not run, and the totals (time, disk) count only
+        the stages in `pending`."""
+        e = self.estimates
+        if not e:
+            return
+        for row, entry in zip(self.rows, e["stages"]):
+            if walked is not None and not any(w.covers(row.id) for w in walked):
+                entry["skipped"] = True
+            elif not any(p.covers(row.id) for p in pending):
+                entry["cached"] = True
+        todo = [(row, entry) for row, entry in zip(self.rows, e["stages"])
+                if not entry.get("cached") and not entry.get("skipped")]
+        e["seconds"] = sum(row.seconds for row, _ in todo)
+        e["seconds_range"] = (sum(entry["seconds_low"] for _, entry in todo),
+                              sum(entry["seconds_high"] for _, entry in todo))
+        e["disk_gb"] = sum(row.disk_bytes for row, _ in todo) / 1e9
+        e["calibration_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.QUANTIZE)
+        e["eval_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.EVAL)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -68,6 +90,8 @@ class Plan:
             lines += _render_estimates(e)
         if self.rates:
             lines.append(f"  {self.rates}")
+        for written in self.cache_writes:
+            lines.append(f"  cache: {written}")
         if self.distributed:
             lines += render(self.distributed)
         for t in self.targets:
@@ -91,18 +115,26 @@ def _render_estimates(e: dict) -> list[str]:
         f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
     ]
     for s in e["stages"]:
+        if s.get("cached") or s.get("skipped"):  # nothing to run, nothing new on disk
+            lines.append(f"  {s['stage'][:34]:<34} {'cached' if s.get('cached') else '-':<7}  "
+                         + ("its output is in the cache: it will not run" if s.get("cached")
+                            else "after this command's last stage: it will not run"))
+            continue
         gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
         lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
                      f"{s['disk_gb']:>6.2f} GB {_span(s['seconds_low'], s['seconds_high']):>13}  "
                      f"{s['strategy']}: {s['why']}")
     for s in e["stages"]:
-        if s.get("layer_seconds"):
+        if s.get("layer_seconds") and not s.get("cached") and not s.get("skipped"):
             lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
                          f"~{_duration(s['seconds'])}, at this machine's probed rates")
     low, high = e["seconds_range"]
-    lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)} (the range: the probes' fastest and "
-                 "slowest runs, widened by the cost model's measured error per stage, docs/planner.md)")
+    cached = sum(bool(s.get("cached") or s.get("skipped")) for s in e["stages"])
+    lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)}"
+                 + (f" for the {len(e['stages']) - cached} stages that run" if cached else "")
+                 + " (the range: the probes' fastest and slowest runs, widened by the cost model's measured error "
+                   "per stage, docs/planner.md)")
     mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
     if mapped:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
@@ -476,8 +508,28 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: i
                              nproc=nproc)
             plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
             return plan
+    unpacked = unpacked_sources(store.root)
     located = locate_source(source, store, source_dtype(recipe.model.dtype))  # no weight data read, none hashed
-    return make_plan(recipe, located.folder, store.root, nproc=nproc)
+    plan = make_plan(recipe, located.folder, store.root, nproc=nproc)
+    plan.cache_writes += source_cache_note(located.folder, store.root, unpacked)
+    return plan
+
+
+def unpacked_sources(cache: Path) -> set[Path]:
+    """The unpacked copies of sources (a GGUF's safetensors folder) in the cache now."""
+    return set((Path(cache) / "stages" / "source").glob("*"))
+
+
+def source_cache_note(folder: Path, cache: Path, before: set[Path]) -> list[str]:
+    """What locating the source wrote to the cache (a GGUF unpacked into safetensors, once) or reads from it."""
+    folder = Path(folder)
+    if folder.parent != Path(cache) / "stages" / "source":
+        return []  # the source's own folder: nothing written
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9
+    if folder in before:
+        return [f"the source's unpacked copy ({size:.2f} GB) is read from {folder}"]
+    return [f"wrote the source's unpacked copy, {size:.2f} GB, to {folder} (once: later plans and builds read it; "
+            "it counts in the cache's size)"]
 
 
 def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,

@@ -242,3 +242,44 @@ def test_hessians_from_fewer_tokens_than_the_widest_input_are_warned_with_the_to
     assert rank_warnings({**int8, "algorithm": "rtn"}, few) == []  # no Hessian
     ignored = {**int8, "algorithm": "gptq", "ignore": ["lm_head", "re:.*down_proj"]}
     assert rank_warnings(ignored, few) == []  # the widest quantized input is then 64: 64 tokens span it
+
+
+# 6. A cached plan says what is cached and predicts only the rest
+
+
+def test_the_plan_of_a_rerun_says_what_is_cached_and_counts_only_the_rest(tiny_model: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    from llmc.build import build_until
+    from llmc.pipeline.ids import Kind
+    from llmc.storage.store import Store
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    store = Store(tmp_path / "cache")
+    r = recipe(model={"source": str(tiny_model)}, calibration={"samples": 4, "seq_len": 32})
+    first = build_until(r, store, "export").plan
+    second = build_until(r, store, "export").plan
+    entries = {s["stage"]: s for s in second.estimates["stages"]}
+    kinds = {str(row.id): row.id.kind for row in second.rows}
+    assert [name for name, s in entries.items() if s.get("cached")] == [
+        name for name, kind in kinds.items() if kind in (Kind.QUANTIZE, Kind.EXPORT)]
+    assert all(s.get("skipped") for name, s in entries.items() if kinds[name] is Kind.EVAL)  # after `export`
+    assert second.estimates["seconds"] == 0 and second.estimates["disk_gb"] == 0
+    text = second.render()
+    assert "its output is in the cache: it will not run" in text and "per decoder layer" not in text
+    assert not any(s.get("cached") for s in first.estimates["stages"])
+    assert first.estimates["seconds"] > 0 and "per decoder layer" in first.render()
+
+
+def test_a_plan_says_it_wrote_a_sources_unpacked_copy_to_the_cache(tmp_path: Path) -> None:
+    from llmc.planning.plan import source_cache_note, unpacked_sources
+
+    cache = tmp_path / "cache"
+    before = unpacked_sources(cache)
+    folder = cache / "stages" / "source" / "abc"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"0" * 1000)
+    [wrote] = source_cache_note(folder, cache, before)
+    assert "wrote the source's unpacked copy" in wrote and str(folder) in wrote
+    [read] = source_cache_note(folder, cache, unpacked_sources(cache))  # the next plan
+    assert "is read from" in read
+    assert source_cache_note(tmp_path / "model", cache, before) == []  # a folder source: nothing written
