@@ -283,3 +283,32 @@ def test_a_plan_says_it_wrote_a_sources_unpacked_copy_to_the_cache(tmp_path: Pat
     [read] = source_cache_note(folder, cache, unpacked_sources(cache))  # the next plan
     assert "is read from" in read
     assert source_cache_note(tmp_path / "model", cache, before) == []  # a folder source: nothing written
+
+
+# 7. The embeddings and head at the dtype they are held in
+
+
+QWEN2_7B_WIDTHS = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 2,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "tie_word_embeddings": False, "max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize("compute, copies", [("float32", 4 + 2), ("bfloat16", 2)])
+def test_the_quantize_peak_counts_the_embeddings_and_head_read_in_the_stored_dtype_and_held_converted(
+        compute: str, copies: int, monkeypatch) -> None:
+    """Issue 35: a 7B's 152k-row embedding and head, stored bf16 and converted to float32, planned at 4.81 GB and
+    measured at 6.73-7.09 GB: CheckpointReader.get_many clones them in bf16 and the float32 copies are made beside
+    them (the skeleton's materialize, and writing rest.safetensors)."""
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import PROCESS_BYTES, Machine
+    from llmc.planning.shapes import Shape, from_config
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+    assert shape.outer_params == 2 * 152064 * 3584 + 3584  # embedding, head, final norm
+    row = quantize_cost(shape, compute=compute, stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1,
+                        spill=False, hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0,
+                        machine=Machine(available=None, gpu_free=None, device="cpu"), whole_weight_copies=False)
+    assert row.host_bytes == pytest.approx(PROCESS_BYTES + shape.outer_params * copies)
+    if compute == "float32":  # the issue's measurement, RssAnon: 6.73-7.09 GB
+        assert 6.73e9 * 0.8 <= row.host_bytes <= 7.09e9 * 1.2
