@@ -23,7 +23,8 @@ from llmc.pipeline.context import Build
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
-from llmc.planning.plan import check_disk, make_plan
+from llmc.planning import probes
+from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache_note, unpacked_sources
 from llmc.telemetry.progress import log
 from llmc.quant.device import resolve_device
 from llmc.recipe.schema import Recipe
@@ -58,9 +59,12 @@ def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int 
     ranks.start(device)  # torchrun: every rank calibrates and quantizes its block of windows
     if ranks.is_main():
         store.sweep()  # leftovers of processes that are gone
+    probes.use_cache(store.root)  # this machine's rates, as earlier plans probed them (or probed now)
+    unpacked = unpacked_sources(store.root)
     source = ranks.main_first(lambda: resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype)))
-    plan = make_plan(recipe, source.folder)  # + model shape checks and memory, from headers only
-    log(plan.render())
+    # + model shape checks and memory, from headers only; the time budget once the cached stages are known (below)
+    plan = make_plan(recipe, source.folder, check_time=False)
+    plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
     result = BuildResult(recipe=recipe, build_id=build_id_for(recipe, source), plan=plan, source=source,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder), overrides=tuple(overrides))
 
@@ -77,11 +81,16 @@ def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int 
     b.calib_key = Calibrate.key(b) if needs_calibration else None
 
     walk = stages(recipe, plan.schemes, last)
-    check_disk(plan, store.root, [s.id for s in walk if s.pending(b)])  # what is cached needs no new disk
+    pending = [s.id for s in walk if s.pending(b)]
+    plan.mark_cached(pending, [s.id for s in walk])  # rows of cached stages say so; the totals count the rest
+    log(plan.render())
+    check_budget(plan, pending)  # before any weight loads: the time of what is not cached yet
+    check_disk(plan, store.root, pending)  # what is cached needs no new disk
     ranks.run_stages(walk, lambda stage: stage.run(b))
     return result
 
 
 def build_id_for(recipe: Recipe, source) -> str:
-    """The build id: the recipe (less where it publishes) and the model source's hash (a Hub commit included)."""
-    return stage_key("build", recipe.model_dump(mode="json", exclude={"publish"}), [source.sha256])
+    """The build id: the recipe (less where it publishes and its time budget) and the model source's hash (a Hub
+    commit included)."""
+    return stage_key("build", recipe.model_dump(mode="json", exclude={"publish", "resources"}), [source.sha256])

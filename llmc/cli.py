@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -71,6 +72,15 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
                           "(repeatable), e.g. --set model.source=/ckpts/llama70b --set targets[0].tensor_parallel=8")
 
 
+def _reprobe(_ctx: click.Context, _param: click.Parameter, on: bool) -> None:
+    if on:  # an environment variable reaches every process of the command (torchrun's ranks too)
+        os.environ["LLMC_REPROBE"] = "1"  # llmc.planning.probes reads it
+
+
+reprobe_option = click.option("--reprobe", is_flag=True, expose_value=False, callback=_reprobe,
+                              help="measure this machine's rates again instead of reading them from the cache")
+
+
 @click.group(epilog=EXIT_HELP)
 @click.version_option(package_name="llmc")
 @click.option("-q", "--quiet", is_flag=True, help="no progress output")
@@ -88,6 +98,7 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
 
 
 @main.command(epilog=EXIT_HELP)
+@reprobe_option
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @threads_option
@@ -194,6 +205,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
 
 
 @main.command(epilog=EXIT_HELP)
+@reprobe_option
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @set_option

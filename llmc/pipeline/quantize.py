@@ -9,7 +9,8 @@ calls, transforms, search sizes, calibration passes) and the quantizer's probed 
 (`llmc.quant.numerics.quantize_rate`).
 
 The peak, term by term (`CostRow.parts`): the process, everything outside the decoder layers while calibrating (the
-skeleton holds embeddings and head), one decoder layer in the compute dtype (+ its stored-dtype copy while it is read
+skeleton holds embeddings and head; while they are read, their stored-dtype copies too, a peak of its own), one
+decoder layer in the compute dtype (+ its stored-dtype copy while it is read
 when the two differ), the quantizer's float32 temporaries (one block of rows when it quantizes a Linear by itself,
 the largest Linear when the algorithm copies whole weights), the layer's codes, the activations passed between
 layers (two copies, or one batch in and out when spilled), one batch's forward temporaries, and the algorithm's
@@ -201,8 +202,12 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     parts["previous layer being written"] = layer * code_bytes
     parts["next layer read ahead"] = layer * stored_elem
     # the last step reads everything outside the layers again (rest.safetensors) and writes it, the skeleton's copy
-    # released first: one copy (docs/planner-constants.md#outer-weights-copy)
-    host = max(sum(parts.values()), PROCESS_BYTES + shape.outer_params * e)
+    # released first: one copy (docs/planner-constants.md#outer-weights-copy) in the compute dtype, and while it is
+    # converted, beside the copies read in the stored dtype (CheckpointReader.get_many clones them; the skeleton's
+    # materialize converts them the same way): a 7B's 152k-row embedding and head, bf16 read and float32 held, are
+    # 6 bytes a weight, not 4
+    outer_peak = PROCESS_BYTES + shape.outer_params * (e + (stored_elem if stored_elem != e else 0))
+    host = max(sum(parts.values()), outer_peak)
     discovery = discovery_s = 0.0
     if discovers_pairs and calibrated:
         # the first layer in float64 (its own dtype released) and, while a candidate pair is checked, its rescaled

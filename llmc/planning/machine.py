@@ -1,5 +1,5 @@
 """This machine as the stages' costs see it: its memory and device (`Machine`), its probed matmul rates
-(`matmul_rate`, measured at plan time), the share of them a decoder layer's forward reaches, and the rates and sizes
+(`matmul_rate`, measured at plan time or cached: llmc.planning.probes), the share of them a decoder layer's forward reaches, and the rates and sizes
 the cost models take as constants (the process, disk reads and writes, hashing).
 
 The constants were measured on the development VM (2-core AVX2 EPYC); each one's measurement, command and spread is
@@ -8,18 +8,25 @@ in docs/planner-constants.md under its name.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from llmc.planning import probes
+
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
 DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
 HASH_RATE = 1.5e9  # bytes/s sha256 reads back what a stage wrote: docs/planner-constants.md#hash_rate
+
+# The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
+# width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
+# -21% (70B, whole stage) to +29% (8B, one layer); exports -52% (a hard-linked export after others' writeback) to
+# +40%; evaluations -29% to +10%. Kinds not measured get the widest of these.
+TIME_ERROR = {"quantize": (-0.21, 0.29), "export": (-0.52, 0.40), "eval": (-0.29, 0.10)}
 
 
 @dataclass
@@ -35,30 +42,46 @@ def cpu_count() -> int | None:
 
 
 def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: int = 64) -> float:
-    """FLOP/s of a [rows, width] x [width, 128] matmul in `dtype_name` on `device`, measured now (best of 3 after a
-    warm-up). `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's
-    float32 rate moves with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
+    """FLOP/s of a [rows, width] x [width, 128] matmul in `dtype_name` on `device` (llmc.planning.probes: timed
+    several times, cached per machine; the median, or the fastest or slowest run within `probes.reading`).
+    `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's float32 rate
+    moves with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
     (benchmarks/forward_efficiency.py)."""
-    return _matmul_rate(dtype_name, device, width, max(1, min(rows, 512)))
+    rows = max(1, min(rows, 512))
+    return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows}",
+                       _matmul_timer(dtype_name, device, width, rows))
 
 
-@functools.cache
-def _matmul_rate(dtype_name: str, device: str, width: int, rows: int) -> float:
-    dtype = getattr(torch, dtype_name)
-    dev = torch.device(device)
-    a = torch.randn(rows, width, dtype=dtype, device=dev)
-    w = torch.randn(128, width, dtype=dtype, device=dev)
-    torch.nn.functional.linear(a, w)  # warm-up
-    best = float("inf")
-    for _ in range(3):  # best of 3: a slow phase of the machine passes
+def _matmul_timer(dtype_name: str, device: str, width: int, rows: int):
+    """A function timing one matmul and returning its FLOP/s (the operands made and warmed up on first call)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            dtype = getattr(torch, dtype_name)
+            dev = torch.device(device)
+            state.update(dev=dev, a=torch.randn(rows, width, dtype=dtype, device=dev),
+                         w=torch.randn(128, width, dtype=dtype, device=dev))
+            torch.nn.functional.linear(state["a"], state["w"])  # warm-up: first-call dispatch
+        dev = state["dev"]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t = time.perf_counter()
-        torch.nn.functional.linear(a, w)
+        torch.nn.functional.linear(state["a"], state["w"])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        best = min(best, time.perf_counter() - t)
-    return 2 * rows * width * 128 / max(best, 1e-9)
+        return 2 * rows * width * 128 / max(time.perf_counter() - t, 1e-9)
+
+    return run_once
+
+
+def time_range(kind: str, fastest: float, slowest: float) -> tuple[float, float]:
+    """What a stage predicted to take `fastest`..`slowest` seconds (at its probes' fastest and slowest runs) may
+    take, given the cost model's measured error for its kind (TIME_ERROR): measured = predicted / (1 + error)."""
+    under = min(lo for lo, _ in TIME_ERROR.values())
+    over = max(hi for _, hi in TIME_ERROR.values())
+    lo, hi = TIME_ERROR.get(kind, (under, over))
+    return fastest / (1 + hi), slowest / (1 + lo)
 
 
 def forward_efficiency(dtype_name: str, device: str) -> float:

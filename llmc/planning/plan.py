@@ -30,7 +30,8 @@ from llmc.model.source import locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
-from llmc.planning.machine import Machine, matmul_rate
+from llmc.planning import probes
+from llmc.planning.machine import Machine, matmul_rate, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
@@ -38,6 +39,7 @@ from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.device import resolve_device
 from llmc.quant.spec import FORMATS, Scheme
+from llmc.quant.stream import CALIBRATION_BATCH_SIZE
 from llmc.recipe.schema import Recipe, Target
 from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
 
@@ -54,6 +56,29 @@ class Plan:
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
     rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+    rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
+    cache_writes: list[str] = field(default_factory=list)  # what planning itself wrote to the cache (a GGUF unpacked)
+
+    def mark_cached(self, pending: Collection[StageId], walked: Collection[StageId] | None = None) -> None:
+        """The build knows which stages' outputs are cached: their rows say so, rows of stages after the command's
+        last (`walked`: the stages it runs; None: all) say they do not run, and the totals (time, disk) count only
+        the stages in `pending`."""
+        e = self.estimates
+        if not e:
+            return
+        for row, entry in zip(self.rows, e["stages"]):
+            if walked is not None and not any(w.covers(row.id) for w in walked):
+                entry["skipped"] = True
+            elif not any(p.covers(row.id) for p in pending):
+                entry["cached"] = True
+        todo = [(row, entry) for row, entry in zip(self.rows, e["stages"])
+                if not entry.get("cached") and not entry.get("skipped")]
+        e["seconds"] = sum(row.seconds for row, _ in todo)
+        e["seconds_range"] = (sum(entry["seconds_low"] for _, entry in todo),
+                              sum(entry["seconds_high"] for _, entry in todo))
+        e["disk_gb"] = sum(row.disk_bytes for row, _ in todo) / 1e9
+        e["calibration_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.QUANTIZE)
+        e["eval_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.EVAL)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -63,6 +88,10 @@ class Plan:
             lines.append(f"  planned from {self.basis}")
         if e:
             lines += _render_estimates(e)
+        if self.rates:
+            lines.append(f"  {self.rates}")
+        for written in self.cache_writes:
+            lines.append(f"  cache: {written}")
         if self.distributed:
             lines += render(self.distributed)
         for t in self.targets:
@@ -83,17 +112,29 @@ def _render_estimates(e: dict) -> list[str]:
         f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if e.get('spill_activations') else ''})"
         + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
-        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time':>9}  strategy",
+        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
     ]
     for s in e["stages"]:
+        if s.get("cached") or s.get("skipped"):  # nothing to run, nothing new on disk
+            lines.append(f"  {s['stage'][:34]:<34} {'cached' if s.get('cached') else '-':<7}  "
+                         + ("its output is in the cache: it will not run" if s.get("cached")
+                            else "after this command's last stage: it will not run"))
+            continue
         gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
         lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
-                     f"{s['disk_gb']:>6.2f} GB {_duration(s['seconds']):>9}  {s['strategy']}: {s['why']}")
+                     f"{s['disk_gb']:>6.2f} GB {_span(s['seconds_low'], s['seconds_high']):>13}  "
+                     f"{s['strategy']}: {s['why']}")
     for s in e["stages"]:
-        if s.get("layer_seconds"):
+        if s.get("layer_seconds") and not s.get("cached") and not s.get("skipped"):
             lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
-                         f"~{_duration(s['seconds'])}, at the matmul and quantize rates probed on this machine now")
+                         f"~{_duration(s['seconds'])}, at this machine's probed rates")
+    low, high = e["seconds_range"]
+    cached = sum(bool(s.get("cached") or s.get("skipped")) for s in e["stages"])
+    lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)}"
+                 + (f" for the {len(e['stages']) - cached} stages that run" if cached else "")
+                 + " (the range: the probes' fastest and slowest runs, widened by the cost model's measured error "
+                   "per stage, docs/planner.md)")
     mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
     if mapped:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
@@ -102,6 +143,15 @@ def _render_estimates(e: dict) -> list[str]:
                  f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
                  f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
     return lines
+
+
+def _span(low: float, high: float) -> str:
+    """A time range in the unit of its upper end: '40-75 s', '3-9 min', '1.2-3.4 h'."""
+    if high < 120:
+        return f"{low:.0f}-{high:.0f} s"
+    if high < 7200:
+        return f"{low / 60:.0f}-{high / 60:.0f} min"
+    return f"{low / 3600:.1f}-{high / 3600:.1f} h"
 
 
 def _duration(seconds: float) -> str:
@@ -207,6 +257,7 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
             "lm_head is tied to the input embeddings in this model; quantizing it would untie them",
             fix="keep 'lm_head' in quantization.ignore",
         )
+    warnings += _hessian_rank_warning(recipe, scheme, quantized)
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size")
@@ -241,6 +292,24 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     return warnings
 
 
+def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]]) -> list[str]:
+    """An algorithm that solves with each Linear's input Hessian (X^T X, in x in) needs at least `in` calibration
+    tokens for it to have full rank; from fewer, the solve rests on its dampening alone in the directions no token
+    spans, and the quantized weights come out far worse than the same tokens give other algorithms."""
+    if not quantized or not Pipeline.of(scheme).observes_hessians:
+        return []
+    c = recipe.calibration
+    tokens = c.samples * c.seq_len
+    name, (_, widest) = max(quantized.items(), key=lambda item: item[1][1])
+    if tokens >= widest:
+        return []
+    return [f"{scheme.algorithm} accumulates each Linear's input Hessian ({widest} x {widest} for the widest, "
+            f"{name}) over {tokens:,} calibration tokens (calibration.samples {c.samples} x seq_len {c.seq_len}), "
+            f"fewer than its {widest} inputs: the Hessian is rank-deficient and the solve rests on its dampening. "
+            f"Fix: calibrate on at least {widest:,} tokens, e.g. calibration.samples: "
+            f"{-(-widest // c.seq_len)} at seq_len {c.seq_len}"]
+
+
 def _check_scheme(scheme: Scheme, where: str) -> None:
     if scheme.algorithm not in IMPLEMENTED_ALGORITHMS:
         raise IncompatibleTargetError(
@@ -255,10 +324,12 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
 
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
-              config: dict | None = None, refuse: bool = True, nproc: int | None = None) -> Plan:
+              config: dict | None = None, refuse: bool = True, nproc: int | None = None,
+              check_time: bool = True) -> Plan:
     """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
     and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
-    what does not fit this machine."""
+    what does not fit this machine or, with `check_time`, the recipe's time budget (the build checks it later,
+    against the stages it still has to run)."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
     for name, scheme in schemes.items():
@@ -291,7 +362,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
+        probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
+        plan.rates = probes.book().describe()
+        plan.warnings += _slow_dtype_warning(plan.estimates)
         nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
@@ -305,6 +379,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
 
         try:
             refuse_if_it_does_not_fit(plan, device)
+            if check_time:
+                check_budget(plan)
             if cache_dir is not None:
                 check_disk(plan, Path(cache_dir))
         except ResourceError as e:
@@ -313,6 +389,28 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             # planning for another machine (the source is not here): say what this one lacks, do not stop
             plan.warnings.append(f"this machine could not run the build: {e.message} (fix: {e.fix})")
     return plan
+
+
+# a compute dtype whose probed matmul rate is this many times below float32's on this CPU gets a warning
+SLOW_DTYPE_RATIO = 2.0
+# the instruction-set flags (/proc/cpuinfo) that make a 16-bit dtype's matmuls native on an x86 CPU
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def _slow_dtype_warning(e: dict) -> list[str]:
+    """A compute dtype far slower than float32 on this CPU (bf16 without bf16 instructions): both times, the fix."""
+    slow = e.get("slow_dtype")
+    if not slow:
+        return []
+    dtype = e["dtype"]
+    flags = set(probes.fingerprint()["cpu_flags"].split())
+    native = NATIVE_FLAGS.get(dtype, ())
+    why = (f"this CPU has none of {', '.join(native)} in /proc/cpuinfo, so torch emulates {dtype} matmuls"
+           if native and flags and not flags & set(native) else "as probed on this CPU")
+    return [f"{dtype} matmuls run {slow['ratio']:.1f}x slower than float32 here ({why}): this build is predicted "
+            f"at ~{_duration(e['seconds'])} in {dtype}, ~{_duration(slow['float32_seconds'])} in float32. Fix: set "
+            f"model.dtype: float32 (twice the memory for the weights it holds), or build on a CPU with "
+            f"{' / '.join(native) or f'native {dtype}'} or on a GPU (calibration.device: cuda)"]
 
 
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
@@ -356,6 +454,31 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
         )
 
 
+def check_budget(plan: Plan, pending: Collection[StageId] | None = None) -> None:
+    """ResourceError when the predicted time of the stages still to run (all, or those in `pending`) exceeds the
+    recipe's resources.max_hours; a warning when only the upper end of its range does."""
+    budget = plan.recipe.resources.max_hours
+    rows = [r for r in plan.rows if pending is None or any(p.covers(r.id) for p in pending)]
+    if budget is None or not rows:
+        return
+    seconds = sum(r.seconds for r in rows)
+    low = sum((r.seconds_range or (r.seconds, r.seconds))[0] for r in rows)
+    high = sum((r.seconds_range or (r.seconds, r.seconds))[1] for r in rows)
+    predicted = f"~{_duration(seconds)} ({_span(low, high)})"
+    if seconds > budget * 3600:
+        longest = max(rows, key=lambda r: r.seconds)
+        slow = plan.estimates.get("slow_dtype")
+        raise ResourceError(
+            f"the plan predicts {predicted} for the stages still to run, more than resources.max_hours "
+            f"({budget:g} h); the longest is {longest.name} (~{_duration(longest.seconds)})",
+            fix=(f"set model.dtype: float32 (~{_duration(slow['float32_seconds'])} on this CPU), " if slow else "")
+            + "lower calibration.samples / seq_len or eval.windows, calibrate on a GPU (calibration.device: cuda), "
+              "or raise resources.max_hours")
+    if high > budget * 3600:
+        plan.warnings.append(f"the plan predicts {predicted} for the stages still to run: the upper end of the "
+                             f"range is over resources.max_hours ({budget:g} h)")
+
+
 def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None = None) -> None:
     """ResourceError when the cache's disk cannot take what the build still has to write: every stage's new files,
     or only the rows of the stages in `pending` (the build passes those whose outputs are not cached yet)."""
@@ -372,6 +495,7 @@ def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None 
 def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:
     """`llmc plan`: from the source's config and headers, or, for a Hub id (`hf:`) or a source not on this machine,
     offline from the config.json the recipe names in `model.config` (relative to the recipe's folder)."""
+    probes.use_cache(store.root)  # this machine's rates, as earlier plans probed them (or probed now)
     source = recipe.model.source
     if recipe.model.config is not None:
         config_path = Path(recipe.model.config).expanduser()
@@ -384,8 +508,28 @@ def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: i
                              nproc=nproc)
             plan.basis = f"{folder / 'config.json'} (model.config; the source {source} is not read)"
             return plan
+    unpacked = unpacked_sources(store.root)
     located = locate_source(source, store, source_dtype(recipe.model.dtype))  # no weight data read, none hashed
-    return make_plan(recipe, located.folder, store.root, nproc=nproc)
+    plan = make_plan(recipe, located.folder, store.root, nproc=nproc)
+    plan.cache_writes += source_cache_note(located.folder, store.root, unpacked)
+    return plan
+
+
+def unpacked_sources(cache: Path) -> set[Path]:
+    """The unpacked copies of sources (a GGUF's safetensors folder) in the cache now."""
+    return set((Path(cache) / "stages" / "source").glob("*"))
+
+
+def source_cache_note(folder: Path, cache: Path, before: set[Path]) -> list[str]:
+    """What locating the source wrote to the cache (a GGUF unpacked into safetensors, once) or reads from it."""
+    folder = Path(folder)
+    if folder.parent != Path(cache) / "stages" / "source":
+        return []  # the source's own folder: nothing written
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e9
+    if folder in before:
+        return [f"the source's unpacked copy ({size:.2f} GB) is read from {folder}"]
+    return [f"wrote the source's unpacked copy, {size:.2f} GB, to {folder} (once: later plans and builds read it; "
+            "it counts in the cache's size)"]
 
 
 def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
@@ -432,15 +576,35 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
-    costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
-                      linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
-                      spill=calibrated and should_spill(c.spill_activations, tokens * shape.hidden * BYTES[compute],
-                                                        available))
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
-    costing.streamed_eval = streamed
-    for stage in stages(recipe, schemes):
-        stage.cost(costing)
+
+    def walk(compute: str = compute) -> Costing:
+        costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
+                          linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
+                          spill=calibrated and should_spill(c.spill_activations,
+                                                            tokens * shape.hidden * BYTES[compute], available),
+                          streamed_eval=streamed)
+        for stage in stages(recipe, schemes):
+            stage.cost(costing)
+        return costing
+
+    costing = walk()
     rows = costing.rows
+    # the time range: the stages costed again at each probe's fastest and slowest run, then widened by the cost
+    # model's own measured error per stage kind
+    with probes.reading("fastest"):
+        fastest = [r.seconds for r in walk().rows]
+    with probes.reading("slowest"):
+        slowest = [r.seconds for r in walk().rows]
+    for row, fast, slow in zip(rows, fastest, slowest):
+        row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
+    slow_dtype = {}
+    if device.type == "cpu" and compute != "float32":
+        rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)
+        ratio = (matmul_rate("float32", "cpu", shape.hidden, rows_probed)
+                 / matmul_rate(compute, "cpu", shape.hidden, rows_probed))
+        if ratio >= SLOW_DTYPE_RATIO:
+            slow_dtype = {"ratio": ratio, "float32_seconds": sum(r.seconds for r in walk("float32").rows)}
     quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
     registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
     estimates = {
@@ -455,6 +619,9 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),
+        "seconds": sum(s.seconds for s in rows),
+        **({"slow_dtype": slow_dtype} if slow_dtype else {}),
+        "seconds_range": (sum(s.seconds_range[0] for s in rows), sum(s.seconds_range[1] for s in rows)),
         "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),
         "spill_activations": costing.spill,

@@ -30,6 +30,9 @@ class CostRow:
     mapped_bytes: float = 0.0
     layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
     fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
+    # what `seconds` may turn out to be: at the probes' fastest and slowest runs, widened by the cost model's measured
+    # error (llmc.planning.machine.time_range); the plan fills it in after its walk
+    seconds_range: tuple[float, float] | None = None
 
     id: StageId | None = None  # the stage (or the part of it) this row costs
 
@@ -42,4 +45,6 @@ class CostRow:
         return {"stage": self.name, "device": self.device, "host_gb": self.host_bytes / GB,
                 "gpu_gb": self.gpu_bytes / GB, "disk_gb": self.disk_bytes / GB, "seconds": self.seconds,
                 "strategy": self.strategy, "why": self.why, "mapped_gb": self.mapped_bytes / GB,
-                "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds}
+                "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds,
+                "seconds_low": (self.seconds_range or (self.seconds,))[0],
+                "seconds_high": (self.seconds_range or (self.seconds,))[-1]}

@@ -12,13 +12,13 @@ Scales are float32. A zero range gets scale 1 so all-zero rows stay exact. A wei
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from llmc.planning import probes
 from llmc.quant.spec import FP8_E4M3_MAX, TensorSpec
 
 
@@ -240,22 +240,33 @@ def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
 
 
-@functools.cache
 def quantize_rate(spec: TensorSpec, dtype_name: str, elements: int = QUANTIZE_PROBE_ELEMENTS) -> float:
-    """Weight elements/s `quantize_weight` processes at `spec`, measured now on a weight of `elements` (the model's
-    largest Linear, capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with, as
-    the planner times it. Memory-bound (float32 temporaries of each block of rows), so it follows neither the matmul
-    rate nor a cache-resident probe."""
-    dtype = getattr(torch, dtype_name)
-    # columns a multiple of 256 and of the group size (any the recipe validator accepts: 48 divides SmolLM2's 576)
-    step = math.lcm(256, spec.group_size or 1)
-    quantize_weight(torch.randn(256, step).to(dtype), spec)  # warm-up: first-call dispatch
+    """Weight elements/s `quantize_weight` processes at `spec`, on a weight of `elements` (the model's largest
+    Linear, capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with, as the
+    planner times it (llmc.planning.probes: timed several times, cached per machine). Memory-bound (float32
+    temporaries of each block of rows), so it follows neither the matmul rate nor a cache-resident probe."""
     elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
-    columns = max(step, min(4096, int(elements ** 0.5)) // step * step)
-    w = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
-    best = float("inf")
-    for _ in range(2):  # best of 2: a loaded machine slows some runs
+    return probes.rate(f"quantize {spec!r} {dtype_name} elements={elements}",
+                       _quantize_timer(spec, dtype_name, elements))
+
+
+def _quantize_timer(spec: TensorSpec, dtype_name: str, elements: int):
+    """A function timing one `quantize_weight` and returning its elements/s (the weight made and the quantizer
+    warmed up on first call)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            dtype = getattr(torch, dtype_name)
+            # columns a multiple of 256 and of the group size (any the recipe validator accepts: 48 divides
+            # SmolLM2's 576)
+            step = math.lcm(256, spec.group_size or 1)
+            quantize_weight(torch.randn(256, step).to(dtype), spec)  # warm-up: first-call dispatch
+            columns = max(step, min(4096, int(elements ** 0.5)) // step * step)
+            state["w"] = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
+        w = state["w"]
         t = time.perf_counter()
         quantize_weight(w, spec)
-        best = min(best, time.perf_counter() - t)
-    return w.numel() / max(best, 1e-9)
+        return w.numel() / max(time.perf_counter() - t, 1e-9)
+
+    return run_once

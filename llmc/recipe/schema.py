@@ -424,6 +424,17 @@ class PublishSection(_Strict):
                             description="Hugging Face Hub repository 'org/name'")
 
 
+class ResourcesSection(_Strict):
+    max_hours: float | None = Field(
+        default=None, gt=0, le=1e5,
+        description="the longest this build may take: `llmc plan` and `llmc build` refuse (exit 4) before any weight "
+                    "loads when the plan predicts more for the stages still to run")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):
+        return _drop_defaults(handler(self), {"max_hours": None})
+
+
 class Recipe(_Strict):
     version: Literal[1] = SCHEMA_VERSION
     name: str = Field(pattern=SAFE_NAME)  # the registry folder <registry>/<name>/
@@ -437,6 +448,11 @@ class Recipe(_Strict):
     eval: EvalSection = EvalSection()
     gates: Gates = Gates(defaults=True)  # no gates section: the scheme family's default gates
     publish: PublishSection = PublishSection()
+    resources: ResourcesSection = ResourcesSection()
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):  # recipes without a budget dump (job ids, manifests) as before it existed
+        return _drop_defaults(handler(self), {"resources": {}})
 
     @model_validator(mode="after")
     def _quantization_or_variants(self) -> "Recipe":

@@ -1,0 +1,190 @@
+"""This machine's probed rates, each measured several times, summarized, and cached per machine.
+
+A probe (`matmul_rate`, the quantizer's `quantize_rate`) is one timed call of a few milliseconds to a second; on a
+shared machine one call lands in a quiet or a busy moment, and two plans of one recipe two minutes apart once said
+46 s and 12 min for a stage that took 315 s. So each probe is timed `REPEATS` times after a warm-up, and the plan
+reads the **median**: a stage runs for minutes through the machine's quiet and busy moments, and the median is what
+a typical moment delivers, where the best of N is the one quiet moment (it predicts the machine as if nothing else
+ran, and a busy machine's stages then overrun it). The fastest and the slowest run bound the plan's time range
+(`reading`).
+
+The samples are kept in `<cache>/machine-rates.json` with the machine they were measured on (CPU model and flags,
+core count, torch threads, GPU name) and llmc's and torch's versions: a plan reads them instead of probing again
+while they are younger than `MAX_AGE_S` and the machine is the same, so plans of one recipe agree with each other;
+`llmc plan --reprobe` (or `LLMC_REPROBE=1`) measures again. Without a cache folder (tests, a bare `make_plan`) the
+samples are kept for the process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RATES_FILE = "machine-rates.json"
+REPEATS = 5  # timed runs of each probe (after one warm-up)
+MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
+READINGS = ("median", "fastest", "slowest")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe's timed runs (rates, higher is faster), when they were measured, and whether this process did."""
+
+    samples: tuple[float, ...]
+    at: float  # time.time() of the measurement
+    probed_now: bool
+
+    def read(self, which: str) -> float:
+        if which == "fastest":
+            return max(self.samples)
+        if which == "slowest":
+            return min(self.samples)
+        return statistics.median(self.samples)
+
+
+@functools.cache
+def fingerprint() -> dict:
+    """What the rates depend on besides the probe's arguments: the CPU (model, instruction-set flags, cores), the
+    threads torch uses, the GPU, and the software that runs the probes."""
+    import torch
+
+    from llmc import __version__
+
+    model, flags = "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = " ".join(sorted(value.split()))
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": model, "cpu_flags": flags, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": gpu, "llmc": __version__, "torch": torch.__version__}
+
+
+@dataclass
+class RateBook:
+    """The probes' samples: those read from the cache file (`path`, None: this process only) and those measured
+    now. `used` records what the current plan read, for the plan's line saying where its rates came from."""
+
+    path: Path | None = None
+    reprobe: bool = False
+    max_age_s: float = MAX_AGE_S
+    probes: dict[str, Probe] = field(default_factory=dict)
+    used: dict[str, Probe] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not self.reprobe:
+            self.probes = self._read()
+
+    def _read(self) -> dict[str, Probe]:
+        try:
+            saved = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # absent or unreadable: probed again and rewritten
+        if not isinstance(saved, dict) or saved.get("machine") != fingerprint():
+            return {}  # another machine, or another llmc or torch: none of its rates apply
+        out = {}
+        now = time.time()
+        for key, entry in (saved.get("rates") or {}).items():
+            try:
+                samples = tuple(float(s) for s in entry["samples"])
+                at = float(entry["at"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if samples and all(s > 0 for s in samples) and 0 <= now - at <= self.max_age_s:
+                out[key] = Probe(samples, at, probed_now=False)
+        return out
+
+    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+        """The samples of probe `key` (`run_once` times one run and returns its rate), cached or measured now."""
+        found = self.probes.get(key)
+        if found is None:
+            found = Probe(tuple(run_once() for _ in range(repeats)), time.time(), probed_now=True)
+            self.probes[key] = found
+            self._write(key, found)
+        self.used[key] = found
+        return found
+
+    def _write(self, key: str, probe: Probe) -> None:
+        """Add one probe to the file (read again first: another plan may have added others meanwhile)."""
+        if self.path is None:
+            return
+        try:
+            saved = json.loads(self.path.read_text())
+            if not isinstance(saved, dict) or saved.get("machine") != fingerprint():
+                saved = {}
+        except (OSError, ValueError):
+            saved = {}
+        rates = saved.get("rates") if isinstance(saved.get("rates"), dict) else {}
+        rates[key] = {"samples": list(probe.samples), "at": probe.at}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:  # a cache that cannot be written costs a probe next time, never the plan
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"machine": fingerprint(), "rates": rates}, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def describe(self) -> str:
+        """Where the rates the current plan read came from: cached (when), probed now, or both."""
+        if not self.used:
+            return ""
+        cached = [p for p in self.used.values() if not p.probed_now]
+        now = len(self.used) - len(cached)
+        parts = []
+        if cached:
+            oldest = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(min(p.at for p in cached)))
+            parts.append(f"{len(cached)} read from the cache (measured since {oldest}; --reprobe measures them "
+                         "again)")
+        if now:
+            parts.append(f"{now} probed now")
+        where = f", kept in {self.path}" if self.path else ""
+        return f"rates of this machine (median of {REPEATS} timed runs each{where}): {'; '.join(parts)}"
+
+
+_book = RateBook()
+_reading = "median"
+
+
+def book() -> RateBook:
+    return _book
+
+
+def use_cache(folder: Path | None, *, reprobe: bool = False) -> RateBook:
+    """Read and write the probes' samples in `folder` (the llmc cache; None: this process only). `reprobe` (or
+    LLMC_REPROBE=1) ignores what is cached and measures every probe again."""
+    global _book
+    reprobe = reprobe or os.environ.get("LLMC_REPROBE", "") not in ("", "0")
+    path = Path(folder) / RATES_FILE if folder is not None else None
+    if path != _book.path or reprobe:
+        _book = RateBook(path, reprobe=reprobe)
+    return _book
+
+
+@contextlib.contextmanager
+def reading(which: str) -> Iterator[None]:
+    """Within this block every probe reads its `which` sample: "median" (the plan's point), "fastest" or
+    "slowest" (the ends of its time range)."""
+    global _reading
+    if which not in READINGS:
+        raise ValueError(f"unknown reading {which!r}: one of {READINGS}")
+    previous, _reading = _reading, which
+    try:
+        yield
+    finally:
+        _reading = previous
+
+
+def rate(key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> float:
+    """Probe `key`'s rate as the current `reading` reads it."""
+    return _book.probe(key, run_once, repeats).read(_reading)
