@@ -146,6 +146,24 @@ def drop_stack_traces(proto) -> int:
     return removed
 
 
+WRAPPER_NAME = "llmc.Logits"  # how the graph's metadata names llmc's wrapper module, wherever its code lives
+
+
+def name_wrapper_stably(proto) -> int:
+    """Name llmc's wrapper module `WRAPPER_NAME` in the exporter's metadata (class hierarchy, name scopes), which
+    records its Python import path: moving llmc's code to another module must not change an artifact's bytes.
+    Returns how many metadata values it rewrote."""
+    path = f"{_Logits.__module__}.{_Logits.__qualname__}"
+    rewritten = 0
+    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
+        for node in nodes:
+            for prop in node.metadata_props:
+                if path in prop.value:
+                    prop.value = prop.value.replace(path, WRAPPER_NAME)
+                    rewritten += 1
+    return rewritten
+
+
 def _module_of(node, prefix: str = "model.") -> str | None:
     """The Linear module a MatMul came from, from the exporter's name-scope metadata."""
     for prop in node.metadata_props:
@@ -338,6 +356,7 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
         proto = _export_float_graph(float_model(qm), max_len)
     counts = insert_qdq(proto, qm, torch_onnx_weights(proto.graph))
     drop_stack_traces(proto)
+    name_wrapper_stably(proto)
     onnx.save(proto, str(out / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
               location=DATA_FILE, size_threshold=1024)
     del proto

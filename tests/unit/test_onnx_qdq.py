@@ -149,6 +149,10 @@ def test_graph_records_no_build_paths(exported) -> None:
     assert str(Path(llmc.__file__).resolve().parent.parent).encode() not in data and b"stack_trace" not in data
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     assert any(p.key == "pkg.torch.onnx.name_scopes" for n in graph.node for p in n.metadata_props)
+    # nor on which llmc module holds the wrapper: the metadata names it llmc.Logits (moving the code changed it)
+    from llmc.formats import onnx_qdq
+
+    assert b"onnx_qdq" not in data and onnx_qdq.WRAPPER_NAME.encode() in data
 
 
 def test_exact_session_config_turns_off_the_int8_kernel_fusion(exported) -> None:
