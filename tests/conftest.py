@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -82,9 +83,22 @@ def tiny_model(tmp_path: Path) -> Path:
     return make_tiny_model(tmp_path / "tiny")
 
 
+def folder_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+_SHARED_MODELS: dict[Path, dict[str, str]] = {}  # session-wide model folders -> their files' hashes when made
+
+
 @pytest.fixture(scope="session")
 def tiny_model_session(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    """One tiny model for the whole session: read it, never write it (copy it first: shutil.copytree). Every later
+    test, and every module-scoped fixture built from it, would see the change (`_shared_models_unchanged`)."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    _SHARED_MODELS[folder] = folder_digest(folder)
+    return folder
 
 
 @pytest.fixture
@@ -98,6 +112,20 @@ def store(tmp_path: Path):
 def tiny_model_factory():
     """make_tiny_model itself, for tests that need several shapes."""
     return make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_unchanged(request):
+    """A test that writes into the session's shared tiny model fails here, named, instead of changing what every
+    later test builds from (an export sized from an edited config.json, say) far from the cause."""
+    yield
+    for folder, digest in _SHARED_MODELS.items():
+        now = folder_digest(folder)
+        if now != digest:
+            changed = sorted(n for n in digest.keys() | now.keys() if digest.get(n) != now.get(n))
+            _SHARED_MODELS[folder] = now  # report it once, at the test that did it
+            pytest.fail(f"{request.node.nodeid} changed the shared tiny_model_session ({', '.join(changed)}); "
+                        "copy it first (shutil.copytree) and change the copy", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,17 @@ REPACK_BLOCK_BYTES = 40e6
 REPACK_RATE = 0.07e9
 
 
+def served_context(config: dict, eval_seq_len: int) -> int:
+    """The context a runtime is configured to serve (vLLM's --max-model-len): the model's trained context,
+    `max_position_embeddings` (a multimodal config holds it in text_config), not the evaluation's window, which would
+    cut every served request at a few hundred tokens; the window where the config states no usable length."""
+    text = config.get("text_config")
+    limit = (text if isinstance(text, dict) else {}).get("max_position_embeddings",
+                                                          config.get("max_position_embeddings"))
+    # `llmc plan` refuses a window past the context, so the window is only a floor here
+    return max(limit, eval_seq_len) if type(limit) is int and limit > 0 else eval_seq_len
+
+
 class Export:
     share = Share.MAIN
 
@@ -45,7 +56,8 @@ class Export:
     def key(self, b: Build, qm: QuantizedModel, quant_key: str) -> tuple[str, dict, targets.ExportRequest]:
         """(stage key, stage config, the exporter's request)."""
         ev = b.recipe.eval
-        request = targets.ExportRequest(quantized=qm, target=self.target, max_model_len=ev.seq_len,
+        request = targets.ExportRequest(quantized=qm, target=self.target,
+                                        max_model_len=served_context(qm.config, ev.seq_len),
                                         max_batch_size=ev.batch_size)
         cfg = {"exporter": self.format.name, **self.format.stage_config(request)}
         if self.target.triton:

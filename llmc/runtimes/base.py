@@ -79,7 +79,7 @@ class ExportRequest:
 
     quantized: QuantizedModel
     target: Target
-    max_model_len: int  # the recipe's eval.seq_len: what the runtime is configured to serve
+    max_model_len: int  # the context the runtime is configured to serve (llmc.pipeline.export.served_context)
     max_batch_size: int  # the recipe's eval.batch_size
 
 

@@ -179,6 +179,7 @@ def test_a_bound_says_so_in_the_gate() -> None:
     assert "bound" not in evaluate_gates(gates, "t", exact)[0].measured
 
 
+@pytest.mark.heavy
 def test_a_build_stores_the_head_and_gates_on_the_exact_kl(tiny_model: Path, tmp_path: Path) -> None:
     import sys
 

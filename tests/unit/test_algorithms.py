@@ -434,6 +434,7 @@ print(json.dumps({"differing_codes": (codes != eager_codes).float().mean().item(
 @pytest.mark.parametrize("spec", [TensorSpec("int4", "group", group_size=32),
                                   TensorSpec("int4", "group", group_size=32, symmetric=False),
                                   TensorSpec("int8", "channel")], ids=["int4-sym", "int4-asym", "int8"])
+@pytest.mark.heavy
 def test_triton_gptq_block_matches_the_eager_loop(spec: TensorSpec) -> None:
     """One kernel launch per block must give the eager column loop's codes and errors. Without a GPU the
     kernel runs in Triton's interpreter, which must be on before triton is first imported: a child process.

@@ -15,6 +15,8 @@ from llmc.recipe import parse_recipe
 from llmc.publish.local import verify_entry
 from llmc.storage.store import Store
 
+pytestmark = pytest.mark.heavy  # whole builds, up to a minute each
+
 
 def recipe_text(model: Path, registry: Path, **overrides) -> str:
     r = {

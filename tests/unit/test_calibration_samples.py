@@ -43,6 +43,7 @@ def _quantized(folder: Path, out: Path, scheme: Scheme, ids, mask) -> dict[str, 
     return {f"{p.name}:{k}": v for p in sorted((out / "layers").iterdir()) for k, v in load_file(str(p)).items()}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_appending_padding_changes_no_scale(name: str, tmp_path: Path, tiny_model_session: Path) -> None:
     scheme = SCHEMES[name]

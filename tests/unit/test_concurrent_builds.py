@@ -10,8 +10,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from llmc.publish.local import verify_entry
 from tests.unit.build_helpers import every_stage_recipe, published_artifact_hashes, small_corpus_file
+
+pytestmark = pytest.mark.heavy  # two whole builds in child processes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -216,6 +216,7 @@ def test_weighted_mix_draws_by_weight(tmp_path: Path, tok) -> None:
     assert label(mix) == f"mix(text:{tmp_path / 'a'}×3, text:{tmp_path / 'b'}×1)"
 
 
+@pytest.mark.heavy
 def test_windows_match_the_original_protocol_and_record_rows(tok) -> None:
     from llmc.calibration.corpora import brown_documents
     from llmc.calibration.windows import make_windows

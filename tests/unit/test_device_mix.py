@@ -93,6 +93,7 @@ CASES = [pytest.param(s, f, id=f"{s}-{f}", marks=() if (s, f) in DEFAULT_CASES e
          for s in SCHEMES for f in FAMILIES]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("scheme_name", "family"), CASES)
 def test_the_gpu_path_mixes_no_host_tensor_and_writes_the_cpu_files(models, family: str, scheme_name: str,
                                                                    tmp_path: Path) -> None:
@@ -189,6 +190,7 @@ print("same codes")
     assert done.returncode == 0 and "same codes" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.heavy
 def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Path) -> None:
     """`llmc build` with `calibration.device: auto` on a (fake) GPU: plan, calibrate and quantize there, export and
     evaluate; the quantize stage is keyed by its device, so the CPU's cached result is not reused for it."""

@@ -130,6 +130,7 @@ def roundtrip(folder: Path, scheme: Scheme, work: Path, prepare=None) -> tuple[f
     return (got - want).abs().max().item(), (want - base).abs().max().item(), len(qm.quantized_modules)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
 def test_compressed_tensors_export_reloads_with_the_reference_logits(family, scheme_name: str, tmp_path: Path) -> None:
     name, folder = family

@@ -9,6 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -26,6 +27,7 @@ def _cli(args: list[str], cache: Path, cwd: Path) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy
 def test_broken_artifact_fails_quality_gate_with_junit(tiny_model: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     # a random tiny model predicts near-uniformly, so perplexity barely moves when it breaks;
@@ -69,6 +71,7 @@ def test_crashed_build_is_a_junit_error(tmp_path: Path) -> None:
     assert err is not None and err.get("type") == "bad input" and "does not exist" in err.get("message")
 
 
+@pytest.mark.heavy
 def test_same_artifact_same_data_evaluates_identically(tiny_model: Path, tmp_path: Path) -> None:
     recipe = parse_recipe(recipe_text(tiny_model, tmp_path / "r"))
     a = build(recipe, Store(tmp_path / "c1"), publish=False)
@@ -81,6 +84,7 @@ def test_same_artifact_same_data_evaluates_identically(tiny_model: Path, tmp_pat
             assert ea.kld == eb.kld and ea.top1_agreement == eb.top1_agreement
 
 
+@pytest.mark.heavy
 def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tmp_path: Path) -> None:
     text = recipe_text(tiny_model, tmp_path / "registry")
     import yaml
@@ -103,6 +107,7 @@ def test_variants_share_calibration_and_report_side_by_side(tiny_model: Path, tm
     assert (result.published / "junit.xml").is_file()
 
 
+@pytest.mark.heavy
 def test_llmc_eval_on_existing_entry_without_rebuilding(tiny_model: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -148,7 +153,6 @@ def test_gates_apply_only_where_the_engine_measures_the_metric() -> None:
 
 import math  # noqa: E402
 
-import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from llmc.eval.gates import (  # noqa: E402
@@ -463,6 +467,7 @@ def test_a_significant_improvement_is_flagged_in_every_report() -> None:
                                              "torch:vllm-sm90-tp1": noisy}, runtimes=["torch"]))["suspicious_improvements"]
 
 
+@pytest.mark.heavy
 def test_a_build_no_engine_measured_exits_with_the_quality_gate_code_and_does_not_publish(tiny_model: Path,
                                                                                           tmp_path: Path) -> None:
     text = yaml.safe_load(recipe_text(tiny_model, tmp_path / "registry", gates={"max_mean_kld": 0.05}))
@@ -485,6 +490,7 @@ def test_a_build_no_engine_measured_exits_with_the_quality_gate_code_and_does_no
     assert "gates: passed, but 1 of 1 not measured" in inspected.stdout and "all passed" not in inspected.stdout
 
 
+@pytest.mark.heavy
 def test_nan_weights_without_gates_fail_and_do_not_publish(tmp_path: Path) -> None:
     from tests.conftest import make_tiny_model
 

@@ -22,6 +22,8 @@ from tests.unit.build_helpers import published_artifact_hashes, small_corpus_fil
 from tests.unit.hook_helpers import (SECRET, hook_config, post, register_source_version, signed_delivery,  # noqa: E402
                                      start_hook, start_mlflow, tiny_recipe, version_created, wait_jobs)
 
+pytestmark = pytest.mark.heavy  # an MLflow server and whole builds behind the hook, ~1 min a test
+
 VARIANT = "tiny-w8.vllm-sm90-tp1"  # <recipe>.<target label>, after the source model's name
 
 

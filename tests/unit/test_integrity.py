@@ -34,6 +34,9 @@ from llmc.publish.local import verify_entry
 from llmc.publish.outputs import write_build_outputs
 from llmc.storage.store import COMPLETE_MARKER, Store, sha256_file
 
+pytestmark = pytest.mark.heavy  # most tests damage one published build (a whole build, then rebuilds)
+
+
 def tiny_recipe(model: Path, registry: Path) -> str:
     return yaml.safe_dump({
         "name": "tiny-fp8",

@@ -17,6 +17,8 @@ from llmc.publish.local import verify_entry
 from tests.unit.build_helpers import (every_stage_recipe, nothing_half_written_looks_complete,
                                       published_artifact_hashes, small_corpus_file)
 
+pytestmark = pytest.mark.heavy  # whole builds in child processes, killed and resumed
+
 REPO = Path(__file__).resolve().parents[2]
 
 # `llmc build` in a child that either records every event it emits, or SIGKILLs itself at the n-th.

@@ -69,6 +69,7 @@ def test_per_expert_linears_view_the_fused_experts_and_compute_the_same_logits(f
     assert not [n for n, p in model.named_parameters() if p.dim() == 3]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
 def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_logits(family, scheme_name: str,
                                                                                    tmp_path: Path) -> None:
@@ -243,6 +244,7 @@ def test_calibrating_every_expert_on_every_token_gives_the_starved_expert_data_d
             torch.testing.assert_close(t, routed[k], rtol=1e-5, atol=0)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scheme_name", ["int8-smoothquant", "int4-gptq", "int4-gptq-two-forwards", "int4-awq"])
 def test_algorithms_quantize_a_starved_expert_by_round_to_nearest(starved, scheme_name: str, tmp_path: Path,
                                                                   monkeypatch) -> None:

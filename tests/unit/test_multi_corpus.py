@@ -50,6 +50,7 @@ def corpora(tmp_path: Path) -> dict[str, dict]:
             "truth": {"kind": "text", "path": str(_folder(tmp_path, "truth", OTHER))}}
 
 
+@pytest.mark.heavy
 def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model: Path, tmp_path: Path,
                                                                      corpora: dict) -> None:
     store = Store(tmp_path / "cache")
@@ -134,6 +135,7 @@ def test_overlap_is_checked_against_each_corpus(tiny_model: Path, tmp_path: Path
 # --------------------------------------------------------------------------- `llmc eval` on any data source
 
 
+@pytest.mark.heavy
 def test_standalone_eval_reads_any_source_and_gates_kld_and_top1(tiny_model: Path, tmp_path: Path,
                                                                  corpora: dict) -> None:
     from llmc.eval.standalone import evaluate_artifact

@@ -25,6 +25,7 @@ from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import quantize_model
+from tests.conftest import make_tiny_model
 
 SCHEMES = {
     "g32-sym": Scheme(TensorSpec("int4", "group", group_size=32)),
@@ -48,12 +49,15 @@ def _quantized(model: Path, scheme: Scheme, out: Path) -> QuantizedModel:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_model_session: Path) -> dict[str, tuple[QuantizedModel, Path, Path]]:
-    """scheme -> (canonical form, ONNX folder at accuracy_level 1, compressed-tensors export)."""
+def exported(tmp_path_factory) -> dict[str, tuple[QuantizedModel, Path, Path]]:
+    """scheme -> (canonical form, ONNX folder at accuracy_level 1, compressed-tensors export). From a model of its
+    own, not the session's shared one: the rotary checks below hold the builder's cos cache, sized from the
+    config's context length, to 1e-4, and a config another test changed would move it."""
     root = tmp_path_factory.mktemp("onnx")
+    model = make_tiny_model(root / "model")
     out = {}
     for name, scheme in SCHEMES.items():
-        qm = _quantized(tiny_model_session, scheme, root / f"q-{name}")
+        qm = _quantized(model, scheme, root / f"q-{name}")
         export_onnx(qm, root / f"onnx-{name}", accuracy_level=1)
         export_compressed_tensors(qm, root / f"ct-{name}")
         out[name] = (qm, root / f"onnx-{name}", root / f"ct-{name}")
@@ -220,6 +224,10 @@ def test_rotary_check_catches_a_misread_rope_theta(exported) -> None:
     qm, folder, _ = exported["g32-sym"]
     config = dict(qm.config)
     theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    # float32 angles round by ~p * 2^-24 at position p: the bound below holds for the 1,024 positions made here
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    (rows, _), = [list(i.dims) for i in graph.initializer if i.name == "cos_cache"]
+    assert rows == config["max_position_embeddings"] == 1024, "the builder sized its cos cache from another context"
     assert _rotary_error(folder, config) < 1e-4
     wrong = {**config, "rope_theta": theta * 10, "rope_parameters": {"rope_type": "default", "rope_theta": theta * 10}}
     assert _rotary_error(folder, wrong) > 0.1  # what a builder falling back to another theta would show
