@@ -27,6 +27,7 @@ from llmc.telemetry.progress import steps
 from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release)
 from llmc.quant.moe import unfuse_experts
+from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
@@ -57,7 +58,7 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
             for d in info["shape"]:
                 n *= d
             if name.endswith(".weight_packed"):
-                n *= 8
+                n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
             if name.endswith((".weight_packed", ".weight")):
                 total += n * elem
             else:
@@ -109,7 +110,7 @@ class LayerDecoder:
             module, _, local = name.rpartition(".")
             if local.startswith("weight") and local != "weight" or (local == "weight" and f"{module}.weight_scale" in raw):
                 by_module.setdefault(module, {})[local] = t
-            elif local in ("input_scale", "input_zero_point", "k_scale", "v_scale"):
+            elif local in ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale"):
                 continue  # read by the runtime-quantization hooks, not parameters of the module
             else:
                 out[name] = t
@@ -122,15 +123,18 @@ class LayerDecoder:
                                    "config_groups entry of quantization_config targets it")
             scheme, fmt = group
             compressor = BaseCompressor.get_value_from_registry(fmt)
-            out[f"{module}.weight"] = self._decompressed(compressor, state, scheme)
+            out[f"{module}.weight"] = self._decompressed(compressor, state, scheme, fmt)
         return out
 
-    def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+    def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme, fmt: str = "") -> torch.Tensor:
         """One module's dense weight in `dtype`. The decompressor returns float32 (the scale's dtype); where the
         codes are one per element (`weight` [out, in]: FP8, INT8) it runs on blocks of rows, each cast as it comes,
         so its float32 result is one block's (llmc.quant.numerics.BLOCK_ELEMENTS), not the Linear's (0.94 GB of
         fresh pages per 70B-width MLP projection) nor the layer's (decompressed whole, then cast: +0.87 GB per
         8B-width layer measured). Packed codes (int4) are decompressed whole."""
+        if fmt == NVFP4_FORMAT:  # llmc's decode: compressed-tensors' rounds NVFP4 weights to bf16
+            dense = nvfp4_from_compressed_tensors(state)
+            return dense.to(self.dtype) if self.dtype is not None else dense
         codes = state.get("weight")
         if codes is None or codes.dim() != 2 or codes.numel() <= BLOCK_ELEMENTS:
             dense = compressor.decompress(dict(state), scheme)["weight"]
@@ -142,6 +146,9 @@ class LayerDecoder:
             part = {k: v[r : r + step] if v.dim() == 2 and v.shape[0] == rows else v for k, v in state.items()}
             out[r : r + step] = compressor.decompress(part, scheme)["weight"]
         return out
+
+
+NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
 def _targets_match(name: str, targets: tuple[str, ...]) -> bool:
