@@ -65,7 +65,7 @@ SCHEMES: dict[tuple[str, NumberFormat | None], str] = {
     ("nvfp4", "nvfp4"): "W4A4-NVFP4",
     ("nvfp4", None): "W4A16-NVFP4",
     ("mxfp4", None): "W4A16-MXFP4",
-    ("mxfp8", None): "W8A16-MXFP8",
+    ("mxfp8", "mxfp8"): "W8A8-MXFP8",  # activations dynamic MXFP8, as vLLM's MXFP8 kernel quantizes them
     ("fp8_e4m3/block", "fp8_e4m3"): "W8A8-FP8-BLOCK",  # 128x128 weight blocks, dynamic 1x128 activation groups
 }
 KV_CACHE_SCHEMES: dict[NumberFormat, str] = {"fp8_e4m3": "KV-FP8", "int8": "KV-INT8"}  # capability keys too

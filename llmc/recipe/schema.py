@@ -140,6 +140,8 @@ class ActivationQuant(TensorQuant):
                 f"activation strategy '{self.strategy}' has no runtime kernel; "
                 "fix: use tensor (static or dynamic) or token (dynamic)"
             )
+        if self.format in ("mxfp4", "mxfp8") and not self.dynamic:
+            raise ValueError(f"{self.format} activations are scaled per block at run time; fix: dynamic: true")
         if self.format == "nvfp4" and self.dynamic:
             raise ValueError("nvfp4 activations take a calibrated global scale (their block scales are computed at "
                              "run time anyway); fix: remove dynamic: true")

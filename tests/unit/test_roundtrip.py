@@ -37,7 +37,8 @@ SCHEMES = {
     "w4a16-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16)),
     "w4a4-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16), TensorSpec("nvfp4", "group", group_size=16)),
     "w4a16-mxfp4": Scheme(TensorSpec("mxfp4", "group", group_size=32)),
-    "w8a16-mxfp8": Scheme(TensorSpec("mxfp8", "group", group_size=32)),
+    "w8a8-mxfp8": Scheme(TensorSpec("mxfp8", "group", group_size=32),
+                         TensorSpec("mxfp8", "group", group_size=32, dynamic=True)),
     "w8a8-fp8-block": Scheme(TensorSpec("fp8_e4m3", "block"),
                              TensorSpec("fp8_e4m3", "group", group_size=128, dynamic=True)),
 }
