@@ -123,18 +123,19 @@ class LayerDecoder:
                                    "config_groups entry of quantization_config targets it")
             scheme, fmt = group
             compressor = BaseCompressor.get_value_from_registry(fmt)
-            out[f"{module}.weight"] = self._decompressed(compressor, state, scheme, fmt)
+            if fmt == NVFP4_FORMAT:  # llmc's decode: compressed-tensors' rounds NVFP4 weights to bf16
+                dense = nvfp4_from_compressed_tensors(state)
+                out[f"{module}.weight"] = dense.to(self.dtype) if self.dtype is not None else dense
+            else:
+                out[f"{module}.weight"] = self._decompressed(compressor, state, scheme)
         return out
 
-    def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme, fmt: str = "") -> torch.Tensor:
+    def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme) -> torch.Tensor:
         """One module's dense weight in `dtype`. The decompressor returns float32 (the scale's dtype); where the
         codes are one per element (`weight` [out, in]: FP8, INT8) it runs on blocks of rows, each cast as it comes,
         so its float32 result is one block's (llmc.quant.numerics.BLOCK_ELEMENTS), not the Linear's (0.94 GB of
         fresh pages per 70B-width MLP projection) nor the layer's (decompressed whole, then cast: +0.87 GB per
         8B-width layer measured). Packed codes (int4) are decompressed whole."""
-        if fmt == NVFP4_FORMAT:  # llmc's decode: compressed-tensors' rounds NVFP4 weights to bf16
-            dense = nvfp4_from_compressed_tensors(state)
-            return dense.to(self.dtype) if self.dtype is not None else dense
         codes = state.get("weight")
         if codes is None or codes.dim() != 2 or codes.numel() <= BLOCK_ELEMENTS:
             dense = compressor.decompress(dict(state), scheme)["weight"]
