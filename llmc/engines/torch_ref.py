@@ -36,8 +36,9 @@ from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their form
 from llmc.engines.base import EngineBase
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
+from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
 from llmc.model.attention import register_kv_attention, route_kv
-from llmc.quant.numerics import fake_quantize
+from llmc.quant.numerics import fake_quantize, input_scale_name
 from llmc.quant.spec import TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.telemetry.progress import steps
@@ -45,6 +46,9 @@ from llmc.telemetry.progress import steps
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)
 _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
+
+
+NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
 def _quantize_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +136,9 @@ class TorchEngine(EngineBase):
 
             if qcfg is None:
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)
-            elif expert_count(config) > 1:  # MoE: llmc's own decompression into per-expert Linears (why: there)
+            # MoE: llmc's own decompression into per-expert Linears (why: there); NVFP4: compressed-tensors
+            # decodes it to bf16, llmc exactly (torch_stream.LayerDecoder)
+            elif expert_count(config) > 1 or qcfg.get("format") == NVFP4_FORMAT:
                 from llmc.engines.torch_stream import build_dense_model
 
                 model = build_dense_model(self.folder, self.dtype)
@@ -165,14 +171,15 @@ class TorchEngine(EngineBase):
         del QuantizationConfig  # imported to fail loudly here if compressed-tensors is missing
         if act_args:
             spec = spec_from_args(act_args)
-            scales = _artifact_tensors(self.folder, (".input_scale",)) if not spec.dynamic else {}
+            stored = f".{input_scale_name(spec)}"  # NVFP4: the global scale its block scales are computed under
+            scales = _artifact_tensors(self.folder, (stored,)) if not spec.dynamic else {}
             for name, mod in model.named_modules():
                 if not isinstance(mod, nn.Linear) or module_matches(name, ignore):
                     continue
-                scale = scales.get(f"{name}.input_scale")
+                scale = scales.get(f"{name}{stored}")
                 scale = None if scale is None else scale.to(self.device)
                 if not spec.dynamic and scale is None:
-                    raise EngineFailed(f"{self.folder}: static activations but no {name}.input_scale in the files")
+                    raise EngineFailed(f"{self.folder}: static activations but no {name}{stored} in the files")
                 mod.register_forward_pre_hook(
                     lambda _m, args, s=scale, sp=spec: (fake_quantize(args[0], sp, s), *args[1:])
                 )

@@ -27,6 +27,7 @@ from llmc.telemetry.progress import steps
 from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release)
 from llmc.quant.moe import unfuse_experts
+from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
@@ -57,7 +58,7 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
             for d in info["shape"]:
                 n *= d
             if name.endswith(".weight_packed"):
-                n *= 8
+                n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
             if name.endswith((".weight_packed", ".weight")):
                 total += n * elem
             else:
@@ -109,7 +110,7 @@ class LayerDecoder:
             module, _, local = name.rpartition(".")
             if local.startswith("weight") and local != "weight" or (local == "weight" and f"{module}.weight_scale" in raw):
                 by_module.setdefault(module, {})[local] = t
-            elif local in ("input_scale", "input_zero_point", "k_scale", "v_scale"):
+            elif local in ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale"):
                 continue  # read by the runtime-quantization hooks, not parameters of the module
             else:
                 out[name] = t
@@ -122,7 +123,11 @@ class LayerDecoder:
                                    "config_groups entry of quantization_config targets it")
             scheme, fmt = group
             compressor = BaseCompressor.get_value_from_registry(fmt)
-            out[f"{module}.weight"] = self._decompressed(compressor, state, scheme)
+            if fmt == NVFP4_FORMAT:  # llmc's decode: compressed-tensors' rounds NVFP4 weights to bf16
+                dense = nvfp4_from_compressed_tensors(state)
+                out[f"{module}.weight"] = dense.to(self.dtype) if self.dtype is not None else dense
+            else:
+                out[f"{module}.weight"] = self._decompressed(compressor, state, scheme)
         return out
 
     def _decompressed(self, compressor, state: dict[str, torch.Tensor], scheme) -> torch.Tensor:
@@ -142,6 +147,9 @@ class LayerDecoder:
             part = {k: v[r : r + step] if v.dim() == 2 and v.shape[0] == rows else v for k, v in state.items()}
             out[r : r + step] = compressor.decompress(part, scheme)["weight"]
         return out
+
+
+NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
 def _targets_match(name: str, targets: tuple[str, ...]) -> bool:

@@ -12,8 +12,11 @@ from pathlib import Path
 import torch
 
 from llmc.formats.files import SERVE_FILE, copy_tokenizer_files, write_shards
+from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, compressed_tensors_scheme
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.microscaling import pack_e2m1
+from llmc.quant.numerics import block_scaled
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.store import atomic_write_json
 
@@ -38,13 +41,25 @@ def spec_from_args(args: dict) -> TensorSpec:
     is_float = args.get("type", "int") == "float"
     bits = args.get("num_bits", 8)
     fmt = "fp8_e4m3" if is_float and bits == 8 else ("int8" if bits == 8 else "int4")
+    strategy = args.get("strategy") or "tensor"
+    dynamic = args.get("dynamic", False)
+    if is_float and str(args.get("scale_dtype")).endswith("uint8"):  # E8M0 scales: an MX format
+        fmt = "mxfp4" if bits == 4 else "mxfp8"
+    elif is_float and bits == 4:  # NVFP4: E4M3 block scales under a per-tensor global scale
+        fmt, strategy = "nvfp4", "group"
+    # "local": block scales computed at run time under a stored global scale, static in llmc's terms
     return TensorSpec(
         format=fmt,
-        strategy=args.get("strategy") or "tensor",
+        strategy=strategy,
         group_size=args.get("group_size"),
         symmetric=args.get("symmetric", True),
-        dynamic=bool(args.get("dynamic", False)),
+        dynamic=dynamic is True,
     )
+
+
+def _format_key(spec: TensorSpec) -> str:
+    """`COMPRESSED_TENSORS_FORMATS`' name of a block-scaled weight spec."""
+    return spec.format if spec.info.microscaling else "fp8_block"
 
 
 def check_scheme(scheme: Scheme) -> None:
@@ -76,6 +91,8 @@ def vllm_load_rounding(scheme: Scheme) -> str | None:
 
 def compression_format(scheme: Scheme) -> str:
     w = scheme.weights
+    if block_scaled(w):
+        return COMPRESSED_TENSORS_FORMATS[_format_key(w)][0]
     if w.format == "int4" or (w.format == "int8" and scheme.activations is None):
         return "pack-quantized"
     if w.format == "fp8_e4m3":
@@ -90,11 +107,14 @@ def quantization_config(scheme: Scheme, unquantized: tuple[str, ...] = ()) -> di
     builds as Linear layers and would otherwise expect quantized)."""
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    group = QuantizationScheme(
-        targets=["Linear"],
-        weights=_args(scheme.weights),
-        input_activations=_args(scheme.activations) if scheme.activations else None,
-    )
+    if block_scaled(scheme.weights):  # compressed-tensors' own presets: what its compressors and vLLM decode
+        group = compressed_tensors_scheme(_format_key(scheme.weights), ["Linear"], scheme.activations is not None)
+    else:
+        group = QuantizationScheme(
+            targets=["Linear"],
+            weights=_args(scheme.weights),
+            input_activations=_args(scheme.activations) if scheme.activations else None,
+        )
     config = QuantizationConfig(
         config_groups={"group_0": group},
         format=compression_format(scheme),
@@ -127,6 +147,12 @@ def compressed_module_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tenso
     scheme = qm.scheme
     packed = compression_format(scheme) == "pack-quantized"
     out = dict(tensors)
+    if scheme.weights.info.microscaling and scheme.weights.bits == 4:  # E2M1 codes, two a byte (weight_packed)
+        for name in qm.quantized_modules:
+            codes = out.pop(f"{name}.weight", None)
+            if codes is not None:
+                out[f"{name}.weight_packed"] = pack_e2m1(codes)
+        return out
     if not packed:
         return out
     bits = scheme.weights.bits

@@ -26,9 +26,11 @@ from llmc.quant.microscaling import (
     MXFP4,
     NVFP4,
     BlockQuantized,
+    dequantize_blocks,
     modelopt_weight_scale_2,
     pack_e2m1,
     shared_nvfp4_global_scale,
+    unpack_e2m1,
 )
 
 GGUF_NVFP4_BLOCK = 64  # elements per GGML NVFP4 block (4 sub-blocks of NVFP4's 16)
@@ -107,6 +109,15 @@ def compressed_tensors_tensors(q: BlockQuantized) -> dict[str, torch.Tensor]:
     if q.global_scale is not None:
         out["weight_global_scale"] = q.global_scale
     return out
+
+
+def nvfp4_from_compressed_tensors(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight one Linear's `nvfp4-pack-quantized` tensors stand for, code * (block scale / global
+    scale) as compressed-tensors computes it but without its rounding to bfloat16 (its NVFP4 decompressor unpacks
+    into bf16 whatever the model's dtype): what llmc's reference evaluates."""
+    q = BlockQuantized(codes=unpack_e2m1(state["weight_packed"]), scale=state["weight_scale"],
+                       global_scale=state["weight_global_scale"].float().reshape(1), format=NVFP4)
+    return dequantize_blocks(q)
 
 
 def compressed_tensors_fp8_block_tensors(codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:

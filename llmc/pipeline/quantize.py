@@ -115,7 +115,7 @@ class Quantize:
         scheme, shape, e = self.scheme, c.shape, c.elem
         quantized = sum(a * b for n, (a, b) in c.linears.items() if not module_matches(n, scheme.ignore))
         rest = shape.params - quantized
-        packed = quantized * scheme.weights.bits / 8  # the quantized weights' codes, packed
+        packed = quantized * scheme.weights.stored_bits / 8  # the codes, packed (microscaling: with their scales)
         sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest * e,  # int4: one code a byte
                             packed=packed, artifact=packed + rest * e)
         c.bytes_of[self.id.of[0]] = sizes

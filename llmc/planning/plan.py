@@ -171,8 +171,10 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     for key in targets.scheme_keys(scheme):
         rule = rt.rules.get(key)
         if rule is None:
+            takers = [r.name for r in targets.runtimes() if key in r.rules]
             raise IncompatibleTargetError(
-                f"target {label}: {target.runtime} does not run {key} checkpoints",
+                f"target {label}: {target.runtime} does not run {key} checkpoints"
+                + (f"; runtimes that do: {', '.join(takers)}" if takers else ""),
                 fix=f"{target.runtime} runs: {', '.join(sorted(rt.rules))}" if rt.rules else f"{target.runtime} is not supported",
             )
         if target.gpu_arch == "cpu":
@@ -252,6 +254,13 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
                 f"of this model",
                 fix=fix,
             )
+    a = scheme.activations
+    if a is not None and a.strategy == "group":  # block-wise FP8's 1x128 groups, MX / NVFP4 blocks
+        bad = sorted({s[1] for s in quantized.values() if s[1] % a.group_size})
+        if bad:
+            raise IncompatibleTargetError(
+                f"{scheme.name} quantizes activations in groups of {a.group_size}, which do not divide input "
+                f"dimension(s) {bad} of this model", fix="choose a weight-only scheme or another model")
     if config.get("tie_word_embeddings") and not module_matches("lm_head", scheme.ignore):
         raise IncompatibleTargetError(
             "lm_head is tied to the input embeddings in this model; quantizing it would untie them",

@@ -6,10 +6,15 @@
     <dir>/<tokenizer files>     copied from the source so the form is self-contained
 
 Tensor names are the model's own. For each quantized Linear `m`:
-    m.weight              codes: int8 (holding int8 or int4 values, signed) or float8_e4m3fn
-    m.weight_scale        float32, [1] / [out, 1] / [out, in // group]
+    m.weight              codes: int8 (holding int8 or int4 values, signed) or float8_e4m3fn; NVFP4 / MXFP4:
+                          uint8 E2M1 codes, one a byte (llmc.quant.microscaling), packed by the exporters
+    m.weight_scale        float32, [1] / [out, 1] / [out, in // group]; block-wise FP8: float32
+                          [ceil(out / 128), ceil(in / 128)]; NVFP4: float8_e4m3fn [out, in // 16]; MXFP4 / MXFP8:
+                          uint8 E8M0 exponents [out, in // 32]
+    m.weight_global_scale float32 [1], NVFP4 only: the divisor 448 * 6 / amax (compressed-tensors' convention)
     m.weight_zero_point   int8, same shape as the scale (asymmetric only)
-    m.input_scale         float32 [1] (static activation quantization only)
+    m.input_scale         float32 [1] (static activation quantization only); NVFP4 activations:
+    m.input_global_scale  float32 [1], the calibrated divisor (llmc.quant.numerics.input_scale_name)
 For each attention module `a` with a quantized KV cache: a.k_scale, a.v_scale (float32 [1]).
 Every other tensor is stored unchanged in the model's dtype.
 """
@@ -95,6 +100,7 @@ class QuantizedModel:
             tensors[f"{module}.weight_scale"],
             tensors.get(f"{module}.weight_zero_point"),
             spec,
+            tensors.get(f"{module}.weight_global_scale"),
         )
 
 

@@ -19,14 +19,46 @@ from dataclasses import dataclass
 import torch
 
 from llmc.planning import probes
-from llmc.quant.spec import FP8_E4M3_MAX, TensorSpec
+from llmc.quant.block_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from llmc.quant.microscaling import (
+    MICROSCALING_FORMATS,
+    BlockQuantized,
+    dequantize_blocks,
+    nvfp4_global_scale,
+    quantize_blocks,
+)
+from llmc.quant.spec import BLOCK_SHAPE, FP8_E4M3_MAX, TensorSpec
 
 
 @dataclass
 class QuantizedWeight:
-    codes: torch.Tensor  # [out, in]: int8 (int8/int4 codes) or float8_e4m3fn
-    scale: torch.Tensor  # [1], [out, 1] or [out, in // group] float32
+    codes: torch.Tensor  # [out, in]: int8 (int8/int4 codes), float8_e4m3fn, or uint8 E2M1 codes (one a byte)
+    scale: torch.Tensor  # [1], [out, 1] or [out, in // group] float32; microscaling: E4M3 or E8M0 (uint8) block
+    # scales [out, in // block]; block-wise FP8: float32 [ceil(out / 128), ceil(in / 128)]
     zero_point: torch.Tensor | None  # same shape as scale, int8, asymmetric only
+    global_scale: torch.Tensor | None = None  # NVFP4: float32 [1], compressed-tensors' divisor (microscaling.py)
+
+
+def block_scaled(spec: TensorSpec) -> bool:
+    """Whether the spec's scales are not the float32 per-tensor/channel/group ones `quantize_with` computes:
+    microscaling formats (their own functions, llmc.quant.microscaling) and block-wise FP8 (llmc.quant.block_fp8)."""
+    return spec.info.microscaling or spec.strategy == "block"
+
+
+def _quantize_block_scaled(w: torch.Tensor, spec: TensorSpec) -> QuantizedWeight:
+    if spec.strategy == "block":
+        codes, scale = quantize_fp8_blocks(w, BLOCK_SHAPE)
+        return QuantizedWeight(codes=codes, scale=scale, zero_point=None)
+    q = quantize_blocks(w, MICROSCALING_FORMATS[spec.format])
+    return QuantizedWeight(codes=q.codes, scale=q.scale, zero_point=None, global_scale=q.global_scale)
+
+
+def _dequantize_block_scaled(codes: torch.Tensor, scale: torch.Tensor, spec: TensorSpec,
+                             global_scale: torch.Tensor | None) -> torch.Tensor:
+    if spec.strategy == "block":
+        return dequantize_fp8_blocks(codes, scale, BLOCK_SHAPE)
+    fmt = MICROSCALING_FORMATS[spec.format]
+    return dequantize_blocks(BlockQuantized(codes=codes, scale=scale, global_scale=global_scale, format=fmt))
 
 
 def grouped_view(x: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -141,8 +173,11 @@ def quantize_with(
 
 
 def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: TensorSpec
+    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, spec: TensorSpec,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if block_scaled(spec):
+        return _dequantize_block_scaled(codes, scale, spec, global_scale)
     q = codes.float()
     if zero_point is not None:
         q = q - _expand(zero_point, q, spec).float()
@@ -158,7 +193,10 @@ BLOCK_ELEMENTS = 1 << 20
 def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLOCK_ELEMENTS) -> QuantizedWeight:
     """Codes and scales of `w` [out, in]. Above `block_elements`, a block of whole rows at a time: the same codes and
     scales bit for bit (ranges are minima and maxima, and every row's arithmetic is its own), with one block's
-    float32 temporaries instead of the weight's."""
+    float32 temporaries instead of the weight's. Microscaling and block-wise FP8 weights are quantized whole by
+    their own functions (NVFP4's global scale spans the weight)."""
+    if block_scaled(spec):
+        return _quantize_block_scaled(w, spec)
     if w.dim() != 2 or w.numel() <= block_elements:
         scale, zp = compute_qparams(w, spec)
         return QuantizedWeight(codes=quantize_with(w, scale, zp, spec), scale=scale, zero_point=zp)
@@ -190,8 +228,8 @@ def dequantize_weight(q: QuantizedWeight, spec: TensorSpec, dtype: torch.dtype |
     """The weight the codes stand for, in float32 (or `dtype`: the float32 values rounded once, as `.to(dtype)`
     would), a block of rows at a time above `block_elements` like `quantize_weight`."""
     codes = q.codes
-    if codes.dim() != 2 or codes.numel() <= block_elements:
-        w = dequantize(codes, q.scale, q.zero_point, spec)
+    if block_scaled(spec) or codes.dim() != 2 or codes.numel() <= block_elements:
+        w = dequantize(codes, q.scale, q.zero_point, spec, q.global_scale)
         return w if dtype is None else w.to(dtype)
     out = torch.empty(codes.shape, dtype=dtype or torch.float32, device=codes.device)
     rows = max(1, block_elements // codes.shape[1])
@@ -222,7 +260,10 @@ def dynamic_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, to
 
 def fake_quantize(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize x: with the given static scale, or a dynamic one computed from x the
-    way the runtime does (`dynamic_qparams`)."""
+    way the runtime does (`dynamic_qparams`). Microscaling activations: block scales from x along its last
+    dimension, under the given NVFP4 global scale (the calibrated divisor) where there is one."""
+    if spec.info.microscaling:
+        return dequantize_blocks(quantize_blocks(x, MICROSCALING_FORMATS[spec.format], scale)).to(x.dtype)
     if scale is None:
         scale, zp = dynamic_qparams(x, spec)
     else:
@@ -230,8 +271,17 @@ def fake_quantize(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor | None 
     return dequantize(quantize_with(x, scale, zp, spec), scale, zp, spec).to(x.dtype)
 
 
+def input_scale_name(spec: TensorSpec) -> str:
+    """The stored name of a static activation spec's scale: NVFP4's is a global scale (compressed-tensors'
+    `input_global_scale`, a divisor), every other one `input_scale` (a multiplier)."""
+    return "input_global_scale" if spec.format == "nvfp4" else "input_scale"
+
+
 def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """Per-tensor scale for a symmetric static activation or KV-cache spec from its observed absmax."""
+    """Per-tensor scale for a symmetric static activation or KV-cache spec from its observed absmax; NVFP4: the
+    global scale, compressed-tensors' divisor 448 * 6 / absmax (its `input_global_scale`)."""
+    if spec.format == "nvfp4":
+        return nvfp4_global_scale(absmax)
     scale, _ = qparams_from_range(-absmax.reshape(1), absmax.reshape(1), spec)
     return scale
 

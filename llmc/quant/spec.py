@@ -10,14 +10,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
-Strategy = Literal["tensor", "channel", "group", "token"]
+NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "mxfp8"]
+# "block": one scale per 128x128 tile of a weight (`BLOCK_SHAPE`; DeepSeek-style block-wise FP8)
+Strategy = Literal["tensor", "channel", "group", "token", "block"]
 # "fp8_row": every group scale is a per-row float32 scale times an FP8 e4m3 value (the row scale is the row's
 # largest group scale / 448), the form vLLM's W4A8-FP8 kernel converts group scales to at load; scales already
 # on that grid convert without loss. None: plain float32 scales.
 ScaleGrid = Literal["fp8_row"]
 
 FP8_E4M3_MAX = 448.0
+BLOCK_SHAPE = (128, 128)  # strategy "block": the weight tile one scale covers, the only one runtimes' kernels load
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,14 @@ class FormatInfo:
     bits: int
     is_float: bool
     implemented: bool = True  # False: recipes may name it, this llmc version cannot quantize to it
+    # Microscaling formats (llmc.quant.microscaling): the format fixes how many consecutive elements share one scale
+    # and how that scale is stored; None for formats whose scales the strategy chooses (float32 each).
+    scale_block: int | None = None
+    scale_bits: int = 32
+
+    @property
+    def microscaling(self) -> bool:
+        return self.scale_block is not None
 
     def int_range(self, symmetric: bool) -> tuple[int, int]:
         """Code range; signed for both symmetric and asymmetric (compressed-tensors convention)."""
@@ -36,14 +46,16 @@ FORMATS: dict[str, FormatInfo] = {
     "fp8_e4m3": FormatInfo(bits=8, is_float=True),
     "int8": FormatInfo(bits=8, is_float=False),
     "int4": FormatInfo(bits=4, is_float=False),
-    "nvfp4": FormatInfo(bits=4, is_float=True, implemented=False),
+    "nvfp4": FormatInfo(bits=4, is_float=True, scale_block=16, scale_bits=8),  # E4M3 scales (+ fp32 per tensor)
+    "mxfp4": FormatInfo(bits=4, is_float=True, scale_block=32, scale_bits=8),  # E8M0 scales
+    "mxfp8": FormatInfo(bits=8, is_float=True, scale_block=32, scale_bits=8),  # E8M0 scales
 }
 
 
 # Every scheme a runtime executes, one line each: (weight format, activation format or None) -> its name. The name
 # is the scheme's capability key in the runtimes' rules (docs/compatibility.md), what messages call it, and part of
 # stage keys and records: a spelling never changes. The recipe accepts these pairs only.
-SCHEMES: dict[tuple[NumberFormat, NumberFormat | None], str] = {
+SCHEMES: dict[tuple[str, NumberFormat | None], str] = {
     ("fp8_e4m3", "fp8_e4m3"): "W8A8-FP8",
     ("fp8_e4m3", None): "W8A16-FP8",
     ("int8", "int8"): "W8A8-INT8",
@@ -52,11 +64,20 @@ SCHEMES: dict[tuple[NumberFormat, NumberFormat | None], str] = {
     ("int4", "fp8_e4m3"): "W4AFP8",
     ("nvfp4", "nvfp4"): "W4A4-NVFP4",
     ("nvfp4", None): "W4A16-NVFP4",
+    ("mxfp4", None): "W4A16-MXFP4",
+    ("mxfp8", "mxfp8"): "W8A8-MXFP8",  # activations dynamic MXFP8, as vLLM's MXFP8 kernel quantizes them
+    ("fp8_e4m3/block", "fp8_e4m3"): "W8A8-FP8-BLOCK",  # 128x128 weight blocks, dynamic 1x128 activation groups
 }
 KV_CACHE_SCHEMES: dict[NumberFormat, str] = {"fp8_e4m3": "KV-FP8", "int8": "KV-INT8"}  # capability keys too
 
 
-def pair_name(weights: NumberFormat, activations: NumberFormat | None) -> str:
+def weight_kind(format: NumberFormat, strategy: Strategy) -> str:
+    """The weights' side of a `SCHEMES` key: the format, "/block" added for block-wise scales (a scheme of its own:
+    other kernels)."""
+    return f"{format}/block" if strategy == "block" else format
+
+
+def pair_name(weights: str, activations: NumberFormat | None) -> str:
     """How messages spell a weight/activation pair: "int4+none"."""
     return f"{weights}+{activations or 'none'}"
 
@@ -78,8 +99,16 @@ class TensorSpec:
     def bits(self) -> int:
         return self.info.bits
 
+    @property
+    def stored_bits(self) -> float:
+        """Bits a weight takes once stored, its scale's share included where the format fixes it (microscaling);
+        the plain code bits for the others (their scales are counted apart, if at all)."""
+        info = self.info
+        return info.bits + info.scale_bits / info.scale_block if info.microscaling else info.bits
+
     def describe(self) -> str:
-        grain = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        grain = {"group": f"g{self.group_size}", "block": "block{}x{}".format(*BLOCK_SHAPE)}.get(self.strategy,
+                                                                                             self.strategy)
         sym = "sym" if self.symmetric else "asym"
         mode = "dynamic" if self.dynamic else "static"
         grid = f"/{self.scale_grid}-scales" if self.scale_grid else ""
@@ -112,7 +141,8 @@ class Scheme:
     def name(self) -> str:
         """The scheme's name in `SCHEMES`: W8A8-FP8, W4A16-INT, W4AFP8 (int4 weights, fp8 activations), ...; a pair
         no runtime executes (only a Scheme built in code, never a recipe's) is named by its formats: "int4+int8"."""
-        pair = (self.weights.format, self.activations.format if self.activations else None)
+        pair = (weight_kind(self.weights.format, self.weights.strategy),
+                self.activations.format if self.activations else None)
         return SCHEMES.get(pair) or pair_name(*pair)
 
     def to_dict(self) -> dict:

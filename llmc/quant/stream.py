@@ -46,7 +46,7 @@ from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memo
 from llmc.quant.algorithms import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
-from llmc.quant.numerics import QuantizedWeight, quantize_weight, static_scale
+from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weight, static_scale
 from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
@@ -410,12 +410,15 @@ def _layer_tensors(
     tensors = {f"{prefix}{n}": p.detach() for n, p in layer.state_dict().items()}
     for name, q in quantized.items():
         tensors[f"{name}.weight"] = q.codes
-        tensors[f"{name}.weight_scale"] = q.scale.float()
+        # microscaling block scales keep their encoding (E4M3, E8M0): canonical.py
+        tensors[f"{name}.weight_scale"] = q.scale if scheme.weights.info.microscaling else q.scale.float()
         if q.zero_point is not None:
             tensors[f"{name}.weight_zero_point"] = q.zero_point
+        if q.global_scale is not None:
+            tensors[f"{name}.weight_global_scale"] = q.global_scale
         act = scheme.activations
         if act is not None and not act.dynamic:
-            tensors[f"{name}.input_scale"] = static_scale(stats.input_absmax[name], act)
+            tensors[f"{name}.{input_scale_name(act)}"] = static_scale(stats.input_absmax[name], act)
     for name in kv_modules:
         tensors[f"{name}.k_scale"] = static_scale(stats.key_absmax[name], scheme.kv_cache)
         tensors[f"{name}.v_scale"] = static_scale(stats.value_absmax[name], scheme.kv_cache)

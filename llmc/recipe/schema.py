@@ -19,7 +19,7 @@ from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms import Pipeline, compose, steps_of
-from llmc.quant.spec import SCHEMES, Scheme, TensorSpec, pair_name
+from llmc.quant.spec import BLOCK_SHAPE, FORMATS, SCHEMES, Scheme, TensorSpec, pair_name, weight_kind
 from llmc.runtimes import runtime_names
 from llmc.runtimes.base import ARCH_ORDER
 
@@ -54,8 +54,9 @@ class ModelSection(_Strict):
 
 
 class TensorQuant(_Strict):
-    format: Literal["fp8_e4m3", "int8", "int4", "nvfp4"]
-    strategy: Literal["tensor", "channel", "group", "token"]
+    format: Literal["fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "mxfp8"]
+    strategy: Literal["tensor", "channel", "group", "token", "block"] = Field(
+        description="block: weights only, fp8_e4m3, one scale per {}x{} tile (block-wise FP8)".format(*BLOCK_SHAPE))
     group_size: int | None = Field(default=None, ge=1, le=65536)
     symmetric: bool = True
     dynamic: bool = False
@@ -77,8 +78,11 @@ class TensorQuant(_Strict):
                 f"group_size is only meaningful with strategy 'group' (strategy is '{self.strategy}'); "
                 "fix: remove group_size or set strategy: group"
             )
-        if self.format == "nvfp4" and (self.strategy != "group" or self.group_size != 16):
-            raise ValueError("nvfp4 uses 16-element groups; fix: strategy: group, group_size: 16")
+        block = FORMATS[self.format].scale_block
+        if block is not None and (self.strategy != "group" or self.group_size != block):
+            raise ValueError(f"{self.format} uses {block}-element groups; fix: strategy: group, group_size: {block}")
+        if block is not None and not self.symmetric:
+            raise ValueError(f"{self.format} is symmetric only; fix: remove symmetric: false")
         if self.format == "fp8_e4m3" and not self.symmetric:
             raise ValueError("fp8_e4m3 is symmetric only; fix: remove symmetric: false")
         return self
@@ -110,6 +114,9 @@ class WeightQuant(TensorQuant):
             )
         if self.dynamic:
             raise ValueError("weights are always static; fix: remove dynamic: true")
+        if self.strategy == "block" and self.format != "fp8_e4m3":
+            raise ValueError(f"strategy 'block' is block-wise FP8, not {self.format}; fix: format: fp8_e4m3, or "
+                             "strategy group/channel")
         if self.scale_grid == "fp8_row" and (self.format != "int4" or self.strategy != "group" or not self.symmetric):
             raise ValueError(
                 "scale_grid fp8_row is for symmetric int4 group scales (vLLM's W4A8-FP8 kernel); "
@@ -121,11 +128,23 @@ class WeightQuant(TensorQuant):
 class ActivationQuant(TensorQuant):
     @model_validator(mode="after")
     def _activations(self) -> "ActivationQuant":
-        if self.strategy in ("channel", "group") and self.format != "nvfp4":
+        if self.strategy == "block":
+            raise ValueError("activations have no 'block' strategy; block-wise FP8 takes dynamic groups of 128; "
+                             "fix: strategy: group, group_size: 128, dynamic: true")
+        fp8_groups = self.format == "fp8_e4m3" and self.strategy == "group"  # block-wise FP8's 1x128 groups
+        if fp8_groups and (self.group_size != BLOCK_SHAPE[1] or not self.dynamic):
+            raise ValueError(f"fp8_e4m3 activation groups are block-wise FP8's dynamic 1x{BLOCK_SHAPE[1]} groups; "
+                             f"fix: group_size: {BLOCK_SHAPE[1]}, dynamic: true")
+        if self.strategy in ("channel", "group") and not FORMATS[self.format].microscaling and not fp8_groups:
             raise ValueError(
                 f"activation strategy '{self.strategy}' has no runtime kernel; "
                 "fix: use tensor (static or dynamic) or token (dynamic)"
             )
+        if self.format in ("mxfp4", "mxfp8") and not self.dynamic:
+            raise ValueError(f"{self.format} activations are scaled per block at run time; fix: dynamic: true")
+        if self.format == "nvfp4" and self.dynamic:
+            raise ValueError("nvfp4 activations take a calibrated global scale (their block scales are computed at "
+                             "run time anyway); fix: remove dynamic: true")
         if self.strategy == "token" and not self.dynamic:
             raise ValueError(
                 "per-token activation scales are computed at run time; fix: set dynamic: true"
@@ -184,11 +203,18 @@ class QuantizationSection(_Strict):
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
-        pair = (self.weights.format, self.activations.format if self.activations else None)
+        pair = (weight_kind(self.weights.format, self.weights.strategy),
+                self.activations.format if self.activations else None)
         if pair not in SCHEMES:
             known = ", ".join(f"{pair_name(*p)} ({name})" for p, name in SCHEMES.items())
             raise ValueError(f"weights {pair[0]} with activations {pair[1] or 'none'} is not a scheme any runtime "
                              f"executes; fix: pick one of {known}")
+        a = self.activations
+        groups = a is not None and a.format == "fp8_e4m3" and a.strategy == "group"
+        if (self.weights.strategy == "block") != groups:
+            raise ValueError("block-wise FP8 pairs 128x128 weight blocks with dynamic 1x128 activation groups, and "
+                             "only those; fix: weights {format: fp8_e4m3, strategy: block}, activations {format: "
+                             "fp8_e4m3, strategy: group, group_size: 128, dynamic: true}")
         Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 

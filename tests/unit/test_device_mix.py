@@ -36,6 +36,9 @@ SCHEMES = {
     "smoothquant+gptq": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True),
                                algorithm="smoothquant+gptq"),
     "awq+gptq": Scheme(INT4_G32, algorithm="awq+gptq"),
+    # microscaling: E4M3 / E8M0 block scales and an NVFP4 activation global scale from calibration
+    "w4a4-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16), TensorSpec("nvfp4", "group", group_size=16)),
+    "mxfp4-scale-search": Scheme(TensorSpec("mxfp4", "group", group_size=32), algorithm="scale_search"),
 }
 # every family whose layer differs in what discovery or the stream must handle (tests/unit/families.py)
 FAMILIES = ["llama", "qwen3", "gemma3", "phi3", "olmo2", "qwen3_moe"]
@@ -88,7 +91,8 @@ def _assert_same_files(cpu: dict[str, torch.Tensor], gpu: dict[str, torch.Tensor
 # ~3-8 s here); the whole matrix runs with -m slow.
 DEFAULT_CASES = {("smoothquant", f) for f in FAMILIES} | {("awq", f) for f in FAMILIES} | {
     ("fp8-static-kv", "llama"), ("fp8-static-kv", "qwen3_moe"), ("gptq", "llama"), ("gptq", "phi3"),
-    ("gptq", "qwen3_moe"), ("smoothquant+gptq", "gemma3"), ("smoothquant+gptq", "qwen3_moe"), ("awq+gptq", "olmo2")}
+    ("gptq", "qwen3_moe"), ("smoothquant+gptq", "gemma3"), ("smoothquant+gptq", "qwen3_moe"), ("awq+gptq", "olmo2"),
+    ("w4a4-nvfp4", "llama"), ("w4a4-nvfp4", "qwen3_moe"), ("mxfp4-scale-search", "gemma3")}
 CASES = [pytest.param(s, f, id=f"{s}-{f}", marks=() if (s, f) in DEFAULT_CASES else pytest.mark.slow)
          for s in SCHEMES for f in FAMILIES]
 

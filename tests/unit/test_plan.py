@@ -16,7 +16,7 @@ W8A8 = {"weights": {"format": "int8", "strategy": "channel"},
         "activations": {"format": "int8", "strategy": "token", "dynamic": True}}
 W4A16_G128 = {"weights": {"format": "int4", "strategy": "group", "group_size": 128}}
 NVFP4 = {"weights": {"format": "nvfp4", "strategy": "group", "group_size": 16},
-         "activations": {"format": "nvfp4", "strategy": "group", "group_size": 16, "dynamic": True}}
+         "activations": {"format": "nvfp4", "strategy": "group", "group_size": 16}}
 
 
 def recipe(quant: dict, *targets: dict, **extra):

@@ -34,6 +34,13 @@ SCHEMES = {
     "w4afp8-static": Scheme(TensorSpec("int4", "group", group_size=32), TensorSpec("fp8_e4m3", "tensor")),
     "fp8-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
                      kv_cache=TensorSpec("fp8_e4m3", "tensor")),
+    "w4a16-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16)),
+    "w4a4-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16), TensorSpec("nvfp4", "group", group_size=16)),
+    "w4a16-mxfp4": Scheme(TensorSpec("mxfp4", "group", group_size=32)),
+    "w8a8-mxfp8": Scheme(TensorSpec("mxfp8", "group", group_size=32),
+                         TensorSpec("mxfp8", "group", group_size=32, dynamic=True)),
+    "w8a8-fp8-block": Scheme(TensorSpec("fp8_e4m3", "block"),
+                             TensorSpec("fp8_e4m3", "group", group_size=128, dynamic=True)),
 }
 
 
@@ -70,8 +77,11 @@ def _reference(folder: Path, scheme: Scheme, calib: torch.Tensor) -> nn.Module:
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_export_reload_matches_fake_quantized_model(name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_export_reload_matches_fake_quantized_model(name: str, tiny_model: Path, tiny_model_factory,
+                                                    tmp_path: Path) -> None:
     scheme = SCHEMES[name]
+    if scheme.activations is not None and scheme.activations.group_size == 128:  # block FP8's 1x128 groups
+        tiny_model = tiny_model_factory(tmp_path / "wide", hidden=128, intermediate=256)
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     calib = _calibration(vocab)
     src = ModelSource(folder=tiny_model, sha256="test", origin=str(tiny_model))

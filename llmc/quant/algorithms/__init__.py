@@ -13,7 +13,7 @@ resolved view the layer stream and the build ask everything about the scheme's a
 
 from __future__ import annotations
 
-from llmc.quant.algorithms import awq, gptq, rtn, smoothquant  # noqa: F401  (each registers itself)
+from llmc.quant.algorithms import awq, gptq, rtn, scale_search, smoothquant  # noqa: F401  (each registers itself)
 from llmc.quant.algorithms.mappings import Mapping
 from llmc.quant.algorithms.pipeline import Pipeline, calibration_passes, quantize_stage_config
 from llmc.quant.algorithms.registry import (

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError
 from torch import nn
 
 from llmc.quant.algorithms.registry import (
+    ALGORITHMS,
     Algorithm,
     AlgorithmOptions,
     Context,
@@ -21,7 +22,7 @@ from llmc.quant.algorithms.registry import (
     Propagate,
     steps_of,
 )
-from llmc.quant.numerics import QuantizedWeight
+from llmc.quant.numerics import QuantizedWeight, block_scaled
 from llmc.quant.spec import Scheme
 
 
@@ -187,6 +188,13 @@ class Pipeline:
 
     def check(self) -> None:
         """ValueError for what a recipe asks that the steps cannot do (the stream would quietly do otherwise)."""
+        if block_scaled(self.scheme.weights):
+            refused = [s.name for s in self.steps if not s.algorithm.block_scaled]
+            if refused:
+                able = sorted(n for n, a in ALGORITHMS.items() if a.block_scaled)
+                raise ValueError(
+                    f"algorithm {'+'.join(refused)} does not quantize {self.scheme.weights.describe()} weights in "
+                    f"this llmc version; fix: algorithm {' or '.join(able)}")
         for s in self.steps:
             s.given.check(s.context)
 

@@ -95,6 +95,9 @@ class Algorithm:
     hessians: bool = False  # observes every Linear input's Hessian
     module_calls: Callable[[nn.Module], tuple[str, ...]] | None = None  # modules whose calls it replays
     fp8_row_by_default: bool = True  # W4AFP8 for vLLM quantizes on the kernel's scale grid by default
+    # quantizes (or, a transform, is measured before) microscaling and block-wise FP8 weights (llmc.quant.numerics
+    # `block_scaled`); the others compute per-group float32 scales those formats do not store
+    block_scaled: bool = False
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algorithm")

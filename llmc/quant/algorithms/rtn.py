@@ -13,7 +13,7 @@ class RtnOptions(AlgorithmOptions):
     pass
 
 
-@register("rtn", kind="quantizer", options=RtnOptions, calibrates=False)
+@register("rtn", kind="quantizer", options=RtnOptions, calibrates=False, block_scaled=True)
 def rtn_layer(linears: dict[str, nn.Linear], stats, weights: TensorSpec,
               options: RtnOptions) -> dict[str, QuantizedWeight]:
     del stats, options
