@@ -32,12 +32,12 @@ from llmc.formats.microscaling_export import (
     COMPRESSED_TENSORS_FORMATS,
     compressed_tensors_scheme,
     compressed_tensors_tensors,
-    nvfp4_global_scales,
 )
 from llmc.quant.microscaling import (
     MICROSCALING_FORMATS,
     BlockQuantized,
     dequantize_blocks,
+    nvfp4_global_scales,
     quantize_blocks,
     unpack_e2m1,
 )

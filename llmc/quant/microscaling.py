@@ -162,6 +162,50 @@ def shared_nvfp4_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     return nvfp4_global_scale(amax)
 
 
+# Sibling Linears that vLLM and SGLang load as one fused matmul with one NVFP4 global scale (the largest stored
+# one): their global scales must be equal. llm-compressor 0.14's FUSED_LAYER_NAMES, which its observers share.
+FUSED_PROJECTIONS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek's multi-latent attention
+    ("w1", "w3"),  # MoE experts named Mixtral's way
+)
+
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """Module names grouped as runtimes fuse them: the members of one `FUSED_PROJECTIONS` set under one parent
+    module form a group when all of them are present; every other name is a group of its own. Order follows
+    `names` (a group sits where its first member does)."""
+    by_parent: dict[str, dict[str, str]] = {}
+    for name in names:
+        parent, _, local = name.rpartition(".")
+        by_parent.setdefault(parent, {})[local] = name
+    group_of: dict[str, list[str]] = {}
+    for parent, children in by_parent.items():
+        for siblings in FUSED_PROJECTIONS:
+            if all(s in children for s in siblings):
+                group = [children[s] for s in siblings]
+                for member in group:
+                    group_of[member] = group
+    groups, seen = [], set()
+    for name in names:
+        group = group_of.get(name, [name])
+        if group[0] not in seen:
+            seen.add(group[0])
+            groups.append(group)
+    return groups
+
+
+def nvfp4_global_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The NVFP4 global scale of each Linear's weight (keyed by module name), shared within `fused_groups`: what a
+    compressed-tensors or ModelOpt checkpoint must store for vLLM / SGLang to decode fused siblings right. Pass
+    each to `quantize_blocks(w, NVFP4, global_scale=...)`."""
+    scales = {}
+    for group in fused_groups(list(weights)):
+        shared = shared_nvfp4_global_scale([weights[name] for name in group])
+        scales.update({name: shared.clone() for name in group})  # a tensor each: safetensors stores no aliases
+    return scales
+
+
 def modelopt_weight_scale_2(global_scale: torch.Tensor) -> torch.Tensor:
     """ModelOpt's per-tensor `weight_scale_2` (and llama.cpp's GGUF `.scale`): the multiplier 1 / global_scale."""
     return 1.0 / global_scale.float()

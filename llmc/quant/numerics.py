@@ -25,6 +25,7 @@ from llmc.quant.microscaling import (
     BlockQuantized,
     dequantize_blocks,
     nvfp4_global_scale,
+    nvfp4_global_scales,
     quantize_blocks,
 )
 from llmc.quant.spec import BLOCK_SHAPE, FP8_E4M3_MAX, TensorSpec
@@ -45,11 +46,11 @@ def block_scaled(spec: TensorSpec) -> bool:
     return spec.info.microscaling or spec.strategy == "block"
 
 
-def _quantize_block_scaled(w: torch.Tensor, spec: TensorSpec) -> QuantizedWeight:
+def _quantize_block_scaled(w: torch.Tensor, spec: TensorSpec, global_scale: torch.Tensor | None) -> QuantizedWeight:
     if spec.strategy == "block":
         codes, scale = quantize_fp8_blocks(w, BLOCK_SHAPE)
         return QuantizedWeight(codes=codes, scale=scale, zero_point=None)
-    q = quantize_blocks(w, MICROSCALING_FORMATS[spec.format])
+    q = quantize_blocks(w, MICROSCALING_FORMATS[spec.format], global_scale)
     return QuantizedWeight(codes=q.codes, scale=q.scale, zero_point=None, global_scale=q.global_scale)
 
 
@@ -190,13 +191,21 @@ def dequantize(
 BLOCK_ELEMENTS = 1 << 20
 
 
-def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLOCK_ELEMENTS) -> QuantizedWeight:
+def weight_global_scales(weights: dict[str, torch.Tensor], spec: TensorSpec) -> dict[str, torch.Tensor]:
+    """NVFP4: each Linear's global scale, shared by the siblings a runtime fuses (`fused_groups`: q/k/v, gate/up),
+    keyed like `weights` (module names within one layer or model); other formats have none ({})."""
+    return nvfp4_global_scales(weights) if spec.format == "nvfp4" and block_scaled(spec) else {}
+
+
+def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLOCK_ELEMENTS,
+                    global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """Codes and scales of `w` [out, in]. Above `block_elements`, a block of whole rows at a time: the same codes and
     scales bit for bit (ranges are minima and maxima, and every row's arithmetic is its own), with one block's
     float32 temporaries instead of the weight's. Microscaling and block-wise FP8 weights are quantized whole by
-    their own functions (NVFP4's global scale spans the weight)."""
+    their own functions (NVFP4's global scale spans the weight; `global_scale` gives it, shared by fused siblings:
+    `weight_global_scales`)."""
     if block_scaled(spec):
-        return _quantize_block_scaled(w, spec)
+        return _quantize_block_scaled(w, spec, global_scale)
     if w.dim() != 2 or w.numel() <= block_elements:
         scale, zp = compute_qparams(w, spec)
         return QuantizedWeight(codes=quantize_with(w, scale, zp, spec), scale=scale, zero_point=zp)

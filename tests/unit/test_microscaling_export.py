@@ -14,9 +14,7 @@ from llmc.formats.microscaling_export import (
     compressed_tensors_fp8_block_tensors,
     compressed_tensors_scheme,
     compressed_tensors_tensors,
-    fused_groups,
     modelopt_nvfp4_tensors,
-    nvfp4_global_scales,
 )
 from llmc.quant.block_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from llmc.quant.microscaling import (
@@ -25,7 +23,9 @@ from llmc.quant.microscaling import (
     BlockQuantized,
     dequantize_blocks,
     e2m1_decode,
+    fused_groups,
     nvfp4_global_scale,
+    nvfp4_global_scales,
     quantize_blocks,
     unpack_e2m1,
 )

@@ -19,7 +19,7 @@ from llmc.model.source import ModelSource
 from llmc.planning.plan import make_plan
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, dequantize_blocks, quantize_blocks
-from llmc.quant.numerics import QuantizedWeight, dequantize_weight
+from llmc.quant.numerics import QuantizedWeight, dequantize_weight, weight_global_scales
 from llmc.quant.scale_search import block_errors
 from llmc.quant.stream import quantize_model
 from llmc.recipe import parse_recipe
@@ -171,9 +171,11 @@ def test_scale_search_never_loses_to_rounding_and_wins_somewhere(fmt: str, tiny_
         source = {k: h.get_tensor(k) for k in h.keys()}
     canonical = next(qm.iter_files())
     searched_total = rtn_total = 0.0
-    for module in [m for m in qm.quantized_modules if f"{m}.weight" in canonical]:
+    modules = [m for m in qm.quantized_modules if f"{m}.weight" in canonical]
+    global_scales = weight_global_scales({m: source[f"{m}.weight"].float() for m in modules}, scheme.weights)
+    for module in modules:
         w = source[f"{module}.weight"].float()
-        rtn = quantize_blocks(w, MICROSCALING_FORMATS[fmt])
+        rtn = quantize_blocks(w, MICROSCALING_FORMATS[fmt], global_scales.get(module))
         searched = qm.dequantized_weight(canonical, module)
         q = QuantizedWeight(canonical[f"{module}.weight"], canonical[f"{module}.weight_scale"], None,
                             canonical.get(f"{module}.weight_global_scale"))
@@ -186,3 +188,33 @@ def test_scale_search_never_loses_to_rounding_and_wins_somewhere(fmt: str, tiny_
         searched_total += err_search.sum().item()
         rtn_total += err_rtn.sum().item()
     assert searched_total < rtn_total
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "scale_search"])
+def test_fused_siblings_share_one_nvfp4_global_scale_in_the_canonical_form(algorithm: str, tiny_model: Path,
+                                                                             tmp_path: Path) -> None:
+    """vLLM and SGLang load q/k/v and gate/up as one matmul with one global scale (the largest stored): the
+    quantize stage gives the siblings their joint one, from their joint amax; an unfused Linear keeps its own."""
+    from llmc.quant.microscaling import nvfp4_global_scale
+
+    scheme = recipe({**QUANT["W4A16-NVFP4"], "algorithm": algorithm}, source=str(tiny_model)).quantization.to_scheme()
+    quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q", None)
+    weights = {}
+    from safetensors.torch import load_file
+
+    for f in sorted((tiny_model).glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    with safe_open(str(tmp_path / "q" / "layers" / "00000.safetensors"), "pt") as h:
+        scales = {n: h.get_tensor(f"model.layers.0.{n}.weight_global_scale")
+                  for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+    def joint(*names: str) -> torch.Tensor:
+        amax = torch.stack([weights[f"model.layers.0.{n}.weight"].abs().amax().float() for n in names]).amax()
+        return nvfp4_global_scale(amax).reshape(1)
+
+    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                  ("self_attn.o_proj",), ("mlp.down_proj",)):
+        for name in group:
+            torch.testing.assert_close(scales[name], joint(*group), rtol=0, atol=0)
+    assert not torch.equal(scales["self_attn.q_proj"], scales["self_attn.o_proj"])

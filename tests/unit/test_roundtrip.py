@@ -16,7 +16,7 @@ from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.torch_ref import TorchEngine
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight, static_scale
+from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight, static_scale, weight_global_scales
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import Calibration, quantize_model
 
@@ -68,8 +68,11 @@ def _reference(folder: Path, scheme: Scheme, calib: torch.Tensor) -> nn.Module:
     for h in hooks:
         h.remove()
     act = scheme.activations
+    # NVFP4: fused siblings (q/k/v, gate/up) share one global scale, as the runtimes load them
+    global_scales = weight_global_scales({n: m.weight.data for n, m in linears.items()}, scheme.weights)
     for n, m in linears.items():
-        m.weight.data = dequantize_weight(quantize_weight(m.weight.data, scheme.weights), scheme.weights)
+        q = quantize_weight(m.weight.data, scheme.weights, global_scale=global_scales.get(n))
+        m.weight.data = dequantize_weight(q, scheme.weights)
         if act is not None:
             s = None if act.dynamic else static_scale(absmax[n], act)
             m.register_forward_pre_hook(lambda _m, a, s=s: (fake_quantize(a[0], act, s),))

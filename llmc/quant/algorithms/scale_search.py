@@ -9,7 +9,7 @@ from torch import nn
 
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
 from llmc.quant.microscaling import MICROSCALING_FORMATS
-from llmc.quant.numerics import QuantizedWeight
+from llmc.quant.numerics import QuantizedWeight, weight_global_scales
 from llmc.quant.scale_search import search_block_scales
 from llmc.quant.spec import TensorSpec
 
@@ -27,7 +27,8 @@ def scale_search_layer(linears: dict[str, nn.Linear], stats, weights: TensorSpec
                        options: ScaleSearchOptions) -> dict[str, QuantizedWeight]:
     del stats, options
     out = {}
+    shared = weight_global_scales({name: lin.weight.data for name, lin in linears.items()}, weights)
     for name, lin in linears.items():
-        q = search_block_scales(lin.weight.data, MICROSCALING_FORMATS[weights.format])
+        q = search_block_scales(lin.weight.data, MICROSCALING_FORMATS[weights.format], global_scale=shared.get(name))
         out[name] = QuantizedWeight(codes=q.codes, scale=q.scale, zero_point=None, global_scale=q.global_scale)
     return out
