@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+import re
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_l
                                  release)
 from llmc.quant.moe import unfuse_experts
 from llmc.quant.numerics import BLOCK_ELEMENTS
+from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
+from llmc.quant.canonical import module_matches
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
 WHOLE_MODEL_SHARE = 0.5  # auto streams when the dense model would take more than this share of available memory
@@ -45,8 +48,6 @@ def choose_streamed(dense_bytes: int, available: int | None, setting: str | None
 def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
     """Bytes the folder's weights take once decompressed to `dtype` (headers only): quantized codes count as one
     element each (int4 packs eight into an int32), scales and other side tensors as they are stored."""
-    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-
     elem = torch.empty(0, dtype=dtype).element_size()
     total = 0
     for f in safetensors_files(folder):
@@ -70,8 +71,6 @@ class LayerDecoder:
     weights decompressed to `dtype`."""
 
     def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None) -> None:
-        from llmc.model.checkpoint import CheckpointReader
-
         self.reader = CheckpointReader(folder)
         self.qcfg = qcfg
         self.dtype = dtype
@@ -79,6 +78,7 @@ class LayerDecoder:
 
     @staticmethod
     def _groups(qcfg: dict) -> list[tuple[tuple[str, ...], object, str]]:
+        # lazy: compressed-tensors (~3 s), only for quantized artifacts
         from compressed_tensors.quantization import QuantizationScheme
 
         out = []
@@ -98,9 +98,8 @@ class LayerDecoder:
         return self._decompress(raw, prefix)
 
     def _decompress(self, raw: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        # lazy: compressed-tensors (~3 s), only for quantized artifacts
         from compressed_tensors.compressors import BaseCompressor
-
-        from llmc.quant.canonical import module_matches
 
         ignore = tuple(self.qcfg.get("ignore") or ())
         by_module: dict[str, dict[str, torch.Tensor]] = {}
@@ -146,8 +145,6 @@ class LayerDecoder:
 
 def _targets_match(name: str, targets: tuple[str, ...]) -> bool:
     """compressed-tensors targets: a class name (every quantized module llmc writes is a Linear) or 're:<regex>'."""
-    import re
-
     return any(re.match(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
 
 
