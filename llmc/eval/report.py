@@ -24,7 +24,7 @@ def report_dict(result: BuildResult) -> dict:
         "scheme": ", ".join(s.name for s in result.plan.schemes.values()),
         "variants": {n or s.name: s.to_dict() for n, s in result.plan.schemes.items()},
         "passed": result.passed,
-        "gates_status": status,  # "passed" only when every gate was measured; see llmc.eval.gates.gates_summary
+        "gates_status": status,  # "passed" only when every gate was measured; see llmc.result.gates_summary
         "gates_summary": summary,
         "evals": {k: {**v.to_dict(), "speed": speed_label(result, k)} for k, v in result.evals.items()},
         "targets": {label: {"artifact": str(art.dir), "exporter": art.format, "scheme": art.scheme,

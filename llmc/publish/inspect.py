@@ -16,7 +16,7 @@ from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
 from llmc.runtimes import recognize
 from llmc.runtimes.base import architectures
-from llmc.eval.gates import gates_summary
+from llmc.result import gates_summary
 from llmc.publish.local import read_manifest, verify_entry
 from llmc.publish.signing import signature_status, signing_key
 from llmc.storage.store import COMPLETE_MARKER, check_files
