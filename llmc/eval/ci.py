@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from llmc.eval.gates import effective_gates
 from llmc.eval.report import footnotes, header, speed_kind, summary_rows
 from llmc.result import parse_eval_id
-from markdown_it import MarkdownIt
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -134,6 +133,8 @@ def _interval(m: "Evaluation", measure: str, unit: float) -> tuple[float, float,
 def report_html(result: "BuildResult", markdown: str, png: bytes | None) -> str:
     """A page a browser shows as a report: the verdict, the summary table, the plot, then the markdown report
     rendered (its headings, tables and lists as HTML, not as raw text)."""
+    from markdown_it import MarkdownIt  # lazy: ~0.15 s cold, only for report.html; llmc plan imports this module
+
     rows = summary_rows(result)
     table = "<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header(result)) + "</tr></thead><tbody>"
     for r in rows:
