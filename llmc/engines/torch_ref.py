@@ -23,9 +23,9 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-import warnings
 
 import torch
 from safetensors import safe_open

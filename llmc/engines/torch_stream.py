@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
-import re
 
 import torch
 from torch import nn

@@ -17,10 +17,10 @@ import hashlib
 from pathlib import Path
 
 import torch
-
-from llmc.errors import EngineUnavailable, InputError
 import yaml
+
 from llmc.data.bos import bos_decision
+from llmc.errors import EngineUnavailable, InputError
 from llmc.eval.gates import Verdict
 
 Z95 = 1.96

@@ -16,11 +16,11 @@ The HTTP server is waitress under the limits of the config's `server` section (l
 from __future__ import annotations
 
 import hmac
+import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-import signal
 
 from llmc.errors import InputError, LlmcError
 from llmc.hook import payloads, signatures
