@@ -11,7 +11,8 @@ from typing import NoReturn
 import click
 
 from llmc.engines import ENGINE_NAMES
-from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, LlmcError, PerformanceGateError, QualityGateError
+from llmc.errors import (EXIT_CODES, INTERNAL_ERROR_EXIT_CODE, InputError, LlmcError, PerformanceGateError,
+                         QualityGateError)
 
 EXIT_HELP = ("Exit codes: "
              + ", ".join(f"{code} {kind}" for kind, code in sorted(EXIT_CODES.items(), key=lambda x: x[1]))
@@ -29,11 +30,12 @@ def _run(fn, *args, **kwargs):
         click.echo("llmc: interrupted; finished stages are cached and a rerun resumes", err=True)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the one place that reports unexpected failures
+        # lazy: error path only; `llmc --help` loads just click and llmc.engines
         from llmc.storage.resource_errors import resource_error
 
         if (resource := resource_error(e)) is not None:  # disk full, I/O error, out of memory: never "internal"
             _fail(resource)
-        import traceback
+        import traceback  # lazy: error path only; `llmc --help` loads just click and llmc.engines
 
         traceback.print_exc()
         click.echo(f"llmc: internal error: {type(e).__name__}: {e}", err=True)
@@ -43,7 +45,7 @@ def _run(fn, *args, **kwargs):
 def _printable(text: str, limit: int = 4000) -> str:
     """A message as printed: control characters that came from the input escaped (a name holding terminal escape
     sequences cannot drive the terminal), at most `limit` characters."""
-    from llmc.inputs.excerpt import escape
+    from llmc.inputs.excerpt import escape  # lazy: error path only; `llmc --help` loads just click and llmc.engines
 
     lines = [escape(line) for line in text[:limit].split("\n")]
     return "\n".join(lines) + (f"... ({len(text)} characters)" if len(text) > limit else "")
@@ -86,13 +88,13 @@ reprobe_option = click.option("--reprobe", is_flag=True, expose_value=False, cal
 @click.option("-q", "--quiet", is_flag=True, help="no progress output")
 def main(quiet: bool) -> None:
     """Quantize a Hugging Face causal LM into evaluated, gated, runtime-ready artifacts."""
-    from llmc.telemetry.progress import set_quiet
+    from llmc.telemetry.progress import set_quiet  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     set_quiet(quiet)
 
 
 def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
-    from llmc.recipe import load_recipe
+    from llmc.recipe import load_recipe  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     return load_recipe(recipe_path, overrides)
 
@@ -116,12 +118,13 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
 def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...],
           no_publish: bool, as_json: bool, junit: Path | None, report_dir: Path | None, nproc: int) -> None:
     """Plan, calibrate, quantize, export, evaluate, gate and publish RECIPE."""
-    from llmc import distributed
+    from llmc import distributed  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     if nproc > 1 and not distributed.launched():
         _launch(nproc, _without_nproc(sys.argv[1:]))
         return
     if distributed.world_from_env().rank > 0:  # calibrates, quantizes and scores its share of windows; rank 0 reports
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.build import build_until
         from llmc.telemetry.progress import set_quiet
         from llmc.storage.store import Store
@@ -136,6 +139,7 @@ def build(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: 
         except Exception as e:
             # a build that never reached its gates still tells CI why, as an error test case
             if junit is not None and not isinstance(e, (QualityGateError, PerformanceGateError)):
+                # lazy: start-up: `llmc --help` loads just click and llmc.engines
                 from llmc.eval.ci import junit_xml
                 from llmc.storage.resource_errors import resource_kind
                 from llmc.storage.store import atomic_write_text
@@ -162,7 +166,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _launch(nproc: int, argv: list[str]) -> None:
     """`llmc ARGV` as `nproc` torchrun ranks on this node; exits as the job did (llmc.distributed.launch_local)."""
-    from llmc import distributed
+    from llmc import distributed  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     try:
         distributed.launch_local(nproc, argv)
@@ -177,6 +181,7 @@ def _launch(nproc: int, argv: list[str]) -> None:
 
 def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish: bool, as_json: bool,
            junit: Path | None, report_dir: Path | None, overrides: tuple[str, ...] = ()) -> None:
+    # lazy: start-up: `llmc --help` loads just click and llmc.engines
     from llmc.build import build as run_build
     from llmc.pipeline.gate import raise_for_gates
     from llmc.eval.report import render_summary, report_dict
@@ -215,6 +220,7 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.planning.plan import make_plan, plan_recipe
         from llmc.storage.store import Store
 
@@ -234,11 +240,12 @@ def quantize(recipe: Path, cache_dir: Path | None, threads: int | None, override
     """Calibrate and quantize RECIPE's model into the canonical quantized form; print its path."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.build import build_until
         from llmc.storage.store import Store
 
         result = build_until(_load(recipe, overrides), Store.default(cache_dir), "quantize", threads=threads)
-        from llmc.distributed import world_from_env
+        from llmc.distributed import world_from_env  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
         if world_from_env().rank > 0:  # under torchrun rank 0 prints
             return
@@ -257,6 +264,7 @@ def export(recipe: Path, cache_dir: Path | None, threads: int | None, overrides:
     """Quantize (cached) and export every target of RECIPE; print each artifact's path."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.build import build_until
         from llmc.storage.store import Store
 
@@ -288,6 +296,7 @@ def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: 
     """Evaluate an existing ARTIFACT (folder or registry entry) against a baseline, without rebuilding."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.eval.standalone import evaluate_artifact
         from llmc.storage.store import Store
 
@@ -297,8 +306,6 @@ def eval_cmd(artifact: Path, baseline: str, engine: str, windows: int, seq_len: 
                                          min_top1_agreement_pct=min_top1_agreement_pct, threads=threads)
         click.echo(text)
         if failed:
-            from llmc.errors import QualityGateError
-
             raise QualityGateError(failed)
 
     _run(go)
@@ -312,6 +319,7 @@ def publish(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) ->
     """Publish RECIPE's build (every stage from cache when already built) into its registry."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.build import build as run_build
         from llmc.pipeline.gate import raise_for_gates
         from llmc.storage.store import Store
@@ -325,8 +333,6 @@ def publish(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...]) ->
 
 def _raise_if_modified(path: Path, problems: list[str]) -> None:
     if problems:
-        from llmc.errors import InputError
-
         raise InputError(f"{path}: {len(problems)} difference(s) from its record: {'; '.join(problems[:4])}",
                          fix="publish the recipe again (llmc publish RECIPE repairs the entry), or rebuild the stage")
 
@@ -338,7 +344,7 @@ def inspect(path: Path) -> None:
     or cached stage output is also verified byte for byte (non-zero exit on any difference)."""
 
     def go():
-        from llmc.publish.inspect import inspect_path
+        from llmc.publish.inspect import inspect_path  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
         text, problems = inspect_path(path)
         click.echo(text)
@@ -356,7 +362,7 @@ def verify(path: Path, require_signature: bool) -> None:
     LLMC_SIGNING_KEY_FILE is set) or a cached stage output; non-zero exit on any difference."""
 
     def go():
-        from llmc.publish.inspect import verify_path
+        from llmc.publish.inspect import verify_path  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
         text, problems = verify_path(path, require_signature=require_signature)
         click.echo(text)
@@ -375,6 +381,7 @@ def report(entry: str, cache_dir: Path | None, as_html: bool) -> None:
     path is refused."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.publish.report import report_file
         from llmc.storage.store import Store
 
@@ -390,6 +397,7 @@ def matrix(write_to: Path | None) -> None:
     """Print the compatibility matrix (format x runtime x GPU arch x version) the planner checks against."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.runtimes.matrix import render_matrix
         from llmc.storage.store import atomic_write_text
 
@@ -422,6 +430,7 @@ def serve(config_path: Path, host: str, port: int) -> None:
     """Receive webhook deliveries and build the queued jobs one at a time (secrets from the environment)."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.hook.config import load_hook_config
         from llmc.hook.server import serve as run_server
 
@@ -437,6 +446,7 @@ def hook_status(config_path: Path, as_json: bool) -> None:
     """The hook's queue: every job, its state, its registrations or error."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.hook.commands import render_status, status_rows
         from llmc.hook.config import load_hook_config
 
@@ -454,6 +464,7 @@ def hook_webhook(config_path: Path, url: str, name: str) -> None:
     """Register the MLflow webhook (model_version.created -> URL) with the secret from LLMC_HOOK_MLFLOW_SECRET."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.hook.commands import register_webhook
         from llmc.hook.config import load_hook_config
 
@@ -471,6 +482,7 @@ def hook_run(model_uri: str, config_path: Path, recipes: tuple[Path, ...]) -> No
     """Do for MODEL_URI (models:/<name>/<version> or hf:<org>/<name>@<rev>) what a webhook delivery would."""
 
     def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.hook.commands import raise_for_jobs, render_status, run_now
         from llmc.hook.config import load_hook_config
 

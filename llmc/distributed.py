@@ -20,11 +20,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+import llmc.errors
+from llmc.errors import EXIT_CODES, LlmcError, ResourceError
+from llmc.storage.resource_errors import resource_error
 
 # Gather big tensors (a 70B down_proj Hessian is 28672² fp32 = 3.3 GB) this many elements at a time, so a
 # rank holds world x chunk extra floats, not world x the whole tensor.
@@ -233,8 +237,6 @@ def moved(obj, device: torch.device | str):
     if isinstance(obj, (list, tuple)):
         return type(obj)(moved(v, device) for v in obj)
     if hasattr(obj, "__dataclass_fields__"):
-        from dataclasses import fields, replace
-
         return replace(obj, **{f.name: moved(getattr(obj, f.name), device) for f in fields(obj)})
     return obj
 
@@ -404,9 +406,6 @@ def agree(failure: BaseException | None) -> None:
 
 def _describe(e: BaseException) -> tuple[str, str, str | None]:
     """(llmc error class name or '', message, fix) of a failure, picklable."""
-    from llmc.errors import LlmcError
-    from llmc.storage.resource_errors import resource_error
-
     e = e if isinstance(e, LlmcError) else (resource_error(e) or e)
     if isinstance(e, LlmcError):
         return type(e).__name__, e.message, e.fix
@@ -414,8 +413,6 @@ def _describe(e: BaseException) -> tuple[str, str, str | None]:
 
 
 def _mirror(rank_: int, description: tuple[str, str, str | None]) -> Exception:
-    import llmc.errors
-
     name, message, fix = description
     cls = getattr(llmc.errors, name, None) if name else None
     if isinstance(cls, type) and issubclass(cls, llmc.errors.LlmcError):
@@ -432,10 +429,9 @@ def launch_local(nproc: int, argv: list[str]) -> None:
 
     A rank that fails ends the job (torchrun stops the others) and `launch_failure` says how. Finished layers are
     kept: the rerun resumes at the layer that was running."""
+    # lazy: torchrun's launcher (torch.distributed.elastic), only for --nproc
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-
-    from llmc.errors import EXIT_CODES
 
     try:  # torchrun's own entry point, minus its error-file wrapper: the failures come back here
         run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "llmc", *argv]))
@@ -469,8 +465,6 @@ def launch_failure(failures: dict, llmc_codes: set[int]) -> Exception:
     JobFailed otherwise. Which rank's: one killed by SIGKILL first (the others' failures follow from losing it: a
     collective's peer gone), else the lowest; ranks ended by SIGTERM only when nothing else failed (torchrun sends
     it to the survivors, and they may be listed too)."""
-    from llmc.errors import ResourceError
-
     def cause(r: int) -> tuple[bool, bool, int]:
         signal_ = failures[r].signal_name() if failures[r].exitcode < 0 else ""
         return signal_ == "SIGTERM", signal_ != "SIGKILL", r

@@ -125,6 +125,21 @@ class BuildResult:
     def gates_status(self) -> tuple[str, str]:
         """('passed' | 'passed-unmeasured' | 'failed' | 'none', a sentence): "all passed" only when every gate
         was measured."""
-        from llmc.eval.gates import gates_summary
-
         return gates_summary(self.verdicts)
+
+
+def gates_summary(verdicts: list[Verdict] | list[dict]) -> tuple[str, str]:
+    """(status, sentence): 'failed', 'none', 'passed' (every gate measured and passed) or 'passed-unmeasured'
+    (some gate passed only under allow_unevaluated) — "all passed" is said only of the third."""
+    vs = [v if isinstance(v, dict) else v.to_dict() for v in verdicts]
+    failed = [v for v in vs if not v["passed"]]
+    unmeasured = [v for v in vs if not v.get("evaluated", True)]
+    if failed:
+        names = ", ".join(dict.fromkeys(f"{v['target']} {v['gate']}" for v in failed))
+        return "failed", f"FAILED: {len(failed)} of {len(vs)} ({names})"
+    if not vs:
+        return "none", "no gates set (nothing was gated)"
+    if unmeasured:
+        return "passed-unmeasured", (f"passed, but {len(unmeasured)} of {len(vs)} not measured on any engine "
+                                     "(allowed by gates.allow_unevaluated)")
+    return "passed", f"all {len(vs)} passed (every gate measured)"

@@ -1,92 +1,168 @@
 #!/usr/bin/env python3
-"""Import cycles among llmc's modules, from the imports that run at import time, and the count of imports inside
-functions (overall and for the modules named).
+"""Import cycles among llmc's modules, from the imports that run at import time, and the imports inside functions
+(overall, the unexplained ones per module, and for the modules named).
 
 Usage: python scripts/import_cycles.py [REPO] [MODULE...]     e.g. python scripts/import_cycles.py . llmc.planning.plan
 
 The graph: one edge per module-level `import` / `from ... import` of an llmc module (imports under
 `if TYPE_CHECKING:` and inside functions never run at import time and are left out; importing `a.b` also imports
 package `a`, so that edge is added too). Every strongly connected component of more than one module is printed.
+
+An import inside a function is explained when it says why it is not at module level: a `# lazy: <why>` comment on
+one of its lines, or on a comment line right above it or above the run of adjacent imports it belongs to (a heavy
+or optional dependency, a cycle with a named module). The unexplained ones are the number to drive down.
 Needs no llmc import (reads the source with `ast`), so it also runs on a checkout whose imports fail."""
-import ast, sys
+from __future__ import annotations
+
+import ast
+import sys
 from pathlib import Path
 
-args = sys.argv[1:]
-root = Path(args.pop(0)) if args and Path(args[0]).is_dir() else Path(__file__).resolve().parents[1]
-mods = {}
-for f in (root / "llmc").rglob("*.py"):
-    name = ".".join(f.relative_to(root).with_suffix("").parts)
-    if name.endswith(".__init__"):
-        name = name[: -len(".__init__")]
-    mods[name] = f
+LAZY = "# lazy:"
 
-def resolve(name):
-    while name and name not in mods:
-        name = name.rpartition(".")[0]
-    return name or None
 
-edges, inner = {m: set() for m in mods}, {}
-for m, f in mods.items():
-    tree = ast.parse(f.read_text())
-    def targets(node):
-        if isinstance(node, ast.Import):
-            return [a.name for a in node.names]
-        base = node.module or ""
-        if node.level:
-            pkg = m if f.name == "__init__.py" else m.rpartition(".")[0]
-            for _ in range(node.level - 1):
-                pkg = pkg.rpartition(".")[0]
-            base = f"{pkg}.{base}".strip(".")
-        return [f"{base}.{a.name}" for a in node.names] + [base]
-    top = set()
-    for node in tree.body:  # module level, including under `if TYPE_CHECKING:`? no: those never run
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not isinstance(n, ast.ClassDef):
-                continue
-            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
-                continue
-            if isinstance(n, (ast.Import, ast.ImportFrom)):
-                top |= {t for t in targets(n) if t.startswith("llmc")}
-            stack.extend(ast.iter_child_nodes(n))
-    inner[m] = sum(isinstance(n, (ast.Import, ast.ImportFrom)) for fn in ast.walk(tree)
-                   if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(fn))
-    for t in top:
-        r = resolve(t)
-        if r and r != m:
-            edges[m].add(r)
-    # a package's __init__ runs before its submodules: importing a.b imports a
-    for t in list(edges[m]):
-        p = t.rpartition(".")[0]
-        while p:
-            if p in mods and p != m:
-                edges[m].add(p)
-            p = p.rpartition(".")[0]
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module under root/llmc."""
+    mods = {}
+    for f in sorted((root / "llmc").rglob("*.py")):
+        name = ".".join(f.relative_to(root).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
+    return mods
 
-# Tarjan SCC
-index, low, on, stack, out, i = {}, {}, set(), [], [], [0]
-sys.setrecursionlimit(10000)
-def strong(v):
-    index[v] = low[v] = i[0]; i[0] += 1; stack.append(v); on.add(v)
-    for w in edges[v]:
-        if w not in index:
-            strong(w); low[v] = min(low[v], low[w])
-        elif w in on:
-            low[v] = min(low[v], index[w])
-    if low[v] == index[v]:
-        comp = []
-        while True:
-            w = stack.pop(); on.discard(w); comp.append(w)
-            if w == v: break
-        if len(comp) > 1:
-            out.append(sorted(comp))
-for v in mods:
-    if v not in index:
-        strong(v)
-print(f"{len(mods)} modules; cycles of module-level imports: {len(out)}")
-for c in out:
-    print("  cycle:", ", ".join(c))
-print(f"imports inside functions: {sum(inner.values())}")
-for m in args:
-    print(f"  {m}: {inner.get(m)}")
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        pkg = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        base = f"{pkg}.{base}".strip(".")
+    return [f"{base}.{a.name}" for a in node.names] + [base]
+
+
+def _module_level(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: not in a function, not under `if TYPE_CHECKING:`."""
+    found, stack = [], list(tree.body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            continue
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            found.append(n)
+        stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def in_function_imports(tree: ast.Module, source: str) -> list[tuple[int, bool]]:
+    """(line, explained) for every import statement inside a function (nested functions' counted once)."""
+    lines = source.splitlines()
+    inner = {n for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    import_lines = {i for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for i in range(n.lineno, n.end_lineno + 1)}
+    out = []
+    for n in sorted(inner, key=lambda n: n.lineno):
+        explained = any(LAZY in lines[i - 1] for i in range(n.lineno, n.end_lineno + 1))
+        above = n.lineno - 1
+        while not explained and above >= 1:
+            text = lines[above - 1].strip()
+            if above in import_lines:
+                above -= 1
+            else:
+                explained = text.startswith(LAZY)
+                break
+        out.append((n.lineno, explained))
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, list[tuple[int, bool]]]]:
+    """(module -> the llmc modules its import runs, module -> its in-function imports)."""
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges, inner = {m: set() for m in mods}, {}
+    for m, f in mods.items():
+        source = f.read_text()
+        tree = ast.parse(source)
+        top = {t for n in _module_level(tree) for t in _targets(n, m, f.name == "__init__.py") if t.startswith("llmc")}
+        inner[m] = in_function_imports(tree, source)
+        for t in top:
+            r = resolve(t)
+            if r and r != m:
+                edges[m].add(r)
+        # a package's __init__ runs before its submodules: importing a.b imports a
+        for t in list(edges[m]):
+            p = t.rpartition(".")[0]
+            while p:
+                if p in mods and p != m:
+                    edges[m].add(p)
+                p = p.rpartition(".")[0]
+    return edges, inner
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    sys.setrecursionlimit(10000)
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def unexplained(root: Path, prefixes: tuple[str, ...] = ("llmc",)) -> dict[str, list[int]]:
+    """Module -> lines of its in-function imports without a `# lazy:` reason, for modules under the prefixes."""
+    _, inner = import_graph(modules(root))
+    return {m: [line for line, ok in rows if not ok] for m, rows in inner.items()
+            if any(m == p or m.startswith(p + ".") for p in prefixes) and not all(ok for _, ok in rows)}
+
+
+def main(argv: list[str]) -> None:
+    root = Path(argv.pop(0)) if argv and Path(argv[0]).is_dir() else Path(__file__).resolve().parents[1]
+    mods = modules(root)
+    edges, inner = import_graph(mods)
+    found = cycles(edges)
+    print(f"{len(mods)} modules; cycles of module-level imports: {len(found)}")
+    for c in found:
+        print("  cycle:", ", ".join(c))
+    total = sum(len(rows) for rows in inner.values())
+    bad = {m: [line for line, ok in rows if not ok] for m, rows in inner.items()}
+    print(f"imports inside functions: {total}; without a `{LAZY} <why>` comment: {sum(map(len, bad.values()))}")
+    for m, lines in sorted(bad.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if lines:
+            print(f"  {m}: {len(lines)} (lines {', '.join(map(str, lines))})")
+    for m in argv:
+        print(f"  {m}: {len(inner.get(m, []))} inside functions")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -207,6 +207,7 @@ def _column_rows(source, where: str, records: Iterable[tuple[object, Path]]) -> 
 @loader("parquet")
 def parquet(source, *, max_chars: int | None = None) -> Iterator[Row]:
     """Rows of parquet files, BATCH_ROWS at a time, reading only the named column once its type is checked."""
+    # lazy: pyarrow, only for parquet sources
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -233,7 +234,7 @@ def _names(columns: Iterable) -> str:
 def _arrow_column(schema, source, where: str) -> str:
     """The column a source reads, checked against an Arrow schema before any row is read: a string column for
     `field`, a list of {role, content} structs for `messages`."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow, only for parquet sources
 
     column = source.field or source.messages or ("text" if "text" in schema.names else None)
     if column is None:
@@ -259,7 +260,7 @@ def _arrow_column(schema, source, where: str) -> str:
 
 @loader("hf")
 def hub(source, *, max_chars: int | None = None) -> Iterator[Row]:
-    import datasets
+    import datasets  # lazy: datasets (~3 s), only for Hugging Face dataset sources
 
     with _quiet(datasets):
         ds = _load_saved(datasets, source) if source.path is not None else _load_hub(datasets, source)

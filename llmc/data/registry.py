@@ -46,6 +46,7 @@ def read_rows(source, role: Role, max_chars: int | None = None) -> tuple[list[Ro
     itself; other kinds with `holdout: N` give evaluation every N-th row and calibration the rest; without holdout,
     all rows. `max_chars`: stop once the role's rows hold that many characters (a loader yields rows lazily, and
     cuts a single document there), so a recipe needing 256 tokens does not read a 1 GiB file whole."""
+    # lazy: cycle: llmc.data.loaders imports this module to register its kinds
     from llmc.data import loaders  # noqa: F401  (registers the built-in kinds)
 
     if isinstance(source, MixSource):

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import load_file
 
 EXACT, TOPK_BOUND = "exact", "topk_lower_bound"
 HEAD_FILE = "head.safetensors"  # beside an eval stage's scores.safetensors: the reference head (baseline only)
@@ -299,8 +300,6 @@ def split_head(scores: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 def load_reference(folder: Path) -> dict[str, torch.Tensor]:
     """A baseline's stored scores with its head, if it recorded one, as engines take a reference."""
-    from safetensors.torch import load_file
-
     reference = load_file(str(Path(folder) / "scores.safetensors"))
     if (Path(folder) / HEAD_FILE).is_file():
         reference.update(load_file(str(Path(folder) / HEAD_FILE)))

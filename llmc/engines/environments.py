@@ -127,8 +127,8 @@ def _toml_key(name: str) -> str:
 
 def _read_toml(path: Path) -> dict:
     try:
-        import tomllib
+        import tomllib  # lazy: TOML only when an engines config exists; Python 3.10 needs tomli
     except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
-        import tomli as tomllib
+        import tomli as tomllib  # lazy: TOML only when an engines config exists; Python 3.10 needs tomli
     with path.open("rb") as f:
         return tomllib.load(f)

@@ -36,7 +36,7 @@ GENAI_CONFIG = "genai_config.json"
 
 def _ort():
     try:
-        import onnxruntime
+        import onnxruntime  # lazy: heavy engine package, only to score; absent -> EngineUnavailable
     except ImportError as e:
         raise EngineUnavailable(f"onnxruntime is not importable: {e}", fix="bash scripts/setup.sh") from None
     return onnxruntime

@@ -123,6 +123,7 @@ class EngineSpec:
 
 def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
     """The capability data's verdict on `runtime`'s CPU build for `scheme` (measured limits, not guesses)."""
+    # lazy: importing llmc.engines loads no other llmc module (pinned by test_engines)
     from llmc.runtimes import runtime as target_runtime
     from llmc.runtimes import scheme_keys
 

@@ -21,6 +21,7 @@ import torch
 
 from llmc import distributed
 from llmc.engines.registry import engine_spec, open_engine
+from llmc.engines.agreement import load_reference
 
 
 def splits(engine: str) -> bool:
@@ -53,8 +54,6 @@ def follow_scoring() -> None:
 
 
 def _score_share(command: dict) -> None:
-    from llmc.engines.agreement import load_reference
-
     reference = load_reference(Path(command["reference_dir"])) if command["reference_dir"] else None
     with open_engine(command["engine"], Path(command["folder"]), dtype=command["dtype"]) as eng:
         eng.score(command["windows"], batch_size=command["batch_size"], reference=reference, top_k=command["top_k"])

@@ -27,6 +27,7 @@ from llmc.engines.base import EngineBase
 from llmc.engines.agreement import reference_rows, score_logits
 from llmc.engines.torch_ref import summary
 from llmc.errors import EngineFailed, EngineUnavailable
+from llmc.storage.store import atomic_write_bytes
 
 
 def _tensorrt():
@@ -35,7 +36,7 @@ def _tensorrt():
                                 fix="evaluate the tensorrt target on a GPU machine (the ONNX Q/DQ artifact is scored "
                                     "by onnxruntime here: add onnxruntime to eval.runtimes)")
     try:
-        import tensorrt
+        import tensorrt  # lazy: GPU-only package, absent here -> EngineUnavailable
     except ImportError as e:
         raise EngineUnavailable(f"the tensorrt package is not importable: {e}",
                                 fix="pip install tensorrt-cu12 (matching the machine's CUDA) on the GPU machine") from None
@@ -74,8 +75,6 @@ def build_serialized(folder: Path, *, max_batch: int = 8, opt_sequence: int = 51
 
 def build_engine(folder: Path, out: Path | None = None, **kwargs) -> Path:
     """Build the engine for the artifact in `folder` and write it to `out` (default: <folder>/model.plan)."""
-    from llmc.storage.store import atomic_write_bytes
-
     data, _ = build_serialized(folder, **kwargs)
     out = Path(out) if out else Path(folder) / "model.plan"
     atomic_write_bytes(out, data)

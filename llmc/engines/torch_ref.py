@@ -23,6 +23,7 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,6 +43,11 @@ from llmc.quant.numerics import fake_quantize, input_scale_name
 from llmc.quant.spec import TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.telemetry.progress import steps
+from llmc.engines.torch_stream import (choose_streamed, dense_bytes, build_streaming_model, build_dense_model,
+                                       streamed_logits)
+from llmc.quant.activations import memory_available
+from llmc.model.families import expert_count
+from llmc.quant.canonical import module_matches
 
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)
@@ -80,9 +86,6 @@ class TorchEngine(EngineBase):
         # Under torchrun every rank loads the model (llmc.engines.split); a failure on one is raised on all of them
         # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow.
         if streamed is None:
-            from llmc.engines.torch_stream import choose_streamed, dense_bytes
-            from llmc.quant.activations import memory_available
-
             streamed, failure = False, None
             try:
                 streamed = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
@@ -99,8 +102,6 @@ class TorchEngine(EngineBase):
         distributed.agree(failure)
 
     def _load_streaming(self) -> nn.Module:
-        from llmc.engines.torch_stream import build_streaming_model
-
         try:
             model, self._decoder, qcfg = build_streaming_model(self.folder, self.dtype)
         except EngineFailed:
@@ -118,8 +119,7 @@ class TorchEngine(EngineBase):
         return model
 
     def _load(self) -> nn.Module:
-        import warnings
-
+        # lazy: transformers (~2 s), only when a model loads; onnxrt/tensorrt import this module
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -132,17 +132,14 @@ class TorchEngine(EngineBase):
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")
         try:
-            from llmc.model.families import expert_count
-
             if qcfg is None:
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)
             # MoE: llmc's own decompression into per-expert Linears (why: there); NVFP4: compressed-tensors
             # decodes it to bf16, llmc exactly (torch_stream.LayerDecoder)
             elif expert_count(config) > 1 or qcfg.get("format") == NVFP4_FORMAT:
-                from llmc.engines.torch_stream import build_dense_model
-
                 model = build_dense_model(self.folder, self.dtype)
             else:
+                # lazy: transformers (~2 s), only when a model loads; onnxrt/tensorrt import this module
                 from transformers import CompressedTensorsConfig
 
                 model = AutoModelForCausalLM.from_pretrained(
@@ -161,9 +158,7 @@ class TorchEngine(EngineBase):
         return model
 
     def _apply_runtime_quantization(self, model: nn.Module, qcfg: dict) -> None:
-        from compressed_tensors.quantization.quant_config import QuantizationConfig
-
-        from llmc.quant.canonical import module_matches
+        from compressed_tensors.quantization.quant_config import QuantizationConfig  # lazy: ~3 s, quantized only
 
         groups = list(qcfg.get("config_groups", {}).values())
         act_args = next((g.get("input_activations") for g in groups if g.get("input_activations")), None)
@@ -249,8 +244,6 @@ class TorchEngine(EngineBase):
 
             t = time.perf_counter()
             if self.streamed:
-                from llmc.engines.torch_stream import streamed_logits
-
                 streamed_logits(self.model, self._decoder, mine, batch_size, self.dtype, on_logits, self.device)
             else:
                 for start in steps(range(0, mine.shape[0], batch_size), "score windows", unit="batch"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_l
 from llmc.quant.moe import unfuse_experts
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
+from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
+from llmc.quant.canonical import module_matches
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
 WHOLE_MODEL_SHARE = 0.5  # auto streams when the dense model would take more than this share of available memory
@@ -46,8 +49,6 @@ def choose_streamed(dense_bytes: int, available: int | None, setting: str | None
 def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
     """Bytes the folder's weights take once decompressed to `dtype` (headers only): quantized codes count as one
     element each (int4 packs eight into an int32), scales and other side tensors as they are stored."""
-    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-
     elem = torch.empty(0, dtype=dtype).element_size()
     total = 0
     for f in safetensors_files(folder):
@@ -71,8 +72,6 @@ class LayerDecoder:
     weights decompressed to `dtype`."""
 
     def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None) -> None:
-        from llmc.model.checkpoint import CheckpointReader
-
         self.reader = CheckpointReader(folder)
         self.qcfg = qcfg
         self.dtype = dtype
@@ -80,6 +79,7 @@ class LayerDecoder:
 
     @staticmethod
     def _groups(qcfg: dict) -> list[tuple[tuple[str, ...], object, str]]:
+        # lazy: compressed-tensors (~3 s), only for quantized artifacts
         from compressed_tensors.quantization import QuantizationScheme
 
         out = []
@@ -99,9 +99,8 @@ class LayerDecoder:
         return self._decompress(raw, prefix)
 
     def _decompress(self, raw: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        # lazy: compressed-tensors (~3 s), only for quantized artifacts
         from compressed_tensors.compressors import BaseCompressor
-
-        from llmc.quant.canonical import module_matches
 
         ignore = tuple(self.qcfg.get("ignore") or ())
         by_module: dict[str, dict[str, torch.Tensor]] = {}
@@ -154,8 +153,6 @@ NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 def _targets_match(name: str, targets: tuple[str, ...]) -> bool:
     """compressed-tensors targets: a class name (every quantized module llmc writes is a Linear) or 're:<regex>'."""
-    import re
-
     return any(re.match(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
 
 

@@ -57,10 +57,10 @@ def quality_speed_png(result: "BuildResult") -> bytes | None:
     tokens/s where a runtime measured its own speed, else one point per artifact x engine. Evaluations whose
     tokens/s is llmc's emulation are never put on the speed axis (with speed points, they are counted in the
     title, not plotted)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (~0.6 s), only when a report's plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib (~0.6 s), only when a report's plot is drawn
 
     speed_points, quality_points = plot_points(result)
     if not speed_points and not quality_points:
@@ -133,7 +133,7 @@ def _interval(m: "Evaluation", measure: str, unit: float) -> tuple[float, float,
 def report_html(result: "BuildResult", markdown: str, png: bytes | None) -> str:
     """A page a browser shows as a report: the verdict, the summary table, the plot, then the markdown report
     rendered (its headings, tables and lists as HTML, not as raw text)."""
-    from markdown_it import MarkdownIt
+    from markdown_it import MarkdownIt  # lazy: ~0.15 s cold, only for report.html; llmc plan imports this module
 
     rows = summary_rows(result)
     table = "<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header(result)) + "</tr></thead><tbody>"

@@ -20,7 +20,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from llmc.data.sources import corpora_of
+from llmc.engines import engine_spec
+from llmc.quant.canonical import scheme_from_dict
 from llmc.recipe.schema import Gates
+from llmc.result import eval_id as make_eval_id
+from llmc.result import parse_eval_id
+from llmc.runtimes import artifact_format
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind
@@ -113,9 +119,6 @@ def describe_gates(gates: Gates, scheme: Scheme) -> str:
 
 def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> list[str]:
     """What the plan says about the gates: none at all, perplexity alone, and targets no engine here can measure."""
-    from llmc import runtimes as targets
-    from llmc.engines import engine_spec
-
     by_message: dict[str, list[str]] = {}  # the same warning for several variants is said once
     for name, scheme in schemes.items():
         eff = effective_gates(recipe.gates, scheme)
@@ -139,7 +142,7 @@ def plan_warnings(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list
         scheme = _scheme_of(t["label"], schemes)
         if not set_gates(effective_gates(recipe.gates, scheme)):
             continue
-        fmt = targets.artifact_format(t["exporter"])
+        fmt = artifact_format(t["exporter"])
         readers = [e for e in recipe.eval.runtimes if e in fmt.read_by]
         runnable = [e for e in readers if engine_spec(e).cannot_run(scheme) is None]
         if not runnable:
@@ -159,15 +162,12 @@ def _scheme_of(label: str, schemes: dict[str, Scheme]) -> Scheme:
 def emulated_performance_gates(recipe: Recipe, schemes: dict[str, Scheme], plan_targets: list[dict]) -> str | None:
     """Why a performance gate can only ever read emulation timings for some target (None: it can read a runtime).
     The planner refuses such a recipe: the emulation's tokens/s is not the artifact's speed."""
-    from llmc import runtimes as targets
-    from llmc.engines import engine_spec
-
     for t in plan_targets:
         scheme = _scheme_of(t["label"], schemes)
         perf = [k for k in PERFORMANCE_GATES if getattr(effective_gates(recipe.gates, scheme), k) is not None]
         if not perf:
             continue
-        readers = [e for e in recipe.eval.runtimes if e in targets.artifact_format(t["exporter"]).read_by]
+        readers = [e for e in recipe.eval.runtimes if e in artifact_format(t["exporter"]).read_by]
         if readers and all(engine_spec(e).speed_kind(scheme) == "emulated" for e in readers):
             notes = "; ".join(f"{engine_spec(e).display}: {engine_spec(e).emulation_note}" for e in readers)
             return (f"gates.{perf[0]} on target {t['label']}: the only engines in eval.runtimes that read it "
@@ -304,12 +304,6 @@ def gate_build(result: BuildResult) -> list[Verdict]:
     """Every verdict of a build, artifact by artifact and, when eval.corpus names several corpora, corpus by corpus:
     every gate applies on every corpus (with that corpus's overrides, `gates.corpora`), and a verdict's target
     names its corpus ("<engine>:<artifact>@<corpus>", or "<artifact>@<corpus>" for a gate no engine measured)."""
-    from llmc.data.sources import corpora_of
-    from llmc.engines import engine_spec
-    from llmc.quant.canonical import scheme_from_dict
-    from llmc.result import parse_eval_id
-    from llmc.runtimes import artifact_format
-
     verdicts: list[Verdict] = []
     for label, art in result.artifacts.items():
         scheme = scheme_from_dict(art.scheme_detail)
@@ -334,8 +328,6 @@ def gate_build(result: BuildResult) -> list[Verdict]:
 
 def _broken_baselines(result: BuildResult, evaluations: list) -> list[Verdict]:
     """A non-finite baseline breaks every comparison with it: a failed verdict on each."""
-    from llmc.result import eval_id as make_eval_id
-
     verdicts = []
     for eval_id, m, _, _ in evaluations:
         base = result.evals.get(make_eval_id(m.baseline_engine, "baseline", m.corpus)) if m.succeeded else None
@@ -346,21 +338,6 @@ def _broken_baselines(result: BuildResult, evaluations: list) -> list[Verdict]:
     return verdicts
 
 
-def gates_summary(verdicts: list[Verdict] | list[dict]) -> tuple[str, str]:
-    """(status, sentence): 'failed', 'none', 'passed' (every gate measured and passed) or 'passed-unmeasured'
-    (some gate passed only under allow_unevaluated) — "all passed" is said only of the third."""
-    vs = [v if isinstance(v, dict) else v.to_dict() for v in verdicts]
-    failed = [v for v in vs if not v["passed"]]
-    unmeasured = [v for v in vs if not v.get("evaluated", True)]
-    if failed:
-        names = ", ".join(dict.fromkeys(f"{v['target']} {v['gate']}" for v in failed))
-        return "failed", f"FAILED: {len(failed)} of {len(vs)} ({names})"
-    if not vs:
-        return "none", "no gates set (nothing was gated)"
-    if unmeasured:
-        return "passed-unmeasured", (f"passed, but {len(unmeasured)} of {len(vs)} not measured on any engine "
-                                     "(allowed by gates.allow_unevaluated)")
-    return "passed", f"all {len(vs)} passed (every gate measured)"
 
 
 def _kld_kind_text(result: Evaluation) -> str:

@@ -17,14 +17,18 @@ import hashlib
 from pathlib import Path
 
 import torch
+import yaml
 
+from llmc.data.bos import bos_decision
 from llmc.errors import EngineUnavailable, InputError
+from llmc.eval.gates import Verdict
 
 Z95 = 1.96
 
 
 def _harness():
     try:
+        # lazy: optional lm-eval (llmc[harness]); absent -> EngineUnavailable
         import lm_eval  # noqa: F401
         from lm_eval.api.model import LM
     except ImportError:
@@ -46,8 +50,6 @@ def make_lm(engine, tokenizer, batch_size: int = 8):
             return self.tok(text, add_special_tokens=False)["input_ids"]
 
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-            from llmc.data.bos import bos_decision
-
             out = []
             decision = bos_decision(self.tok)  # a BOS only where the tokenizer adds one, as in every other window
             bos = [decision.token_id] if decision.used else []
@@ -77,8 +79,6 @@ def make_lm(engine, tokenizer, batch_size: int = 8):
 
 def task_names_and_paths(tasks: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """Harness task names, and the folders to add to its search path, from names or task YAML paths."""
-    import yaml
-
     names, include = [], []
     for t in tasks:
         p = Path(t).expanduser()
@@ -111,6 +111,7 @@ def tasks_fingerprint(tasks: tuple[str, ...]) -> dict:
 def run_tasks(engine, tokenizer, tasks: tuple[str, ...], *, limit: int | None) -> dict[str, dict]:
     """{task: {acc, stderr, ci_low, ci_high, n, metric}} for one loaded model."""
     _harness()
+    # lazy: optional lm-eval (llmc[harness]); absent -> EngineUnavailable via _harness()
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -136,8 +137,6 @@ def run_tasks(engine, tokenizer, tasks: tuple[str, ...], *, limit: int | None) -
 
 
 def task_verdicts(ratio: float | None, target: str, baseline: dict | None, measured: dict | None) -> list:
-    from llmc.eval.gates import Verdict
-
     if ratio is None or baseline is None:
         return []
     verdicts = []

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from llmc.data.sources import corpora_of, corpus_part
 from llmc.result import eval_id as make_eval_id
 from llmc.result import parse_eval_id
+from llmc.engines import engine_spec
+from llmc.runtimes import artifact_format
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind
@@ -22,7 +24,7 @@ def report_dict(result: BuildResult) -> dict:
         "scheme": ", ".join(s.name for s in result.plan.schemes.values()),
         "variants": {n or s.name: s.to_dict() for n, s in result.plan.schemes.items()},
         "passed": result.passed,
-        "gates_status": status,  # "passed" only when every gate was measured; see llmc.eval.gates.gates_summary
+        "gates_status": status,  # "passed" only when every gate was measured; see llmc.result.gates_summary
         "gates_summary": summary,
         "evals": {k: {**v.to_dict(), "speed": speed_label(result, k)} for k, v in result.evals.items()},
         "targets": {label: {"artifact": str(art.dir), "exporter": art.format, "scheme": art.scheme,
@@ -49,8 +51,7 @@ _SPEED_WORDS = {
 def speed_kind(result: BuildResult, eval_id: str) -> SpeedKind:
     """What the tokens/s of evaluation `eval_id` ("<engine>:<artifact label or 'baseline'>") is: the engine
     registry says whether the engine runs the format or emulates it (EngineSpec.speed_kind)."""
-    from llmc.engines import engine_spec
-    from llmc.quant.canonical import scheme_from_dict
+    from llmc.quant.canonical import scheme_from_dict  # lazy: torch; reading a report stays torch-free
 
     engine, label, _ = parse_eval_id(eval_id)
     art = result.artifacts.get(label)
@@ -59,8 +60,6 @@ def speed_kind(result: BuildResult, eval_id: str) -> SpeedKind:
 
 def speed_label(result: BuildResult, eval_id: str) -> dict:
     """report.json's account of a throughput figure: which engine measured it and what it is."""
-    from llmc.engines import engine_spec
-
     kind = speed_kind(result, eval_id)
     spec = engine_spec(eval_id.split(":", 1)[0])
     out = {"engine": spec.name, "kind": kind, "meaning": _SPEED_WORDS[kind]}
@@ -89,6 +88,7 @@ def _speed_cell(result: BuildResult, eval_id: str, base_id: str | None, key: str
 
 def suspicious_improvements(result: BuildResult) -> list[dict]:
     """Artifacts whose perplexity is significantly *better* than the baseline's (paired interval below zero)."""
+    # lazy: llmc.eval.gates pulls torch (recipe.schema -> quant.algorithms); reports stay torch-free
     from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT
 
     out = []
@@ -170,8 +170,6 @@ def _corpus_rows(result: BuildResult, corpus: str | None) -> list[list[str]]:
 def _unevaluated_rows(result: BuildResult) -> list[list[str]]:
     """Artifacts no engine loaded, and gates no engine measured (their verdicts name the artifact, with its
     corpus when there are several)."""
-    from llmc.runtimes import artifact_format
-
     rows = []
     for label, art in result.artifacts.items():
         unmeasured = [v for v in result.verdicts if v.target == label or v.target.startswith(f"{label}@")]
@@ -194,8 +192,6 @@ def _with_unmeasured(reason: str, unmeasured: list) -> str:
 
 def footnotes(result: BuildResult) -> list[str]:
     """What the summary table's marks mean, and the gates' overall state."""
-    from llmc.engines import engine_spec
-
     notes = []
     emulating = sorted({eid.split(":", 1)[0] for ids in result.target_evals.values() for eid in ids
                         if result.evals[eid].succeeded and speed_kind(result, eid) == "emulated"})
@@ -286,8 +282,6 @@ def render_markdown(result: BuildResult) -> str:
                 out.append(f"| {eval_id} | {_SPEED_WORDS[speeds[eval_id]]} | " + " | ".join(cells) + " |")
     emulated = [eval_id for eval_id, kind in speeds.items() if kind == "emulated"]
     if emulated:
-        from llmc.engines import engine_spec
-
         out += ["", "## Emulation timings (not speed)", "",
                 "The engine computed the quantized arithmetic in float; these times say how long llmc's emulation "
                 "took on this machine, not how fast the artifact runs in a serving runtime. Performance gates never "

@@ -21,14 +21,15 @@ from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
 from llmc.result import Evaluation
 from llmc.storage.store import Store
+from llmc.runtimes import recognize
+from llmc.model.tokenizer_files import load_tokenizer
+from llmc.recipe.schema import Gates
 
 
 def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
     """(label, folder) of each artifact at `path` — an artifact folder, or a registry entry's artifacts — that
     `engine` loads, by the format the target registry recognises (an unquantized Hugging Face folder counts
     for the engines that load source models)."""
-    from llmc.runtimes import recognize
-
     entry = (path / "manifest.json").is_file()
     if not entry and not path.is_dir():
         raise InputError(f"{path} is neither an artifact folder nor a registry entry",
@@ -85,9 +86,6 @@ def evaluate_artifact(
     """Table text, and a failure message when a gate fails. One row per artifact and corpus. Engines that cannot
     load the source model are compared with the torch reference's baseline, as in a build; gates read the 95%
     intervals as in a build (llmc.eval.gates)."""
-    from llmc.model.tokenizer_files import load_tokenizer
-    from llmc.recipe.schema import Gates
-
     gates = Gates(max_ppl_increase_pct=max_ppl_increase_pct, max_mean_kld=max_mean_kld,
                   min_top1_agreement_pct=min_top1_agreement_pct)
     corpora = parse_corpora(corpus)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.errors import LlmcError, QualityGateError
-from llmc.hook.config import HookConfig
+from llmc.errors import LlmcError, QualityGateError, InputError
+from llmc.hook.config import HookConfig, MLFLOW_SECRET, secret
 from llmc.hook.jobs import parse_model_uri, run_job
 from llmc.hook.queue import JobQueue
 from llmc.hook.server import _summary, enqueue_for
+from llmc.publish.mlflow import _call, client
 
 
 def status_rows(config: HookConfig) -> tuple[list[dict], bool]:
@@ -32,7 +33,6 @@ def _source_tags(config: HookConfig, source: dict) -> dict:
     """The MLflow version's tags (routes may select by tag); {} when the registry cannot say."""
     if source["kind"] != "mlflow" or not any(r.tag for r in config.routes):
         return {}
-    from llmc.publish.mlflow import _call, client
 
     c = client(config.tracking_uri())
     return dict(_call("read the model version", c.get_model_version, source["name"], source["version"]).tags or {})
@@ -72,10 +72,6 @@ def raise_for_jobs(jobs: list[dict]) -> None:
 def register_webhook(config: HookConfig, url: str, name: str = "llmc-hook") -> str:
     """Create the MLflow webhook that sends `model_version.created` to `url`, signed with the secret from
     LLMC_HOOK_MLFLOW_SECRET(_FILE); returns its id."""
-    from llmc.errors import InputError
-    from llmc.hook.config import MLFLOW_SECRET, secret
-    from llmc.publish.mlflow import _call, client
-
     value = secret(MLFLOW_SECRET)
     if value is None:
         raise InputError(f"{MLFLOW_SECRET} is not set: a webhook without a secret cannot be verified",

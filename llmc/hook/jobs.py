@@ -20,6 +20,9 @@ from llmc.hook.queue import JobQueue, job_id
 from llmc.storage.paths import SAFE_NAME, confined
 from llmc.telemetry.progress import log
 from llmc.recipe.schema import Recipe
+from llmc.publish.mlflow import _call, client, idempotency_key, register_build
+from llmc.build import build
+from llmc.storage.store import Store
 
 _VERSION = re.compile(r"^[0-9]{1,12}$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -98,10 +101,8 @@ def fetch_source(source: dict, config: HookConfig) -> Path:
 
 
 def _download_mlflow(source: dict, config: HookConfig, into: Path) -> None:
-    from llmc.publish.mlflow import _call, client
-
     c = client(config.tracking_uri())
-    from mlflow.artifacts import download_artifacts
+    from mlflow.artifacts import download_artifacts  # lazy: optional mlflow (llmc[registry], ~4 s)
 
     # the version's own artifact location, resolved by the hook's server (a bare models:/ URI would be resolved
     # against the process's default registry, not the configured one)
@@ -111,6 +112,7 @@ def _download_mlflow(source: dict, config: HookConfig, into: Path) -> None:
 
 
 def _download_hf(source: dict, into: Path) -> None:
+    # lazy: huggingface_hub's download stack (~0.7 s), only for Hub sources
     from huggingface_hub import snapshot_download
 
     try:
@@ -135,10 +137,6 @@ def _model_folder(root: Path) -> Path:
 def run_job(job: dict, config: HookConfig, queue: JobQueue) -> dict:
     """Run a job taken from the queue; returns it as finally stored (state done or failed). Any failure is recorded
     on the job, never raised: the worker goes on with the next."""
-    from llmc.build import build
-    from llmc.publish.mlflow import client, idempotency_key, register_build
-    from llmc.storage.store import Store
-
     source = job["source"]
     try:
         folder = fetch_source(source, config)

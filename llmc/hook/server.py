@@ -16,6 +16,7 @@ The HTTP server is waitress under the limits of the config's `server` section (l
 from __future__ import annotations
 
 import hmac
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ def _summary(jobs: list[dict]) -> list[dict]:
 
 
 def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: Callable[[], float] = time.time):
+    # lazy: Flask comes with the optional mlflow (llmc[registry]); only the server needs it
     from flask import Flask, jsonify, request
     from werkzeug.exceptions import HTTPException
 
@@ -177,8 +179,7 @@ def _stop_serving(*_) -> None:
 
 def serve(config: HookConfig, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM. The worker starts first, so a restart resumes what a killed hook left."""
-    import signal
-
+    # lazy: waitress, optional (llmc[registry]); only `llmc hook serve` needs it
     from llmc.hook.http_server import HookServer
 
     if secret(MLFLOW_SECRET) is None and secret(HF_SECRET) is None:

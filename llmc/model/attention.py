@@ -29,6 +29,7 @@ def register_kv_attention(name: str, on_kv: KvHook) -> None:
 
 def _routed(name: str, base: str) -> str:
     """The implementation name of wrapper `name` over `base`, registered with transformers on first use."""
+    # lazy: transformers (~2 s), only when attention is routed; torch_ref imports this module
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 

@@ -25,9 +25,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmc.data.sources import corpora_of, label
 from llmc.errors import InputError
 from llmc.inputs.excerpt import excerpt, shorten
-from llmc.model.tokenizer_files import TokenizerFacts
+from llmc.inputs.files import read_input_json, read_input_text, shown
+from llmc.model.checkpoint import check_safetensors_header, safetensors_files
+from llmc.model.dtype import source_dtype
+from llmc.model.source import DEMO_MODELS
+from llmc.model.tokenizer_files import (VOCABULARY_FILES, TokenizerFacts, custom_tokenizer_code, load_tokenizer,
+                                        tokenizer_facts)
+from llmc.storage.resource_errors import raise_if_resource
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape), from the headers
 
@@ -156,14 +163,12 @@ def check_config(config: dict, where: str) -> None:
 def check_transformers_config(config: dict, where: str) -> None:
     """transformers' own validation of the config (its config classes check field types: `mlp_bias: null`, a list
     for `pretraining_tp`), which the build's model load would otherwise fail on as an internal error."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers (~2 s), only when a config is checked
 
     fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map", "transformers_version")}
     try:
         AutoConfig.for_model(config["model_type"], **fields)
     except Exception as e:  # noqa: BLE001 - an unknown model_type, a strict-dataclass field error, ...
-        from llmc.storage.resource_errors import raise_if_resource
-
         raise_if_resource(e, "reading the model config")
         first = str(e).splitlines()[0] if str(e) else ""
         raise InputError(f"model config {where}: transformers refuses it ({type(e).__name__}: {shorten(first, 160)})",
@@ -261,8 +266,6 @@ def check_recipe_fits(config: dict, seq_lens: dict[str, int], chat_sources: list
 
 def gguf_statement(spec: str, dtype: str) -> str | None:
     """What the plan says about a GGUF source: its quantized tensors are dequantized, then quantized again."""
-    from llmc.model.source import DEMO_MODELS
-
     if spec.startswith("demo:") and spec[5:] in DEMO_MODELS:
         name = DEMO_MODELS[spec[5:]].gguf_name
     elif spec.endswith(".gguf"):
@@ -277,8 +280,6 @@ def gguf_statement(spec: str, dtype: str) -> str | None:
 
 
 def _chat_sources(recipe) -> list[str]:
-    from llmc.data.sources import corpora_of, label
-
     def walk(source):
         if source.kind == "mix":
             for part in source.sources:
@@ -295,11 +296,6 @@ def _chat_sources(recipe) -> list[str]:
 def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     """Every check above for a recipe's model source (InputError, exit 7, on the first failure); returns what the
     plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
-    from llmc.inputs.files import shown
-    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-    from llmc.model.dtype import source_dtype
-    from llmc.model.tokenizer_files import VOCABULARY_FILES, custom_tokenizer_code, load_tokenizer, tokenizer_facts
-
     where = shown(folder) if folder is not None else shown(recipe.model.source)
     statement = gguf_statement(recipe.model.source, source_dtype(recipe.model.dtype))
     notes = [statement] if statement else []
@@ -333,8 +329,6 @@ _SIDE_FILE_BYTES = 1 << 20
 
 def _optional_json(folder: Path | None, name: str) -> dict | None:
     """A small JSON side file of the folder, or None when there is none (or it is not an object)."""
-    from llmc.inputs.files import read_input_json
-
     if folder is None or not os.path.lexists(Path(folder) / name):
         return None
     value = read_input_json(Path(folder) / name, name, _SIDE_FILE_BYTES,
@@ -344,8 +338,6 @@ def _optional_json(folder: Path | None, name: str) -> dict | None:
 
 def _model_card(folder: Path | None) -> str:
     """The folder's README.md (where a card names base_model), or '' when absent or unreadable."""
-    from llmc.inputs.files import read_input_text
-
     if folder is None or not os.path.lexists(Path(folder) / "README.md"):
         return ""
     try:

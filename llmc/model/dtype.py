@@ -10,6 +10,7 @@ in float32 as before.
 from __future__ import annotations
 
 from pathlib import Path
+from llmc.model.checkpoint import check_safetensors_header, safetensors_files
 
 SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float32"}
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -41,8 +42,6 @@ def resolve_dtype(requested: str, folder: Path | None = None, config: dict | Non
     if requested != AUTO:
         return requested
     if folder is not None:
-        from llmc.model.checkpoint import check_safetensors_header, safetensors_files
-
         return checkpoint_dtype([check_safetensors_header(f) for f in safetensors_files(Path(folder))])
     return config_dtype(config or {})
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from llmc.errors import InputError
 from llmc.inputs.excerpt import excerpt
+from llmc.model.checkpoint import read_index
+from llmc.model.confine import source_file
 
 PREFIX = "hf:"
 
@@ -71,6 +73,7 @@ def is_hub_spec(spec: str) -> bool:
 
 def parse_hub_spec(spec: str) -> HubSpec:
     """`hf:org/name[@revision]` -> HubSpec; InputError for anything the Hub would refuse."""
+    # lazy: huggingface_hub (~0.35 s cold for utils), only for Hub specs
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -96,7 +99,7 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: huggingface_hub (~0.35 s cold for utils), only for Hub specs
 
     return Path(constants.HF_HUB_CACHE)
 
@@ -131,9 +134,6 @@ def download(spec: HubSpec) -> HubSnapshot:
 
 def _weight_files(spec: HubSpec, commit: str, folder: Path) -> tuple[str, ...]:
     """The shards the index lists (its weight_map values), else the single model.safetensors."""
-    from llmc.model.checkpoint import read_index
-    from llmc.model.confine import source_file
-
     index = source_file(folder, INDEX_FILE, "shard index")  # a snapshot links into its blobs/, nowhere else
     if not index.is_file():
         return (SINGLE_WEIGHTS_FILE,)
@@ -141,6 +141,7 @@ def _weight_files(spec: HubSpec, commit: str, folder: Path) -> tuple[str, ...]:
 
 
 def _snapshot(spec: HubSpec, revision: str, patterns: list[str]) -> Path:
+    # lazy: huggingface_hub's download stack (~0.7 s), only to download
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

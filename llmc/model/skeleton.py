@@ -17,9 +17,9 @@ HOST = torch.device("cpu")
 
 def build_skeleton(config_dict: dict, dtype: torch.dtype) -> nn.Module:
     """The model with parameters on the meta device (no memory) and real buffers (rotary tables)."""
+    # lazy: accelerate + transformers (~2.5 s), only to build a model; llmc --help and plan skip it
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = AutoConfig.for_model(**config_dict)

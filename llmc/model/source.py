@@ -17,6 +17,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from llmc.data.bos import bos_decision, follow_gguf_flag, gguf_add_bos_flag
 from llmc.errors import InputError
 from llmc.inputs.excerpt import excerpt
 from llmc.inputs.files import file_kind, shown, stat_input
@@ -24,8 +27,10 @@ from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_fil
 from llmc.model.confine import check_folder_confined, source_file
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
+from llmc.publish.model_card import source_metadata
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import Store, stage_key
+from llmc.telemetry.progress import log
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -173,8 +178,6 @@ class LocatedSource:
             return ModelSource(folder=self.folder, sha256=self.sha256, origin=self.origin, hub=self.hub)
         fresh = sum(f.stat().st_size for f in self.files if store.memoized_file_hash(f) is None)
         if fresh > LOG_HASH_BYTES:
-            from llmc.telemetry.progress import log
-
             log(f"hashing {fresh / 1e9:.1f} GB of {shown(self.folder)} for the build's stage keys (once: memoized "
                 "until a file changes)")
         digest = stage_key(self.kind, {**self.identity, **{n.name: store.file_hash(n) for n in self.files},
@@ -234,7 +237,6 @@ def _card_identity(folder: Path, hub: dict | None) -> dict:
     holds one depends on other tools, and the same commit must give the same artifact."""
     if hub is not None:
         return {}
-    from llmc.publish.model_card import source_metadata
 
     license_ = source_metadata(folder).get("license")
     return {"README.md:license": license_} if isinstance(license_, str) else {}
@@ -265,10 +267,8 @@ def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> LocatedSour
 
 def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     """Dequantize a GGUF into a safetensors folder with transformers' own GGUF reader."""
-    import torch
+    # lazy: transformers (~2 s), only when a GGUF source is unpacked
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from llmc.telemetry.progress import log
 
     log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
     torch_dtype = getattr(torch, dtype)
@@ -294,10 +294,7 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
 def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:
     """Save the tokenizer adding a BOS exactly when the GGUF's tokenizer.ggml.add_bos_token says so (a GGUF can declare
     a BOS id while saying not to add it), checked on the saved files as the build will load them."""
-    from transformers import AutoTokenizer
-
-    from llmc.data.bos import bos_decision, follow_gguf_flag, gguf_add_bos_flag
-    from llmc.telemetry.progress import log
+    from transformers import AutoTokenizer  # lazy: transformers (~2 s), only when a GGUF source is unpacked
 
     flag = gguf_add_bos_flag(gguf)
     note = follow_gguf_flag(tok, flag)

@@ -156,6 +156,7 @@ def _auto_map_tokenizer(mapping: dict) -> list[str]:
 
 
 def _known_to_transformers(class_name: str) -> bool:
+    # lazy: transformers (~2 s), only when a tokenizer class is looked up
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     base = class_name.removesuffix("Fast")
@@ -206,7 +207,7 @@ def load_tokenizer(folder: Path):
     """AutoTokenizer.from_pretrained(folder) after the capped reads above; a tokenizer that `tokenizers` or
     transformers refuses is InputError (exit 7) naming the folder, not an internal error. Never runs the folder's
     own code (custom_tokenizer_code)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~2 s), only when a tokenizer loads
 
     check_tokenizer_files(folder)
     custom_tokenizer_code(folder)  # refuses a class only the folder's code defines

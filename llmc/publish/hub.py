@@ -15,6 +15,8 @@ from pathlib import Path
 
 from llmc.errors import InputError, RegistryError
 from llmc.telemetry.progress import log
+from llmc.storage.paths import confined
+from llmc.publish.local import read_manifest, verify_entry
 
 REPORT_FILES = ("manifest.json", "manifest.sig", "report.md", "report.json", "junit.xml")
 
@@ -29,9 +31,6 @@ class HubUpload:
 
 def upload_plan(entry: Path, repo_id: str) -> HubUpload:
     """What pushing registry entry `entry` to `repo_id` uploads; refused (InputError) unless the entry is intact."""
-    from llmc.storage.paths import confined
-    from llmc.publish.local import read_manifest, verify_entry
-
     entry = Path(entry)
     problems = verify_entry(entry)
     if problems:
@@ -59,7 +58,7 @@ def upload_plan(entry: Path, repo_id: str) -> HubUpload:
 def push(plan: HubUpload, endpoint: str | None = None) -> str:
     """Perform `plan` (on `endpoint`, default the Hub or $HF_ENDPOINT); returns the branch's URL. An existing branch
     of this build is left as it is."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi  # lazy: huggingface_hub's HfApi (~1 s), only when pushing
 
     api = HfApi(endpoint=endpoint)
     try:

@@ -16,12 +16,14 @@ from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
 from llmc.runtimes import recognize
 from llmc.runtimes.base import architectures
+from llmc.result import gates_summary
+from llmc.publish.local import read_manifest, verify_entry
+from llmc.publish.signing import signature_status, signing_key
+from llmc.storage.store import COMPLETE_MARKER, check_files
 
 
 def _gates_line(rep: object) -> str:
     """The gates' state as the report recorded it: "all passed" only when every gate was measured."""
-    from llmc.eval.gates import gates_summary
-
     try:
         return gates_summary(rep.get("verdicts", []))[1]  # type: ignore[union-attr]
     except (AttributeError, KeyError, TypeError):
@@ -50,9 +52,6 @@ def verify_path(path: Path, *, require_signature: bool = False) -> tuple[str, li
     InputError. `require_signature`: a registry entry must also carry a signature that the key set here checks."""
     path = Path(path)
     if (path / "manifest.json").exists():
-        from llmc.publish.local import verify_entry
-        from llmc.publish.signing import signature_status, signing_key
-
         problems = verify_entry(path)
         status = signature_status(path, signing_key())[0]
         if require_signature and not status.startswith("valid") and not any("signature" in p for p in problems):
@@ -67,8 +66,6 @@ def verify_path(path: Path, *, require_signature: bool = False) -> tuple[str, li
 
 def verify_record(path: Path) -> tuple[str, list[str]] | None:
     """A cached stage output checked byte for byte against its complete marker's record; None without one."""
-    from llmc.storage.store import COMPLETE_MARKER, check_files
-
     marker = Path(path) / COMPLETE_MARKER
     if not marker.is_file():
         return None
@@ -91,14 +88,10 @@ def _files_line(entry: Path, problems: list[str]) -> str:
 
 
 def _signature_line(entry: Path) -> str:
-    from llmc.publish.signing import signature_status, signing_key
-
     return f"  signature: {signature_status(entry, signing_key())[0]}"
 
 
 def _describe_entry(path: Path) -> tuple[str, list[str]]:
-    from llmc.publish.local import read_manifest, verify_entry
-
     m = read_manifest(path)  # refuses a manifest that lists paths outside the entry
     problems = verify_entry(path)
 

@@ -30,6 +30,9 @@ from llmc.telemetry import events
 from llmc.errors import RegistryError
 from llmc.telemetry.progress import log
 from llmc.storage.store import sha256_file
+from llmc.publish.model_card import CARD_FILE
+from llmc.publish.model_card import variant_metrics as card_rows
+from llmc.publish.local import read_manifest
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -65,7 +68,7 @@ def variant_model_name(source_name: str, recipe_name: str, label: str) -> str:
 def client(tracking_uri: str):
     """An MlflowClient for `tracking_uri`; RegistryError when MLflow is not installed."""
     try:
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # lazy: optional mlflow (llmc[registry], ~4 s); absent -> RegistryError
     except ImportError:
         raise RegistryError("MLflow is not installed", fix="pip install 'llmc[registry]'") from None
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -74,7 +77,7 @@ def client(tracking_uri: str):
 def _call(what: str, fn, *args, **kwargs):
     """An MLflow client call; failures to reach the server or refusals become RegistryError (no secret is in them:
     the client never sends the webhook secret)."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: optional mlflow (llmc[registry], ~4 s)
 
     try:
         return fn(*args, **kwargs)
@@ -88,10 +91,8 @@ def _call(what: str, fn, *args, **kwargs):
 
 def variant_metrics(result: "BuildResult", label: str) -> dict[str, float]:
     """The run's metrics for artifact `label`: '<engine>.<metric>'."""
-    from llmc.publish.model_card import variant_metrics as rows
-
     out: dict[str, float] = {}
-    for r in rows(result, label):
+    for r in card_rows(result, label):
         e = r["engine"]
         out[f"{e}.ppl"], out[f"{e}.ppl_base"] = r["ppl"], r["ppl_base"]
         if r["ppl_change"]:
@@ -133,7 +134,7 @@ def _experiment_id(c) -> str:
 
 
 def _existing_version(c, name: str, key: str):
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: optional mlflow (llmc[registry], ~4 s)
 
     try:
         versions = c.search_model_versions(f"name = '{name}'")
@@ -170,10 +171,7 @@ def _upload_and_verify(c, run_id: str, entry: Path, label: str, manifest_files: 
 
 def register_variant(c, result: "BuildResult", label: str, source: dict, key: str) -> Registration:
     """Register artifact `label` of the published `result` as a version of its registered model, at most once."""
-    from mlflow.exceptions import MlflowException
-
-    from llmc.publish.local import read_manifest
-    from llmc.publish.model_card import CARD_FILE
+    from mlflow.exceptions import MlflowException  # lazy: optional mlflow (llmc[registry], ~4 s)
 
     entry = Path(result.published)
     name = variant_model_name(source["name"], result.recipe.name, label)
@@ -200,7 +198,7 @@ def register_variant(c, result: "BuildResult", label: str, source: dict, key: st
         tags = {KEY_TAG: key, VARIANT_TAG: label, "llmc.build_id": result.build_id, "llmc.source.uri": source["uri"]}
         run = _call("create a run", c.create_run, experiment_id, tags=tags, run_name=name[:200])
         run_id = run.info.run_id
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param  # lazy: optional mlflow (llmc[registry], ~4 s)
 
         metrics = [Metric(k, v, 0, 0) for k, v in sorted(variant_metrics(result, label).items())]
         params = [Param("recipe", result.recipe.name), Param("variant", label), Param("build_id", result.build_id)]

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 import yaml
 
 from llmc import __version__
+from llmc.model.confine import source_file
+from llmc.eval.report import speed_kind
+from llmc.data.sources import label as data_label
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -36,8 +39,6 @@ CARD_BYTES = 200_000  # of the source's README.md read for its front matter
 def source_metadata(folder: Path | None) -> dict:
     """The YAML front matter of the source's own README.md (its license and base model), {} when absent or unreadable.
     Read through `llmc.model.confine.source_file`: a README linked outside the folder is refused (exit 7)."""
-    from llmc.model.confine import source_file
-
     if not folder:
         return {}
     card = source_file(Path(folder), CARD_FILE, "model card")
@@ -68,7 +69,7 @@ def base_model_and_license(result: "BuildResult") -> tuple[str | None, str]:
 
 def serve_command(artifact_dir: Path) -> str | None:
     """The target's own serve command from llmc-serve.json (top level, else the first runtime section's)."""
-    from llmc.formats.files import SERVE_FILE
+    from llmc.formats.files import SERVE_FILE  # lazy: llmc.formats.files pulls torch; model_card stays torch-free
 
     path = Path(artifact_dir) / SERVE_FILE
     try:
@@ -83,8 +84,6 @@ def serve_command(artifact_dir: Path) -> str | None:
 
 def variant_metrics(result: "BuildResult", label: str) -> list[dict]:
     """One row per engine that measured artifact `label`: the numbers llmc reports, with intervals."""
-    from llmc.eval.report import speed_kind
-
     rows = []
     for eval_id in result.target_evals.get(label, []):
         m = result.evals[eval_id]
@@ -101,8 +100,6 @@ def variant_metrics(result: "BuildResult", label: str) -> list[dict]:
 
 
 def _model_index(result: "BuildResult", label: str, rows: list[dict]) -> list[dict]:
-    from llmc.data.sources import label as data_label
-
     metrics = []
     for r in rows:
         metrics.append({"type": "perplexity", "name": f"perplexity ({r['engine']})", "value": round(r["ppl"], 4)})

@@ -41,6 +41,7 @@ def report_file(ref: str, cache_root: Path, name: str) -> Path:
 
 
 def _entry_report(entry: Path, name: str) -> Path:
+    # lazy: publish.local pulls torch (outputs -> eval.ci); `llmc report` stays light
     from llmc.publish.local import read_manifest
 
     files = read_manifest(entry)["files"]

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from llmc.errors import InputError
+from llmc.storage.store import atomic_write_json
 
 SIGNATURE_FILE = "manifest.sig"
 KEY_VARIABLE = "LLMC_SIGNING_KEY"
@@ -52,8 +53,6 @@ def _mac(key: bytes, manifest_bytes: bytes) -> str:
 
 def sign(entry: Path, key: bytes) -> None:
     """Write <entry>/manifest.sig for <entry>/manifest.json."""
-    from llmc.storage.store import atomic_write_json
-
     mac = _mac(key, (Path(entry) / "manifest.json").read_bytes())
     atomic_write_json(Path(entry) / SIGNATURE_FILE, {"algorithm": ALGORITHM, "mac": mac})
 

@@ -19,16 +19,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 LINK_MIN_BYTES = 1 << 20  # small files (configs, tokenizer) are not worth an inode's bookkeeping
 
 
-def share_identical_files(folder: Path, recorded: dict[str, dict], blobs: Path) -> int:
+def share_identical_files(folder: Path, recorded: dict[str, dict], blobs: Path, *,
+                          sha256_file: Callable[[Path], str]) -> int:
     """Replace every large file of `folder` that `blobs` already holds by a hard link to it, and link the others
-    into `blobs`; returns the bytes no longer stored twice."""
-    from llmc.storage.store import sha256_file
-
+    into `blobs`; returns the bytes no longer stored twice. `sha256_file` re-hashes a blob before it is shared (the
+    store passes its own, metered one: this module imports nothing of the store, which imports it)."""
     saved = 0
     for rel, info in recorded.items():
         size, digest = info.get("size"), info.get("sha256")
@@ -66,7 +67,7 @@ def clone_or_copy(src: str | Path, dst: str | Path) -> str:
     the filesystem supports one, else a copy."""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         try:
-            import fcntl
+            import fcntl  # lazy: POSIX only: its ImportError falls back to a plain copy
 
             fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
         except (ImportError, OSError):  # not Linux, another filesystem, no reflink support: copy the bytes

@@ -32,6 +32,7 @@ from llmc.storage.paths import confined
 from llmc.telemetry.progress import Meter, log
 from llmc.storage.resource_errors import resource_error
 from llmc.storage.links import share_identical_files, sweep_blobs
+from llmc.inputs.files import shown
 
 COMPLETE_MARKER = ".llmc-complete"
 BLOBS = "blobs"  # <cache>/blobs/<sha256[:2]>/<sha256>: hard links of large stage files (llmc.storage.links)
@@ -107,7 +108,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """safetensors.save_file to a temp name, fsync, rename."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch; the store stays torch-free
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -240,7 +241,6 @@ class Store:
         except OSError as e:
             if (resource := resource_error(e)) is not None:  # a full disk is not a bad path
                 raise resource from None
-            from llmc.inputs.files import shown
 
             raise InputError(f"the cache {shown(self.root)} cannot be used as a directory ({e.strerror})",
                              fix="point --cache-dir or LLMC_CACHE at a writable directory") from None
@@ -366,7 +366,8 @@ class Store:
                 yield partial
                 (partial / RESUMABLE_MARKER).unlink(missing_ok=True)
                 recorded = record_files(partial)
-                share_identical_files(partial, recorded, self.root / BLOBS)  # identical files stored once
+                share_identical_files(partial, recorded, self.root / BLOBS,  # identical files stored once
+                                      sha256_file=sha256_file)
                 marker = {"stage": stage, "key": key, "llmc": __version__, "files": recorded}
                 atomic_write_json(partial / COMPLETE_MARKER, marker)
                 if (final / COMPLETE_MARKER).is_file() and not self._problems(final, full=False):

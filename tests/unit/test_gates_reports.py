@@ -156,10 +156,11 @@ import math  # noqa: E402
 import yaml  # noqa: E402
 
 from llmc.eval.gates import (  # noqa: E402
-    DEFAULT_GATES, effective_gates, gate_artifact, gates_summary, scheme_family,
+    DEFAULT_GATES, effective_gates, gate_artifact, scheme_family,
 )
 from llmc.quant.canonical import scheme_from_dict  # noqa: E402
 from llmc.recipe.schema import Gates  # noqa: E402
+from llmc.result import gates_summary  # noqa: E402
 from llmc.result import Evaluation  # noqa: E402
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},

@@ -27,6 +27,7 @@ def quant_kernels(model) -> list:
 
 def main(folder: str) -> None:
     req, tensors = _wire.read_request(folder)
+    # lazy: inside _wire.run, so a missing or broken engine package lands in error.json
     import torch
     import gptqmodel
     from gptqmodel import GPTQModel

@@ -20,6 +20,7 @@ import _wire
 
 def main(folder: str) -> None:
     req, tensors = _wire.read_request(folder)
+    # lazy: inside _wire.run, so a missing or broken engine package lands in error.json
     import llama_cpp
     from llama_cpp import Llama
 

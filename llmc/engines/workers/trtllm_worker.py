@@ -20,6 +20,7 @@ import _wire
 
 
 def main(folder: str) -> None:
+    # lazy: inside _wire.run, so a missing or broken engine package lands in error.json
     import tensorrt_llm
     from tensorrt_llm import LLM, SamplingParams
 

@@ -19,6 +19,7 @@ import _wire
 def main(folder: str) -> None:
     req, tensors = _wire.read_request(folder)
     windows, prompt_ids = tensors["windows"].tolist(), tensors["prompt"].tolist()
+    # lazy: inside _wire.run, so a missing or broken engine package lands in error.json
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
