@@ -35,19 +35,19 @@ from llmc import distributed
 from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference_rows, score_logits
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
+from llmc.engines.torch_stream import (build_dense_model, build_streaming_model, choose_streamed, dense_bytes,
+                                       streamed_logits)
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
 from llmc.model.attention import register_kv_attention, route_kv
+from llmc.model.families import expert_count
+from llmc.quant.activations import memory_available
+from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import fake_quantize, input_scale_name
 from llmc.quant.spec import TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.telemetry.progress import steps
-from llmc.engines.torch_stream import (choose_streamed, dense_bytes, build_streaming_model, build_dense_model,
-                                       streamed_logits)
-from llmc.quant.activations import memory_available
-from llmc.model.families import expert_count
-from llmc.quant.canonical import module_matches
 
 KV_ATTENTION = "llmc_quantized_kv"
 _HEAD_TENSORS = frozenset(HEAD_KEYS)
