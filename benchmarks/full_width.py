@@ -97,7 +97,7 @@ def write_checkpoint(model: str, layers: int, out: Path, tokenizer_from: Path, d
 def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config: dict | None = None) -> dict:
     """The plan's estimates for the checkpoint (or, without one, from its config: the same shapes)."""
     from llmc.planning.plan import make_plan
-    from llmc.recipe import load_recipe
+    from llmc.recipe.load import load_recipe
 
     plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False, config=None if checkpoint else config)
     return plan.estimates

@@ -94,7 +94,7 @@ def main(quiet: bool) -> None:
 
 
 def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
-    from llmc.recipe import load_recipe  # lazy: start-up: `llmc --help` loads just click and llmc.engines
+    from llmc.recipe.load import load_recipe  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     return load_recipe(recipe_path, overrides)
 

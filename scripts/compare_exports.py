@@ -110,7 +110,7 @@ def child(recipes: list[Path]) -> None:
     """In a tree's own interpreter: build each recipe's export stage and print the hashes of its artifacts."""
     import llmc
     from llmc.build import build_until
-    from llmc.recipe import load_recipe
+    from llmc.recipe.load import load_recipe
     from llmc.storage.store import Store
 
     tree, cache = Path(os.environ["PYTHONPATH"]).resolve(), Path(os.environ["LLMC_CACHE"])

@@ -105,7 +105,7 @@ def record(out: Path, recipes: list[Path], nprocs: list[int], cache: Path) -> No
     _pin()
     from llmc.errors import LlmcError
     from llmc.planning.plan import make_plan, plan_recipe
-    from llmc.recipe import load_recipe
+    from llmc.recipe.load import load_recipe
     from llmc.storage.store import Store
 
     out.mkdir(parents=True, exist_ok=True)

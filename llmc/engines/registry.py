@@ -124,8 +124,8 @@ class EngineSpec:
 def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
     """The capability data's verdict on `runtime`'s CPU build for `scheme` (measured limits, not guesses)."""
     # lazy: importing llmc.engines loads no other llmc module (pinned by test_engines)
-    from llmc.runtimes import runtime as target_runtime
-    from llmc.runtimes import scheme_keys
+    from llmc.runtimes.catalog import runtime as target_runtime
+    from llmc.runtimes.catalog import scheme_keys
 
     rules = target_runtime(runtime).rules
     for key in scheme_keys(scheme):

@@ -26,7 +26,7 @@ from llmc.quant.canonical import scheme_from_dict
 from llmc.recipe.schema import Gates
 from llmc.result import eval_id as make_eval_id
 from llmc.result import parse_eval_id
-from llmc.runtimes import artifact_format
+from llmc.runtimes.catalog import artifact_format
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind

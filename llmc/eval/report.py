@@ -8,7 +8,7 @@ from llmc.data.sources import corpora_of, corpus_part
 from llmc.result import eval_id as make_eval_id
 from llmc.result import parse_eval_id
 from llmc.engines import engine_spec
-from llmc.runtimes import artifact_format
+from llmc.runtimes.catalog import artifact_format
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind

@@ -21,7 +21,7 @@ from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
 from llmc.result import Evaluation
 from llmc.storage.store import Store
-from llmc.runtimes import recognize
+from llmc.runtimes.catalog import recognize
 from llmc.model.tokenizer_files import load_tokenizer
 from llmc.recipe.schema import Gates
 

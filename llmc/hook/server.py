@@ -28,7 +28,7 @@ from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, STATUS_TOKEN, HookConfig,
 from llmc.hook.jobs import hf_source, mlflow_source, new_job, run_job
 from llmc.hook.queue import JobQueue, QueueFull
 from llmc.telemetry.progress import log
-from llmc.recipe import load_recipe
+from llmc.recipe.load import load_recipe
 
 OWN_VERSION_TAG = "llmc.build_id"  # carried by every version llmc registers: never a source for another build
 

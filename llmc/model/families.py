@@ -29,7 +29,7 @@ def expert_count(config: dict) -> int:
 
 def moe_families() -> frozenset[str]:
     """The MoE model_types llmc quantizes."""
-    # lazy: llmc.quant.moe pulls torch; llmc.runtimes (torch-free) imports this module
+    # lazy: llmc.quant.moe pulls torch; llmc.runtimes.registry (torch-free) imports this module
     from llmc.quant.moe import LAYOUTS
 
     return frozenset(LAYOUTS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llmc import runtimes as targets
+from llmc.runtimes import catalog as targets
 from llmc.formats.files import SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import corpora_of

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc import runtimes as targets
+from llmc.runtimes import catalog as targets
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing

@@ -30,7 +30,7 @@ from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
-from llmc.quant.algorithms import Pipeline, calibration_passes, quantize_stage_config
+from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES,
                                    Machine, forward_efficiency, forward_seconds, matmul_rate)
 from llmc.planning.rows import GB, CostRow

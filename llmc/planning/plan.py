@@ -18,7 +18,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from llmc.planning import shapes as plan_shapes
-from llmc import runtimes as targets
+from llmc.runtimes import catalog as targets
 from llmc.engines.torch_stream import choose_streamed
 from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
 from llmc.eval import gates
@@ -35,8 +35,8 @@ from llmc.planning.machine import Machine, matmul_rate, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill
-from llmc.quant.algorithms import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
-from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
+from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
 from llmc.quant.spec import FORMATS, Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE

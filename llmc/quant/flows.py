@@ -34,7 +34,7 @@ from llmc.model.skeleton import HOST, capture_layer_inputs, layer_output, to_dev
 from llmc.telemetry.progress import log
 from llmc.quant import moe, true_sequential
 from llmc.quant.activations import Activations, ActivationWriter, inputs_dir, memory_available
-from llmc.quant.algorithms import Observe, Pipeline
+from llmc.quant.algorithms.catalog import Observe, Pipeline
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
                                 register_kv_observer, stats_from_shared)

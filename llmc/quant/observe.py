@@ -14,7 +14,7 @@ from torch import nn
 from llmc.model.attention import register_kv_attention, route_kv, unroute_kv
 from llmc.model.skeleton import HOST, layer_output, return_free_heap_to_os
 from llmc.quant.activations import Activations
-from llmc.quant.algorithms import Observe
+from llmc.quant.algorithms.catalog import Observe
 from llmc.quant.algorithms.gptq import accumulate_hessian
 
 KV_OBSERVER = "llmc_observe_kv"

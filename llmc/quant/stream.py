@@ -43,7 +43,7 @@ from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
 from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memory_available, should_spill
-from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
 from llmc.quant.numerics import (QuantizedWeight, input_scale_name, quantize_weight, static_scale,

@@ -18,9 +18,9 @@ from llmc.data.sources import BrownSource, DataSource, EvalCorpora
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
-from llmc.quant.algorithms import Pipeline, compose, steps_of
+from llmc.quant.algorithms.catalog import Pipeline, compose, steps_of
 from llmc.quant.spec import BLOCK_SHAPE, FORMATS, SCHEMES, Scheme, TensorSpec, pair_name, weight_kind
-from llmc.runtimes import runtime_names
+from llmc.runtimes.catalog import runtime_names
 from llmc.runtimes.base import ARCH_ORDER
 
 SCHEMA_VERSION = 1

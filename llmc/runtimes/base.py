@@ -107,7 +107,7 @@ class ArtifactFormat:
 
     # Hugging Face model_types (model families) the format's exporter and runtime handle; None: any decoder-only
     # causal LM transformers builds. `families_source` says where the list comes from. `llmc plan` refuses other
-    # families before any weight loads (`llmc.runtimes.check_family`).
+    # families before any weight loads (`llmc.runtimes.registry.check_family`).
     families: ClassVar[frozenset[str] | None] = None
     families_source: ClassVar[str] = ""
     # Mixture-of-Experts model_types whose per-expert export this format's exporter writes and a test round-trips

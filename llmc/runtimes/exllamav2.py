@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes import register_format, register_runtime
 from llmc.runtimes.base import (
     ArtifactFormat,
     ExportRequest,
@@ -17,6 +16,7 @@ from llmc.runtimes.base import (
     serve_line,
     target_key,
 )
+from llmc.runtimes.registry import register_format, register_runtime
 
 
 _NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmodel to eval.runtimes to load "

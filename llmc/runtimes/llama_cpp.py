@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes import register_format, register_runtime
 from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, target_key
+from llmc.runtimes.registry import register_format, register_runtime
 
 _ACTIVATIONS_NOTE = "llama.cpp quantizes activations itself (dynamic, blocks of 32)"
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from llmc.runtimes import artifact_format, is_implemented, runtimes
+from llmc.runtimes.catalog import artifact_format, is_implemented, runtimes
 from llmc.runtimes.base import arch_span
 
 HEADER = """# Compatibility matrix

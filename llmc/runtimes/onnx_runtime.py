@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes import register_format, register_runtime
 from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, read_json, target_key
+from llmc.runtimes.registry import register_format, register_runtime
 
 GENAI_CONFIG = "genai_config.json"
 _ORT_U8S8 = (

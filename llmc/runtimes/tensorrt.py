@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes import register_format, register_runtime
 from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, read_json
+from llmc.runtimes.registry import register_format, register_runtime
 
 
 @register_format

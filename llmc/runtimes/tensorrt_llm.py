@@ -8,7 +8,6 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from llmc.runtimes import register_format, register_runtime
 from llmc.runtimes.base import (
     ArtifactFormat,
     ExportRequest,
@@ -20,6 +19,7 @@ from llmc.runtimes.base import (
     read_json,
     target_key,
 )
+from llmc.runtimes.registry import register_format, register_runtime
 
 # TensorRT-LLM reads the unified (ModelOpt HF) checkpoint from this version; a target pinned below it gets the
 # legacy per-rank checkpoint for trtllm-build.

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes import register_format, register_runtime
-from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, architectures, quantization_config, target_key
+from llmc.runtimes.base import (
+    ArtifactFormat,
+    ExportRequest,
+    Rule,
+    Runtime,
+    architectures,
+    quantization_config,
+    read_json,
+    serve_line,
+    target_key,
+)
+from llmc.runtimes.registry import accepting_runtimes, register_format, register_runtime
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -48,9 +58,6 @@ class CompressedTensors(ArtifactFormat):
         return bool(q) and q.get("quant_method") == "compressed-tensors"
 
     def describe(self, path: Path) -> str:
-        from llmc.runtimes import accepting_runtimes
-        from llmc.runtimes.base import read_json, serve_line
-
         config = read_json(path / "config.json") or {}
         q = config["quantization_config"]
         s = _scheme_from_config(q)

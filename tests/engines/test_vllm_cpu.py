@@ -31,7 +31,7 @@ def w8a8(tmp_path_factory):
     from llmc.build import build_until
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
-    from llmc.recipe import load_recipe
+    from llmc.recipe.load import load_recipe
     from llmc.storage.store import Store
 
     store = Store(tmp_path_factory.mktemp("cache"))

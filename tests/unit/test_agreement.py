@@ -185,7 +185,7 @@ def test_a_build_stores_the_head_and_gates_on_the_exact_kl(tiny_model: Path, tmp
 
     from llmc.build import build
     from llmc.eval.report import render_markdown
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -11,12 +11,12 @@ import yaml
 from torch import nn
 
 from llmc.errors import RecipeError
-from llmc.quant.algorithms import IMPLEMENTED, ALGORITHMS, Pipeline, calibration_passes, names, quantize_stage_config
+from llmc.quant.algorithms.catalog import IMPLEMENTED, ALGORITHMS, Pipeline, calibration_passes, names, quantize_stage_config
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.quant.algorithms.gptq import GptqOptions
 from llmc.quant.algorithms.registry import AlgorithmOptions, register
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.storage.store import canonical_json
 
 INT4_G16 = TensorSpec("int4", "group", group_size=16)

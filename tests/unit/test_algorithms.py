@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
-from llmc.quant.algorithms import Observe, Pipeline
+from llmc.quant.algorithms.catalog import Observe, Pipeline
 from llmc.quant.algorithms.awq import (
     AwqOptions,
     awq_layer,

@@ -11,7 +11,7 @@ import yaml
 from llmc.build import build
 from llmc.pipeline.gate import raise_for_gates
 from llmc.errors import QualityGateError
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.publish.local import verify_entry
 from llmc.storage.store import Store
 

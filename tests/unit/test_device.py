@@ -16,7 +16,7 @@ from llmc.model.source import ModelSource
 from llmc.planning.plan import make_plan
 from llmc.quant.device import resolve_device
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_build import recipe_text  # noqa: E402

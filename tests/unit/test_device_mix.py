@@ -199,7 +199,7 @@ def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Pat
     """`llmc build` with `calibration.device: auto` on a (fake) GPU: plan, calibrate and quantize there, export and
     evaluate; the quantize stage is keyed by its device, so the CPU's cached result is not reused for it."""
     from llmc.build import build
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
     from tests.conftest import make_tiny_model
     from tests.unit.test_build import recipe_text

@@ -241,7 +241,7 @@ def test_plan_with_nproc_gives_per_rank_estimates_and_exact_hessian_volume(tiny_
     import yaml
 
     from llmc.planning.plan import make_plan
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
 
     r = parse_recipe(yaml.safe_dump({
         "name": "p", "model": {"source": str(tiny_model)},

@@ -11,7 +11,7 @@ import yaml
 from llmc.build import build_until
 from llmc.pipeline.export import served_context
 from llmc.pipeline.ids import Kind
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.storage.store import Store
 
 

@@ -144,7 +144,7 @@ def test_compressed_tensors_export_reloads_with_the_reference_logits(family, sch
 def _recipe(folder: Path, *targets: dict):
     import yaml
 
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
 
     return parse_recipe(yaml.safe_dump({"name": "f", "model": {"source": str(folder)},
                                         "quantization": {"weights": {"format": "int4", "strategy": "group",

@@ -262,7 +262,7 @@ def _embedding_rows(folder: Path) -> int:
 def _check_folder(model: Path, apply) -> str:
     from llmc.model.tokenizer_files import load_tokenizer
     from llmc.planning.plan import make_plan
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(shutil.copytree(model, Path(tmp) / "m"))

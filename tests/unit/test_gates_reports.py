@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmc.build import build
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.storage.store import COMPLETE_MARKER, Store, record_files
 
 sys.path.insert(0, str(Path(__file__).parent))

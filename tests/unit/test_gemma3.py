@@ -13,10 +13,10 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import flows, stream
-from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.algorithms.awq import AwqOptions, awq_layer, fake_quantize_weight
 from llmc.quant.algorithms.mappings import layer_mappings
-from llmc.quant.algorithms import Observe
+from llmc.quant.algorithms.catalog import Observe
 from llmc.quant.numerics import static_scale
 from llmc.quant.observe import LayerStats, observing
 from llmc.quant.spec import Scheme, TensorSpec

@@ -328,7 +328,7 @@ def test_fp8_and_unsupported_architectures_are_refused(tiny_model_session: Path,
 
 
 def test_planner_refuses_fp8_for_llama_cpp_and_accepts_int() -> None:
-    from llmc import runtimes as targets
+    from llmc.runtimes import catalog as targets
 
     assert targets.is_implemented("gguf")
     for name in ("llama.cpp", "ollama"):
@@ -367,7 +367,7 @@ def test_build_exports_gguf_and_compressed_tensors_from_one_quantization(tiny_mo
     import yaml
 
     from llmc.build import build_until
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
 
     recipe = parse_recipe(yaml.safe_dump({

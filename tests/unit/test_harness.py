@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval")
 
 from llmc.build import build_until  # noqa: E402
 from llmc.data.bos import bos_decision  # noqa: E402
-from llmc.recipe import parse_recipe  # noqa: E402
+from llmc.recipe.load import parse_recipe  # noqa: E402
 from llmc.storage.store import Store  # noqa: E402
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()

@@ -175,7 +175,7 @@ def test_secrets_come_from_the_environment_or_a_file_never_the_config(tmp_path: 
 def tiny_entry(tmp_path_factory, tiny_model_session: Path):
     """A published tiny build whose source card says `license: mit`."""
     from llmc.build import build
-    from llmc.recipe import load_recipe
+    from llmc.recipe.load import load_recipe
     from llmc.storage.store import Store
     from tests.unit.build_helpers import small_corpus_file, use_corpus_file
 

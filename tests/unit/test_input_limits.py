@@ -24,7 +24,7 @@ from llmc.errors import InputError, RecipeError
 from llmc.model.checkpoint import CheckpointReader, check_safetensors_header, read_model_config
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.source import resolve_source
-from llmc.recipe import load_recipe, parse_recipe
+from llmc.recipe.load import load_recipe, parse_recipe
 from llmc.storage.store import Store
 
 BASE = ("name: r\nmodel: {source: demo:smollm2-135m}\n"

@@ -29,7 +29,7 @@ from llmc.cli import main
 from llmc.formats.files import SERVE_FILE
 from llmc.errors import InputError, RecipeError
 from llmc.storage.paths import confined
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.publish.local import verify_entry
 from llmc.publish.outputs import write_build_outputs
 from llmc.storage.store import COMPLETE_MARKER, Store, sha256_file

@@ -22,7 +22,7 @@ from llmc.quant.microscaling import MICROSCALING_FORMATS, dequantize_blocks, qua
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight, weight_global_scales
 from llmc.quant.scale_search import block_errors
 from llmc.quant.stream import quantize_model
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 
 NVFP4 = {"format": "nvfp4", "strategy": "group", "group_size": 16}
 MXFP4 = {"format": "mxfp4", "strategy": "group", "group_size": 32}

@@ -317,7 +317,7 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
     """`llmc build` on a tiny Mixtral: FP8 static + KV for vLLM, evaluated in the torch engine from the exported files,
     the token report in the quantize stage's output; with moe_calibrate_all_experts another quantize key (and stage)."""
     from llmc.build import build
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
     from tests.unit.test_build import recipe_text
 
@@ -342,7 +342,7 @@ def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family,
 
     from llmc.errors import IncompatibleTargetError
     from llmc.planning.plan import make_plan
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
 
     _name, folder = family
 

@@ -13,7 +13,7 @@ import yaml
 from llmc.build import build_until
 from llmc.errors import InputError, RecipeError
 from llmc.eval.report import render_markdown, render_summary, report_dict
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.storage.store import Store
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()

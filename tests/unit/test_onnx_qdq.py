@@ -15,7 +15,7 @@ import pytest
 import torch
 from onnx import TensorProto, numpy_helper
 
-from llmc.runtimes import runtime
+from llmc.runtimes.catalog import runtime
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.formats.onnx_qdq import check_scheme, export_onnx_qdq
 from llmc.engines.onnxrt import OnnxRuntimeEngine
@@ -206,7 +206,7 @@ def test_inspect_and_triton_read_the_qdq_folder(exported, tmp_path: Path) -> Non
 
     from llmc.formats.triton_repo import write_triton_repo
     from llmc.publish.inspect import describe
-    from llmc.runtimes import artifact_format
+    from llmc.runtimes.catalog import artifact_format
 
     _, folder, _ = exported["w8a8-int8-static"]
     text = describe(folder)
@@ -238,7 +238,7 @@ def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_mod
     import yaml
 
     from llmc.build import build
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
 
     recipe = parse_recipe(yaml.safe_dump({

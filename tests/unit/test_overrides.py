@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from llmc.cli import main
 from llmc.errors import RecipeError
-from llmc.recipe import load_recipe, parse_recipe
+from llmc.recipe.load import load_recipe, parse_recipe
 from llmc.recipe.overrides import apply_overrides, parse_override
 
 RECIPE = {"name": "o", "model": {"source": "demo:smollm2-135m"},

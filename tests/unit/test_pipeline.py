@@ -16,7 +16,7 @@ from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import stages
 from llmc.planning.plan import make_plan
 from llmc.quant.flows import FLOWS, FlowNeeds, flow_for
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 from llmc.storage.store import CorruptOutput, Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,7 +144,8 @@ def test_the_planner_and_the_stream_name_no_algorithm_or_format() -> None:
 def test_no_import_cycle_through_the_pipeline() -> None:
     """Each pipeline module imports on its own, in a fresh interpreter (a cycle fails one of them)."""
     modules = ["llmc.pipeline.stages", "llmc.pipeline.runner", "llmc.pipeline.evaluate", "llmc.build", "llmc.planning.plan",
-               "llmc.quant.flows", "llmc.quant.stream", "llmc.model.skeleton"]
+               "llmc.quant.flows", "llmc.quant.stream", "llmc.model.skeleton", "llmc.runtimes.catalog",
+               "llmc.quant.algorithms.catalog", "llmc.recipe.load"]
     for m in modules:
         done = subprocess.run([sys.executable, "-c", f"import {m}"], cwd=REPO, capture_output=True, text=True)
         assert done.returncode == 0, (m, done.stderr[-2000:])

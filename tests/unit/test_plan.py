@@ -9,7 +9,7 @@ import yaml
 
 from llmc.errors import IncompatibleTargetError
 from llmc.planning.plan import IMPLEMENTED_ALGORITHMS, check_model, make_plan
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"}, "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
 W8A8 = {"weights": {"format": "int8", "strategy": "channel"},
@@ -122,7 +122,8 @@ def test_version_range_check_on_a_supported_scheme() -> None:
 
 def test_target_without_exporter_says_so(monkeypatch) -> None:
     # every runtime has an exporter today; a runtime whose exporter is missing must be named, with the alternatives
-    from llmc import runtimes as targets
+    from llmc.runtimes import catalog as targets
+    from llmc.runtimes import registry
 
     assert all(targets.is_implemented(f) for rt in targets.runtimes() for f in {r.format for r in rt.matrix_rows()})
     from llmc.registry import Registry
@@ -131,7 +132,7 @@ def test_target_without_exporter_says_so(monkeypatch) -> None:
     for name, fmt in targets.FORMATS.items():
         if name != "onnx":
             formats.add(name, fmt)
-    monkeypatch.setattr(targets, "FORMATS", formats)
+    monkeypatch.setattr(registry, "FORMATS", formats)  # the lookups' module; the catalog re-exports them
     w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
     with pytest.raises(IncompatibleTargetError) as e:
         make_plan(recipe(w4, {"runtime": "onnxruntime", "gpu_arch": "cpu"}))

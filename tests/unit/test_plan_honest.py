@@ -13,7 +13,7 @@ import yaml
 from llmc.planning import machine, probes
 from llmc.planning.plan import make_plan
 from llmc.quant import numerics
-from llmc.recipe import parse_recipe
+from llmc.recipe.load import parse_recipe
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
        "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}

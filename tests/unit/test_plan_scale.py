@@ -17,7 +17,7 @@ from llmc.model.families import expert_count
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.planning.plan import make_plan, plan_recipe
 from llmc.planning.shapes import from_config
-from llmc.recipe import load_recipe, parse_recipe
+from llmc.recipe.load import load_recipe, parse_recipe
 from llmc.storage.store import Store
 
 REPO = Path(__file__).resolve().parents[2]

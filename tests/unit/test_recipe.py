@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from llmc.errors import RecipeError
-from llmc.recipe import load_recipe, parse_recipe
+from llmc.recipe.load import load_recipe, parse_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 

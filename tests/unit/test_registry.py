@@ -58,9 +58,9 @@ def test_remove_takes_a_registration_back() -> None:
 def test_every_plugin_kind_is_a_registry() -> None:
     from llmc.data.registry import LOADERS
     from llmc.engines.registry import ENGINES
-    from llmc.quant.algorithms import ALGORITHMS
+    from llmc.quant.algorithms.catalog import ALGORITHMS
     from llmc.quant.flows import FLOWS
-    from llmc.runtimes import FORMATS, RUNTIMES
+    from llmc.runtimes.catalog import FORMATS, RUNTIMES
 
     kinds = {r.kind for r in (LOADERS, ENGINES, ALGORITHMS, FLOWS, FORMATS, RUNTIMES)}
     assert kinds == {"data source kind", "engine", "algorithm", "data flow", "artifact format", "runtime"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc import runtimes as targets
+from llmc.runtimes import catalog as targets
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.recipe.schema import Target
@@ -89,7 +89,7 @@ def test_stage_configs_are_the_keys_builds_had_before_the_registry(tiny_model_se
     from llmc.model.source import ModelSource
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.stream import quantize_model
-    from llmc.runtimes import ExportRequest, target_key
+    from llmc.runtimes.catalog import ExportRequest, target_key
 
     out = tmp_path / "q"
     quantize_model(ModelSource(folder=tiny_model_session, sha256="x", origin="test"), W4_G32, out, None)

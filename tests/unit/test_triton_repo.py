@@ -79,7 +79,7 @@ def test_onnxruntime_backend_repository_lists_the_graph_tensors(quantized: Quant
 def test_triton_is_refused_where_there_is_no_backend_for_the_artifact() -> None:
     from llmc.planning.plan import check_target
     from llmc.recipe.schema import Target
-    from llmc.runtimes import triton_backend
+    from llmc.runtimes.catalog import triton_backend
 
     with pytest.raises(IncompatibleTargetError) as e:
         triton_backend(Target(runtime="llama.cpp", gpu_arch="cpu"))

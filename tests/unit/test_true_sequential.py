@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream, true_sequential
-from llmc.quant.algorithms import Pipeline
+from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_quantize
 from llmc.quant.numerics import dequantize_weight
 from llmc.quant.spec import Scheme, TensorSpec

@@ -1,0 +1,131 @@
+"""The registries of runtimes and artifact formats (`llmc.registry`), and the lookups over them.
+
+Each runtime module beside this file imports `register_runtime` / `register_format` from here; consumers import
+`llmc.runtimes.catalog`, which imports every built-in runtime module first, so the lookups they call see all of
+them. `llmc.build`, `llmc.planning.plan`, `llmc inspect`, the reports, `llmc matrix` and the Triton writer look
+targets up there; none of them names a runtime. docs/extending.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmc.errors import IncompatibleTargetError
+from llmc.model.families import expert_count
+from llmc.registry import Registry
+from llmc.runtimes.base import ArtifactFormat, Runtime, arch_rank, arch_span, scheme_keys
+
+if TYPE_CHECKING:
+    from llmc.quant.spec import Scheme
+    from llmc.recipe.schema import Target
+
+RUNTIMES: Registry[Runtime] = Registry("runtime")  # in the order of docs/compatibility.md
+FORMATS: Registry[ArtifactFormat] = Registry("artifact format")
+
+
+def register_runtime(runtime: Runtime) -> Runtime:
+    return RUNTIMES.add(runtime.name, runtime)
+
+
+def register_format(cls: type[ArtifactFormat]) -> type[ArtifactFormat]:
+    """Class decorator: one instance of each format, looked up by its name."""
+    FORMATS.add(cls.name, cls())
+    return cls
+
+
+def runtime(name: str) -> Runtime:
+    return RUNTIMES[name]
+
+
+def runtimes() -> list[Runtime]:
+    """Every registered runtime, in registration order (the order of docs/compatibility.md)."""
+    return list(RUNTIMES.values())
+
+
+def runtime_names() -> tuple[str, ...]:
+    return RUNTIMES.names()
+
+
+def artifact_format(name: str) -> ArtifactFormat:
+    return FORMATS[name]
+
+
+def formats() -> list[ArtifactFormat]:
+    return list(FORMATS.values())
+
+
+def format_for(target: Target) -> ArtifactFormat:
+    """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here)."""
+    return FORMATS[runtime(target.runtime).format_for(target.version)]
+
+
+def triton_backend(target: Target) -> str:
+    """The Triton backend serving the target's artifact; IncompatibleTargetError naming the targets that have one."""
+    fmt = format_for(target)
+    if fmt.triton_refusal:
+        raise IncompatibleTargetError(*fmt.triton_refusal)
+    if fmt.triton_backend is None:
+        by_backend: dict[str, list[str]] = {}
+        for rt in RUNTIMES.values():
+            backend = FORMATS[rt.format].triton_backend if rt.format in FORMATS else None
+            if backend:
+                by_backend.setdefault(backend, []).append(rt.name)
+        options = [f"{'/'.join(names)} (Triton's {backend} backend)" for backend, names in by_backend.items()]
+        raise IncompatibleTargetError(
+            f"triton: true is not available for {target.runtime} targets ({fmt.name} artifacts)",
+            fix="use triton: true with a target of " + "; ".join(options))
+    return fmt.triton_backend
+
+
+def check_family(target: Target, config: dict) -> None:
+    """IncompatibleTargetError when the target's artifact format does not cover the model's family
+    (config.json's model_type), naming the runtimes whose formats do."""
+    family = config.get("model_type")
+    fmt = format_for(target)
+    if expert_count(config) > 1 and family not in fmt.moe_families:
+        accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
+                     and family in FORMATS[rt.format].moe_families]
+        raise IncompatibleTargetError(
+            f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
+            f"(model_type {family!r}): only {', '.join(sorted(f.name for f in FORMATS.values() if f.moe_families))} "
+            "artifacts carry per-expert weights, tested by a round-trip",
+            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
+                f"{', '.join(accepting) or 'none'}")
+    if fmt.families is None or family in fmt.families:
+        return
+    accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
+                 and (FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]
+    raise IncompatibleTargetError(
+        f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
+        f"({fmt.families_source}); this model's model_type is {family!r}",
+        fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
+
+
+def is_implemented(format_name: str) -> bool:
+    return format_name in FORMATS
+
+
+def recognize(path) -> ArtifactFormat | None:
+    """The format of the artifact at `path`, or None."""
+    return next((f for f in FORMATS.values() if f.recognizes(path)), None)
+
+
+def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[str]:
+    """'runtime (archs)' for each runtime whose rules admit every capability the scheme needs (only those
+    reading `format_name`, when given)."""
+    out = []
+    keys = scheme_keys(scheme)
+    for rt in sorted(RUNTIMES.values(), key=lambda r: r.name):
+        rules = [rt.rules.get(k) for k in keys]
+        if any(r is None for r in rules) or (format_name and rt.format != format_name):
+            continue
+        native = max((r.native_from for r in rules if r.native_from), default=None, key=arch_rank)
+        until = min((r.native_until for r in rules if r.native_until), default=None, key=arch_rank)
+        where = arch_span(native, until) if native else ""
+        if all(r.cpu for r in rules):
+            where += (", " if where else "") + "cpu"
+        degraded = [r.degraded_from for r in rules if r.degraded_from]
+        if degraded:
+            where += f"; degraded from {max(degraded, key=arch_rank)}"
+        out.append(f"{rt.name} ({where})")
+    return out
