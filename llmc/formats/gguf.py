@@ -13,7 +13,12 @@ Type mapping (GGUF block formats hold 32 weights along the input dimension with 
     any other int8 / int4 grid              Q8_0/Q4_0/Q4_1, requantized in blocks of 32 from the dequantized
       (group not a multiple of 32,            canonical weights with gguf.quants (adds rounding error; reported)
       asymmetric int8)
-    fp8 / nvfp4                             refused: llama.cpp has no such weight type here
+    mxfp4 (E2M1, E8M0 per 32)               MXFP4     codes and exponents repacked into ggml's blocks, exact
+    nvfp4 (E2M1, E4M3 per 16, FP32 global)  NVFP4     codes and E4M3 scales repacked (64-element blocks), exact;
+                                                      the global scale as the F32 tensor `<name>.scale` (its
+                                                      reciprocal, ModelOpt's multiplier), which llama.cpp
+                                                      multiplies each matmul's output by
+    fp8, mxfp8, block-wise fp8              refused: llama.cpp has no such weight type here
     norms, biases                           F32 (exact)
     token_embd / untied output              F16 by default (the lm_head is left unquantized by the scheme and a
                                             tied lm_head *is* token_embd in llama.cpp), or Q8_0 / F32 on request
@@ -29,7 +34,9 @@ keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
 
 Activations: llama.cpp quantizes activations itself (dynamic, blocks of 32) for Q8_0/Q4 matmuls, so a
-W8A8 scheme's activation settings are not carried; a KV-cache scheme maps to llama.cpp's runtime
+W8A8 scheme's activation settings are not carried. FP4 weights of a weight-only scheme are listed with
+`general.tensor_extra.prec_a4` false: llama.cpp's CUDA build on Blackwell otherwise quantizes their activations to
+FP4 (as convert_hf_to_gguf.py marks ModelOpt's W4A16_NVFP4 layers); a KV-cache scheme maps to llama.cpp's runtime
 `--cache-type-k/v q8_0` option (noted in llmc-serve.json), fp8 KV is refused.
 """
 
@@ -39,6 +46,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,9 +58,11 @@ from llmc import __version__
 
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
+from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
 from llmc.quant.spec import TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
@@ -73,13 +83,20 @@ class GgufFamily:
     norm_offset: float = 0.0  # added to every norm weight: Gemma's norms multiply by (1 + weight), llama.cpp by weight
 
 
+    # llama.cpp multiplies every Linear's output by its per-tensor `<name>.scale` (NVFP4's global scale). Read in the
+    # llama.cpp that llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp): llama and qwen3 pass the scales of
+    # q/k/v/o and the FFN; qwen2, gemma2/3, granite, phi3 and olmo2 pass NULL for the FFN's, so an NVFP4 GGUF of
+    # those would load and compute wrong FFN outputs: refused.
+    tensor_scales: bool = False
+
+
 # As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
 GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("LLAMA", permute_qk=True),
-    "mistral": GgufFamily("LLAMA", permute_qk=True),
+    "llama": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
+    "mistral": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
     "granite": GgufFamily("GRANITE", permute_qk=True),
     "qwen2": GgufFamily("QWEN2", permute_qk=False),
-    "qwen3": GgufFamily("QWEN3", permute_qk=False),
+    "qwen3": GgufFamily("QWEN3", permute_qk=False, tensor_scales=True),
     "phi3": GgufFamily("PHI3", permute_qk=False),
     "olmo2": GgufFamily("OLMO2", permute_qk=False),
     "gemma2": GgufFamily("GEMMA2", permute_qk=False, norm_offset=1.0),
@@ -87,7 +104,10 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "gemma3_text": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
 }
 SUPPORTED_MODEL_TYPES = tuple(GGUF_FAMILIES)
-_CANONICAL_EXTRAS = (".weight_scale", ".weight_zero_point", ".input_scale", ".k_scale", ".v_scale")
+_CANONICAL_EXTRAS = (".weight_scale", ".weight_zero_point", ".input_scale", ".k_scale", ".v_scale",
+                     ".weight_global_scale", ".input_global_scale")
+TENSOR_SCALE_SUFFIX = ".scale"  # llama.cpp's per-tensor scale of `<name>.weight`: `<name>.scale` (F32 [1])
+PREC_A4_KEYS = ("general.tensor_extra.name", "general.tensor_extra.prec_a4")  # llama.cpp's per-tensor A4 switch
 
 
 def _gguf():
@@ -177,6 +197,33 @@ def pack_q4_1(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) ->
     return out.reshape(rows, -1)
 
 
+# --------------------------------------------------------------------------- microscaling block types
+
+
+@dataclass(frozen=True)
+class MicroscalingGguf:
+    """How one of llmc's microscaling weight formats is written as a ggml block type, from its codes and scales."""
+
+    ggml_type: str  # GGMLQuantizationType name
+    file_type: str  # LlamaFileType name (general.file_type: descriptive, llama.cpp reads the tensors' types)
+    row_multiple: int  # elements per ggml block: an input width must be a multiple of it
+    # BlockQuantized [rows, cols] -> (block bytes [rows, cols / row_multiple * bytes], per-tensor `.scale` or None)
+    blocks: Callable[[BlockQuantized], tuple[np.ndarray, np.ndarray | None]]
+
+
+def _mxfp4_blocks(q: BlockQuantized) -> tuple[np.ndarray, None]:
+    return gguf_mxfp4_blocks(q), None  # MX has no per-tensor scale
+
+
+# ggml-common.h's block_mxfp4 (32 elements) and block_nvfp4 (64: four NVFP4 blocks of 16). MOSTLY_MXFP4_MOE is
+# llama.cpp's only MXFP4 file type (gpt-oss's); llama.cpp loads a tensor by its own type whatever general.file_type.
+MICROSCALING_GGUF: dict[str, MicroscalingGguf] = {
+    "mxfp4": MicroscalingGguf("MXFP4", "MOSTLY_MXFP4_MOE", 32, _mxfp4_blocks),
+    "nvfp4": MicroscalingGguf("NVFP4", "MOSTLY_NVFP4", 64, gguf_nvfp4_blocks),
+}
+_FP4_TYPES = {m.ggml_type: fmt for fmt, m in MICROSCALING_GGUF.items()}
+
+
 # --------------------------------------------------------------------------- the type plan
 
 
@@ -189,19 +236,30 @@ class TypePlan:
     file_type: str  # LlamaFileType name
     embedding_type: str  # F16, Q8_0, F32
     reason: str
+    row_multiple: int = BLOCK  # a quantized weight's input width must be a multiple of this (else F16)
 
     def describe(self) -> str:
         return f"linear weights {self.weight_type} ({self.method}: {self.reason}); embeddings {self.embedding_type}"
 
 
 def type_plan(spec: TensorSpec, embedding_type: str = "f16", requantize: bool = False) -> TypePlan:
-    if spec.format in ("fp8_e4m3", "nvfp4"):
+    fp4 = MICROSCALING_GGUF.get(spec.format) if spec.strategy == "group" else None
+    if spec.format not in ("int8", "int4") and fp4 is None:
         raise IncompatibleTargetError(
             f"GGUF has no {spec.format} weight type that llama.cpp runs; llama.cpp/Ollama cannot take this scheme",
-            fix="quantize for llama.cpp/Ollama with int8 (W8A16-INT8 -> Q8_0) or int4 (W4A16 -> Q4_0/Q4_1) weights",
+            fix="quantize for llama.cpp/Ollama with int8 (W8A16-INT8 -> Q8_0), int4 (W4A16 -> Q4_0/Q4_1), "
+                "mxfp4 or nvfp4 weights",
         )
     if embedding_type not in EMBEDDING_TYPES:
         raise InputError(f"unknown GGUF embedding type {embedding_type!r}", fix=f"use one of {EMBEDDING_TYPES}")
+    if fp4 is not None:
+        if requantize:
+            raise InputError(f"requantize applies to the integer GGUF types; {spec.format} weights are written "
+                             f"from llmc's own codes and scales", fix="leave requantize off")
+        why = f"{spec.format} codes and block scales copied into ggml's {fp4.ggml_type} blocks of {fp4.row_multiple}"
+        if fp4.ggml_type == "NVFP4":
+            why += "; global scale as each weight's F32 `.scale`"
+        return TypePlan(fp4.ggml_type, "repacked", fp4.file_type, embedding_type.upper(), why, fp4.row_multiple)
     aligned = spec.strategy in ("tensor", "channel") or (spec.strategy == "group" and spec.group_size % BLOCK == 0)
     if spec.format == "int8":
         wtype, ftype = "Q8_0", "MOSTLY_Q8_0"
@@ -568,7 +626,7 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[
                 if len(shape) == 1:
                     qtype = "F32"
                 elif module in quantized:
-                    qtype = plan.weight_type if shape[-1] % BLOCK == 0 else "F16"
+                    qtype = plan.weight_type if shape[-1] % plan.row_multiple == 0 else "F16"
                 elif name in ("token_embd.weight", "output.weight"):
                     qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
                 else:
@@ -580,6 +638,9 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[
                     heads = arch.n_head_kv
                 offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
                 items.append(_Item(k, name, shape, qtype, heads, offset))
+                if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
+                    items.append(_Item(f"{module}.weight_global_scale",
+                                       name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))
         per_file.append(items)
     if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
         factors = llama3_rope_factors(arch)
@@ -635,6 +696,8 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
             return t
         return llama_permute(t, item.permute_heads)
 
+    if item.hf.endswith(".weight_global_scale"):  # NVFP4's `.scale`: the multiplier llama.cpp applies
+        return modelopt_weight_scale_2(tensors[item.hf]).reshape(1).numpy()
     if not is_quantized:
         x = perm(tensors[item.hf].float())
         if item.norm_offset:
@@ -651,6 +714,18 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
         decoded = data.astype(np.float32)
     else:
         qtype = gguf.GGMLQuantizationType[item.qtype]
+        if item.qtype in _FP4_TYPES:
+            q = BlockQuantized(codes=perm(tensors[f"{module}.weight"]), scale=perm(tensors[f"{module}.weight_scale"]),
+                               global_scale=tensors.get(f"{module}.weight_global_scale"),
+                               format=MICROSCALING_FORMATS[_FP4_TYPES[item.qtype]])
+            data, tensor_scale = MICROSCALING_GGUF[_FP4_TYPES[item.qtype]].blocks(q)
+            decoded = gguf.quants.dequantize(data, qtype)
+            if tensor_scale is not None:  # llama.cpp multiplies the matmul's output by it, in float32
+                decoded = decoded * tensor_scale
+            diff = (decoded - canonical).astype(np.float64)
+            errors[item.name] = (float((diff**2).sum()), float((canonical.astype(np.float64) ** 2).sum()),
+                                 float(np.abs(diff).max()))
+            return data
         if plan.method == "repacked":
             codes = perm(tensors[f"{module}.weight"]).numpy()
             shape2d = tuple(codes.shape)
@@ -698,14 +773,20 @@ def export_gguf(
         notes.append("KV-cache quantization is a llama.cpp runtime option: run with --cache-type-k q8_0 "
                      "--cache-type-v q8_0 (dynamic blocks of 32, not the scheme's static scales)")
     arch = _arch(qm.config)
+    if plan.weight_type == "NVFP4" and not arch.family.tensor_scales:
+        raise IncompatibleTargetError(
+            f"llama.cpp's {arch.family.arch.lower()} graph does not apply per-tensor scales to every Linear (its FFN "
+            "passes none), so an NVFP4 GGUF of this model would compute wrong outputs there",
+            fix=f"use MXFP4 or int4 weights for llama.cpp with this model, or NVFP4 for "
+                f"{', '.join(sorted(k for k, f in GGUF_FAMILIES.items() if f.tensor_scales))} models")
     vocab = read_vocab(qm.root, qm.config)
     notes += vocab.notes
     per_file = _plan_tensors(qm, arch, plan)
     items = [i for f in per_file for i in f]
     n_f16_fallback = sum(1 for i in items if i.hf.rsplit(".", 1)[0] in qm.quantized_modules and i.qtype == "F16")
     if n_f16_fallback:
-        notes.append(f"{n_f16_fallback} quantized weights have an input dimension not divisible by {BLOCK}: "
-                     "written as F16 from the dequantized canonical weights")
+        notes.append(f"{n_f16_fallback} quantized weights have an input dimension not divisible by "
+                     f"{plan.row_multiple}: written as F16 from the dequantized canonical weights")
     if arch.tied and any(i.hf == "lm_head.weight" for i in items):
         raise InputError("tie_word_embeddings is set but lm_head.weight is present")
     notes.append("lm_head tied to token_embd (llama.cpp reuses it for the output)" if arch.tied
@@ -715,6 +796,10 @@ def export_gguf(
     model_name = name or qm.config.get("_name_or_path") or qm.config.get("_model_name_or_path") or \
         str(qm.meta.get("source", {}).get("origin", "model"))
     _write_metadata(writer, gguf, arch, vocab, plan, qm, model_name, notes)
+    fp4_names = [i.name for i in items if i.qtype in _FP4_TYPES]
+    if fp4_names and scheme.activations is None:  # weight-only: keep llama.cpp from running them W4A4
+        writer.add_array(PREC_A4_KEYS[0], fp4_names)
+        writer.add_array(PREC_A4_KEYS[1], [False] * len(fp4_names))
     for i in items:
         t = gguf.GGMLQuantizationType[i.qtype]
         np_dtype = {"F32": np.float32, "F16": np.float16}.get(i.qtype, np.uint8)

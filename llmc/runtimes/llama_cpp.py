@@ -20,8 +20,9 @@ class Gguf(ArtifactFormat):
     read_by = ("llama.cpp",)
     unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
-             "library and compared tensor by tensor in the default test run; Ollama itself (which embeds llama.cpp) "
-             "is not run here")
+             "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
+             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); Ollama itself (which embeds "
+             "llama.cpp) is not run here")
 
     def stage_config(self, request: ExportRequest) -> dict:
         from llmc.formats.gguf import GGUF_OPTIONS
@@ -71,5 +72,22 @@ def _gguf_rules(since: str) -> dict[str, Rule]:
     }
 
 
-register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules=_gguf_rules("0.0.1"), known_versions=("0.0.1",)))
+# FP4 weights (llmc.formats.gguf.MICROSCALING_GGUF), llama.cpp only: versions are llama-cpp-python's, the build
+# llmc's engine runs. MXFP4 (GGML_TYPE_MXFP4) came with gpt-oss (llama.cpp PR #15091, 2025-08-05), in
+# llama-cpp-python 0.3.15 (its maintainer, llama-cpp-python issue #2048). NVFP4 (GGML_TYPE_NVFP4, PR #19769) and
+# the per-tensor `.scale` multiplied after the matmul (PR #20427) landed in llama.cpp in March 2026; which
+# llama-cpp-python release first vendored both is not established here (0.3.36, the one setup-llama.sh installs,
+# has both), so its version is left open. Both run on the CPU backend (ggml-cpu's vec_dot against Q8_0
+# activations); NVFP4 GGUF only for the families whose graph applies `.scale` (GgufFamily.tensor_scales).
+_FP4_NOTE = "llama.cpp quantizes activations to Q8_0 itself (dynamic, blocks of 32)"
+_FP4_RULES = {
+    "W4A16-MXFP4": Rule("sm70", cpu=True, since="0.3.15", cpu_note=_FP4_NOTE),
+    "W4A16-NVFP4": Rule("sm70", cpu=True, cpu_note=_FP4_NOTE + "; NVFP4 for llama, mistral and qwen3 models only"),
+}
+
+register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rules("0.0.1"), **_FP4_RULES},
+                         known_versions=("0.0.1", "0.3.15", "0.3.36")))
+# Ollama: not given the FP4 types. Its gpt-oss MXFP4 files predate ggml's type 39 (llama.cpp issue #15597: an Ollama
+# gpt-oss blob stores another type id), and which Ollama release loads ggml's MXFP4 / NVFP4 in a dense model is not
+# established here.
 register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0")))
