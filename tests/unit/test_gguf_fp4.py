@@ -135,7 +135,7 @@ def test_fp4_refusals(exported, tmp_path: Path) -> None:
 
 
 def test_llama_cpp_plans_fp4_and_ollama_does_not() -> None:
-    from llmc import runtimes as targets
+    from llmc.runtimes import catalog as targets
 
     llama = targets.runtime("llama.cpp").rules
     assert llama["W4A16-MXFP4"].cpu and llama["W4A16-NVFP4"].cpu
@@ -147,7 +147,7 @@ def test_fp4_gguf_builds_from_a_recipe(tiny_model_session: Path, tmp_path: Path)
     import yaml
 
     from llmc.build import build_until
-    from llmc.recipe import parse_recipe
+    from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
 
     recipe = parse_recipe(yaml.safe_dump({
