@@ -10,7 +10,6 @@ re-applied on every run from cached evaluations).
 
 from __future__ import annotations
 
-import torch
 
 from llmc.data import stages as data
 from llmc.data.bos import bos_decision
@@ -26,7 +25,7 @@ from llmc.pipeline.stages import stages
 from llmc.planning import probes
 from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache_note, unpacked_sources
 from llmc.telemetry.progress import log
-from llmc.quant.device import resolve_device
+from llmc.quant.device import cpu_threads, resolve_device
 from llmc.recipe.schema import Recipe
 from llmc.result import BuildResult
 from llmc.storage.store import CorruptOutput, Store, stage_key
@@ -51,9 +50,11 @@ def build(recipe: Recipe, store: Store, *, publish: bool = True, threads: int | 
 def build_until(recipe: Recipe, store: Store, last: Kind | str, *, threads: int | None = None,
                 overrides: tuple[str, ...] = ()) -> BuildResult:
     """Run the stages up to and including `last` (Kind.QUANTIZE, EXPORT, GATE or PUBLISH; or its value)."""
-    last = Kind(last)
-    if threads:
-        torch.set_num_threads(threads)
+    with cpu_threads(threads):
+        return _build_until(recipe, store, Kind(last), overrides)
+
+
+def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str, ...]) -> BuildResult:
     make_plan(recipe)  # recipe + capability checks fail here, before anything is loaded
     device = resolve_device(recipe.calibration.device)
     ranks.start(device)  # torchrun: every rank calibrates and quantizes its block of windows

@@ -19,6 +19,7 @@ from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT, evaluate_gates, non_finite
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
+from llmc.quant.device import cpu_threads
 from llmc.result import Evaluation
 from llmc.storage.store import Store
 from llmc.runtimes.catalog import recognize
@@ -49,7 +50,7 @@ def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
     return readable
 
 
-def parse_corpora(values: tuple[str, ...] | list[str]):
+def parse_corpora(values: tuple[str, ...] | list[str]) -> EvalCorpora:
     """`--corpus` values as eval.corpus: each a data source in the recipe's form (`brown`, `hf:<id>`, a YAML
     mapping such as `{kind: jsonl, path: x.jsonl, field: text}`) or the path of a text file or folder (a
     `text` source). One value is one corpus; several are labelled as an eval.corpus list is (file stem, ...)."""
@@ -85,12 +86,15 @@ def evaluate_artifact(
 ) -> tuple[str, str | None]:
     """Table text, and a failure message when a gate fails. One row per artifact and corpus. Engines that cannot
     load the source model are compared with the torch reference's baseline, as in a build; gates read the 95%
-    intervals as in a build (llmc.eval.gates)."""
+    intervals as in a build (llmc.eval.gates). `threads`: torch's CPU threads while it runs."""
     gates = Gates(max_ppl_increase_pct=max_ppl_increase_pct, max_mean_kld=max_mean_kld,
                   min_top1_agreement_pct=min_top1_agreement_pct)
-    corpora = parse_corpora(corpus)
-    if threads:
-        torch.set_num_threads(threads)
+    with cpu_threads(threads):
+        return _evaluate(artifact, baseline, store, engine, windows, seq_len, gates, parse_corpora(corpus))
+
+
+def _evaluate(artifact: Path, baseline: str, store: Store, engine: str, windows: int, seq_len: int, gates: Gates,
+              corpora: EvalCorpora) -> tuple[str, str | None]:
     src = resolve_source(baseline, store)
     tok = load_tokenizer(src.folder)
     token_sets = eval_tokens(_Protocol(corpora, windows, seq_len), tok)

@@ -1,8 +1,26 @@
-"""Which device calibrates and quantizes the layers (recipe key `calibration.device`)."""
+"""Which device calibrates and quantizes the layers (recipe key `calibration.device`), and with how many CPU
+threads."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` (None: left as they are) for the block, then given back: a build
+    or evaluation called as a library function (tests, the hook, a notebook) must not leave its process on one
+    thread."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def resolve_device(requested: str) -> torch.device:
