@@ -10,7 +10,6 @@ re-applied on every run from cached evaluations).
 
 from __future__ import annotations
 
-
 from llmc.data import stages as data
 from llmc.data.bos import bos_decision
 from llmc.model.dtype import resolve_dtype, source_dtype
