@@ -26,6 +26,7 @@ import ast
 import logging
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,14 +137,19 @@ def drop_stack_traces(proto) -> int:
     the artifact's bytes would depend on where, and from which source lines, it was built, and publishing it would
     publish those paths. The exporter's name scopes stay (`_module_of` reads them)."""
     removed = 0
-    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
-        for node in nodes:
-            keep = [p for p in node.metadata_props if p.key != STACK_TRACE]
-            if len(keep) != len(node.metadata_props):
-                removed += len(node.metadata_props) - len(keep)
-                del node.metadata_props[:]
-                node.metadata_props.extend(keep)
+    for node in _every_node(proto):
+        keep = [p for p in node.metadata_props if p.key != STACK_TRACE]
+        if len(keep) != len(node.metadata_props):
+            removed += len(node.metadata_props) - len(keep)
+            del node.metadata_props[:]
+            node.metadata_props.extend(keep)
     return removed
+
+
+def _every_node(proto) -> Iterator:
+    """The nodes of the graph and of every function it holds."""
+    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
+        yield from nodes
 
 
 WRAPPER_NAME = "llmc.Logits"  # how the graph's metadata names llmc's wrapper module, wherever its code lives
@@ -155,12 +161,10 @@ def name_wrapper_stably(proto) -> int:
     Returns how many metadata values it rewrote."""
     path = f"{_Logits.__module__}.{_Logits.__qualname__}"
     rewritten = 0
-    for nodes in (proto.graph.node, *(f.node for f in proto.functions)):
-        for node in nodes:
-            for prop in node.metadata_props:
-                if path in prop.value:
-                    prop.value = prop.value.replace(path, WRAPPER_NAME)
-                    rewritten += 1
+    for prop in (prop for node in _every_node(proto) for prop in node.metadata_props):
+        if path in prop.value:
+            prop.value = prop.value.replace(path, WRAPPER_NAME)
+            rewritten += 1
     return rewritten
 
 

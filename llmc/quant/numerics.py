@@ -197,6 +197,13 @@ def weight_global_scales(weights: dict[str, torch.Tensor], spec: TensorSpec) -> 
     return nvfp4_global_scales(weights) if spec.format == "nvfp4" and block_scaled(spec) else {}
 
 
+def quantize_weights(weights: dict[str, torch.Tensor], spec: TensorSpec) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest codes and scales of several Linears' weights (keyed by module name), NVFP4's fused siblings
+    under their shared global scale (`weight_global_scales`)."""
+    global_scales = weight_global_scales(weights, spec)
+    return {name: quantize_weight(w, spec, global_scale=global_scales.get(name)) for name, w in weights.items()}
+
+
 def quantize_weight(w: torch.Tensor, spec: TensorSpec, block_elements: int = BLOCK_ELEMENTS,
                     global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """Codes and scales of `w` [out, in]. Above `block_elements`, a block of whole rows at a time: the same codes and

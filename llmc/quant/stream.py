@@ -46,8 +46,7 @@ from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memo
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
-from llmc.quant.numerics import (QuantizedWeight, input_scale_name, quantize_weight, static_scale,
-                                 weight_global_scales)
+from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weights, static_scale
 from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
@@ -203,10 +202,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         if w.quantized is None:
             w.quantized = _quantize_spread(pipeline, {n: m for n, m in w.linears.items() if n not in starved},
                                            w.stats, device)
-        rtn = {n: w.linears[n].weight.data for n in w.linears if n not in w.quantized}
-        global_scales = weight_global_scales(rtn, scheme.weights)  # NVFP4: fused siblings share one global scale
-        w.quantized.update({n: quantize_weight(t, scheme.weights, global_scale=global_scales.get(n))
-                            for n, t in rtn.items()})
+        w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears if n not in w.quantized},
+                                            scheme.weights))
         if moe_report is not None and w.routed:
             moe_report.add(i, prefix, w.routed,
                            moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},

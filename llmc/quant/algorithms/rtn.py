@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from llmc.quant.algorithms.registry import AlgorithmOptions, register
-from llmc.quant.numerics import QuantizedWeight, quantize_weight, weight_global_scales
+from llmc.quant.numerics import QuantizedWeight, quantize_weights
 from llmc.quant.spec import TensorSpec
 
 
@@ -17,6 +17,4 @@ class RtnOptions(AlgorithmOptions):
 def rtn_layer(linears: dict[str, nn.Linear], stats, weights: TensorSpec,
               options: RtnOptions) -> dict[str, QuantizedWeight]:
     del stats, options
-    shared = weight_global_scales({name: lin.weight.data for name, lin in linears.items()}, weights)
-    return {name: quantize_weight(lin.weight.data, weights, global_scale=shared.get(name))
-            for name, lin in linears.items()}
+    return quantize_weights({name: lin.weight.data for name, lin in linears.items()}, weights)
