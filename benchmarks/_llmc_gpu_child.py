@@ -7,12 +7,22 @@ benchmark's quality step reads exactly as it reads llm-compressor's output.
 Per layer: from the previous layer's on_layer_done (the first layer: from the call, so it includes the embeddings'
 forward) to this layer's, i.e. reading the layer, calibrating and quantizing it on DEVICE, and writing its file and
 the next layer's inputs. Prints one JSON line.
+
+Also, outside the timer: the planner's prediction for this quantize stage on this machine (`predicted`: time per
+layer, peak GPU and host bytes, the activations' placement), computed before the run as `llmc plan` would; with
+BENCH_EVAL_WINDOWS=N, the streamed torch evaluation of the export on DEVICE (one decoder layer resident, N windows of
+the calibration file in bf16), its time per decoder layer; with BENCH_PROFILE=FILE, the quantization call under
+cProfile (its time then includes the profiler's), the top functions by cumulative time written to FILE;
+BENCH_RESUME_EVERY_S sets StreamOptions.resume_every_s (0: a resume point after every layer).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -45,18 +55,98 @@ def main() -> None:
             torch.cuda.synchronize()
         done.append(time.monotonic())
 
+    predicted = planner_prediction(Path(folder), scheme, ids.shape, dtype_name, device)
+    resume = os.environ.get("BENCH_RESUME_EVERY_S")
+    options = StreamOptions(dtype=dtype, device=device, on_layer_done=layer_done,
+                            resume_every_s=float(resume) if resume else None)
+    profile = os.environ.get("BENCH_PROFILE")
+    profiler = cProfile.Profile() if profile else None
     t = time.monotonic()
+    if profiler:
+        profiler.enable()
     quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out) / "canonical",
-                   Calibration(ids),
-                   StreamOptions(dtype=dtype, device=device, on_layer_done=layer_done))
+                   Calibration(ids), options)
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.monotonic() - t
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+        Path(profile).write_text(text.getvalue())
     layer_s = [b - a for a, b in zip([t, *done], done)]
     peak_gpu = peak_gpu_mb(device)
     export_compressed_tensors(QuantizedModel.open(Path(out) / "canonical"), Path(out) / "export")
-    print(json.dumps({"wall_s": wall, "layer_s": layer_s, "floor_s": floor, "peak_gpu_mb": peak_gpu,
-                      "peak_rss_mb": peak_rss_mb(), "torch": torch.__version__}))
+    row = {"wall_s": wall, "layer_s": layer_s, "floor_s": floor, "peak_gpu_mb": peak_gpu,
+           "peak_rss_mb": peak_rss_mb(), "torch": torch.__version__, "predicted": predicted,
+           "resume_every_s": options.resume_every_s}
+    windows = int(os.environ.get("BENCH_EVAL_WINDOWS", "0"))
+    if windows:
+        row["eval"] = {"artifact": streamed_eval_seconds(Path(out) / "export", ids[:windows], device),
+                       "baseline": streamed_eval_seconds(Path(folder), ids[:windows], device)}
+    print(json.dumps(row))
+
+
+def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name: str, device) -> dict:
+    """The quantize stage's cost row as `llmc plan` makes it for this checkpoint, scheme, calibration and device
+    (llmc.pipeline.quantize.Quantize.cost; the machine's rates probed here, on this device)."""
+    from types import SimpleNamespace
+
+    import torch
+    from llmc.model.dtype import BYTES
+    from llmc.pipeline.context import Costing
+    from llmc.pipeline.quantize import Quantize
+    from llmc.planning import shapes
+    from llmc.planning.machine import Machine
+    from llmc.quant.activations import memory_available, should_spill, stays_on_device
+
+    config = json.loads((folder / "config.json").read_text())
+    tensors = shapes.from_headers(folder)
+    elem = BYTES[dtype_name]
+    tokens = shape[0] * shape[1]
+    copy = tokens * config["hidden_size"] * elem
+    available = memory_available()
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    spill = should_spill("auto", copy, available)
+    recipe = SimpleNamespace(calibration=SimpleNamespace(seq_len=shape[1]))
+    costing = Costing(recipe=recipe, shape=shapes.Shape.of(tensors, config, elem),
+                      machine=Machine(available, gpu_free, str(device), os.cpu_count()),
+                      linears=tensors.linear_shapes(), compute=dtype_name, stored_elem=elem, tokens=tokens,
+                      spill=spill, resident=not spill and stays_on_device(device, copy, gpu_free))
+    Quantize("", scheme).cost(costing)
+    row = costing.rows[-1]
+    return {"layer_s": row.layer_seconds, "fixed_s": row.fixed_seconds, "seconds": row.seconds,
+            "gpu_mb": row.gpu_bytes / 2**20, "host_mb": row.host_bytes / 2**20, "strategy": row.strategy,
+            "why": row.why}
+
+
+def streamed_eval_seconds(folder: Path, windows, device) -> dict:
+    """The torch engine's streamed evaluation of `folder` on `device` in bf16 (token NLL of `windows`): wall time and
+    each decoder layer's (between the ends of consecutive layers: the layer read, decompressed, moved and run over
+    every window)."""
+    import torch
+    from llmc.engines import torch_stream
+    from llmc.engines.torch_ref import TorchEngine
+
+    ends: list[float] = []
+    release = torch_stream.release
+
+    def timed_release(module) -> None:  # the end of a layer in streamed_logits
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ends.append(time.monotonic())
+        release(module)
+
+    torch_stream.release = timed_release
+    try:
+        engine = TorchEngine(folder, dtype="bfloat16", streamed=True, device=device)
+        t = time.monotonic()
+        nll = engine.token_nll(windows, batch_size=4)
+        wall = time.monotonic() - t
+    finally:
+        torch_stream.release = release
+    return {"wall_s": wall, "layer_s": [b - a for a, b in zip(ends, ends[1:])], "windows": int(windows.shape[0]),
+            "mean_nll": float(nll.mean())}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
         [--samples 128] [--seq-len 2048] [--schemes gptq-w4a16 fp8-static sq-w8a8 awq-w4a16]
         [--tools llmc llm-compressor] [--device cuda|cpu] [--dtype bfloat16] [--budget-s 450] [--step-timeout-s 120]
         [--heldout-samples 2] [--heldout-seq-len 1024] [--peer-python PY] [--work DIR]
+        [--eval-windows 0] [--eval-scheme fp8-static] [--resume-every-layer SCHEME ...] [--profile SCHEME ...]
 
 No weights travel to a lent GPU machine, so the model is synthetic: the named architecture's decoder layer with random
 weights (wall time depends on shapes and token counts, not values), `--layers` of them, written to disk in `--dtype`
@@ -21,6 +22,12 @@ Once every run is timed, all outputs (compressed-tensors) are scored by one func
 Every step has a time limit (`--step-timeout-s`, cut to what is left of `--budget-s`); a step that fails or runs out
 of time is written as a row with its error and the run goes on. Rows go to DIR/rows.jsonl as they come, the table to
 DIR/summary.md. `--device cpu --shape tiny` runs the same path on a CPU in seconds (docs/gpu.md).
+
+Beside each llmc run: the planner's prediction for it (time per layer, peak GPU memory, where the activations live).
+`--eval-windows N`: llmc's run of `--eval-scheme` also times the streamed torch evaluation of its export and of the
+unquantized model on the device, per decoder layer. After the timed pairs and the scoring, as the budget allows:
+`--resume-every-layer S...` runs llmc's S again with a resume point after every layer (the cost of the default's
+one a minute), and `--profile S...` runs llmc's S under cProfile (DIR/profile-S.txt).
 """
 
 from __future__ import annotations
@@ -124,7 +131,8 @@ def summary(rows: list[dict]) -> str:
     runs = {(r["scheme"], r["tool"]): r for r in rows if r.get("kind") == "run"}
     errors = {(r["scheme"], r["tool"]): r["hidden_rel_error"] for r in rows if r.get("kind") == "quality"}
     lines = ["| scheme | tool | wall s | layer 2 s | floor s | layer 2 ÷ floor | llmc ÷ llm-compressor (layer 2) "
-             "| peak GPU MB | peak RSS MB | hidden-state rel. error |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GPU MB | peak RSS MB | hidden-state rel. error | planned layer s | planned GPU MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "–"
@@ -139,7 +147,17 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"| {scheme} | {tool} | {f(r.get('wall_s'), '.2f')} | {f(r.get('layer2_s'), '.3f')} "
                      f"| {f(r.get('floor_s'), '.4f')} | {f(r.get('layer2_x_floor'), '.1f')}× "
                      f"| {f(ratio, '.2f')}{'×' if ratio else ''} | {f(r.get('peak_gpu_mb'), ',.0f')} "
-                     f"| {f(r.get('peak_rss_mb'), ',.0f')} | {f(errors.get((scheme, tool)), '.4f')} |")
+                     f"| {f(r.get('peak_rss_mb'), ',.0f')} | {f(errors.get((scheme, tool)), '.4f')} "
+                     f"| {f((r.get('predicted') or {}).get('layer_s'), '.3f')} "
+                     f"| {f((r.get('predicted') or {}).get('gpu_mb'), ',.0f')} |")
+    for r in rows:
+        if r.get("kind") in ("every-layer", "profile"):
+            lines.append(f"\n{r['kind']} {r['scheme']} (llmc): layer 2 {f(r.get('layer2_s'), '.3f')} s, wall "
+                         f"{f(r.get('wall_s'), '.2f')} s{(' — ' + r['error'][-200:]) if 'error' in r else ''}")
+        if r.get("kind") == "run" and r.get("eval"):
+            for which, e in r["eval"].items():
+                lines.append(f"\nstreamed torch evaluation of the {which} ({e['windows']} windows): wall "
+                             f"{e['wall_s']:.2f} s, per decoder layer {', '.join(f'{x:.3f}' for x in e['layer_s'])} s")
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +178,10 @@ def main() -> None:
     ap.add_argument("--heldout-seq-len", type=int, default=1024)
     ap.add_argument("--peer-python", default=sys.executable, help="the Python that imports llm-compressor")
     ap.add_argument("--work", type=Path, help="where the model and outputs are written (default: a temp folder)")
+    ap.add_argument("--eval-windows", type=int, default=0, help="windows of the streamed evaluation timing (0: none)")
+    ap.add_argument("--eval-scheme", default="fp8-static", choices=SCHEMES)
+    ap.add_argument("--resume-every-layer", nargs="*", default=[], choices=SCHEMES)
+    ap.add_argument("--profile", nargs="*", default=[], choices=SCHEMES)
     args = ap.parse_args()
     if args.layers < 3:
         ap.error("--layers must be at least 3: layer 2 is the one compared, and neither neighbour's extra work is in it")
@@ -213,16 +235,19 @@ def main() -> None:
                 if left() < MIN_STEP_S:
                     emit({"kind": "run", "scheme": scheme, "tool": tool, "error": "skipped: --budget-s spent"})
                     continue
+                step_env = env
                 if tool == "llmc":
                     cmd = [sys.executable, str(HERE / "_llmc_gpu_child.py"), str(model), str(tokens), llmc_expr,
                            str(out), args.dtype, args.device]
                     folder = out / "export"
+                    if scheme == args.eval_scheme and args.eval_windows:
+                        step_env = {**env, "BENCH_EVAL_WINDOWS": str(args.eval_windows)}
                 else:
                     cmd = [args.peer_python, str(HERE / "_llmcompressor_gpu_child.py"), str(model), str(tokens),
                            peer_scheme, str(out), str(group), args.dtype, args.device]
                     folder = out
                 t = time.monotonic()
-                lines, error = run_step(cmd, min(args.step_timeout_s, left()), env)
+                lines, error = run_step(cmd, min(args.step_timeout_s, left()), step_env)
                 row = {"kind": "run", "scheme": scheme, "tool": tool, "step_s": time.monotonic() - t,
                        **(lines[-1] if lines else {})}
                 if error:
@@ -247,6 +272,24 @@ def main() -> None:
                           "heldout_tokens": args.heldout_samples * args.heldout_seq_len, **line})
                 if error:
                     emit({"kind": "quality", "error": error, "step_s": time.monotonic() - t})
+
+        extra = [(s_, "every-layer", {"BENCH_RESUME_EVERY_S": "0"}) for s_ in args.resume_every_layer]
+        extra += [(s_, "profile", {"BENCH_PROFILE": str(args.out / f"profile-{s_}.txt")}) for s_ in args.profile]
+        for scheme, label, extra_env in extra:
+            if left() < MIN_STEP_S:
+                emit({"kind": label, "scheme": scheme, "tool": "llmc", "error": "skipped: --budget-s spent"})
+                continue
+            out = work / f"llmc-{scheme}-{label}"
+            t = time.monotonic()
+            lines, error = run_step([sys.executable, str(HERE / "_llmc_gpu_child.py"), str(model), str(tokens),
+                                     scheme_pair(scheme, group)[0], str(out), args.dtype, args.device],
+                                    min(args.step_timeout_s, left()), {**env, **extra_env})
+            row = {"kind": label, "scheme": scheme, "tool": "llmc", "step_s": time.monotonic() - t,
+                   **(lines[-1] if lines else {})}
+            if error:
+                row["error"] = error
+            emit(layer2_row(row))
+            shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -56,6 +56,7 @@ class Costing:
     stored_elem: int  # bytes per element of the source's stored weights
     spill: bool  # whether the calibration activations are spilled to disk
     tokens: int  # calibration tokens
+    resident: bool = False  # whether they stay on the calibrating GPU between layers (quant.activations)
     streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
     rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)

@@ -38,7 +38,8 @@ from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
 from llmc.quant.spec import Scheme, TensorSpec
-from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
+from llmc.quant.stream import (Calibration, CALIBRATION_BATCH_SIZE, RESIDENT_RESUME_EVERY_S, quantize_model,
+                               StreamOptions)
 from llmc.storage.store import stage_key
 
 # float64 bytes of a decoder layer per second smoothing-pair discovery gets through (llmc.quant.stream.LayerStructure:
@@ -126,7 +127,7 @@ class Quantize:
                       whole_weight_copies=bool(pipe.transforms) or pipe.observes_hessians,
                       discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
                       search=pipe.search_cost, code_bytes=1.0, machine=c.machine, weights=scheme.weights)
-        row = quantize_cost(shape, spill=c.spill, **kwargs)
+        row = quantize_cost(shape, spill=c.spill, resident=c.resident, **kwargs)
         row.disk_bytes = sizes.canonical
         c.rows.append(row.named(self.id))
         if scheme.needs_calibration and not c.spill:
@@ -158,17 +159,18 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
                   batch: int, spill: bool, hessians: bool, replays_module_calls: bool, passes: int,
                   code_bytes: float, machine: Machine, weights: TensorSpec = FP8_PER_TENSOR,
                   whole_weight_copies: bool = True, discovers_pairs: bool = False,
-                  search: tuple[int, int, int] | None = None) -> CostRow:
+                  search: tuple[int, int, int] | None = None, resident: bool = False) -> CostRow:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU. `discovers_pairs`: the
     algorithm rescales smoothing pairs, found on the first layer in float64 before it is calibrated. `hessians`: the
     quantizer observes every input's Hessian; `replays_module_calls`: a step keeps each module's calibration inputs;
     `search`: a step's candidate scales per mapping, clipping ranges per Linear and clip-search tokens
-    (`Pipeline.search_cost`)."""
+    (`Pipeline.search_cost`); `resident`: the activations stay on the GPU between layers (two copies there, and one
+    on the host while a resume point is written)."""
     e = BYTES[compute]
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
     copy = tokens * h * e  # one copy of the activations passed between layers
-    act = (2 * batch * seq_len * h * e if spill else 2 * copy) if calibrated else 0
+    act = (2 * batch * seq_len * h * e if spill else copy if resident else 2 * copy) if calibrated else 0
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e + batch * shape.heads * seq_len ** 2 * e
     algorithm = 0.0
     if hessians:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
@@ -192,8 +194,8 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     }
     gpu = 0.0
     if on_gpu:  # the layer, its float32 copies, one batch and the algorithm state live on the GPU
-        gpu = (CUDA_CONTEXT_BYTES + layer * e + parts["quantizer float32 copy"] + 2 * batch * seq_len * h * e
-               + parts["forward temporaries"] + algorithm)
+        gpu = (CUDA_CONTEXT_BYTES + layer * e + parts["quantizer float32 copy"]
+               + (2 * copy if resident else 2 * batch * seq_len * h * e) + parts["forward temporaries"] + algorithm)
         for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
             parts[k] = 0.0
     parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
@@ -248,10 +250,15 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     canonical = shape.layers * layer * code_bytes + shape.outer_params * e
     fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
              + discovery_s)
-    strategy = ("activations spilled to disk" if spill else "activations in memory") if calibrated else "no calibration"
+    strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
+                else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
            f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
            if calibrated else "weights only: no forward pass")
+    if resident:
+        why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, at most a quarter of the "
+               f"GPU's {(machine.gpu_free or 0) / GB:.1f} GB free: they stay there between layers, and a resume point "
+               f"(the next layer's inputs copied to the host and saved) is made every {RESIDENT_RESUME_EVERY_S:.0f} s, not after every layer")
     if discovery:
         why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
                 f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")

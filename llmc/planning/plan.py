@@ -34,7 +34,7 @@ from llmc.planning import probes
 from llmc.planning.machine import Machine, matmul_rate, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
-from llmc.quant.activations import memory_available, should_spill
+from llmc.quant.activations import memory_available, should_spill, stays_on_device
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
@@ -587,11 +587,14 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     calibrated = any(s.needs_calibration for s in schemes.values())
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
 
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
     def walk(compute: str = compute) -> Costing:
-        costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, None, str(device), os.cpu_count()),
+        copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
+        spill = calibrated and should_spill(c.spill_activations, copy, available)
+        costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, gpu_free, str(device), os.cpu_count()),
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
-                          spill=calibrated and should_spill(c.spill_activations,
-                                                            tokens * shape.hidden * BYTES[compute], available),
+                          spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
                           streamed_eval=streamed)
         for stage in stages(recipe, schemes):
             stage.cost(costing)

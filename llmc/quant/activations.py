@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmc.model.skeleton import HOST
 from llmc.telemetry import events
 from llmc.storage.store import fsync_dir, resource_errors
 
@@ -28,6 +29,7 @@ AUTO_SPILL_SHARE = 0.25
 
 
 ALL_BATCHES = "batches.safetensors"  # in-memory mode's single file per layer
+HOST = torch.device("cpu")
 
 
 def inputs_dir(state_dir: Path, layer: int) -> Path:
@@ -49,6 +51,19 @@ def should_spill(mode: SpillMode, activation_bytes: int, available: int | None) 
     if mode != "auto":
         return mode == "always"
     return available is not None and 2 * activation_bytes > AUTO_SPILL_SHARE * available
+
+
+# On a GPU the activations stay there between layers when input + output copies take at most this share of the GPU
+# memory free when quantization starts: the rest is for the layer, one forward's temporaries and the algorithm's
+# state (AWQ keeps every module's calibration inputs: about 25x a copy at 8B width, docs/gpu.md).
+RESIDENT_SHARE = 0.25
+
+
+def stays_on_device(device: torch.device, activation_bytes: int, device_free: int | None) -> bool:
+    """Whether the activations passed between layers live on the calibrating GPU (no host round trip per batch and
+    layer) rather than in host memory: a CUDA device with room for two copies (`RESIDENT_SHARE`)."""
+    return (device.type == "cuda" and device_free is not None
+            and 2 * activation_bytes <= RESIDENT_SHARE * device_free)
 
 
 class Activations:
@@ -88,20 +103,29 @@ class Activations:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (self[b] for b in range(self._count))
 
+    def to(self, device: torch.device) -> Activations:
+        """In-memory batches moved to `device` (spilled ones stay on disk)."""
+        if self._tensors is None:
+            return self
+        return Activations(tensors=[t.to(device) for t in self._tensors])
+
 
 class ActivationWriter:
     """Collects the next layer's inputs batch by batch and publishes them as one folder.
 
     Spilled batches go to disk as they are produced; in-memory ones are written by `persist`. The folder appears
     under its final name only when every batch is in it (rename), so a killed run never resumes from a partial set;
-    progress moves past a layer only once `persist` has made the folder durable.
+    progress moves past a layer only once `persist` has made the folder durable. In-memory batches are kept on
+    `device`: the host, or the calibrating GPU when they stay there (`stays_on_device`; `persist` copies them to
+    the host to write them).
     """
 
-    def __init__(self, final: Path, spill: bool):
-        self.final, self.spill = final, spill
+    def __init__(self, final: Path, spill: bool, device: torch.device = HOST):
+        self.final, self.spill, self.device = final, spill, device
         self.partial = final.with_name(final.name + ".partial")
         shutil.rmtree(self.partial, ignore_errors=True)
-        self.partial.mkdir(parents=True)
+        if spill:
+            self.partial.mkdir(parents=True)
         self._tensors: list[torch.Tensor] = []
         self._count = 0
 
@@ -109,9 +133,9 @@ class ActivationWriter:
         b = self._count
         self._count += 1
         if self.spill:
-            _write(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor})
+            _write(self.partial / f"b{b:05d}.safetensors", {"hidden": tensor.to(HOST)})
         else:
-            self._tensors.append(tensor)
+            self._tensors.append(tensor.to(self.device))
 
     def commit(self) -> Activations:
         """`publish`, then `persist`: the inputs, durable under their final name."""
@@ -132,7 +156,9 @@ class ActivationWriter:
         """Make the published inputs durable under their final name (may run on another thread than `publish`:
         it only reads the batches)."""
         if not self.spill:  # one file (one fsync) per layer, not one per batch
-            _write(self.partial / ALL_BATCHES, {f"b{b:05d}": t for b, t in enumerate(self._tensors)})
+            self.partial.mkdir(parents=True, exist_ok=True)
+            # from a GPU: a blocking copy on this (the writer's) thread, ordered after the kernels that made them
+            _write(self.partial / ALL_BATCHES, {f"b{b:05d}": t.to(HOST) for b, t in enumerate(self._tensors)})
         folder = self.final if self.spill else self.partial
         # Files need no rename of their own (the folder is renamed once), only to be on disk first.
         for f in folder.iterdir():

@@ -66,11 +66,17 @@ class Stream:
     act_dir: Path  # this rank's saved activations (state/inputs-<i>/)
     start: int  # the first layer to quantize (a resumed run's)
     spill: bool  # activations between layers live on disk, one batch in memory at a time
+    # in memory, they stay on `device` (the calibrating GPU: `activations.stays_on_device`) rather than the host
+    resident: bool
     one_forward: bool  # every calibration window fits one forward of a layer
     moe_all_experts: bool
     shared: SharedStats | None = None
     hidden: Activations = field(default_factory=lambda: Activations([]))  # the current layer's inputs
     extras: list = field(default_factory=list)  # per batch, per layer: (args, kwargs) the model passes the layer
+
+    def inputs_writer(self, layer: int) -> ActivationWriter:
+        """Collects `layer`'s inputs where they live between layers (the host, disk, or the calibrating GPU)."""
+        return ActivationWriter(inputs_dir(self.act_dir, layer), self.spill, self.device if self.resident else HOST)
 
 
 @dataclass
@@ -153,17 +159,21 @@ class _Calibrating(DataFlow):
 
     def prepare(self, s: Stream, calibration: torch.Tensor, mask: torch.Tensor | None) -> None:
         register_kv_observer()
+        if s.start >= len(s.layers):  # killed after the last layer: no layer runs again, no inputs are needed
+            return
         batches = unpadded_samples(calibration, mask) if mask is not None else list(
             calibration.split(self.forward_batch(s, calibration)))
         saved = inputs_dir(s.act_dir, s.start)
-        hidden = Activations.load(saved, s.spill) if s.start and saved.is_dir() else None
+        hidden = Activations.load(saved, s.spill).to(s.device if s.resident else HOST) if (
+            s.start and saved.is_dir()) else None
         if s.start and distributed.any_rank(hidden is None or len(hidden) != len(batches)):
             log(f"no saved inputs for layer {s.start} in {len(batches)} batches (work folder from an older run "
                 "or another machine): starting over")
             s.start = 0
-        first = None if s.start else ActivationWriter(inputs_dir(s.act_dir, 0), s.spill)
+        first = None if s.start else s.inputs_writer(0)
         s.extras = capture_layer_inputs(s.model, s.layers, batches, first.put if first else None)
-        s.hidden = hidden if s.start else first.commit()
+        # layer 0's inputs are not a resume point (a run with no progress captures them again): not persisted
+        s.hidden = hidden if s.start else first.publish()
 
     def propagate(self, s: Stream, w: LayerWork) -> None:
         s.hidden = w.next_inputs.publish()
@@ -182,7 +192,7 @@ class TrueSequential(_Calibrating):
         return calibration.shape[0] if s.one_forward else s.batch_size  # GPTQ inside the one forward it makes
 
     def calibrate(self, s: Stream, w: LayerWork) -> None:
-        w.next_inputs = ActivationWriter(inputs_dir(s.act_dir, w.index + 1), s.spill)
+        w.next_inputs = s.inputs_writer(w.index + 1)
         with moe.observing_experts(w.module, s.moe_all_experts, w.routed):
             w.quantized = quantize_true_sequential(w.module, w.prefix, w.linears, w.kv_modules, s.hidden, w.extras,
                                                    w.stats, s.pipeline, w.next_inputs.put, s.batch_size)
@@ -198,7 +208,7 @@ class Sequential(_Calibrating):
         # The next layer's inputs: this layer's outputs with original weights (collected while observing) or with
         # its quantized weights (one more pass, after quantizing: `propagate`).
         pipeline, layer = s.pipeline, w.module
-        w.next_inputs = ActivationWriter(inputs_dir(s.act_dir, w.index + 1), s.spill)
+        w.next_inputs = s.inputs_writer(w.index + 1)
         observe = pipeline.observe(layer)
         sink = w.next_inputs.put if pipeline.propagate == "original" else None
         with moe.observing_experts(layer, s.moe_all_experts, w.routed):
@@ -252,7 +262,7 @@ def quantize_true_sequential(
         if len(hidden) == 1:
             quantized, out = true_sequential.in_one_forward(lambda: run(0), linears, stacks, scheme.weights,
                                                             options, batch_windows)
-            sink(out.to(HOST))
+            sink(out)
             return quantized
         quantized = true_sequential.staged([functools.partial(run, b) for b in range(len(hidden))], linears,
                                            stacks, scheme.weights, options)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from llmc.model.attention import register_kv_attention, route_kv, unroute_kv
-from llmc.model.skeleton import HOST, layer_output, return_free_heap_to_os
+from llmc.model.skeleton import layer_output, return_free_heap_to_os
 from llmc.quant.activations import Activations
 from llmc.quant.algorithms.catalog import Observe
 from llmc.quant.algorithms.gptq import accumulate_hessian
@@ -142,13 +142,14 @@ def forward_batches(
     extras: list[tuple[tuple, dict]],
     sink: Callable[[torch.Tensor], None] | None,
 ) -> None:
-    """Every calibration batch through `layer` as it is now; each output to `sink` (on the host)."""
+    """Every calibration batch through `layer` as it is now; each output to `sink` (on the layer's device: the
+    sink places it)."""
     device = next(layer.parameters()).device
     with torch.no_grad():
         for h, (args, kwargs) in zip(hidden, extras):
             out = layer_output(layer(h.to(device), *args, **kwargs))
             if sink is not None:
-                sink(out.to(HOST))
+                sink(out)
             if hidden.spilled:  # batch-sized buffers freed in a loop fragment the heap; give them back
                 del h, out
                 return_free_heap_to_os()

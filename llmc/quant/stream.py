@@ -11,13 +11,16 @@ for SmoothQuant/AWQ/GPTQ, as llm-compressor's sequential pipeline does), or GPTQ
 forward that makes the next layer's inputs (true-sequential). Per layer this loop materializes it, lets the flow
 observe and transform it, quantizes what the flow left (RTN/GPTQ), writes it, lets the flow pass its outputs on.
 
-The activations passed between layers stay in memory or, when they would not fit, spill to disk
-one batch per file (`llmc.quant.activations`; recipe key `calibration.spill_activations`).
+The activations passed between layers stay in memory (on a GPU, on the GPU when two copies fit a quarter of its free
+memory) or, when they would not fit, spill to disk one batch per file (`llmc.quant.activations`; recipe key
+`calibration.spill_activations`).
 
-Resume: after each layer, its file, the next layer's inputs (`state/inputs-<i+1>/`) and
-`progress.json` are written atomically in that order; a rerun in the same work directory continues
-at `progress.json`'s layer from that layer's saved inputs. These writes run on one background thread while the
-next layer computes, and the next layer's weights are read while this one computes (`llmc.quant.overlap`).
+Resume: after each layer its file is written atomically and, at each resume point, the next layer's inputs
+(`state/inputs-<i+1>/`) and then `progress.json`; a rerun in the same work directory continues at `progress.json`'s
+layer from that layer's saved inputs. Every layer is a resume point, except when the activations stay on the GPU
+(`StreamOptions.resume_every_s`: one a minute by default there, since writing a layer's outputs takes longer than
+computing it). These writes run on one background thread while the next layer computes, and the next layer's weights
+are read while this one computes (`llmc.quant.overlap`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import functools
 import json
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +46,8 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
-from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memory_available, should_spill
+from llmc.quant.activations import (ActivationWriter, SpillMode, inputs_dir, memory_available, should_spill,
+                                    stays_on_device)
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
@@ -54,6 +59,10 @@ from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
+# With the activations on the GPU a layer takes well under a second at 8B width, less than writing its 2 GB of
+# outputs takes: a resume point (the next layer's inputs copied to the host and made durable) is made when this long
+# has passed since the last one, so a kill loses at most about this much GPU work (docs/gpu.md).
+RESIDENT_RESUME_EVERY_S = 60.0
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
@@ -101,6 +110,9 @@ class StreamOptions:
     # each layer's writes run while the next layer computes, and its weights are read while the previous one
     # computes (llmc.quant.overlap); the same files either way. Off under torchrun.
     overlap: bool = True
+    # seconds between resume points (the next layer's inputs saved, progress moved); None: after every layer, or
+    # every RESIDENT_RESUME_EVERY_S when the activations stay on the GPU. The files are the same either way.
+    resume_every_s: float | None = None
 
 
 @dataclass
@@ -153,13 +165,16 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
         all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
     reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
-    spill = one_forward = False
+    spill = one_forward = resident = False
     if calibrate and not reuse:
         act_bytes = windows.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
         spill = should_spill(cal.spill, act_bytes, memory_available())
         if spill:
             log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
                 "one batch in memory at a time")
+        resident = not spill and stays_on_device(device, act_bytes, _device_free(device))
+        if resident:
+            log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) stay on {device} between layers")
         one_forward = (pipeline.true_sequential and not spill and mask is None
                        and fits_one_forward(config, windows.shape, dtype, device))
     flow = flow_for(FlowNeeds(calibrates=calibrate, shared_cover=reuse, true_sequential=pipeline.true_sequential,
@@ -172,7 +187,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     structure = LayerStructure(model, layers, windows) if traces_structure else None
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
-    s = Stream(model, layers, pipeline, dtype, device, batch, act_dir, start, spill, one_forward, moe_all, shared)
+    s = Stream(model, layers, pipeline, dtype, device, batch, act_dir, start, spill=spill, resident=resident,
+               one_forward=one_forward, moe_all_experts=moe_all, shared=shared)
+    # spilled inputs are on disk anyway: every layer is a resume point
+    resume_every = 0.0 if spill else (options.resume_every_s if options.resume_every_s is not None
+                                      else RESIDENT_RESUME_EVERY_S if resident else 0.0)
     flow.prepare(s, windows, mask)
 
     modules: dict[str, dict] = {}
@@ -180,6 +199,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave with the loop's
     writer = LayerWriter(overlap)
     weights = Prefetcher(lambda j: reader.with_prefix(f"{layers_prefix}.{j}."), range(s.start, n_layers), overlap)
+    saved, saved_at = s.start, time.monotonic()  # the layer whose saved inputs progress.json points at, and when
     for i in steps(range(n_layers), "quantize layers", total=n_layers):
         prefix = f"{layers_prefix}.{i}."
         w = LayerWork(i, prefix, layers[i], target_linears(layers[i], prefix, scheme.ignore),
@@ -217,9 +237,15 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                 moe_report.save(out)
         flow.propagate(s, w)
         # Progress moves only after the layer file and the next layer's inputs are durable (the writer's order, on
-        # every rank); a run killed anywhere before that redoes layer i from its own saved inputs.
-        writer.submit(i, functools.partial(_commit_layer, i, w.next_inputs, progress_file, act_dir,
-                                           options.on_layer_done))
+        # every rank); a run killed anywhere before that redoes the layers from the last resume point's inputs.
+        last = i == n_layers - 1
+        if last or time.monotonic() - saved_at >= resume_every:
+            # after the last layer only progress moves: nothing reads the model's last outputs again
+            writer.submit(i, functools.partial(_commit_layer, i, None if last else w.next_inputs, progress_file,
+                                               act_dir, saved, options.on_layer_done))
+            saved, saved_at = i + 1, time.monotonic()
+        elif options.on_layer_done:
+            writer.submit(i, functools.partial(options.on_layer_done, i))
         release(w.module)
     writer.close()
     weights.close()
@@ -264,18 +290,22 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
 
 
 def _commit_layer(i: int, next_inputs: ActivationWriter | None, progress_file: Path, act_dir: Path,
-                  on_layer_done: Callable[[int], None] | None) -> None:
+                  previous: int, on_layer_done: Callable[[int], None] | None) -> None:
     """After layer i's file is durable: the next layer's inputs made durable, then progress moved past layer i (on
-    every rank), then layer i's own inputs removed."""
+    every rank), then the previous resume point's inputs (layer `previous`'s) removed."""
     if next_inputs is not None:
         next_inputs.persist()
     distributed.barrier()
     if distributed.is_main():
         atomic_write_json(progress_file, {"next_layer": i + 1, **_world_entry()})
     distributed.barrier()
-    shutil.rmtree(inputs_dir(act_dir, i), ignore_errors=True)
+    shutil.rmtree(inputs_dir(act_dir, previous), ignore_errors=True)
     if on_layer_done:
         on_layer_done(i)
+
+
+def _device_free(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def _resume_layer(progress_file: Path) -> int:

@@ -134,6 +134,31 @@ def test_per_sample_calibration_and_shared_statistics_on_the_gpu(models, tmp_pat
         _assert_same_files(cpu, gpu)
 
 
+def test_activations_stay_on_the_gpu_when_two_copies_fit_and_the_files_are_the_same(models, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """With room on the GPU (a quarter of its free memory holds two copies) the activations passed between layers
+    stay there: no host round trip per batch and layer. Without, they live on the host. Same files either way."""
+    import llmc.quant.flows as flows
+
+    placements: list[set[str]] = []
+    real_observe = flows.observe_batches
+
+    def observe(layer, linears, kv, obs, hidden, *rest):
+        placements.append({t.device.type for t in hidden})
+        return real_observe(layer, linears, kv, obs, hidden, *rest)
+
+    monkeypatch.setattr(flows, "observe_batches", observe)
+    files = {}
+    for name, memory in (("resident", 80 * 2**30), ("host", 2**10)):
+        placements.clear()
+        with fake_cuda(total_memory=memory):
+            files[name] = _quantize(models["qwen3"], SCHEMES["smoothquant"], tmp_path / name, "cuda")
+        assert placements and all(p == {"cuda" if name == "resident" else "cpu"} for p in placements), placements
+    assert files["resident"].keys() == files["host"].keys()
+    for k, t in files["resident"].items():
+        assert type(t) is torch.Tensor and torch.equal(t, files["host"][k]), k
+
+
 class _nothing:
     def __enter__(self):
         return self

@@ -131,6 +131,42 @@ def test_killed_between_inputs_and_progress_resumes_exactly(
     _assert_same(_layer_files(tmp_path / "clean"), _layer_files(tmp_path / "crashy"))
 
 
+@pytest.mark.parametrize("scheme", [GPTQ, SMOOTHQUANT], ids=["gptq", "smoothquant"])
+def test_resume_points_every_few_seconds_resume_exactly(scheme: Scheme, tmp_path: Path, monkeypatch,
+                                                        tiny_model_factory) -> None:
+    """With `resume_every_s` (the default when activations stay on a GPU) only some layers are resume points: a run
+    killed between two of them saved no inputs for the layers in between, and its rerun redoes them from the last
+    resume point's inputs to the clean run's bits."""
+    folder = tiny_model_factory(tmp_path / "m", layers=4)
+    calib = torch.randint(3, 200, (4, 16))
+    source = ModelSource(folder, "t", "t")
+    stream.quantize_model(source, scheme, tmp_path / "clean", stream.Calibration(calib, batch_size=2))
+
+    # The loop reads the clock once at the start, then once per layer (and once more after each resume point):
+    # 10 s between resume points makes layer 1 one (its check reads 12 s) and not layer 0 (5 s) or layer 2 (15 s).
+    clock = iter([0.0, 5.0, 12.0, 12.0, 15.0, 30.0, 30.0])
+    monkeypatch.setattr(stream, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+    state = tmp_path / "crashy" / "state"
+    seen: list[list[str]] = []
+
+    def killed_after_layer_2(i: int) -> None:
+        seen.append(sorted(p.name for p in state.iterdir()) if state.is_dir() else [])
+        if i == 2:
+            raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        stream.quantize_model(source, scheme, tmp_path / "crashy", stream.Calibration(calib, batch_size=2),
+                              stream.StreamOptions(resume_every_s=10.0, on_layer_done=killed_after_layer_2))
+    assert "progress.json" not in seen[0] and not any(n.startswith("inputs-00001") for n in seen[0])  # layer 0: none
+    assert seen[1] == ["inputs-00002", "progress.json"]  # layer 1 is a resume point
+    assert json.loads((state / "progress.json").read_text())["next_layer"] == 2
+    assert not (state / "inputs-00003").exists()  # layer 2 is not
+    monkeypatch.undo()
+    stream.quantize_model(source, scheme, tmp_path / "crashy", stream.Calibration(calib, batch_size=2))
+    _assert_same(_layer_files(tmp_path / "clean"), _layer_files(tmp_path / "crashy"))
+    assert not state.exists()
+
+
 def test_auto_spill_rule() -> None:
     from llmc.quant.activations import should_spill
 

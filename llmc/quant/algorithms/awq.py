@@ -11,6 +11,7 @@ the one whose quantized weights best reproduce x_g · w_g on sampled inputs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
@@ -20,6 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from llmc import distributed
+from llmc.quant.algorithms.gptq import gram_float32
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
 from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
@@ -205,7 +207,10 @@ def _search_mapping(parent: nn.Module, calls: list, consumers: list[nn.Linear], 
         for c, w in zip(consumers, originals):
             c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
         with torch.no_grad():
-            total = sum(float((_call(parent, a, k) - r).float().pow(2).sum()) for (a, k), r in zip(calls, reference))
+            # per call on the device, read back once (one GPU sync per candidate, not one per call); summed in
+            # Python in call order as before, so the same number
+            total = sum(torch.stack([(_call(parent, a, k) - r).float().pow(2).sum()
+                                     for (a, k), r in zip(calls, reference)]).cpu().tolist())
         return distributed.sum_float(total) / elements  # every rank scores the same candidate on its own windows
 
     try:
@@ -221,8 +226,13 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
     """`_search_mapping` for a lone Linear, through the Gram matrix G = XᵀX of its inputs:
     ||X ΔWᵀ||² = Σ (ΔW G) ⊙ ΔW costs out·in² per candidate instead of tokens·in·out (the same number)."""
     w = linear.weight.data.float()
-    x = torch.cat([_first_input(c).reshape(-1, linear.in_features).float() for c in calls])
-    gram, elements = x.T @ x, x.shape[0] * linear.out_features
+    inputs = [_first_input(c).reshape(-1, linear.in_features) for c in calls]
+    if w.is_cuda:  # per call, half precision multiplied as it is (gram_float32): no float32 copy of every input
+        gram = functools.reduce(torch.add, (gram_float32(t) for t in inputs))
+    else:
+        x = torch.cat([t.float() for t in inputs])
+        gram = x.T @ x
+    elements = sum(t.shape[0] for t in inputs) * linear.out_features
     if distributed.active():  # the Gram matrix and the row count over every rank's windows
         gram, elements = distributed.sum_in_rank_order(gram).float(), distributed.sum_float(float(elements))
 
