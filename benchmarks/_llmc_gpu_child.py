@@ -101,7 +101,8 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     from llmc.quant.activations import memory_available, should_spill, stays_on_device
 
     config = json.loads((folder / "config.json").read_text())
-    tensors = shapes.from_headers(folder)
+    # planning offline (no weights written: benchmarks/gpu_calibration.py --predict-only) as `llmc plan` does
+    tensors = shapes.from_headers(folder) if any(folder.glob("*.safetensors")) else shapes.from_config(config)
     elem = BYTES[dtype_name]
     tokens = shape[0] * shape[1]
     copy = tokens * config["hidden_size"] * elem

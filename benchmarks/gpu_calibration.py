@@ -127,6 +127,28 @@ def layer2_row(row: dict) -> dict:
     return row
 
 
+def predict_only(model: Path, args, group: int, emit) -> None:
+    """The planner's quantize-stage prediction per scheme for the shape on this device, from its config alone."""
+    import torch
+    from _llmc_gpu_child import planner_prediction
+    from llmc.quant.spec import Scheme, TensorSpec
+
+    hidden, inter, heads, kv, vocab = SHAPES[args.shape]
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": args.layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "torch_dtype": args.dtype, "rms_norm_eps": 1e-5}))
+    for scheme in args.schemes:
+        expr = scheme_pair(scheme, group)[0]
+        t = time.monotonic()
+        predicted = planner_prediction(model, eval(expr, {"Scheme": Scheme, "TensorSpec": TensorSpec}),  # noqa: S307
+                                       (args.samples, args.seq_len), args.dtype, torch.device(args.device))
+        emit({"kind": "predicted", "scheme": scheme, "tool": "llmc", "plan_s": time.monotonic() - t,
+              "predicted": predicted})
+
+
 def summary(rows: list[dict]) -> str:
     runs = {(r["scheme"], r["tool"]): r for r in rows if r.get("kind") == "run"}
     errors = {(r["scheme"], r["tool"]): r["hidden_rel_error"] for r in rows if r.get("kind") == "quality"}
@@ -182,6 +204,8 @@ def main() -> None:
     ap.add_argument("--eval-scheme", default="fp8-static", choices=SCHEMES)
     ap.add_argument("--resume-every-layer", nargs="*", default=[], choices=SCHEMES)
     ap.add_argument("--profile", nargs="*", default=[], choices=SCHEMES)
+    ap.add_argument("--predict-only", action="store_true",
+                    help="only the planner's predictions for each scheme on this device (config only: no weights)")
     args = ap.parse_args()
     if args.layers < 3:
         ap.error("--layers must be at least 3: layer 2 is the one compared, and neither neighbour's extra work is in it")
@@ -217,6 +241,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmc-gpu-calibration-", dir=args.work))
     try:
         model, tokens, heldout = work / "model", work / "tokens.safetensors", work / "heldout.safetensors"
+        if args.predict_only:
+            predict_only(model, args, group, emit)
+            return
         t = time.monotonic()
         write_model(model, args.shape, args.layers, args.dtype)
         vocab = SHAPES[args.shape][4]

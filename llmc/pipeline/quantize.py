@@ -151,7 +151,7 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens)
     return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
-            "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear),
+            "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
             "write": layer_params * code_bytes / DISK_WRITE_RATE}
 
 
@@ -171,7 +171,9 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     on_gpu = machine.device != "cpu"
     copy = tokens * h * e  # one copy of the activations passed between layers
     act = (2 * batch * seq_len * h * e if spill else copy if resident else 2 * copy) if calibrated else 0
-    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e + batch * shape.heads * seq_len ** 2 * e
+    forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
+    if not on_gpu:  # the CPU's attention materializes its scores; a GPU's SDPA (flash, memory-efficient) does not
+        forward += batch * shape.heads * seq_len ** 2 * e
     algorithm = 0.0
     if hessians:  # float32 Hessians of the distinct inputs + the float64 inverse factor of the widest
         algorithm += 4 * (2 * h * h + shape.attn_width ** 2 + shape.widest_input ** 2) + 16 * shape.widest_input ** 2
@@ -230,7 +232,10 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
                             batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights)
-    per_layer = sum(parts_s.values())
+    # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
+    # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
+    io = parts_s["read"] + parts_s["write"]
+    per_layer = max(io, parts_s["forward"] + parts_s["quantize"]) if on_gpu else sum(parts_s.values())
     if hessians:  # the column loop in float32: about in² · out per Linear
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
         per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
@@ -242,7 +247,8 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         evaluations, clip_iterations, clip_tokens = search
         searched = layer - h * shape.attn_width
         down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down
-        fake_rate = quantize_rate(weights, compute, elements=shape.largest_linear) / FAKE_QUANT_COST
+        fake_rate = quantize_rate(weights, compute, elements=shape.largest_linear,
+                                  device=machine.device) / FAKE_QUANT_COST
         fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
         per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)

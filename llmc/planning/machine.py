@@ -47,13 +47,20 @@ def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: i
     `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's float32 rate
     moves with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
     (benchmarks/forward_efficiency.py)."""
-    rows = max(1, min(rows, 512))
+    if device != "cpu":  # a GPU: a forward's own GEMM shape (one launch of a 128-column product is launch-bound)
+        rows, outputs = max(GPU_PROBE_ROWS, min(rows, 4 * GPU_PROBE_ROWS)), width
+    else:
+        rows, outputs = max(1, min(rows, 512)), 128
     return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows}",
-                       _matmul_timer(dtype_name, device, width, rows))
+                       _matmul_timer(dtype_name, device, width, rows, outputs))
 
 
-def _matmul_timer(dtype_name: str, device: str, width: int, rows: int):
-    """A function timing one matmul and returning its FLOP/s (the operands made and warmed up on first call)."""
+GPU_PROBE_ROWS = 4096  # tokens of a GPU's probe GEMM at least (a calibration batch is 4 x seq_len)
+
+
+def _matmul_timer(dtype_name: str, device: str, width: int, rows: int, outputs: int = 128):
+    """A function timing one [rows, width] x [width, outputs] matmul and returning its FLOP/s (the operands made and
+    warmed up on first call)."""
     state: dict = {}
 
     def run_once() -> float:
@@ -61,7 +68,7 @@ def _matmul_timer(dtype_name: str, device: str, width: int, rows: int):
             dtype = getattr(torch, dtype_name)
             dev = torch.device(device)
             state.update(dev=dev, a=torch.randn(rows, width, dtype=dtype, device=dev),
-                         w=torch.randn(128, width, dtype=dtype, device=dev))
+                         w=torch.randn(outputs, width, dtype=dtype, device=dev))
             torch.nn.functional.linear(state["a"], state["w"])  # warm-up: first-call dispatch
         dev = state["dev"]
         if dev.type == "cuda":
@@ -70,7 +77,7 @@ def _matmul_timer(dtype_name: str, device: str, width: int, rows: int):
         torch.nn.functional.linear(state["a"], state["w"])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return 2 * rows * width * 128 / max(time.perf_counter() - t, 1e-9)
+        return 2 * rows * width * outputs / max(time.perf_counter() - t, 1e-9)
 
     return run_once
 

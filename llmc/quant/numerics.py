@@ -306,20 +306,26 @@ def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
 
 
-def quantize_rate(spec: TensorSpec, dtype_name: str, elements: int = QUANTIZE_PROBE_ELEMENTS) -> float:
+def quantize_rate(spec: TensorSpec, dtype_name: str, elements: int = QUANTIZE_PROBE_ELEMENTS,
+                  device: str = "cpu") -> float:
     """Weight elements/s `quantize_weight` processes at `spec`, on a weight of `elements` (the model's largest
-    Linear, capped at 3072 x 4096) in `dtype_name`: the per-Linear arithmetic every algorithm ends with, as the
-    planner times it (llmc.planning.probes: timed several times, cached per machine). Memory-bound (float32
+    Linear, capped at 3072 x 4096) in `dtype_name` on `device`: the per-Linear arithmetic every algorithm ends with,
+    as the planner times it (llmc.planning.probes: timed several times, cached per machine). Memory-bound (float32
     temporaries of each block of rows), so it follows neither the matmul rate nor a cache-resident probe."""
     elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
-    return probes.rate(f"quantize {spec!r} {dtype_name} elements={elements}",
-                       _quantize_timer(spec, dtype_name, elements))
+    where = "" if device == "cpu" else f" {device}"  # the CPU's cached probes keep their names
+    return probes.rate(f"quantize {spec!r} {dtype_name}{where} elements={elements}",
+                       _quantize_timer(spec, dtype_name, elements, device))
 
 
-def _quantize_timer(spec: TensorSpec, dtype_name: str, elements: int):
+def _quantize_timer(spec: TensorSpec, dtype_name: str, elements: int, device: str = "cpu"):
     """A function timing one `quantize_weight` and returning its elements/s (the weight made and the quantizer
     warmed up on first call)."""
     state: dict = {}
+
+    def sync() -> None:
+        if state["w"].is_cuda:
+            torch.cuda.synchronize(state["w"].device)
 
     def run_once() -> float:
         if not state:
@@ -327,12 +333,15 @@ def _quantize_timer(spec: TensorSpec, dtype_name: str, elements: int):
             # columns a multiple of 256 and of the group size (any the recipe validator accepts: 48 divides
             # SmolLM2's 576)
             step = math.lcm(256, spec.group_size or 1)
-            quantize_weight(torch.randn(256, step).to(dtype), spec)  # warm-up: first-call dispatch
+            quantize_weight(torch.randn(256, step).to(dtype).to(device), spec)  # warm-up: first-call dispatch
             columns = max(step, min(4096, int(elements ** 0.5)) // step * step)
-            state["w"] = torch.empty(max(1, elements // columns), columns, dtype=dtype).uniform_(-1, 1)
+            state["w"] = torch.empty(max(1, elements // columns), columns, dtype=dtype,
+                                     device=device).uniform_(-1, 1)
         w = state["w"]
+        sync()
         t = time.perf_counter()
         quantize_weight(w, spec)
+        sync()
         return w.numel() / max(time.perf_counter() - t, 1e-9)
 
     return run_once

@@ -259,7 +259,7 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
             continue
         consumers = [layer.get_submodule(c) for c in m.consumers]
         x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
-        x_mean = distributed.mean_rows(torch.cat([t.reshape(-1, t.shape[-1]).abs().float() for t in x]))
+        x_mean = distributed.mean_abs_rows(x)
         w_mean = weight_mean([c.weight for c in consumers], weights) if options.duo_scaling else None
         s = _search_mapping(parent, calls, consumers, x_mean, w_mean, weights, options)
         divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
