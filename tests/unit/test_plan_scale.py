@@ -292,3 +292,44 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     assert awq["host_gb"] == pytest.approx(expected / 1e9, rel=1e-6)
     assert awq["host_gb"] < vllm["host_gb"]
     assert awq["seconds"] - vllm["seconds"] == pytest.approx(layer_linears / REPACK_RATE, rel=1e-3)
+
+
+def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlaps(monkeypatch) -> None:
+    """Calibrating on a GPU whose free memory holds two copies of the activations four times over, the plan puts them
+    there (as llmc.quant.stream does: quant.activations.stays_on_device), says why, counts them on the GPU (one host
+    copy, for a resume point), counts no materialized attention scores (SDPA), and takes the slower of the layer's
+    I/O and its compute as its time (the writer and reader threads run beside the GPU)."""
+    import llmc.planning.machine as machine
+    import llmc.pipeline.quantize as quantize
+    from llmc.model.dtype import BYTES
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape
+    from llmc.quant.activations import stays_on_device
+
+    monkeypatch.setattr(machine, "matmul_rate", lambda *a, **k: 4e14)  # no GPU here to probe
+    monkeypatch.setattr(quantize, "matmul_rate", lambda *a, **k: 4e14)
+    monkeypatch.setattr(quantize, "quantize_rate", lambda *a, **k: 1e11)
+    config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
+    shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
+    tokens, seq_len, gb = 128 * 2048, 2048, 1e9
+    copy = tokens * shape.hidden * 2
+    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=tokens, seq_len=seq_len, batch=4,
+                  spill=False, hessians=False, replays_module_calls=False, passes=1, code_bytes=1.0)
+    assert stays_on_device(torch.device("cuda"), copy, int(80 * gb)) and not stays_on_device(
+        torch.device("cuda"), copy, int(16 * gb)) and not stays_on_device(torch.device("cpu"), copy, int(80 * gb))
+    gpu = Machine(available=int(100 * gb), gpu_free=int(80 * gb), device="cuda:0")
+    resident = quantize_cost(shape, resident=True, machine=gpu, **kwargs)
+    batches = quantize_cost(shape, resident=False, machine=gpu, **kwargs)
+    assert resident.strategy == "activations on the GPU" and "stay there between layers" in resident.why
+    assert resident.gpu_bytes - batches.gpu_bytes == pytest.approx(2 * copy - 2 * 4 * seq_len * shape.hidden * 2)
+    assert resident.parts["activations"] == copy and batches.parts["activations"] == 2 * copy
+    cpu = quantize_cost(shape, machine=Machine(available=int(100 * gb), gpu_free=None, device="cpu"), **kwargs)
+    scores = 4 * shape.heads * seq_len ** 2 * 2
+    forward = 4 * seq_len * (4 * shape.hidden + 3 * shape.intermediate) * 2
+    assert cpu.parts["forward temporaries"] == pytest.approx(forward + scores)
+    assert batches.gpu_bytes == pytest.approx(machine.CUDA_CONTEXT_BYTES + shape.layer_params * 2 + 8 * shape.largest_linear
+                                              + 2 * 4 * seq_len * shape.hidden * 2 + forward)  # no scores
+    io = shape.layer_params * 2 / machine.DISK_READ_RATE + shape.layer_params / machine.DISK_WRITE_RATE
+    assert resident.layer_seconds == pytest.approx(max(io, resident.layer_seconds))  # never below the layer's I/O
+    assert cpu.layer_seconds > io  # the CPU adds its I/O to its compute

@@ -141,9 +141,10 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: TensorSpec, options: Awq
         raise ValueError("AWQ clip search needs group-wise weights")
     g = spec.group_size
     n_out, n_in = w.shape
-    x = x.reshape(-1, n_in).float()
-    if x.shape[0] > options.clip_tokens:
+    x = x.reshape(-1, n_in)
+    if x.shape[0] > options.clip_tokens:  # the rows picked before the float32 copy (15 GB of down inputs at 8B)
         x = x[torch.linspace(0, x.shape[0] - 1, options.clip_tokens, device=x.device).long()]
+    x = x.float()
     xg = x.reshape(x.shape[0], n_in // g, g)  # [t, G, g]
     wg = w.detach().float().reshape(n_out, n_in // g, g)  # [o, G, g]
     rows = max(1, (1 << 24) // (xg.shape[0] * xg.shape[1]))  # bounds the [o, G, t] products to 64 MB
@@ -180,6 +181,23 @@ def awq_module_calls(layer: nn.Module) -> tuple[str, ...]:
     parents = {m.parent for m in layer_mappings(layer)}
     linears = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     return tuple(sorted(parents | linears))
+
+
+def _clip_rows_of(chunks: list[torch.Tensor], count: int) -> torch.Tensor:
+    """The rows `search_clip` samples from the chunks stacked (the same rows, picked where they lie): no stacked copy
+    of every calibration input (the down projection's at 8B width: 7.5 GB, and as much again divided by AWQ's
+    scale)."""
+    total = sum(c.shape[0] for c in chunks)
+    if total <= count:
+        return torch.cat(chunks)
+    picks = torch.linspace(0, total - 1, count, device=chunks[0].device).long().cpu()  # as search_clip computes them
+    rows, start = [], 0
+    for chunk in chunks:
+        mine = picks[(picks >= start) & (picks < start + chunk.shape[0])] - start
+        if len(mine):
+            rows.append(chunk[mine.to(chunk.device)])
+        start += chunk.shape[0]
+    return torch.cat(rows)
 
 
 def _first_input(call: tuple[tuple, dict]) -> torch.Tensor:
@@ -271,9 +289,11 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
     for name, lin in layer.named_modules():
         if not isinstance(lin, nn.Linear) or name.rsplit(".", 1)[-1] in _NO_CLIP or name not in stats.module_calls:
             continue
-        x = torch.cat([_first_input(c).reshape(-1, lin.in_features) for c in stats.module_calls[name]])
+        inputs = [_first_input(c).reshape(-1, lin.in_features) for c in stats.module_calls[name]]
         if distributed.active():  # the rows the clip search samples, from every rank's windows
-            x = distributed.evenly_spaced_rows(x, options.clip_tokens)
+            x = distributed.evenly_spaced_rows(torch.cat(inputs), options.clip_tokens)
+        else:
+            x = _clip_rows_of(inputs, options.clip_tokens)
         if name in input_divisor:
             x = x / input_divisor[name]
         lin.weight.data = search_clip(lin.weight.data, x, weights, options)
