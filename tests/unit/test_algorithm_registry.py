@@ -78,8 +78,10 @@ def _old_calibration_passes(s: Scheme) -> float:
         return 0.0
     steps = _old_steps(s)
     passes = 1.0 if s.algorithm == "rtn" else 2.0
-    if "awq" in steps:
-        passes += 1 + int(dict(s.algorithm_options).get("n_grid", 20))
+    if "awq" in steps:  # the reference outputs, then each candidate scale: 1 + the grid or its refinement
+        options = dict(s.algorithm_options)
+        n_grid = int(options.get("n_grid", 20))
+        passes += 2 + (n_grid if options.get("search") == "grid" else len(range(0, n_grid, 4)) + 4)
     if "gptq" in steps:
         passes += 1.0
     return passes
@@ -231,7 +233,7 @@ def test_defaults_come_from_the_option_models() -> None:
     gptq = Pipeline.of(Scheme(INT4_G16, algorithm="gptq"))
     assert gptq.quantizer.options == GptqOptions() and gptq.quantizer.options.block_size == 128
     assert Pipeline.of(Scheme(INT4_G16, algorithm="awq")).transforms[0].options == AwqOptions()
-    assert AwqOptions().n_grid == 20 and calibration_passes(Scheme(INT4_G16, algorithm="awq")) == 2 + 1 + 20
+    assert AwqOptions().n_grid == 20 and calibration_passes(Scheme(INT4_G16, algorithm="awq")) == 2 + 1 + 1 + 5 + 4
     given = Pipeline.of(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("block_size", 64),))).quantizer.options
     assert given == GptqOptions(block_size=64)
     # scheme-dependent defaults are resolved on the options model: SmoothQuant for static per-tensor activations

@@ -58,7 +58,9 @@ class AwqOptions(AlgorithmOptions):
                              "false")
 
     def extra_calibration_passes(self) -> float:
-        return 1 + self.n_grid  # the grid search reruns each block
+        # the reference outputs, then each candidate scale reruns each mapping's block (attention, MLP: about a
+        # layer's forward): 11 for the default refined search, 22 for the full grid
+        return 1 + self.search_evaluations()
 
     def search_evaluations(self) -> int:
         """Candidate scales `search_scale` scores per mapping (at most): s = 1, then the grid or its refinement."""
