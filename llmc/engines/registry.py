@@ -86,6 +86,7 @@ class EngineSpec:
     speed: Literal["runtime", "emulation"] = "runtime"
     emulated_formats: tuple[str, ...] = ()  # a runtime that runs these number formats as float arithmetic here
     emulation_note: str = ""  # why, for reports
+    places_on_device: bool = False  # opened with a torch device to compute on (recipe key eval.device)
 
     @property
     def display(self) -> str:
@@ -116,9 +117,11 @@ class EngineSpec:
         reported with its reason and is not gated."""
         return _cpu_build_refusal(self.name, scheme) if self.cpu_build else None
 
-    def open(self, folder: Path, *, dtype: str = "float32") -> Engine:
+    def open(self, folder: Path, *, dtype: str = "float32", device: str | None = None) -> Engine:
+        """The engine on `folder`; `device` only for an engine that `places_on_device` (others run where they do)."""
         module, cls = self.loader.split(":")
-        return getattr(importlib.import_module(module), cls)(Path(folder), dtype=dtype)
+        placed = {"device": device} if device is not None and self.places_on_device else {}
+        return getattr(importlib.import_module(module), cls)(Path(folder), dtype=dtype, **placed)
 
 
 def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
@@ -138,7 +141,7 @@ def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
 ENGINES: Registry[EngineSpec] = Registry("engine")
 for _spec in (
     EngineSpec("torch", "llmc.engines.torch_ref:TorchEngine", loads_source=True, every_batch_size=True,
-               splits_over_ranks=True,
+               splits_over_ranks=True, places_on_device=True,
                speed="emulation", emulation_note="llmc's torch reference dequantizes weights and fake-quantizes "
                "activations / KV cache in float: the function of the quantized model, not its speed"),
     EngineSpec("vllm", "llmc.engines.vllm_cpu:VllmEngine", loads_source=True, title="vLLM", cpu_build=True,
@@ -178,6 +181,7 @@ def engine_spec(name: str) -> EngineSpec:
     return ENGINES[name]
 
 
-def open_engine(name: str, folder: Path, *, dtype: str = "float32") -> Engine:
-    """Load the model in `folder` into engine `name` (EngineUnavailable / EngineFailed when it cannot)."""
-    return engine_spec(name).open(folder, dtype=dtype)
+def open_engine(name: str, folder: Path, *, dtype: str = "float32", device: str | None = None) -> Engine:
+    """Load the model in `folder` into engine `name` (EngineUnavailable / EngineFailed when it cannot), on `device`
+    where the engine places itself on one."""
+    return engine_spec(name).open(folder, dtype=dtype, device=device)

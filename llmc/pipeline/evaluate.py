@@ -26,18 +26,21 @@ from llmc.engines import engine_spec, open_engine, split
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc import distributed
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.planning.machine import DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES, Machine, forward_seconds
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES,
+                                   Machine, forward_seconds)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.telemetry.progress import log
 from llmc.pipeline.quantize import Quantize
 from llmc.quant.canonical import scheme_from_dict
+from llmc.quant.device import resolve_device
 from llmc.result import Evaluation, eval_id
 from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
 
@@ -68,7 +71,8 @@ class Evaluate:
         streamed = c.streamed_eval
         throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
         kwargs = dict(compute=c.compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
-                      top_k=ev.kl_top_k, throughput_tokens=throughput, machine=c.machine, stored_elem=c.stored_elem)
+                      top_k=ev.kl_top_k, throughput_tokens=throughput, machine=c.machine, stored_elem=c.stored_elem,
+                      device=eval_device(ev.device, "torch"))
         n_corpora = len(corpora_of(ev.corpus))
         # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
         scorings = [("baseline", False, 0.0, 0.0, 0)]
@@ -106,10 +110,13 @@ class Evaluate:
 
 def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: int, batch: int, streamed: bool,
               reference: bool, artifact_code_bytes: float, top_k: int, throughput_tokens: int,
-              machine: Machine, stored_elem: int | None = None, quantized_params: int = 0) -> CostRow:
+              machine: Machine, stored_elem: int | None = None, quantized_params: int = 0,
+              device: str = "cpu") -> CostRow:
     """One torch-reference evaluation (the baseline, reference=False, or an artifact scored against the baseline's
-    reference, reference=True), whole or one layer at a time, on the host. host_bytes is what the process
-    allocates (RssAnon); weights transformers or safetensors leave mapped from their files are `mapped_bytes`."""
+    reference, reference=True), whole or one layer at a time, on `device` (eval.device). host_bytes is what the
+    process allocates (RssAnon); weights transformers or safetensors leave mapped from their files are
+    `mapped_bytes`. On a GPU the model (or its one layer), the windows' hidden states, the forward's temporaries and
+    the logits live there (`gpu_bytes`); the host still reads and decompresses the weights."""
     e = BYTES[compute]
     stored_elem = stored_elem or e
     h, tokens = shape.hidden, windows * seq_len
@@ -144,7 +151,7 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     scored = tokens + (0 if streamed else throughput_tokens)
     forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
-                              compute=compute, device="cpu", width=h, rows=batch * seq_len)
+                              compute=compute, device=device, width=h, rows=batch * seq_len)
     # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
     io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
@@ -154,7 +161,15 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     if machine.available and streamed != (dense > 0.5 * machine.available):  # not auto's choice: set by the user
         why = (f"LLMC_TORCH_EVAL chose it (the dense model takes {dense / GB:.1f} GB of the "
                f"{machine.available / GB:.1f} GB available)")
-    return CostRow(f"eval {label}", "cpu", sum(parts.values()), 0.0, 0.0, forward + io, strategy, why, parts,
+    gpu = 0.0
+    if device != "cpu":
+        on_gpu = ("logits", "hidden states of every window", "forward temporaries")
+        model = parts.get("layer", shape.layer_params * e) if streamed else shape.params * e
+        gpu = CUDA_CONTEXT_BYTES + model + (shape.outer_params * e if streamed else 0.0) + sum(
+            parts.get(k, 0.0) for k in on_gpu)
+        for k in on_gpu:
+            parts.pop(k, None)
+    return CostRow(f"eval {label}", device, sum(parts.values()), gpu, 0.0, forward + io, strategy, why, parts,
                    mapped_bytes=mapped)
 
 
@@ -207,12 +222,22 @@ def _evaluate(b: Build, windows: torch.Tensor, corpus: str | None) -> None:
                 result.evals[this] = Evaluation(engine, corpus=corpus, error=str(e))
 
 
+def eval_device(requested: str, engine: str) -> str:
+    """Where `engine` scores: the recipe's eval.device for an engine that places itself on one (the torch
+    reference), resolved as calibration.device is; the host under torchrun (each rank scores its share there) and
+    for every other engine."""
+    if not engine_spec(engine).places_on_device or distributed.active():
+        return "cpu"
+    return str(resolve_device(requested))
+
+
 def _score(b: Build, engine: str, folder: Path, content_key: str, windows, prompt,
            reference: Evaluation | None = None, *, corpus) -> Evaluation:
     """One model folder scored in one engine on one corpus's windows. The baseline (no reference) also stores its
     top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
     ev, dtype, runner = b.recipe.eval, b.result.dtype, b.runner
     batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
+    device = eval_device(ev.device, engine)
     cfg = {
         "engine": engine,
         "corpus": data.eval_corpus_config(corpus),
@@ -228,6 +253,8 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
         "tokenizer_sha256": tokenizer_hash(runner, b.result.source.folder),
         "windows_sha256": stage_key("windows", windows.tolist()),
     }
+    if device != "cpu":  # float rounding differs by device; CPU keys stay as they were
+        cfg["device"] = torch.device(device).type
     key = stage_key("eval", cfg, [content_key, reference.key if reference else ""])
     # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
     measured = None
@@ -246,7 +273,7 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
         t = time.monotonic()
         with split.scoring_ranks(engine, folder, dtype=dtype, windows=windows, top_k=ev.kl_top_k,
                                  batch_size=ev.batch_size, reference_dir=reference_dir), \
-                open_engine(engine, folder, dtype=dtype) as eng:
+                open_engine(engine, folder, dtype=dtype, device=device) as eng:
             load_s = time.monotonic() - t
             t = time.monotonic()
             scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,

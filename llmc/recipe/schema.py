@@ -380,9 +380,17 @@ class EvalSection(_Strict):
         "tensorrt builds an engine from ONNX Q/DQ graphs (NVIDIA GPU with the tensorrt package)",
     )
 
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="where the torch reference engine scores (baseline and artifacts; one decoder layer at a time "
+        "when the model does not fit); auto: the first CUDA GPU when torch sees one, else the CPU. Scores agree to "
+        "float rounding across devices; other engines run where they run. Under torchrun: the CPU",
+    )
+
     @model_serializer(mode="wrap")
     def _compact(self, handler):
-        return _drop_defaults(handler(self), {"allow_calibration_overlap": False, "tasks": [], "task_limit": None})
+        return _drop_defaults(handler(self), {"allow_calibration_overlap": False, "tasks": [], "task_limit": None,
+                                              "device": "auto"})
 
     @model_validator(mode="after")
     def _tasks_run_on_torch(self) -> "EvalSection":

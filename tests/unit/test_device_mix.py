@@ -221,8 +221,9 @@ print("same codes")
 
 @pytest.mark.heavy
 def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Path) -> None:
-    """`llmc build` with `calibration.device: auto` on a (fake) GPU: plan, calibrate and quantize there, export and
-    evaluate; the quantize stage is keyed by its device, so the CPU's cached result is not reused for it."""
+    """`llmc build` with `calibration.device: auto` and `eval.device: auto` on a (fake) GPU: plan, calibrate and
+    quantize there, export, evaluate there; the quantize and evaluation stages are keyed by their device, so the
+    CPU's cached results are not reused for them."""
     from llmc.build import build
     from llmc.recipe.load import parse_recipe
     from llmc.storage.store import Store
@@ -237,6 +238,11 @@ def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Pat
     quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu),
                                                                                          ("cpu", on_cpu))}
     assert quantize["gpu"].key != quantize["cpu"].key and not quantize["gpu"].cached
+    # eval.device: auto scores on the GPU too (the torch reference engine), keyed by its device and planned there
+    evals = {r: {s.key for s in b.stages if s.name.startswith("eval")} for r, b in (("gpu", on_gpu), ("cpu", on_cpu))}
+    assert evals["gpu"] and evals["cpu"] and evals["gpu"].isdisjoint(evals["cpu"])
+    planned = [r for r in on_gpu.plan.estimates["stages"] if r["stage"].startswith("eval")]
+    assert planned and all(r["device"].startswith("cuda") and r["gpu_gb"] > 0 for r in planned), planned
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
