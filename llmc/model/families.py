@@ -46,3 +46,32 @@ def check_quantizable(config: dict) -> None:
             f"quantizes the MoE families {', '.join(sorted(moe_families()))} only",
             fix="quantize this model with llm-compressor or ModelOpt, or use a supported family",
         )
+
+
+# What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
+# "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
+# precision groups select by these roles (llmc.quant.groups); MoE names are the Hub's (llmc.quant.moe.LAYOUTS).
+# Dense families share one entry: transformers names their attention `self_attn` and their MLP `mlp` (Phi-3's fused
+# qkv_proj / gate_up_proj included). A router that is an nn.Linear (Qwen2-MoE's shared_expert_gate) has its role so
+# a group can leave it unquantized.
+_ATTENTION = r"self_attn\."
+_DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
+LINEAR_ROLES: dict[str, dict[str, str]] = {
+    "mixtral": {"attention": _ATTENTION, "experts": r"block_sparse_moe\.experts\.\d+\.",
+                "router": r"block_sparse_moe\.gate$"},
+    "qwen3_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.", "router": r"mlp\.gate$",
+                  "mlp": r"mlp\."},  # mlp_only_layers / decoder_sparse_step: dense MLPs in some layers
+    "qwen2_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.",
+                  "shared_experts": r"mlp\.shared_expert\.", "router": r"mlp\.(gate|shared_expert_gate)$"},
+}
+
+
+def linear_role(model_type: str | None, local_name: str) -> str | None:
+    """The role (llmc.quant.spec.ROLES) of the Linear named `local_name` inside a decoder layer of `model_type`;
+    None when the family's table names none for it."""
+    import re
+
+    for role, pattern in LINEAR_ROLES.get(model_type or "", _DENSE_ROLES).items():
+        if re.match(pattern, local_name):
+            return role
+    return None

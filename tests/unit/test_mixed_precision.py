@@ -1,0 +1,183 @@
+"""Mixed precision (issue 34): module groups with their own schemes in one model — the recipe's groups, their
+resolution by name / regex / role / layer, one calibration pass writing each Linear in its group's scheme, the
+canonical form recording it, and the exports and engine that read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmc.errors import RecipeError
+from llmc.quant import groups
+from llmc.recipe.schema import SCHEME_SETTINGS, QuantizationSection
+from llmc.quant.spec import SCHEMES
+
+# the recipe's common deployment: attention FP8, MLP NVFP4, first and last decoder layer left in the model's dtype
+MIXED = {"groups": [
+    {"name": "edges", "layers": ["first 1", "last 1"], "ignore": True},
+    {"name": "attention", "roles": ["attention"], "exclude_layers": ["first 1", "last 1"], "scheme": "W8A8-FP8"},
+    {"name": "mlp", "roles": ["mlp"], "exclude_layers": ["first 1", "last 1"], "scheme": "W4A16-NVFP4"},
+]}
+PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")
+
+
+def _names(layers: int = 4, proj=PROJ) -> list[str]:
+    return [f"model.layers.{i}.{p}" for i in range(layers) for p in proj]
+
+
+def _scheme(q: dict):
+    return QuantizationSection.model_validate(q).to_scheme()
+
+
+def test_scheme_settings_name_every_scheme() -> None:
+    assert set(SCHEME_SETTINGS) == set(SCHEMES.values())
+    for name in SCHEME_SETTINGS:  # each spelled-out scheme is the scheme its name says
+        s = _scheme({"groups": [{"name": "all", "layers": ["0-99"], "scheme": name}]})
+        assert s.members()["all"].name == name
+
+
+def test_groups_resolve_by_role_and_layers() -> None:
+    scheme = _scheme(MIXED)
+    got = groups.resolve(scheme, _names(), 4, "llama")
+    for name, group in got.items():
+        layer = groups.site_of(name)[0]
+        expected = None if layer in (0, 3) else ("attention" if ".self_attn." in name else "mlp")
+        assert group == expected, name
+    assert scheme.name == "MIXED-W4A16-NVFP4+W8A8-FP8"
+    assert scheme.members()["attention"].name == "W8A8-FP8" and scheme.needs_calibration  # static FP8 activations
+
+
+def test_groups_resolve_by_name_regex_and_explicit_layers() -> None:
+    scheme = _scheme({"groups": [
+        {"name": "down", "names": ["re:.*\\.down_proj$"], "layers": [1, "2-3"], "scheme": "W8A16-INT8"},
+        {"name": "o", "names": ["o_proj"], "scheme": "W8A8-FP8"},
+        {"name": "rest", "layers": ["0-3"], "names": ["re:.*_proj$"], "exclude_layers": [], "ignore": True},
+    ]})
+    with pytest.raises(RecipeError) as e:  # `rest` overlaps both
+        groups.resolve(scheme, _names(), 4, "llama")
+    assert "groups down and rest both select model.layers.1.mlp.down_proj" in e.value.message
+    assert "groups o and rest both select model.layers.0.self_attn.o_proj" in e.value.message
+    ok = _scheme({"groups": [
+        {"name": "down", "names": ["re:.*\\.down_proj$"], "layers": [1, "2-3"], "scheme": "W8A16-INT8"},
+        {"name": "o", "names": ["o_proj"], "scheme": "W8A8-FP8"},
+        {"name": "rest", "names": ["re:.*(q|k|v|gate|up)_proj$"], "ignore": True},
+        {"name": "down0", "names": ["down_proj"], "layers": [0], "ignore": True},
+    ]})
+    got = groups.resolve(ok, _names(), 4, "llama")
+    assert got["model.layers.2.mlp.down_proj"] == "down" and got["model.layers.0.mlp.down_proj"] is None
+    assert got["model.layers.3.self_attn.o_proj"] == "o" and got["model.layers.3.mlp.up_proj"] is None
+
+
+def test_unmatched_linear_is_named() -> None:
+    scheme = _scheme({"groups": [{"name": "attention", "roles": ["attention"], "scheme": "W8A8-FP8"}]})
+    with pytest.raises(RecipeError) as e:
+        groups.resolve(scheme, _names(2), 2, "llama")
+    assert "no group selects model.layers.0.mlp.gate_proj" in e.value.message and "(role mlp)" in e.value.message
+    assert e.value.fix and "ignore: true" in e.value.fix
+    # quantization.ignore leaves a Linear out explicitly
+    ignored = _scheme({"groups": [{"name": "attention", "roles": ["attention"], "scheme": "W8A8-FP8"}],
+                       "ignore": ["lm_head", "re:.*\\.mlp\\..*"]})
+    assert set(groups.resolve(ignored, _names(2), 2, "llama").values()) == {"attention", None}
+
+
+def test_roles_come_from_the_family_table() -> None:
+    from llmc.model.families import linear_role
+
+    assert linear_role("phi3", "self_attn.qkv_proj") == "attention"
+    assert linear_role("phi3", "mlp.gate_up_proj") == "mlp"
+    assert linear_role("qwen3_moe", "mlp.experts.7.down_proj") == "experts"
+    assert linear_role("qwen3_moe", "mlp.gate") == "router"
+    assert linear_role("qwen3_moe", "mlp.up_proj") == "mlp"  # a dense layer (mlp_only_layers)
+    assert linear_role("mixtral", "block_sparse_moe.experts.0.w1") == "experts"
+    assert linear_role("qwen2_moe", "mlp.shared_expert.up_proj") == "shared_experts"
+    assert linear_role("qwen2_moe", "mlp.shared_expert_gate") == "router"
+
+
+@pytest.mark.parametrize("group, message", [
+    ({"name": "a", "roles": ["attention"]}, "gives no scheme"),
+    ({"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8", "ignore": True}, "gives scheme and ignore"),
+    ({"name": "a", "scheme": "W8A8-FP8"}, "selects nothing in particular"),
+    ({"name": "a", "roles": ["attention"], "layers": ["first two"], "scheme": "W8A8-FP8"}, "is not 'first N'"),
+    ({"name": "a", "roles": ["attention"], "layers": ["5-2"], "scheme": "W8A8-FP8"}, "is not 'first N'"),
+    ({"name": "a", "roles": ["ffn"], "scheme": "W8A8-FP8"}, "roles"),
+    ({"name": "a", "roles": ["mlp"], "weights": {"format": "int4", "strategy": "group", "group_size": 128},
+      "activations": {"format": "int8", "strategy": "token", "dynamic": True}}, "is not a scheme any runtime"),
+])
+def test_group_validation_errors(group: dict, message: str) -> None:
+    from llmc.recipe.load import parse_recipe
+
+    recipe = {"version": 1, "name": "x", "model": {"source": "demo:smollm2-135m"},
+              "quantization": {"groups": [group]}, "targets": [{"runtime": "vllm"}]}
+    import yaml
+
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(yaml.safe_dump(recipe))
+    assert message in str(e.value)
+
+
+def test_mixed_refuses_what_its_quantizer_cannot_do() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="mixed-precision groups are quantized by rtn"):
+        _scheme({**MIXED, "algorithm": "smoothquant"})
+    with pytest.raises(ValidationError, match="true_sequential: false"):
+        _scheme({**MIXED, "algorithm": "gptq"})
+    int4 = {"groups": [{"name": "m", "roles": ["mlp"], "scheme": "W4A16-INT"},
+                       {"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"}],
+            "algorithm": "gptq", "options": {"true_sequential": False}}
+    assert _scheme(int4).members()["m"].algorithm == "gptq"
+    # a group whose scheme the quantizer cannot quantize: GPTQ and NVFP4
+    with pytest.raises(ValidationError, match=r"group mlp \(W4A16-NVFP4\): algorithm gptq does not quantize nvfp4"):
+        _scheme({**MIXED, "algorithm": "gptq", "options": {"true_sequential": False}})
+    with pytest.raises(ValidationError, match="groups and also weights"):
+        _scheme({**MIXED, "weights": {"format": "int8", "strategy": "channel"}})
+
+
+def test_plain_schemes_keep_their_dumps() -> None:
+    q = QuantizationSection.model_validate({"weights": {"format": "int8", "strategy": "channel"}})
+    assert "groups" not in q.model_dump(mode="json") and "groups" not in q.to_scheme().to_dict()
+
+
+@pytest.fixture(scope="module")
+def mixed_build(tmp_path_factory) -> tuple[Path, Path]:
+    """A 4-layer tiny Llama quantized with MIXED in one calibration pass: (model folder, canonical folder)."""
+    from tests.conftest import make_tiny_model
+    import llmc.quant.stream as stream
+    from llmc.model.source import ModelSource
+
+    root = tmp_path_factory.mktemp("mixed")
+    folder = make_tiny_model(root / "model", layers=4)
+    calib = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0))
+    stream.quantize_model(ModelSource(folder, "t", "t"), _scheme(MIXED), root / "q", stream.Calibration(calib))
+    return folder, root / "q"
+
+
+def test_canonical_form_records_each_modules_scheme(mixed_build) -> None:
+    from safetensors.torch import load_file
+
+    from llmc.quant.canonical import QuantizedModel
+
+    folder, out = mixed_build
+    qm = QuantizedModel.open(out)
+    assert qm.scheme == _scheme(MIXED)  # the groups round-trip through quantized.json
+    modules = qm.quantized_modules
+    assert {n for n in modules if ".layers.0." in n or ".layers.3." in n} == set()  # edges: not quantized
+    assert sorted(qm.modules_by_group()) == ["attention", "mlp"]
+    layer1 = load_file(out / "layers" / "00001.safetensors")
+    assert qm.scheme_of("model.layers.1.self_attn.q_proj").name == "W8A8-FP8"
+    assert layer1["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.1.self_attn.q_proj.input_scale" in layer1  # calibrated static FP8 activation scale
+    assert qm.scheme_of("model.layers.1.mlp.up_proj").name == "W4A16-NVFP4"
+    assert layer1["model.layers.1.mlp.up_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    assert "model.layers.1.mlp.up_proj.input_scale" not in layer1
+    edge = load_file(out / "layers" / "00000.safetensors")
+    source = load_file(folder / "model.safetensors")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(edge[name], source[name])  # unquantized, as the source holds it
+    # dequantized weights are near the source's
+    w = qm.dequantized_weight(layer1, "model.layers.1.mlp.up_proj")
+    ref = source["model.layers.1.mlp.up_proj.weight"]
+    assert (w - ref).abs().max() < 0.25 * ref.abs().max()
