@@ -9,6 +9,8 @@ their gates, DeepSeek's multi-head latent attention), which the stream would qua
 
 from __future__ import annotations
 
+import re
+
 from llmc.errors import IncompatibleTargetError
 
 # config keys that give a Mixture-of-Experts model's routed expert count (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, ...)
@@ -69,8 +71,6 @@ LINEAR_ROLES: dict[str, dict[str, str]] = {
 def linear_role(model_type: str | None, local_name: str) -> str | None:
     """The role (llmc.quant.spec.ROLES) of the Linear named `local_name` inside a decoder layer of `model_type`;
     None when the family's table names none for it."""
-    import re
-
     for role, pattern in LINEAR_ROLES.get(model_type or "", _DENSE_ROLES).items():
         if re.match(pattern, local_name):
             return role

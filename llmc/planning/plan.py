@@ -229,7 +229,7 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     try:
         if target.triton:
             targets.triton_backend(target)
-        targets.artifact_format(format_name).check_scheme(scheme)
+        targets.artifact_format(format_name).check_mixed(scheme)  # check_scheme, per group for a mixed scheme
     except IncompatibleTargetError as e:
         raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     warnings += [f"target {label}: {w}" for w in rt.plan_warnings(scheme)]

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 from llmc.errors import RecipeError
 from llmc.model.families import linear_role
+from llmc.quant.canonical import module_matches
 from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme
 
 _LAYER_SPEC = re.compile(r"^\s*(?:(?P<edge>first|last)\s+(?P<n>\d+)|(?P<lo>\d+)(?:\s*-\s*(?P<hi>\d+))?)\s*$")
@@ -53,8 +54,6 @@ def site_of(name: str) -> tuple[int, str] | None:
 
 def selects(targets: ModuleTargets, name: str, layer: int, local: str, n_layers: int, model_type: str | None) -> bool:
     """Whether `targets` select the Linear `name` (in decoder layer `layer`, named `local` there)."""
-    from llmc.quant.canonical import module_matches
-
     if targets.names and not module_matches(name, targets.names):
         return False
     if targets.roles and linear_role(model_type, local) not in targets.roles:
@@ -73,8 +72,6 @@ def resolve(scheme: Scheme, linears: Iterable[str], n_layers: int, model_type: s
     """Module name -> the name of the group that quantizes it, or None where it stays unquantized (an `ignore: true`
     group, or the scheme's `ignore`), for every Linear name in `linears` inside the decoder layers. A plain scheme:
     every Linear not ignored -> "". RecipeError when a Linear is in two groups or in none."""
-    from llmc.quant.canonical import module_matches
-
     out: dict[str, str | None] = {}
     overlaps: dict[tuple[str, ...], list[str]] = {}
     unmatched: list[str] = []

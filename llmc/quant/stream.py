@@ -271,6 +271,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     distributed.barrier()
     if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
         moe_entry = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
+        if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
+            moe_entry["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
         _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
                     {**moe_entry, **(options.extra_meta or {})})
         if shared is not None and not reuse:

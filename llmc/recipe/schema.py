@@ -19,6 +19,7 @@ from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms.catalog import Pipeline, compose, steps_of
+from llmc.quant.groups import check_layer_spec
 from llmc.quant.spec import (BLOCK_SHAPE, FORMATS, ROLES, SCHEMES, ModuleGroup, ModuleTargets, Scheme, TensorSpec,
                              pair_name, weight_kind)
 from llmc.runtimes.catalog import runtime_names
@@ -246,8 +247,6 @@ class ModuleGroupSection(_Strict):
     @field_validator("layers", "exclude_layers")
     @classmethod
     def _layer_specs(cls, specs: tuple[int | str, ...]) -> tuple[str, ...]:
-        from llmc.quant.groups import check_layer_spec
-
         return tuple(check_layer_spec(str(s)) for s in specs)
 
     @model_validator(mode="after")

