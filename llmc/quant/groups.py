@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from llmc.errors import RecipeError
 from llmc.model.families import linear_role
@@ -21,6 +22,7 @@ from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme
 _LAYER_SPEC = re.compile(r"^\s*(?:(?P<edge>first|last)\s+(?P<n>\d+)|(?P<lo>\d+)(?:\s*-\s*(?P<hi>\d+))?)\s*$")
 _SITE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.(.+)$")
 SHOWN = 6  # modules named in one error before "and N more"
+T = TypeVar("T")
 
 
 def check_layer_spec(spec: str) -> str:
@@ -72,6 +74,12 @@ def resolve(scheme: Scheme, linears: Iterable[str], n_layers: int, model_type: s
     """Module name -> the name of the group that quantizes it, or None where it stays unquantized (an `ignore: true`
     group, or the scheme's `ignore`), for every Linear name in `linears` inside the decoder layers. A plain scheme:
     every Linear not ignored -> "". RecipeError when a Linear is in two groups or in none."""
+    return {n: g if g is None or not scheme.groups or scheme.group(g).quantized else None
+            for n, g in assign(scheme, linears, n_layers, model_type).items()}
+
+
+def assign(scheme: Scheme, linears: Iterable[str], n_layers: int, model_type: str | None) -> dict[str, str | None]:
+    """As `resolve`, but an `ignore: true` group's Linears map to its name (None: the scheme's `ignore` only)."""
     out: dict[str, str | None] = {}
     overlaps: dict[tuple[str, ...], list[str]] = {}
     unmatched: list[str] = []
@@ -91,7 +99,7 @@ def resolve(scheme: Scheme, linears: Iterable[str], n_layers: int, model_type: s
         elif not hits:
             unmatched.append(name)
         else:
-            out[name] = hits[0].name if hits[0].quantized else None
+            out[name] = hits[0].name
     problems = [f"groups {' and '.join(groups)} both select {_named(names)}" for groups, names in overlaps.items()]
     if unmatched:
         roles = sorted({str(linear_role(model_type, site_of(n)[1])) for n in unmatched})
@@ -104,9 +112,11 @@ def resolve(scheme: Scheme, linears: Iterable[str], n_layers: int, model_type: s
     return out
 
 
-def by_group(assignment: Mapping[str, str | None]) -> dict[str | None, list[str]]:
-    """Group name (None: unquantized) -> its modules, in the assignment's order."""
-    out: dict[str | None, list[str]] = {}
-    for name, group in assignment.items():
-        out.setdefault(group, []).append(name)
+def by_group(scheme: Scheme, shapes: Mapping[str, T], n_layers: int,
+             model_type: str | None) -> dict[str | None, dict[str, T]]:
+    """Group name -> {module: shape} of its decoder-layer Linears, for every group of a mixed scheme in its order
+    (empty where a group selects none), and None -> those the scheme's `ignore` leaves out."""
+    out: dict[str | None, dict[str, T]] = {g.name: {} for g in scheme.groups}
+    for name, group in assign(scheme, shapes, n_layers, model_type).items():
+        out.setdefault(group, {})[name] = shapes[name]
     return out

@@ -261,3 +261,56 @@ def test_torch_engine_loads_a_mixed_artifact(mixed_build, mixed_artifact) -> Non
     assert hooked == {n for n in qm.quantized_modules if ".self_attn." in n}
     nll = engine.token_nll(torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(1)))
     assert torch.isfinite(nll).all()
+
+
+def _recipe(quant: dict, *targets: dict, source: str = "demo:smollm2-135m", **extra):
+    import yaml
+
+    from llmc.recipe.load import parse_recipe
+
+    return parse_recipe(yaml.safe_dump({"name": "m", "model": {"source": source}, "quantization": quant,
+                                        "targets": list(targets), **extra}))
+
+
+def test_plan_shows_each_groups_bytes(mixed_build) -> None:
+    from llmc.planning.plan import make_plan
+
+    folder = mixed_build[0]
+    plan = make_plan(_recipe(MIXED, {"runtime": "vllm", "gpu_arch": "sm100"}, source=str(folder)), folder,
+                     refuse=False)
+    rows = {g["group"]: g for g in plan.estimates["groups"][""]}
+    attn, mlp = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 128  # layers 1-2; q, o [64, 64], k, v [32, 64]
+    assert rows["attention"] == {"group": "attention", "quantized": True, "scheme": "W8A8-FP8", "linears": 8,
+                                 "params": attn, "bytes": attn * 1.0}
+    assert rows["mlp"]["scheme"] == "W4A16-NVFP4" and rows["mlp"]["bytes"] == mlp * 4.5 / 8
+    assert rows["edges"]["scheme"] == "unquantized" and rows["edges"]["linears"] == 14
+    assert rows["edges"]["bytes"] == rows["edges"]["params"] * 4  # float32 model
+    text = plan.render()
+    assert "mixed precision" in text and "W4A16-NVFP4" in text and plan.scheme.name in text
+    assert plan.estimates["seconds"] > 0 and plan.estimates["peak_memory_gb"] > 0  # memory / time still planned
+
+
+def test_plan_names_linears_no_group_selects(mixed_build) -> None:
+    from llmc.planning.plan import make_plan
+
+    folder = mixed_build[0]
+    partial = {"groups": MIXED["groups"][1:]}  # no edges group: layers 0 and 3 in none
+    with pytest.raises(RecipeError, match="no group selects model.layers.0"):
+        make_plan(_recipe(partial, {"runtime": "vllm", "gpu_arch": "sm100"}, source=str(folder)), folder,
+                  refuse=False)
+
+
+def test_a_format_that_cannot_express_mixed_schemes_refuses_at_plan_time() -> None:
+    from llmc.errors import IncompatibleTargetError
+    from llmc.planning.plan import make_plan
+
+    int8 = {"groups": [{"name": "a", "roles": ["attention"], "scheme": "W8A8-INT8"},
+                       {"name": "m", "roles": ["mlp"], "scheme": "W8A16-INT8"}]}
+    with pytest.raises(IncompatibleTargetError) as e:
+        make_plan(_recipe(int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}))
+    assert "the onnx format holds one scheme for every quantized Linear" in e.value.message
+    assert "W8A16-INT8, W8A8-INT8" in e.value.message and "compressed-tensors" in e.value.fix
+    # a runtime must run every group's scheme: TGI has no NVFP4
+    with pytest.raises(IncompatibleTargetError, match="tgi does not run W4A16-NVFP4"):
+        make_plan(_recipe(MIXED, {"runtime": "tgi", "gpu_arch": "sm90"}))
+    make_plan(_recipe(MIXED, {"runtime": "vllm", "gpu_arch": "sm100"}))  # vLLM runs both
