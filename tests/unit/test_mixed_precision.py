@@ -314,3 +314,47 @@ def test_a_format_that_cannot_express_mixed_schemes_refuses_at_plan_time() -> No
     with pytest.raises(IncompatibleTargetError, match="tgi does not run W4A16-NVFP4"):
         make_plan(_recipe(MIXED, {"runtime": "tgi", "gpu_arch": "sm90"}))
     make_plan(_recipe(MIXED, {"runtime": "vllm", "gpu_arch": "sm100"}))  # vLLM runs both
+
+
+def test_moe_experts_and_attention_in_their_own_groups(tmp_path: Path) -> None:
+    """Qwen3-MoE: experts (per-expert Linears under the Hub names) NVFP4, attention FP8, first layer unquantized;
+    the router is no Linear and stays as it is. compressed-tensors' own matching agrees per Linear."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import llmc.quant.stream as stream
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.model.source import ModelSource
+    from llmc.quant.canonical import QuantizedModel
+    from tests.unit.families import make_tiny
+
+    folder = make_tiny("qwen3_moe", tmp_path / "moe", num_hidden_layers=3)
+    scheme = _scheme({"groups": [
+        {"name": "edges", "layers": ["first 1"], "ignore": True},
+        {"name": "experts", "roles": ["experts"], "exclude_layers": ["first 1"], "scheme": "W4A16-NVFP4"},
+        {"name": "attention", "roles": ["attention", "shared_experts"], "exclude_layers": ["first 1"],
+         "scheme": "W8A8-FP8"},
+    ]})
+    calib = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, tmp_path / "q", stream.Calibration(calib))
+    qm = QuantizedModel.open(tmp_path / "q")
+    groups_ = qm.modules_by_group()
+    assert len(groups_["experts"]) == 2 * 4 * 3 and len(groups_["attention"]) == 2 * 4
+    assert all(".mlp.experts." in n for n in groups_["experts"])
+    export_compressed_tensors(qm, tmp_path / "ct")
+    qcfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert any("\\d+" in t for t in qcfg["config_groups"]["experts"]["targets"])  # every expert: one pattern
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    from llmc.quant.moe import unfuse_experts
+
+    unfuse_experts(model)  # per-expert Linears under the Hub names, as vLLM's loaders name them
+    apply_quantization_config(model, QuantizationConfig.model_validate(qcfg))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            got = getattr(module, "quantization_scheme", None)
+            if name in qm.quantized_modules:
+                assert got is not None and got.weights.num_bits == qm.scheme_of(name).weights.bits, name
+            else:
+                assert got is None, name
