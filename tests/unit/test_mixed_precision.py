@@ -418,3 +418,36 @@ def test_modelopt_refuses_a_group_scheme_it_has_no_layout_for() -> None:
                         {"name": "m", "roles": ["mlp"], "scheme": "W4A4-NVFP4"}]}
     with pytest.raises(IncompatibleTargetError, match="no layout for W4A4-NVFP4"):
         make_plan(_recipe(nvfp4, {"runtime": "tensorrt-llm", "gpu_arch": "sm100"}))
+
+
+def test_gguf_types_each_tensor_by_its_group(tmp_path: Path) -> None:
+    """GGUF: attention W8A16-INT8 as Q8_0 and MLP W4A16-MXFP4 as MXFP4 in one file, the last layer F16, each
+    decoded (gguf's own dequantizers) to the canonical weights up to Q8_0's fp16 scales; FP8 groups are refused."""
+    from gguf import GGUFReader
+
+    import llmc.quant.stream as stream
+    from llmc.errors import IncompatibleTargetError
+    from llmc.formats.gguf import export_gguf
+    from llmc.model.source import ModelSource
+    from llmc.planning.plan import make_plan
+    from llmc.quant.canonical import QuantizedModel
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "model", layers=3)
+    quant = {"groups": [
+        {"name": "edges", "layers": ["last 1"], "ignore": True},
+        {"name": "attention", "roles": ["attention"], "exclude_layers": ["last 1"], "scheme": "W8A16-INT8"},
+        {"name": "mlp", "roles": ["mlp"], "exclude_layers": ["last 1"], "scheme": "W4A16-MXFP4"},
+    ]}
+    make_plan(_recipe(quant, {"runtime": "llama.cpp", "gpu_arch": "cpu"}))  # llama.cpp runs both
+    stream.quantize_model(ModelSource(folder, "t", "t"), _scheme(quant), tmp_path / "q", None)
+    result = export_gguf(QuantizedModel.open(tmp_path / "q"), tmp_path / "gguf")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(result.path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.1.attn_output.weight"] == "Q8_0"
+    assert types["blk.0.ffn_down.weight"] == "MXFP4" and types["blk.1.ffn_up.weight"] == "MXFP4"
+    assert types["blk.2.attn_q.weight"] == "F16" and types["blk.2.ffn_down.weight"] == "F16"
+    assert result.weight_error["relative_rms"] < 1e-3  # Q8_0's fp16 block scales; MXFP4 exact
+    fp8 = {"groups": [{"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"},
+                      {"name": "m", "roles": ["mlp"], "scheme": "W4A16-MXFP4"}]}
+    with pytest.raises(IncompatibleTargetError, match="llama.cpp does not run W8A8-FP8"):
+        make_plan(_recipe(fp8, {"runtime": "llama.cpp", "gpu_arch": "cpu"}))
