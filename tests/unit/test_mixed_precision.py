@@ -451,3 +451,11 @@ def test_gguf_types_each_tensor_by_its_group(tmp_path: Path) -> None:
                       {"name": "m", "roles": ["mlp"], "scheme": "W4A16-MXFP4"}]}
     with pytest.raises(IncompatibleTargetError, match="llama.cpp does not run W8A8-FP8"):
         make_plan(_recipe(fp8, {"runtime": "llama.cpp", "gpu_arch": "cpu"}))
+
+
+def test_inspect_describes_each_config_group(mixed_artifact) -> None:
+    from llmc.runtimes import catalog
+
+    text = catalog.artifact_format("compressed-tensors").describe(mixed_artifact)
+    assert "mixed precision: format mixed-precision, 2 config groups" in text
+    assert "group attention: format float-quantized" in text and "group mlp: format nvfp4-pack-quantized" in text
