@@ -459,3 +459,18 @@ def test_inspect_describes_each_config_group(mixed_artifact) -> None:
     text = catalog.artifact_format("compressed-tensors").describe(mixed_artifact)
     assert "mixed precision: format mixed-precision, 2 config groups" in text
     assert "group attention: format float-quantized" in text and "group mlp: format nvfp4-pack-quantized" in text
+
+
+def test_qwen3_moe_mixed_recipe_plans_every_group_from_the_config(tmp_path: Path) -> None:
+    from llmc.planning.plan import plan_recipe
+    from llmc.recipe.load import load_recipe
+    from llmc.storage.store import Store
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-30b-a3b-mixed-nvfp4.yaml"
+    plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
+    rows = {g["group"]: g for g in plan.estimates["groups"][""]}
+    layers, experts = 48, 128
+    assert rows["experts"]["linears"] == (layers - 2) * experts * 3 and rows["experts"]["scheme"] == "W4A4-NVFP4"
+    assert rows["router"]["linears"] == layers - 2 and rows["router"]["scheme"] == "unquantized"
+    assert rows["attention-shared"]["linears"] == (layers - 2) * 4  # no shared experts, no dense MLP in this model
+    assert rows["edges"]["linears"] == 2 * (4 + 1 + experts * 3)
