@@ -474,3 +474,16 @@ def test_qwen3_moe_mixed_recipe_plans_every_group_from_the_config(tmp_path: Path
     assert rows["router"]["linears"] == layers - 2 and rows["router"]["scheme"] == "unquantized"
     assert rows["attention-shared"]["linears"] == (layers - 2) * 4  # no shared experts, no dense MLP in this model
     assert rows["edges"]["linears"] == 2 * (4 + 1 + experts * 3)
+
+
+def test_inspect_and_default_gates_of_a_mixed_canonical_form(mixed_build) -> None:
+    from llmc.eval.gates import scheme_family
+    from llmc.publish.inspect import _describe_folder
+
+    text = _describe_folder(mixed_build[1])
+    assert "group edges (layers first 1, last 1): unquantized" in text
+    assert "group mlp (roles mlp; except layers first 1, last 1): W4A16-NVFP4, 6 Linears" in text
+    assert scheme_family(_scheme(MIXED)) == "4-bit"  # its NVFP4 group's defaults
+    fp8_int8 = {"groups": [{"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"},
+                           {"name": "m", "roles": ["mlp"], "scheme": "W8A16-INT8"}]}
+    assert scheme_family(_scheme(fp8_int8)) == "8-bit"
