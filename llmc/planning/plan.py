@@ -38,7 +38,7 @@ from llmc.quant.activations import memory_available, should_spill, stays_on_devi
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
-from llmc.quant.groups import by_group
+from llmc.quant.groups import by_group, split_fused
 from llmc.quant.spec import FORMATS, Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE
 from llmc.recipe.schema import Recipe, Target
@@ -308,6 +308,22 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     return warnings
 
 
+def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> None:
+    """IncompatibleTargetError when a mixed scheme splits Linears a target's runtime fuses into one GEMM."""
+    fusing = [t.label for t in recipe.targets if targets.format_for(t).fuses_projections]
+    if not scheme.mixed or not fusing:
+        return
+    split = split_fused(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+    if split:
+        siblings, groups = split[0]
+        named = ", ".join(f"{n} ({g or 'unquantized'})" for n, g in zip(siblings, groups))
+        raise IncompatibleTargetError(
+            f"targets {', '.join(fusing)}: their runtimes run {len(siblings)} Linears as one GEMM, which takes one "
+            f"scheme, but the groups split them: {named}" + (f"; {len(split) - 1} more such sets" if len(split) > 1
+                                                             else ""),
+            fix="select fused siblings (q/k/v, gate/up) together: by role, or names covering all of them")
+
+
 def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: str) -> None:
     """Group sizes (weights; activations of block-wise FP8, MX and NVFP4) that divide every quantized input width."""
     w = scheme.weights
@@ -402,6 +418,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             targets.check_family(t, config)
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
+            _check_fused(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)

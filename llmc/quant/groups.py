@@ -120,3 +120,18 @@ def by_group(scheme: Scheme, shapes: Mapping[str, T], n_layers: int,
     for name, group in assign(scheme, shapes, n_layers, model_type).items():
         out.setdefault(group, {})[name] = shapes[name]
     return out
+
+
+def split_fused(scheme: Scheme, linears: Iterable[str], n_layers: int,
+                model_type: str | None) -> list[tuple[list[str], list[str | None]]]:
+    """Linears that runtimes fuse into one GEMM (q/k/v, gate/up: `llmc.quant.microscaling.fused_groups`) which a
+    mixed scheme puts in different groups (None: unquantized): (the siblings, their groups) for each such set."""
+    from llmc.quant.microscaling import fused_groups  # torch; only for mixed schemes
+
+    assignment = resolve(scheme, linears, n_layers, model_type)
+    out = []
+    for siblings in fused_groups(list(assignment)):
+        groups = [assignment[n] for n in siblings]
+        if len(set(groups)) > 1:
+            out.append((siblings, groups))
+    return out

@@ -118,6 +118,8 @@ class ArtifactFormat:
     # the format holds a mixed-precision scheme (`Scheme.groups`: each group of Linears its own scheme); formats that
     # do not are refused such schemes at plan time (`check_mixed`)
     mixed_precision: ClassVar[bool] = False
+    # its runtime runs q/k/v and gate/up as one GEMM each, so a mixed scheme must give them one group
+    fuses_projections: ClassVar[bool] = False
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""

