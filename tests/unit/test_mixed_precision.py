@@ -500,3 +500,29 @@ def test_groups_that_split_a_fused_gemm_are_refused_for_runtimes_that_fuse(mixed
         make_plan(_recipe(split, {"runtime": "vllm", "gpu_arch": "sm90"}, source=str(folder)), folder, refuse=False)
     assert "model.layers.0.self_attn.q_proj (q), model.layers.0.self_attn.k_proj (rest)" in e.value.message
     assert "3 more such sets" in e.value.message and "q/k/v" in e.value.fix
+
+
+@pytest.mark.heavy
+def test_llmc_build_of_a_mixed_recipe_end_to_end(tmp_path: Path) -> None:
+    """plan -> one calibration -> quantize -> compressed-tensors export -> torch evaluation -> gates -> publish."""
+    import yaml
+
+    from llmc.build import build
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", layers=4)
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "tiny-mixed", "model": {"source": str(model)}, "quantization": MIXED,
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm100"}],
+        "eval": {"seq_len": 64, "windows": 6, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 200},
+        "gates": {"max_ppl_increase_pct": 50.0},
+        "publish": {"registry": str(tmp_path / "registry")},
+    }))
+    result = build(recipe, Store(tmp_path / "cache"))
+    assert result.passed and result.published is not None
+    [artifact] = result.artifacts.values()
+    assert artifact.scheme == "MIXED-W4A16-NVFP4+W8A8-FP8"
+    assert [g["name"] for g in artifact.scheme_detail["groups"]] == ["edges", "attention", "mlp"]
