@@ -170,6 +170,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                 else dict.fromkeys(all_linears, ""))
     all_linears = {n for n in all_linears if group_of[n] is not None}
     members = scheme.members()
+    pipelines = {g: Pipeline.of(m) for g, m in members.items()} if scheme.mixed else {"": pipeline}
     specs = {n: members[g].weights for n, g in group_of.items() if g is not None}
     reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
     spill = one_forward = resident = False
@@ -230,11 +231,10 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         starved = [] if moe_all else moe.starved_linears(w.module, prefix, w.routed, w.linears)
         if w.quantized is None:
             w.quantized = {}
-            for group, member in members.items():  # one quantizer call per group, each with its group's scheme
+            for group, group_pipeline in pipelines.items():  # one quantizer call per group, with its group's scheme
                 mine = {n: m for n, m in w.linears.items() if n not in starved and group_of[n] == group}
                 if mine:
-                    w.quantized.update(_quantize_spread(Pipeline.of(member) if scheme.mixed else pipeline, mine,
-                                                        w.stats, device))
+                    w.quantized.update(_quantize_spread(group_pipeline, mine, w.stats, device))
         for group, member in members.items():
             w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
                                                  if n not in w.quantized and group_of[n] == group}, member.weights))
@@ -270,11 +270,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
     if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
-        moe_entry = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
+        entries = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
         if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
-            moe_entry["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
+            entries["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
         _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
-                    {**moe_entry, **(options.extra_meta or {})})
+                    {**entries, **(options.extra_meta or {})})
         if shared is not None and not reuse:
             shared.finish(all_linears, all_kv)
         shutil.rmtree(state_dir, ignore_errors=True)
