@@ -262,6 +262,12 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     """Shape checks against the model's config and its Linear weights' shapes (each group's, for a mixed scheme)."""
     warnings: list[str] = []
     members = member_shapes(scheme, config, linear_shapes)
+    if scheme.mixed:
+        shapes = by_group(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+        empty = [g.name for g in scheme.groups if not shapes[g.name]]
+        if empty:  # harmless (a role this family lacks), but often a misspelt name or a layer out of range
+            warnings.append(f"quantization.groups {', '.join(empty)} select no Linear of this model "
+                            f"({', '.join(scheme.group(g).targets.describe() for g in empty)})")
     for group, member, quantized in members:
         _check_widths(member, quantized, f"quantization.groups[{group}]" if group else "quantization")
     if config.get("tie_word_embeddings") and not module_matches("lm_head", scheme.ignore):

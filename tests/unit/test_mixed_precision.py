@@ -316,6 +316,16 @@ def test_a_format_that_cannot_express_mixed_schemes_refuses_at_plan_time() -> No
     make_plan(_recipe(MIXED, {"runtime": "vllm", "gpu_arch": "sm100"}))  # vLLM runs both
 
 
+def test_a_group_that_selects_nothing_is_named_in_a_warning(mixed_build) -> None:
+    from llmc.planning.plan import make_plan
+
+    folder = mixed_build[0]
+    quant = {"groups": [*MIXED["groups"], {"name": "experts", "roles": ["experts"], "scheme": "W4A16-NVFP4"}]}
+    plan = make_plan(_recipe(quant, {"runtime": "vllm", "gpu_arch": "sm100"}, source=str(folder)), folder,
+                     refuse=False)
+    assert "quantization.groups experts select no Linear of this model (roles experts)" in plan.warnings
+
+
 def test_moe_experts_and_attention_in_their_own_groups(tmp_path: Path) -> None:
     """Qwen3-MoE: experts (per-expert Linears under the Hub names) NVFP4, attention FP8, first layer unquantized;
     the router is no Linear and stays as it is. compressed-tensors' own matching agrees per Linear."""
@@ -407,6 +417,10 @@ def test_modelopt_writes_per_layer_quant_config(tmp_path: Path) -> None:
     assert torch.equal(codes * scale, qm.dequantized_weight(canonical, d).float())
     edge = "model.layers.2.mlp.up_proj.weight"
     assert torch.equal(written[edge], load_file(folder / "model.safetensors")[edge])
+    from llmc.runtimes import catalog
+
+    text = catalog.artifact_format("modelopt-hf").describe(out)
+    assert "quant_algo MIXED_PRECISION" in text and "8 FP8" in text and "6 W4A16_AWQ" in text
 
 
 def test_modelopt_refuses_a_group_scheme_it_has_no_layout_for() -> None:
@@ -469,6 +483,7 @@ def test_qwen3_moe_mixed_recipe_plans_every_group_from_the_config(tmp_path: Path
     path = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-30b-a3b-mixed-nvfp4.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
     rows = {g["group"]: g for g in plan.estimates["groups"][""]}
+    assert not any("select no Linear" in w for w in plan.warnings)  # every group selects some
     layers, experts = 48, 128
     assert rows["experts"]["linears"] == (layers - 2) * experts * 3 and rows["experts"]["scheme"] == "W4A4-NVFP4"
     assert rows["router"]["linears"] == layers - 2 and rows["router"]["scheme"] == "unquantized"
