@@ -100,7 +100,8 @@ class EngineSpec:
             return "runtime" if self.speed == "runtime" else "reference"
         if self.speed == "emulation":
             return "emulated"
-        formats = {t.format for t in (scheme.weights, scheme.activations, scheme.kv_cache) if t is not None}
+        formats = {t.format for m in scheme.members().values()  # a mixed scheme: every group's
+                   for t in (m.weights, m.activations, m.kv_cache) if t is not None}
         return "emulated" if formats & set(self.emulated_formats) else "runtime"
 
     @property

@@ -35,8 +35,8 @@ from llmc import distributed
 from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference_rows, score_logits
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
-from llmc.engines.torch_stream import (build_dense_model, build_streaming_model, choose_streamed, dense_bytes,
-                                       streamed_logits)
+from llmc.engines.torch_stream import (targets_match, build_dense_model, build_streaming_model, choose_streamed,
+                                       dense_bytes, streamed_logits)
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
@@ -55,6 +55,12 @@ _KV_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor, TensorSpec]] = {}
 
 
 NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
+
+
+def _has_nvfp4(qcfg: dict) -> bool:
+    """Whether any config group holds NVFP4 weights (a mixed-precision artifact's groups name their own format)."""
+    return qcfg.get("format") == NVFP4_FORMAT or any(
+        g.get("format") == NVFP4_FORMAT for g in (qcfg.get("config_groups") or {}).values())
 
 
 def _quantize_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +142,7 @@ class TorchEngine(EngineBase):
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)
             # MoE: llmc's own decompression into per-expert Linears (why: there); NVFP4: compressed-tensors
             # decodes it to bf16, llmc exactly (torch_stream.LayerDecoder)
-            elif expert_count(config) > 1 or qcfg.get("format") == NVFP4_FORMAT:
+            elif expert_count(config) > 1 or _has_nvfp4(qcfg):
                 model = build_dense_model(self.folder, self.dtype)
             else:
                 # lazy: transformers (~2 s), only when a model loads; onnxrt/tensorrt import this module
@@ -161,16 +167,21 @@ class TorchEngine(EngineBase):
         from compressed_tensors.quantization.quant_config import QuantizationConfig  # lazy: ~3 s, quantized only
 
         groups = list(qcfg.get("config_groups", {}).values())
-        act_args = next((g.get("input_activations") for g in groups if g.get("input_activations")), None)
         ignore = tuple(qcfg.get("ignore") or ())
         del QuantizationConfig  # imported to fail loudly here if compressed-tensors is missing
-        if act_args:
-            spec = spec_from_args(act_args)
-            stored = f".{input_scale_name(spec)}"  # NVFP4: the global scale its block scales are computed under
-            scales = _artifact_tensors(self.folder, (stored,)) if not spec.dynamic else {}
-            for name, mod in model.named_modules():
-                if not isinstance(mod, nn.Linear) or module_matches(name, ignore):
-                    continue
+        # each Linear's activations as its config group says (a mixed-precision artifact's groups differ), the
+        # group matched as the decoder matches it (torch_stream.targets_match)
+        specs = {id(g): spec_from_args(g["input_activations"])
+                 for g in groups if g.get("input_activations")}
+        stored_names = {f".{input_scale_name(sp)}" for sp in specs.values() if not sp.dynamic}
+        scales = _artifact_tensors(self.folder, tuple(sorted(stored_names))) if stored_names else {}
+        for name, mod in model.named_modules():
+            if not specs or not isinstance(mod, nn.Linear) or module_matches(name, ignore):
+                continue
+            group = next((g for g in groups if targets_match(name, tuple(g.get("targets") or ("Linear",)))), None)
+            spec = specs.get(id(group)) if group is not None else None
+            if spec is not None:
+                stored = f".{input_scale_name(spec)}"  # NVFP4: the global scale its block scales are computed under
                 scale = scales.get(f"{name}{stored}")
                 scale = None if scale is None else scale.to(self.device)
                 if not spec.dynamic and scale is None:

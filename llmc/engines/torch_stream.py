@@ -116,7 +116,7 @@ class LayerDecoder:
         for module, state in by_module.items():
             full = f"{prefix}{module}"
             group = next(((scheme, fmt) for targets, scheme, fmt in self.groups
-                          if not module_matches(full, ignore) and _targets_match(full, targets)), None)
+                          if not module_matches(full, ignore) and targets_match(full, targets)), None)
             if group is None:
                 raise EngineFailed(f"{full} holds quantized tensors ({', '.join(sorted(state))}) but no "
                                    "config_groups entry of quantization_config targets it")
@@ -151,7 +151,7 @@ class LayerDecoder:
 NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
-def _targets_match(name: str, targets: tuple[str, ...]) -> bool:
+def targets_match(name: str, targets: tuple[str, ...]) -> bool:
     """compressed-tensors targets: a class name (every quantized module llmc writes is a Linear) or 're:<regex>'."""
     return any(re.match(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
 

@@ -74,8 +74,9 @@ class Verdict:
 
 
 def scheme_family(scheme: Scheme) -> str:
-    """'4-bit' when weights or activations have 4 bits or fewer, else '8-bit' (the DEFAULT_GATES keys)."""
-    bits = [t.bits for t in (scheme.weights, scheme.activations) if t is not None]
+    """'4-bit' when weights or activations have 4 bits or fewer, else '8-bit' (the DEFAULT_GATES keys); a mixed
+    scheme: its lowest-bit group's."""
+    bits = [t.bits for m in scheme.members().values() for t in (m.weights, m.activations) if t is not None]
     return "4-bit" if min(bits) <= 4 else "8-bit"
 
 

@@ -3,10 +3,16 @@
 The config is built with compressed-tensors' own pydantic classes; int4 codes are packed with its
 `pack_to_int32`. Our codes already follow its conventions (signed codes, zero points in the signed
 range), so every tensor is written as computed — nothing is re-rounded on export.
+
+A mixed-precision scheme (`Scheme.groups`) becomes one config group per llmc group, each with its own compression
+format (`QuantizationScheme.format`) and targets that are exact "re:" patterns of its modules (`exact_targets`),
+the top-level format "mixed-precision" when the groups' formats differ (as compressed-tensors' own
+`_flatten_formats` says), and every Linear left unquantized in `ignore`: vLLM refuses a Linear no group targets.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +23,7 @@ from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import pack_e2m1
 from llmc.quant.numerics import block_scaled
+from llmc.quant.groups import site_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.store import atomic_write_json
 
@@ -64,6 +71,10 @@ def _format_key(spec: TensorSpec) -> str:
 
 def check_scheme(scheme: Scheme) -> None:
     """Refuse what vLLM's compressed-tensors loader would not match to a kernel (raised before any weight loads)."""
+    if scheme.mixed:
+        for member in scheme.members().values():
+            check_scheme(member)
+        return
     w, a = scheme.weights, scheme.activations
     if scheme.name == "W4AFP8" and not (w.strategy == "group" and w.group_size == 128 and w.symmetric
                                          and a.strategy == "token" and a.dynamic):
@@ -102,25 +113,81 @@ def compression_format(scheme: Scheme) -> str:
     raise NotImplementedError(f"compressed-tensors export of {w.format} weights is not implemented")
 
 
-def quantization_config(scheme: Scheme, unquantized: tuple[str, ...] = ()) -> dict:
-    """compressed-tensors' quantization_config; `unquantized`: more modules for `ignore` (MoE routers, which vLLM
-    builds as Linear layers and would otherwise expect quantized)."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+def _config_group(scheme: Scheme, targets: list[str]):
+    """One config group: a plain `scheme` on `targets`."""
+    from compressed_tensors.quantization import QuantizationScheme
 
     if block_scaled(scheme.weights):  # compressed-tensors' own presets: what its compressors and vLLM decode
-        group = compressed_tensors_scheme(_format_key(scheme.weights), ["Linear"], scheme.activations is not None)
-    else:
-        group = QuantizationScheme(
-            targets=["Linear"],
-            weights=_args(scheme.weights),
-            input_activations=_args(scheme.activations) if scheme.activations else None,
-        )
-    config = QuantizationConfig(
-        config_groups={"group_0": group},
+        return compressed_tensors_scheme(_format_key(scheme.weights), targets, scheme.activations is not None)
+    return QuantizationScheme(
+        targets=targets,
+        weights=_args(scheme.weights),
+        input_activations=_args(scheme.activations) if scheme.activations else None,
         format=compression_format(scheme),
+    )
+
+
+def exact_targets(names: list[str], universe: set[str]) -> list[str]:
+    r"""compressed-tensors targets ("re:" patterns, matched from the start as its `match_name` does) that match
+    exactly `names` among the module names `universe` (a superset): one pattern per set of decoder layers holding
+    the same modules, a dotted part of digits inside a layer's module name (an expert's index) written as \d+ where every
+    module of that layer it then matches is in `names`. Names outside the decoder layers are listed as they are."""
+    chosen = set(names)
+    sites = {n: site_of(n) for n in set(universe) | chosen}
+
+    def place(n: str) -> tuple[str, int]:  # (the layers' prefix, the layer)
+        layer, local = sites[n]
+        return n[: len(n) - len(local) - len(str(layer)) - 2], layer
+
+    peers: dict[tuple[str, int], set[str]] = {}
+    mine: dict[tuple[str, int], set[str]] = {}
+    for n in set(universe) | chosen:
+        if sites[n] is not None:
+            peers.setdefault(place(n), set()).add(sites[n][1])
+    for n in chosen:
+        if sites[n] is not None:
+            mine.setdefault(place(n), set()).add(sites[n][1])
+    buckets: dict[tuple[str, frozenset[str]], list[int]] = {}
+    for (prefix, layer), locals_ in mine.items():
+        patterns = set()
+        for local in locals_:
+            exact = re.escape(local)
+            general = re.sub(r"(?<=\\\.)\d+(?=\\\.)", r"\\d+", exact)  # a whole dotted part: experts.7.
+            covered = all(x in locals_ for x in peers[(prefix, layer)] if re.fullmatch(general, x))
+            patterns.add(general if covered else exact)
+        buckets.setdefault((prefix, frozenset(patterns)), []).append(layer)
+    out = [n for n in names if sites[n] is None]
+    for (prefix, patterns), layers in sorted(buckets.items(), key=lambda kv: min(kv[1])):
+        out.append(f"re:^{re.escape(prefix)}\\.(?:{'|'.join(map(str, sorted(layers)))})\\.(?:{'|'.join(sorted(patterns))})$")
+    return out
+
+
+def quantization_config(scheme: Scheme, unquantized: tuple[str, ...] = (),
+                        groups: dict[str, list[str]] | None = None) -> dict:
+    """compressed-tensors' quantization_config; `unquantized`: more modules for `ignore` (MoE routers, which vLLM
+    builds as Linear layers and would otherwise expect quantized; a mixed scheme's Linears left unquantized).
+    A mixed scheme: `groups`, group name -> its modules (`QuantizedModel.modules_by_group`)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    ignore = list(scheme.ignore)
+    if scheme.mixed:
+        universe = {n for names in groups.values() for n in names} | set(unquantized)
+        config_groups = {name: _config_group(scheme.member(scheme.group(name)), exact_targets(modules, universe))
+                         for name, modules in groups.items()}
+        formats = {g.format for g in config_groups.values()}
+        fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+        ignore += [t for t in exact_targets(sorted(set(unquantized) - set(scheme.ignore)), universe)
+                   if t not in ignore]
+    else:
+        config_groups = {"group_0": _config_group(scheme, ["Linear"])}
+        fmt = compression_format(scheme)
+        ignore += [u for u in unquantized if u not in scheme.ignore]
+    config = QuantizationConfig(
+        config_groups=config_groups,
+        format=fmt,
         quantization_status="compressed",
         kv_cache_scheme=_args(scheme.kv_cache) if scheme.kv_cache else None,
-        ignore=list(scheme.ignore) + [u for u in unquantized if u not in scheme.ignore],
+        ignore=ignore,
     )
     d = config.model_dump(exclude_none=False)
     d["quant_method"] = "compressed-tensors"
@@ -144,22 +211,18 @@ def compressed_module_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tenso
     """Rename/pack one file's canonical tensors into compressed-tensors' on-disk names."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    scheme = qm.scheme
-    packed = compression_format(scheme) == "pack-quantized"
     out = dict(tensors)
-    if scheme.weights.info.microscaling and scheme.weights.bits == 4:  # E2M1 codes, two a byte (weight_packed)
-        for name in qm.quantized_modules:
-            codes = out.pop(f"{name}.weight", None)
-            if codes is not None:
-                out[f"{name}.weight_packed"] = pack_e2m1(codes)
-        return out
-    if not packed:
-        return out
-    bits = scheme.weights.bits
     for name in qm.quantized_modules:
-        codes = out.pop(f"{name}.weight", None)
-        if codes is None:
+        if f"{name}.weight" not in out:
             continue
+        scheme = qm.scheme_of(name)  # a mixed scheme's groups differ
+        if scheme.weights.info.microscaling and scheme.weights.bits == 4:  # E2M1 codes, two a byte (weight_packed)
+            out[f"{name}.weight_packed"] = pack_e2m1(out.pop(f"{name}.weight"))
+            continue
+        if compression_format(scheme) != "pack-quantized":
+            continue
+        bits = scheme.weights.bits
+        codes = out.pop(f"{name}.weight")
         out[f"{name}.weight_packed"] = pack_to_int32(codes, bits)
         out[f"{name}.weight_shape"] = torch.tensor(list(codes.shape), dtype=torch.int64)
         zp = out.pop(f"{name}.weight_zero_point", None)
@@ -176,7 +239,9 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
     config = dict(qm.config)
     # MoE: experts are written per expert under the family's Hub names (the canonical names: llmc.quant.moe), the
     # layout vLLM's fused-MoE loaders read; the routers stay in high precision and are ignored.
-    config["quantization_config"] = quantization_config(qm.scheme, tuple((qm.meta.get("moe") or {}).get("ignore", ())))
+    unquantized = tuple((qm.meta.get("moe") or {}).get("ignore", ())) + tuple(qm.meta.get("unquantized_modules", ()))
+    config["quantization_config"] = quantization_config(qm.scheme, unquantized,
+                                                        qm.modules_by_group() if qm.scheme.mixed else None)
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)

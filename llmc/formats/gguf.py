@@ -29,6 +29,11 @@ fresh rounding per weight. Every written block is decoded again with gguf.quants
 against the canonical dequantized weights is measured, logged and stored in llmc-serve.json; the type
 plan itself is in the GGUF's `llmc.*` metadata.
 
+A mixed-precision scheme (`Scheme.groups`) gets each group's type plan, per tensor (GGUF types every tensor on its
+own, as llama-quantize's mixes do): e.g. attention W8A16-INT8 -> Q8_0 and MLP W4A16-MXFP4 -> MXFP4 in one file; the
+file type and the headline plan are the group with the fewest weight bits. A group whose scheme has no GGUF type
+(FP8) is refused at plan time, as a plain scheme is.
+
 Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.py does (Hugging Face
 keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
@@ -602,8 +607,10 @@ class _Item:
     generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
 
 
-def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[_Item]]:
-    """Per canonical file, the tensors it becomes (from the safetensors headers; no data read)."""
+def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
+                  plan_of: Callable[[str], TypePlan]) -> list[list[_Item]]:
+    """Per canonical file, the tensors it becomes (from the safetensors headers; no data read); `plan_of`: a quantized
+    module's type plan (its group's)."""
     quantized = qm.quantized_modules
     names = arch.tensor_names()
     per_file: list[list[_Item]] = []
@@ -626,7 +633,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan) -> list[list[
                 if len(shape) == 1:
                     qtype = "F32"
                 elif module in quantized:
-                    qtype = plan.weight_type if shape[-1] % plan.row_multiple == 0 else "F16"
+                    mine = plan_of(module)
+                    qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
                 elif name in ("token_embd.weight", "output.weight"):
                     qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
                 else:
@@ -680,15 +688,16 @@ def _nbytes(shape: tuple[int, ...], qtype: str) -> int:
     return n // block * size
 
 
-def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, plan: TypePlan,
+def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, plan_of: Callable[[str], TypePlan],
              errors: dict[str, tuple[float, float, float]]) -> np.ndarray:
     """One canonical tensor -> the GGUF tensor's data (numpy; bytes for block types)."""
     gguf = _gguf()
     if item.generated is not None:
         return item.generated
     module = item.hf.rsplit(".", 1)[0]
-    spec = qm.scheme.weights
     is_quantized = module in qm.quantized_modules and item.hf.endswith(".weight")
+    spec = qm.scheme_of(module).weights if is_quantized else None
+    plan = plan_of(module) if is_quantized else None
 
     def perm(t: torch.Tensor | None) -> torch.Tensor | None:
         # rows only: a per-tensor scale ([1]) is shared by every row and needs no permutation
@@ -759,21 +768,28 @@ def export_gguf(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     scheme = qm.scheme
-    plan = type_plan(scheme.weights, embedding_type, requantize)
+    plan = type_plan(scheme.weights, embedding_type, requantize)  # a mixed scheme's: its fewest-bits group's
+    plans = {g: type_plan(m.weights, embedding_type, requantize) for g, m in scheme.members().items()}
+
+    def plan_of(module: str) -> TypePlan:
+        return plans[qm.quantized_modules[module].get("group", "")]
+
     notes: list[str] = []
     if scheme.kv_cache is not None and scheme.kv_cache.info.is_float:
         raise IncompatibleTargetError(
             "llama.cpp has no fp8 KV cache; this scheme's KV-cache format cannot be honoured",
             fix="drop kv_cache for llama.cpp/Ollama targets, or use an int8 KV cache (llama.cpp's q8_0 cache type)",
         )
-    if scheme.activations is not None:
-        notes.append(f"activations ({scheme.activations.describe()}) are not carried: llama.cpp quantizes "
+    for member in {m.activations for m in scheme.members().values()} - {None}:
+        notes.append(f"activations ({member.describe()}) are not carried: llama.cpp quantizes "
                      "activations itself, dynamically in blocks of 32, for Q8_0/Q4 matmuls")
+    if scheme.mixed:
+        notes.append("mixed precision: " + "; ".join(f"group {g}: {p.describe()}" for g, p in plans.items()))
     if scheme.kv_cache is not None:
         notes.append("KV-cache quantization is a llama.cpp runtime option: run with --cache-type-k q8_0 "
                      "--cache-type-v q8_0 (dynamic blocks of 32, not the scheme's static scales)")
     arch = _arch(qm.config)
-    if plan.weight_type == "NVFP4" and not arch.family.tensor_scales:
+    if any(p.weight_type == "NVFP4" for p in plans.values()) and not arch.family.tensor_scales:
         raise IncompatibleTargetError(
             f"llama.cpp's {arch.family.arch.lower()} graph does not apply per-tensor scales to every Linear (its FFN "
             "passes none), so an NVFP4 GGUF of this model would compute wrong outputs there",
@@ -781,7 +797,7 @@ def export_gguf(
                 f"{', '.join(sorted(k for k, f in GGUF_FAMILIES.items() if f.tensor_scales))} models")
     vocab = read_vocab(qm.root, qm.config)
     notes += vocab.notes
-    per_file = _plan_tensors(qm, arch, plan)
+    per_file = _plan_tensors(qm, arch, plan, plan_of)
     items = [i for f in per_file for i in f]
     n_f16_fallback = sum(1 for i in items if i.hf.rsplit(".", 1)[0] in qm.quantized_modules and i.qtype == "F16")
     if n_f16_fallback:
@@ -796,8 +812,10 @@ def export_gguf(
     model_name = name or qm.config.get("_name_or_path") or qm.config.get("_model_name_or_path") or \
         str(qm.meta.get("source", {}).get("origin", "model"))
     _write_metadata(writer, gguf, arch, vocab, plan, qm, model_name, notes)
-    fp4_names = [i.name for i in items if i.qtype in _FP4_TYPES]
-    if fp4_names and scheme.activations is None:  # weight-only: keep llama.cpp from running them W4A4
+    # weight-only FP4 (each tensor's group's scheme): keep llama.cpp from running them W4A4
+    fp4_names = [i.name for i in items if i.qtype in _FP4_TYPES
+                 and qm.scheme_of(i.hf.rsplit(".", 1)[0]).activations is None]
+    if fp4_names:
         writer.add_array(PREC_A4_KEYS[0], fp4_names)
         writer.add_array(PREC_A4_KEYS[1], [False] * len(fp4_names))
     for i in items:
@@ -817,7 +835,7 @@ def export_gguf(
             writer.write_ti_data_to_file()
             for tensors, file_items in zip(qm.iter_files(), per_file):
                 for i in file_items:
-                    writer.write_tensor_data(_convert(qm, tensors, i, plan, errors))
+                    writer.write_tensor_data(_convert(qm, tensors, i, plan_of, errors))
                 del tensors
             writer.close()
             with open(tmp, "rb+") as f:

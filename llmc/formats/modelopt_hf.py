@@ -20,6 +20,12 @@ scale, the same arithmetic at load). SmoothQuant and AWQ scales are already fold
 previous Linears in the canonical form, so the `pre_quant_scale` tensors ModelOpt writes (every Linear for
 SQ; o_proj/down_proj for AWQ) are ones.
 
+A mixed-precision scheme (`Scheme.groups`) is written as ModelOpt writes a model whose layers differ
+(`modelopt.torch.export.quant_utils.process_layer_quant_config`): quant_algo MIXED_PRECISION and `quantized_layers`,
+each quantized Linear -> its own layer config ({"quant_algo": "FP8"}, {"quant_algo": "W4A16_AWQ", "group_size": ..,
+"has_zero_point": false, "pre_quant_scale": true}, ...); a Linear it does not list is not quantized. Each group's
+scheme must be one of the quant_algos above, and Linears TensorRT-LLM fuses (q/k/v, gate/up) one group's.
+
 W4A8_AWQ's GEMM runs in FP8: the kernel scales the int4 codes by weight_scale / weight_scale_2 into FP8 and
 multiplies by the FP8 activations, so the weight it really uses is fp8(code × weight_scale / weight_scale_2) ×
 weight_scale_2 (ModelOpt's own simulation of it, checked against ModelOpt 0.47). weight_scale_2 is
@@ -71,6 +77,37 @@ def quant_algo(scheme: Scheme) -> str:
     )
 
 
+MIXED_PRECISION = "MIXED_PRECISION"
+
+
+def layer_algos(qm: QuantizedModel) -> dict[str, str]:
+    """Each quantized Linear's quant_algo (a plain scheme: all the same)."""
+    if not qm.scheme.mixed:
+        algo = quant_algo(qm.scheme)
+        return dict.fromkeys(qm.quantized_modules, algo)
+    by_group = {g: quant_algo(m) for g, m in qm.scheme.members().items()}
+    algos = {name: by_group[entry["group"]] for name, entry in qm.quantized_modules.items()}
+    for name, algo in algos.items():  # TensorRT-LLM runs fused siblings as one GEMM: one quant_algo
+        mixed = sorted({algos[m] for m in fused_gemm_of(name, algos)})
+        if len(mixed) > 1:
+            raise IncompatibleTargetError(
+                f"TensorRT-LLM fuses {', '.join(fused_gemm_of(name, algos))} into one GEMM, but they are quantized "
+                f"as {' and '.join(mixed)}", fix="put the Linears of one attention (q/k/v) or MLP (gate/up) in one "
+                "group")
+    return algos
+
+
+def layer_config(algo: str, group_size: int | None) -> dict:
+    """One entry of `quantized_layers`, as ModelOpt's process_layer_quant_config writes it for `algo`."""
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        return {"quant_algo": algo, "group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
+    return {"quant_algo": algo}
+
+
+def quantized_layers(qm: QuantizedModel, algos: dict[str, str]) -> dict[str, dict]:
+    return {name: layer_config(algo, qm.scheme_of(name).weights.group_size) for name, algo in sorted(algos.items())}
+
+
 def kv_cache_algo(scheme: Scheme) -> str | None:
     if scheme.kv_cache is None:
         return None
@@ -117,19 +154,22 @@ def w4a8_weight_scale_2(qm: QuantizedModel, tensors: dict[str, torch.Tensor]) ->
     from llmc.quant.spec import FP8_E4M3_MAX
 
     peak = {name: qm.dequantized_weight(tensors, name).abs().amax()
-            for name in qm.quantized_modules if f"{name}.weight" in tensors}
+            for name in qm.quantized_modules if f"{name}.weight" in tensors and qm.scheme_of(name).name == "W4AFP8"}
     return {name: torch.stack([peak[m] for m in fused_gemm_of(name, peak)]).amax().float() / FP8_E4M3_MAX
             for name in peak}
 
 
-def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor], algo: str) -> dict[str, torch.Tensor]:
-    """One canonical file's tensors under ModelOpt's names, dtypes and packing."""
+def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor],
+                     algos: dict[str, str]) -> dict[str, torch.Tensor]:
+    """One canonical file's tensors under ModelOpt's names, dtypes and packing; `algos`: each quantized Linear's
+    quant_algo (`layer_algos`)."""
     out = dict(tensors)
     dtype = getattr(torch, qm.meta.get("dtype", "float32"))
-    scale_2 = w4a8_weight_scale_2(qm, tensors) if algo == "W4A8_AWQ" else {}
+    scale_2 = w4a8_weight_scale_2(qm, tensors) if "W4A8_AWQ" in algos.values() else {}
     for name, info in qm.quantized_modules.items():
         if f"{name}.weight" not in out:
             continue
+        algo = algos[name]
         scale = out.pop(f"{name}.weight_scale").float()
         if algo == "FP8":
             out[f"{name}.weight_scale"] = scale.reshape(())
@@ -165,17 +205,24 @@ def excluded_modules(qm: QuantizedModel) -> list[str]:
     return sorted(set(qm.scheme.ignore) | set(embeddings))
 
 
-def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str]) -> dict:
+def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str], layers: dict[str, dict] | None = None) -> dict:
+    """hf_quant_config.json; a mixed scheme: `layers` (`quantized_layers`), and no exclude_modules, as ModelOpt."""
     quantization: dict = {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_algo(scheme)}
+    if layers is not None:
+        quantization["quantized_layers"] = layers
+        return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         quantization.update({"group_size": scheme.weights.group_size, "has_zero_point": False, "pre_quant_scale": True})
     quantization["exclude_modules"] = excluded
     return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}
 
 
-def config_quantization(scheme: Scheme, algo: str, excluded: list[str]) -> dict:
-    """config.json's quantization_config, as ModelOpt writes it beside hf_quant_config.json."""
+def config_quantization(scheme: Scheme, algo: str, excluded: list[str], layers: dict[str, dict] | None = None) -> dict:
+    """config.json's quantization_config, as ModelOpt writes it beside hf_quant_config.json (a mixed scheme: with
+    its `quantized_layers`, which vLLM's ModelOpt mixed-precision loader reads from here)."""
     q: dict = {}
+    if layers is not None:
+        q["quantized_layers"] = layers
     if algo == "FP8":
         fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
         q["config_groups"] = {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}}
@@ -206,17 +253,19 @@ def llm_api_options(scheme: Scheme, *, tensor_parallel: int, max_batch_size: int
 def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 1, max_batch_size: int = 8,
                        max_num_tokens: int = 8192) -> list[Path]:
     """Write the unified checkpoint (config.json, hf_quant_config.json, safetensors, tokenizer) + LLM-API YAML."""
-    algo = quant_algo(qm.scheme)
+    algos = layer_algos(qm)
+    algo = MIXED_PRECISION if qm.scheme.mixed else quant_algo(qm.scheme)
+    layers = quantized_layers(qm, algos) if qm.scheme.mixed else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = write_shards(out, (modelopt_tensors(qm, t, algo) for t in qm.iter_files()))
+    written = write_shards(out, (modelopt_tensors(qm, t, algos) for t in qm.iter_files()))
     config = dict(qm.config)
     excluded = excluded_modules(qm)
-    config["quantization_config"] = config_quantization(qm.scheme, algo, excluded)
+    config["quantization_config"] = config_quantization(qm.scheme, algo, excluded, layers)
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)
-    atomic_write_json(out / HF_QUANT_CONFIG, hf_quant_config(qm.scheme, algo, excluded))
+    atomic_write_json(out / HF_QUANT_CONFIG, hf_quant_config(qm.scheme, algo, excluded, layers))
     copy_tokenizer_files(qm.root, out)
     atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
                                                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))

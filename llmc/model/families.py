@@ -9,6 +9,9 @@ their gates, DeepSeek's multi-head latent attention), which the stream would qua
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from llmc.errors import IncompatibleTargetError
 
 # config keys that give a Mixture-of-Experts model's routed expert count (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, ...)
@@ -27,11 +30,27 @@ def expert_count(config: dict) -> int:
     return max((int(config[k]) for k in EXPERT_COUNT_KEYS if isinstance(config.get(k), int)), default=0)
 
 
+@dataclass(frozen=True)
+class MoeLayout:
+    """How a family's Hub checkpoints name one MoE block (what vLLM's fused-MoE loaders read)."""
+
+    block: str  # the block's name inside a decoder layer in the Hub checkpoint
+    gate: str  # the per-expert projection names: gate (through the activation), up, down
+    up: str
+    down: str
+    router: str = "gate"
+
+
+# model_type -> layout of the MoE families llmc quantizes expert by expert (llmc.quant.moe; transformers'
+# conversion_mapping.py converts from exactly these names)
+LAYOUTS: dict[str, MoeLayout] = {
+    "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
 def moe_families() -> frozenset[str]:
     """The MoE model_types llmc quantizes."""
-    # lazy: llmc.quant.moe pulls torch; llmc.runtimes.registry (torch-free) imports this module
-    from llmc.quant.moe import LAYOUTS
-
     return frozenset(LAYOUTS)
 
 
@@ -46,3 +65,36 @@ def check_quantizable(config: dict) -> None:
             f"quantizes the MoE families {', '.join(sorted(moe_families()))} only",
             fix="quantize this model with llm-compressor or ModelOpt, or use a supported family",
         )
+
+
+# What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
+# "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
+# precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their
+# attention `self_attn` and their MLP `mlp` (Phi-3's fused qkv_proj / gate_up_proj included). MoE families: experts
+# and router under the Hub names of their `LAYOUTS` entry; Qwen2-MoE (refused by `check_quantizable`, listed so its
+# roles are known) has a shared expert and a Linear gate for it.
+_ATTENTION = r"self_attn\."
+_DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
+
+
+def _moe_roles(layout: MoeLayout) -> dict[str, str]:
+    block = re.escape(layout.block)
+    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.",
+            "router": rf"{block}\.{re.escape(layout.router)}$",
+            "mlp": r"mlp\."}  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense MLPs in some layers
+
+
+LINEAR_ROLES: dict[str, dict[str, str]] = {
+    **{family: _moe_roles(layout) for family, layout in LAYOUTS.items()},
+    "qwen2_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.",
+                  "shared_experts": r"mlp\.shared_expert\.", "router": r"mlp\.(gate|shared_expert_gate)$"},
+}
+
+
+def linear_role(model_type: str | None, local_name: str) -> str | None:
+    """The role (llmc.quant.spec.ROLES) of the Linear named `local_name` inside a decoder layer of `model_type`;
+    None when the family's table names none for it."""
+    for role, pattern in LINEAR_ROLES.get(model_type or "", _DENSE_ROLES).items():
+        if re.match(pattern, local_name):
+            return role
+    return None

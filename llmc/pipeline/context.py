@@ -61,6 +61,9 @@ class Costing:
     rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
     bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes
+    config: dict = field(default_factory=dict)  # the model's config.json (mixed precision: its groups' Linears)
+    # mixed precision: variant name ("" for one quantization) -> per group, its Linears, parameters, stored bytes
+    group_bytes: dict[str, list[dict]] = field(default_factory=dict)
     exports_seen: dict[tuple, str] = field(default_factory=dict)  # identical export -> the first target's label
     outer_written: set[str] = field(default_factory=set)  # schemes whose outer-weight shards an export wrote
 

@@ -37,6 +37,7 @@ from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
+from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import (Calibration, CALIBRATION_BATCH_SIZE, RESIDENT_RESUME_EVERY_S, quantize_model,
                                StreamOptions)
@@ -114,9 +115,15 @@ class Quantize:
 
     def cost(self, c: Costing) -> None:
         scheme, shape, e = self.scheme, c.shape, c.elem
-        quantized = sum(a * b for n, (a, b) in c.linears.items() if not module_matches(n, scheme.ignore))
+        if scheme.mixed:
+            groups = group_bytes(scheme, c.linears, c.config, e)
+            c.group_bytes[self.variant] = groups
+            quantized = sum(g["params"] for g in groups if g["quantized"])
+            packed = sum(g["bytes"] for g in groups if g["quantized"])
+        else:
+            quantized = sum(a * b for n, (a, b) in c.linears.items() if not module_matches(n, scheme.ignore))
+            packed = quantized * scheme.weights.stored_bits / 8  # the codes, packed (microscaling: with their scales)
         rest = shape.params - quantized
-        packed = quantized * scheme.weights.stored_bits / 8  # the codes, packed (microscaling: with their scales)
         sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest * e,  # int4: one code a byte
                             packed=packed, artifact=packed + rest * e)
         c.bytes_of[self.id.of[0]] = sizes
@@ -135,6 +142,25 @@ class Quantize:
             if spilled.host_bytes < 0.95 * row.host_bytes:  # only a strategy that saves something is named
                 c.cheaper[row.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
                                        "activations in memory", spilled.host_bytes / 1e9)
+
+
+def group_bytes(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict, elem: int) -> list[dict]:
+    """A mixed scheme's groups on this model, in the recipe's order: each group's Linears, parameters and the bytes
+    its weights take stored (codes packed, microscaling scales included; an `ignore: true` group's, and those the
+    scheme's `ignore` leaves out, in the model's dtype of `elem` bytes). Resolving the groups raises the recipe's
+    error for a Linear in no group or in two (llmc.quant.groups)."""
+    rows = []
+    for name, shapes in by_group(scheme, linears, config.get("num_hidden_layers", 0), config.get("model_type")).items():
+        group = scheme.group(name) if name is not None else None
+        if name is None and not shapes:
+            continue
+        quantized = group is not None and group.quantized
+        params = sum(a * b for a, b in shapes.values())
+        bits = group.weights.stored_bits if quantized else 8 * elem
+        rows.append({"group": name if name is not None else "quantization.ignore", "quantized": quantized,
+                     "scheme": scheme.member(group).name if quantized else "unquantized",
+                     "linears": len(shapes), "params": params, "bytes": params * bits / 8})
+    return rows
 
 
 FP8_PER_TENSOR = TensorSpec("fp8_e4m3", "tensor")

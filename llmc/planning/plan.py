@@ -38,6 +38,7 @@ from llmc.quant.activations import memory_available, should_spill, stays_on_devi
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
+from llmc.quant.groups import by_group, split_fused
 from llmc.quant.spec import FORMATS, Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE
 from llmc.recipe.schema import Recipe, Target
@@ -129,6 +130,12 @@ def _render_estimates(e: dict) -> list[str]:
             lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
                          f"~{_duration(s['seconds'])}, at this machine's probed rates")
+    for variant, groups in e.get("groups", {}).items():
+        lines.append(f"  mixed precision{' (' + variant + ')' if variant else ''}, weights of the decoder layers' "
+                     "Linears stored:")
+        for g in groups:
+            lines.append(f"    {g['group']:<24} {g['scheme']:<16} {g['linears']:>6} Linears "
+                         f"{g['params'] / 1e6:>10,.1f}M params {_size(g['bytes']):>10}")
     low, high = e["seconds_range"]
     cached = sum(bool(s.get("cached") or s.get("skipped")) for s in e["stages"])
     lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)}"
@@ -143,6 +150,10 @@ def _render_estimates(e: dict) -> list[str]:
                  f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
                  f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
     return lines
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB"
 
 
 def _span(low: float, high: float) -> str:
@@ -229,44 +240,43 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     try:
         if target.triton:
             targets.triton_backend(target)
-        targets.artifact_format(format_name).check_scheme(scheme)
+        targets.artifact_format(format_name).check_mixed(scheme)  # check_scheme, per group for a mixed scheme
     except IncompatibleTargetError as e:
         raise IncompatibleTargetError(f"target {label}: {e.message}", fix=e.fix) from None
     warnings += [f"target {label}: {w}" for w in rt.plan_warnings(scheme)]
     return status, warnings
 
 
+def member_shapes(scheme: Scheme, config: dict,
+                  linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[str, Scheme, dict[str, tuple[int, int]]]]:
+    """(group name, its plain scheme, its Linears' shapes) per quantized group of a mixed scheme, resolved on the
+    model's Linears (RecipeError naming the modules no group or two groups select: llmc.quant.groups); a plain
+    scheme: one entry, every Linear not ignored."""
+    if not scheme.mixed:
+        return [("", scheme, {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)})]
+    shapes = by_group(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+    return [(group, member, shapes[group]) for group, member in scheme.members().items()]
+
+
 def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
-    """Shape checks against the model's config and its Linear weights' shapes."""
+    """Shape checks against the model's config and its Linear weights' shapes (each group's, for a mixed scheme)."""
     warnings: list[str] = []
-    quantized = {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)}
-    w = scheme.weights
-    if w.strategy == "group":
-        bad = sorted({s[1] for s in quantized.values() if s[1] % w.group_size})
-        if bad:
-            # group sizes the runtimes' W4A16 kernels (Marlin, Machete, TensorRT-LLM) accept
-            divisors = [g for g in (32, 64, 128) if all(d % g == 0 for d in bad)]
-            fix = f"use group_size {max(divisors)}" if divisors else "use strategy: channel"
-            if scheme.name == "W4AFP8":  # its kernels (vLLM, TensorRT-LLM) take groups of 128 only
-                fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
-            raise IncompatibleTargetError(
-                f"quantization.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
-                f"of this model",
-                fix=fix,
-            )
-    a = scheme.activations
-    if a is not None and a.strategy == "group":  # block-wise FP8's 1x128 groups, MX / NVFP4 blocks
-        bad = sorted({s[1] for s in quantized.values() if s[1] % a.group_size})
-        if bad:
-            raise IncompatibleTargetError(
-                f"{scheme.name} quantizes activations in groups of {a.group_size}, which do not divide input "
-                f"dimension(s) {bad} of this model", fix="choose a weight-only scheme or another model")
+    members = member_shapes(scheme, config, linear_shapes)
+    if scheme.mixed:
+        shapes = by_group(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+        empty = [g.name for g in scheme.groups if not shapes[g.name]]
+        if empty:  # harmless (a role this family lacks), but often a misspelt name or a layer out of range
+            warnings.append(f"quantization.groups {', '.join(empty)} select no Linear of this model "
+                            f"({', '.join(scheme.group(g).targets.describe() for g in empty)})")
+    for group, member, quantized in members:
+        _check_widths(member, quantized, f"quantization.groups[{group}]" if group else "quantization")
     if config.get("tie_word_embeddings") and not module_matches("lm_head", scheme.ignore):
         raise IncompatibleTargetError(
             "lm_head is tied to the input embeddings in this model; quantizing it would untie them",
             fix="keep 'lm_head' in quantization.ignore",
         )
-    warnings += _hessian_rank_warning(recipe, scheme, quantized)
+    for _, member, quantized in members:
+        warnings += _hessian_rank_warning(recipe, member, quantized)
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size")
@@ -290,7 +300,10 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
                 f"target {t.label}: tensor_parallel {tp} does not divide intermediate_size {inter}",
                 fix="use a tensor_parallel that divides it",
             )
-        if w.strategy == "group":
+        for _, member, quantized in members:
+            w = member.weights
+            if w.strategy != "group":
+                continue
             for n, (_, cols) in quantized.items():
                 if n.endswith(("o_proj", "down_proj")) and (cols // tp) % w.group_size:
                     raise IncompatibleTargetError(
@@ -299,6 +312,47 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
                         fix="lower group_size or tensor_parallel",
                     )
     return warnings
+
+
+def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> None:
+    """IncompatibleTargetError when a mixed scheme splits Linears a target's runtime fuses into one GEMM."""
+    fusing = [t.label for t in recipe.targets if targets.format_for(t).fuses_projections]
+    if not scheme.mixed or not fusing:
+        return
+    split = split_fused(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+    if split:
+        siblings, groups = split[0]
+        named = ", ".join(f"{n} ({g or 'unquantized'})" for n, g in zip(siblings, groups))
+        raise IncompatibleTargetError(
+            f"targets {', '.join(fusing)}: their runtimes run {len(siblings)} Linears as one GEMM, which takes one "
+            f"scheme, but the groups split them: {named}" + (f"; {len(split) - 1} more such sets" if len(split) > 1
+                                                             else ""),
+            fix="select fused siblings (q/k/v, gate/up) together: by role, or names covering all of them")
+
+
+def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: str) -> None:
+    """Group sizes (weights; activations of block-wise FP8, MX and NVFP4) that divide every quantized input width."""
+    w = scheme.weights
+    if w.strategy == "group":
+        bad = sorted({s[1] for s in quantized.values() if s[1] % w.group_size})
+        if bad:
+            # group sizes the runtimes' W4A16 kernels (Marlin, Machete, TensorRT-LLM) accept
+            divisors = [g for g in (32, 64, 128) if all(d % g == 0 for d in bad)]
+            fix = f"use group_size {max(divisors)}" if divisors else "use strategy: channel"
+            if scheme.name == "W4AFP8":  # its kernels (vLLM, TensorRT-LLM) take groups of 128 only
+                fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
+            raise IncompatibleTargetError(
+                f"{where}.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
+                f"of this model",
+                fix=fix,
+            )
+    a = scheme.activations
+    if a is not None and a.strategy == "group":  # block-wise FP8's 1x128 groups, MX / NVFP4 blocks
+        bad = sorted({s[1] for s in quantized.values() if s[1] % a.group_size})
+        if bad:
+            raise IncompatibleTargetError(
+                f"{scheme.name} quantizes activations in groups of {a.group_size}, which do not divide input "
+                f"dimension(s) {bad} of this model", fix="choose a weight-only scheme or another model")
 
 
 def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]]) -> list[str]:
@@ -370,6 +424,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             targets.check_family(t, config)
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
+            _check_fused(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
@@ -595,7 +650,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, gpu_free, str(device), os.cpu_count()),
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
                           spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
-                          streamed_eval=streamed)
+                          streamed_eval=streamed, config=config)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
         return costing
@@ -625,6 +680,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "dtype": compute,
         "stages": [s.as_dict() for s in rows],
         "cheaper": costing.cheaper,
+        **({"groups": costing.group_bytes} if costing.group_bytes else {}),
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,

@@ -125,7 +125,11 @@ def _describe_folder(path: Path) -> str:
             f"llmc canonical quantized form at {path}",
             f"  scheme {s.name} ({s.algorithm}): weights {s.weights.describe()}"
             + (f", activations {s.activations.describe()}" if s.activations else "")
-            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else ""),
+            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "") if not s.mixed else
+            f"  scheme {s.name} ({s.algorithm}), mixed precision: "
+            + "; ".join(f"group {g.name} ({g.targets.describe()}): "
+                        + (f"{s.member(g).name}, {len(qm.modules_by_group().get(g.name, []))} Linears"
+                           if g.quantized else "unquantized") for g in s.groups),
             f"  {len(qm.quantized_modules)} quantized Linear modules in {len(qm.files()) - 1} layers; "
             f"source {qm.meta['source']['origin']} ({qm.meta['source']['sha256']})",
             "  exporters read this; runtimes do not",

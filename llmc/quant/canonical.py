@@ -17,6 +17,9 @@ Tensor names are the model's own. For each quantized Linear `m`:
     m.input_global_scale  float32 [1], the calibrated divisor (llmc.quant.numerics.input_scale_name)
 For each attention module `a` with a quantized KV cache: a.k_scale, a.v_scale (float32 [1]).
 Every other tensor is stored unchanged in the model's dtype.
+
+A mixed-precision scheme (`Scheme.groups`) records its groups in quantized.json's scheme, and each quantized module's
+entry names its group (`modules[m]["group"]`): `scheme_of(m)` is the plain scheme its tensors above follow.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from safetensors import safe_open
 
 from llmc.errors import InputError
 from llmc.quant.numerics import dequantize
-from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme, TensorSpec
 
 FORMAT_NAME = "llmc-quantized"
 FORMAT_VERSION = 1
@@ -42,6 +45,10 @@ def scheme_from_dict(d: dict) -> Scheme:
     def spec(x: dict | None) -> TensorSpec | None:
         return TensorSpec(**x) if x else None
 
+    def group(g: dict) -> ModuleGroup:
+        targets = ModuleTargets(**{k: tuple(v) for k, v in g["targets"].items()})
+        return ModuleGroup(g["name"], targets, spec(g.get("weights")), spec(g.get("activations")))
+
     return Scheme(
         weights=spec(d["weights"]),
         activations=spec(d.get("activations")),
@@ -49,6 +56,7 @@ def scheme_from_dict(d: dict) -> Scheme:
         algorithm=d.get("algorithm", "rtn"),
         ignore=tuple(d.get("ignore", ())),
         algorithm_options=tuple(tuple(x) for x in d.get("algorithm_options", ())),
+        groups=tuple(group(g) for g in d.get("groups", ())),
     )
 
 
@@ -93,8 +101,21 @@ class QuantizedModel:
             with safe_open(str(f), framework="pt") as h:
                 yield {k: h.get_tensor(k) for k in h.keys()}
 
+    def scheme_of(self, module: str) -> Scheme:
+        """The plain scheme quantized module `module` was quantized with (its group's, in a mixed scheme)."""
+        scheme = self.scheme
+        group = self.quantized_modules[module].get("group")
+        return scheme.member(scheme.group(group)) if group is not None else scheme
+
+    def modules_by_group(self) -> dict[str, list[str]]:
+        """Group name -> its quantized modules ({"": all} for a plain scheme)."""
+        out: dict[str, list[str]] = {}
+        for name, entry in self.quantized_modules.items():
+            out.setdefault(entry.get("group", ""), []).append(name)
+        return out
+
     def dequantized_weight(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
-        spec = self.scheme.weights
+        spec = self.scheme_of(module).weights
         return dequantize(
             tensors[f"{module}.weight"],
             tensors[f"{module}.weight_scale"],

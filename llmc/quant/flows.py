@@ -21,7 +21,7 @@ left unquantized, write, make the next layer's inputs durable, resume, release).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -39,6 +39,7 @@ from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
                                 register_kv_observer, stats_from_shared)
 from llmc.quant.shared_stats import SharedStats
+from llmc.quant.spec import TensorSpec
 from llmc.registry import Registry
 
 
@@ -71,8 +72,13 @@ class Stream:
     one_forward: bool  # every calibration window fits one forward of a layer
     moe_all_experts: bool
     shared: SharedStats | None = None
+    # each quantized Linear's weight format (a mixed scheme's groups differ); None: the pipeline scheme's for all
+    specs: Mapping[str, TensorSpec] | None = None
     hidden: Activations = field(default_factory=lambda: Activations([]))  # the current layer's inputs
     extras: list = field(default_factory=list)  # per batch, per layer: (args, kwargs) the model passes the layer
+
+    def weight_spec(self, name: str) -> TensorSpec:
+        return self.specs[name] if self.specs else self.pipeline.scheme.weights
 
     def inputs_writer(self, layer: int) -> ActivationWriter:
         """Collects `layer`'s inputs where they live between layers (the host, disk, or the calibrating GPU)."""
@@ -229,7 +235,7 @@ class Sequential(_Calibrating):
     def propagate(self, s: Stream, w: LayerWork) -> None:
         if s.pipeline.propagate == "quantized":
             for name, lin in w.linears.items():
-                lin.weight.data = dequantize_weight(w.quantized[name], s.pipeline.scheme.weights, s.dtype)
+                lin.weight.data = dequantize_weight(w.quantized[name], s.weight_spec(name), s.dtype)
             forward_batches(w.module, s.hidden, w.extras, w.next_inputs.put)
         super().propagate(s, w)
 

@@ -33,23 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class MoeLayout:
-    """How a family's Hub checkpoints name one MoE block (what vLLM's fused-MoE loaders read)."""
-
-    block: str  # the block's name inside a decoder layer in the Hub checkpoint
-    gate: str  # the per-expert projection names: gate (through the activation), up, down
-    up: str
-    down: str
-    router: str = "gate"
-
-
-# model_type -> layout (transformers' conversion_mapping.py converts from exactly these names)
-LAYOUTS: dict[str, MoeLayout] = {
-    "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
-    "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
-}
+from llmc.model.families import LAYOUTS, MoeLayout
 
 
 class Expert(nn.Module):

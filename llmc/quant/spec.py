@@ -7,7 +7,7 @@ algorithm and the modules left alone. Nothing here touches a tensor; `numerics.p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "mxfp8"]
@@ -115,18 +115,82 @@ class TensorSpec:
         return f"{self.format}/{grain}/{sym}/{mode}{grid}"
 
 
+# What a decoder layer's Linear does there, named per family in one table (llmc.model.families.LINEAR_ROLES):
+# mixed-precision groups select Linears by role.
+Role = Literal["attention", "mlp", "experts", "shared_experts", "router"]
+ROLES: tuple[str, ...] = ("attention", "mlp", "experts", "shared_experts", "router")
+
+
+@dataclass(frozen=True)
+class ModuleTargets:
+    """Which Linears of the decoder layers a module group selects: all of the given criteria at once (a Linear
+    matching a name, with one of the roles, in one of the layers and in none of the excluded ones); an empty
+    criterion selects every Linear."""
+
+    names: tuple[str, ...] = ()  # exact module name, a trailing part of it, or 're:<regex>' (as `ignore`)
+    roles: tuple[str, ...] = ()  # `ROLES`
+    layers: tuple[str, ...] = ()  # "first N", "last N", "I" or "I-J" (inclusive); () = every layer
+    exclude_layers: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = [f"{k} {', '.join(v)}" for k, v in (("names", self.names), ("roles", self.roles),
+                                                   ("layers", self.layers), ("except layers", self.exclude_layers))
+                 if v]
+        return "; ".join(parts) or "every Linear"
+
+
+@dataclass(frozen=True)
+class ModuleGroup:
+    """One group of a mixed-precision scheme: the Linears it selects and their weight/activation formats
+    (weights None: the group's Linears are left unquantized, in the model's dtype)."""
+
+    name: str
+    targets: ModuleTargets
+    weights: TensorSpec | None = None
+    activations: TensorSpec | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights is not None
+
+
 @dataclass(frozen=True)
 class Scheme:
+    """One scheme for every quantized Linear, or (`groups` non-empty) a mixed-precision scheme: each group of
+    Linears has its own weights/activations (`member`), while algorithm, options, KV cache and `ignore` are shared.
+    A mixed scheme's own `weights`/`activations` are those of its member with the fewest weight bits (what the
+    default gates go by); code that writes or reads tensors asks `member_of` a module's group."""
+
     weights: TensorSpec
     activations: TensorSpec | None = None
     kv_cache: TensorSpec | None = None
     algorithm: str = "rtn"  # "+"-joined registered steps, e.g. "smoothquant+gptq" (`llmc.quant.algorithms`)
     ignore: tuple[str, ...] = ("lm_head",)
     algorithm_options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
+    groups: tuple[ModuleGroup, ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.groups)
+
+    def member(self, group: ModuleGroup) -> Scheme:
+        """The plain (one-group) scheme `group`'s Linears are quantized with."""
+        return replace(self, weights=group.weights, activations=group.activations, groups=())
+
+    def members(self) -> dict[str, Scheme]:
+        """Group name -> its plain scheme, for every quantized group; {"": self} for a plain scheme."""
+        if not self.groups:
+            return {"": self}
+        return {g.name: self.member(g) for g in self.groups if g.quantized}
+
+    def group(self, name: str) -> ModuleGroup:
+        return next(g for g in self.groups if g.name == name)
 
     @property
     def stores_ranges(self) -> bool:
         """True when the written form holds scales measured on activations (static activation or KV-cache)."""
+        if self.groups:
+            return any(m.stores_ranges for m in self.members().values())
         static_acts = self.activations is not None and not self.activations.dynamic
         return static_acts or self.kv_cache is not None
 
@@ -141,9 +205,14 @@ class Scheme:
     def name(self) -> str:
         """The scheme's name in `SCHEMES`: W8A8-FP8, W4A16-INT, W4AFP8 (int4 weights, fp8 activations), ...; a pair
         no runtime executes (only a Scheme built in code, never a recipe's) is named by its formats: "int4+int8"."""
+        if self.groups:  # "MIXED-W4A16-NVFP4+W8A8-FP8": its members' names, each once, sorted
+            return "MIXED-" + "+".join(sorted({m.name for m in self.members().values()}))
         pair = (weight_kind(self.weights.format, self.weights.strategy),
                 self.activations.format if self.activations else None)
         return SCHEMES.get(pair) or pair_name(*pair)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.groups:  # plain schemes dump (stage keys, records) as before groups existed
+            del d["groups"]
+        return d

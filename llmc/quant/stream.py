@@ -55,6 +55,7 @@ from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weig
 from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
+from llmc.quant.groups import resolve as resolve_groups
 from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
@@ -164,6 +165,13 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     for i, layer in enumerate(layers):
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
         all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
+    # mixed precision: each Linear's group (None: left unquantized), resolved as the planner did (llmc.quant.groups)
+    group_of = (resolve_groups(scheme, sorted(all_linears), n_layers, config.get("model_type")) if scheme.mixed
+                else dict.fromkeys(all_linears, ""))
+    all_linears = {n for n in all_linears if group_of[n] is not None}
+    members = scheme.members()
+    pipelines = {g: Pipeline.of(m) for g, m in members.items()} if scheme.mixed else {"": pipeline}
+    specs = {n: members[g].weights for n, g in group_of.items() if g is not None}
     reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
     spill = one_forward = resident = False
     if calibrate and not reuse:
@@ -188,7 +196,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
     s = Stream(model, layers, pipeline, dtype, device, batch, act_dir, start, spill=spill, resident=resident,
-               one_forward=one_forward, moe_all_experts=moe_all, shared=shared)
+               one_forward=one_forward, moe_all_experts=moe_all, shared=shared, specs=specs)
     # spilled inputs are on disk anyway: every layer is a resume point
     resume_every = 0.0 if spill else (options.resume_every_s if options.resume_every_s is not None
                                       else RESIDENT_RESUME_EVERY_S if resident else 0.0)
@@ -202,9 +210,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     saved, saved_at = s.start, time.monotonic()  # the layer whose saved inputs progress.json points at, and when
     for i in steps(range(n_layers), "quantize layers", total=n_layers):
         prefix = f"{layers_prefix}.{i}."
-        w = LayerWork(i, prefix, layers[i], target_linears(layers[i], prefix, scheme.ignore),
-                      _kv_modules(layers[i], prefix, scheme), extras=[])
-        modules.update({name: {"shape": list(lin.weight.shape), "layer": i} for name, lin in w.linears.items()})
+        linears = {n: m for n, m in target_linears(layers[i], prefix, scheme.ignore).items() if n in all_linears}
+        w = LayerWork(i, prefix, layers[i], linears, _kv_modules(layers[i], prefix, scheme), extras=[])
+        modules.update({name: {"shape": list(lin.weight.shape), "layer": i,
+                               **({"group": group_of[name]} if scheme.mixed else {})}
+                        for name, lin in w.linears.items()})
         kv_names += list(w.kv_modules)
         if i < s.start:
             continue
@@ -220,17 +230,23 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
         starved = [] if moe_all else moe.starved_linears(w.module, prefix, w.routed, w.linears)
         if w.quantized is None:
-            w.quantized = _quantize_spread(pipeline, {n: m for n, m in w.linears.items() if n not in starved},
-                                           w.stats, device)
-        w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears if n not in w.quantized},
-                                            scheme.weights))
+            w.quantized = {}
+            for group, group_pipeline in pipelines.items():  # one quantizer call per group, with its group's scheme
+                mine = {n: m for n, m in w.linears.items() if n not in starved and group_of[n] == group}
+                if mine:
+                    w.quantized.update(_quantize_spread(group_pipeline, mine, w.stats, device))
+        for group, member in members.items():
+            w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
+                                                 if n not in w.quantized and group_of[n] == group}, member.weights))
         if moe_report is not None and w.routed:
             moe_report.add(i, prefix, w.routed,
                            moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
                            cal.moe_min_tokens, windows.numel(), config)
         w.stats.module_calls.clear()
         if distributed.is_main():
-            tensors = on_host(_layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, w.kv_modules))
+            schemes = {n: members[group_of[n]] for n in w.linears}
+            tensors = on_host(_layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, schemes,
+                                             w.kv_modules))
             writer.submit(i, functools.partial(atomic_save_safetensors, out / "layers" / f"{i:05d}.safetensors",
                                                tensors))
             if moe_report is not None:
@@ -254,9 +270,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
     if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
-        moe_entry = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
+        entries = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
+        if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
+            entries["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
         _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
-                    {**moe_entry, **(options.extra_meta or {})})
+                    {**entries, **(options.extra_meta or {})})
         if shared is not None and not reuse:
             shared.finish(all_linears, all_kv)
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -435,18 +453,21 @@ def _layer_tensors(
     quantized: dict[str, QuantizedWeight],
     stats: LayerStats,
     scheme: Scheme,
+    schemes: dict[str, Scheme],
     kv_modules: dict[str, nn.Module],
 ) -> dict[str, torch.Tensor]:
+    """The layer's tensors as the canonical form stores them; `schemes`: each quantized Linear's (plain) scheme."""
     tensors = {f"{prefix}{n}": p.detach() for n, p in layer.state_dict().items()}
     for name, q in quantized.items():
+        member = schemes[name]
         tensors[f"{name}.weight"] = q.codes
         # microscaling block scales keep their encoding (E4M3, E8M0): canonical.py
-        tensors[f"{name}.weight_scale"] = q.scale if scheme.weights.info.microscaling else q.scale.float()
+        tensors[f"{name}.weight_scale"] = q.scale if member.weights.info.microscaling else q.scale.float()
         if q.zero_point is not None:
             tensors[f"{name}.weight_zero_point"] = q.zero_point
         if q.global_scale is not None:
             tensors[f"{name}.weight_global_scale"] = q.global_scale
-        act = scheme.activations
+        act = member.activations
         if act is not None and not act.dynamic:
             tensors[f"{name}.{input_scale_name(act)}"] = static_scale(stats.input_absmax[name], act)
     for name in kv_modules:

@@ -19,7 +19,9 @@ from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
 from llmc.quant.algorithms.catalog import Pipeline, compose, steps_of
-from llmc.quant.spec import BLOCK_SHAPE, FORMATS, SCHEMES, Scheme, TensorSpec, pair_name, weight_kind
+from llmc.quant.groups import check_layer_spec
+from llmc.quant.spec import (BLOCK_SHAPE, FORMATS, ROLES, SCHEMES, ModuleGroup, ModuleTargets, Scheme, TensorSpec,
+                             pair_name, weight_kind)
 from llmc.runtimes.catalog import runtime_names
 from llmc.runtimes.base import ARCH_ORDER
 
@@ -160,8 +162,130 @@ class KvCacheQuant(_Strict):
     format: Literal["fp8_e4m3", "int8"]
 
 
+# A module group's `scheme: <name>` (`SCHEMES`' names) spelled out: compressed-tensors' preset of the same name where
+# it has one (W8A8-FP8 its "FP8": per-tensor weights, static per-tensor activations, what ModelOpt's FP8 also is;
+# W4A16-NVFP4 its "NVFP4A16"), so every exporter that writes the scheme at all writes these settings. A group gives
+# `weights:` / `activations:` instead for other settings.
+SCHEME_SETTINGS: dict[str, dict] = {
+    "W8A8-FP8": {"weights": {"format": "fp8_e4m3", "strategy": "tensor"},
+                 "activations": {"format": "fp8_e4m3", "strategy": "tensor"}},
+    "W8A16-FP8": {"weights": {"format": "fp8_e4m3", "strategy": "channel"}},
+    "W8A8-INT8": {"weights": {"format": "int8", "strategy": "channel"},
+                  "activations": {"format": "int8", "strategy": "token", "dynamic": True}},
+    "W8A16-INT8": {"weights": {"format": "int8", "strategy": "channel"}},
+    "W4A16-INT": {"weights": {"format": "int4", "strategy": "group", "group_size": 128}},
+    "W4AFP8": {"weights": {"format": "int4", "strategy": "group", "group_size": 128},
+               "activations": {"format": "fp8_e4m3", "strategy": "token", "dynamic": True}},
+    "W4A4-NVFP4": {"weights": {"format": "nvfp4", "strategy": "group", "group_size": 16},
+                   "activations": {"format": "nvfp4", "strategy": "group", "group_size": 16}},
+    "W4A16-NVFP4": {"weights": {"format": "nvfp4", "strategy": "group", "group_size": 16}},
+    "W4A16-MXFP4": {"weights": {"format": "mxfp4", "strategy": "group", "group_size": 32}},
+    "W8A8-MXFP8": {"weights": {"format": "mxfp8", "strategy": "group", "group_size": 32},
+                   "activations": {"format": "mxfp8", "strategy": "group", "group_size": 32, "dynamic": True}},
+    "W8A8-FP8-BLOCK": {"weights": {"format": "fp8_e4m3", "strategy": "block"},
+                       "activations": {"format": "fp8_e4m3", "strategy": "group", "group_size": BLOCK_SHAPE[1],
+                                       "dynamic": True}},
+}
+
+
+def _scheme_pair_error(weights: "WeightQuant", activations: "ActivationQuant | None") -> str | None:
+    """What is wrong with a weight/activation pair no runtime executes, in the recipe's form; None when it is one."""
+    pair = (weight_kind(weights.format, weights.strategy), activations.format if activations else None)
+    if pair not in SCHEMES:
+        known = ", ".join(f"{pair_name(*p)} ({name})" for p, name in SCHEMES.items())
+        return (f"weights {pair[0]} with activations {pair[1] or 'none'} is not a scheme any runtime executes; "
+                f"fix: pick one of {known}")
+    a = activations
+    groups = a is not None and a.format == "fp8_e4m3" and a.strategy == "group"
+    if (weights.strategy == "block") != groups:
+        return ("block-wise FP8 pairs 128x128 weight blocks with dynamic 1x128 activation groups, and only those; "
+                "fix: weights {format: fp8_e4m3, strategy: block}, activations {format: fp8_e4m3, strategy: group, "
+                "group_size: 128, dynamic: true}")
+    return None
+
+
+def _scale_grid(weights: "WeightQuant", activations: "ActivationQuant | None",
+                algorithm: str) -> Literal["fp8_row"] | None:
+    """The weights' scale_grid, or its default: vLLM's W4A8-FP8 kernel (int4 groups x dynamic per-token FP8) rounds
+    group scales onto a per-row FP8 grid at load, so RTN and GPTQ quantize on that grid from the start. Not an
+    algorithm registered with fp8_row_by_default False: AWQ, measured worse on the grid (awq.py)."""
+    grid = weights.scale_grid
+    if grid is None:
+        a = activations
+        vllm_w4afp8 = (weights.format == "int4" and weights.strategy == "group" and weights.symmetric
+                       and a is not None and a.format == "fp8_e4m3" and a.strategy == "token")
+        on_grid = all(step.fp8_row_by_default for step in steps_of(algorithm))
+        grid = "fp8_row" if vllm_w4afp8 and on_grid else "float"
+    return None if grid == "float" else grid
+
+
+class ModuleGroupSection(_Strict):
+    """One group of a mixed-precision quantization: the Linears it selects (every criterion given at once) and
+    their scheme, or `ignore: true` to leave them unquantized."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    scheme: Literal[tuple(SCHEME_SETTINGS)] | None = Field(
+        default=None, description="a scheme name (W8A8-FP8, W4A16-NVFP4, ...; SCHEME_SETTINGS spells each out), or "
+        "give weights (and activations) instead")
+    weights: WeightQuant | None = None
+    activations: ActivationQuant | None = None
+    ignore: bool = Field(default=False, description="leave the group's Linears unquantized (the model's dtype)")
+    names: tuple[str, ...] = Field(default=(), description="module names: exact, a trailing part ('o_proj'), or "
+                                   "'re:<regex>' matched from the start of the full name, as quantization.ignore")
+    roles: tuple[Literal[ROLES], ...] = Field(
+        default=(), description="attention, mlp, experts, shared_experts, router: as the model family's table names "
+        "its Linears (llmc.model.families.LINEAR_ROLES)")
+    layers: tuple[int | str, ...] = Field(
+        default=(), description="decoder layers: 'first N', 'last N', an index or a range 'I-J'; none: every layer")
+    exclude_layers: tuple[int | str, ...] = Field(default=(), description="decoder layers left out, as layers")
+
+    @field_validator("names")
+    @classmethod
+    def _name_regexes(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        return QuantizationSection._ignore_regexes(patterns)
+
+    @field_validator("layers", "exclude_layers")
+    @classmethod
+    def _layer_specs(cls, specs: tuple[int | str, ...]) -> tuple[str, ...]:
+        return tuple(check_layer_spec(str(s)) for s in specs)
+
+    @model_validator(mode="after")
+    def _one_scheme(self) -> "ModuleGroupSection":
+        given = [k for k, v in (("scheme", self.scheme), ("weights", self.weights), ("ignore", self.ignore)) if v]
+        if len(given) != 1:
+            raise ValueError(f"group {self.name} gives {' and '.join(given) or 'no scheme'}; fix: give exactly one of "
+                             "scheme: <name>, weights: {...} (with activations: {...} if any), or ignore: true")
+        if self.activations is not None and self.weights is None:
+            raise ValueError(f"group {self.name} gives activations without weights; fix: add weights: {{...}}, or "
+                             "use scheme: <name>")
+        if not (self.names or self.roles or self.layers):
+            raise ValueError(f"group {self.name} selects nothing in particular; fix: give names, roles or layers")
+        if self.weights is not None:
+            problem = _scheme_pair_error(self.weights, self.activations)
+            if problem:
+                raise ValueError(f"group {self.name}: {problem}")
+        return self
+
+    def quant(self) -> tuple[WeightQuant | None, ActivationQuant | None]:
+        """The group's weight and activation settings (None, None: unquantized)."""
+        if self.scheme is not None:
+            settings = SCHEME_SETTINGS[self.scheme]
+            acts = settings.get("activations")
+            return WeightQuant(**settings["weights"]), ActivationQuant(**acts) if acts else None
+        return self.weights, self.activations
+
+    def to_group(self, algorithm: str) -> ModuleGroup:
+        weights, acts = self.quant()
+        targets = ModuleTargets(names=self.names, roles=self.roles, layers=self.layers,
+                                exclude_layers=self.exclude_layers)
+        if weights is None:
+            return ModuleGroup(self.name, targets)
+        return ModuleGroup(self.name, targets, replace(weights.to_spec(), scale_grid=_scale_grid(weights, acts, algorithm)),
+                           acts.to_spec() if acts else None)
+
+
 class QuantizationSection(_Strict):
-    weights: WeightQuant
+    weights: WeightQuant | None = Field(default=None, description="the weights' format (or give groups)")
     activations: ActivationQuant | None = None
     kv_cache: KvCacheQuant | None = None
     algorithm: str = Field(
@@ -173,6 +297,14 @@ class QuantizationSection(_Strict):
     options: dict[str, float | int | bool | str] = Field(
         default_factory=dict, description="the algorithm's options, e.g. smoothquant alpha (llmc.quant.algorithms)"
     )
+    groups: tuple[ModuleGroupSection, ...] = Field(
+        default=(), description="mixed precision: groups of Linears, each with its own scheme (or ignore: true), "
+        "selected by names, roles and layers; every Linear not in `ignore` must be in exactly one group (checked "
+        "against the model at plan time). Algorithm, options and kv_cache apply to every group")
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler):  # plain quantizations dump (stage keys, build ids) as before groups existed
+        return _drop_defaults(handler(self), {"groups": [], "weights": None})
 
     @field_validator("ignore")
     @classmethod
@@ -203,38 +335,56 @@ class QuantizationSection(_Strict):
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
-        pair = (weight_kind(self.weights.format, self.weights.strategy),
-                self.activations.format if self.activations else None)
-        if pair not in SCHEMES:
-            known = ", ".join(f"{pair_name(*p)} ({name})" for p, name in SCHEMES.items())
-            raise ValueError(f"weights {pair[0]} with activations {pair[1] or 'none'} is not a scheme any runtime "
-                             f"executes; fix: pick one of {known}")
-        a = self.activations
-        groups = a is not None and a.format == "fp8_e4m3" and a.strategy == "group"
-        if (self.weights.strategy == "block") != groups:
-            raise ValueError("block-wise FP8 pairs 128x128 weight blocks with dynamic 1x128 activation groups, and "
-                             "only those; fix: weights {format: fp8_e4m3, strategy: block}, activations {format: "
-                             "fp8_e4m3, strategy: group, group_size: 128, dynamic: true}")
+        if self.groups:
+            return self._mixed()
+        if self.weights is None:
+            raise ValueError("quantization gives neither weights nor groups; fix: add weights: {format: ..., "
+                             "strategy: ...}, or groups: [...] for mixed precision")
+        problem = _scheme_pair_error(self.weights, self.activations)
+        if problem:
+            raise ValueError(problem)
         Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 
+    def _mixed(self) -> "QuantizationSection":
+        if self.weights is not None or self.activations is not None:
+            raise ValueError("quantization gives groups and also weights/activations; fix: give each group its "
+                             "scheme, and remove the top-level weights and activations")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names repeat: {names}; fix: give each group a distinct name")
+        scheme = self.to_scheme()
+        if not scheme.members():
+            raise ValueError("every group is ignore: true, so nothing is quantized; fix: give a group a scheme")
+        pipeline = Pipeline.of(scheme)
+        if pipeline.transforms or pipeline.true_sequential:
+            raise ValueError(
+                f"mixed-precision groups are quantized by rtn, or gptq with options.true_sequential: false, in this "
+                f"llmc version, not {scheme.algorithm}"
+                + (" (true-sequential)" if pipeline.true_sequential else "")
+                + "; fix: algorithm: rtn, or algorithm: gptq with options: {true_sequential: false}")
+        for group, member in scheme.members().items():
+            try:
+                Pipeline.of(member).check()  # what the quantizer cannot do for this group's scheme
+            except ValueError as e:
+                raise ValueError(f"group {group} ({member.name}): {e}") from None
+        return self
+
     def weight_scale_grid(self) -> Literal["fp8_row"] | None:
-        """The recipe's scale_grid, or its default: vLLM's W4A8-FP8 kernel (int4 groups x dynamic per-token FP8)
-        rounds group scales onto a per-row FP8 grid at load, so RTN and GPTQ quantize on that grid from the start.
-        Not an algorithm registered with fp8_row_by_default False: AWQ, measured worse on the grid (awq.py)."""
-        grid = self.weights.scale_grid
-        if grid is None:
-            a = self.activations
-            vllm_w4afp8 = (self.weights.format == "int4" and self.weights.strategy == "group" and self.weights.symmetric
-                           and a is not None and a.format == "fp8_e4m3" and a.strategy == "token")
-            on_grid = all(step.fp8_row_by_default for step in steps_of(self.algorithm))
-            grid = "fp8_row" if vllm_w4afp8 and on_grid else "float"
-        return None if grid == "float" else grid
+        """The recipe's scale_grid, or its default (`_scale_grid`)."""
+        return _scale_grid(self.weights, self.activations, self.algorithm)
 
     def to_scheme(self) -> Scheme:
+        groups = tuple(g.to_group(self.algorithm) for g in self.groups)
+        if groups:  # the member with the fewest weight bits stands for the scheme (default gates)
+            lead = min((g for g in groups if g.quantized), key=lambda g: g.weights.bits, default=None)
+            weights, activations = (lead.weights, lead.activations) if lead else (TensorSpec("int8", "channel"), None)
+        else:
+            weights = replace(self.weights.to_spec(), scale_grid=self.weight_scale_grid())
+            activations = self.activations.to_spec() if self.activations else None
         return Scheme(
-            weights=replace(self.weights.to_spec(), scale_grid=self.weight_scale_grid()),
-            activations=self.activations.to_spec() if self.activations else None,
+            weights=weights,
+            activations=activations,
             kv_cache=(
                 TensorSpec(format=self.kv_cache.format, strategy="tensor")
                 if self.kv_cache
@@ -243,6 +393,7 @@ class QuantizationSection(_Strict):
             algorithm=self.algorithm,
             ignore=tuple(self.ignore),
             algorithm_options=tuple(sorted(self.options.items())),
+            groups=groups,
         )
 
 

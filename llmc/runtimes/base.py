@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from llmc.errors import IncompatibleTargetError
 from llmc.quant.spec import KV_CACHE_SCHEMES, Scheme
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class Rule:
 def scheme_keys(scheme: Scheme) -> list[str]:
     """Capability keys a scheme needs: its GEMM scheme's name and, if any, its KV-cache format's
     (`llmc.quant.spec.SCHEMES`, `KV_CACHE_SCHEMES`)."""
-    return [scheme.name] + ([KV_CACHE_SCHEMES[scheme.kv_cache.format]] if scheme.kv_cache else [])
+    gemm = sorted({m.name for m in scheme.members().values()})  # a mixed scheme: every group's
+    return gemm + ([KV_CACHE_SCHEMES[scheme.kv_cache.format]] if scheme.kv_cache else [])
 
 
 def target_key(target: Target) -> dict:
@@ -113,9 +115,28 @@ class ArtifactFormat:
     # Mixture-of-Experts model_types whose per-expert export this format's exporter writes and a test round-trips
     # (llmc.quant.moe); every other format refuses MoE models at plan time, whatever `families` says.
     moe_families: ClassVar[frozenset[str]] = frozenset()
+    # the format holds a mixed-precision scheme (`Scheme.groups`: each group of Linears its own scheme); formats that
+    # do not are refused such schemes at plan time (`check_mixed`)
+    mixed_precision: ClassVar[bool] = False
+    # its runtime runs q/k/v and gate/up as one GEMM each, so a mixed scheme must give them one group
+    fuses_projections: ClassVar[bool] = False
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""
+
+    def check_mixed(self, scheme: Scheme) -> None:
+        """IncompatibleTargetError for a mixed-precision scheme this format cannot express; else each group's scheme
+        through `check_scheme`."""
+        if not scheme.mixed:
+            return self.check_scheme(scheme)
+        if not self.mixed_precision:
+            raise IncompatibleTargetError(
+                f"the {self.name} format holds one scheme for every quantized Linear; this recipe's groups use "
+                f"{', '.join(sorted({m.name for m in scheme.members().values()}))}",
+                fix="target a runtime whose format holds mixed precision (vllm / sglang: compressed-tensors), or give "
+                    "this target a variant with one scheme (variants:)")
+        for member in scheme.members().values():
+            self.check_scheme(member)
 
     def stage_config(self, request: ExportRequest) -> dict:
         """What enters the export stage key besides the format's name."""

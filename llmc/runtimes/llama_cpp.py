@@ -24,6 +24,13 @@ class Gguf(ArtifactFormat):
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); Ollama itself (which embeds "
              "llama.cpp) is not run here")
 
+    mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)
+
+    def check_scheme(self, scheme) -> None:
+        from llmc.formats.gguf import type_plan
+
+        type_plan(scheme.weights)  # raises for weights GGUF has no llama.cpp type for (fp8, mxfp8)
+
     def stage_config(self, request: ExportRequest) -> dict:
         from llmc.formats.gguf import GGUF_OPTIONS
 

@@ -38,6 +38,8 @@ class ModelOptCheckpoint(ArtifactFormat):
     families_source = "TensorRT-LLM's PyTorch-backend model list"
     read_by = ("tensorrt-llm",)
     triton_backend = "tensorrt_llm"
+    mixed_precision = True  # quant_algo MIXED_PRECISION + quantized_layers, as ModelOpt writes it (modelopt_hf.py)
+    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
              "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ and INT4-AWQ (tests marked "
@@ -75,13 +77,22 @@ class ModelOptCheckpoint(ArtifactFormat):
             f"ModelOpt unified Hugging Face checkpoint (TensorRT-LLM) at {path} ({arch})",
             f"  quant_algo {hq['quant_algo']}, KV cache {hq.get('kv_cache_quant_algo') or 'unquantized'}"
             + (f", group {hq['group_size']}" if hq.get("group_size") else "")
-            + f"; not quantized: {hq.get('exclude_modules')}",
+            + (f"; {len(hq['quantized_layers'])} quantized layers: " + ", ".join(
+                f"{n} {algo}" for algo, n in sorted(_count(x["quant_algo"] for x in hq["quantized_layers"].values()).items()))
+               if "quantized_layers" in hq else f"; not quantized: {hq.get('exclude_modules')}"),
             "  accepted by: TensorRT-LLM (LLM API / trtllm-serve) on an NVIDIA GPU; transformers loads this format "
             "silently wrong (ignores the scales): do not evaluate it there",
         ]
         if (path / LLM_API_OPTIONS).is_file():
             lines.append(f"  serve with: trtllm-serve {path} --extra_llm_api_options {path / LLM_API_OPTIONS}")
         return "\n".join(lines)
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
 
 
 @register_format

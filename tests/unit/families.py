@@ -57,15 +57,16 @@ for _f in ("qwen2", "qwen3", "granite"):
 EXPECTED_PAIRS["gemma2"] = EXPECTED_PAIRS["gemma3"] = EXPECTED_PAIRS.pop("gemma")
 
 
-def make_tiny(family: str, folder: Path, *, seed: int = 0) -> Path:
-    """A random `family` model (2 layers, hidden 64) and a tokenizer, saved as a safetensors folder."""
+def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
+    """A random `family` model (2 layers, hidden 64, unless `config` says otherwise) and a tokenizer, saved as a
+    safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = {**FAMILIES, **MOE_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides})
+                                  eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides, **config})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights so quantization error is visible; norms away from 0 and 1
         for p in model.parameters():

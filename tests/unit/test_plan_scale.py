@@ -22,7 +22,7 @@ from llmc.storage.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE_RECIPES = ["llama70b-fp8", "llama31-8b-int4-awq", "llama31-8b-w8a8-sq", "qwen3-8b-fp8", "qwen3-30b-a3b-fp8",
-                 "mixtral-8x7b-int4", "llama405b-fp8-plan"]
+                 "mixtral-8x7b-int4", "llama405b-fp8-plan", "llama31-8b-mixed-nvfp4", "qwen3-30b-a3b-mixed-nvfp4"]
 # parameters of the published checkpoints (their model.safetensors.index.json total_size / 2 bytes)
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.3-70B-Instruct": 70_553_706_496,
              "Llama-3.1-405B-Instruct": 405_853_388_800, "Qwen3-8B": 8_190_735_360,
