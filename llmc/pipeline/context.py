@@ -10,7 +10,7 @@ import torch
 
 from llmc.data.tokens import TokenSet
 from llmc.pipeline.runner import Runner
-from llmc.model.dtype import BYTES
+from llmc.model.dtype import BYTES, kept_elem
 from llmc.planning.machine import Machine
 from llmc.planning.rows import CostRow
 from llmc.planning.shapes import Shape
@@ -68,3 +68,9 @@ class Costing:
     def elem(self) -> int:
         """Bytes per element of the compute dtype."""
         return BYTES[self.compute]
+
+    @property
+    def kept_elem(self) -> int:
+        """Bytes per element of the weights outside the decoder layers as the canonical form keeps them
+        (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype)."""
+        return kept_elem(self.stored_elem, self.compute)
