@@ -58,6 +58,7 @@ class Costing:
     tokens: int  # calibration tokens
     resident: bool = False  # whether they stay on the calibrating GPU between layers (quant.activations)
     streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
+    side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
     rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
     bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes

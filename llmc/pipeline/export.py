@@ -19,7 +19,8 @@ from llmc.pipeline.ranks import Share
 from llmc.planning.machine import DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES, Machine
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
-from llmc.quant.canonical import QuantizedModel
+from llmc.quant.canonical import QuantizedModel, module_matches
+from llmc.quant.spec import Scheme
 from llmc.pipeline.quantize import Quantize
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
@@ -101,14 +102,15 @@ class Export:
         # where the files depend on it, the same tensor-parallel degree)
         same = (self.quantize.id, fmt.name) + ((self.target.tensor_parallel,) if fmt.shards_by_tp else ())
         shared_with = c.exports_seen.setdefault(same, self.label)
-        new_bytes = sizes.artifact
-        outer_bytes = c.shape.outer_params * c.elem
+        artifact = fmt.written_bytes(written_tensors(c, scheme))  # every file it writes
+        new_bytes = artifact
+        outer_bytes = c.shape.outer_params * c.kept_elem
         if fmt.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES:
             # a second format that writes them as stored adds only its layer shards (identical files are linked)
             if scheme.name in c.outer_written:
                 new_bytes -= outer_bytes
             c.outer_written.add(scheme.name)
-        row = export_cost(c.shape, label=self.label, artifact_bytes=sizes.artifact, new_bytes=new_bytes,
+        row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes,
                           whole_model=fmt.whole_model,
                           shared_with=None if shared_with == self.label else shared_with,
                           compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
@@ -116,6 +118,16 @@ class Export:
                           repacked_bytes=sizes.packed if fmt.repacks_layers else None,
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+
+def written_tensors(c: Costing, scheme: Scheme) -> targets.WrittenTensors:
+    """The counts an export's files are made of (`ArtifactFormat.written_bytes`), from the plan's tensor shapes."""
+    linears = tuple(shape for n, shape in c.linears.items() if not module_matches(n, scheme.ignore))
+    quantized = sum(o * i for o, i in linears)
+    return targets.WrittenTensors(
+        linears=linears, weights=scheme.weights, outer=c.shape.outer_params,
+        layer_unquantized=c.shape.params - quantized - c.shape.outer_params, elem=c.elem, kept_elem=c.kept_elem,
+        side_files=c.side_files, static_input_scales=scheme.activations is not None and not scheme.activations.dynamic)
 
 
 def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
