@@ -73,6 +73,17 @@ class Export:
         qm = QuantizedModel.open(b.runner.output(self.quantize.id, quant_key))
         return not b.runner.is_done(self.id, self.key(b, qm, quant_key)[0])
 
+    def cached_content_key(self, b: Build) -> str | None:
+        """The content key of this export's artifact when it is in the cache (from the files the store recorded for
+        it: what an evaluation's key names), else None."""
+        quant_key = self.quantize.key(b)
+        if not b.runner.is_done(self.quantize.id, quant_key):
+            return None
+        key = self.key(b, QuantizedModel.open(b.runner.output(self.quantize.id, quant_key)), quant_key)[0]
+        if not b.runner.is_done(self.id, key):
+            return None
+        return content_key(b.runner.recorded_files(b.runner.output(self.id, key)))
+
     def run(self, b: Build) -> None:
         quant_dir, quant_key = b.quantized[self.variant]
         qm = QuantizedModel.open(quant_dir)
@@ -91,8 +102,7 @@ class Export:
         done = b.runner.run(self.id, key, produce, inputs=[qm.root], announce=f"export: {fmt.name} for {label}")
         files = b.runner.recorded_files(done)
         b.result.artifacts[label] = Artifact(
-            label=label, dir=done, key=key, files=files,
-            content_key=stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE}),
+            label=label, dir=done, key=key, files=files, content_key=content_key(files),
             format=fmt.name, target=targets.target_key(target), scheme=qm.scheme.name,
             scheme_detail=qm.scheme.to_dict())
 
@@ -118,6 +128,12 @@ class Export:
                           repacked_bytes=sizes.packed if fmt.repacks_layers else None,
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+
+def content_key(files: dict[str, str]) -> str:
+    """An artifact's content: its recorded files' sha256 but the serve file's (targets sharing weights differ only
+    there), so that one content is scored once."""
+    return stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE})
 
 
 def written_tensors(c: Costing, scheme: Scheme) -> targets.WrittenTensors:

@@ -270,6 +270,37 @@ def test_the_plan_of_a_rerun_says_what_is_cached_and_counts_only_the_rest(tiny_m
     assert first.estimates["seconds"] > 0 and "per decoder layer" in first.render()
 
 
+def test_a_rerun_s_plan_knows_its_evaluations_are_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    """Issue 35: an evaluation's key names the export's recorded files, so the plan of a fully cached rerun predicted
+    its evaluations again. The build now reads the cached exports' records from the store and marks the scorings whose
+    outputs are there; a new artifact (another scheme) leaves the baseline cached and its own scoring to run."""
+    from llmc.build import build_until
+    from llmc.pipeline.ids import Kind
+    from llmc.storage.store import Store
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    store = Store(tmp_path / "cache")
+    small = dict(model={"source": str(tiny_model)}, calibration={"samples": 4, "seq_len": 32},
+                 eval={"windows": 2, "seq_len": 32, "decode_tokens": 0, "throughput_repeats": 1,
+                       "bootstrap_samples": 100}, gates={"allow_unevaluated": True, "max_ppl_increase_pct": 1e6,
+                                                        "max_mean_kld": 1e3, "min_top1_agreement_pct": 0.001})
+
+    def evals(plan) -> dict[str, dict]:
+        kinds = {str(row.id): row.id.kind for row in plan.rows}
+        return {name: s for name, s in ((s["stage"], s) for s in plan.estimates["stages"]) if kinds[name] is Kind.EVAL}
+
+    first = build_until(recipe(**small), store, "gate").plan
+    assert evals(first) and not any(s.get("cached") for s in evals(first).values())
+    second = build_until(recipe(**small), store, "gate").plan
+    assert evals(second) and all(s.get("cached") for s in evals(second).values())
+    assert second.estimates["seconds"] == 0 and second.estimates["eval_s"] == 0
+    int8 = {"weights": {"format": "int8", "strategy": "channel"}}
+    third = build_until(recipe(int8, **small), store, "gate").plan
+    assert {name: bool(s.get("cached")) for name, s in evals(third).items()} == {
+        "eval torch baseline": True, "eval torch W8A16-INT8": False}
+    assert third.estimates["eval_s"] > 0
+
+
 def test_a_plan_says_it_wrote_a_sources_unpacked_copy_to_the_cache(tmp_path: Path) -> None:
     from llmc.planning.plan import source_cache_note, unpacked_sources
 
@@ -315,3 +346,4 @@ def test_the_quantize_peak_counts_the_embeddings_and_head_read_in_the_stored_dty
         assert row.host_bytes < PROCESS_BYTES + shape.outer_params * (4 + 2)
     if compute == "float32" and calibrated:  # the issue's measurement (calibrated FP8), RssAnon: 6.73-7.09 GB
         assert 6.73e9 * 0.8 <= row.host_bytes <= 7.09e9 * 1.2
+
