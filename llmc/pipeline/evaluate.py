@@ -151,6 +151,7 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     e = BYTES[compute]
     stored_elem = stored_elem or e
     h, tokens = shape.hidden, windows * seq_len
+    batch = max(1, min(batch, windows))  # fewer windows than a batch: one batch of them, not of eval.batch_size
     logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
     scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
     # an artifact reads the baseline's output head for the exact KL (llmc.engines.agreement) through mmap: file

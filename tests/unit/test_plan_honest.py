@@ -347,3 +347,27 @@ def test_the_quantize_peak_counts_the_embeddings_and_head_read_in_the_stored_dty
     if compute == "float32" and calibrated:  # the issue's measurement (calibrated FP8), RssAnon: 6.73-7.09 GB
         assert 6.73e9 * 0.8 <= row.host_bytes <= 7.09e9 * 1.2
 
+
+# 8. An evaluation of fewer windows than a batch
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_fewer_windows_than_the_batch_are_planned_as_one_batch_of_them(streamed: bool, monkeypatch) -> None:
+    """Issue 35: eval.windows 2 with eval.batch_size 8 runs one batch of 2 windows; its logits, forward temporaries
+    and forward time were planned for 8."""
+    from llmc.pipeline.evaluate import eval_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+
+    def row(windows: int, batch: int):
+        return eval_cost(shape, label="torch baseline", compute="float32", windows=windows, seq_len=128, batch=batch,
+                         streamed=streamed, reference=False, artifact_code_bytes=0.0, top_k=10,
+                         throughput_tokens=0, machine=Machine(available=None, gpu_free=None, device="cpu"))
+
+    few, as_planned = row(2, 8), row(2, 2)
+    assert (few.host_bytes, few.seconds, few.parts) == (as_planned.host_bytes, as_planned.seconds, as_planned.parts)
+    assert few.parts["logits"] == 3 * 2 * 128 * shape.vocab * 4
+    assert row(8, 8).parts["logits"] == 4 * few.parts["logits"]  # enough windows: the whole batch
