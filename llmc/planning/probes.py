@@ -31,6 +31,25 @@ RATES_FILE = "machine-rates.json"
 REPEATS = 5  # timed runs of each probe (after one warm-up)
 MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
 READINGS = ("median", "fastest", "slowest")
+# Each timed run repeats its call until this long has passed. One call of a few milliseconds measures how soon the
+# scheduler runs both of torch's threads on a busy machine, not the share of the CPU a stage lasting minutes gets: on
+# the shared 2-core VM at load 13, 4 ms matmuls probed 0.8-1.9 GFLOP/s while the quantize stage's forwards ran at
+# ~20 (SmolLM2 predicted at 193 s, measured 14 s; docs/planner.md "Accuracy under load").
+MIN_SAMPLE_S = 0.25
+
+
+def sustained_rate(work: float, call: Callable[[], object], sync: Callable[[], None] = lambda: None,
+                   min_s: float = MIN_SAMPLE_S) -> float:
+    """`work` units per second of `call`, repeated until `min_s` has passed (`sync`: wait for a device to finish)."""
+    sync()
+    start, n = time.perf_counter(), 0
+    while True:
+        call()
+        n += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return work * n / elapsed
 
 
 @dataclass(frozen=True)

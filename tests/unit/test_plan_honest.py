@@ -64,6 +64,22 @@ def test_each_probe_is_timed_several_times_and_read_as_its_median_or_either_end(
     assert probes.rate("k", lambda: 0.0) == 3.0
 
 
+def test_a_timed_run_repeats_its_call_until_long_enough_to_measure_a_share_of_the_cpu(monkeypatch) -> None:
+    """Issue 35: one call of a few milliseconds measures the scheduler's latency on a busy machine, not the rate a
+    stage lasting minutes gets: each timed run repeats its call for at least MIN_SAMPLE_S."""
+    clock = [0.0]
+    monkeypatch.setattr(probes.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def call() -> None:  # 10 ms each
+        calls.append(1)
+        clock[0] += 0.01
+
+    assert probes.sustained_rate(100.0, call, min_s=0.05) == pytest.approx(100.0 * 5 / 0.05)
+    assert len(calls) == 5
+    assert probes.MIN_SAMPLE_S >= 0.1
+
+
 def test_rates_are_cached_per_machine_and_read_again_until_stale_or_another_machine(tmp_path: Path,
                                                                                    monkeypatch) -> None:
     path = tmp_path / probes.RATES_FILE
