@@ -32,9 +32,9 @@ REPEATS = 5  # timed runs of each probe (after one warm-up)
 MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
 READINGS = ("median", "fastest", "slowest")
 # Each timed run repeats its call until this long has passed. One call of a few milliseconds measures how soon the
-# scheduler runs both of torch's threads on a busy machine, not the share of the CPU a stage lasting minutes gets: on
-# the shared 2-core VM at load 13, 4 ms matmuls probed 0.8-1.9 GFLOP/s while the quantize stage's forwards ran at
-# ~20 (SmolLM2 predicted at 193 s, measured 14 s; docs/planner.md "Accuracy under load").
+# scheduler runs both of torch's threads on a busy machine, not the share of the CPU a stage lasting minutes gets (on
+# the shared 2-core VM at load 13, single 4 ms matmuls read 0.8-149 GFLOP/s where the same GEMM sustained 2.3):
+# docs/planner-constants.md#min_sample_s.
 MIN_SAMPLE_S = 0.25
 
 
