@@ -20,7 +20,7 @@ from llmc.pipeline.calibrate import Calibrate
 from llmc.pipeline.context import Build
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
-from llmc.pipeline.stages import stages
+from llmc.pipeline.stages import pending_ids, stages
 from llmc.planning import probes
 from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache_note, unpacked_sources
 from llmc.telemetry.progress import log
@@ -81,7 +81,7 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     b.calib_key = Calibrate.key(b) if needs_calibration else None
 
     walk = stages(recipe, plan.schemes, last)
-    pending = [s.id for s in walk if s.pending(b)]
+    pending = pending_ids(walk, b)
     plan.mark_cached(pending, [s.id for s in walk])  # rows of cached stages say so; the totals count the rest
     log(plan.render())
     check_budget(plan, pending)  # before any weight loads: the time of what is not cached yet

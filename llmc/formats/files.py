@@ -30,7 +30,10 @@ def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes:
     passes through. (Collecting every shard before writing the first held the whole artifact: 5.2 GB of mapped
     pages measured at 70B width, one layer; a packing exporter would have held every packed tensor.) The shard
     count is known only at the end: shards written early get a temporary name and are renamed then."""
+    from llmc.telemetry.progress import Meter
+
     out = Path(out)
+    meter = Meter("export: shards written", None, unit="shard")
     early: list[tuple[Path, list[str]]] = []  # shards written before the last one: temporary names
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
@@ -39,6 +42,7 @@ def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes:
         if size and size + nbytes > max_bytes:
             path = out / f".model-{len(early) + 1:05d}.incomplete.safetensors"
             atomic_save_safetensors(path, shard, metadata={"format": "pt"})
+            meter.advance()
             early.append((path, list(shard)))
             shard, size = {}, 0
         shard.update(t)
@@ -46,9 +50,13 @@ def write_shards(out: Path, parts: Iterable[dict[str, torch.Tensor]], max_bytes:
         total += nbytes
     if not early:
         atomic_save_safetensors(out / "model.safetensors", shard, metadata={"format": "pt"})
+        meter.advance()
+        meter.close()
         return [out / "model.safetensors"]
     last = out / f".model-{len(early) + 1:05d}.incomplete.safetensors"
     atomic_save_safetensors(last, shard, metadata={"format": "pt"})
+    meter.advance()
+    meter.close()
     early.append((last, list(shard)))
     del shard
     written, weight_map = [], {}

@@ -30,7 +30,7 @@ from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_s
 from llmc.publish.model_card import source_metadata
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import Store, stage_key
-from llmc.telemetry.progress import log
+from llmc.telemetry.progress import Meter, log
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -258,6 +258,10 @@ def _from_gguf(gguf: Path, store: Store, dtype: str, origin: str) -> LocatedSour
     return LocatedSource(folder=done, origin=origin, sha256=key)
 
 
+# what unpacking a GGUF source reports, in order
+UNPACK_STEPS = ("tokenizer read", "weights read and dequantized", "safetensors written", "tokenizer written")
+
+
 def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
     """Dequantize a GGUF into a safetensors folder with transformers' own GGUF reader."""
     # lazy: transformers (~2 s), only when a GGUF source is unpacked
@@ -265,23 +269,30 @@ def _unpack_gguf(gguf: Path, out: Path, dtype: str) -> None:
 
     log(f"unpacking {gguf.name} into a {dtype} safetensors folder (once; cached)")
     torch_dtype = getattr(torch, dtype)
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
-                                                     trust_remote_code=False)
-    except Exception as e:  # transformers raises many types for a bad GGUF
-        raise_if_resource(e, f"unpacking {gguf.name}")
-        raise InputError(
-            f"transformers could not read {gguf} as a GGUF model: {type(e).__name__}: {e}",
-            fix="check that the file is a complete GGUF of an architecture transformers supports",
-        ) from None
-    # A GGUF-loaded model refuses to serialize until its quantizer is dropped; the weights are
-    # already dequantized to `dtype` here.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out, safe_serialization=True)
-    _save_tokenizer_as_the_gguf_says(tok, gguf, out)
+    # transformers reads and dequantizes the whole file in one call: progress is counted per step around it
+    # (a bar with ETA on a terminal, `llmc-progress` lines in CI), the steps being of very different lengths
+    with Meter(f"unpack {gguf.name}", len(UNPACK_STEPS), unit="step") as meter:
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+            meter.advance()
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
+                                                         trust_remote_code=False)
+            meter.advance()
+        except Exception as e:  # transformers raises many types for a bad GGUF
+            raise_if_resource(e, f"unpacking {gguf.name}")
+            raise InputError(
+                f"transformers could not read {gguf} as a GGUF model: {type(e).__name__}: {e}",
+                fix="check that the file is a complete GGUF of an architecture transformers supports",
+            ) from None
+        # A GGUF-loaded model refuses to serialize until its quantizer is dropped; the weights are
+        # already dequantized to `dtype` here.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out, safe_serialization=True)
+        meter.advance()
+        _save_tokenizer_as_the_gguf_says(tok, gguf, out)
+        meter.advance()
 
 
 def _save_tokenizer_as_the_gguf_says(tok, gguf: Path, out: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from llmc.data.tokens import TokenSet
 from llmc.pipeline.runner import Runner
-from llmc.model.dtype import BYTES
+from llmc.model.dtype import BYTES, kept_elem
 from llmc.planning.machine import Machine
 from llmc.planning.rows import CostRow
 from llmc.planning.shapes import Shape
@@ -58,6 +58,7 @@ class Costing:
     tokens: int  # calibration tokens
     resident: bool = False  # whether they stay on the calibrating GPU between layers (quant.activations)
     streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
+    side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
     rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
     bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes
@@ -71,3 +72,9 @@ class Costing:
     def elem(self) -> int:
         """Bytes per element of the compute dtype."""
         return BYTES[self.compute]
+
+    @property
+    def kept_elem(self) -> int:
+        """Bytes per element of the weights outside the decoder layers as the canonical form keeps them
+        (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype)."""
+        return kept_elem(self.stored_elem, self.compute)

@@ -38,6 +38,7 @@ from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.telemetry.progress import log
+from llmc.pipeline.export import Export
 from llmc.pipeline.quantize import Quantize
 from llmc.quant.canonical import scheme_from_dict
 from llmc.quant.device import resolve_device
@@ -53,11 +54,41 @@ class Evaluate:
     id = StageId(Kind.EVAL)
     share = ranks.Share.HELPED
 
-    def __init__(self, quantizes: list[Quantize]) -> None:
+    def __init__(self, quantizes: list[Quantize], exports: list[Export] = ()) -> None:
         self.quantizes = quantizes  # the variants whose artifacts it scores (their plan rows)
+        self.exports = list(exports)  # the artifacts
 
     def pending(self, b: Build) -> bool:
         return True  # evaluations always count in the disk check: they are small
+
+    def pending_parts(self, b: Build) -> list[StageId]:
+        """The plan's scorings (the torch engine's: the baseline, each variant) whose outputs are not all in the
+        cache yet, for every corpus; the whole stage where the torch engine does not score. A variant's scorings
+        are keyed by its artifacts' recorded files: cached exports give their keys (from the store's record of
+        their files) and a pending export makes its variant's scoring pending."""
+        ev, runner = b.recipe.eval, b.runner
+        if "torch" not in ev.runtimes or b.evaluation is None:
+            return [self.id]
+        base_engine = engine_spec("torch").baseline_engine
+        pending: set[str] = set()
+        for corpus, tokens in b.evaluation.items():
+            source = corpora_of(ev.corpus)[corpus]
+            windows = tokens.input_ids
+            base = score_key(b, base_engine, b.result.source.sha256, windows, None, source)
+            if not runner.is_done(self.id, base):
+                pending.add("baseline")
+            for q in self.quantizes:
+                for export in self.exports:
+                    if export.quantize is not q or "torch" not in export.format.read_by:
+                        continue
+                    if engine_spec("torch").cannot_run(q.scheme):
+                        continue
+                    content = export.cached_content_key(b)
+                    if content is None or not runner.is_done(self.id, score_key(b, "torch", content, windows, base,
+                                                                               source)):
+                        pending.add(q.id.of[0])
+        labels = ["baseline"] + [q.id.of[0] for q in self.quantizes]
+        return [StageId(Kind.EVAL, ("torch", label)) for label in labels if label in pending]
 
     def run(self, b: Build) -> None:
         ranks.log_scoring(b.recipe.eval.runtimes)
@@ -120,6 +151,7 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     e = BYTES[compute]
     stored_elem = stored_elem or e
     h, tokens = shape.hidden, windows * seq_len
+    batch = max(1, min(batch, windows))  # fewer windows than a batch: one batch of them, not of eval.batch_size
     logits = 3 * batch * seq_len * shape.vocab * 4  # float32 logits, log-softmax / top-k temporaries
     scores = tokens * (top_k * 8 + h * 4)  # the baseline's top-k and output-head inputs (or the reference's)
     # an artifact reads the baseline's output head for the exact KL (llmc.engines.agreement) through mmap: file
@@ -231,11 +263,11 @@ def eval_device(requested: str, engine: str) -> str:
     return str(resolve_device(requested))
 
 
-def _score(b: Build, engine: str, folder: Path, content_key: str, windows, prompt,
-           reference: Evaluation | None = None, *, corpus) -> Evaluation:
-    """One model folder scored in one engine on one corpus's windows. The baseline (no reference) also stores its
-    top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
-    ev, dtype, runner = b.recipe.eval, b.result.dtype, b.runner
+def score_key(b: Build, engine: str, content_key: str, windows: torch.Tensor, reference_key: str | None, corpus, *,
+              config: bool = False):
+    """The cache key of one scoring (and, with `config`, its protocol as metrics.json records it): the engine, the
+    evaluation protocol, the scored model's content key and the baseline scoring's key (None: the baseline)."""
+    ev, runner = b.recipe.eval, b.runner
     batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
     device = eval_device(ev.device, engine)
     cfg = {
@@ -247,7 +279,7 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
         "decode_tokens": ev.decode_tokens,
         "repeats": ev.throughput_repeats,
         "throughput_batch_sizes": list(batch_sizes),
-        "dtype": dtype,
+        "dtype": b.result.dtype,
         "top_k": ev.kl_top_k,
         "kl": "exact, top-k bound as fallback",  # the baseline records its output head (llmc.engines.agreement)
         "tokenizer_sha256": tokenizer_hash(runner, b.result.source.folder),
@@ -255,7 +287,18 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
     }
     if device != "cpu":  # float rounding differs by device; CPU keys stay as they were
         cfg["device"] = torch.device(device).type
-    key = stage_key("eval", cfg, [content_key, reference.key if reference else ""])
+    key = stage_key("eval", cfg, [content_key, reference_key or ""])
+    return (key, cfg) if config else key
+
+
+def _score(b: Build, engine: str, folder: Path, content_key: str, windows, prompt,
+           reference: Evaluation | None = None, *, corpus) -> Evaluation:
+    """One model folder scored in one engine on one corpus's windows. The baseline (no reference) also stores its
+    top-k log-probs; an artifact is scored against the baseline's, giving KL and top-1 agreement."""
+    ev, dtype, runner = b.recipe.eval, b.result.dtype, b.runner
+    batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
+    device = eval_device(ev.device, engine)
+    key, cfg = score_key(b, engine, content_key, windows, reference.key if reference else None, corpus, config=True)
     # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
     measured = None
     if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights

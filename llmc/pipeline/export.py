@@ -8,6 +8,7 @@ stage's cost left (`SchemeBytes`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from llmc.runtimes import catalog as targets
@@ -19,8 +20,10 @@ from llmc.pipeline.ranks import Share
 from llmc.planning.machine import DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES, Machine
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
-from llmc.quant.canonical import QuantizedModel
-from llmc.pipeline.quantize import Quantize
+from llmc.quant.canonical import QuantizedModel, module_matches
+from llmc.quant.groups import by_group
+from llmc.quant.spec import Scheme
+from llmc.pipeline.quantize import Quantize, group_bytes
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
 from llmc.storage.store import stage_key
@@ -72,6 +75,17 @@ class Export:
         qm = QuantizedModel.open(b.runner.output(self.quantize.id, quant_key))
         return not b.runner.is_done(self.id, self.key(b, qm, quant_key)[0])
 
+    def cached_content_key(self, b: Build) -> str | None:
+        """The content key of this export's artifact when it is in the cache (from the files the store recorded for
+        it: what an evaluation's key names), else None."""
+        quant_key = self.quantize.key(b)
+        if not b.runner.is_done(self.quantize.id, quant_key):
+            return None
+        key = self.key(b, QuantizedModel.open(b.runner.output(self.quantize.id, quant_key)), quant_key)[0]
+        if not b.runner.is_done(self.id, key):
+            return None
+        return content_key(b.runner.recorded_files(b.runner.output(self.id, key)))
+
     def run(self, b: Build) -> None:
         quant_dir, quant_key = b.quantized[self.variant]
         qm = QuantizedModel.open(quant_dir)
@@ -90,8 +104,7 @@ class Export:
         done = b.runner.run(self.id, key, produce, inputs=[qm.root], announce=f"export: {fmt.name} for {label}")
         files = b.runner.recorded_files(done)
         b.result.artifacts[label] = Artifact(
-            label=label, dir=done, key=key, files=files,
-            content_key=stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE}),
+            label=label, dir=done, key=key, files=files, content_key=content_key(files),
             format=fmt.name, target=targets.target_key(target), scheme=qm.scheme.name,
             scheme_detail=qm.scheme.to_dict())
 
@@ -101,14 +114,15 @@ class Export:
         # where the files depend on it, the same tensor-parallel degree)
         same = (self.quantize.id, fmt.name) + ((self.target.tensor_parallel,) if fmt.shards_by_tp else ())
         shared_with = c.exports_seen.setdefault(same, self.label)
-        new_bytes = sizes.artifact
-        outer_bytes = c.shape.outer_params * c.elem
+        artifact = sum(fmt.written_bytes(w) for w in written_tensors(c, scheme))  # every file it writes
+        new_bytes = artifact
+        outer_bytes = c.shape.outer_params * c.kept_elem
         if fmt.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES:
             # a second format that writes them as stored adds only its layer shards (identical files are linked)
             if scheme.name in c.outer_written:
                 new_bytes -= outer_bytes
             c.outer_written.add(scheme.name)
-        row = export_cost(c.shape, label=self.label, artifact_bytes=sizes.artifact, new_bytes=new_bytes,
+        row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes,
                           whole_model=fmt.whole_model,
                           shared_with=None if shared_with == self.label else shared_with,
                           compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
@@ -116,6 +130,41 @@ class Export:
                           repacked_bytes=sizes.packed if fmt.repacks_layers else None,
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+
+def content_key(files: dict[str, str]) -> str:
+    """An artifact's content: its recorded files' sha256 but the serve file's (targets sharing weights differ only
+    there), so that one content is scored once."""
+    return stage_key("artifact-content", {k: v for k, v in files.items() if k != SERVE_FILE})
+
+
+def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
+    """The counts an export's files are made of (`ArtifactFormat.written_bytes`, summed over the list), from the
+    plan's tensor shapes: one entry for a plain scheme; a mixed scheme's first entry holds every tensor but the
+    quantized Linears (those of `ignore: true` groups as unquantized layer tensors, the outer weights, the side
+    files), then one per quantized group with its Linears at its member's weights."""
+    linears = tuple(shape for n, shape in c.linears.items() if not module_matches(n, scheme.ignore))
+    quantized = sum(o * i for o, i in linears)
+    whole = targets.WrittenTensors(
+        linears=linears, weights=scheme.weights, outer=c.shape.outer_params,
+        layer_unquantized=c.shape.params - quantized - c.shape.outer_params, elem=c.elem, kept_elem=c.kept_elem,
+        side_files=c.side_files, static_input_scales=scheme.activations is not None and not scheme.activations.dynamic)
+    if not scheme.mixed:
+        return [whole]
+    groups = [g for g in group_bytes(scheme, c.linears, c.config, c.elem) if g["quantized"]]
+    members = scheme.members()
+    in_groups = sum(g["params"] for g in groups)
+    parts = [replace(whole, linears=(), layer_unquantized=c.shape.params - in_groups - c.shape.outer_params)]
+    for name, shapes in by_group(scheme, c.linears, c.config.get("num_hidden_layers", 0),
+                                 c.config.get("model_type")).items():
+        member = members.get(name) if name is not None else None
+        if member is None or not shapes:
+            continue
+        acts = member.activations
+        parts.append(targets.WrittenTensors(
+            linears=tuple(shapes.values()), weights=member.weights, outer=0, layer_unquantized=0, elem=c.elem,
+            kept_elem=c.kept_elem, static_input_scales=acts is not None and not acts.dynamic))
+    return parts
 
 
 def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from llmc.telemetry import events
 from llmc.pipeline import ranks
-from llmc.model.dtype import BYTES
+from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
@@ -123,9 +123,10 @@ class Quantize:
         else:
             quantized = sum(a * b for n, (a, b) in c.linears.items() if not module_matches(n, scheme.ignore))
             packed = quantized * scheme.weights.stored_bits / 8  # the codes, packed (microscaling: with their scales)
-        rest = shape.params - quantized
-        sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest * e,  # int4: one code a byte
-                            packed=packed, artifact=packed + rest * e)
+        # unquantized tensors: those inside the layers in the compute dtype, those outside as kept (kept_dtype)
+        rest = (shape.params - quantized - shape.outer_params) * e + shape.outer_params * c.kept_elem
+        sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest,  # int4: one code a byte
+                            packed=packed, artifact=packed + rest)
         c.bytes_of[self.id.of[0]] = sizes
         pipe = Pipeline.of(scheme)
         kwargs = dict(compute=c.compute, stored_elem=c.stored_elem, calibrated=scheme.needs_calibration,
@@ -231,12 +232,16 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
     parts["previous layer being written"] = layer * code_bytes
     parts["next layer read ahead"] = layer * stored_elem
-    # the last step reads everything outside the layers again (rest.safetensors) and writes it, the skeleton's copy
-    # released first: one copy (docs/planner-constants.md#outer-weights-copy) in the compute dtype, and while it is
-    # converted, beside the copies read in the stored dtype (CheckpointReader.get_many clones them; the skeleton's
-    # materialize converts them the same way): a 7B's 152k-row embedding and head, bf16 read and float32 held, are
-    # 6 bytes a weight, not 4
-    outer_peak = PROCESS_BYTES + shape.outer_params * (e + (stored_elem if stored_elem != e else 0))
+    # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
+    # converted beside them by materialize: a 7B's 152k-row embedding and head, bf16 read and float32 held, are 6
+    # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
+    # skeleton's copy released first (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it
+    # is kept in (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy
+    # only where it is converted.
+    kept = kept_elem(stored_elem, compute)
+    skeleton_peak = shape.outer_params * (e + (stored_elem if stored_elem != e else 0)) if calibrated else 0.0
+    rest_peak = shape.outer_params * (stored_elem + (kept if kept != stored_elem else 0))
+    outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
     host = max(sum(parts.values()), outer_peak)
     discovery = discovery_s = 0.0
     if discovers_pairs and calibrated:
@@ -279,8 +284,8 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
-    canonical = shape.layers * layer * code_bytes + shape.outer_params * e
-    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + e / DISK_WRITE_RATE) + canonical / HASH_RATE
+    canonical = shape.layers * layer * code_bytes + shape.outer_params * kept
+    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE) + canonical / HASH_RATE
              + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
                 else "activations in memory") if calibrated else "no calibration"

@@ -2,7 +2,9 @@
 
 Every stage has an `id` (`llmc.pipeline.ids.StageId`), a `share` (how the ranks of a torchrun job share it,
 `llmc.pipeline.ranks.Share`), `cost(costing)` (appends its rows to the plan), `pending(build)` (whether its output
-must still be written: the disk check) and `run(build)` (through the runner's cache protocol)."""
+must still be written: the disk check) and `run(build)` (through the runner's cache protocol). A stage whose plan
+rows are parts of it (the evaluate stage: one row per scoring) says which parts are still to run
+(`pending_parts(build)`), so that a rerun's plan marks the cached ones (`pending_ids`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from llmc.pipeline.calibrate import Calibrate
 from llmc.pipeline.evaluate import Evaluate
 from llmc.pipeline.export import Export
 from llmc.pipeline.gate import Gate
-from llmc.pipeline.ids import Kind
+from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.publish import Publish
 from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.tasks import Tasks
@@ -22,6 +24,15 @@ def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
     evaluate, tasks, gate, publish."""
     quantizes = [Quantize(variant, scheme) for variant, scheme in schemes.items()]
-    every = [Calibrate(), *quantizes, *(Export(q, t) for q in quantizes for t in recipe.targets),
-             Evaluate(quantizes), Tasks(), Gate(), Publish()]
+    exports = [Export(q, t) for q in quantizes for t in recipe.targets]
+    every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(), Gate(), Publish()]
     return [s for s in every if not s.id.kind.comes_after(last)]
+
+
+def pending_ids(walk: list, b) -> list[StageId]:
+    """The stages, or the parts of a stage, whose outputs the build must still write."""
+    out: list[StageId] = []
+    for s in walk:
+        parts = getattr(s, "pending_parts", None)
+        out += parts(b) if parts is not None else [s.id] if s.pending(b) else []
+    return out

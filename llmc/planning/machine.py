@@ -50,11 +50,15 @@ def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: i
     if device != "cpu":  # a GPU: a forward's own GEMM shape (one launch of a 128-column product is launch-bound)
         rows, outputs = max(GPU_PROBE_ROWS, min(rows, 4 * GPU_PROBE_ROWS)), width
     else:
-        rows, outputs = max(1, min(rows, 512)), 128
-    return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows}",
+        # a forward's MLP GEMM (intermediate ~3x the width), most of a layer's FLOPs: a 128-column product ran at a
+        # tenth of them on an AVX-512 VM (2.3 against 20-28 GFLOP/s at SmolLM2's width, docs/planner.md "Accuracy
+        # under load")
+        rows, outputs = max(1, min(rows, 512)), CPU_PROBE_OUTPUTS_PER_WIDTH * width
+    return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows} outputs={outputs}",
                        _matmul_timer(dtype_name, device, width, rows, outputs))
 
 
+CPU_PROBE_OUTPUTS_PER_WIDTH = 3  # columns of the CPU's probe GEMM per unit of width
 GPU_PROBE_ROWS = 4096  # tokens of a GPU's probe GEMM at least (a calibration batch is 4 x seq_len)
 
 
@@ -71,13 +75,10 @@ def _matmul_timer(dtype_name: str, device: str, width: int, rows: int, outputs: 
                          w=torch.randn(outputs, width, dtype=dtype, device=dev))
             torch.nn.functional.linear(state["a"], state["w"])  # warm-up: first-call dispatch
         dev = state["dev"]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        torch.nn.functional.linear(state["a"], state["w"])
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return 2 * rows * width * outputs / max(time.perf_counter() - t, 1e-9)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        return probes.sustained_rate(2 * rows * width * outputs,
+                                     lambda: torch.nn.functional.linear(state["a"], state["w"]),
+                                     sync)
 
     return run_once
 

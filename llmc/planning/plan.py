@@ -22,11 +22,11 @@ from llmc.runtimes import catalog as targets
 from llmc.engines.torch_stream import choose_streamed
 from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
 from llmc.eval import gates
-from llmc.model.checkpoint import read_model_config
+from llmc.model.checkpoint import INDEX_FILE, read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import check_quantizable, expert_count
-from llmc.model.source import locate_source
+from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
@@ -630,6 +630,15 @@ def _plan_gates(plan: Plan) -> None:
     plan.warnings += gates.plan_warnings(recipe, plan.schemes, plan.targets)
 
 
+def _side_file_bytes(model_folder: Path | None) -> int:
+    """Bytes of the source's tokenizer files and config.json, which the exports copy (0 without the folder)."""
+    if model_folder is None:
+        return 0
+    names = (*TOKENIZER_FILES, "config.json")
+    return sum(f.stat().st_size for f in (Path(model_folder) / n for n in names)
+               if f.is_file() and f.name != INDEX_FILE)
+
+
 def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors, device: torch.device,
                planned_targets: list[dict], model_folder: Path | None) -> tuple[dict, list]:
     """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
@@ -643,6 +652,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
 
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    side_files = _side_file_bytes(model_folder)
 
     def walk(compute: str = compute) -> Costing:
         copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
@@ -650,7 +660,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, gpu_free, str(device), os.cpu_count()),
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
                           spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
-                          streamed_eval=streamed, config=config)
+                          streamed_eval=streamed, config=config, side_files=side_files)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
         return costing

@@ -31,6 +31,25 @@ RATES_FILE = "machine-rates.json"
 REPEATS = 5  # timed runs of each probe (after one warm-up)
 MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
 READINGS = ("median", "fastest", "slowest")
+# Each timed run repeats its call until this long has passed. One call of a few milliseconds measures how soon the
+# scheduler runs both of torch's threads on a busy machine, not the share of the CPU a stage lasting minutes gets (on
+# the shared 2-core VM at load 13, single 4 ms matmuls read 0.8-149 GFLOP/s where the same GEMM sustained 2.3):
+# docs/planner-constants.md#min_sample_s.
+MIN_SAMPLE_S = 0.25
+
+
+def sustained_rate(work: float, call: Callable[[], object], sync: Callable[[], None] = lambda: None,
+                   min_s: float = MIN_SAMPLE_S) -> float:
+    """`work` units per second of `call`, repeated until `min_s` has passed (`sync`: wait for a device to finish)."""
+    sync()
+    start, n = time.perf_counter(), 0
+    while True:
+        call()
+        n += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return work * n / elapsed
 
 
 @dataclass(frozen=True)

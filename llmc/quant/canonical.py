@@ -95,11 +95,19 @@ class QuantizedModel:
     def files(self) -> list[Path]:
         return [self.root / f for f in self.meta["files"]]
 
-    def iter_files(self) -> Iterator[dict[str, torch.Tensor]]:
-        """All tensors, one file (one decoder layer, then the rest) at a time."""
-        for f in self.files():
-            with safe_open(str(f), framework="pt") as h:
-                yield {k: h.get_tensor(k) for k in h.keys()}
+    def iter_files(self, progress: str = "export: canonical files") -> Iterator[dict[str, torch.Tensor]]:
+        """All tensors, one file (one decoder layer, then the rest) at a time. Every exporter reads the form through
+        this, so its progress (a bar with ETA on a terminal, `llmc-progress` lines in CI) is counted here, a file
+        done when the exporter asks for the next one."""
+        from llmc.telemetry.progress import Meter
+
+        files = self.files()
+        with Meter(progress, len(files), unit="file", every_s=5.0) as meter:
+            for f in files:
+                with safe_open(str(f), framework="pt") as h:
+                    tensors = {k: h.get_tensor(k) for k in h.keys()}
+                yield tensors
+                meter.advance()
 
     def scheme_of(self, module: str) -> Scheme:
         """The plain scheme quantized module `module` was quantized with (its group's, in a mixed scheme)."""

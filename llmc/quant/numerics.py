@@ -338,10 +338,6 @@ def _quantize_timer(spec: TensorSpec, dtype_name: str, elements: int, device: st
             state["w"] = torch.empty(max(1, elements // columns), columns, dtype=dtype,
                                      device=device).uniform_(-1, 1)
         w = state["w"]
-        sync()
-        t = time.perf_counter()
-        quantize_weight(w, spec)
-        sync()
-        return w.numel() / max(time.perf_counter() - t, 1e-9)
+        return probes.sustained_rate(w.numel(), lambda: quantize_weight(w, spec), sync)
 
     return run_once

@@ -40,6 +40,7 @@ from torch import nn
 from llmc import distributed
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
+from llmc.model.dtype import kept_dtype
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
@@ -286,7 +287,9 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
                 extra_meta: dict) -> None:
     """The weights outside the decoder layers, the tokenizer files and the canonical form's metadata."""
     rest = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
-    rest = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in rest.items()}
+    # quantization never touches these (read again from the source): kept in the source's dtype where it is no
+    # wider than the compute dtype, so no float32 copy of a bf16 vocabulary is made or written
+    rest = {n: (t.to(kept_dtype(t.dtype, dtype)) if t.is_floating_point() else t) for n, t in rest.items()}
     atomic_save_safetensors(out / "rest.safetensors", rest)
     for f in TOKENIZER_FILES:
         path = source_file(source.folder, f, "tokenizer file")  # never a link leaving the folder (exit 7)

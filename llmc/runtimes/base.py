@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from llmc.errors import IncompatibleTargetError
-from llmc.quant.spec import KV_CACHE_SCHEMES, Scheme
+from llmc.quant.spec import BLOCK_SHAPE, KV_CACHE_SCHEMES, Scheme, TensorSpec
 
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
@@ -85,6 +85,30 @@ class ExportRequest:
     max_batch_size: int  # the recipe's eval.batch_size
 
 
+@dataclass(frozen=True)
+class WrittenTensors:
+    """What an export writes, in the counts `llmc plan` knows before any weight loads (tensor shapes from the
+    checkpoint's headers or its config), for `ArtifactFormat.written_bytes`."""
+
+    linears: tuple[tuple[int, int], ...]  # every quantized Linear's (out, in)
+    weights: TensorSpec  # the scheme's weights
+    layer_unquantized: int  # elements inside the decoder layers left unquantized (norms, biases, ignored Linears)
+    outer: int  # elements outside the decoder layers (embeddings, final norm, head)
+    elem: int  # bytes per element of the compute dtype (the canonical form's unquantized layer tensors)
+    kept_elem: int  # ... of the weights outside the layers as the canonical form keeps them (model.dtype.kept_dtype)
+    side_files: int = 0  # bytes of the tokenizer files and config.json the source folder holds
+    static_input_scales: bool = False  # one input scale per quantized Linear
+
+    def scales(self, out: int, inp: int) -> int:
+        """Scale entries of one (out, in) Linear under the scheme's strategy (microscaling: in its stored bits)."""
+        w = self.weights
+        if w.info.microscaling:
+            return 1  # the global scale at most (NVFP4); the block scales are in stored_bits
+        return {"tensor": 1, "channel": out,
+                "group": out * -(-inp // (w.group_size or inp)),
+                "block": -(-out // BLOCK_SHAPE[0]) * -(-inp // BLOCK_SHAPE[1])}.get(w.strategy, out)
+
+
 class ArtifactFormat:
     """One kind of artifact: its exporter and everything the build, planner, inspector and reports need to know.
 
@@ -120,6 +144,37 @@ class ArtifactFormat:
     mixed_precision: ClassVar[bool] = False
     # its runtime runs q/k/v and gate/up as one GEMM each, so a mixed scheme must give them one group
     fuses_projections: ClassVar[bool] = False
+
+    # What its files hold, for the planner's count of its writes (`written_bytes`): bytes of one weight scale and
+    # one zero point, bytes per unquantized element where the format converts them (None: as the canonical form
+    # holds them), bytes per input feature of each quantized Linear (GPTQ's g_idx), and whether it copies the
+    # source's tokenizer files beside its weights.
+    scale_bytes: ClassVar[float] = 4
+    zero_point_bytes: ClassVar[float] = 1
+    unquantized_elem: ClassVar[int | None] = None
+    per_input_bytes: ClassVar[int] = 0
+    copies_tokenizer_files: ClassVar[bool] = True
+
+    def code_bytes(self, weights: TensorSpec) -> float:
+        """Bytes one quantized weight's code takes in its files: packed at its bits (microscaling: with its
+        block scales)."""
+        return weights.stored_bits / 8
+
+    def written_bytes(self, w: WrittenTensors) -> float:
+        """Bytes of every file this format writes for the model: codes, scales, zero points, the unquantized tensors
+        (copied or converted), the tokenizer files and config; the small JSON files around them are within the
+        count's tolerance (tests/unit/test_export_writes.py)."""
+        elems = sum(o * i for o, i in w.linears)
+        scales = sum(w.scales(o, i) for o, i in w.linears)
+        total = elems * self.code_bytes(w.weights) + scales * self.scale_bytes
+        if not w.weights.symmetric:
+            total += scales * self.zero_point_bytes
+        total += sum(i for _, i in w.linears) * self.per_input_bytes
+        if w.static_input_scales:
+            total += len(w.linears) * 4
+        inner, outer = (w.elem, w.kept_elem) if self.unquantized_elem is None else (self.unquantized_elem,) * 2
+        total += w.layer_unquantized * inner + w.outer * outer
+        return total + (w.side_files if self.copies_tokenizer_files else 0)
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""

@@ -21,6 +21,7 @@ from llmc.runtimes.base import (
     ExportRequest,
     Rule,
     Runtime,
+    WrittenTensors,
     arch_at_least,
     arch_span,
     scheme_keys,
@@ -44,7 +45,7 @@ from llmc.runtimes.registry import (
     triton_backend,
 )
 
-__all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "Rule", "Runtime", "accepting_runtimes",
+__all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "Rule", "Runtime", "WrittenTensors", "accepting_runtimes",
            "arch_at_least", "arch_span", "artifact_format", "check_family", "format_for", "formats",
            "is_implemented", "recognize", "register_format", "register_runtime", "runtime", "runtime_names",
            "runtimes", "scheme_keys", "target_key", "triton_backend"]

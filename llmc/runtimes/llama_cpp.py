@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, target_key
+from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, WrittenTensors, target_key
 from llmc.runtimes.registry import register_format, register_runtime
 
 _ACTIVATIONS_NOTE = "llama.cpp quantizes activations itself (dynamic, blocks of 32)"
@@ -30,6 +30,19 @@ class Gguf(ArtifactFormat):
         from llmc.formats.gguf import type_plan
 
         type_plan(scheme.weights)  # raises for weights GGUF has no llama.cpp type for (fp8, mxfp8)
+
+    copies_tokenizer_files = False  # the vocabulary and merges go into the GGUF's metadata (counted as their size)
+
+    def written_bytes(self, w: WrittenTensors) -> float:
+        """model.gguf: each quantized Linear in its ggml type's blocks (F16 where its input width is no multiple
+        of the blocks), norms and biases F32, the embedding and head at the embedding type, the vocabulary."""
+        from llmc.formats.gguf import GGUF_OPTIONS, _nbytes, type_plan
+
+        plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
+        total = sum(_nbytes((o, i), plan.weight_type) if i % plan.row_multiple == 0 else 2 * o * i
+                    for o, i in w.linears)
+        embedding = {"F32": 4, "F16": 2}.get(plan.embedding_type, 34 / 32)  # Q8_0: 34 bytes a block of 32
+        return total + w.layer_unquantized * 4 + w.outer * embedding + w.side_files
 
     def stage_config(self, request: ExportRequest) -> dict:
         from llmc.formats.gguf import GGUF_OPTIONS

@@ -25,6 +25,9 @@ _NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqm
 @register_format
 class AwqCheckpoint(ArtifactFormat):
     name = "awq"
+    # float16 scales and the zero points packed at the codes' bits, written for symmetric schemes too; GPTQ adds
+    # g_idx (int32 per input feature)
+    scale_bytes = 2 + 0.5
     repacks_layers = True  # llmc.formats.files.write_repacked_checkpoint
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"

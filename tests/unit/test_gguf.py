@@ -431,3 +431,29 @@ def test_transformers_gguf_reader_reproduces_the_reference(exported, tiny_model_
     wrong = AutoModelForCausalLM.from_pretrained(bad.path.parent, gguf_file=bad.path.name, dtype=torch.float32)
     with torch.no_grad():
         assert (wrong.eval()(input_ids=ids).logits - ref).abs().max().item() > 0.1 * scale
+
+
+def _progress_lines(stderr: str, stage_prefix: str) -> list[dict]:
+    import json
+
+    lines = [json.loads(ln.split(" ", 1)[1]) for ln in stderr.splitlines() if ln.startswith("llmc-progress ")]
+    return [ln for ln in lines if ln["stage"].startswith(stage_prefix)]
+
+
+def test_exporting_and_unpacking_a_gguf_report_progress(exported, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 35: an export counts the canonical files it has written out (one a decoder layer), and unpacking a GGUF
+    source each of its steps, as `llmc-progress` lines where stderr is no terminal (CI), bars on one."""
+    from llmc.model.source import UNPACK_STEPS, _unpack_gguf
+
+    monkeypatch.setenv("LLMC_PROGRESS_JSON", "1")
+    qm, _ = exported["w8a16"]
+    capsys.readouterr()
+    res = G.export_gguf(qm, tmp_path / "again")
+    files = _progress_lines(capsys.readouterr().err, "export: canonical files")
+    assert [ln["done"] for ln in files][-1] == len(qm.files()) and files[-1]["total"] == len(qm.files())
+
+    _unpack_gguf(res.path, tmp_path / "unpacked", "float32")
+    unpack = _progress_lines(capsys.readouterr().err, f"unpack {res.path.name}")
+    assert [ln["done"] for ln in unpack] == list(range(1, len(UNPACK_STEPS) + 1))
+    assert unpack[-1]["unit"] == "step" and "eta_s" in unpack[0]
+    assert (tmp_path / "unpacked" / "model.safetensors").is_file()
