@@ -142,7 +142,8 @@ def test_each_algorithm_is_registered_once_with_its_kind() -> None:
                                                      "scale_search": "quantizer", "smoothquant": "transform"}
     assert ALGORITHMS["gptq"].options is GptqOptions and ALGORITHMS["awq"].options is AwqOptions
     assert [n for n in names() if not ALGORITHMS[n].calibrates] == ["rtn", "scale_search"]
-    assert [n for n in names() if ALGORITHMS[n].block_scaled] == ["rtn", "scale_search"]  # microscaling weights
+    # microscaling weights (awq: NVFP4 / MXFP4 weight-only, its options' check)
+    assert [n for n in names() if ALGORITHMS[n].block_scaled] == ["awq", "gptq", "rtn", "scale_search"]
     assert IMPLEMENTED == {"rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq", "scale_search"}
     with pytest.raises(ValueError, match="registered twice"):
         register("gptq", kind="quantizer", options=GptqOptions)(lambda *a: {})
