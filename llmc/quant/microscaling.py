@@ -282,13 +282,15 @@ def quantize_blocks(x: torch.Tensor, fmt: MicroscalingFormat,
     """Round-to-nearest codes and scales of x [..., n] in `fmt` (n a multiple of fmt.block_size).
 
     NVFP4 computes the global scale from x's absolute maximum unless one is given (a calibrated activation scale:
-    then blocks beyond the calibrated range saturate). MX formats take no global scale."""
+    then blocks beyond the calibrated range saturate; or [..., 1], one per row of stacked tensors, as GPTQ's loop
+    passes them). MX formats take no global scale."""
     amax = _blocks(x.detach(), fmt).abs().amax(dim=-1)
     require_finite(amax, f"a tensor quantized to {fmt.name}")
     if fmt.scale == "e4m3":
         if global_scale is None:
             global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
-        global_scale = global_scale.float().reshape(1).to(x.device)
+        global_scale = global_scale.float().to(x.device)
+        global_scale = global_scale.reshape(1) if global_scale.numel() == 1 else global_scale
     return quantize_with_scales(x, block_scales(amax, fmt, global_scale), fmt, global_scale)
 
 

@@ -37,24 +37,28 @@ def _output_error(x: torch.Tensor, w: torch.Tensor, q: QuantizedWeight, spec: Te
     return float(((x @ (dequantize_weight(q, spec) - w).T) ** 2).mean())
 
 
+@pytest.mark.parametrize("block_scales", ["absmax", "search"])
 @pytest.mark.parametrize("fmt", list(SPECS))
-def test_gptq_reproduces_the_layers_output_better_than_rounding(fmt: str) -> None:
+def test_gptq_reproduces_the_layers_output_better_than_rounding(fmt: str, block_scales: str) -> None:
     spec = SPECS[fmt]
     for seed in range(3):
         w, x = _layer(seed)
         hessian, _ = accumulate_hessian(None, 0, x)
-        (gptq,), _ = gptq_quantize_shared([w], hessian, spec, GptqOptions(), ["layer.down_proj"])
+        options = GptqOptions(block_scales=block_scales)
+        (gptq,), _ = gptq_quantize_shared([w], hessian, spec, options, ["layer.down_proj"])
         rtn = quantize_weights({"layer.down_proj": w}, spec)["layer.down_proj"]
         assert _output_error(x, w, gptq, spec) < 0.8 * _output_error(x, w, rtn, spec), (fmt, seed)
 
 
+@pytest.mark.parametrize("block_scales", ["absmax", "search"])
 @pytest.mark.parametrize("fmt", list(SPECS))
-def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid(fmt: str) -> None:
+def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid(fmt: str, block_scales: str) -> None:
     spec, block = SPECS[fmt], MICROSCALING_FORMATS[fmt]
     w, x = _layer(1, n_out=40, n_in=96)
     w[3, :32] = 0.0  # all-zero blocks keep zero codes
     hessian, _ = accumulate_hessian(None, 0, x)
-    (gptq,), _ = gptq_quantize_shared([w], hessian, spec, GptqOptions(block_size=40), ["m"])  # bs: whole blocks
+    options = GptqOptions(block_size=40, block_scales=block_scales)  # 40 columns: rounded to whole blocks
+    (gptq,), _ = gptq_quantize_shared([w], hessian, spec, options, ["m"])
     rtn = quantize_weights({"m": w}, spec)["m"]
     for field in ("codes", "scale", "global_scale"):
         a, b = getattr(gptq, field), getattr(rtn, field)
@@ -77,13 +81,14 @@ def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid
     assert (values[3, :32] == 0).all()
 
 
-def test_stacked_fused_siblings_share_the_nvfp4_global_scale_and_others_keep_their_own() -> None:
+@pytest.mark.parametrize("block_scales", ["absmax", "search"])
+def test_stacked_fused_siblings_share_the_nvfp4_global_scale_and_others_keep_their_own(block_scales: str) -> None:
     spec = SPECS["nvfp4"]
     w, x = _layer(2, n_out=96)
     q, k, v = w[:32] * 4, w[32:64], w[64:] * 0.5  # different ranges: different global scales of their own
     hessian, _ = accumulate_hessian(None, 0, x)
     names = ["l.self_attn.q_proj", "l.self_attn.k_proj", "l.self_attn.v_proj"]
-    fused, _ = gptq_quantize_shared([q, k, v], hessian, spec, GptqOptions(), names)
+    fused, _ = gptq_quantize_shared([q, k, v], hessian, spec, GptqOptions(block_scales=block_scales), names)
     rtn = quantize_weights(dict(zip(names, (q, k, v))), spec)
     for got, name in zip(fused, names):
         torch.testing.assert_close(got.global_scale, fused[0].global_scale, rtol=0, atol=0)
@@ -91,7 +96,7 @@ def test_stacked_fused_siblings_share_the_nvfp4_global_scale_and_others_keep_the
     alone, _ = gptq_quantize_shared([q, k], hessian, spec, GptqOptions(), ["a.up", "b.up"])  # not siblings
     assert not torch.equal(alone[0].global_scale, alone[1].global_scale)
     # the stacked loop quantizes each row as its own Linear would under the same global scale
-    (k_alone,), _ = gptq_quantize_shared([k], hessian, spec, GptqOptions(), ["x"])
+    (k_alone,), _ = gptq_quantize_shared([k], hessian, spec, GptqOptions(block_scales=block_scales), ["x"])
     if torch.equal(k_alone.global_scale, fused[1].global_scale):
         assert torch.equal(k_alone.codes, fused[1].codes)
 

@@ -97,6 +97,8 @@ def test_block_fp8_activation_groups_must_divide_the_model_widths() -> None:
     ({"weights": NVFP4, "algorithm": "smoothquant"}, "algorithm smoothquant does not quantize nvfp4"),
     ({"weights": NVFP4, "algorithm": "gptq", "options": {"act_order": True}}, "fix: options.act_order false"),
     ({**QUANT["W8A8-FP8-BLOCK"], "algorithm": "gptq"}, "gptq does not quantize block-wise FP8"),
+    ({"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq",
+      "options": {"block_scales": "search"}}, "block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales"),
     ({**QUANT["W4A4-NVFP4"], "algorithm": "awq"}, "awq searches nvfp4 weight-only schemes"),
     ({**QUANT["W8A8-MXFP8"], "algorithm": "awq"}, "awq is a 4-bit weight method"),
     ({"weights": {**MXFP4, "group_size": 16}}, "mxfp4 uses 32-element groups"),

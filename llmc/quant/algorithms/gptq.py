@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -36,6 +37,7 @@ from llmc.quant.numerics import (
     quantize_with,
     weight_global_scales,
 )
+from llmc.quant.scale_search import search_block_scales
 from llmc.quant.spec import TensorSpec
 
 
@@ -48,6 +50,10 @@ class GptqOptions(AlgorithmOptions):
                             "diagonal) or false")
     true_sequential: bool = Field(default=True, description="true or false (quantize each Linear inside the "
                                   "forward that makes the next layer's inputs)")
+    block_scales: Literal["absmax", "search"] = Field(
+        default="absmax", description="'absmax' (each microscaling block's round-to-nearest scale) or 'search' (the "
+        "scale on the format's grid with the least squared error weighted by the Hessian's diagonal, "
+        "llmc.quant.scale_search), chosen as GPTQ reaches the block")
 
     def resolve(self, context: Context) -> GptqOptions:
         """Whether GPTQ quantizes each Linear on inputs through the layer's already-quantized Linears, inside the
@@ -63,6 +69,9 @@ class GptqOptions(AlgorithmOptions):
         if w.strategy == "block":
             raise ValueError("gptq does not quantize block-wise FP8 weights (one scale per 128x128 tile) in this llmc "
                              "version; fix: algorithm rtn")
+        if self.block_scales == "search" and not w.info.microscaling:
+            raise ValueError(f"options.block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales, not "
+                             f"{w.describe()}'s; fix: drop block_scales")
         if w.info.microscaling and self.act_order:
             raise ValueError(f"gptq sets each {w.format} block's scale when it reaches the block's first column, "
                              "which activation order scatters; fix: options.act_order false")
@@ -74,7 +83,10 @@ class GptqOptions(AlgorithmOptions):
 
     def stage_key(self) -> dict | None:
         # GPTQ's in-layer order changed its result: not the older cache entries
-        return {"true_sequential": True} if self.true_sequential else None
+        key = {"true_sequential": True} if self.true_sequential else {}
+        if self.block_scales != "absmax":
+            key["block_scales"] = self.block_scales
+        return key or None
 
     def extra_calibration_passes(self) -> float:
         return 1.0  # Hessians (x xᵀ per input) and the column loop, about one forward's worth at this width
@@ -243,7 +255,9 @@ def gptq_microscaling_rows(
     [out, in] and encoded block scales [out, in // block] exactly as `microscaling.quantize_blocks` lays them out,
     and the layer-wise loss. Each block's scale is round-to-nearest's (`block_scales`) of the block's weights when
     the loop reaches its first column, so it sees the errors the earlier columns moved onto it; NVFP4 blocks under
-    `global_scale` ([out]: each row's tensor's global scale; fixed from the original weights)."""
+    `global_scale` ([out]: each row's tensor's global scale; fixed from the original weights). With
+    `options.block_scales` "search" the block's scale is instead the one `search_block_scales` picks among
+    round-to-nearest's and its grid neighbours, by squared error weighted by the Hessian's diagonal."""
     fmt = MICROSCALING_FORMATS[format]
     n_out, n_in = w.shape
     if n_in % fmt.block_size:
@@ -259,8 +273,9 @@ def gptq_microscaling_rows(
     bs = max(1, options.block_size // fmt.block_size) * fmt.block_size
     for i1 in range(0, n_in, bs):
         i2 = min(i1 + bs, n_in)
+        importance = torch.diagonal(hessian)[i1:i2] if options.block_scales == "search" else None
         block_codes, block_scale, errors = _microscaling_block(w[:, i1:i2], h_inv_chol[i1:i2, i1:i2], fmt,
-                                                               global_scale)
+                                                               global_scale, importance)
         codes[:, i1:i2] = block_codes
         scales.append(block_scale)
         loss += (errors.double() ** 2).sum() / 2
@@ -268,11 +283,11 @@ def gptq_microscaling_rows(
     return codes, torch.cat(scales, dim=1), float(loss)
 
 
-def _microscaling_block(block: torch.Tensor, h_blk: torch.Tensor, fmt, global_scale: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _microscaling_block(block: torch.Tensor, h_blk: torch.Tensor, fmt, global_scale: torch.Tensor | None,
+                        importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The columns of `block` [out, b] (b a multiple of the format's block size) in order: codes [out, b], encoded
     scales [out, b // block size] and the scaled errors [out, b] moved onto the later columns through the upper
-    Cholesky factor `h_blk` of H⁻¹."""
+    Cholesky factor `h_blk` of H⁻¹. `importance` [b] given: each scale searched (`search_block_scales`)."""
     cols = block.t().float().contiguous()  # one column per contiguous row, as `_integer_block`
     codes = torch.empty(cols.shape, dtype=torch.uint8 if fmt.element == "e2m1" else torch.float8_e4m3fn,
                         device=cols.device)
@@ -282,7 +297,13 @@ def _microscaling_block(block: torch.Tensor, h_blk: torch.Tensor, fmt, global_sc
     step = None
     for i in range(cols.shape[0]):
         if i % fmt.block_size == 0:  # the block's scale, from its columns as the earlier errors left them
-            scale = block_scales(cols[i : i + fmt.block_size].abs().amax(dim=0), fmt, global_scale)
+            group = cols[i : i + fmt.block_size]
+            if importance is None:
+                scale = block_scales(group.abs().amax(dim=0), fmt, global_scale)
+            else:
+                scale = search_block_scales(group.t(), fmt, global_scale=None if global_scale is None else
+                                            global_scale[:, None], importance=importance[i : i + fmt.block_size]
+                                            ).scale[:, 0]
             scales.append(scale)
             step = scale_values(scale, global_scale)
         c = encode_elements(cols[i], step, fmt)
