@@ -209,7 +209,7 @@ def test_awq_then_gptq_parses_but_is_not_implemented() -> None:
 
 @pytest.mark.parametrize("algorithm, options, needles", [
     ("gptq", {"n_grid": 4, "alpha": 0.5}, ["options alpha, n_grid do not apply to algorithm gptq",
-                                           "fix: use act_order, block_size, dampening, propagate, true_sequential"]),
+                                           "fix: use act_order, block_scales, block_size, dampening, propagate, true_sequential"]),
     ("rtn", {"propagate": "original"}, ["options propagate do not apply to algorithm rtn", "fix: use no options"]),
     ("smoothquant", {"smooth": "foo"}, ["options.smooth = 'foo'", "fix: set options.smooth to 'norms'", "'all'"]),
     ("smoothquant", {"alpha": 1.5}, ["options.alpha = 1.5", "less than or equal to 1", "fix:"]),
