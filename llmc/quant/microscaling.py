@@ -242,18 +242,39 @@ def scale_values(scale: torch.Tensor, global_scale: torch.Tensor | None) -> torc
 # --------------------------------------------------------------------------- quantize / dequantize
 
 
+def encode_elements(x: torch.Tensor, step: torch.Tensor, fmt: MicroscalingFormat) -> torch.Tensor:
+    """Element codes of x under the float32 scale `step` (broadcast against x): x / step rounded to the nearest
+    element value, ties to even, saturating. Where `step` is 0 the code is 0. Uint8 E2M1 codes or float8_e4m3fn."""
+    y = torch.where(step > 0, x.float() / torch.where(step > 0, step, 1.0), 0.0)
+    if fmt.element == "e2m1":
+        return e2m1_encode(y)
+    return y.clamp(-fmt.element_max, fmt.element_max).to(torch.float8_e4m3fn)
+
+
+def decode_elements(codes: torch.Tensor, fmt: MicroscalingFormat) -> torch.Tensor:
+    """float32 element values of codes (before their scale)."""
+    return e2m1_decode(codes) if fmt.element == "e2m1" else codes.float()
+
+
 def quantize_with_scales(x: torch.Tensor, scale: torch.Tensor, fmt: MicroscalingFormat,
                          global_scale: torch.Tensor | None = None) -> BlockQuantized:
     """Codes of x for the given encoded block scales (round to nearest even, saturating). A block whose scale is 0
     gets zero codes."""
-    step = scale_values(scale, global_scale).unsqueeze(-1)
-    blocks = _blocks(x.float(), fmt)
-    y = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
-    if fmt.element == "e2m1":
-        codes = e2m1_encode(y)
-    else:
-        codes = y.clamp(-fmt.element_max, fmt.element_max).to(torch.float8_e4m3fn)
+    codes = encode_elements(_blocks(x, fmt), scale_values(scale, global_scale).unsqueeze(-1), fmt)
     return BlockQuantized(codes=codes.flatten(-2), scale=scale, global_scale=global_scale, format=fmt)
+
+
+def block_scales(block_amax: torch.Tensor, fmt: MicroscalingFormat,
+                 global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Round-to-nearest encoded scales of blocks with absolute maxima `block_amax`: E8M0 exponents (uint8, OCP's
+    rule) for MX formats, E4M3 block scales under `global_scale` (broadcast against `block_amax`) for NVFP4."""
+    if fmt.scale == "e8m0":
+        if global_scale is not None:
+            raise ValueError(f"{fmt.name} has no global scale")
+        return e8m0_shared_exponent(block_amax, fmt.element_emax)
+    if global_scale is None:
+        raise ValueError(f"{fmt.name} block scales need the tensor's global scale")
+    return nvfp4_block_scale(block_amax, global_scale)
 
 
 def quantize_blocks(x: torch.Tensor, fmt: MicroscalingFormat,
@@ -261,22 +282,21 @@ def quantize_blocks(x: torch.Tensor, fmt: MicroscalingFormat,
     """Round-to-nearest codes and scales of x [..., n] in `fmt` (n a multiple of fmt.block_size).
 
     NVFP4 computes the global scale from x's absolute maximum unless one is given (a calibrated activation scale:
-    then blocks beyond the calibrated range saturate). MX formats take no global scale."""
+    then blocks beyond the calibrated range saturate; or [..., 1], one per row of stacked tensors, as GPTQ's loop
+    passes them). MX formats take no global scale."""
     amax = _blocks(x.detach(), fmt).abs().amax(dim=-1)
     require_finite(amax, f"a tensor quantized to {fmt.name}")
-    if fmt.scale == "e8m0":
-        if global_scale is not None:
-            raise ValueError(f"{fmt.name} has no global scale")
-        return quantize_with_scales(x, e8m0_shared_exponent(amax, fmt.element_emax), fmt)
-    if global_scale is None:
-        global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
-    global_scale = global_scale.float().reshape(1).to(x.device)
-    return quantize_with_scales(x, nvfp4_block_scale(amax, global_scale), fmt, global_scale)
+    if fmt.scale == "e4m3":
+        if global_scale is None:
+            global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
+        global_scale = global_scale.float().to(x.device)
+        global_scale = global_scale.reshape(1) if global_scale.numel() == 1 else global_scale
+    return quantize_with_scales(x, block_scales(amax, fmt, global_scale), fmt, global_scale)
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The values the codes stand for: float32 code * scale (compressed-tensors' order for NVFP4: code *
     (block scale / global scale)), then rounded once to `dtype` if given."""
-    values = e2m1_decode(q.codes) if q.format.element == "e2m1" else q.codes.float()
+    values = decode_elements(q.codes, q.format)
     out = (_blocks(values, q.format) * scale_values(q.scale, q.global_scale).unsqueeze(-1)).flatten(-2)
     return out if dtype is None else out.to(dtype)

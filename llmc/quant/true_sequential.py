@@ -70,7 +70,8 @@ def _quantize_stack(names: tuple[str, ...], linears: dict[str, nn.Linear], hessi
                     spec: TensorSpec, options: GptqOptions, quantized: dict[str, QuantizedWeight]) -> None:
     # Under torchrun: computed on rank 0, the codes broadcast (llmc.distributed); every rank then runs the same layer.
     results = distributed.computed_once(
-        lambda: gptq_quantize_shared([linears[n].weight.data for n in names], hessian, spec, options)[0])
+        lambda: gptq_quantize_shared([linears[n].weight.data for n in names], hessian, spec, options,
+                                     list(names))[0])
     results = distributed.moved(results, hessian.device)
     for name, q in zip(names, results):
         quantized[name] = q

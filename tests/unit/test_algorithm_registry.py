@@ -142,7 +142,8 @@ def test_each_algorithm_is_registered_once_with_its_kind() -> None:
                                                      "scale_search": "quantizer", "smoothquant": "transform"}
     assert ALGORITHMS["gptq"].options is GptqOptions and ALGORITHMS["awq"].options is AwqOptions
     assert [n for n in names() if not ALGORITHMS[n].calibrates] == ["rtn", "scale_search"]
-    assert [n for n in names() if ALGORITHMS[n].block_scaled] == ["rtn", "scale_search"]  # microscaling weights
+    # microscaling weights (awq: NVFP4 / MXFP4 weight-only, its options' check)
+    assert [n for n in names() if ALGORITHMS[n].block_scaled] == ["awq", "gptq", "rtn", "scale_search"]
     assert IMPLEMENTED == {"rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq", "scale_search"}
     with pytest.raises(ValueError, match="registered twice"):
         register("gptq", kind="quantizer", options=GptqOptions)(lambda *a: {})
@@ -208,7 +209,7 @@ def test_awq_then_gptq_parses_but_is_not_implemented() -> None:
 
 @pytest.mark.parametrize("algorithm, options, needles", [
     ("gptq", {"n_grid": 4, "alpha": 0.5}, ["options alpha, n_grid do not apply to algorithm gptq",
-                                           "fix: use act_order, block_size, dampening, propagate, true_sequential"]),
+                                           "fix: use act_order, block_scales, block_size, dampening, propagate, true_sequential"]),
     ("rtn", {"propagate": "original"}, ["options propagate do not apply to algorithm rtn", "fix: use no options"]),
     ("smoothquant", {"smooth": "foo"}, ["options.smooth = 'foo'", "fix: set options.smooth to 'norms'", "'all'"]),
     ("smoothquant", {"alpha": 1.5}, ["options.alpha = 1.5", "less than or equal to 1", "fix:"]),

@@ -94,7 +94,13 @@ def test_block_fp8_activation_groups_must_divide_the_model_widths() -> None:
 
 
 @pytest.mark.parametrize(("quant", "message"), [
-    ({"weights": NVFP4, "algorithm": "gptq"}, "algorithm gptq does not quantize nvfp4"),
+    ({"weights": NVFP4, "algorithm": "smoothquant"}, "algorithm smoothquant does not quantize nvfp4"),
+    ({"weights": NVFP4, "algorithm": "gptq", "options": {"act_order": True}}, "fix: options.act_order false"),
+    ({**QUANT["W8A8-FP8-BLOCK"], "algorithm": "gptq"}, "gptq does not quantize block-wise FP8"),
+    ({"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq",
+      "options": {"block_scales": "search"}}, "block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales"),
+    ({**QUANT["W4A4-NVFP4"], "algorithm": "awq"}, "awq searches nvfp4 weight-only schemes"),
+    ({**QUANT["W8A8-MXFP8"], "algorithm": "awq"}, "awq is a 4-bit weight method"),
     ({"weights": {**MXFP4, "group_size": 16}}, "mxfp4 uses 32-element groups"),
     ({"weights": {"format": "int8", "strategy": "block"}}, "strategy 'block' is block-wise FP8"),
     ({"weights": {"format": "fp8_e4m3", "strategy": "channel"}, "activations": QUANT["W8A8-FP8-BLOCK"]["activations"]},
@@ -190,15 +196,19 @@ def test_scale_search_never_loses_to_rounding_and_wins_somewhere(fmt: str, tiny_
     assert searched_total < rtn_total
 
 
-@pytest.mark.parametrize("algorithm", ["rtn", "scale_search"])
+@pytest.mark.parametrize("algorithm", ["rtn", "scale_search", "gptq"])
 def test_fused_siblings_share_one_nvfp4_global_scale_in_the_canonical_form(algorithm: str, tiny_model: Path,
                                                                              tmp_path: Path) -> None:
     """vLLM and SGLang load q/k/v and gate/up as one matmul with one global scale (the largest stored): the
-    quantize stage gives the siblings their joint one, from their joint amax; an unfused Linear keeps its own."""
+    quantize stage gives the siblings their joint one, from their joint amax; an unfused Linear keeps its own.
+    GPTQ's global scale is round-to-nearest's, from the weights before its column loop."""
     from llmc.quant.microscaling import nvfp4_global_scale
+    from llmc.quant.stream import Calibration
 
     scheme = recipe({**QUANT["W4A16-NVFP4"], "algorithm": algorithm}, source=str(tiny_model)).quantization.to_scheme()
-    quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q", None)
+    calibration = (Calibration(torch.randint(3, 200, (4, 24), generator=torch.Generator().manual_seed(0)))
+                   if scheme.needs_calibration else None)
+    quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q", calibration)
     weights = {}
     from safetensors.torch import load_file
 

@@ -7,6 +7,11 @@ get larger scales and so finer effective quantization.
 
 Clip search: per output channel and group, shrink the clipping range by up to `max_shrink` and keep
 the one whose quantized weights best reproduce x_g · w_g on sampled inputs.
+
+NVFP4 and MXFP4 weights (weight-only) are searched with the format's own quantizer in the loop
+(`fake_quantize_weight`: E2M1 codes, E4M3 / E8M0 block scales). Approximations there: during the scale search each
+NVFP4 Linear takes its own global scale (the final quantization shares one across fused siblings), and the clip
+search's global scale is that of the rows it scores at once, not the whole weight's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,15 @@ from llmc.quant.algorithms.gptq import gram_float32
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
 from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
-from llmc.quant.numerics import compute_qparams, dequantize, grouped_view, quantize_with
+from llmc.quant.numerics import (
+    block_scaled,
+    compute_qparams,
+    dequantize,
+    dequantize_weight,
+    grouped_view,
+    quantize_weight,
+    quantize_with,
+)
 from llmc.quant.spec import TensorSpec
 
 # AutoAWQ leaves q/k to RTN ranges: clipping them perturbs attention scores more than it saves.
@@ -51,8 +64,12 @@ class AwqOptions(AlgorithmOptions):
 
     def check(self, context: Context) -> None:
         w = context.scheme.weights
-        if w.format != "int4":
-            raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4")
+        if w.format not in ("int4", "nvfp4", "mxfp4"):
+            raise ValueError("awq is a 4-bit weight method; fix: use weights.format int4, nvfp4 or mxfp4")
+        if w.info.microscaling and context.scheme.activations is not None:
+            # its search scores weights alone: FP4 activations divided by the scale would quantize differently
+            raise ValueError(f"awq searches {w.format} weight-only schemes; fix: drop the activations, or algorithm "
+                             "gptq or rtn")
         if w.strategy != "group" and self.clip:
             raise ValueError("awq's clip search works per weight group; fix: weights.strategy group, or options.clip "
                              "false")
@@ -75,6 +92,9 @@ class AwqOptions(AlgorithmOptions):
 
 
 def fake_quantize_weight(w: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """w through the quantizer RTN applies (microscaling: the format's own; NVFP4 under w's own global scale)."""
+    if block_scaled(spec):
+        return dequantize_weight(quantize_weight(w, spec), spec).to(w.dtype)
     scale, zp = compute_qparams(w, spec)
     return dequantize(quantize_with(w, scale, zp, spec), scale, zp, spec).to(w.dtype)
 
@@ -265,6 +285,7 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
 
 
 @register("awq", kind="transform", options=AwqOptions, propagate="quantized", module_calls=awq_module_calls,
+          block_scaled=True,  # NVFP4 / MXFP4 weight-only: the format's quantizer in the search (AwqOptions.check)
           # On Gemma-3-270M AWQ on vLLM's fp8_row scale grid measured 47.4 ppl against 43.3 for plain scales as
           # vLLM converts them (docs/calibration.md), a loss not yet understood: AWQ keeps plain scales by default.
           fp8_row_by_default=False)

@@ -4,24 +4,40 @@ not yet quantized, weighted by the inverse Hessian of the layer-wise objective |
 Scales (and zero points) are fixed from the original weight before the first column is rounded, as
 llm-compressor does; so activation ordering never changes which columns share a scale and the
 result stores no `g_idx`.
+
+Microscaling weights (NVFP4, MXFP4, MXFP8) are quantized by the format's own quantizer instead
+(`gptq_microscaling_rows`): each block's scale (E4M3 under the tensor's global scale, or E8M0) is computed when the
+loop reaches the block's first column, from the block's weights as the earlier columns' errors left them (the
+original GPTQ's group rule), and the codes are the format's elements; the result has round-to-nearest's layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
+from llmc.quant.microscaling import (
+    MICROSCALING_FORMATS,
+    block_scales,
+    decode_elements,
+    encode_elements,
+    require_finite,
+    scale_values,
+)
 from llmc.quant.numerics import (
     QuantizedWeight,
     compute_qparams,
     dequantize,
     quantize_with,
+    weight_global_scales,
 )
+from llmc.quant.scale_search import search_block_scales
 from llmc.quant.spec import TensorSpec
 
 
@@ -34,6 +50,10 @@ class GptqOptions(AlgorithmOptions):
                             "diagonal) or false")
     true_sequential: bool = Field(default=True, description="true or false (quantize each Linear inside the "
                                   "forward that makes the next layer's inputs)")
+    block_scales: Literal["absmax", "search"] = Field(
+        default="absmax", description="'absmax' (each microscaling block's round-to-nearest scale) or 'search' (the "
+        "scale on the format's grid with the least squared error weighted by the Hessian's diagonal, "
+        "llmc.quant.scale_search), chosen as GPTQ reaches the block")
 
     def resolve(self, context: Context) -> GptqOptions:
         """Whether GPTQ quantizes each Linear on inputs through the layer's already-quantized Linears, inside the
@@ -45,6 +65,16 @@ class GptqOptions(AlgorithmOptions):
         return self.model_copy(update={"true_sequential": self.true_sequential and applies})
 
     def check(self, context: Context) -> None:
+        w = context.scheme.weights
+        if w.strategy == "block":
+            raise ValueError("gptq does not quantize block-wise FP8 weights (one scale per 128x128 tile) in this llmc "
+                             "version; fix: algorithm rtn")
+        if self.block_scales == "search" and not w.info.microscaling:
+            raise ValueError(f"options.block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales, not "
+                             f"{w.describe()}'s; fix: drop block_scales")
+        if w.info.microscaling and self.act_order:
+            raise ValueError(f"gptq sets each {w.format} block's scale when it reaches the block's first column, "
+                             "which activation order scatters; fix: options.act_order false")
         asked = "true_sequential" in self.model_fields_set and self.true_sequential
         if asked and not self.resolve(context).true_sequential:
             raise ValueError("options.true_sequential quantizes each Linear inside the forward that makes the next "
@@ -53,7 +83,10 @@ class GptqOptions(AlgorithmOptions):
 
     def stage_key(self) -> dict | None:
         # GPTQ's in-layer order changed its result: not the older cache entries
-        return {"true_sequential": True} if self.true_sequential else None
+        key = {"true_sequential": True} if self.true_sequential else {}
+        if self.block_scales != "absmax":
+            key["block_scales"] = self.block_scales
+        return key or None
 
     def extra_calibration_passes(self) -> float:
         return 1.0  # Hessians (x xᵀ per input) and the column loop, about one forward's worth at this width
@@ -168,10 +201,14 @@ def gptq_quantize(
 
 
 def gptq_quantize_shared(
-    weights: list[torch.Tensor], hessian: torch.Tensor, spec: TensorSpec, options: GptqOptions = GptqOptions()
+    weights: list[torch.Tensor], hessian: torch.Tensor, spec: TensorSpec, options: GptqOptions = GptqOptions(),
+    names: list[str] | None = None,
 ) -> tuple[list[QuantizedWeight], float]:
     """GPTQ for Linears that read the same input (q/k/v; gate/up): rows are independent given H, so
-    their rows are stacked and the column loop runs once for all of them."""
+    their rows are stacked and the column loop runs once for all of them. `names` (the Linears' module names) let
+    NVFP4's fused siblings share one global scale, as round-to-nearest's do (`weight_global_scales`)."""
+    if spec.info.microscaling:
+        return _gptq_microscaling_shared(weights, hessian, spec, options, names)
     qparams = [_row_qparams(w, spec) for w in weights]
     scale = torch.cat([s for s, _ in qparams])
     zp = None if qparams[0][1] is None else torch.cat([z for _, z in qparams])
@@ -185,6 +222,96 @@ def gptq_quantize_shared(
         out.append(QuantizedWeight(codes=codes[rows].contiguous(), scale=s.contiguous(),
                                    zero_point=None if z is None else z.contiguous()))
     return out, loss
+
+
+def _gptq_microscaling_shared(
+    weights: list[torch.Tensor], hessian: torch.Tensor, spec: TensorSpec, options: GptqOptions,
+    names: list[str] | None,
+) -> tuple[list[QuantizedWeight], float]:
+    names = names or [str(i) for i in range(len(weights))]  # no names: no fused siblings, a global scale each
+    global_scales = weight_global_scales(dict(zip(names, weights)), spec)
+    for w in weights:
+        require_finite(w.detach().abs().amax(), f"a weight quantized to {spec.format}")
+    row_global = None
+    if global_scales:  # NVFP4: each row's tensor's global scale, [out]
+        row_global = torch.cat([global_scales[n].float().to(w.device).expand(w.shape[0])
+                                for n, w in zip(names, weights)])
+    codes, scale, loss = gptq_microscaling_rows(torch.cat([w.detach().float() for w in weights]), hessian,
+                                                spec.format, row_global, options)
+    out, start = [], 0
+    for name, w in zip(names, weights):
+        rows = slice(start, start + w.shape[0])
+        start += w.shape[0]
+        out.append(QuantizedWeight(codes=codes[rows].contiguous(), scale=scale[rows].contiguous(), zero_point=None,
+                                   global_scale=global_scales.get(name)))
+    return out, loss
+
+
+def gptq_microscaling_rows(
+    w: torch.Tensor, hessian: torch.Tensor, format: str, global_scale: torch.Tensor | None,
+    options: GptqOptions = GptqOptions(),
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """GPTQ's column loop over a float32 weight [out, in] in a microscaling format (`MICROSCALING_FORMATS`): codes
+    [out, in] and encoded block scales [out, in // block] exactly as `microscaling.quantize_blocks` lays them out,
+    and the layer-wise loss. Each block's scale is round-to-nearest's (`block_scales`) of the block's weights when
+    the loop reaches its first column, so it sees the errors the earlier columns moved onto it; NVFP4 blocks under
+    `global_scale` ([out]: each row's tensor's global scale; fixed from the original weights). With
+    `options.block_scales` "search" the block's scale is instead the one `search_block_scales` picks among
+    round-to-nearest's and its grid neighbours, by squared error weighted by the Hessian's diagonal."""
+    fmt = MICROSCALING_FORMATS[format]
+    n_out, n_in = w.shape
+    if n_in % fmt.block_size:
+        raise ValueError(f"{fmt.name} scales blocks of {fmt.block_size} inputs; {n_in} does not divide into them")
+    w = w.clone()
+    h_inv_chol, dead = _prepare_inverse(hessian, options.dampening)
+    w[:, dead] = 0.0
+    code_dtype = torch.uint8 if fmt.element == "e2m1" else torch.float8_e4m3fn
+    codes = torch.empty(n_out, n_in, dtype=code_dtype, device=w.device)
+    scales = []
+    loss = torch.zeros((), dtype=torch.float64, device=w.device)
+    # whole scale blocks per column block: a block's scale is set from columns that are all up to date
+    bs = max(1, options.block_size // fmt.block_size) * fmt.block_size
+    for i1 in range(0, n_in, bs):
+        i2 = min(i1 + bs, n_in)
+        importance = torch.diagonal(hessian)[i1:i2] if options.block_scales == "search" else None
+        block_codes, block_scale, errors = _microscaling_block(w[:, i1:i2], h_inv_chol[i1:i2, i1:i2], fmt,
+                                                               global_scale, importance)
+        codes[:, i1:i2] = block_codes
+        scales.append(block_scale)
+        loss += (errors.double() ** 2).sum() / 2
+        w[:, i2:] -= errors @ h_inv_chol[i1:i2, i2:]
+    return codes, torch.cat(scales, dim=1), float(loss)
+
+
+def _microscaling_block(block: torch.Tensor, h_blk: torch.Tensor, fmt, global_scale: torch.Tensor | None,
+                        importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The columns of `block` [out, b] (b a multiple of the format's block size) in order: codes [out, b], encoded
+    scales [out, b // block size] and the scaled errors [out, b] moved onto the later columns through the upper
+    Cholesky factor `h_blk` of H⁻¹. `importance` [b] given: each scale searched (`search_block_scales`)."""
+    cols = block.t().float().contiguous()  # one column per contiguous row, as `_integer_block`
+    codes = torch.empty(cols.shape, dtype=torch.uint8 if fmt.element == "e2m1" else torch.float8_e4m3fn,
+                        device=cols.device)
+    errors = torch.empty_like(cols)
+    scales = []
+    diag = torch.diagonal(h_blk)
+    step = None
+    for i in range(cols.shape[0]):
+        if i % fmt.block_size == 0:  # the block's scale, from its columns as the earlier errors left them
+            group = cols[i : i + fmt.block_size]
+            if importance is None:
+                scale = block_scales(group.abs().amax(dim=0), fmt, global_scale)
+            else:
+                scale = search_block_scales(group.t(), fmt, global_scale=None if global_scale is None else
+                                            global_scale[:, None], importance=importance[i : i + fmt.block_size]
+                                            ).scale[:, 0]
+            scales.append(scale)
+            step = scale_values(scale, global_scale)
+        c = encode_elements(cols[i], step, fmt)
+        codes[i] = c
+        err = (cols[i] - decode_elements(c, fmt) * step) / diag[i]
+        errors[i] = err
+        cols[i:].sub_(h_blk[i, i:, None] * err[None, :])
+    return codes.t(), torch.stack(scales, dim=1), errors.t()
 
 
 def _gptq_rows(
@@ -322,7 +449,7 @@ def gptq_block_triton(
     return gptq_block(block, scale, zp, h_blk, spec)
 
 
-@register("gptq", kind="quantizer", options=GptqOptions, propagate="quantized", hessians=True)
+@register("gptq", kind="quantizer", options=GptqOptions, propagate="quantized", hessians=True, block_scaled=True)
 def gptq_layer(linears: dict[str, nn.Linear], stats, weights: TensorSpec,
                options: GptqOptions) -> dict[str, QuantizedWeight]:
     """GPTQ for every target Linear of a layer, Linears that read one input stacked (one Hessian, one loop)."""
@@ -332,6 +459,6 @@ def gptq_layer(linears: dict[str, nn.Linear], stats, weights: TensorSpec,
     out = {}
     for key, names in by_input.items():
         results, _ = gptq_quantize_shared([linears[n].weight.data for n in names], stats.hessians[key], weights,
-                                          options)
+                                          options, names)
         out.update(zip(names, results))
     return out
