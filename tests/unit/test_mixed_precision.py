@@ -129,9 +129,15 @@ def test_mixed_refuses_what_its_quantizer_cannot_do() -> None:
                        {"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"}],
             "algorithm": "gptq", "options": {"true_sequential": False}}
     assert _scheme(int4).members()["m"].algorithm == "gptq"
-    # a group whose scheme the quantizer cannot quantize: GPTQ and NVFP4
-    with pytest.raises(ValidationError, match=r"group mlp \(W4A16-NVFP4\): algorithm gptq does not quantize nvfp4"):
-        _scheme({**MIXED, "algorithm": "gptq", "options": {"true_sequential": False}})
+    # GPTQ quantizes NVFP4 groups with the format's own block scales (llmc.quant.algorithms.gptq)
+    gptq_nvfp4 = _scheme({**MIXED, "algorithm": "gptq", "options": {"true_sequential": False}})
+    assert gptq_nvfp4.members()["mlp"].algorithm == "gptq"
+    # a group whose scheme the quantizer cannot quantize: GPTQ and block-wise FP8
+    block = {"groups": [{"name": "m", "roles": ["mlp"], "scheme": "W8A8-FP8-BLOCK"},
+                        {"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"}],
+             "algorithm": "gptq", "options": {"true_sequential": False}}
+    with pytest.raises(ValidationError, match=r"group m \(W8A8-FP8-BLOCK\): gptq does not quantize block-wise FP8"):
+        _scheme(block)
     with pytest.raises(ValidationError, match="groups and also weights"):
         _scheme({**MIXED, "weights": {"format": "int8", "strategy": "channel"}})
 
