@@ -41,11 +41,12 @@ from llmc.storage.store import Store
 SCHEMES = {"mxfp4": TensorSpec("mxfp4", "group", group_size=32), "nvfp4": TensorSpec("nvfp4", "group", group_size=16)}
 
 
-def compare(qdir: Path, work: Path, windows, *, threads: int | None = None) -> dict:
-    """Export the canonical form in `qdir` as GGUF and compressed-tensors, score both on `windows`; the figures."""
+def compare(qdir: Path, work: Path, windows, *, threads: int | None = None, embedding_type: str = "f16") -> dict:
+    """Export the canonical form in `qdir` as GGUF (token embedding / tied head as `embedding_type`) and
+    compressed-tensors, score both on `windows`; the figures."""
     qm = QuantizedModel.open(qdir)
     t0 = time.perf_counter()
-    gguf = export_gguf(qm, work / "gguf")
+    gguf = export_gguf(qm, work / f"gguf-{embedding_type}", embedding_type=embedding_type)
     export_compressed_tensors(qm, work / "ct")
     t1 = time.perf_counter()
     reference = TorchEngine(work / "ct").score(windows)
@@ -75,6 +76,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: every CPU)")
+    p.add_argument("--embedding-type", default="f16", choices=("f16", "f32", "q8_0"),
+                   help="the GGUF's token embedding (and tied output head); f16 is what `llmc build` writes")
     args = p.parse_args()
     source = resolve_source(args.model, Store.default())
     from transformers import AutoTokenizer
@@ -86,9 +89,11 @@ def main() -> None:
         t0 = time.perf_counter()
         if not (qdir / "quantized.json").exists():
             quantize_model(source, Scheme(SCHEMES[name]), qdir, None)
-        row = compare(qdir, args.work / name, tokens.input_ids, threads=args.threads)
+        row = compare(qdir, args.work / name, tokens.input_ids, threads=args.threads,
+                      embedding_type=args.embedding_type)
         print(json.dumps({"model": args.model, "format": name, "windows": args.windows, "seq_len": args.seq_len,
-                          "tokens_sha256": tokens.sha256, "bos": tokens.bos, **row,
+                          "tokens_sha256": tokens.sha256, "bos": tokens.bos,
+                          "embedding_type": args.embedding_type, **row,
                           "total_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0]}),
               flush=True)
 
