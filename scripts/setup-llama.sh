@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp (llama-cpp-python 0.3.36, built from source: ~8-10 min on a quiet 2-core machine) in its own
-# venv (.venv-llama), for the GGUF runtime check (tests marked `llama`). Idempotent.
+# venv (.venv-llama), for the GGUF runtime check (tests marked `llama`). Idempotent. 0.3.36 vendors ggml 0.25.3,
+# which has the MXFP4 (39) and NVFP4 (40) types llmc's FP4 GGUF files use (docs/formats-microscaling.md); 14 min
+# here under a load average of 3-9.
 #
 # Built portable (AVX2/FMA/F16C, no AVX-512/AMX): a native build on a VM whose CPU advertises AMX
 # segfaults in the first llama_decode (measured here: the shipped SmolLM2 GGUF crashed with -11 under
