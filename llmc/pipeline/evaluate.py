@@ -35,12 +35,14 @@ from llmc.pipeline.runner import Runner, read_json
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, HASH_RATE, PROCESS_BYTES,
                                    Machine, forward_seconds)
 from llmc.planning.rows import GB, CostRow
-from llmc.planning.shapes import Shape
-from llmc.quant.numerics import BLOCK_ELEMENTS
+from llmc.planning.shapes import Shape, active_fraction
+from llmc.quant.groups import by_group
+from llmc.quant.numerics import BLOCK_ELEMENTS, fake_quantize_rate
+from llmc.quant.spec import Scheme, TensorSpec
 from llmc.telemetry.progress import log
 from llmc.pipeline.export import Export
 from llmc.pipeline.quantize import Quantize
-from llmc.quant.canonical import scheme_from_dict
+from llmc.quant.canonical import module_matches, scheme_from_dict
 from llmc.quant.device import resolve_device
 from llmc.result import Evaluation, eval_id
 from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
@@ -106,14 +108,16 @@ class Evaluate:
                       device=eval_device(ev.device, "torch"))
         n_corpora = len(corpora_of(ev.corpus))
         # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
-        scorings = [("baseline", False, 0.0, 0.0, 0)]
+        scorings = [("baseline", False, 0.0, 0.0, 0, ())]
         for q in self.quantizes:
             sizes = c.bytes_of[q.id.of[0]]
-            scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params))
+            scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params,
+                             emulated_elements(q.scheme, c.linears, c.config)))
         baseline_disk = 0.0
-        for label, reference, code_bytes, artifact_size, quantized_params in scorings:
+        for label, reference, code_bytes, artifact_size, quantized_params, emulated in scorings:
             row = eval_cost(shape, label=f"torch {label}", streamed=streamed, reference=reference,
-                                 artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
+                            artifact_code_bytes=code_bytes, quantized_params=quantized_params, emulated=emulated,
+                            **kwargs)
             row.named(StageId(Kind.EVAL, ("torch", label)))
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             row.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
@@ -132,22 +136,52 @@ class Evaluate:
             c.rows.append(row)
             if not streamed:
                 lean = eval_cost(shape, label=label, streamed=True, reference=reference,
-                                      artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
+                                 artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
                 lean = lean.host_bytes + lean.mapped_bytes
                 if lean < 0.95 * (row.host_bytes + row.mapped_bytes):
                     c.cheaper[row.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
                                            lean / 1e9)
 
 
+def emulated_elements(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict
+                      ) -> tuple[tuple[TensorSpec, float], ...]:
+    """What the torch engine quantize-dequantizes per scored token to emulate `scheme`'s runtime
+    (llmc.engines.torch_ref): every quantized Linear's input where its scheme quantizes activations (each Linear its
+    own, q/k/v the same input three times), and each layer's keys and values where the KV cache is quantized; as
+    (spec, elements per token over the whole model). A token runs through its top-k experts only."""
+    routed = active_fraction(config)
+    layers = {n: s for n, s in linears.items() if not module_matches(n, scheme.ignore)}
+    by_spec: dict[TensorSpec, float] = {}
+    if scheme.mixed:
+        members = scheme.members()
+        sets = [(members[g].activations, shapes) for g, shapes in
+                by_group(scheme, layers, config.get("num_hidden_layers", 0), config.get("model_type")).items()
+                if g in members]
+    else:
+        sets = [(scheme.activations, layers)]
+    for spec, shapes in sets:
+        if spec is not None:
+            by_spec[spec] = by_spec.get(spec, 0.0) + sum(
+                i * (routed if ".experts." in n else 1.0) for n, (_, i) in shapes.items())
+    if scheme.kv_cache is not None:
+        heads = config.get("num_attention_heads", 1)
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(heads, 1)
+        kv = 2 * config.get("num_key_value_heads", heads) * head_dim * config.get("num_hidden_layers", 1)
+        by_spec[scheme.kv_cache] = by_spec.get(scheme.kv_cache, 0.0) + kv
+    return tuple(by_spec.items())
+
+
 def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: int, batch: int, streamed: bool,
               reference: bool, artifact_code_bytes: float, top_k: int, throughput_tokens: int,
               machine: Machine, stored_elem: int | None = None, quantized_params: int = 0,
-              device: str = "cpu") -> CostRow:
+              device: str = "cpu", emulated: tuple[tuple[TensorSpec, float], ...] = ()) -> CostRow:
     """One torch-reference evaluation (the baseline, reference=False, or an artifact scored against the baseline's
     reference, reference=True), whole or one layer at a time, on `device` (eval.device). host_bytes is what the
     process allocates (RssAnon); weights transformers or safetensors leave mapped from their files are
     `mapped_bytes`. On a GPU the model (or its one layer), the windows' hidden states, the forward's temporaries and
-    the logits live there (`gpu_bytes`); the host still reads and decompresses the weights."""
+    the logits live there (`gpu_bytes`); the host still reads and decompresses the weights. `emulated`: what the
+    engine quantize-dequantizes per token to emulate the artifact's runtime (`emulated_elements`), timed at
+    `fake_quantize`'s probed rate."""
     e = BYTES[compute]
     stored_elem = stored_elem or e
     h, tokens = shape.hidden, windows * seq_len
@@ -184,6 +218,10 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
                               compute=compute, device=device, width=h, rows=batch * seq_len)
+    # the runtime's activation and KV-cache quantization, emulated in the compute dtype on every scored token (at
+    # SmolLM2's widths static FP8 doubled the scoring time: docs/planner.md "Accuracy under load")
+    forward += sum(scored * elements / fake_quantize_rate(spec, compute, width=h, rows=batch * seq_len, device=device)
+                   for spec, elements in emulated)
     # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
     io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e

@@ -302,6 +302,39 @@ def static_scale(absmax: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return scale
 
 
+def fake_quantize_rate(spec: TensorSpec, dtype_name: str, width: int, rows: int, device: str = "cpu") -> float:
+    """Activation elements/s `fake_quantize` processes at `spec` on an input of `rows` tokens x `width` (capped at
+    512 x 8192) in `dtype_name` on `device`, with a stored scale for a static spec: what an engine emulating a
+    runtime's activation or KV-cache quantization adds to every forward (llmc.engines.torch_ref), as the planner
+    times it (llmc.planning.probes: timed several times, cached per machine)."""
+    rows, width = max(1, min(rows, 512)), max(1, min(width, 8192))
+    where = "" if device == "cpu" else f" {device}"
+    return probes.rate(f"fake_quantize {spec!r} {dtype_name}{where} rows={rows} width={width}",
+                       _fake_quantize_timer(spec, dtype_name, rows, width, device))
+
+
+def _fake_quantize_timer(spec: TensorSpec, dtype_name: str, rows: int, width: int, device: str = "cpu"):
+    """A function timing one `fake_quantize` of a [rows, width] input and returning its elements/s."""
+    state: dict = {}
+
+    def sync() -> None:
+        if state["x"].is_cuda:
+            torch.cuda.synchronize(state["x"].device)
+
+    def run_once() -> float:
+        if not state:
+            # the width a multiple of the group (a recipe's groups divide the model's widths)
+            step = MICROSCALING_FORMATS[spec.format].block_size if spec.info.microscaling else spec.group_size or 1
+            x = torch.randn(rows, max(step, width // step * step), device=device).to(getattr(torch, dtype_name))
+            scale = None if spec.dynamic else static_scale(x.float().abs().amax(), spec)
+            state.update(x=x, scale=scale)
+            fake_quantize(x, spec, scale)  # warm-up: first-call dispatch
+        x = state["x"]
+        return probes.sustained_rate(x.numel(), lambda: fake_quantize(x, spec, state["scale"]), sync)
+
+    return run_once
+
+
 # The probe's weight spans several blocks of rows, so it runs the same path as a large Linear does.
 QUANTIZE_PROBE_ELEMENTS = 3072 * 4096  # float32 copy: 50 MB
 

@@ -31,9 +31,9 @@ def own_rates(monkeypatch):
     monkeypatch.delenv("LLMC_REPROBE", raising=False)
 
 
-def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8)) -> dict:
+def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,)) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed)."""
-    calls = {"matmul": 0, "quantize": 0}
+    calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -45,6 +45,7 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
 
     monkeypatch.setattr(machine, "_matmul_timer", timer("matmul", matmul))
     monkeypatch.setattr(numerics, "_quantize_timer", timer("quantize", quantize))
+    monkeypatch.setattr(numerics, "_fake_quantize_timer", timer("fake_quantize", fake_quantize))
     return calls
 
 
@@ -387,3 +388,53 @@ def test_fewer_windows_than_the_batch_are_planned_as_one_batch_of_them(streamed:
     assert (few.host_bytes, few.seconds, few.parts) == (as_planned.host_bytes, as_planned.seconds, as_planned.parts)
     assert few.parts["logits"] == 3 * 2 * 128 * shape.vocab * 4
     assert row(8, 8).parts["logits"] == 4 * few.parts["logits"]  # enough windows: the whole batch
+
+
+# 9. An artifact's evaluation emulates its runtime's activation and KV-cache quantization
+
+
+def test_the_emulated_inputs_are_each_quantized_linears_input_and_the_kv_cache_per_token() -> None:
+    """Issue 35: the torch engine fake-quantizes every quantized Linear's input (q, k and v each their own) and the
+    keys and values; at SmolLM2's widths that doubled the scoring time and the plan did not count it."""
+    from llmc.pipeline.evaluate import emulated_elements
+    from llmc.planning.shapes import from_config
+    from llmc.quant.spec import Scheme, TensorSpec
+
+    linears = from_config(QWEN2_7B_WIDTHS).linear_shapes()
+    act, kv = TensorSpec("fp8_e4m3", "tensor"), TensorSpec("fp8_e4m3", "tensor")
+    weights = TensorSpec("fp8_e4m3", "channel")
+    h, inter, layers = 3584, 18944, 2
+    per_layer = 3 * h + h + 2 * h + inter  # q, k, v, o (its input is the attention width: 28 x 128 = h), gate, up, down
+    assert dict(emulated_elements(Scheme(weights, act), linears, QWEN2_7B_WIDTHS)) == {act: layers * per_layer}
+    assert emulated_elements(Scheme(weights), linears, QWEN2_7B_WIDTHS) == ()  # weight-only: nothing emulated
+    kv_per_token = 2 * 4 * 128 * layers  # keys and values of 4 KV heads of 128
+    both = dict(emulated_elements(Scheme(weights, act, kv_cache=kv), linears, QWEN2_7B_WIDTHS))
+    assert both == {act: layers * per_layer + kv_per_token}  # one spec: one probe
+    int8_kv = TensorSpec("int8", "tensor")
+    both = dict(emulated_elements(Scheme(weights, act, kv_cache=int8_kv), linears, QWEN2_7B_WIDTHS))
+    assert both == {act: layers * per_layer, int8_kv: kv_per_token}
+    # a Linear left out by `ignore` runs unquantized: its input is not emulated
+    no_down = dict(emulated_elements(Scheme(weights, act, ignore=("lm_head", "re:.*down_proj")), linears,
+                                     QWEN2_7B_WIDTHS))
+    assert no_down == {act: layers * (per_layer - inter)}
+
+
+def test_an_artifact_whose_runtime_quantizes_activations_is_planned_slower_by_the_emulation(monkeypatch) -> None:
+    from llmc.pipeline.evaluate import eval_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+    from llmc.quant.spec import TensorSpec
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,), fake_quantize=(5e7,))
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+    act = TensorSpec("fp8_e4m3", "tensor")
+
+    def row(emulated):
+        return eval_cost(shape, label="torch W8A8", compute="float32", windows=4, seq_len=128, batch=4,
+                         streamed=False, reference=True, artifact_code_bytes=1.0, top_k=10, throughput_tokens=100,
+                         machine=Machine(available=None, gpu_free=None, device="cpu"), emulated=emulated)
+
+    plain, emulating = row(()), row(((act, 1000.0),))
+    scored = 4 * 128 + 100  # the windows and the throughput's tokens
+    assert emulating.seconds - plain.seconds == pytest.approx(scored * 1000.0 / 5e7)
+    assert emulating.host_bytes == plain.host_bytes
