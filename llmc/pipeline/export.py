@@ -23,7 +23,7 @@ from llmc.planning.shapes import Shape
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme
-from llmc.pipeline.quantize import Quantize, group_bytes
+from llmc.pipeline.quantize import Quantize
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
 from llmc.storage.store import stage_key
@@ -151,15 +151,13 @@ def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
         side_files=c.side_files, static_input_scales=scheme.activations is not None and not scheme.activations.dynamic)
     if not scheme.mixed:
         return [whole]
-    groups = [g for g in group_bytes(scheme, c.linears, c.config, c.elem) if g["quantized"]]
     members = scheme.members()
-    in_groups = sum(g["params"] for g in groups)
+    quantized_groups = [(members[name], shapes) for name, shapes in
+                        by_group(scheme, c.linears, c.config.get("num_hidden_layers", 0),
+                                 c.config.get("model_type")).items() if name in members and shapes]
+    in_groups = sum(o * i for _, shapes in quantized_groups for o, i in shapes.values())
     parts = [replace(whole, linears=(), layer_unquantized=c.shape.params - in_groups - c.shape.outer_params)]
-    for name, shapes in by_group(scheme, c.linears, c.config.get("num_hidden_layers", 0),
-                                 c.config.get("model_type")).items():
-        member = members.get(name) if name is not None else None
-        if member is None or not shapes:
-            continue
+    for member, shapes in quantized_groups:
         acts = member.activations
         parts.append(targets.WrittenTensors(
             linears=tuple(shapes.values()), weights=member.weights, outer=0, layer_unquantized=0, elem=c.elem,
