@@ -106,6 +106,7 @@ class Plan:
 
 def _render_estimates(e: dict) -> list[str]:
     """The per-stage table: device, peak host RAM, peak GPU memory, new disk, time, strategy and why."""
+    w = max([34, *(len(s["stage"]) for s in e["stages"])])  # a mixed scheme's name is long: never cut
     lines = [
         f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
         f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available, "
@@ -113,16 +114,16 @@ def _render_estimates(e: dict) -> list[str]:
         f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if e.get('spill_activations') else ''})"
         + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
-        f"  {'stage':<34} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
+        f"  {'stage':<{w}} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
     ]
     for s in e["stages"]:
         if s.get("cached") or s.get("skipped"):  # nothing to run, nothing new on disk
-            lines.append(f"  {s['stage'][:34]:<34} {'cached' if s.get('cached') else '-':<7}  "
+            lines.append(f"  {s['stage']:<{w}} {'cached' if s.get('cached') else '-':<7}  "
                          + ("its output is in the cache: it will not run" if s.get("cached")
                             else "after this command's last stage: it will not run"))
             continue
         gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
-        lines.append(f"  {s['stage'][:34]:<34} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
+        lines.append(f"  {s['stage']:<{w}} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
                      f"{s['disk_gb']:>6.2f} GB {_span(s['seconds_low'], s['seconds_high']):>13}  "
                      f"{s['strategy']}: {s['why']}")
     for s in e["stages"]:

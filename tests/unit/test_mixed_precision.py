@@ -4,6 +4,7 @@ canonical form recording it, and the exports and engine that read it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,8 @@ def test_plan_shows_each_groups_bytes(mixed_build) -> None:
     assert rows["edges"]["bytes"] == rows["edges"]["params"] * 4  # float32 model
     text = plan.render()
     assert "mixed precision" in text and "W4A16-NVFP4" in text and plan.scheme.name in text
+    # the stage column is as wide as its longest name: never cut
+    assert re.search(rf"quantize {re.escape(plan.scheme.name)} +cpu ", text)
     assert plan.estimates["seconds"] > 0 and plan.estimates["peak_memory_gb"] > 0  # memory / time still planned
 
 
