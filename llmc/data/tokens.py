@@ -29,6 +29,7 @@ from llmc.data.bos import BosDecision, bos_decision
 from llmc.data.registry import Role, Row, read_rows
 from llmc.data.sources import label
 from llmc.errors import InputError
+from llmc.model.skeleton import return_free_heap_to_os
 from llmc.telemetry.progress import log
 
 Packing = Literal["windows", "samples"]
@@ -89,6 +90,9 @@ def make_tokens(source, tokenizer, role: Role, *, packing: Packing, count: int, 
         if not complete:
             log(f"{label(source)}: read the first {budget:,} characters of its {role} text (the recipe needs "
                 f"{count} x {seq_len} tokens), not the whole source")
+        # the tokenizer's encodings of the whole text (ids, offsets, token strings as Python objects: ~0.45 GB for
+        # Brown) are freed by now, but glibc kept their heap: the stages after would carry it in their peaks
+        return_free_heap_to_os()
         return tokens
 
 

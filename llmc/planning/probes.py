@@ -1,4 +1,4 @@
-"""This machine's probed rates, each measured several times, summarized, and cached per machine.
+"""This machine's probed rates, each measured several times, summarized, and kept per machine across plans.
 
 A probe (`matmul_rate`, the quantizer's `quantize_rate`) is one timed call of a few milliseconds to a second; on a
 shared machine one call lands in a quiet or a busy moment, and two plans of one recipe two minutes apart once said
@@ -10,9 +10,12 @@ ran, and a busy machine's stages then overrun it). The fastest and the slowest r
 
 The samples are kept in `<cache>/machine-rates.json` with the machine they were measured on (CPU model and flags,
 core count, torch threads, GPU name) and llmc's and torch's versions: a plan reads them instead of probing again
-while they are younger than `MAX_AGE_S` and the machine is the same, so plans of one recipe agree with each other;
-`llmc plan --reprobe` (or `LLMC_REPROBE=1`) measures again. Without a cache folder (tests, a bare `make_plan`) the
-samples are kept for the process only.
+while they are younger than `MAX_AGE_S` and the machine is the same, so plans of one recipe agree with each other.
+`llmc plan --reprobe` (or `LLMC_REPROBE=1`) measures every probe once more and **adds** its runs to the last
+`POOLED_PROBES` probes' (older ones are dropped): the median is then taken over up to `POOLED_PROBES x REPEATS` runs
+spread over the plans that made them, not over the two seconds one probe lasts, which a burst of another process's
+work can fill (docs/planner.md "Accuracy under load"). Deleting the file forgets them. Without a cache folder
+(tests, a bare `make_plan`) the samples are kept for the process only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 RATES_FILE = "machine-rates.json"
 REPEATS = 5  # timed runs of each probe (after one warm-up)
+POOLED_PROBES = 5  # the last probes of one key whose runs a plan reads together
 MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
 READINGS = ("median", "fastest", "slowest")
 # Each timed run repeats its call until this long has passed. One call of a few milliseconds measures how soon the
@@ -99,12 +103,16 @@ class RateBook:
     max_age_s: float = MAX_AGE_S
     probes: dict[str, Probe] = field(default_factory=dict)
     used: dict[str, Probe] = field(default_factory=dict)
+    # per key, the cached probes' runs (samples, when), oldest first
+    history: dict[str, list[tuple[tuple[float, ...], float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.path is not None and not self.reprobe:
-            self.probes = self._read()
+        if self.path is not None:
+            self.history = self._read()
+            if not self.reprobe:
+                self.probes = {key: _pooled(runs, probed_now=False) for key, runs in self.history.items()}
 
-    def _read(self) -> dict[str, Probe]:
+    def _read(self) -> dict[str, list[tuple[tuple[float, ...], float]]]:
         try:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -114,27 +122,35 @@ class RateBook:
         out = {}
         now = time.time()
         for key, entry in (saved.get("rates") or {}).items():
-            try:
-                samples = tuple(float(s) for s in entry["samples"])
-                at = float(entry["at"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if samples and all(s > 0 for s in samples) and 0 <= now - at <= self.max_age_s:
-                out[key] = Probe(samples, at, probed_now=False)
+            runs = []
+            # {"runs": [...]}; an older file's {"samples", "at"} is one probe
+            for run in (entry.get("runs") or [entry]) if isinstance(entry, dict) else []:
+                try:
+                    samples = tuple(float(x) for x in run["samples"])
+                    at = float(run["at"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if samples and all(x > 0 for x in samples) and 0 <= now - at <= self.max_age_s:
+                    runs.append((samples, at))
+            if runs:
+                out[key] = sorted(runs, key=lambda r: r[1])[-POOLED_PROBES:]
         return out
 
     def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
-        """The samples of probe `key` (`run_once` times one run and returns its rate), cached or measured now."""
+        """The samples of probe `key` (`run_once` times one run and returns its rate), cached or measured now (and
+        then pooled with the cached probes' runs)."""
         found = self.probes.get(key)
         if found is None:
-            found = Probe(tuple(run_once() for _ in range(repeats)), time.time(), probed_now=True)
+            run = (tuple(run_once() for _ in range(repeats)), time.time())
+            self.history[key] = [*self.history.get(key, []), run][-POOLED_PROBES:]
+            found = _pooled(self.history[key], probed_now=True)
             self.probes[key] = found
-            self._write(key, found)
+            self._write(key, run)
         self.used[key] = found
         return found
 
-    def _write(self, key: str, probe: Probe) -> None:
-        """Add one probe to the file (read again first: another plan may have added others meanwhile)."""
+    def _write(self, key: str, run: tuple[tuple[float, ...], float]) -> None:
+        """Add one probe's runs to the file (read again first: another plan may have added others meanwhile)."""
         if self.path is None:
             return
         try:
@@ -144,7 +160,10 @@ class RateBook:
         except (OSError, ValueError):
             saved = {}
         rates = saved.get("rates") if isinstance(saved.get("rates"), dict) else {}
-        rates[key] = {"samples": list(probe.samples), "at": probe.at}
+        entry = rates.get(key) if isinstance(rates.get(key), dict) else {}
+        runs = entry.get("runs") or ([entry] if "samples" in entry else [])
+        runs = [*runs, {"samples": list(run[0]), "at": run[1]}][-POOLED_PROBES:]
+        rates[key] = {"runs": runs}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:  # a cache that cannot be written costs a probe next time, never the plan
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +187,13 @@ class RateBook:
         if now:
             parts.append(f"{now} probed now")
         where = f", kept in {self.path}" if self.path else ""
-        return f"rates of this machine (median of {REPEATS} timed runs each{where}): {'; '.join(parts)}"
+        runs = max(len(p.samples) for p in self.used.values())
+        return f"rates of this machine (median of up to {runs} timed runs each{where}): {'; '.join(parts)}"
+
+
+def _pooled(runs: list[tuple[tuple[float, ...], float]], *, probed_now: bool) -> Probe:
+    """One probe of the runs of several: their samples together, dated by the newest."""
+    return Probe(tuple(x for samples, _ in runs for x in samples), max(at for _, at in runs), probed_now)
 
 
 _book = RateBook()

@@ -86,16 +86,19 @@ def test_rates_are_cached_per_machine_and_read_again_until_stale_or_another_mach
     path = tmp_path / probes.RATES_FILE
     probes.RateBook(path).probe("matmul x", lambda: 2.0)
     saved = json.loads(path.read_text())
-    assert saved["machine"] == probes.fingerprint() and saved["rates"]["matmul x"]["samples"] == [2.0] * 5
+    assert saved["machine"] == probes.fingerprint()
+    assert [run["samples"] for run in saved["rates"]["matmul x"]["runs"]] == [[2.0] * 5]
 
     again = probes.RateBook(path)  # the next plan, in another process
     assert again.probe("matmul x", lambda: pytest.fail("re-probed a fresh rate")).probed_now is False
     assert "read from the cache" in again.describe() and "--reprobe" in again.describe()
-    assert probes.RateBook(path, reprobe=True).probe("matmul x", lambda: 3.0).samples == (3.0,) * 5
+    # measured again, and pooled with the cached probe's runs
+    assert probes.RateBook(path, reprobe=True).probe("matmul x", lambda: 3.0).samples == (2.0,) * 5 + (3.0,) * 5
 
     now = probes.time.time()
     monkeypatch.setattr(probes.time, "time", lambda: now + probes.MAX_AGE_S + 60)  # a week later: stale
-    assert probes.RateBook(path).probe("matmul x", lambda: 4.0).probed_now
+    stale = probes.RateBook(path).probe("matmul x", lambda: 4.0)
+    assert stale.probed_now and stale.samples == (4.0,) * 5  # the stale runs are not pooled
     monkeypatch.setattr(probes.time, "time", lambda: now)
     other = {**probes.fingerprint(), "cpus": 1024}
     monkeypatch.setattr(probes, "fingerprint", lambda: other)  # the cache folder moved to another machine
@@ -107,7 +110,31 @@ def test_reprobe_from_the_environment_measures_again(tmp_path: Path, monkeypatch
     probes._book = probes.RateBook()
     assert not probes.use_cache(tmp_path).probe("q", lambda: 2.0).probed_now
     monkeypatch.setenv("LLMC_REPROBE", "1")  # what `--reprobe` sets
-    assert probes.use_cache(tmp_path).probe("q", lambda: 2.0).samples == (2.0,) * 5
+    again = probes.use_cache(tmp_path).probe("q", lambda: 2.0)
+    assert again.probed_now and again.samples == (1.0,) * 5 + (2.0,) * 5
+
+
+def test_reprobes_pool_the_last_few_probes_so_one_busy_moment_does_not_move_the_plan(tmp_path: Path) -> None:
+    """Issue 35: five plans on a busy machine, each probing anew, predicted a stage 2-4x apart when one probe's two
+    seconds fell in a burst of another process's work. Each reprobe adds its runs to the last POOLED_PROBES probes'
+    and the median is read over all of them."""
+    path = tmp_path / probes.RATES_FILE
+    for rate in (10.0, 10.0, 1.0):  # two typical probes, then one in a burst
+        latest = probes.RateBook(path, reprobe=True).probe("matmul x", lambda r=rate: r)
+    assert latest.read("median") == 10.0 and latest.read("slowest") == 1.0  # the burst widens the range only
+    for rate in (2.0, 3.0, 4.0, 5.0, 6.0):
+        latest = probes.RateBook(path, reprobe=True).probe("matmul x", lambda r=rate: r)
+    assert sorted(set(latest.samples)) == [2.0, 3.0, 4.0, 5.0, 6.0]  # the oldest probes dropped
+    assert len(latest.samples) == probes.POOLED_PROBES * probes.REPEATS
+    assert len(json.loads(path.read_text())["rates"]["matmul x"]["runs"]) == probes.POOLED_PROBES
+
+
+def test_a_rates_file_of_the_earlier_layout_is_read_as_one_probe(tmp_path: Path) -> None:
+    path = tmp_path / probes.RATES_FILE
+    path.write_text(json.dumps({"machine": probes.fingerprint(),
+                                "rates": {"q": {"samples": [7.0] * 5, "at": probes.time.time()}}}))
+    assert probes.RateBook(path).probe("q", lambda: pytest.fail("re-probed a cached rate")).samples == (7.0,) * 5
+    assert probes.RateBook(path, reprobe=True).probe("q", lambda: 8.0).samples == (7.0,) * 5 + (8.0,) * 5
 
 
 def test_the_plan_says_where_its_rates_came_from(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
