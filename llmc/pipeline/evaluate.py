@@ -35,7 +35,7 @@ from llmc.pipeline.runner import Runner, read_json
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, forward_seconds,
                                    hash_rate, write_rate)
 from llmc.planning.rows import GB, CostRow
-from llmc.planning.shapes import Shape, active_fraction
+from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.groups import by_group
 from llmc.quant.numerics import BLOCK_ELEMENTS, fake_quantize_rate
 from llmc.quant.spec import Scheme, TensorSpec
@@ -149,7 +149,6 @@ def emulated_elements(scheme: Scheme, linears: dict[str, tuple[int, int]], confi
     (llmc.engines.torch_ref): every quantized Linear's input where its scheme quantizes activations (each Linear its
     own, q/k/v the same input three times), and each layer's keys and values where the KV cache is quantized; as
     (spec, elements per token over the whole model). A token runs through its top-k experts only."""
-    routed = active_fraction(config)
     layers = {n: s for n, s in linears.items() if not module_matches(n, scheme.ignore)}
     by_spec: dict[TensorSpec, float] = {}
     if scheme.mixed:
@@ -161,8 +160,7 @@ def emulated_elements(scheme: Scheme, linears: dict[str, tuple[int, int]], confi
         sets = [(scheme.activations, layers)]
     for spec, shapes in sets:
         if spec is not None:
-            by_spec[spec] = by_spec.get(spec, 0.0) + sum(
-                i * (routed if ".experts." in n else 1.0) for n, (_, i) in shapes.items())
+            by_spec[spec] = by_spec.get(spec, 0.0) + inputs_per_token(shapes, config)
     if scheme.kv_cache is not None:
         heads = config.get("num_attention_heads", 1)
         head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(heads, 1)

@@ -107,9 +107,10 @@ def _write_timer(folder: Path):
     """A function timing safetensors' save_file + fsync of WRITE_PROBE_BYTES into `folder` (the file removed)."""
     from safetensors.torch import save_file  # lazy: planning without a write probe never needs it
 
-    tensors = {"probe": torch.ones(WRITE_PROBE_BYTES // 4)}
+    tensors: dict = {}  # made on the first run: a cached rate never makes them
 
     def write_once() -> None:
+        tensors.setdefault("probe", torch.ones(WRITE_PROBE_BYTES // 4))
         fd, name = tempfile.mkstemp(prefix=".llmc-write-probe-", dir=folder)
         try:
             os.close(fd)
@@ -130,8 +131,14 @@ def hash_rate() -> float:
 
 
 def _hash_timer():
-    data = os.urandom(HASH_PROBE_BYTES)
-    return lambda: probes.sustained_rate(HASH_PROBE_BYTES, lambda: hashlib.sha256(data).digest())
+    data: list[bytes] = []  # made on the first run: a cached rate never makes them
+
+    def run_once() -> float:
+        if not data:
+            data.append(os.urandom(HASH_PROBE_BYTES))
+        return probes.sustained_rate(HASH_PROBE_BYTES, lambda: hashlib.sha256(data[0]).digest())
+
+    return run_once
 
 
 def time_range(kind: str, fastest: float, slowest: float) -> tuple[float, float]:

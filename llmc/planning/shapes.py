@@ -130,6 +130,13 @@ def _mlp(config: dict, kind: str, i: int, p: str, h: int, inter: int) -> dict[st
     return out
 
 
+def inputs_per_token(linears: dict[str, tuple[int, int]], config: dict) -> float:
+    """Input elements one token feeds these Linears (`linears`: name -> (out, in)), a routed expert's at the share
+    of tokens it gets (`active_fraction`): what a hook on every Linear's input touches per token."""
+    routed = active_fraction(config)
+    return sum(i * (routed if ".experts." in n else 1.0) for n, (_, i) in linears.items())
+
+
 def active_fraction(config: dict) -> float:
     """The share of expert parameters a token runs through (1 for dense models): top-k of the experts."""
     experts = config.get("num_local_experts") or config.get("num_experts") or 0
