@@ -499,4 +499,3 @@ def test_an_export_is_planned_at_the_probed_write_and_hash_rates(monkeypatch) ->
 
     assert seconds(0.3e9, 1.5e9) == pytest.approx(3e9 / 0.3e9 + 3e9 / 1.5e9)
     assert seconds(0.1e9, 0.5e9) == pytest.approx(3 * seconds(0.3e9, 1.5e9))  # a busy machine: a third the rates
-
