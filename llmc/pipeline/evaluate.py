@@ -32,8 +32,8 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, forward_seconds,
-                                   hash_rate, write_rate)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, PROCESS_BYTES, Machine,
+                                   forward_seconds, hash_rate)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.groups import by_group
@@ -124,7 +124,7 @@ class Evaluate:
             row.disk_bytes += 0 if reference else shape.vocab * shape.hidden * c.elem
             # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
             # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
-            row.seconds += row.disk_bytes * (1 / write_rate() + 1 / hash_rate())
+            row.seconds += row.disk_bytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
             if reference:
                 row.seconds += (artifact_size + baseline_disk) / hash_rate()
             else:

@@ -17,7 +17,7 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import PROCESS_BYTES, Machine, hash_rate, write_rate
+from llmc.planning.machine import DISK_WRITE_RATE, PROCESS_BYTES, Machine, hash_rate
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import QuantizedModel, module_matches
@@ -201,7 +201,7 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
            f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
            "export's (hard links)")
     # serialize and fsync the artifact from the mapped canonical form, then hash it (the store's record)
-    seconds = artifact_bytes * (1 / write_rate() + 1 / hash_rate())
+    seconds = artifact_bytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
     if repacked_bytes is not None:
         seconds += repacked_bytes * 8 / bits / REPACK_RATE
     return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,

@@ -31,8 +31,8 @@ from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, forward_efficiency,
-                                   forward_seconds, hash_rate, matmul_rate, write_rate)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, PROCESS_BYTES, Machine,
+                                   forward_efficiency, forward_seconds, hash_rate, matmul_rate)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
@@ -179,7 +179,7 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
                               compute=compute, device=device, width=width, rows=batch_tokens)
     return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
-            "write": layer_params * code_bytes / write_rate()}
+            "write": layer_params * code_bytes / DISK_WRITE_RATE}
 
 
 def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
@@ -285,7 +285,7 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
     canonical = shape.layers * layer * code_bytes + shape.outer_params * kept
-    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / write_rate()) + canonical / hash_rate()
+    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE) + canonical / hash_rate()
              + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
                 else "activations in memory") if calibrated else "no calibration"

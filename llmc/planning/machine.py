@@ -8,19 +8,17 @@ in docs/planner-constants.md under its name.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from llmc.planning import probes
 
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
+DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
 
@@ -85,43 +83,7 @@ def _matmul_timer(dtype_name: str, device: str, width: int, rows: int, outputs: 
     return run_once
 
 
-WRITE_PROBE_BYTES = 16 << 20  # one safetensors file of the write probe
 HASH_PROBE_BYTES = 16 << 20
-
-
-def write_rate() -> float:
-    """Bytes/s safetensors serializes a file and fsyncs it into the llmc cache's filesystem (where every stage
-    writes), as the stages write their outputs (llmc.storage.store.atomic_save_safetensors); probed like the
-    matmul rate (llmc.planning.probes), per filesystem. Serializing is CPU work and fsync the disk's: on a busy
-    machine both move, which a constant measured quiet (0.3 GB/s) did not."""
-    folder = probes.book().path.parent if probes.book().path is not None else Path(tempfile.gettempdir())
-    try:
-        device = folder.stat().st_dev
-    except OSError:  # the cache folder is made by the first stage: its parent's filesystem
-        folder = Path(tempfile.gettempdir())
-        device = folder.stat().st_dev
-    return probes.rate(f"write+fsync safetensors dev={device}", _write_timer(folder))
-
-
-def _write_timer(folder: Path):
-    """A function timing safetensors' save_file + fsync of WRITE_PROBE_BYTES into `folder` (the file removed)."""
-    from safetensors.torch import save_file  # lazy: planning without a write probe never needs it
-
-    tensors: dict = {}  # made on the first run: a cached rate never makes them
-
-    def write_once() -> None:
-        tensors.setdefault("probe", torch.ones(WRITE_PROBE_BYTES // 4))
-        fd, name = tempfile.mkstemp(prefix=".llmc-write-probe-", dir=folder)
-        try:
-            os.close(fd)
-            save_file(tensors, name)
-            with open(name, "rb+") as f:
-                os.fsync(f.fileno())
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-
-    return lambda: probes.sustained_rate(WRITE_PROBE_BYTES, write_once)
 
 
 def hash_rate() -> float:
