@@ -60,7 +60,9 @@ def plan_once(recipe: Path, overrides: list[str], cache: Path) -> dict:
     env = {**os.environ, "LLMC_CACHE": str(cache), "PYTHONPATH": str(ROOT), "LLMC_REPROBE": "1"}
     t = time.time()
     out = subprocess.run([sys.executable, "-c", PLAN, str(recipe), *overrides], env=env, capture_output=True,
-                         text=True, check=True)
+                         text=True)
+    if out.returncode:  # say why, not only that it failed
+        sys.exit(f"plan exited {out.returncode}:\n{out.stderr[-3000:]}")
     estimates = json.loads(out.stdout.strip().splitlines()[-1])
     return {"at": time.strftime("%H:%M:%S", time.gmtime(t)), "plan_s": time.time() - t, "load": os.getloadavg()[0],
             "stages": {s["stage"]: {"host_gb": s["host_gb"], "seconds": s["seconds"],

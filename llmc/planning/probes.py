@@ -123,8 +123,9 @@ class RateBook:
         now = time.time()
         for key, entry in (saved.get("rates") or {}).items():
             runs = []
+            entry = entry if isinstance(entry, dict) else {}
             # {"runs": [...]}; an older file's {"samples", "at"} is one probe
-            for run in (entry.get("runs") or [entry]) if isinstance(entry, dict) else []:
+            for run in entry["runs"] if isinstance(entry.get("runs"), list) else [entry]:
                 try:
                     samples = tuple(float(x) for x in run["samples"])
                     at = float(run["at"])
@@ -161,7 +162,7 @@ class RateBook:
             saved = {}
         rates = saved.get("rates") if isinstance(saved.get("rates"), dict) else {}
         entry = rates.get(key) if isinstance(rates.get(key), dict) else {}
-        runs = entry.get("runs") or ([entry] if "samples" in entry else [])
+        runs = entry["runs"] if isinstance(entry.get("runs"), list) else [entry] if "samples" in entry else []
         runs = [*runs, {"samples": list(run[0]), "at": run[1]}][-POOLED_PROBES:]
         rates[key] = {"runs": runs}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
