@@ -258,7 +258,8 @@ def table(paths: list[Path], order: list[str] | None = None, pairs: list[str] | 
         base = [r for r in mine if r["variant"] == "baseline"][-1]
         # a variant measured twice: the last; bytes-only rows give the bytes of their scheme's tensors
         latest = {r["variant"]: r for r in mine if r["variant"] != "baseline" and not r.get("bytes_only")}
-        stored = {r["scheme"]: r["weights_bytes"] for r in mine if r.get("weights_bytes") and r["variant"] != "baseline"}
+        stored = {r["scheme"]: r["weights_bytes"] for r in mine
+                  if r.get("weights_bytes") and r["variant"] != "baseline" and r["variant"] not in PEERS}
         if order:
             latest = {v: latest[v] for v in order if v in latest}
         base_nll = torch.tensor(base["window_nll"])[:, None]
@@ -269,6 +270,9 @@ def table(paths: list[Path], order: list[str] | None = None, pairs: list[str] | 
                   "| variant | scheme | calibration | ppl | Δ ppl vs unquantized (95% CI) | Δ ppl vs RTN (95% CI) "
                   "| mean KLD (95% CI) | top-1 agreement (95% CI) | safetensors bytes | quantize s |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
+        if order and "baseline" in order:
+            lines.append(f"| unquantized | float32 | - | {math.exp(base_nll.mean()):.2f} | 0 | | 0 | 100% | "
+                         f"{'-' if base_bytes is None else f'{base_bytes:,}'} | - |")
         for variant, r in latest.items():
             nll = torch.tensor(r["window_nll"])[:, None]
             ch = paired_ppl_change(base_nll, nll)
