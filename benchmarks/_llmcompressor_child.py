@@ -3,7 +3,7 @@
     .venv-llmcompressor/bin/python benchmarks/_llmcompressor_child.py MODEL_DIR TOKENS.safetensors SCHEME OUT_DIR [GROUP]
 
 Runs in llm-compressor's own venv (scripts/setup-peers.sh); imports nothing from llmc. SCHEME is one of
-the schemes in recipe() below; GROUP is the INT4 group size, 64 by default (SmolLM2's 576 is not
+the schemes in recipe() below (gptq-nvfp4a16 / rtn-nvfp4a16: benchmarks/fp4_calibration.py's NVFP4 peer rows); GROUP is the INT4 group size, 64 by default (SmolLM2's 576 is not
 divisible by 128; Gemma-3-270M takes 128). Prints one JSON line: wall time of oneshot() alone, peak RSS,
 versions.
 """
@@ -77,6 +77,10 @@ def recipe(scheme: str, g: int = 64) -> list:
                                  GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"], actorder=None)],
         "fp8-static": lambda: [QuantizationModifier(config_groups=fp8_static(), ignore=["lm_head"])],
         "rtn-w8a8": lambda: [QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+        # NVFP4 weight-only (compressed-tensors' NVFP4A16 preset) as llm-compressor's NVFP4 examples run it: GPTQ
+        # with its defaults (actorder "static", block 128, dampening 0.01), or plain rounding (data-free)
+        "gptq-nvfp4a16": lambda: [GPTQModifier(scheme="NVFP4A16", targets="Linear", ignore=["lm_head"])],
+        "rtn-nvfp4a16": lambda: [QuantizationModifier(scheme="NVFP4A16", targets="Linear", ignore=["lm_head"])],
     }[scheme]()
 
 
