@@ -80,8 +80,8 @@ def _reprobe(_ctx: click.Context, _param: click.Parameter, on: bool) -> None:
 
 
 reprobe_option = click.option("--reprobe", is_flag=True, expose_value=False, callback=_reprobe,
-                              help="measure this machine's rates again and add them to the cached ones (the plan reads the median of "
-                                   "the last few probes' runs)")
+                              help="measure this machine's rates again and add them to the cached ones (the plan "
+                                   "reads the median of the last few probes' runs)")
 
 
 @click.group(epilog=EXIT_HELP)

@@ -18,9 +18,9 @@ import torch
 from llmc.planning import probes
 
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
-DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
+DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
 # width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
