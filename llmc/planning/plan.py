@@ -248,23 +248,16 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
     return status, warnings
 
 
-def member_shapes(scheme: Scheme, config: dict,
-                  linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[str, Scheme, dict[str, tuple[int, int]]]]:
-    """(group name, its plain scheme, its Linears' shapes) per quantized group of a mixed scheme, resolved on the
-    model's Linears (RecipeError naming the modules no group or two groups select: llmc.quant.groups); a plain
-    scheme: one entry, every Linear not ignored."""
-    if not scheme.mixed:
-        return [("", scheme, {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)})]
-    shapes = by_group(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
-    return [(group, member, shapes[group]) for group, member in scheme.members().items()]
-
-
 def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
-    """Shape checks against the model's config and its Linear weights' shapes (each group's, for a mixed scheme)."""
+    """Shape checks against the model's config and its Linear weights' shapes (each group's, for a mixed scheme:
+    the groups resolved on the model's Linears, RecipeError naming the modules no group or two groups select)."""
     warnings: list[str] = []
-    members = member_shapes(scheme, config, linear_shapes)
-    if scheme.mixed:
+    # (group name, its plain scheme, its Linears' shapes) per quantized group; a plain scheme: every Linear not ignored
+    if not scheme.mixed:
+        members = [("", scheme, {n: s for n, s in linear_shapes.items() if not module_matches(n, scheme.ignore)})]
+    else:
         shapes = by_group(scheme, linear_shapes, config.get("num_hidden_layers", 0), config.get("model_type"))
+        members = [(group, member, shapes[group]) for group, member in scheme.members().items()]
         empty = [g.name for g in scheme.groups if not shapes[g.name]]
         if empty:  # harmless (a role this family lacks), but often a misspelt name or a layer out of range
             warnings.append(f"quantization.groups {', '.join(empty)} select no Linear of this model "
