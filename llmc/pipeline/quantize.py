@@ -39,6 +39,7 @@ from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.stream import (Calibration, CALIBRATION_BATCH_SIZE, RESIDENT_RESUME_EVERY_S, quantize_model,
                                StreamOptions)
 from llmc.storage.store import stage_key
@@ -258,7 +259,7 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
             host = max(host, PROCESS_BYTES + parts["outer weights"] + parts["activations"] + discovery
                        + parts["next layer read ahead"])
     # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
-    # layers and writing their copy (rest.safetensors) once
+    # layers (twice when calibrating: the skeleton's copy, then rest.safetensors') and writing their copy once
     parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
@@ -266,7 +267,10 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
     io = parts_s["read"] + parts_s["write"]
-    per_layer = max(io, parts_s["forward"] + parts_s["quantize"]) if on_gpu else sum(parts_s.values())
+    if on_gpu:
+        per_layer = max(io, parts_s["forward"] + parts_s["quantize"])
+    else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
+        per_layer = sum(parts_s.values()) + layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
         per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
@@ -285,8 +289,9 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
     canonical = shape.layers * layer * code_bytes + shape.outer_params * kept
-    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE) + canonical / hash_rate()
-             + discovery_s)
+    reads = 2 if calibrated else 1
+    fixed = (shape.outer_params * (reads * stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE)
+             + canonical / hash_rate() + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
                 else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "

@@ -128,7 +128,9 @@ def _render_estimates(e: dict) -> list[str]:
                      f"{s['strategy']}: {s['why']}")
     for s in e["stages"]:
         if s.get("layer_seconds") and not s.get("cached") and not s.get("skipped"):
-            lines.append(f"  {s['stage']} time (prediction): ~{_duration(s['layer_seconds'])} per decoder layer "
+            per_layer = s["layer_seconds"]  # a small model's layers take a fraction of a second each
+            lines.append(f"  {s['stage']} time (prediction): "
+                         f"~{f'{per_layer:.2f} s' if per_layer < 1 else _duration(per_layer)} per decoder layer "
                          f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
                          f"~{_duration(s['seconds'])}, at this machine's probed rates")
     for variant, groups in e.get("groups", {}).items():

@@ -120,7 +120,9 @@ def test_a_build_whose_plan_does_not_fit_exits_4_before_any_weight_loads(tiny_mo
     monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.5))
     read: list[str] = []
     real_get_many = CheckpointReader.get_many
-    monkeypatch.setattr(CheckpointReader, "get_many", lambda self, names: read.extend(names) or real_get_many(self, names))
+    # the recipe's model: the planner's own probe streams a tiny random model of its own (llmc.quant.stream_probe)
+    monkeypatch.setattr(CheckpointReader, "get_many", lambda self, names: (
+        read.extend(names) if self.folder == tiny_model else None) or real_get_many(self, names))
     with pytest.raises(ResourceError, match="GB of host memory") as e:
         build(recipe, Store(tmp_path / "cache"), publish=False)
     assert e.value.exit_code == 4 and read == []

@@ -1,0 +1,89 @@
+"""What the stream costs per decoder layer beyond its arithmetic and its bytes, timed on the stream itself.
+
+Each layer `quantize_model` streams is also made durable and cleaned up after: the layer's file, the next layer's
+inputs as a resume point, progress.json and (a scheme calibrated on original outputs) the shared calibration
+statistics, each written to a temporary name, fsynced, renamed and its folder fsynced; the layer's memory returned to
+the OS (malloc_trim); its hooks and its writer thread's hand-offs. None of it follows the forward's FLOPs or the
+layer's bytes; all of it follows the disk's fsync latency and how busy the machine is. So the planner times it the
+way it times the matmul rate, by running it: `quantize_model` on a tiny random Llama (widths of 128, `PROBE_LAYERS`
+layers, written to a temporary folder once per process), the time between its first and last layers' commits, per
+layer. The tiny model's arithmetic is a few milliseconds of it."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llmc.model.source import ModelSource
+from llmc.planning import probes
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.stream import Calibration, StreamOptions, quantize_model
+
+PROBE_LAYERS = 5
+PROBE_CONFIG = {  # widths every group size divides (NVFP4 16, MX 32, block FP8 128)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": PROBE_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+PROBE_WINDOWS, PROBE_SEQ_LEN = 4, 32
+# what a calibrated scheme's stream writes per layer at most (static activation ranges and KV-cache scales: it shares
+# its statistics), and a data-free one's
+_CALIBRATED = Scheme(TensorSpec("fp8_e4m3", "tensor"), activations=TensorSpec("fp8_e4m3", "tensor"),
+                     kv_cache=TensorSpec("fp8_e4m3", "tensor"))
+_DATA_FREE = Scheme(TensorSpec("fp8_e4m3", "channel"))
+
+
+def layer_overhead_seconds(calibrated: bool, dtype_name: str) -> float:
+    """Seconds the stream spends per decoder layer on what its forward and its bytes do not count (module doc),
+    for a scheme that calibrates (or not) computed in `dtype_name` on this machine's CPU: probed, and cached per
+    machine like every rate (llmc.planning.probes)."""
+    key = f"stream layers {'calibrated' if calibrated else 'data-free'} {dtype_name}"
+    return 1.0 / probes.rate(key, _stream_timer(calibrated, dtype_name), repeats=3)
+
+
+_model_folder: list[Path] = []  # the tiny model, written once per process
+
+
+def _tiny_model() -> Path:
+    if _model_folder and _model_folder[0].is_dir():
+        return _model_folder[0]
+    folder = Path(tempfile.mkdtemp(prefix="llmc-stream-probe-model-"))
+    atexit.register(shutil.rmtree, folder, True)
+    c = PROBE_CONFIG
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": torch.randn(v, h, generator=g) * 0.05}
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    for n in range(PROBE_LAYERS):
+        p = f"model.layers.{n}."
+        tensors |= {f"{p}{name}.weight": torch.randn(*shape, generator=g) * 0.05 for name, shape in shapes.items()}
+        tensors |= {f"{p}input_layernorm.weight": torch.ones(h), f"{p}post_attention_layernorm.weight": torch.ones(h)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(c))
+    _model_folder[:] = [folder]
+    return folder
+
+
+def _stream_timer(calibrated: bool, dtype_name: str):
+    def run_once() -> float:
+        source = ModelSource(_tiny_model(), sha256="stream-probe", origin="stream-probe")
+        with tempfile.TemporaryDirectory(prefix="llmc-stream-probe-") as tmp:
+            committed: list[float] = []
+            windows = (Calibration(torch.randint(0, PROBE_CONFIG["vocab_size"], (PROBE_WINDOWS, PROBE_SEQ_LEN),
+                                                 generator=torch.Generator().manual_seed(0)),
+                                   shared_stats=Path(tmp) / "shared-stats") if calibrated else None)
+            quantize_model(source, _CALIBRATED if calibrated else _DATA_FREE, Path(tmp) / "out", windows,
+                           StreamOptions(dtype=getattr(torch, dtype_name),
+                                         on_layer_done=lambda i: committed.append(time.monotonic())))
+        return (len(committed) - 1) / (committed[-1] - committed[0])  # layers/s
+    return run_once
