@@ -129,13 +129,7 @@ def layer_algos(qm: QuantizedModel) -> dict[str, str]:
     if not qm.scheme.mixed:
         algo = quant_algo(qm.scheme)
         return dict.fromkeys(qm.quantized_modules, algo)
-    by_group = {g: quant_algo(m) for g, m in qm.scheme.members().items()}
-    for group, algo in by_group.items():
-        if algo == FP8_PB_WO:
-            raise IncompatibleTargetError(
-                f"group {group}: TensorRT-LLM reads ModelOpt's block FP8 ({FP8_PB_WO}) as FP8_BLOCK_SCALES only as a "
-                "whole checkpoint's quant_algo; its mixed-precision loader takes each layer's quant_algo as written",
-                fix="give the group another scheme (W8A8-FP8, W4A4-NVFP4, ...), or quantize the whole model W8A8-FP8-BLOCK")
+    by_group = group_algos(qm.scheme)
     algos = {name: by_group[entry["group"]] for name, entry in qm.quantized_modules.items()}
     for name, algo in algos.items():  # TensorRT-LLM runs fused siblings as one GEMM: one quant_algo
         mixed = sorted({algos[m] for m in fused_gemm_of(name, algos)})
@@ -145,6 +139,20 @@ def layer_algos(qm: QuantizedModel) -> dict[str, str]:
                 f"as {' and '.join(mixed)}", fix="put the Linears of one attention (q/k/v) or MLP (gate/up) in one "
                 "group")
     return algos
+
+
+def group_algos(scheme: Scheme) -> dict[str, str]:
+    """A mixed scheme's group -> quant_algo in `quantized_layers`, or IncompatibleTargetError for a group ModelOpt's
+    mixed precision cannot hold in a form TensorRT-LLM loads."""
+    by_group = {g: quant_algo(m) for g, m in scheme.members().items()}
+    for group, algo in by_group.items():
+        if algo == FP8_PB_WO:
+            raise IncompatibleTargetError(
+                f"group {group}: TensorRT-LLM reads ModelOpt's block FP8 ({FP8_PB_WO}) as FP8_BLOCK_SCALES only as a "
+                "whole checkpoint's quant_algo; its mixed-precision loader takes each layer's quant_algo as written",
+                fix="give the group another scheme (W8A8-FP8, W4A4-NVFP4, ...), or quantize the whole model "
+                "W8A8-FP8-BLOCK")
+    return by_group
 
 
 def layer_config(algo: str, group_size: int | None) -> dict:

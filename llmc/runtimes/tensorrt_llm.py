@@ -51,6 +51,13 @@ class ModelOptCheckpoint(ArtifactFormat):
 
         quant_algo(scheme)  # raises for schemes ModelOpt's format has no quant_algo for
 
+    def check_mixed(self, scheme) -> None:
+        from llmc.formats.modelopt_hf import group_algos
+
+        super().check_mixed(scheme)
+        if scheme.mixed:
+            group_algos(scheme)  # raises for a group quantized_layers cannot hold (block FP8)
+
     @staticmethod
     def _options(request: ExportRequest) -> dict:
         return {"tensor_parallel": request.target.tensor_parallel, "max_batch_size": request.max_batch_size,
