@@ -70,6 +70,10 @@ from llmc.storage.store import atomic_write_json, atomic_write_text
 MODELOPT_LAYOUT_VERSION = "0.47.0"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 LLM_API_OPTIONS = "llmc-trtllm.yaml"
+# TensorRT-LLM (`tensorrt_llm/_torch/model_config.py` load_modelopt_quant_config) takes a MIXED_PRECISION checkpoint's
+# kv_cache_quant_algo and quantized_layers from this file, as ModelOpt's legacy TensorRT-LLM export writes it; ModelOpt
+# 0.47's export_hf_checkpoint does not write it (its layers are in hf_quant_config.json, where vLLM reads them)
+MIXED_QUANT_CONFIG = "quant_cfg.json"
 _NOT_NORM_FED = ("o_proj", "down_proj")  # Linears whose input comes from another Linear, not a norm
 FP8_PB_WO = "fp8_pb_wo"  # ModelOpt's name for 128x128 block FP8 weights (TensorRT-LLM: FP8_BLOCK_SCALES)
 
@@ -347,7 +351,10 @@ def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)
-    atomic_write_json(out / HF_QUANT_CONFIG, hf_quant_config(qm.scheme, algo, excluded, layers))
+    hq = hf_quant_config(qm.scheme, algo, excluded, layers)
+    atomic_write_json(out / HF_QUANT_CONFIG, hq)
+    if layers is not None:  # TensorRT-LLM's PyTorch loader reads a MIXED_PRECISION checkpoint's layers from here
+        atomic_write_json(out / MIXED_QUANT_CONFIG, hq["quantization"])
     copy_tokenizer_files(qm.root, out)
     atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
                                                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))

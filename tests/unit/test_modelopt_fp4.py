@@ -13,7 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from llmc.errors import IncompatibleTargetError
-from llmc.formats.modelopt_hf import FP8_PB_WO, HF_QUANT_CONFIG, export_modelopt_hf, quant_algo
+from llmc.formats.modelopt_hf import (
+    FP8_PB_WO,
+    HF_QUANT_CONFIG,
+    MIXED_QUANT_CONFIG,
+    export_modelopt_hf,
+    quant_algo,
+)
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import e2m1_decode, global_scale_from_modelopt, unpack_e2m1
@@ -174,7 +180,10 @@ def test_mixed_precision_writes_an_nvfp4_group_as_modelopt_does(model: Path, tmp
     mlp = ModuleGroup("mlp", ModuleTargets(roles=("mlp",)), NVFP4, NVFP4)
     qm = _quantize(model, Scheme(NVFP4, NVFP4, groups=(attention, mlp)), tmp_path / "q")
     export_modelopt_hf(qm, tmp_path / "mo")
-    layers = json.loads((tmp_path / "mo" / HF_QUANT_CONFIG).read_text())["quantization"]["quantized_layers"]
+    hq = json.loads((tmp_path / "mo" / HF_QUANT_CONFIG).read_text())["quantization"]
+    layers = hq["quantized_layers"]
+    # TensorRT-LLM's loader reads kv_cache_quant_algo and quantized_layers of a MIXED_PRECISION checkpoint here
+    assert json.loads((tmp_path / "mo" / MIXED_QUANT_CONFIG).read_text()) == hq
     assert layers["model.layers.0.mlp.up_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
     assert layers["model.layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
     written, canonical = _written(tmp_path / "mo"), {k: v for t in qm.iter_files() for k, v in t.items()}
@@ -182,6 +191,10 @@ def test_mixed_precision_writes_an_nvfp4_group_as_modelopt_does(model: Path, tmp
     torch.testing.assert_close(_modelopt_decode(written, d), qm.dequantized_weight(canonical, d),
                                rtol=2 * ULP, atol=0)
     assert written["model.layers.1.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_a_plain_scheme_writes_no_mixed_layer_table(nvfp4) -> None:
+    assert not (nvfp4[1] / MIXED_QUANT_CONFIG).exists()
 
 
 @pytest.mark.parametrize("scheme, arch, version, refused", [
