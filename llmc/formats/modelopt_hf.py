@@ -12,7 +12,7 @@ dtypes, shapes and config keys with ModelOpt's own export of the same tiny model
                                                                      byte, low nibble = even row), weight_scale [out, in/g]
     int4 symmetric g128 W + static per-tensor  W4A8_AWQ              as W4A16_AWQ, plus weight_scale_2 () and input_scale ()
       FP8 A
-    NVFP4 W + static NVFP4 A (W4A4-NVFP4)      NVFP4                 weight uint8 [out, in/2] (E2M1, element 2i in the low
+    NVFP4 W + static NVFP4 A (W4A4-NVFP4)      NVFP4                 weight uint8 [out, in/2] (E2M1, element 2i low
                                                                      nibble), weight_scale float8_e4m3fn [out, in/16],
                                                                      weight_scale_2 (), input_scale ()
     fp8 128x128 block W + dynamic 1x128 fp8 A  fp8_pb_wo             weight fp8_e4m3fn, weight_scale float32
@@ -40,7 +40,7 @@ each quantized Linear -> its own layer config ({"quant_algo": "FP8"}, {"quant_al
 "has_zero_point": false, "pre_quant_scale": true}, {"quant_algo": "NVFP4", "group_size": 16}, ...); a Linear it does
 not list is not quantized. Each group's scheme must be one of the quant_algos above but block FP8 (TensorRT-LLM
 translates `fp8_pb_wo` only at the top level, not in `quantized_layers`), and Linears TensorRT-LLM fuses (q/k/v,
-gate/up) one group's.
+gate/up) one group's. The same table also goes to quant_cfg.json, where TensorRT-LLM's loader reads it.
 
 W4A8_AWQ's GEMM runs in FP8: the kernel scales the int4 codes by weight_scale / weight_scale_2 into FP8 and
 multiplies by the FP8 activations, so the weight it really uses is fp8(code × weight_scale / weight_scale_2) ×

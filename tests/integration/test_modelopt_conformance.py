@@ -65,7 +65,8 @@ CASES = {
                  "W4A8_AWQ_BETA_CFG", "-"),
     "nvfp4": (Scheme(TensorSpec("nvfp4", "group", group_size=16), TensorSpec("nvfp4", "group", group_size=16)),
               "NVFP4_DEFAULT_CFG", "-"),
-    "fp8-block": (Scheme(TensorSpec("fp8_e4m3", "block"), TensorSpec("fp8_e4m3", "group", group_size=128, dynamic=True)),
+    "fp8-block": (Scheme(TensorSpec("fp8_e4m3", "block"),
+                         TensorSpec("fp8_e4m3", "group", group_size=128, dynamic=True)),
                   "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "-"),
 }
 
@@ -156,7 +157,8 @@ def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -
         assert not torch.equal(dequantized, simulated)  # the FP8 rounding is real, not a no-op
 
     if case == "nvfp4":  # ModelOpt quantizes the same weights to the same bytes, block scales and scale_2
-        with safe_open(str(ours / "model.safetensors"), "pt") as o, safe_open(str(ref / "model.safetensors"), "pt") as t:
+        with (safe_open(str(ours / "model.safetensors"), "pt") as o,
+              safe_open(str(ref / "model.safetensors"), "pt") as t):
             for k in o.keys():  # noqa: SIM118
                 if ".layers." not in k or "layernorm" in k:
                     continue
