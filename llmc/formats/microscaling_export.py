@@ -7,7 +7,10 @@ compressed-tensors (vLLM, SGLang), per Linear module (local names):
   mxfp8-quantized        weight float8_e4m3fn [out, in], weight_scale uint8 E8M0 [out, in/32]
   float-quantized, block weight float8_e4m3fn [out, in], weight_scale float32 [ceil(out/128), ceil(in/128)]
 ModelOpt's unified HF checkpoint (TensorRT-LLM, and vLLM's modelopt loader), NVFP4: weight uint8 packed the same way,
-weight_scale float8_e4m3fn [out, in/16], weight_scale_2 float32 (the multiplier amax / (448 * 6)).
+weight_scale float8_e4m3fn [out, in/16], weight_scale_2 float32 () (the multiplier amax / (448 * 6)), W4A4 also
+input_scale float32 () (the same reciprocal of compressed-tensors' input_global_scale); block FP8 (quant_algo
+fp8_pb_wo): weight float8_e4m3fn [out, in], weight_scale float32 [ceil(out/128), 1, ceil(in/128), 1] (a scalar when
+the weight is one block), which TensorRT-LLM squeezes back to [ceil(out/128), ceil(in/128)].
 GGUF (llama.cpp's ggml-common.h `block_mxfp4` / `block_nvfp4`; gguf-py 0.19 decodes both), per row of `in`:
   MXFP4  17 bytes per 32 elements: the E8M0 exponent, then 16 bytes, byte j = element j | element j + 16 << 4
   NVFP4  36 bytes per 64 elements: 4 UE4M3 scales (E4M3 bits, sign clear) for its 16-element sub-blocks, then
@@ -88,6 +91,20 @@ def modelopt_nvfp4_tensors(q: BlockQuantized) -> dict[str, torch.Tensor]:
         raise ValueError(f"ModelOpt's NVFP4 layout holds nvfp4 weights, not {q.format.name}")
     return {"weight": pack_e2m1(q.codes), "weight_scale": q.scale,
             "weight_scale_2": modelopt_weight_scale_2(q.global_scale).reshape(())}
+
+
+def modelopt_nvfp4_input_scale(input_global_scale: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 activation `input_scale` (float32 scalar): like weight_scale_2, the multiplier amax / (448 * 6),
+    the reciprocal of compressed-tensors' `input_global_scale` (TensorRT-LLM inverts it back at load)."""
+    return modelopt_weight_scale_2(input_global_scale).reshape(())
+
+
+def modelopt_fp8_block_tensors(codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One Linear's stored tensors for block-wise FP8 in ModelOpt's `fp8_pb_wo` layout: the codes as they are, the
+    float32 tile scales [ob, ib] as ModelOpt 0.47 writes them, [ob, 1, ib, 1], or a scalar for a one-tile weight."""
+    blocks_out, blocks_in = scale.shape
+    shape = (blocks_out, 1, blocks_in, 1) if scale.numel() > 1 else ()
+    return {"weight": codes, "weight_scale": scale.float().reshape(shape)}
 
 
 def _halves_packed(codes: torch.Tensor, block: int) -> torch.Tensor:

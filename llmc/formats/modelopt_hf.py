@@ -12,6 +12,11 @@ dtypes, shapes and config keys with ModelOpt's own export of the same tiny model
                                                                      byte, low nibble = even row), weight_scale [out, in/g]
     int4 symmetric g128 W + static per-tensor  W4A8_AWQ              as W4A16_AWQ, plus weight_scale_2 () and input_scale ()
       FP8 A
+    NVFP4 W + static NVFP4 A (W4A4-NVFP4)      NVFP4                 weight uint8 [out, in/2] (E2M1, element 2i low
+                                                                     nibble), weight_scale float8_e4m3fn [out, in/16],
+                                                                     weight_scale_2 (), input_scale ()
+    fp8 128x128 block W + dynamic 1x128 fp8 A  fp8_pb_wo             weight fp8_e4m3fn, weight_scale float32
+      (W8A8-FP8-BLOCK)                                               [out/128, 1, in/128, 1] (() for a one-tile weight)
     KV cache fp8 / int8                        kv_cache_quant_algo   k_proj.k_scale (), v_proj.v_scale ()
 
 Dequantized values are code × scale in every case, so our codes and scales are written as computed
@@ -20,11 +25,22 @@ scale, the same arithmetic at load). SmoothQuant and AWQ scales are already fold
 previous Linears in the canonical form, so the `pre_quant_scale` tensors ModelOpt writes (every Linear for
 SQ; o_proj/down_proj for AWQ) are ones.
 
+NVFP4's per-tensor scales follow ModelOpt's convention, a multiplier: weight_scale_2 = amax / (448 * 6), the reciprocal
+of the canonical form's (compressed-tensors') divisor weight_global_scale, so ModelOpt's decode code × weight_scale ×
+weight_scale_2 differs from the canonical code × (weight_scale / weight_global_scale) only by the float32 rounding of
+that reciprocal (≤ 2⁻²³ relative); input_scale likewise for input_global_scale. Fused siblings (q/k/v, gate/up)
+already share one global scale in the canonical form, as TensorRT-LLM asserts at load. Weight-only NVFP4 has no
+TensorRT-LLM layout: ModelOpt writes it as W4A16_NVFP4, which TensorRT-LLM's QuantAlgo does not have. Block FP8 is
+what ModelOpt's FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG exports, `fp8_pb_wo`, which TensorRT-LLM (1.0 on) reads as
+FP8_BLOCK_SCALES, whose GEMM quantizes the activations to FP8 per 1 × 128 at run time: llmc's W8A8-FP8-BLOCK.
+
 A mixed-precision scheme (`Scheme.groups`) is written as ModelOpt writes a model whose layers differ
 (`modelopt.torch.export.quant_utils.process_layer_quant_config`): quant_algo MIXED_PRECISION and `quantized_layers`,
 each quantized Linear -> its own layer config ({"quant_algo": "FP8"}, {"quant_algo": "W4A16_AWQ", "group_size": ..,
-"has_zero_point": false, "pre_quant_scale": true}, ...); a Linear it does not list is not quantized. Each group's
-scheme must be one of the quant_algos above, and Linears TensorRT-LLM fuses (q/k/v, gate/up) one group's.
+"has_zero_point": false, "pre_quant_scale": true}, {"quant_algo": "NVFP4", "group_size": 16}, ...); a Linear it does
+not list is not quantized. Each group's scheme must be one of the quant_algos above but block FP8 (TensorRT-LLM
+translates `fp8_pb_wo` only at the top level, not in `quantized_layers`), and Linears TensorRT-LLM fuses (q/k/v,
+gate/up) one group's. The same table also goes to quant_cfg.json, where TensorRT-LLM's loader reads it.
 
 W4A8_AWQ's GEMM runs in FP8: the kernel scales the int4 codes by weight_scale / weight_scale_2 into FP8 and
 multiplies by the FP8 activations, so the weight it really uses is fp8(code × weight_scale / weight_scale_2) ×
@@ -40,15 +56,26 @@ from pathlib import Path
 import torch
 
 from llmc.formats.files import copy_tokenizer_files, write_shards
+from llmc.formats.microscaling_export import (
+    modelopt_fp8_block_tensors,
+    modelopt_nvfp4_input_scale,
+    modelopt_nvfp4_tensors,
+)
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.microscaling import NVFP4, BlockQuantized
 from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_write_json, atomic_write_text
 
 MODELOPT_LAYOUT_VERSION = "0.47.0"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 LLM_API_OPTIONS = "llmc-trtllm.yaml"
+# TensorRT-LLM (`tensorrt_llm/_torch/model_config.py` load_modelopt_quant_config) takes a MIXED_PRECISION checkpoint's
+# kv_cache_quant_algo and quantized_layers from this file, as ModelOpt's legacy TensorRT-LLM export writes it; ModelOpt
+# 0.47's export_hf_checkpoint does not write it (its layers are in hf_quant_config.json, where vLLM reads them)
+MIXED_QUANT_CONFIG = "quant_cfg.json"
 _NOT_NORM_FED = ("o_proj", "down_proj")  # Linears whose input comes from another Linear, not a norm
+FP8_PB_WO = "fp8_pb_wo"  # ModelOpt's name for 128x128 block FP8 weights (TensorRT-LLM: FP8_BLOCK_SCALES)
 
 
 def quant_algo(scheme: Scheme) -> str:
@@ -69,11 +96,32 @@ def quant_algo(scheme: Scheme) -> str:
             fix="weights {format: int4, strategy: group, group_size: 128}, activations {format: fp8_e4m3, "
             "strategy: tensor} (static: calibrated)",
         )
+    if scheme.name == "W4A4-NVFP4":
+        if a.dynamic:
+            raise IncompatibleTargetError(
+                "TensorRT-LLM's NVFP4 GEMM takes the activations' global scale from the checkpoint (input_scale); "
+                f"this scheme's NVFP4 activations are dynamic ({a.describe()})",
+                fix="activations {format: nvfp4, strategy: group, group_size: 16} (static: calibrated)")
+        return "NVFP4"
+    if scheme.name == "W4A16-NVFP4":
+        raise IncompatibleTargetError(
+            "TensorRT-LLM cannot load weight-only NVFP4: ModelOpt writes it as quant_algo W4A16_NVFP4, which "
+            "TensorRT-LLM's QuantAlgo does not have (its NVFP4 GEMM quantizes the activations to NVFP4 as well)",
+            fix="W4A4-NVFP4 (activations {format: nvfp4, strategy: group, group_size: 16}, sm100+), or a vLLM "
+            "target for weight-only NVFP4")
+    if scheme.name == "W8A8-FP8-BLOCK":
+        if a.strategy == "group" and a.group_size == 128 and a.dynamic:
+            return FP8_PB_WO
+        raise IncompatibleTargetError(
+            "TensorRT-LLM's block-FP8 GEMM (FP8_BLOCK_SCALES) quantizes the activations to FP8 per 1 x 128 at run "
+            f"time; this scheme's activations are {a.describe()}",
+            fix="activations {format: fp8_e4m3, strategy: group, group_size: 128, dynamic: true}")
     raise IncompatibleTargetError(
         f"TensorRT-LLM's ModelOpt checkpoint has no layout for {scheme.name} ({w.describe()}"
         f"{', activations ' + a.describe() if a else ''})",
         fix="use FP8 per-tensor weights + static per-tensor FP8 activations, INT8 per-channel weights + static "
-        "per-tensor INT8 activations (SmoothQuant), or symmetric INT4 group weights (AWQ/GPTQ)",
+        "per-tensor INT8 activations (SmoothQuant), symmetric INT4 group weights (AWQ/GPTQ), W4A4-NVFP4 or "
+        "W8A8-FP8-BLOCK",
     )
 
 
@@ -85,7 +133,7 @@ def layer_algos(qm: QuantizedModel) -> dict[str, str]:
     if not qm.scheme.mixed:
         algo = quant_algo(qm.scheme)
         return dict.fromkeys(qm.quantized_modules, algo)
-    by_group = {g: quant_algo(m) for g, m in qm.scheme.members().items()}
+    by_group = group_algos(qm.scheme)
     algos = {name: by_group[entry["group"]] for name, entry in qm.quantized_modules.items()}
     for name, algo in algos.items():  # TensorRT-LLM runs fused siblings as one GEMM: one quant_algo
         mixed = sorted({algos[m] for m in fused_gemm_of(name, algos)})
@@ -97,10 +145,26 @@ def layer_algos(qm: QuantizedModel) -> dict[str, str]:
     return algos
 
 
+def group_algos(scheme: Scheme) -> dict[str, str]:
+    """A mixed scheme's group -> quant_algo in `quantized_layers`, or IncompatibleTargetError for a group ModelOpt's
+    mixed precision cannot hold in a form TensorRT-LLM loads."""
+    by_group = {g: quant_algo(m) for g, m in scheme.members().items()}
+    for group, algo in by_group.items():
+        if algo == FP8_PB_WO:
+            raise IncompatibleTargetError(
+                f"group {group}: TensorRT-LLM reads ModelOpt's block FP8 ({FP8_PB_WO}) as FP8_BLOCK_SCALES only as a "
+                "whole checkpoint's quant_algo; its mixed-precision loader takes each layer's quant_algo as written",
+                fix="give the group another scheme (W8A8-FP8, W4A4-NVFP4, ...), or quantize the whole model "
+                "W8A8-FP8-BLOCK")
+    return by_group
+
+
 def layer_config(algo: str, group_size: int | None) -> dict:
     """One entry of `quantized_layers`, as ModelOpt's process_layer_quant_config writes it for `algo`."""
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         return {"quant_algo": algo, "group_size": group_size, "has_zero_point": False, "pre_quant_scale": True}
+    if algo == "NVFP4":
+        return {"quant_algo": algo, "group_size": group_size}
     return {"quant_algo": algo}
 
 
@@ -170,6 +234,13 @@ def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor],
         if f"{name}.weight" not in out:
             continue
         algo = algos[name]
+        if algo == "NVFP4":
+            out.update(_nvfp4_tensors(out, name))
+            continue
+        if algo == FP8_PB_WO:
+            codes, scale = out.pop(f"{name}.weight"), out.pop(f"{name}.weight_scale")
+            out.update({f"{name}.{k}": t for k, t in modelopt_fp8_block_tensors(codes, scale).items()})
+            continue
         scale = out.pop(f"{name}.weight_scale").float()
         if algo == "FP8":
             out[f"{name}.weight_scale"] = scale.reshape(())
@@ -196,6 +267,16 @@ def modelopt_tensors(qm: QuantizedModel, tensors: dict[str, torch.Tensor],
     return out
 
 
+def _nvfp4_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """Pop one NVFP4 Linear's canonical tensors (E2M1 codes, E4M3 block scales, global scale divisors) from `tensors`;
+    return them in ModelOpt's layout and convention (`modelopt_nvfp4_tensors`, `modelopt_nvfp4_input_scale`)."""
+    q = BlockQuantized(codes=tensors.pop(f"{name}.weight"), scale=tensors.pop(f"{name}.weight_scale"),
+                       global_scale=tensors.pop(f"{name}.weight_global_scale"), format=NVFP4)
+    out = {f"{name}.{k}": t for k, t in modelopt_nvfp4_tensors(q).items()}
+    out[f"{name}.input_scale"] = modelopt_nvfp4_input_scale(tensors.pop(f"{name}.input_global_scale"))
+    return out
+
+
 def excluded_modules(qm: QuantizedModel) -> list[str]:
     """What ModelOpt lists as not quantized: the scheme's ignore list and the token embedding."""
     from safetensors import safe_open
@@ -213,6 +294,8 @@ def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str], layers: dict
         return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         quantization.update({"group_size": scheme.weights.group_size, "has_zero_point": False, "pre_quant_scale": True})
+    if algo == "NVFP4":
+        quantization["group_size"] = scheme.weights.group_size
     quantization["exclude_modules"] = excluded
     return {"producer": {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}, "quantization": quantization}
 
@@ -226,6 +309,9 @@ def config_quantization(scheme: Scheme, algo: str, excluded: list[str], layers: 
     if algo == "FP8":
         fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
         q["config_groups"] = {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}}
+    elif algo == "NVFP4":
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": scheme.weights.group_size}
+        q["config_groups"] = {"group_0": {"input_activations": fp4, "weights": dict(fp4), "targets": ["Linear"]}}
     q["ignore"] = excluded
     q["quant_algo"] = algo
     if scheme.kv_cache is not None:
@@ -265,7 +351,10 @@ def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 
     config["dtype"] = qm.meta.get("dtype", "float32")
     config.pop("torch_dtype", None)
     atomic_write_json(out / "config.json", config)
-    atomic_write_json(out / HF_QUANT_CONFIG, hf_quant_config(qm.scheme, algo, excluded, layers))
+    hq = hf_quant_config(qm.scheme, algo, excluded, layers)
+    atomic_write_json(out / HF_QUANT_CONFIG, hq)
+    if layers is not None:  # TensorRT-LLM's PyTorch loader reads a MIXED_PRECISION checkpoint's layers from here
+        atomic_write_json(out / MIXED_QUANT_CONFIG, hq["quantization"])
     copy_tokenizer_files(qm.root, out)
     atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
                                                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))

@@ -42,13 +42,21 @@ class ModelOptCheckpoint(ArtifactFormat):
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     unevaluated = _NEEDS_GPU
     proof = ("conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
-             "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ and INT4-AWQ (tests marked "
-             "peers); values decode to the canonical weights exactly")
+             "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ, INT4-AWQ, W4A8-AWQ, NVFP4 "
+             "and block FP8 (tests marked peers); values decode to the canonical weights exactly (NVFP4: within the "
+             "float32 rounding of ModelOpt's reciprocal global scale)")
 
     def check_scheme(self, scheme) -> None:
         from llmc.formats.modelopt_hf import quant_algo
 
         quant_algo(scheme)  # raises for schemes ModelOpt's format has no quant_algo for
+
+    def check_mixed(self, scheme) -> None:
+        from llmc.formats.modelopt_hf import group_algos
+
+        super().check_mixed(scheme)
+        if scheme.mixed:
+            group_algos(scheme)  # raises for a group quantized_layers cannot hold (block FP8)
 
     @staticmethod
     def _options(request: ExportRequest) -> dict:
@@ -172,6 +180,10 @@ register_runtime(TensorRtLlm(
         "W4A16-INT": Rule("sm80", since="0.7.0", refuse_reason="INT4 AWQ kernels need sm80+"),
         "W4AFP8": Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 tensor cores (sm89+)"),
         "W4A4-NVFP4": Rule("sm100", since="0.17.0", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+        # ModelOpt's fp8_pb_wo read as FP8_BLOCK_SCALES (its 4-D weight_scale squeezed) from release 1.0 on
+        "W8A8-FP8-BLOCK": Rule("sm90", since="1.0.0",
+                               refuse_reason="TensorRT-LLM's block-scaled FP8 GEMM (FP8_BLOCK_SCALES) needs Hopper "
+                               "(sm90+); on Ada use W8A8-FP8"),
         "KV-FP8": Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+"),
         "KV-INT8": Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+"),
     },

@@ -23,6 +23,7 @@ from llmc.formats.modelopt_hf import (
 )
 from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.microscaling import e2m1_decode, unpack_e2m1
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import Calibration, quantize_model
 
@@ -62,6 +63,11 @@ CASES = {
     "int4-awq": (Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq"), "INT4_AWQ_CFG", "-"),
     "w4a8-awq": (Scheme(TensorSpec("int4", "group", group_size=128), TensorSpec("fp8_e4m3", "tensor"), algorithm="awq"),
                  "W4A8_AWQ_BETA_CFG", "-"),
+    "nvfp4": (Scheme(TensorSpec("nvfp4", "group", group_size=16), TensorSpec("nvfp4", "group", group_size=16)),
+              "NVFP4_DEFAULT_CFG", "-"),
+    "fp8-block": (Scheme(TensorSpec("fp8_e4m3", "block"),
+                         TensorSpec("fp8_e4m3", "group", group_size=128, dynamic=True)),
+                  "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "-"),
 }
 
 
@@ -125,7 +131,15 @@ def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -
         name = "model.layers.1.mlp.down_proj"
         canonical = qm.dequantized_weight(next(t for t in qm.iter_files() if f"{name}.weight" in t), name)
         w, scale = s.get_tensor(f"{name}.weight"), s.get_tensor(f"{name}.weight_scale")
-        if w.dtype == torch.uint8:
+        if case == "nvfp4":  # ModelOpt's decode: code × weight_scale × weight_scale_2 (the reciprocal global scale)
+            w = (e2m1_decode(unpack_e2m1(w)) * scale.float().repeat_interleave(16, dim=1)
+                 * s.get_tensor(f"{name}.weight_scale_2"))
+            torch.testing.assert_close(w, canonical, rtol=2 ** -22, atol=0)
+            w = canonical  # within the float32 rounding of 1 / global scale, checked just above
+        elif case == "fp8-block":  # [out/128, 1, in/128, 1] tiles, as TensorRT-LLM squeezes them
+            tiles = scale.reshape(scale.shape[0], scale.shape[2])
+            w = w.float() * tiles.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        elif w.dtype == torch.uint8:
             w = unpack_int4_rows(w).float() * scale.repeat_interleave(128, dim=1)
         elif scale.dim() == 1:
             w = w.float() * scale[:, None]
@@ -141,6 +155,19 @@ def test_layout_matches_modelopt_export(case: str, tiny: Path, tmp_path: Path) -
         # float32 op order differs (ModelOpt rescales in one fused step): ~1e-8 apart, FP8 steps are ~1e-3
         torch.testing.assert_close(fp8_weight_operand(dequantized, scale_2), simulated, rtol=1e-6, atol=1e-7)
         assert not torch.equal(dequantized, simulated)  # the FP8 rounding is real, not a no-op
+
+    if case == "nvfp4":  # ModelOpt quantizes the same weights to the same bytes, block scales and scale_2
+        with (safe_open(str(ours / "model.safetensors"), "pt") as o,
+              safe_open(str(ref / "model.safetensors"), "pt") as t):
+            for k in o.keys():  # noqa: SIM118
+                if ".layers." not in k or "layernorm" in k:
+                    continue
+                a, b = o.get_tensor(k), t.get_tensor(k)
+                if k.endswith("input_scale"):  # amax observed by each tool's own calibration pass, rounded apart
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+                else:
+                    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                       b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
 
     with safe_open(str(ours / "model.safetensors"), "pt") as s:
         if case == "w4a8-awq":  # one FP8 grid per fused GEMM, spanning its largest dequantized weight

@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from llmc.recipe.load import parse_recipe
+from llmc.recipe.schema import SCHEME_SETTINGS
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
        "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
@@ -21,9 +22,12 @@ INT4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
 INT8 = {"weights": {"format": "int8", "strategy": "channel"}, "activations": {"format": "int8", "strategy": "tensor"}}
 MIXED = {"algorithm": "rtn", "groups": [{"name": "attention", "roles": ["attention"], "scheme": "W8A8-FP8"},
                                         {"name": "mlp", "roles": ["mlp"], "scheme": "W4A16-NVFP4"}]}
+NVFP4_W4A4 = SCHEME_SETTINGS["W4A4-NVFP4"]
+FP8_BLOCK = SCHEME_SETTINGS["W8A8-FP8-BLOCK"]
 CASES = [(FP8, "vllm", 0.03), (INT4, "vllm", 0.03), (INT4, "exllamav2", 0.03), (INT4, "lmdeploy", 0.03),
          (INT4, "llama.cpp", 0.03), (INT4, "tensorrt-llm", 0.03), (INT8, "tensorrt", 0.20),
-         (MIXED, "vllm", 0.03)]  # each group's Linears at its own scheme's bytes
+         (MIXED, "vllm", 0.03),  # each group's Linears at its own scheme's bytes
+         (NVFP4_W4A4, "tensorrt-llm", 0.03), (FP8_BLOCK, "tensorrt-llm", 0.03)]  # ModelOpt's NVFP4 / fp8_pb_wo
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,14 @@ def bf16_model(tmp_path_factory) -> Path:
     return folder
 
 
+def _arch(quant: dict) -> dict:
+    """The target arch NVFP4 (MIXED's MLPs too) and block FP8 need; the default (sm80) for the others."""
+    weights = quant.get("weights", {})
+    if quant is MIXED or weights.get("format") == "nvfp4":
+        return {"gpu_arch": "sm100"}
+    return {"gpu_arch": "sm90"} if weights.get("strategy") == "block" else {}
+
+
 @pytest.mark.parametrize("quant, runtime, tolerance", CASES,
                          ids=[f"{q['weights']['format'] if 'weights' in q else 'mixed'}-{r}" for q, r, _ in CASES])
 def test_the_planned_export_counts_the_bytes_of_every_file_it_writes(bf16_model: Path, tmp_path: Path, quant: dict,
@@ -51,7 +63,7 @@ def test_the_planned_export_counts_the_bytes_of_every_file_it_writes(bf16_model:
         pytest.importorskip("onnx")
     r = parse_recipe(yaml.safe_dump({
         "name": "w", "model": {"source": str(bf16_model)}, "quantization": quant,
-        "calibration": {"samples": 4, "seq_len": 32}, "targets": [{"runtime": runtime, **({"gpu_arch": "sm100"} if quant is MIXED else {})}],
+        "calibration": {"samples": 4, "seq_len": 32}, "targets": [{"runtime": runtime, **_arch(quant)}],
         "gates": {"allow_unevaluated": True}}))
     result = build_until(r, Store(tmp_path / "cache"), "export")
     [artifact] = result.artifacts.values()

@@ -432,15 +432,22 @@ def test_modelopt_writes_per_layer_quant_config(tmp_path: Path) -> None:
     assert "quant_algo MIXED_PRECISION" in text and "8 FP8" in text and "6 W4A16_AWQ" in text
 
 
-def test_modelopt_refuses_a_group_scheme_it_has_no_layout_for() -> None:
+def test_modelopt_refuses_a_group_scheme_tensorrt_llm_cannot_load(tmp_path: Path) -> None:
     from llmc.errors import IncompatibleTargetError
     from llmc.planning.plan import make_plan
+    from tests.conftest import make_tiny_model
 
-    # TensorRT-LLM runs W4A4-NVFP4, but llmc's ModelOpt exporter has no NVFP4 layout yet: refused at plan time
-    nvfp4 = {"groups": [{"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"},
-                        {"name": "m", "roles": ["mlp"], "scheme": "W4A4-NVFP4"}]}
-    with pytest.raises(IncompatibleTargetError, match="no layout for W4A4-NVFP4"):
-        make_plan(_recipe(nvfp4, {"runtime": "tensorrt-llm", "gpu_arch": "sm100"}))
+    folder = make_tiny_model(tmp_path / "model", hidden=128, intermediate=256)  # widths block FP8's groups divide
+
+    attention = {"name": "a", "roles": ["attention"], "scheme": "W8A8-FP8"}
+    # weight-only NVFP4: ModelOpt's W4A16_NVFP4 is no QuantAlgo of TensorRT-LLM's
+    with pytest.raises(IncompatibleTargetError, match="does not run W4A16-NVFP4"):
+        make_plan(_recipe({"groups": [attention, {"name": "m", "roles": ["mlp"], "scheme": "W4A16-NVFP4"}]},
+                          {"runtime": "tensorrt-llm", "gpu_arch": "sm100"}))
+    # block FP8: TensorRT-LLM translates ModelOpt's fp8_pb_wo only as the whole checkpoint's quant_algo
+    with pytest.raises(IncompatibleTargetError, match="group m: .*fp8_pb_wo"):
+        make_plan(_recipe({"groups": [attention, {"name": "m", "roles": ["mlp"], "scheme": "W8A8-FP8-BLOCK"}]},
+                          {"runtime": "tensorrt-llm", "gpu_arch": "sm100"}, source=str(folder)))
 
 
 def test_gguf_types_each_tensor_by_its_group(tmp_path: Path) -> None:
