@@ -41,6 +41,9 @@ SCHEMES = {
     "mxfp4-scale-search": Scheme(TensorSpec("mxfp4", "group", group_size=32), algorithm="scale_search"),
     # GPTQ's column loop with the format's quantizer: block scales set on the device as it reaches each block
     "gptq-nvfp4": Scheme(TensorSpec("nvfp4", "group", group_size=16), algorithm="gptq"),
+    # in activation order: every block's scale fixed (searched) first, the columns gathered by a device permutation
+    "gptq-nvfp4-act-order": Scheme(TensorSpec("nvfp4", "group", group_size=16), algorithm="gptq",
+                                   algorithm_options=(("act_order", True), ("block_scales", "search"))),
 }
 # every family whose layer differs in what discovery or the stream must handle (tests/unit/families.py)
 FAMILIES = ["llama", "qwen3", "gemma3", "phi3", "olmo2", "qwen3_moe"]
@@ -95,7 +98,7 @@ DEFAULT_CASES = {("smoothquant", f) for f in FAMILIES} | {("awq", f) for f in FA
     ("fp8-static-kv", "llama"), ("fp8-static-kv", "qwen3_moe"), ("gptq", "llama"), ("gptq", "phi3"),
     ("gptq", "qwen3_moe"), ("smoothquant+gptq", "gemma3"), ("smoothquant+gptq", "qwen3_moe"), ("awq+gptq", "olmo2"),
     ("w4a4-nvfp4", "llama"), ("w4a4-nvfp4", "qwen3_moe"), ("mxfp4-scale-search", "gemma3"), ("gptq-nvfp4", "llama"),
-    ("gptq-nvfp4", "qwen3_moe")}
+    ("gptq-nvfp4", "qwen3_moe"), ("gptq-nvfp4-act-order", "llama")}
 CASES = [pytest.param(s, f, id=f"{s}-{f}", marks=() if (s, f) in DEFAULT_CASES else pytest.mark.slow)
          for s in SCHEMES for f in FAMILIES]
 
@@ -107,13 +110,13 @@ def test_the_gpu_path_mixes_no_host_tensor_and_writes_the_cpu_files(models, fami
     scheme = SCHEMES[scheme_name]
     with fake_cuda():
         gpu = _quantize(models[family], scheme, tmp_path / "cuda", "cuda")
-    if "awq" in scheme_name or "+gptq" in scheme_name or scheme_name == "gptq-nvfp4":
+    if "awq" in scheme_name or "+gptq" in scheme_name or scheme_name.startswith("gptq-nvfp4"):
         # amplified: AWQ's grid searches and GPTQ after a transform turn the runs' ~1e-7 activation difference
         # into other grid points (measured: up to 40% of a Linear's codes moved), and so does GPTQ's NVFP4 loop,
         # whose block scales follow the weights its earlier codes left (measured on phi3: 6.6% of a Linear's block
         # scales one E4M3 step apart): no value comparison, only that the GPU run completes with host tensors of
         # the CPU's layout in its files
-        layout = scheme_name in ("awq", "gptq-nvfp4")
+        layout = scheme_name in ("awq", "gptq-nvfp4", "gptq-nvfp4-act-order")
         cpu = _quantize(models[family], scheme, tmp_path / "cpu", "cpu") if layout else None
         for k, b in gpu.items():
             assert type(b) is torch.Tensor and torch.isfinite(b.float()).all(), k

@@ -37,27 +37,31 @@ def _output_error(x: torch.Tensor, w: torch.Tensor, q: QuantizedWeight, spec: Te
     return float(((x @ (dequantize_weight(q, spec) - w).T) ** 2).mean())
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("block_scales", ["absmax", "search"])
 @pytest.mark.parametrize("fmt", list(SPECS))
-def test_gptq_reproduces_the_layers_output_better_than_rounding(fmt: str, block_scales: str) -> None:
+def test_gptq_reproduces_the_layers_output_better_than_rounding(fmt: str, block_scales: str, act_order: bool) -> None:
     spec = SPECS[fmt]
     for seed in range(3):
         w, x = _layer(seed)
         hessian, _ = accumulate_hessian(None, 0, x)
-        options = GptqOptions(block_scales=block_scales)
+        options = GptqOptions(block_scales=block_scales, act_order=act_order)
         (gptq,), _ = gptq_quantize_shared([w], hessian, spec, options, ["layer.down_proj"])
         rtn = quantize_weights({"layer.down_proj": w}, spec)["layer.down_proj"]
         assert _output_error(x, w, gptq, spec) < 0.8 * _output_error(x, w, rtn, spec), (fmt, seed)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("block_scales", ["absmax", "search"])
 @pytest.mark.parametrize("fmt", list(SPECS))
-def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid(fmt: str, block_scales: str) -> None:
+def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid(fmt: str, block_scales: str,
+                                                                                 act_order: bool) -> None:
     spec, block = SPECS[fmt], MICROSCALING_FORMATS[fmt]
     w, x = _layer(1, n_out=40, n_in=96)
     w[3, :32] = 0.0  # all-zero blocks keep zero codes
     hessian, _ = accumulate_hessian(None, 0, x)
-    options = GptqOptions(block_size=40, block_scales=block_scales)  # 40 columns: rounded to whole blocks
+    # 40 columns: rounded to whole blocks (in activation order, any number of columns)
+    options = GptqOptions(block_size=40, block_scales=block_scales, act_order=act_order)
     (gptq,), _ = gptq_quantize_shared([w], hessian, spec, options, ["m"])
     rtn = quantize_weights({"m": w}, spec)["m"]
     for field in ("codes", "scale", "global_scale"):
@@ -79,6 +83,24 @@ def test_gptq_codes_and_scales_have_round_to_nearests_layout_and_sit_on_the_grid
     again = quantize_with_scales(values, gptq.scale, block, gptq.global_scale)
     assert torch.equal(again.codes.view(torch.uint8), gptq.codes.view(torch.uint8))
     assert (values[3, :32] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+def test_in_activation_order_the_block_scales_are_fixed_from_the_original_weight(fmt: str) -> None:
+    """llm-compressor's static activation order: the scales are round-to-nearest's of the weight before any column is
+    quantized, so scattering the columns never changes which share a scale. With a diagonal Hessian no error moves
+    to another column, and the codes are round-to-nearest's too."""
+    spec = SPECS[fmt]
+    w, x = _layer(3)
+    rtn = quantize_weights({"m": w}, spec)["m"]
+    hessian, _ = accumulate_hessian(None, 0, x)
+    (ordered,), _ = gptq_quantize_shared([w], hessian, spec, GptqOptions(act_order=True), ["m"])
+    assert torch.equal(ordered.scale.view(torch.uint8), rtn.scale.view(torch.uint8))
+    assert not torch.equal(ordered.codes.view(torch.uint8), rtn.codes.view(torch.uint8))  # the errors moved
+    diagonal = torch.diag(torch.linspace(0.5, 4.0, w.shape[1]).flip(0))  # columns visited in a new order
+    (alone,), _ = gptq_quantize_shared([w], diagonal, spec, GptqOptions(act_order=True), ["m"])
+    assert torch.equal(alone.codes.view(torch.uint8), rtn.codes.view(torch.uint8))
+    assert torch.equal(alone.scale.view(torch.uint8), rtn.scale.view(torch.uint8))
 
 
 @pytest.mark.parametrize("block_scales", ["absmax", "search"])

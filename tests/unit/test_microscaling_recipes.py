@@ -95,7 +95,6 @@ def test_block_fp8_activation_groups_must_divide_the_model_widths() -> None:
 
 @pytest.mark.parametrize(("quant", "message"), [
     ({"weights": NVFP4, "algorithm": "smoothquant"}, "algorithm smoothquant does not quantize nvfp4"),
-    ({"weights": NVFP4, "algorithm": "gptq", "options": {"act_order": True}}, "fix: options.act_order false"),
     ({**QUANT["W8A8-FP8-BLOCK"], "algorithm": "gptq"}, "gptq does not quantize block-wise FP8"),
     ({"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq",
       "options": {"block_scales": "search"}}, "block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales"),

@@ -9,6 +9,8 @@ Microscaling weights (NVFP4, MXFP4, MXFP8) are quantized by the format's own qua
 (`gptq_microscaling_rows`): each block's scale (E4M3 under the tensor's global scale, or E8M0) is computed when the
 loop reaches the block's first column, from the block's weights as the earlier columns' errors left them (the
 original GPTQ's group rule), and the codes are the format's elements; the result has round-to-nearest's layout.
+With `act_order` they follow llm-compressor's static activation order instead (`_microscaling_act_order`): every
+block's scale fixed from the original weight first, then the columns in decreasing Hessian diagonal.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class GptqOptions(AlgorithmOptions):
     dampening: float = Field(default=0.01, ge=0, description="the fraction of the mean Hessian diagonal added to "
                              "the diagonal, a number >= 0")
     act_order: bool = Field(default=False, description="true (quantize columns in order of decreasing Hessian "
-                            "diagonal) or false")
+                            "diagonal; microscaling formats: every block's scale fixed from the original weight "
+                            "first) or false")
     true_sequential: bool = Field(default=True, description="true or false (quantize each Linear inside the "
                                   "forward that makes the next layer's inputs)")
     block_scales: Literal["absmax", "search"] = Field(
@@ -72,9 +75,6 @@ class GptqOptions(AlgorithmOptions):
         if self.block_scales == "search" and not w.info.microscaling:
             raise ValueError(f"options.block_scales search chooses nvfp4, mxfp4 or mxfp8 block scales, not "
                              f"{w.describe()}'s; fix: drop block_scales")
-        if w.info.microscaling and self.act_order:
-            raise ValueError(f"gptq sets each {w.format} block's scale when it reaches the block's first column, "
-                             "which activation order scatters; fix: options.act_order false")
         asked = "true_sequential" in self.model_fields_set and self.true_sequential
         if asked and not self.resolve(context).true_sequential:
             raise ValueError("options.true_sequential quantizes each Linear inside the forward that makes the next "
@@ -262,6 +262,8 @@ def gptq_microscaling_rows(
     n_out, n_in = w.shape
     if n_in % fmt.block_size:
         raise ValueError(f"{fmt.name} scales blocks of {fmt.block_size} inputs; {n_in} does not divide into them")
+    if options.act_order:
+        return _microscaling_act_order(w, hessian, fmt, global_scale, options)
     w = w.clone()
     h_inv_chol, dead = _prepare_inverse(hessian, options.dampening)
     w[:, dead] = 0.0
@@ -312,6 +314,45 @@ def _microscaling_block(block: torch.Tensor, h_blk: torch.Tensor, fmt, global_sc
         errors[i] = err
         cols[i:].sub_(h_blk[i, i:, None] * err[None, :])
     return codes.t(), torch.stack(scales, dim=1), errors.t()
+
+
+def _microscaling_act_order(w: torch.Tensor, hessian: torch.Tensor, fmt, global_scale: torch.Tensor | None,
+                            options: GptqOptions) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`gptq_microscaling_rows` in activation order, as llm-compressor's static order: every block's scale fixed from
+    the original weight first (round-to-nearest's, or with `options.block_scales` "search" the one with the least
+    squared error weighted by the Hessian's diagonal), then the columns quantized in decreasing Hessian diagonal,
+    each at its own block's scale. The blocks keep their columns, so the layout is round-to-nearest's."""
+    n_out, n_in = w.shape
+    order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+    h_inv_chol, dead = _prepare_inverse(hessian[order][:, order], options.dampening)
+    w = w.clone()
+    w[:, order[dead]] = 0.0
+    row_global = None if global_scale is None else global_scale[:, None]
+    block_amax = w.reshape(n_out, -1, fmt.block_size).abs().amax(dim=-1)
+    if options.block_scales == "search":
+        scale = search_block_scales(w, fmt, global_scale=row_global, importance=torch.diagonal(hessian)).scale
+    else:
+        scale = block_scales(block_amax, fmt, row_global)
+    # a block of zeros stays zeros (E8M0 has no zero scale): the errors moved onto it pass on to later columns
+    steps = torch.where(block_amax > 0, scale_values(scale, row_global), 0.0)
+    steps = steps.repeat_interleave(fmt.block_size, dim=1)[:, order]
+    w = w[:, order]
+    codes = torch.empty(n_out, n_in, dtype=torch.uint8 if fmt.element == "e2m1" else torch.float8_e4m3fn,
+                        device=w.device)
+    loss = torch.zeros((), dtype=torch.float64, device=w.device)
+    for i1 in range(0, n_in, options.block_size):
+        i2 = min(i1 + options.block_size, n_in)
+        cols, col_steps = w[:, i1:i2].t().contiguous(), steps[:, i1:i2].t()  # one column per contiguous row
+        h_blk = h_inv_chol[i1:i2, i1:i2]
+        errors = torch.empty_like(cols)
+        for i in range(cols.shape[0]):
+            c = encode_elements(cols[i], col_steps[i], fmt)
+            codes[:, order[i1 + i]] = c
+            errors[i] = (cols[i] - decode_elements(c, fmt) * col_steps[i]) / h_blk[i, i]
+            cols[i:].sub_(h_blk[i, i:, None] * errors[i][None, :])
+        loss += (errors.double() ** 2).sum() / 2
+        w[:, i2:] -= errors.t() @ h_inv_chol[i1:i2, i2:]
+    return codes, scale, float(loss)
 
 
 def _gptq_rows(
