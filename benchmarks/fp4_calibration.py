@@ -47,7 +47,8 @@ import torch
 
 # variant name -> (weight format, block size, algorithm)
 FORMATS = {"nvfp4": 16, "mxfp4": 32}
-ALGORITHMS = ("rtn", "scale_search", "gptq", "gptq+scale_search_scales", "awq")
+ALGORITHMS = ("rtn", "scale_search", "gptq", "gptq+scale_search_scales", "gptq_act_order",
+              "gptq_act_order+scale_search_scales", "awq")
 SCHEMES_8BIT = ("fp8", "fp8_block", "mxfp8")
 REPO = Path(__file__).resolve().parents[1]
 # peer variant -> (venv, child script, the child's scheme argument)
@@ -85,8 +86,11 @@ def scheme_of(variant: str, config: dict | None = None, mixed_recipe: Path | Non
         return QuantizationSection.model_validate(recipe["quantization"]).to_scheme()
     fmt, algorithm = variant.split("-", 1)
     options: tuple = ()
-    if algorithm == "gptq+scale_search_scales":  # GPTQ choosing each block's scale by the search at its first column
-        algorithm, options = "gptq", (("block_scales", "search"),)
+    if algorithm.startswith("gptq_act_order"):  # static activation order: every block's scale fixed first
+        algorithm, options = algorithm.replace("gptq_act_order", "gptq"), (("act_order", True),)
+    if algorithm == "gptq+scale_search_scales":  # GPTQ choosing each block's scale by the search (at its first
+        # column, or before any column in activation order)
+        algorithm, options = "gptq", (*options, ("block_scales", "search"))
     return Scheme(TensorSpec(fmt, "group", group_size=FORMATS[fmt]), algorithm=algorithm, algorithm_options=options)
 
 

@@ -289,8 +289,11 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
     canonical = shape.layers * layer * code_bytes + shape.outer_params * kept
-    reads = 2 if calibrated else 1
-    fixed = (shape.outer_params * (reads * stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE)
+    # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
+    # bf16 embeddings and head: 1.09 B weights, ~5 s of the stage, docs/planner.md)
+    converted = e if e != stored_elem else 0
+    skeleton_s = shape.outer_params * (stored_elem + converted) / DISK_READ_RATE if calibrated else 0.0
+    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE) + skeleton_s
              + canonical / hash_rate() + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
                 else "activations in memory") if calibrated else "no calibration"
