@@ -25,6 +25,7 @@ from llmc.model.source import ModelSource
 from llmc.planning import probes
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import Calibration, StreamOptions, quantize_model
+from llmc.telemetry import events, progress
 
 PROBE_LAYERS = 5
 PROBE_CONFIG = {  # widths every group size divides (NVFP4 16, MX 32, block FP8 128)
@@ -82,8 +83,9 @@ def _stream_timer(calibrated: bool, dtype_name: str):
             windows = (Calibration(torch.randint(0, PROBE_CONFIG["vocab_size"], (PROBE_WINDOWS, PROBE_SEQ_LEN),
                                                  generator=torch.Generator().manual_seed(0)),
                                    shared_stats=Path(tmp) / "shared-stats") if calibrated else None)
-            quantize_model(source, _CALIBRATED if calibrated else _DATA_FREE, Path(tmp) / "out", windows,
-                           StreamOptions(dtype=getattr(torch, dtype_name),
-                                         on_layer_done=lambda i: committed.append(time.monotonic())))
+            with progress.quiet(), events.muted():  # the tiny model's layers are not the build's
+                quantize_model(source, _CALIBRATED if calibrated else _DATA_FREE, Path(tmp) / "out", windows,
+                               StreamOptions(dtype=getattr(torch, dtype_name),
+                                             on_layer_done=lambda i: committed.append(time.monotonic())))
         return (len(committed) - 1) / (committed[-1] - committed[0])  # layers/s
     return run_once

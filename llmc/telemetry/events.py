@@ -15,7 +15,8 @@ Nothing in llmc listens by default; the crash tests subscribe a listener that ki
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 Listener = Callable[[str], None]
 _listeners: list[Listener] = []
@@ -34,3 +35,15 @@ def unsubscribe(listener: Listener) -> None:
 def emit(event: str) -> None:
     for listener in list(_listeners):
         listener(event)
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """No listener hears what happens inside: work that is not the build's (the planner's probe of the stream
+    writes and commits a tiny model's layers) must not look like the build's own events."""
+    saved = _listeners[:]
+    _listeners.clear()
+    try:
+        yield
+    finally:
+        _listeners[:] = saved

@@ -6,6 +6,7 @@ parsed; set LLMC_PROGRESS_JSON=0 to silence them. Bars show only on a terminal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +23,17 @@ _QUIET = False
 def set_quiet(quiet: bool) -> None:
     global _QUIET
     _QUIET = quiet
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No progress or log line inside (work the user did not ask for, such as a planner's probe)."""
+    previous = _QUIET
+    set_quiet(True)
+    try:
+        yield
+    finally:
+        set_quiet(previous)
 
 
 def log(message: str) -> None:

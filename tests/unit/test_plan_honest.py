@@ -500,7 +500,8 @@ def test_an_export_is_planned_at_the_probed_hash_rate(monkeypatch) -> None:
     assert seconds(0.5e9) - seconds(1.5e9) == pytest.approx(3e9 / 0.5e9 - 3e9 / 1.5e9)  # a busy machine hashes slower
 
 
-def test_the_stream_probe_times_the_streams_own_layers_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+def test_the_stream_probe_times_the_streams_own_layers_and_leaves_nothing_behind(tmp_path: Path, monkeypatch,
+                                                                                   capsys) -> None:
     """Issue 35: the SmolLM2 quantize stage's 30 layers ran ~30% over their planned forward and quantizer time: each
     layer's durable files (8 fsyncs), heap trim and hooks, which no FLOP or byte counts. The probe runs the stream
     itself on a tiny model and reports seconds per layer, cached per machine like every rate."""
@@ -509,9 +510,18 @@ def test_the_stream_probe_times_the_streams_own_layers_and_leaves_nothing_behind
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     probes.use_cache(tmp_path / "cache")
-    calibrated = stream_probe.layer_overhead_seconds(True, "float32")
-    data_free = stream_probe.layer_overhead_seconds(False, "float32")
+    from llmc.telemetry import events
+
+    heard = events.subscribe([].append)
+    try:
+        calibrated = stream_probe.layer_overhead_seconds(True, "float32")
+        data_free = stream_probe.layer_overhead_seconds(False, "float32")
+    finally:
+        events.unsubscribe(heard)
     assert 0 < data_free < 5 and 0 < calibrated < 5
+    # silent: no build listener (the crash tests kill at the n-th event) hears the tiny model's commits, and no
+    # "quantize layers" progress appears in a plan
+    assert heard.__self__ == [] and "quantize layers" not in capsys.readouterr().err
     rates = json.loads((tmp_path / "cache" / probes.RATES_FILE).read_text())["rates"]
     assert {"stream layers calibrated float32", "stream layers data-free float32"} <= rates.keys()
     # only the tiny model (made once per process, removed at its exit) remains: every run's output was removed
