@@ -512,16 +512,17 @@ def test_the_stream_probe_times_the_streams_own_layers_and_leaves_nothing_behind
     probes.use_cache(tmp_path / "cache")
     from llmc.telemetry import events
 
-    heard = events.subscribe([].append)
+    heard: list[str] = []
+    listener = events.subscribe(heard.append)
     try:
         calibrated = stream_probe.layer_overhead_seconds(True, "float32")
         data_free = stream_probe.layer_overhead_seconds(False, "float32")
     finally:
-        events.unsubscribe(heard)
+        events.unsubscribe(listener)
     assert 0 < data_free < 5 and 0 < calibrated < 5
     # silent: no build listener (the crash tests kill at the n-th event) hears the tiny model's commits, and no
     # "quantize layers" progress appears in a plan
-    assert heard.__self__ == [] and "quantize layers" not in capsys.readouterr().err
+    assert heard == [] and "quantize layers" not in capsys.readouterr().err
     rates = json.loads((tmp_path / "cache" / probes.RATES_FILE).read_text())["rates"]
     assert {"stream layers calibrated float32", "stream layers data-free float32"} <= rates.keys()
     # only the tiny model (made once per process, removed at its exit) remains: every run's output was removed
