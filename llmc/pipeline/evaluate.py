@@ -10,6 +10,7 @@ batch's logits; the baseline's output head an artifact is scored with is mapped.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmc.runtimes import catalog as targets
-from llmc.formats.files import SERVE_FILE
+from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec, open_engine, split
@@ -32,8 +33,8 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, PROCESS_BYTES, Machine,
-                                   forward_seconds, hash_rate)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine,
+                                   file_write_seconds, forward_seconds, hash_rate, uncached_read_seconds)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.groups import by_group
@@ -124,9 +125,10 @@ class Evaluate:
             row.disk_bytes += 0 if reference else shape.vocab * shape.hidden * c.elem
             # its scores (the baseline's: + the head) written with fsync and hashed; an artifact's evaluation first
             # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
-            row.seconds += row.disk_bytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
-            if reference:
-                row.seconds += (artifact_size + baseline_disk) / hash_rate()
+            row.seconds += file_write_seconds(row.disk_bytes)
+            if reference:  # (read from the disk: both were written around the page cache where large)
+                row.seconds += ((artifact_size + baseline_disk) / hash_rate() + uncached_read_seconds(baseline_disk)
+                                + uncached_read_seconds(artifact_size, files=max(1, math.ceil(artifact_size / MAX_SHARD_BYTES))))
             else:
                 baseline_disk = row.disk_bytes
             if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another

@@ -8,6 +8,7 @@ stage's cost left (`SchemeBytes`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import DISK_WRITE_RATE, PROCESS_BYTES, Machine, hash_rate
+from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds, uncached_read_seconds
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import QuantizedModel, module_matches
@@ -122,7 +123,10 @@ class Export:
             if scheme.name in c.outer_written:
                 new_bytes -= outer_bytes
             c.outer_written.add(scheme.name)
-        row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes,
+        # the canonical form's files, read through mmap: its layer files and rest.safetensors
+        read_s = (uncached_read_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
+                  + uncached_read_seconds(outer_bytes))
+        row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes, read_seconds=read_s,
                           whole_model=fmt.whole_model,
                           shared_with=None if shared_with == self.label else shared_with,
                           compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
@@ -168,7 +172,7 @@ def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
 def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
                 compute: str, machine: Machine, passes_codes_through: bool = False,
                 max_shard_bytes: float = 2 << 30, new_bytes: float | None = None,
-                repacked_bytes: float | None = None, bits: int = 4) -> CostRow:
+                repacked_bytes: float | None = None, bits: int = 4, read_seconds: float = 0.0) -> CostRow:
     """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
     (llmc.formats.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
     shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored: the process alone.
@@ -176,7 +180,7 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
     write_repacked_checkpoint, a block of rows at a time): one shard of them, and the largest Linear's packed blocks
     joined. Otherwise one shard of new tensors and one layer's codes (an upper bound). Whole-model exporters hold
     the float32 model three times (weights, the graph's copy, the codes). The figures measured against each case:
-    docs/planner-constants.md#export-memory."""
+    docs/planner-constants.md#export-memory. `read_seconds`: reading the canonical form's files."""
     e = BYTES[compute]
     mapped = 0.0
     # the largest shard: write_shards never splits one canonical file, and the weights outside the layers are one
@@ -200,8 +204,8 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
            "its own files" if new_bytes >= artifact_bytes else
            f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
            "export's (hard links)")
-    # serialize and fsync the artifact from the mapped canonical form, then hash it (the store's record)
-    seconds = artifact_bytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
+    # read the canonical form, serialize, fsync and hash the artifact (the store's record), a shard at a time
+    seconds = read_seconds + file_write_seconds(artifact_bytes, files=max(1, math.ceil(artifact_bytes / max_shard_bytes)))
     if repacked_bytes is not None:
         seconds += repacked_bytes * 8 / bits / REPACK_RATE
     return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,

@@ -31,8 +31,8 @@ from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, DISK_WRITE_RATE, PROCESS_BYTES, Machine,
-                                   forward_efficiency, forward_seconds, hash_rate, matmul_rate)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, file_write_seconds,
+                                   forward_efficiency, forward_seconds, matmul_rate)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
@@ -175,12 +175,12 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
     """One decoder layer of the quantize stage, part by part: read it (`stored_bytes`), the calibration forward
     passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
     model's `width`), the quantizer's arithmetic (its probed rate at the scheme's `weights`) and writing its codes
-    with fsync. benchmarks/layer_time.py measures the same parts at full width."""
+    with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens)
     return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
-            "write": layer_params * code_bytes / DISK_WRITE_RATE}
+            "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
 
 def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
@@ -287,14 +287,13 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
         per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
-    # ... and every file of the canonical form is hashed once when the stage completes (llmc.storage.store.record_files)
-    canonical = shape.layers * layer * code_bytes + shape.outer_params * kept
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
     # bf16 embeddings and head: 1.09 B weights, ~5 s of the stage, docs/planner.md)
     converted = e if e != stored_elem else 0
     skeleton_s = shape.outer_params * (stored_elem + converted) / DISK_READ_RATE if calibrated else 0.0
-    fixed = (shape.outer_params * (stored_elem / DISK_READ_RATE + kept / DISK_WRITE_RATE) + skeleton_s
-             + canonical / hash_rate() + discovery_s)
+    # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
+    fixed = (shape.outer_params * stored_elem / DISK_READ_RATE + file_write_seconds(shape.outer_params * kept)
+             + skeleton_s + discovery_s)
     strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
                 else "activations in memory") if calibrated else "no calibration"
     why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "

@@ -20,7 +20,12 @@ from llmc.planning import probes
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
-DISK_WRITE_RATE = 0.3e9  # bytes/s safetensors serializes and fsyncs: docs/planner-constants.md#disk_write_rate
+# bytes/s safetensors serializes and fsyncs through the page cache (files under direct_io.DIRECT_MIN_BYTES; larger ones
+# are written around it, at the probed `write_rate`): docs/planner-constants.md#disk_write_rate
+DISK_WRITE_RATE = 0.3e9
+# bytes/s a file the page cache does not hold is read into it (not probed: a probe's file reads into the pages it
+# just freed, which run 5x faster): docs/planner-constants.md#uncached_read_rate
+UNCACHED_READ_RATE = 0.6e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
 # width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
@@ -99,6 +104,65 @@ def _hash_timer():
         if not data:
             data.append(os.urandom(HASH_PROBE_BYTES))
         return probes.sustained_rate(HASH_PROBE_BYTES, lambda: hashlib.sha256(data[0]).digest())
+
+    return run_once
+
+
+IO_PROBE_BYTES = 64 << 20  # direct_io.DIRECT_MIN_BYTES: a file the stages write around the page cache
+
+
+def write_rate() -> float:
+    """Bytes/s a stage's large file is written, made durable and hashed for the store's record: the store's own
+    `atomic_save_safetensors` of IO_PROBE_BYTES into the cache's filesystem, timed (direct I/O where the filesystem
+    allows it, llmc.storage.direct_io, else through the page cache and read back to hash)."""
+    return probes.rate("write+sha256", _write_timer())
+
+
+def file_write_seconds(nbytes: float, files: int = 1) -> float:
+    """Seconds to write `nbytes` in `files` files of about equal size, durable and hashed: at the probed
+    `write_rate` when each is large enough to be written around the page cache, else through it at DISK_WRITE_RATE
+    and hashed from it."""
+    from llmc.storage.direct_io import DIRECT_MIN_BYTES
+
+    if nbytes <= 0:
+        return 0.0
+    if nbytes / max(files, 1) >= DIRECT_MIN_BYTES:
+        return nbytes / write_rate()
+    return nbytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
+
+
+def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
+    """Seconds to read `nbytes` in `files` files a stage wrote: those written around the page cache (large enough)
+    are read from the disk into it at UNCACHED_READ_RATE; smaller ones are still in the page cache (not counted)."""
+    from llmc.storage.direct_io import DIRECT_MIN_BYTES
+
+    return nbytes / UNCACHED_READ_RATE if nbytes > 0 and nbytes / max(files, 1) >= DIRECT_MIN_BYTES else 0.0
+
+
+def _probe_folder():
+    """A temporary folder on the cache's filesystem (the rates file's), or the system's without a cache."""
+    import tempfile
+
+    where = probes.book().path
+    if where is not None:
+        where.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix=".llmc-io-probe-", dir=where.parent if where is not None else None)
+
+
+def _write_timer():
+    def run_once() -> float:
+        from llmc.storage.direct_io import written_digest
+        from llmc.storage.store import atomic_save_safetensors, sha256_file
+
+        tensors = {"probe": torch.randint(0, 255, (IO_PROBE_BYTES,), dtype=torch.uint8)}
+        with _probe_folder() as folder:
+            path = os.path.join(folder, "probe.safetensors")
+
+            def write() -> None:
+                atomic_save_safetensors(path, tensors)
+                written_digest(os.stat(path)) or sha256_file(path)
+
+            return probes.sustained_rate(IO_PROBE_BYTES, write)
 
     return run_once
 

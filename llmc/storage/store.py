@@ -32,6 +32,7 @@ from llmc.storage.paths import confined
 from llmc.telemetry.progress import Meter, log
 from llmc.storage.resource_errors import resource_error
 from llmc.storage.links import share_identical_files, sweep_blobs
+from llmc.storage.direct_io import written_digest
 from llmc.inputs.files import shown
 
 COMPLETE_MARKER = ".llmc-complete"
@@ -107,18 +108,28 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    """safetensors.save_file to a temp name, fsync, rename."""
+    """safetensors to a temp name, fsync, rename. A file of DIRECT_MIN_BYTES or more is written around the page
+    cache and hashed as it is written (llmc.storage.direct_io), where the filesystem allows it."""
     from safetensors.torch import save_file  # lazy: safetensors.torch imports torch; the store stays torch-free
+
+    from llmc.storage import direct_io
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with resource_errors(path.name, path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            tensors = {k: v.contiguous() for k, v in tensors.items()}
+            digest = None
+            if sum(v.numel() * v.element_size() for v in tensors.values()) >= direct_io.DIRECT_MIN_BYTES:
+                digest = direct_io.write_safetensors(tmp, tensors, metadata)
+            if digest is None:
+                save_file(tensors, str(tmp), metadata=metadata)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
+            if digest is not None:
+                direct_io.remember(path, digest)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -163,8 +174,8 @@ def record_files(folder: Path) -> dict[str, dict]:
             files[rel] = {"symlink": os.readlink(path)}
             continue
         inode = (st.st_dev, st.st_ino)
-        if inode not in by_inode:
-            by_inode[inode] = sha256_file(path)
+        if inode not in by_inode:  # a file this process wrote directly was hashed as it was written
+            by_inode[inode] = written_digest(st) or sha256_file(path)
         files[rel] = {"size": st.st_size, "sha256": by_inode[inode]}
     return files
 

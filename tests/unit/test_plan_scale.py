@@ -278,7 +278,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     top of writing and hashing the same number of bytes."""
     from llmc.formats.files import MAX_SHARD_BYTES
     from llmc.pipeline.export import REPACK_BLOCK_BYTES, REPACK_RATE
-    from llmc.planning.machine import DISK_WRITE_RATE, PROCESS_BYTES, hash_rate
+    from llmc.planning.machine import PROCESS_BYTES, write_rate
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
@@ -295,7 +295,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     assert awq["host_gb"] < vllm["host_gb"]
     # each writes and hashes its own files (AWQ: float16 scales and packed zero points; compressed-tensors: float32
     # scales), and AWQ repacks on top
-    io = (awq["disk_gb"] - vllm["disk_gb"]) * 1e9 * (1 / DISK_WRITE_RATE + 1 / hash_rate())  # hashing: the plan's probed rate
+    io = (awq["disk_gb"] - vllm["disk_gb"]) * 1e9 / write_rate()  # GB-sized shards: the probed write (+ hash) rate
     assert awq["seconds"] - vllm["seconds"] == pytest.approx(layer_linears / REPACK_RATE + io, rel=1e-3)
 
 
@@ -335,6 +335,6 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     assert cpu.parts["forward temporaries"] == pytest.approx(forward + scores)
     assert batches.gpu_bytes == pytest.approx(machine.CUDA_CONTEXT_BYTES + shape.layer_params * 2 + 8 * shape.largest_linear
                                               + 2 * 4 * seq_len * shape.hidden * 2 + forward)  # no scores
-    io = shape.layer_params * 2 / machine.DISK_READ_RATE + shape.layer_params / machine.DISK_WRITE_RATE
+    io = shape.layer_params * 2 / machine.DISK_READ_RATE + machine.file_write_seconds(shape.layer_params)
     assert resident.layer_seconds == pytest.approx(max(io, resident.layer_seconds))  # never below the layer's I/O
     assert cpu.layer_seconds > io  # the CPU adds its I/O to its compute

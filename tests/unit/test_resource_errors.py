@@ -212,7 +212,7 @@ SITES = [
     ("spilled activations", "*/state/inputs-00001.partial/b00000.safetensors", "/state/inputs-00001.partial"),
     ("shared statistics", "*/shared-stats/*/.layer-00001.safetensors*", "shared-stats/"),
     ("quantized layer", "*/stages/quantize/*/layers/.00001.safetensors*", "stages/quantize/"),
-    ("quantize progress", "*/state/.progress.json.*", "/state"),
+    ("quantize progress", "*/stages/quantize/*/state/.progress.json.*", "/state"),  # not the stream probe's own
     ("tokenizer copy", "*/stages/quantize/*/tokenizer.json", "stages/quantize/"),
     ("export shard", "*/stages/export/*/.model.safetensors*", "stages/export/"),
     ("GGUF file", "*/stages/export/*/.model.gguf.*", "stages/export/"),

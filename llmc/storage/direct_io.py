@@ -1,0 +1,161 @@
+"""Large safetensors files written around the page cache (O_DIRECT), hashed while they are written.
+
+Why: a stage's gigabytes written through the page cache run at the rate the kernel finds it fresh pages, which on a
+VM can be a tenth of the disk's and swings with what else the machine did in the last seconds. On the development VM
+(Firecracker, free page reporting) 1 GB written into fresh page-cache pages took 3-7 s, into pages another file had
+just freed 0.2 s, and with O_DIRECT 0.36 s every time (docs/planner-constants.md#write_rate). Written this way, the
+stages' time no longer depends on the page cache's history, and the planner's probe of it (`llmc.planning.machine.
+write_rate`) reads what a stage gets.
+
+The bytes are those `safetensors.torch.save` makes for the same tensors and metadata (header then data, in the
+library's order: tests/unit/test_direct_io.py compares them), so a file's sha256 does not depend on how it was
+written. The sha256 of what was written is kept for this process (`written_digest`): the store records a stage's
+files right after it, and reading them back would put them through the page cache after all.
+
+A filesystem that refuses O_DIRECT (tmpfs before Linux 6.6, some network and FUSE filesystems), a platform without
+it, a tensor safetensors' table does not name, or a big-endian host: `write_safetensors` returns None and the caller
+writes the file the ordinary way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported by the first big write: the store imports this module and stays torch-free
+    import torch
+
+DIRECT_MIN_BYTES = 64 << 20  # smaller files go through the page cache: their pages are few and the next stage reads them
+ALIGNMENT = 4096  # O_DIRECT: buffer address, file offset and length in multiples of the logical block (<= 4 KiB)
+CHUNK_BYTES = 16 << 20  # one write: the bounce buffer's size (one per writing thread, kept: a fresh one costs page faults)
+_HEADER_ALIGNMENT = 8  # safetensors pads its JSON header with spaces to a multiple of 8 bytes
+
+_bounce = threading.local()
+_digests: dict[tuple[int, int, int, int], str] = {}  # (st_dev, st_ino, st_size, st_mtime_ns) -> sha256
+
+
+def _dtype_names() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors' name for it, from safetensors' own table."""
+    from safetensors import torch as st
+
+    return {dtype: name for name, dtype in st._TYPES.items() if dtype is not None}
+
+
+def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[str]]:
+    """safetensors' header for `tensors` (the 8-byte little-endian length, then the padded JSON) and the order their
+    data follows it in, the library's."""
+    names = _dtype_names()
+    order = _library_order(tensors)
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % _HEADER_ALIGNMENT)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def _library_order(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The order safetensors writes these tensors' data in (by dtype, then name: a rule of the library's, so read from
+    the header it makes for empty tensors of the same names and dtypes)."""
+    import torch
+    from safetensors.torch import save
+
+    empty = save({n: torch.empty(0, dtype=t.dtype) for n, t in tensors.items()})
+    length = int.from_bytes(empty[:8], "little")
+    return [n for n in json.loads(empty[8:8 + length]) if n != "__metadata__"]
+
+
+def supported(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether `write_safetensors` can write these: host tensors of dtypes safetensors names, on a little-endian
+    host with O_DIRECT."""
+    if not hasattr(os, "O_DIRECT") or sys.byteorder != "little":
+        return False
+    names = _dtype_names()
+    return all(t.device.type == "cpu" and t.dtype in names and not t.is_sparse for t in tensors.values())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str | None:
+    """Write `tensors` to `path` as safetensors with O_DIRECT, made durable (fsync); the file's sha256, or None when
+    the filesystem or the tensors do not allow it (nothing written then). The caller renames the file into place."""
+    if not supported(tensors):
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+    except OSError:  # EINVAL: this filesystem has no direct I/O
+        return None
+    head, order = header(tensors, metadata)
+    digest = hashlib.sha256()
+    view = _bounce_buffer()
+    try:
+        filled = total = 0
+
+        def flush(length: int) -> None:
+            written = 0
+            while written < length:
+                n = os.write(fd, view[written:length])
+                if n <= 0 or (n % ALIGNMENT and written + n < length):
+                    raise OSError(f"short direct write to {path} ({n} of {length - written} bytes)")
+                written += n
+
+        for piece in _pieces(head, [tensors[n] for n in order]):
+            while piece:
+                take = min(len(piece), CHUNK_BYTES - filled)
+                view[filled:filled + take] = piece[:take]
+                filled += take
+                piece = piece[take:]
+                if filled == CHUNK_BYTES:
+                    digest.update(view[:filled])
+                    flush(filled)
+                    total += filled
+                    filled = 0
+        if filled:
+            digest.update(view[:filled])
+            padded = filled + (-filled % ALIGNMENT)
+            view[filled:padded] = bytes(padded - filled)
+            flush(padded)
+            total += filled
+            os.ftruncate(fd, total)  # the tail's padding was written for alignment only
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _bounce_buffer() -> memoryview:
+    """This thread's CHUNK_BYTES buffer, page-aligned (an anonymous mapping) as O_DIRECT needs."""
+    if getattr(_bounce, "view", None) is None or len(_bounce.view) != CHUNK_BYTES:
+        _bounce.view = memoryview(mmap.mmap(-1, CHUNK_BYTES))
+    return _bounce.view
+
+
+def _pieces(head: bytes, tensors: list[torch.Tensor]):
+    """The file's bytes in order, as memoryviews: the header, then each tensor's data."""
+    import torch
+
+    yield memoryview(head)
+    for t in tensors:
+        if t.numel():
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            yield memoryview(data).cast("B")
+
+
+def remember(path: Path, digest: str) -> None:
+    """Keep `digest` as the sha256 of the file now at `path` (its inode, size and modification time)."""
+    st = os.stat(path)
+    _digests[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = digest
+
+
+def written_digest(st: os.stat_result) -> str | None:
+    """The sha256 this process wrote a file with, if the file is still that one (same inode, size and modification
+    time), else None."""
+    return _digests.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
