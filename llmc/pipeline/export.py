@@ -18,7 +18,7 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds, uncached_read_seconds
+from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds, hash_rate, uncached_read_seconds
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import QuantizedModel, module_matches
@@ -123,9 +123,10 @@ class Export:
             if scheme.name in c.outer_written:
                 new_bytes -= outer_bytes
             c.outer_written.add(scheme.name)
-        # the canonical form's files, read through mmap: its layer files and rest.safetensors
+        # the canonical form's files (its layer files and rest.safetensors), every byte verified before the export
+        # reads them (Store.require_intact): read from the disk where they were written around the page cache
         read_s = (uncached_read_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
-                  + uncached_read_seconds(outer_bytes))
+                  + uncached_read_seconds(outer_bytes) + sizes.canonical / hash_rate())
         row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes, read_seconds=read_s,
                           whole_model=fmt.whole_model,
                           shared_with=None if shared_with == self.label else shared_with,
@@ -180,7 +181,7 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
     write_repacked_checkpoint, a block of rows at a time): one shard of them, and the largest Linear's packed blocks
     joined. Otherwise one shard of new tensors and one layer's codes (an upper bound). Whole-model exporters hold
     the float32 model three times (weights, the graph's copy, the codes). The figures measured against each case:
-    docs/planner-constants.md#export-memory. `read_seconds`: reading the canonical form's files."""
+    docs/planner-constants.md#export-memory. `read_seconds`: verifying and reading the canonical form's files."""
     e = BYTES[compute]
     mapped = 0.0
     # the largest shard: write_shards never splits one canonical file, and the weights outside the layers are one

@@ -209,9 +209,12 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         algorithm += tokens * (2 * h + shape.attn_width + shape.intermediate) * e
     if search:  # the down projection's search through its inputs' float32 Gram matrix, and its ΔW, ΔW·G
         algorithm += 4 * shape.intermediate ** 2 + 2 * 4 * shape.largest_linear
+    # the skeleton's weights outside the layers, calibrating: an untied output head is left unread (the calibration
+    # forward stops at the first layer)
+    skeleton_params = shape.outer_params - shape.head_params
     parts = {
         "process": PROCESS_BYTES,
-        "outer weights": shape.outer_params * e if calibrated else 0.0,
+        "outer weights": skeleton_params * e if calibrated else 0.0,
         "layer": layer * (e + (stored_elem if stored_elem != e else 0)),
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
@@ -234,13 +237,13 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     parts["previous layer being written"] = layer * code_bytes
     parts["next layer read ahead"] = layer * stored_elem
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
-    # converted beside them by materialize: a 7B's 152k-row embedding and head, bf16 read and float32 held, are 6
+    # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
     # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
     # skeleton's copy released first (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it
     # is kept in (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy
     # only where it is converted.
     kept = kept_elem(stored_elem, compute)
-    skeleton_peak = shape.outer_params * (e + (stored_elem if stored_elem != e else 0)) if calibrated else 0.0
+    skeleton_peak = skeleton_params * (e + (stored_elem if stored_elem != e else 0)) if calibrated else 0.0
     rest_peak = shape.outer_params * (stored_elem + (kept if kept != stored_elem else 0))
     outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
     host = max(sum(parts.values()), outer_peak)
@@ -288,9 +291,9 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
         per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
-    # bf16 embeddings and head: 1.09 B weights, ~5 s of the stage, docs/planner.md)
+    # bf16 embeddings: 0.55 B weights; its untied head is not read, docs/planner.md)
     converted = e if e != stored_elem else 0
-    skeleton_s = shape.outer_params * (stored_elem + converted) / DISK_READ_RATE if calibrated else 0.0
+    skeleton_s = skeleton_params * (stored_elem + converted) / DISK_READ_RATE if calibrated else 0.0
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
     fixed = (shape.outer_params * stored_elem / DISK_READ_RATE + file_write_seconds(shape.outer_params * kept)
              + skeleton_s + discovery_s)

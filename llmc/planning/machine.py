@@ -23,9 +23,10 @@ DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-co
 # bytes/s safetensors serializes and fsyncs through the page cache (files under direct_io.DIRECT_MIN_BYTES; larger ones
 # are written around it, at the probed `write_rate`): docs/planner-constants.md#disk_write_rate
 DISK_WRITE_RATE = 0.3e9
-# bytes/s a file the page cache does not hold is read into it (not probed: a probe's file reads into the pages it
-# just freed, which run 5x faster): docs/planner-constants.md#uncached_read_rate
-UNCACHED_READ_RATE = 0.6e9
+# bytes/s a file the page cache does not hold is read into it: between the rates of fresh pages and of pages another
+# file or the previous stage just freed (not probed: a probe's file reads into the pages it just freed):
+# docs/planner-constants.md#uncached_read_rate
+UNCACHED_READ_RATE = 1.4e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
 # width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize

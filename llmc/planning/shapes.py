@@ -54,6 +54,13 @@ class ModelTensors:
         """Parameters outside the decoder layers: embeddings, final norm, output head."""
         return sum(self.numel(s) for n, s in self.shapes.items() if n not in self.layer_of)
 
+    @property
+    def head_params(self) -> int:
+        """Parameters of an output head of its own (none when tied to the input embeddings)."""
+        from llmc.model.checks import HEAD_SUFFIXES
+
+        return sum(self.numel(s) for n, s in self.shapes.items() if n not in self.layer_of and n.endswith(HEAD_SUFFIXES))
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """2-D weights other than embeddings: module name -> (out, in), as check_model takes them."""
         return {n[: -len(".weight")]: (s[0], s[1]) for n, s in self.shapes.items()
@@ -161,6 +168,7 @@ class Shape:
     attn_width: int
     active: float  # share of a layer's parameters one token runs through (MoE < 1)
     stored_bytes: int
+    head_params: int = 0  # an untied output head's, in outer_params (the calibration skeleton leaves it unread)
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -179,4 +187,4 @@ class Shape:
                    largest_linear=max((a * b for a, b in in_layers.values()), default=0),
                    widest_input=max((b for _, b in in_layers.values()), default=h),
                    intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
-                   active=active, stored_bytes=tensors.stored_total(elem))
+                   active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params)

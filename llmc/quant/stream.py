@@ -42,7 +42,7 @@ from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
-                                 release, to_device)
+                                 output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
@@ -190,9 +190,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                               moe=bool(moe_blocks), one_forward=one_forward))
     traces_structure = calibrate and (bool(pipeline.transforms) or pipeline.true_sequential)
     if traces_structure or (calibrate and not reuse):
-        # no name kept for these tensors: release(model) below must free them before the rest is read again
-        materialize(model, reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")]),
-                    dtype)
+        # no name kept for these tensors: release(model) below must free them before the rest is read again; the
+        # output head is never run (the forward stops at the first layer)
+        unread = output_head_names(model)
+        materialize(model, reader.get_many([n for n in reader.names()
+                                            if not n.startswith(layers_prefix + ".") and n not in unread]), dtype)
     structure = LayerStructure(model, layers, windows) if traces_structure else None
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir

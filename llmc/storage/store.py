@@ -154,6 +154,12 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _current_sha256(path: Path) -> str:
+    """The sha256 of the file at `path`: the one this process wrote it with while it is unchanged
+    (llmc.storage.direct_io), else read and hashed."""
+    return written_digest(os.stat(path)) or sha256_file(path)
+
+
 RESUMABLE_MARKER = ".llmc-resumable"  # in a resumable stage's .partial folder: keep it for the next run
 
 
@@ -392,7 +398,7 @@ class Store:
                 (partial / RESUMABLE_MARKER).unlink(missing_ok=True)
                 recorded = record_files(partial)
                 share_identical_files(partial, recorded, self.root / BLOBS,  # identical files stored once
-                                      sha256_file=sha256_file)
+                                      sha256_file=_current_sha256)
                 marker = {"stage": stage, "key": key, "llmc": __version__, "files": recorded}
                 atomic_write_json(partial / COMPLETE_MARKER, marker)
                 if (final / COMPLETE_MARKER).is_file() and not self._problems(final, full=False):
