@@ -31,6 +31,7 @@ from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
+from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, file_write_seconds,
                                    forward_efficiency, forward_seconds, matmul_rate)
 from llmc.planning.rows import GB, CostRow
@@ -215,7 +216,7 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     parts = {
         "process": PROCESS_BYTES,
         "outer weights": skeleton_params * e if calibrated else 0.0,
-        "layer": layer * (e + (stored_elem if stored_elem != e else 0)),
+        "layer": layer * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
         "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
@@ -231,7 +232,10 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
                + (2 * copy if resident else 2 * batch * seq_len * h * e) + parts["forward temporaries"] + algorithm)
         for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
             parts[k] = 0.0
-    parts["layer file being written"] = layer * code_bytes  # safetensors serializes the layer's tensors in memory
+    # safetensors before 0.6 serializes a file's tensors in memory; a file of DIRECT_MIN_BYTES or more goes through
+    # direct_io's bounce buffer of CHUNK_BYTES instead
+    parts["layer file being written"] = (layer * code_bytes if layer * code_bytes < DIRECT_MIN_BYTES
+                                         else CHUNK_BYTES)
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
     parts["previous layer being written"] = layer * code_bytes
@@ -246,7 +250,11 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     skeleton_peak = skeleton_params * (e + (stored_elem if stored_elem != e else 0)) if calibrated else 0.0
     rest_peak = shape.outer_params * (stored_elem + (kept if kept != stored_elem else 0))
     outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
-    host = max(sum(parts.values()), outer_peak)
+    # while a layer is converted from its clone in the stored dtype, before any of its compute's parts exist
+    conversion = (sum(parts[k] for k in ("process", "outer weights", "layer", "previous layer being written",
+                                         "next layer read ahead", "activations"))
+                  + (layer * stored_elem if stored_elem != e else 0))
+    host = max(sum(parts.values()), conversion, outer_peak)
     discovery = discovery_s = 0.0
     if discovers_pairs and calibrated:
         # the first layer in float64 (its own dtype released) and, while a candidate pair is checked, its rescaled
