@@ -67,6 +67,7 @@ class Costing:
     group_bytes: dict[str, list[dict]] = field(default_factory=dict)
     exports_seen: dict[tuple, str] = field(default_factory=dict)  # identical export -> the first target's label
     outer_written: set[str] = field(default_factory=set)  # schemes whose outer-weight shards an export wrote
+    inputs_verified: set[str] = field(default_factory=set)  # stage outputs an earlier stage verified (Store._intact)
 
     @property
     def elem(self) -> int:

@@ -27,6 +27,9 @@ DISK_WRITE_RATE = 0.3e9
 # file or the previous stage just freed (not probed: a probe's file reads into the pages it just freed):
 # docs/planner-constants.md#uncached_read_rate
 UNCACHED_READ_RATE = 1.4e9
+# bytes/s a stage gets memory beyond the free memory (MemFree): the kernel evicting page cache for it, slow on a VM
+# (0.30-0.37 GB/s measured, against ~4 GB/s from free memory): docs/planner-constants.md#reclaim_rate
+RECLAIM_RATE = 0.33e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
 # width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
@@ -41,6 +44,24 @@ class Machine:
     gpu_free: int | None  # bytes free on the calibration GPU (None: calibrating on the CPU)
     device: str  # "cpu" | "cuda:0"
     cpu_count: int | None = None
+    free: int | None = None  # host bytes free without evicting the page cache (MemFree; None: not known)
+
+
+def memory_free() -> int | None:
+    """MemFree from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in open("/proc/meminfo").read().splitlines():
+            if line.startswith("MemFree:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reclaim_seconds(new_bytes: float, free: int | None) -> float:
+    """Seconds a stage allocating `new_bytes` on the host waits for the kernel to evict page cache: what it needs
+    beyond the free memory, at RECLAIM_RATE (0 where the free memory holds it, or is not known)."""
+    return max(0.0, new_bytes - free) / RECLAIM_RATE if free is not None else 0.0
 
 
 def cpu_count() -> int | None:

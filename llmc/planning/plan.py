@@ -31,7 +31,7 @@ from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
-from llmc.planning.machine import Machine, matmul_rate, time_range
+from llmc.planning.machine import PROCESS_BYTES, Machine, matmul_rate, memory_free, reclaim_seconds, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, should_spill, stays_on_device
@@ -109,8 +109,10 @@ def _render_estimates(e: dict) -> list[str]:
     w = max([34, *(len(s["stage"]) for s in e["stages"])])  # a mixed scheme's name is long: never cut
     lines = [
         f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
-        f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available, "
-        f"{e['cpu_count']} CPUs; calibrating on {e['device']}",
+        f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available"
+        + (f" ({e['free_gb']:.1f} GB free: a stage needing more waits for the page cache's eviction)"
+           if e.get("free_gb") is not None else "")
+        + f", {e['cpu_count']} CPUs; calibrating on {e['device']}",
         f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if e.get('spill_activations') else ''})"
         + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
@@ -641,7 +643,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
-    available = memory_available()
+    available, free = memory_available(), memory_free()
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
@@ -653,12 +655,15 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     def walk(compute: str = compute) -> Costing:
         copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
         spill = calibrated and should_spill(c.spill_activations, copy, available)
-        costing = Costing(recipe=recipe, shape=shape, machine=Machine(available, gpu_free, str(device), os.cpu_count()),
+        machine = Machine(available, gpu_free, str(device), os.cpu_count(), free)
+        costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
                           spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
                           streamed_eval=streamed, config=config, side_files=side_files)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
+        for row in costing.rows:  # memory beyond the free memory comes from evicting the page cache, slowly
+            row.seconds += reclaim_seconds(row.host_bytes - PROCESS_BYTES, machine.free)
         return costing
 
     costing = walk()
@@ -690,6 +695,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,
+        "free_gb": free / 1e9 if free is not None else None,
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),

@@ -3,7 +3,7 @@
 Why: a stage's gigabytes written through the page cache run at the rate the kernel finds it fresh pages, which on a
 VM can be a tenth of the disk's and swings with what else the machine did in the last seconds. On the development VM
 (Firecracker, free page reporting) 1 GB written into fresh page-cache pages took 3-7 s, into pages another file had
-just freed 0.2 s, and with O_DIRECT 0.36 s every time (docs/planner-constants.md#write_rate). Written this way, the
+just freed 0.2 s, and with O_DIRECT 0.36 s every time (docs/planner-constants.md, `write_rate`). Written this way, the
 stages' time no longer depends on the page cache's history, and the planner's probe of it (`llmc.planning.machine.
 write_rate`) reads what a stage gets.
 
