@@ -166,9 +166,13 @@ def _probe_folder():
     import tempfile
 
     where = probes.book().path
-    if where is not None:
-        where.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.TemporaryDirectory(prefix=".llmc-io-probe-", dir=where.parent if where is not None else None)
+    try:
+        if where is not None:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            return tempfile.TemporaryDirectory(prefix=".llmc-io-probe-", dir=where.parent)
+    except OSError:  # a cache that cannot be written yet: the plan says so elsewhere, the probe must not fail it
+        pass
+    return tempfile.TemporaryDirectory(prefix=".llmc-io-probe-")
 
 
 def _write_timer():

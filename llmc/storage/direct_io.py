@@ -19,6 +19,7 @@ writes the file the ordinary way.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -91,43 +92,56 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
-    except OSError:  # EINVAL: this filesystem has no direct I/O
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # this filesystem has no direct I/O
+            return None
+        raise
+    try:
+        return _write(fd, path, tensors, metadata)
+    except OSError as e:
+        if e.errno != errno.EINVAL or os.lseek(fd, 0, os.SEEK_CUR) > 0:
+            raise
+        # refused at the first write (some FUSE and network filesystems accept the flag, not the I/O): nothing
+        # written, the caller writes the file the ordinary way
+        os.unlink(path)
         return None
+    finally:
+        os.close(fd)
+
+
+def _write(fd: int, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> str:
     head, order = header(tensors, metadata)
     digest = hashlib.sha256()
     view = _bounce_buffer()
-    try:
-        filled = total = 0
+    filled = total = 0
 
-        def flush(length: int) -> None:
-            written = 0
-            while written < length:
-                n = os.write(fd, view[written:length])
-                if n <= 0 or (n % ALIGNMENT and written + n < length):
-                    raise OSError(f"short direct write to {path} ({n} of {length - written} bytes)")
-                written += n
+    def flush(length: int) -> None:
+        written = 0
+        while written < length:
+            n = os.write(fd, view[written:length])
+            if n <= 0 or (n % ALIGNMENT and written + n < length):
+                raise OSError(f"short direct write to {path} ({n} of {length - written} bytes)")
+            written += n
 
-        for piece in _pieces(head, [tensors[n] for n in order]):
-            while piece:
-                take = min(len(piece), CHUNK_BYTES - filled)
-                view[filled:filled + take] = piece[:take]
-                filled += take
-                piece = piece[take:]
-                if filled == CHUNK_BYTES:
-                    digest.update(view[:filled])
-                    flush(filled)
-                    total += filled
-                    filled = 0
-        if filled:
-            digest.update(view[:filled])
-            padded = filled + (-filled % ALIGNMENT)
-            view[filled:padded] = bytes(padded - filled)
-            flush(padded)
-            total += filled
-            os.ftruncate(fd, total)  # the tail's padding was written for alignment only
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for piece in _pieces(head, [tensors[n] for n in order]):
+        while piece:
+            take = min(len(piece), CHUNK_BYTES - filled)
+            view[filled:filled + take] = piece[:take]
+            filled += take
+            piece = piece[take:]
+            if filled == CHUNK_BYTES:
+                digest.update(view[:filled])
+                flush(filled)
+                total += filled
+                filled = 0
+    if filled:
+        digest.update(view[:filled])
+        padded = filled + (-filled % ALIGNMENT)
+        view[filled:padded] = bytes(padded - filled)
+        flush(padded)
+        total += filled
+        os.ftruncate(fd, total)  # the tail's padding was written for alignment only
+    os.fsync(fd)
     return digest.hexdigest()
 
 

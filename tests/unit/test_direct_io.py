@@ -111,6 +111,29 @@ def test_a_filesystem_refusing_direct_io_gets_the_ordinary_write(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
 
 
+def test_a_filesystem_refusing_the_first_direct_write_gets_the_ordinary_write(tmp_path: Path, monkeypatch) -> None:
+    """Some FUSE and network filesystems accept O_DIRECT at open and refuse the I/O."""
+    monkeypatch.setattr(direct_io, "DIRECT_MIN_BYTES", 0)
+    real_write = os.write
+
+    def refuses_direct(fd, data):
+        if fcntl_flags(fd) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refuses_direct)
+    tensors = mixed_tensors()
+    atomic_save_safetensors(tmp_path / "m.safetensors", tensors)
+    assert (tmp_path / "m.safetensors").read_bytes() == save(tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
 def test_a_dtype_safetensors_does_not_name_or_a_device_tensor_takes_the_ordinary_path() -> None:
     assert direct_io.supported({"w": torch.zeros(4)})
     assert not direct_io.supported({"w": torch.zeros(4, device="meta")})
