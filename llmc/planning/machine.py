@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.planning import probes
+from llmc.storage.direct_io import DIRECT_MIN_BYTES
 
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
@@ -144,8 +145,6 @@ def file_write_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to write `nbytes` in `files` files of about equal size, durable and hashed: at the probed
     `write_rate` when each is large enough to be written around the page cache, else through it at DISK_WRITE_RATE
     and hashed from it."""
-    from llmc.storage.direct_io import DIRECT_MIN_BYTES
-
     if nbytes <= 0:
         return 0.0
     if nbytes / max(files, 1) >= DIRECT_MIN_BYTES:
@@ -156,8 +155,6 @@ def file_write_seconds(nbytes: float, files: int = 1) -> float:
 def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to read `nbytes` in `files` files a stage wrote: those written around the page cache (large enough)
     are read from the disk into it at UNCACHED_READ_RATE; smaller ones are still in the page cache (not counted)."""
-    from llmc.storage.direct_io import DIRECT_MIN_BYTES
-
     return nbytes / UNCACHED_READ_RATE if nbytes > 0 and nbytes / max(files, 1) >= DIRECT_MIN_BYTES else 0.0
 
 
@@ -177,6 +174,7 @@ def _probe_folder():
 
 def _write_timer():
     def run_once() -> float:
+        # lazy: the store imports filelock and the telemetry, which a plan with cached rates never needs
         from llmc.storage.direct_io import written_digest
         from llmc.storage.store import atomic_save_safetensors, sha256_file
 

@@ -43,7 +43,7 @@ _digests: dict[tuple[int, int, int, int], str] = {}  # (st_dev, st_ino, st_size,
 
 def _dtype_names() -> dict[torch.dtype, str]:
     """torch dtype -> safetensors' name for it, from safetensors' own table."""
-    from safetensors import torch as st
+    from safetensors import torch as st  # lazy: imports torch, which the store's importers may not need
 
     return {dtype: name for name, dtype in st._TYPES.items() if dtype is not None}
 
@@ -68,8 +68,8 @@ def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) ->
 def _library_order(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The order safetensors writes these tensors' data in (by dtype, then name: a rule of the library's, so read from
     the header it makes for empty tensors of the same names and dtypes)."""
-    import torch
-    from safetensors.torch import save
+    import torch  # lazy: the store imports this module and stays torch-free until a big write
+    from safetensors.torch import save  # lazy: imports torch
 
     empty = save({n: torch.empty(0, dtype=t.dtype) for n, t in tensors.items()})
     length = int.from_bytes(empty[:8], "little")
@@ -154,7 +154,7 @@ def _bounce_buffer() -> memoryview:
 
 def _pieces(head: bytes, tensors: list[torch.Tensor]):
     """The file's bytes in order, as memoryviews: the header, then each tensor's data."""
-    import torch
+    import torch  # lazy: the store imports this module and stays torch-free until a big write
 
     yield memoryview(head)
     for t in tensors:

@@ -32,6 +32,7 @@ from llmc.storage.paths import confined
 from llmc.telemetry.progress import Meter, log
 from llmc.storage.resource_errors import resource_error
 from llmc.storage.links import share_identical_files, sweep_blobs
+from llmc.storage import direct_io
 from llmc.storage.direct_io import written_digest
 from llmc.inputs.files import shown
 
@@ -111,8 +112,6 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
     """safetensors to a temp name, fsync, rename. A file of DIRECT_MIN_BYTES or more is written around the page
     cache and hashed as it is written (llmc.storage.direct_io), where the filesystem allows it."""
     from safetensors.torch import save_file  # lazy: safetensors.torch imports torch; the store stays torch-free
-
-    from llmc.storage import direct_io
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -594,4 +594,4 @@ def test_memory_a_stage_needs_beyond_the_free_memory_is_planned_at_the_reclaim_r
         beyond = row["host_gb"] * 1e9 - machine.PROCESS_BYTES
         assert row["seconds"] - roomy[name]["seconds"] == pytest.approx(max(beyond, 0.0) / machine.RECLAIM_RATE)
     assert any(row["host_gb"] * 1e9 > machine.PROCESS_BYTES for row in tight.values())
-    assert planned(10**13) == roomy
+    assert {n: r["seconds"] for n, r in planned(10**13).items()} == {n: r["seconds"] for n, r in roomy.items()}
