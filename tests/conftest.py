@@ -135,3 +135,13 @@ def _progress_speaks_again():
     from llmc.telemetry.progress import set_quiet
 
     set_quiet(False)
+
+
+@pytest.fixture(autouse=True)
+def _plans_see_no_page_cache_eviction(monkeypatch):
+    """A plan adds the time a stage waits for the kernel to evict page cache when it needs more than MemFree
+    (llmc.planning.machine.reclaim_seconds): what the machine's cache holds at that moment moves every planned time,
+    so the tests plan as if the free memory held every stage (test_plan_honest's reclaim test sets its own)."""
+    import llmc.planning.plan
+
+    monkeypatch.setattr(llmc.planning.plan, "memory_free", lambda: None)

@@ -663,7 +663,10 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         for stage in stages(recipe, schemes):
             stage.cost(costing)
         for row in costing.rows:  # memory beyond the free memory comes from evicting the page cache, slowly
-            row.seconds += reclaim_seconds(row.host_bytes - PROCESS_BYTES, machine.free)
+            reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, machine.free)
+            row.seconds += reclaim
+            if row.layer_seconds:  # a layered stage's once-per-stage part
+                row.fixed_seconds += reclaim
         return costing
 
     costing = walk()
