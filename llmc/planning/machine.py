@@ -48,17 +48,6 @@ class Machine:
     free: int | None = None  # host bytes free without evicting the page cache (MemFree; None: not known)
 
 
-def memory_free() -> int | None:
-    """MemFree from /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        for line in open("/proc/meminfo").read().splitlines():
-            if line.startswith("MemFree:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def reclaim_seconds(new_bytes: float, free: int | None) -> float:
     """Seconds a stage allocating `new_bytes` on the host waits for the kernel to evict page cache: what it needs
     beyond the free memory, at RECLAIM_RATE (0 where the free memory holds it, or is not known)."""

@@ -31,10 +31,10 @@ from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
-from llmc.planning.machine import PROCESS_BYTES, Machine, matmul_rate, memory_free, reclaim_seconds, time_range
+from llmc.planning.machine import PROCESS_BYTES, Machine, matmul_rate, reclaim_seconds, time_range
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
-from llmc.quant.activations import memory_available, should_spill, stays_on_device
+from llmc.quant.activations import memory_available, memory_free, should_spill, stays_on_device
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device

@@ -38,9 +38,19 @@ def inputs_dir(state_dir: Path, layer: int) -> Path:
 
 def memory_available() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    return _meminfo("MemAvailable")
+
+
+def memory_free() -> int | None:
+    """MemFree from /proc/meminfo in bytes: what is had without evicting the page cache (None where there is no
+    such file)."""
+    return _meminfo("MemFree")
+
+
+def _meminfo(field: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
