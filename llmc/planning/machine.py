@@ -120,7 +120,7 @@ def _hash_timer():
     return run_once
 
 
-IO_PROBE_BYTES = 64 << 20  # direct_io.DIRECT_MIN_BYTES: a file the stages write around the page cache
+IO_PROBE_BYTES = DIRECT_MIN_BYTES  # the smallest file the stages write around the page cache
 
 
 def write_rate() -> float:
@@ -136,7 +136,7 @@ def file_write_seconds(nbytes: float, files: int = 1) -> float:
     and hashed from it."""
     if nbytes <= 0:
         return 0.0
-    if nbytes / max(files, 1) >= DIRECT_MIN_BYTES:
+    if _written_direct(nbytes, files):
         return nbytes / write_rate()
     return nbytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
 
@@ -144,7 +144,12 @@ def file_write_seconds(nbytes: float, files: int = 1) -> float:
 def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to read `nbytes` in `files` files a stage wrote: those written around the page cache (large enough)
     are read from the disk into it at UNCACHED_READ_RATE; smaller ones are still in the page cache (not counted)."""
-    return nbytes / UNCACHED_READ_RATE if nbytes > 0 and nbytes / max(files, 1) >= DIRECT_MIN_BYTES else 0.0
+    return nbytes / UNCACHED_READ_RATE if nbytes > 0 and _written_direct(nbytes, files) else 0.0
+
+
+def _written_direct(nbytes: float, files: int) -> bool:
+    """Whether `files` files of `nbytes` in all are each large enough for direct_io to write them."""
+    return nbytes / max(files, 1) >= DIRECT_MIN_BYTES
 
 
 def _probe_folder():
@@ -164,8 +169,7 @@ def _probe_folder():
 def _write_timer():
     def run_once() -> float:
         # lazy: the store imports filelock and the telemetry, which a plan with cached rates never needs
-        from llmc.storage.direct_io import written_digest
-        from llmc.storage.store import atomic_save_safetensors, sha256_file
+        from llmc.storage.store import atomic_save_safetensors, current_sha256
 
         tensors = {"probe": torch.randint(0, 255, (IO_PROBE_BYTES,), dtype=torch.uint8)}
         with _probe_folder() as folder:
@@ -173,7 +177,7 @@ def _write_timer():
 
             def write() -> None:
                 atomic_save_safetensors(path, tensors)
-                written_digest(os.stat(path)) or sha256_file(path)
+                current_sha256(path)  # the store's record of it
 
             return probes.sustained_rate(IO_PROBE_BYTES, write)
 

@@ -33,7 +33,6 @@ from llmc.telemetry.progress import Meter, log
 from llmc.storage.resource_errors import resource_error
 from llmc.storage.links import share_identical_files, sweep_blobs
 from llmc.storage import direct_io
-from llmc.storage.direct_io import written_digest
 from llmc.inputs.files import shown
 
 COMPLETE_MARKER = ".llmc-complete"
@@ -153,10 +152,10 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _current_sha256(path: Path) -> str:
+def current_sha256(path: Path) -> str:
     """The sha256 of the file at `path`: the one this process wrote it with while it is unchanged
     (llmc.storage.direct_io), else read and hashed."""
-    return written_digest(os.stat(path)) or sha256_file(path)
+    return direct_io.written_digest(os.stat(path)) or sha256_file(path)
 
 
 RESUMABLE_MARKER = ".llmc-resumable"  # in a resumable stage's .partial folder: keep it for the next run
@@ -180,7 +179,7 @@ def record_files(folder: Path) -> dict[str, dict]:
             continue
         inode = (st.st_dev, st.st_ino)
         if inode not in by_inode:  # a file this process wrote directly was hashed as it was written
-            by_inode[inode] = written_digest(st) or sha256_file(path)
+            by_inode[inode] = direct_io.written_digest(st) or sha256_file(path)
         files[rel] = {"size": st.st_size, "sha256": by_inode[inode]}
     return files
 
@@ -397,7 +396,7 @@ class Store:
                 (partial / RESUMABLE_MARKER).unlink(missing_ok=True)
                 recorded = record_files(partial)
                 share_identical_files(partial, recorded, self.root / BLOBS,  # identical files stored once
-                                      sha256_file=_current_sha256)
+                                      sha256_file=current_sha256)
                 marker = {"stage": stage, "key": key, "llmc": __version__, "files": recorded}
                 atomic_write_json(partial / COMPLETE_MARKER, marker)
                 if (final / COMPLETE_MARKER).is_file() and not self._problems(final, full=False):
