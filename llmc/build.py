@@ -18,6 +18,7 @@ from llmc.model.tokenizer_files import load_tokenizer
 from llmc.pipeline import ranks
 from llmc.pipeline.calibrate import Calibrate
 from llmc.pipeline.context import Build
+from llmc.pipeline.export import Export
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
 from llmc.pipeline.stages import pending_ids, stages
@@ -26,6 +27,7 @@ from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache
 from llmc.telemetry.progress import log
 from llmc.quant.device import cpu_threads, resolve_device
 from llmc.recipe.schema import Recipe
+from llmc.runtimes.registry import import_libraries
 from llmc.result import BuildResult
 from llmc.storage.store import CorruptOutput, Store, stage_key
 
@@ -86,6 +88,8 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     log(plan.render())
     check_budget(plan, pending)  # before any weight loads: the time of what is not cached yet
     check_disk(plan, store.root, pending)  # what is cached needs no new disk
+    if any(i.kind in (Kind.EXPORT, Kind.EVAL) for i in pending):  # exporting or reading the targets' formats
+        import_libraries({s.format.name: s.format for s in walk if isinstance(s, Export)}.values())
     ranks.run_stages(walk, lambda stage: stage.run(b))
     return result
 

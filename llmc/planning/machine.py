@@ -12,6 +12,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,8 +29,8 @@ DISK_WRITE_RATE = 0.3e9
 # file or the previous stage just freed (not probed: a probe's file reads into the pages it just freed):
 # docs/planner-constants.md#uncached_read_rate
 UNCACHED_READ_RATE = 1.4e9
-# bytes/s a stage gets memory beyond the free memory (MemFree): the kernel evicting page cache for it, slow on a VM
-# (0.30-0.37 GB/s measured, against ~4 GB/s from free memory): docs/planner-constants.md#reclaim_rate
+# bytes/s a VM whose free pages go back to its host (`memory_from_host`) gets new memory when its host is short of
+# it (0.24-0.37 GB/s measured, against ~4 GB/s when the host has it to hand): docs/planner-constants.md#reclaim_rate
 RECLAIM_RATE = 0.33e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
@@ -45,13 +46,30 @@ class Machine:
     gpu_free: int | None  # bytes free on the calibration GPU (None: calibrating on the CPU)
     device: str  # "cpu" | "cuda:0"
     cpu_count: int | None = None
-    free: int | None = None  # host bytes free without evicting the page cache (MemFree; None: not known)
 
 
 def reclaim_seconds(new_bytes: float, free: int | None) -> float:
-    """Seconds a stage allocating `new_bytes` on the host waits for the kernel to evict page cache: what it needs
-    beyond the free memory, at RECLAIM_RATE (0 where the free memory holds it, or is not known)."""
+    """Seconds a stage allocating `new_bytes` on the host waits for its pages: what it needs beyond `free` (bytes),
+    at RECLAIM_RATE (0 where `free` holds it, or is None: not a VM paced by its host, `memory_from_host`)."""
     return max(0.0, new_bytes - free) / RECLAIM_RATE if free is not None else 0.0
+
+
+BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"
+VIRTIO_BALLOON_F_REPORTING = 5  # the virtio spec's feature bit: the guest reports its free pages to the host
+
+
+def memory_from_host(devices: str = BALLOON_DEVICES) -> bool:
+    """Whether this machine is a VM that reports its free pages to its host (a virtio balloon negotiated with free
+    page reporting): the host takes them back, and a page touched again comes at the host's pace, which moves with
+    the other guests' memory and which no counter in the guest shows (docs/planner-constants.md#reclaim_rate)."""
+    try:
+        for features in Path(devices).glob("*/features"):
+            bits = features.read_text().strip()  # one '0'/'1' character per feature bit, bit 0 first
+            if len(bits) > VIRTIO_BALLOON_F_REPORTING and bits[VIRTIO_BALLOON_F_REPORTING] == "1":
+                return True
+    except OSError:
+        pass
+    return False
 
 
 def cpu_count() -> int | None:

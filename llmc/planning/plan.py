@@ -31,7 +31,8 @@ from llmc.pipeline.context import Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
-from llmc.planning.machine import PROCESS_BYTES, Machine, matmul_rate, reclaim_seconds, time_range
+from llmc.planning.machine import (PROCESS_BYTES, Machine, matmul_rate, memory_from_host, reclaim_seconds,
+                                   time_range)
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, memory_free, should_spill, stays_on_device
@@ -110,8 +111,8 @@ def _render_estimates(e: dict) -> list[str]:
     lines = [
         f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
         f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available"
-        + (f" ({e['free_gb']:.1f} GB free: a stage needing more waits for the page cache's eviction)"
-           if e.get("free_gb") is not None else "")
+        + (f" ({e['free_gb']:.1f} GB free; a VM given new memory at its host's pace: a stage needing more than "
+           "that may wait for it)" if e.get("free_gb") is not None else "")
         + f", {e['cpu_count']} CPUs; calibrating on {e['device']}",
         f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if e.get('spill_activations') else ''})"
@@ -644,6 +645,11 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
     available, free = memory_available(), memory_free()
+    # A VM whose free memory goes back to its host gets new pages at the host's pace: at ~0.3 GB/s when the host
+    # is short of memory, which the guest cannot see (docs/planner-constants.md#reclaim_rate). What it needs beyond
+    # MemFree is planned at that pace; the slowest end of the range plans all of it so. Elsewhere the kernel evicts
+    # clean page cache at memory speed: nothing is added.
+    host_paced = memory_from_host()
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
@@ -652,18 +658,18 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     side_files = _side_file_bytes(model_folder)
 
-    def walk(compute: str = compute) -> Costing:
+    def walk(compute: str = compute, free: int | None = free if host_paced else None) -> Costing:
         copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
         spill = calibrated and should_spill(c.spill_activations, copy, available)
-        machine = Machine(available, gpu_free, str(device), os.cpu_count(), free)
+        machine = Machine(available, gpu_free, str(device), os.cpu_count())
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
                           spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
                           streamed_eval=streamed, config=config, side_files=side_files)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
-        for row in costing.rows:  # memory beyond the free memory comes from evicting the page cache, slowly
-            reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, machine.free)
+        for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
+            reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, free)
             row.seconds += reclaim
             if row.layer_seconds:  # a layered stage's once-per-stage part
                 row.fixed_seconds += reclaim
@@ -676,7 +682,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     with probes.reading("fastest"):
         fastest = [r.seconds for r in walk().rows]
     with probes.reading("slowest"):
-        slowest = [r.seconds for r in walk().rows]
+        slowest = [r.seconds for r in walk(free=0 if host_paced else None).rows]
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
     slow_dtype = {}
@@ -698,7 +704,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,
-        "free_gb": free / 1e9 if free is not None else None,
+        "free_gb": free / 1e9 if free is not None and host_paced else None,
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),

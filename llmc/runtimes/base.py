@@ -154,6 +154,11 @@ class ArtifactFormat:
     unquantized_elem: ClassVar[int | None] = None
     per_input_bytes: ClassVar[int] = 0
     copies_tokenizer_files: ClassVar[bool] = True
+    # The Python packages its exporter imports beyond torch and safetensors: `llmc build` imports them before its
+    # first stage (llmc.runtimes.registry.import_libraries), so that a broken install fails before any weight loads
+    # and an export's time is its own work (compressed-tensors' import takes 0.4-2 s, longer than exporting a
+    # 135M model's FP8 weights)
+    libraries: ClassVar[tuple[str, ...]] = ()
 
     def code_bytes(self, weights: TensorSpec) -> float:
         """Bytes one quantized weight's code takes in its files: packed at its bits (microscaling: with its

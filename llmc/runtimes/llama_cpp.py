@@ -17,6 +17,7 @@ def _gguf_file(path: Path) -> Path:
 @register_format
 class Gguf(ArtifactFormat):
     name = "gguf"
+    libraries = ("gguf",)
     read_by = ("llama.cpp",)
     unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "

@@ -19,6 +19,7 @@ _ORT_U8S8 = (
 @register_format
 class OnnxGenai(ArtifactFormat):
     name = "onnx"
+    libraries = ("onnx", "onnxruntime", "onnxruntime_genai")
     unquantized_elem = 4  # the graph is traced in float32: every unquantized initializer is float32
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = ("llmc maps the onnxruntime-genai builder's packed qkv/gate_up weights back to Llama-family "

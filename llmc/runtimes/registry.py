@@ -8,9 +8,10 @@ targets up there; none of them names a runtime. docs/extending.md shows how to a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Iterable
 
-from llmc.errors import IncompatibleTargetError
+from llmc.errors import EngineUnavailable, IncompatibleTargetError
 from llmc.model.families import expert_count
 from llmc.registry import Registry
 from llmc.runtimes.base import ArtifactFormat, Runtime, arch_rank, arch_span, scheme_keys
@@ -99,6 +100,21 @@ def check_family(target: Target, config: dict) -> None:
         f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
         f"({fmt.families_source}); this model's model_type is {family!r}",
         fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
+
+
+def import_libraries(formats: Iterable[ArtifactFormat]) -> None:
+    """Import the Python packages these formats' exporters need (`ArtifactFormat.libraries`); EngineUnavailable
+    naming the package, the format and the error where one does not import."""
+    for fmt in formats:
+        for module in fmt.libraries:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # not only ImportError: a package broken by another's version raises anything
+                raise EngineUnavailable(
+                    f"the {fmt.name} exporter needs the Python package {module}, which does not import here: "
+                    f"{type(e).__name__}: {e}",
+                    fix="reinstall llmc's pinned dependencies (pip install -c constraints.txt -e ., as "
+                        "scripts/setup.sh does), or drop the targets written in this format") from None
 
 
 def is_implemented(format_name: str) -> bool:

@@ -12,6 +12,7 @@ from llmc.runtimes.registry import register_format, register_runtime
 @register_format
 class OnnxQdq(ArtifactFormat):
     name = "onnx-qdq"
+    libraries = ("onnx",)
     unquantized_elem = 4  # the graph is traced in float32: every unquantized initializer is float32
     families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "the Q/DQ graph export is verified on Llama-family models only"

@@ -27,6 +27,7 @@ _MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations
 @register_format
 class CompressedTensors(ArtifactFormat):
     name = "compressed-tensors"
+    libraries = ("compressed_tensors",)
     passes_8bit_codes = True
     outer_weights_as_stored = True  # llmc.formats.files.write_shards
     read_by = ("torch", "vllm")

@@ -143,3 +143,32 @@ def test_llmc_eval_routes_artifacts_to_the_engines_that_read_their_format(tmp_pa
         artifact_folders(plain, "onnxruntime")  # paired with the torch baseline: it cannot load the source
     with pytest.raises(InputError, match="neither an artifact folder"):
         artifact_folders(tmp_path / "missing", "torch")
+
+
+def test_a_format_library_that_does_not_import_fails_the_build_before_any_stage_runs(tiny_model: Path, tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    import importlib
+
+    import yaml
+
+    from llmc.build import build_until
+    from llmc.errors import EngineUnavailable
+    from llmc.recipe.load import parse_recipe
+    from llmc.runtimes.vllm import CompressedTensors
+    from llmc.storage.store import Store
+
+    every_format_imports = [m for f in targets.formats() for m in f.libraries]
+    assert "compressed_tensors" in every_format_imports and all(importlib.util.find_spec(m) for m in every_format_imports)
+    monkeypatch.setattr(CompressedTensors, "libraries", ("compressed_tensors", "llmc_no_such_package"))
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "w", "model": {"source": str(tiny_model)},
+        "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"}},
+        "targets": [{"runtime": "vllm"}], "gates": {"allow_unevaluated": True}}))
+    store = Store(tmp_path / "cache")
+    with pytest.raises(EngineUnavailable, match="compressed-tensors exporter needs the Python package "
+                                                "llmc_no_such_package.*ModuleNotFoundError") as e:
+        build_until(recipe, store, "export")
+    assert "constraints.txt" in e.value.fix
+    assert not (store.root / "stages" / "quantize").exists()  # refused before the quantize stage wrote anything
+    build_until(recipe, store, "quantize")  # a build that exports nothing does not need the exporter's packages
+    assert (store.root / "stages" / "quantize").is_dir()
