@@ -3,7 +3,7 @@
 While another `llmc build` runs in a loop (the load: `--load-recipe`, its own cache, its outputs removed between
 runs so that it keeps computing), `llmc plan`'s estimates are taken `--plans` times (each in a fresh process, the
 machine's rates probed again: LLMC_REPROBE=1), then the same recipe is built and measured (benchmarks/full_width.py's
-run_build: per-stage RssAnon peaks sampled every 0.1 s, stage times from report.json). With `--model` the source is
+run_build: per-stage RssAnon peaks sampled every SAMPLE_S, stage times from report.json). With `--model` the source is
 a synthetic checkpoint of that model's real widths (recipes/configs/<model>/config.json, random bf16 weights) and
 `--layers` decoder layers; without it, the recipe's own source.
 
