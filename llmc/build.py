@@ -89,7 +89,7 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     check_budget(plan, pending)  # before any weight loads: the time of what is not cached yet
     check_disk(plan, store.root, pending)  # what is cached needs no new disk
     if any(i.kind in (Kind.EXPORT, Kind.EVAL) for i in pending):  # exporting or reading the targets' formats
-        import_libraries({s.format.name: s.format for s in walk if isinstance(s, Export)}.values())
+        import_libraries(s.format for s in walk if isinstance(s, Export))
     ranks.run_stages(walk, lambda stage: stage.run(b))
     return result
 

@@ -644,12 +644,13 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
-    available, free = memory_available(), memory_free()
+    available = memory_available()
     # A VM whose free memory goes back to its host gets new pages at the host's pace: at ~0.3 GB/s when the host
     # is short of memory, which the guest cannot see (docs/planner-constants.md#reclaim_rate). What it needs beyond
     # MemFree is planned at that pace; the slowest end of the range plans all of it so. Elsewhere the kernel evicts
-    # clean page cache at memory speed: nothing is added.
+    # clean page cache at memory speed: nothing is added (`free` None).
     host_paced = memory_from_host()
+    free = memory_free() if host_paced else None
     c = recipe.calibration
     tokens = c.samples * c.seq_len
     calibrated = any(s.needs_calibration for s in schemes.values())
@@ -658,7 +659,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     side_files = _side_file_bytes(model_folder)
 
-    def walk(compute: str = compute, free: int | None = free if host_paced else None) -> Costing:
+    def walk(compute: str = compute, free: int | None = free) -> Costing:
         copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
         spill = calibrated and should_spill(c.spill_activations, copy, available)
         machine = Machine(available, gpu_free, str(device), os.cpu_count())
@@ -704,7 +705,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,
-        "free_gb": free / 1e9 if free is not None and host_paced else None,
+        "free_gb": free / 1e9 if free is not None else None,
         "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
         "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
         "calibration_s": sum(s.seconds for s in quant),
