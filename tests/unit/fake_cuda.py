@@ -33,6 +33,8 @@ HOST = torch.device("cpu")
 _CROSS_DEVICE = {aten.copy_.default, aten._to_copy.default, aten._foreach_copy_.default, torch.Tensor.copy_}
 # advanced indexing moves host index tensors to the indexed tensor's device
 _HOST_INDICES = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+# composite operations whose kernel torch chooses by device before any dispatch (run on the host's kernel)
+_HOST_KERNEL = {torch.nn.functional.scaled_dot_product_attention}
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -197,6 +199,13 @@ class _FunctionMode(TorchFunctionMode):
             return _set_data(*args)
         if func is torch.Tensor.pin_memory:  # pinned host memory needs a CUDA context: keep the host tensor
             return args[0]
+        if func in _HOST_KERNEL and any(isinstance(t, FakeCudaTensor) for t in tree_flatten((args, kwargs))[0]):
+            # torch picks a composite op's kernel by the device it sees: a "cuda" tensor on a CPU build gets the math
+            # decomposition, not the CPU's fused kernel, and rounds differently (SDPA: 2.4e-7). The fake GPU runs the
+            # host's kernel, so the two paths compute the same numbers (GPTQ of an expert whose routed tokens are
+            # fewer than its inputs turned that 2.4e-7 into codes 4 steps apart on an AVX2-only CPU).
+            _check_one_device(func, args, kwargs)
+            return _wrap_outputs(func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)), (args, kwargs))
         # torch.tensor(data, device="cuda") allocates on the device in C++, below the dispatch mode
         if func is torch.tensor and _is_cuda(kwargs.get("device")):
             return FakeCudaTensor(torch.tensor(*args, **{**kwargs, "device": HOST}))
