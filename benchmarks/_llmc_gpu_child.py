@@ -98,22 +98,20 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     from llmc.pipeline.quantize import Quantize
     from llmc.planning import shapes
     from llmc.planning.machine import Machine
-    from llmc.quant.activations import memory_available, should_spill, stays_on_device
+    from llmc.quant.activations import memory_available
 
     config = json.loads((folder / "config.json").read_text())
-    # planning offline (no weights written: benchmarks/gpu_calibration.py --predict-only) as `llmc plan` does
+    # planning offline (no weights written: benchmarks/gpu_calibration.py --predict-only) as `llmc plan` does, the
+    # quantize stage deciding its layer loop (llmc.quant.loop_plan) from the same facts
     tensors = shapes.from_headers(folder) if any(folder.glob("*.safetensors")) else shapes.from_config(config)
     elem = BYTES[dtype_name]
-    tokens = shape[0] * shape[1]
-    copy = tokens * config["hidden_size"] * elem
     available = memory_available()
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    spill = should_spill("auto", copy, available)
-    recipe = SimpleNamespace(calibration=SimpleNamespace(seq_len=shape[1]))
+    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto")
+    recipe = SimpleNamespace(calibration=calibration)
     costing = Costing(recipe=recipe, shape=shapes.Shape.of(tensors, config, elem),
                       machine=Machine(available, gpu_free, str(device), os.cpu_count()),
-                      linears=tensors.linear_shapes(), compute=dtype_name, stored_elem=elem, tokens=tokens,
-                      spill=spill, resident=not spill and stays_on_device(device, copy, gpu_free))
+                      linears=tensors.linear_shapes(), compute=dtype_name, stored_elem=elem)
     Quantize("", scheme).cost(costing)
     row = costing.rows[-1]
     return {"layer_s": row.layer_seconds, "fixed_s": row.fixed_seconds, "seconds": row.seconds,

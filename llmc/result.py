@@ -39,6 +39,7 @@ class StageRecord:
     key: str
     cached: bool
     seconds: float
+    decision: dict | None = None  # the decision the stage executed (the quantize stage's layer loop), as planned
 
 
 @dataclass(frozen=True)

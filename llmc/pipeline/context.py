@@ -54,9 +54,6 @@ class Costing:
     linears: dict[str, tuple[int, int]]
     compute: str  # the compute dtype's name
     stored_elem: int  # bytes per element of the source's stored weights
-    spill: bool  # whether the calibration activations are spilled to disk
-    tokens: int  # calibration tokens
-    resident: bool = False  # whether they stay on the calibrating GPU between layers (quant.activations)
     streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
     side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
     rows: list[CostRow] = field(default_factory=list)

@@ -20,17 +20,21 @@ layer + a candidate pair's rescaled consumers), a peak of its own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from llmc import distributed
 from llmc.telemetry import events
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
+from llmc.pipeline.runner import read_json
 from llmc.pipeline.ids import Kind, StageId
-from llmc.quant.algorithms.catalog import Pipeline, calibration_passes, quantize_stage_config
+from llmc.quant.algorithms.catalog import Pipeline, quantize_stage_config
+from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, file_write_seconds,
                                    forward_efficiency, forward_seconds, matmul_rate)
@@ -41,8 +45,9 @@ from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantiz
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream_probe import layer_overhead_seconds
-from llmc.quant.stream import (Calibration, CALIBRATION_BATCH_SIZE, RESIDENT_RESUME_EVERY_S, quantize_model,
-                               StreamOptions)
+from llmc.quant.canonical import META_FILE
+from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, decide_layer_loop
+from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
 
 # float64 bytes of a decoder layer per second smoothing-pair discovery gets through (llmc.quant.stream.LayerStructure:
@@ -56,10 +61,11 @@ FAKE_QUANT_COST = 3.7
 class Quantize:
     share = ranks.Share.ALL
 
-    def __init__(self, variant: str, scheme: Scheme) -> None:
+    def __init__(self, variant: str, scheme: Scheme, earlier: tuple[Quantize, ...] = ()) -> None:
         self.variant, self.scheme = variant, scheme
-        self.id = StageId(Kind.QUANTIZE, (variant or scheme.name,))  # as the plan names it
-        self.record_id = StageId(Kind.QUANTIZE, (scheme.name,))  # as the build's records always named it
+        self.earlier = earlier  # the quantize stages before this one in the build (whose statistics it may reuse)
+        # as the plan and the build's records name it: the variant (unique in a recipe), else the scheme
+        self.id = StageId(Kind.QUANTIZE, (variant or scheme.name,))
 
     def key(self, b: Build) -> str:
         scheme, device = self.scheme, b.device
@@ -79,10 +85,34 @@ class Quantize:
     def _calib_key(self, b: Build) -> str | None:
         return b.calib_key if self.scheme.needs_calibration else None
 
+    def decide(self, c: Costing) -> LayerLoopPlan:
+        """The layer loop's decision on the machine `c` plans for (llmc.quant.loop_plan.decide_layer_loop): the same
+        function the stream would call, given what the plan reads from config.json, the recipe and the machine."""
+        cal, shape = c.recipe.calibration, c.shape
+        windows = cal.samples
+        if distributed.active():  # this rank's block of windows (llmc.quant.stream._my_windows)
+            lo, hi = distributed.shard_bounds(cal.samples, 1 if cal.packing == "samples" else CALIBRATION_BATCH_SIZE)
+            windows = hi - lo
+        facts = LoopFacts(calibrates=self.scheme.needs_calibration, windows=windows, seq_len=cal.seq_len,
+                          masked=cal.packing == "samples", batch_size=CALIBRATION_BATCH_SIZE,
+                          spill_mode=cal.spill_activations, hidden=shape.hidden, intermediate=shape.intermediate,
+                          heads=shape.heads, elem=c.elem, moe=shape.active < 1, device=c.machine.device,
+                          host_available=c.machine.available, device_free=c.machine.gpu_free,
+                          shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c))
+        return decide_layer_loop(Pipeline.of(self.scheme), facts)
+
+    def _statistics_recorded(self, c: Costing) -> bool:
+        """Whether an earlier quantize stage of this build records the statistics this scheme needs (its Linears and
+        KV modules among those recorded): then this one reuses them (llmc.quant.shared_stats)."""
+        needed = _targets(self.scheme, c.linears)
+        return any(q.decide(c).shared == "record" and needed <= _targets(q.scheme, c.linears)
+                   and (q.scheme.kv_cache is not None or self.scheme.kv_cache is None) for q in self.earlier)
+
     def run(self, b: Build) -> None:
         scheme, device, calib_key = self.scheme, b.device, self._calib_key(b)
         calibration = b.runner.output(StageId(Kind.CALIBRATE), calib_key) if calib_key else None
         c = b.recipe.calibration
+        planned = b.result.plan.decision_of(self.id)
 
         def produce(out: Path) -> None:
             windows = None
@@ -92,16 +122,18 @@ class Quantize:
                                       shared_stats=self._shared_stats(b, calib_key),
                                       moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens)
             quantize_model(b.result.source, scheme, out, windows,
-                           StreamOptions(dtype=getattr(torch, b.result.dtype), device=device,
+                           StreamOptions(dtype=getattr(torch, b.result.dtype), device=device, loop=planned,
                                          extra_meta={"calibration_key": calib_key, "device": device.type},
                                          on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
 
         key = self.key(b)
         done = b.runner.run(
-            self.record_id, key, produce, all_ranks=True, inputs=[calibration] if calibration else [],
+            self.id, key, produce, all_ranks=True, inputs=[calibration] if calibration else [],
             announce=f"quantize: {scheme.name} with {scheme.algorithm}, one decoder layer at a time on {device}")
         b.quantized[self.variant] = (done, key)
         b.result.quantized_dirs[self.variant] = done
+        # the decision the loop obeyed, as its output records it (a cached output: as it was when written)
+        b.result.stages[-1] = replace(b.result.stages[-1], decision=read_json(done, META_FILE).get("layer_loop"))
 
     @staticmethod
     def _shared_stats(b: Build, calib_key: str | None) -> Path | None:
@@ -130,21 +162,21 @@ class Quantize:
         sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest,  # int4: one code a byte
                             packed=packed, artifact=packed + rest)
         c.bytes_of[self.id.of[0]] = sizes
-        pipe = Pipeline.of(scheme)
-        kwargs = dict(compute=c.compute, stored_elem=c.stored_elem, calibrated=scheme.needs_calibration,
-                      tokens=c.tokens, seq_len=c.recipe.calibration.seq_len, batch=CALIBRATION_BATCH_SIZE,
-                      hessians=pipe.observes_hessians, replays_module_calls=pipe.replays_module_calls, passes=calibration_passes(scheme),
-                      whole_weight_copies=bool(pipe.transforms) or pipe.observes_hessians,
-                      discovers_pairs=bool(pipe.transforms) or pipe.true_sequential,
-                      search=pipe.search_cost, code_bytes=1.0, machine=c.machine, weights=scheme.weights)
-        row = quantize_cost(shape, spill=c.spill, resident=c.resident, **kwargs)
+        pipe, loop = Pipeline.of(scheme), self.decide(c)
+        row = quantize_cost(shape, loop, pipe, compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
         row.disk_bytes = sizes.canonical
+        row.decision = loop
         c.rows.append(row.named(self.id))
-        if scheme.needs_calibration and not c.spill:
-            spilled = quantize_cost(shape, spill=True, **kwargs)
+        if loop.activations in ("memory", "device"):
+            spilled = quantize_cost(shape, decide_layer_loop(pipe, replace(loop.facts, spill_mode="always")), pipe,
+                                    compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
             if spilled.host_bytes < 0.95 * row.host_bytes:  # only a strategy that saves something is named
                 c.cheaper[row.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
                                        "activations in memory", spilled.host_bytes / 1e9)
+
+
+def _targets(scheme: Scheme, linears: dict[str, tuple[int, int]]) -> set[str]:
+    return {n for n in linears if not module_matches(n, scheme.ignore)}
 
 
 def group_bytes(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict, elem: int) -> list[dict]:
@@ -184,17 +216,20 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
 
-def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: bool, tokens: int, seq_len: int,
-                  batch: int, spill: bool, hessians: bool, replays_module_calls: bool, passes: int,
-                  code_bytes: float, machine: Machine, weights: TensorSpec = FP8_PER_TENSOR,
-                  whole_weight_copies: bool = True, discovers_pairs: bool = False,
-                  search: tuple[int, int, int] | None = None, resident: bool = False) -> CostRow:
-    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU. `discovers_pairs`: the
-    algorithm rescales smoothing pairs, found on the first layer in float64 before it is calibrated. `hessians`: the
-    quantizer observes every input's Hessian; `replays_module_calls`: a step keeps each module's calibration inputs;
-    `search`: a step's candidate scales per mapping, clipping ranges per Linear and clip-search tokens
-    (`Pipeline.search_cost`); `resident`: the activations stay on the GPU between layers (two copies there, and one
-    on the host while a resume point is written)."""
+def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute: str, stored_elem: int,
+                  machine: Machine, code_bytes: float = 1.0) -> CostRow:
+    """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU, as `loop` decided it
+    (llmc.quant.loop_plan): where the activations live (two copies in memory or on the GPU, one batch when
+    spilled, none when statistics are reused), the data flow's forward passes (`DataFlow.forward_passes`), the
+    smoothing pairs traced first in float64. What the algorithm costs beside the forwards comes from its `pipe`:
+    Hessians, replayed module calls (each module's calibration inputs kept), whole float32 weight copies, a
+    search's candidate scales, clipping ranges and clip-search tokens (`Pipeline.search_cost`)."""
+    calibrated, spill, resident = loop.calibrates, loop.activations == "disk", loop.activations == "device"
+    tokens, seq_len, batch = loop.facts.windows * loop.facts.seq_len, loop.facts.seq_len, loop.batch_size
+    passes = FLOWS[loop.flow].forward_passes(pipe, loop)
+    hessians, replays_module_calls = pipe.observes_hessians, pipe.replays_module_calls
+    whole_weight_copies, discovers_pairs = pipe.copies_whole_weights, loop.traces_structure
+    search, weights = pipe.search_cost, pipe.scheme.weights
     e = BYTES[compute]
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
@@ -256,7 +291,7 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
                   + (layer * stored_elem if stored_elem != e else 0))
     host = max(sum(parts.values()), conversion, outer_peak)
     discovery = discovery_s = 0.0
-    if discovers_pairs and calibrated:
+    if discovers_pairs:
         # the first layer in float64 (its own dtype released) and, while a candidate pair is checked, its rescaled
         # consumers beside the originals: gate and up (two of the largest Linears), or for MoE every expert's gate
         # and up (about two thirds of the layer)
@@ -305,15 +340,11 @@ def quantize_cost(shape: Shape, *, compute: str, stored_elem: int, calibrated: b
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
     fixed = (shape.outer_params * stored_elem / DISK_READ_RATE + file_write_seconds(shape.outer_params * kept)
              + skeleton_s + discovery_s)
-    strategy = ("activations spilled to disk" if spill else "activations on the GPU" if resident
-                else "activations in memory") if calibrated else "no calibration"
-    why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, "
-           f"{'more' if spill else 'less'} than a quarter of the {(machine.available or 0) / GB:.1f} GB available"
-           if calibrated else "weights only: no forward pass")
-    if resident:
-        why = (f"two copies of the calibration activations take {2 * copy / GB:.2f} GB, at most a quarter of the "
-               f"GPU's {(machine.gpu_free or 0) / GB:.1f} GB free: they stay there between layers, and a resume point "
-               f"(the next layer's inputs copied to the host and saved) is made every {RESIDENT_RESUME_EVERY_S:.0f} s, not after every layer")
+    strategy = {"disk": "activations spilled to disk", "device": "activations on the GPU",
+                "memory": "activations in memory"}.get(loop.activations, "no calibration")
+    if loop.flow == "shared-statistics":
+        strategy = "statistics shared"
+    why = loop.describe() or "weights only: no forward pass"
     if discovery:
         why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
                 f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")

@@ -23,7 +23,9 @@ from llmc.recipe.schema import Recipe
 def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH) -> list:
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
     evaluate, tasks, gate, publish."""
-    quantizes = [Quantize(variant, scheme) for variant, scheme in schemes.items()]
+    quantizes: list[Quantize] = []
+    for variant, scheme in schemes.items():  # each knows the ones before it (whose statistics it may reuse)
+        quantizes.append(Quantize(variant, scheme, tuple(quantizes)))
     exports = [Export(q, t) for q in quantizes for t in recipe.targets]
     every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(), Gate(), Publish()]
     return [s for s in every if not s.id.kind.comes_after(last)]

@@ -35,7 +35,7 @@ from llmc.planning.machine import (PROCESS_BYTES, Machine, matmul_rate, memory_f
                                    time_range)
 from llmc.planning.rows import CostRow
 from llmc.quant.canonical import module_matches
-from llmc.quant.activations import memory_available, memory_free, should_spill, stays_on_device
+from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
@@ -81,6 +81,10 @@ class Plan:
         e["disk_gb"] = sum(row.disk_bytes for row, _ in todo) / 1e9
         e["calibration_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.QUANTIZE)
         e["eval_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.EVAL)
+
+    def decision_of(self, id: StageId):
+        """The decision the plan's row for stage `id` costs (None: no such row, or a stage without one)."""
+        return next((r.decision for r in self.rows if r.id == id), None)
 
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
@@ -652,20 +656,15 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     host_paced = memory_from_host()
     free = memory_free() if host_paced else None
     c = recipe.calibration
-    tokens = c.samples * c.seq_len
-    calibrated = any(s.needs_calibration for s in schemes.values())
     streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
 
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     side_files = _side_file_bytes(model_folder)
 
     def walk(compute: str = compute, free: int | None = free) -> Costing:
-        copy = tokens * shape.hidden * BYTES[compute]  # one copy of the activations passed between layers
-        spill = calibrated and should_spill(c.spill_activations, copy, available)
         machine = Machine(available, gpu_free, str(device), os.cpu_count())
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
-                          linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem, tokens=tokens,
-                          spill=spill, resident=calibrated and not spill and stays_on_device(device, copy, gpu_free),
+                          linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
                           streamed_eval=streamed, config=config, side_files=side_files)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
@@ -714,7 +713,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "seconds_range": (sum(s.seconds_range[0] for s in rows), sum(s.seconds_range[1] for s in rows)),
         "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),
-        "spill_activations": costing.spill,
+        "spill_activations": any(r.decision.activations == "disk" for r in quant if r.decision is not None),
         "streamed_eval": streamed,
         "device": str(device),
         "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,

@@ -35,6 +35,9 @@ class CostRow:
     seconds_range: tuple[float, float] | None = None
 
     id: StageId | None = None  # the stage (or the part of it) this row costs
+    # the stage's decision that this row costs (the quantize stage's llmc.quant.loop_plan.LayerLoopPlan), which the
+    # build executes
+    decision: object | None = None
 
     def named(self, id: StageId) -> CostRow:
         """This row, as the stage `id`."""
@@ -47,4 +50,5 @@ class CostRow:
                 "strategy": self.strategy, "why": self.why, "mapped_gb": self.mapped_bytes / GB,
                 "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds,
                 "seconds_low": (self.seconds_range or (self.seconds,))[0],
-                "seconds_high": (self.seconds_range or (self.seconds,))[-1]}
+                "seconds_high": (self.seconds_range or (self.seconds,))[-1],
+                **({"decision": self.decision.as_dict()} if self.decision is not None else {})}

@@ -33,7 +33,7 @@ from llmc import distributed
 from llmc.model.skeleton import HOST, capture_layer_inputs, layer_output, to_device
 from llmc.telemetry.progress import log
 from llmc.quant import moe, true_sequential
-from llmc.quant.activations import Activations, ActivationWriter, inputs_dir, memory_available
+from llmc.quant.activations import Activations, ActivationWriter, inputs_dir
 from llmc.quant.algorithms.catalog import Observe, Pipeline
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
@@ -108,6 +108,12 @@ class DataFlow:
     def applies(needs: FlowNeeds) -> bool:
         raise NotImplementedError
 
+    @staticmethod
+    def forward_passes(pipeline: Pipeline, loop) -> float:
+        """Forward passes over the calibration tokens per layer, in model forwards (what the plan costs): one to
+        observe, one more through the quantized layer where a step calibrates, plus each step's own."""
+        return pipeline.calibration_passes()
+
     def prepare(self, s: Stream, calibration: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """Before the first layer: the first layer's inputs (or nothing)."""
 
@@ -142,12 +148,20 @@ class DataFree(DataFlow):
     def applies(needs: FlowNeeds) -> bool:
         return not needs.calibrates
 
+    @staticmethod
+    def forward_passes(pipeline: Pipeline, loop) -> float:
+        return 0.0
+
 
 @register_flow("shared-statistics")
 class SharedStatistics(DataFlow):
     @staticmethod
     def applies(needs: FlowNeeds) -> bool:
         return needs.shared_cover
+
+    @staticmethod
+    def forward_passes(pipeline: Pipeline, loop) -> float:
+        return 0.0  # the ranges an earlier scheme recorded: no calibration forward
 
     def prepare(self, s: Stream, calibration, mask) -> None:
         log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
@@ -193,6 +207,12 @@ class TrueSequential(_Calibrating):
         # tokens are routed, so MoE layers take the two-forward order (Hessians observed, then GPTQ) unless every
         # window runs in one forward
         return needs.calibrates and needs.true_sequential and (needs.one_forward or not needs.moe)
+
+    @staticmethod
+    def forward_passes(pipeline: Pipeline, loop) -> float:
+        # in one forward, that forward is also the one that makes the next layer's inputs; staged, the partial
+        # passes add up to about one more
+        return pipeline.calibration_passes() - (1.0 if loop.one_forward else 0.0)
 
     def forward_batch(self, s: Stream, calibration: torch.Tensor) -> int:
         return calibration.shape[0] if s.one_forward else s.batch_size  # GPTQ inside the one forward it makes
@@ -274,22 +294,6 @@ def quantize_true_sequential(
                                            stacks, scheme.weights, options)
     forward_batches(layer, hidden, extras, sink)  # the staged passes observed every range already
     return quantized
-
-
-def fits_one_forward(config: dict, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether one decoder layer's forward over every calibration window at once fits in a quarter of the
-    free memory of `device`: residual stream, norms, q/k/v/o and the MLP's intermediates per token, plus
-    attention scores as if materialized (batch x heads x seq²)."""
-    windows, seq = shape
-    hidden, inter = config.get("hidden_size", 0), config.get("intermediate_size", 0)
-    heads = config.get("num_attention_heads", 1)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    need = windows * seq * (8 * hidden + 4 * inter) * elem + windows * heads * seq * seq * 4
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = memory_available()
-    return free is not None and need <= free // 4
 
 
 def unpadded_samples(ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,11 +47,11 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
-from llmc.quant.activations import (ActivationWriter, SpillMode, inputs_dir, memory_available, should_spill,
-                                    stays_on_device)
+from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
-from llmc.quant.flows import FlowNeeds, LayerWork, Stream, fits_one_forward, flow_for
+from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
+from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, decide_layer_loop, redecided
 from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weights, static_scale
 from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
@@ -61,10 +61,6 @@ from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
-# With the activations on the GPU a layer takes well under a second at 8B width, less than writing its 2 GB of
-# outputs takes: a resume point (the next layer's inputs copied to the host and made durable) is made when this long
-# has passed since the last one, so a kill loses at most about this much GPU work (docs/gpu.md).
-RESIDENT_RESUME_EVERY_S = 60.0
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
@@ -113,8 +109,10 @@ class StreamOptions:
     # computes (llmc.quant.overlap); the same files either way. Off under torchrun.
     overlap: bool = True
     # seconds between resume points (the next layer's inputs saved, progress moved); None: after every layer, or
-    # every RESIDENT_RESUME_EVERY_S when the activations stay on the GPU. The files are the same either way.
+    # every loop_plan.RESIDENT_RESUME_EVERY_S when the activations stay on the GPU. The files are the same either way.
     resume_every_s: float | None = None
+    # the layer loop's decision as the plan made it (llmc.quant.loop_plan); None: decided when the stream starts
+    loop: LayerLoopPlan | None = None
 
 
 @dataclass
@@ -122,166 +120,237 @@ class StreamResult:
     layers: int
     quantized_modules: int
     calibrated: bool
+    loop: LayerLoopPlan  # the decision the loop obeyed
 
 
 def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: Calibration | None,
                    options: StreamOptions = StreamOptions()) -> StreamResult:
     """Write the canonical quantized form of `source` under `out` (resumable, see module doc), calibrated on
-    `calibration`'s windows (None: a scheme that does not calibrate)."""
-    cal = calibration
-    windows, mask = (cal.tokens, cal.mask) if cal is not None else (None, None)
-    batch = cal.batch_size if cal is not None else CALIBRATION_BATCH_SIZE
-    moe_all = cal is not None and cal.moe_all_experts
-    dtype, device = options.dtype, torch.device(options.device)
+    `calibration`'s windows (None: a scheme that does not calibrate), as `options.loop` decided (None: decided here,
+    by the same `decide_layer_loop`)."""
+    cal, dtype, device = calibration, options.dtype, torch.device(options.device)
     torch.manual_seed(0)
-    pipeline = Pipeline.of(scheme)
-    reader = CheckpointReader(source.folder)
-    config = reader.config()
-    model = build_skeleton(config, dtype)
-    moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
-    layers_prefix, layers = decoder_layers(model)
-    n_layers = len(layers)
+    m = _open_model(source, scheme, dtype)
     (out / "layers").mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
     progress_file = state_dir / "progress.json"
     start = _resume_layer(progress_file)
     if start:
-        log(f"resuming quantization at layer {start}/{n_layers}")
+        log(f"resuming quantization at layer {start}/{m.n_layers}")
+    windows, mask = _calibration_windows(scheme, cal, m)
+    shared = (SharedStats(cal.shared_stats, m.n_layers) if cal is not None and cal.shared_stats else None)
+    loop = _obeyed(options.loop, Pipeline.of(scheme), loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
+                                                                 bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
+                                                                 options.resume_every_s))
+    shared = shared if loop.shared != "none" else None
+    pipeline = Pipeline.of(scheme)
+    m.pipelines = {g: Pipeline.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
+    moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
+    if loop.traces_structure or loop.calibrates:
+        # no name kept for these tensors: release(model) below must free them before the rest is read again; the
+        # output head is never run (the forward stops at the first layer)
+        unread = output_head_names(m.model)
+        materialize(m.model, m.reader.get_many([n for n in m.reader.names()
+                                                if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
+    structure = LayerStructure(m.model, m.layers, windows) if loop.traces_structure else None
+    # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
+    act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
+    s = Stream(m.model, m.layers, pipeline, dtype, device, loop.batch_size, act_dir, start,
+               spill=loop.activations == "disk", resident=loop.activations == "device", one_forward=loop.one_forward,
+               moe_all_experts=cal is not None and cal.moe_all_experts, shared=shared, specs=m.specs(scheme))
+    flow = FLOWS[loop.flow]()
+    flow.prepare(s, windows, mask)
+    loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start)
+    weights = Prefetcher(lambda j: m.reader.with_prefix(f"{m.layers_prefix}.{j}."), range(s.start, m.n_layers),
+                         loop_state.overlap)
+    for i in steps(range(m.n_layers), "quantize layers", total=m.n_layers):
+        w = m.layer_work(i, scheme)
+        if i >= s.start:
+            _quantize_layer(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows, loop_state)
+            loop_state.commit(i, i == m.n_layers - 1, w.next_inputs, loop.resume_every_s)
+            release(w.module)
+    loop_state.writer.close()
+    weights.close()
+    release(m.model)  # the skeleton's embeddings and head: read again below, so never two copies
+    # (docs/planner-constants.md#outer-weights-copy)
+    distributed.barrier()
+    if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
+        entries = {"moe": moe.canonical_entry(m.model, m.moe_blocks, moe_report)} if m.moe_blocks else {}
+        if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
+            entries["unquantized_modules"] = sorted(n for n, g in m.group_of.items() if g is None)
+        _write_rest(out, source, m.reader, scheme, m.config, dtype, m.layers_prefix, m.n_layers, m.modules,
+                    m.kv_names, {**entries, "layer_loop": loop.as_dict(), **(options.extra_meta or {})})
+        if shared is not None and loop.shared == "record":
+            shared.finish(m.all_linears, m.all_kv)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return StreamResult(layers=m.n_layers, quantized_modules=len(m.modules), calibrated=loop.calibrates, loop=loop)
 
-    calibrate = scheme.needs_calibration
-    if calibrate and cal is None:
+
+def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,
+               config: dict, dtype: torch.dtype, device: torch.device, moe_blocks: bool,
+               shared: SharedStats | None, linears: set[str], kv: set[str],
+               resume_every_s: float | None) -> LoopFacts:
+    """The facts the layer loop is decided on, as the stream sees them when it starts."""
+    return LoopFacts(
+        calibrates=scheme.needs_calibration, windows=0 if windows is None else windows.shape[0],
+        seq_len=0 if windows is None else windows.shape[1], masked=mask is not None,
+        batch_size=cal.batch_size if cal is not None else CALIBRATION_BATCH_SIZE,
+        spill_mode=cal.spill if cal is not None else "auto", hidden=config.get("hidden_size", 0),
+        intermediate=config.get("intermediate_size", 0), heads=config.get("num_attention_heads", 1),
+        elem=torch.empty(0, dtype=dtype).element_size(), moe=moe_blocks, device=str(device),
+        host_available=memory_available(), device_free=_device_free(device), shared_stats=shared is not None,
+        shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s)
+
+
+def _obeyed(planned: LayerLoopPlan | None, pipeline: Pipeline, now: LoopFacts) -> LayerLoopPlan:
+    """The plan's decision; decided again (and said so) only where the facts moved materially since it was made."""
+    if planned is None:
+        loop = decide_layer_loop(pipeline, now)
+    else:
+        loop, changes = redecided(planned, now, pipeline)
+        if changes:
+            log(f"the layer loop is decided again ({'; '.join(changes)}): {planned.as_dict()} -> {loop.as_dict()}")
+    if loop.calibrates:
+        log(f"layer loop: {loop.flow}, activations in {loop.activations}; {loop.describe()}")
+    return loop
+
+
+def _calibration_windows(scheme: Scheme, cal: Calibration | None, m: _Model):
+    """This process's calibration windows and mask (its block of them under torchrun)."""
+    if not scheme.needs_calibration:
+        return None, None
+    if cal is None:
         raise ValueError("this scheme needs calibration data")
-    if calibrate and distributed.active():
-        if moe_blocks:
-            from llmc.errors import RecipeError
+    if not distributed.active():
+        return cal.tokens, cal.mask
+    if m.moe_blocks:
+        from llmc.errors import RecipeError
 
-            raise RecipeError("Mixture-of-Experts calibration under torchrun is not implemented (tokens routed per "
-                              "expert differ by rank)", fix="calibrate in one process (no --nproc)")
-        windows, mask = _my_windows(windows, mask, batch)
-    # MoE: which experts were starved depends on the routed tokens, which shared ranges do not record
-    shared = (SharedStats(cal.shared_stats, n_layers) if calibrate and cal.shared_stats and pipeline.shares_statistics
-              and not moe_blocks else None)
-    moe_report = moe.TokenReport.load(out, moe_all) if moe_blocks and calibrate else None
+        raise RecipeError("Mixture-of-Experts calibration under torchrun is not implemented (tokens routed per "
+                          "expert differ by rank)", fix="calibrate in one process (no --nproc)")
+    return _my_windows(cal.tokens, cal.mask, cal.batch_size)
+
+
+@dataclass
+class _Model:
+    """The checkpoint and its skeleton as the loop walks them, with the Linears each scheme group quantizes."""
+
+    reader: CheckpointReader
+    config: dict
+    model: nn.Module
+    moe_blocks: list[str]
+    layers_prefix: str
+    layers: nn.ModuleList
+    all_linears: set[str]
+    all_kv: set[str]
+    group_of: dict[str, str | None]  # Linear -> its group ("" unmixed; None: left unquantized)
+    modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
+    pipelines: dict[str, Pipeline] = field(default_factory=dict)  # each group's (one "" unmixed)
+    kv_names: list[str] = field(default_factory=list)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def specs(self, scheme: Scheme) -> dict:
+        members = scheme.members()
+        return {n: members[g].weights for n, g in self.group_of.items() if g is not None}
+
+    def layer_work(self, i: int, scheme: Scheme) -> LayerWork:
+        """Layer i's work, its modules recorded for quantized.json (layers before a resume point too)."""
+        prefix = f"{self.layers_prefix}.{i}."
+        linears = {n: lin for n, lin in target_linears(self.layers[i], prefix, scheme.ignore).items()
+                   if n in self.all_linears}
+        w = LayerWork(i, prefix, self.layers[i], linears, _kv_modules(self.layers[i], prefix, scheme), extras=[])
+        self.modules.update({name: {"shape": list(lin.weight.shape), "layer": i,
+                                    **({"group": self.group_of[name]} if scheme.mixed else {})}
+                             for name, lin in w.linears.items()})
+        self.kv_names += list(w.kv_modules)
+        return w
+
+
+def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:
+    reader = CheckpointReader(source.folder)
+    config = reader.config()
+    model = build_skeleton(config, dtype)
+    moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
+    layers_prefix, layers = decoder_layers(model)
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
         all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
         all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
     # mixed precision: each Linear's group (None: left unquantized), resolved as the planner did (llmc.quant.groups)
-    group_of = (resolve_groups(scheme, sorted(all_linears), n_layers, config.get("model_type")) if scheme.mixed
+    group_of = (resolve_groups(scheme, sorted(all_linears), len(layers), config.get("model_type")) if scheme.mixed
                 else dict.fromkeys(all_linears, ""))
-    all_linears = {n for n in all_linears if group_of[n] is not None}
-    members = scheme.members()
-    pipelines = {g: Pipeline.of(m) for g, m in members.items()} if scheme.mixed else {"": pipeline}
-    specs = {n: members[g].weights for n, g in group_of.items() if g is not None}
-    reuse = shared is not None and not pipeline.needs_inputs_after_transform and shared.covers(all_linears, all_kv)
-    spill = one_forward = resident = False
-    if calibrate and not reuse:
-        act_bytes = windows.numel() * config.get("hidden_size", 0) * torch.empty(0, dtype=dtype).element_size()
-        spill = should_spill(cal.spill, act_bytes, memory_available())
-        if spill:
-            log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) spill to {state_dir}: "
-                "one batch in memory at a time")
-        resident = not spill and stays_on_device(device, act_bytes, _device_free(device))
-        if resident:
-            log(f"calibration activations ({act_bytes / 1e9:.2f} GB a copy) stay on {device} between layers")
-        one_forward = (pipeline.true_sequential and not spill and mask is None
-                       and fits_one_forward(config, windows.shape, dtype, device))
-    flow = flow_for(FlowNeeds(calibrates=calibrate, shared_cover=reuse, true_sequential=pipeline.true_sequential,
-                              moe=bool(moe_blocks), one_forward=one_forward))
-    traces_structure = calibrate and (bool(pipeline.transforms) or pipeline.true_sequential)
-    if traces_structure or (calibrate and not reuse):
-        # no name kept for these tensors: release(model) below must free them before the rest is read again; the
-        # output head is never run (the forward stops at the first layer)
-        unread = output_head_names(model)
-        materialize(model, reader.get_many([n for n in reader.names()
-                                            if not n.startswith(layers_prefix + ".") and n not in unread]), dtype)
-    structure = LayerStructure(model, layers, windows) if traces_structure else None
-    # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
-    act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
-    s = Stream(model, layers, pipeline, dtype, device, batch, act_dir, start, spill=spill, resident=resident,
-               one_forward=one_forward, moe_all_experts=moe_all, shared=shared, specs=specs)
-    # spilled inputs are on disk anyway: every layer is a resume point
-    resume_every = 0.0 if spill else (options.resume_every_s if options.resume_every_s is not None
-                                      else RESIDENT_RESUME_EVERY_S if resident else 0.0)
-    flow.prepare(s, windows, mask)
+    return _Model(reader, config, model, moe_blocks, layers_prefix, layers,
+                  {n for n in all_linears if group_of[n] is not None}, all_kv, group_of)
 
-    modules: dict[str, dict] = {}
-    kv_names: list[str] = []
-    overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave with the loop's
-    writer = LayerWriter(overlap)
-    weights = Prefetcher(lambda j: reader.with_prefix(f"{layers_prefix}.{j}."), range(s.start, n_layers), overlap)
-    saved, saved_at = s.start, time.monotonic()  # the layer whose saved inputs progress.json points at, and when
-    for i in steps(range(n_layers), "quantize layers", total=n_layers):
-        prefix = f"{layers_prefix}.{i}."
-        linears = {n: m for n, m in target_linears(layers[i], prefix, scheme.ignore).items() if n in all_linears}
-        w = LayerWork(i, prefix, layers[i], linears, _kv_modules(layers[i], prefix, scheme), extras=[])
-        modules.update({name: {"shape": list(lin.weight.shape), "layer": i,
-                               **({"group": group_of[name]} if scheme.mixed else {})}
-                        for name, lin in w.linears.items()})
-        kv_names += list(w.kv_modules)
-        if i < s.start:
-            continue
-        materialize(w.module, weights.take(i), dtype)
-        if moe_blocks:
-            moe.check_materialized(w.module, prefix, source.folder)
-        w.module.to(device)
-        if structure is not None:
-            structure.record(i, w.module)
-        w.extras = to_device([e[i] for e in s.extras], device)
-        flow.calibrate(s, w)
-        # MoE experts no calibration token reached (never with moe_calibrate_all_experts): RTN weights, and
-        # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
-        starved = [] if moe_all else moe.starved_linears(w.module, prefix, w.routed, w.linears)
-        if w.quantized is None:
-            w.quantized = {}
-            for group, group_pipeline in pipelines.items():  # one quantizer call per group, with its group's scheme
-                mine = {n: m for n, m in w.linears.items() if n not in starved and group_of[n] == group}
-                if mine:
-                    w.quantized.update(_quantize_spread(group_pipeline, mine, w.stats, device))
-        for group, member in members.items():
-            w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
-                                                 if n not in w.quantized and group_of[n] == group}, member.weights))
-        if moe_report is not None and w.routed:
-            moe_report.add(i, prefix, w.routed,
-                           moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
-                           cal.moe_min_tokens, windows.numel(), config)
-        w.stats.module_calls.clear()
-        if distributed.is_main():
-            schemes = {n: members[group_of[n]] for n in w.linears}
-            tensors = on_host(_layer_tensors(w.module, prefix, w.linears, w.quantized, w.stats, scheme, schemes,
-                                             w.kv_modules))
-            writer.submit(i, functools.partial(atomic_save_safetensors, out / "layers" / f"{i:05d}.safetensors",
-                                               tensors))
-            if moe_report is not None:
-                moe_report.save(out)
-        flow.propagate(s, w)
-        # Progress moves only after the layer file and the next layer's inputs are durable (the writer's order, on
-        # every rank); a run killed anywhere before that redoes the layers from the last resume point's inputs.
-        last = i == n_layers - 1
-        if last or time.monotonic() - saved_at >= resume_every:
+
+class _LoopState:
+    """The loop's writes and resume points: each layer's file on the writer's thread, progress moved at each resume
+    point after the layer file and the next layer's inputs are durable."""
+
+    def __init__(self, out: Path, progress_file: Path, act_dir: Path, options: StreamOptions, saved: int) -> None:
+        self.out, self.progress_file, self.act_dir, self.options = out, progress_file, act_dir, options
+        self.overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave
+        self.writer = LayerWriter(self.overlap)
+        self.saved, self.saved_at = saved, time.monotonic()  # the layer progress.json points at, and when
+
+    def write_layer(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.writer.submit(i, functools.partial(atomic_save_safetensors, self.out / "layers" / f"{i:05d}.safetensors",
+                                                tensors))
+
+    def commit(self, i: int, last: bool, next_inputs: ActivationWriter | None, resume_every_s: float) -> None:
+        """Progress moves only after the layer file and the next layer's inputs are durable (the writer's order, on
+        every rank); a run killed anywhere before that redoes the layers from the last resume point's inputs."""
+        if last or time.monotonic() - self.saved_at >= resume_every_s:
             # after the last layer only progress moves: nothing reads the model's last outputs again
-            writer.submit(i, functools.partial(_commit_layer, i, None if last else w.next_inputs, progress_file,
-                                               act_dir, saved, options.on_layer_done))
-            saved, saved_at = i + 1, time.monotonic()
-        elif options.on_layer_done:
-            writer.submit(i, functools.partial(options.on_layer_done, i))
-        release(w.module)
-    writer.close()
-    weights.close()
+            self.writer.submit(i, functools.partial(_commit_layer, i, None if last else next_inputs,
+                                                    self.progress_file, self.act_dir, self.saved,
+                                                    self.options.on_layer_done))
+            self.saved, self.saved_at = i + 1, time.monotonic()
+        elif self.options.on_layer_done:
+            self.writer.submit(i, functools.partial(self.options.on_layer_done, i))
 
-    release(model)  # the skeleton's embeddings and head: read again below, so never two copies
-    # (docs/planner-constants.md#outer-weights-copy)
-    distributed.barrier()
-    if distributed.is_main():  # rank 0 writes the rest and removes the state (every rank is done with it)
-        entries = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
-        if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
-            entries["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
-        _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
-                    {**entries, **(options.extra_meta or {})})
-        if shared is not None and not reuse:
-            shared.finish(all_linears, all_kv)
-        shutil.rmtree(state_dir, ignore_errors=True)
-    return StreamResult(layers=n_layers, quantized_modules=len(modules), calibrated=calibrate)
+
+def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights, structure: LayerStructure | None,
+                    moe_report, cal: Calibration | None, windows: torch.Tensor | None, state: _LoopState) -> None:
+    """One decoder layer: materialized, calibrated by the flow, quantized (what the flow left), written, and its
+    outputs passed on."""
+    scheme, device = s.pipeline.scheme, s.device
+    materialize(w.module, weights, s.dtype)
+    if m.moe_blocks:
+        moe.check_materialized(w.module, w.prefix, m.reader.folder)
+    w.module.to(device)
+    if structure is not None:
+        structure.record(w.index, w.module)
+    w.extras = to_device([e[w.index] for e in s.extras], device)
+    flow.calibrate(s, w)
+    # MoE experts no calibration token reached (never with moe_calibrate_all_experts): RTN weights, and
+    # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
+    starved = [] if s.moe_all_experts else moe.starved_linears(w.module, w.prefix, w.routed, w.linears)
+    members = scheme.members()
+    if w.quantized is None:
+        w.quantized = {}
+        for group, member in members.items():  # one quantizer call per group, with its group's scheme
+            mine = {n: lin for n, lin in w.linears.items() if n not in starved and m.group_of[n] == group}
+            if mine:
+                w.quantized.update(_quantize_spread(m.pipelines[group], mine, w.stats, device))
+    for group, member in members.items():
+        w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
+                                             if n not in w.quantized and m.group_of[n] == group}, member.weights))
+    if moe_report is not None and w.routed:
+        moe_report.add(w.index, w.prefix, w.routed,
+                       moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
+                       cal.moe_min_tokens, windows.numel(), m.config)
+    w.stats.module_calls.clear()
+    if distributed.is_main():
+        schemes = {n: members[m.group_of[n]] for n in w.linears}
+        state.write_layer(w.index, on_host(_layer_tensors(w.module, w.prefix, w.linears, w.quantized, w.stats, scheme,
+                                                          schemes, w.kv_modules)))
+        if moe_report is not None:
+            moe_report.save(state.out)
+    flow.propagate(s, w)
 
 
 def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme: Scheme, config: dict,

@@ -104,3 +104,18 @@ def tiny_text_recipe(root: Path, name: str, eval_section: dict) -> Path:
         "publish": {"registry": str(root / "registry")},
     }))
     return path
+
+
+def layer_loop(pipe, *, windows: int = 0, seq_len: int = 0, batch: int = 1, activations: str = "none",
+               device: str = "cpu"):
+    """A layer-loop decision as a test states it: the quantize stage's cost prices whatever decision it is given
+    (llmc.quant.loop_plan.decide_layer_loop makes the real ones)."""
+    from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts
+
+    facts = LoopFacts(calibrates=activations != "none", windows=windows, seq_len=seq_len, masked=False,
+                      batch_size=batch, spill_mode="auto", hidden=0, intermediate=0, heads=1, elem=2, moe=False,
+                      device=device, host_available=None, device_free=None, shared_stats=False, shared_covered=False)
+    flow = ("data-free" if activations == "none" else "true-sequential" if pipe.true_sequential else "sequential")
+    traces = activations != "none" and (bool(pipe.transforms) or pipe.true_sequential)
+    return LayerLoopPlan(flow=flow, activations=activations, one_forward=False, shared="none", traces_structure=traces,
+                         batch_size=batch, resume_every_s=0.0, device=device, why=(), facts=facts)

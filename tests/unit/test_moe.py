@@ -253,7 +253,7 @@ def test_algorithms_quantize_a_starved_expert_by_round_to_nearest(starved, schem
     projection as round-to-nearest codes of its own weights."""
     name, folder = starved
     if scheme_name == "int4-gptq-two-forwards":
-        monkeypatch.setattr(stream, "fits_one_forward", lambda *a: False)
+        monkeypatch.setattr("llmc.quant.loop_plan.fits_one_forward", lambda *a: False)
         scheme_name = "int4-gptq"
     scheme = SCHEMES[scheme_name]
     qm = _quantize(folder, scheme, tmp_path / "q")

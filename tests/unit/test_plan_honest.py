@@ -391,9 +391,13 @@ def test_the_quantize_peak_counts_the_embeddings_read_in_the_stored_dtype_and_he
     shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
     assert shape.outer_params == 2 * 152064 * 3584 + 3584  # embedding, head, final norm
     assert shape.head_params == 152064 * 3584
-    row = quantize_cost(shape, compute=compute, stored_elem=2, calibrated=calibrated, tokens=0, seq_len=0,
-                        batch=1, spill=False, hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0,
-                        machine=Machine(available=None, gpu_free=None, device="cpu"), whole_weight_copies=False)
+    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.spec import Scheme, TensorSpec
+    from tests.unit.build_helpers import layer_loop
+
+    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
+    row = quantize_cost(shape, layer_loop(fp8, activations="memory" if calibrated else "none"), fp8, compute=compute,
+                        stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
     skeleton = shape.outer_params - shape.head_params
     floor = max(skeleton * copies if calibrated else 0, shape.outer_params * 2)
     assert row.host_bytes >= PROCESS_BYTES + floor  # (the layers' parts may exceed it)
@@ -556,14 +560,19 @@ def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) 
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
 
+    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.spec import Scheme, TensorSpec
+    from tests.unit.build_helpers import layer_loop
+
+    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
     shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
 
     def per_layer(layers_per_s: float) -> float:
         probes._book = probes.RateBook()
         calls = pin_probes(monkeypatch, stream_layers=(layers_per_s,))
-        row = quantize_cost(shape, compute="float32", stored_elem=2, calibrated=True, tokens=128, seq_len=128,
-                            batch=4, spill=False, hessians=False, replays_module_calls=False, passes=1,
-                            code_bytes=1.0, machine=Machine(available=None, gpu_free=None, device="cpu"))
+        row = quantize_cost(shape, layer_loop(fp8, activations="memory", windows=1, seq_len=128, batch=4), fp8,
+                            compute="float32", stored_elem=2, machine=Machine(available=None, gpu_free=None,
+                                                                               device="cpu"))
         assert calls["stream_layers"] > 0
         return row.layer_seconds
 

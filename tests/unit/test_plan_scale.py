@@ -209,11 +209,16 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
-    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=False, tokens=0, seq_len=0, batch=1, spill=False,
-                  hessians=False, replays_module_calls=False, passes=0, code_bytes=1.0, machine=Machine(available=None, gpu_free=None,
-                                                                                   device="cpu"))
-    rtn = quantize_cost(shape, whole_weight_copies=False, **kwargs)
-    whole = quantize_cost(shape, whole_weight_copies=True, **kwargs)
+    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.spec import Scheme, TensorSpec
+    from tests.unit.build_helpers import layer_loop
+
+    kwargs = dict(compute="bfloat16", stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
+    int8 = TensorSpec("int8", "channel")
+    rtn_pipe, sq_pipe = (Pipeline.of(Scheme(int8, TensorSpec("int8", "token", dynamic=True), algorithm=a))
+                         for a in ("rtn", "smoothquant"))  # SmoothQuant copies whole Linears, observes no Hessian
+    rtn = quantize_cost(shape, layer_loop(rtn_pipe), rtn_pipe, **kwargs)
+    whole = quantize_cost(shape, layer_loop(sq_pipe), sq_pipe, **kwargs)
     assert shape.largest_linear == config["hidden_size"] * config["intermediate_size"]
     assert rtn.parts["quantizer float32 copy"] == 2 * 4 * BLOCK_ELEMENTS
     assert whole.parts["quantizer float32 copy"] == 2 * 4 * shape.largest_linear
@@ -255,16 +260,23 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
-    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=32, seq_len=32, batch=1, spill=False,
-                  hessians=False, replays_module_calls=True, passes=21, code_bytes=1.0, discovers_pairs=True,
-                  machine=Machine(available=None, gpu_free=None, device="cpu"),
-                  weights=TensorSpec("int4", "group", group_size=128))
+    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.spec import Scheme
+    from tests.unit.build_helpers import layer_loop
+
+    class WithoutSearch(Pipeline):
+        search_cost = None  # the same pipeline, its search left out: what the search adds
+
+    kwargs = dict(compute="bfloat16", stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
     refine = AwqOptions()
     grid = AwqOptions(search="grid")
-    plain = quantize_cost(shape, search=None, **kwargs)
-    per_layer = {o.search: quantize_cost(shape, search=(o.search_evaluations(), o.clip_iterations(),
-                                                             o.clip_tokens), **kwargs).layer_seconds - plain.layer_seconds
-                 for o in (refine, grid)}
+    pipes = {o.search: Pipeline.of(Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq",
+                                          algorithm_options=(("search", o.search),))) for o in (refine, grid)}
+    loop = layer_loop(pipes["refine"], windows=1, seq_len=32, activations="memory")
+    plain_pipe = WithoutSearch(pipes["refine"].scheme, pipes["refine"].steps, pipes["refine"].propagate)
+    plain = quantize_cost(shape, loop, plain_pipe, **kwargs)
+    per_layer = {name: quantize_cost(shape, loop, pipe, **kwargs).layer_seconds - plain.layer_seconds
+                 for name, pipe in pipes.items()}
     down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(
         "float32", "cpu", config["intermediate_size"], 128)
     assert per_layer["refine"] > refine.search_evaluations() * down_candidate * 0.8
@@ -326,17 +338,23 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
     tokens, seq_len, gb = 128 * 2048, 2048, 1e9
     copy = tokens * shape.hidden * 2
-    kwargs = dict(compute="bfloat16", stored_elem=2, calibrated=True, tokens=tokens, seq_len=seq_len, batch=4,
-                  spill=False, hessians=False, replays_module_calls=False, passes=1, code_bytes=1.0)
+    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.spec import Scheme, TensorSpec
+    from tests.unit.build_helpers import layer_loop
+
+    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))  # one pass
+    kwargs = dict(compute="bfloat16", stored_elem=2)
     assert stays_on_device(torch.device("cuda"), copy, int(80 * gb)) and not stays_on_device(
         torch.device("cuda"), copy, int(16 * gb)) and not stays_on_device(torch.device("cpu"), copy, int(80 * gb))
     gpu = Machine(available=int(100 * gb), gpu_free=int(80 * gb), device="cuda:0")
-    resident = quantize_cost(shape, resident=True, machine=gpu, **kwargs)
-    batches = quantize_cost(shape, resident=False, machine=gpu, **kwargs)
+    on_gpu = dict(windows=128, seq_len=seq_len, batch=4, device="cuda:0")
+    resident = quantize_cost(shape, layer_loop(fp8, activations="device", **on_gpu), fp8, machine=gpu, **kwargs)
+    batches = quantize_cost(shape, layer_loop(fp8, activations="memory", **on_gpu), fp8, machine=gpu, **kwargs)
     assert resident.strategy == "activations on the GPU" and "stay there between layers" in resident.why
     assert resident.gpu_bytes - batches.gpu_bytes == pytest.approx(2 * copy - 2 * 4 * seq_len * shape.hidden * 2)
     assert resident.parts["activations"] == copy and batches.parts["activations"] == 2 * copy
-    cpu = quantize_cost(shape, machine=Machine(available=int(100 * gb), gpu_free=None, device="cpu"), **kwargs)
+    cpu = quantize_cost(shape, layer_loop(fp8, activations="memory", windows=128, seq_len=seq_len, batch=4), fp8,
+                        machine=Machine(available=int(100 * gb), gpu_free=None, device="cpu"), **kwargs)
     scores = 4 * shape.heads * seq_len ** 2 * 2
     forward = 4 * seq_len * (4 * shape.hidden + 3 * shape.intermediate) * 2
     assert cpu.parts["forward temporaries"] == pytest.approx(forward + scores)

@@ -85,7 +85,7 @@ def test_staged_passes_give_the_one_forward_result(tiny_model: Path, tmp_path: P
             return run
         return real_staged([counted(c) for c in batch_calls], *args)
 
-    monkeypatch.setattr(stream, "fits_one_forward", lambda *a: False)
+    monkeypatch.setattr("llmc.quant.loop_plan.fits_one_forward", lambda *a: False)
     monkeypatch.setattr(true_sequential, "staged", counting)
     stream.quantize_model(src, GPTQ, tmp_path / "staged", stream.Calibration(calib, batch_size=2))
     assert len(passes) == 2 * 4 * 2  # layers x groups (q/k/v, o, gate/up, down) x batches

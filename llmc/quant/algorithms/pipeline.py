@@ -123,6 +123,12 @@ class Pipeline:
         return any(s.algorithm.module_calls for s in self.steps)
 
     @property
+    def copies_whole_weights(self) -> bool:
+        """True when a step makes float32 copies of a whole Linear (Hessian-based and smoothing algorithms); RTN
+        works a block of rows at a time."""
+        return bool(self.transforms) or self.observes_hessians
+
+    @property
     def search_cost(self) -> tuple[int, int, int] | None:
         """The first step's search cost (`AlgorithmOptions.search_cost`), for the planner."""
         return next((c for c in (s.options.search_cost() for s in self.steps) if c is not None), None)

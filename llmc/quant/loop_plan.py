@@ -1,0 +1,180 @@
+"""The layer loop's decision, made once: which data flow carries the calibration data, where the activations live
+between layers, whether GPTQ runs every window in one forward, whether statistics are shared with another scheme,
+how often a resume point is made.
+
+`decide_layer_loop` is the only place these choices are made. `llmc plan` calls it (through the quantize stage's
+`decide`) with the facts it reads from config.json, the recipe and this machine, prints the decision and costs it;
+`llmc build` hands the plan's decision to `llmc.quant.stream.quantize_model`, which obeys it. The stream decides
+again only when a fact it can see and the plan could not differs materially (the memory free when the stage starts,
+statistics another build left on disk, the MoE blocks the skeleton holds) and logs what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from llmc.quant.activations import SpillMode, should_spill, stays_on_device
+from llmc.quant.algorithms.catalog import Pipeline
+
+Placement = Literal["none", "memory", "device", "disk"]
+SharedUse = Literal["none", "record", "reuse"]
+
+# With the activations on the GPU a layer takes well under a second at 8B width, less than writing its 2 GB of
+# outputs takes: a resume point (the next layer's inputs copied to the host and made durable) is made when this long
+# has passed since the last one, so a kill loses at most about this much GPU work (docs/gpu.md).
+RESIDENT_RESUME_EVERY_S = 60.0
+# A snapshot of free memory that moved by less than this share since the plan still stands (the plan's own
+# allocations, the tokenizer, the page cache move it by a few percent between plan and stage)
+SNAPSHOT_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class LoopFacts:
+    """What the layer loop's decision is made from: the calibration's shape, the model's, the machine's snapshot."""
+
+    calibrates: bool  # the scheme needs calibration data
+    windows: int  # calibration windows this process runs (its rank's share under torchrun)
+    seq_len: int
+    masked: bool  # per-sample calibration (each sample its own batch)
+    batch_size: int  # windows per calibration forward
+    spill_mode: SpillMode  # calibration.spill_activations
+    hidden: int
+    intermediate: int
+    heads: int
+    elem: int  # bytes per element of the compute dtype
+    moe: bool  # the model has Mixture-of-Experts blocks
+    device: str  # where layers are calibrated: "cpu" or "cuda[:i]"
+    host_available: int | None  # MemAvailable when the decision is made
+    device_free: int | None  # the calibrating GPU's free memory then (None: the CPU)
+    shared_stats: bool  # statistics can be shared with other schemes on the same model and data (a folder is given)
+    shared_covered: bool  # ... and those already recorded cover every Linear and KV module this scheme needs
+    resume_every_s: float | None = None  # the caller's resume interval (None: the default for the placement)
+
+    @property
+    def activation_bytes(self) -> int:
+        """One copy of the activations passed between layers."""
+        return self.windows * self.seq_len * self.hidden * self.elem
+
+    def changed_from(self, planned: LoopFacts) -> list[str]:
+        """What differs materially from the facts the plan decided on, in words (empty: the plan stands)."""
+        changes = []
+        for name in ("host_available", "device_free"):
+            now, then = getattr(self, name), getattr(planned, name)
+            if (now is None) != (then is None) or (now and then and abs(now - then) > SNAPSHOT_TOLERANCE * then):
+                changes.append(f"{name.replace('_', ' ')} {_gb(then)} at plan time, {_gb(now)} now")
+        for name in ("calibrates", "windows", "seq_len", "masked", "batch_size", "spill_mode", "moe", "device",
+                     "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem"):
+            if getattr(self, name) != getattr(planned, name):
+                changes.append(f"{name.replace('_', ' ')} {getattr(planned, name)} planned, {getattr(self, name)} now")
+        return changes
+
+
+@dataclass(frozen=True)
+class LayerLoopPlan:
+    """The layer loop's decision (`decide_layer_loop`), what `llmc plan` prints and `quantize_model` obeys."""
+
+    flow: str  # the registered data flow (llmc.quant.flows)
+    activations: Placement  # where the activations passed between layers live ("none": no calibration forward)
+    one_forward: bool  # GPTQ quantizes inside one forward over every calibration window
+    shared: SharedUse  # statistics recorded for later schemes, or reused from an earlier one
+    traces_structure: bool  # the smoothing pairs of each distinct layer structure are traced first (float64)
+    batch_size: int  # windows per calibration forward
+    resume_every_s: float  # seconds between resume points (0: after every layer)
+    device: str
+    why: tuple[str, ...]  # each choice's reason, in words
+    facts: LoopFacts  # what it was decided from
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether calibration windows run through the layers (a data-free or shared-statistics flow: none)."""
+        return self.activations != "none"
+
+    def as_dict(self) -> dict:
+        """The decision as `llmc plan --json` and report.json record it (facts left out: they are the machine's)."""
+        return {"flow": self.flow, "activations": self.activations, "one_forward": self.one_forward,
+                "shared_statistics": self.shared, "traces_structure": self.traces_structure,
+                "batch_size": self.batch_size, "resume_every_s": self.resume_every_s, "device": self.device}
+
+    def describe(self) -> str:
+        return "; ".join(self.why)
+
+
+def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
+    """Every choice the layer loop makes for `pipeline`'s scheme, from `facts` (pure)."""
+    from llmc.quant.flows import FlowNeeds, flow_for
+
+    why: list[str] = []
+    calibrates = facts.calibrates
+    shared: SharedUse = "none"
+    if calibrates and facts.shared_stats and pipeline.shares_statistics and not facts.moe:
+        # MoE: which experts were starved depends on the routed tokens, which shared ranges do not record
+        reusable = facts.shared_covered and not pipeline.needs_inputs_after_transform
+        shared = "reuse" if reusable else "record"
+        why.append("statistics from an earlier scheme on the same model and data: no calibration forward"
+                   if reusable else "ranges recorded for later schemes on the same model and data")
+    forwards = calibrates and shared != "reuse"
+    spill = resident = one_forward = False
+    if forwards:
+        copy = facts.activation_bytes
+        spill = should_spill(facts.spill_mode, copy, facts.host_available)
+        resident = not spill and stays_on_device(_device(facts.device), copy, facts.device_free)
+        if spill:
+            why.append(f"two copies of the calibration activations ({2 * copy / 1e9:.2f} GB) would take more than a "
+                       f"quarter of the {_gb(facts.host_available)} available (or spill_activations says so): "
+                       "one batch in memory, the rest on disk")
+        elif resident:
+            why.append(f"two copies of the calibration activations ({2 * copy / 1e9:.2f} GB) take at most a quarter "
+                       f"of the GPU's {_gb(facts.device_free)} free: they stay there between layers")
+        else:
+            why.append(f"two copies of the calibration activations ({2 * copy / 1e9:.2f} GB) stay in host memory")
+        one_forward = (pipeline.true_sequential and not spill and not facts.masked
+                       and fits_one_forward(facts, facts.device_free if facts.device != "cpu"
+                                            else facts.host_available))
+    flow = flow_for(FlowNeeds(calibrates=calibrates, shared_cover=shared == "reuse",
+                              true_sequential=pipeline.true_sequential, moe=facts.moe, one_forward=one_forward)).name
+    if flow == "true-sequential":
+        why.append("GPTQ inside " + ("one forward over every calibration window" if one_forward else
+                                     "staged forwards, one group of Linears further each (every window in one "
+                                     "forward would not fit a quarter of the free memory)"))
+    placement: Placement = ("disk" if spill else "device" if resident else "memory") if forwards else "none"
+    if facts.resume_every_s is not None and not spill:
+        resume = facts.resume_every_s
+    else:  # spilled inputs are on disk anyway: every layer is a resume point
+        resume = RESIDENT_RESUME_EVERY_S if resident else 0.0
+    if resume:
+        why.append(f"a resume point every {resume:.0f} s (the next layer's inputs saved)")
+    traces = calibrates and (bool(pipeline.transforms) or pipeline.true_sequential)
+    return LayerLoopPlan(flow=flow, activations=placement, one_forward=one_forward, shared=shared,
+                         traces_structure=traces, batch_size=facts.batch_size, resume_every_s=resume,
+                         device=facts.device, why=tuple(why), facts=facts)
+
+
+def fits_one_forward(facts: LoopFacts, free: int | None) -> bool:
+    """Whether one decoder layer's forward over every calibration window at once fits in a quarter of `free` bytes:
+    residual stream, norms, q/k/v/o and the MLP's intermediates per token, plus attention scores as if
+    materialized (batch x heads x seq²)."""
+    tokens = facts.windows * facts.seq_len
+    need = (tokens * (8 * facts.hidden + 4 * facts.intermediate) * facts.elem
+            + facts.windows * facts.heads * facts.seq_len ** 2 * 4)
+    return free is not None and need <= free // 4
+
+
+def redecided(planned: LayerLoopPlan, now: LoopFacts, pipeline: Pipeline) -> tuple[LayerLoopPlan, list[str]]:
+    """The plan's decision, or a new one where the facts moved materially since (with what changed)."""
+    changes = now.changed_from(planned.facts)
+    if not changes:
+        return planned, []
+    again = decide_layer_loop(pipeline, now)
+    return (planned, []) if again.as_dict() == planned.as_dict() else (again, changes)
+
+
+def _device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+def _gb(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 1e9:.1f} GB"
+

@@ -1,0 +1,104 @@
+"""The layer loop's decision (llmc.quant.loop_plan): made by one pure function from stated facts, obeyed by the
+stream as given, and made again only when a fact moved materially since the plan (and said so)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmc.quant.stream as stream
+from llmc.model.source import ModelSource
+from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.loop_plan import RESIDENT_RESUME_EVERY_S, LoopFacts, decide_layer_loop, redecided
+from llmc.quant.spec import Scheme, TensorSpec
+
+GB = 10**9
+FP8_STATIC = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"))
+GPTQ = Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq")
+SQ = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
+WEIGHT_ONLY = Scheme(TensorSpec("int4", "group", group_size=32))
+# 64 windows x 512 tokens x 4096 wide x 2 bytes: 0.27 GB a copy of the activations
+FACTS = LoopFacts(calibrates=True, windows=64, seq_len=512, masked=False, batch_size=4, spill_mode="auto",
+                  hidden=4096, intermediate=14336, heads=32, elem=2, moe=False, device="cpu", host_available=64 * GB,
+                  device_free=None, shared_stats=True, shared_covered=False)
+
+
+def decide(scheme: Scheme, **facts):
+    return decide_layer_loop(Pipeline.of(scheme), replace(FACTS, calibrates=scheme.needs_calibration, **facts))
+
+
+def test_where_the_activations_live_follows_the_memory_the_facts_state() -> None:
+    assert decide(FP8_STATIC).activations == "memory"
+    spilled = decide(FP8_STATIC, host_available=1 * GB)  # two copies (0.54 GB) > a quarter of 1 GB
+    assert spilled.activations == "disk" and spilled.resume_every_s == 0.0
+    assert decide(FP8_STATIC, spill_mode="always").activations == "disk"
+    on_gpu = decide(FP8_STATIC, device="cuda:0", device_free=80 * GB)
+    assert on_gpu.activations == "device" and on_gpu.resume_every_s == RESIDENT_RESUME_EVERY_S
+    assert decide(FP8_STATIC, device="cuda:0", device_free=80 * GB, resume_every_s=5.0).resume_every_s == 5.0
+    assert decide(FP8_STATIC, device="cuda:0", device_free=1 * GB).activations == "memory"
+    data_free = decide(WEIGHT_ONLY)
+    assert (data_free.flow, data_free.activations, data_free.calibrates) == ("data-free", "none", False)
+
+
+def test_gptq_runs_in_one_forward_only_where_every_window_fits_and_nothing_is_masked() -> None:
+    one = decide(GPTQ)
+    assert one.flow == "true-sequential" and one.one_forward and one.traces_structure
+    staged = decide(GPTQ, host_available=8 * GB)  # the whole batch's forward needs more than a quarter of 8 GB
+    assert staged.flow == "true-sequential" and not staged.one_forward and "staged" in staged.describe()
+    assert not decide(GPTQ, masked=True).one_forward
+    assert decide(GPTQ, moe=True, host_available=8 * GB).flow == "sequential"  # MoE staged: the two-forward order
+
+
+def test_statistics_are_recorded_for_later_schemes_and_reused_when_they_cover_the_scheme() -> None:
+    first = decide(FP8_STATIC)
+    assert (first.shared, first.flow) == ("record", "sequential")
+    later = decide(FP8_STATIC, shared_covered=True)
+    assert (later.shared, later.flow, later.activations) == ("reuse", "shared-statistics", "none")
+    # SmoothQuant observes again after its transform: it records but cannot skip its own forward
+    assert decide(SQ, shared_covered=True).shared == "record"
+    assert decide(FP8_STATIC, moe=True, shared_covered=True).shared == "none"  # routed tokens are not recorded
+    assert decide(GPTQ, shared_covered=True).shared == "none"  # Hessians depend on the scheme
+
+
+def test_the_plan_stands_unless_a_fact_moved_materially_and_then_the_change_is_named() -> None:
+    pipe = Pipeline.of(FP8_STATIC)
+    planned = decide_layer_loop(pipe, FACTS)
+    assert redecided(planned, replace(FACTS, host_available=int(60.5 * GB)), pipe) == (planned, [])
+    again, changes = redecided(planned, replace(FACTS, host_available=1 * GB), pipe)
+    assert again.activations == "disk" and changes and "host available 64.0 GB at plan time, 1.0 GB now" in changes[0]
+    # a moved fact that leaves the decision as it was changes nothing
+    assert redecided(planned, replace(FACTS, host_available=32 * GB), pipe) == (planned, [])
+
+
+def test_the_stream_obeys_the_decision_it_is_given(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    """A decision to spill, made where memory is plenty, is executed as given (the facts the stream sees now are
+    those it was made on); the same decision made on another machine's memory is made again, and the stream says
+    why."""
+    calibration = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0))
+    cal = stream.Calibration(calibration, batch_size=2)
+    source = ModelSource(tiny_model, "t", "t")
+    pipe = Pipeline.of(FP8_STATIC)
+    # the facts exactly as this stream sees them, then a decision to spill (as spill_activations: always would make)
+    seen = stream.quantize_model(source, FP8_STATIC, tmp_path / "auto", cal).loop
+    assert seen.activations == "memory"
+    forced = decide_layer_loop(pipe, replace(seen.facts, spill_mode="always"))
+    forced = replace(forced, facts=seen.facts)  # as if planned on these very facts
+    out = stream.quantize_model(source, FP8_STATIC, tmp_path / "forced", cal, stream.StreamOptions(loop=forced))
+    assert out.loop == forced and out.loop.activations == "disk"
+    assert "decided again" not in capsys.readouterr().err
+    elsewhere = replace(forced, facts=replace(seen.facts, host_available=(seen.facts.host_available or GB) * 4))
+    out = stream.quantize_model(source, FP8_STATIC, tmp_path / "elsewhere", cal, stream.StreamOptions(loop=elsewhere))
+    assert out.loop.activations == "memory" and "decided again" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", [FP8_STATIC, GPTQ])
+def test_quantized_json_records_the_decision_the_loop_obeyed(tiny_model: Path, tmp_path: Path, scheme) -> None:
+    import json
+
+    calibration = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0))
+    out = stream.quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q",
+                                stream.Calibration(calibration, batch_size=2))
+    assert json.loads((tmp_path / "q" / "quantized.json").read_text())["layer_loop"] == out.loop.as_dict()
