@@ -204,11 +204,17 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                                                if on_cpu else ""),
                 )
             status = "cpu"
-        elif rule.native_until and targets.arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
+        elif rule.native_until and targets.arch_rank(target.gpu_arch) > targets.arch_rank(rule.native_until):
+            span = targets.arch_span(rule.native_from or rule.native_until, rule.native_until)
+            there = [k for k, r in sorted(rt.rules.items()) if k.startswith("KV-") == key.startswith("KV-")
+                     and r.native_from and targets.arch_at_least(target.gpu_arch, r.native_from)
+                     and not (r.native_until and targets.arch_rank(target.gpu_arch) > targets.arch_rank(r.native_until))]
             raise IncompatibleTargetError(
-                f"target {label}: {target.runtime} runs {key} on {rule.native_until} only, gpu_arch is "
-                f"{target.gpu_arch}: {rule.refuse_reason}",
-                fix=f"set gpu_arch to {rule.native_until}, or choose another scheme for {target.gpu_arch}",
+                f"target {label}: {target.runtime} runs {key} on {span}, gpu_arch is {target.gpu_arch}: "
+                f"{rule.until_reason or rule.refuse_reason} ({rule.source})",
+                fix=f"set gpu_arch to {rule.native_until}" + (" or older" if span != f"{rule.native_until} only" else "")
+                + (f", or choose a scheme {target.runtime} runs on {target.gpu_arch} ({', '.join(there)})" if there
+                   else f", or choose another scheme for {target.gpu_arch}"),
             )
         elif rule.native_from and targets.arch_at_least(target.gpu_arch, rule.native_from):
             pass

@@ -94,6 +94,34 @@ def test_w4afp8_plans_for_vllm_on_hopper_only() -> None:
         assert "sm90" in e.value.message + e.value.fix
 
 
+INT8_W8A8 = {"weights": {"format": "int8", "strategy": "channel"},
+             "activations": {"format": "int8", "strategy": "token", "dynamic": True}}
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sglang", "tgi"])
+def test_int8_w8a8_is_refused_on_blackwell_where_the_runtime_has_no_int8_gemm(runtime: str) -> None:
+    """issue 50 item 6: vLLM's SM100/SM120 CUTLASS dispatch has no int8 GEMM (PR #25935 refuses it at load);
+    SGLang's sgl-kernel and TGI's vendored kernel stop at sm90 too. The plan used to accept it."""
+    assert make_plan(recipe(INT8_W8A8, {"runtime": runtime, "gpu_arch": "sm90"})).targets[0]["status"] == "native"
+    for arch in ("sm100", "sm120"):
+        with pytest.raises(IncompatibleTargetError) as e:
+            make_plan(recipe(INT8_W8A8, {"runtime": runtime, "gpu_arch": arch}))
+        assert e.value.exit_code == 3
+        assert f"{runtime} runs W8A8-INT8 on " in e.value.message and f"-sm90, gpu_arch is {arch}" in e.value.message
+        assert "W8A8-FP8" in e.value.fix and "set gpu_arch to sm90 or older" in e.value.fix
+
+
+def test_every_runtime_rule_cites_the_runtime_source_it_was_read_from() -> None:
+    from llmc.runtimes.catalog import runtimes
+
+    rules = [(rt.name, key, rule) for rt in runtimes() for key, rule in rt.rules.items()]
+    assert len(rules) > 40
+    missing = [(name, key) for name, key, rule in rules if len(rule.source.strip()) < 10]
+    assert not missing, f"rules without a source: {missing}"
+    for name, key, rule in rules:  # an upper bound says why newer GPUs lose the kernel
+        assert not rule.native_until or rule.until_reason or rule.refuse_reason, (name, key)
+
+
 def test_w4afp8_activation_kind_follows_the_runtime_kernel() -> None:
     """vLLM's kernel quantizes activations per token at run time; TensorRT-LLM's W4A8_AWQ uses one calibrated
     scale: each refuses the other's recipe, naming the activations it needs."""
