@@ -335,6 +335,16 @@ def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: di
             fix="select fused siblings (q/k/v, gate/up) together: by role, or names covering all of them")
 
 
+_SHOWN_LINEARS = 4  # Linears named in a width error before "and N more"
+
+
+def _undivided(quantized: dict[str, tuple[int, int]], size: int) -> str:
+    """The Linears whose input width `size` does not divide, named with their (out x in) shapes, the first few."""
+    odd = [f"{n} ({o}x{i})" for n, (o, i) in quantized.items() if i % size]
+    more = len(odd) - _SHOWN_LINEARS
+    return ", ".join(odd[:_SHOWN_LINEARS]) + (f" and {more} more" if more > 0 else "") + " (out x in)"
+
+
 def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: str) -> None:
     """Group sizes (weights; activations of block-wise FP8, MX and NVFP4) that divide every quantized input width."""
     w = scheme.weights
@@ -348,7 +358,7 @@ def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: 
                 fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
             raise IncompatibleTargetError(
                 f"{where}.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
-                f"of this model",
+                f"of this model: {_undivided(quantized, w.group_size)}",
                 fix=fix,
             )
     a = scheme.activations
@@ -357,7 +367,8 @@ def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: 
         if bad:
             raise IncompatibleTargetError(
                 f"{scheme.name} quantizes activations in groups of {a.group_size}, which do not divide input "
-                f"dimension(s) {bad} of this model", fix="choose a weight-only scheme or another model")
+                f"dimension(s) {bad} of this model: {_undivided(quantized, a.group_size)}",
+                fix="choose a weight-only scheme or another model")
 
 
 def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]]) -> list[str]:

@@ -188,6 +188,20 @@ def test_group_size_must_divide_the_models_inputs() -> None:
     assert "576" in e.value.message and "group_size 64" in e.value.fix
 
 
+def test_a_group_size_that_does_not_divide_names_the_linears_and_their_shapes() -> None:
+    """issue 50 item 10: the refusal said 'input dimension(s) [16]' without saying which Linear has that width."""
+    r = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}}, {"runtime": "vllm"})
+    config = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
+    shapes = {f"model.layers.{i}.{n}": shape for i in range(3)
+              for n, shape in (("self_attn.q_proj", (64, 64)), ("mlp.down_proj", (64, 256)), ("mlp.odd_proj", (8, 16)))}
+    with pytest.raises(IncompatibleTargetError) as e:
+        check_model(r, r.quantization.to_scheme(), config, shapes)
+    message = e.value.message
+    assert "does not divide input dimension(s) [16]" in message
+    assert "model.layers.0.mlp.odd_proj (8x16), model.layers.1.mlp.odd_proj (8x16)" in message
+    assert "down_proj" not in message and "q_proj" not in message and "(out x in)" in message
+
+
 @pytest.mark.parametrize("heads, kv, tp, ok", [
     (9, 3, 2, False),   # SmolLM2: 9 heads do not split in 2
     (32, 8, 4, True),
