@@ -251,10 +251,11 @@ def _arrow_column(schema, source, where: str) -> str:
             raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not a list of "
                              "{role, content} turns",
                              fix="point 'messages' at a column of chat turns, or use 'field' for plain text")
-    elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-              or pa.types.is_floating(t)):
+    elif not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+        # numbers, booleans, dates are not documents: calibrating on "17" is a wrong column, not text
         raise InputError(f"{shown(where)}: column {excerpt(column)} is {shorten(str(t), 80)}, not text",
-                         fix="point 'field' at a column of strings")
+                         fix="point 'field' at a column of strings (or cast the column to string when writing "
+                         "the file)")
     return column
 
 

@@ -35,8 +35,8 @@ from llmc import distributed
 from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference_rows, score_logits
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
-from llmc.engines.torch_stream import (targets_match, build_dense_model, build_streaming_model, choose_streamed,
-                                       dense_bytes, streamed_logits)
+from llmc.engines.torch_stream import (build_dense_model, build_streaming_model, check_config_patterns,
+                                       choose_streamed, dense_bytes, streamed_logits, targets_match)
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
@@ -137,6 +137,7 @@ class TorchEngine(EngineBase):
 
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")
+        check_config_patterns(self.folder, qcfg)
         try:
             if qcfg is None:
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from llmc.errors import EngineFailed
+from llmc.errors import EngineFailed, InputError
 from llmc.telemetry.progress import steps
 from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release)
@@ -31,6 +30,7 @@ from llmc.quant.moe import unfuse_experts
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
+from llmc.inputs.patterns import PatternRefused, check_patterns, regex_matches
 from llmc.quant.canonical import module_matches
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
@@ -151,9 +151,24 @@ class LayerDecoder:
 NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
+def check_config_patterns(folder: Path, qcfg: object) -> None:
+    """An artifact's quantization_config patterns (ignore, each group's targets), compiled before any weight loads:
+    InputError naming the key where the linear-time matcher refuses one."""
+    if not isinstance(qcfg, dict):
+        return
+    groups = qcfg.get("config_groups") if isinstance(qcfg.get("config_groups"), dict) else {}
+    keyed = [("ignore", qcfg.get("ignore"))] + [(f"config_groups.{k}.targets", g.get("targets"))
+                                               for k, g in groups.items() if isinstance(g, dict)]
+    for key, patterns in keyed:
+        try:
+            check_patterns([p for p in patterns or () if isinstance(p, str)] if isinstance(patterns, list) else [])
+        except PatternRefused as e:
+            raise InputError(f"{folder}/config.json quantization_config.{key}: {e.message}", fix=e.fix) from None
+
+
 def targets_match(name: str, targets: tuple[str, ...]) -> bool:
     """compressed-tensors targets: a class name (every quantized module llmc writes is a Linear) or 're:<regex>'."""
-    return any(re.match(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
+    return any(regex_matches(t[3:], name) if t.startswith("re:") else t == "Linear" for t in targets)
 
 
 class _Replay(nn.Module):
@@ -172,6 +187,7 @@ def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, 
     """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
     config = json.loads((Path(folder) / "config.json").read_text())
     qcfg = config.pop("quantization_config", None)
+    check_config_patterns(folder, qcfg)
     model = build_skeleton(config, dtype)
     unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use
     prefix, _ = decoder_layers(model)

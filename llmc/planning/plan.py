@@ -208,11 +208,17 @@ def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
                                                if on_cpu else ""),
                 )
             status = "cpu"
-        elif rule.native_until and targets.arch_at_least(target.gpu_arch, rule.native_until) and target.gpu_arch != rule.native_until:
+        elif rule.native_until and targets.arch_rank(target.gpu_arch) > targets.arch_rank(rule.native_until):
+            span = targets.arch_span(rule.native_from or rule.native_until, rule.native_until)
+            there = [k for k, r in sorted(rt.rules.items()) if k.startswith("KV-") == key.startswith("KV-")
+                     and r.native_from and targets.arch_at_least(target.gpu_arch, r.native_from)
+                     and not (r.native_until and targets.arch_rank(target.gpu_arch) > targets.arch_rank(r.native_until))]
             raise IncompatibleTargetError(
-                f"target {label}: {target.runtime} runs {key} on {rule.native_until} only, gpu_arch is "
-                f"{target.gpu_arch}: {rule.refuse_reason}",
-                fix=f"set gpu_arch to {rule.native_until}, or choose another scheme for {target.gpu_arch}",
+                f"target {label}: {target.runtime} runs {key} on {span}, gpu_arch is {target.gpu_arch}: "
+                f"{rule.until_reason or rule.refuse_reason} ({rule.source})",
+                fix=f"set gpu_arch to {rule.native_until}" + (" or older" if span != f"{rule.native_until} only" else "")
+                + (f", or choose a scheme {target.runtime} runs on {target.gpu_arch} ({', '.join(there)})" if there
+                   else f", or choose another scheme for {target.gpu_arch}"),
             )
         elif rule.native_from and targets.arch_at_least(target.gpu_arch, rule.native_from):
             pass
@@ -333,6 +339,16 @@ def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: di
             fix="select fused siblings (q/k/v, gate/up) together: by role, or names covering all of them")
 
 
+_SHOWN_LINEARS = 4  # Linears named in a width error before "and N more"
+
+
+def _undivided(quantized: dict[str, tuple[int, int]], size: int) -> str:
+    """The Linears whose input width `size` does not divide, named with their (out x in) shapes, the first few."""
+    odd = [f"{n} ({o}x{i})" for n, (o, i) in quantized.items() if i % size]
+    more = len(odd) - _SHOWN_LINEARS
+    return ", ".join(odd[:_SHOWN_LINEARS]) + (f" and {more} more" if more > 0 else "") + " (out x in)"
+
+
 def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: str) -> None:
     """Group sizes (weights; activations of block-wise FP8, MX and NVFP4) that divide every quantized input width."""
     w = scheme.weights
@@ -346,7 +362,7 @@ def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: 
                 fix = f"W4AFP8 needs group_size 128, which this model's widths rule out; use W4A16 ({fix}) or W8A8"
             raise IncompatibleTargetError(
                 f"{where}.weights.group_size {w.group_size} does not divide input dimension(s) {bad} "
-                f"of this model",
+                f"of this model: {_undivided(quantized, w.group_size)}",
                 fix=fix,
             )
     a = scheme.activations
@@ -355,7 +371,8 @@ def _check_widths(scheme: Scheme, quantized: dict[str, tuple[int, int]], where: 
         if bad:
             raise IncompatibleTargetError(
                 f"{scheme.name} quantizes activations in groups of {a.group_size}, which do not divide input "
-                f"dimension(s) {bad} of this model", fix="choose a weight-only scheme or another model")
+                f"dimension(s) {bad} of this model: {_undivided(quantized, a.group_size)}",
+                fix="choose a weight-only scheme or another model")
 
 
 def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]]) -> list[str]:

@@ -33,6 +33,8 @@ import torch
 from safetensors import safe_open
 
 from llmc.errors import InputError
+# the one matcher of module-name patterns (linear time), where the quantized form's readers have always found it
+from llmc.inputs.patterns import module_matches  # noqa: F401
 from llmc.quant.numerics import dequantize
 from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme, TensorSpec
 
@@ -131,16 +133,3 @@ class QuantizedModel:
             spec,
             tensors.get(f"{module}.weight_global_scale"),
         )
-
-
-def module_matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """compressed-tensors-style ignore patterns: exact name, trailing name, or 're:<regex>'."""
-    import re
-
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif name == p or name.endswith("." + p):
-            return True
-    return False

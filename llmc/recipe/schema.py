@@ -8,7 +8,6 @@ capabilities (the target registry, `llmc.runtimes`) live in `llmc.planning.plan`
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Annotated, Literal
 
@@ -309,23 +308,15 @@ class QuantizationSection(_Strict):
     @field_validator("ignore")
     @classmethod
     def _ignore_regexes(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
-        """Compile every 're:' pattern now: a bad one is the recipe's error, not a crash mid-build."""
-        from llmc.inputs.excerpt import excerpt, shorten
+        """Compile every 're:' pattern now, with the linear-time matcher the build uses (llmc.inputs.patterns): a
+        bad one, or one it cannot run (a backreference, a lookaround), is the recipe's error, not a crash or a
+        hang mid-build."""
+        from llmc.inputs.patterns import PatternRefused, check_patterns
 
-        for p in patterns:
-            if not p.startswith("re:"):
-                continue
-            if len(p) > 1003:
-                raise ValueError(f"ignore pattern {excerpt(p)} is longer than 1000 characters; fix: shorten it")
-            try:
-                re.compile(p[3:])
-            except (re.error, RecursionError, OverflowError, ValueError) as e:
-                where = f" at position {e.pos}" if getattr(e, "pos", None) is not None else ""
-                raise ValueError(
-                    f"ignore pattern {excerpt(p)} is not a valid regular expression "
-                    f"({shorten(getattr(e, 'msg', str(e)), 80)}{where}); fix: escape special characters with a "
-                    "backslash (e.g. 're:.*\\.mlp\\..*'), or give the module name without 're:'"
-                ) from None
+        try:
+            check_patterns(patterns)
+        except PatternRefused as e:
+            raise ValueError(f"{e.message}; fix: {e.fix}") from None
         return patterns
 
     @field_validator("algorithm", mode="before")

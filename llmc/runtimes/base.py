@@ -60,7 +60,11 @@ class Rule:
     cpu_note: str = ""
     since: str | None = None  # first runtime version with the support
     refuse_reason: str = ""  # why older archs are refused
-    native_until: str | None = None  # newest arch with the kernel, where newer ones lack it
+    native_until: str | None = None  # newest arch with the kernel, where a runtime drops it on newer ones
+    until_reason: str = ""  # why newer archs are refused (refuse_reason when empty)
+    # where the rule was read: a file, PR or issue in the runtime's own repository (or a measurement here); a test
+    # refuses a rule without one, so every arch bound can be checked against its runtime again
+    source: str = ""
 
 
 def scheme_keys(scheme: Scheme) -> list[str]:

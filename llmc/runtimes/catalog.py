@@ -23,6 +23,7 @@ from llmc.runtimes.base import (
     Runtime,
     WrittenTensors,
     arch_at_least,
+    arch_rank,
     arch_span,
     scheme_keys,
     target_key,
@@ -46,6 +47,6 @@ from llmc.runtimes.registry import (
 )
 
 __all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "Rule", "Runtime", "WrittenTensors", "accepting_runtimes",
-           "arch_at_least", "arch_span", "artifact_format", "check_family", "format_for", "formats",
+           "arch_at_least", "arch_rank", "arch_span", "artifact_format", "check_family", "format_for", "formats",
            "is_implemented", "recognize", "register_format", "register_runtime", "runtime", "runtime_names",
            "runtimes", "scheme_keys", "target_key", "triton_backend"]

@@ -75,6 +75,6 @@ class GptqCheckpoint(ArtifactFormat):
 register_runtime(Runtime(
     name="exllamav2",
     format=GptqCheckpoint.name,
-    rules={"W4A16-INT": Rule("sm70", since="0.0.11", refuse_reason="ExLlamaV2 runs on CUDA GPUs")},
+    rules={"W4A16-INT": Rule("sm70", since="0.0.11", refuse_reason="ExLlamaV2 runs on CUDA GPUs", source="turboderp/exllamav2: exllamav2/exllamav2_ext/cuda/q_gemm.cu")},
     known_versions=("0.0.11", "0.1.0", "0.2.0", "0.3.2"),
 ))

@@ -85,11 +85,15 @@ class Gguf(ArtifactFormat):
 
 # Integer block formats, any arch and the CPU. W8A8: weights as Q8_0; llama.cpp quantizes activations itself, so
 # the scheme's activation settings are not carried (llmc.formats.gguf).
+_GGML_CUDA = ("ggml-org/llama.cpp: ggml/src/ggml-cuda/mmq.cuh, mmvq.cu (dp4a integer kernels, any CUDA arch); CPU "
+              "measured here")
+
+
 def _gguf_rules(since: str) -> dict[str, Rule]:
     return {
-        "W8A8-INT8": Rule("sm70", cpu=True, since=since, cpu_note=_ACTIVATIONS_NOTE),
-        "W8A16-INT8": Rule("sm70", cpu=True, since=since),
-        "W4A16-INT": Rule("sm70", cpu=True, since=since),
+        "W8A8-INT8": Rule("sm70", cpu=True, since=since, cpu_note=_ACTIVATIONS_NOTE, source=_GGML_CUDA),
+        "W8A16-INT8": Rule("sm70", cpu=True, since=since, source=_GGML_CUDA),
+        "W4A16-INT": Rule("sm70", cpu=True, since=since, source=_GGML_CUDA),
     }
 
 
@@ -102,8 +106,8 @@ def _gguf_rules(since: str) -> dict[str, Rule]:
 # activations); NVFP4 GGUF only for the families whose graph applies `.scale` (GgufFamily.tensor_scales).
 _FP4_NOTE = "llama.cpp quantizes activations to Q8_0 itself (dynamic, blocks of 32)"
 _FP4_RULES = {
-    "W4A16-MXFP4": Rule("sm70", cpu=True, since="0.3.15", cpu_note=_FP4_NOTE),
-    "W4A16-NVFP4": Rule("sm70", cpu=True, cpu_note=_FP4_NOTE + "; NVFP4 for llama, mistral and qwen3 models only"),
+    "W4A16-MXFP4": Rule("sm70", cpu=True, since="0.3.15", cpu_note=_FP4_NOTE, source="ggml-org/llama.cpp: PR #15091 (GGML_TYPE_MXFP4); llama-cpp-python issue #2048"),
+    "W4A16-NVFP4": Rule("sm70", cpu=True, cpu_note=_FP4_NOTE + "; NVFP4 for llama, mistral and qwen3 models only", source="ggml-org/llama.cpp: PR #19769 (GGML_TYPE_NVFP4), PR #20427 (.scale)"),
 }
 
 register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rules("0.0.1"), **_FP4_RULES},

@@ -72,6 +72,6 @@ class AwqCheckpoint(ArtifactFormat):
 register_runtime(Runtime(
     name="lmdeploy",
     format=AwqCheckpoint.name,
-    rules={"W4A16-INT": Rule("sm75", since="0.2.0", refuse_reason="TurboMind's W4A16 kernels need sm75+")},
+    rules={"W4A16-INT": Rule("sm75", since="0.2.0", refuse_reason="TurboMind's W4A16 kernels need sm75+", source="InternLM/lmdeploy: docs/en/quantization/w4a16.md (supported GPUs)")},
     known_versions=("0.1.0", "0.2.0", "0.6.0", "0.10.0", "0.18.0"),
 ))

@@ -168,24 +168,26 @@ class TensorRtLlm(Runtime):
                 MatrixRow(f"{self.name} (pinned <{UNIFIED_SINCE})", LegacyCheckpoint.name, older)]
 
 
+_TRTLLM_MATRIX = "NVIDIA/TensorRT-LLM: docs/source/reference/support-matrix.md (quantization by GPU arch)"
+
 register_runtime(TensorRtLlm(
     name="tensorrt-llm",
     format=ModelOptCheckpoint.name,
     rules={
         "W8A8-FP8": Rule("sm89", since="0.9.0",
                          refuse_reason="TensorRT-LLM has no FP8 GEMM before Ada (sm89); on A100 "
-                         "use W8A8-INT8 (SmoothQuant) or W4A16 (AWQ)"),
-        "W8A8-INT8": Rule("sm80", since="0.7.0", refuse_reason="SmoothQuant INT8 kernels need sm80+"),
-        "W8A16-INT8": Rule("sm80", since="0.7.0", refuse_reason="weight-only kernels need sm80+"),
-        "W4A16-INT": Rule("sm80", since="0.7.0", refuse_reason="INT4 AWQ kernels need sm80+"),
-        "W4AFP8": Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 tensor cores (sm89+)"),
-        "W4A4-NVFP4": Rule("sm100", since="0.17.0", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+                         "use W8A8-INT8 (SmoothQuant) or W4A16 (AWQ)", source=_TRTLLM_MATRIX),
+        "W8A8-INT8": Rule("sm80", since="0.7.0", refuse_reason="SmoothQuant INT8 kernels need sm80+", source=_TRTLLM_MATRIX),
+        "W8A16-INT8": Rule("sm80", since="0.7.0", refuse_reason="weight-only kernels need sm80+", source=_TRTLLM_MATRIX),
+        "W4A16-INT": Rule("sm80", since="0.7.0", refuse_reason="INT4 AWQ kernels need sm80+", source=_TRTLLM_MATRIX),
+        "W4AFP8": Rule("sm89", since="0.10.0", refuse_reason="W4A8 AWQ needs FP8 tensor cores (sm89+)", source=_TRTLLM_MATRIX),
+        "W4A4-NVFP4": Rule("sm100", since="0.17.0", refuse_reason="NVFP4 needs Blackwell (sm100+)", source=_TRTLLM_MATRIX),
         # ModelOpt's fp8_pb_wo read as FP8_BLOCK_SCALES (its 4-D weight_scale squeezed) from release 1.0 on
         "W8A8-FP8-BLOCK": Rule("sm90", since="1.0.0",
                                refuse_reason="TensorRT-LLM's block-scaled FP8 GEMM (FP8_BLOCK_SCALES) needs Hopper "
-                               "(sm90+); on Ada use W8A8-FP8"),
-        "KV-FP8": Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+"),
-        "KV-INT8": Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+"),
+                               "(sm90+); on Ada use W8A8-FP8", source=_TRTLLM_MATRIX),
+        "KV-FP8": Rule("sm89", since="0.9.0", refuse_reason="FP8 KV cache needs sm89+", source=_TRTLLM_MATRIX),
+        "KV-INT8": Rule("sm80", since="0.7.0", refuse_reason="INT8 KV cache needs sm80+", source=_TRTLLM_MATRIX),
     },
     known_versions=("0.7.0", "0.9.0", "0.10.0", "0.12.0", "0.17.0", "0.20.0", "1.0.0"),
 ))

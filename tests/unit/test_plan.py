@@ -94,6 +94,34 @@ def test_w4afp8_plans_for_vllm_on_hopper_only() -> None:
         assert "sm90" in e.value.message + e.value.fix
 
 
+INT8_W8A8 = {"weights": {"format": "int8", "strategy": "channel"},
+             "activations": {"format": "int8", "strategy": "token", "dynamic": True}}
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sglang", "tgi"])
+def test_int8_w8a8_is_refused_on_blackwell_where_the_runtime_has_no_int8_gemm(runtime: str) -> None:
+    """issue 50 item 6: vLLM's SM100/SM120 CUTLASS dispatch has no int8 GEMM (PR #25935 refuses it at load);
+    SGLang's sgl-kernel and TGI's vendored kernel stop at sm90 too. The plan used to accept it."""
+    assert make_plan(recipe(INT8_W8A8, {"runtime": runtime, "gpu_arch": "sm90"})).targets[0]["status"] == "native"
+    for arch in ("sm100", "sm120"):
+        with pytest.raises(IncompatibleTargetError) as e:
+            make_plan(recipe(INT8_W8A8, {"runtime": runtime, "gpu_arch": arch}))
+        assert e.value.exit_code == 3
+        assert f"{runtime} runs W8A8-INT8 on " in e.value.message and f"-sm90, gpu_arch is {arch}" in e.value.message
+        assert "W8A8-FP8" in e.value.fix and "set gpu_arch to sm90 or older" in e.value.fix
+
+
+def test_every_runtime_rule_cites_the_runtime_source_it_was_read_from() -> None:
+    from llmc.runtimes.catalog import runtimes
+
+    rules = [(rt.name, key, rule) for rt in runtimes() for key, rule in rt.rules.items()]
+    assert len(rules) > 40
+    missing = [(name, key) for name, key, rule in rules if len(rule.source.strip()) < 10]
+    assert not missing, f"rules without a source: {missing}"
+    for name, key, rule in rules:  # an upper bound says why newer GPUs lose the kernel
+        assert not rule.native_until or rule.until_reason or rule.refuse_reason, (name, key)
+
+
 def test_w4afp8_activation_kind_follows_the_runtime_kernel() -> None:
     """vLLM's kernel quantizes activations per token at run time; TensorRT-LLM's W4A8_AWQ uses one calibrated
     scale: each refuses the other's recipe, naming the activations it needs."""
@@ -158,6 +186,20 @@ def test_group_size_must_divide_the_models_inputs() -> None:
     with pytest.raises(IncompatibleTargetError) as e:
         check_model(r, r.quantization.to_scheme(), SMOLLM2, SMOLLM2_LINEARS)
     assert "576" in e.value.message and "group_size 64" in e.value.fix
+
+
+def test_a_group_size_that_does_not_divide_names_the_linears_and_their_shapes() -> None:
+    """issue 50 item 10: the refusal said 'input dimension(s) [16]' without saying which Linear has that width."""
+    r = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}}, {"runtime": "vllm"})
+    config = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256}
+    shapes = {f"model.layers.{i}.{n}": shape for i in range(3)
+              for n, shape in (("self_attn.q_proj", (64, 64)), ("mlp.down_proj", (64, 256)), ("mlp.odd_proj", (8, 16)))}
+    with pytest.raises(IncompatibleTargetError) as e:
+        check_model(r, r.quantization.to_scheme(), config, shapes)
+    message = e.value.message
+    assert "does not divide input dimension(s) [16]" in message
+    assert "model.layers.0.mlp.odd_proj (8x16), model.layers.1.mlp.odd_proj (8x16)" in message
+    assert "down_proj" not in message and "q_proj" not in message and "(out x in)" in message
 
 
 @pytest.mark.parametrize("heads, kv, tp, ok", [
