@@ -141,6 +141,9 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
     layers_prefix, layers = decoder_layers(model)
     n_layers = len(layers)
+    # the stream quantizes Linears of the decoder layers only: every other one (an output head, Gemma-4's
+    # per_layer_model_projection) stays in its dtype, and quantized.json says so for the exporters' configs
+    every_linear = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
     (out / "layers").mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
     progress_file = state_dir / "progress.json"
@@ -276,6 +279,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         entries = {"moe": moe.canonical_entry(model, moe_blocks, moe_report)} if moe_blocks else {}
         if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
             entries["unquantized_modules"] = sorted(n for n, g in group_of.items() if g is None)
+        entries["unquantized_linears"] = sorted(set(every_linear) - set(modules))
         _write_rest(out, source, reader, scheme, config, dtype, layers_prefix, n_layers, modules, kv_names,
                     {**entries, **(options.extra_meta or {})})
         if shared is not None and not reuse:
