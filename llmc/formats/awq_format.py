@@ -118,7 +118,9 @@ def export_awq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> d
     group_size = check_scheme(qm.scheme)
     written, worst = write_repacked_checkpoint(
         qm, out, repack=to_awq, decode=lambda t: dequantize_awq(t, group_size), output_dims=OUTPUT_DIMS,
-        quantization_config=awq_quantization_config(qm.scheme, group_size, list(qm.scheme.ignore)),
+        # substrings, as vLLM and transformers match them: the scheme's ignore and every Linear left unquantized
+        quantization_config=awq_quantization_config(qm.scheme, group_size, list(qm.scheme.ignore) + [
+            n for n in qm.unquantized_linears if not any(s in n for s in qm.scheme.ignore)]),
         dtype="float16",  # AWQ kernels compute in half precision
         serve=serve)
     return {"files": [p.name for p in written], "group_size": group_size,

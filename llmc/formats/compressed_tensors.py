@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from llmc.formats.described import matches_exact_or_re
 from llmc.formats.files import SERVE_FILE, copy_tokenizer_files, write_shards
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, compressed_tensors_scheme
 from llmc.errors import IncompatibleTargetError
@@ -239,7 +240,12 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
     config = dict(qm.config)
     # MoE: experts are written per expert under the family's Hub names (the canonical names: llmc.quant.moe), the
     # layout vLLM's fused-MoE loaders read; the routers stay in high precision and are ignored.
-    unquantized = tuple((qm.meta.get("moe") or {}).get("ignore", ())) + tuple(qm.meta.get("unquantized_modules", ()))
+    # and every Linear left in the model's dtype that `ignore` does not already name (vLLM matches exact names and
+    # "re:" patterns only, not llmc's trailing names): a Linear outside the decoder layers too (Gemma-4's
+    # per_layer_model_projection), which vLLM then loads unquantized
+    unquantized = tuple(dict.fromkeys(
+        tuple((qm.meta.get("moe") or {}).get("ignore", ())) + tuple(qm.meta.get("unquantized_modules", ()))
+        + tuple(n for n in qm.unquantized_linears if not matches_exact_or_re(n, qm.scheme.ignore))))
     config["quantization_config"] = quantization_config(qm.scheme, unquantized,
                                                         qm.modules_by_group() if qm.scheme.mixed else None)
     config["dtype"] = qm.meta.get("dtype", "float32")

@@ -22,6 +22,7 @@ weight-only integer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,8 +113,11 @@ def dequantize_gptq(t: GPTQTensors, bits: int) -> torch.Tensor:
     return (t.scales.float()[g] * (q - zeros).float()).t()  # a view: the caller compares it
 
 
-def gptq_quantization_config(scheme: Scheme, bits: int) -> dict:
+def gptq_quantization_config(scheme: Scheme, bits: int, unquantized: list[str] = ()) -> dict:
+    """`unquantized`: Linears left in the model's dtype, skipped through `dynamic`'s "-:" patterns (vLLM and
+    GPTQModel quantize every other Linear but lm_head)."""
     w = scheme.weights
+    skipped = {f"-:{re.escape(n)}$": {} for n in unquantized if n != "lm_head"}
     return {
         "quant_method": "gptq",
         "checkpoint_format": "gptq",
@@ -126,6 +130,7 @@ def gptq_quantization_config(scheme: Scheme, bits: int) -> dict:
         "static_groups": False,
         "pack_dtype": "int32",
         "meta": {"quantizer": ["llmc"], "algorithm": scheme.algorithm},
+        **({"dynamic": skipped} if skipped else {}),
     }
 
 
@@ -148,6 +153,6 @@ def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> 
 
     written, worst = write_repacked_checkpoint(
         qm, out, repack=repack, decode=lambda t: dequantize_gptq(GPTQTensors(**t), bits), output_dims=OUTPUT_DIMS,
-        quantization_config=gptq_quantization_config(qm.scheme, bits), dtype=qm.meta.get("dtype", "float32"),
+        quantization_config=gptq_quantization_config(qm.scheme, bits, qm.unquantized_linears), dtype=qm.meta.get("dtype", "float32"),
         serve=serve)
     return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}

@@ -278,12 +278,13 @@ def _nvfp4_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, tor
 
 
 def excluded_modules(qm: QuantizedModel) -> list[str]:
-    """What ModelOpt lists as not quantized: the scheme's ignore list and the token embedding."""
+    """What ModelOpt lists as not quantized: the scheme's ignore list, the token embedding and every Linear left in
+    the model's dtype (outside the decoder layers too)."""
     from safetensors import safe_open
 
     with safe_open(str(qm.root / "rest.safetensors"), "pt") as f:
         embeddings = [k.removesuffix(".weight") for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
-    return sorted(set(qm.scheme.ignore) | set(embeddings))
+    return sorted(set(qm.scheme.ignore) | set(embeddings) | set(qm.unquantized_linears))
 
 
 def hf_quant_config(scheme: Scheme, algo: str, excluded: list[str], layers: dict[str, dict] | None = None) -> dict:

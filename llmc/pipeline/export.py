@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmc.runtimes import catalog as targets
+from llmc.formats.described import check_export
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
@@ -95,6 +96,7 @@ class Export:
 
         def produce(out: Path) -> None:
             fmt.write(request, out)
+            check_export(out, qm.config)  # before the runner records it: a config that misdescribes is a bug
             if target.triton:
                 from llmc.formats.triton_repo import model_name, write_triton_repo
 

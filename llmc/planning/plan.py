@@ -323,6 +323,19 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
     return warnings
 
 
+def outer_linears_note(scheme: Scheme, tensors: plan_shapes.ModelTensors) -> list[str]:
+    """The plan line for Linears outside the decoder layers that the scheme does not ignore (Gemma-4's
+    per_layer_model_projection, an untied lm_head left out of `ignore`): the stream quantizes the decoder layers'
+    Linears only, so these stay in the model's dtype and every export lists them as unquantized."""
+    outer = sorted(n for n in tensors.linear_shapes()
+                   if f"{n}.weight" not in tensors.layer_of and not module_matches(n, scheme.ignore))
+    if not outer:
+        return []
+    return [f"{', '.join(outer)}: Linear{'s' if len(outer) > 1 else ''} outside the decoder layers, kept in the "
+            f"model's dtype (llmc quantizes the decoder layers' Linears only); every export lists "
+            f"{'them' if len(outer) > 1 else 'it'} as unquantized (ignore / exclude_modules / modules_to_not_convert)"]
+
+
 def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> None:
     """IncompatibleTargetError when a mixed scheme splits Linears a target's runtime fuses into one GEMM."""
     fusing = [t.label for t in recipe.targets if targets.format_for(t).fuses_projections]
@@ -444,6 +457,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             targets.check_family(t, config)
         for scheme in schemes.values():
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
+            plan.warnings += outer_linears_note(scheme, tensors)
             _check_fused(recipe, scheme, config, tensors.linear_shapes())
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()

@@ -16,7 +16,8 @@ Tensor names are the model's own. For each quantized Linear `m`:
     m.input_scale         float32 [1] (static activation quantization only); NVFP4 activations:
     m.input_global_scale  float32 [1], the calibrated divisor (llmc.quant.numerics.input_scale_name)
 For each attention module `a` with a quantized KV cache: a.k_scale, a.v_scale (float32 [1]).
-Every other tensor is stored unchanged in the model's dtype.
+Every other tensor is stored unchanged in the model's dtype; quantized.json's `unquantized_linears` names every
+Linear stored so (ignored, outside the decoder layers, or in an `ignore: true` group), for the exporters' configs.
 
 A mixed-precision scheme (`Scheme.groups`) records its groups in quantized.json's scheme, and each quantized module's
 entry names its group (`modules[m]["group"]`): `scheme_of(m)` is the plain scheme its tensors above follow.
@@ -93,6 +94,13 @@ class QuantizedModel:
     @property
     def kv_cache_modules(self) -> list[str]:
         return self.meta.get("kv_cache_modules", [])
+
+    @property
+    def unquantized_linears(self) -> list[str]:
+        """Every Linear the form keeps in the model's dtype: those the scheme ignores, those outside the decoder
+        layers (which the stream never quantizes: an output head, Gemma-4's per_layer_model_projection) and those
+        of `ignore: true` groups. Exporters list them as unquantized in their configs."""
+        return self.meta.get("unquantized_linears", [])
 
     def files(self) -> list[Path]:
         return [self.root / f for f in self.meta["files"]]

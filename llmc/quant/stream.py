@@ -178,6 +178,9 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         entries = {"moe": moe.canonical_entry(m.model, m.moe_blocks, moe_report)} if m.moe_blocks else {}
         if scheme.mixed:  # the Linears an `ignore: true` group leaves unquantized: exporters name them (ignore lists)
             entries["unquantized_modules"] = sorted(n for n, g in m.group_of.items() if g is None)
+        # the stream quantizes Linears of the decoder layers only: every other one (an output head, Gemma-4's
+        # per_layer_model_projection) stays in its dtype, and quantized.json says so for the exporters' configs
+        entries["unquantized_linears"] = sorted(set(m.every_linear) - set(m.modules))
         _write_rest(out, source, m.reader, scheme, m.config, dtype, m.layers_prefix, m.n_layers, m.modules,
                     m.kv_names, {**entries, "layer_loop": loop.as_dict(), **(options.extra_meta or {})})
         if shared is not None and loop.shared == "record":
@@ -244,6 +247,7 @@ class _Model:
     all_linears: set[str]
     all_kv: set[str]
     group_of: dict[str, str | None]  # Linear -> its group ("" unmixed; None: left unquantized)
+    every_linear: list[str]  # every Linear of the model, inside the decoder layers or not
     modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
     pipelines: dict[str, Pipeline] = field(default_factory=dict)  # each group's (one "" unmixed)
     kv_names: list[str] = field(default_factory=list)
@@ -283,7 +287,8 @@ def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Mod
     group_of = (resolve_groups(scheme, sorted(all_linears), len(layers), config.get("model_type")) if scheme.mixed
                 else dict.fromkeys(all_linears, ""))
     return _Model(reader, config, model, moe_blocks, layers_prefix, layers,
-                  {n for n in all_linears if group_of[n] is not None}, all_kv, group_of)
+                  {n for n in all_linears if group_of[n] is not None}, all_kv, group_of,
+                  sorted(n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)))
 
 
 class _LoopState:

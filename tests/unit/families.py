@@ -52,6 +52,14 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                 "moe_intermediate_size": 128, "norm_topk_prob": True}),
 }
 
+# dense families with a Linear outside the decoder layers (tests/unit/test_export_described.py): Gemma-4's
+# per-layer embeddings project the token embeddings through model.per_layer_model_projection (hidden -> layers x 8)
+OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
+    "gemma4": ("gemma4_text", {"num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "sliding_window": 6,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "hidden_size_per_layer_input": 8}),
+}
+
 for _f in ("qwen2", "qwen3", "granite"):
     EXPECTED_PAIRS[_f] = EXPECTED_PAIRS["mistral"]
 EXPECTED_PAIRS["gemma2"] = EXPECTED_PAIRS["gemma3"] = EXPECTED_PAIRS.pop("gemma")
@@ -62,9 +70,11 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = {**FAMILIES, **MOE_FAMILIES}[family]
+    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **OUTER_LINEAR_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
+    if family in OUTER_LINEAR_FAMILIES:
+        overrides = {**overrides, "vocab_size_per_layer_input": len(tok)}
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides, **config})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
