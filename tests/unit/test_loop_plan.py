@@ -18,7 +18,7 @@ from llmc.quant.spec import Scheme, TensorSpec
 GB = 10**9
 FP8_STATIC = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"))
 GPTQ = Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq")
-SQ = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
+SQ_STATIC = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor"), algorithm="smoothquant")
 WEIGHT_ONLY = Scheme(TensorSpec("int4", "group", group_size=32))
 # 64 windows x 512 tokens x 4096 wide x 2 bytes: 0.27 GB a copy of the activations
 FACTS = LoopFacts(calibrates=True, windows=64, seq_len=512, masked=False, batch_size=4, spill_mode="auto",
@@ -57,8 +57,9 @@ def test_statistics_are_recorded_for_later_schemes_and_reused_when_they_cover_th
     assert (first.shared, first.flow) == ("record", "sequential")
     later = decide(FP8_STATIC, shared_covered=True)
     assert (later.shared, later.flow, later.activations) == ("reuse", "shared-statistics", "none")
-    # SmoothQuant observes again after its transform: it records but cannot skip its own forward
-    assert decide(SQ, shared_covered=True).shared == "record"
+    # SmoothQuant with static activation scales observes again after its transform: it records but cannot skip its
+    # own forward
+    assert decide(SQ_STATIC, shared_covered=True).shared == "record"
     assert decide(FP8_STATIC, moe=True, shared_covered=True).shared == "none"  # routed tokens are not recorded
     assert decide(GPTQ, shared_covered=True).shared == "none"  # Hessians depend on the scheme
 
