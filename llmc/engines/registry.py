@@ -118,10 +118,14 @@ class EngineSpec:
         reported with its reason and is not gated."""
         return _cpu_build_refusal(self.name, scheme) if self.cpu_build else None
 
-    def open(self, folder: Path, *, dtype: str = "float32", device: str | None = None) -> Engine:
-        """The engine on `folder`; `device` only for an engine that `places_on_device` (others run where they do)."""
+    def open(self, folder: Path, *, dtype: str = "float32", device: str | None = None,
+             streamed: bool | None = None) -> Engine:
+        """The engine on `folder`; `device` only for an engine that `places_on_device` (others run where they do);
+        `streamed` (the plan's decision: one decoder layer at a time) only for the torch reference, which takes it."""
         module, cls = self.loader.split(":")
         placed = {"device": device} if device is not None and self.places_on_device else {}
+        if streamed is not None and self.name == REFERENCE_ENGINE:
+            placed["streamed"] = streamed
         return getattr(importlib.import_module(module), cls)(Path(folder), dtype=dtype, **placed)
 
 
@@ -182,7 +186,9 @@ def engine_spec(name: str) -> EngineSpec:
     return ENGINES[name]
 
 
-def open_engine(name: str, folder: Path, *, dtype: str = "float32", device: str | None = None) -> Engine:
+def open_engine(name: str, folder: Path, *, dtype: str = "float32", device: str | None = None,
+                streamed: bool | None = None) -> Engine:
     """Load the model in `folder` into engine `name` (EngineUnavailable / EngineFailed when it cannot), on `device`
-    where the engine places itself on one."""
-    return engine_spec(name).open(folder, dtype=dtype, device=device)
+    where the engine places itself on one; the torch reference streamed or whole as the plan decided (None: it
+    decides, as the plan does)."""
+    return engine_spec(name).open(folder, dtype=dtype, device=device, streamed=streamed)

@@ -91,14 +91,16 @@ class TorchEngine(EngineBase):
         self.device = torch.device(device)
         # Under torchrun every rank loads the model (llmc.engines.split); a failure on one is raised on all of them
         # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow.
+        # the plan's decision where it gives one (a build), else decided as the plan decides (`llmc eval`, tasks);
+        # every rank runs the same collectives either way
+        decided, failure = bool(streamed), None
         if streamed is None:
-            streamed, failure = False, None
             try:
-                streamed = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
+                decided = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
             except Exception as e:  # noqa: BLE001 - raised on every rank just below
                 failure = e
-            distributed.agree(failure)
-            streamed = distributed.any_rank(streamed)
+        distributed.agree(failure)
+        streamed = distributed.any_rank(decided)
         self.streamed = streamed
         failure = None
         try:

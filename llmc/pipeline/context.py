@@ -54,7 +54,6 @@ class Costing:
     linears: dict[str, tuple[int, int]]
     compute: str  # the compute dtype's name
     stored_elem: int  # bytes per element of the source's stored weights
-    streamed_eval: bool = False  # whether the torch engine evaluates one decoder layer at a time
     side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
     rows: list[CostRow] = field(default_factory=list)
     cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec, open_engine, split
+from llmc.engines.torch_stream import choose_streamed
 from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
@@ -98,11 +100,21 @@ class Evaluate:
         for corpus, tokens in b.evaluation.items():  # one corpus (None), or each of eval.corpus's, in recipe order
             _evaluate(b, tokens.input_ids, corpus)
 
+    def decide(self, c: Costing) -> TorchEvaluation:
+        """Whether the torch reference scores one decoder layer at a time: the dense model against the memory of the
+        machine `c` plans for (`choose_streamed`; LLMC_TORCH_EVAL forces either). The build's torch scorings obey
+        it (`_score`)."""
+        dense = c.shape.params * BYTES[c.compute]
+        streamed = choose_streamed(dense, c.machine.available)
+        return TorchEvaluation(streamed, f"the dense model takes {dense / 1e9:.1f} GB against "
+                                         f"{(c.machine.available or 0) / 1e9:.1f} GB available")
+
     def cost(self, c: Costing) -> None:
         ev, shape = c.recipe.eval, c.shape
         if "torch" not in ev.runtimes:
             return
-        streamed = c.streamed_eval
+        decision = self.decide(c)
+        streamed = decision.streamed
         throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
         kwargs = dict(compute=c.compute, windows=ev.windows, seq_len=ev.seq_len, batch=ev.batch_size,
                       top_k=ev.kl_top_k, throughput_tokens=throughput, machine=c.machine, stored_elem=c.stored_elem,
@@ -120,6 +132,7 @@ class Evaluate:
                             artifact_code_bytes=code_bytes, quantized_params=quantized_params, emulated=emulated,
                             **kwargs)
             row.named(StageId(Kind.EVAL, ("torch", label)))
+            row.decision = decision
             # per token: top-k log-probs and ids, NLL; the baseline also keeps its head's inputs and the head itself
             row.disk_bytes = ev.windows * ev.seq_len * (ev.kl_top_k * 8 + 16 + (0 if reference else shape.hidden * 4))
             row.disk_bytes += 0 if reference else shape.vocab * shape.hidden * c.elem
@@ -143,6 +156,17 @@ class Evaluate:
                 if lean < 0.95 * (row.host_bytes + row.mapped_bytes):
                     c.cheaper[row.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
                                            lean / 1e9)
+
+
+@dataclass(frozen=True)
+class TorchEvaluation:
+    """The evaluate stage's decision for the torch reference engine (`Evaluate.decide`)."""
+
+    streamed: bool  # one decoder layer resident at a time, rather than the whole dense model
+    why: str
+
+    def as_dict(self) -> dict:
+        return {"streamed": self.streamed}
 
 
 def emulated_elements(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict
@@ -337,6 +361,9 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
     batch_sizes = engine_spec(engine).batch_sizes(tuple(ev.throughput_batch_sizes))
     device = eval_device(ev.device, engine)
     key, cfg = score_key(b, engine, content_key, windows, reference.key if reference else None, corpus, config=True)
+    # the plan's decision for the torch reference (None elsewhere: the engine runs as it runs)
+    planned = b.result.plan.decision_of(StageId(Kind.EVAL, ("torch", "baseline"))) if engine == "torch" else None
+    streamed = planned.streamed if planned is not None else None
     # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
     measured = None
     if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights
@@ -354,7 +381,7 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
         t = time.monotonic()
         with split.scoring_ranks(engine, folder, dtype=dtype, windows=windows, top_k=ev.kl_top_k,
                                  batch_size=ev.batch_size, reference_dir=reference_dir), \
-                open_engine(engine, folder, dtype=dtype, device=device) as eng:
+                open_engine(engine, folder, dtype=dtype, device=device, streamed=streamed) as eng:
             load_s = time.monotonic() - t
             t = time.monotonic()
             scores, tput = eng.measure(windows, prompt, decode_tokens=ev.decode_tokens,

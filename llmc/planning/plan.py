@@ -19,7 +19,6 @@ from packaging.version import Version
 
 from llmc.planning import shapes as plan_shapes
 from llmc.runtimes import catalog as targets
-from llmc.engines.torch_stream import choose_streamed
 from llmc.errors import IncompatibleTargetError, RecipeError, ResourceError
 from llmc.eval import gates
 from llmc.model.checkpoint import INDEX_FILE, read_model_config
@@ -286,6 +285,7 @@ def check_model(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dic
         )
     for _, member, quantized in members:
         warnings += _hessian_rank_warning(recipe, member, quantized)
+        warnings += _expert_hessian_warning(recipe, member, quantized, config)
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size")
@@ -404,6 +404,28 @@ def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, t
             f"fewer than its {widest} inputs: the Hessian is rank-deficient and the solve rests on its dampening. "
             f"Fix: calibrate on at least {widest:,} tokens, e.g. calibration.samples: "
             f"{-(-widest // c.seq_len)} at seq_len {c.seq_len}"]
+
+
+def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]],
+                            config: dict) -> list[str]:
+    """A Mixture-of-Experts expert sees only the tokens routed to it: top-k of the experts' share of the calibration
+    tokens on average. Fewer than its inputs leave its Hessian rank-deficient, and GPTQ's solve is then ill-posed: on
+    a tiny Qwen3-MoE, activations 2.4e-7 apart moved up to 4 code steps on 17% of an expert's weights
+    (tests/unit/test_device_mix.py). Calibrating every expert on every token gives each one all of them."""
+    experts = {n: s for n, s in quantized.items() if ".experts." in n}
+    if not experts or recipe.calibration.moe_calibrate_all_experts or not Pipeline.of(scheme).observes_hessians:
+        return []
+    c = recipe.calibration
+    routed = c.samples * c.seq_len * plan_shapes.active_fraction(config)
+    name, (_, widest) = max(experts.items(), key=lambda item: item[1][1])
+    if routed >= widest:
+        return []
+    return [f"{scheme.algorithm} solves each expert's Linears with the Hessian of the tokens routed to it: "
+            f"~{routed:,.0f} on average here (calibration.samples {c.samples} x seq_len {c.seq_len} x the routed "
+            f"share {plan_shapes.active_fraction(config):.3g}), fewer than the {widest} inputs of {name}, so the "
+            f"experts' Hessians are rank-deficient and their codes rest on the dampening. Fix: set "
+            f"calibration.moe_calibrate_all_experts: true (every expert observes every token), or calibrate on "
+            f"more tokens"]
 
 
 def _check_scheme(scheme: Scheme, where: str) -> None:
@@ -687,7 +709,6 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
     host_paced = memory_from_host()
     free = memory_free() if host_paced else None
     c = recipe.calibration
-    streamed = choose_streamed(shape.params * BYTES[compute], available)  # the torch engine's evaluation
 
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     side_files = _side_file_bytes(model_folder)
@@ -696,7 +717,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         machine = Machine(available, gpu_free, str(device), os.cpu_count())
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
-                          streamed_eval=streamed, config=config, side_files=side_files)
+                          config=config, side_files=side_files)
         for stage in stages(recipe, schemes):
             stage.cost(costing)
         for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
@@ -745,7 +766,7 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
         "cpu_count": os.cpu_count(),
         "spill_activations": any(r.decision.activations == "disk" for r in quant if r.decision is not None),
-        "streamed_eval": streamed,
+        "streamed_eval": any(getattr(r.decision, "streamed", False) for r in rows),
         "device": str(device),
         "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,
         **({"export_memory_gb": 3 * shape.params * 4 / 1e9}

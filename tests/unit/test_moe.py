@@ -358,3 +358,28 @@ def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family,
     make_plan(static, folder)  # one process: planned
     weight_only = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}})
     assert make_plan(weight_only, folder, nproc=2).distributed["nproc"] == 2
+
+
+def test_gptq_on_experts_routed_fewer_tokens_than_their_inputs_is_named_by_the_plan(family) -> None:
+    """GPTQ solves each expert with the Hessian of its routed tokens: fewer than the expert's inputs (on average) and
+    the solve is ill-posed (the AVX2 device-test failure of issue 50 item 1). The plan says so and names the fix;
+    calibrating every expert on every token, or enough tokens, silences it."""
+    import yaml
+
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.load import parse_recipe
+
+    _name, folder = family
+
+    def warnings(samples: int, **calibration) -> list[str]:
+        recipe = parse_recipe(yaml.safe_dump({
+            "name": "t", "model": {"source": str(folder)}, "targets": [{"runtime": "vllm"}],
+            "quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32},
+                             "algorithm": "gptq"},
+            "calibration": {"samples": samples, "seq_len": 16, **calibration}}))
+        return [w for w in make_plan(recipe, folder).warnings if "routed to it" in w]
+
+    few = warnings(4)
+    assert len(few) == 1 and "moe_calibrate_all_experts: true" in few[0] and ".experts." in few[0]
+    assert warnings(4, moe_calibrate_all_experts=True) == []
+    assert warnings(256) == []
