@@ -19,6 +19,8 @@ from llmc.calibration.corpora import brown_documents
 from llmc.data.registry import Row, loader
 from llmc.data.sources import label
 from llmc.errors import InputError
+from llmc.inputs.caps import (ARROW_BATCH_ROWS, MAX_JSON_FILE_BYTES, MAX_ROW_BYTES, MAX_UNDECODABLE_SHARE,
+                              UNDECODABLE_SAMPLE_CHARS)
 from llmc.inputs.excerpt import excerpt, shorten
 from llmc.inputs.files import read_input_text, shown
 
@@ -30,9 +32,8 @@ def brown(source, role) -> list[Row]:
 
 # A row of a jsonl/csv file is read whole before it is parsed: longer ones are refused (split the document, or use
 # a text source, which reads only what the recipe needs). A .json file is parsed whole: larger ones are refused.
-MAX_ROW_BYTES = 16 << 20
-MAX_JSON_FILE_BYTES = 64 << 20
-BATCH_ROWS = 256  # parquet / saved-dataset rows converted to Python at a time
+# A parquet / saved-dataset cell is measured from Arrow's offsets before it becomes a Python string.
+BATCH_ROWS = ARROW_BATCH_ROWS
 
 
 def _files(pattern: str, suffixes: tuple[str, ...]) -> list[Path]:
@@ -58,12 +59,26 @@ def text(source, *, max_chars: int | None = None) -> Iterator[Row]:
     for f in files:
         with _opened(f, encoding="utf-8-sig", errors="replace") as handle:
             body = handle.read(-1 if max_chars is None else max_chars + 1)
+        _refuse_binary(body, f)
         name = str(f.relative_to(root))
         pieces = body.split(source.separator) if source.separator else [body]
         for i, piece in enumerate(pieces):
             if piece.strip():
                 yield Row(source=label(source), row=f"{name}#{i}" if source.separator else name,
                           text=piece.strip("\n"))
+
+
+def _refuse_binary(body: str, path: Path) -> None:
+    """InputError when a text file's start is mostly bytes that are not UTF-8 (decoded as U+FFFD) or NULs: binary
+    data or another encoding, which a byte-level tokenizer turns into ~3 tokens a byte (4 MB of random bytes cost
+    1.6 GB to tokenize). A stray bad byte in real text is still read, replaced."""
+    sample = body[:UNDECODABLE_SAMPLE_CHARS]
+    bad = sample.count("\ufffd") + sample.count("\x00")
+    if bad > 8 + MAX_UNDECODABLE_SHARE * len(sample):
+        raise _bad_file(path, f"is not UTF-8 text: {bad:,} of its first {len(sample):,} characters are undecodable "
+                        "bytes or NULs (binary data, or another encoding such as UTF-16 or Latin-1)",
+                        fix="point the source at text files, or convert this one to UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8)")
 
 
 def _opened(path: Path, **text_mode):
@@ -216,14 +231,50 @@ def parquet(source, *, max_chars: int | None = None) -> Iterator[Row]:
             try:
                 f = pq.ParquetFile(path)
                 column = _arrow_column(f.schema_arrow, source, str(path))
+                first = 0
                 for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
-                    for value in batch.column(0).to_pylist():
+                    for value in _capped_values(batch.column(0), f"data file {shown(path)}", column, first):
                         yield {column: value}, path
+                    first += batch.num_rows
             except (pa.ArrowException, OSError, ValueError) as e:
                 raise _bad_file(path, f"is not a readable parquet file ({type(e).__name__})",
                                 fix="re-export the file (pyarrow.parquet.write_table or Dataset.to_parquet)") from None
 
     yield from _column_rows(source, source.path, batches())
+
+
+def _cell_bytes(array):
+    """Each row's bytes of text in an Arrow array, from its offsets (no value becomes a Python object): a string's
+    length, or the sum of a row's turns' `content` lengths for a list of {role, content} structs; None for numbers."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = array.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pc.fill_null(pc.binary_length(array), 0).to_numpy(zero_copy_only=False)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        turns = array.flatten()  # the turns of the non-null rows, in order
+        rows = pc.list_parent_indices(array).to_numpy(zero_copy_only=False)
+        contents = turns.field("content") if pa.types.is_struct(turns.type) else turns
+        lengths = _cell_bytes(contents)
+        if lengths is None:
+            return None
+        return np.bincount(rows, weights=lengths, minlength=len(array)).astype(np.int64)
+    return None
+
+
+def _capped_values(array, where: str, column: str, first_row: int) -> list:
+    """An Arrow column's values as Python objects, after checking from Arrow's offsets that no row holds more than
+    MAX_ROW_BYTES of text (a 64 MiB cell would otherwise become a Python string, then tokens: ~300 bytes a byte)."""
+    lengths = _cell_bytes(array)
+    if lengths is not None and len(lengths) and lengths.max() > MAX_ROW_BYTES:
+        i = int((lengths > MAX_ROW_BYTES).argmax())
+        raise InputError(f"{where}: column {excerpt(column)} row {first_row + i} holds {int(lengths[i]):,} bytes of "
+                         f"text; a cell is read up to {MAX_ROW_BYTES:,} bytes",
+                         fix="split long documents into several rows, or use a text source (kind: text), which "
+                         "reads only as much as the recipe needs")
+    return array.to_pylist()
 
 
 def _names(columns: Iterable) -> str:
@@ -266,9 +317,15 @@ def hub(source, *, max_chars: int | None = None) -> Iterator[Row]:
     with _quiet(datasets):
         ds = _load_saved(datasets, source) if source.path is not None else _load_hub(datasets, source)
     column = _arrow_column(ds.features.arrow_schema, source, label(source))
-    yield from _column_rows(source, label(source), ((r, source.path) for batch in
-                                                    ds.select_columns([column]).iter(batch_size=BATCH_ROWS)
-                                                    for r in ({column: v} for v in batch[column])))
+
+    def batches():
+        first = 0
+        for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=BATCH_ROWS):
+            for value in _capped_values(table.column(0).combine_chunks(), shown(label(source)), column, first):
+                yield {column: value}, source.path
+            first += table.num_rows
+
+    yield from _column_rows(source, label(source), batches())
 
 
 def _load_saved(datasets, source):

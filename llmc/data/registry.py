@@ -9,7 +9,7 @@ Register a new kind with `@loader("kind")` (a `llmc.registry.Registry`) and add 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from llmc.data.sources import BrownSource, MixSource
@@ -44,8 +44,8 @@ def rows(source, role: Role) -> list[Row]:
 def read_rows(source, role: Role, max_chars: int | None = None) -> tuple[list[Row], bool]:
     """The rows of `source` that `role` may read, and whether that is all of them. Brown's loader splits by file
     itself; other kinds with `holdout: N` give evaluation every N-th row and calibration the rest; without holdout,
-    all rows. `max_chars`: stop once the role's rows hold that many characters (a loader yields rows lazily, and
-    cuts a single document there), so a recipe needing 256 tokens does not read a 1 GiB file whole."""
+    all rows. `max_chars`: stop once the role's rows hold that many characters (a loader yields rows lazily; a row's
+    text is cut there), so a recipe needing 256 tokens does not read a 1 GiB file whole."""
     # lazy: cycle: llmc.data.loaders imports this module to register its kinds
     from llmc.data import loaders  # noqa: F401  (registers the built-in kinds)
 
@@ -61,6 +61,10 @@ def read_rows(source, role: Role, max_chars: int | None = None) -> tuple[list[Ro
             continue
         if max_chars is not None and chars >= max_chars:
             return out, False
+        if max_chars is not None and r.text is not None and chars + len(r.text) > max_chars + 1:
+            # a row is cut where the budget ends, as the text loader cuts a file: what is tokenized (~300 bytes of
+            # memory per byte) stays within the budget however long one row is
+            r = replace(r, text=r.text[:max_chars + 1 - chars])
         out.append(r)
         chars += len(r.text) if r.text is not None else sum(len(str(t["content"])) for t in r.messages)
     return out, max_chars is None or chars <= max_chars  # over it: a document was cut (the text loader)

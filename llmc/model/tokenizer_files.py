@@ -23,21 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import InputError
+from llmc.inputs.caps import TOKENIZER_JSON_CAPS, TOKENIZER_OTHER_CAPS
 from llmc.inputs.excerpt import shorten
 from llmc.inputs.files import read_input_json, shown, stat_input
 from llmc.storage.resource_errors import raise_if_resource
 
-# bytes; the largest real files seen: tokenizer.json 33 MB (Gemma 3, 262k tokens), tokenizer_config.json 1.2 MB
-JSON_CAPS = {
-    "tokenizer.json": 128 << 20,
-    "tokenizer_config.json": 16 << 20,
-    "special_tokens_map.json": 1 << 20,
-    "added_tokens.json": 16 << 20,
-    "vocab.json": 64 << 20,
-    "generation_config.json": 1 << 20,
-    "chat_template.json": 4 << 20,
-}
-OTHER_CAPS = {"tokenizer.model": 64 << 20, "merges.txt": 64 << 20, "chat_template.jinja": 4 << 20}
+# the caps live with every other input cap (llmc.inputs.caps)
+JSON_CAPS = TOKENIZER_JSON_CAPS
+OTHER_CAPS = TOKENIZER_OTHER_CAPS
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer needs one of these
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _FIX = "replace the tokenizer files with those the model's tokenizer.save_pretrained() wrote"
