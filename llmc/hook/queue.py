@@ -23,7 +23,6 @@ from llmc.errors import InputError, ResourceError
 from llmc.storage.paths import confined
 from llmc.storage.store import atomic_write_json
 
-STATES = ("queued", "running", "done", "failed")
 _ID_CHARS = set("0123456789abcdef")
 
 

@@ -322,7 +322,7 @@ def eval_device(requested: str, engine: str) -> str:
     for every other engine."""
     if not engine_spec(engine).places_on_device or distributed.active():
         return "cpu"
-    return str(resolve_device(requested))
+    return str(resolve_device(requested, "eval.device"))
 
 
 def score_key(b: Build, engine: str, content_key: str, windows: torch.Tensor, reference_key: str | None, corpus, *,

@@ -95,8 +95,10 @@ class Quantize:
             windows = hi - lo
         facts = LoopFacts(calibrates=self.scheme.needs_calibration, windows=windows, seq_len=cal.seq_len,
                           masked=cal.packing == "samples", batch_size=CALIBRATION_BATCH_SIZE,
-                          spill_mode=cal.spill_activations, hidden=shape.hidden, intermediate=shape.intermediate,
-                          heads=shape.heads, elem=c.elem, moe=shape.active < 1, device=c.machine.device,
+                          spill_mode=cal.spill_activations, hidden=c.config.get("hidden_size", shape.hidden),
+                          intermediate=c.config.get("intermediate_size", 0),  # as the stream reads them
+                          heads=c.config.get("num_attention_heads", 1), elem=c.elem, moe=shape.active < 1,
+                          device=c.machine.device,
                           host_available=c.machine.available, device_free=c.machine.gpu_free,
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c))
         return decide_layer_loop(Pipeline.of(self.scheme), facts)

@@ -15,7 +15,6 @@ from pathlib import Path
 from llmc.errors import InputError
 
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
-_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 
 
 @dataclass

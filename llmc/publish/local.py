@@ -309,17 +309,3 @@ def verify_entry(entry: Path) -> list[str]:
     if failed:
         problems.append(f"signature {status}")
     return problems
-
-
-def find_entry(registry: Path, ref: str) -> Path:
-    """An entry of `registry` by '<name>/<build id prefix>' or build-id prefix."""
-    name, _, prefix = ref.rpartition("/")
-    if not _HEX.match(prefix) or (name and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", name)):
-        raise InputError(f"{ascii(ref)[:80]} is not '<recipe name>/<build id prefix>' or a build id prefix",
-                         fix="pass a build id (hex) or the entry's path")
-    hits = [d for d in Path(registry).glob(f"{name or '*'}/{prefix}*")
-            if not d.is_symlink() and (d / COMPLETE_MARKER).is_file()]
-    if len(hits) != 1:
-        raise InputError(f"{'no' if not hits else len(hits)} registry entries match '{ref}' under {registry}",
-                         fix="pass a longer build id or the entry's path")
-    return hits[0]

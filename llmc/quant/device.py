@@ -23,16 +23,16 @@ def cpu_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def resolve_device(requested: str) -> torch.device:
-    """The device a recipe's `calibration.device` names ("auto": CUDA when torch sees a GPU)."""
+def resolve_device(requested: str, key: str = "calibration.device") -> torch.device:
+    """The device the recipe's `key` (calibration.device, eval.device) names ("auto": CUDA when torch sees a GPU)."""
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
         from llmc.errors import ResourceError
 
         raise ResourceError(
-            f"calibration.device is '{requested}' but torch sees no CUDA GPU (torch {torch.__version__}, "
+            f"{key} is '{requested}' but torch sees no CUDA GPU (torch {torch.__version__}, "
             f"built for CUDA {torch.version.cuda or 'none'})",
-            fix="set calibration.device: auto (or cpu), or run on a machine with a GPU and a CUDA build of torch",
+            fix=f"set {key}: auto (or cpu), or run on a machine with a GPU and a CUDA build of torch",
         )
     return torch.device(requested)

@@ -76,7 +76,6 @@ def resource_errors(what: str, where: Path) -> Iterator[None]:
         raise error from e
 
 
-disk_errors = resource_errors  # the earlier name, for callers that still use it
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

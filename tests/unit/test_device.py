@@ -117,3 +117,13 @@ def test_build_calibrates_on_the_gpu_and_keys_the_result_by_device(tiny_model: P
     quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu), ("cpu", on_cpu))}
     assert quantize["gpu"].key != quantize["cpu"].key and not quantize["cpu"].cached
     assert on_gpu.plan.estimates["device"].startswith("cuda")
+
+
+def test_a_gpu_asked_for_evaluation_on_a_machine_without_one_names_eval_device() -> None:
+    """The evaluation's device error names the key at fault (it named calibration.device)."""
+    from llmc.errors import ResourceError
+    from llmc.pipeline.evaluate import eval_device
+
+    with pytest.raises(ResourceError) as refused:
+        eval_device("cuda", "torch")
+    assert "eval.device is 'cuda'" in refused.value.message and "eval.device: auto" in refused.value.fix
