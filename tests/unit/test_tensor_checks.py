@@ -56,17 +56,28 @@ def test_a_tensor_the_config_contradicts_is_refused_at_plan_time(name, make, sai
     assert "save_pretrained" in out and not (tmp_path / "cache" / "quantize").exists()
 
 
-def test_tied_head_bf16_weights_and_an_extra_tensor_still_plan(tiny_model_session: Path, tmp_path: Path) -> None:
+def test_tied_head_bf16_weights_and_extra_tensors_still_plan_and_quantize(tiny_model_session: Path,
+                                                                         tmp_path: Path) -> None:
     """What the check must not refuse: a tied model's file without lm_head (the tiny model is tied), weights in
-    another float dtype, and a tensor the model has no parameter for (not checked, as before)."""
+    another float dtype, and tensors the model has no parameter for (not checked): an old checkpoint's per-layer
+    rotary inv_freq (8a48c9f's build stopped on it with exit 70: `LlamaAttention has no attribute rotary_emb`) is
+    ignored, one outside the layers is carried as before."""
+    import llmc.quant.stream as stream
+    from llmc.model.source import ModelSource
+    from llmc.quant.spec import Scheme, TensorSpec
+
     def change(ts):
         for n in list(ts):
             ts[n] = ts[n].to(torch.bfloat16)
         ts["model.vision_tower.patch.weight"] = torch.zeros(4, 4)
+        ts["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
 
     model = _with_tensors(tiny_model_session, tmp_path, change)
     code, out = plan(model, tmp_path)
     assert code == 0, out
+    stream.quantize_model(ModelSource(model, "t", "t"), Scheme(TensorSpec("fp8_e4m3", "channel")), tmp_path / "q",
+                          None)
+    assert "model.vision_tower.patch.weight" in load_file(tmp_path / "q" / "rest.safetensors")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma3", "phi3"])
