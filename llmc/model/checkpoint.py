@@ -7,6 +7,7 @@ or corrupted file is reported by name before any work starts.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -229,16 +230,21 @@ def read_model_config(folder: Path) -> dict:
     return config
 
 
+@functools.cache
+def _transformers_names() -> frozenset[str]:
+    """Every name transformers exports (its lazy module lists them without importing them; ~0.5 s, once)."""
+    import transformers  # lazy: transformers (~1 s), only to read its class names
+
+    return frozenset(dir(transformers))
+
+
 def transformers_architectures(config: dict, path: Path) -> list[str]:
     """config.json's `architectures` as an artifact must name them: classes transformers has. A class only the
     folder's own code defines (what a dropped auto_map pointed at) loads in no runtime, so it is replaced by
     transformers' causal-LM class for the config's model_type, the model llmc builds and quantizes; InputError
     when transformers has none."""
-    # lazy: transformers (~1 s), only to read its class names; the model config is read where it is used next
-    import transformers
-
     names = config.get("architectures")
-    known = set(dir(transformers))  # the lazy module lists every class it exports without importing them
+    known = _transformers_names()
     if isinstance(names, list) and names and all(isinstance(n, str) and n in known for n in names):
         return names
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: as above
