@@ -7,6 +7,7 @@ or corrupted file is reported by name before any work starts.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -225,7 +226,38 @@ def read_model_config(folder: Path) -> dict:
                          "Infinity is not JSON, and no model is defined by one)", fix=fix)
     # auto_map names remote code (trust_remote_code), which llmc never runs: no artifact carries it on
     config.pop("auto_map", None)
+    config["architectures"] = transformers_architectures(config, path)
     return config
+
+
+@functools.cache
+def _transformers_names() -> frozenset[str]:
+    """Every name transformers exports (its lazy module lists them without importing them; ~0.5 s, once)."""
+    import transformers  # lazy: transformers (~1 s), only to read its class names
+
+    return frozenset(dir(transformers))
+
+
+def transformers_architectures(config: dict, path: Path) -> list[str]:
+    """config.json's `architectures` as an artifact must name them: classes transformers has. A class only the
+    folder's own code defines (what a dropped auto_map pointed at) loads in no runtime, so it is replaced by
+    transformers' causal-LM class for the config's model_type, the model llmc builds and quantizes; InputError
+    when transformers has none."""
+    names = config.get("architectures")
+    known = _transformers_names()
+    if isinstance(names, list) and names and all(isinstance(n, str) and n in known for n in names):
+        return names
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: as above
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
+    if causal_lm is None:
+        raise InputError(
+            f"model config {shown(path)}: architectures {excerpt(names, 80)} names no class transformers has, and "
+            f"transformers has no causal-LM class for model_type {excerpt(config['model_type'], 40)}, so no runtime "
+            "could load an artifact of it",
+            fix="use a model_type transformers builds with AutoModelForCausalLM (llmc never runs a model folder's "
+            "own code)")
+    return [causal_lm]
 
 
 def _non_finite(value: object) -> str | None:

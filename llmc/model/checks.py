@@ -25,15 +25,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from llmc.data.sources import corpora_of, label
 from llmc.errors import InputError
 from llmc.inputs.excerpt import excerpt, shorten
 from llmc.inputs.files import read_input_json, read_input_text, shown
-from llmc.model.checkpoint import check_safetensors_header, safetensors_files
+from llmc.model.checkpoint import MAX_CONFIG_BYTES, check_safetensors_header, safetensors_files
+from llmc.model.confine import source_file
 from llmc.model.dtype import source_dtype
+from llmc.model.skeleton import build_skeleton
 from llmc.model.source import DEMO_MODELS
 from llmc.model.tokenizer_files import (VOCABULARY_FILES, TokenizerFacts, custom_tokenizer_code, load_tokenizer,
                                         tokenizer_facts)
+from llmc.quant.moe import unfuse_experts
 from llmc.storage.resource_errors import raise_if_resource
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape), from the headers
@@ -58,30 +63,80 @@ class QuantizedKind:
 _METHODS = {"compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
             "modelopt": "modelopt", "gptq": "gptq", "awq": "awq", "fp8": "fp8", "fbgemm_fp8": "fp8",
             "bitsandbytes": "bitsandbytes", "bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbytes"}
-# tensor-name endings that exist only in quantized checkpoints -> kind
+# tensor-name endings that exist only in quantized checkpoints -> kind (the scales come after the weights' own
+# layouts: their kind is the dtype of the weight they scale, see _scaled_kind)
 _QUANT_TENSORS = (
     ((".qweight", ".qzeros", ".g_idx"), "gptq/awq"),
-    ((".weight_scale_inv",), "fp8"),
     ((".weight_packed", ".weight_global_scale"), "compressed-tensors"),
-    ((".weight_scale", ".input_scale"), "fp8"),
     ((".SCB", ".weight_format", ".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4",
       ".quant_state.bitsandbytes__fp4"), "bitsandbytes"),
 )
-_QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "I8", "U8", "I32", "I16"}
+# scale tensors stored beside a weight of codes -> the kind when that weight's dtype does not say more
+# (DeepSeek-V3's block-wise FP8 names its scales weight_scale_inv)
+_SCALE_SUFFIXES = {".weight_scale_inv": "fp8", ".weight_scale": "quantized", ".input_scale": "quantized"}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+# the safetensors dtype of a weight's codes -> the format they are (what a refusal names)
+_CODE_FORMATS = {"I8": "int8", "U8": "int4/fp4 (packed in U8)", "I16": "int16", "I32": "int4 (packed in I32)",
+                 "U32": "int4 (packed in U32)", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "F8_E8M0": "mxfp",
+                 "F6_E2M3": "fp6", "F6_E3M2": "fp6", "F4": "fp4"}
 _WHY = {
     "compressed-tensors": "its Linear weights are stored as quantized codes with scales beside them",
     "modelopt": "NVIDIA ModelOpt wrote it with quantized weights and their scales",
     "gptq": "its Linear weights are packed int codes (qweight/qzeros/scales)",
     "awq": "its Linear weights are packed int codes (qweight/qzeros/scales)",
     "gptq/awq": "its Linear weights are packed int codes (qweight/qzeros/scales)",
-    "fp8": "its Linear weights are FP8 codes whose scales (weight_scale) live beside them",
     "bitsandbytes": "its weights are bitsandbytes int8/4-bit codes with their quantization state",
 }
 
 
+def _code_format(dtype: str) -> str:
+    return _CODE_FORMATS.get(dtype, "quantized")
+
+
+def _scaled_kind(tensors: Tensors) -> QuantizedKind | None:
+    """A weight with scales beside it (`X.weight_scale`, `X.weight_scale_inv`, `X.input_scale`), named by the
+    format of `X.weight`'s codes: a stripped INT8 W8A8 checkpoint holds I8 weights, an FP8 one F8_E4M3."""
+    for name in tensors:
+        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            continue
+        weight = name[: -len(suffix)] + ".weight"
+        dtype = tensors[weight][0] if weight in tensors else None
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            return QuantizedKind(_code_format(dtype), f"the weights hold quantization tensors such as "
+                                 f"{excerpt(name, 80)} beside the {dtype} weight {excerpt(weight, 80)}")
+        return QuantizedKind(_SCALE_SUFFIXES[suffix], f"the weights hold quantization tensors such as "
+                             f"{excerpt(name, 80)}")
+    return None
+
+
+def _weight_with_parts(tensors: Tensors) -> QuantizedKind | None:
+    """A `weight` that is not a tensor but has parts (`X.weight._data` + `X.weight._scale`: optimum-quanto's
+    layout), named by the dtype of its codes."""
+    parts = sorted(n for n in tensors if ".weight." in n and ".parametrizations.weight." not in n)  # torch's
+    # weight parametrizations (weight_norm's original0/1) are float tensors of a real module, not codes
+    if not parts:
+        return None
+    codes = next((n for n in parts if tensors[n][0] not in FLOAT_DTYPES), parts[0])
+    owner = codes.split(".weight.", 1)[0] + ".weight"
+    quanto = any(n.endswith(".weight._data") for n in parts) and any(n.endswith(".weight._scale") for n in parts)
+    layout = "optimum-quanto's layout, " if quanto else ""
+    return QuantizedKind(_code_format(tensors[codes][0]),
+                         f"{layout}{excerpt(owner, 80)} is not a tensor but parts such as {excerpt(codes, 80)} "
+                         f"({tensors[codes][0]})")
+
+
+def _why(kind: str) -> str:
+    if kind in _WHY:
+        return _WHY[kind]
+    codes = "quantized codes" if kind == "quantized" else f"{kind} codes"
+    return f"its Linear weights are {codes} whose scales live beside them"
+
+
 def quantized_kind(config: dict, tensors: Tensors, hf_quant_config: dict | None = None) -> QuantizedKind | None:
     """Which kind of already-quantized checkpoint this is (None: not quantized), from config.json, ModelOpt's
-    hf_quant_config.json and the tensors' names and dtypes."""
+    hf_quant_config.json and the tensors' names and dtypes (a format the config does not name is named by the
+    dtype of its codes: I8 int8, F8_E4M3 fp8, U8 packed int4/fp4, ...)."""
     if hf_quant_config is not None:
         return QuantizedKind("modelopt", "hf_quant_config.json is present (NVIDIA ModelOpt's export)")
     for key in ("quantization_config", "compression_config"):
@@ -100,10 +155,12 @@ def quantized_kind(config: dict, tensors: Tensors, hf_quant_config: dict | None 
         found = next((n for n in tensors if n.endswith(suffixes)), None)
         if found is not None:
             return QuantizedKind(kind, f"the weights hold quantization tensors such as {excerpt(found, 80)}")
+    found = _weight_with_parts(tensors) or _scaled_kind(tensors)
+    if found is not None:
+        return found
     for name, (dtype, shape) in tensors.items():
-        if name.endswith(".weight") and len(shape) == 2 and dtype in _QUANTIZED_DTYPES:
-            kind = "fp8" if dtype.startswith("F8") else "quantized"
-            return QuantizedKind(kind, f"the 2-D weight {excerpt(name, 80)} is stored as {dtype}")
+        if name.endswith(".weight") and len(shape) == 2 and dtype not in FLOAT_DTYPES:
+            return QuantizedKind(_code_format(dtype), f"the 2-D weight {excerpt(name, 80)} is stored as {dtype}")
     return None
 
 
@@ -124,7 +181,7 @@ def refuse_quantized(found: QuantizedKind, where: str, base_model: str | None) -
     if base_model:
         parent = f"its model card names the unquantized parent: model.source: {'hf:' if hub_id else ''}" + \
             shorten(base_model, 120)
-    why = _WHY.get(found.kind, "its weights are quantized codes")
+    why = _why(found.kind)
     raise InputError(
         f"model source {where} is already quantized ({found.kind}: {found.evidence}); {why}, and quantizing codes "
         "again without their scales gives a model that scores like noise",
@@ -199,6 +256,58 @@ def check_shapes(config: dict, tensors: Tensors, where: str) -> None:
                 f"model source {where}: {name} has {rows} rows, but config.json's {n} heads x {said} make "
                 f"{n * head_dim}", fix="set head_dim (and the head counts) in config.json to the checkpoint's: "
                 f"{proj} rows = heads x head_dim")
+
+
+def implied_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The tensors the model config.json describes holds, as the build reads them: name -> (shape, floating),
+    from the model built on the meta device (no memory) with Mixture-of-Experts experts unfused into the Hub's
+    per-expert names (llmc.quant.moe). Tied weights appear under each name (a checkpoint may store either);
+    non-persistent buffers (rotary inv_freq) are left out: no checkpoint needs them."""
+    try:
+        model = build_skeleton(config, torch.float32)
+        unfuse_experts(model)
+    except Exception as e:  # noqa: BLE001 - transformers has no causal-LM class, a config it cannot build, ...
+        raise_if_resource(e, "building the model from config.json on the meta device")
+        raise InputError(f"transformers cannot build a causal LM from this config.json ({type(e).__name__}: "
+                         f"{shorten(str(e).splitlines()[0] if str(e) else '', 160)})",
+                         fix="use a model_type transformers builds with AutoModelForCausalLM, with the config "
+                         "save_pretrained() wrote") from None
+    return {name: (tuple(t.shape), t.is_floating_point())
+            for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _how_it_differs(implied: tuple[int, ...], held: tuple[int, ...]) -> str:
+    if len(implied) == 2 and held == implied[::-1]:
+        return " (transposed)"
+    n_implied = n_held = 1
+    for d in implied:
+        n_implied *= d
+    for d in held:
+        n_held *= d
+    return " (the same elements in another shape)" if n_implied == n_held else ""
+
+
+def check_tensors(config: dict, tensors: Tensors, files: dict[str, str], where: str) -> None:
+    """Every tensor of the checkpoint that the model has is of the shape config.json implies and a float (the
+    build reads each into the model built from config.json, and a transposed, flattened, 3-D or integer tensor
+    fails there, after the plan said it would run). Only the headers are read. A tensor the model does not have
+    (another architecture's extra, an old checkpoint's rotary inv_freq) is not checked here; a checkpoint that
+    lacks an output head with tied embeddings is fine (the head is the embedding)."""
+    implied = implied_tensors(config)
+    fix = ("point model.source at weights and the config.json saved with them (save_pretrained() writes both), or "
+           "re-save the model with save_pretrained()")
+    for name, (dtype, shape) in tensors.items():
+        if name not in implied:
+            continue
+        want, floating = implied[name]
+        wrong_dtype = floating and dtype not in FLOAT_DTYPES
+        if tuple(shape) != want or wrong_dtype:
+            said = f"{dtype} {list(shape)}"
+            raise InputError(
+                f"model source {where}: tensor {excerpt(name, 100)} in {excerpt(files.get(name, '?'), 80)} is "
+                f"{said}{_how_it_differs(want, tuple(shape)) if tuple(shape) != want else ''}, but config.json "
+                f"implies a {'float (F32, F16 or BF16) ' if floating else ''}tensor of shape {list(want)}"
+                + (f" (a {dtype} tensor is quantized codes or not a weight)" if wrong_dtype else ""), fix=fix)
 
 
 def embedding_rows(tensors: Tensors) -> dict[str, int]:
@@ -295,15 +404,17 @@ def _chat_sources(recipe) -> list[str]:
 
 def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
     """Every check above for a recipe's model source (InputError, exit 7, on the first failure); returns what the
-    plan states about the source (a GGUF's dequantization). `folder` None: planning from config.json alone."""
+    plan states about the source (a GGUF's dequantization, code the folder names that is never run). `folder` None: planning from config.json alone."""
     where = shown(folder) if folder is not None else shown(recipe.model.source)
     statement = gguf_statement(recipe.model.source, source_dtype(recipe.model.dtype))
     notes = [statement] if statement else []
     tensors: Tensors = {}
+    files: dict[str, str] = {}  # tensor name -> the file holding it, for messages
     for f in safetensors_files(folder) if folder is not None else []:
         for name, info in check_safetensors_header(f).items():
             if name != "__metadata__":
                 tensors[name] = (info["dtype"], tuple(info["shape"]))
+                files[name] = f.name
     found = quantized_kind(config, tensors, _optional_json(folder, "hf_quant_config.json"))
     if found is not None:
         refuse_quantized(found, where, base_model_of(_model_card(folder)))
@@ -314,14 +425,30 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
         check_recipe_fits(config, seq_lens, [], True, where)
         return notes
     check_shapes(config, tensors, where)
+    notes += [n for n in [replaced_architectures(folder, config)] if n]  # the folder's own class is never run
     if not any(os.path.lexists(folder / n) for n in VOCABULARY_FILES):
+        check_tensors(config, tensors, files, where)
         return [f"{where} has no tokenizer ({', '.join(VOCABULARY_FILES)}): a build will stop when it loads one",
                 *notes]
     facts = tokenizer_facts(load_tokenizer(folder))  # the files size-capped and checked first
     notes += [n for n in [custom_tokenizer_code(folder)] if n]  # code it names is never run; said
     check_vocabulary(config, tensors, facts, where, _optional_json(folder, "generation_config.json"))
+    check_tensors(config, tensors, files, where)  # after the checks whose messages say more (vocab_size, head_dim)
     check_recipe_fits(config, seq_lens, _chat_sources(recipe), facts.has_chat_template, where)
     return notes
+
+
+def replaced_architectures(folder: Path, config: dict) -> str | None:
+    """What the plan says when config.json's `architectures` names a class transformers does not have (the
+    folder's own code, which llmc never runs) and the artifacts name transformers' class instead
+    (llmc.model.checkpoint.transformers_architectures); None when they name the file's own."""
+    path = source_file(Path(folder), "config.json", "model config")
+    written = read_input_json(path, "model config", MAX_CONFIG_BYTES, "").get("architectures")
+    if written == config.get("architectures") or not written:
+        return None
+    return (f"config.json's architectures {excerpt(written, 80)} names a class transformers does not have (the "
+            f"folder's own code, which llmc never runs): the model is built, and every artifact's config.json names "
+            f"it, as transformers' {', '.join(config['architectures'])} for model_type {config['model_type']}")
 
 
 _SIDE_FILE_BYTES = 1 << 20

@@ -53,10 +53,16 @@ def output_head_names(model: nn.Module) -> set[str]:
 
 
 def materialize(module: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Replace meta parameters of `module` by the given tensors (names relative to the module)."""
+    """Replace meta parameters of `module` by the given tensors (names relative to the module). A tensor the model
+    has no place for is ignored, whether its module exists or not (an old checkpoint's per-layer
+    `self_attn.rotary_emb.inv_freq`, which transformers 5 computes once per model); a quantized source's parts
+    (`weight._data`) never get here: the plan refuses them (llmc.model.checks.quantized_kind)."""
     for name, t in tensors.items():
         owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
+        try:
+            owner = module.get_submodule(owner_name) if owner_name else module
+        except AttributeError:
+            continue
         if attr in owner._parameters:
             owner._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
         elif attr in owner._buffers:

@@ -91,7 +91,7 @@ def _header(**tensors) -> checks.Tensors:
     ({"quantization_config": {"quant_method": "hqq"}}, {}, "hqq"),
     ({}, {"model.layers.0.mlp.down_proj.qweight": ("I32", (16, 64))}, "gptq/awq"),
     ({}, {"model.layers.0.mlp.down_proj.weight_scale_inv": ("F32", (1, 1))}, "fp8"),
-    ({}, {"model.layers.0.mlp.down_proj.weight": ("I8", (64, 64))}, "quantized"),
+    ({}, {"model.layers.0.mlp.down_proj.weight": ("I8", (64, 64))}, "int8"),
     ({}, {"model.layers.0.mlp.down_proj.weight": ("F8_E4M3", (64, 64))}, "fp8"),
     ({}, {"model.layers.0.mlp.down_proj.SCB": ("F32", (64,))}, "bitsandbytes"),
 ])
