@@ -217,7 +217,9 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
 @set_option
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="also estimate data-parallel calibration over this many processes (per rank, per layer)")
-def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc: int | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="print the plan as JSON: every stage's row, with the decision it costs and the build executes")
+def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc: int | None, as_json: bool) -> None:
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
@@ -227,7 +229,8 @@ def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc
 
         r = _load(recipe, overrides)
         make_plan(r)  # the recipe and the targets first: no source is touched when they fail
-        click.echo(plan_recipe(r, Store.default(cache_dir), recipe, nproc=nproc).render())
+        planned = plan_recipe(r, Store.default(cache_dir), recipe, nproc=nproc)
+        click.echo(json.dumps(planned.as_dict(), indent=2, default=str) if as_json else planned.render())
 
     _run(go)
 

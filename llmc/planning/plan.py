@@ -81,6 +81,12 @@ class Plan:
         e["calibration_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.QUANTIZE)
         e["eval_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.EVAL)
 
+    def as_dict(self) -> dict:
+        """The plan as `llmc plan --json` prints it: each stage's row (`estimates["stages"]`, with its "decision")."""
+        return {"recipe": self.recipe.name, "schemes": {n: s.name for n, s in self.schemes.items()},
+                "estimates": self.estimates, "targets": self.targets, "gates": self.gates, "warnings": self.warnings,
+                "distributed": self.distributed, "rates": self.rates, "basis": self.basis}
+
     def decision_of(self, id: StageId):
         """The decision the plan's row for stage `id` costs (None: no such row, or a stage without one)."""
         return next((r.decision for r in self.rows if r.id == id), None)

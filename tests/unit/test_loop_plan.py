@@ -103,3 +103,28 @@ def test_quantized_json_records_the_decision_the_loop_obeyed(tiny_model: Path, t
     out = stream.quantize_model(ModelSource(tiny_model, "t", "t"), scheme, tmp_path / "q",
                                 stream.Calibration(calibration, batch_size=2))
     assert json.loads((tmp_path / "q" / "quantized.json").read_text())["layer_loop"] == out.loop.as_dict()
+
+
+def test_llmc_plan_json_prints_the_decision_the_build_then_executes(tiny_model: Path, tmp_path: Path) -> None:
+    """`llmc plan --json`: the quantize row's decision (here: spill_activations always, so the activations live on
+    disk and every layer is a resume point); the build's stage record carries the same decision."""
+    import json
+
+    from click.testing import CliRunner
+
+    from llmc.build import build_until
+    from llmc.cli import main
+    from llmc.pipeline.ids import Kind
+    from llmc.recipe.load import load_recipe
+    from llmc.storage.store import Store
+    from tests.unit.build_helpers import every_stage_recipe
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(every_stage_recipe(tiny_model, tmp_path / "registry"))
+    printed = CliRunner().invoke(main, ["--quiet", "plan", str(recipe), "--json", "--cache-dir", str(tmp_path / "c")])
+    assert printed.exit_code == 0, printed.output
+    rows = json.loads(printed.output[printed.output.index("{"):])["estimates"]["stages"]
+    planned = next(r["decision"] for r in rows if r["stage"].startswith("quantize"))
+    assert planned["activations"] == "disk" and planned["resume_every_s"] == 0.0 and planned["flow"] == "sequential"
+    result = build_until(load_recipe(recipe), Store(tmp_path / "c"), Kind.QUANTIZE)
+    assert [s.decision for s in result.stages if s.name.startswith("quantize")] == [planned]
