@@ -1,5 +1,6 @@
 """What the stages share: during a build (`Build`: the runner, the result they append to, the tokens) and during
-planning (`Costing`: the model's shape, this machine, and the facts earlier stages' costs leave for later ones)."""
+planning (`Costing`: the model's shape, this machine, and the rows the stages' costs append; no stage leaves facts
+here for a later one: a later stage asks the earlier stage objects it was given)."""
 
 from __future__ import annotations
 
@@ -55,15 +56,8 @@ class Costing:
     compute: str  # the compute dtype's name
     stored_elem: int  # bytes per element of the source's stored weights
     side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
-    rows: list[CostRow] = field(default_factory=list)
-    cheaper: dict[str, tuple[str, float]] = field(default_factory=dict)  # row name -> (strategy, host GB)
-    bytes_of: dict[str, SchemeBytes] = field(default_factory=dict)  # variant (or scheme) label -> its sizes
+    rows: list[CostRow] = field(default_factory=list)  # each stage's, appended as the walk costs it
     config: dict = field(default_factory=dict)  # the model's config.json (mixed precision: its groups' Linears)
-    # mixed precision: variant name ("" for one quantization) -> per group, its Linears, parameters, stored bytes
-    group_bytes: dict[str, list[dict]] = field(default_factory=dict)
-    exports_seen: dict[tuple, str] = field(default_factory=dict)  # identical export -> the first target's label
-    outer_written: set[str] = field(default_factory=set)  # schemes whose outer-weight shards an export wrote
-    inputs_verified: set[str] = field(default_factory=set)  # stage outputs an earlier stage verified (Store._intact)
 
     @property
     def elem(self) -> int:

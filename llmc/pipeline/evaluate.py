@@ -123,7 +123,7 @@ class Evaluate:
         # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
         scorings = [("baseline", False, 0.0, 0.0, 0, ())]
         for q in self.quantizes:
-            sizes = c.bytes_of[q.id.of[0]]
+            sizes = q.sizes(c)
             scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params,
                              emulated_elements(q.scheme, c.linears, c.config)))
         baseline_disk = 0.0
@@ -154,8 +154,8 @@ class Evaluate:
                                  artifact_code_bytes=code_bytes, quantized_params=quantized_params, **kwargs)
                 lean = lean.host_bytes + lean.mapped_bytes
                 if lean < 0.95 * (row.host_bytes + row.mapped_bytes):
-                    c.cheaper[row.name] = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
-                                           lean / 1e9)
+                    row.cheaper = ("set LLMC_TORCH_EVAL=streamed to evaluate one decoder layer at a time",
+                                   lean / 1e9)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ by the target's artifact format (`llmc.runtimes`).
 
 Key: the format's name and its stage config (its options, the target where the artifact depends on it), and the
 quantize stage's key. Cost (`export_cost`): from what the format states about itself (whole model in memory,
-repacked layers, 8-bit codes passed through, outer weights written as stored) and the scheme's sizes the quantize
-stage's cost left (`SchemeBytes`)."""
+repacked layers, 8-bit codes passed through, outer weights written as stored), the scheme's sizes on this model
+(`Quantize.sizes`) and the exports before it in the build (identical files linked, inputs verified once)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def served_context(config: dict, eval_seq_len: int) -> int:
 class Export:
     share = Share.MAIN
 
-    def __init__(self, quantize: Quantize, target: Target) -> None:
+    def __init__(self, quantize: Quantize, target: Target, earlier: tuple[Export, ...] = ()) -> None:
         self.quantize, self.target = quantize, target  # the stage whose output it exports
+        self.earlier = earlier  # the exports before this one in the build
         self.variant, self.scheme = quantize.variant, quantize.scheme
         self.label = f"{self.variant}/{target.label}" if self.variant else target.label
         self.id = StageId(Kind.EXPORT, (self.label,))
@@ -112,35 +113,42 @@ class Export:
             scheme_detail=qm.scheme.to_dict())
 
     def cost(self, c: Costing) -> None:
-        scheme, fmt, sizes = self.scheme, self.format, c.bytes_of[self.quantize.id.of[0]]
+        scheme, fmt, sizes = self.scheme, self.format, self.quantize.sizes(c)
         # targets share weight files when they export the same quantize stage's output in the same format (and,
         # where the files depend on it, the same tensor-parallel degree)
-        same = (self.quantize.id, fmt.name) + ((self.target.tensor_parallel,) if fmt.shards_by_tp else ())
-        shared_with = c.exports_seen.setdefault(same, self.label)
+        shared_with = next((e.label for e in self.earlier if e.same_files() == self.same_files()), None)
         artifact = sum(fmt.written_bytes(w) for w in written_tensors(c, scheme))  # every file it writes
         new_bytes = artifact
         outer_bytes = c.shape.outer_params * c.kept_elem
-        if fmt.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES:
-            # a second format that writes them as stored adds only its layer shards (identical files are linked)
-            if scheme.name in c.outer_written:
-                new_bytes -= outer_bytes
-            c.outer_written.add(scheme.name)
+        # a second format that writes the weights outside the layers as stored adds only its layer shards (identical
+        # files are linked)
+        if self._writes_outer_as_stored(outer_bytes) and any(
+                e.scheme.name == scheme.name and e._writes_outer_as_stored(outer_bytes) for e in self.earlier):
+            new_bytes -= outer_bytes
         # the canonical form's files (its layer files and rest.safetensors), every byte verified before the first
         # export reads them (Store.require_intact, once per build): read from the disk where they were written
         # around the page cache, then hashed
         read_s = 0.0
-        if str(self.quantize.id) not in c.inputs_verified:
-            c.inputs_verified.add(str(self.quantize.id))
+        if not any(e.quantize is self.quantize for e in self.earlier):
             read_s = (uncached_read_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
                       + uncached_read_seconds(outer_bytes) + sizes.canonical / hash_rate())
         row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes, read_seconds=read_s,
-                          whole_model=fmt.whole_model,
-                          shared_with=None if shared_with == self.label else shared_with,
+                          whole_model=fmt.whole_model, shared_with=shared_with,
                           compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
                           passes_codes_through=scheme.weights.bits == 8 and fmt.passes_8bit_codes,
                           repacked_bytes=sizes.packed if fmt.repacks_layers else None,
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+
+    def same_files(self) -> tuple:
+        """What fixes this export's weight files: the quantize stage's output, the format (and, where the files
+        depend on it, the tensor-parallel degree)."""
+        return (self.quantize.id, self.format.name) + ((self.target.tensor_parallel,) if self.format.shards_by_tp
+                                                       else ())
+
+    def _writes_outer_as_stored(self, outer_bytes: float) -> bool:
+        return self.format.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES
 
 
 def content_key(files: dict[str, str]) -> str:

@@ -149,11 +149,16 @@ class Quantize:
         return b.runner.shared_folder("shared-stats", stage_key("shared-stats", cfg, [b.result.source.sha256,
                                                                                       calib_key]))
 
-    def cost(self, c: Costing) -> None:
+    def groups(self, c: Costing) -> list[dict] | None:
+        """A mixed scheme's groups on this model (`group_bytes`); None for one scheme."""
+        return group_bytes(self.scheme, c.linears, c.config, c.elem) if self.scheme.mixed else None
+
+    def sizes(self, c: Costing) -> SchemeBytes:
+        """The scheme's sizes on this model: what this stage writes and what the exports and evaluations of its
+        output read."""
         scheme, shape, e = self.scheme, c.shape, c.elem
-        if scheme.mixed:
-            groups = group_bytes(scheme, c.linears, c.config, e)
-            c.group_bytes[self.variant] = groups
+        groups = self.groups(c)
+        if groups is not None:
             quantized = sum(g["params"] for g in groups if g["quantized"])
             packed = sum(g["bytes"] for g in groups if g["quantized"])
         else:
@@ -161,9 +166,11 @@ class Quantize:
             packed = quantized * scheme.weights.stored_bits / 8  # the codes, packed (microscaling: with their scales)
         # unquantized tensors: those inside the layers in the compute dtype, those outside as kept (kept_dtype)
         rest = (shape.params - quantized - shape.outer_params) * e + shape.outer_params * c.kept_elem
-        sizes = SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest,  # int4: one code a byte
-                            packed=packed, artifact=packed + rest)
-        c.bytes_of[self.id.of[0]] = sizes
+        return SchemeBytes(quantized_params=quantized, canonical=quantized * 1 + rest,  # int4: one code a byte
+                           packed=packed, artifact=packed + rest)
+
+    def cost(self, c: Costing) -> None:
+        scheme, shape, sizes = self.scheme, c.shape, self.sizes(c)
         pipe, loop = Pipeline.of(scheme), self.decide(c)
         row = quantize_cost(shape, loop, pipe, compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
         row.disk_bytes = sizes.canonical
@@ -173,8 +180,8 @@ class Quantize:
             spilled = quantize_cost(shape, decide_layer_loop(pipe, replace(loop.facts, spill_mode="always")), pipe,
                                     compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
             if spilled.host_bytes < 0.95 * row.host_bytes:  # only a strategy that saves something is named
-                c.cheaper[row.name] = ("set calibration.spill_activations: always (or auto) to keep one batch of "
-                                       "activations in memory", spilled.host_bytes / 1e9)
+                row.cheaper = ("set calibration.spill_activations: always (or auto) to keep one batch of "
+                               "activations in memory", spilled.host_bytes / 1e9)
 
 
 def _targets(scheme: Scheme, linears: dict[str, tuple[int, int]]) -> set[str]:

@@ -26,7 +26,10 @@ def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH
     quantizes: list[Quantize] = []
     for variant, scheme in schemes.items():  # each knows the ones before it (whose statistics it may reuse)
         quantizes.append(Quantize(variant, scheme, tuple(quantizes)))
-    exports = [Export(q, t) for q in quantizes for t in recipe.targets]
+    exports: list[Export] = []
+    for q in quantizes:  # each knows the ones before it (whose files, or verified inputs, it may share)
+        for t in recipe.targets:
+            exports.append(Export(q, t, tuple(exports)))
     every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(), Gate(), Publish()]
     return [s for s in every if not s.id.kind.comes_after(last)]
 

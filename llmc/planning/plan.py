@@ -27,6 +27,7 @@ from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import check_quantizable, expert_count
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
+from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import probes
@@ -751,14 +752,17 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         if ratio >= SLOW_DTYPE_RATIO:
             slow_dtype = {"ratio": ratio, "float32_seconds": sum(r.seconds for r in walk("float32").rows)}
     quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
+    # mixed precision: variant name ("" for one quantization) -> per group, its Linears, parameters, stored bytes
+    groups = {s.variant: s.groups(costing) for s in stages(recipe, schemes, Kind.QUANTIZE)
+              if isinstance(s, Quantize) and s.scheme.mixed}
     registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
     estimates = {
         "params": shape.params,
         "layers": shape.layers,
         "dtype": compute,
         "stages": [s.as_dict() for s in rows],
-        "cheaper": costing.cheaper,
-        **({"groups": costing.group_bytes} if costing.group_bytes else {}),
+        "cheaper": {r.name: r.cheaper for r in rows if r.cheaper is not None},
+        **({"groups": groups} if groups else {}),
         "source_gb": shape.stored_bytes / 1e9,
         "registry_gb": registry_bytes / 1e9,
         "available_gb": (available or 0) / 1e9,

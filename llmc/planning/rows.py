@@ -38,6 +38,8 @@ class CostRow:
     # the stage's decision that this row costs (the quantize stage's llmc.quant.loop_plan.LayerLoopPlan), which the
     # build executes
     decision: object | None = None
+    # a strategy that would take less host memory, and its peak in GB (the plan names it where memory is short)
+    cheaper: tuple[str, float] | None = None
 
     def named(self, id: StageId) -> CostRow:
         """This row, as the stage `id`."""
