@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 
@@ -85,9 +85,25 @@ def destroy() -> None:
         _CLOSED, _commands = True, None
 
 
+_ALONE = False  # inside `alone()`: this process acts as a world of one
+
+
 def active() -> bool:
-    """True inside an initialized process group of more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True inside an initialized process group of more than one rank (and not inside `alone()`)."""
+    return not _ALONE and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within this block this process is a world of one: every function here answers as without torchrun and
+    enters no collective. For work one rank does on its own while the others wait at a barrier (the planner's
+    stream probe, llmc.quant.stream_probe, times a tiny `quantize_model` of its own, not the job's)."""
+    global _ALONE
+    previous, _ALONE = _ALONE, True
+    try:
+        yield
+    finally:
+        _ALONE = previous
 
 
 def rank() -> int:

@@ -19,6 +19,7 @@ import torch
 
 from llmc import distributed
 from llmc.engines import engine_spec
+from llmc.planning import probes
 from llmc.errors import ResourceError
 from llmc.telemetry.progress import log
 from llmc.storage.store import Store
@@ -49,6 +50,22 @@ def main_first(produce: Callable[[], T]) -> T:
         return out
     distributed.barrier()
     return produce()
+
+
+def probed_once(plan: Callable[[], T]) -> T:
+    """`plan()` (a plan that may probe this machine's rates) on rank 0 first: it measures the rates the cache lacks,
+    each probe on its own (the stream probe's tiny `quantize_model` inside `distributed.alone`), and caches them as
+    it goes; the other ranks wait, then read every rate from the cache (llmc.planning.probes) instead of probing
+    while rank 0 does, or joining the probe's collectives with windows it does not split for them."""
+    if not distributed.active():
+        return plan()
+    if distributed.is_main():
+        out = plan()
+        distributed.barrier()
+        return out
+    distributed.barrier()
+    probes.reread()
+    return plan()
 
 
 def check_same_cache(found: bool, store: Store) -> None:

@@ -77,23 +77,68 @@ def cpu_count() -> int | None:
 
 
 def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: int = 64) -> float:
-    """FLOP/s of a [rows, width] x [width, 128] matmul in `dtype_name` on `device` (llmc.planning.probes: timed
-    several times, cached per machine; the median, or the fastest or slowest run within `probes.reading`).
+    """FLOP/s of a [rows, width] x [width, 3 x width] matmul in `dtype_name` on `device` (llmc.planning.probes:
+    timed several times, cached per machine; the median, or the fastest or slowest run within `probes.reading`).
     `width` is the model's hidden size and `rows` the tokens of one forward (capped at 512): a CPU's float32 rate
     moves with the rows (memory-bound at few), bf16 without bf16 instructions hardly at all
-    (benchmarks/forward_efficiency.py)."""
+    (benchmarks/forward_efficiency.py). On a CPU a width over CPU_DIRECT_PROBE_WIDTH is not probed at its size
+    (`_cpu_width_points`)."""
     if device != "cpu":  # a GPU: a forward's own GEMM shape (one launch of a 128-column product is launch-bound)
         rows, outputs = max(GPU_PROBE_ROWS, min(rows, 4 * GPU_PROBE_ROWS)), width
-    else:
-        # a forward's MLP GEMM (intermediate ~3x the width), most of a layer's FLOPs: a 128-column product ran at a
-        # tenth of them on an AVX-512 VM (2.3 against 20-28 GFLOP/s at SmolLM2's width, docs/planner.md "Accuracy
-        # under load")
-        rows, outputs = max(1, min(rows, 512)), CPU_PROBE_OUTPUTS_PER_WIDTH * width
-    return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows} outputs={outputs}",
-                       _matmul_timer(dtype_name, device, width, rows, outputs))
+        return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows} outputs={outputs}",
+                           _matmul_timer(dtype_name, device, width, rows, outputs))
+    # a forward's MLP GEMM (intermediate ~3x the width), most of a layer's FLOPs: a 128-column product ran at a
+    # tenth of them on an AVX-512 VM (2.3 against 20-28 GFLOP/s at SmolLM2's width, docs/planner.md "Accuracy
+    # under load")
+    rows = max(1, min(rows, 512))
+    points = {w: _cpu_matmul_probe(dtype_name, w, rows) for w in _cpu_width_points(dtype_name, width, rows)}
+    if width in points:
+        return points[width].read(probes.current_reading())
+    return probes.saturating_rate([(_cpu_gemm_flops(w, rows), p.read(probes.current_reading()))
+                                   for w, p in points.items()], _cpu_gemm_flops(width, rows))
 
 
+# A CPU's matmul probe at a model's own width only up to this; a wider model's rate comes from the widths
+# CPU_PROBE_WIDTHS, each measured only while one call of it (predicted at the last width's median rate) takes at most
+# MAX_PROBE_CALL_S, and extrapolated (probes.saturating_rate). At a 405B model's width (16384) one call is 824 GFLOP
+# over 3.2 GB of float32 operands: minutes per timed run on a CPU (docs/planner.md, "Probes").
+CPU_DIRECT_PROBE_WIDTH = 1024
+CPU_PROBE_WIDTHS = (512, 1024, 2048, 4096, 8192)
+MAX_PROBE_CALL_S = 0.5
 CPU_PROBE_OUTPUTS_PER_WIDTH = 3  # columns of the CPU's probe GEMM per unit of width
+
+
+def _cpu_gemm_flops(width: int, rows: int) -> float:
+    return 2.0 * rows * width * CPU_PROBE_OUTPUTS_PER_WIDTH * width
+
+
+def _cpu_matmul_key(dtype_name: str, width: int, rows: int) -> str:
+    return f"matmul {dtype_name} cpu width={width} rows={rows} outputs={CPU_PROBE_OUTPUTS_PER_WIDTH * width}"
+
+
+def _cpu_matmul_probe(dtype_name: str, width: int, rows: int) -> probes.Probe:
+    return probes.measured(_cpu_matmul_key(dtype_name, width, rows),
+                           _matmul_timer(dtype_name, "cpu", width, rows, CPU_PROBE_OUTPUTS_PER_WIDTH * width))
+
+
+def _cpu_width_points(dtype_name: str, width: int, rows: int) -> list[int]:
+    """The widths the CPU's probe measures for a model of `width`: the width itself up to CPU_DIRECT_PROBE_WIDTH;
+    above it the smallest of CPU_PROBE_WIDTHS, then each wider one (and the model's own width last) while its one
+    call, at the median rate of the widest measured so far, takes at most MAX_PROBE_CALL_S. Which points that is
+    depends only on cached or measured medians, so every reading of one plan (median, fastest, slowest) uses the
+    same ones and probes nothing new. A rate cached at the model's own width is read as it is."""
+    if width <= CPU_DIRECT_PROBE_WIDTH or probes.book().cached(_cpu_matmul_key(dtype_name, width, rows)):
+        return [width]
+    ladder = [w for w in CPU_PROBE_WIDTHS if w < width] + [width]
+    points = [ladder[0]]
+    for w in ladder[1:]:
+        rate = _cpu_matmul_probe(dtype_name, points[-1], rows).read("median")
+        if _cpu_gemm_flops(w, rows) / rate > MAX_PROBE_CALL_S:
+            break
+        points.append(w)
+    return points
+
+
 GPU_PROBE_ROWS = 4096  # tokens of a GPU's probe GEMM at least (a calibration batch is 4 x seq_len)
 
 

@@ -466,6 +466,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
         _check_scheme(scheme, where)
     _plan_gates(plan)
+    nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
+    _check_rank_split(recipe, schemes, nproc)
     if recipe.gates.min_decode_tokens_per_s is not None:
         no_cache = sorted({t["label"] for t in plan.targets
                            if not targets.artifact_format(t["exporter"]).measures_decode})
@@ -493,7 +495,6 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
         plan.rates = probes.book().describe()
         plan.warnings += _slow_dtype_warning(plan.estimates)
-        nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
             raise IncompatibleTargetError(
@@ -617,6 +618,22 @@ def check_disk(plan: Plan, cache_dir: Path, pending: Collection[StageId] | None 
             f"the build needs ~{need:.1f} GB under {cache_dir}, {free:.1f} GB are free",
             fix="free disk space or set LLMC_CACHE to a larger disk",
         )
+
+
+def _check_rank_split(recipe: Recipe, schemes: dict[str, Scheme], nproc: int) -> None:
+    """RecipeError when data-parallel calibration over `nproc` ranks would leave a rank without a calibration batch
+    (each rank takes a contiguous block of whole batches, llmc.distributed.shard_bounds): found here, from the recipe,
+    by every rank alike before any weight loads, rather than by one rank inside the quantize stage."""
+    if nproc <= 1 or not any(s.needs_calibration for s in schemes.values()):
+        return
+    c = recipe.calibration
+    unit = 1 if c.packing == "samples" else CALIBRATION_BATCH_SIZE  # as llmc.quant.stream cuts them
+    batches = -(-c.samples // unit)
+    if batches < nproc:
+        raise RecipeError(f"calibration.samples: {c.samples} calibration windows in batches of {unit} leave "
+                          f"{nproc - batches} of {nproc} ranks without any",
+                          fix=f"use at most {batches} processes (--nproc) or at least {unit * nproc} "
+                              "calibration.samples")
 
 
 def plan_recipe(recipe: Recipe, store, recipe_path: Path | None = None, nproc: int | None = None) -> Plan:

@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +150,10 @@ class RateBook:
         self.used[key] = found
         return found
 
+    def cached(self, key: str) -> bool:
+        """Whether `key`'s samples are at hand (read from the cache or measured by this process)."""
+        return key in self.probes
+
     def _write(self, key: str, run: tuple[tuple[float, ...], float]) -> None:
         """Add one probe's runs to the file (read again first: another plan may have added others meanwhile)."""
         if self.path is None:
@@ -216,6 +220,14 @@ def use_cache(folder: Path | None, *, reprobe: bool = False) -> RateBook:
     return _book
 
 
+def reread() -> RateBook:
+    """Read the cache file again, for rates another process measured meanwhile (a torchrun job's other ranks after
+    rank 0 probed); nothing is measured again (not even under --reprobe, which that process has honoured)."""
+    global _book
+    _book = RateBook(_book.path)
+    return _book
+
+
 @contextlib.contextmanager
 def reading(which: str) -> Iterator[None]:
     """Within this block every probe reads its `which` sample: "median" (the plan's point), "fastest" or
@@ -232,4 +244,37 @@ def reading(which: str) -> Iterator[None]:
 
 def rate(key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> float:
     """Probe `key`'s rate as the current `reading` reads it."""
-    return _book.probe(key, run_once, repeats).read(_reading)
+    return measured(key, run_once, repeats).read(_reading)
+
+
+def measured(key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+    """Probe `key`'s samples (cached or measured now), for a caller that reads them another way than `rate`."""
+    return _book.probe(key, run_once, repeats)
+
+
+def current_reading() -> str:
+    return _reading
+
+
+def saturating_rate(points: Sequence[tuple[float, float]], work: float) -> float:
+    """The rate of one call doing `work` units, from rates measured at calls doing less: (work, rate) `points`.
+
+    A call costs a fixed time plus its work at a sustained rate, t = t0 + work / R (least squares over the points'
+    times, work / rate): the fixed part (dispatch, packing the operands, threads starting) is why small GEMMs run
+    slower per FLOP. The answer stays within the measured rates: a rate still rising at the largest point is
+    capped there (never extrapolated upward past what was measured), a falling one follows the fit but not below
+    the slowest point (docs/planner.md, "Probes")."""
+    if not points:
+        raise ValueError("no measured points")
+    points = sorted(points)
+    rates = [r for _, r in points]
+    if len(points) == 1:
+        return rates[0]
+    works, times = [w for w, _ in points], [w / r for w, r in points]
+    mean_w, mean_t = sum(works) / len(works), sum(times) / len(times)
+    spread = sum((w - mean_w) ** 2 for w in works)
+    per_unit = sum((w - mean_w) * (t - mean_t) for w, t in zip(works, times)) / spread if spread else 0.0
+    predicted = mean_t + per_unit * (work - mean_w)
+    if per_unit <= 0 or predicted <= 0:  # times not growing with the work: noise, not a trend to extrapolate
+        return rates[-1]
+    return min(max(rates), max(min(rates), work / predicted))

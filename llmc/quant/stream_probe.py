@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from llmc import distributed
 from llmc.model.source import ModelSource
 from llmc.planning import probes
 from llmc.quant.spec import Scheme, TensorSpec
@@ -83,7 +84,9 @@ def _stream_timer(calibrated: bool, dtype_name: str):
             windows = (Calibration(torch.randint(0, PROBE_CONFIG["vocab_size"], (PROBE_WINDOWS, PROBE_SEQ_LEN),
                                                  generator=torch.Generator().manual_seed(0)),
                                    shared_stats=Path(tmp) / "shared-stats") if calibrated else None)
-            with progress.quiet(), events.muted():  # the tiny model's layers are not the build's
+            # the tiny model's layers are not the build's; under torchrun this rank times them on its own (the
+            # others are not running the probe: they wait for its cached rate, llmc.build)
+            with progress.quiet(), events.muted(), distributed.alone():
                 quantize_model(source, _CALIBRATED if calibrated else _DATA_FREE, Path(tmp) / "out", windows,
                                StreamOptions(dtype=getattr(torch, dtype_name),
                                              on_layer_done=lambda i: committed.append(time.monotonic())))

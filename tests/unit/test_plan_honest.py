@@ -190,6 +190,9 @@ def test_a_spread_in_the_probes_widens_the_range(tiny_model: Path, tmp_path: Pat
 def pin_matmul_by_dtype(monkeypatch, rates: dict[str, float]) -> None:
     monkeypatch.setattr(machine, "_matmul_timer", lambda dtype, *_: lambda: rates[dtype])
     monkeypatch.setattr(numerics, "_quantize_timer", lambda *_: lambda: 1e8)
+    # the stream's per-layer work too: timed, the float32 walk's own probe of it moved with the load (4.8 s against
+    # bf16's 4.2 s at load ~10)
+    monkeypatch.setattr(stream_probe, "_stream_timer", lambda *_: lambda: 50.0)
 
 
 def test_bf16_far_slower_than_float32_warns_with_both_times_and_the_fix(tiny_model: Path, tmp_path: Path,

@@ -27,3 +27,107 @@ def test_the_activation_emulation_probe_takes_every_activation_format(spec: Tens
     from llmc.quant.numerics import fake_quantize_rate
 
     assert fake_quantize_rate(spec, "float32", width=576, rows=8) > 0
+
+
+# Bounded matmul probes (issue 50, item 2): a wide model's rate from small GEMMs and a saturating fit
+
+
+def test_the_fit_never_extrapolates_a_rate_upward_past_the_fastest_measured() -> None:
+    from llmc.planning.probes import saturating_rate
+
+    rising = [(1e9, 80e9), (4e9, 120e9), (16e9, 160e9)]  # small GEMMs slower per FLOP: a fixed cost per call
+    assert saturating_rate(rising, 1e12) == 160e9
+    falling = [(1e9, 30e9), (4e9, 25e9), (16e9, 22e9)]  # operands leaving the cache: slower as the GEMM grows
+    assert 22e9 < saturating_rate(falling, 8e9) < 25e9  # the fit's trend between the points...
+    assert saturating_rate(falling, 1e12) == 22e9  # ...and never below the slowest measured
+    assert saturating_rate([(1e9, 5e9)], 1e12) == 5e9
+    # t = t0 + work / R exactly: read back inside the measured range
+    exact = [(w, w / (0.01 + w / 100e9)) for w in (1e9, 2e9, 8e9)]
+    assert saturating_rate(exact, 4e9) == pytest.approx(4e9 / (0.01 + 4e9 / 100e9))
+
+
+def _fake_gemms(monkeypatch, peak: float, fixed_s: float) -> list[tuple[int, int, int]]:
+    """The CPU's matmul probe timed as `fixed_s` per call plus its FLOPs at `peak` (not timed): the shapes it built."""
+    from llmc.planning import machine, probes
+
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    built: list[tuple[int, int, int]] = []
+
+    def timer(dtype_name, device, width, rows, outputs=128):
+        flops = 2.0 * rows * width * outputs
+
+        def run_once() -> float:
+            if (width, rows, outputs) not in built:  # the real timer makes its operands on its first run
+                built.append((width, rows, outputs))
+            return flops / (fixed_s + flops / peak)
+        return run_once
+
+    monkeypatch.setattr(machine, "_matmul_timer", timer)
+    return built
+
+
+def test_a_405b_width_is_probed_at_small_widths_and_read_from_their_fit(monkeypatch) -> None:
+    """8a48c9f probed a [512, 16384] x [16384, 49152] GEMM (824 GFLOP over 3.2 GB of operands) for a 405B plan:
+    minutes per timed run on a CPU, and a plan killed meanwhile cached nothing."""
+    from llmc.planning import machine
+
+    built = _fake_gemms(monkeypatch, peak=200e9, fixed_s=0.002)
+    rate = machine.matmul_rate("bfloat16", "cpu", 16384, 512)
+    assert built and max(w for w, _, _ in built) <= 8192 and all(w < 16384 for w, _, _ in built)
+    assert all(2 * r * w * o / 200e9 <= 2 * machine.MAX_PROBE_CALL_S for w, r, o in built)  # each call bounded
+    fastest_measured = max(2 * r * w * o / (0.002 + 2 * r * w * o / 200e9) for w, r, o in built)
+    assert rate == pytest.approx(fastest_measured)  # capped at the fastest measured point, not the fit's 200e9
+    widths = [w for w, _, _ in built]
+    assert machine.matmul_rate("bfloat16", "cpu", 16384, 512) == rate and [w for w, _, _ in built] == widths
+
+
+def test_a_slow_cpu_stops_at_the_smallest_width_and_a_small_model_is_probed_at_its_own(monkeypatch) -> None:
+    from llmc.planning import machine
+
+    built = _fake_gemms(monkeypatch, peak=2e9, fixed_s=0.0)  # a bf16 GEMM without bf16 instructions
+    assert machine.matmul_rate("bfloat16", "cpu", 8192, 512) == pytest.approx(2e9)
+    assert [w for w, _, _ in built] == [machine.CPU_PROBE_WIDTHS[0]]  # 1024 would take 1.6 s per call
+    built.clear()
+    machine.matmul_rate("float32", "cpu", 576, 512)  # SmolLM2: its own width, as before
+    assert [w for w, _, _ in built] == [576]
+
+
+@pytest.mark.slow
+def test_a_cold_405b_plan_is_bounded_and_a_killed_one_keeps_what_it_measured(tmp_path) -> None:
+    """Real probes on a cold cache (not pinned). 8a48c9f: over 300 s for this plan, and a plan killed meanwhile left
+    no rates. The bound is loose (a shared machine): the plan's own target is 30 s, docs/reliability.md."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from llmc.planning import probes
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**{k: v for k, v in os.environ.items() if k != "LLMC_REPROBE"}, "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, "-m", "llmc", "plan", str(repo / "recipes" / "llama405b-fp8-plan.yaml"), "--cache-dir",
+           str(tmp_path / "cache")]
+    rates = tmp_path / "cache" / probes.RATES_FILE
+    killed = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and killed.poll() is None:
+        if rates.is_file() and len(json.loads(rates.read_text())["rates"]) >= 2:  # replaced whole: never torn
+            break
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    kept = json.loads(rates.read_text())["rates"]
+    assert len(kept) >= 2
+    started = time.monotonic()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    seconds = time.monotonic() - started
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{len(kept)} read from the cache" in r.stdout, r.stdout[-2000:]
+    assert seconds < 120, seconds
+    after = json.loads(rates.read_text())["rates"]
+    assert all(len(after[k]["runs"]) == 1 for k in kept)  # not measured again
+    widths = [int(k.split("width=")[1].split()[0]) for k in after if k.startswith("matmul")]
+    assert widths and max(widths) <= 8192
