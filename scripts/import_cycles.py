@@ -109,7 +109,8 @@ def import_graph(mods: dict[str, Path], in_functions: bool = False
     for m, f in mods.items():
         source = f.read_text()
         tree = ast.parse(source)
-        top = {t for n in _graph_imports(tree, in_functions) for t in _targets(n, m, f.name == "__init__.py") if t.startswith("llmc")}
+        top = {t for n in _graph_imports(tree, in_functions) for t in _targets(n, m, f.name == "__init__.py")
+               if t.startswith("llmc")}
         inner[m] = in_function_imports(tree, source)
         for t in top:
             r = resolve(t)
@@ -134,16 +135,14 @@ def layer(module: str) -> int | None:
 
 def layer_violations(mods: dict[str, Path], edges: dict[str, set[str]]) -> list[tuple[str, str]]:
     """(importer, imported) for every edge that goes up the LAYERS, or from or to a module no layer names."""
-    def empty_package(m: str) -> bool:
-        f = mods[m]
-        return f.name == "__init__.py" and not any(isinstance(n, (ast.Import, ast.ImportFrom))
-                                                    for n in ast.walk(ast.parse(f.read_text())))
+    empty_packages = {m for m, f in mods.items() if f.name == "__init__.py" and not any(
+        isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(f.read_text())))}
     out = []
     for m, targets in edges.items():
         if m == "llmc":
             continue
         for t in targets:
-            if t == "llmc" or empty_package(t):
+            if t == "llmc" or t in empty_packages:
                 continue
             a, b = layer(m), layer(t)
             if a is None or b is None or b < a:
@@ -201,7 +200,7 @@ def main(argv: list[str]) -> None:
     for c in found:
         print("  cycle:", ", ".join(c))
     against = layer_violations(mods, edges)
-    print(f"imports against the layers (LAYERS; docs/architecture.md): {len(against)}")
+    print(f"imports that go up the layers (LAYERS; docs/architecture.md, \"Layers\"): {len(against)}")
     for m, t in against:
         print(f"  {m} -> {t}")
     lazy = cycles(import_graph(mods, in_functions=True)[0])
