@@ -6,16 +6,16 @@ They import this module, never the orchestrator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from llmc.eval.gates import Verdict
     from llmc.model.source import ModelSource
-    from llmc.planning.plan import Plan
+    from llmc.pipeline.ids import StageId
+    from llmc.quant.spec import Scheme
     from llmc.recipe.schema import Recipe
 
 
@@ -98,11 +98,39 @@ class Evaluation:
                 if f.name != "nll" and getattr(self, f.name) is not None}
 
 
+@dataclass(frozen=True)
+class Verdict:
+    gate: str
+    target: str  # "<engine>:<artifact>" where an engine measured it; "<artifact>" where no engine did
+    passed: bool
+    measured: str
+    threshold: str
+    kind: str  # "quality" | "performance" | "availability"
+    evaluated: bool = True  # False: no engine measured the metric (passes only under gates.allow_unevaluated)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PlanOfBuild(Protocol):
+    """What a build's result keeps of the plan it executed (`llmc.planning.plan.Plan` is one). Named by what is read
+    of it, not by the planner's class: the planner imports the stages, which fill this result, so importing it here
+    would close a circle (docs/architecture.md, "Layers")."""
+
+    @property
+    def schemes(self) -> dict[str, Scheme]: ...  # variant name ("" when single) -> scheme
+
+    @property
+    def warnings(self) -> list[str]: ...
+
+    def decision_of(self, id: StageId) -> object | None: ...  # the decision the plan costs for stage `id`
+
+
 @dataclass
 class BuildResult:
     recipe: Recipe
     build_id: str
-    plan: Plan
+    plan: PlanOfBuild
     source: ModelSource
     stages: list[StageRecord] = field(default_factory=list)
     calibration: dict | None = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from llmc.data.sources import corpora_of
@@ -25,7 +24,7 @@ from llmc.engines import engine_spec
 from llmc.quant.canonical import scheme_from_dict
 from llmc.recipe.schema import Gates
 from llmc.result import eval_id as make_eval_id
-from llmc.result import parse_eval_id
+from llmc.result import Verdict, parse_eval_id
 from llmc.runtimes.catalog import artifact_format
 
 if TYPE_CHECKING:
@@ -54,20 +53,6 @@ SUSPICIOUS_IMPROVEMENT = (
     "not the model the artifact was made from), not a better model. Read the KLD and top-1 agreement: a "
     "distribution that moved while perplexity fell is a changed model"
 )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    gate: str
-    target: str  # "<engine>:<artifact>" where an engine measured it; "<artifact>" where no engine did
-    passed: bool
-    measured: str
-    threshold: str
-    kind: str  # "quality" | "performance" | "availability"
-    evaluated: bool = True  # False: no engine measured the metric (passes only under gates.allow_unevaluated)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- which gates apply

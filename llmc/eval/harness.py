@@ -21,7 +21,7 @@ import yaml
 
 from llmc.data.bos import bos_decision
 from llmc.errors import EngineUnavailable, InputError
-from llmc.eval.gates import Verdict
+from llmc.result import Verdict
 
 Z95 = 1.96
 

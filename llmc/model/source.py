@@ -27,7 +27,7 @@ from llmc.model.checkpoint import INDEX_FILE, read_model_config, safetensors_fil
 from llmc.model.confine import check_folder_confined, source_file
 from llmc.model.gguf_header import check_gguf_header
 from llmc.model.hub import describe_snapshot, download, is_hub_spec, parse_hub_spec
-from llmc.publish.model_card import source_metadata
+from llmc.model.card import source_metadata
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import Store, stage_key
 from llmc.telemetry.progress import Meter, log

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING
 import yaml
 
 from llmc import __version__
-from llmc.model.confine import source_file
+from llmc.model.card import CARD_FILE, source_metadata  # CARD_FILE: also the published card's name
 from llmc.eval.report import speed_kind
 from llmc.data.sources import label as data_label
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
 
-CARD_FILE = "README.md"
 # Where the demo models come from on the Hub, and their licenses (the GGUF packages carry neither as metadata).
 DEMO_ORIGINS = {
     "demo:smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
@@ -31,28 +30,6 @@ DEMO_ORIGINS = {
 }
 # library_name by artifact format family: what loads the files (Hub's convention).
 _LIBRARIES = {"gguf": "gguf", "onnx": "onnxruntime"}
-
-
-CARD_BYTES = 200_000  # of the source's README.md read for its front matter
-
-
-def source_metadata(folder: Path | None) -> dict:
-    """The YAML front matter of the source's own README.md (its license and base model), {} when absent or unreadable.
-    Read through `llmc.model.confine.source_file`: a README linked outside the folder is refused (exit 7)."""
-    if not folder:
-        return {}
-    card = source_file(Path(folder), CARD_FILE, "model card")
-    if not card.is_file():
-        return {}
-    with open(card, "rb") as f:
-        text = f.read(CARD_BYTES).decode("utf-8", errors="replace")
-    if not text.startswith("---"):
-        return {}
-    try:
-        meta = yaml.safe_load(text[3:].split("\n---", 1)[0])
-    except yaml.YAMLError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def base_model_and_license(result: "BuildResult") -> tuple[str | None, str]:

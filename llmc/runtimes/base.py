@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.spec import BLOCK_SHAPE, KV_CACHE_SCHEMES, Scheme, TensorSpec
 
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
-    from llmc.recipe.schema import Target
 
 # Every NVIDIA GPU architecture a rule or a recipe target names, oldest first (the recipe's `gpu_arch` takes these
 # and "cpu"): one line each.
@@ -74,7 +73,33 @@ def scheme_keys(scheme: Scheme) -> list[str]:
     return gemm + ([KV_CACHE_SCHEMES[scheme.kv_cache.format]] if scheme.kv_cache else [])
 
 
-def target_key(target: Target) -> dict:
+class RuntimeTarget(Protocol):
+    """A recipe target as the runtimes and formats read it (`llmc.recipe.schema.Target` is one). Named by what is
+    read, not by the recipe's class: the recipe schema imports the runtimes (their names are its `runtime:` choices,
+    `ARCH_ORDER` its `gpu_arch:` ones), so importing it here would close a circle (docs/architecture.md, "Layers")."""
+
+    @property
+    def runtime(self) -> str: ...
+
+    @property
+    def version(self) -> str | None: ...  # a PEP 440 specifier of the runtime versions
+
+    @property
+    def gpu_arch(self) -> str: ...
+
+    @property
+    def tensor_parallel(self) -> int: ...
+
+    @property
+    def triton(self) -> bool: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def model_dump(self, *, mode: str = ..., exclude: set[str] | None = ...) -> dict: ...
+
+
+def target_key(target: RuntimeTarget) -> dict:
     """The target as it enters stage keys; `triton` only when set, so older keys stay valid."""
     return target.model_dump(mode="json", exclude=set() if target.triton else {"triton"})
 
@@ -84,7 +109,7 @@ class ExportRequest:
     """Everything an exporter may read: the canonical form, the target, and the recipe's serving settings."""
 
     quantized: QuantizedModel
-    target: Target
+    target: RuntimeTarget
     max_model_len: int  # the context the runtime is configured to serve (llmc.pipeline.export.served_context)
     max_batch_size: int  # the recipe's eval.batch_size
 

@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Iterable
 from llmc.errors import EngineUnavailable, IncompatibleTargetError
 from llmc.model.families import expert_count
 from llmc.registry import Registry
-from llmc.runtimes.base import ArtifactFormat, Runtime, arch_rank, arch_span, scheme_keys
+from llmc.runtimes.base import ArtifactFormat, Runtime, RuntimeTarget, arch_rank, arch_span, scheme_keys
 
 if TYPE_CHECKING:
     from llmc.quant.spec import Scheme
-    from llmc.recipe.schema import Target
 
 RUNTIMES: Registry[Runtime] = Registry("runtime")  # in the order of docs/compatibility.md
 FORMATS: Registry[ArtifactFormat] = Registry("artifact format")
@@ -55,12 +54,12 @@ def formats() -> list[ArtifactFormat]:
     return list(FORMATS.values())
 
 
-def format_for(target: Target) -> ArtifactFormat:
+def format_for(target: RuntimeTarget) -> ArtifactFormat:
     """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here)."""
     return FORMATS[runtime(target.runtime).format_for(target.version)]
 
 
-def triton_backend(target: Target) -> str:
+def triton_backend(target: RuntimeTarget) -> str:
     """The Triton backend serving the target's artifact; IncompatibleTargetError naming the targets that have one."""
     fmt = format_for(target)
     if fmt.triton_refusal:
@@ -78,7 +77,7 @@ def triton_backend(target: Target) -> str:
     return fmt.triton_backend
 
 
-def check_family(target: Target, config: dict) -> None:
+def check_family(target: RuntimeTarget, config: dict) -> None:
     """IncompatibleTargetError when the target's artifact format does not cover the model's family
     (config.json's model_type), naming the runtimes whose formats do."""
     family = config.get("model_type")

@@ -1,5 +1,6 @@
-"""Imports inside functions say why they are not at module level (issue 32), read from the source by
-scripts/import_cycles.py: no llmc module is imported, so this is fast."""
+"""No import circle among llmc's modules, counting `if TYPE_CHECKING:` imports (issue 44), every import keeps to the
+layers of docs/architecture.md, and imports inside functions say why they are not at module level (issue 32); read
+from the source by scripts/import_cycles.py: no llmc module is imported, so this is fast."""
 from __future__ import annotations
 
 import ast
@@ -24,10 +25,46 @@ def test_every_in_function_import_of_the_cleaned_folders_says_why() -> None:
     assert _checker().unexplained(REPO, CLEANED) == {}
 
 
-def test_no_llmc_module_is_in_an_import_cycle() -> None:
+def test_no_llmc_module_is_in_an_import_cycle_type_level_imports_included() -> None:
     checker = _checker()
     edges, _ = checker.import_graph(checker.modules(REPO))
     assert len(edges) > 100 and checker.cycles(edges) == []
+
+
+def test_every_import_keeps_to_the_layers() -> None:
+    """docs/architecture.md, "Layers": a module imports from its own layer or the ones below, type-level imports
+    included; `llmc.result` names no planner, gate or publisher type."""
+    checker = _checker()
+    mods = checker.modules(REPO)
+    edges, _ = checker.import_graph(mods)
+    assert checker.layer_violations(mods, edges) == []
+    assert not {t for t in edges["llmc.result"] if t.startswith(("llmc.planning", "llmc.eval", "llmc.publish"))}
+
+
+def test_a_circle_closed_by_a_type_level_import_is_counted(tmp_path: Path) -> None:
+    """An import under `if TYPE_CHECKING:` never runs, but it names a module whose types this one needs: a circle
+    through it is a layering circle. Imports inside functions stay out of the enforced graph."""
+    checker = _checker()
+    pkg = tmp_path / "llmc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llmc.high import H\n")
+    (pkg / "high.py").write_text("from llmc.low import L\n")
+    (pkg / "lazy.py").write_text("def f():\n    from llmc.high import H\n")
+    edges, _ = checker.import_graph(checker.modules(tmp_path))
+    assert checker.cycles(edges) == [["llmc.high", "llmc.low"]] and "llmc.high" not in edges["llmc.lazy"]
+    everything, _ = checker.import_graph(checker.modules(tmp_path), in_functions=True)
+    assert "llmc.high" in everything["llmc.lazy"]
+
+
+def test_a_module_takes_the_layer_of_its_longest_prefix() -> None:
+    """`llmc.planning.plan` walks the stages (top layer); the rest of `llmc.planning` is the cost model's primitives,
+    which the stages import (bottom layer)."""
+    checker = _checker()
+    top, bottom = 0, len(checker.LAYERS) - 1
+    assert checker.layer("llmc.planning.plan") == top and checker.layer("llmc.planning.machine") == bottom
+    assert checker.layer("llmc.pipeline.ids") == bottom and checker.layer("llmc.pipeline.stages") == 1
+    assert checker.layer("llmc.result") < checker.layer("llmc.recipe.schema") < checker.layer("llmc.errors")
 
 
 def test_a_package_that_imports_its_plugins_is_a_cycle_and_a_catalog_is_not(tmp_path: Path) -> None:
