@@ -14,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from llmc.quant.activations import SpillMode, should_spill, stays_on_device
 from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.flows import FlowNeeds, flow_for
 
 Placement = Literal["none", "memory", "device", "disk"]
 SharedUse = Literal["none", "record", "reuse"]
@@ -102,8 +105,6 @@ class LayerLoopPlan:
 
 def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
     """Every choice the layer loop makes for `pipeline`'s scheme, from `facts` (pure)."""
-    from llmc.quant.flows import FlowNeeds, flow_for
-
     why: list[str] = []
     calibrates = facts.calibrates
     shared: SharedUse = "none"
@@ -118,7 +119,7 @@ def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
     if forwards:
         copy = facts.activation_bytes
         spill = should_spill(facts.spill_mode, copy, facts.host_available)
-        resident = not spill and stays_on_device(_device(facts.device), copy, facts.device_free)
+        resident = not spill and stays_on_device(torch.device(facts.device), copy, facts.device_free)
         if spill:
             why.append(f"two copies of the calibration activations ({2 * copy / 1e9:.2f} GB) would take more than a "
                        f"quarter of the {_gb(facts.host_available)} available (or spill_activations says so): "
@@ -167,12 +168,6 @@ def redecided(planned: LayerLoopPlan, now: LoopFacts, pipeline: Pipeline) -> tup
         return planned, []
     again = decide_layer_loop(pipeline, now)
     return (planned, []) if again.as_dict() == planned.as_dict() else (again, changes)
-
-
-def _device(name: str):
-    import torch
-
-    return torch.device(name)
 
 
 def _gb(n: int | None) -> str:
