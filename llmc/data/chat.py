@@ -207,7 +207,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 def _bounded_template(text: str):
     try:  # transformers' own filters, globals and extensions ({% generation %}, tojson, raise_exception, ...), from
         # an empty template: transformers' unbounded sandbox folds constants as it compiles ('x' * 10**9 included)
-        from transformers.utils.chat_template_utils import _compile_jinja_template
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # lazy: transformers (~2 s)
 
         like = _compile_jinja_template("").environment
     except ImportError:

@@ -246,9 +246,9 @@ def parquet(source, *, max_chars: int | None = None) -> Iterator[Row]:
 def _cell_bytes(array):
     """Each row's bytes of text in an Arrow array, from its offsets (no value becomes a Python object): a string's
     length, or the sum of a row's turns' `content` lengths for a list of {role, content} structs; None for numbers."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    import numpy as np  # lazy: with pyarrow, only for parquet and dataset sources
+    import pyarrow as pa  # lazy: pyarrow, only for parquet sources
+    import pyarrow.compute as pc  # lazy: pyarrow, only for parquet sources
 
     t = array.type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
