@@ -139,11 +139,11 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         log(f"resuming quantization at layer {start}/{m.n_layers}")
     windows, mask = _calibration_windows(scheme, cal, m)
     shared = (SharedStats(cal.shared_stats, m.n_layers) if cal is not None and cal.shared_stats else None)
-    loop = _obeyed(options.loop, Pipeline.of(scheme), loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
-                                                                 bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
-                                                                 options.resume_every_s))
-    shared = shared if loop.shared != "none" else None
     pipeline = Pipeline.of(scheme)
+    loop = _obeyed(options.loop, pipeline, loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
+                                                      bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
+                                                      options.resume_every_s))
+    shared = shared if loop.shared != "none" else None
     m.pipelines = {g: Pipeline.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
     moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
     if loop.traces_structure or loop.calibrates:
@@ -337,7 +337,7 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
     members = scheme.members()
     if w.quantized is None:
         w.quantized = {}
-        for group, member in members.items():  # one quantizer call per group, with its group's scheme
+        for group in members:  # one quantizer call per group, with its group's scheme
             mine = {n: lin for n, lin in w.linears.items() if n not in starved and m.group_of[n] == group}
             if mine:
                 w.quantized.update(_quantize_spread(m.pipelines[group], mine, w.stats, device))
