@@ -9,6 +9,7 @@ from pathlib import Path
 
 from llmc.data import stages as data
 from llmc.data.sources import label
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
@@ -16,7 +17,7 @@ from llmc.pipeline.runner import read_json
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json, stage_key
 
 
-class Calibrate:
+class Calibrate(Stage):
     id = StageId(Kind.CALIBRATE)
     share = Share.MAIN_FIRST
 

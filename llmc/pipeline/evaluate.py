@@ -30,6 +30,7 @@ from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
 from llmc import distributed
+from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
@@ -55,7 +56,7 @@ from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_wr
 DECOMPRESS_RATE = 0.145e9
 
 
-class Evaluate:
+class Evaluate(Stage):
     id = StageId(Kind.EVAL)
     share = ranks.Share.HELPED
 

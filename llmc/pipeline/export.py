@@ -16,6 +16,7 @@ from llmc.runtimes import catalog as targets
 from llmc.formats.described import check_export
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.model.dtype import BYTES
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
@@ -48,7 +49,7 @@ def served_context(config: dict, eval_seq_len: int) -> int:
     return max(limit, eval_seq_len) if type(limit) is int and limit > 0 else eval_seq_len
 
 
-class Export:
+class Export(Stage):
     share = Share.MAIN
 
     def __init__(self, quantize: Quantize, target: Target, earlier: tuple[Export, ...] = ()) -> None:

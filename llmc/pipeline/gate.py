@@ -7,13 +7,14 @@ from llmc.data.sources import corpora_of
 from llmc.errors import PerformanceGateError, QualityGateError
 from llmc.eval.gates import gate_build
 from llmc.eval.harness import task_verdicts
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
 from llmc.result import BuildResult, eval_id
 
 
-class Gate:
+class Gate(Stage):
     id = StageId(Kind.GATE)
 
     share = Share.MAIN

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmc.telemetry import events
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
@@ -15,7 +16,7 @@ from llmc.publish.local import publish_build
 from llmc.storage.store import resource_errors
 
 
-class Publish:
+class Publish(Stage):
     id = StageId(Kind.PUBLISH)
 
     share = Share.MAIN

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from llmc import distributed
 from llmc.telemetry import events
+from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES, kept_elem
 from llmc.pipeline.context import Build, Costing, SchemeBytes
@@ -58,7 +59,7 @@ DISCOVERY_RATE = 0.13e9
 FAKE_QUANT_COST = 3.7
 
 
-class Quantize:
+class Quantize(Stage):
     share = ranks.Share.ALL
 
     def __init__(self, variant: str, scheme: Scheme, earlier: tuple[Quantize, ...] = ()) -> None:

@@ -1,10 +1,10 @@
-"""The pipeline's stages, in order, for one recipe: what `llmc build` runs and `llmc plan` costs.
+"""The pipeline's stages, in order, for one recipe: what `llmc build` runs and `llmc plan` decides and costs.
 
-Every stage has an `id` (`llmc.pipeline.ids.StageId`), a `share` (how the ranks of a torchrun job share it,
-`llmc.pipeline.ranks.Share`), `cost(costing)` (appends its rows to the plan), `pending(build)` (whether its output
-must still be written: the disk check) and `run(build)` (through the runner's cache protocol). A stage whose plan
-rows are parts of it (the evaluate stage: one row per scoring) says which parts are still to run
-(`pending_parts(build)`), so that a rerun's plan marks the cached ones (`pending_ids`)."""
+Every stage is a `llmc.pipeline.stage.Stage`: an `id`, a `share` (how the ranks of a torchrun job share it),
+`decide(costing)` (its choices, one typed decision), `cost(costing)` (its rows of the plan, each with the decision it
+prices), `pending_parts(build)` (itself, or the parts of it whose outputs are still to be written: the evaluate
+stage has one row per scoring, so a rerun's plan marks the cached ones) and `run(build)` (through the runner's cache
+protocol, executing the plan's decision)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from llmc.pipeline.gate import Gate
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.publish import Publish
 from llmc.pipeline.quantize import Quantize
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.tasks import Tasks
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe
 
 
-def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH) -> list:
+def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH) -> list[Stage]:
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
     evaluate, tasks, gate, publish."""
     quantizes: list[Quantize] = []
@@ -34,10 +35,6 @@ def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH
     return [s for s in every if not s.id.kind.comes_after(last)]
 
 
-def pending_ids(walk: list, b) -> list[StageId]:
+def pending_ids(walk: list[Stage], b) -> list[StageId]:
     """The stages, or the parts of a stage, whose outputs the build must still write."""
-    out: list[StageId] = []
-    for s in walk:
-        parts = getattr(s, "pending_parts", None)
-        out += parts(b) if parts is not None else [s.id] if s.pending(b) else []
-    return out
+    return [part for s in walk for part in s.pending_parts(b)]

@@ -10,6 +10,7 @@ from pathlib import Path
 from llmc.data.sources import corpora_of
 from llmc.engines import open_engine
 from llmc.eval import harness  # imports lm-evaluation-harness itself only when a task runs
+from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.evaluate import tokenizer_hash
 from llmc.pipeline.ids import Kind, StageId
@@ -19,7 +20,7 @@ from llmc.result import eval_id
 from llmc.storage.store import atomic_write_json, stage_key
 
 
-class Tasks:
+class Tasks(Stage):
     id = StageId(Kind.TASKS)
 
     share = Share.MAIN
