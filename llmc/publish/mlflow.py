@@ -116,9 +116,8 @@ def variant_tags(result: "BuildResult", label: str, source: dict, key: str) -> d
             "llmc.source.model": source["name"], "llmc.source.version": str(source["version"]),
             "llmc.source.sha256": result.source.sha256, "llmc.gates": result.gates_status[0]}
     for v in result.verdicts:
-        engine, _, target = v.target.rpartition(":")
-        if target == label:
-            tags[f"llmc.gate.{v.gate}" + (f".{engine}" if engine else "")] = (
+        if v.target.label == label and v.target.corpus is None:
+            tags[f"llmc.gate.{v.gate}" + (f".{v.target.engine}" if v.target.engine else "")] = (
                 f"{'pass' if v.passed else 'FAIL'}: {v.measured} (threshold {v.threshold})")
     return tags
 

@@ -66,7 +66,7 @@ def variant_metrics(result: "BuildResult", label: str) -> list[dict]:
         m = result.evals[eval_id]
         if not m.succeeded:
             continue
-        base = result.evals.get(f"{m.baseline_engine or m.engine}:baseline")
+        base = result.evals.get(eval_id.baseline(m.baseline_engine or m.engine))
         row = {"engine": m.engine, "ppl": m.perplexity, "ppl_base": base.perplexity if base else None,
                "ppl_change": m.ppl_change, "kld": m.kld, "kld_kind": m.kld_kind, "top1": m.top1_agreement}
         if speed_kind(result, eval_id) == "runtime" and m.throughput:
@@ -147,7 +147,7 @@ def model_card(result: "BuildResult", label: str) -> str:
                    + " |")
     if not rows:
         out.append("| - | - | - | - | - | - | not evaluated here |")
-    verdicts = [v for v in result.verdicts if v.target == label or v.target.endswith(f":{label}")]
+    verdicts = [v for v in result.verdicts if v.target.label == label]
     out += ["", "## Gates", "", f"{result.gates_status[1]}", ""]
     out += [f"- {'pass' if v.passed else 'FAIL'}: {v.gate} on {v.target}: {v.measured} (threshold {v.threshold})"
             for v in verdicts]
