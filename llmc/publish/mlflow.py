@@ -90,10 +90,11 @@ def _call(what: str, fn, *args, **kwargs):
 
 
 def variant_metrics(result: "BuildResult", label: str) -> dict[str, float]:
-    """The run's metrics for artifact `label`: '<engine>.<metric>'."""
+    """The run's metrics for artifact `label`: '<engine>.<metric>' ('<engine>.<corpus>.<metric>' when eval.corpus
+    names several corpora)."""
     out: dict[str, float] = {}
     for r in card_rows(result, label):
-        e = r["engine"]
+        e = r["engine"] + (f".{r['corpus']}" if r["corpus"] is not None else "")
         out[f"{e}.ppl"], out[f"{e}.ppl_base"] = r["ppl"], r["ppl_base"]
         if r["ppl_change"]:
             ch = r["ppl_change"]

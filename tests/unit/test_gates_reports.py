@@ -538,3 +538,27 @@ def test_report_html_is_a_page_with_tables_headings_and_three_quality_panels() -
     png = quality_speed_png(result)
     width, height = struct.unpack(">II", png[16:24])
     assert width > 2.5 * height  # three panels side by side: perplexity change, KLD, top-1
+
+
+@pytest.mark.parametrize("report", sorted((REPO / "benchmarks" / "results").glob("*_report.json")), ids=lambda p: p.stem)
+def test_stored_reports_evaluation_ids_read_back_as_written(report: Path) -> None:
+    """report.json names evaluations by EvalId's string form: the reports already written parse to the engine
+    and corpus their evaluation records, and print back byte for byte."""
+    data = json.loads(report.read_text())
+    named = [*data["evals"], *(i for t in data["targets"].values() for i in t["evals"]),
+             *(v["target"] for v in data["verdicts"])]
+    assert named and all(str(EvalId.parse(name)) == name for name in named)
+    for name, m in data["evals"].items():
+        eval_id = EvalId.parse(name)
+        assert (eval_id.engine, eval_id.corpus) == (m["engine"], m.get("corpus"))
+        assert eval_id.is_baseline or eval_id.label in data["targets"]
+
+
+def test_an_evaluation_id_prints_as_reports_name_it_and_refuses_what_is_not_one() -> None:
+    on = EvalId("vllm", "int8/vllm-sm80-tp1", "jury")
+    assert (str(on), str(on.baseline()), str(on.baseline("torch"))) == (
+        "vllm:int8/vllm-sm80-tp1@jury", "vllm:baseline@jury", "torch:baseline@jury")
+    assert str(EvalId(None, "t", "jury")) == "t@jury" and EvalId.parse("t@jury") == EvalId(None, "t", "jury")
+    for text in (":t", "", "torch:", "@jury"):
+        with pytest.raises(ValueError):
+            EvalId.parse(text)

@@ -14,8 +14,8 @@ from llmc.build import build_until
 from llmc.errors import InputError, RecipeError
 from llmc.eval.report import render_markdown, render_summary, report_dict
 from llmc.recipe.load import parse_recipe
-from llmc.storage.store import Store
 from llmc.result import EvalId
+from llmc.storage.store import Store
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()
 OTHER = "a truth universally acknowledged that a single man in possession of good fortune must want".split()
@@ -89,6 +89,16 @@ def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model:
     assert "2 corpora, each scored and gated on its own" in md and f"| torch:{art}@truth | max_ppl_increase_pct" in md
     report = json.loads(json.dumps(report_dict(result)))
     assert report["evals"][f"torch:{art}@truth"]["corpus"] == "truth"
+    # the model card and the MLflow metrics pair each corpus's row with that corpus's baseline
+    from llmc.publish.mlflow import variant_metrics
+    from llmc.publish.model_card import model_card
+
+    card = model_card(result, art)
+    assert f"| torch on jury | {base_jury.perplexity:.3f} | {jury.perplexity:.3f} |" in card
+    assert f"| torch on truth | {base_truth.perplexity:.3f} | {truth.perplexity:.3f} |" in card
+    metrics = variant_metrics(result, art)
+    assert (metrics["torch.jury.ppl_base"], metrics["torch.truth.ppl_base"]) == (base_jury.perplexity,
+                                                                               base_truth.perplexity)
 
     # each corpus keys its evaluations as it would alone: a build on one of them finds them cached
     alone = build_until(_recipe(tiny_model, corpora["jury"]), store, "gate")
