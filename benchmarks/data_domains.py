@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -74,7 +75,7 @@ def run(out: Path, name: str, spec: dict, tags: dict) -> None:
         for eval_id, m in result.evals.items():
             # a build on several corpora (eval.corpus as a mapping): each evaluation says which it was scored on
             on = {"evaluated_on": m.corpus} if m.corpus else {}
-            row = {**tags, **on, "recipe": str(path), "eval": eval_id.split("@", 1)[0], "perplexity": m.perplexity, "ppl_ci95": m.ppl_ci95,
+            row = {**tags, **on, "recipe": str(path), "eval": str(replace(eval_id, corpus=None)), "perplexity": m.perplexity, "ppl_ci95": m.ppl_ci95,
                    "ppl_change": m.ppl_change, "kld": m.kld, "windows": spec["eval"]["windows"],
                    "calibration": {k: result.calibration.get(k) for k in ("dataset_label", "packing", "samples",
                                                                            "tokens_sha256", "chat_templates")},

@@ -6,7 +6,7 @@ They import this module, never the orchestrator.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,18 +19,45 @@ if TYPE_CHECKING:
     from llmc.recipe.schema import Recipe
 
 
-def eval_id(engine: str, label: str, corpus: str | None = None) -> str:
-    """The id of one evaluation: "<engine>:<artifact label or 'baseline'>", plus "@<corpus>" when eval.corpus names
-    several corpora (one corpus keeps the ids it always had)."""
-    return f"{engine}:{label}" + (f"@{corpus}" if corpus is not None else "")
+BASELINE = "baseline"  # the label of the unquantized source's evaluations
 
 
-def parse_eval_id(eval_id: str) -> tuple[str, str, str | None]:
-    """(engine, artifact label or 'baseline', corpus label or None) of an `eval_id`. Artifact labels and corpus
-    labels are safe names, which never hold ':' or '@'."""
-    engine, rest = eval_id.split(":", 1)
-    label, _, corpus = rest.partition("@")
-    return engine, label, corpus or None
+@dataclass(frozen=True)
+class EvalId:
+    """Which evaluation: `engine`'s measurement of artifact `label` (or of the unquantized BASELINE) on eval corpus
+    `corpus` (None when the recipe has one corpus). A gate verdict no engine measured names the artifact alone:
+    `engine` is None.
+
+    Its string form, written wherever a string must stand for it (report.json's keys, junit names, report.md), is
+    "<engine>:<label>", plus "@<corpus>" when eval.corpus names several corpora, or "<label>[@<corpus>]" without an
+    engine: the form reports always had, so old reports still read. Artifact and corpus labels are safe names,
+    which never hold ':' or '@'."""
+
+    engine: str | None
+    label: str
+    corpus: str | None = None
+
+    def __str__(self) -> str:
+        return ((f"{self.engine}:" if self.engine is not None else "") + self.label
+                + (f"@{self.corpus}" if self.corpus is not None else ""))
+
+    @classmethod
+    def parse(cls, text: str) -> EvalId:
+        """The id whose string form is `text` (the inverse of str())."""
+        engine, colon, rest = text.partition(":")
+        label, _, corpus = (rest if colon else text).partition("@")
+        if not label or (colon and not engine):
+            raise ValueError(f"not an evaluation id: {text!r} (expected '<engine>:<label>[@<corpus>]')")
+        return cls(engine if colon else None, label, corpus or None)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.label == BASELINE
+
+    def baseline(self, engine: str | None = None) -> EvalId:
+        """The baseline evaluation on the same corpus, by `engine` (default: this id's engine) — the one a change
+        is paired with."""
+        return EvalId(engine or self.engine, BASELINE, self.corpus)
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ class Evaluation:
 @dataclass(frozen=True)
 class Verdict:
     gate: str
-    target: str  # "<engine>:<artifact>" where an engine measured it; "<artifact>" where no engine did
+    target: EvalId  # the evaluation it judged; engine None where no engine measured the gate
     passed: bool
     measured: str
     threshold: str
@@ -109,7 +136,8 @@ class Verdict:
     evaluated: bool = True  # False: no engine measured the metric (passes only under gates.allow_unevaluated)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The JSON form (report.json): the target as its string."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"target": str(self.target)}
 
 
 class PlanOfBuild(Protocol):
@@ -135,8 +163,8 @@ class BuildResult:
     stages: list[StageRecord] = field(default_factory=list)
     calibration: dict | None = None
     artifacts: dict[str, Artifact] = field(default_factory=dict)  # by label
-    evals: dict[str, Evaluation] = field(default_factory=dict)  # "<engine>:<artifact label or 'baseline'>"
-    target_evals: dict[str, list[str]] = field(default_factory=dict)  # artifact label -> its eval ids
+    evals: dict[EvalId, Evaluation] = field(default_factory=dict)
+    target_evals: dict[str, list[EvalId]] = field(default_factory=dict)  # artifact label -> its evaluations
     verdicts: list[Verdict] = field(default_factory=list)
     quantized_dirs: dict[str, Path] = field(default_factory=dict)  # variant name -> canonical form
     published: Path | None = None

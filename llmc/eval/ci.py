@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from llmc.eval.gates import effective_gates
 from llmc.eval.report import footnotes, header, speed_kind, summary_rows
-from llmc.result import parse_eval_id
 
 if TYPE_CHECKING:
     from llmc.result import BuildResult
@@ -105,7 +104,7 @@ def plot_points(result: "BuildResult") -> tuple[list[tuple[str, float, "Evaluati
     speed_points, quality_points = [], []
     for label in result.artifacts:
         for eval_id in result.target_evals.get(label, []):
-            engine, _, corpus = parse_eval_id(eval_id)
+            engine, corpus = eval_id.engine, eval_id.corpus
             m = result.evals.get(eval_id)
             if m is None or _interval(m, "ppl_change", 1.0) is None:
                 continue

@@ -23,8 +23,7 @@ from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec
 from llmc.quant.canonical import scheme_from_dict
 from llmc.recipe.schema import Gates
-from llmc.result import eval_id as make_eval_id
-from llmc.result import Verdict, parse_eval_id
+from llmc.result import EvalId, Verdict
 from llmc.runtimes.catalog import artifact_format
 
 if TYPE_CHECKING:
@@ -189,7 +188,7 @@ def non_finite(m: Evaluation) -> list[str]:
     return bad
 
 
-def evaluate_gates(gates: Gates, target: str, result: Evaluation, *, speed: SpeedKind = "runtime") -> list[Verdict]:
+def evaluate_gates(gates: Gates, target: EvalId, result: Evaluation, *, speed: SpeedKind = "runtime") -> list[Verdict]:
     """The verdicts of the gates one engine's evaluation measures (a failed evaluation fails as unavailable).
     Gates on metrics this engine does not measure give no verdict here: `gate_artifact` fails them when no
     engine measured them. `speed`: what the evaluation's tokens/s is; only a runtime's is gated."""
@@ -248,7 +247,7 @@ def _threshold(gates: Gates, gate: str) -> str:
             "min_top1_agreement_pct": f"lower bound >= {value}%"}.get(gate, f">= {value} tok/s")
 
 
-def gate_artifact(gates: Gates, label: str, evaluations: Iterable[tuple[str, Evaluation, SpeedKind, str]],
+def gate_artifact(gates: Gates, target: EvalId, evaluations: Iterable[tuple[EvalId, Evaluation, SpeedKind, str]],
                   *, unevaluated_reason: str | None = None) -> list[Verdict]:
     """Every verdict on one artifact. `evaluations`: (eval id, evaluation, what its tokens/s is, why its tokens/s
     is not speed) for each engine that loaded it; `unevaluated_reason`: why none did, when none did."""
@@ -257,7 +256,7 @@ def gate_artifact(gates: Gates, label: str, evaluations: Iterable[tuple[str, Eva
     measured: set[str] = set()
     why_not: dict[str, list[str]] = {g: [unevaluated_reason] if unevaluated_reason else [] for g in wanted}
     for eval_id, m, speed, speed_note in evaluations:
-        engine = eval_id.split(":", 1)[0]
+        engine = eval_id.engine
         own = [] if m.skipped is not None else evaluate_gates(gates, eval_id, m, speed=speed)
         verdicts += own
         if m.skipped is not None or m.error is not None:
@@ -279,7 +278,7 @@ def gate_artifact(gates: Gates, label: str, evaluations: Iterable[tuple[str, Eva
         if gate in measured:
             continue
         verdicts.append(Verdict(
-            gate, label, gates.allow_unevaluated,
+            gate, target, gates.allow_unevaluated,
             "not measured on any engine" + (f" ({'; '.join(why_not[gate])})" if why_not[gate] else ""),
             _threshold(gates, gate) + (" (allow_unevaluated: passes unmeasured)" if gates.allow_unevaluated else ""),
             "performance" if gate in PERFORMANCE_GATES else "quality", evaluated=False))
@@ -297,17 +296,15 @@ def gate_build(result: BuildResult) -> list[Verdict]:
             gates = effective_gates(result.recipe.gates, scheme, corpus)
             evaluations = []
             for eval_id in result.target_evals.get(label, []):
-                engine, _, on = parse_eval_id(eval_id)
-                if on == corpus:
-                    spec = engine_spec(engine)
+                if eval_id.corpus == corpus:
+                    spec = engine_spec(eval_id.engine)
                     evaluations.append((eval_id, result.evals[eval_id], spec.speed_kind(scheme), spec.emulation_note))
             reason = None
             if not evaluations:
                 fmt = artifact_format(art.format)
                 reason = (fmt.unevaluated or f"no engine in eval.runtimes loads {art.format}").removeprefix(
                     "not evaluated: ")
-            target = label if corpus is None else f"{label}@{corpus}"
-            verdicts += gate_artifact(gates, target, evaluations, unevaluated_reason=reason)
+            verdicts += gate_artifact(gates, EvalId(None, label, corpus), evaluations, unevaluated_reason=reason)
             verdicts += _broken_baselines(result, evaluations)
     return verdicts
 
@@ -316,7 +313,7 @@ def _broken_baselines(result: BuildResult, evaluations: list) -> list[Verdict]:
     """A non-finite baseline breaks every comparison with it: a failed verdict on each."""
     verdicts = []
     for eval_id, m, _, _ in evaluations:
-        base = result.evals.get(make_eval_id(m.baseline_engine, "baseline", m.corpus)) if m.succeeded else None
+        base = result.evals.get(eval_id.baseline(m.baseline_engine)) if m.succeeded else None
         bad = non_finite(base) if base is not None else []
         if bad:
             verdicts.append(Verdict(NON_FINITE_GATE, eval_id, False, f"baseline ({m.baseline_engine}): "

@@ -21,7 +21,7 @@ import yaml
 
 from llmc.data.bos import bos_decision
 from llmc.errors import EngineUnavailable, InputError
-from llmc.result import Verdict
+from llmc.result import EvalId, Verdict
 
 Z95 = 1.96
 
@@ -136,7 +136,7 @@ def run_tasks(engine, tokenizer, tasks: tuple[str, ...], *, limit: int | None) -
     return out
 
 
-def task_verdicts(ratio: float | None, target: str, baseline: dict | None, measured: dict | None) -> list:
+def task_verdicts(ratio: float | None, target: EvalId, baseline: dict | None, measured: dict | None) -> list:
     if ratio is None or baseline is None:
         return []
     verdicts = []

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmc.data.sources import corpora_of, corpus_part
-from llmc.result import eval_id as make_eval_id
-from llmc.result import parse_eval_id
+from llmc.result import EvalId
 from llmc.engines import engine_spec
 from llmc.runtimes.catalog import artifact_format
 
@@ -26,9 +25,9 @@ def report_dict(result: BuildResult) -> dict:
         "passed": result.passed,
         "gates_status": status,  # "passed" only when every gate was measured; see llmc.result.gates_summary
         "gates_summary": summary,
-        "evals": {k: {**v.to_dict(), "speed": speed_label(result, k)} for k, v in result.evals.items()},
+        "evals": {str(k): {**v.to_dict(), "speed": speed_label(result, k)} for k, v in result.evals.items()},
         "targets": {label: {"artifact": str(art.dir), "exporter": art.format, "scheme": art.scheme,
-                            "evals": result.target_evals.get(label, [])}
+                            "evals": [str(i) for i in result.target_evals.get(label, [])]}
                     for label, art in result.artifacts.items()},
         "verdicts": [v.to_dict() for v in result.verdicts],
         "warnings": result.plan.warnings,
@@ -48,20 +47,19 @@ _SPEED_WORDS = {
 }
 
 
-def speed_kind(result: BuildResult, eval_id: str) -> SpeedKind:
-    """What the tokens/s of evaluation `eval_id` ("<engine>:<artifact label or 'baseline'>") is: the engine
-    registry says whether the engine runs the format or emulates it (EngineSpec.speed_kind)."""
+def speed_kind(result: BuildResult, eval_id: EvalId) -> SpeedKind:
+    """What the tokens/s of evaluation `eval_id` is: the engine registry says whether the engine runs the format
+    or emulates it (EngineSpec.speed_kind)."""
     from llmc.quant.canonical import scheme_from_dict  # lazy: torch; reading a report stays torch-free
 
-    engine, label, _ = parse_eval_id(eval_id)
-    art = result.artifacts.get(label)
-    return engine_spec(engine).speed_kind(scheme_from_dict(art.scheme_detail) if art else None)
+    art = result.artifacts.get(eval_id.label)
+    return engine_spec(eval_id.engine).speed_kind(scheme_from_dict(art.scheme_detail) if art else None)
 
 
-def speed_label(result: BuildResult, eval_id: str) -> dict:
+def speed_label(result: BuildResult, eval_id: EvalId) -> dict:
     """report.json's account of a throughput figure: which engine measured it and what it is."""
     kind = speed_kind(result, eval_id)
-    spec = engine_spec(eval_id.split(":", 1)[0])
+    spec = engine_spec(eval_id.engine)
     out = {"engine": spec.name, "kind": kind, "meaning": _SPEED_WORDS[kind]}
     if kind == "emulated" and spec.emulation_note:
         out["note"] = spec.emulation_note
@@ -73,7 +71,7 @@ def _fmt_tput(throughput: dict | None, key: str) -> str:
     return f"{s['median']:.1f}" if s else "-"
 
 
-def _speed_cell(result: BuildResult, eval_id: str, base_id: str | None, key: str) -> str:
+def _speed_cell(result: BuildResult, eval_id: EvalId, base_id: EvalId | None, key: str) -> str:
     """'base -> artifact' tokens/s where both are the runtime's own; emulation timings are not shown as speed."""
     m = result.evals[eval_id]
     if speed_kind(result, eval_id) != "runtime":
@@ -96,7 +94,7 @@ def suspicious_improvements(result: BuildResult) -> list[dict]:
         for eval_id in ids:
             ch = result.evals[eval_id].ppl_change
             if ch and ch["ci_high_pct"] < 0:
-                out.append({"eval": eval_id, "target": label, "delta_pct": ch["delta_pct"],
+                out.append({"eval": str(eval_id), "target": label, "delta_pct": ch["delta_pct"],
                             "ci_low_pct": ch["ci_low_pct"], "ci_high_pct": ch["ci_high_pct"],
                             "message": f"{eval_id}: {ch['delta_pct']:+.2f}% (95% CI {ch['ci_low_pct']:+.2f}% .. "
                                        f"{ch['ci_high_pct']:+.2f}%): {SUSPICIOUS_IMPROVEMENT}"})
@@ -132,12 +130,12 @@ def _corpus_rows(result: BuildResult, corpus: str | None) -> list[list[str]]:
     rows = []
     for engine in result.recipe.eval.runtimes:
         for label in result.artifacts:
-            eval_id = make_eval_id(engine, label, corpus)
+            eval_id = EvalId(engine, label, corpus)
             if eval_id not in result.target_evals.get(label, []):
                 continue  # this engine does not load this artifact's format
             m = result.evals[eval_id]
             base_engine = m.baseline_engine or engine
-            base = result.evals.get(make_eval_id(base_engine, "baseline", corpus))
+            base = result.evals.get(eval_id.baseline(base_engine))
             if m.skipped is not None:
                 rows.append([label, engine, "-", "-", "-", "-", "-", "-", "-", "skipped: " + m.skipped[:70]])
                 continue
@@ -149,14 +147,14 @@ def _corpus_rows(result: BuildResult, corpus: str | None) -> list[list[str]]:
             verdict = "pass" if all(v.passed for v in verdicts) else "FAIL"
             kld, top1 = m.kld, m.top1_agreement
             # an engine paired with another engine's baseline has no baseline speed of its own
-            base_id = make_eval_id(base_engine, "baseline", corpus) if base_engine == engine else None
+            base_id = eval_id.baseline() if base_engine == engine else None
             rows.append([
                 label,
                 engine if base_engine == engine else f"{engine} (vs {base_engine} baseline)",
                 f"{base.perplexity:.3f}",
                 f"{m.perplexity:.3f}",
                 f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]"
-                + (" (!)" if eval_id in suspicious else ""),
+                + (" (!)" if str(eval_id) in suspicious else ""),
                 (">=" if m.kld_kind == "topk_lower_bound" else "")
                 + f"{kld['mean']:.4f} [{kld['ci_low']:.4f}, {kld['ci_high']:.4f}]" if kld else "-",
                 f"{top1['mean'] * 100:.1f}% [{top1['ci_low'] * 100:.1f}, {top1['ci_high'] * 100:.1f}]" if top1 else "-",
@@ -172,7 +170,7 @@ def _unevaluated_rows(result: BuildResult) -> list[list[str]]:
     corpus when there are several)."""
     rows = []
     for label, art in result.artifacts.items():
-        unmeasured = [v for v in result.verdicts if v.target == label or v.target.startswith(f"{label}@")]
+        unmeasured = [v for v in result.verdicts if v.target.engine is None and v.target.label == label]
         if not result.target_evals.get(label):
             fmt = artifact_format(art.format)
             reason = fmt.unevaluated or f"not evaluated: no engine in eval.runtimes loads {art.format}"
@@ -193,7 +191,7 @@ def _with_unmeasured(reason: str, unmeasured: list) -> str:
 def footnotes(result: BuildResult) -> list[str]:
     """What the summary table's marks mean, and the gates' overall state."""
     notes = []
-    emulating = sorted({eid.split(":", 1)[0] for ids in result.target_evals.values() for eid in ids
+    emulating = sorted({eid.engine for ids in result.target_evals.values() for eid in ids
                         if result.evals[eid].succeeded and speed_kind(result, eid) == "emulated"})
     if emulating:
         notes.append("tok/s: measured by the row's engine; 'emulated (not speed)': "
@@ -289,7 +287,7 @@ def render_markdown(result: BuildResult) -> str:
                 "|---|---|---|---|"]
         for eval_id in emulated:
             m = result.evals[eval_id]
-            note = engine_spec(eval_id.split(":", 1)[0]).emulation_note
+            note = engine_spec(eval_id.engine).emulation_note
             out.append(f"| {eval_id} | {_fmt_tput(m.throughput, 'prefill_tokens_per_s')} | "
                        f"{_fmt_tput(m.throughput, 'decode_tokens_per_s')} | {note} |")
     task_rows = [(eid, name, t) for eid, m in result.evals.items() for name, t in (m.tasks or {}).items()]

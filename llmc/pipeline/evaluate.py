@@ -48,7 +48,7 @@ from llmc.pipeline.export import Export
 from llmc.pipeline.quantize import Quantize
 from llmc.quant.canonical import module_matches, scheme_from_dict
 from llmc.quant.device import resolve_device
-from llmc.result import Evaluation, eval_id
+from llmc.result import BASELINE, EvalId, Evaluation
 from llmc.storage.store import CorruptOutput, atomic_save_safetensors, atomic_write_json, stage_key
 
 # weight elements/s compressed-tensors' decompressor turns codes into float32 (the torch engine reads an artifact
@@ -287,14 +287,15 @@ def _evaluate(b: Build, windows: torch.Tensor, corpus: str | None) -> None:
             where = f" on {corpus}" if corpus is not None else ""
             log(f"warning: baseline could not be evaluated in {base_engine}{where}: {e}")
             for label in readable:
-                result.target_evals.setdefault(label, []).append(eval_id(engine, label, corpus))
-                result.evals[eval_id(engine, label, corpus)] = Evaluation(engine, corpus=corpus, error=str(e))
+                this = EvalId(engine, label, corpus)
+                result.target_evals.setdefault(label, []).append(this)
+                result.evals[this] = Evaluation(engine, corpus=corpus, error=str(e))
             continue
         base.corpus = corpus
-        result.evals[eval_id(base_engine, "baseline", corpus)] = base
+        result.evals[EvalId(base_engine, BASELINE, corpus)] = base
         by_content: dict[str, Evaluation] = {}
         for label, art in readable.items():
-            this = eval_id(engine, label, corpus)
+            this = EvalId(engine, label, corpus)
             result.target_evals.setdefault(label, []).append(this)
             reason = spec.cannot_run(scheme_from_dict(art.scheme_detail))
             if reason:

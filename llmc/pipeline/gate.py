@@ -11,7 +11,7 @@ from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.result import BuildResult, eval_id
+from llmc.result import BASELINE, BuildResult, EvalId
 
 
 class Gate(Stage):
@@ -35,7 +35,7 @@ def apply_gates(result: BuildResult) -> None:
     result.verdicts += gate_build(result)
     if result.recipe.eval.tasks:
         first = next(iter(corpora_of(result.recipe.eval.corpus)))  # where the tasks stage put the results
-        base_id = eval_id("torch", "baseline", first)
+        base_id = EvalId("torch", BASELINE, first)
         base = result.evals.get(base_id)
         for this, m in result.evals.items():
             if m.engine == "torch" and m.corpus == first and this != base_id and m.succeeded:

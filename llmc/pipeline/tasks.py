@@ -16,7 +16,7 @@ from llmc.pipeline.evaluate import tokenizer_hash
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
 from llmc.pipeline.runner import read_json
-from llmc.result import eval_id
+from llmc.result import BASELINE, EvalId
 from llmc.storage.store import atomic_write_json, stage_key
 
 
@@ -50,11 +50,11 @@ class Tasks(Stage):
             return read_json(done, "tasks.json")
 
         first = first_corpus(b)  # tasks read no corpus: their results sit on the first corpus's rows
-        base = b.result.evals.get(eval_id("torch", "baseline", first))
+        base = b.result.evals.get(EvalId("torch", BASELINE, first))
         if base is not None:
-            base.tasks = run(b.result.source.folder, b.result.source.sha256, "baseline")
+            base.tasks = run(b.result.source.folder, b.result.source.sha256, BASELINE)
         for target_label, art in b.result.artifacts.items():
-            m = b.result.evals.get(eval_id("torch", target_label, first))
+            m = b.result.evals.get(EvalId("torch", target_label, first))
             if m is not None and m.succeeded:
                 m.tasks = run(art.dir, art.content_key, target_label)
 

@@ -90,10 +90,11 @@ def _call(what: str, fn, *args, **kwargs):
 
 
 def variant_metrics(result: "BuildResult", label: str) -> dict[str, float]:
-    """The run's metrics for artifact `label`: '<engine>.<metric>'."""
+    """The run's metrics for artifact `label`: '<engine>.<metric>' ('<engine>.<corpus>.<metric>' when eval.corpus
+    names several corpora)."""
     out: dict[str, float] = {}
     for r in card_rows(result, label):
-        e = r["engine"]
+        e = r["engine"] + (f".{r['corpus']}" if r["corpus"] is not None else "")
         out[f"{e}.ppl"], out[f"{e}.ppl_base"] = r["ppl"], r["ppl_base"]
         if r["ppl_change"]:
             ch = r["ppl_change"]
@@ -116,9 +117,8 @@ def variant_tags(result: "BuildResult", label: str, source: dict, key: str) -> d
             "llmc.source.model": source["name"], "llmc.source.version": str(source["version"]),
             "llmc.source.sha256": result.source.sha256, "llmc.gates": result.gates_status[0]}
     for v in result.verdicts:
-        engine, _, target = v.target.rpartition(":")
-        if target == label:
-            tags[f"llmc.gate.{v.gate}" + (f".{engine}" if engine else "")] = (
+        if v.target.label == label and v.target.corpus is None:
+            tags[f"llmc.gate.{v.gate}" + (f".{v.target.engine}" if v.target.engine else "")] = (
                 f"{'pass' if v.passed else 'FAIL'}: {v.measured} (threshold {v.threshold})")
     return tags
 

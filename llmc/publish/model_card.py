@@ -18,6 +18,7 @@ import yaml
 from llmc import __version__
 from llmc.model.card import CARD_FILE, source_metadata  # CARD_FILE: also the published card's name
 from llmc.eval.report import speed_kind
+from llmc.data.sources import corpora_of
 from llmc.data.sources import label as data_label
 
 if TYPE_CHECKING:
@@ -60,14 +61,15 @@ def serve_command(artifact_dir: Path) -> str | None:
 
 
 def variant_metrics(result: "BuildResult", label: str) -> list[dict]:
-    """One row per engine that measured artifact `label`: the numbers llmc reports, with intervals."""
+    """One row per engine (and eval corpus, when there are several) that measured artifact `label`: the numbers
+    llmc reports, with intervals."""
     rows = []
     for eval_id in result.target_evals.get(label, []):
         m = result.evals[eval_id]
         if not m.succeeded:
             continue
-        base = result.evals.get(f"{m.baseline_engine or m.engine}:baseline")
-        row = {"engine": m.engine, "ppl": m.perplexity, "ppl_base": base.perplexity if base else None,
+        base = result.evals.get(eval_id.baseline(m.baseline_engine or m.engine))
+        row = {"engine": m.engine, "corpus": m.corpus, "ppl": m.perplexity, "ppl_base": base.perplexity if base else None,
                "ppl_change": m.ppl_change, "kld": m.kld, "kld_kind": m.kld_kind, "top1": m.top1_agreement}
         if speed_kind(result, eval_id) == "runtime" and m.throughput:
             row["tokens_per_s"] = {k: m.throughput[k]["median"] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")
@@ -76,21 +78,29 @@ def variant_metrics(result: "BuildResult", label: str) -> list[dict]:
     return rows
 
 
+def _measured_by(row: dict) -> str:
+    """Which engine measured a row, and on which corpus when eval.corpus names several."""
+    return row["engine"] + (f" on {row['corpus']}" if row["corpus"] is not None else "")
+
+
 def _model_index(result: "BuildResult", label: str, rows: list[dict]) -> list[dict]:
-    metrics = []
-    for r in rows:
-        metrics.append({"type": "perplexity", "name": f"perplexity ({r['engine']})", "value": round(r["ppl"], 4)})
-        if r["kld"]:
-            metrics.append({"type": "kl_divergence", "name": f"KL divergence from the baseline ({r['engine']})",
-                            "value": round(r["kld"]["mean"], 6)})
-        if r["top1"]:
-            metrics.append({"type": "accuracy", "name": f"top-1 agreement with the baseline ({r['engine']})",
-                            "value": round(r["top1"]["mean"] * 100, 2)})
-    corpus = data_label(result.recipe.eval.corpus)
-    return [{"name": f"{result.recipe.name}-{label.replace('/', '-')}",
-             "results": [{"task": {"type": "text-generation", "name": "Causal language modeling"},
-                          "dataset": {"name": f"{corpus} (eval split)", "type": corpus},
-                          "metrics": metrics}] if metrics else []}]
+    """The card's model-index: one result per eval corpus that has rows, named after that corpus."""
+    results = []
+    for corpus, source in corpora_of(result.recipe.eval.corpus).items():
+        metrics = []
+        for r in (r for r in rows if r["corpus"] == corpus):
+            metrics.append({"type": "perplexity", "name": f"perplexity ({r['engine']})", "value": round(r["ppl"], 4)})
+            if r["kld"]:
+                metrics.append({"type": "kl_divergence", "name": f"KL divergence from the baseline ({r['engine']})",
+                                "value": round(r["kld"]["mean"], 6)})
+            if r["top1"]:
+                metrics.append({"type": "accuracy", "name": f"top-1 agreement with the baseline ({r['engine']})",
+                                "value": round(r["top1"]["mean"] * 100, 2)})
+        if metrics:
+            name = data_label(source)
+            results.append({"task": {"type": "text-generation", "name": "Causal language modeling"},
+                            "dataset": {"name": f"{name} (eval split)", "type": name}, "metrics": metrics})
+    return [{"name": f"{result.recipe.name}-{label.replace('/', '-')}", "results": results}]
 
 
 def _ci(d: dict | None, scale: float = 1.0, fmt: str = ".4f") -> str:
@@ -128,18 +138,18 @@ def model_card(result: "BuildResult", label: str) -> str:
                    + (f", tokens sha256 `{cal['tokens_sha256']}`" if cal.get("tokens_sha256") else "") + ".")
     else:
         out.append("None: this scheme needs no calibration data.")
+    evaluated_on = ", ".join(r["dataset"]["type"] for r in meta["model-index"][0]["results"]) or "the corpus"
     out += ["", "## Evaluation", "",
             f"Perplexity on {ev.windows} windows of {ev.seq_len} tokens of the evaluation split of "
-            f"{meta['model-index'][0]['results'][0]['dataset']['type'] if rows else 'the corpus'}, the artifact loaded "
-            "from disk; 95% intervals by bootstrap over windows, the change paired per window; KL divergence from the "
-            "baseline's token distribution; top-1 agreement with the baseline's argmax. The long form is the "
-            "build's report.md.", "",
+            f"{evaluated_on}, the artifact loaded from disk; 95% intervals by bootstrap over windows, the change "
+            "paired per window; KL divergence from the baseline's token distribution; top-1 agreement with the "
+            "baseline's argmax. The long form is the build's report.md.", "",
             "| engine | ppl base | ppl | change (95% CI) | KLD (95% CI) | top-1 % (95% CI) | tokens/s (prefill, decode) |",
             "|---|---|---|---|---|---|---|"]
     for r in rows:
         ch = r["ppl_change"]
         speed = r.get("tokens_per_s")
-        out.append(f"| {r['engine']} | {r['ppl_base']:.3f} | {r['ppl']:.3f} | "
+        out.append(f"| {_measured_by(r)} | {r['ppl_base']:.3f} | {r['ppl']:.3f} | "
                    + (f"{ch['delta_pct']:+.2f}% [{ch['ci_low_pct']:+.2f}, {ch['ci_high_pct']:+.2f}]" if ch else "-")
                    + f" | {'>=' if r['kld_kind'] == 'topk_lower_bound' else ''}{_ci(r['kld'])} | "
                    f"{_ci(r['top1'], 100, '.1f')} | "
@@ -147,7 +157,7 @@ def model_card(result: "BuildResult", label: str) -> str:
                    + " |")
     if not rows:
         out.append("| - | - | - | - | - | - | not evaluated here |")
-    verdicts = [v for v in result.verdicts if v.target == label or v.target.endswith(f":{label}")]
+    verdicts = [v for v in result.verdicts if v.target.label == label]
     out += ["", "## Gates", "", f"{result.gates_status[1]}", ""]
     out += [f"- {'pass' if v.passed else 'FAIL'}: {v.gate} on {v.target}: {v.measured} (threshold {v.threshold})"
             for v in verdicts]

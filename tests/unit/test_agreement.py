@@ -15,6 +15,7 @@ from llmc.engines.agreement import (EXACT, HEAD_FILE, HEAD_INPUT, KL_BOUND, TOPK
                                     exact_kl, kld_kind)
 from llmc.engines.torch_ref import TorchEngine
 from llmc.engines.workers import _agreement as worker_agreement
+from llmc.result import EvalId
 
 VOCAB = 3000
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -194,7 +195,7 @@ def test_a_build_stores_the_head_and_gates_on_the_exact_kl(tiny_model: Path, tmp
     store = Store(tmp_path / "cache")
     result = build(parse_recipe(recipe_text(tiny_model, tmp_path / "r", **{"gates.max_mean_kld": 1.0})), store,
                    publish=False)
-    base, art = result.evals["torch:baseline"], result.evals["torch:vllm-sm90-tp1"]
+    base, art = result.evals[EvalId("torch", "baseline")], result.evals[EvalId("torch", "vllm-sm90-tp1")]
     assert base.output_head["reproduced"] and (store.lookup("eval", base.key) / HEAD_FILE).is_file()
     assert not (store.lookup("eval", art.key) / HEAD_FILE).is_file()
     assert art.kld_kind == EXACT and art.kld_bound["mean"] <= art.kld["mean"]

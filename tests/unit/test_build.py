@@ -14,6 +14,7 @@ from llmc.errors import QualityGateError
 from llmc.recipe.load import parse_recipe
 from llmc.publish.local import verify_entry
 from llmc.storage.store import Store
+from llmc.result import EvalId
 
 pytestmark = pytest.mark.heavy  # whole builds, up to a minute each
 
@@ -107,7 +108,7 @@ def test_one_quantization_exports_every_target_and_measures_batch_sizes(tiny_mod
     assert exporters == ["compressed-tensors", "modelopt-hf", "trtllm-checkpoint"]
     legacy = next(a for a in result.artifacts.values() if a.format == "trtllm-checkpoint")
     assert {"rank0.safetensors", "rank1.safetensors", "config.json"} <= set(legacy.files)
-    by_batch = result.evals["torch:baseline"].throughput["by_batch_size"]
+    by_batch = result.evals[EvalId("torch", "baseline")].throughput["by_batch_size"]
     assert set(by_batch) == {"1", "2"} and by_batch["2"]["prefill_tokens_per_s"]["median"] > 0
     assert "Throughput by batch size" in render_markdown(result)
 

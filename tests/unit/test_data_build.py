@@ -13,6 +13,7 @@ from llmc.build import build_until
 from llmc.errors import InputError
 from llmc.recipe.load import parse_recipe
 from llmc.storage.store import Store
+from llmc.result import EvalId
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()
 
@@ -55,9 +56,9 @@ def test_chat_samples_calibrate_and_user_text_evaluates(tiny_model: Path, tmp_pa
     assert c["packing"] == "samples" and len(c["tokens_sha256"]) == 64
     assert list(c["chat_templates"].values())[0].startswith("file:chat.jinja:")
     assert len(c["samples_provenance"]) == 6 and all(p["source"] == f"jsonl:{f['chat']}" for p in c["samples_provenance"])
-    base = result.evals["torch:baseline"]
+    base = result.evals[EvalId("torch", "baseline")]
     assert base.protocol["corpus"]["kind"] == "text" and base.perplexity > 1
-    assert result.evals["torch:vllm-sm90-tp1"].ppl_change is not None
+    assert result.evals[EvalId("torch", "vllm-sm90-tp1")].ppl_change is not None
 
     from llmc.eval.report import render_markdown
 
@@ -81,4 +82,4 @@ def test_calibrating_on_the_eval_text_stops_the_build(tiny_model: Path, tmp_path
     assert not (tmp_path / "cache" / "stages" / "quantize").exists()
     held_out = {**notes, "holdout": 2}  # the same folder split by document: allowed
     result = build_until(_recipe(tiny_model, {"dataset": held_out, "samples": 2}, held_out), store, "gate")
-    assert result.evals["torch:baseline"].perplexity > 1
+    assert result.evals[EvalId("torch", "baseline")].perplexity > 1

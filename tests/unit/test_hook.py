@@ -15,6 +15,7 @@ from llmc.hook import signatures
 from llmc.hook.config import load_hook_config
 from llmc.hook.jobs import parse_model_uri
 from llmc.hook.queue import JobQueue
+from llmc.result import EvalId
 from tests.unit.hook_helpers import SECRET, make_receiver, signed_delivery, tiny_recipe, version_created
 
 
@@ -212,7 +213,7 @@ def test_every_published_artifact_has_a_model_card_in_the_manifest(tiny_entry) -
     assert meta["base_model"] == "tiny" and meta["base_model_relation"] == "quantized"
     assert meta["license"] == "mit"  # inherited from the source's card
     assert meta["library_name"] == "transformers"
-    evaluation = tiny_entry.evals["torch:vllm-sm90-tp1"]
+    evaluation = tiny_entry.evals[EvalId("torch", "vllm-sm90-tp1")]
     metrics = {m["type"]: m["value"] for m in meta["model-index"][0]["results"][0]["metrics"]}
     assert metrics["perplexity"] == round(evaluation.perplexity, 4)
     assert metrics["kl_divergence"] == round(evaluation.kld["mean"], 6)

@@ -14,6 +14,7 @@ from llmc.build import build_until
 from llmc.errors import InputError, RecipeError
 from llmc.eval.report import render_markdown, render_summary, report_dict
 from llmc.recipe.load import parse_recipe
+from llmc.result import EvalId
 from llmc.storage.store import Store
 
 WORDS = "the jury said it did find that many of the voters had been registered in the county".split()
@@ -60,9 +61,10 @@ def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model:
     result = build_until(_recipe(tiny_model, corpora, gates), store, "gate")
 
     art = "vllm-sm90-tp1"
-    assert result.target_evals[art] == [f"torch:{art}@jury", f"torch:{art}@truth"]
-    jury, truth = result.evals[f"torch:{art}@jury"], result.evals[f"torch:{art}@truth"]
-    base_jury, base_truth = result.evals["torch:baseline@jury"], result.evals["torch:baseline@truth"]
+    on_jury, on_truth = EvalId("torch", art, "jury"), EvalId("torch", art, "truth")
+    assert result.target_evals[art] == [on_jury, on_truth]
+    jury, truth = result.evals[on_jury], result.evals[on_truth]
+    base_jury, base_truth = result.evals[on_jury.baseline()], result.evals[on_truth.baseline()]
     assert (jury.corpus, truth.corpus, base_jury.corpus) == ("jury", "truth", "jury")
     assert base_jury.perplexity != base_truth.perplexity  # different text, different windows
     assert base_jury.protocol["corpus"]["path"] == corpora["jury"]["path"]
@@ -71,11 +73,11 @@ def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model:
     by_target = {}
     for v in result.verdicts:
         by_target.setdefault(v.target, {})[v.gate] = v
-    assert set(by_target) == {f"torch:{art}@jury", f"torch:{art}@truth"}
-    assert all(v.passed for v in by_target[f"torch:{art}@jury"].values())
-    truth_ppl = by_target[f"torch:{art}@truth"]["max_ppl_increase_pct"]
+    assert set(by_target) == {on_jury, on_truth}
+    assert all(v.passed for v in by_target[on_jury].values())
+    truth_ppl = by_target[on_truth]["max_ppl_increase_pct"]
     assert truth_ppl.threshold == "upper bound <= +0.00%" and not truth_ppl.passed
-    assert by_target[f"torch:{art}@truth"]["max_mean_kld"].passed  # the override replaced only what it set
+    assert by_target[on_truth]["max_mean_kld"].passed  # the override replaced only what it set
     assert not result.passed
     assert result.plan.gates[""].endswith("; on truth: ppl <= +1e-06%")  # the plan says what the override does
 
@@ -87,13 +89,24 @@ def test_every_artifact_and_baseline_scored_and_gated_on_each_corpus(tiny_model:
     assert "2 corpora, each scored and gated on its own" in md and f"| torch:{art}@truth | max_ppl_increase_pct" in md
     report = json.loads(json.dumps(report_dict(result)))
     assert report["evals"][f"torch:{art}@truth"]["corpus"] == "truth"
+    # the model card and the MLflow metrics pair each corpus's row with that corpus's baseline
+    from llmc.publish.mlflow import variant_metrics
+    from llmc.publish.model_card import model_card
+
+    card = model_card(result, art)
+    assert f"| torch on jury | {base_jury.perplexity:.3f} | {jury.perplexity:.3f} |" in card
+    assert f"| torch on truth | {base_truth.perplexity:.3f} | {truth.perplexity:.3f} |" in card
+    metrics = variant_metrics(result, art)
+    assert (metrics["torch.jury.ppl_base"], metrics["torch.truth.ppl_base"]) == (base_jury.perplexity,
+                                                                               base_truth.perplexity)
 
     # each corpus keys its evaluations as it would alone: a build on one of them finds them cached
     alone = build_until(_recipe(tiny_model, corpora["jury"]), store, "gate")
-    assert list(alone.evals) == ["torch:baseline", f"torch:{art}"]
-    assert alone.evals["torch:baseline"].corpus is None and "corpus" not in alone.evals["torch:baseline"].to_dict()
+    assert list(alone.evals) == [EvalId("torch", "baseline"), EvalId("torch", art)]
+    alone_base = alone.evals[EvalId("torch", "baseline")]
+    assert alone_base.corpus is None and "corpus" not in alone_base.to_dict()
     assert all(s.cached for s in alone.stages if s.name.startswith("eval:"))
-    assert alone.evals[f"torch:{art}"].perplexity == jury.perplexity
+    assert alone.evals[EvalId("torch", art)].perplexity == jury.perplexity
     assert "corpus" not in render_summary(alone).splitlines()[0]
 
 
@@ -150,7 +163,8 @@ def test_standalone_eval_reads_any_source_and_gates_kld_and_top1(tiny_model: Pat
 
     # a folder path is a text source: the same windows as the build's, so the same perplexity
     text, failed = evaluate_artifact(art, str(tiny_model), store, corpus=(corpora["jury"]["path"],), **common)
-    assert failed is None and f"{built.evals['torch:vllm-sm90-tp1'].perplexity:.3f}" in text
+    built_ppl = built.evals[EvalId("torch", "vllm-sm90-tp1")].perplexity
+    assert failed is None and f"{built_ppl:.3f}" in text
     assert f"protocol: text:{corpora['jury']['path']} (whole), 4 windows x 48 tokens" in text
 
     # two corpora (a folder and a jsonl mapping): a row each; KLD and top-1 gates from the command line

@@ -25,6 +25,7 @@ from llmc.model.source import ModelSource
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import Calibration, quantize_model
+from llmc.result import EvalId
 
 SCHEMES = {
     "w8a8-int8-static": Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "tensor")),
@@ -258,10 +259,10 @@ def test_build_exports_both_onnx_layouts_and_scores_them_in_onnxruntime(tiny_mod
     arts = result.artifacts
     assert {label: a.format for label, a in arts.items()} == {"onnxruntime-cpu-tp1": "onnx",
                                                                      "tensorrt-sm90-tp1": "onnx-qdq"}
-    genai = result.evals["onnxruntime:onnxruntime-cpu-tp1"]  # KV cache: decode measured
+    genai = result.evals[EvalId("onnxruntime", "onnxruntime-cpu-tp1")]  # KV cache: decode measured
     assert genai.baseline_engine == "torch" and genai.kld is not None
     assert genai.throughput["decode_tokens_per_s"]["median"] > 0
-    trt_graph = result.evals["onnxruntime:tensorrt-sm90-tp1"]  # TensorRT's graph, scored by ORT here
+    trt_graph = result.evals[EvalId("onnxruntime", "tensorrt-sm90-tp1")]  # TensorRT's graph, scored by ORT here
     assert trt_graph.kld is not None and trt_graph.throughput["decode_tokens_per_s"] is None
     # one quantization behind both: ORT computes nearly the same function from both graphs
     assert abs(genai.perplexity / trt_graph.perplexity - 1) < 0.02
