@@ -3,7 +3,7 @@
 # git) to be carried there: that machine has no network, and its image (Python 3.12, torch 2.11, transformers 5.17,
 # accelerate, safetensors, numpy, pandas, pyarrow, fsspec: /work/shared/GPU.md) has no pydantic and no
 # llm-compressor. llmc itself runs from the source tree there (PYTHONPATH); of its own dependencies only pydantic
-# (and its two helpers) is missing on the calibration, export and torch-evaluation paths. Only exact pins, no
+# (and its two helpers) and google-re2 are missing on the calibration, export and torch-evaluation paths. Only exact pins, no
 # dependencies resolved, wheels only (cp312 manylinux for the one compiled package), so the set is the same every
 # time. Refuses (exit 1) when the folder would exceed LIMIT_MB (default 16; the run tool carries 64 MiB in all).
 #
@@ -24,11 +24,12 @@ WHEELS=(
   pydantic-core==2.33.2      # pydantic 2.11.10's pin: cp312 manylinux
   annotated-types==0.7.0
   typing-inspection==0.4.2
+  google-re2==1.1.20251105   # llmc's module-name patterns (RE2: linear time), cp312 manylinux_2_28
 )
 rm -rf "$DEST"
 mkdir -p "$DEST"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$DEST" "${WHEELS[@]}"
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$DEST" "${WHEELS[@]}"
 count=$(find "$DEST" -name '*.whl' | wc -l)
 if [ "$count" -ne "${#WHEELS[@]}" ]; then
   echo "expected ${#WHEELS[@]} wheels in $DEST, found $count" >&2
