@@ -101,7 +101,8 @@ class Quantize(Stage):
                           heads=c.config.get("num_attention_heads", 1), elem=c.elem, moe=shape.active < 1,
                           device=c.machine.device,
                           host_available=c.machine.available, device_free=c.machine.gpu_free,
-                          shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c))
+                          shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
+                          resume_every_s=cal.resume_every_s)
         return decide_layer_loop(Pipeline.of(self.scheme), facts)
 
     def _statistics_recorded(self, c: Costing) -> bool:
@@ -126,6 +127,7 @@ class Quantize(Stage):
                                       moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens)
             quantize_model(b.result.source, scheme, out, windows,
                            StreamOptions(dtype=getattr(torch, b.result.dtype), device=device, loop=planned,
+                                         resume_every_s=c.resume_every_s,
                                          extra_meta={"calibration_key": calib_key, "device": device.type},
                                          on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
 

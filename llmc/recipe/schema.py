@@ -434,11 +434,17 @@ class CalibrationSection(_Strict):
         description="Mixture-of-Experts: experts routed fewer calibration tokens are named in a warning; default: a "
         "tenth of an even share (tokens x top-k / experts / 10)",
     )
+    resume_every_s: float | None = Field(
+        default=None, ge=0, le=86400,
+        description="seconds between the quantize stage's resume points (the next layer's inputs saved, so a killed "
+        "build resumes there): 0 makes every layer one; default: every layer, or every 60 s where the activations "
+        "stay on the GPU (saving a layer's inputs there takes longer than computing it). The files are the same",
+    )
 
     @model_serializer(mode="wrap")
     def _compact(self, handler):
         return _drop_defaults(handler(self), {"packing": "windows", "moe_calibrate_all_experts": False,
-                                              "moe_min_tokens": None})
+                                              "moe_min_tokens": None, "resume_every_s": None})
 
 
 class Target(_Strict):

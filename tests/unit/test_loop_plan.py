@@ -128,3 +128,32 @@ def test_llmc_plan_json_prints_the_decision_the_build_then_executes(tiny_model: 
     assert planned["activations"] == "disk" and planned["resume_every_s"] == 0.0 and planned["flow"] == "sequential"
     result = build_until(load_recipe(recipe), Store(tmp_path / "c"), Kind.QUANTIZE)
     assert [s.decision for s in result.stages if s.name.startswith("quantize")] == [planned]
+
+
+def test_the_resume_interval_is_the_recipes_to_set(tiny_model: Path, tmp_path: Path) -> None:
+    """`calibration.resume_every_s` reaches the plan's decision (and so the stream), changes no stage key, and is
+    dropped from the recipe's dump when unset (earlier build ids stay)."""
+    import yaml
+
+    from llmc.data.stages import calibration_config
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.load import parse_recipe
+    from tests.unit.build_helpers import every_stage_recipe
+
+    def recipe(**calibration):
+        r = yaml.safe_load(every_stage_recipe(tiny_model, tmp_path / "registry"))
+        r["calibration"].update(spill_activations="auto", **calibration)
+        return parse_recipe(yaml.safe_dump(r))
+
+    def decision(r):
+        return next(row.decision for row in make_plan(r, tiny_model).rows if row.decision is not None)
+
+    assert decision(recipe()).resume_every_s == 0.0  # in memory on the CPU: every layer
+    assert decision(recipe(resume_every_s=120)).resume_every_s == 120.0
+    assert "resume_every_s" not in recipe().model_dump(mode="json")["calibration"]
+
+    class Tokens:  # what calibration_config reads of the windows (the legacy Brown case does not apply here)
+        row_ids, texts, bos_decision = [], [], None
+
+    assert calibration_config(recipe(resume_every_s=120).calibration, Tokens) == \
+        calibration_config(recipe().calibration, Tokens)
