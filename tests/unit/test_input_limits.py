@@ -161,6 +161,9 @@ import sys, time
 from llmc.quant import groups
 from llmc.recipe.schema import QuantizationSection
 names = [f"model.layers.{i}.{p}" for i in range(4) for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+# imports and first compilations before the clock starts (the hostile pattern is what is timed)
+groups.resolve(QuantizationSection.model_validate({"groups": [{"name": "all", "names": ["re:.*_proj$"],
+                                                               "scheme": "W8A8-FP8"}]}).to_scheme(), names, 4, "llama")
 for q in ({"weights": {"format": "int8", "strategy": "channel"}, "ignore": ["lm_head", sys.argv[1]]},
           {"groups": [{"name": "odd", "names": [sys.argv[1]], "scheme": "W8A16-INT8"},
                       {"name": "all", "names": ["re:.*_proj$"], "scheme": "W8A8-FP8"}]}):
@@ -177,7 +180,8 @@ def test_a_catastrophic_regex_in_ignore_or_a_group_is_matched_in_linear_time() -
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert r.returncode == 0, r.stderr[-2000:]
     (t_ignore, ignore_groups), (t_groups, group_names) = [line.split(" ", 1) for line in r.stdout.splitlines()]
-    assert float(t_ignore) < 1.0 and float(t_groups) < 1.0
+    # Python's backtracking never returned here; a bound far above RE2's ~1 ms, so a loaded machine does not fail it
+    assert float(t_ignore) < 10.0 and float(t_groups) < 10.0
     # nothing ends in x: the pattern selects nothing, the plain scheme quantizes everything, `all` takes every Linear
     assert ignore_groups == "['']" and group_names == "['all']"
 
