@@ -399,18 +399,25 @@ def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, t
     """An algorithm that solves with each Linear's input Hessian (X^T X, in x in) needs at least `in` calibration
     tokens for it to have full rank; from fewer, the solve rests on its dampening alone in the directions no token
     spans, and the quantized weights come out far worse than the same tokens give other algorithms."""
-    if not quantized or not Pipeline.of(scheme).observes_hessians:
-        return []
     c = recipe.calibration
     tokens = c.samples * c.seq_len
-    name, (_, widest) = max(quantized.items(), key=lambda item: item[1][1])
-    if tokens >= widest:
+    short = _widest_beyond(quantized, tokens) if Pipeline.of(scheme).observes_hessians else None
+    if short is None:
         return []
+    name, widest = short
     return [f"{scheme.algorithm} accumulates each Linear's input Hessian ({widest} x {widest} for the widest, "
             f"{name}) over {tokens:,} calibration tokens (calibration.samples {c.samples} x seq_len {c.seq_len}), "
             f"fewer than its {widest} inputs: the Hessian is rank-deficient and the solve rests on its dampening. "
             f"Fix: calibrate on at least {widest:,} tokens, e.g. calibration.samples: "
             f"{-(-widest // c.seq_len)} at seq_len {c.seq_len}"]
+
+
+def _widest_beyond(linears: dict[str, tuple[int, int]], tokens: float) -> tuple[str, int] | None:
+    """The widest of `linears` (name, inputs) when `tokens` are fewer than its inputs (its Hessian rank-deficient)."""
+    if not linears:
+        return None
+    name, (_, widest) = max(linears.items(), key=lambda item: item[1][1])
+    return (name, widest) if tokens < widest else None
 
 
 def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, tuple[int, int]],
@@ -419,14 +426,14 @@ def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str,
     tokens on average. Fewer than its inputs leave its Hessian rank-deficient, and GPTQ's solve is then ill-posed: on
     a tiny Qwen3-MoE, activations 2.4e-7 apart moved up to 4 code steps on 17% of an expert's weights
     (tests/unit/test_device_mix.py). Calibrating every expert on every token gives each one all of them."""
-    experts = {n: s for n, s in quantized.items() if ".experts." in n}
-    if not experts or recipe.calibration.moe_calibrate_all_experts or not Pipeline.of(scheme).observes_hessians:
-        return []
     c = recipe.calibration
-    routed = c.samples * c.seq_len * plan_shapes.active_fraction(config)
-    name, (_, widest) = max(experts.items(), key=lambda item: item[1][1])
-    if routed >= widest:
+    if c.moe_calibrate_all_experts or not Pipeline.of(scheme).observes_hessians:
         return []
+    routed = c.samples * c.seq_len * plan_shapes.active_fraction(config)
+    short = _widest_beyond({n: s for n, s in quantized.items() if ".experts." in n}, routed)
+    if short is None:
+        return []
+    name, widest = short
     return [f"{scheme.algorithm} solves each expert's Linears with the Hessian of the tokens routed to it: "
             f"~{routed:,.0f} on average here (calibration.samples {c.samples} x seq_len {c.seq_len} x the routed "
             f"share {plan_shapes.active_fraction(config):.3g}), fewer than the {widest} inputs of {name}, so the "
