@@ -141,7 +141,6 @@ class Export(Stage):
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
 
-
     def same_files(self) -> tuple:
         """What fixes this export's weight files: the quantize stage's output, the format (and, where the files
         depend on it, the tensor-parallel degree)."""

@@ -47,7 +47,7 @@ from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.canonical import META_FILE
-from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, decide_layer_loop
+from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop
 from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
 
@@ -96,11 +96,9 @@ class Quantize(Stage):
             windows = hi - lo
         facts = LoopFacts(calibrates=self.scheme.needs_calibration, windows=windows, seq_len=cal.seq_len,
                           masked=cal.packing == "samples", batch_size=CALIBRATION_BATCH_SIZE,
-                          spill_mode=cal.spill_activations, hidden=c.config.get("hidden_size", shape.hidden),
-                          intermediate=c.config.get("intermediate_size", 0),  # as the stream reads them
-                          heads=c.config.get("num_attention_heads", 1), elem=c.elem, moe=shape.active < 1,
-                          device=c.machine.device,
-                          host_available=c.machine.available, device_free=c.machine.gpu_free,
+                          spill_mode=cal.spill_activations, **config_widths(c.config), elem=c.elem,
+                          moe=shape.active < 1, device=c.machine.device, host_available=c.machine.available,
+                          device_free=c.machine.gpu_free,
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
                           resume_every_s=cal.resume_every_s)
         return decide_layer_loop(Pipeline.of(self.scheme), facts)
@@ -236,7 +234,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     smoothing pairs traced first in float64. What the algorithm costs beside the forwards comes from its `pipe`:
     Hessians, replayed module calls (each module's calibration inputs kept), whole float32 weight copies, a
     search's candidate scales, clipping ranges and clip-search tokens (`Pipeline.search_cost`)."""
-    calibrated, spill, resident = loop.calibrates, loop.activations == "disk", loop.activations == "device"
+    calibrated, spill, resident = loop.runs_forwards, loop.activations == "disk", loop.activations == "device"
+    skeleton = loop.reads_skeleton  # the weights outside the layers, read before the first layer
     tokens, seq_len, batch = loop.facts.windows * loop.facts.seq_len, loop.facts.seq_len, loop.batch_size
     passes = FLOWS[loop.flow].forward_passes(pipe, loop)
     hessians, replays_module_calls = pipe.observes_hessians, pipe.replays_module_calls
@@ -262,7 +261,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     skeleton_params = shape.outer_params - shape.head_params
     parts = {
         "process": PROCESS_BYTES,
-        "outer weights": skeleton_params * e if calibrated else 0.0,
+        "outer weights": skeleton_params * e if skeleton else 0.0,
         "layer": layer * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
@@ -294,7 +293,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     # is kept in (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy
     # only where it is converted.
     kept = kept_elem(stored_elem, compute)
-    skeleton_peak = skeleton_params * (e + (stored_elem if stored_elem != e else 0)) if calibrated else 0.0
+    skeleton_peak = skeleton_params * (e + (stored_elem if stored_elem != e else 0)) if skeleton else 0.0
     rest_peak = shape.outer_params * (stored_elem + (kept if kept != stored_elem else 0))
     outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
     # while a layer is converted from its clone in the stored dtype, before any of its compute's parts exist
@@ -348,7 +347,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
     # bf16 embeddings: 0.55 B weights; its untied head is not read, docs/planner.md)
     converted = e if e != stored_elem else 0
-    skeleton_s = skeleton_params * (stored_elem + converted) / DISK_READ_RATE if calibrated else 0.0
+    skeleton_s = skeleton_params * (stored_elem + converted) / DISK_READ_RATE if skeleton else 0.0
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
     fixed = (shape.outer_params * stored_elem / DISK_READ_RATE + file_write_seconds(shape.outer_params * kept)
              + skeleton_s + discovery_s)

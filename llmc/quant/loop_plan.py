@@ -73,6 +73,12 @@ class LoopFacts:
         return changes
 
 
+def config_widths(config: dict) -> dict[str, int]:
+    """The widths the decision reads from config.json, read the same way by the plan and the stream."""
+    return {"hidden": config.get("hidden_size", 0), "intermediate": config.get("intermediate_size", 0),
+            "heads": config.get("num_attention_heads", 1)}
+
+
 @dataclass(frozen=True)
 class LayerLoopPlan:
     """The layer loop's decision (`decide_layer_loop`), what `llmc plan` prints and `quantize_model` obeys."""
@@ -89,9 +95,15 @@ class LayerLoopPlan:
     facts: LoopFacts  # what it was decided from
 
     @property
-    def calibrates(self) -> bool:
+    def runs_forwards(self) -> bool:
         """Whether calibration windows run through the layers (a data-free or shared-statistics flow: none)."""
         return self.activations != "none"
+
+    @property
+    def reads_skeleton(self) -> bool:
+        """Whether the weights outside the layers are read first: to run the windows to the first layer, or to
+        trace the smoothing pairs (a shared-statistics SmoothQuant still does)."""
+        return self.runs_forwards or self.traces_structure
 
     def as_dict(self) -> dict:
         """The decision as `llmc plan --json` and report.json record it (facts left out: they are the machine's)."""

@@ -51,7 +51,7 @@ from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memo
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
-from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, decide_layer_loop, redecided
+from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, redecided
 from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weights, static_scale
 from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
@@ -146,7 +146,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     shared = shared if loop.shared != "none" else None
     m.pipelines = {g: Pipeline.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
     moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
-    if loop.traces_structure or loop.calibrates:
+    if loop.reads_skeleton:
         # no name kept for these tensors: release(model) below must free them before the rest is read again; the
         # output head is never run (the forward stops at the first layer)
         unread = output_head_names(m.model)
@@ -186,7 +186,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         if shared is not None and loop.shared == "record":
             shared.finish(m.all_linears, m.all_kv)
         shutil.rmtree(state_dir, ignore_errors=True)
-    return StreamResult(layers=m.n_layers, quantized_modules=len(m.modules), calibrated=loop.calibrates, loop=loop)
+    return StreamResult(layers=m.n_layers, quantized_modules=len(m.modules), calibrated=scheme.needs_calibration,
+                        loop=loop)
 
 
 def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,
@@ -198,9 +199,7 @@ def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | 
         calibrates=scheme.needs_calibration, windows=0 if windows is None else windows.shape[0],
         seq_len=0 if windows is None else windows.shape[1], masked=mask is not None,
         batch_size=cal.batch_size if cal is not None else CALIBRATION_BATCH_SIZE,
-        spill_mode=cal.spill if cal is not None else "auto", hidden=config.get("hidden_size", 0),
-        intermediate=config.get("intermediate_size", 0), heads=config.get("num_attention_heads", 1),
-        elem=torch.empty(0, dtype=dtype).element_size(), moe=moe_blocks, device=str(device),
+        spill_mode=cal.spill if cal is not None else "auto", **config_widths(config), elem=torch.empty(0, dtype=dtype).element_size(), moe=moe_blocks, device=str(device),
         host_available=memory_available(), device_free=_device_free(device), shared_stats=shared is not None,
         shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s)
 
@@ -213,7 +212,7 @@ def _obeyed(planned: LayerLoopPlan | None, pipeline: Pipeline, now: LoopFacts) -
         loop, changes = redecided(planned, now, pipeline)
         if changes:
             log(f"the layer loop is decided again ({'; '.join(changes)}): {planned.as_dict()} -> {loop.as_dict()}")
-    if loop.calibrates:
+    if loop.runs_forwards:
         log(f"layer loop: {loop.flow}, activations in {loop.activations}; {loop.describe()}")
     return loop
 

@@ -40,7 +40,7 @@ def test_where_the_activations_live_follows_the_memory_the_facts_state() -> None
     assert decide(FP8_STATIC, device="cuda:0", device_free=80 * GB, resume_every_s=5.0).resume_every_s == 5.0
     assert decide(FP8_STATIC, device="cuda:0", device_free=1 * GB).activations == "memory"
     data_free = decide(WEIGHT_ONLY)
-    assert (data_free.flow, data_free.activations, data_free.calibrates) == ("data-free", "none", False)
+    assert (data_free.flow, data_free.activations, data_free.runs_forwards) == ("data-free", "none", False)
 
 
 def test_gptq_runs_in_one_forward_only_where_every_window_fits_and_nothing_is_masked() -> None:
