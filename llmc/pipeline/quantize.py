@@ -106,9 +106,13 @@ class Quantize(Stage):
     def _statistics_recorded(self, c: Costing) -> bool:
         """Whether an earlier quantize stage of this build records the statistics this scheme needs (its Linears and
         KV modules among those recorded): then this one reuses them (llmc.quant.shared_stats)."""
+        # an earlier scheme that shares statistics has them recorded, by itself or (where it reused them) by one
+        # before it that covers it: no need to decide the earlier stages again (that recursion doubles per variant)
         needed = _targets(self.scheme, c.linears)
-        return any(q.decide(c).shared == "record" and needed <= _targets(q.scheme, c.linears)
-                   and (q.scheme.kv_cache is not None or self.scheme.kv_cache is None) for q in self.earlier)
+        return any(
+            q.scheme.needs_calibration and Pipeline.of(q.scheme).shares_statistics
+            and needed <= _targets(q.scheme, c.linears)
+            and (q.scheme.kv_cache is not None or self.scheme.kv_cache is None) for q in self.earlier)
 
     def run(self, b: Build) -> None:
         scheme, device, calib_key = self.scheme, b.device, self._calib_key(b)
