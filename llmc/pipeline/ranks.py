@@ -57,15 +57,12 @@ def probed_once(plan: Callable[[], T]) -> T:
     each probe on its own (the stream probe's tiny `quantize_model` inside `distributed.alone`), and caches them as
     it goes; the other ranks wait, then read every rate from the cache (llmc.planning.probes) instead of probing
     while rank 0 does, or joining the probe's collectives with windows it does not split for them."""
-    if not distributed.active():
+    def on_this_rank() -> T:
+        if not distributed.is_main():
+            probes.reread()  # the rates rank 0 has just measured
         return plan()
-    if distributed.is_main():
-        out = plan()
-        distributed.barrier()
-        return out
-    distributed.barrier()
-    probes.reread()
-    return plan()
+
+    return main_first(on_this_rank)
 
 
 def check_same_cache(found: bool, store: Store) -> None:
