@@ -33,7 +33,7 @@ from llmc.inputs.excerpt import excerpt, shorten
 from llmc.inputs.files import read_input_json, read_input_text, shown
 from llmc.model.checkpoint import MAX_CONFIG_BYTES, check_safetensors_header, safetensors_files
 from llmc.model.confine import source_file
-from llmc.model.dtype import source_dtype
+from llmc.model.dtype import SAFETENSORS_FLOATS, source_dtype
 from llmc.model.skeleton import build_skeleton
 from llmc.model.source import DEMO_MODELS
 from llmc.model.tokenizer_files import (VOCABULARY_FILES, TokenizerFacts, custom_tokenizer_code, load_tokenizer,
@@ -74,7 +74,7 @@ _QUANT_TENSORS = (
 # scale tensors stored beside a weight of codes -> the kind when that weight's dtype does not say more
 # (DeepSeek-V3's block-wise FP8 names its scales weight_scale_inv)
 _SCALE_SUFFIXES = {".weight_scale_inv": "fp8", ".weight_scale": "quantized", ".input_scale": "quantized"}
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+FLOAT_DTYPES = frozenset(SAFETENSORS_FLOATS)  # the safetensors dtypes of float tensors
 # the safetensors dtype of a weight's codes -> the format they are (what a refusal names)
 _CODE_FORMATS = {"I8": "int8", "U8": "int4/fp4 (packed in U8)", "I16": "int16", "I32": "int4 (packed in I32)",
                  "U32": "int4 (packed in U32)", "F8_E4M3": "fp8", "F8_E5M2": "fp8", "F8_E8M0": "mxfp",
