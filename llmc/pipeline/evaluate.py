@@ -244,7 +244,7 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
                               compute=compute, device=device, width=h, rows=batch * seq_len)
     # the runtime's activation and KV-cache quantization, emulated in the compute dtype on every scored token (at
-    # SmolLM2's widths static FP8 doubled the scoring time: docs/planner.md "Accuracy under load")
+    # SmolLM2's widths static FP8 doubled the scoring time: benchmarks/results/planner-log.md "Accuracy under load")
     forward += sum(scored * elements / fake_quantize_rate(spec, compute, width=h, rows=batch * seq_len, device=device)
                    for spec, elements in emulated)
     # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)

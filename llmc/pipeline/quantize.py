@@ -349,7 +349,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
         per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
-    # bf16 embeddings: 0.55 B weights; its untied head is not read, docs/planner.md)
+    # bf16 embeddings: 0.55 B weights; its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0
     skeleton_s = skeleton_params * (stored_elem + converted) / DISK_READ_RATE if skeleton else 0.0
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)

@@ -34,9 +34,9 @@ UNCACHED_READ_RATE = 1.4e9
 RECLAIM_RATE = 0.33e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
-# width on the quiet development VM (docs/planner.md, "Planner at full width" and the sections after it): quantize
-# -21% (70B, whole stage) to +29% (8B, one layer); exports -52% (a hard-linked export after others' writeback) to
-# +40%; evaluations -29% to +10%. Kinds not measured get the widest of these.
+# width on the quiet development VM (benchmarks/results/planner-log.md, "Planner at full width" and the sections after
+# it): quantize -21% (70B, whole stage) to +29% (8B, one layer); exports -52% (a hard-linked export after others'
+# writeback) to +40%; evaluations -29% to +10%. Kinds not measured get the widest of these.
 TIME_ERROR = {"quantize": (-0.21, 0.29), "export": (-0.52, 0.40), "eval": (-0.29, 0.10)}
 
 
@@ -88,8 +88,8 @@ def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: i
         return probes.rate(f"matmul {dtype_name} {device} width={width} rows={rows} outputs={outputs}",
                            _matmul_timer(dtype_name, device, width, rows, outputs))
     # a forward's MLP GEMM (intermediate ~3x the width), most of a layer's FLOPs: a 128-column product ran at a
-    # tenth of them on an AVX-512 VM (2.3 against 20-28 GFLOP/s at SmolLM2's width, docs/planner.md "Accuracy
-    # under load")
+    # tenth of them on an AVX-512 VM (2.3 against 20-28 GFLOP/s at SmolLM2's width, benchmarks/results/planner-log.md
+    # "Accuracy under load")
     rows = max(1, min(rows, 512))
     points = {w: _cpu_matmul_probe(dtype_name, w, rows) for w in _cpu_width_points(dtype_name, width, rows)}
     if width in points:
@@ -101,7 +101,7 @@ def matmul_rate(dtype_name: str, device: str = "cpu", width: int = 1024, rows: i
 # A CPU's matmul probe at a model's own width only up to this; a wider model's rate comes from the widths
 # CPU_PROBE_WIDTHS, each measured only while one call of it (predicted at the last width's median rate) takes at most
 # MAX_PROBE_CALL_S, and extrapolated (probes.saturating_rate). At a 405B model's width (16384) one call is 824 GFLOP
-# over 3.2 GB of float32 operands: minutes per timed run on a CPU (docs/planner.md, "Probes").
+# over 3.2 GB of float32 operands: minutes per timed run on a CPU (benchmarks/results/planner-log.md, "Probes").
 CPU_DIRECT_PROBE_WIDTH = 1024
 CPU_PROBE_WIDTHS = (512, 1024, 2048, 4096, 8192)
 MAX_PROBE_CALL_S = 0.5

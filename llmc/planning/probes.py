@@ -14,8 +14,8 @@ while they are younger than `MAX_AGE_S` and the machine is the same, so plans of
 `llmc plan --reprobe` (or `LLMC_REPROBE=1`) measures every probe once more and **adds** its runs to the last
 `POOLED_PROBES` probes' (older ones are dropped): the median is then taken over up to `POOLED_PROBES x REPEATS` runs
 spread over the plans that made them, not over the two seconds one probe lasts, which a burst of another process's
-work can fill (docs/planner.md "Accuracy under load"). Deleting the file forgets them. Without a cache folder
-(tests, a bare `make_plan`) the samples are kept for the process only.
+work can fill (benchmarks/results/planner-log.md "Accuracy under load"). Deleting the file forgets them. Without a
+cache folder (tests, a bare `make_plan`) the samples are kept for the process only.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def saturating_rate(points: Sequence[tuple[float, float]], work: float) -> float
     times, work / rate): the fixed part (dispatch, packing the operands, threads starting) is why small GEMMs run
     slower per FLOP. The answer stays within the measured rates: a rate still rising at the largest point is
     capped there (never extrapolated upward past what was measured), a falling one follows the fit but not below
-    the slowest point (docs/planner.md, "Probes")."""
+    the slowest point (benchmarks/results/planner-log.md, "Probes")."""
     if not points:
         raise ValueError("no measured points")
     points = sorted(points)

@@ -42,7 +42,8 @@ def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: 
     recipe = load_recipe(path)
     assert recipe.model.source.startswith("hf:") and recipe.model.config
     config = json.loads((path.parent / recipe.model.config).read_text())
-    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)  # its wall time is measured in docs/planner.md, not asserted
+    # its wall time is measured in benchmarks/results/planner-log.md, not asserted
+    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
     if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21)
         assert all(t["exporter"] == "compressed-tensors" for t in plan.targets)
     stages = plan.estimates["stages"]
@@ -66,9 +67,9 @@ def test_the_70b_plan_streams_evaluation_and_stores_the_shared_vllm_weights_once
 
 
 def test_the_70b_plan_counts_what_the_full_width_builds_measured(tmp_path: Path, monkeypatch) -> None:
-    """The terms docs/planner.md ("Planner at full width") measured at 70B width: FP8 exports pass the codes
-    through (the process alone allocated), the TensorRT-LLM export shares the shards of the weights outside the
-    layers with the vLLM one, the artifact's streamed evaluation holds one layer's codes and one block of float32
+    """The terms benchmarks/results/planner-log.md ("Planner at full width") measured at 70B width: FP8 exports pass
+    the codes through (the process alone allocated), the TensorRT-LLM export shares the shards of the weights outside
+    the layers with the vLLM one, the artifact's streamed evaluation holds one layer's codes and one block of float32
     decompressed rows on top of the baseline's, and reads the baseline's output head mapped (no copy)."""
     monkeypatch.setenv("LLMC_TORCH_EVAL", "streamed")
     path = REPO / "recipes" / "llama70b-fp8.yaml"
@@ -230,8 +231,8 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
 def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_path: Path) -> None:
     """SmoothQuant (and AWQ, GPTQ's true-sequential order) find the first layer's smoothing pairs in float64 before
     calibrating it: at 8B width the layer (1.75 GB in float64) and a candidate's rescaled gate and up (0.94 GB) on
-    top of the weights outside the layers, the build's quantize peak (measured: docs/planner.md). The same scheme by
-    RTN traces nothing."""
+    top of the weights outside the layers, the build's quantize peak (measured: benchmarks/results/planner-log.md).
+    The same scheme by RTN traces nothing."""
     path = REPO / "recipes" / "llama31-8b-w8a8-sq.yaml"
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     tensors = from_config(config)
@@ -251,8 +252,8 @@ def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_p
 
 def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     """AWQ's search is weight-bound, not token-bound: at 8B width with 32 calibration tokens it was 229 s of a
-    layer whose forwards take 2 (docs/planner.md). Each candidate scale of the lone up -> down mapping costs
-    out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
+    layer whose forwards take 2 (benchmarks/results/planner-log.md). Each candidate scale of the lone up -> down mapping
+    costs out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
     from llmc.model.dtype import BYTES
     from llmc.pipeline.quantize import quantize_cost
     from llmc.planning.machine import Machine, matmul_rate
