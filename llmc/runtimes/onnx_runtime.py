@@ -82,13 +82,13 @@ register_runtime(Runtime(
     format=OnnxGenai.name,
     rules={
         "W4A16-INT": Rule("sm70", cpu=True, since="1.17.0",
-                          cpu_note="MatMulNBits; accuracy_level 4 computes with int8 activations", source="microsoft/onnxruntime: docs/ContribOperators.md (MatMulNBits), docs/OperatorKernels.md; CPU measured here"),
-        "W8A8-INT8": Rule("sm70", cpu=True, since="1.20.0", cpu_note=_ORT_U8S8, source="microsoft/onnxruntime: docs/ContribOperators.md (MatMulNBits), docs/OperatorKernels.md; CPU measured here"),
-        "W8A16-INT8": Rule("sm70", cpu=True, since="1.20.0", cpu_note="DequantizeLinear -> MatMul (float compute)", source="microsoft/onnxruntime: docs/ContribOperators.md (MatMulNBits), docs/OperatorKernels.md; CPU measured here"),
+                          cpu_note="MatMulNBits; accuracy_level 4 computes with int8 activations", source="microsoft/onnxruntime's ContribOperators.md (MatMulNBits) and OperatorKernels.md; CPU measured here"),
+        "W8A8-INT8": Rule("sm70", cpu=True, since="1.20.0", cpu_note=_ORT_U8S8, source="microsoft/onnxruntime's ContribOperators.md (MatMulNBits) and OperatorKernels.md; CPU measured here"),
+        "W8A16-INT8": Rule("sm70", cpu=True, since="1.20.0", cpu_note="DequantizeLinear -> MatMul (float compute)", source="microsoft/onnxruntime's ContribOperators.md (MatMulNBits) and OperatorKernels.md; CPU measured here"),
         "W8A8-FP8": Rule(None, cpu=True, since="1.20.0",
                          cpu_note="FP8 Q/DQ run as float on the CPU EP (exact, no FP8 speed-up)",
                          refuse_reason="ORT's FP8 Q/DQ graphs are verified on the CPU EP only; on a "
-                         "GPU target tensorrt or vllm", source="microsoft/onnxruntime: docs/ContribOperators.md (MatMulNBits), docs/OperatorKernels.md; CPU measured here"),
+                         "GPU target tensorrt or vllm", source="microsoft/onnxruntime's ContribOperators.md (MatMulNBits) and OperatorKernels.md; CPU measured here"),
     },
     known_versions=("1.16.0", "1.17.0", "1.20.0", "1.31.0"),
 ))
