@@ -1,7 +1,8 @@
 """Scale search: per block of a microscaling weight (NVFP4, MXFP4, MXFP8), the scale on the format's own grid with
 the least squared error among round-to-nearest's and its neighbours (`llmc.quant.scale_search`), instead of the one
 round-to-nearest derives from the block's absmax. No calibration data; round-to-nearest's scale wins ties, so no
-block's error grows. Measured against RTN in docs/formats-microscaling.md."""
+block's error grows. Measured against RTN in
+benchmarks/results/microscaling-log.md ("Block-scale search")."""
 
 from __future__ import annotations
 
