@@ -188,8 +188,7 @@ def refuse_quantized(found: QuantizedKind, where: str, base_model: str | None) -
     raise InputError(
         f"model source {where} is already quantized ({found.kind}: {found.evidence}); {why}, and quantizing codes "
         "again without their scales gives a model that scores like noise",
-        fix=f"{parent}; llmc decodes GGUF, FP8 (quant_method fp8) and MXFP4 (quant_method mxfp4) sources only "
-        "(docs/model-sources.md)",
+        fix=f"{parent}; llmc decodes only GGUF sources and the quantized originals docs/model-sources.md lists",
     )
 
 

@@ -214,6 +214,17 @@ def test_the_reader_lists_and_decodes_the_original(fp8_source: Path) -> None:
     assert "mlp.up_proj.weight" in layer and not any("scale" in n for n in layer)
 
 
+def test_the_plan_sizes_the_decoded_tensors_and_reads_the_stored_bytes(fp8_source: Path) -> None:
+    from llmc.planning.shapes import from_headers
+
+    tensors = from_headers(fp8_source)
+    assert not any(n.endswith("_scale_inv") for n in tensors.shapes)
+    assert tensors.linear_shapes()["model.layers.0.mlp.down_proj"] == (256, 384)
+    f = fp8_source / "model.safetensors"
+    header = int.from_bytes(f.read_bytes()[:8], "little")
+    assert sum(tensors.stored_bytes.values()) == f.stat().st_size - 8 - header  # every stored part, read
+
+
 def test_the_torch_engine_scores_the_decoded_original_whole_and_streamed(fp8_source: Path, tmp_path: Path) -> None:
     """The baseline: the source scored as the plain folder of its decoded weights scores, by both torch paths."""
     from llmc.engines.torch_ref import TorchEngine
@@ -287,13 +298,18 @@ def _artifact(tmp_path: Path) -> Path:
     return found[0].parent
 
 
-def test_build_w4a16_from_the_fp8_original(fp8_source: Path, tmp_path: Path) -> None:
-    code, out = _build(fp8_source, tmp_path, W4A16, **{"gates.max_ppl_increase_pct": 1000.0})
+W8A8_FP8 = yaml.safe_load(recipe_text(Path("m"), Path("r")))["quantization"]  # per-channel FP8, FP8 KV cache
+
+
+@pytest.mark.parametrize("quantization, bits", [(W4A16, 4), (W8A8_FP8, 8)], ids=["W4A16", "W8A8-FP8"])
+def test_build_from_the_fp8_original(quantization: dict, bits: int, fp8_source: Path, tmp_path: Path) -> None:
+    code, out = _build(fp8_source, tmp_path, quantization, **{"gates.max_ppl_increase_pct": 1000.0})
     assert code == 0, out
     report = (tmp_path / "report" / "report.md").read_text()
     assert "the baseline is the decoded original" in report and "FP8 E4M3 block-wise" in report
     config = json.loads((_artifact(tmp_path) / "config.json").read_text())
-    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == bits
+    assert "weight_block_size" not in json.dumps(config)  # the artifact does not carry the source's config
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
