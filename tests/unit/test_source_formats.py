@@ -244,6 +244,79 @@ def test_the_torch_engine_scores_the_decoded_original_whole_and_streamed(fp8_sou
         assert torch.equal(TorchEngine(fp8_source, streamed=streamed).score(windows, batch_size=2)["nll"], expected)
 
 
+def test_the_reader_equals_transformers_dequantizing_load_of_the_fp8_original(fp8_source: Path) -> None:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        fp8_source, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32).state_dict()
+    reader = CheckpointReader(fp8_source)
+    decoded = [n for n in reader.names() if reader.encoded(n) is not None]
+    assert len(decoded) == 14
+    for name in decoded:
+        assert torch.equal(reader.get(name), reference[name]), name
+
+
+def save_mxfp4_gpt_oss(folder: Path) -> Path:
+    """A tiny gpt-oss saved as OpenAI ships it: the experts' gate_up_proj / down_proj as MXFP4 `_blocks` + `_scales`
+    (llmc's MXFP4 quantizer, packed two codes a byte), everything else as it was."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    config = AutoConfig.for_model(
+        "gpt_oss", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(folder / "dense")
+    tok.save_pretrained(folder)
+    tensors = {}
+    for name, t in load_file(str(folder / "dense" / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out], stored [.., out, in]
+            q = quantize_blocks(t.transpose(1, 2).contiguous(), MXFP4)
+            experts, rows, cols = q.codes.shape
+            tensors[name + "_blocks"] = pack_e2m1(q.codes).reshape(experts, rows, cols // 32, 16)
+            tensors[name + "_scales"] = q.scale
+        else:
+            tensors[name] = t
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "dense" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    shutil.rmtree(folder / "dense")
+    return folder
+
+
+def test_an_mxfp4_gpt_oss_reads_as_transformers_dequantizing_load_gives_it(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from llmc.model import checks
+    from llmc.model.checkpoint import check_safetensors_header
+
+    folder = save_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).state_dict()
+    reader = CheckpointReader(folder)
+    assert sorted(reader.names()) == sorted(n for n in reference if not n.endswith("rotary_emb.inv_freq"))
+    assert sum(reader.encoded(n) is not None for n in reader.names()) == 4  # 2 layers x gate_up, down
+    for name in reader.names():
+        assert torch.equal(reader.get(name), reference[name]), name
+    # detected as a source llmc decodes: the plan's checks see float experts, nothing left quantized
+    config = json.loads((folder / "config.json").read_text())
+    fmt = sf.source_format(config)
+    header = {n: (i["dtype"], tuple(i["shape"])) for n, i in
+              check_safetensors_header(folder / "model.safetensors").items() if n != "__metadata__"}
+    assert checks.quantized_kind(config, header).kind == "mxfp4"
+    assert checks.quantized_kind(sf.decoded_config(config), sf.decoded_header(fmt, header)) is None
+
+
 def _plan(source: Path, tmp_path: Path, **overrides) -> tuple[int, str]:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text(source, tmp_path / "reg", **overrides))
