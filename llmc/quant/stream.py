@@ -408,7 +408,9 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "scheme": scheme.to_dict(),
-        "source": {"sha256": source.sha256, "origin": source.origin},
+        "source": {"sha256": source.sha256, "origin": source.origin,
+                   # a quantized original: what it was decoded from (the baseline is the decoded original)
+                   **({"decoded_from": reader.source_format.describe()} if reader.source_format else {})},
         "config": config,
         "dtype": str(dtype).removeprefix("torch."),
         "modules": modules,

@@ -383,6 +383,8 @@ def test_build_from_the_fp8_original(quantization: dict, bits: int, fp8_source: 
     config = json.loads((_artifact(tmp_path) / "config.json").read_text())
     assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == bits
     assert "weight_block_size" not in json.dumps(config)  # the artifact does not carry the source's config
+    (meta,) = [json.loads(f.read_text()) for f in (tmp_path / "cache").rglob("quantized.json")]
+    assert meta["source"]["decoded_from"].startswith("FP8 E4M3 block-wise (128x128 blocks")
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
