@@ -405,3 +405,29 @@ def test_fp8_block_target_passes_the_source_codes_through(dtype: str, fp8_source
         assert written[name].dtype == torch.float8_e4m3fn
         assert written[name].view(torch.uint8).equal(source[name].view(torch.uint8)), name
         assert written[name.replace(".weight", ".weight_scale")].equal(source[name + "_scale_inv"]), name
+
+
+def test_a_per_tensor_fp8_source_keeps_its_codes_for_a_per_tensor_fp8_target(tmp_path: Path) -> None:
+    from llmc.model.source import ModelSource
+    from llmc.quant.spec import Scheme, TensorSpec
+    from llmc.quant.stream import quantize_model
+
+    tiny = make_tiny("qwen3", tmp_path / "tiny")
+    source = tmp_path / "fp8"
+    source.mkdir()
+    encoder = _hf_fp8_encoder(None)
+    tensors = {}
+    for name, t in load_file(str(tiny / "model.safetensors")).items():
+        linear = ".layers." in name and name.endswith("_proj.weight")
+        tensors.update(encoder._quantize_one(name, t) if linear else {name: t})
+    save_file(tensors, str(source / "model.safetensors"))
+    config = json.loads((tiny / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None}
+    (source / "config.json").write_text(json.dumps(config))
+    quantize_model(ModelSource(source, "t", "t"), Scheme(TensorSpec("fp8_e4m3", "tensor")), tmp_path / "q", None)
+    written = load_file(str(tmp_path / "q" / "layers" / "00001.safetensors"))
+    linears = [n for n in tensors if n.startswith("model.layers.1.") and n.endswith("_proj.weight")]
+    assert len(linears) == 7
+    for name in linears:
+        assert written[name].view(torch.uint8).equal(tensors[name].view(torch.uint8)), name
+        assert written[name + "_scale"].equal(tensors[name + "_scale_inv"].reshape(1)), name
