@@ -49,7 +49,8 @@ def choose_streamed(dense_bytes: int, available: int | None, setting: str | None
 
 def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
     """Bytes the folder's weights take once decompressed to `dtype` (headers only): quantized codes count as one
-    element each (int4 packs eight into an int32), scales and other side tensors as they are stored."""
+    element each (int4 packs eight into an int32, MXFP4 `_blocks` two into a byte), scales and other side tensors as
+    they are stored."""
     elem = torch.empty(0, dtype=dtype).element_size()
     total = 0
     for f in safetensors_files(folder):
@@ -61,7 +62,9 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
                 n *= d
             if name.endswith(".weight_packed"):
                 n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
-            if name.endswith((".weight_packed", ".weight")):
+            mxfp4 = name.endswith("_blocks") and info["dtype"] == "U8"  # an MXFP4 source's experts, two a byte
+            n *= 2 if mxfp4 else 1
+            if mxfp4 or name.endswith((".weight_packed", ".weight")):
                 total += n * elem
             else:
                 total += info["data_offsets"][1] - info["data_offsets"][0]

@@ -171,16 +171,24 @@ def test_the_decoded_header_and_its_refusals() -> None:
 
 # --------------------------------------------------------------------------- a tiny model saved as DeepSeek ships
 
+def _fp8_block_encoded(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' own encoder where the weight is whole blocks (it leaves other weights unquantized); llmc's,
+    checked against the reference decoder above, where edge blocks are partial."""
+    if t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0:
+        return _hf_fp8_encoder([128, 128])._quantize_one(name, t)
+    codes, scale = quantize_fp8_blocks(t, BLOCK)
+    return {name: codes, f"{name}_scale_inv": scale}
+
+
 def save_fp8_block(tiny: Path, out: Path) -> Path:
     """`tiny` re-saved as an FP8 block-wise original: every Linear weight of the decoder layers as F8_E4M3 codes
-    and a float32 weight_scale_inv per 128x128 block (transformers' own encoder), the rest as it was."""
+    and a float32 weight_scale_inv per 128x128 block, the rest as it was."""
     out.mkdir()
-    encoder = _hf_fp8_encoder([128, 128])
     tensors = {}
     for f in sorted(tiny.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
             linear = ".layers." in name and name.endswith("_proj.weight") and t.dim() == 2
-            tensors.update(encoder._quantize_one(name, t) if linear else {name: t})
+            tensors.update(_fp8_block_encoded(name, t) if linear else {name: t})
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((tiny / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_BLOCK_CONFIG}))
@@ -308,6 +316,11 @@ def test_an_mxfp4_gpt_oss_reads_as_transformers_dequantizing_load_gives_it(tmp_p
     assert sum(reader.encoded(n) is not None for n in reader.names()) == 4  # 2 layers x gate_up, down
     for name in reader.names():
         assert torch.equal(reader.get(name), reference[name]), name
+    from llmc.engines.torch_stream import dense_bytes  # the torch engine's whole-or-streamed decision sizes it so
+    assert dense_bytes(folder, torch.float32) == sum(t.numel() * 4 for t in reference.values()
+                                                     if t.is_floating_point()) + sum(
+        reader.get_stored([reader.encoded(n).scale])[reader.encoded(n).scale].numel() for n in reader.names()
+        if reader.encoded(n) is not None)
     # detected as a source llmc decodes: the plan's checks see float experts, nothing left quantized
     config = json.loads((folder / "config.json").read_text())
     fmt = sf.source_format(config)
@@ -431,3 +444,22 @@ def test_a_per_tensor_fp8_source_keeps_its_codes_for_a_per_tensor_fp8_target(tmp
     for name in linears:
         assert written[name].view(torch.uint8).equal(tensors[name].view(torch.uint8)), name
         assert written[name + "_scale"].equal(tensors[name + "_scale_inv"].reshape(1)), name
+
+
+def test_a_mixture_of_experts_fp8_original_is_quantized_from_its_decoded_experts(tmp_path: Path) -> None:
+    """Qwen3-MoE as Qwen's FP8 releases store it (every expert's projections FP8 block-wise, hidden 64: partial
+    blocks): each expert is quantized from its decoded weight."""
+    from llmc.model.source import ModelSource
+    from llmc.quant.numerics import quantize_weight
+    from llmc.quant.spec import Scheme, TensorSpec
+    from llmc.quant.stream import quantize_model
+
+    source = save_fp8_block(make_tiny("qwen3_moe", tmp_path / "tiny"), tmp_path / "fp8")
+    spec = TensorSpec("int4", "group", group_size=32)
+    quantize_model(ModelSource(source, "t", "t"), Scheme(spec), tmp_path / "q", None)
+    reader = CheckpointReader(source)
+    written = load_file(str(tmp_path / "q" / "layers" / "00000.safetensors"))
+    experts = [n for n in reader.names() if n.startswith("model.layers.0.mlp.experts.") and n.endswith("_proj.weight")]
+    assert len(experts) == 12 and all(reader.encoded(n) is not None for n in experts)
+    for name in experts:
+        assert torch.equal(written[name], quantize_weight(reader.get(name), spec).codes), name
