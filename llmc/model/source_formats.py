@@ -43,7 +43,7 @@ class SourceFormat:
 
     def describe(self) -> str:
         if self.name == "fp8-block":
-            return "FP8 E4M3 block-wise ({}x{} blocks, float32 weight_scale_inv)".format(*self.block)
+            return "FP8 E4M3 block-wise ({}x{} blocks, a weight_scale_inv each)".format(*self.block)
         if self.name == "fp8-tensor":
             return "FP8 E4M3 with one weight_scale_inv per tensor"
         return "MXFP4 (E2M1 *_blocks with E8M0 *_scales per 32 elements)"
@@ -88,9 +88,10 @@ def decoded_config(config: dict) -> dict:
 def statement(fmt: SourceFormat, dtype: str) -> str:
     """What the plan (and the build's report) says about a decoded source."""
     rounding = "" if dtype == "float32" else f", rounded once to {dtype}"
+    kept = " (a weight whose target format is the source's keeps the source's codes)" if fmt.name != "mxfp4" else ""
     return (f"model.source is a quantized original, {fmt.describe()} (quantization_config quant_method "
             f"'{fmt.quant_method}'): llmc decodes it layer by layer (each code times its scale, in float32"
-            f"{rounding}) and quantizes the decoded weights; the baseline is the decoded original")
+            f"{rounding}) and quantizes the decoded weights{kept}; the baseline is the decoded original")
 
 
 # --------------------------------------------------------------------------- pairing stored tensors
