@@ -42,6 +42,7 @@ from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
 from llmc.model.attention import register_kv_attention, route_kv
 from llmc.model.families import expert_count
+from llmc.model.source_formats import source_format
 from llmc.quant.activations import memory_available
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import fake_quantize, input_scale_name
@@ -140,8 +141,11 @@ class TorchEngine(EngineBase):
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")
         check_config_patterns(self.folder, qcfg)
+        decoded = source_format(config) is not None  # a quantized original: decoded as it is read, then dense
         try:
-            if qcfg is None:
+            if decoded:
+                model, qcfg = build_dense_model(self.folder, self.dtype), None
+            elif qcfg is None:
                 model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, trust_remote_code=False)
             # MoE: llmc's own decompression into per-expert Linears (why: there); NVFP4: compressed-tensors
             # decodes it to bf16, llmc exactly (torch_stream.LayerDecoder)

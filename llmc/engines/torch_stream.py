@@ -30,6 +30,7 @@ from llmc.quant.moe import unfuse_experts
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
+from llmc.model.source_formats import source_format
 from llmc.inputs.patterns import PatternRefused, check_patterns, regex_matches
 from llmc.quant.canonical import module_matches
 
@@ -48,7 +49,8 @@ def choose_streamed(dense_bytes: int, available: int | None, setting: str | None
 
 def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
     """Bytes the folder's weights take once decompressed to `dtype` (headers only): quantized codes count as one
-    element each (int4 packs eight into an int32), scales and other side tensors as they are stored."""
+    element each (int4 packs eight into an int32, MXFP4 `_blocks` two into a byte), scales and other side tensors as
+    they are stored."""
     elem = torch.empty(0, dtype=dtype).element_size()
     total = 0
     for f in safetensors_files(folder):
@@ -60,7 +62,9 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
                 n *= d
             if name.endswith(".weight_packed"):
                 n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
-            if name.endswith((".weight_packed", ".weight")):
+            mxfp4 = name.endswith("_blocks") and info["dtype"] == "U8"  # an MXFP4 source's experts, two a byte
+            n *= 2 if mxfp4 else 1
+            if mxfp4 or name.endswith((".weight_packed", ".weight")):
                 total += n * elem
             else:
                 total += info["data_offsets"][1] - info["data_offsets"][0]
@@ -72,7 +76,7 @@ class LayerDecoder:
     weights decompressed to `dtype`."""
 
     def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None) -> None:
-        self.reader = CheckpointReader(folder)
+        self.reader = CheckpointReader(folder, dtype or torch.float32)  # a quantized original: decoded
         self.qcfg = qcfg
         self.dtype = dtype
         self.groups = self._groups(qcfg) if qcfg else []
@@ -186,7 +190,10 @@ class _Replay(nn.Module):
 def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LayerDecoder, dict | None]:
     """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
     config = json.loads((Path(folder) / "config.json").read_text())
+    # a quantized original (FP8, MXFP4) is the model its CheckpointReader decodes: no runtime quantization
+    decoded = source_format(config) is not None
     qcfg = config.pop("quantization_config", None)
+    qcfg = None if decoded else qcfg
     check_config_patterns(folder, qcfg)
     model = build_skeleton(config, dtype)
     unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use

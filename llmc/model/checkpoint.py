@@ -279,28 +279,61 @@ class CheckpointReader:
 
     Files are opened per read and closed right after: an open safetensors handle keeps its memory map,
     and every page read through it stays resident in this process, so a reader held open for a whole
-    run would grow with the model (measured: peak RSS 1.28x for a model twice as deep)."""
+    run would grow with the model (measured: peak RSS 1.28x for a model twice as deep).
 
-    def __init__(self, folder: Path) -> None:
+    A quantized original llmc decodes (`llmc.model.source_formats`: FP8 block-wise or per-tensor, MXFP4) is read as
+    the model it stands for: `names()` lists the decoded tensors (not their codes and scales), `get_many` decodes each
+    as it is read, in float32 rounded once to `dtype`, and `config()` has no quantization_config. `get_stored`
+    reads the stored tensors as they are (codes passed through to a target of the same format)."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
+        from llmc.model.source_formats import decoding_map, source_format  # lazy: it imports llmc.quant
+
         self.folder = Path(folder)
         self.files = safetensors_files(self.folder)
+        self.dtype = dtype
         self._where: dict[str, Path] = {}
+        header: dict[str, tuple[str, tuple[int, ...]]] = {}
         for f in self.files:
-            for name in check_safetensors_header(f):
+            for name, info in check_safetensors_header(f).items():
                 if name != "__metadata__":
                     self._where[name] = f
+                    header[name] = (info["dtype"], tuple(info["shape"]))
+        self.source_format = source_format(read_model_config(self.folder))
+        self._decoded, self._hidden = (decoding_map(self.source_format, header) if self.source_format
+                                       else ({}, set()))
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return [n for n in self._where if n not in self._hidden and n not in self._decoded] + list(self._decoded)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._decoded or (name in self._where and name not in self._hidden)
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
 
+    def encoded(self, name: str):
+        """The stored parts (`source_formats.Encoded`) a decoded tensor is read from; None for a tensor stored as
+        it is read."""
+        return self._decoded.get(name)
+
     def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors (copies), each file opened once and closed before returning."""
+        """The named tensors (copies; decoded ones decoded), each file opened once and closed before returning."""
+        from llmc.model.source_formats import decode  # lazy: as in __init__
+
+        encoded = {n: self._decoded[n] for n in names if n in self._decoded}
+        if not encoded:
+            return self.get_stored(names)
+        out = {}
+        stored = [n for n in names if n not in encoded]
+        if stored:
+            out.update(self.get_stored(stored))
+        for name, parts in encoded.items():  # one decoded tensor's parts at a time: its float32 copy is the peak
+            out[name] = decode(self.source_format, parts, self.get_stored([parts.codes, parts.scale]), self.dtype)
+        return {n: out[n] for n in names}
+
+    def get_stored(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors as the files store them (copies), each file opened once and closed before returning."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             f = self._where.get(name)
@@ -315,8 +348,10 @@ class CheckpointReader:
         return out
 
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
-        names = [n for n in self._where if n.startswith(prefix)]
+        names = [n for n in self.names() if n.startswith(prefix)]
         return {n[len(prefix):]: t for n, t in self.get_many(names).items()}
 
     def config(self) -> dict:
-        return read_model_config(self.folder)
+        """config.json; for a decoded source, the decoded model's (no quantization_config)."""
+        config = read_model_config(self.folder)
+        return {k: v for k, v in config.items() if k != "quantization_config"} if self.source_format else config

@@ -1,12 +1,13 @@
 """Checks of a model source made at plan time, from config.json, the tokenizer files and the safetensors headers
 alone (no tensor data is read), so that a source llmc would mis-handle fails with exit 7 before any weight moves.
 
-- **Already-quantized checkpoints** (docs/model-sources.md): compressed-tensors, ModelOpt, GPTQ, AWQ, FP8 with
-  `weight_scale(_inv)` tensors, bitsandbytes and every other `quantization_config` are refused with the fix (the
-  unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's
-  `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. A GGUF
-  source is the one quantized input llmc takes: transformers' GGUF reader dequantizes it to the declared dtype
-  and the recipe quantizes that again; the plan says so.
+- **Already-quantized checkpoints** (docs/model-sources.md): compressed-tensors, ModelOpt, GPTQ, AWQ, FP8 scales
+  without an FP8 quantization_config, bitsandbytes and every other `quantization_config` are refused with the fix
+  (the unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's
+  `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. Two kinds
+  are decoded instead, and the plan says so: a GGUF (transformers' GGUF reader dequantizes it to the declared
+  dtype) and a quantized original llmc.model.source_formats decodes (FP8 block-wise or per-tensor, MXFP4), whose
+  tensors every check below sees decoded.
 - **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
   tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a
   row of the embedding (and of the output head), and `vocab_size` is the embedding's row count; heads, head_dim
@@ -36,6 +37,8 @@ from llmc.model.confine import source_file
 from llmc.model.dtype import SAFETENSORS_FLOATS, source_dtype
 from llmc.model.skeleton import build_skeleton
 from llmc.model.source import DEMO_MODELS
+from llmc.model.source_formats import decoded_config, decoded_header, decoding_map, source_format
+from llmc.model.source_formats import statement as decoded_statement
 from llmc.model.tokenizer_files import (VOCABULARY_FILES, TokenizerFacts, custom_tokenizer_code, load_tokenizer,
                                         tokenizer_facts)
 from llmc.quant.moe import unfuse_experts
@@ -185,7 +188,7 @@ def refuse_quantized(found: QuantizedKind, where: str, base_model: str | None) -
     raise InputError(
         f"model source {where} is already quantized ({found.kind}: {found.evidence}); {why}, and quantizing codes "
         "again without their scales gives a model that scores like noise",
-        fix=f"{parent}; llmc dequantizes only GGUF sources (docs/model-sources.md)",
+        fix=f"{parent}; llmc decodes only GGUF sources and the quantized originals docs/model-sources.md lists",
     )
 
 
@@ -415,6 +418,13 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
             if name != "__metadata__":
                 tensors[name] = (info["dtype"], tuple(info["shape"]))
                 files[name] = f.name
+    fmt = source_format(config)  # a quantized original llmc decodes (FP8, MXFP4); InputError for a malformed one
+    if fmt is not None:
+        notes.append(decoded_statement(fmt, source_dtype(recipe.model.dtype)))
+        decoded, _ = decoding_map(fmt, tensors)
+        files.update({name: files.get(parts.codes, "?") for name, parts in decoded.items()})
+        tensors = decoded_header(fmt, tensors)  # every check below sees the model the build reads
+        config = decoded_config(config)
     found = quantized_kind(config, tensors, _optional_json(folder, "hf_quant_config.json"))
     if found is not None:
         refuse_quantized(found, where, base_model_of(_model_card(folder)))

@@ -70,16 +70,33 @@ class ModelTensors:
 
 
 def from_headers(folder: Path) -> ModelTensors:
-    from llmc.model.checkpoint import check_safetensors_header, safetensors_files
+    """The tensors as the build reads them: a quantized original's (llmc.model.source_formats) decoded, each
+    costing the bytes of its stored parts to read."""
+    from llmc.model.checkpoint import check_safetensors_header, read_model_config, safetensors_files
+    from llmc.model.source_formats import decoding_map, source_format
 
     shapes: dict[str, tuple[int, ...]] = {}
     stored: dict[str, int] = {}
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in safetensors_files(folder):
         for name, info in check_safetensors_header(f).items():
             if name == "__metadata__":
                 continue
             shapes[name] = tuple(info["shape"])
             stored[name] = info["data_offsets"][1] - info["data_offsets"][0]
+            header[name] = (info["dtype"], shapes[name])
+    fmt = source_format(read_model_config(Path(folder)))
+    if fmt is not None:
+        decoded, hidden = decoding_map(fmt, header)
+        for name, parts in decoded.items():
+            shapes[name] = parts.shape
+            stored[name] = stored.pop(parts.codes) + stored.pop(parts.scale)
+            hidden -= {parts.codes, parts.scale}
+            shapes.pop(parts.scale, None)
+            if parts.codes != name:
+                shapes.pop(parts.codes, None)
+        for name in hidden:  # static activation scales: read with the layer, not a weight
+            shapes.pop(name, None)
     return ModelTensors(shapes, stored)
 
 

@@ -44,6 +44,7 @@ from llmc.model.dtype import kept_dtype
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
+from llmc.model.source_formats import decode_fp8
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
@@ -57,7 +58,7 @@ from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.groups import resolve as resolve_groups
-from llmc.quant.spec import Scheme
+from llmc.quant.spec import BLOCK_SHAPE, Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
@@ -171,6 +172,9 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
             release(w.module)
     loop_state.writer.close()
     weights.close()
+    if m.passed_through:
+        log(f"{m.passed_through} Linear(s) kept the codes and scales of the {m.reader.source_format.describe()} "
+            "source, bit for bit (their target format is the source's)")
     release(m.model)  # the skeleton's embeddings and head: read again below, so never two copies
     # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
@@ -247,6 +251,7 @@ class _Model:
     all_kv: set[str]
     group_of: dict[str, str | None]  # Linear -> its group ("" unmixed; None: left unquantized)
     every_linear: list[str]  # every Linear of the model, inside the decoder layers or not
+    passed_through: int = 0  # Linears that kept their quantized original's codes (_pass_through_source_codes)
     modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
     pipelines: dict[str, Pipeline] = field(default_factory=dict)  # each group's (one "" unmixed)
     kv_names: list[str] = field(default_factory=list)
@@ -273,7 +278,7 @@ class _Model:
 
 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:
-    reader = CheckpointReader(source.folder)
+    reader = CheckpointReader(source.folder, dtype)  # a quantized original decoded straight to the compute dtype
     config = reader.config()
     model = build_skeleton(config, dtype)
     moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
@@ -343,6 +348,8 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
     for group, member in members.items():
         w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
                                              if n not in w.quantized and m.group_of[n] == group}, member.weights))
+    if m.reader.source_format is not None:
+        m.passed_through += _pass_through_source_codes(w, m, members)
     if moe_report is not None and w.routed:
         moe_report.add(w.index, w.prefix, w.routed,
                        moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
@@ -355,6 +362,33 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
         if moe_report is not None:
             moe_report.save(state.out)
     flow.propagate(s, w)
+
+
+def _pass_through_source_codes(w: LayerWork, m: _Model, members: dict) -> int:
+    """Where a Linear's target format is its quantized original's own (FP8 128x128 blocks from an FP8 block-wise
+    source, FP8 per-tensor from a per-tensor one) and no algorithm changed its weight (it still equals the decoded
+    original in the compute dtype), the source's codes and scales are kept, bit for bit: quantizing the decoded
+    values again would round a second time (a block's maximum need not be a code of 448, and bf16 rounds the decoded
+    values first). Returns how many Linears kept them."""
+    fmt = m.reader.source_format
+    strategy = {"fp8-block": "block", "fp8-tensor": "tensor"}.get(fmt.name)
+    if strategy is None or strategy == "block" and fmt.block != BLOCK_SHAPE:
+        return 0
+    kept = 0
+    for name in list(w.quantized):
+        spec = members[m.group_of[name]].weights
+        parts = m.reader.encoded(f"{name}.weight")
+        if parts is None or spec.format != "fp8_e4m3" or spec.strategy != strategy:
+            continue
+        stored = m.reader.get_stored([parts.codes, parts.scale])
+        codes, scale = stored[parts.codes], stored[parts.scale].float()
+        weight = w.linears[name].weight.data
+        if not torch.equal(decode_fp8(codes, scale, fmt.block, weight.dtype), weight.cpu()):
+            continue  # an algorithm changed the weight: its own codes stand
+        w.quantized[name] = QuantizedWeight(codes=codes.to(weight.device), zero_point=None,
+                                            scale=(scale if strategy == "block" else scale.reshape(1)).to(weight.device))
+        kept += 1
+    return kept
 
 
 def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme: Scheme, config: dict,
@@ -374,7 +408,9 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "scheme": scheme.to_dict(),
-        "source": {"sha256": source.sha256, "origin": source.origin},
+        "source": {"sha256": source.sha256, "origin": source.origin,
+                   # a quantized original: what it was decoded from (the baseline is the decoded original)
+                   **({"decoded_from": reader.source_format.describe()} if reader.source_format else {})},
         "config": config,
         "dtype": str(dtype).removeprefix("torch."),
         "modules": modules,
