@@ -2,9 +2,11 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral and Qwen3-MoE. Other
-MoE families are refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and
-their gates, DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE and gpt-oss.
+How a family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped SwiGLU, fused
+tensors in its Hub checkpoints) is data in its `MoeLayout` row, read by one `Expert` class. Other MoE families are
+refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and their gates,
+DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
+    "llama4_text": "a shared expert beside the routed ones and sigmoid router scores applied to the experts' input",
+    "llama4": "a shared expert beside the routed ones and sigmoid router scores applied to the experts' input",
 }
 
 
@@ -39,6 +43,17 @@ class MoeLayout:
     up: str
     down: str
     router: str = "gate"
+    # How transformers holds the fused experts and what one expert computes; the defaults are Mixtral's / Qwen3-MoE's.
+    # gate_up: "halves" (gate rows, then up rows) or "interleaved" (gate = [..., ::2], up = [..., 1::2]: gpt-oss)
+    gate_up: str = "halves"
+    transposed: bool = False  # fused tensors stored [E, in, out] (gpt-oss: gate_up_proj [E, H, 2I]), not [E, out, in]
+    bias: bool = False  # per-expert biases (gpt-oss: gate_up_proj_bias [E, 2I], down_proj_bias [E, H])
+    # "glu": down(act(gate) * up); "clamped_swiglu": gpt-oss's down((clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)),
+    # g = clamp(gate, max=limit), alpha and limit from the fused module (swiglu_alpha / swiglu_limit in config.json)
+    activation: str = "glu"
+    # the Hub checkpoint stores the fused 3-D tensors as transformers holds them (no conversion mapping, gpt-oss);
+    # llmc splits them per expert as it reads a layer (llmc.quant.moe.per_expert_tensors)
+    checkpoint_fused: bool = False
 
 
 # model_type -> layout of the MoE families llmc quantizes expert by expert (llmc.quant.moe; transformers'
@@ -46,6 +61,10 @@ class MoeLayout:
 LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # gpt-oss: exported per expert under llm-compressor's names for it (mlp.experts.E.{gate,up,down}_proj, with
+    # biases; docs/models.md says why); the router `mlp.router` (weight and bias) stays unquantized
+    "gpt_oss": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", router="router", gate_up="interleaved",
+                         transposed=True, bias=True, activation="clamped_swiglu", checkpoint_fused=True),
 }
 
 

@@ -36,22 +36,53 @@ from torch import nn
 from llmc.model.families import LAYOUTS, MoeLayout
 
 
-class Expert(nn.Module):
-    """One expert's SwiGLU MLP as three Linears under the family's names: down(act(gate(x)) * up(x))."""
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) on the gate and up projections' outputs:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
 
-    def __init__(self, layout: MoeLayout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act_fn) -> None:
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GatedActivation:
+    """The SwiGLU of Mixtral / Qwen3-MoE experts: act(gate) * up."""
+
+    def __init__(self, act_fn) -> None:
+        self.act_fn = act_fn
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate) * up
+
+
+def expert_activation(layout: MoeLayout, fused: nn.Module):
+    """The function of (gate output, up output) the layout's experts compute, with the fused module's constants."""
+    if layout.activation == "clamped_swiglu":
+        return ClampedSwiGLU(float(fused.alpha), float(fused.limit))
+    return GatedActivation(fused.act_fn)
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP as three Linears under the family's names: down(glu(gate(x), up(x))), `glu` the
+    layout's activation (GatedActivation: act(gate) * up; ClampedSwiGLU for gpt-oss)."""
+
+    def __init__(self, layout: MoeLayout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, glu) -> None:
         super().__init__()
         self.names = (layout.gate, layout.up, layout.down)
         for name, lin in zip(self.names, (gate, up, down)):
             self.add_module(name, lin)
-        self.act_fn = act_fn
+        self.glu = glu
 
     def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         return tuple(getattr(self, n) for n in self.names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.projections()
-        return down(self.act_fn(gate(x)) * up(x))
+        return down(self.glu(gate(x), up(x)))
 
 
 class ExpertLinears(nn.ModuleList):
@@ -87,22 +118,75 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
 
 
-def _linear_view(weight: torch.Tensor) -> nn.Linear:
-    """An nn.Linear whose weight is `weight` itself (a view, no copy)."""
+def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear whose weight (and bias) is the given tensor itself (a view, no copy)."""
     with torch.device("meta"):
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
     return lin
 
 
+# the fused experts' tensors as transformers names them inside the `experts` module
+FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def split_experts(layout: MoeLayout, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                  down_bias: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
+    """Per expert, its projections' nn.Linear tensors ({"gate.weight", "gate.bias", "up.weight", ..., "down.bias"};
+    biases only where the layout has them) as *views* of the fused ones, as the layout says they are stored:
+    [E, out, in] or transposed [E, in, out]; gate/up as halves or interleaved along the output dimension."""
+    out = []
+    for e in range(gate_up.shape[0]):
+        gu, d = (gate_up[e].T, down[e].T) if layout.transposed else (gate_up[e], down[e])  # [2I, H], [H, I]
+        if layout.gate_up == "interleaved":
+            pick = (slice(0, None, 2), slice(1, None, 2))
+        else:
+            inter = gu.shape[0] // 2
+            pick = (slice(0, inter), slice(inter, None))
+        t = {"gate.weight": gu[pick[0]], "up.weight": gu[pick[1]], "down.weight": d}
+        if layout.bias:
+            t |= {"gate.bias": gate_up_bias[e][pick[0]], "up.bias": gate_up_bias[e][pick[1]], "down.bias": down_bias[e]}
+        out.append(t)
+    return out
+
+
 def expert_linears(fused: nn.Module, layout: MoeLayout) -> ExpertLinears:
-    """Per-expert Linears viewing `fused`'s 3-D parameters (gate rows first, then up: transformers' order)."""
-    inter = fused.gate_up_proj.shape[1] // 2
-    return ExpertLinears([
-        Expert(layout, _linear_view(fused.gate_up_proj.data[e, :inter]), _linear_view(fused.gate_up_proj.data[e, inter:]),
-               _linear_view(fused.down_proj.data[e]), fused.act_fn)
-        for e in range(fused.gate_up_proj.shape[0])
-    ])
+    """Per-expert Linears viewing `fused`'s 3-D parameters (llmc.quant.moe.split_experts: the layout's storage)."""
+    bias = (fused.gate_up_proj_bias.data, fused.down_proj_bias.data) if layout.bias else (None, None)
+    glu = expert_activation(layout, fused)
+    experts = []
+    for t in split_experts(layout, fused.gate_up_proj.data, fused.down_proj.data, *bias):
+        experts.append(Expert(layout, *(_linear_view(t[f"{p}.weight"], t.get(f"{p}.bias")) for p in ("gate", "up", "down")),
+                              glu))
+    return ExpertLinears(experts)
+
+
+def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> dict[str, torch.Tensor]:
+    """A layer's checkpoint tensors with the fused experts (`<block>.experts.gate_up_proj` ..., a family whose Hub
+    checkpoints hold them so: `layout.checkpoint_fused`) replaced by per-expert ones under the Hub projection names
+    (`<block>.experts.E.<gate>.weight` ...), each its own contiguous copy; other tensors pass through."""
+    if not layout.checkpoint_fused:
+        return tensors
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        base = name[: -len("gate_up_proj")]
+        parts = [out.pop(base + f, None) for f in FUSED_NAMES]
+        if parts[1] is None:
+            continue  # half a fused block: check_materialized names what is missing
+        names = {"gate": layout.gate, "up": layout.up, "down": layout.down}
+        for e, t in enumerate(split_experts(layout, *parts)):
+            for key, value in t.items():
+                proj, _, kind = key.partition(".")
+                out[f"{base}{e}.{names[proj]}.{kind}"] = value.contiguous()
+    return out
+
+
+def per_expert_shapes(shapes: dict[str, tuple[int, ...]], layout: MoeLayout) -> dict[str, tuple[int, ...]]:
+    """`per_expert_tensors` on shapes alone (the planner reads safetensors headers): done on meta tensors."""
+    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    return {n: tuple(t.shape) for n, t in per_expert_tensors(meta, layout).items()}
 
 
 def layout_of(config) -> MoeLayout:
