@@ -24,8 +24,8 @@ _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
-    "llama4_text": "a shared expert beside the routed ones and sigmoid router scores applied to the experts' input",
-    "llama4": "a shared expert beside the routed ones and sigmoid router scores applied to the experts' input",
+    # the multimodal checkpoint: its text model (language_model.*) is llama4_text, its vision tower unmapped here
+    "llama4": "a vision tower and projector beside the text model (llmc quantizes Llama4ForCausalLM, llama4_text)",
 }
 
 
@@ -54,6 +54,11 @@ class MoeLayout:
     # the Hub checkpoint stores the fused 3-D tensors as transformers holds them (no conversion mapping, gpt-oss);
     # llmc splits them per expert as it reads a layer (llmc.quant.moe.per_expert_tensors)
     checkpoint_fused: bool = False
+    # how the block calls its experts: "top_k" experts(hidden, top-k index, top-k weights), each expert's output
+    # weighted; "scaled_input" (Llama-4) experts(routed_in): every token once per expert, [E * T, H], already
+    # multiplied by that expert's sigmoid router score (0 where not routed), outputs summed unweighted
+    routing: str = "top_k"
+    shared: str | None = None  # a shared expert beside the routed ones (Llama-4 `shared_expert`: a dense MLP)
 
 
 # model_type -> layout of the MoE families llmc quantizes expert by expert (llmc.quant.moe; transformers'
@@ -65,6 +70,10 @@ LAYOUTS: dict[str, MoeLayout] = {
     # biases; docs/models.md says why); the router `mlp.router` (weight and bias) stays unquantized
     "gpt_oss": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", router="router", gate_up="interleaved",
                          transposed=True, bias=True, activation="clamped_swiglu", checkpoint_fused=True),
+    # Llama-4 text: gate_up_proj [E, H, 2I] (transposed, halves), a shared expert, the router (an nn.Linear) kept;
+    # MoE only in config.moe_layers (interleave_moe_layer_step), the other layers a dense `feed_forward` MLP
+    "llama4_text": MoeLayout("feed_forward", "gate_proj", "up_proj", "down_proj", router="router", transposed=True,
+                             checkpoint_fused=True, routing="scaled_input", shared="shared_expert"),
 }
 
 
@@ -98,9 +107,11 @@ _DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
 
 def _moe_roles(layout: MoeLayout) -> dict[str, str]:
     block = re.escape(layout.block)
-    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.",
+    shared = {"shared_experts": rf"{block}\.{re.escape(layout.shared)}\."} if layout.shared else {}
+    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.", **shared,
             "router": rf"{block}\.{re.escape(layout.router)}$",
-            "mlp": r"mlp\."}  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense MLPs in some layers
+            # dense MLPs in some layers: Qwen3-MoE's mlp_only_layers / decoder_sparse_step, Llama-4's interleave
+            "mlp": rf"(mlp|{block})\."}
 
 
 LINEAR_ROLES: dict[str, dict[str, str]] = {

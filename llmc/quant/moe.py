@@ -86,15 +86,19 @@ class Expert(nn.Module):
 
 
 class ExpertLinears(nn.ModuleList):
-    """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears."""
+    """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears.
+    `routing` is the layout's: "top_k" (hidden, top-k index, top-k weights) or "scaled_input" (Llama-4)."""
 
-    def __init__(self, experts: list[Expert]) -> None:
+    def __init__(self, experts: list[Expert], routing: str = "top_k") -> None:
         super().__init__(experts)
+        self.routing = routing
         self.all_tokens = False  # statistics mode: every expert sees every token (output still routed)
         self.routed: torch.Tensor | None = None  # tokens routed per expert, counted while set
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self.routing == "scaled_input":
+            return self._scaled_input(hidden_states)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():  # [expert, top-k slot, token]; as transformers' loop, E + 1 classes
             mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
@@ -111,6 +115,21 @@ class ExpertLinears(nn.ModuleList):
             out = out * top_k_weights[token, slot, None]
             final.index_add_(0, token, out.to(final.dtype))
         return final
+
+    def _scaled_input(self, routed_in: torch.Tensor) -> torch.Tensor:
+        """Llama-4's Llama4TextExperts.forward: `routed_in` [E * T, H] holds every token once per expert, scaled by
+        that expert's sigmoid score, which is 0 exactly where the token is not routed to it (sigmoid(-inf)); expert e
+        runs on its routed rows only (a zero row's output is 0 without biases, as transformers computes it), so its
+        Linears' hooks see its routed tokens. Returns [E * T, H], the block sums over experts."""
+        x = routed_in.view(len(self), -1, routed_in.shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            token = x[e].ne(0).any(dim=-1).nonzero().flatten()
+            if self.routed is not None:
+                self.routed[e] += token.numel()
+            if token.numel():
+                out[e, token] = expert(x[e, token]).to(out.dtype)
+        return out.view(-1, routed_in.shape[-1])
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -160,7 +179,7 @@ def expert_linears(fused: nn.Module, layout: MoeLayout) -> ExpertLinears:
     for t in split_experts(layout, fused.gate_up_proj.data, fused.down_proj.data, *bias):
         experts.append(Expert(layout, *(_linear_view(t[f"{p}.weight"], t.get(f"{p}.bias")) for p in ("gate", "up", "down")),
                               glu))
-    return ExpertLinears(experts)
+    return ExpertLinears(experts, layout.routing)
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> dict[str, torch.Tensor]:
@@ -246,6 +265,14 @@ def observing_experts(layer: nn.Module, all_tokens: bool, counts: dict[str, torc
     `counts` is given) and, with `all_tokens`, runs every expert on every token (statistics only)."""
     blocks = list(routed_blocks(layer))
     for name, _block, experts in blocks:
+        if all_tokens and experts.routing == "scaled_input":
+            from llmc.errors import RecipeError
+
+            raise RecipeError(
+                "calibration.moe_calibrate_all_experts: this model's experts (Llama-4) receive their input already "
+                "scaled by the router score, which is 0 for every token not routed to them: there is no input to "
+                "calibrate them on for those tokens", fix="set calibration.moe_calibrate_all_experts: false (experts "
+                "no token reaches are reported and get their peers' scales), or give more calibration.samples")
         experts.all_tokens = all_tokens
         if counts is not None:
             experts.routed = counts.setdefault(name, torch.zeros(len(experts), dtype=torch.long))
@@ -352,6 +379,14 @@ class TokenReport:
 
     def to_dict(self) -> dict:
         return {"calibrate_all_experts": self.all_experts, "blocks": self.blocks}
+
+
+def layer_routers(layer: nn.Module) -> set[str]:
+    """Layer-relative names of the routers of `layer`'s MoE blocks: kept in high precision even where they are
+    nn.Linear (Llama-4's Llama4Router)."""
+    return {f"{name}.{n}" for name, block, _experts in routed_blocks(layer) for n, m in block.named_children()
+            if not isinstance(m, ExpertLinears) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2}
 
 
 def router_names(model: nn.Module, blocks: list[str]) -> list[str]:

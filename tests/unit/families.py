@@ -60,6 +60,15 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0}}),
 }
 
+# Llama-4 text (tests/unit/test_moe.py, its own tests: its experts take router-scaled inputs, so the generic MoE tests'
+# direct computations do not apply): MoE in layer 1 only (interleave 2), a shared expert, chunked attention (chunks of
+# 8 tokens < the tests' 24), the dense layer's MLP of its own width
+LLAMA4: dict[str, tuple[str, dict]] = {
+    "llama4_text": ("llama4_text", {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                                    "num_experts_per_tok": 2, "interleave_moe_layer_step": 2,
+                                    "intermediate_size_mlp": 96, "attention_chunk_size": 8}),
+}
+
 # dense families with a Linear outside the decoder layers (tests/unit/test_export_described.py): Gemma-4's
 # per-layer embeddings project the token embeddings through model.per_layer_model_projection (hidden -> layers x 8)
 OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
@@ -78,7 +87,7 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **OUTER_LINEAR_FAMILIES}[family]
+    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **LLAMA4, **OUTER_LINEAR_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
     if family in OUTER_LINEAR_FAMILIES:

@@ -150,7 +150,7 @@ def _routing(folder: Path, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
 def _expert_inputs(x: torch.Tensor, experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate/up input, down input) of expert e computed directly from the fused weights, as transformers' fused
     forward computes them (gpt-oss: biased, interleaved, transposed, its clamped gate)."""
-    if hasattr(experts, "_apply_gate"):  # gpt-oss
+    if hasattr(experts, "gate_up_proj_bias"):  # gpt-oss
         return x, experts._apply_gate(x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e])
     inter = experts.gate_up_proj.shape[1] // 2
     w = experts.gate_up_proj[e]
@@ -489,8 +489,9 @@ def test_gpt_oss_layer_by_layer_calibration_sees_the_whole_models_activations(gp
 
 def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor) -> torch.Tensor:
     """The export decoded by compressed-tensors' own decompressors, the per-expert tensors put back into transformers'
-    fused gpt-oss layout (gate/up interleaved, transposed: the inverse of the layout row), loaded into a plain
-    GptOssForCausalLM: its logits, by transformers' own fused forward (no llmc code on the path)."""
+    fused layout (transposed; gate/up interleaved for gpt-oss, halves for Llama-4: the inverse of the layout row,
+    written out here), loaded into the plain transformers model: its logits, by transformers' own fused forward (no
+    llmc code on the path)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
@@ -511,15 +512,22 @@ def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor
         state[f"{module}.weight"] = compressor.decompress(state.pop(module), scheme)["weight"].float()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
-        p, experts = f"model.layers.{i}.mlp.experts", layer.mlp.experts
+        block = "mlp" if hasattr(layer, "mlp") else "feed_forward"
+        p, experts = f"model.layers.{i}.{block}.experts", getattr(getattr(layer, block), "experts", None)
+        if experts is None:  # Llama-4's dense layers
+            continue
+        inter = experts.gate_up_proj.shape[-1] // 2
+        gate, up = ((slice(0, None, 2), slice(1, None, 2)) if hasattr(experts, "gate_up_proj_bias")  # gpt-oss
+                    else (slice(0, inter), slice(inter, None)))  # Llama-4
         with torch.no_grad():
             for e in range(experts.gate_up_proj.shape[0]):
-                experts.gate_up_proj[e][:, ::2] = state.pop(f"{p}.{e}.gate_proj.weight").T
-                experts.gate_up_proj[e][:, 1::2] = state.pop(f"{p}.{e}.up_proj.weight").T
-                experts.gate_up_proj_bias[e][::2] = state.pop(f"{p}.{e}.gate_proj.bias")
-                experts.gate_up_proj_bias[e][1::2] = state.pop(f"{p}.{e}.up_proj.bias")
+                experts.gate_up_proj[e][:, gate] = state.pop(f"{p}.{e}.gate_proj.weight").T
+                experts.gate_up_proj[e][:, up] = state.pop(f"{p}.{e}.up_proj.weight").T
                 experts.down_proj[e] = state.pop(f"{p}.{e}.down_proj.weight").T
-                experts.down_proj_bias[e] = state.pop(f"{p}.{e}.down_proj.bias")
+                if hasattr(experts, "gate_up_proj_bias"):
+                    experts.gate_up_proj_bias[e][gate] = state.pop(f"{p}.{e}.gate_proj.bias")
+                    experts.gate_up_proj_bias[e][up] = state.pop(f"{p}.{e}.up_proj.bias")
+                    experts.down_proj_bias[e] = state.pop(f"{p}.{e}.down_proj.bias")
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(".experts." in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
     with torch.no_grad():
@@ -572,3 +580,116 @@ def test_vllm_targets_of_gpt_oss_are_refused_by_the_plan(gpt_oss: Path) -> None:
     for runtime in ("sglang", "tgi"):
         with pytest.raises(IncompatibleTargetError, match="not checked"):
             make_plan(recipe(gpt_oss, runtime), gpt_oss)
+
+
+# --------------------------------------------------------------------------- Llama-4 text: its layout row
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory) -> Path:
+    return make_tiny("llama4_text", tmp_path_factory.mktemp("llama4") / "model")
+
+
+def test_llama4_per_expert_linears_compute_transformers_fused_experts(llama4: Path) -> None:
+    """Llama-4's experts (gate_up_proj [E, H, 2I]: transposed, gate then up; inputs already scaled by the sigmoid
+    router score) as per-expert Linears in the MoE layer only (interleave 2: layer 0 dense): the whole model's logits
+    equal the fused model's (measured bit-identical here; asserted to 1e-6: a routed-out row, 0, gives 0 in both), the
+    weights are views of the fused parameter, the router (an nn.Linear) and the shared expert stay as they are."""
+    model = _float_model(llama4)
+    fused = model.model.layers[1].feed_forward.experts.gate_up_proj
+    inter = fused.shape[-1] // 2
+    ids = _ids(2, 3)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        blocks = moe.unfuse_experts(model)
+        after = model(input_ids=ids).logits
+    assert blocks == ["model.layers.1.feed_forward"]
+    assert (after - before).abs().max().item() < 1e-6
+    expert = model.get_submodule("model.layers.1.feed_forward.experts.2")
+    assert torch.equal(expert.gate_proj.weight, fused[2][:, :inter].T) and expert.gate_proj.weight.data_ptr() == fused[2].data_ptr()
+    assert torch.equal(expert.up_proj.weight, fused[2][:, inter:].T)
+    assert isinstance(model.get_submodule("model.layers.1.feed_forward.router"), torch.nn.Linear)
+    with safe_open(str(llama4 / "model.safetensors"), "pt") as f:
+        saved = moe.per_expert_shapes({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, moe.layout_of(model.config))
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"} == {
+        k: v for k, v in saved.items() if k != "lm_head.weight"}  # tied head
+
+
+def test_llama4_layer_by_layer_calibration_sees_the_whole_models_activations(llama4: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """The stream's forward (chunked attention, chunks of 8 in 24-token windows; the dense and the MoE layer; the
+    experts' router-scaled inputs) gives every Linear the per-channel input ranges transformers' whole-model forward
+    gives it. The check can fail: with chunks covering the window, o_proj sees other inputs. The router stays out of
+    the quantized Linears."""
+    from llmc.quant import flows
+
+    from tests.unit.test_gemma3 import _linear_input_absmax
+
+    calib = _ids(4, 1)
+    whole = _float_model(llama4)
+    moe.unfuse_experts(whole)
+    ref = {k: v for k, v in _linear_input_absmax(whole, calib).items() if not k.endswith(".router")}
+    unchunked = _float_model(make_tiny("llama4_text", tmp_path / "unchunked", attention_chunk_size=1024))
+    assert not torch.allclose(_linear_input_absmax(unchunked, calib)["model.layers.0.self_attn.o_proj"],
+                              ref["model.layers.0.self_attn.o_proj"], rtol=1e-4)
+    observed: dict[str, torch.Tensor] = {}
+    real_observe = flows.observe_batches
+
+    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
+        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
+        observed.update(stats.channel_absmax)
+
+    monkeypatch.setattr(flows, "observe_batches", keep)
+    qm = _quantize(llama4, SCHEMES["fp8-static-kv"], tmp_path / "q")
+    assert len(ref) == len(observed) == len(qm.quantized_modules) == (4 + 3) + (4 + 4 * 3 + 3)
+    for name, absmax in ref.items():
+        torch.testing.assert_close(observed[name], absmax, rtol=1e-5, atol=1e-6, msg=name)
+    assert qm.meta["moe"]["ignore"] == ["re:.*\\.feed_forward\\.router$"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("scheme_name", ["fp8-static-kv", "int4-gptq"])
+def test_llama4_export_reloads_with_the_reference_logits(llama4: Path, scheme_name: str, tmp_path: Path) -> None:
+    """FP8 W8A8 static + KV and W4A16 GPTQ of Llama-4 text: experts per expert in the export (router float, ignored),
+    llmc's torch engine on the export gives the fake-quantized reference's logits; W4A16 decoded by compressed-tensors
+    into plain transformers (experts re-fused) gives llmc's logits too."""
+    from llmc.engines.torch_ref import TorchEngine
+
+    scheme = SCHEMES[scheme_name]
+    qm = _quantize(llama4, scheme, tmp_path / "q")
+    export_compressed_tensors(qm, tmp_path / "export")
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.1.feed_forward.experts.3.down_proj.weight_scale",
+            "model.layers.1.feed_forward.shared_expert.gate_proj.weight_scale",
+            "model.layers.1.feed_forward.router.weight"} <= names
+    ids = _ids(2, 2)
+    with torch.no_grad():
+        base = _float_model(llama4)(input_ids=ids).logits
+        want = _fake_quantized_reference(llama4, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)(
+            input_ids=ids).logits
+        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
+    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
+    assert (got - want).abs().max().item() < 1e-4
+    if scheme_name == "int4-gptq":
+        assert (_transformers_logits_of_export(tmp_path / "export", llama4, ids) - got).abs().max().item() < 1e-4
+
+
+def test_llama4_plans_for_vllm_and_refuses_calibrating_every_expert(llama4: Path, tmp_path: Path) -> None:
+    """vLLM loads Llama-4's per-expert experts (llmc.runtimes.vllm cites its loader): a vllm target plans; calibrating
+    every expert on every token is refused (RecipeError, exit 2): its experts get router-scaled inputs, 0 for tokens
+    not routed to them."""
+    import yaml
+
+    from llmc.errors import RecipeError
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.load import parse_recipe
+
+    plan = make_plan(parse_recipe(yaml.safe_dump({
+        "name": "t", "model": {"source": str(llama4)}, "targets": [{"runtime": "vllm"}],
+        "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                         "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}})), llama4)
+    assert plan.targets
+    with pytest.raises(RecipeError, match="router score") as refused:
+        _quantize(llama4, SCHEMES["fp8-static-kv"], tmp_path / "q", moe_all_experts=True)
+    assert refused.value.exit_code == 2
