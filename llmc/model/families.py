@@ -95,6 +95,25 @@ def check_quantizable(config: dict) -> None:
         )
 
 
+def all_experts_refused(family: str | None):
+    """The RecipeError (exit 2) for calibration.moe_calibrate_all_experts on a family whose experts get router-scaled
+    inputs (`MoeLayout.routing` "scaled_input", Llama-4: 0 for every token not routed to an expert)."""
+    from llmc.errors import RecipeError
+
+    return RecipeError(
+        f"calibration.moe_calibrate_all_experts: model_type {family!r} experts receive their input already scaled by "
+        "the router score, which is 0 for every token not routed to them: there is no input to calibrate them on for "
+        "those tokens", fix="set calibration.moe_calibrate_all_experts: false (experts no token reaches are reported "
+        "and get their peers' scales), or give more calibration.samples")
+
+
+def check_all_experts(config: dict, all_experts: bool) -> None:
+    """Refuse (`all_experts_refused`) calibrating every expert on every token where the family's experts cannot be."""
+    layout = LAYOUTS.get(config.get("model_type"))
+    if all_experts and layout is not None and layout.routing == "scaled_input":
+        raise all_experts_refused(config.get("model_type"))
+
+
 # What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their

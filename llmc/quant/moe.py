@@ -265,14 +265,11 @@ def observing_experts(layer: nn.Module, all_tokens: bool, counts: dict[str, torc
     `counts` is given) and, with `all_tokens`, runs every expert on every token (statistics only)."""
     blocks = list(routed_blocks(layer))
     for name, _block, experts in blocks:
-        if all_tokens and experts.routing == "scaled_input":
-            from llmc.errors import RecipeError
+        if all_tokens and experts.routing == "scaled_input":  # the plan refuses it first (families.check_all_experts)
+            from llmc.model.families import all_experts_refused
 
-            raise RecipeError(
-                "calibration.moe_calibrate_all_experts: this model's experts (Llama-4) receive their input already "
-                "scaled by the router score, which is 0 for every token not routed to them: there is no input to "
-                "calibrate them on for those tokens", fix="set calibration.moe_calibrate_all_experts: false (experts "
-                "no token reaches are reported and get their peers' scales), or give more calibration.samples")
+            raise all_experts_refused(next((m.config.model_type for m in layer.modules() if hasattr(m, "config")),
+                                           None))
         experts.all_tokens = all_tokens
         if counts is not None:
             experts.routed = counts.setdefault(name, torch.zeros(len(experts), dtype=torch.long))

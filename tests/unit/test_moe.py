@@ -677,19 +677,84 @@ def test_llama4_export_reloads_with_the_reference_logits(llama4: Path, scheme_na
 
 def test_llama4_plans_for_vllm_and_refuses_calibrating_every_expert(llama4: Path, tmp_path: Path) -> None:
     """vLLM loads Llama-4's per-expert experts (llmc.runtimes.vllm cites its loader): a vllm target plans; calibrating
-    every expert on every token is refused (RecipeError, exit 2): its experts get router-scaled inputs, 0 for tokens
-    not routed to them."""
+    every expert on every token is refused (RecipeError, exit 2) by the plan and by the stream: its experts get
+    router-scaled inputs, 0 for tokens not routed to them."""
     import yaml
 
     from llmc.errors import RecipeError
     from llmc.planning.plan import make_plan
     from llmc.recipe.load import parse_recipe
 
-    plan = make_plan(parse_recipe(yaml.safe_dump({
-        "name": "t", "model": {"source": str(llama4)}, "targets": [{"runtime": "vllm"}],
-        "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
-                         "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}})), llama4)
-    assert plan.targets
+    def recipe(**calibration):
+        return parse_recipe(yaml.safe_dump({
+            "name": "t", "model": {"source": str(llama4)}, "targets": [{"runtime": "vllm"}],
+            "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                             "activations": {"format": "fp8_e4m3", "strategy": "tensor"}},
+            "calibration": {"samples": 4, "seq_len": 16, **calibration}}))
+
+    assert make_plan(recipe(), llama4).targets
+    gptq = parse_recipe(yaml.safe_dump({
+        "name": "t", "model": {"source": str(llama4)}, "targets": [{"runtime": "vllm"}], "calibration": {
+            "samples": 4, "seq_len": 16}, "quantization": {"weights": {"format": "int4", "strategy": "group",
+                                                                      "group_size": 32}, "algorithm": "gptq"}}))
+    (warning,) = [w for w in make_plan(gptq, llama4).warnings if "routed to it" in w]
+    assert "calibrate on more tokens" in warning and "moe_calibrate_all_experts" not in warning
     with pytest.raises(RecipeError, match="router score") as refused:
+        make_plan(recipe(moe_calibrate_all_experts=True), llama4)
+    assert refused.value.exit_code == 2 and "llama4_text" in str(refused.value)
+    with pytest.raises(RecipeError, match="router score"):
         _quantize(llama4, SCHEMES["fp8-static-kv"], tmp_path / "q", moe_all_experts=True)
-    assert refused.value.exit_code == 2
+
+
+@pytest.mark.slow  # two whole builds: ~80 s each on the loaded 2-core machine
+@pytest.mark.parametrize("scheme_name", ["fp8", "w4a16-gptq"])
+def test_llmc_build_of_a_tiny_llama4_end_to_end(scheme_name: str, tmp_path: Path) -> None:
+    """`llmc build` of a tiny Llama4ForCausalLM (its Hub-layout checkpoint holds fused experts): FP8 W8A8 static + KV,
+    or W4A16 GPTQ g32, for vLLM sm90, evaluated by the torch engine from the exported files; passes its (wide) gate,
+    and the token report counts every calibration token top-2 in the MoE layer."""
+    from llmc.build import build
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+    from tests.unit.test_build import recipe_text
+
+    folder = make_tiny("llama4_text", tmp_path / "model")
+    overrides = {"gates.max_ppl_increase_pct": 1000.0}
+    if scheme_name == "w4a16-gptq":
+        overrides["quantization"] = {"weights": {"format": "int4", "strategy": "group", "group_size": 32},
+                                     "algorithm": "gptq"}
+    store = Store(tmp_path / "cache")
+    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **overrides)), store, publish=False)
+    assert result.passed
+    quantized = next(store.root.glob("stages/quantize/*/quantized.json")).parent
+    tokens = json.loads((quantized / moe.TOKENS_FILE).read_text())["blocks"]
+    assert sorted(tokens) == ["model.layers.1.feed_forward"]
+    assert sum(tokens["model.layers.1.feed_forward"]["tokens"]) == 8 * 64 * 2
+    quantized_eval = [e for e in result.evals.values() if e.ppl_change is not None]
+    assert quantized_eval and all(e.error is None for e in quantized_eval)
+    print(scheme_name, {e.engine: (e.perplexity, e.ppl_change) for e in result.evals.values()})
+
+
+def test_a_gpt_oss_checkpoint_with_a_transposed_fused_tensor_is_refused_by_the_plan(gpt_oss: Path, tmp_path: Path) -> None:
+    """The fused experts of a checkpoint that holds them (gpt-oss) are checked against config.json as the per-expert
+    tensors the build reads them as: gate_up_proj saved [E, 2I, H] instead of [E, H, 2I] is refused (exit 7) before
+    any layer computes, and a 2-D one is named as not 3-D."""
+    import shutil
+
+    import yaml
+
+    from llmc.errors import InputError
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.load import parse_recipe
+
+    recipe = parse_recipe(yaml.safe_dump({"name": "t", "model": {"source": str(tmp_path / "m")}, "targets": [
+        {"runtime": "vllm"}], "quantization": {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}}))
+    for broken, match in ((lambda t: t.transpose(1, 2).contiguous(), "experts.0.gate_proj.weight"),
+                          (lambda t: t[0].contiguous(), "fused experts are 3-D")):
+        shutil.rmtree(tmp_path / "m", ignore_errors=True)
+        shutil.copytree(gpt_oss, tmp_path / "m")
+        state = load_file(str(tmp_path / "m" / "model.safetensors"))
+        state["model.layers.1.mlp.experts.gate_up_proj"] = broken(state["model.layers.1.mlp.experts.gate_up_proj"])
+        save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(InputError, match=match) as refused:
+            make_plan(recipe, tmp_path / "m")
+        assert refused.value.exit_code == 7
