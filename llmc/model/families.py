@@ -2,9 +2,10 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE and gpt-oss.
-How a family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped SwiGLU, fused
-tensors in its Hub checkpoints) is data in its `MoeLayout` row, read by one `Expert` class. Other MoE families are
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, gpt-oss and
+Llama-4 text. How a family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped
+SwiGLU; Llama-4: router-scaled inputs and a shared expert; both: fused tensors in their Hub checkpoints) is data in
+its `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). Other MoE families are
 refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and their gates,
 DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
 """

@@ -7,10 +7,15 @@ as the family's Hub checkpoints name them (Mixtral `block_sparse_moe.experts.E.{
 `mlp.experts.E.{gate_proj,up_proj,down_proj}`). Its forward is transformers' own routed loop (the block's router
 picks top-k experts, each expert runs on the tokens routed to it, outputs weighted and index-added), so the
 layer computes what it computed before and a hook on an expert's Linear sees only that expert's routed tokens.
+Families differ only by their `MoeLayout` row (llmc.model.families): gpt-oss's experts are biased, its gate/up
+interleaved in a transposed [E, H, 2I] tensor and activated by a clamped SwiGLU (`ClampedSwiGLU`); Llama-4's take
+their input already scaled by the router (`ExpertLinears._scaled_input`); both families' Hub checkpoints hold the
+fused tensors, split per expert as they are read (`per_expert_tensors`).
 
 Memory: each expert Linear's weight is a *view* of the fused parameter (`gate_up_proj[e, :I]`), never a copy: an
 unfused model takes no more memory than the fused one. In the layer stream the views are of meta tensors and are
-replaced by the checkpoint's own per-expert tensors when a layer is read, so no fused tensor exists at all there.
+replaced by the checkpoint's own per-expert tensors when a layer is read, so no fused tensor exists at all there
+(gpt-oss, Llama-4: one layer's fused tensors, split into per-expert copies as it is read).
 
 Because the block keeps its module path under the Hub name (Mixtral's decoder layer calls `self.mlp` but the Hub
 names the block `block_sparse_moe`: the block is registered as `block_sparse_moe` and the layer's `mlp` attribute
