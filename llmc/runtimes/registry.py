@@ -134,14 +134,14 @@ def recognize(path) -> ArtifactFormat | None:
     return next((f for f in FORMATS.values() if f.recognizes(path)), None)
 
 
-def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[str]:
+def accepting_runtimes(scheme: Scheme, format_name: str | None = None, family: str | None = None) -> list[str]:
     """'runtime (archs)' for each runtime whose rules admit every capability the scheme needs (only those
-    reading `format_name`, when given)."""
+    reading `format_name`, when given; not those refusing the model_type `family`, when given)."""
     out = []
     keys = scheme_keys(scheme)
     for rt in sorted(RUNTIMES.values(), key=lambda r: r.name):
         rules = [rt.rules.get(k) for k in keys]
-        if any(r is None for r in rules) or (format_name and rt.format != format_name):
+        if any(r is None for r in rules) or (format_name and rt.format != format_name) or family in rt.refused_families:
             continue
         native = max((r.native_from for r in rules if r.native_from), default=None, key=arch_rank)
         until = min((r.native_until for r in rules if r.native_until), default=None, key=arch_rank)

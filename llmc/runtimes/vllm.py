@@ -94,7 +94,7 @@ class CompressedTensors(ArtifactFormat):
             + (f", activations {s.activations.describe()}" if s.activations else "")
             + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
             + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
-            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name)),
+            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name, config.get("model_type"))),
             *serve_line(path),
         ])
 

@@ -551,6 +551,9 @@ def test_gpt_oss_w4a16_gptq_export_decodes_in_plain_transformers_to_llmcs_logits
     assert {"model.layers.1.mlp.experts.3.down_proj.weight_packed", "model.layers.1.mlp.experts.3.down_proj.bias",
             "model.layers.0.mlp.router.bias", "model.layers.0.self_attn.sinks"} <= names
     assert not [n for n in names if n.endswith(("gate_up_proj", "gate_up_proj_bias"))]
+    from llmc.runtimes.catalog import FORMATS  # `llmc inspect` names no runtime that refuses the family
+
+    assert FORMATS["compressed-tensors"].describe(tmp_path / "export").split("accepted by:")[1].split("\n")[0].strip() == ""
     ids = _ids(2, 2)
     with torch.no_grad():
         base = _float_model(gpt_oss)(input_ids=ids).logits
