@@ -25,8 +25,6 @@ _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
-    # the multimodal checkpoint: its text model (language_model.*) is llama4_text, its vision tower unmapped here
-    "llama4": "a vision tower and projector beside the text model (llmc quantizes Llama4ForCausalLM, llama4_text)",
 }
 
 

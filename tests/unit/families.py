@@ -98,8 +98,10 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     with torch.no_grad():  # larger-than-default weights so quantization error is visible; norms away from 0 and 1
         for name, p in model.named_parameters():
             p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(0.2, 0.3)  # MoE: fused 3-D experts are weights
-            if family in MOE_FAMILIES and name.endswith("bias"):  # gpt-oss: biases as wide as the norms' weights
-                p.normal_(0, 0.05)  # (o_proj's a constant on every token, the router's) would fix the routing
+            # gpt-oss's biases drawn as wide as the norms' weights would fix the routing (o_proj's bias adds one
+            # vector to every token, the router's shifts every logit)
+            if family in MOE_FAMILIES and name.endswith("bias"):
+                p.normal_(0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return Path(folder)

@@ -1,7 +1,10 @@
 """Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE and gpt-oss models (4 experts, top-2, hidden 64, 2 layers;
-built from transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under the Hub
-names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
-defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe)."""
+built from transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under
+the Hub names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
+defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe). gpt-oss and
+Llama-4 text have their own tests below too: their layout rows (fused checkpoints, biased interleaved experts, the
+clamped SwiGLU; router-scaled inputs, a shared expert), their calibration forward against transformers' whole forward,
+and their exports decoded by compressed-tensors in plain transformers."""
 
 from __future__ import annotations
 
