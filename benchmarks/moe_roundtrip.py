@@ -1,11 +1,12 @@
-"""docs/models.md "Mixture-of-Experts": for a tiny random Mixtral and Qwen3-MoE (4 experts, top-2, hidden 64, 2
-layers; tests/unit/families.py) and each scheme, the max |logits| difference between the compressed-tensors export
+"""docs/models.md "Mixture-of-Experts": for a tiny random Mixtral, Qwen3-MoE, gpt-oss and Llama-4 text (4 experts,
+top-2, hidden 64, 2 layers; tests/unit/families.py) and each scheme, the max |logits| difference between the compressed-tensors export
 reloaded by llmc's torch engine and the fake-quantized reference, beside the quantization's own effect (the
 computation tests/unit/test_moe.py asserts on); then the cost of `calibration.moe_calibrate_all_experts`: the
 quantize call's wall time with and without it (median of `--repeats`), and the MoE block's own calibration forward
 (statistics hooks on every expert Linear, 2048 tokens; min and median of 15).
 
     PYTHONPATH=. python benchmarks/moe_roundtrip.py [--repeats 3] [--windows 16] [--seq 128] [--only-block]
+        [--families gpt_oss,llama4_text] [--table-only]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from llmc.model.source import ModelSource
 from llmc.telemetry.progress import set_quiet
 from llmc.quant import moe, stream
-from tests.unit.families import MOE_FAMILIES, make_tiny
+from tests.unit.families import LLAMA4, MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, roundtrip
 
 
@@ -69,10 +70,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--skip-table", action="store_true")
     parser.add_argument("--only-block", action="store_true")
+    parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--families", default=",".join(MOE_FAMILIES), help=f"of {', '.join({**MOE_FAMILIES, **LLAMA4})}")
     args = parser.parse_args()
     set_quiet(True)
     with tempfile.TemporaryDirectory() as tmp:
-        folders = {f: make_tiny(f, Path(tmp) / f / "model") for f in MOE_FAMILIES}
+        folders = {f: make_tiny(f, Path(tmp) / f / "model") for f in args.families.split(",")}
         if args.only_block:
             print("| family | routed: min / median (ms) | every expert on every token: min / median (ms) | ratio of mins |")
             print("|---|---|---|---|")
@@ -89,6 +92,8 @@ def main() -> None:
                 for name, scheme in SCHEMES.items():
                     diff, effect, n = roundtrip(folder, scheme, Path(tmp) / family / name, moe.unfuse_experts)
                     print(f"| {family} | {name} | {n} | {diff:.1e} | {effect:.3f} |", flush=True)
+        if args.table_only:
+            return
         print(f"\nquantize call, {args.windows} windows x {args.seq} tokens, median of {args.repeats} "
               f"(torch threads {torch.get_num_threads()}):")
         print("| family | scheme | routed (s) | every expert on every token (s) | ratio |")

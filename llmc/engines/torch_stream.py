@@ -26,7 +26,8 @@ from llmc.errors import EngineFailed, InputError
 from llmc.telemetry.progress import steps
 from llmc.model.skeleton import (build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  release)
-from llmc.quant.moe import unfuse_experts
+from llmc.model.families import MoeLayout
+from llmc.quant.moe import layout_of, per_expert_tensors, unfuse_experts
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
@@ -75,11 +76,13 @@ class LayerDecoder:
     """Dense tensors of a compressed-tensors folder, module by module (plain folders pass through), quantized
     weights decompressed to `dtype`."""
 
-    def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None,
+                 layout: MoeLayout | None = None) -> None:
         self.reader = CheckpointReader(folder, dtype or torch.float32)  # a quantized original: decoded
         self.qcfg = qcfg
         self.dtype = dtype
         self.groups = self._groups(qcfg) if qcfg else []
+        self.layout = layout  # MoE: the family's layout (a source checkpoint of fused experts is split per expert)
 
     @staticmethod
     def _groups(qcfg: dict) -> list[tuple[tuple[str, ...], object, str]]:
@@ -98,6 +101,8 @@ class LayerDecoder:
         names = [n for n in self.reader.names()
                  if n.startswith(prefix) and not (exclude_prefix and n.startswith(exclude_prefix))]
         raw = {n[len(prefix):]: t for n, t in self.reader.get_many(names).items()}
+        if self.layout is not None:
+            raw = per_expert_tensors(raw, self.layout)
         if not self.groups:
             return raw
         return self._decompress(raw, prefix)
@@ -196,9 +201,9 @@ def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, 
     qcfg = None if decoded else qcfg
     check_config_patterns(folder, qcfg)
     model = build_skeleton(config, dtype)
-    unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use
+    blocks = unfuse_experts(model)  # MoE: per-expert Linears under the Hub names the files use
     prefix, _ = decoder_layers(model)
-    decoder = LayerDecoder(folder, qcfg, dtype)
+    decoder = LayerDecoder(folder, qcfg, dtype, layout_of(config) if blocks else None)
     materialize(model, decoder.tensors("", exclude_prefix=prefix + "."), dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -299,6 +299,7 @@ def check_tensors(config: dict, tensors: Tensors, files: dict[str, str], where: 
     implied = implied_tensors(config)
     fix = ("point model.source at weights and the config.json saved with them (save_pretrained() writes both), or "
            "re-save the model with save_pretrained()")
+    tensors = _fused_experts_split(config, tensors, files, where, fix)
     for name, (dtype, shape) in tensors.items():
         if name not in implied:
             continue
@@ -311,6 +312,40 @@ def check_tensors(config: dict, tensors: Tensors, files: dict[str, str], where: 
                 f"{said}{_how_it_differs(want, tuple(shape)) if tuple(shape) != want else ''}, but config.json "
                 f"implies a {'float (F32, F16 or BF16) ' if floating else ''}tensor of shape {list(want)}"
                 + (f" (a {dtype} tensor is quantized codes or not a weight)" if wrong_dtype else ""), fix=fix)
+
+
+def _fused_experts_split(config: dict, tensors: Tensors, files: dict[str, str], where: str, fix: str) -> Tensors:
+    """A family whose Hub checkpoints hold fused 3-D experts (gpt-oss, Llama-4): their per-expert shapes as the build
+    reads them (llmc.quant.moe.per_expert_tensors), so each is checked against config.json like any tensor; a fused
+    tensor that cannot be split so (not 3-D, odd gate/up width) is named here."""
+    from llmc.model.families import LAYOUTS
+    from llmc.quant.moe import per_expert_shapes
+
+    layout = LAYOUTS.get(config.get("model_type"))
+    if layout is None or not layout.checkpoint_fused:
+        return tensors
+    fused = [n for n in tensors if n.rpartition(".")[2] in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                                               "down_proj_bias") and ".experts." in n]
+    for name in fused:
+        dims = 2 if name.endswith("_bias") else 3
+        if len(tensors[name][1]) != dims or (name.endswith("gate_up_proj") and tensors[name][1][-1 if layout.transposed
+                                                                                                 else 1] % 2):
+            raise InputError(f"model source {where}: tensor {excerpt(name, 100)} in "
+                             f"{excerpt(files.get(name, '?'), 80)} is {tensors[name][0]} {list(tensors[name][1])}, "
+                             f"but {config.get('model_type')}'s fused experts are {dims}-D", fix=fix)
+    split = per_expert_shapes({n: s for n, (_, s) in tensors.items()}, layout)
+    dtype_of = {n[: -len(part)]: tensors[n][0] for n in fused for part in ("gate_up_proj", "down_proj",
+                                                                           "gate_up_proj_bias", "down_proj_bias")
+                if n.endswith(part)}
+    out = {}
+    for n, shape in split.items():
+        if n in tensors:
+            out[n] = tensors[n]
+        else:  # <block>.experts.<e>.<proj>.<weight|bias>: the dtype of its block's fused tensors
+            base = n[: n.index(".experts.") + len(".experts.")]
+            out[n] = (dtype_of.get(base, "F32"), shape)
+            files.setdefault(n, files.get(base + "gate_up_proj", "?"))
+    return out
 
 
 def embedding_rows(tensors: Tensors) -> dict[str, int]:

@@ -2,9 +2,12 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral and Qwen3-MoE. Other
-MoE families are refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and
-their gates, DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, gpt-oss and
+Llama-4 text. How a family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped
+SwiGLU; Llama-4: router-scaled inputs and a shared expert; both: fused tensors in their Hub checkpoints) is data in
+its `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). Other MoE families are
+refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and their gates,
+DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
 """
 
 from __future__ import annotations
@@ -39,6 +42,22 @@ class MoeLayout:
     up: str
     down: str
     router: str = "gate"
+    # How transformers holds the fused experts and what one expert computes; the defaults are Mixtral's / Qwen3-MoE's.
+    # gate_up: "halves" (gate rows, then up rows) or "interleaved" (gate = [..., ::2], up = [..., 1::2]: gpt-oss)
+    gate_up: str = "halves"
+    transposed: bool = False  # fused tensors stored [E, in, out] (gpt-oss: gate_up_proj [E, H, 2I]), not [E, out, in]
+    bias: bool = False  # per-expert biases (gpt-oss: gate_up_proj_bias [E, 2I], down_proj_bias [E, H])
+    # "glu": down(act(gate) * up); "clamped_swiglu": gpt-oss's down((clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)),
+    # g = clamp(gate, max=limit), alpha and limit from the fused module (swiglu_alpha / swiglu_limit in config.json)
+    activation: str = "glu"
+    # the Hub checkpoint stores the fused 3-D tensors as transformers holds them (no conversion mapping, gpt-oss);
+    # llmc splits them per expert as it reads a layer (llmc.quant.moe.per_expert_tensors)
+    checkpoint_fused: bool = False
+    # how the block calls its experts: "top_k" experts(hidden, top-k index, top-k weights), each expert's output
+    # weighted; "scaled_input" (Llama-4) experts(routed_in): every token once per expert, [E * T, H], already
+    # multiplied by that expert's sigmoid router score (0 where not routed), outputs summed unweighted
+    routing: str = "top_k"
+    shared: str | None = None  # a shared expert beside the routed ones (Llama-4 `shared_expert`: a dense MLP)
 
 
 # model_type -> layout of the MoE families llmc quantizes expert by expert (llmc.quant.moe; transformers'
@@ -46,6 +65,14 @@ class MoeLayout:
 LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # gpt-oss: exported per expert under llm-compressor's names for it (mlp.experts.E.{gate,up,down}_proj, with
+    # biases; docs/models.md says why); the router `mlp.router` (weight and bias) stays unquantized
+    "gpt_oss": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", router="router", gate_up="interleaved",
+                         transposed=True, bias=True, activation="clamped_swiglu", checkpoint_fused=True),
+    # Llama-4 text: gate_up_proj [E, H, 2I] (transposed, halves), a shared expert, the router (an nn.Linear) kept;
+    # MoE only in config.moe_layers (interleave_moe_layer_step), the other layers a dense `feed_forward` MLP
+    "llama4_text": MoeLayout("feed_forward", "gate_proj", "up_proj", "down_proj", router="router", transposed=True,
+                             checkpoint_fused=True, routing="scaled_input", shared="shared_expert"),
 }
 
 
@@ -67,6 +94,25 @@ def check_quantizable(config: dict) -> None:
         )
 
 
+def all_experts_refused(family: str | None):
+    """The RecipeError (exit 2) for calibration.moe_calibrate_all_experts on a family whose experts get router-scaled
+    inputs (`MoeLayout.routing` "scaled_input", Llama-4: 0 for every token not routed to an expert)."""
+    from llmc.errors import RecipeError
+
+    return RecipeError(
+        f"calibration.moe_calibrate_all_experts: model_type {family!r} experts receive their input already scaled by "
+        "the router score, which is 0 for every token not routed to them: there is no input to calibrate them on for "
+        "those tokens", fix="set calibration.moe_calibrate_all_experts: false (experts no token reaches are reported "
+        "and get their peers' scales), or give more calibration.samples")
+
+
+def check_all_experts(config: dict, all_experts: bool) -> None:
+    """Refuse (`all_experts_refused`) calibrating every expert on every token where the family's experts cannot be."""
+    layout = LAYOUTS.get(config.get("model_type"))
+    if all_experts and layout is not None and layout.routing == "scaled_input":
+        raise all_experts_refused(config.get("model_type"))
+
+
 # What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their
@@ -79,9 +125,11 @@ _DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
 
 def _moe_roles(layout: MoeLayout) -> dict[str, str]:
     block = re.escape(layout.block)
-    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.",
+    shared = {"shared_experts": rf"{block}\.{re.escape(layout.shared)}\."} if layout.shared else {}
+    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.", **shared,
             "router": rf"{block}\.{re.escape(layout.router)}$",
-            "mlp": r"mlp\."}  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense MLPs in some layers
+            # dense MLPs in some layers: Qwen3-MoE's mlp_only_layers / decoder_sparse_step, Llama-4's interleave
+            "mlp": rf"(mlp|{block})\."}
 
 
 LINEAR_ROLES: dict[str, dict[str, str]] = {

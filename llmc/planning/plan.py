@@ -24,7 +24,7 @@ from llmc.eval import gates
 from llmc.model.checkpoint import INDEX_FILE, read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
-from llmc.model.families import check_quantizable, expert_count
+from llmc.model.families import LAYOUTS, check_all_experts, check_quantizable, expert_count
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
@@ -429,6 +429,8 @@ def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str,
     c = recipe.calibration
     if c.moe_calibrate_all_experts or not Pipeline.of(scheme).observes_hessians:
         return []
+    layout = LAYOUTS.get(config.get("model_type"))
+    every_token = layout is None or layout.routing != "scaled_input"  # Llama-4: refused (families.check_all_experts)
     routed = c.samples * c.seq_len * plan_shapes.active_fraction(config)
     short = _widest_beyond({n: s for n, s in quantized.items() if ".experts." in n}, routed)
     if short is None:
@@ -437,9 +439,9 @@ def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str,
     return [f"{scheme.algorithm} solves each expert's Linears with the Hessian of the tokens routed to it: "
             f"~{routed:,.0f} on average here (calibration.samples {c.samples} x seq_len {c.seq_len} x the routed "
             f"share {plan_shapes.active_fraction(config):.3g}), fewer than the {widest} inputs of {name}, so the "
-            f"experts' Hessians are rank-deficient and their codes rest on the dampening. Fix: set "
-            f"calibration.moe_calibrate_all_experts: true (every expert observes every token), or calibrate on "
-            f"more tokens"]
+            f"experts' Hessians are rank-deficient and their codes rest on the dampening. Fix: "
+            + ("set calibration.moe_calibrate_all_experts: true (every expert observes every token), or calibrate on "
+               "more tokens" if every_token else "calibrate on more tokens (calibration.samples, seq_len)")]
 
 
 def _check_scheme(scheme: Scheme, where: str) -> None:
@@ -491,6 +493,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             tensors = plan_shapes.from_config(config)
 
         check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
+        check_all_experts(config, recipe.calibration.moe_calibrate_all_experts)
         for t in recipe.targets:
             targets.check_family(t, config)
         for scheme in schemes.values():

@@ -97,7 +97,28 @@ def from_headers(folder: Path) -> ModelTensors:
                 shapes.pop(parts.codes, None)
         for name in hidden:  # static activation scales: read with the layer, not a weight
             shapes.pop(name, None)
+    if any(n.endswith(".experts.gate_up_proj") for n in shapes):
+        shapes, stored = _experts_per_expert(folder, shapes, stored)
     return ModelTensors(shapes, stored)
+
+
+def _experts_per_expert(folder: Path, shapes: dict[str, tuple[int, ...]],
+                        stored: dict[str, int]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """A family whose Hub checkpoints hold fused 3-D experts (gpt-oss): the per-expert Linears the build reads them
+    as (llmc.quant.moe.per_expert_tensors), each stored in its share of the fused tensor's bytes. Other families'
+    fused tensors stay as they are (the build refuses them, naming the missing per-expert tensor)."""
+    from llmc.model.checkpoint import read_model_config
+    from llmc.model.families import LAYOUTS
+    from llmc.quant.moe import per_expert_shapes
+
+    layout = LAYOUTS.get(read_model_config(folder).get("model_type"))
+    if layout is None or not layout.checkpoint_fused:
+        return shapes, stored
+    split = per_expert_shapes(shapes, layout)
+    fused = [n for n in shapes if n not in split]
+    per_element = sum(stored[n] for n in fused) / max(sum(ModelTensors.numel(shapes[n]) for n in fused), 1)
+    return split, {n: stored[n] if n in stored else round(ModelTensors.numel(s) * per_element)
+                   for n, s in split.items()}
 
 
 def from_config(config: dict) -> ModelTensors:

@@ -7,10 +7,15 @@ as the family's Hub checkpoints name them (Mixtral `block_sparse_moe.experts.E.{
 `mlp.experts.E.{gate_proj,up_proj,down_proj}`). Its forward is transformers' own routed loop (the block's router
 picks top-k experts, each expert runs on the tokens routed to it, outputs weighted and index-added), so the
 layer computes what it computed before and a hook on an expert's Linear sees only that expert's routed tokens.
+Families differ only by their `MoeLayout` row (llmc.model.families): gpt-oss's experts are biased, its gate/up
+interleaved in a transposed [E, H, 2I] tensor and activated by a clamped SwiGLU (`ClampedSwiGLU`); Llama-4's take
+their input already scaled by the router (`ExpertLinears._scaled_input`); both families' Hub checkpoints hold the
+fused tensors, split per expert as they are read (`per_expert_tensors`).
 
 Memory: each expert Linear's weight is a *view* of the fused parameter (`gate_up_proj[e, :I]`), never a copy: an
 unfused model takes no more memory than the fused one. In the layer stream the views are of meta tensors and are
-replaced by the checkpoint's own per-expert tensors when a layer is read, so no fused tensor exists at all there.
+replaced by the checkpoint's own per-expert tensors when a layer is read, so no fused tensor exists at all there
+(gpt-oss, Llama-4: one layer's fused tensors, split into per-expert copies as it is read).
 
 Because the block keeps its module path under the Hub name (Mixtral's decoder layer calls `self.mlp` but the Hub
 names the block `block_sparse_moe`: the block is registered as `block_sparse_moe` and the layer's `mlp` attribute
@@ -36,34 +41,69 @@ from torch import nn
 from llmc.model.families import LAYOUTS, MoeLayout
 
 
-class Expert(nn.Module):
-    """One expert's SwiGLU MLP as three Linears under the family's names: down(act(gate(x)) * up(x))."""
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate) on the gate and up projections' outputs:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
 
-    def __init__(self, layout: MoeLayout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act_fn) -> None:
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GatedActivation:
+    """The SwiGLU of Mixtral / Qwen3-MoE experts: act(gate) * up."""
+
+    def __init__(self, act_fn) -> None:
+        self.act_fn = act_fn
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate) * up
+
+
+def expert_activation(layout: MoeLayout, fused: nn.Module):
+    """The function of (gate output, up output) the layout's experts compute, with the fused module's constants."""
+    if layout.activation == "clamped_swiglu":
+        return ClampedSwiGLU(float(fused.alpha), float(fused.limit))
+    return GatedActivation(fused.act_fn)
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP as three Linears under the family's names: down(glu(gate(x), up(x))), `glu` the
+    layout's activation (GatedActivation: act(gate) * up; ClampedSwiGLU for gpt-oss)."""
+
+    def __init__(self, layout: MoeLayout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, glu) -> None:
         super().__init__()
         self.names = (layout.gate, layout.up, layout.down)
         for name, lin in zip(self.names, (gate, up, down)):
             self.add_module(name, lin)
-        self.act_fn = act_fn
+        self.glu = glu
 
     def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         return tuple(getattr(self, n) for n in self.names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.projections()
-        return down(self.act_fn(gate(x)) * up(x))
+        return down(self.glu(gate(x), up(x)))
 
 
 class ExpertLinears(nn.ModuleList):
-    """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears."""
+    """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears.
+    `routing` is the layout's: "top_k" (hidden, top-k index, top-k weights) or "scaled_input" (Llama-4)."""
 
-    def __init__(self, experts: list[Expert]) -> None:
+    def __init__(self, experts: list[Expert], routing: str = "top_k") -> None:
         super().__init__(experts)
+        self.routing = routing
         self.all_tokens = False  # statistics mode: every expert sees every token (output still routed)
         self.routed: torch.Tensor | None = None  # tokens routed per expert, counted while set
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self.routing == "scaled_input":
+            return self._scaled_input(hidden_states)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():  # [expert, top-k slot, token]; as transformers' loop, E + 1 classes
             mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
@@ -81,28 +121,96 @@ class ExpertLinears(nn.ModuleList):
             final.index_add_(0, token, out.to(final.dtype))
         return final
 
+    def _scaled_input(self, routed_in: torch.Tensor) -> torch.Tensor:
+        """Llama-4's Llama4TextExperts.forward: `routed_in` [E * T, H] holds every token once per expert, scaled by
+        that expert's sigmoid score, which is 0 exactly where the token is not routed to it (sigmoid(-inf)); expert e
+        runs on its routed rows only (a zero row's output is 0 without biases, as transformers computes it), so its
+        Linears' hooks see its routed tokens. Returns [E * T, H], the block sums over experts."""
+        x = routed_in.view(len(self), -1, routed_in.shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            token = x[e].ne(0).any(dim=-1).nonzero().flatten()
+            if self.routed is not None:
+                self.routed[e] += token.numel()
+            if token.numel():
+                out[e, token] = expert(x[e, token]).to(out.dtype)
+        return out.view(-1, routed_in.shape[-1])
+
 
 def _is_fused_experts(module: nn.Module) -> bool:
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
 
 
-def _linear_view(weight: torch.Tensor) -> nn.Linear:
-    """An nn.Linear whose weight is `weight` itself (a view, no copy)."""
+def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear whose weight (and bias) is the given tensor itself (a view, no copy)."""
     with torch.device("meta"):
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
     return lin
 
 
+# the fused experts' tensors as transformers names them inside the `experts` module
+FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def split_experts(layout: MoeLayout, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                  down_bias: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
+    """Per expert, its projections' nn.Linear tensors ({"gate.weight", "gate.bias", "up.weight", ..., "down.bias"};
+    biases only where the layout has them) as *views* of the fused ones, as the layout says they are stored:
+    [E, out, in] or transposed [E, in, out]; gate/up as halves or interleaved along the output dimension."""
+    out = []
+    for e in range(gate_up.shape[0]):
+        gu, d = (gate_up[e].T, down[e].T) if layout.transposed else (gate_up[e], down[e])  # [2I, H], [H, I]
+        if layout.gate_up == "interleaved":
+            pick = (slice(0, None, 2), slice(1, None, 2))
+        else:
+            inter = gu.shape[0] // 2
+            pick = (slice(0, inter), slice(inter, None))
+        t = {"gate.weight": gu[pick[0]], "up.weight": gu[pick[1]], "down.weight": d}
+        if layout.bias:
+            t |= {"gate.bias": gate_up_bias[e][pick[0]], "up.bias": gate_up_bias[e][pick[1]], "down.bias": down_bias[e]}
+        out.append(t)
+    return out
+
+
 def expert_linears(fused: nn.Module, layout: MoeLayout) -> ExpertLinears:
-    """Per-expert Linears viewing `fused`'s 3-D parameters (gate rows first, then up: transformers' order)."""
-    inter = fused.gate_up_proj.shape[1] // 2
-    return ExpertLinears([
-        Expert(layout, _linear_view(fused.gate_up_proj.data[e, :inter]), _linear_view(fused.gate_up_proj.data[e, inter:]),
-               _linear_view(fused.down_proj.data[e]), fused.act_fn)
-        for e in range(fused.gate_up_proj.shape[0])
-    ])
+    """Per-expert Linears viewing `fused`'s 3-D parameters (llmc.quant.moe.split_experts: the layout's storage)."""
+    bias = (fused.gate_up_proj_bias.data, fused.down_proj_bias.data) if layout.bias else (None, None)
+    glu = expert_activation(layout, fused)
+    experts = []
+    for t in split_experts(layout, fused.gate_up_proj.data, fused.down_proj.data, *bias):
+        experts.append(Expert(layout, *(_linear_view(t[f"{p}.weight"], t.get(f"{p}.bias")) for p in ("gate", "up", "down")),
+                              glu))
+    return ExpertLinears(experts, layout.routing)
+
+
+def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> dict[str, torch.Tensor]:
+    """A layer's checkpoint tensors with the fused experts (`<block>.experts.gate_up_proj` ..., a family whose Hub
+    checkpoints hold them so: `layout.checkpoint_fused`) replaced by per-expert ones under the Hub projection names
+    (`<block>.experts.E.<gate>.weight` ...), each its own contiguous copy; other tensors pass through."""
+    if not layout.checkpoint_fused:
+        return tensors
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        base = name[: -len("gate_up_proj")]
+        parts = [out.pop(base + f, None) for f in FUSED_NAMES]
+        if parts[1] is None:
+            continue  # half a fused block: check_materialized names what is missing
+        names = {"gate": layout.gate, "up": layout.up, "down": layout.down}
+        for e, t in enumerate(split_experts(layout, *parts)):
+            for key, value in t.items():
+                proj, _, kind = key.partition(".")
+                out[f"{base}{e}.{names[proj]}.{kind}"] = value.contiguous()
+    return out
+
+
+def per_expert_shapes(shapes: dict[str, tuple[int, ...]], layout: MoeLayout) -> dict[str, tuple[int, ...]]:
+    """`per_expert_tensors` on shapes alone (the planner reads safetensors headers): done on meta tensors."""
+    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    return {n: tuple(t.shape) for n, t in per_expert_tensors(meta, layout).items()}
 
 
 def layout_of(config) -> MoeLayout:
@@ -162,6 +270,11 @@ def observing_experts(layer: nn.Module, all_tokens: bool, counts: dict[str, torc
     `counts` is given) and, with `all_tokens`, runs every expert on every token (statistics only)."""
     blocks = list(routed_blocks(layer))
     for name, _block, experts in blocks:
+        if all_tokens and experts.routing == "scaled_input":  # the plan refuses it first (families.check_all_experts)
+            from llmc.model.families import all_experts_refused
+
+            raise all_experts_refused(next((m.config.model_type for m in layer.modules() if hasattr(m, "config")),
+                                           None))
         experts.all_tokens = all_tokens
         if counts is not None:
             experts.routed = counts.setdefault(name, torch.zeros(len(experts), dtype=torch.long))
@@ -268,6 +381,14 @@ class TokenReport:
 
     def to_dict(self) -> dict:
         return {"calibrate_all_experts": self.all_experts, "blocks": self.blocks}
+
+
+def layer_routers(layer: nn.Module) -> set[str]:
+    """Layer-relative names of the routers of `layer`'s MoE blocks: kept in high precision even where they are
+    nn.Linear (Llama-4's Llama4Router)."""
+    return {f"{name}.{n}" for name, block, _experts in routed_blocks(layer) for n, m in block.named_children()
+            if not isinstance(m, ExpertLinears) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2}
 
 
 def router_names(model: nn.Module, blocks: list[str]) -> list[str]:

@@ -65,10 +65,11 @@ CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: tuple[str, ...]) -> dict[str, nn.Linear]:
+    routers = moe.layer_routers(layer)  # MoE routers stay in high precision (Llama-4's is an nn.Linear)
     return {
         f"{prefix}{n}": m
         for n, m in layer.named_modules()
-        if isinstance(m, nn.Linear) and not module_matches(f"{prefix}{n}", ignore)
+        if isinstance(m, nn.Linear) and n not in routers and not module_matches(f"{prefix}{n}", ignore)
     }
 
 
@@ -162,8 +163,10 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     flow = FLOWS[loop.flow]()
     flow.prepare(s, windows, mask)
     loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start)
-    weights = Prefetcher(lambda j: m.reader.with_prefix(f"{m.layers_prefix}.{j}."), range(s.start, m.n_layers),
-                         loop_state.overlap)
+    # a family whose Hub checkpoints hold fused experts (gpt-oss): split per expert as each layer is read
+    layout = moe.layout_of(m.config) if m.moe_blocks else None
+    weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout),
+                         range(s.start, m.n_layers), loop_state.overlap)
     for i in steps(range(m.n_layers), "quantize layers", total=m.n_layers):
         w = m.layer_work(i, scheme)
         if i >= s.start:
@@ -275,6 +278,12 @@ class _Model:
                              for name, lin in w.linears.items()})
         self.kv_names += list(w.kv_modules)
         return w
+
+
+def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names."""
+    tensors = reader.with_prefix(prefix)
+    return moe.per_expert_tensors(tensors, layout) if layout is not None else tensors
 
 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:

@@ -9,7 +9,7 @@ enter its stage key, whether the exporter holds the whole model in memory, its T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -258,6 +258,9 @@ class Runtime:
     format: str  # the artifact format its targets get
     rules: dict[str, Rule]
     known_versions: tuple[str, ...]
+    # model_type -> why this runtime does not serve that family from its format's artifact (the source read), for
+    # families the format itself writes (`ArtifactFormat.moe_families`): refused at plan time
+    refused_families: dict[str, str] = field(default_factory=dict)
 
     def format_for(self, version: str | None) -> str:
         """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""

@@ -48,5 +48,9 @@ def render_matrix() -> str:
             f"| {runtime} | {scheme} | {_arch_cell(rule.native_from, rule.degraded_from, rule.degraded_effect, rule.native_until)} "
             f"| {'yes' if rule.cpu else 'no'} | {rule.since or '-'} | {notes} | {rule.source} |"
         )
+    refused = sorted((rt.name, family, why) for rt in runtimes() for family, why in rt.refused_families.items())
+    if refused:  # MoE families a format writes but a runtime of it does not load (docs/models.md)
+        lines += ["", "## Model families a runtime refuses\n", "| runtime | model_type | why (read from) |", "|---|---|---|"]
+        lines += [f"| {runtime} | {family} | {why} |" for runtime, family, why in refused]
     lines.append("\nAnything not listed is refused by `llmc plan` with the reason and a fix.\n")
     return "\n".join(lines)

