@@ -46,6 +46,11 @@ class MoeLayout:
 LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # DeepSeek-V3 (and Kimi-K2, same model_type) and GLM-4.5: Qwen-style experts plus `mlp.shared_experts` (a
+    # dense SwiGLU MLP, quantized) and a sigmoid top-k router `mlp.gate` with `e_score_correction_bias` (kept in
+    # float); their first `first_k_dense_replace` layers hold a dense `mlp`
+    "deepseek_v3": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -67,6 +72,24 @@ def check_quantizable(config: dict) -> None:
         )
 
 
+# model_type -> why llmc does not quantize its KV cache (the scheme's kv_cache is refused at plan time)
+_NO_KV_CACHE = {
+    "deepseek_v3": "multi-head latent attention caches the compressed latent (kv_a_layernorm's output and the shared "
+                   "rope key, one scale in vLLM's MLA cache), not per-head keys and values, which are what llmc "
+                   "observes k_scale/v_scale on",
+}
+
+
+def check_kv_cache(config: dict) -> None:
+    """IncompatibleTargetError for a family whose KV cache llmc cannot quantize correctly (`_NO_KV_CACHE`)."""
+    family = config.get("model_type")
+    if family in _NO_KV_CACHE:
+        raise IncompatibleTargetError(
+            f"model_type {family!r}: no KV-cache quantization: {_NO_KV_CACHE[family]}",
+            fix="drop quantization.kv_cache (the weights and activations still quantize)",
+        )
+
+
 # What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their
@@ -84,8 +107,20 @@ def _moe_roles(layout: MoeLayout) -> dict[str, str]:
             "mlp": r"mlp\."}  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step: dense MLPs in some layers
 
 
+def _shared_expert_roles(layout: MoeLayout) -> dict[str, str]:
+    """DeepSeek-V3 / GLM-4.5: the MoE roles with `shared_experts` (asked before the dense `mlp` it would match).
+    DeepSeek's multi-head latent attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) is all
+    under `self_attn`, so `attention`."""
+    roles = _moe_roles(layout)
+    mlp = roles.pop("mlp")
+    return {**roles, "shared_experts": rf"{re.escape(layout.block)}\.shared_experts\.", "mlp": mlp}
+
+
+_SHARED_EXPERT_FAMILIES = ("deepseek_v3", "glm4_moe")
+
 LINEAR_ROLES: dict[str, dict[str, str]] = {
     **{family: _moe_roles(layout) for family, layout in LAYOUTS.items()},
+    **{family: _shared_expert_roles(LAYOUTS[family]) for family in _SHARED_EXPERT_FAMILIES},
     "qwen2_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.",
                   "shared_experts": r"mlp\.shared_expert\.", "router": r"mlp\.(gate|shared_expert_gate)$"},
 }
