@@ -90,6 +90,31 @@ def check_kv_cache(config: dict) -> None:
         )
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def unloaded_layers_note(config: dict, tensor_names) -> str | None:
+    """The plan's and the quantize log's line for decoder layers a checkpoint holds beyond `num_hidden_layers`:
+    DeepSeek-V3's and GLM-4.5's multi-token-prediction (MTP) layers (`num_nextn_predict_layers`), which transformers
+    does not load (`_keys_to_ignore_on_load_unexpected`) and llmc neither quantizes nor exports. None: there are none."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return None
+    extra: dict[int, int] = {}
+    for name in tensor_names:
+        m = _LAYER_INDEX.match(name)
+        if m and int(m.group(1)) >= n:
+            extra[int(m.group(1))] = extra.get(int(m.group(1)), 0) + 1
+    if not extra:
+        return None
+    layers = ", ".join(f"model.layers.{i}.* ({extra[i]} tensors)" for i in sorted(extra))
+    mtp = config.get("num_nextn_predict_layers")
+    what = (f"the multi-token-prediction layer{'s' if len(extra) > 1 else ''} (num_nextn_predict_layers {mtp})"
+            if mtp else f"layers past num_hidden_layers {n}")
+    return (f"{layers}: {what}, which transformers does not load: skipped (neither quantized nor exported), so the "
+            "artifact serves without MTP speculative decoding")
+
+
 # What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their

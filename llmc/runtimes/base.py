@@ -258,6 +258,10 @@ class Runtime:
     format: str  # the artifact format its targets get
     rules: dict[str, Rule]
     known_versions: tuple[str, ...]
+    # the scheme keys its fused-MoE layer runs for a Mixture-of-Experts model (None: every key in `rules`), and where
+    # that was read; "W8A8-INT8" there means dynamic per-token activations only (`registry.check_moe_scheme`)
+    moe_schemes: frozenset[str] | None = None
+    moe_schemes_source: str = ""
 
     def format_for(self, version: str | None) -> str:
         """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""

@@ -58,11 +58,12 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                     "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": 32,
                                     "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
                                     "v_head_dim": 16, "routed_scaling_factor": 2.5}),
-    # GLM-4.5: grouped-query attention with q/k/v biases and partial rotary, shared expert, DeepSeek's router
+    # GLM-4.5: grouped-query attention with q/k/v biases and partial rotary (no q/k norm, as its config), shared
+    # expert, DeepSeek's router
     "glm4_moe": ("glm4_moe", {"num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 4,
                               "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
                               "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "attention_bias": True,
-                              "use_qk_norm": True}),
+                              "use_qk_norm": False}),
 }
 
 # dense families with a Linear outside the decoder layers (tests/unit/test_export_described.py): Gemma-4's
