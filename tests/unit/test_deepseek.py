@@ -233,3 +233,27 @@ def test_llmc_build_of_a_tiny_model_in_fp8_and_w4a16_gptq(family: str, tmp_path:
         assert "model.layers.0.mlp.down_proj.weight_scale" in names  # the dense first layer
         if mtp is not None:
             assert not [k for k in names if k.startswith(f"model.layers.{mtp}.")]
+
+
+def test_the_routers_correction_bias_stays_float32_in_a_bf16_build(tmp_path: Path) -> None:
+    """transformers keeps e_score_correction_bias in float32 whatever the model's dtype (its rounding moves the
+    top-k choice): quantized in bf16, the canonical form and the export hold the checkpoint's float32 values bit for
+    bit, while the router weight is bf16 like the rest of the layer."""
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.quant.canonical import QuantizedModel
+
+    folder = make_tiny("deepseek_v3", tmp_path / "model")
+    state = load_file(str(folder / "model.safetensors"))
+    bias = torch.randn(4, generator=torch.Generator().manual_seed(3)) * 0.3 + 1.0  # bf16 would round these
+    state["model.layers.1.mlp.gate.e_score_correction_bias"] = bias
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert not torch.equal(bias.bfloat16().float(), bias)
+    stream.quantize_model(ModelSource(folder, "d", "d"), Scheme(TensorSpec("int4", "group", group_size=32)),
+                          tmp_path / "q", None, stream.StreamOptions(dtype=torch.bfloat16))
+    qm = QuantizedModel.open(tmp_path / "q")
+    tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert torch.equal(tensors["model.layers.1.mlp.gate.e_score_correction_bias"], bias)
+    export_compressed_tensors(qm, tmp_path / "export")
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
