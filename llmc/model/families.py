@@ -2,9 +2,10 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral and Qwen3-MoE. Other
-MoE families are refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and
-their gates, DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE,
+DeepSeek-V3 (Kimi-K2: the same model_type; multi-head latent attention, shared experts, dense first layers) and
+GLM-4.5 (tests/unit/test_deepseek.py). Other MoE families are refused with the reason: their blocks hold more than
+llmc has a tested layout for (a shared expert's own gate, DeepSeek-V3.2's sparse-attention indexer).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 # model_type -> why llmc refuses it, for MoE families people ask about
 _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
-    "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
+    # DeepSeek Sparse Attention: each layer's lightning indexer (self_attn.indexer.{wq_b, wk, k_norm, weights_proj})
+    # picks the top-k tokens every query attends to; vLLM fuses wk + weights_proj; which of its Linears may be
+    # quantized, with what calibration of a hard top-k choice, has no tested layout here
+    "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (self_attn.indexer: wq_b, wk, weights_proj, "
+                    "k_norm), which selects the tokens each query attends to and has no tested quantization layout "
+                    "in llmc",
     "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
 }
 

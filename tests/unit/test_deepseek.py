@@ -257,3 +257,13 @@ def test_the_routers_correction_bias_stays_float32_in_a_bf16_build(tmp_path: Pat
     export_compressed_tensors(qm, tmp_path / "export")
     with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
         assert torch.equal(f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
+
+
+def test_deepseek_v32_is_refused_naming_its_indexer() -> None:
+    """DeepSeek-V3.2 (model_type deepseek_v32): refused from config.json (exit 3) naming the sparse-attention
+    indexer llmc has no tested layout for, with the fix."""
+    from llmc.model.families import check_quantizable
+
+    with pytest.raises(IncompatibleTargetError, match="lightning indexer") as refused:
+        check_quantizable({"model_type": "deepseek_v32", "n_routed_experts": 256})
+    assert refused.value.exit_code == 3 and "llm-compressor" in refused.value.fix
