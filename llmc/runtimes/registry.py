@@ -83,7 +83,9 @@ def check_moe_scheme(target: RuntimeTarget, scheme: Scheme, config: dict) -> Non
     rt = RUNTIMES.get(target.runtime)
     if rt is None or rt.moe_schemes is None or expert_count(config) <= 1:
         return
-    for member in scheme.members().values():
+    for group, member in scheme.members().items():
+        if group and scheme.group(group).targets.roles and "experts" not in scheme.group(group).targets.roles:
+            continue  # a mixed scheme's group that selects no expert (by role) runs in dense GEMMs
         key = member.name
         if key == "W8A8-INT8" and not member.activations.dynamic:
             key = "W8A8-INT8 with static activations"

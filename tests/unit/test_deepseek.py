@@ -194,6 +194,16 @@ def test_vllm_takes_the_families_only_with_schemes_its_fused_moe_runs(mixed: Pat
         assert "W4A16-INT" in refused.value.fix
     with pytest.raises(IncompatibleTargetError, match="does not write Mixture-of-Experts experts"):
         make_plan(_recipe(mixed, W4A16_GPTQ, {"runtime": "llama.cpp"}), mixed)
+    # mixed precision: only the groups that select experts need a fused-MoE kernel (FP8 weight-only attention and
+    # shared expert run in dense GEMMs); FP8 weight-only experts are refused
+    def groups(experts: str) -> dict:
+        return {"groups": [{"name": "router", "roles": ["router"], "ignore": True},
+                           {"name": "experts", "roles": ["experts"], "scheme": experts},
+                           {"name": "rest", "roles": ["attention", "shared_experts", "mlp"], "scheme": "W8A16-FP8"}]}
+
+    make_plan(_recipe(mixed, groups("W8A8-FP8")), mixed)
+    with pytest.raises(IncompatibleTargetError, match="no fused Mixture-of-Experts kernel for W8A16-FP8"):
+        make_plan(_recipe(mixed, groups("W8A16-FP8")), mixed)
 
 
 @pytest.mark.slow  # two quantized variants and their evaluations
