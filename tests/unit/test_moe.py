@@ -1,5 +1,6 @@
-"""Mixture-of-Experts on tiny random Mixtral and Qwen3-MoE models (4 experts, top-2, hidden 64, 2 layers; built from
-transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under the Hub
+"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE, DeepSeek-V3 and GLM-4.5 models (4 experts, top-2, hidden
+64, 2 layers; DeepSeek and GLM with a shared expert; built from transformers' own config classes,
+tests/unit/families.py): every expert quantized as its own Linear under the Hub
 names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
 defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe)."""
 
