@@ -2,12 +2,13 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, gpt-oss and
-Llama-4 text. How a family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped
-SwiGLU; Llama-4: router-scaled inputs and a shared expert; both: fused tensors in their Hub checkpoints) is data in
-its `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). Other MoE families are
-refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and their gates,
-DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, gpt-oss,
+Llama-4 text, DeepSeek-V3 (Kimi-K2: the same model_type; multi-head latent attention, shared experts, dense first
+layers) and GLM-4.5 (tests/unit/test_deepseek.py). How a family's experts differ (gpt-oss: biased, gate/up interleaved
+and stored transposed, a clamped SwiGLU; Llama-4: router-scaled inputs; both: fused tensors in their Hub checkpoints;
+shared experts) is data in its `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). Other
+MoE families are refused with the reason: their blocks hold more than llmc has a tested layout for (a shared expert's
+own gate, DeepSeek-V3.2's sparse-attention indexer).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 # model_type -> why llmc refuses it, for MoE families people ask about
 _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
-    "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
+    # DeepSeek Sparse Attention: each layer's lightning indexer (self_attn.indexer.{wq_b, wk, k_norm, weights_proj})
+    # picks the top-k tokens every query attends to; vLLM fuses wk + weights_proj; which of its Linears may be
+    # quantized, with what calibration of a hard top-k choice, has no tested layout here
+    "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (self_attn.indexer: wq_b, wk, weights_proj, "
+                    "k_norm), which selects the tokens each query attends to and has no tested quantization layout "
+                    "in llmc",
     "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
 }
 
@@ -73,6 +79,11 @@ LAYOUTS: dict[str, MoeLayout] = {
     # MoE only in config.moe_layers (interleave_moe_layer_step), the other layers a dense `feed_forward` MLP
     "llama4_text": MoeLayout("feed_forward", "gate_proj", "up_proj", "down_proj", router="router", transposed=True,
                              checkpoint_fused=True, routing="scaled_input", shared="shared_expert"),
+    # DeepSeek-V3 (and Kimi-K2, same model_type) and GLM-4.5: Qwen-style experts plus `mlp.shared_experts` (a
+    # dense SwiGLU MLP, quantized) and a sigmoid top-k router `mlp.gate` with `e_score_correction_bias` (kept in
+    # float); their first `first_k_dense_replace` layers hold a dense `mlp`
+    "deepseek_v3": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
+    "glm4_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
 }
 
 
@@ -111,6 +122,49 @@ def check_all_experts(config: dict, all_experts: bool) -> None:
     layout = LAYOUTS.get(config.get("model_type"))
     if all_experts and layout is not None and layout.routing == "scaled_input":
         raise all_experts_refused(config.get("model_type"))
+
+
+# model_type -> why llmc does not quantize its KV cache (the scheme's kv_cache is refused at plan time)
+_NO_KV_CACHE = {
+    "deepseek_v3": "multi-head latent attention caches the compressed latent (kv_a_layernorm's output and the shared "
+                   "rope key, one scale in vLLM's MLA cache), not per-head keys and values, which are what llmc "
+                   "observes k_scale/v_scale on",
+}
+
+
+def check_kv_cache(config: dict) -> None:
+    """IncompatibleTargetError for a family whose KV cache llmc cannot quantize correctly (`_NO_KV_CACHE`)."""
+    family = config.get("model_type")
+    if family in _NO_KV_CACHE:
+        raise IncompatibleTargetError(
+            f"model_type {family!r}: no KV-cache quantization: {_NO_KV_CACHE[family]}",
+            fix="drop quantization.kv_cache (the weights and activations still quantize)",
+        )
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def unloaded_layers_note(config: dict, tensor_names) -> str | None:
+    """The plan's and the quantize log's line for decoder layers a checkpoint holds beyond `num_hidden_layers`:
+    DeepSeek-V3's and GLM-4.5's multi-token-prediction (MTP) layers (`num_nextn_predict_layers`), which transformers
+    does not load (`_keys_to_ignore_on_load_unexpected`) and llmc neither quantizes nor exports. None: there are none."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return None
+    extra: dict[int, int] = {}
+    for name in tensor_names:
+        m = _LAYER_INDEX.match(name)
+        if m and int(m.group(1)) >= n:
+            extra[int(m.group(1))] = extra.get(int(m.group(1)), 0) + 1
+    if not extra:
+        return None
+    layers = ", ".join(f"model.layers.{i}.* ({extra[i]} tensors)" for i in sorted(extra))
+    mtp = config.get("num_nextn_predict_layers")
+    what = (f"the multi-token-prediction layer{'s' if len(extra) > 1 else ''} (num_nextn_predict_layers {mtp})"
+            if mtp else f"layers past num_hidden_layers {n}")
+    return (f"{layers}: {what}, which transformers does not load: skipped (neither quantized nor exported), so the "
+            "artifact serves without MTP speculative decoding")
 
 
 # What each Linear of a decoder layer does, per family: role -> regex on its name inside the layer (after

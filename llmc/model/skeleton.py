@@ -28,8 +28,27 @@ def build_skeleton(config_dict: dict, dtype: torch.dtype) -> nn.Module:
     config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _keep_float32(model)
     model.eval()
     return model
+
+
+def _keep_float32(model: nn.Module) -> None:
+    """The tensors transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`:
+    DeepSeek-V3's and GLM-4.5's router `e_score_correction_bias`, whose rounding to bf16 would move the top-k
+    choice): made float32 here and marked, so `materialize` loads them in float32 and the layer files keep them so."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    if not keep:
+        return
+    for name, module in model.named_modules():
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or not t.is_floating_point() or not any(k in f"{name}.{attr}".split(".") for k in keep):
+                continue
+            if attr in module._parameters:
+                module._parameters[attr] = nn.Parameter(t.float(), requires_grad=False)
+            else:
+                module._buffers[attr] = t.float()
+            module._llmc_float32 = {*getattr(module, "_llmc_float32", ()), attr}
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -63,10 +82,11 @@ def materialize(module: nn.Module, tensors: dict[str, torch.Tensor], dtype: torc
             owner = module.get_submodule(owner_name) if owner_name else module
         except AttributeError:
             continue
+        kept = torch.float32 if attr in getattr(owner, "_llmc_float32", ()) else dtype  # `_keep_float32`
         if attr in owner._parameters:
-            owner._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
+            owner._parameters[attr] = nn.Parameter(t.to(kept), requires_grad=False)
         elif attr in owner._buffers:
-            owner._buffers[attr] = t.to(dtype) if t.is_floating_point() else t
+            owner._buffers[attr] = t.to(kept) if t.is_floating_point() else t
 
 
 def release(module: nn.Module) -> None:

@@ -24,7 +24,8 @@ from llmc.eval import gates
 from llmc.model.checkpoint import INDEX_FILE, read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
-from llmc.model.families import LAYOUTS, check_all_experts, check_quantizable, expert_count
+from llmc.model.families import (LAYOUTS, check_all_experts, check_kv_cache, check_quantizable, expert_count,
+                                  unloaded_layers_note)
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
@@ -496,10 +497,17 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         check_all_experts(config, recipe.calibration.moe_calibrate_all_experts)
         for t in recipe.targets:
             targets.check_family(t, config)
+            for scheme in schemes.values():
+                targets.check_moe_scheme(t, scheme, config)
         for scheme in schemes.values():
+            if scheme.kv_cache is not None:
+                check_kv_cache(config)  # DeepSeek's latent cache
             plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
             plan.warnings += outer_linears_note(scheme, tensors)
             _check_fused(recipe, scheme, config, tensors.linear_shapes())
+        unloaded = unloaded_layers_note(config, tensors.shapes)  # DeepSeek's / GLM-4.5's MTP layer
+        if unloaded:
+            plan.warnings.append(unloaded)
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()
         plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)

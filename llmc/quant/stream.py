@@ -41,6 +41,7 @@ from llmc import distributed
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
+from llmc.model.families import check_kv_cache, unloaded_layers_note
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
@@ -289,6 +290,11 @@ def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout) -> 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:
     reader = CheckpointReader(source.folder, dtype)  # a quantized original decoded straight to the compute dtype
     config = reader.config()
+    if scheme.kv_cache is not None:  # the plan refused it; a direct caller is refused here
+        check_kv_cache(config)
+    unloaded = unloaded_layers_note(config, reader.names())
+    if unloaded:
+        log(f"note: {unloaded}")
     model = build_skeleton(config, dtype)
     moe_blocks = moe.unfuse_experts(model)  # fused 3-D experts -> per-expert Linears under the Hub names
     layers_prefix, layers = decoder_layers(model)

@@ -261,6 +261,10 @@ class Runtime:
     # model_type -> why this runtime does not serve that family from its format's artifact (the source read), for
     # families the format itself writes (`ArtifactFormat.moe_families`): refused at plan time
     refused_families: dict[str, str] = field(default_factory=dict)
+    # the scheme keys its fused-MoE layer runs for a Mixture-of-Experts model (None: every key in `rules`), and where
+    # that was read; "W8A8-INT8" there means dynamic per-token activations only (`registry.check_moe_scheme`)
+    moe_schemes: frozenset[str] | None = None
+    moe_schemes_source: str = ""
 
     def format_for(self, version: str | None) -> str:
         """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""

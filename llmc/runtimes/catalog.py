@@ -34,6 +34,7 @@ from llmc.runtimes.registry import (
     accepting_runtimes,
     artifact_format,
     check_family,
+    check_moe_scheme,
     format_for,
     formats,
     is_implemented,
@@ -47,6 +48,6 @@ from llmc.runtimes.registry import (
 )
 
 __all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "Rule", "Runtime", "WrittenTensors", "accepting_runtimes",
-           "arch_at_least", "arch_rank", "arch_span", "artifact_format", "check_family", "format_for", "formats",
-           "is_implemented", "recognize", "register_format", "register_runtime", "runtime", "runtime_names",
+           "arch_at_least", "arch_rank", "arch_span", "artifact_format", "check_family", "check_moe_scheme",
+           "format_for", "formats", "is_implemented", "recognize", "register_format", "register_runtime", "runtime", "runtime_names",
            "runtimes", "scheme_keys", "target_key", "triton_backend"]

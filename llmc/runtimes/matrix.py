@@ -48,6 +48,17 @@ def render_matrix() -> str:
             f"| {runtime} | {scheme} | {_arch_cell(rule.native_from, rule.degraded_from, rule.degraded_effect, rule.native_until)} "
             f"| {'yes' if rule.cpu else 'no'} | {rule.since or '-'} | {notes} | {rule.source} |"
         )
+    moe = [rt for rt in runtimes() if artifact_format(rt.format).moe_families]
+    if moe:
+        lines += ["", "## Mixture-of-Experts: family × runtime × scheme\n",
+                  "| runtime | artifact | MoE families (model_type) | schemes for the experts | read from |",
+                  "|---|---|---|---|---|"]
+        for rt in moe:
+            schemes = (", ".join(sorted(rt.moe_schemes)) + (" (W8A8-INT8: dynamic per-token activations only)"
+                                                            if "W8A8-INT8" in rt.moe_schemes else "")
+                       if rt.moe_schemes is not None else "every scheme of its rows above (not checked per scheme)")
+            lines.append(f"| {rt.name} | {rt.format} | {', '.join(sorted(artifact_format(rt.format).moe_families))} "
+                         f"| {schemes} | {rt.moe_schemes_source or '-'} |")
     refused = sorted((rt.name, family, why) for rt in runtimes() for family, why in rt.refused_families.items())
     if refused:  # MoE families a format writes but a runtime of it does not load (docs/models.md)
         lines += ["", "## Model families a runtime refuses\n", "| runtime | model_type | why (read from) |", "|---|---|---|"]

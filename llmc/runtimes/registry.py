@@ -77,6 +77,26 @@ def triton_backend(target: RuntimeTarget) -> str:
     return fmt.triton_backend
 
 
+def check_moe_scheme(target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
+    """IncompatibleTargetError when the model is a Mixture-of-Experts one and the target's runtime has no fused-MoE
+    kernel for the scheme (`Runtime.moe_schemes`)."""
+    rt = RUNTIMES.get(target.runtime)
+    if rt is None or rt.moe_schemes is None or expert_count(config) <= 1:
+        return
+    for group, member in scheme.members().items():
+        if group and scheme.group(group).targets.roles and "experts" not in scheme.group(group).targets.roles:
+            continue  # a mixed scheme's group that selects no expert (by role) runs in dense GEMMs
+        key = member.name
+        if key == "W8A8-INT8" and not member.activations.dynamic:
+            key = "W8A8-INT8 with static activations"
+        if key not in rt.moe_schemes:
+            raise IncompatibleTargetError(
+                f"target {target.label}: {target.runtime} has no fused Mixture-of-Experts kernel for {key} "
+                f"(model_type {config.get('model_type')!r}; {rt.moe_schemes_source})",
+                fix=f"choose a scheme {target.runtime} runs for MoE experts: {', '.join(sorted(rt.moe_schemes))}"
+                    + (" (dynamic per-token activations)" if "W8A8-INT8" in rt.moe_schemes else ""))
+
+
 def check_family(target: RuntimeTarget, config: dict) -> None:
     """IncompatibleTargetError when the target's artifact format does not cover the model's family
     (config.json's model_type), naming the runtimes whose formats do."""

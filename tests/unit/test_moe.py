@@ -1,13 +1,15 @@
-"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE and gpt-oss models (4 experts, top-2, hidden 64, 2 layers;
-built from transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under
-the Hub names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
-defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe). gpt-oss and
-Llama-4 text have their own tests below too: their layout rows (fused checkpoints, biased interleaved experts, the
-clamped SwiGLU; router-scaled inputs, a shared expert), their calibration forward against transformers' whole forward,
-and their exports decoded by compressed-tensors in plain transformers."""
+"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3 and GLM-4.5 models (4 experts, top-2,
+hidden 64, 2 layers; DeepSeek and GLM with a shared expert; built from transformers' own config classes,
+tests/unit/families.py): every expert quantized as its own Linear under the Hub names, per-expert statistics from the
+tokens actually routed to it, starved experts reported and given defensible scales, the all-tokens option, and the
+compressed-tensors export round-trip (llmc.quant.moe). gpt-oss and Llama-4 text have their own tests below too: their
+layout rows (fused checkpoints, biased interleaved experts, the clamped SwiGLU; router-scaled inputs, a shared expert),
+their calibration forward against transformers' whole forward, and their exports decoded by compressed-tensors in plain
+transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,9 +28,17 @@ from tests.unit.families import MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
 
 LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-          "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-ROUTER = {"mixtral": "gate", "qwen3_moe": "gate", "gpt_oss": "router"}  # the router's name inside the block
+          "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+          "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+          "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+ROUTER = {"mixtral": "gate", "qwen3_moe": "gate", "gpt_oss": "router", "deepseek_v3": "gate",
+          "glm4_moe": "gate"}  # the router's name inside the block
 REFUSED_BY_VLLM = {"gpt_oss"}  # llmc.runtimes.vllm: vLLM's gpt-oss loader reads fused experts only
+# Linears per decoder layer besides the 4 x 3 experts: attention (DeepSeek's MLA: q_a, q_b, kv_a_proj_with_mqa, kv_b,
+# o) and the shared expert's three
+OTHER_LINEARS = {"mixtral": 4, "qwen3_moe": 4, "gpt_oss": 4, "deepseek_v3": 5 + 3, "glm4_moe": 4 + 3}
+SHARED = ("deepseek_v3", "glm4_moe")  # families with mlp.shared_experts
+NO_KV_CACHE = ("deepseek_v3",)  # MLA caches a latent: its KV-cache quantization is refused (test_deepseek.py)
 STARVED = 3  # the expert the starved model's layer-0 router never picks
 CHANNEL = 5  # the embedding channel that makes it so
 
@@ -36,6 +46,12 @@ CHANNEL = 5  # the embedding channel that makes it so
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, make_tiny(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+def _scheme(family: str, scheme_name: str):
+    """SCHEMES[scheme_name], without the KV cache for the families whose KV-cache quantization llmc refuses."""
+    scheme = SCHEMES[scheme_name]
+    return dataclasses.replace(scheme, kv_cache=None) if family in NO_KV_CACHE else scheme
 
 
 def _float_model(folder: Path):
@@ -89,11 +105,11 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
     from llmc.engines.torch_ref import TorchEngine
 
     name, folder = family
-    scheme = SCHEMES[scheme_name]
+    scheme = _scheme(name, scheme_name)
     qm = _quantize(folder, scheme, tmp_path / "q")
     block, projections = LAYOUT[name]
     experts = {f"model.layers.{i}.{block}.experts.{e}.{p}" for i in range(2) for e in range(4) for p in projections}
-    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == 2 * (4 + 12)
+    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == 2 * (OTHER_LINEARS[name] + 12)
     tensors = _tensors(qm)
     assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point()]
     router = f"model.layers.0.{block}.{ROUTER[name]}"
@@ -164,7 +180,7 @@ def test_per_expert_scales_come_from_the_tokens_routed_to_each_expert(family, tm
     """Static FP8 input scales of every expert's gate/up and down equal the ones computed directly from the tokens
     the router sent it (not the block's whole input); the token report counts them."""
     name, folder = family
-    scheme = SCHEMES["fp8-static-kv"]
+    scheme = _scheme(name, "fp8-static-kv")
     qm = _quantize(folder, scheme, tmp_path / "q")
     tensors = _tensors(qm)
     block, (gate, _up, down) = LAYOUT[name]
@@ -221,7 +237,7 @@ def test_a_starved_expert_is_reported_and_gets_the_widest_scale_of_its_peers(sta
     name, folder = starved
     _x, top, _ = _routing(folder)
     assert not (top == STARVED).any(), "the starved model must really starve the expert"
-    scheme = SCHEMES["fp8-static-kv"]
+    scheme = _scheme(name, "fp8-static-kv")
     qm = _quantize(folder, scheme, tmp_path / "q")
     block, projections = LAYOUT[name]
     report = qm.meta["moe"]["tokens"]["blocks"][f"model.layers.0.{block}"]
@@ -243,7 +259,7 @@ def test_calibrating_every_expert_on_every_token_gives_the_starved_expert_data_d
     """moe_calibrate_all_experts: the starved expert's scales come from every calibration token (computed directly
     here), while the layer's output stays the routed one (the next layer's statistics do not move)."""
     name, folder = starved
-    scheme = SCHEMES["fp8-static-kv"]
+    scheme = _scheme(name, "fp8-static-kv")
     routed = _tensors(_quantize(folder, scheme, tmp_path / "routed"))
     qm = _quantize(folder, scheme, tmp_path / "all", moe_all_experts=True)
     every = _tensors(qm)
@@ -274,7 +290,7 @@ def test_algorithms_quantize_a_starved_expert_by_round_to_nearest(starved, schem
     if scheme_name == "int4-gptq-two-forwards":
         monkeypatch.setattr("llmc.quant.loop_plan.fits_one_forward", lambda *a: False)
         scheme_name = "int4-gptq"
-    scheme = SCHEMES[scheme_name]
+    scheme = _scheme(name, scheme_name)
     qm = _quantize(folder, scheme, tmp_path / "q")
     tensors, model = _tensors(qm), _float_model(folder)
     moe.unfuse_experts(model)
@@ -296,6 +312,7 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
     layer = model.model.layers[0]
     block, (gate, up, _down) = LAYOUT[name]
     consumers = tuple(f"{block}.experts.{e}.{p}" for e in range(4) for p in (gate, up))
+    shared = tuple(f"{block}.shared_experts.{p}" for p in ("gate_proj", "up_proj")) if name in SHARED else ()
     x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     position = torch.arange(16)[None]
     rotary = model.model.rotary_emb(x, position)
@@ -305,13 +322,16 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
 
     out = run()
     added = (out - x).abs().max().item()
-    with_router = mappings.Mapping("post_attention_layernorm", consumers, block, True,
-                                   also_scaled=(f"{block}.{ROUTER[name]}",),
-                                   routed=True)
-    without = mappings.Mapping("post_attention_layernorm", consumers, block, True, routed=True)
+    with_router = mappings.Mapping("post_attention_layernorm", consumers + shared, block, True,
+                                   also_scaled=(f"{block}.{ROUTER[name]}",), routed=True)
+    without = mappings.Mapping("post_attention_layernorm", consumers + shared, block, True, routed=True)
     generator = torch.Generator().manual_seed(1)
     assert mappings._preserves(layer, with_router, run, out, added, generator)
     assert not mappings._preserves(layer, without, run, out, added, generator)
+    if shared:  # the shared expert reads the norm's output too: left out of the pair, the layer's function moves
+        routed_only = mappings.Mapping("post_attention_layernorm", consumers, block, True,
+                                       also_scaled=(f"{block}.gate",), routed=True)
+        assert not mappings._preserves(layer, routed_only, run, out, added, generator)
 
 
 def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tmp_path: Path) -> None:
@@ -330,7 +350,7 @@ def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tm
     assert any(k.endswith("experts.gate_up_proj") for k in state)
     save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InputError, match="not fused 3-D tensors") as refused:
-        _quantize(fused, SCHEMES["fp8-static-kv"], tmp_path / "q")
+        _quantize(fused, _scheme(name, "fp8-static-kv"), tmp_path / "q")
     assert "save_pretrained" in refused.value.fix and refused.value.exit_code == 7
 
 

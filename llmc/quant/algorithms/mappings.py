@@ -24,10 +24,12 @@ so SmoothQuant there smooths only v → o and up → down, and AWQ searches only
 
 Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed subset of the norm's output, never
 the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
-the module that returned the block's input → every expert's gate and up (parent: the block, `routed`), with the
-router's input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the
-routing moves, which the check below rejects), and per expert up → down. The check then runs on them as on any
-candidate. Expert Linears are never offered as producers or consumers of other groups.
+the module that returned the block's input → every expert's gate and up, plus the Linears inside the block that
+read that input itself (DeepSeek-V3's and GLM-4.5's shared experts: left out, the check below rejects the pair)
+(parent: the block, `routed`), with the router's input columns scaled by the same s (`also_scaled`: the router reads
+that input too, and without it the routing moves, which the check below rejects), and per expert up → down. The
+check then runs on them as on any candidate. Expert Linears are never offered as producers or consumers of other
+groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
@@ -120,12 +122,18 @@ class _Trace:
     producer_of: dict[tuple[str, ...], str | None]  # the module that returned that tensor, if any
     first_call: dict[str, int]  # call index of each Linear
     block_input_producer: dict[str, str | None] = field(default_factory=dict)  # MoE block -> who made its input
+    # MoE block -> the Linears inside it that read the block's input tensor itself (DeepSeek's shared experts)
+    block_input_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    input_of: dict[str, int] = field(default_factory=dict)  # id of the tensor each Linear read
+    module_input: dict[str, int] = field(default_factory=dict)  # id of each module's first input (AWQ's x)
 
 
 def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str, ...] = ()) -> _Trace:
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     produced: dict[int, str] = {}
     inputs: dict[str, int] = {}
+    reshaped_from: dict[int, int] = {}  # a Linear's input that is a whole-tensor view -> the tensor it views
+    module_input: dict[str, int] = {}
     first_call: dict[str, int] = {}
     keep: list[torch.Tensor] = []  # hold every traced tensor so no id is reused during the trace
     handles = []
@@ -140,15 +148,30 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
 
     def in_hook(name: str):
         def hook(_m, args):
-            keep.append(args[0])
-            inputs.setdefault(name, id(args[0]))
+            x = args[0]
+            keep.append(x)
+            inputs.setdefault(name, id(x))
             first_call.setdefault(name, len(first_call))
+            # DeepSeek's kv_b_proj reads kv_a_layernorm's output reshaped (.view): still that norm's output
+            if x._base is not None and x._base.numel() == x.numel():
+                keep.append(x._base)
+                reshaped_from.setdefault(id(x), id(x._base))
+
+        return hook
+
+    def first_input_hook(name: str):
+        def hook(_m, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor):
+                keep.append(x)
+                module_input.setdefault(name, id(x))
 
         return hook
 
     for name, module in layer.named_modules():
         if name:
             handles.append(module.register_forward_hook(out_hook(name)))
+            handles.append(module.register_forward_pre_hook(first_input_hook(name), with_kwargs=True))
         if name in linears or name in blocks:
             handles.append(module.register_forward_pre_hook(in_hook(name)))
     try:
@@ -161,8 +184,10 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
     for name in sorted(inputs, key=first_call.__getitem__):
         by_input.setdefault(inputs[name], []).append(name)
     groups = [tuple(g) for g in by_input.values() if g[0] not in blocks]
-    return _Trace(groups, {g: produced.get(inputs[g[0]]) for g in groups}, first_call,
-                  {b: produced.get(inputs[b]) for b in blocks if b in inputs})
+    readers = {b: tuple(n for n in by_input[inputs[b]] if n.startswith(f"{b}.")) for b in blocks if b in inputs}
+    producer_of = {g: produced.get(inputs[g[0]], produced.get(reshaped_from.get(inputs[g[0]], -1))) for g in groups}
+    return _Trace(groups, producer_of, first_call, {b: produced.get(inputs[b]) for b in blocks if b in inputs},
+                  readers, inputs, module_input)
 
 
 def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
@@ -185,6 +210,7 @@ def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
     for name, block, experts in moe.routed_blocks(layer):
         producer = trace.block_input_producer.get(name)
         gate_up = tuple(f"{name}.experts.{e}.{p}" for e, x in enumerate(experts) for p in x.names[:2])
+        gate_up += trace.block_input_readers.get(name, ())  # shared experts read the block input itself
         router = [n for n, m in block.named_children() if m is not experts and isinstance(
             getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
         if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
@@ -210,6 +236,9 @@ def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
             module = layer.get_submodule(producer)
             linear = isinstance(module, nn.Linear) and module.out_features == width
             parent = _parent(layer, group, linear)
+            if (len(group) == 1 and parent in trace.module_input
+                    and trace.module_input[parent] != trace.input_of[group[0]]):
+                parent = group[0]  # MLA's q_b_proj / kv_b_proj: self_attn's input is not theirs (AWQ scores it)
             if parent and (linear or is_norm(module, width)):
                 out.append(Mapping(producer, group, parent, not linear))
             continue

@@ -1,0 +1,279 @@
+"""DeepSeek-V3 (and Kimi-K2, the same model_type) and GLM-4.5 beyond what tests/unit/test_moe.py checks on every MoE
+family: the layer stream's calibration forward on a model mixing a dense first layer (first_k_dense_replace) with MoE
+layers under multi-head latent attention, the MTP layer DeepSeek checkpoints carry (skipped and said), the latent KV
+cache (refused), the roles of the family tables, vLLM's fused-MoE scheme rule, and `llmc build` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from llmc.errors import IncompatibleTargetError
+from llmc.model.source import ModelSource
+from llmc.quant import flows, moe, stream
+from llmc.quant.numerics import static_scale
+from llmc.quant.spec import Scheme, TensorSpec
+from tests.unit.families import make_tiny
+from tests.unit.test_families import _ids
+
+FP8_STATIC = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"))
+FP8_KV = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+          "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
+W4A16_GPTQ = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq"}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> Path:
+    """Three layers: layer 0 a dense MLP (first_k_dense_replace 1), layers 1-2 MoE with a shared expert; MLA with
+    q_lora_rank set (q_a_proj -> q_a_layernorm -> q_b_proj) and interleaved rope."""
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("deepseek") / "model", num_hidden_layers=3,
+                     first_k_dense_replace=1)
+
+
+def _float_model(folder: Path, **config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **config).eval()
+
+
+def _linear_input_absmax(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-input-channel max |input| of every decoder-layer Linear (experts as per-expert Linears, each seeing its
+    routed tokens), from hooks on transformers' whole model run at once."""
+    moe.unfuse_experts(model)
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(_m, args):
+            a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            seen[name] = a if name not in seen else torch.maximum(seen[name], a)
+
+        return record
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and ".layers." in n]
+    with torch.no_grad():
+        for batch in ids.split(2):
+            model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_the_layer_streams_calibration_forward_is_transformers_full_forward(mixed: Path, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """Layer by layer, every Linear of the dense layer, the MLA projections, each routed expert and the shared
+    expert sees exactly the inputs it gets in transformers' whole-model forward on the same tokens (the rope split
+    and interleave, the latent norms, the sigmoid router with its correction bias, the dense/MoE interleave), and
+    the static scales written are theirs."""
+    calib = _ids(4, 1)
+    ref = _linear_input_absmax(_float_model(mixed), calib)
+    # the check can fail: rope applied without DeepSeek's interleave gives other attention outputs
+    plain_rope = _linear_input_absmax(_float_model(mixed, rope_interleave=False), calib)
+    assert not torch.allclose(plain_rope["model.layers.0.self_attn.o_proj"], ref["model.layers.0.self_attn.o_proj"])
+
+    observed: dict[str, torch.Tensor] = {}
+    real_observe = flows.observe_batches
+
+    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
+        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
+        observed.update(stats.channel_absmax)
+
+    monkeypatch.setattr(flows, "observe_batches", keep)
+    stream.quantize_model(ModelSource(mixed, "d", "d"), FP8_STATIC, tmp_path / "q", stream.Calibration(calib,
+                                                                                                       batch_size=2))
+    written = {}
+    for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
+        written.update(load_file(str(f)))
+    mla = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    dense = {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert dense <= set(ref) and not any(".layers.0.mlp.experts." in n for n in ref)
+    assert {f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in mla} <= set(ref)
+    assert len(ref) == len(observed) == 3 * 5 + 3 + 2 * (4 * 3 + 3)  # MLA x3, dense MLP, 2 x (experts + shared)
+    for name, absmax in ref.items():
+        torch.testing.assert_close(observed[name], absmax, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(written[f"{name}.input_scale"], static_scale(absmax.amax(), FP8_STATIC.activations),
+                                   rtol=1e-5, atol=0, msg=name)
+
+
+def test_roles_name_mla_shared_experts_router_and_the_dense_mlp() -> None:
+    """The family tables: MLA's projections are attention, the shared expert its own role before the dense MLP it
+    would match, the router (never quantized) and the first layers' dense MLP."""
+    from llmc.model.families import linear_role
+
+    for family in ("deepseek_v3", "glm4_moe"):
+        assert linear_role(family, "mlp.shared_experts.down_proj") == "shared_experts"
+        assert linear_role(family, "mlp.experts.7.up_proj") == "experts"
+        assert linear_role(family, "mlp.gate") == "router"
+        assert linear_role(family, "mlp.down_proj") == "mlp"
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"):
+        assert linear_role("deepseek_v3", f"self_attn.{proj}") == "attention"
+
+
+def _add_mtp_layer(folder: Path) -> int:
+    """Append what a DeepSeek-V3 checkpoint stores as model.layers.<num_hidden_layers>: the MTP layer's own tensors
+    (enorm, hnorm, eh_proj, shared_head) and a decoder layer's (copied from the last layer). Returns its index."""
+    config = json.loads((folder / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    state = load_file(str(folder / "model.safetensors"))
+    mtp = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v.clone() for k, v in state.items()
+           if k.startswith(f"model.layers.{n - 1}.")}
+    mtp |= {f"model.layers.{n}.enorm.weight": torch.ones(h), f"model.layers.{n}.hnorm.weight": torch.ones(h),
+            f"model.layers.{n}.eh_proj.weight": torch.randn(h, 2 * h),
+            f"model.layers.{n}.shared_head.norm.weight": torch.ones(h)}
+    save_file({**state, **mtp}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return n
+
+
+def _recipe(folder: Path, quantization: dict, *targets: dict, **extra):
+    from llmc.recipe.load import parse_recipe
+
+    return parse_recipe(yaml.safe_dump({"name": "d", "model": {"source": str(folder)}, "quantization": quantization,
+                                        "targets": list(targets) or [{"runtime": "vllm", "gpu_arch": "sm90"}],
+                                        **extra}))
+
+
+def test_the_mtp_layer_is_skipped_and_said(tmp_path: Path, capsys) -> None:
+    """A checkpoint with DeepSeek's MTP layer (model.layers.<num_hidden_layers>.*, which transformers does not load):
+    the plan and the quantize log say it is skipped; nothing of it is quantized or exported; no error."""
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.planning.plan import make_plan
+    from llmc.quant.canonical import QuantizedModel
+
+    folder = make_tiny("deepseek_v3", tmp_path / "model")
+    n = _add_mtp_layer(folder)
+    plan = make_plan(_recipe(folder, {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}), folder)
+    said = [w for w in plan.warnings if f"model.layers.{n}.*" in w]
+    assert len(said) == 1 and "multi-token-prediction" in said[0] and "skipped" in said[0]
+    stream.quantize_model(ModelSource(folder, "d", "d"), Scheme(TensorSpec("int4", "group", group_size=32)),
+                          tmp_path / "q", None)
+    assert f"note: model.layers.{n}.*" in capsys.readouterr().err
+    qm = QuantizedModel.open(tmp_path / "q")
+    assert qm.quantized_modules and not [m for m in qm.quantized_modules if f".layers.{n}." in m]
+    export_compressed_tensors(qm, tmp_path / "export")
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        assert not [k for k in f.keys() if k.startswith(f"model.layers.{n}.")]
+
+
+def test_the_latent_kv_cache_is_refused_naming_mla(mixed: Path, tmp_path: Path) -> None:
+    """KV-cache quantization of DeepSeek's latent cache: refused at plan time (exit 3) and by the stream for a direct
+    caller, naming multi-head latent attention and the fix; without kv_cache the plan goes through."""
+    from llmc.planning.plan import make_plan
+
+    with pytest.raises(IncompatibleTargetError, match="multi-head latent attention caches the compressed latent") as no:
+        make_plan(_recipe(mixed, {**FP8_KV, "kv_cache": {"format": "fp8_e4m3"}}), mixed)
+    assert no.value.exit_code == 3 and "kv_cache" in no.value.fix
+    with pytest.raises(IncompatibleTargetError, match="latent"):
+        stream.quantize_model(ModelSource(mixed, "d", "d"), Scheme(FP8_STATIC.weights, FP8_STATIC.activations,
+                                                                   kv_cache=TensorSpec("fp8_e4m3", "tensor")),
+                              tmp_path / "q", stream.Calibration(_ids(2, 1)))
+    make_plan(_recipe(mixed, FP8_KV), mixed)
+
+
+def test_vllm_takes_the_families_only_with_schemes_its_fused_moe_runs(mixed: Path) -> None:
+    """vLLM's compressed-tensors MoE method dispatch (its source named in the refusal): FP8 W8A8 and W4A16 plan;
+    FP8 weight-only and static INT8 activations have no fused-MoE kernel and are refused at plan time; GGUF is
+    refused as for every MoE family."""
+    from llmc.planning.plan import make_plan
+
+    for quantization in (FP8_KV, W4A16_GPTQ):
+        assert [t["exporter"] for t in make_plan(_recipe(mixed, quantization), mixed).targets] == ["compressed-tensors"]
+    for quantization, key in (({"weights": {"format": "fp8_e4m3", "strategy": "channel"}}, "W8A16-FP8"),
+                              ({"weights": {"format": "int8", "strategy": "channel"},
+                                "activations": {"format": "int8", "strategy": "tensor"}},
+                               "W8A8-INT8 with static activations")):
+        with pytest.raises(IncompatibleTargetError, match="no fused Mixture-of-Experts kernel") as refused:
+            make_plan(_recipe(mixed, quantization), mixed)
+        assert key in str(refused.value) and "compressed_tensors_moe.py" in str(refused.value)
+        assert "W4A16-INT" in refused.value.fix
+    with pytest.raises(IncompatibleTargetError, match="does not write Mixture-of-Experts experts"):
+        make_plan(_recipe(mixed, W4A16_GPTQ, {"runtime": "llama.cpp"}), mixed)
+    # mixed precision: only the groups that select experts need a fused-MoE kernel (FP8 weight-only attention and
+    # shared expert run in dense GEMMs); FP8 weight-only experts are refused
+    def groups(experts: str) -> dict:
+        return {"groups": [{"name": "router", "roles": ["router"], "ignore": True},
+                           {"name": "experts", "roles": ["experts"], "scheme": experts},
+                           {"name": "rest", "roles": ["attention", "shared_experts", "mlp"], "scheme": "W8A16-FP8"}]}
+
+    make_plan(_recipe(mixed, groups("W8A8-FP8")), mixed)
+    with pytest.raises(IncompatibleTargetError, match="no fused Mixture-of-Experts kernel for W8A16-FP8"):
+        make_plan(_recipe(mixed, groups("W8A16-FP8")), mixed)
+
+
+@pytest.mark.slow  # two quantized variants and their evaluations
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_llmc_build_of_a_tiny_model_in_fp8_and_w4a16_gptq(family: str, tmp_path: Path) -> None:
+    """`llmc build` of a tiny random DeepSeek-V3 (dense first layer, MLA, shared expert, MTP layer in the
+    checkpoint) and GLM-4.5: FP8 W8A8 (static activations) and W4A16 GPTQ variants for vLLM, exported as
+    compressed-tensors and scored from the exported files by the torch engine; every expert quantized, the routers
+    in the ignore list, the MTP layer absent."""
+    from llmc.build import build
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+
+    folder = make_tiny(family, tmp_path / "model", num_hidden_layers=3, first_k_dense_replace=1)
+    mtp = _add_mtp_layer(folder) if family == "deepseek_v3" else None
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": f"tiny-{family}", "model": {"source": str(folder)},
+        "variants": [{"name": "fp8", "quantization": FP8_KV}, {"name": "w4a16", "quantization": W4A16_GPTQ}],
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 64, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100,
+                 "runtimes": ["torch"]},
+        "gates": {"max_ppl_increase_pct": 1000.0},
+        "publish": {"registry": str(tmp_path / "registry")}}))
+    store = Store(tmp_path / "cache")
+    result = build(recipe, store, publish=False)
+    assert result.passed and len(result.artifacts) == 2
+    for artifact in result.artifacts.values():
+        export = Path(artifact.dir)
+        config = json.loads((export / "config.json").read_text())
+        ignore = config["quantization_config"]["ignore"]
+        assert "re:.*\\.mlp\\.gate$" in ignore
+        with safe_open(str(next(export.glob("*.safetensors"))), "pt") as f:
+            names = set(f.keys())
+        assert "model.layers.2.mlp.experts.3.down_proj.weight_scale" in names
+        assert "model.layers.2.mlp.shared_experts.down_proj.weight_scale" in names
+        assert "model.layers.0.mlp.down_proj.weight_scale" in names  # the dense first layer
+        if mtp is not None:
+            assert not [k for k in names if k.startswith(f"model.layers.{mtp}.")]
+
+
+def test_the_routers_correction_bias_stays_float32_in_a_bf16_build(tmp_path: Path) -> None:
+    """transformers keeps e_score_correction_bias in float32 whatever the model's dtype (its rounding moves the
+    top-k choice): quantized in bf16, the canonical form and the export hold the checkpoint's float32 values bit for
+    bit, while the router weight is bf16 like the rest of the layer."""
+    from llmc.formats.compressed_tensors import export_compressed_tensors
+    from llmc.quant.canonical import QuantizedModel
+
+    folder = make_tiny("deepseek_v3", tmp_path / "model")
+    state = load_file(str(folder / "model.safetensors"))
+    bias = torch.randn(4, generator=torch.Generator().manual_seed(3)) * 0.3 + 1.0  # bf16 would round these
+    state["model.layers.1.mlp.gate.e_score_correction_bias"] = bias
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert not torch.equal(bias.bfloat16().float(), bias)
+    stream.quantize_model(ModelSource(folder, "d", "d"), Scheme(TensorSpec("int4", "group", group_size=32)),
+                          tmp_path / "q", None, stream.StreamOptions(dtype=torch.bfloat16))
+    qm = QuantizedModel.open(tmp_path / "q")
+    tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert torch.equal(tensors["model.layers.1.mlp.gate.e_score_correction_bias"], bias)
+    export_compressed_tensors(qm, tmp_path / "export")
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
+
+
+def test_deepseek_v32_is_refused_naming_its_indexer() -> None:
+    """DeepSeek-V3.2 (model_type deepseek_v32): refused from config.json (exit 3) naming the sparse-attention
+    indexer llmc has no tested layout for, with the fix."""
+    from llmc.model.families import check_quantizable
+
+    with pytest.raises(IncompatibleTargetError, match="lightning indexer") as refused:
+        check_quantizable({"model_type": "deepseek_v32", "n_routed_experts": 256})
+    assert refused.value.exit_code == 3 and "llm-compressor" in refused.value.fix
