@@ -6,6 +6,7 @@ quantize call's wall time with and without it (median of `--repeats`), and the M
 (statistics hooks on every expert Linear, 2048 tokens; min and median of 15).
 
     PYTHONPATH=. python benchmarks/moe_roundtrip.py [--repeats 3] [--windows 16] [--seq 128] [--only-block]
+        [--skip-cost] [--families qwen2_moe minimax_m2 ...]
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--skip-table", action="store_true")
     parser.add_argument("--only-block", action="store_true")
+    parser.add_argument("--skip-cost", action="store_true", help="the round-trip table only")
+    parser.add_argument("--families", nargs="+", choices=list(MOE_FAMILIES), default=list(MOE_FAMILIES))
     args = parser.parse_args()
     set_quiet(True)
     with tempfile.TemporaryDirectory() as tmp:
-        folders = {f: make_tiny(f, Path(tmp) / f / "model") for f in MOE_FAMILIES}
+        folders = {f: make_tiny(f, Path(tmp) / f / "model") for f in args.families}
         if args.only_block:
             print("| family | routed: min / median (ms) | every expert on every token: min / median (ms) | ratio of mins |")
             print("|---|---|---|---|")
@@ -89,6 +92,8 @@ def main() -> None:
                 for name, scheme in SCHEMES.items():
                     diff, effect, n = roundtrip(folder, scheme, Path(tmp) / family / name, moe.unfuse_experts)
                     print(f"| {family} | {name} | {n} | {diff:.1e} | {effect:.3f} |", flush=True)
+        if args.skip_cost:
+            return
         print(f"\nquantize call, {args.windows} windows x {args.seq} tokens, median of {args.repeats} "
               f"(torch threads {torch.get_num_threads()}):")
         print("| family | scheme | routed (s) | every expert on every token (s) | ratio |")

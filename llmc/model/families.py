@@ -2,12 +2,11 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral and Qwen3-MoE. Other
-MoE families are refused with the reason (DeepSeek's multi-head latent attention, ...): the stream would quantize them
-without a tested layout. Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE (text) and MiniMax-M2 are rows of the same tables: a
-shared expert is an ordinary MLP inside the block (role shared_experts), its one-row sigmoid gate stays in the model's
-dtype (`KEPT_IN_DTYPE`), as do the gated-DeltaNet per-head gate projections of Qwen3-Next / Qwen3.5's linear-attention
-layers.
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, Qwen2-MoE,
+Qwen3-Next, Qwen3.5-MoE (text) and MiniMax-M2. Other MoE families are refused with the reason (DeepSeek's multi-head
+latent attention, ...): the stream would quantize them without a tested layout. A shared expert is an ordinary MLP
+inside the block (role shared_experts); its one-row sigmoid gate stays in the model's dtype (`KEPT_IN_DTYPE`), as do
+the gated-DeltaNet per-head gate projections of Qwen3-Next / Qwen3.5's linear-attention layers (dense Qwen3.5 too).
 """
 
 from __future__ import annotations
@@ -110,8 +109,8 @@ def check_quantizable(config: dict) -> None:
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their
 # attention `self_attn` and their MLP `mlp` (Phi-3's fused qkv_proj / gate_up_proj included). MoE families: experts
-# and router under the Hub names of their `LAYOUTS` entry; Qwen2-MoE (refused by `check_quantizable`, listed so its
-# roles are known) has a shared expert and a Linear gate for it.
+# and router under the Hub names of their `LAYOUTS` entry; the Qwen2-MoE block (Qwen3-Next, Qwen3.5-MoE too) has a
+# shared expert and a Linear gate for it.
 _ATTENTION = r"self_attn\."
 _DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
 # Qwen3-Next / Qwen3.5: the gated-DeltaNet projections (in_proj_qkvz or in_proj_qkv + in_proj_z, out_proj) are

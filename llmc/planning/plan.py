@@ -356,9 +356,10 @@ def kept_linears_note(config: dict, linear_shapes: dict[str, tuple[int, int]]) -
         why = kept_in_dtype(config.get("model_type"), n)
         if why:
             kept.setdefault(why, []).append(n)
-    return [f"{len(names)} Linear{'s' if len(names) > 1 else ''} ({', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))}"
-            f"): {why}, kept in the model's dtype for model_type {config.get('model_type')!r}; every export lists "
-            f"{'them' if len(names) > 1 else 'it'} as unquantized" for why, names in kept.items()]
+    return [f"{len(names)} Linear{'s' if len(names) > 1 else ''} "
+            f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))}): {why}, kept in the model's dtype for "
+            f"model_type {config.get('model_type')!r}; every export lists {'them' if len(names) > 1 else 'it'} as "
+            "unquantized" for why, names in kept.items()]
 
 
 def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> None:

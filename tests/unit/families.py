@@ -107,6 +107,8 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     torch.manual_seed(seed)
     if family in OUTER_LINEAR_FAMILIES:
         overrides = {**overrides, "vocab_size_per_layer_input": len(tok)}
+    if model_type.startswith("qwen3_5"):  # transformers reads it as Qwen3_5Tokenizer, whose default pad token
+        tok.pad_token = tok.eos_token  # (<|endoftext|>) this vocabulary lacks: it would be added past the embedding
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides, **config})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
@@ -191,3 +192,35 @@ def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_f
     assert "vllm" in refused.value.fix
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention"):
         check_quantizable({"model_type": "deepseek_v3", "n_routed_experts": 256})
+
+
+def test_qwen3_5_keeps_its_gated_deltanet_gate_projections_in_float(tmp_path: Path) -> None:
+    """Issue 45: Qwen3.5's linear-attention per-head gate projections in_proj_b / in_proj_a (4 output rows here) were
+    quantized, with no plan line. The plan now names them, the stream stores them as they were (no scale), and the
+    export lists them as unquantized; the rest of the gated-DeltaNet layer (in_proj_qkv, in_proj_z, out_proj; the
+    conv1d, A_log, dt_bias and norms are no Linears) is quantized, and the FP8 KV cache holds the full-attention
+    layer's keys and values only (a linear-attention layer has a recurrent state, kept in the model's dtype)."""
+    import json
+
+    from llmc.planning.plan import make_plan
+
+    folder = make_tiny("qwen3_5", tmp_path / "model")
+    plan = make_plan(_recipe(folder, {"runtime": "vllm", "gpu_arch": "sm90"}), folder)
+    (line,) = [w for w in plan.warnings if "gated-DeltaNet" in w]
+    assert line.startswith("2 Linears (in_proj_a, in_proj_b): ") and "kept in the model's dtype" in line
+    scheme = Scheme(TensorSpec("fp8_e4m3", "channel"), kv_cache=TensorSpec("fp8_e4m3", "tensor"))
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, tmp_path / "q", stream.Calibration(_ids(4, 1)))
+    qm = QuantizedModel.open(tmp_path / "q")
+    gates = {"model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"}
+    assert not gates & set(qm.quantized_modules)
+    assert {f"model.layers.0.linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "out_proj")} <= set(
+        qm.quantized_modules) and len(qm.quantized_modules) == QUANTIZED_LINEARS["qwen3_5"]
+    tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
+    original = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    for gate in gates:
+        assert torch.equal(tensors[f"{gate}.weight"], original[f"{gate}.weight"])
+        assert f"{gate}.weight_scale" not in tensors
+    assert qm.kv_cache_modules == ["model.layers.1.self_attn"]
+    export_compressed_tensors(qm, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    assert gates <= set(config["ignore"])

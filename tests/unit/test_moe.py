@@ -133,13 +133,55 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
         whole = TorchEngine(tmp_path / "export", streamed=False).token_nll(ids)
         torch.testing.assert_close(TorchEngine(tmp_path / "export", streamed=True).token_nll(ids), whole,
                                    rtol=1e-5, atol=1e-5)
-    if scheme_name == "int4-gptq":  # weight-only: transformers' own compressed-tensors load agrees too
-        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-        own = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32,
-                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
+    if scheme_name in ("int4-gptq", "fp8-static-kv"):  # decoded by compressed-tensors in plain transformers
         with torch.no_grad():
-            assert (own(input_ids=ids).logits - want).abs().max().item() < 1e-4
+            own = _compressed_tensors_model(tmp_path / "export")(input_ids=ids).logits
+        assert (own - got).abs().max().item() < 1e-4
+
+
+def _compressed_tensors_model(export: Path):
+    """The export as transformers loads it with compressed-tensors decompressing its weights, and (static FP8) its
+    Linears' inputs and its keys/values fake-quantized by compressed-tensors' own `fake_quantize` with the stored
+    input / k / v scales: llmc's numerics nowhere (the experts are viewed per expert only to hook their inputs)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    q = json.loads((export / "config.json").read_text())["quantization_config"]
+    acts = q["config_groups"]["group_0"].get("input_activations")
+    if acts is None:
+        return model
+    assert not acts["dynamic"]
+    acts = QuantizationArgs(**acts)
+    tensors = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
+    moe.unfuse_experts(model)
+
+    def quantized(x: torch.Tensor, scale: torch.Tensor, args) -> torch.Tensor:
+        return fake_quantize(x, scale, torch.zeros_like(scale), args)
+
+    for name, module in model.named_modules():
+        if f"{name}.input_scale" in tensors:
+            scale = tensors[f"{name}.input_scale"]
+            module.register_forward_pre_hook(lambda _m, a, s=scale: (quantized(a[0], s, acts), *a[1:]))
+    if q.get("kv_cache_scheme"):
+        kv = QuantizationArgs(**q["kv_cache_scheme"])
+        names = {id(m): n for n, m in model.named_modules()}
+
+        def attention(module, query, key, value, mask, **kw):
+            name = names[id(module)]
+            key = quantized(key, tensors[f"{name}.k_scale"], kv)
+            value = quantized(value, tensors[f"{name}.v_scale"], kv)
+            return sdpa_attention_forward(module, query, key, value, mask, **kw)
+
+        AttentionInterface.register("test_compressed_tensors_kv", attention)
+        AttentionMaskInterface.register("test_compressed_tensors_kv", sdpa_mask)
+        model.config._attn_implementation = "test_compressed_tensors_kv"
+    return model
 
 
 def mappings_match(pattern: str, name: str) -> bool:
@@ -399,6 +441,49 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
     every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
         "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
     assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", [f for f in MOE_FAMILIES if f not in ("mixtral", "qwen3_moe")])
+def test_llmc_build_fp8_and_w4a16_gptq_of_the_newer_moe_families(name: str, tmp_path: Path) -> None:
+    """`llmc build` (plan, calibrate, quantize, export, evaluate, gate) of a tiny Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE /
+    MiniMax-M2 in FP8 W8A8 (static, FP8 KV cache) and W4A16 GPTQ for vLLM: the plan names the Linears kept in float,
+    every gate is measured, and each compressed-tensors artifact decoded by compressed-tensors in plain transformers
+    gives the logits of llmc's torch engine."""
+    import yaml
+
+    from llmc.build import build
+    from llmc.engines.torch_ref import TorchEngine
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+
+    folder = make_tiny(name, tmp_path / "model")
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "moe", "model": {"source": str(folder)},
+        "variants": [{"name": "fp8", "quantization": {
+                          "weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                          "activations": {"format": "fp8_e4m3", "strategy": "tensor"},
+                          "kv_cache": {"format": "fp8_e4m3"}}},
+                     {"name": "w4a16", "quantization": {
+                          "weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq"}}],
+        "calibration": {"samples": 8, "seq_len": 32, "seed": 0, "moe_calibrate_all_experts": True},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 32, "windows": 2, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100,
+                 "runtimes": ["torch"]},
+        "gates": {"max_ppl_increase_pct": 1000.0},
+        "publish": {"registry": str(tmp_path / "registry")}}))
+    result = build(recipe, Store(tmp_path / "cache"), publish=False)
+    kept = KEPT.get(name, [])
+    assert all(any(k.rsplit(".", 1)[-1] in w and "kept in the model's dtype" in w for w in result.plan.warnings)
+               for k in kept), result.plan.warnings
+    assert result.passed and result.verdicts and all(v.evaluated for v in result.verdicts), result.verdicts
+    assert sorted(result.artifacts) == ["fp8/vllm-sm90-tp1", "w4a16/vllm-sm90-tp1"]
+    ids = _ids(2, 2)
+    for artifact in result.artifacts.values():
+        with torch.no_grad():
+            got = TorchEngine(artifact.dir, streamed=False).model(input_ids=ids, use_cache=False).logits
+            own = _compressed_tensors_model(artifact.dir)(input_ids=ids).logits
+        assert (own - got).abs().max().item() < 1e-4, artifact.label
 
 
 def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family, tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ the module that returned the block's input → every expert's gate and up (paren
 router's input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the
 routing moves, which the check below rejects), and per expert up → down. A shared expert (Qwen2-MoE, Qwen3-Next)
 reads the tensor the experts module gets: its gate and up join the consumers, its one-row sigmoid gate (a Linear
-child of the block, like the router) is scaled with the router and stays unquantized. The check then runs on them as on any
-candidate. Expert Linears are never offered as producers or consumers of other groups.
+child of the block, like the router) is scaled with the router and stays unquantized. The check then runs on them as
+on any candidate. Expert Linears are never offered as producers or consumers of other groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
