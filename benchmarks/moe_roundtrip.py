@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--skip-table", action="store_true")
     parser.add_argument("--only-block", action="store_true")
     parser.add_argument("--table-only", action="store_true", help="the round-trip table, not the costs")
+    parser.add_argument("--skip-cost", action="store_true", help="the same as --table-only")
     parser.add_argument("--families", nargs="+", default=list(MOE_FAMILIES),
                         help=f"space- or comma-separated, of {', '.join({**MOE_FAMILIES, **LLAMA4})}")
     args = parser.parse_args()
@@ -98,7 +99,7 @@ def main() -> None:
                     diff, effect, n = roundtrip(folder, _scheme(family, name), Path(tmp) / family / name,
                                                 moe.unfuse_experts)
                     print(f"| {family} | {name} | {n} | {diff:.1e} | {effect:.3f} |", flush=True)
-        if args.table_only:
+        if args.table_only or args.skip_cost:
             return
         print(f"\nquantize call, {args.windows} windows x {args.seq} tokens, median of {args.repeats} "
               f"(torch threads {torch.get_num_threads()}):")

@@ -2,13 +2,16 @@
 
 Dense decoder-only families are found structurally (llmc.quant.algorithms.mappings). Mixture-of-Experts models are
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
-under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, gpt-oss,
-Llama-4 text, DeepSeek-V3 (Kimi-K2: the same model_type; multi-head latent attention, shared experts, dense first
-layers) and GLM-4.5 (tests/unit/test_deepseek.py). How a family's experts differ (gpt-oss: biased, gate/up interleaved
-and stored transposed, a clamped SwiGLU; Llama-4: router-scaled inputs; both: fused tensors in their Hub checkpoints;
-shared experts) is data in its `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). Other
-MoE families are refused with the reason: their blocks hold more than llmc has a tested layout for (a shared expert's
-own gate, DeepSeek-V3.2's sparse-attention indexer).
+under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, Qwen2-MoE,
+Qwen3-Next, Qwen3.5-MoE (text), MiniMax-M2, gpt-oss, Llama-4 text, DeepSeek-V3 (Kimi-K2: the same model_type;
+multi-head latent attention, shared experts, dense first layers) and GLM-4.5 (tests/unit/test_deepseek.py). How a
+family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped SwiGLU; Llama-4:
+router-scaled inputs; both: fused tensors in their Hub checkpoints; shared experts and their gates) is data in its
+`MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). A shared expert is an ordinary MLP
+inside the block (role shared_experts); a one-row sigmoid gate for it stays in the model's dtype (`KEPT_IN_DTYPE`), as
+do the gated-DeltaNet per-head gate projections of Qwen3-Next / Qwen3.5's linear-attention layers (dense Qwen3.5 too).
+Other MoE families are refused with the reason: their blocks hold more than llmc has a tested layout for
+(DeepSeek-V2's, DeepSeek-V3.2's sparse-attention indexer).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ _WHY_NOT = {
     "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (self_attn.indexer: wq_b, wk, weights_proj, "
                     "k_norm), which selects the tokens each query attends to and has no tested quantization layout "
                     "in llmc",
-    "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate, a Linear that must stay unquantized)",
 }
 
 
@@ -64,6 +66,8 @@ class MoeLayout:
     # multiplied by that expert's sigmoid router score (0 where not routed), outputs summed unweighted
     routing: str = "top_k"
     shared: str | None = None  # a shared expert beside the routed ones (Llama-4 `shared_expert`: a dense MLP)
+    # the shared expert's own gate (Qwen2-MoE's `shared_expert_gate`: a one-row Linear, a router in its role, kept)
+    shared_gate: str | None = None
 
 
 # model_type -> layout of the MoE families llmc quantizes expert by expert (llmc.quant.moe; transformers'
@@ -84,7 +88,47 @@ LAYOUTS: dict[str, MoeLayout] = {
     # float); their first `first_k_dense_replace` layers hold a dense `mlp`
     "deepseek_v3": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
     "glm4_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
+    # routed experts + mlp.shared_expert (an MLP) + mlp.shared_expert_gate (Linear, 1 row: KEPT_IN_DTYPE)
+    "qwen2_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert",
+                           shared_gate="shared_expert_gate"),
+    # Qwen2-MoE's block; layers alternate gated-DeltaNet linear attention (linear_attn) and full attention (self_attn)
+    "qwen3_next": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert",
+                            shared_gate="shared_expert_gate"),
+    "qwen3_5_moe_text": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert",
+                                  shared_gate="shared_expert_gate"),
+    # Mixtral's Hub names (conversion_mapping.py maps minimax_m2 to mixtral); the router's sigmoid scores take the
+    # block's e_score_correction_bias buffer, a non-Linear tensor kept as stored
+    "minimax_m2": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
 }
+
+# model_type -> Linears of a decoder layer that stay in the model's dtype, as for MoE routers: regex on the name inside
+# the layer -> why. The stream never quantizes them, the plan names them, every export lists them as unquantized
+# (quantized.json's unquantized_linears). vLLM builds the same modules unquantized or takes them from `ignore`:
+# Qwen2-MoE's shared_expert_gate is a plain torch Linear (vllm/model_executor/models/qwen2_moe.py); the gated-DeltaNet
+# in_proj_ba (Qwen3-Next) / in_proj_b + in_proj_a (Qwen3.5, merged into in_proj_ba) have num_v_heads rows, fewer per
+# rank than Marlin's 64 and than an FP8 block's 128 (vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py,
+# create_ba_proj / maybe_disable_tp, vllm issue 35924). The conv1d, A_log, dt_bias and norms are no Linears: kept too.
+_SHARED_EXPERT_GATE = {r"mlp\.shared_expert_gate$": "the shared expert's sigmoid gate (one output row)"}
+_DELTANET_GATES = "the gated-DeltaNet per-head decay/beta gate projection (num_v_heads output rows)"
+KEPT_IN_DTYPE: dict[str, dict[str, str]] = {
+    "qwen2_moe": _SHARED_EXPERT_GATE,
+    "qwen3_next": {**_SHARED_EXPERT_GATE, r"linear_attn\.in_proj_ba$": _DELTANET_GATES},
+    "qwen3_5_text": {r"linear_attn\.in_proj_[ab]$": _DELTANET_GATES},
+    "qwen3_5_moe_text": {**_SHARED_EXPERT_GATE, r"linear_attn\.in_proj_[ab]$": _DELTANET_GATES},
+}
+
+_LAYER_LOCAL = re.compile(r"(?:^|\.)layers\.\d+\.(.+)$")
+
+
+def kept_in_dtype(model_type: str | None, name: str) -> str | None:
+    """Why the Linear `name` (a full module name, or a name inside a decoder layer) stays in the model's dtype for
+    `model_type`; None when the family's table quantizes it."""
+    m = _LAYER_LOCAL.search(name)
+    local = m.group(1) if m else name
+    for pattern, why in KEPT_IN_DTYPE.get(model_type or "", {}).items():
+        if re.match(pattern, local):
+            return why
+    return None
 
 
 def moe_families() -> frozenset[str]:
@@ -171,25 +215,32 @@ def unloaded_layers_note(config: dict, tensor_names) -> str | None:
 # "<layers>.<i>."), asked in order (the first match wins, so experts come before the dense MLP they sit in). Mixed-
 # precision groups select by these roles (llmc.quant.groups). Dense families share one entry: transformers names their
 # attention `self_attn` and their MLP `mlp` (Phi-3's fused qkv_proj / gate_up_proj included). MoE families: experts
-# and router under the Hub names of their `LAYOUTS` entry; Qwen2-MoE (refused by `check_quantizable`, listed so its
-# roles are known) has a shared expert and a Linear gate for it.
+# and router under the Hub names of their `LAYOUTS` entry; the Qwen2-MoE block (Qwen3-Next, Qwen3.5-MoE too) has a
+# shared expert and a Linear gate for it.
 _ATTENTION = r"self_attn\."
 _DENSE_ROLES: dict[str, str] = {"attention": _ATTENTION, "mlp": r"mlp\."}
+# Qwen3-Next / Qwen3.5: the gated-DeltaNet projections (in_proj_qkvz or in_proj_qkv + in_proj_z, out_proj) are
+# attention too
+_HYBRID_ATTENTION = r"(self_attn|linear_attn)\."
 
 
-def _moe_roles(layout: MoeLayout) -> dict[str, str]:
+def _moe_roles(layout: MoeLayout, attention: str = _ATTENTION) -> dict[str, str]:
     block = re.escape(layout.block)
     shared = {"shared_experts": rf"{block}\.{re.escape(layout.shared)}\."} if layout.shared else {}
-    return {"attention": _ATTENTION, "experts": rf"{block}\.experts\.\d+\.", **shared,
-            "router": rf"{block}\.{re.escape(layout.router)}$",
+    routers = "|".join(re.escape(r) for r in (layout.router, layout.shared_gate) if r)
+    return {"attention": attention, "experts": rf"{block}\.experts\.\d+\.", **shared,
+            "router": rf"{block}\.({routers})$",
             # dense MLPs in some layers: Qwen3-MoE's mlp_only_layers / decoder_sparse_step, Llama-4's interleave
             "mlp": rf"(mlp|{block})\."}
 
 
+# families whose layers alternate full attention (self_attn) and gated-DeltaNet linear attention (linear_attn)
+_HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
+
 LINEAR_ROLES: dict[str, dict[str, str]] = {
-    **{family: _moe_roles(layout) for family, layout in LAYOUTS.items()},
-    "qwen2_moe": {"attention": _ATTENTION, "experts": r"mlp\.experts\.\d+\.",
-                  "shared_experts": r"mlp\.shared_expert\.", "router": r"mlp\.(gate|shared_expert_gate)$"},
+    **{family: _moe_roles(layout, _HYBRID_ATTENTION if family in _HYBRID_FAMILIES else _ATTENTION)
+       for family, layout in LAYOUTS.items()},
+    "qwen3_5_text": {"attention": _HYBRID_ATTENTION, "mlp": r"mlp\."},
 }
 
 

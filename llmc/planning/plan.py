@@ -25,7 +25,7 @@ from llmc.model.checkpoint import INDEX_FILE, read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import (LAYOUTS, check_all_experts, check_kv_cache, check_quantizable, expert_count,
-                                  unloaded_layers_note)
+                                  kept_in_dtype, unloaded_layers_note)
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
@@ -344,6 +344,25 @@ def outer_linears_note(scheme: Scheme, tensors: plan_shapes.ModelTensors) -> lis
             f"{'them' if len(outer) > 1 else 'it'} as unquantized (ignore / exclude_modules / modules_to_not_convert)"]
 
 
+def family_quantized(config: dict, linear_shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The Linears the model's family table lets llmc quantize: all but those it keeps in their dtype
+    (llmc.model.families.KEPT_IN_DTYPE), which the stream leaves as they are."""
+    return {n: s for n, s in linear_shapes.items() if not kept_in_dtype(config.get("model_type"), n)}
+
+
+def kept_linears_note(config: dict, linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """One plan line per kind of Linear the family keeps in the model's dtype, with how many and why."""
+    kept: dict[str, list[str]] = {}
+    for n in linear_shapes:
+        why = kept_in_dtype(config.get("model_type"), n)
+        if why:
+            kept.setdefault(why, []).append(n)
+    return [f"{len(names)} Linear{'s' if len(names) > 1 else ''} "
+            f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))}): {why}, kept in the model's dtype for "
+            f"model_type {config.get('model_type')!r}; every export lists {'them' if len(names) > 1 else 'it'} as "
+            "unquantized" for why, names in kept.items()]
+
+
 def _check_fused(recipe: Recipe, scheme: Scheme, config: dict, linear_shapes: dict[str, tuple[int, int]]) -> None:
     """IncompatibleTargetError when a mixed scheme splits Linears a target's runtime fuses into one GEMM."""
     fusing = [t.label for t in recipe.targets if targets.format_for(t).fuses_projections]
@@ -499,12 +518,14 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             targets.check_family(t, config)
             for scheme in schemes.values():
                 targets.check_moe_scheme(t, scheme, config)
+        linears = family_quantized(config, tensors.linear_shapes())
+        plan.warnings += kept_linears_note(config, tensors.linear_shapes())
         for scheme in schemes.values():
             if scheme.kv_cache is not None:
                 check_kv_cache(config)  # DeepSeek's latent cache
-            plan.warnings += check_model(recipe, scheme, config, tensors.linear_shapes())
+            plan.warnings += check_model(recipe, scheme, config, linears)
             plan.warnings += outer_linears_note(scheme, tensors)
-            _check_fused(recipe, scheme, config, tensors.linear_shapes())
+            _check_fused(recipe, scheme, config, linears)
         unloaded = unloaded_layers_note(config, tensors.shapes)  # DeepSeek's / GLM-4.5's MTP layer
         if unloaded:
             plan.warnings.append(unloaded)

@@ -41,7 +41,7 @@ from llmc import distributed
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
-from llmc.model.families import check_kv_cache, unloaded_layers_note
+from llmc.model.families import check_kv_cache, kept_in_dtype, unloaded_layers_note
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
@@ -300,7 +300,10 @@ def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Mod
     layers_prefix, layers = decoder_layers(model)
     all_linears, all_kv = set(), set()
     for i, layer in enumerate(layers):
-        all_linears |= set(target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore))
+        # a Linear the family keeps in its dtype (Qwen2-MoE's shared_expert_gate, gated-DeltaNet gate projections:
+        # llmc.model.families.KEPT_IN_DTYPE) is never quantized; quantized.json's unquantized_linears names it
+        all_linears |= {n for n in target_linears(layer, f"{layers_prefix}.{i}.", scheme.ignore)
+                        if not kept_in_dtype(config.get("model_type"), n)}
         all_kv |= set(_kv_modules(layer, f"{layers_prefix}.{i}.", scheme))
     # mixed precision: each Linear's group (None: left unquantized), resolved as the planner did (llmc.quant.groups)
     group_of = (resolve_groups(scheme, sorted(all_linears), len(layers), config.get("model_type")) if scheme.mixed

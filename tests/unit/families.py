@@ -12,6 +12,11 @@ from tests.conftest import make_tokenizer
 _COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "max_position_embeddings": 1024, "tie_word_embeddings": True}
 
+# gated-DeltaNet linear attention in layer 0, full attention in layer 1 (Qwen3-Next, Qwen3.5): 4 value heads, so
+# in_proj_b / in_proj_a have 4 rows (in_proj_ba 8)
+_DELTANET = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+             "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}
+
 # family -> (model_type, config overrides): each shows what sets the family apart
 FAMILIES: dict[str, tuple[str, dict]] = {
     # no grouped-query attention, so v_proj -> o_proj is a smoothing pair; Llama-3.1's rope scaling
@@ -29,6 +34,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "granite": ("granite", {"num_key_value_heads": 2, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                 "attention_multiplier": 0.2, "logits_scaling": 2.0}),
     "olmo2": ("olmo2", {"num_key_value_heads": 4}),  # norms after attention and MLP, q/k norms
+    # layer 0 gated-DeltaNet linear attention (in_proj_qkv, in_proj_z, in_proj_b / in_proj_a kept in float, conv1d,
+    # out_proj), layer 1 full attention with an output gate (q_proj twice as wide), both zero-centred RMSNorms
+    "qwen3_5": ("qwen3_5_text", {"num_key_value_heads": 2, "head_dim": 16, **_DELTANET}),
 }
 
 # what discovery finds per family (producer -> first consumer), the module docstring of mappings.py says why
@@ -72,6 +80,24 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                               "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
                               "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "attention_bias": True,
                               "use_qk_norm": False}),
+    # a shared expert (an MLP, 96 wide) beside the routed ones, gated by a one-row Linear kept in float. No q/k/v
+    # biases (the dense qwen2 family has them): with them, at N(0.2, 0.3), every token's router input is nearly the
+    # same and this seed's router never picks expert 0 (the starved-expert tests starve expert 3 on purpose only)
+    "qwen2_moe": ("qwen2_moe", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 128, "shared_expert_intermediate_size": 96,
+                                "norm_topk_prob": True, "qkv_bias": False}),
+    # Qwen2-MoE's block; layer 0 gated-DeltaNet linear attention (in_proj_qkvz / in_proj_ba / conv1d / out_proj),
+    # layer 1 full attention with an output gate
+    "qwen3_next": ("qwen3_next", {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 96,
+                                  "norm_topk_prob": True, **_DELTANET}),
+    # Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen2-MoE's block
+    "qwen3_5_moe": ("qwen3_5_moe_text", {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                         "shared_expert_intermediate_size": 96, **_DELTANET}),
+    # Mixtral's Hub names; sigmoid router with e_score_correction_bias, q/k norms over all heads, partial rotary
+    "minimax_m2": ("minimax_m2", {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "rotary_dim": 8}),
 }
 
 # Llama-4 text (tests/unit/test_moe.py, its own tests: its experts take router-scaled inputs, so the generic MoE tests'
@@ -93,6 +119,14 @@ OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
 
 for _f in ("qwen2", "qwen3", "granite"):
     EXPECTED_PAIRS[_f] = EXPECTED_PAIRS["mistral"]
+# per layer where layers differ: Qwen3.5's linear-attention layer 0 (its kept in_proj_b / in_proj_a are scaled with
+# the pair, never quantized), full-attention layer 1
+EXPECTED_PAIRS_BY_LAYER: dict[str, list[list[tuple[str, str]]]] = {
+    "qwen3_5": [[("input_layernorm", "linear_attn.in_proj_qkv"), *EXPECTED_PAIRS["mistral"][1:]],
+                EXPECTED_PAIRS["mistral"]],
+}
+# Linears each layer quantizes (7: q, k, v, o, gate, up, down), where a family differs
+QUANTIZED_LINEARS: dict[str, int] = {"phi3": 2 * 4, "qwen3_5": 6 + 7}  # Qwen3.5: in_proj_qkv, in_proj_z, out_proj
 EXPECTED_PAIRS["gemma2"] = EXPECTED_PAIRS["gemma3"] = EXPECTED_PAIRS.pop("gemma")
 
 
@@ -106,6 +140,8 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     torch.manual_seed(seed)
     if family in OUTER_LINEAR_FAMILIES:
         overrides = {**overrides, "vocab_size_per_layer_input": len(tok)}
+    if model_type.startswith("qwen3_5"):  # transformers reads it as Qwen3_5Tokenizer, whose default pad token
+        tok.pad_token = tok.eos_token  # (<|endoftext|>) this vocabulary lacks: it would be added past the embedding
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, **{**_COMMON, **overrides, **config})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -116,6 +152,9 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
             # vector to every token, the router's shifts every logit)
             if family in MOE_FAMILIES and name.endswith("bias"):
                 p.normal_(0, 0.05)
+        for name, b in model.named_buffers():  # MiniMax-M2's router bias (a buffer, zeros by default) moves routing
+            if family == "minimax_m2" and name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return Path(folder)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
@@ -20,7 +21,7 @@ from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
-from tests.unit.families import EXPECTED_PAIRS, FAMILIES, make_tiny
+from tests.unit.families import EXPECTED_PAIRS, EXPECTED_PAIRS_BY_LAYER, FAMILIES, QUANTIZED_LINEARS, make_tiny
 
 SCHEMES = {
     "fp8-static-kv": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"),
@@ -54,8 +55,9 @@ def test_discovery_finds_each_familys_smoothing_pairs(family, tmp_path: Path, mo
     stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES["int8-smoothquant"], tmp_path / "q",
                           stream.Calibration(_ids(4, 1)))
     assert len(found) == 2  # every layer recorded
-    for pairs in found.values():
-        assert [(m.producer, m.consumers[0]) for m in pairs] == EXPECTED_PAIRS[name]
+    expected = EXPECTED_PAIRS_BY_LAYER[name] if name in EXPECTED_PAIRS_BY_LAYER else [EXPECTED_PAIRS[name]] * 2
+    for pairs, want in zip(found.values(), expected):
+        assert [(m.producer, m.consumers[0]) for m in pairs] == want
     if name == "phi3":  # the v rows of qkv_proj (no GQA here) and the up half of gate_up_proj
         rows = {m.producer: m.producer_rows for m in next(iter(found.values())) if not m.from_norm}
         assert rows == {"self_attn.qkv_proj": (128, 192), "mlp.gate_up_proj": (128, 256)}
@@ -135,8 +137,7 @@ def roundtrip(folder: Path, scheme: Scheme, work: Path, prepare=None) -> tuple[f
 def test_compressed_tensors_export_reloads_with_the_reference_logits(family, scheme_name: str, tmp_path: Path) -> None:
     name, folder = family
     diff, effect, quantized = roundtrip(folder, SCHEMES[scheme_name], tmp_path)
-    linears = 2 * (4 if name == "phi3" else 7)  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
-    assert quantized == linears
+    assert quantized == QUANTIZED_LINEARS.get(name, 2 * 7)  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
     assert effect > 1e-3, "quantization must be visible"
     assert diff < 1e-4, f"{name} {scheme_name}: export logits differ from the fake-quantized reference by {diff}"
 
@@ -198,3 +199,35 @@ def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_f
     assert "vllm" in refused.value.fix
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention"):
         check_quantizable({"model_type": "deepseek_v2", "n_routed_experts": 160})
+
+
+def test_qwen3_5_keeps_its_gated_deltanet_gate_projections_in_float(tmp_path: Path) -> None:
+    """Issue 45: Qwen3.5's linear-attention per-head gate projections in_proj_b / in_proj_a (4 output rows here) were
+    quantized, with no plan line. The plan now names them, the stream stores them as they were (no scale), and the
+    export lists them as unquantized; the rest of the gated-DeltaNet layer (in_proj_qkv, in_proj_z, out_proj; the
+    conv1d, A_log, dt_bias and norms are no Linears) is quantized, and the FP8 KV cache holds the full-attention
+    layer's keys and values only (a linear-attention layer has a recurrent state, kept in the model's dtype)."""
+    import json
+
+    from llmc.planning.plan import make_plan
+
+    folder = make_tiny("qwen3_5", tmp_path / "model")
+    plan = make_plan(_recipe(folder, {"runtime": "vllm", "gpu_arch": "sm90"}), folder)
+    (line,) = [w for w in plan.warnings if "gated-DeltaNet" in w]
+    assert line.startswith("2 Linears (in_proj_a, in_proj_b): ") and "kept in the model's dtype" in line
+    scheme = Scheme(TensorSpec("fp8_e4m3", "channel"), kv_cache=TensorSpec("fp8_e4m3", "tensor"))
+    stream.quantize_model(ModelSource(folder, "t", "t"), scheme, tmp_path / "q", stream.Calibration(_ids(4, 1)))
+    qm = QuantizedModel.open(tmp_path / "q")
+    gates = {"model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"}
+    assert not gates & set(qm.quantized_modules)
+    assert {f"model.layers.0.linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "out_proj")} <= set(
+        qm.quantized_modules) and len(qm.quantized_modules) == QUANTIZED_LINEARS["qwen3_5"]
+    tensors = {k: v for t in qm.iter_files() for k, v in t.items()}
+    original = load_file(str(folder / "model.safetensors"))
+    for gate in gates:
+        assert torch.equal(tensors[f"{gate}.weight"], original[f"{gate}.weight"])
+        assert f"{gate}.weight_scale" not in tensors
+    assert qm.kv_cache_modules == ["model.layers.1.self_attn"]
+    export_compressed_tensors(qm, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    assert gates <= set(config["ignore"])

@@ -1,11 +1,12 @@
-"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3 and GLM-4.5 models (4 experts, top-2,
-hidden 64, 2 layers; DeepSeek and GLM with a shared expert; built from transformers' own config classes,
-tests/unit/families.py): every expert quantized as its own Linear under the Hub names, per-expert statistics from the
-tokens actually routed to it, starved experts reported and given defensible scales, the all-tokens option, and the
-compressed-tensors export round-trip (llmc.quant.moe). gpt-oss and Llama-4 text have their own tests below too: their
-layout rows (fused checkpoints, biased interleaved experts, the clamped SwiGLU; router-scaled inputs, a shared expert),
-their calibration forward against transformers' whole forward, and their exports decoded by compressed-tensors in plain
-transformers."""
+"""Mixture-of-Experts on tiny random Mixtral, Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, MiniMax-M2, gpt-oss,
+DeepSeek-V3 and GLM-4.5 models (4 experts, top-2, hidden 64, 2 layers; built from transformers' own config classes,
+tests/unit/families.py): every expert quantized as its own Linear under the Hub names, shared experts quantized and
+their gates (and the gated-DeltaNet gate projections) kept in float, per-expert statistics from the tokens actually
+routed to it, the layer-by-layer calibration forward equal to transformers' whole-model forward, starved experts
+reported and given defensible scales, the all-tokens option, and the compressed-tensors export round-trip
+(llmc.quant.moe). gpt-oss and Llama-4 text have their own tests below too: their layout rows (fused checkpoints, biased
+interleaved experts, the clamped SwiGLU; router-scaled inputs, a shared expert), their calibration forward against
+transformers' whole forward, and their exports decoded by compressed-tensors in plain transformers."""
 
 from __future__ import annotations
 
@@ -20,24 +21,34 @@ from safetensors.torch import load_file, save_file
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
-from llmc.quant import moe, stream
+from llmc.quant import flows, moe, stream
 from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_weight, static_scale
 from tests.unit.families import MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
 
-LAYOUT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-          "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-          "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-          "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-ROUTER = {"mixtral": "gate", "qwen3_moe": "gate", "gpt_oss": "router", "deepseek_v3": "gate",
-          "glm4_moe": "gate"}  # the router's name inside the block
+_QWEN = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+_MIXTRAL = ("block_sparse_moe", ("w1", "w3", "w2"))
+LAYOUT = {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN, "qwen2_moe": _QWEN, "qwen3_next": _QWEN, "qwen3_5_moe": _QWEN,
+          "minimax_m2": _MIXTRAL, "gpt_oss": _QWEN, "deepseek_v3": _QWEN, "glm4_moe": _QWEN}
+ROUTER = {name: "router" if name == "gpt_oss" else "gate" for name in LAYOUT}  # the router's name inside the block
 REFUSED_BY_VLLM = {"gpt_oss"}  # llmc.runtimes.vllm: vLLM's gpt-oss loader reads fused experts only
-# Linears per decoder layer besides the 4 x 3 experts: attention (DeepSeek's MLA: q_a, q_b, kv_a_proj_with_mqa, kv_b,
-# o) and the shared expert's three
-OTHER_LINEARS = {"mixtral": 4, "qwen3_moe": 4, "gpt_oss": 4, "deepseek_v3": 5 + 3, "glm4_moe": 4 + 3}
-SHARED = ("deepseek_v3", "glm4_moe")  # families with mlp.shared_experts
+# quantized Linears per family (2 layers): attention (4; a gated-DeltaNet layer: in_proj_qkvz, out_proj or
+# in_proj_qkv, in_proj_z, out_proj; DeepSeek's MLA: q_a, q_b, kv_a_proj_with_mqa, kv_b, o), a shared expert (3),
+# 4 experts x 3
+QUANTIZED = {"mixtral": 2 * (4 + 12), "qwen3_moe": 2 * (4 + 12), "qwen2_moe": 2 * (4 + 3 + 12),
+             "qwen3_next": (2 + 3 + 12) + (4 + 3 + 12), "qwen3_5_moe": (3 + 3 + 12) + (4 + 3 + 12),
+             "minimax_m2": 2 * (4 + 12), "gpt_oss": 2 * (4 + 12), "deepseek_v3": 2 * (5 + 3 + 12),
+             "glm4_moe": 2 * (4 + 3 + 12)}
+# Linears the family keeps in float (llmc.model.families.KEPT_IN_DTYPE), which every export must list as unquantized
+_GATE = ["model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert_gate"]
+KEPT = {"qwen2_moe": _GATE, "qwen3_next": [*_GATE, "model.layers.0.linear_attn.in_proj_ba"],
+        "qwen3_5_moe": [*_GATE, "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"]}
+# a shared expert beside the routed ones: family -> its name inside the block
+SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert",
+          "deepseek_v3": "shared_experts", "glm4_moe": "shared_experts"}
+SHARED_GATE = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")  # ... with its own one-row gate (kept, scaled like a router)
 NO_KV_CACHE = ("deepseek_v3",)  # MLA caches a latent: its KV-cache quantization is refused (test_deepseek.py)
 STARVED = 3  # the expert the starved model's layer-0 router never picks
 CHANNEL = 5  # the embedding channel that makes it so
@@ -92,7 +103,7 @@ def test_per_expert_linears_view_the_fused_experts_and_compute_the_same_logits(f
         k: v for k, v in saved.items() if k != "lm_head.weight"}  # tied head
     gate = model.get_submodule(f"model.layers.0.{block}.experts.2.{projections[0]}")
     assert isinstance(gate, torch.nn.Linear) and gate.weight.data_ptr() == fused[2].data_ptr()
-    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3 and ".experts" in n]  # conv1d: 3-D, no expert
 
 
 @pytest.mark.heavy
@@ -109,14 +120,27 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
     qm = _quantize(folder, scheme, tmp_path / "q")
     block, projections = LAYOUT[name]
     experts = {f"model.layers.{i}.{block}.experts.{e}.{p}" for i in range(2) for e in range(4) for p in projections}
-    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == 2 * (OTHER_LINEARS[name] + 12)
+    assert experts <= set(qm.quantized_modules) and len(qm.quantized_modules) == QUANTIZED[name]
+    if name in SHARED:
+        assert {f"model.layers.{i}.{block}.{SHARED[name]}.{p}" for i in range(2) for p in projections} <= set(
+            qm.quantized_modules)
     tensors = _tensors(qm)
-    assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point()]
+    assert not [k for k, t in tensors.items() if t.dim() == 3 and t.is_floating_point() and ".experts" in k]
     router = f"model.layers.0.{block}.{ROUTER[name]}"
     assert router not in qm.quantized_modules and tensors[f"{router}.weight"].dtype == torch.float32
+    for kept in KEPT.get(name, []):  # in float, without scales, and named as unquantized by the export
+        assert kept not in qm.quantized_modules and tensors[f"{kept}.weight"].dtype == torch.float32
+        assert not [k for k in tensors if k.startswith(f"{kept}.") and k != f"{kept}.weight"]
     export_compressed_tensors(qm, tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert any(p.startswith("re:") and mappings_match(p, router) for p in config["quantization_config"]["ignore"])
+    ignore = config["quantization_config"]["ignore"]
+    assert any(p.startswith("re:") and mappings_match(p, router) for p in ignore)
+    assert all(any(mappings_match(p, kept) for p in ignore) for kept in KEPT.get(name, []))
+    if scheme.kv_cache is not None:  # a KV cache exists only in the full-attention layers: only they hold scales
+        with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+            kv = sorted(k for k in f.keys() if k.endswith(("k_scale", "v_scale")))
+        layers = [1] if name in ("qwen3_next", "qwen3_5_moe") else [0, 1]
+        assert kv == [f"model.layers.{i}.self_attn.{s}" for i in layers for s in ("k_scale", "v_scale")]
     with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
         assert f"model.layers.1.{block}.experts.3.{projections[2]}.weight_scale" in set(f.keys())
 
@@ -132,15 +156,57 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
         whole = TorchEngine(tmp_path / "export", streamed=False).token_nll(ids)
         torch.testing.assert_close(TorchEngine(tmp_path / "export", streamed=True).token_nll(ids), whole,
                                    rtol=1e-5, atol=1e-5)
-    # weight-only: transformers' own compressed-tensors load agrees too (gpt-oss: transformers has no per-expert
-    # names for it; test_gpt_oss_w4a16_gptq_export_decodes_in_plain_transformers_to_llmcs_logits re-fuses them)
-    if scheme_name == "int4-gptq" and not moe.LAYOUTS[name].checkpoint_fused:
-        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-        own = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32,
-                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
+    # decoded by compressed-tensors in plain transformers (gpt-oss: transformers has no per-expert names for it;
+    # test_gpt_oss_w4a16_gptq_export_decodes_in_plain_transformers_to_llmcs_logits re-fuses them)
+    if scheme_name in ("int4-gptq", "fp8-static-kv") and name not in REFUSED_BY_VLLM:  # fused in its Hub checkpoints
         with torch.no_grad():
-            assert (own(input_ids=ids).logits - want).abs().max().item() < 1e-4
+            own = _compressed_tensors_model(tmp_path / "export")(input_ids=ids).logits
+        assert (own - got).abs().max().item() < 1e-4
+
+
+def _compressed_tensors_model(export: Path):
+    """The export as transformers loads it with compressed-tensors decompressing its weights, and (static FP8) its
+    Linears' inputs and its keys/values fake-quantized by compressed-tensors' own `fake_quantize` with the stored
+    input / k / v scales: llmc's numerics nowhere (the experts are viewed per expert only to hook their inputs)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    q = json.loads((export / "config.json").read_text())["quantization_config"]
+    acts = q["config_groups"]["group_0"].get("input_activations")
+    if acts is None:
+        return model
+    assert not acts["dynamic"]
+    acts = QuantizationArgs(**acts)
+    tensors = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
+    moe.unfuse_experts(model)
+
+    def quantized(x: torch.Tensor, scale: torch.Tensor, args) -> torch.Tensor:
+        return fake_quantize(x, scale, torch.zeros_like(scale), args)
+
+    for name, module in model.named_modules():
+        if f"{name}.input_scale" in tensors:
+            scale = tensors[f"{name}.input_scale"]
+            module.register_forward_pre_hook(lambda _m, a, s=scale: (quantized(a[0], s, acts), *a[1:]))
+    if q.get("kv_cache_scheme"):
+        kv = QuantizationArgs(**q["kv_cache_scheme"])
+        names = {id(m): n for n, m in model.named_modules()}
+
+        def attention(module, query, key, value, mask, **kw):
+            name = names[id(module)]
+            key = quantized(key, tensors[f"{name}.k_scale"], kv)
+            value = quantized(value, tensors[f"{name}.v_scale"], kv)
+            return sdpa_attention_forward(module, query, key, value, mask, **kw)
+
+        AttentionInterface.register("test_compressed_tensors_kv", attention)
+        AttentionMaskInterface.register("test_compressed_tensors_kv", sdpa_mask)
+        model.config._attn_implementation = "test_compressed_tensors_kv"
+    return model
 
 
 def mappings_match(pattern: str, name: str) -> bool:
@@ -164,6 +230,36 @@ def _routing(folder: Path, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
             seen.setdefault("xs", []).append(seen["x"])
             seen.setdefault("tops", []).append(seen["top"])
     return torch.cat(seen["xs"]), torch.cat(seen["tops"]), mlp.experts
+
+
+def test_the_layer_by_layer_calibration_forward_is_transformers_whole_forward(family, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """Layer by layer (the stream, two windows a forward), every quantized Linear, each expert's included, sees the
+    inputs it gets in transformers' own forward of the whole model on the same tokens (per-channel ranges equal):
+    routing, shared experts, the gated-DeltaNet layers' convolution and recurrence, and the full-attention layers'
+    masks and rotary tables are computed as transformers computes them. The Linears a family keeps in float are not
+    observed (never quantized)."""
+    from tests.unit.test_gemma3 import _linear_input_absmax
+
+    name, folder = family
+    calib = _ids(4, 1)
+    model = _float_model(folder)
+    moe.unfuse_experts(model)  # per-expert Linears computing the fused block's output (test above)
+    ref = _linear_input_absmax(model, calib)
+    observed: dict[str, torch.Tensor] = {}
+    real = flows.observe_batches
+
+    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
+        real(layer, linears, kv, observe, hidden, extras, stats, sink)
+        observed.update(stats.channel_absmax)
+
+    monkeypatch.setattr(flows, "observe_batches", keep)
+    _quantize(folder, _scheme(name, "fp8-static-kv"), tmp_path / "q")
+    # an expert no token reached is absent from both
+    assert set(observed) == set(ref) - set(KEPT.get(name, [])) and any(".experts." in n for n in observed)
+    for linear, absmax in ref.items():
+        if linear in observed:
+            torch.testing.assert_close(observed[linear], absmax, rtol=1e-5, atol=1e-6, msg=linear)
 
 
 def _expert_inputs(x: torch.Tensor, experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +408,10 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
     layer = model.model.layers[0]
     block, (gate, up, _down) = LAYOUT[name]
     consumers = tuple(f"{block}.experts.{e}.{p}" for e in range(4) for p in (gate, up))
-    shared = tuple(f"{block}.shared_experts.{p}" for p in ("gate_proj", "up_proj")) if name in SHARED else ()
+    routers = (f"{block}.{ROUTER[name]}",)
+    shared = (f"{block}.{SHARED[name]}.{gate}", f"{block}.{SHARED[name]}.{up}") if name in SHARED else ()
+    if name in SHARED_GATE:  # the shared expert's one-row gate reads the block's input too: scaled like the router
+        routers += (f"{block}.shared_expert_gate",)
     x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     position = torch.arange(16)[None]
     rotary = model.model.rotary_emb(x, position)
@@ -322,16 +421,21 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
 
     out = run()
     added = (out - x).abs().max().item()
-    with_router = mappings.Mapping("post_attention_layernorm", consumers + shared, block, True,
-                                   also_scaled=(f"{block}.{ROUTER[name]}",), routed=True)
+    with_router = mappings.Mapping("post_attention_layernorm", consumers + shared, block, True, also_scaled=routers,
+                                   routed=True)
     without = mappings.Mapping("post_attention_layernorm", consumers + shared, block, True, routed=True)
     generator = torch.Generator().manual_seed(1)
     assert mappings._preserves(layer, with_router, run, out, added, generator)
     assert not mappings._preserves(layer, without, run, out, added, generator)
     if shared:  # the shared expert reads the norm's output too: left out of the pair, the layer's function moves
-        routed_only = mappings.Mapping("post_attention_layernorm", consumers, block, True,
-                                       also_scaled=(f"{block}.gate",), routed=True)
+        routed_only = mappings.Mapping("post_attention_layernorm", consumers, block, True, also_scaled=routers,
+                                       routed=True)
         assert not mappings._preserves(layer, routed_only, run, out, added, generator)
+    # what discovery finds from the layer itself: that very pair (a shared expert's gate/up among the consumers)
+    found = mappings.discover(layer, lambda: (x, run()))
+    (pair,) = [m for m in found if m.routed]
+    assert (pair.producer, set(pair.consumers), set(pair.also_scaled)) == (
+        "post_attention_layernorm", set(consumers + shared), set(routers))
 
 
 def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tmp_path: Path) -> None:
@@ -342,7 +446,7 @@ def test_a_checkpoint_with_fused_experts_is_refused_naming_the_layout(family, tm
     from llmc.errors import InputError
 
     name, folder = family
-    if moe.LAYOUTS[name].checkpoint_fused:
+    if moe.LAYOUTS[MOE_FAMILIES[name][0]].checkpoint_fused:
         pytest.skip("this family's Hub checkpoints hold the fused tensors: llmc splits them (test_gpt_oss_*)")
     fused = tmp_path / "fused"
     shutil.copytree(folder, fused)
@@ -375,6 +479,52 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
     every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
         "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
     assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
+
+
+# one family in the default run (Qwen3-Next: hybrid attention, a shared expert and its gate), the rest with -m slow;
+# DeepSeek-V3 / GLM-4.5 and gpt-oss / Llama-4 builds: tests/unit/test_deepseek.py and the Llama-4 tests below
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", ["qwen3_next", *(pytest.param(f, marks=pytest.mark.slow)
+                                                  for f in ("qwen2_moe", "qwen3_5_moe", "minimax_m2"))])
+def test_llmc_build_fp8_and_w4a16_gptq_of_the_newer_moe_families(name: str, tmp_path: Path) -> None:
+    """`llmc build` (plan, calibrate, quantize, export, evaluate, gate) of a tiny Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE /
+    MiniMax-M2 in FP8 W8A8 (static, FP8 KV cache) and W4A16 GPTQ for vLLM: the plan names the Linears kept in float,
+    every gate is measured, and each compressed-tensors artifact decoded by compressed-tensors in plain transformers
+    gives the logits of llmc's torch engine."""
+    import yaml
+
+    from llmc.build import build
+    from llmc.engines.torch_ref import TorchEngine
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+
+    folder = make_tiny(name, tmp_path / "model")
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "moe", "model": {"source": str(folder)},
+        "variants": [{"name": "fp8", "quantization": {
+                          "weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                          "activations": {"format": "fp8_e4m3", "strategy": "tensor"},
+                          "kv_cache": {"format": "fp8_e4m3"}}},
+                     {"name": "w4a16", "quantization": {
+                          "weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq"}}],
+        "calibration": {"samples": 8, "seq_len": 32, "seed": 0, "moe_calibrate_all_experts": True},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 32, "windows": 2, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100,
+                 "runtimes": ["torch"]},
+        "gates": {"max_ppl_increase_pct": 1000.0},
+        "publish": {"registry": str(tmp_path / "registry")}}))
+    result = build(recipe, Store(tmp_path / "cache"), publish=False)
+    kept = KEPT.get(name, [])
+    assert all(any(k.rsplit(".", 1)[-1] in w and "kept in the model's dtype" in w for w in result.plan.warnings)
+               for k in kept), result.plan.warnings
+    assert result.passed and result.verdicts and all(v.evaluated for v in result.verdicts), result.verdicts
+    assert sorted(result.artifacts) == ["fp8/vllm-sm90-tp1", "w4a16/vllm-sm90-tp1"]
+    ids = _ids(2, 2)
+    for artifact in result.artifacts.values():
+        with torch.no_grad():
+            got = TorchEngine(artifact.dir, streamed=False).model(input_ids=ids, use_cache=False).logits
+            own = _compressed_tensors_model(artifact.dir)(input_ids=ids).logits
+        assert (own - got).abs().max().item() < 1e-4, artifact.label
 
 
 def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family, tmp_path: Path) -> None:

@@ -291,18 +291,24 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
           fp8_row_by_default=False)
 def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options: AwqOptions) -> bool:
     """AWQ scale search over each mapping in forward order, then clip search per Linear; True (weights change)."""
-    del prefix  # AWQ's statistics are the layer-relative module calls
+    # the Linears the stream quantizes (the observer records an input range for each): a Linear the recipe ignores or
+    # the family keeps in its dtype (llmc.model.families.KEPT_IN_DTYPE) is scaled with its mapping, never searched as
+    # quantized nor clipped (its weights are stored as they are)
+    def quantized(name: str) -> bool:
+        return f"{prefix}{name}" in stats.channel_absmax
+
     input_divisor: dict[str, torch.Tensor] = {}
     for m in layer_mappings(layer):
         parent = layer.get_submodule(m.parent)
         calls = stats.module_calls.get(m.parent)
-        if not calls:  # an MoE expert no calibration token reached: it keeps s = 1 (plain RTN)
+        searched = [layer.get_submodule(c) for c in m.consumers if quantized(c)]
+        if not calls or not searched:  # an MoE expert no calibration token reached: it keeps s = 1 (plain RTN)
             continue
         consumers = [layer.get_submodule(c) for c in m.consumers]
         x = [_first_input(c) for c in calls]  # the parent's first input is the consumers' shared input
         x_mean = distributed.mean_abs_rows(x)
-        w_mean = weight_mean([c.weight for c in consumers], weights) if options.duo_scaling else None
-        s = _search_mapping(parent, calls, consumers, x_mean, w_mean, weights, options)
+        w_mean = weight_mean([c.weight for c in searched], weights) if options.duo_scaling else None
+        s = _search_mapping(parent, calls, searched, x_mean, w_mean, weights, options)
         divide_output(layer.get_submodule(m.producer), s, m.producer_rows)
         multiply_input(consumers + [layer.get_submodule(a) for a in m.also_scaled], s)  # the router: same input
         for c in m.consumers:
@@ -310,7 +316,8 @@ def awq_layer(layer: nn.Module, prefix: str, stats, weights: TensorSpec, options
     if not options.clip:
         return True
     for name, lin in layer.named_modules():
-        if not isinstance(lin, nn.Linear) or name.rsplit(".", 1)[-1] in _NO_CLIP or name not in stats.module_calls:
+        if (not isinstance(lin, nn.Linear) or name.rsplit(".", 1)[-1] in _NO_CLIP or name not in stats.module_calls
+                or not quantized(name)):
             continue
         inputs = [_first_input(c).reshape(-1, lin.in_features) for c in stats.module_calls[name]]
         if distributed.active():  # the rows the clip search samples, from every rank's windows

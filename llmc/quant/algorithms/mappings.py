@@ -25,11 +25,12 @@ so SmoothQuant there smooths only v → o and up → down, and AWQ searches only
 Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed subset of the norm's output, never
 the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
 the module that returned the block's input → every expert's gate and up, plus the Linears inside the block that
-read that input itself (DeepSeek-V3's and GLM-4.5's shared experts: left out, the check below rejects the pair)
-(parent: the block, `routed`), with the router's input columns scaled by the same s (`also_scaled`: the router reads
-that input too, and without it the routing moves, which the check below rejects), and per expert up → down. The
-check then runs on them as on any candidate. Expert Linears are never offered as producers or consumers of other
-groups.
+read that input itself (DeepSeek-V3's and GLM-4.5's shared experts) or the very tensor its experts module gets (a
+shared expert's gate/up and its one-row sigmoid gate: Qwen2-MoE, Qwen3-Next; that gate, a Linear child of the block
+like the router, is scaled with the router and stays unquantized) (parent: the block, `routed`), with the router's
+input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the routing moves,
+which the check below rejects), and per expert up → down. The check then runs on them as on any candidate. Expert
+Linears are never offered as producers or consumers of other groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
@@ -126,6 +127,9 @@ class _Trace:
     block_input_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     input_of: dict[str, int] = field(default_factory=dict)  # id of the tensor each Linear read
     module_input: dict[str, int] = field(default_factory=dict)  # id of each module's first input (AWQ's x)
+    # MoE block -> the Linears outside its experts that read the very tensor its experts module gets (a shared
+    # expert's gate/up and its gate: Qwen2-MoE, Qwen3-Next)
+    beside_experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str, ...] = ()) -> _Trace:
@@ -174,6 +178,17 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
             handles.append(module.register_forward_pre_hook(first_input_hook(name), with_kwargs=True))
         if name in linears or name in blocks:
             handles.append(module.register_forward_pre_hook(in_hook(name)))
+    experts_input: dict[str, int] = {}  # MoE block -> the tensor its experts module was given
+
+    def experts_hook(block: str):
+        def hook(_m, args):
+            keep.append(args[0])
+            experts_input.setdefault(block, id(args[0]))
+
+        return hook
+
+    for b in blocks:
+        handles.append(layer.get_submodule(b).experts.register_forward_pre_hook(experts_hook(b)))
     try:
         with torch.no_grad():
             run()
@@ -185,9 +200,11 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
         by_input.setdefault(inputs[name], []).append(name)
     groups = [tuple(g) for g in by_input.values() if g[0] not in blocks]
     readers = {b: tuple(n for n in by_input[inputs[b]] if n.startswith(f"{b}.")) for b in blocks if b in inputs}
+    beside = {b: tuple(n for g in groups for n in g if inputs[n] == experts_input[b] and n.startswith(f"{b}.")
+                       and not n.startswith(f"{b}.experts.")) for b in blocks if b in experts_input}
     producer_of = {g: produced.get(inputs[g[0]], produced.get(reshaped_from.get(inputs[g[0]], -1))) for g in groups}
     return _Trace(groups, producer_of, first_call, {b: produced.get(inputs[b]) for b in blocks if b in inputs},
-                  readers, inputs, module_input)
+                  readers, inputs, module_input, beside)
 
 
 def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
@@ -210,12 +227,14 @@ def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
     for name, block, experts in moe.routed_blocks(layer):
         producer = trace.block_input_producer.get(name)
         gate_up = tuple(f"{name}.experts.{e}.{p}" for e, x in enumerate(experts) for p in x.names[:2])
-        gate_up += trace.block_input_readers.get(name, ())  # shared experts read the block input itself
-        router = [n for n, m in block.named_children() if m is not experts and isinstance(
+        gate_up += trace.block_input_readers.get(name, ())  # DeepSeek's shared experts read the block input itself
+        router = [f"{name}.{n}" for n, m in block.named_children() if m is not experts and isinstance(
             getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+        # a shared expert reads the block's whole input beside the routed experts: its gate/up are consumers too (its
+        # sigmoid gate, a Linear child of the block, is scaled with the router and stays unquantized)
+        shared = tuple(n for n in trace.beside_experts.get(name, ()) if n not in router and n not in gate_up)
         if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
-            out.append(Mapping(producer, gate_up, name, True, also_scaled=tuple(f"{name}.{r}" for r in router),
-                               routed=True))
+            out.append(Mapping(producer, gate_up + shared, name, True, also_scaled=tuple(router), routed=True))
         for e, x in enumerate(experts):
             _gate, up, down = (f"{name}.experts.{e}.{p}" for p in x.names)
             out.append(Mapping(up, (down,), down, False))
@@ -227,8 +246,9 @@ def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
 
     experts = set(moe.expert_names(layer))
     out = _moe_candidates(layer, trace)
+    beside = {n for names in trace.beside_experts.values() for n in names}
     for group in trace.groups:
-        if experts & set(group):
+        if experts & set(group) or set(group) <= beside:  # the MoE block's input: its candidate is above
             continue
         width = layer.get_submodule(group[0]).in_features
         producer = trace.producer_of[group]
