@@ -39,5 +39,5 @@ def test_the_build_executes_the_layer_loop_its_plan_decided(store: Store, name: 
     executed = [s.decision for s in result.stages if s.name.startswith("quantize:")]
     assert planned and all(planned), result.plan.render()
     assert executed == planned
-    row = result.plan.estimates["stages"][0]
+    row = result.plan.as_dict()["estimates"]["stages"][0]
     assert row["stage"].startswith("quantize") and row["decision"] == planned[0]  # what `llmc plan --json` prints
