@@ -662,11 +662,12 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     for row in plan.rows:
         # what it allocates plus the file pages it keeps mapped: evicting those re-reads them from disk on every use
         # (a whole model mapped in a machine too small for it reads every weight again for each batch)
-        need = (row.host_bytes + row.mapped_bytes) / 1e9
+        need = row.host_bytes / 1e9 + row.mapped_bytes / 1e9
         if need <= available / 1e9:
             continue
         cheaper = row.cheaper
-        mapped = f", {row.mapped_bytes / 1e9:.1f} GB of it mapped checkpoint pages" if row.mapped_bytes >= 0.05e9 else ""
+        mapped_gb = row.mapped_bytes / 1e9
+        mapped = f", {mapped_gb:.1f} GB of it mapped checkpoint pages" if mapped_gb >= 0.05 else ""
         raise ResourceError(
             f"{row.name} needs ~{need:.1f} GB of host memory ({row.strategy}{mapped}); "
             f"{available / 1e9:.1f} GB are available",
