@@ -103,7 +103,7 @@ def predict(recipe: Path, overrides: list[str], checkpoint: Path | None, config:
     from llmc.recipe.load import load_recipe
 
     plan = make_plan(load_recipe(recipe, overrides), checkpoint, refuse=False, config=None if checkpoint else config)
-    return plan.estimates
+    return plan.as_dict()["estimates"]
 
 
 _LOG = re.compile(r"^\[llmc (\d\d):(\d\d):(\d\d)\] (quantize|export|eval|calibration|tasks|published|plan)(.*)")

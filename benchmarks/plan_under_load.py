@@ -39,7 +39,7 @@ from llmc.storage.store import Store
 recipe = load_recipe(Path(sys.argv[1]), sys.argv[2:])
 make_plan(recipe)
 plan = plan_recipe(recipe, Store.default(), Path(sys.argv[1]))
-print(json.dumps(plan.estimates))
+print(json.dumps(plan.as_dict()["estimates"]))
 """
 
 

@@ -118,7 +118,7 @@ def record(out: Path, recipes: list[Path], nprocs: list[int], cache: Path) -> No
                 recipe = load_recipe(path)
                 make_plan(recipe)
                 plan = plan_recipe(recipe, Store.default(), path, nproc=nproc)
-                numbers = {"estimates": plan.estimates, "distributed": plan.distributed,
+                numbers = {"estimates": plan.as_dict()["estimates"], "distributed": plan.distributed,
                            "rows": [{"id": str(r.id), **r.as_dict(), "parts": r.parts} for r in plan.rows]}
                 text = plan.render() + "\n" + json.dumps(numbers, indent=1, sort_keys=True, default=str) + "\n"
             except LlmcError as e:

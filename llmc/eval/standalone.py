@@ -13,18 +13,19 @@ from pydantic import TypeAdapter, ValidationError
 from llmc.data.sources import EvalCorpora, corpora_of, corpus_part
 from llmc.data.stages import eval_tokens
 from llmc.engines import engine_spec, open_engine
-from llmc.engines.agreement import kld_kind
 from llmc.errors import InputError, RecipeError
 from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT, evaluate_gates, non_finite
-from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.metrics import perplexity
+from llmc.eval.protocol import evaluation_of
 from llmc.eval.report import render_table
 from llmc.model.source import resolve_source
 from llmc.quant.device import cpu_threads
-from llmc.result import Evaluation
 from llmc.storage.store import Store
 from llmc.runtimes.catalog import recognize
 from llmc.model.tokenizer_files import load_tokenizer
-from llmc.recipe.schema import Gates
+from llmc.recipe.schema import EvalSection, Gates
+
+BOOTSTRAP_SAMPLES = EvalSection.model_fields["bootstrap_samples"].default  # a recipe's, unless it sets one
 
 
 def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
@@ -109,7 +110,8 @@ def _evaluate(artifact: Path, baseline: str, store: Store, engine: str, windows:
         for label, folder in folders:
             with open_engine(engine, folder, dtype="float32") as eng:
                 scores = eng.score(ids, reference=reference)
-            m = _evaluation(engine, scores, base_nll)
+            # the build's protocol (llmc.eval.protocol)
+            m = evaluation_of(engine, scores, bootstrap_samples=BOOTSTRAP_SAMPLES, baseline_nll=base_nll)
             target = label + (f"@{name}" if several else "")
             bad = non_finite(m) + ([f"baseline perplexity {perplexity(base_nll)}"]
                                    if not torch.isfinite(base_nll.double().mean()) else [])
@@ -141,13 +143,3 @@ def _evaluate(artifact: Path, baseline: str, store: Store, engine: str, windows:
     text += "".join(f"\n{n}" for n in suspicious)
     return text, "; ".join(failures) or None
 
-
-def _evaluation(engine: str, scores: dict, base_nll: torch.Tensor) -> Evaluation:
-    """An artifact's scores against the baseline's, in the form the build's gates read."""
-    nll = scores["nll"]
-    m = Evaluation(engine, perplexity=perplexity(nll), ppl_ci95=list(perplexity_interval(nll)),
-                   ppl_change=paired_ppl_change(base_nll, nll), kld_kind=kld_kind(scores),
-                   measures=["perplexity"] + (["kld", "top1_agreement"] if "kl" in scores else []))
-    if "kl" in scores:
-        m.kld, m.top1_agreement = mean_interval(scores["kl"]), mean_interval(scores["top1"])
-    return m

@@ -26,9 +26,9 @@ from llmc.data import stages as data
 from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec, open_engine, split
 from llmc.engines.torch_stream import choose_streamed
-from llmc.engines.agreement import HEAD_FILE, KL_BOUND, kld_kind, load_reference, split_head
+from llmc.engines.agreement import HEAD_FILE, kld_kind, load_reference, split_head
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
-from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity, perplexity_interval
+from llmc.eval.protocol import evaluation_of
 from llmc import distributed
 from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
@@ -305,7 +305,6 @@ def _evaluate(b: Build, windows: torch.Tensor, corpus: str | None) -> None:
             try:
                 if art.content_key not in by_content:
                     m = _score(b, engine, art.dir, art.content_key, windows, prompt, reference=base, corpus=source)
-                    m.ppl_change = paired_ppl_change(base.nll, m.nll, ev.bootstrap_samples)
                     m.baseline_engine = base_engine
                     m.corpus = corpus
                     by_content[art.content_key] = m
@@ -408,18 +407,9 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
                       inputs=[folder, reference_dir] if reference_dir is not None else [],
                       announce=f"eval: {engine} on {label} ({ev.windows} windows of {ev.seq_len} tokens)")
     stored = read_json(done, "metrics.json")
-    scores = load_file(str(done / "scores.safetensors"))
-    nll = scores["nll"]
-    m = Evaluation(**stored, key=key, perplexity=perplexity(nll),
-                   ppl_ci95=list(perplexity_interval(nll, ev.bootstrap_samples)), nll=nll,
-                   # what this engine measures: vLLM returns only the actual tokens' log-probs, so no KL / top-1
-                   measures=["perplexity", "throughput"] + (["kld", "top1_agreement"] if "kl" in scores else []))
-    if "kl" in scores:
-        m.kld = mean_interval(scores["kl"], ev.bootstrap_samples)
-        if KL_BOUND in scores:
-            m.kld_bound = mean_interval(scores[KL_BOUND], ev.bootstrap_samples)
-        m.top1_agreement = mean_interval(scores["top1"], ev.bootstrap_samples)
-    return m
+    return evaluation_of(stored.pop("engine"), load_file(str(done / "scores.safetensors")),
+                         bootstrap_samples=ev.bootstrap_samples, measures_speed=True, key=key, **stored,
+                         baseline_nll=reference.nll if reference is not None else None)
 
 
 def tokenizer_hash(runner: Runner, folder: Path) -> str | None:

@@ -48,17 +48,45 @@ from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
 
 
 @dataclass
+class CostedFor:
+    """What the plan's rows were costed for: the model (from its headers or config.json), the compute dtype, this
+    machine."""
+
+    params: int
+    layers: int
+    dtype: str  # the compute dtype
+    source_gb: float  # the source's weights as stored
+    available_gb: float  # MemAvailable
+    free_gb: float | None  # MemFree, where memory beyond it comes from a VM's host at its pace (else None)
+    cpu_count: int
+    device: str  # the calibration device
+
+
+@dataclass
+class SlowDtype:
+    """The compute dtype's matmuls probed `ratio` times slower than float32's on this CPU; the build in float32."""
+
+    ratio: float
+    float32_seconds: float
+
+
+@dataclass
 class Plan:
     recipe: Recipe
     scheme: Scheme  # the first (or only) variant's
     schemes: dict[str, Scheme] = field(default_factory=dict)  # variant name ("" when single) -> scheme
     warnings: list[str] = field(default_factory=list)
-    estimates: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)
     gates: dict[str, str] = field(default_factory=dict)  # variant name -> its gates, described
     basis: str = ""  # what the estimates were computed from, when not the source's own files
     distributed: dict = field(default_factory=dict)  # per-rank estimates under --nproc / torchrun (llmc.planning.scaling)
-    rows: list[CostRow] = field(default_factory=list)  # the estimates' stage rows, typed (each with its StageId)
+    # The estimates (none without a model's config): each stage's row, typed (with its StageId and the decision it
+    # costs); the totals below are summed from them
+    rows: list[CostRow] = field(default_factory=list)
+    costed_for: CostedFor | None = None
+    groups: dict[str, list[dict]] = field(default_factory=dict)  # mixed precision: variant -> its groups' sizes
+    slow_dtype: SlowDtype | None = None  # the compute dtype is far slower than float32 on this CPU
+    export_memory_gb: float | None = None  # a whole-model (ONNX) export's peak; None without such a target
     rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
     cache_writes: list[str] = field(default_factory=list)  # what planning itself wrote to the cache (a GGUF unpacked)
 
@@ -66,28 +94,89 @@ class Plan:
         """The build knows which stages' outputs are cached: their rows say so, rows of stages after the command's
         last (`walked`: the stages it runs; None: all) say they do not run, and the totals (time, disk) count only
         the stages in `pending`."""
-        e = self.estimates
-        if not e:
-            return
-        for row, entry in zip(self.rows, e["stages"]):
-            if walked is not None and not any(w.covers(row.id) for w in walked):
-                entry["skipped"] = True
-            elif not any(p.covers(row.id) for p in pending):
-                entry["cached"] = True
-        todo = [(row, entry) for row, entry in zip(self.rows, e["stages"])
-                if not entry.get("cached") and not entry.get("skipped")]
-        e["seconds"] = sum(row.seconds for row, _ in todo)
-        e["seconds_range"] = (sum(entry["seconds_low"] for _, entry in todo),
-                              sum(entry["seconds_high"] for _, entry in todo))
-        e["disk_gb"] = sum(row.disk_bytes for row, _ in todo) / 1e9
-        e["calibration_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.QUANTIZE)
-        e["eval_s"] = sum(row.seconds for row, _ in todo if row.id.kind is Kind.EVAL)
+        for row in self.rows:
+            row.skipped = walked is not None and not any(w.covers(row.id) for w in walked)
+            row.cached = not row.skipped and not any(p.covers(row.id) for p in pending)
+
+    def _todo(self) -> list[CostRow]:
+        return [r for r in self.rows if not r.cached and not r.skipped]
+
+    @property
+    def seconds(self) -> float:
+        """The predicted time of the stages that run."""
+        return sum(r.seconds for r in self._todo())
+
+    @property
+    def seconds_range(self) -> tuple[float, float]:
+        todo = self._todo()
+        return (sum(r.seconds_low for r in todo), sum(r.seconds_high for r in todo))
+
+    @property
+    def disk_gb(self) -> float:
+        """New bytes in the cache from the stages that run."""
+        return sum(r.disk_bytes for r in self._todo()) / 1e9
+
+    @property
+    def calibration_s(self) -> float:
+        return sum(r.seconds for r in self._todo() if r.id.kind is Kind.QUANTIZE)
+
+    @property
+    def eval_s(self) -> float:
+        return sum(r.seconds for r in self._todo() if r.id.kind is Kind.EVAL)
+
+    def _quantize_rows(self) -> list[CostRow]:
+        return [r for r in self.rows if r.id.kind is Kind.QUANTIZE]
+
+    @property
+    def peak_memory_gb(self) -> float:
+        """The largest quantize stage's host memory (cached or not: what this recipe needs of a machine)."""
+        return max(r.host_bytes for r in self._quantize_rows()) / 1e9
+
+    @property
+    def device_memory_gb(self) -> float:
+        return max(r.gpu_bytes for r in self._quantize_rows()) / 1e9
+
+    @property
+    def registry_gb(self) -> float:
+        """What the artifacts take when the registry copies them (on another filesystem than the cache)."""
+        return sum(r.disk_bytes for r in self.rows if r.id.kind is Kind.EXPORT) / 1e9
+
+    @property
+    def spill_activations(self) -> bool:
+        """A quantize stage keeps its activations on disk."""
+        return any(r.decision.activations == "disk" for r in self._quantize_rows() if r.decision is not None)
+
+    @property
+    def streamed_eval(self) -> bool:
+        return any(getattr(r.decision, "streamed", False) for r in self.rows)
+
+    def _estimates_dict(self) -> dict:
+        """The estimates as `llmc plan --json` prints them (each stage's row under "stages", with its "decision");
+        {} when the plan has none."""
+        m = self.costed_for
+        if m is None:
+            return {}
+        return {
+            "params": m.params, "layers": m.layers, "dtype": m.dtype,
+            "stages": [r.as_dict() for r in self.rows],
+            "cheaper": {r.name: r.cheaper for r in self.rows if r.cheaper is not None},
+            **({"groups": self.groups} if self.groups else {}),
+            "source_gb": m.source_gb, "registry_gb": self.registry_gb, "available_gb": m.available_gb,
+            "free_gb": m.free_gb, "peak_memory_gb": self.peak_memory_gb, "disk_gb": self.disk_gb,
+            "calibration_s": self.calibration_s, "seconds": self.seconds,
+            **({"slow_dtype": {"ratio": self.slow_dtype.ratio, "float32_seconds": self.slow_dtype.float32_seconds}}
+               if self.slow_dtype else {}),
+            "seconds_range": self.seconds_range, "eval_s": self.eval_s, "cpu_count": m.cpu_count,
+            "spill_activations": self.spill_activations, "streamed_eval": self.streamed_eval, "device": m.device,
+            "device_memory_gb": self.device_memory_gb,
+            **({"export_memory_gb": self.export_memory_gb} if self.export_memory_gb is not None else {}),
+        }
 
     def as_dict(self) -> dict:
-        """The plan as `llmc plan --json` prints it: each stage's row (`estimates["stages"]`, with its "decision")."""
+        """The plan as `llmc plan --json` prints it."""
         return {"recipe": self.recipe.name, "schemes": {n: s.name for n, s in self.schemes.items()},
-                "estimates": self.estimates, "targets": self.targets, "gates": self.gates, "warnings": self.warnings,
-                "distributed": self.distributed, "rates": self.rates, "basis": self.basis}
+                "estimates": self._estimates_dict(), "targets": self.targets, "gates": self.gates,
+                "warnings": self.warnings, "distributed": self.distributed, "rates": self.rates, "basis": self.basis}
 
     def decision_of(self, id: StageId):
         """The decision the plan's row for stage `id` costs (None: no such row, or a stage without one)."""
@@ -96,11 +185,10 @@ class Plan:
     def render(self) -> str:
         names = ", ".join(f"{n + ': ' if n else ''}{s.name} ({s.algorithm})" for n, s in self.schemes.items())
         lines = [f"plan for '{self.recipe.name}': {names}"]
-        e = self.estimates
         if self.basis:
             lines.append(f"  planned from {self.basis}")
-        if e:
-            lines += _render_estimates(e)
+        if self.costed_for is not None:
+            lines += _render_estimates(self)
         if self.rates:
             lines.append(f"  {self.rates}")
         for written in self.cache_writes:
@@ -116,56 +204,57 @@ class Plan:
         return "\n".join(lines)
 
 
-def _render_estimates(e: dict) -> list[str]:
+def _render_estimates(plan: Plan) -> list[str]:
     """The per-stage table: device, peak host RAM, peak GPU memory, new disk, time, strategy and why."""
-    w = max([34, *(len(s["stage"]) for s in e["stages"])])  # a mixed scheme's name is long: never cut
+    m, rows = plan.costed_for, plan.rows
+    w = max([34, *(len(r.name) for r in rows)])  # a mixed scheme's name is long: never cut
     lines = [
-        f"  model: {e['params'] / 1e6:,.1f}M params in {e['layers']} layers, computed in {e['dtype']}; "
-        f"source {e['source_gb']:.2f} GB; this machine: {e['available_gb']:.1f} GB available"
-        + (f" ({e['free_gb']:.1f} GB free; a VM given new memory at its host's pace: a stage needing more than "
-           "that may wait for it)" if e.get("free_gb") is not None else "")
-        + f", {e['cpu_count']} CPUs; calibrating on {e['device']}",
-        f"  peak memory ~{e['peak_memory_gb']:.2f} GB (one layer + calibration activations"
-        f"{', spilled to disk' if e.get('spill_activations') else ''})"
-        + (f", ONNX export ~{e['export_memory_gb']:.2f} GB of memory" if "export_memory_gb" in e else ""),
+        f"  model: {m.params / 1e6:,.1f}M params in {m.layers} layers, computed in {m.dtype}; "
+        f"source {m.source_gb:.2f} GB; this machine: {m.available_gb:.1f} GB available"
+        + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: a stage needing more than "
+           "that may wait for it)" if m.free_gb is not None else "")
+        + f", {m.cpu_count} CPUs; calibrating on {m.device}",
+        f"  peak memory ~{plan.peak_memory_gb:.2f} GB (one layer + calibration activations"
+        f"{', spilled to disk' if plan.spill_activations else ''})"
+        + (f", ONNX export ~{plan.export_memory_gb:.2f} GB of memory" if plan.export_memory_gb is not None else ""),
         f"  {'stage':<{w}} {'device':<7} {'host RAM':>9} {'GPU mem':>8} {'disk':>9} {'time (range)':>13}  strategy",
     ]
-    for s in e["stages"]:
-        if s.get("cached") or s.get("skipped"):  # nothing to run, nothing new on disk
-            lines.append(f"  {s['stage']:<{w}} {'cached' if s.get('cached') else '-':<7}  "
-                         + ("its output is in the cache: it will not run" if s.get("cached")
+    for r in rows:
+        if r.cached or r.skipped:  # nothing to run, nothing new on disk
+            lines.append(f"  {r.name:<{w}} {'cached' if r.cached else '-':<7}  "
+                         + ("its output is in the cache: it will not run" if r.cached
                             else "after this command's last stage: it will not run"))
             continue
-        gpu = f"{s['gpu_gb']:.2f} GB" if s["gpu_gb"] else "-"
-        lines.append(f"  {s['stage']:<{w}} {s['device']:<7} {s['host_gb']:>6.2f} GB {gpu:>8} "
-                     f"{s['disk_gb']:>6.2f} GB {_span(s['seconds_low'], s['seconds_high']):>13}  "
-                     f"{s['strategy']}: {s['why']}")
-    for s in e["stages"]:
-        if s.get("layer_seconds") and not s.get("cached") and not s.get("skipped"):
-            per_layer = s["layer_seconds"]  # a small model's layers take a fraction of a second each
-            lines.append(f"  {s['stage']} time (prediction): "
+        gpu = f"{r.gpu_bytes / 1e9:.2f} GB" if r.gpu_bytes else "-"
+        lines.append(f"  {r.name:<{w}} {r.device:<7} {r.host_bytes / 1e9:>6.2f} GB {gpu:>8} "
+                     f"{r.disk_bytes / 1e9:>6.2f} GB {_span(r.seconds_low, r.seconds_high):>13}  "
+                     f"{r.strategy}: {r.why}")
+    for r in rows:
+        if r.layer_seconds and not r.cached and not r.skipped:
+            per_layer = r.layer_seconds  # a small model's layers take a fraction of a second each
+            lines.append(f"  {r.name} time (prediction): "
                          f"~{f'{per_layer:.2f} s' if per_layer < 1 else _duration(per_layer)} per decoder layer "
-                         f"x {e['layers']} layers + ~{_duration(s['fixed_seconds'])} outside the layers = "
-                         f"~{_duration(s['seconds'])}, at this machine's probed rates")
-    for variant, groups in e.get("groups", {}).items():
+                         f"x {m.layers} layers + ~{_duration(r.fixed_seconds)} outside the layers = "
+                         f"~{_duration(r.seconds)}, at this machine's probed rates")
+    for variant, groups in plan.groups.items():
         lines.append(f"  mixed precision{' (' + variant + ')' if variant else ''}, weights of the decoder layers' "
                      "Linears stored:")
         for g in groups:
             lines.append(f"    {g['group']:<24} {g['scheme']:<16} {g['linears']:>6} Linears "
                          f"{g['params'] / 1e6:>10,.1f}M params {_size(g['bytes']):>10}")
-    low, high = e["seconds_range"]
-    cached = sum(bool(s.get("cached") or s.get("skipped")) for s in e["stages"])
-    lines.append(f"  time: ~{_duration(e['seconds'])} in all, {_span(low, high)}"
-                 + (f" for the {len(e['stages']) - cached} stages that run" if cached else "")
+    low, high = plan.seconds_range
+    cached = sum(r.cached or r.skipped for r in rows)
+    lines.append(f"  time: ~{_duration(plan.seconds)} in all, {_span(low, high)}"
+                 + (f" for the {len(rows) - cached} stages that run" if cached else "")
                  + " (the range: the probes' fastest and slowest runs, widened by the cost model's measured error "
                    "per stage, docs/planner.md)")
-    mapped = max((s.get("mapped_gb", 0.0) for s in e["stages"]), default=0.0)
+    mapped = max((r.mapped_bytes / 1e9 for r in rows), default=0.0)
     if mapped:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
                      f"{mapped:.2f} GB of their pages (page cache, not counted above) stay mapped in a stage")
-    lines.append(f"  disk: {e['disk_gb']:.2f} GB new in the cache (each file once; targets with identical weights "
-                 f"share them), the registry links them (a copy, {e['registry_gb']:.2f} GB, on another filesystem); "
-                 f"calibration ~{_duration(e['calibration_s'])}, eval ~{_duration(e['eval_s'])} (predictions)")
+    lines.append(f"  disk: {plan.disk_gb:.2f} GB new in the cache (each file once; targets with identical weights "
+                 f"share them), the registry links them (a copy, {plan.registry_gb:.2f} GB, on another filesystem); "
+                 f"calibration ~{_duration(plan.calibration_s)}, eval ~{_duration(plan.eval_s)} (predictions)")
     return lines
 
 
@@ -531,9 +620,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings.append(unloaded)
         device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()
-        plan.estimates, plan.rows = _estimates(recipe, schemes, config, tensors, device, plan.targets, model_folder)
+        _estimate(plan, config, tensors, device, model_folder)
         plan.rates = probes.book().describe()
-        plan.warnings += _slow_dtype_warning(plan.estimates)
+        plan.warnings += _slow_dtype_warning(plan)
         if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
             # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
             raise IncompatibleTargetError(
@@ -541,8 +630,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 "the tokens routed to each expert differ by rank and llmc does not reduce them yet",
                 fix="calibrate in one process (drop --nproc / run without torchrun)")
         if nproc > 1:
-            plan.distributed = _distributed_estimate(recipe, list(schemes.values()), config,
-                                                     tensors.linear_shapes(), plan.estimates, nproc)
+            plan.distributed = _distributed_estimate(plan, config, tensors.linear_shapes(), nproc)
 
         try:
             refuse_if_it_does_not_fit(plan, device)
@@ -564,18 +652,18 @@ SLOW_DTYPE_RATIO = 2.0
 NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
-def _slow_dtype_warning(e: dict) -> list[str]:
+def _slow_dtype_warning(plan: Plan) -> list[str]:
     """A compute dtype far slower than float32 on this CPU (bf16 without bf16 instructions): both times, the fix."""
-    slow = e.get("slow_dtype")
+    slow = plan.slow_dtype
     if not slow:
         return []
-    dtype = e["dtype"]
+    dtype = plan.costed_for.dtype
     flags = set(probes.fingerprint()["cpu_flags"].split())
     native = NATIVE_FLAGS.get(dtype, ())
     why = (f"this CPU has none of {', '.join(native)} in /proc/cpuinfo, so torch emulates {dtype} matmuls"
            if native and flags and not flags & set(native) else "as probed on this CPU")
-    return [f"{dtype} matmuls run {slow['ratio']:.1f}x slower than float32 here ({why}): this build is predicted "
-            f"at ~{_duration(e['seconds'])} in {dtype}, ~{_duration(slow['float32_seconds'])} in float32. Fix: set "
+    return [f"{dtype} matmuls run {slow.ratio:.1f}x slower than float32 here ({why}): this build is predicted "
+            f"at ~{_duration(plan.seconds)} in {dtype}, ~{_duration(slow.float32_seconds)} in float32. Fix: set "
             f"model.dtype: float32 (twice the memory for the weights it holds), or build on a CPU with "
             f"{' / '.join(native) or f'native {dtype}'} or on a GPU (calibration.device: cuda)"]
 
@@ -583,37 +671,37 @@ def _slow_dtype_warning(e: dict) -> list[str]:
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
     and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
-    e = plan.estimates
     available = memory_available()
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] / 1e9
-        if free < e["device_memory_gb"]:
+        if free < plan.device_memory_gb:
             raise ResourceError(
-                f"calibrating one layer needs ~{e['device_memory_gb']:.1f} GB on {device}, {free:.1f} GB are free",
+                f"calibrating one layer needs ~{plan.device_memory_gb:.1f} GB on {device}, {free:.1f} GB are free",
                 fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
                 "or set calibration.device: cpu",
             )
     whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
-    if whole_model and available is not None and e["export_memory_gb"] > available / 1e9:
+    if whole_model and available is not None and plan.export_memory_gb > available / 1e9:
         streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
         raise ResourceError(
             f"the export for {', '.join(whole_model)} holds the whole model in float32 "
-            f"(~{e['export_memory_gb']:.1f} GB); {available / 1e9:.1f} GB of memory are available",
+            f"(~{plan.export_memory_gb:.1f} GB); {available / 1e9:.1f} GB of memory are available",
             fix=f"export these targets on a machine with more memory, or drop them (the exporters for "
                 f"{', '.join(streaming)} stream one layer at a time)",
         )
     if available is None:
         return
-    for stage in e["stages"]:
+    for row in plan.rows:
         # what it allocates plus the file pages it keeps mapped: evicting those re-reads them from disk on every use
         # (a whole model mapped in a machine too small for it reads every weight again for each batch)
-        need = stage["host_gb"] + stage.get("mapped_gb", 0.0)
+        need = row.host_bytes / 1e9 + row.mapped_bytes / 1e9
         if need <= available / 1e9:
             continue
-        cheaper = e["cheaper"].get(stage["stage"])
-        mapped = f", {stage['mapped_gb']:.1f} GB of it mapped checkpoint pages" if stage.get("mapped_gb", 0) >= 0.05 else ""
+        cheaper = row.cheaper
+        mapped_gb = row.mapped_bytes / 1e9
+        mapped = f", {mapped_gb:.1f} GB of it mapped checkpoint pages" if mapped_gb >= 0.05 else ""
         raise ResourceError(
-            f"{stage['stage']} needs ~{need:.1f} GB of host memory ({stage['strategy']}{mapped}); "
+            f"{row.name} needs ~{need:.1f} GB of host memory ({row.strategy}{mapped}); "
             f"{available / 1e9:.1f} GB are available",
             fix=(f"{cheaper[0]} (~{cheaper[1]:.1f} GB)" if cheaper else
                  "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
@@ -634,11 +722,11 @@ def check_budget(plan: Plan, pending: Collection[StageId] | None = None) -> None
     predicted = f"~{_duration(seconds)} ({_span(low, high)})"
     if seconds > budget * 3600:
         longest = max(rows, key=lambda r: r.seconds)
-        slow = plan.estimates.get("slow_dtype")
+        slow = plan.slow_dtype
         raise ResourceError(
             f"the plan predicts {predicted} for the stages still to run, more than resources.max_hours "
             f"({budget:g} h); the longest is {longest.name} (~{_duration(longest.seconds)})",
-            fix=(f"set model.dtype: float32 (~{_duration(slow['float32_seconds'])} on this CPU), " if slow else "")
+            fix=(f"set model.dtype: float32 (~{_duration(slow.float32_seconds)} on this CPU), " if slow else "")
             + "lower calibration.samples / seq_len or eval.windows, calibrate on a GPU (calibration.device: cuda), "
               "or raise resources.max_hours")
     if high > budget * 3600:
@@ -715,10 +803,9 @@ def source_cache_note(folder: Path, cache: Path, before: set[Path]) -> list[str]
             "it counts in the cache's size)"]
 
 
-def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, shapes: dict, estimates: dict,
-                          nproc: int) -> dict:
+def _distributed_estimate(plan: Plan, config: dict, shapes: dict, nproc: int) -> dict:
     """Per-rank memory/time, bytes per layer and speed-up of data-parallel calibration (llmc.planning.scaling)."""
-    calibrated = [s for s in schemes if s.needs_calibration]
+    calibrated = [s for s in plan.schemes.values() if s.needs_calibration]
     if not calibrated:
         return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
                                         "layer's Linears; run it as one process"}
@@ -727,14 +814,15 @@ def _distributed_estimate(recipe: Recipe, schemes: list[Scheme], config: dict, s
                     hessians=any(p.observes_hessians for p in pipelines),
                     module_calls=any(p.replays_module_calls for p in pipelines),
                     solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
-    c = recipe.calibration
-    activations_gb = 0.0 if estimates.get("spill_activations") else \
+    c = plan.recipe.calibration
+    activations_gb = 0.0 if plan.spill_activations else \
         2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
 
-    device = str(estimates.get("device", "cpu"))
-    flops = matmul_rate(estimates.get("dtype", "float32"), device, config.get("hidden_size") or 1024,
+    m = plan.costed_for
+    flops = matmul_rate(m.dtype, m.device, config.get("hidden_size") or 1024,
                         c.seq_len)  # measured here, as the stage times are
-    return plan_estimate(estimates, layer_shapes(shapes), work, nproc, activations_gb, flops)
+    return plan_estimate(m.layers, m.device, plan.calibration_s, plan.peak_memory_gb, layer_shapes(shapes), work,
+                         nproc, activations_gb, flops)
 
 
 def _plan_gates(plan: Plan) -> None:
@@ -758,9 +846,10 @@ def _side_file_bytes(model_folder: Path | None) -> int:
                if f.is_file() and f.name != INDEX_FILE)
 
 
-def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors, device: torch.device,
-               planned_targets: list[dict], model_folder: Path | None) -> tuple[dict, list]:
-    """(the plan's estimates, its typed rows): the stages of the build walked, each appending its cost."""
+def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_folder: Path | None) -> None:
+    """The plan's estimates: the stages of the build walked, each appending its cost row (`plan.rows`), and what
+    they were costed for."""
+    recipe, schemes = plan.recipe, plan.schemes
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
@@ -800,42 +889,19 @@ def _estimates(recipe: Recipe, schemes: dict[str, Scheme], config: dict, tensors
         slowest = [r.seconds for r in walk(free=0 if host_paced else None).rows]
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
-    slow_dtype = {}
+    plan.rows = rows
+    plan.costed_for = CostedFor(params=shape.params, layers=shape.layers, dtype=compute,
+                                source_gb=shape.stored_bytes / 1e9, available_gb=(available or 0) / 1e9,
+                                free_gb=free / 1e9 if free is not None else None, cpu_count=os.cpu_count(),
+                                device=str(device))
     if device.type == "cpu" and compute != "float32":
         rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)
         ratio = (matmul_rate("float32", "cpu", shape.hidden, rows_probed)
                  / matmul_rate(compute, "cpu", shape.hidden, rows_probed))
         if ratio >= SLOW_DTYPE_RATIO:
-            slow_dtype = {"ratio": ratio, "float32_seconds": sum(r.seconds for r in walk("float32").rows)}
-    quant = [s for s in rows if s.id.kind is Kind.QUANTIZE]
+            plan.slow_dtype = SlowDtype(ratio, sum(r.seconds for r in walk("float32").rows))
     # mixed precision: variant name ("" for one quantization) -> per group, its Linears, parameters, stored bytes
-    groups = {s.variant: s.groups(costing) for s in stages(recipe, schemes, Kind.QUANTIZE)
-              if isinstance(s, Quantize) and s.scheme.mixed}
-    registry_bytes = sum(s.disk_bytes for s in rows if s.id.kind is Kind.EXPORT)
-    estimates = {
-        "params": shape.params,
-        "layers": shape.layers,
-        "dtype": compute,
-        "stages": [s.as_dict() for s in rows],
-        "cheaper": {r.name: r.cheaper for r in rows if r.cheaper is not None},
-        **({"groups": groups} if groups else {}),
-        "source_gb": shape.stored_bytes / 1e9,
-        "registry_gb": registry_bytes / 1e9,
-        "available_gb": (available or 0) / 1e9,
-        "free_gb": free / 1e9 if free is not None else None,
-        "peak_memory_gb": max(s.host_bytes for s in quant) / 1e9,
-        "disk_gb": sum(s.disk_bytes for s in rows) / 1e9,
-        "calibration_s": sum(s.seconds for s in quant),
-        "seconds": sum(s.seconds for s in rows),
-        **({"slow_dtype": slow_dtype} if slow_dtype else {}),
-        "seconds_range": (sum(s.seconds_range[0] for s in rows), sum(s.seconds_range[1] for s in rows)),
-        "eval_s": sum(s.seconds for s in rows if s.id.kind is Kind.EVAL),
-        "cpu_count": os.cpu_count(),
-        "spill_activations": any(r.decision.activations == "disk" for r in quant if r.decision is not None),
-        "streamed_eval": any(getattr(r.decision, "streamed", False) for r in rows),
-        "device": str(device),
-        "device_memory_gb": max(s.gpu_bytes for s in quant) / 1e9,
-        **({"export_memory_gb": 3 * shape.params * 4 / 1e9}
-           if any(targets.artifact_format(t["exporter"]).whole_model for t in planned_targets) else {}),
-    }
-    return estimates, rows
+    plan.groups = {s.variant: s.groups(costing) for s in stages(recipe, schemes, Kind.QUANTIZE)
+                   if isinstance(s, Quantize) and s.scheme.mixed}
+    if any(targets.artifact_format(t["exporter"]).whole_model for t in plan.targets):
+        plan.export_memory_gb = 3 * shape.params * 4 / 1e9

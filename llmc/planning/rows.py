@@ -40,6 +40,18 @@ class CostRow:
     decision: object | None = None
     # a strategy that would take less host memory, and its peak in GB (the plan names it where memory is short)
     cheaper: tuple[str, float] | None = None
+    # a build's plan: this stage's output is in the cache / the stage comes after the command's last (Plan.mark_cached);
+    # neither runs, and the plan's totals leave them out
+    cached: bool = False
+    skipped: bool = False
+
+    @property
+    def seconds_low(self) -> float:
+        return (self.seconds_range or (self.seconds,))[0]
+
+    @property
+    def seconds_high(self) -> float:
+        return (self.seconds_range or (self.seconds,))[-1]
 
     def named(self, id: StageId) -> CostRow:
         """This row, as the stage `id`."""
@@ -51,6 +63,6 @@ class CostRow:
                 "gpu_gb": self.gpu_bytes / GB, "disk_gb": self.disk_bytes / GB, "seconds": self.seconds,
                 "strategy": self.strategy, "why": self.why, "mapped_gb": self.mapped_bytes / GB,
                 "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds,
-                "seconds_low": (self.seconds_range or (self.seconds,))[0],
-                "seconds_high": (self.seconds_range or (self.seconds,))[-1],
-                **({"decision": self.decision.as_dict()} if self.decision is not None else {})}
+                "seconds_low": self.seconds_low, "seconds_high": self.seconds_high,
+                **({"decision": self.decision.as_dict()} if self.decision is not None else {}),
+                **({"cached": True} if self.cached else {}), **({"skipped": True} if self.skipped else {})}

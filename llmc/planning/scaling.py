@@ -103,16 +103,17 @@ def amdahl_fit(t1: float, tn: float, nproc: int) -> tuple[float, float]:
 LINK_BYTES_PER_S = {"cuda": 100e9, "cpu": 1e9}
 
 
-def plan_estimate(estimates: dict, shapes: dict[str, tuple[int, int]], work: Workload, nproc: int,
-                  activations_gb: float, flops_per_s: float) -> dict:
-    """Per-rank memory and time, bytes per layer and predicted speed-up for `llmc plan` (see the module doc):
-    every rank holds the layer and 1/N of the calibration activations; calibration forwards divide by N."""
-    layers = estimates["layers"]
-    device = "cuda" if str(estimates.get("device", "cpu")).startswith("cuda") else "cpu"
+def plan_estimate(layers: int, device: str, calibration_s: float, peak_memory_gb: float,
+                  shapes: dict[str, tuple[int, int]], work: Workload, nproc: int, activations_gb: float,
+                  flops_per_s: float) -> dict:
+    """Per-rank memory and time, bytes per layer and predicted speed-up for `llmc plan` (see the module doc), from
+    the one-process plan's `layers`, calibration `device`, `calibration_s` and `peak_memory_gb`: every rank holds the
+    layer and 1/N of the calibration activations; calibration forwards divide by N."""
+    device = "cuda" if device.startswith("cuda") else "cpu"
     volume = bytes_per_layer(shapes, nproc, work)
     per_layer = sum(volume.values())
     solve_s = solve_flops(shapes, work.hessians) / flops_per_s
-    forward_s = max(estimates["calibration_s"] / max(layers, 1) - solve_s, 0.0)
+    forward_s = max(calibration_s / max(layers, 1) - solve_s, 0.0)
     t1 = predict(layers, forward_s, solve_s, 0.0, 1, 1.0)
     tn = predict(layers, forward_s, solve_s, per_layer, nproc, LINK_BYTES_PER_S[device],
                  solve_serial=work.solve_on_rank0)
@@ -120,7 +121,7 @@ def plan_estimate(estimates: dict, shapes: dict[str, tuple[int, int]], work: Wor
         if work.hessians else 0.0
     link = "NVLink-class" if device == "cuda" else "gloo, loopback TCP"
     return {"nproc": nproc,
-            "memory_gb_per_rank": estimates["peak_memory_gb"] - activations_gb * (1 - 1 / nproc) + gather_gb,
+            "memory_gb_per_rank": peak_memory_gb - activations_gb * (1 - 1 / nproc) + gather_gb,
             "calibration_s_per_rank": tn, "bytes_per_layer": volume, "speedup": t1 / tn if tn else 1.0,
             "link": f"{LINK_BYTES_PER_S[device] / 1e9:.0f} GB/s assumed ({link})"}
 

@@ -54,7 +54,7 @@ def test_auto_is_the_cpu_without_a_gpu_and_the_plan_says_where(tiny_model: Path,
     recipe = parse_recipe(recipe_text(tiny_model, tmp_path / "reg"))
     plan = make_plan(recipe, tiny_model, tmp_path)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert resolve_device("auto").type == expected and plan.estimates["device"].startswith(expected)
+    assert resolve_device("auto").type == expected and plan.costed_for.device.startswith(expected)
     assert f"calibrating on {expected}" in plan.render()
 
 
@@ -116,7 +116,7 @@ def test_build_calibrates_on_the_gpu_and_keys_the_result_by_device(tiny_model: P
     assert on_gpu.passed and on_cpu.passed
     quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu), ("cpu", on_cpu))}
     assert quantize["gpu"].key != quantize["cpu"].key and not quantize["cpu"].cached
-    assert on_gpu.plan.estimates["device"].startswith("cuda")
+    assert on_gpu.plan.costed_for.device.startswith("cuda")
 
 
 def test_a_gpu_asked_for_evaluation_on_a_machine_without_one_names_eval_device() -> None:

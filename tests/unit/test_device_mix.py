@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import llmc.quant.stream as stream
 from llmc.model.source import ModelSource
+from llmc.pipeline.ids import Kind
 from llmc.quant.spec import Scheme, TensorSpec
 from tests.unit.fake_cuda import DeviceMismatch, FakeCudaTensor, fake_cuda
 from tests.unit.families import make_tiny
@@ -245,15 +246,15 @@ def test_a_whole_build_calibrating_on_the_gpu_mixes_no_host_tensor(tmp_path: Pat
     on_cpu = build(parse_recipe(recipe_text(model, tmp_path / "reg", **{"calibration.device": "cpu"})), store)
     with fake_cuda():
         on_gpu = build(parse_recipe(recipe_text(model, tmp_path / "reg")), store)
-    assert on_gpu.passed and on_cpu.passed and on_gpu.plan.estimates["device"].startswith("cuda")
+    assert on_gpu.passed and on_cpu.passed and on_gpu.plan.costed_for.device.startswith("cuda")
     quantize = {r: next(s for s in b.stages if s.name.startswith("quantize")) for r, b in (("gpu", on_gpu),
                                                                                          ("cpu", on_cpu))}
     assert quantize["gpu"].key != quantize["cpu"].key and not quantize["gpu"].cached
     # eval.device: auto scores on the GPU too (the torch reference engine), keyed by its device and planned there
     evals = {r: {s.key for s in b.stages if s.name.startswith("eval")} for r, b in (("gpu", on_gpu), ("cpu", on_cpu))}
     assert evals["gpu"] and evals["cpu"] and evals["gpu"].isdisjoint(evals["cpu"])
-    planned = [r for r in on_gpu.plan.estimates["stages"] if r["stage"].startswith("eval")]
-    assert planned and all(r["device"].startswith("cuda") and r["gpu_gb"] > 0 for r in planned), planned
+    planned = [r for r in on_gpu.plan.rows if r.id.kind is Kind.EVAL]
+    assert planned and all(r.device.startswith("cuda") and r.gpu_bytes > 0 for r in planned), planned
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])

@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from llmc.pipeline.ids import Kind
 from llmc.recipe.load import parse_recipe
 from llmc.recipe.schema import SCHEME_SETTINGS
 
@@ -68,6 +69,6 @@ def test_the_planned_export_counts_the_bytes_of_every_file_it_writes(bf16_model:
     result = build_until(r, Store(tmp_path / "cache"), "export")
     [artifact] = result.artifacts.values()
     written = sum(f.stat().st_size for f in artifact.dir.rglob("*") if f.is_file() and f.name != COMPLETE_MARKER)
-    [row] = [s for s in result.plan.estimates["stages"] if s["stage"].startswith("export")]
-    predicted = row["disk_gb"] * 1e9
+    [row] = [r for r in result.plan.rows if r.id.kind is Kind.EXPORT]
+    predicted = row.disk_bytes
     assert predicted == pytest.approx(written, rel=tolerance), (predicted, written)

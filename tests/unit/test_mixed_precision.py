@@ -285,7 +285,7 @@ def test_plan_shows_each_groups_bytes(mixed_build) -> None:
     folder = mixed_build[0]
     plan = make_plan(_recipe(MIXED, {"runtime": "vllm", "gpu_arch": "sm100"}, source=str(folder)), folder,
                      refuse=False)
-    rows = {g["group"]: g for g in plan.estimates["groups"][""]}
+    rows = {g["group"]: g for g in plan.groups[""]}
     attn, mlp = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 128  # layers 1-2; q, o [64, 64], k, v [32, 64]
     assert rows["attention"] == {"group": "attention", "quantized": True, "scheme": "W8A8-FP8", "linears": 8,
                                  "params": attn, "bytes": attn * 1.0}
@@ -296,7 +296,7 @@ def test_plan_shows_each_groups_bytes(mixed_build) -> None:
     assert "mixed precision" in text and "W4A16-NVFP4" in text and plan.scheme.name in text
     # the stage column is as wide as its longest name: never cut
     assert re.search(rf"quantize {re.escape(plan.scheme.name)} +cpu ", text)
-    assert plan.estimates["seconds"] > 0 and plan.estimates["peak_memory_gb"] > 0  # memory / time still planned
+    assert plan.seconds > 0 and plan.peak_memory_gb > 0  # memory / time still planned
 
 
 def test_plan_names_linears_no_group_selects(mixed_build) -> None:
@@ -498,7 +498,7 @@ def test_qwen3_moe_mixed_recipe_plans_every_group_from_the_config(tmp_path: Path
 
     path = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-30b-a3b-mixed-nvfp4.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
-    rows = {g["group"]: g for g in plan.estimates["groups"][""]}
+    rows = {g["group"]: g for g in plan.groups[""]}
     assert not any("select no Linear" in w for w in plan.warnings)  # every group selects some
     layers, experts = 48, 128
     assert rows["experts"]["linears"] == (layers - 2) * experts * 3 and rows["experts"]["scheme"] == "W4A4-NVFP4"

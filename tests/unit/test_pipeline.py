@@ -63,7 +63,7 @@ def test_every_row_of_the_plan_is_a_stage_of_the_list(tiny_model_session: Path) 
     for stage in walk:
         if stage.id.kind in (Kind.QUANTIZE, Kind.EXPORT):
             assert [str(r.id) for r in plan.rows if stage.id.covers(r.id)] == [str(stage.id)]
-    assert [s["stage"] for s in plan.estimates["stages"]] == [str(r.id) for r in plan.rows]
+    assert [s["stage"] for s in plan.as_dict()["estimates"]["stages"]] == [str(r.id) for r in plan.rows]
 
 
 def test_the_runner_produces_once_records_and_checks_inputs(tmp_path: Path) -> None:

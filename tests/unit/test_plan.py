@@ -252,8 +252,8 @@ def test_estimates_from_headers_only(tiny_model: Path, tmp_path: Path) -> None:
                      else _numel(h.get_slice(k).get_shape()) for k in h.keys())
     r = recipe(W8A8, {"runtime": "vllm"})
     plan = make_plan(r, tiny_model, tmp_path)
-    assert plan.estimates["params"] == params
-    assert plan.estimates["layers"] == 2 and plan.estimates["peak_memory_gb"] > 0
+    assert plan.costed_for.params == params
+    assert plan.costed_for.layers == 2 and plan.peak_memory_gb > 0
     assert "plan for 'p'" in plan.render() and "peak memory" in plan.render()
 
 
@@ -267,7 +267,7 @@ def test_spilled_activations_shrink_the_memory_estimate(tiny_model: Path, tmp_pa
                         tiny_model, tmp_path)
     hidden = 64  # tiny_model's width: two fp32 copies of 64 windows, against one batch of 4 in and out
     drop = (2 * 64 - 2 * 4) * 1024 * hidden * 4 / 1e9
-    assert kept.estimates["peak_memory_gb"] - spilled.estimates["peak_memory_gb"] == pytest.approx(drop)
+    assert kept.peak_memory_gb - spilled.peak_memory_gb == pytest.approx(drop)
     assert "spilled to disk" in spilled.render() and "spilled to disk" not in kept.render()
 
 
@@ -294,10 +294,10 @@ def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp
     static_int8 = {"weights": {"format": "int8", "strategy": "channel"},
                    "activations": {"format": "int8", "strategy": "tensor"}}
     plan = make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)
-    need = plan.estimates["export_memory_gb"]
-    assert need == pytest.approx(3 * plan.estimates["params"] * 4 / 1e9)
+    need = plan.export_memory_gb
+    assert need == pytest.approx(3 * plan.costed_for.params * 4 / 1e9)
     assert "ONNX export" in plan.render()
-    assert "export_memory_gb" not in make_plan(recipe(static_int8, {"runtime": "vllm"}), tiny_model, tmp_path).estimates
+    assert make_plan(recipe(static_int8, {"runtime": "vllm"}), tiny_model, tmp_path).export_memory_gb is None
     monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 / 2))
     with pytest.raises(ResourceError, match="holds the whole model in float32") as e:
         make_plan(recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"}), tiny_model, tmp_path)

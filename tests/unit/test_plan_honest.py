@@ -12,6 +12,7 @@ import yaml
 
 from llmc.planning import machine, probes
 from llmc.planning.plan import make_plan
+from llmc.planning.rows import CostRow
 from llmc.quant import numerics, stream_probe
 from llmc.recipe.load import parse_recipe
 
@@ -154,7 +155,7 @@ def test_the_plan_says_where_its_rates_came_from(tiny_model: Path, tmp_path: Pat
     assert calls == before, "the second plan probed again instead of reading the cache"
     assert "read from the cache" in second.render() and "probed now" not in second.render()
     def numbers(plan):  # a row's `why` quotes the memory available at that moment, which other processes move
-        return [{k: v for k, v in row.items() if k != "why"} for row in plan.estimates["stages"]]
+        return [{k: v for k, v in row.as_dict().items() if k != "why"} for row in plan.rows]
     assert numbers(second) == numbers(first)  # same rates, same numbers
 
 
@@ -168,20 +169,19 @@ def test_with_steady_probes_the_range_is_the_cost_models_measured_error(tiny_mod
     for row in plan.rows:
         lo, hi = machine.TIME_ERROR[row.id.kind.value]
         assert row.seconds_range == pytest.approx((row.seconds / (1 + hi), row.seconds / (1 + lo)))
-    e = plan.estimates
-    assert e["seconds_range"][0] < e["seconds"] < e["seconds_range"][1]
+    assert plan.seconds_range[0] < plan.seconds < plan.seconds_range[1]
     assert "time (range)" in plan.render() and "in all" in plan.render()
 
 
 def test_a_spread_in_the_probes_widens_the_range(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
-    steady = make_plan(recipe(), tiny_model, tmp_path).estimates
+    steady = make_plan(recipe(), tiny_model, tmp_path)
     probes._book = probes.RateBook()
     pin_probes(monkeypatch, matmul=(5e9, 10e9, 10e9, 10e9, 20e9), quantize=(0.5e8, 1e8, 1e8, 1e8, 2e8))
-    busy = make_plan(recipe(), tiny_model, tmp_path).estimates
-    assert busy["seconds"] == pytest.approx(steady["seconds"])  # the same median
-    assert busy["seconds_range"][0] < steady["seconds_range"][0]
-    assert busy["seconds_range"][1] > steady["seconds_range"][1]
+    busy = make_plan(recipe(), tiny_model, tmp_path)
+    assert busy.seconds == pytest.approx(steady.seconds)  # the same median
+    assert busy.seconds_range[0] < steady.seconds_range[0]
+    assert busy.seconds_range[1] > steady.seconds_range[1]
 
 
 # 3. A compute dtype far slower than float32 on this CPU
@@ -201,8 +201,8 @@ def test_bf16_far_slower_than_float32_warns_with_both_times_and_the_fix(tiny_mod
     monkeypatch.setattr(probes, "fingerprint", lambda: {"cpu_flags": "avx avx2 fma"})
     plan = make_plan(recipe(model={"source": "demo:smollm2-135m", "dtype": "bfloat16"}), tiny_model, tmp_path)
     [warning] = [w for w in plan.warnings if "slower than float32" in w]
-    f32 = plan.estimates["slow_dtype"]["float32_seconds"]
-    assert f32 < plan.estimates["seconds"]
+    f32 = plan.slow_dtype.float32_seconds
+    assert f32 < plan.seconds
     assert "7.4x" in warning and "avx512_bf16" in warning and "model.dtype: float32" in warning
     assert "calibration.device: cuda" in warning
     assert warning.count("~") == 2  # both predicted times
@@ -211,7 +211,7 @@ def test_bf16_far_slower_than_float32_warns_with_both_times_and_the_fix(tiny_mod
 def test_no_warning_where_bf16_runs_about_as_fast(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     pin_matmul_by_dtype(monkeypatch, {"float32": 20e9, "bfloat16": 30e9})  # a CPU with AMX
     plan = make_plan(recipe(model={"source": "demo:smollm2-135m", "dtype": "bfloat16"}), tiny_model, tmp_path)
-    assert not [w for w in plan.warnings if "slower than float32" in w] and "slow_dtype" not in plan.estimates
+    assert not [w for w in plan.warnings if "slower than float32" in w] and plan.slow_dtype is None
     pin_matmul_by_dtype(monkeypatch, {"float32": 21.5e9, "bfloat16": 2.9e9})
     plan = make_plan(recipe(), tiny_model, tmp_path)  # float32 compute: nothing to compare
     assert not [w for w in plan.warnings if "slower than float32" in w]
@@ -225,15 +225,15 @@ def test_a_plan_over_the_time_budget_is_refused_with_exit_4_and_the_fix(tiny_mod
     from llmc.errors import ResourceError
 
     pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
-    e = make_plan(recipe(), tiny_model, tmp_path).estimates
+    planned = make_plan(recipe(), tiny_model, tmp_path)
     assert "resources" not in recipe().model_dump(mode="json")  # recipes without a budget dump as before
-    under = e["seconds"] / 3600 / 2
+    under = planned.seconds / 3600 / 2
     with pytest.raises(ResourceError, match=r"resources.max_hours") as err:
         make_plan(recipe(resources={"max_hours": under}), tiny_model, tmp_path)
     assert err.value.exit_code == 4 and "raise resources.max_hours" in err.value.fix
     assert "calibration.samples" in err.value.fix
     # the point fits, the range's upper end does not: a warning, not a refusal
-    between = (e["seconds"] + e["seconds_range"][1]) / 2 / 3600
+    between = (planned.seconds + planned.seconds_range[1]) / 2 / 3600
     plan = make_plan(recipe(resources={"max_hours": between}), tiny_model, tmp_path)
     assert any("upper end of the range" in w for w in plan.warnings)
     assert not any("max_hours" in w for w in make_plan(recipe(resources={"max_hours": 1e4}), tiny_model,
@@ -246,7 +246,7 @@ def test_the_budget_counts_only_the_stages_still_to_run(tiny_model: Path, tmp_pa
     from llmc.planning.plan import check_budget
 
     pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
-    total = make_plan(recipe(), tiny_model, tmp_path).estimates["seconds"]
+    total = make_plan(recipe(), tiny_model, tmp_path).seconds
     plan = make_plan(recipe(resources={"max_hours": total / 3600 / 2}), tiny_model, tmp_path, check_time=False)
     with pytest.raises(ResourceError):
         check_budget(plan)
@@ -311,16 +311,14 @@ def test_the_plan_of_a_rerun_says_what_is_cached_and_counts_only_the_rest(tiny_m
     r = recipe(model={"source": str(tiny_model)}, calibration={"samples": 4, "seq_len": 32})
     first = build_until(r, store, "export").plan
     second = build_until(r, store, "export").plan
-    entries = {s["stage"]: s for s in second.estimates["stages"]}
-    kinds = {str(row.id): row.id.kind for row in second.rows}
-    assert [name for name, s in entries.items() if s.get("cached")] == [
-        name for name, kind in kinds.items() if kind in (Kind.QUANTIZE, Kind.EXPORT)]
-    assert all(s.get("skipped") for name, s in entries.items() if kinds[name] is Kind.EVAL)  # after `export`
-    assert second.estimates["seconds"] == 0 and second.estimates["disk_gb"] == 0
+    assert [r.name for r in second.rows if r.cached] == [
+        r.name for r in second.rows if r.id.kind in (Kind.QUANTIZE, Kind.EXPORT)]
+    assert all(r.skipped for r in second.rows if r.id.kind is Kind.EVAL)  # after `export`
+    assert second.seconds == 0 and second.disk_gb == 0
     text = second.render()
     assert "its output is in the cache: it will not run" in text and "per decoder layer" not in text
-    assert not any(s.get("cached") for s in first.estimates["stages"])
-    assert first.estimates["seconds"] > 0 and "per decoder layer" in first.render()
+    assert not any(r.cached for r in first.rows)
+    assert first.seconds > 0 and "per decoder layer" in first.render()
 
 
 def test_a_rerun_s_plan_knows_its_evaluations_are_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
@@ -338,20 +336,19 @@ def test_a_rerun_s_plan_knows_its_evaluations_are_cached(tiny_model: Path, tmp_p
                        "bootstrap_samples": 100}, gates={"allow_unevaluated": True, "max_ppl_increase_pct": 1e6,
                                                         "max_mean_kld": 1e3, "min_top1_agreement_pct": 0.001})
 
-    def evals(plan) -> dict[str, dict]:
-        kinds = {str(row.id): row.id.kind for row in plan.rows}
-        return {name: s for name, s in ((s["stage"], s) for s in plan.estimates["stages"]) if kinds[name] is Kind.EVAL}
+    def evals(plan) -> dict[str, CostRow]:
+        return {row.name: row for row in plan.rows if row.id.kind is Kind.EVAL}
 
     first = build_until(recipe(**small), store, "gate").plan
-    assert evals(first) and not any(s.get("cached") for s in evals(first).values())
+    assert evals(first) and not any(r.cached for r in evals(first).values())
     second = build_until(recipe(**small), store, "gate").plan
-    assert evals(second) and all(s.get("cached") for s in evals(second).values())
-    assert second.estimates["seconds"] == 0 and second.estimates["eval_s"] == 0
+    assert evals(second) and all(r.cached for r in evals(second).values())
+    assert second.seconds == 0 and second.eval_s == 0
     int8 = {"weights": {"format": "int8", "strategy": "channel"}}
     third = build_until(recipe(int8, **small), store, "gate").plan
-    assert {name: bool(s.get("cached")) for name, s in evals(third).items()} == {
+    assert {name: r.cached for name, r in evals(third).items()} == {
         "eval torch baseline": True, "eval torch W8A16-INT8": False}
-    assert third.estimates["eval_s"] > 0
+    assert third.eval_s > 0
 
 
 def test_a_plan_says_it_wrote_a_sources_unpacked_copy_to_the_cache(tmp_path: Path) -> None:
@@ -601,24 +598,24 @@ def test_memory_a_stage_needs_beyond_the_free_memory_is_planned_at_the_reclaim_r
     assert memory_free() is None or memory_free() > 0
     pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
 
-    def planned(free: int | None, host_paced: bool = True) -> dict[str, dict]:
+    def planned(free: int | None, host_paced: bool = True) -> dict[str, CostRow]:
         monkeypatch.setattr(plan_module, "memory_free", lambda: free)
         monkeypatch.setattr(plan_module, "memory_from_host", lambda: host_paced)
-        return {s["stage"]: s for s in make_plan(recipe(), tiny_model, tmp_path).estimates["stages"]}
+        return {r.name: r for r in make_plan(recipe(), tiny_model, tmp_path).rows}
 
     roomy, tight = planned(None, host_paced=False), planned(0)
     for name, row in tight.items():
-        beyond = max(row["host_gb"] * 1e9 - machine.PROCESS_BYTES, 0.0)
-        assert row["seconds"] - roomy[name]["seconds"] == pytest.approx(beyond / machine.RECLAIM_RATE)
-    assert any(row["host_gb"] * 1e9 > machine.PROCESS_BYTES for row in tight.values())
+        beyond = max(row.host_bytes - machine.PROCESS_BYTES, 0.0)
+        assert row.seconds - roomy[name].seconds == pytest.approx(beyond / machine.RECLAIM_RATE)
+    assert any(row.host_bytes > machine.PROCESS_BYTES for row in tight.values())
     ample = planned(10**13)
-    assert {n: r["seconds"] for n, r in ample.items()} == {n: r["seconds"] for n, r in roomy.items()}
+    assert {n: r.seconds for n, r in ample.items()} == {n: r.seconds for n, r in roomy.items()}
     for name, row in ample.items():  # the point: none of it; the range's slow end: all of it at the host's pace
-        beyond = max(row["host_gb"] * 1e9 - machine.PROCESS_BYTES, 0.0)
-        assert row["seconds_high"] > roomy[name]["seconds_high"] or beyond == 0.0
+        beyond = max(row.host_bytes - machine.PROCESS_BYTES, 0.0)
+        assert row.seconds_high > roomy[name].seconds_high or beyond == 0.0
     # not a VM paced by its host: MemFree moves nothing (the kernel evicts clean page cache at memory speed)
-    assert {n: (r["seconds"], r["seconds_high"]) for n, r in planned(0, host_paced=False).items()} == \
-        {n: (r["seconds"], r["seconds_high"]) for n, r in roomy.items()}
+    assert {n: (r.seconds, r.seconds_high) for n, r in planned(0, host_paced=False).items()} == \
+        {n: (r.seconds, r.seconds_high) for n, r in roomy.items()}
 
 
 def test_a_vm_reporting_its_free_pages_to_its_host_is_recognised(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import llmc.planning.plan
 from llmc.errors import ResourceError
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.families import expert_count
+from llmc.pipeline.ids import Kind
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.planning.plan import make_plan, plan_recipe
 from llmc.planning.shapes import from_config
@@ -46,24 +47,24 @@ def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: 
     plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
     if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21)
         assert all(t["exporter"] == "compressed-tensors" for t in plan.targets)
-    stages = plan.estimates["stages"]
-    assert [s["stage"] for s in stages if s["stage"].startswith("quantize")]
-    assert sum(s["stage"].startswith("export") for s in stages) == len(recipe.targets)
-    assert all(s["host_gb"] > 0 and s["seconds"] >= 0 for s in stages)
+    rows = plan.rows
+    assert [r for r in rows if r.id.kind is Kind.QUANTIZE]
+    assert sum(r.id.kind is Kind.EXPORT for r in rows) == len(recipe.targets)
+    assert all(r.host_bytes > 0 and r.seconds >= 0 for r in rows)
     text = plan.render()
     assert "planned from" in text and "config.json" in text and "host RAM" in text
-    assert plan.estimates["dtype"] == "bfloat16"  # dtype: auto, the published checkpoints are bf16
+    assert plan.costed_for.dtype == "bfloat16"  # dtype: auto, the published checkpoints are bf16
 
 
 def test_the_70b_plan_streams_evaluation_and_stores_the_shared_vllm_weights_once(tmp_path: Path) -> None:
     path = REPO / "recipes" / "llama70b-fp8.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
-    by = {s["stage"]: s for s in plan.estimates["stages"]}
+    by = {r.name: r for r in plan.rows}
     tp4, tp8 = by["export vllm-sm90-tp4"], by["export vllm-sm90-tp8"]
-    assert tp4["disk_gb"] > 70 and tp8["disk_gb"] == 0 and "hard links" in tp8["why"]
-    if plan.estimates["available_gb"] < 141 / 2:
-        assert by["eval torch baseline"]["strategy"].startswith("streamed")
-        assert by["eval torch baseline"]["host_gb"] < 141 / 4  # one layer resident, not the 141 GB model
+    assert tp4.disk_bytes > 70e9 and tp8.disk_bytes == 0 and "hard links" in tp8.why
+    if plan.costed_for.available_gb < 141 / 2:
+        assert by["eval torch baseline"].strategy.startswith("streamed")
+        assert by["eval torch baseline"].host_bytes < 141e9 / 4  # one layer resident, not the 141 GB model
 
 
 def test_the_70b_plan_counts_what_the_full_width_builds_measured(tmp_path: Path, monkeypatch) -> None:
@@ -74,20 +75,20 @@ def test_the_70b_plan_counts_what_the_full_width_builds_measured(tmp_path: Path,
     monkeypatch.setenv("LLMC_TORCH_EVAL", "streamed")
     path = REPO / "recipes" / "llama70b-fp8.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
-    by = {s["stage"]: s for s in plan.estimates["stages"]}
+    by = {r.name: r for r in plan.rows}
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
-    outer_gb = from_config(config).outer_params * 2 / 1e9  # embeddings, head, final norm in bf16
+    outer = from_config(config).outer_params * 2  # embeddings, head, final norm in bf16
     vllm, trt = by["export vllm-sm90-tp4"], by["export tensorrt-llm-sm90-tp4"]
-    assert vllm["host_gb"] < 1.0 and vllm["mapped_gb"] > 2.0
-    assert trt["disk_gb"] == pytest.approx(vllm["disk_gb"] - outer_gb, rel=1e-6)
-    head_gb = config["vocab_size"] * config["hidden_size"] * 2 / 1e9
+    assert vllm.host_bytes < 1e9 and vllm.mapped_bytes > 2e9
+    assert trt.disk_bytes == pytest.approx(vllm.disk_bytes - outer, rel=1e-6)
+    head = config["vocab_size"] * config["hidden_size"] * 2
     baseline, artifact = by["eval torch baseline"], by["eval torch W8A8-FP8"]
-    layer_codes_gb = max(from_config(config).layer_params().values()) / 1e9  # FP8: one byte per weight
-    block_fp32_gb = 4 * BLOCK_ELEMENTS / 1e9  # decompressed a block of rows at a time, not the whole Linear
-    assert artifact["host_gb"] - baseline["host_gb"] == pytest.approx(layer_codes_gb + block_fp32_gb, rel=0.01)
-    assert artifact["mapped_gb"] - baseline["mapped_gb"] == pytest.approx(head_gb, rel=1e-6)
+    layer_codes = max(from_config(config).layer_params().values())  # FP8: one byte per weight
+    block_fp32 = 4 * BLOCK_ELEMENTS  # decompressed a block of rows at a time, not the whole Linear
+    assert artifact.host_bytes - baseline.host_bytes == pytest.approx(layer_codes + block_fp32, rel=0.01)
+    assert artifact.mapped_bytes - baseline.mapped_bytes == pytest.approx(head, rel=1e-6)
     quantize = by["quantize W8A8-FP8"]
-    assert quantize["seconds"] == pytest.approx(quantize["layer_seconds"] * 80 + quantize["fixed_seconds"])
+    assert quantize.seconds == pytest.approx(quantize.layer_seconds * 80 + quantize.fixed_seconds)
     assert "per decoder layer x 80 layers" in plan.render()
 
 
@@ -102,7 +103,7 @@ def _tiny_recipe(source: Path, **sections) -> object:
 def test_a_plan_that_does_not_fit_refuses_before_loading_naming_the_cheaper_strategy(
         tiny_model: Path, monkeypatch) -> None:
     recipe = _tiny_recipe(tiny_model, calibration={"samples": 1024, "seq_len": 1024, "spill_activations": "never"})
-    need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
+    need = make_plan(recipe, tiny_model).peak_memory_gb
     monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.8))
     with pytest.raises(ResourceError) as e:
         make_plan(recipe, tiny_model)
@@ -118,7 +119,7 @@ def test_a_build_whose_plan_does_not_fit_exits_4_before_any_weight_loads(tiny_mo
     from llmc.model.checkpoint import CheckpointReader
 
     recipe = _tiny_recipe(tiny_model, calibration={"samples": 4, "seq_len": 32})
-    need = make_plan(recipe, tiny_model).estimates["peak_memory_gb"]
+    need = make_plan(recipe, tiny_model).peak_memory_gb
     monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.5))
     read: list[str] = []
     real_get_many = CheckpointReader.get_many
@@ -138,12 +139,12 @@ def test_forced_whole_model_evaluation_that_does_not_fit_names_streaming(tiny_mo
     recipe = _tiny_recipe(model, eval={"windows": 2, "seq_len": 16, "batch_size": 1},
                           calibration={"samples": 4, "seq_len": 64})
     plan = make_plan(recipe, model)
-    base = next(s for s in plan.estimates["stages"] if s["stage"] == "eval torch baseline")
-    assert base["strategy"] == "whole model"
-    need = base["host_gb"] + base["mapped_gb"]  # the whole model mapped from its files, kept resident
-    quantize = next(s for s in plan.estimates["stages"] if s["stage"].startswith("quantize"))
-    assert quantize["host_gb"] + quantize["mapped_gb"] < need * 0.9  # so that the evaluation is what does not fit
-    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 1e9 * 0.95))
+    base = next(r for r in plan.rows if r.name == "eval torch baseline")
+    assert base.strategy == "whole model"
+    need = base.host_bytes + base.mapped_bytes  # the whole model mapped from its files, kept resident
+    quantize = next(r for r in plan.rows if r.id.kind is Kind.QUANTIZE)
+    assert quantize.host_bytes + quantize.mapped_bytes < need * 0.9  # so that the evaluation is what does not fit
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int(need * 0.95))
     with pytest.raises(ResourceError, match="eval torch baseline") as e:
         make_plan(recipe, model)
     assert "LLMC_TORCH_EVAL=streamed" in e.value.fix
@@ -156,17 +157,15 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_and_halves_the_layer(tiny_mo
     AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(bf16)
     for f in tiny_model.glob("tokenizer*"):
         (bf16 / f.name).write_bytes(f.read_bytes())
-    auto = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "auto"}), bf16).estimates
-    fp32 = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "float32"}), bf16).estimates
-    assert auto["dtype"] == "bfloat16" and fp32["dtype"] == "float32"
-    assert auto["peak_memory_gb"] < fp32["peak_memory_gb"]
+    auto = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "auto"}), bf16)
+    fp32 = make_plan(_tiny_recipe(bf16, model={"source": str(bf16), "dtype": "float32"}), bf16)
+    assert auto.costed_for.dtype == "bfloat16" and fp32.costed_for.dtype == "float32"
+    assert auto.peak_memory_gb < fp32.peak_memory_gb
 
 
 def test_the_disk_check_counts_only_stages_not_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     import shutil
     from collections import namedtuple
-
-    from llmc.pipeline.ids import Kind
 
     plan = make_plan(_tiny_recipe(tiny_model), tiny_model)
     total = sum(row.disk_bytes for row in plan.rows) / 1e9
@@ -189,14 +188,14 @@ def test_each_evaluation_corpus_is_planned_its_time_and_disk(tiny_model: Path, t
     (tmp_path / "c1").mkdir(), (tmp_path / "c2").mkdir()
     one = make_plan(_tiny_recipe(tiny_model, eval={"corpus": "brown"}), tiny_model, tmp_path / "c1")
     two = make_plan(_tiny_recipe(tiny_model, eval={"corpus": ["brown", {"kind": "text", "path": str(text)}]}), tiny_model, tmp_path / "c2")
-    rows_one = {s["stage"]: s for s in one.estimates["stages"] if s["stage"].startswith("eval")}
-    rows_two = {s["stage"]: s for s in two.estimates["stages"] if s["stage"].startswith("eval")}
+    rows_one = {r.name: r for r in one.rows if r.id.kind is Kind.EVAL}
+    rows_two = {r.name: r for r in two.rows if r.id.kind is Kind.EVAL}
     assert rows_one and rows_one.keys() == rows_two.keys()
     for name, row in rows_two.items():
-        assert row["seconds"] == pytest.approx(2 * rows_one[name]["seconds"], rel=1e-9)
-        assert row["disk_gb"] == pytest.approx(2 * rows_one[name]["disk_gb"], rel=1e-9)
-        assert row["host_gb"] == pytest.approx(rows_one[name]["host_gb"], rel=1e-9)
-        assert "2 corpora" in row["strategy"]
+        assert row.seconds == pytest.approx(2 * rows_one[name].seconds, rel=1e-9)
+        assert row.disk_bytes == pytest.approx(2 * rows_one[name].disk_bytes, rel=1e-9)
+        assert row.host_bytes == pytest.approx(rows_one[name].host_bytes, rel=1e-9)
+        assert "2 corpora" in row.strategy
 
 
 def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms_the_whole_linear() -> None:
@@ -242,12 +241,12 @@ def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_p
     for algorithm in ("smoothquant", "rtn"):
         sets = [f"quantization.algorithm={algorithm}"] + ([] if algorithm == "smoothquant" else ["quantization.options={}"])
         plan = plan_recipe(load_recipe(path, sets), Store(tmp_path / "cache"), path)
-        by_algorithm[algorithm] = plan.estimates["stages"][0]
+        by_algorithm[algorithm] = plan.rows[0]
     sq, rtn = by_algorithm["smoothquant"], by_algorithm["rtn"]
-    discovery_gb = (0.45e9 + outer * 2 + 8 * (layer + 2 * largest)) / 1e9
-    assert sq["host_gb"] >= discovery_gb - 0.01 and sq["host_gb"] > rtn["host_gb"] + 1.0
-    assert "smoothing pairs are found in float64" in sq["why"] and "float64" not in rtn["why"]
-    assert sq["fixed_seconds"] > rtn["fixed_seconds"]
+    discovery = 0.45e9 + outer * 2 + 8 * (layer + 2 * largest)
+    assert sq.host_bytes >= discovery - 0.01e9 and sq.host_bytes > rtn.host_bytes + 1e9
+    assert "smoothing pairs are found in float64" in sq.why and "float64" not in rtn.why
+    assert sq.fixed_seconds > rtn.fixed_seconds
 
 
 def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
@@ -296,7 +295,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
-    by = {s["stage"]: s for s in plan.estimates["stages"]}
+    by = {r.name: r for r in plan.rows}
     awq, vllm = by["export lmdeploy-sm80-tp1"], by["export vllm-sm80-tp1"]
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     largest = config["hidden_size"] * config["intermediate_size"]
@@ -305,19 +304,19 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     repacked = layer_linears * 4 / 8  # int4; lm_head is ignored by the recipe
     assert repacked > MAX_SHARD_BYTES  # so one shard of them is what is held
     expected = PROCESS_BYTES + MAX_SHARD_BYTES + 2 * largest * 4 / 8 + REPACK_BLOCK_BYTES
-    assert awq["host_gb"] == pytest.approx(expected / 1e9, rel=1e-6)
-    assert awq["host_gb"] < vllm["host_gb"]
+    assert awq.host_bytes == pytest.approx(expected, rel=1e-6)
+    assert awq.host_bytes < vllm.host_bytes
     # each writes and hashes its own files (AWQ: float16 scales and packed zero points; compressed-tensors: float32
     # scales), and AWQ repacks on top
-    io = (awq["disk_gb"] - vllm["disk_gb"]) * 1e9 / write_rate()  # GB-sized shards: the probed write (+ hash) rate
+    io = (awq.disk_bytes - vllm.disk_bytes) / write_rate()  # GB-sized shards: the probed write (+ hash) rate
     # the first export of the quantized form verifies it (read from the disk, hashed): once per build
-    canonical = next(s for s in plan.estimates["stages"] if s["stage"].startswith("quantize"))["disk_gb"] * 1e9
+    canonical = next(r for r in plan.rows if r.id.kind is Kind.QUANTIZE).disk_bytes
     outer = from_config(config).outer_params * 2
     verify = (canonical / hash_rate() + uncached_read_seconds(canonical - outer, files=config["num_hidden_layers"])
               + uncached_read_seconds(outer))
-    names = [s["stage"] for s in plan.estimates["stages"]]
+    names = [r.name for r in plan.rows]
     verify *= 1 if names.index("export lmdeploy-sm80-tp1") < names.index("export vllm-sm80-tp1") else -1
-    assert awq["seconds"] - vllm["seconds"] == pytest.approx(layer_linears / REPACK_RATE + io + verify, rel=1e-3)
+    assert awq.seconds - vllm.seconds == pytest.approx(layer_linears / REPACK_RATE + io + verify, rel=1e-3)
 
 
 def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlaps(monkeypatch) -> None:
