@@ -192,7 +192,8 @@ class SlurmRunner:
         return sid
 
     def state(self, scheduler_id: str) -> str:
-        out = self._call(["squeue", "--noheader", f"--jobs={scheduler_id}", "--format=%T"]).split()
+        # --states=all: a finished job stays listed (COMPLETED, FAILED...) for the controller's MinJobAge
+        out = self._call(["squeue", "--noheader", "--states=all", f"--jobs={scheduler_id}", "--format=%T"]).split()
         if out:
             return out[0]
         # gone from squeue: finished; sacct remembers how (the first line is the allocation, -X)

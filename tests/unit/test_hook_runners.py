@@ -198,7 +198,7 @@ def test_a_job_is_submitted_once_with_the_plans_request_and_followed(queued, fak
     (fake_slurm / "squeue.out").write_text("RUNNING\n")
     follow(runner, queue)
     assert queue.get(job["id"])["scheduler_state"] == "RUNNING"
-    assert _argv(fake_slurm, "squeue")[-1] == ["--noheader", "--jobs=4242", "--format=%T"]
+    assert _argv(fake_slurm, "squeue")[-1] == ["--noheader", "--states=all", "--jobs=4242", "--format=%T"]
     line = render_status(_summary(queue.jobs()), True).splitlines()[1]
     assert "[slurm 4242 RUNNING]" in line and "running" in line
 
