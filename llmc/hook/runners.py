@@ -318,6 +318,8 @@ def dispatch(runner: Runner, job: dict, queue) -> dict:
         sid = runner.submit(job)
     except LlmcError as e:
         return queue.update(job["id"], state="failed", error=f"{e.kind}: {e.message}"[:2000])
+    except Exception as e:  # noqa: BLE001 - one job's crash must not stop the worker (as run_job)
+        return queue.update(job["id"], state="failed", error=f"internal error: {type(e).__name__}: {e}"[:2000])
     return queue.update(job["id"], scheduler=runner.name, scheduler_id=sid, scheduler_state="PENDING")
 
 
@@ -337,7 +339,10 @@ def follow(runner: Runner, queue) -> None:
         fields = {"scheduler_state": now}
         current = queue.get(job["id"])
         if now in TERMINAL and current["state"] == "running":
-            tail = runner.logs(sid)[-500:]
+            try:
+                tail = runner.logs(sid)[-500:]
+            except Exception:  # noqa: BLE001 - the log is a courtesy; the job's end is recorded without it
+                tail = ""
             fields.update(state="failed", error=f"the {runner.name} job {sid} ended {now} without a result"
                           + (f"; its log ends: {tail}" if tail else ""))
         queue.update(job["id"], **fields)

@@ -270,3 +270,87 @@ def test_the_job_manifest_is_a_valid_v1_job(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="name"):  # a container without its required name
         api.deserialize(Broken(), "V1Job")
+
+
+class _Status:
+    def __init__(self, **counts):
+        self.status = type("S", (), {"succeeded": None, "failed": None, "active": None, **counts})()
+
+
+class _FakeBatch:
+    """BatchV1Api's three calls the runner makes, recording their arguments."""
+
+    def __init__(self, conflict: bool = False):
+        self.calls, self.conflict = [], conflict
+        self.status = _Status(active=1)
+
+    def create_namespaced_job(self, namespace, body):
+        from kubernetes.client.exceptions import ApiException
+
+        self.calls.append(("create", namespace, body["metadata"]["name"]))
+        if self.conflict:
+            raise ApiException(status=409, reason="Conflict")
+
+    def read_namespaced_job_status(self, name, namespace):
+        self.calls.append(("read", namespace, name))
+        return self.status
+
+    def delete_namespaced_job(self, name, namespace, propagation_policy):
+        self.calls.append(("delete", namespace, name, propagation_policy))
+
+
+class _FakeCore:
+    def list_namespaced_pod(self, namespace, label_selector):
+        pod = type("Pod", (), {"metadata": type("M", (), {"name": "llmc-x-abcde"})()})()
+        assert label_selector.startswith("job-name=llmc-")
+        return type("PodList", (), {"items": [pod]})()
+
+    def read_namespaced_pod_log(self, name, namespace):
+        return f"{name}: OOMKilled"
+
+
+def test_the_kubernetes_runner_submits_once_follows_and_cancels(queued) -> None:
+    pytest.importorskip("kubernetes.client")
+    from llmc.hook.runners import KubernetesRunner
+
+    path, queue, job = queued
+    config = load_hook_config(path).model_copy(update={"kubernetes": KubernetesSection(
+        namespace="ml", image="llmc:1", state_claim="state")})
+    batch = _FakeBatch()
+    runner = KubernetesRunner(config, needs_for=lambda j: NEEDS, api=(batch, _FakeCore()))
+    name = f"llmc-{job['id'][:16]}"
+    assert dispatch(runner, job, queue)["scheduler_id"] == name
+    dispatch(runner, queue.get(job["id"]), queue)  # on the cluster already: not created again
+    assert batch.calls == [("create", "ml", name)]
+    follow(runner, queue)
+    assert queue.get(job["id"])["scheduler_state"] == "RUNNING"
+    batch.status = _Status(failed=1)
+    follow(runner, queue)
+    ended = queue.get(job["id"])
+    assert ended["state"] == "failed" and "the kubernetes job" in ended["error"] and "ended FAILED" in ended["error"]
+    assert ended["error"].endswith("its log ends: llmc-x-abcde: OOMKilled")
+    runner.cancel(name)
+    assert batch.calls[-1] == ("delete", "ml", name, "Background")
+    # a Job of that name exists (created before a crash): adopted, not an error
+    assert KubernetesRunner(config, needs_for=lambda j: NEEDS, api=(_FakeBatch(conflict=True), None)).submit(job) \
+        == name
+
+
+@pytest.mark.heavy
+def test_execute_builds_a_queued_job_here_and_leaves_a_done_one(tmp_path: Path, tiny_model_session: Path) -> None:
+    """What `srun llmc hook execute` does on a node: the local build, recorded in the shared job file."""
+    from llmc.hook.commands import execute
+    from llmc.hook.jobs import hf_source
+
+    path = _config(tmp_path)
+    config = load_hook_config(path)
+    source = hf_source("org/tiny", "main")  # a Hub source: no registry server needed
+    fetched = config.state / "sources" / "hf" / "org" / "tiny" / "main"
+    shutil.copytree(tiny_model_session, fetched)
+    (fetched / COMPLETE).write_text(source["uri"])
+    queue = JobQueue(config.state)
+    job, _ = queue.enqueue(new_job(load_recipe(tmp_path / "recipe.yaml"), tmp_path / "recipe.yaml", source))
+    done = execute(config, job["id"])
+    assert done["state"] == "done", done.get("error")
+    assert Path(done["published"]).is_dir() and queue.get(job["id"])["state"] == "done"
+    assert execute(config, job["id"])["updated"] == done["updated"]  # done: not built again
