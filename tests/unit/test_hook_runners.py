@@ -19,8 +19,8 @@ from llmc.hook.commands import render_status
 from llmc.hook.config import KubernetesSection, Partition, load_hook_config
 from llmc.hook.jobs import COMPLETE, mlflow_source, new_job
 from llmc.hook.queue import JobQueue
-from llmc.hook.runners import (Needs, SlurmRunner, dispatch, follow, job_manifest, needs_from_plan, plan_needs,
-                               sbatch_request, slurm_time)
+from llmc.hook.runners import (Needs, SlurmRunner, dispatch, follow, job_manifest, plan_needs, sbatch_request,
+                               slurm_time)
 from llmc.hook.server import _summary
 from llmc.recipe.load import load_recipe
 from tests.unit.hook_helpers import tiny_recipe
