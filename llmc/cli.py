@@ -438,7 +438,7 @@ def serve(config_path: Path, host: str, port: int) -> None:
         from llmc.hook.config import load_hook_config
         from llmc.hook.server import serve as run_server
 
-        run_server(load_hook_config(config_path), host, port)
+        run_server(load_hook_config(config_path), host, port, config_path.resolve())
 
     _run(go)
 
@@ -477,6 +477,22 @@ def hook_webhook(config_path: Path, url: str, name: str) -> None:
     _run(go)
 
 
+@hook.command(name="execute", epilog=EXIT_HELP)
+@click.argument("job_id")
+@config_option
+def hook_execute(job_id: str, config_path: Path) -> None:
+    """Build one queued job here: what a Slurm or Kubernetes job runs on its node (hook.runner: slurm/kubernetes)."""
+
+    def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
+        from llmc.hook.commands import execute, raise_for_jobs
+        from llmc.hook.config import load_hook_config
+
+        raise_for_jobs([execute(load_hook_config(config_path), job_id)])
+
+    _run(go)
+
+
 @hook.command(name="run", epilog=EXIT_HELP)
 @click.argument("model_uri")
 @config_option
@@ -490,7 +506,7 @@ def hook_run(model_uri: str, config_path: Path, recipes: tuple[Path, ...]) -> No
         from llmc.hook.commands import raise_for_jobs, render_status, run_now
         from llmc.hook.config import load_hook_config
 
-        jobs = run_now(load_hook_config(config_path), model_uri, list(recipes) or None)
+        jobs = run_now(load_hook_config(config_path), model_uri, list(recipes) or None, config_path.resolve())
         click.echo(render_status([{**j, "source": j["source"]["uri"]} for j in jobs], False).split("\n", 1)[-1])
         raise_for_jobs(jobs)
 

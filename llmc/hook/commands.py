@@ -8,6 +8,7 @@ from llmc.errors import LlmcError, QualityGateError, InputError
 from llmc.hook.config import HookConfig, MLFLOW_SECRET, secret
 from llmc.hook.jobs import parse_model_uri, run_job
 from llmc.hook.queue import JobQueue
+from llmc.hook.runners import dispatch, runner_for
 from llmc.hook.server import _summary, enqueue_for
 from llmc.publish.mlflow import _call, client
 
@@ -25,6 +26,8 @@ def render_status(jobs: list[dict], worker: bool) -> str:
     for j in jobs:
         regs = ", ".join(f"{r['name']} v{r['version']}" for r in j.get("registrations") or [])
         lines.append(f"{j['id'][:12]}  {j['state']:<7}  {j['source']}  {Path(j['recipe_path']).name}"
+                     + (f"  [{j['scheduler']} {j['scheduler_id']} {j.get('scheduler_state', '?')}]"
+                        if j.get("scheduler_id") else "")
                      + (f"  -> {regs}" if regs else "") + (f"  ({j['error'][:160]})" if j.get("error") else ""))
     return "\n".join(lines)
 
@@ -38,9 +41,10 @@ def _source_tags(config: HookConfig, source: dict) -> dict:
     return dict(_call("read the model version", c.get_model_version, source["name"], source["version"]).tags or {})
 
 
-def run_now(config: HookConfig, uri: str, recipes: list[Path] | None) -> list[dict]:
+def run_now(config: HookConfig, uri: str, recipes: list[Path] | None, config_path: Path | None = None) -> list[dict]:
     """Queue `uri` for its routes (or `recipes`) and run those jobs here unless a serving hook holds the worker lock
-    (then they wait for it). Jobs already done are not run again; failed ones are retried."""
+    (then they wait for it); with a cluster runner, submit them to it. Jobs already done are not run again; failed
+    ones are retried."""
     queue = JobQueue(config.state, config.max_queued)
     source = parse_model_uri(uri)
     source["tags"] = _source_tags(config, source)
@@ -50,13 +54,31 @@ def run_now(config: HookConfig, uri: str, recipes: list[Path] | None) -> list[di
                         fix="add a route for it, or pass --recipe")
     if queue.worker_alive():
         return [queue.get(j["id"]) for j, _ in queued]
+    runner = runner_for(config, config_path)
     out = []
     with queue.worker_lock():
         queue.recover()
         for job, _ in queued:
             taken = queue.take(job["id"])
-            out.append(run_job(taken, config, queue) if taken is not None else queue.get(job["id"]))
+            if taken is None:
+                out.append(queue.get(job["id"]))
+            else:
+                out.append(run_job(taken, config, queue) if runner is None else dispatch(runner, taken, queue))
     return out
+
+
+def execute(config: HookConfig, jid: str) -> dict:
+    """Build job `jid` in this process (a cluster node sharing the hook's state folder); a job already done is left
+    as it is."""
+    queue = JobQueue(config.state, config.max_queued)
+    job = queue.get(jid)
+    if job is None:
+        raise InputError(f"no job {jid} in {queue.dir}", fix="pass an id `llmc hook status` lists")
+    if job["state"] == "done":
+        return job
+    if job["state"] != "running":
+        job = queue.update(jid, state="running")
+    return run_job(job, config, queue)
 
 
 def raise_for_jobs(jobs: list[dict]) -> None:

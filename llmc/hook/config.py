@@ -6,6 +6,8 @@
     max_queued: 100                                  # queued + running jobs; beyond, deliveries get 503 (retried)
     timestamp_tolerance_s: 300
     server: {connection_limit: 100, idle_timeout_s: 10}   # the HTTP server's limits (ServerSection)
+    runner: local                                    # local | slurm | kubernetes (llmc.hook.runners)
+    slurm: {partitions: [{name: gpu, gpus_per_node: 8, memory_gb: 1900, max_time_h: 48}]}
     routes:
       - {models: "smollm2*", recipes: [recipes/smollm2-fp8.yaml]}   # registered-model name pattern (fnmatch)
       - {tag: llmc.deploy, recipes: [recipes/smollm2-w4a16.yaml]}    # a model version carrying this tag
@@ -20,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -72,6 +75,35 @@ class ServerSection(_Strict):
     threads: int = Field(default=4, ge=1, le=64, description="requests answered at once")
 
 
+class Partition(_Strict):
+    """One Slurm partition's limits, as `scontrol show partition` / the cluster's admins state them."""
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    gpus_per_node: int = Field(default=0, ge=0, le=64)
+    gpu_memory_gb: float | None = Field(default=None, gt=0, description="per GPU; unset: not checked")
+    memory_gb: float = Field(gt=0, description="host memory a job may take per node (--mem)")
+    max_time_h: float = Field(gt=0, le=100_000, description="the partition's MaxTime")
+    max_nodes: int = Field(default=1, ge=1, le=10_000)
+    tmp_disk_gb: float | None = Field(default=None, gt=0, description="node-local disk (--tmp); unset: not requested")
+
+
+class SlurmSection(_Strict):
+    partitions: tuple[Partition, ...] = Field(default=(), description="tried in order; the first that fits is used")
+    ranks: int = Field(default=1, ge=1, le=4096, description="processes (one GPU each when the recipe uses GPUs)")
+    time_margin: float = Field(default=1.5, ge=1, le=10, description="--time = the plan's slowest estimate x this")
+    memory_margin: float = Field(default=1.25, ge=1, le=10, description="--mem = the plan's host peak x this")
+    llmc: str = Field(default="llmc", description="the llmc executable on the compute nodes")
+    poll_s: float = Field(default=30, gt=0, le=3600, description="how often squeue/sacct are asked")
+
+
+class KubernetesSection(_Strict):
+    namespace: str = "default"
+    image: str = Field(default="", description="an image with llmc installed")
+    state_claim: str = Field(default="", description="PersistentVolumeClaim holding state_dir (queue, registry)")
+    cache_claim: str = Field(default="", description="PersistentVolumeClaim holding the stage cache")
+    memory_margin: float = Field(default=1.25, ge=1, le=10)
+    time_margin: float = Field(default=1.5, ge=1, le=10, description="activeDeadlineSeconds = slowest estimate x this")
+
+
 class HookConfig(_Strict):
     mlflow: MlflowSection = MlflowSection()
     state_dir: str = "./llmc-hook"
@@ -79,8 +111,21 @@ class HookConfig(_Strict):
     max_queued: int = Field(default=100, ge=1, le=100_000)
     timestamp_tolerance_s: float = Field(default=300, gt=0, le=86_400)
     server: ServerSection = ServerSection()
+    runner: Literal["local", "slurm", "kubernetes"] = "local"
+    slurm: SlurmSection = SlurmSection()
+    kubernetes: KubernetesSection = KubernetesSection()
     routes: tuple[Route, ...] = ()
     base: Path = Field(default=Path("."), exclude=True)  # the config file's folder: relative paths start there
+
+    @model_validator(mode="after")
+    def _runner_configured(self) -> "HookConfig":
+        if self.runner == "slurm" and not self.slurm.partitions:
+            raise ValueError("runner slurm needs slurm.partitions (each partition's name and limits)")
+        if self.slurm.ranks > 1:  # the sbatch request is computed for ranks (llmc.hook.runners); the launch is not
+            raise ValueError("slurm.ranks above 1 (torchrun across GPUs and nodes) is not implemented yet; use 1")
+        if self.runner == "kubernetes" and not (self.kubernetes.image and self.kubernetes.state_claim):
+            raise ValueError("runner kubernetes needs kubernetes.image and kubernetes.state_claim")
+        return self
 
     def path(self, value: str) -> Path:
         p = Path(value).expanduser()
@@ -120,9 +165,10 @@ def load_hook_config(path: Path) -> HookConfig:
         return HookConfig(**data, base=path.resolve().parent)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RecipeError(f"hook config {path}: {where}: {first['msg']}",
-                          fix="see docs/registry-hook.md for the format") from None
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        fix = ("set runner: to local, slurm or kubernetes" if first["loc"] == ("runner",)
+               else "see docs/registry-hook.md for the format")
+        raise RecipeError(f"hook config {path}: {where}: {first['msg']}", fix=fix) from None
 
 
 def secret(variable: str) -> str | None:

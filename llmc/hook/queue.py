@@ -114,11 +114,12 @@ class JobQueue:
             return job
 
     def recover(self) -> list[str]:
-        """Queue again the jobs a dead worker left running. Call only while holding `worker_lock()`."""
+        """Queue again the jobs a dead worker left running. Call only while holding `worker_lock()`. A job a cluster
+        scheduler holds (its `scheduler_id` recorded) is not: the new worker follows it by that id."""
         requeued = []
         with self._lock:
             for job in self.jobs():
-                if job["state"] == "running":
+                if job["state"] == "running" and not job.get("scheduler_id"):
                     job["state"] = "queued"
                     self._write(job)
                     requeued.append(job["id"])

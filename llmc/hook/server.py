@@ -27,6 +27,7 @@ from llmc.hook import payloads, signatures
 from llmc.hook.config import HF_SECRET, MLFLOW_SECRET, STATUS_TOKEN, HookConfig, secret
 from llmc.hook.jobs import hf_source, mlflow_source, new_job, run_job
 from llmc.hook.queue import JobQueue, QueueFull
+from llmc.hook.runners import Runner, dispatch, follow, runner_for
 from llmc.telemetry.progress import log
 from llmc.recipe.load import load_recipe
 
@@ -41,7 +42,8 @@ def enqueue_for(config: HookConfig, queue: JobQueue, source: dict, delivery: str
 
 
 def _summary(jobs: list[dict]) -> list[dict]:
-    keys = ("id", "state", "source", "recipe_path", "attempts", "build_id", "registrations", "error", "deliveries")
+    keys = ("id", "state", "source", "recipe_path", "attempts", "build_id", "registrations", "error", "deliveries",
+            "scheduler", "scheduler_id", "scheduler_state")
     return [{k: j.get(k) for k in keys if j.get(k) is not None} | {"source": j["source"]["uri"]} for j in jobs]
 
 
@@ -148,14 +150,18 @@ def create_app(config: HookConfig, queue: JobQueue, wake: threading.Event, now: 
 
 
 class Worker(threading.Thread):
-    """Runs queued jobs one at a time while it holds the state folder's worker lock."""
+    """Runs queued jobs one at a time while it holds the state folder's worker lock; with a cluster runner, submits
+    them and follows them on the scheduler instead."""
 
-    def __init__(self, config: HookConfig, queue: JobQueue, wake: threading.Event) -> None:
+    def __init__(self, config: HookConfig, queue: JobQueue, wake: threading.Event, runner: Runner | None = None
+                 ) -> None:
         super().__init__(name="llmc-hook-worker", daemon=True)
-        self.config, self.queue, self.wake = config, queue, wake
+        self.config, self.queue, self.wake, self.runner = config, queue, wake, runner
         self.stopping = threading.Event()
 
     def run(self) -> None:
+        if self.runner is not None:
+            return self._run_on_cluster(self.runner)
         with self.queue.worker_lock():
             for jid in self.queue.recover():
                 log(f"hook: job {jid[:12]} was running when its worker died; queued again (resumes from the cache)")
@@ -168,6 +174,21 @@ class Worker(threading.Thread):
                 done = run_job(job, self.config, self.queue)
                 log(f"hook: job {job['id'][:12]} {done['state']}")
 
+    def _run_on_cluster(self, runner: Runner) -> None:
+        with self.queue.worker_lock():
+            for jid in self.queue.recover():
+                log(f"hook: job {jid[:12]} was being submitted when its worker died; queued again")
+            while not self.stopping.is_set():
+                job = self.queue.take()
+                if job is not None:
+                    done = dispatch(runner, job, self.queue)
+                    log(f"hook: job {job['id'][:12]} " + (f"-> {runner.name} job {done['scheduler_id']}"
+                                                         if done.get("scheduler_id") else done["state"]))
+                    continue
+                follow(runner, self.queue)
+                self.wake.wait(self.config.slurm.poll_s if runner.name == "slurm" else 30)
+                self.wake.clear()
+
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()
@@ -177,7 +198,7 @@ def _stop_serving(*_) -> None:
     raise SystemExit(0)  # out of waitress's loop, which shuts its threads down
 
 
-def serve(config: HookConfig, host: str, port: int) -> None:
+def serve(config: HookConfig, host: str, port: int, config_path: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM. The worker starts first, so a restart resumes what a killed hook left."""
     # lazy: waitress, optional (llmc[registry]); only `llmc hook serve` needs it
     from llmc.hook.http_server import HookServer
@@ -188,7 +209,7 @@ def serve(config: HookConfig, host: str, port: int) -> None:
                              "created with")
     queue = JobQueue(config.state, config.max_queued)
     wake = threading.Event()
-    worker = Worker(config, queue, wake)
+    worker = Worker(config, queue, wake, runner_for(config, config_path))
     worker.start()
     server = HookServer(create_app(config, queue, wake), config.server, host, port)
     signal.signal(signal.SIGTERM, _stop_serving)

@@ -1,0 +1,176 @@
+"""The hook's Slurm runner against a real one-node Slurm cluster on loopback (Debian's slurmctld, slurmd and munge,
+started here with their config, key and state in a temporary folder): a job queued for a tiny model is planned,
+submitted with `sbatch`, run by `srun llmc hook execute` on the node (a real build of the tiny model) and followed
+with `squeue` until it is done; dispatching it again submits nothing.
+
+Needs root and the packages (`scripts/setup.sh --slurm`, or `apt-get install -y --no-install-recommends slurmctld
+slurmd munge`); skipped, saying which is missing, without them. Marked slow: it builds a model and starts daemons.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket as socket_module
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmc.hook.config import load_hook_config
+from llmc.hook.jobs import COMPLETE, hf_source, new_job
+from llmc.hook.queue import JobQueue
+from llmc.hook.runners import TERMINAL, SlurmRunner, dispatch, follow
+from llmc.recipe.load import load_recipe
+from tests.unit.hook_helpers import REPO, free_port, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "srun")
+
+
+def _missing() -> str | None:
+    absent = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    if absent:
+        return f"not installed: {', '.join(absent)} (apt-get install slurmctld slurmd munge; scripts/setup.sh --slurm)"
+    if os.geteuid() != 0:
+        return "a one-node Slurm cluster started by the test needs root (slurmd launches jobs as their user)"
+    return None
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def _wait(predicate, timeout: float, what: str, logs: list[Path]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2000:]}" for p in logs if p.is_file())
+            raise AssertionError(f"{what} within {timeout} s\n{tails}")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path: Path, monkeypatch):
+    """A one-node cluster (node `llmcnode`, partition `debug`, 2 CPUs) on 127.0.0.1; SLURM_CONF points at it."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path / "slurm"
+    for sub in ("munge", "state", "spool", "log"):
+        (root / sub).mkdir(parents=True, mode=0o700)
+    (root / "munge").chmod(0o711)  # munged: its socket's folder must be searchable by every client
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket = root / "munge" / "munge.sock"
+    conf = root / "slurm.conf"
+    conf.write_text(f"""ClusterName=llmctest
+SlurmctldHost={socket_module.gethostname()}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={socket}
+StateSaveLocation={root / 'state'}
+SlurmdSpoolDir={root / 'spool'}
+SlurmctldPidFile={root / 'slurmctld.pid'}
+SlurmdPidFile={root / 'slurmd.pid'}
+SlurmctldLogFile={root / 'log' / 'slurmctld.log'}
+SlurmdLogFile={root / 'log' / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+ReturnToService=2
+MinJobAge=600
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+MailProg=/bin/true
+NodeName=llmcnode NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=llmcnode Default=YES MaxTime=60 State=UP
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    logs = [root / "log" / "munged.log", root / "log" / "slurmctld.log", root / "log" / "slurmd.log"]
+    procs = []
+    try:
+        procs.append(subprocess.Popen([_sbin("munged"), "-F", "-f", f"--socket={socket}", f"--key-file={key}",
+                                       f"--log-file={logs[0]}", f"--pid-file={root / 'munge' / 'munged.pid'}",
+                                       f"--seed-file={root / 'munge' / 'seed'}"], env=env))
+        _wait(socket.exists, 20, "munged did not open its socket", logs)
+        procs.append(subprocess.Popen([_sbin("slurmctld"), "-D", "-i"], env=env))
+        procs.append(subprocess.Popen([_sbin("slurmd"), "-D", "-N", "llmcnode"], env=env))
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "--noheader", "--format=%t"], env=env, capture_output=True, text=True)
+            return out.stdout.strip() == "idle"
+
+        _wait(idle, 60, "the node did not come up idle", logs)
+        yield root
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_a_queued_job_is_built_by_a_real_slurm_job_and_submitted_once(slurm_cluster: Path, tmp_path: Path,
+                                                                      tiny_model_session: Path) -> None:
+    recipe = tiny_recipe(tmp_path / "recipe.yaml", tmp_path / "registry")
+    llmc = tmp_path / "llmc"  # the node's llmc: this checkout, in this venv
+    llmc.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m llmc \"$@\"\n")
+    llmc.chmod(0o755)
+    path = tmp_path / "hook.yaml"
+    path.write_text(yaml.safe_dump({
+        "state_dir": str(tmp_path / "state"), "cache_dir": str(tmp_path / "cache"), "runner": "slurm",
+        "slurm": {"partitions": [{"name": "debug", "memory_gb": 3.9, "max_time_h": 1}], "llmc": str(llmc),
+                  "poll_s": 1},
+        "routes": [{"models": "org/tiny*", "recipes": [str(recipe)]}]}))
+    config = load_hook_config(path)
+    source = hf_source("org/tiny", "main")  # a Hub source: built and published locally, no registry server needed
+    fetched = config.state / "sources" / "hf" / "org" / "tiny" / "main"
+    shutil.copytree(tiny_model_session, fetched)
+    (fetched / COMPLETE).write_text(source["uri"])
+    # the tiny recipe evaluates on CPU-sized work; "auto" devices would ask this GPU-less node for a GPU
+    recorded = load_recipe(recipe)
+    recorded = recorded.model_copy(update={
+        "calibration": recorded.calibration.model_copy(update={"device": "cpu"}),
+        "eval": recorded.eval.model_copy(update={"device": "cpu"})})
+    queue = JobQueue(config.state)
+    job, _ = queue.enqueue(new_job(recorded, recipe, source))
+    runner = SlurmRunner(config, config_path=path)
+
+    submitted = dispatch(runner, queue.take(job["id"]), queue)
+    assert submitted["state"] == "running", submitted.get("error")
+    sid = submitted["scheduler_id"]
+    assert sid.isdigit()
+    again = dispatch(runner, queue.get(job["id"]), queue)  # a second delivery while it is on the cluster
+    assert again["scheduler_id"] == sid
+
+    def ended() -> bool:
+        follow(runner, queue)
+        return queue.get(job["id"]).get("scheduler_state") in TERMINAL
+
+    _wait(ended, 300, f"slurm job {sid} did not end", [config.state / "slurm" / f"{sid}.out",
+                                                       slurm_cluster / "log" / "slurmd.log"])
+    final = queue.get(job["id"])
+    log = runner.logs(sid)
+    assert final["scheduler_state"] == "COMPLETED", log[-3000:]
+    assert final["state"] == "done", (final.get("error"), log[-3000:])
+    assert Path(final["published"]).is_dir()
+    # one Slurm job in all: squeue still lists the finished one (MinJobAge), and only it
+    names = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i %j"], capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    assert [n for n in names if n.strip()] == [f"{sid} llmc-{job['id'][:16]}"]
