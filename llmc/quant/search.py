@@ -247,3 +247,93 @@ def _activation_hook(spec: TensorSpec, absmax: torch.Tensor | None):
         return (fake_quantize(args[0], spec, scale), *args[1:])
 
     return hook
+
+
+# --------------------------------------------------------------------------- the search on one model
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """A recipe's search resolved on a model's shapes: what the plan prints and the build measures and solves."""
+
+    candidates: tuple[str, ...]  # those every target runs, in the recipe's order (BF16 among them where given)
+    removed: tuple[tuple[str, str], ...]  # (candidate, why) for those a target cannot run
+    units: tuple[Unit, ...]
+    protected: tuple[str, ...]  # Linears kept in the model's dtype, not searched (protect, and their fused siblings)
+    fixed_bytes: Fraction  # bytes of the decoder layers' Linears outside the search (protected, quantization.ignore)
+    sizes: tuple[tuple[Fraction, ...], ...]  # per unit, per candidate: stored bytes
+    budget_bytes: Fraction  # for every decoder-layer Linear, fixed ones included
+    total_params: int
+    granularity: str
+    fused: bool  # a target fuses siblings, so they were kept in one unit
+    notes: tuple[str, ...] = ()
+
+    def bounds(self) -> tuple[float, float]:
+        """The fewest and most bytes a mix can take (fixed bytes included)."""
+        return (float(self.fixed_bytes + sum(min(r) for r in self.sizes)),
+                float(self.fixed_bytes + sum(max(r) for r in self.sizes)))
+
+
+def search_space(linears: Mapping[str, tuple[int, int]], *, candidates: Sequence[str],
+                 removed: Sequence[tuple[str, str]], specs: Mapping[str, TensorSpec], granularity: str,
+                 protect: Sequence[str], budget_bytes: float | None, effective_bits: float | None,
+                 ignore: tuple[str, ...], n_layers: int, model_type: str | None, fuse: bool, elem: int,
+                 matches: Callable[[str, tuple], bool]) -> SearchSpace:
+    """The search on a model of `linears` (every Linear name -> (out, in)): its decoder layers' Linears, less those
+    `ignore`d and `protect`ed (fused siblings of a protected Linear are protected too where a target fuses them),
+    cut into units; each unit's bytes under each candidate (`specs`; BF16: `elem` bytes a weight)."""
+    inside = {n: s for n, s in linears.items() if site_of(n) is not None}
+    ignored = {n for n in inside if matches(n, ignore)}
+    kept = {n for n in inside if n not in ignored and protected(n, protect, n_layers, matches)}
+    notes = []
+    if fuse:
+        for siblings in fused_groups(sorted(set(inside) - ignored)):
+            if kept & set(siblings) and not set(siblings) <= kept:
+                notes.append(f"{', '.join(sorted(set(siblings) - kept))} protected with "
+                             f"{', '.join(sorted(kept & set(siblings)))}: a target runs them as one GEMM")
+                kept |= set(siblings)
+    searched = {n: s for n, s in inside.items() if n not in ignored and n not in kept}
+    units = make_units(searched, granularity, model_type, fuse)
+    sizes = tuple(tuple(unit_bytes(u.params, specs.get(c), elem) for c in candidates) for u in units)
+    fixed = sum((unit_bytes(inside[n][0] * inside[n][1], None, elem) for n in kept | ignored), Fraction(0))
+    total = sum(a * b for a, b in inside.values())
+    budget = (Fraction(budget_bytes) if budget_bytes is not None
+              else Fraction(effective_bits).limit_denominator(1 << 20) * total / 8)
+    return SearchSpace(tuple(candidates), tuple(removed), tuple(units), tuple(sorted(kept)), fixed, sizes, budget,
+                       total, granularity, fuse, tuple(notes))
+
+
+def solve_space(space: SearchSpace, damage: Mapping[str, Sequence[float]]) -> Solution | None:
+    """The least-damage mix of `space` within its budget, from each unit's measured `damage` (per candidate)."""
+    return solve(space.sizes, [damage[u.name] for u in space.units], space.budget_bytes - space.fixed_bytes)
+
+
+def summary(space: SearchSpace, solution: Solution, damage: Mapping[str, Sequence[float]],
+            front_points: int = 12) -> dict:
+    """What quantized.json, the plan and the report show: each chosen candidate's Linears, bytes and predicted
+    damage, the mix's totals and the Pareto front (bytes with the fixed ones, thinned to `front_points`)."""
+    per: dict[str, dict] = {}
+    for unit, c, row in zip(space.units, solution.choice, space.sizes):
+        cand = space.candidates[c]
+        entry = per.setdefault(cand, {"group": f"search-{cand.lower()}", "scheme": cand, "units": 0, "linears": 0,
+                                      "params": 0, "bytes": 0.0, "damage": 0.0})
+        entry["units"] += 1
+        entry["linears"] += len(unit.linears)
+        entry["params"] += unit.params
+        entry["bytes"] += float(row[c])
+    for unit, c in zip(space.units, solution.choice):
+        per[space.candidates[c]]["damage"] += damage[unit.name][c]
+    front = [(b + float(space.fixed_bytes), d) for b, d in solution.front]
+    if len(front) > front_points:  # evenly spread points, the ends kept
+        idx = sorted({round(i * (len(front) - 1) / (front_points - 1)) for i in range(front_points)})
+        front = [front[i] for i in idx]
+    return {"granularity": space.granularity, "budget_bytes": float(space.budget_bytes),
+            "budget_effective_bits": float(space.budget_bytes * 8 / space.total_params) if space.total_params else 0.0,
+            "bytes": solution.bytes + float(space.fixed_bytes),
+            "effective_bits": (solution.bytes + float(space.fixed_bytes)) * 8 / max(space.total_params, 1),
+            "predicted_damage": solution.damage, "exact": solution.exact,
+            "groups": list(per.values()), "protected": list(space.protected),
+            "removed": [{"candidate": c, "why": why} for c, why in space.removed],
+            "units": {u.name: space.candidates[c] for u, c in zip(space.units, solution.choice)},
+            "front": [{"bytes": b, "damage": d} for b, d in front]}
+
