@@ -27,6 +27,7 @@ from llmc.quant.spec import Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, Calibration, StreamOptions, measure_model
 from llmc.recipe.schema import QuantizationSection
 from llmc.storage.store import atomic_write_json, stage_key
+from llmc.telemetry import events
 
 SENSITIVITY_FILE = "sensitivity.json"
 
@@ -70,6 +71,7 @@ def resolve_search(b: Build, variant: str, section: QuantizationSection, space: 
         def measure(i, layer, linears, inputs, extras, outputs, stats) -> None:
             damage.update(layer_damage(layer, linears, by_layer.get(i, []), candidates, inputs, extras, outputs,
                                        stats.input_absmax))
+            events.emit(f"search:layer:{i}")
 
         cal = Calibration(tokens.input_ids, mask=tokens.attention_mask, spill=c.spill_activations,
                           shared_stats=Quantize._shared_stats(b, b.calib_key),

@@ -134,9 +134,12 @@ def render_search(variant: str, space: SearchSpace, chosen: dict | None) -> list
              f"{len(space.protected)} Linears protected"]
     lines += [f"    candidate {c} removed: {why}" for c, why in space.removed]
     lines += [f"    note: {n}" for n in space.notes]
+    lines.append(f"    measurement: {space.forwards_per_layer()} forwards of each decoder layer over the calibration windows "
+                 "(the calibration pass's own + one per unit and scheme candidate), one layer resident at a time; the "
+                 "quantize stage then reuses its ranges. Cached: a new budget re-solves without measuring")
     if chosen is None:
-        lines.append("    each unit's damage under each candidate is measured by `llmc build` in its calibration "
-                     "pass (cached: a new budget re-solves without measuring); the chosen mix is printed then")
+        lines.append("    the chosen mix, its groups' bytes and predicted damage and the Pareto front: printed by "
+                     "`llmc build` once measured")
         return lines
     lines.append(f"    chosen mix: {_size(chosen['bytes'])} ({chosen['effective_bits']:.2f} effective bits), "
                  f"predicted damage {chosen['predicted_damage']:.4g} (sum of units' layer-output relative errors)"
@@ -270,6 +273,10 @@ def _search_space(recipe: Recipe, q: QuantizationSection, removed: list[tuple[st
         effective_bits=search.budget.effective_bits, ignore=base.ignore,
         n_layers=config.get("num_hidden_layers", 0), model_type=config.get("model_type"),
         fuse=any(targets.format_for(t).fuses_projections for t in recipe.targets), elem=elem, matches=module_matches)
+    if not space.units:
+        raise RecipeError(f"quantization.search has nothing to search: search.protect and quantization.ignore hold "
+                          f"every decoder-layer Linear ({len(space.protected)} protected)",
+                          fix="protect fewer Linears (search.protect), or drop the search for a plain scheme")
     lo, hi = space.bounds()
     if space.budget_bytes < lo:
         raise RecipeError(
@@ -279,6 +286,13 @@ def _search_space(recipe: Recipe, q: QuantizationSection, removed: list[tuple[st
             f"every unit at its smallest candidate, {len(space.protected)} protected Linears in the model's dtype)",
             fix=f"raise the budget to at least {lo * 8 / space.total_params:.2f} effective bits, protect fewer "
                 "Linears, or add a smaller candidate")
+    everything_kept = space.fixed_bytes + sum(row[space.candidates.index(BF16)] for row in space.sizes) \
+        if BF16 in space.candidates else None
+    if everything_kept is not None and space.budget_bytes >= everything_kept:
+        raise RecipeError(
+            f"quantization.search.budget ({_size(float(space.budget_bytes))}) holds every Linear in the model's dtype "
+            f"({_size(float(everything_kept))}), so the search would quantize nothing",
+            fix=f"lower the budget below {float(everything_kept) * 8 / space.total_params:.2f} effective bits")
     return space
 
 

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from llmc.model.families import linear_role
-from llmc.quant.groups import layers_of, site_of
+from llmc.model.skeleton import layer_output
+from llmc.quant.groups import is_layer_spec, layers_of, site_of
 from llmc.quant.microscaling import fused_groups
 from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weights, static_scale
 from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme, TensorSpec
@@ -97,18 +98,12 @@ def protected(name: str, patterns: Iterable[str], n_layers: int, matches: Callab
     site = site_of(name)
     names = []
     for p in patterns:
-        if _is_layer_spec(p):
+        if is_layer_spec(p):
             if site is not None and site[0] in layers_of(p, n_layers):
                 return True
         else:
             names.append(p)
     return bool(names) and matches(name, tuple(names))
-
-
-def _is_layer_spec(pattern: str) -> bool:
-    from llmc.quant.groups import _LAYER_SPEC  # the one grammar of layer selectors
-
-    return _LAYER_SPEC.match(pattern) is not None
 
 
 def unit_bytes(params: int, spec: TensorSpec | None, elem: int) -> Fraction:
@@ -204,8 +199,6 @@ def layer_damage(layer: nn.Module, linears: Mapping[str, nn.Linear], units: Sequ
     unit's Linears quantized by the candidate (weights round-to-nearest; activations fake-quantized with the static
     scale of the observed absmax, or dynamically) and every other Linear as it is. `inputs`/`extras`/`outputs`:
     the layer's original inputs, its call arguments and its original outputs, per batch."""
-    from llmc.model.skeleton import layer_output  # lazy: keeps the pure solver importable without the skeleton
-
     device = next(layer.parameters()).device
     reference = sum(float(y.double().pow(2).sum()) for y in outputs) or 1.0
     out: dict[str, list[float]] = {}
@@ -267,6 +260,16 @@ class SearchSpace:
     granularity: str
     fused: bool  # a target fuses siblings, so they were kept in one unit
     notes: tuple[str, ...] = ()
+
+    def forwards_per_layer(self) -> int:
+        """Forwards of each decoder layer over the calibration windows the measurement costs: the calibration pass's
+        own, and one per unit of the layer and scheme candidate."""
+        per_layer: dict[int, int] = {}
+        for u in self.units:
+            layer = site_of(u.linears[0])[0]
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        schemes = sum(c != BF16 for c in self.candidates)
+        return 1 + max(per_layer.values(), default=0) * schemes
 
     def bounds(self) -> tuple[float, float]:
         """The fewest and most bytes a mix can take (fixed bytes included)."""

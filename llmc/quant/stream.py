@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from llmc import distributed
+from llmc.errors import RecipeError
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
@@ -202,8 +203,6 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     Nothing is quantized or written but those statistics; the activations stay in memory (or spill, as the recipe
     says) under `work`. Returns the number of layers."""
     if distributed.active():
-        from llmc.errors import RecipeError
-
         raise RecipeError("quantization.search measures in one process in this llmc version",
                           fix="build without --nproc / torchrun")
     dtype, device = options.dtype, torch.device(options.device)
@@ -232,6 +231,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
         flow.propagate(s, w)  # s.hidden: this layer's original outputs, the next layer's inputs
         measure(i, w.module, w.linears, inputs, w.extras, s.hidden, w.stats)
         release(w.module)
+        shutil.rmtree(inputs_dir(work, i), ignore_errors=True)  # spilled: one layer's inputs on disk at a time
     release(m.model)
     if shared is not None:
         shared.finish(m.all_linears, m.all_kv)
