@@ -53,8 +53,32 @@ def _stored_bytes(meta: dict) -> float:
     return total
 
 
+def _artifact_linear_bytes(folder: Path, linears: set[str]) -> tuple[int, int]:
+    """(bytes of the tensors of `linears` in the artifact's safetensors files, of which per-tensor scalars apart)."""
+    from safetensors import safe_open
+
+    tensors = scalars = 0
+    for f in folder.rglob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name.rsplit(".", 1)[0] not in linears:
+                    continue
+                t = st.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                size = n * {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1}[t.get_dtype()]
+                if n <= 1:
+                    scalars += size
+                else:
+                    tensors += size
+    return tensors, scalars
+
+
 def _shapes(meta: dict) -> dict[str, int]:
-    h, i, kv = meta["config"]["hidden_size"], meta["config"]["intermediate_size"], 64 // 4 * 4
+    c = meta["config"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
     local = {"q_proj": h * h, "o_proj": h * h, "k_proj": h * kv, "v_proj": h * kv, "gate_proj": h * i,
              "up_proj": h * i, "down_proj": h * i}
     return {n: local[n.rsplit(".", 1)[1]] for n in meta["unquantized_modules"]}
@@ -88,6 +112,10 @@ def test_search_build_end_to_end(tiny: Path) -> None:
     assert meta["layer_loop"]["flow"] in ("shared-statistics", "data-free")
     [artifact] = result.artifacts.values()
     assert artifact.scheme == result.plan.scheme.name and artifact.scheme.startswith("MIXED-")
+    # the artifact's files: the decoder-layer Linears' tensors take the solved bytes, per-tensor scalars (global and
+    # input scales: the format's metadata) aside
+    written, scalars = _artifact_linear_bytes(Path(artifact.dir), set(group_of))
+    assert written == chosen["bytes"] and written <= chosen["budget_bytes"] and scalars <= 3 * 4 * len(group_of)
     report = next(Path(result.published).rglob("report.md")).read_text()
     assert "## Mixed precision search" in report and "Pareto front" in report
 
