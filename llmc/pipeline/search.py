@@ -33,7 +33,7 @@ SENSITIVITY_FILE = "sensitivity.json"
 
 
 def search_id(variant: str) -> StageId:
-    """The measurement's id in the build's records: 'quantize:<variant>:search' (the quantize stage's part it feeds)."""
+    """The measurement's id in the build's records: 'quantize:<variant, or search>:sensitivity'."""
     return StageId(Kind.QUANTIZE, (variant or "search", "sensitivity"))
 
 
