@@ -21,6 +21,7 @@ from llmc.pipeline.context import Build
 from llmc.pipeline.export import Export
 from llmc.pipeline.ids import Kind
 from llmc.pipeline.runner import Runner
+from llmc.pipeline.search import resolve_search
 from llmc.pipeline.stages import pending_ids, stages
 from llmc.planning import probes
 from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache_note, unpacked_sources
@@ -71,7 +72,9 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder), overrides=tuple(overrides))
 
     tokenizer = load_tokenizer(source.folder)  # size-capped files; a refused tokenizer is exit 7
-    needs_calibration = any(s.needs_calibration for s in plan.schemes.values())
+    searches = {name: q for name, q in recipe.variant_sections() if q.search is not None}
+    # a search measures on the calibration windows whatever its candidates need
+    needs_calibration = bool(searches) or any(s.needs_calibration for s in plan.schemes.values())
     # Both token sets first: a source that is missing, too small or shared with the other fails before any work.
     calib_tokens = data.calibration_tokens(recipe.calibration, tokenizer) if needs_calibration else None
     eval_tokens = data.eval_tokens(recipe.eval, tokenizer) if not Kind.EVAL.comes_after(last) else None
@@ -81,8 +84,15 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     b = Build(recipe=recipe, runner=Runner(store, result.stages), result=result, device=device, tokenizer=tokenizer,
               calibration=calib_tokens, evaluation=eval_tokens)
     b.calib_key = Calibrate.key(b) if needs_calibration else None
+    if searches:  # measured (or found cached) and solved: then planned again with the chosen mixes
+        resolved = {name: resolve_search(b, name, q, plan.search[name], plan.schemes[name])
+                    for name, q in searches.items()}
+        plan = make_plan(recipe, source.folder, check_time=False, resolved=resolved)
+        result.search = plan.searched
+        plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
+        result.plan = plan
 
-    walk = stages(recipe, plan.schemes, last)
+    walk = stages(recipe, plan.schemes, last, searched=result.search)
     pending = pending_ids(walk, b)
     plan.mark_cached(pending, [s.id for s in walk])  # rows of cached stages say so; the totals count the rest
     log(plan.render())

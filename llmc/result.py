@@ -172,6 +172,7 @@ class BuildResult:
     dtype: str = "float32"  # recipe.model.dtype resolved (auto: the checkpoint's own, llmc.model.dtype)
     overrides: tuple[str, ...] = ()  # the command line's --set key.path=value, already applied to `recipe`
     bos: dict | None = None  # whether windows start with a BOS, which id and why (llmc.data.bos)
+    search: dict[str, dict] = field(default_factory=dict)  # variant -> its searched mix (llmc.quant.search.summary)
 
     @property
     def passed(self) -> bool:

@@ -32,6 +32,7 @@ def report_dict(result: BuildResult) -> dict:
         "verdicts": [v.to_dict() for v in result.verdicts],
         "warnings": result.plan.warnings,
         "bos": result.bos,  # the protocol's BOS: used or not, and why
+        **({"search": result.search} if result.search else {}),  # quantization.search's chosen mixes
         "suspicious_improvements": suspicious_improvements(result),
         "stages": [s.__dict__ for s in result.stages],
     }
@@ -225,6 +226,23 @@ def _bos_words(bos: dict | None, seq_len: int) -> str:
     return (f"BOS id {bos['token_id']} + {seq_len - 1}" if bos["used"] else "no BOS") + f": {bos['reason']}"
 
 
+def _search_section(variant: str, chosen: dict) -> list[str]:
+    """quantization.search's chosen mix: each group's bytes and predicted damage, and the Pareto front."""
+    out = ["", f"## Mixed precision search{' (' + variant + ')' if variant else ''}", "",
+           f"Budget {chosen['budget_bytes'] / 1e6:,.2f} MB ({chosen['budget_effective_bits']:.2f} effective bits) for "
+           f"the decoder layers' Linears; chosen mix {chosen['bytes'] / 1e6:,.2f} MB "
+           f"({chosen['effective_bits']:.2f} effective bits), predicted damage {chosen['predicted_damage']:.4g} "
+           f"(the sum of each unit's layer-output relative error, measured on the calibration windows), "
+           f"by {chosen['granularity']}; {len(chosen['protected'])} Linears protected.", "",
+           "| group | scheme | units | Linears | MB | predicted damage |", "|---|---|---|---|---|---|"]
+    out += [f"| {g['group']} | {g['scheme']} | {g['units']} | {g['linears']} | {g['bytes'] / 1e6:,.2f} | "
+            f"{g['damage']:.4g} |" for g in chosen["groups"]]
+    out += [f"- candidate {r['candidate']} removed: {r['why']}" for r in chosen["removed"]]
+    out += ["", "Pareto front (MB -> least predicted damage): "
+            + ", ".join(f"{p['bytes'] / 1e6:,.2f} -> {p['damage']:.4g}" for p in chosen["front"])]
+    return out
+
+
 def render_markdown(result: BuildResult) -> str:
     r = result.recipe
     ev = r.eval
@@ -290,6 +308,8 @@ def render_markdown(result: BuildResult) -> str:
             note = engine_spec(eval_id.engine).emulation_note
             out.append(f"| {eval_id} | {_fmt_tput(m.throughput, 'prefill_tokens_per_s')} | "
                        f"{_fmt_tput(m.throughput, 'decode_tokens_per_s')} | {note} |")
+    for variant, chosen in result.search.items():
+        out += _search_section(variant, chosen)
     task_rows = [(eid, name, t) for eid, m in result.evals.items() for name, t in (m.tasks or {}).items()]
     if task_rows:  # eval.tasks: lm-evaluation-harness accuracy, 95% interval = acc ± 1.96 · harness stderr
         out += ["", "## Tasks (lm-evaluation-harness, torch engine)", "", "| engine:model | task | accuracy (95% CI) | n |",

@@ -62,8 +62,12 @@ FAKE_QUANT_COST = 3.7
 class Quantize(Stage):
     share = ranks.Share.ALL
 
-    def __init__(self, variant: str, scheme: Scheme, earlier: tuple[Quantize, ...] = ()) -> None:
+    def __init__(self, variant: str, scheme: Scheme, earlier: tuple[Quantize, ...] = (),
+                 searched: dict | None = None) -> None:
         self.variant, self.scheme = variant, scheme
+        # quantization.search's record of the chosen mix (llmc.quant.search.summary), less what only the budget fixes:
+        # the same mix from another budget is the same output
+        self.searched = ({k: v for k, v in searched.items() if not k.startswith("budget")} if searched else None)
         self.earlier = earlier  # the quantize stages before this one in the build (whose statistics it may reuse)
         # as the plan and the build's records name it: the variant (unique in a recipe), else the scheme
         self.id = StageId(Kind.QUANTIZE, (variant or scheme.name,))
@@ -75,6 +79,8 @@ class Quantize(Stage):
             cfg["device"] = device.type
         if b.recipe.calibration.moe_calibrate_all_experts:  # MoE statistics from every token (keys without: as were)
             cfg["moe_calibrate_all_experts"] = True
+        if self.searched:  # the measurement its predicted damages come from
+            cfg["search"] = self.searched["measurement_key"]
         summing = ranks.ranks_summing(Pipeline.of(scheme).sums_over_windows)
         if summing:  # sums over windows associate differently on N ranks (maxima do not)
             cfg["ranks"] = summing
@@ -109,6 +115,8 @@ class Quantize(Stage):
         # an earlier scheme that shares statistics has them recorded, by itself or (where it reused them) by one
         # before it that covers it: no need to decide the earlier stages again (that recursion doubles per variant)
         needed = _targets(self.scheme, c.linears)
+        if self.searched is not None and Pipeline.of(self.scheme).shares_statistics:
+            return True  # the search's measurement pass recorded them (llmc.pipeline.search)
         return any(
             q.scheme.needs_calibration and Pipeline.of(q.scheme).shares_statistics
             and needed <= _targets(q.scheme, c.linears)
@@ -130,7 +138,8 @@ class Quantize(Stage):
             quantize_model(b.result.source, scheme, out, windows,
                            StreamOptions(dtype=getattr(torch, b.result.dtype), device=device, loop=planned,
                                          resume_every_s=c.resume_every_s,
-                                         extra_meta={"calibration_key": calib_key, "device": device.type},
+                                         extra_meta={"calibration_key": calib_key, "device": device.type,
+                                                     **({"search": self.searched} if self.searched else {})},
                                          on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
 
         key = self.key(b)

@@ -21,12 +21,13 @@ from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe
 
 
-def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH) -> list[Stage]:
+def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH,
+           searched: dict[str, dict] | None = None) -> list[Stage]:
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
-    evaluate, tasks, gate, publish."""
+    evaluate, tasks, gate, publish. `searched`: the variants whose mix quantization.search chose, with its record."""
     quantizes: list[Quantize] = []
     for variant, scheme in schemes.items():  # each knows the ones before it (whose statistics it may reuse)
-        quantizes.append(Quantize(variant, scheme, tuple(quantizes)))
+        quantizes.append(Quantize(variant, scheme, tuple(quantizes), (searched or {}).get(variant)))
     exports: list[Export] = []
     for q in quantizes:  # each knows the ones before it (whose files, or verified inputs, it may share)
         for t in recipe.targets:

@@ -41,9 +41,10 @@ from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.device import resolve_device
 from llmc.quant.groups import by_group, split_fused
+from llmc.quant.search import BF16, SearchSpace, search_space
 from llmc.quant.spec import FORMATS, Scheme
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE
-from llmc.recipe.schema import Recipe, Target
+from llmc.recipe.schema import QuantizationSection, Recipe, Target
 from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
 
 
@@ -89,6 +90,10 @@ class Plan:
     export_memory_gb: float | None = None  # a whole-model (ONNX) export's peak; None without such a target
     rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
     cache_writes: list[str] = field(default_factory=list)  # what planning itself wrote to the cache (a GGUF unpacked)
+    # quantization.search, per variant: the search on this model (with the model's shapes) and, once a build has
+    # measured and solved it, the chosen mix (llmc.quant.search.summary)
+    search: dict[str, SearchSpace] = field(default_factory=dict)
+    searched: dict[str, dict] = field(default_factory=dict)
 
     def mark_cached(self, pending: Collection[StageId], walked: Collection[StageId] | None = None) -> None:
         """The build knows which stages' outputs are cached: their rows say so, rows of stages after the command's
@@ -199,9 +204,41 @@ class Plan:
             lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
         for name, described in self.gates.items():
             lines.append(f"  gates{' for ' + name if name else ''}: {described}")
+        for variant, space in self.search.items():
+            lines += render_search(variant, space, self.searched.get(variant))
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
+
+
+def render_search(variant: str, space: SearchSpace, chosen: dict | None) -> list[str]:
+    """quantization.search's lines: the space (candidates kept and removed, units, budget), then, once measured,
+    each chosen group's bytes and predicted damage and the Pareto front of bytes against predicted damage."""
+    lo, hi = space.bounds()
+    budget = float(space.budget_bytes)
+    lines = [f"  search{' (' + variant + ')' if variant else ''}: {len(space.units)} units by {space.granularity}"
+             + (" (fused siblings kept in one unit: a target runs them as one GEMM)" if space.fused else "")
+             + f", candidates {', '.join(space.candidates)}; budget {_size(budget)} "
+             f"({budget * 8 / max(space.total_params, 1):.2f} effective bits) of {_size(lo)}-{_size(hi)} reachable; "
+             f"{len(space.protected)} Linears protected"]
+    lines += [f"    candidate {c} removed: {why}" for c, why in space.removed]
+    lines += [f"    note: {n}" for n in space.notes]
+    lines.append(f"    measurement: {space.forwards_per_layer()} forwards of each decoder layer over the calibration windows "
+                 "(the calibration pass's own + one per unit and scheme candidate), one layer resident at a time; the "
+                 "quantize stage then reuses its ranges. Cached: a new budget re-solves without measuring")
+    if chosen is None:
+        lines.append("    the chosen mix, its groups' bytes and predicted damage and the Pareto front: printed by "
+                     "`llmc build` once measured")
+        return lines
+    lines.append(f"    chosen mix: {_size(chosen['bytes'])} ({chosen['effective_bits']:.2f} effective bits), "
+                 f"predicted damage {chosen['predicted_damage']:.4g} (sum of units' layer-output relative errors)"
+                 + ("" if chosen["exact"] else "; byte axis coarsened, optimum on that grid"))
+    for g in chosen["groups"]:
+        lines.append(f"    {g['group']:<24} {g['scheme']:<16} {g['units']:>4} units {g['linears']:>5} Linears "
+                     f"{_size(g['bytes']):>10}  predicted damage {g['damage']:.4g}")
+    lines.append("    Pareto front (bytes -> least predicted damage): "
+                 + ", ".join(f"{_size(p['bytes'])} -> {p['damage']:.4g}" for p in chosen["front"]))
+    return lines
 
 
 def _render_estimates(plan: Plan) -> list[str]:
@@ -277,6 +314,76 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def search_removed(q: QuantizationSection, recipe_targets: tuple[Target, ...]) -> list[tuple[str, str]]:
+    """(candidate, why) for each quantization.search candidate some target cannot run (`check_target`, the runtimes'
+    own rules); IncompatibleTargetError when no scheme candidate is left."""
+    base = q.to_scheme()
+    removed = []
+    for candidate, group in q.search.members(q.algorithm).items():
+        for t in recipe_targets:
+            try:
+                check_target(base.member(group), t)
+            except IncompatibleTargetError as e:
+                removed.append((candidate, e.message))
+                break
+    if len(removed) == len(q.search.members(q.algorithm)):
+        raise IncompatibleTargetError(
+            "quantization.search: no scheme candidate runs on every target: "
+            + "; ".join(f"{c}: {why}" for c, why in removed),
+            fix="add a candidate every target runs (llmc matrix lists them), or change the targets")
+    return removed
+
+
+def _search_space(recipe: Recipe, q: QuantizationSection, removed: list[tuple[str, str]], config: dict,
+                  linears: dict[str, tuple[int, int]], model_folder: Path | None) -> SearchSpace:
+    """The search on this model's shapes: candidates whose group sizes the searched widths rule out are removed too
+    (`_check_widths`); RecipeError when the budget is below the smallest mix."""
+    search, base = q.search, q.to_scheme()
+    members = search.members(q.algorithm)
+    removed = list(removed)
+    inside = {n: s for n, s in linears.items() if not module_matches(n, base.ignore)}
+    for c, group in members.items():
+        if c in dict(removed):
+            continue
+        try:
+            _check_widths(base.member(group), inside, f"quantization.search candidate {c}")
+        except IncompatibleTargetError as e:
+            removed.append((c, e.message))
+    kept = [c for c in search.candidates if c not in dict(removed)]
+    if not any(c != BF16 for c in kept):
+        raise IncompatibleTargetError("quantization.search: no scheme candidate fits this model and the targets: "
+                                      + "; ".join(f"{c}: {why}" for c, why in removed),
+                                      fix="add a candidate the targets run with a group size this model's widths take")
+    elem = BYTES[resolve_dtype(recipe.model.dtype, model_folder, config)]
+    space = search_space(
+        linears, candidates=kept, removed=removed, specs={c: g.weights for c, g in members.items()},
+        granularity=search.granularity, protect=search.protect, budget_bytes=search.budget.bytes,
+        effective_bits=search.budget.effective_bits, ignore=base.ignore,
+        n_layers=config.get("num_hidden_layers", 0), model_type=config.get("model_type"),
+        fuse=any(targets.format_for(t).fuses_projections for t in recipe.targets), elem=elem, matches=module_matches)
+    if not space.units:
+        raise RecipeError(f"quantization.search has nothing to search: search.protect and quantization.ignore hold "
+                          f"every decoder-layer Linear ({len(space.protected)} protected)",
+                          fix="protect fewer Linears (search.protect), or drop the search for a plain scheme")
+    lo, hi = space.bounds()
+    if space.budget_bytes < lo:
+        raise RecipeError(
+            f"quantization.search.budget is {_size(float(space.budget_bytes))} "
+            f"({float(space.budget_bytes) * 8 / space.total_params:.2f} effective bits), below the smallest mix of "
+            f"this model's decoder-layer Linears, {_size(lo)} ({lo * 8 / space.total_params:.2f} effective bits: "
+            f"every unit at its smallest candidate, {len(space.protected)} protected Linears in the model's dtype)",
+            fix=f"raise the budget to at least {lo * 8 / space.total_params:.2f} effective bits, protect fewer "
+                "Linears, or add a smaller candidate")
+    everything_kept = space.fixed_bytes + sum(row[space.candidates.index(BF16)] for row in space.sizes) \
+        if BF16 in space.candidates else None
+    if everything_kept is not None and space.budget_bytes >= everything_kept:
+        raise RecipeError(
+            f"quantization.search.budget ({_size(float(space.budget_bytes))}) holds every Linear in the model's dtype "
+            f"({_size(float(everything_kept))}), so the search would quantize nothing",
+            fix=f"lower the budget below {float(everything_kept) * 8 / space.total_params:.2f} effective bits")
+    return space
 
 
 def check_target(scheme: Scheme, target: Target) -> tuple[str, list[str]]:
@@ -568,13 +675,22 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
               config: dict | None = None, refuse: bool = True, nproc: int | None = None,
-              check_time: bool = True) -> Plan:
+              check_time: bool = True, resolved: dict[str, tuple[Scheme, dict]] | None = None) -> Plan:
     """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
     and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
     what does not fit this machine or, with `check_time`, the recipe's time budget (the build checks it later,
     against the stages it still has to run)."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
-    plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes)
+    searches = {name: q for name, q in recipe.variant_sections() if q.search is not None}
+    removed = {name: search_removed(q, recipe.targets) for name, q in searches.items()}
+    for name, q in searches.items():  # the stand-in: the widest candidate every target runs (to_scheme's rule)
+        members = q.search.members(q.algorithm)
+        kept = [c for c in members if c not in dict(removed[name])]
+        schemes[name] = schemes[name].member(members[max(kept, key=lambda c: members[c].weights.stored_bits)])
+    resolved = resolved or {}
+    schemes.update({name: scheme for name, (scheme, _) in resolved.items()})  # a build's searched mixes, solved
+    plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes,
+                searched={name: chosen for name, (_, chosen) in resolved.items()})
     for name, scheme in schemes.items():
         where = f"variants[{name}].quantization" if name else "quantization"
         for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message
@@ -849,7 +965,7 @@ def _side_file_bytes(model_folder: Path | None) -> int:
 def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_folder: Path | None) -> None:
     """The plan's estimates: the stages of the build walked, each appending its cost row (`plan.rows`), and what
     they were costed for."""
-    recipe, schemes = plan.recipe, plan.schemes
+    recipe, schemes, searched = plan.recipe, plan.schemes, plan.searched
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
@@ -870,7 +986,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
                           config=config, side_files=side_files)
-        for stage in stages(recipe, schemes):
+        for stage in stages(recipe, schemes, searched=searched):
             stage.cost(costing)
         for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
             reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, free)

@@ -34,6 +34,11 @@ def check_layer_spec(spec: str) -> str:
     return spec.strip()
 
 
+def is_layer_spec(spec: str) -> bool:
+    """Whether `spec` is a layer selector ("first 2", "last 1", "5", "3-7") rather than a module name."""
+    return _LAYER_SPEC.match(spec) is not None
+
+
 def layers_of(spec: str, n_layers: int) -> set[int]:
     """The decoder layer indices `spec` names in a model of `n_layers` layers."""
     m = _LAYER_SPEC.match(spec)

@@ -31,13 +31,14 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from llmc import distributed
+from llmc.errors import RecipeError
 from llmc.model.checkpoint import INDEX_FILE, CheckpointReader
 from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
@@ -49,7 +50,7 @@ from llmc.model.source_formats import decode_fp8
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe
-from llmc.quant.activations import ActivationWriter, SpillMode, inputs_dir, memory_available
+from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
@@ -196,6 +197,54 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         shutil.rmtree(state_dir, ignore_errors=True)
     return StreamResult(layers=m.n_layers, quantized_modules=len(m.modules), calibrated=scheme.needs_calibration,
                         loop=loop)
+
+
+LayerMeasure = Callable[[int, nn.Module, dict[str, nn.Linear], Activations, list, Activations, LayerStats], None]
+
+
+def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration, work: Path, measure: LayerMeasure,
+                  options: StreamOptions = StreamOptions()) -> int:
+    """The calibration pass of the layer stream, with each resident layer handed to `measure` (quantization.search):
+    `measure(index, layer, its Linears, its original inputs, its call arguments, its original outputs, its observed
+    statistics)`. The statistics later schemes share (ranges, KV) are recorded into `calibration.shared_stats` as a
+    calibrating scheme records them, so the quantize stage of the chosen mix runs no calibration forward of its own.
+    Nothing is quantized or written but those statistics; the activations stay in memory (or spill, as the recipe
+    says) under `work`. Returns the number of layers."""
+    if distributed.active():
+        raise RecipeError("quantization.search measures in one process in this llmc version",
+                          fix="build without --nproc / torchrun")
+    dtype, device = options.dtype, torch.device(options.device)
+    observing = replace(scheme, algorithm="rtn", algorithm_options=(), groups=())  # ranges, original outputs
+    m = _open_model(source, observing, dtype)
+    pipeline = Pipeline.of(observing)
+    shared = SharedStats(calibration.shared_stats, m.n_layers) if calibration.shared_stats else None
+    facts = loop_facts(observing, calibration, calibration.tokens, calibration.mask, m.config, dtype, device,
+                       bool(m.moe_blocks), None, m.all_linears, m.all_kv, None)
+    loop = decide_layer_loop(pipeline, replace(facts, calibrates=True))  # where the activations live, as any pass
+    unread = output_head_names(m.model)
+    materialize(m.model, m.reader.get_many([n for n in m.reader.names()
+                                            if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
+    s = Stream(m.model, m.layers, pipeline, dtype, device, loop.batch_size, work, 0, spill=loop.activations == "disk",
+               resident=loop.activations == "device", one_forward=False, moe_all_experts=calibration.moe_all_experts,
+               shared=shared)
+    flow = FLOWS["sequential"]()
+    flow.prepare(s, calibration.tokens, calibration.mask)
+    for i in steps(range(m.n_layers), "search: measure layers", total=m.n_layers):
+        w = m.layer_work(i, observing)
+        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}."), dtype)
+        w.module.to(device)
+        w.extras = to_device([e[i] for e in s.extras], device)
+        inputs = s.hidden
+        flow.calibrate(s, w)  # ranges observed (and shared), the original outputs collected
+        flow.propagate(s, w)  # s.hidden: this layer's original outputs, the next layer's inputs
+        measure(i, w.module, w.linears, inputs, w.extras, s.hidden, w.stats)
+        release(w.module)
+        shutil.rmtree(inputs_dir(work, i), ignore_errors=True)  # spilled: one layer's inputs on disk at a time
+    release(m.model)
+    if shared is not None:
+        shared.finish(m.all_linears, m.all_kv)
+    shutil.rmtree(work, ignore_errors=True)
+    return m.n_layers
 
 
 def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,

@@ -283,6 +283,58 @@ class ModuleGroupSection(_Strict):
                            acts.to_spec() if acts else None)
 
 
+class SearchBudget(_Strict):
+    """What the searched mix may take: its decoder-layer Linears' stored bytes (as `llmc plan` counts a group's
+    bytes), or the same as effective bits per weight."""
+
+    effective_bits: float | None = Field(default=None, gt=0, le=64)
+    bytes: int | None = Field(default=None, gt=0, le=2**60)
+
+    @model_validator(mode="after")
+    def _one(self) -> "SearchBudget":
+        if (self.effective_bits is None) == (self.bytes is None):
+            raise ValueError("quantization.search.budget gives both or neither of effective_bits and bytes; fix: give "
+                             "exactly one, e.g. budget: {effective_bits: 5.5}")
+        return self
+
+
+class SearchSection(_Strict):
+    """Mixed precision chosen by measurement (llmc.quant.search): each unit's damage under each candidate is measured
+    on the calibration activations while its layer is resident, and an exact knapsack picks the mix of least
+    predicted damage within the budget."""
+
+    candidates: tuple[Literal[(*SCHEME_SETTINGS, "bf16")], ...] = Field(
+        min_length=2, description="scheme names (W4A16-NVFP4, W8A8-FP8, ...) and bf16 (left in the model's dtype); "
+        "those a target runtime cannot run at its arch are removed at plan time, with the reason")
+    budget: SearchBudget
+    granularity: Literal["layer", "role", "linear"] = Field(
+        default="role", description="what one unit is: a decoder layer, a role of one (attention, mlp, ...), or one "
+        "Linear (fused siblings of a fusing runtime stay one unit)")
+    protect: tuple[str, ...] = Field(
+        default=(), description="Linears kept in the model's dtype, not searched: layer selectors ('first 1', 'last 1', "
+        "'3-5') or module names (exact, a trailing part, or 're:<regex>')")
+
+    @field_validator("candidates")
+    @classmethod
+    def _distinct(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"quantization.search.candidates repeat: {list(v)}; fix: name each candidate once")
+        if all(c == "bf16" for c in v):
+            raise ValueError("quantization.search.candidates holds no scheme; fix: add a scheme such as W4A16-NVFP4")
+        return v
+
+    @field_validator("protect")
+    @classmethod
+    def _protect_patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        QuantizationSection._ignore_regexes(tuple(p for p in v if p.startswith("re:")))  # refused regexes: exit 2
+        return tuple(p.strip() for p in v)
+
+    def members(self, algorithm: str) -> dict[str, ModuleGroup]:
+        """Each scheme candidate's formats, as a group of that scheme would have them (scale grid defaults too)."""
+        return {c: ModuleGroupSection(name="candidate", scheme=c, roles=("attention",)).to_group(algorithm)
+                for c in self.candidates if c != "bf16"}
+
+
 class QuantizationSection(_Strict):
     weights: WeightQuant | None = Field(default=None, description="the weights' format (or give groups)")
     activations: ActivationQuant | None = None
@@ -300,10 +352,13 @@ class QuantizationSection(_Strict):
         default=(), description="mixed precision: groups of Linears, each with its own scheme (or ignore: true), "
         "selected by names, roles and layers; every Linear not in `ignore` must be in exactly one group (checked "
         "against the model at plan time). Algorithm, options and kv_cache apply to every group")
+    search: SearchSection | None = Field(
+        default=None, description="mixed precision chosen by measurement within a budget (llmc.quant.search); groups "
+        "and search are exclusive (search.protect keeps Linears out of it)")
 
     @model_serializer(mode="wrap")
     def _compact(self, handler):  # plain quantizations dump (stage keys, build ids) as before groups existed
-        return _drop_defaults(handler(self), {"groups": [], "weights": None})
+        return _drop_defaults(handler(self), {"groups": [], "weights": None, "search": None})
 
     @field_validator("ignore")
     @classmethod
@@ -326,6 +381,8 @@ class QuantizationSection(_Strict):
 
     @model_validator(mode="after")
     def _pair(self) -> "QuantizationSection":
+        if self.search is not None:
+            return self._searched()
         if self.groups:
             return self._mixed()
         if self.weights is None:
@@ -361,12 +418,42 @@ class QuantizationSection(_Strict):
                 raise ValueError(f"group {group} ({member.name}): {e}") from None
         return self
 
+    def _searched(self) -> "QuantizationSection":
+        if self.weights is not None or self.activations is not None:
+            raise ValueError("quantization gives search and also weights/activations; fix: name the schemes in "
+                             "search.candidates, and remove the top-level weights and activations")
+        scheme = self.to_scheme()
+        pipeline = Pipeline.of(scheme)
+        if pipeline.transforms or pipeline.true_sequential:
+            raise ValueError("a searched mix is quantized by rtn, or gptq with options.true_sequential: false, in this "
+                             f"llmc version, not {self.algorithm}; fix: algorithm: rtn, or algorithm: gptq with "
+                             "options: {true_sequential: false}")
+        for candidate, group in self.search.members(self.algorithm).items():
+            try:
+                Pipeline.of(scheme.member(group)).check()  # what the quantizer cannot do for this candidate
+            except ValueError as e:
+                raise ValueError(f"search candidate {candidate}: {e}") from None
+        if self.groups:
+            raise ValueError("quantization gives both search and groups, so the same Linears would have a scheme from "
+                             "each; fix: keep one of the two — to keep Linears out of the search, list them in "
+                             "search.protect (left in the model's dtype) or quantization.ignore")
+        return self
+
     def weight_scale_grid(self) -> Literal["fp8_row"] | None:
         """The recipe's scale_grid, or its default (`_scale_grid`)."""
         return _scale_grid(self.weights, self.activations, self.algorithm)
 
     def to_scheme(self) -> Scheme:
+        """The scheme; with `search`, a stand-in until the build's search resolves it (`llmc.pipeline.search`): every
+        Linear under the scheme candidate that stores the most bytes (what the plan costs and checks first)."""
         groups = tuple(g.to_group(self.algorithm) for g in self.groups)
+        if self.search is not None:
+            members = self.search.members(self.algorithm)
+            lead = members[max(members, key=lambda c: members[c].weights.stored_bits)]
+            return Scheme(weights=lead.weights, activations=lead.activations,
+                          kv_cache=TensorSpec(format=self.kv_cache.format, strategy="tensor") if self.kv_cache else None,
+                          algorithm=self.algorithm, ignore=tuple(self.ignore),
+                          algorithm_options=tuple(sorted(self.options.items())))
         if groups:  # the member with the fewest weight bits stands for the scheme (default gates)
             lead = min((g for g in groups if g.quantized), key=lambda g: g.weights.bits, default=None)
             weights, activations = (lead.weights, lead.activations) if lead else (TensorSpec("int8", "channel"), None)

@@ -6,6 +6,8 @@ Event names are stable (tests and listeners match them):
                          manifests, registry files), the GGUF file, and each batch of spilled activations
     calibrate:written    the calibration windows are written (before the stage is marked complete)
     quantize:layer:<i>   layer i and the progress that records it are committed
+    search:layer:<i>     quantization.search measured layer i's units on the calibration windows (a calibration
+                         forward of its own; a build whose measurement is cached emits none)
     export:written       an artifact's files are written (before the stage is marked complete)
     eval:written         an evaluation's scores and metrics are written (likewise)
     publish:done         the registry entry is in place (or was already)
