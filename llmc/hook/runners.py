@@ -128,8 +128,8 @@ def sbatch_request(needs: Needs, partitions: Sequence[Partition], time_margin: f
 def plan_needs(job: dict, config: HookConfig, ranks: int = 1) -> Needs:
     """Plan the job's recipe on its fetched source (headers only, no weights loaded) and reduce it to its needs."""
     from llmc.hook.jobs import fetch_source  # lazy: jobs imports the build stack
-    from llmc.planning.plan import make_plan
-    from llmc.recipe.schema import Recipe
+    from llmc.planning.plan import make_plan  # lazy: the planner imports torch; `llmc hook serve` never needs it
+    from llmc.recipe.schema import Recipe  # lazy: with the planner, only when a job is sized
 
     folder = fetch_source(job["source"], config)
     recorded = Recipe.model_validate(job["recipe"])
@@ -256,8 +256,8 @@ class KubernetesRunner:
 
     def api(self):
         if self._api is None:
-            try:  # lazy: optional (llmc[cluster]); only this runner needs it
-                from kubernetes import client, config as kube_config
+            try:
+                from kubernetes import client, config as kube_config  # lazy: optional (llmc[cluster]), this runner's
             except ImportError:
                 raise LlmcError("runner kubernetes needs the kubernetes client",
                                 fix="pip install 'llmc[cluster]'") from None
@@ -269,7 +269,7 @@ class KubernetesRunner:
         return self._api
 
     def submit(self, job: dict) -> str:
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # lazy: optional (llmc[cluster]), this runner's
 
         batch, _ = self.api()
         manifest = job_manifest(job, self.needs_for(job), self.k8s)

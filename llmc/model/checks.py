@@ -318,8 +318,8 @@ def _fused_experts_split(config: dict, tensors: Tensors, files: dict[str, str], 
     """A family whose Hub checkpoints hold fused 3-D experts (gpt-oss, Llama-4): their per-expert shapes as the build
     reads them (llmc.quant.moe.per_expert_tensors), so each is checked against config.json like any tensor; a fused
     tensor that cannot be split so (not 3-D, odd gate/up width) is named here."""
-    from llmc.model.families import LAYOUTS
-    from llmc.quant.moe import per_expert_shapes
+    from llmc.model.families import LAYOUTS  # lazy: with per_expert_shapes, only for fused-expert checkpoints
+    from llmc.quant.moe import per_expert_shapes  # lazy: llmc.quant sits above llmc.model (docs/architecture.md)
 
     layout = LAYOUTS.get(config.get("model_type"))
     if layout is None or not layout.checkpoint_fused:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from llmc.errors import IncompatibleTargetError
+from llmc.errors import IncompatibleTargetError, RecipeError
 
 # config keys that give a Mixture-of-Experts model's routed expert count (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, ...)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -152,8 +152,6 @@ def check_quantizable(config: dict) -> None:
 def all_experts_refused(family: str | None):
     """The RecipeError (exit 2) for calibration.moe_calibrate_all_experts on a family whose experts get router-scaled
     inputs (`MoeLayout.routing` "scaled_input", Llama-4: 0 for every token not routed to an expert)."""
-    from llmc.errors import RecipeError
-
     return RecipeError(
         f"calibration.moe_calibrate_all_experts: model_type {family!r} experts receive their input already scaled by "
         "the router score, which is 0 for every token not routed to them: there is no input to calibrate them on for "
@@ -192,7 +190,8 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 def unloaded_layers_note(config: dict, tensor_names) -> str | None:
     """The plan's and the quantize log's line for decoder layers a checkpoint holds beyond `num_hidden_layers`:
     DeepSeek-V3's and GLM-4.5's multi-token-prediction (MTP) layers (`num_nextn_predict_layers`), which transformers
-    does not load (`_keys_to_ignore_on_load_unexpected`) and llmc neither quantizes nor exports. None: there are none."""
+    does not load (`_keys_to_ignore_on_load_unexpected`) and llmc neither quantizes nor exports. None: there are
+    none."""
     n = config.get("num_hidden_layers")
     if not isinstance(n, int):
         return None
