@@ -725,6 +725,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
                 targets.check_moe_scheme(t, scheme, config)
         linears = family_quantized(config, tensors.linear_shapes())
         plan.warnings += kept_linears_note(config, tensors.linear_shapes())
+        for name, q in searches.items():
+            plan.search[name] = _search_space(recipe, q, removed[name], config, linears, model_folder)
         for scheme in schemes.values():
             if scheme.kv_cache is not None:
                 check_kv_cache(config)  # DeepSeek's latent cache
