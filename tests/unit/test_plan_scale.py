@@ -44,6 +44,25 @@ def test_config_shapes_give_the_model_cards_totals(model: str) -> None:
     assert round(from_config(config).params / 1e9, digits) == billions
 
 
+@pytest.mark.parametrize("model", ["DeepSeek-R1", "Kimi-K2-Instruct", "GLM-4.5", "Qwen3-Next-80B-A3B-Instruct",
+                                   "Llama-4-Scout-17B-16E-Instruct", "gpt-oss-120b"])
+def test_config_shapes_are_transformers_own_model_of_the_config(model: str) -> None:
+    """The tensors planned from config.json are those transformers builds for it (on the meta device: no memory):
+    every non-expert tensor by name and shape (MLA, gated-DeltaNet, sinks, shared experts), and the total with its
+    fused experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config")}
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **kwargs))
+    theirs = {n: tuple(t.shape) for n, t in built.state_dict().items()}
+    planned = from_config(config)
+    assert {n: s for n, s in planned.shapes.items() if ".experts." not in n} == {
+        n: s for n, s in theirs.items() if ".experts." not in n}
+    assert planned.params == sum(torch.Size(s).numel() for s in theirs.values())
+
+
 def test_a_quantized_original_planned_from_its_config_costs_its_stored_bytes() -> None:
     """DeepSeek-R1's FP8 block-wise Linears take a byte an element plus a float32 scale per 128 x 128 block, its
     router and embeddings bf16; gpt-oss's MXFP4 experts half a byte plus a scale byte per 32."""
