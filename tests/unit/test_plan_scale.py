@@ -24,11 +24,60 @@ from llmc.storage.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE_RECIPES = ["llama70b-fp8", "llama31-8b-int4-awq", "llama31-8b-w8a8-sq", "qwen3-8b-fp8", "qwen3-30b-a3b-fp8",
-                 "mixtral-8x7b-int4", "llama405b-fp8-plan", "llama31-8b-mixed-nvfp4", "qwen3-30b-a3b-mixed-nvfp4"]
+                 "mixtral-8x7b-int4", "llama405b-fp8-plan", "llama31-8b-mixed-nvfp4", "qwen3-30b-a3b-mixed-nvfp4",
+                 "qwen3-next-80b-fp8", "llama4-scout-w4a16", "glm45-fp8", "deepseek-r1-nvfp4", "kimi-k2-nvfp4",
+                 "deepseek-v3-fp8-block-vllm"]
 # parameters of the published checkpoints (their model.safetensors.index.json total_size / 2 bytes)
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.3-70B-Instruct": 70_553_706_496,
              "Llama-3.1-405B-Instruct": 405_853_388_800, "Qwen3-8B": 8_190_735_360,
              "Qwen3-30B-A3B": 30_532_122_624, "Mixtral-8x7B-Instruct-v0.1": 46_702_792_704}
+
+
+# totals the model cards state, in billions to their precision (their checkpoints' index files are not kept here)
+CARD_BILLIONS = {"DeepSeek-R1": (671, 0), "Qwen3-Next-80B-A3B-Instruct": (80, 0), "gpt-oss-120b": (116.83, 2)}
+
+
+@pytest.mark.parametrize("model", CARD_BILLIONS)
+def test_config_shapes_give_the_model_cards_totals(model: str) -> None:
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    billions, digits = CARD_BILLIONS[model]
+    assert round(from_config(config).params / 1e9, digits) == billions
+
+
+@pytest.mark.parametrize("model", ["DeepSeek-R1", "Kimi-K2-Instruct", "GLM-4.5", "Qwen3-Next-80B-A3B-Instruct",
+                                   "Llama-4-Scout-17B-16E-Instruct", "gpt-oss-120b"])
+def test_config_shapes_are_transformers_own_model_of_the_config(model: str) -> None:
+    """The tensors planned from config.json are those transformers builds for it (on the meta device: no memory):
+    every non-expert tensor by name and shape (MLA, gated-DeltaNet, sinks, shared experts), and the total with its
+    fused experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config")}
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **kwargs))
+    theirs = {n: tuple(t.shape) for n, t in built.state_dict().items()}
+    planned = from_config(config)
+    assert {n: s for n, s in planned.shapes.items() if ".experts." not in n} == {
+        n: s for n, s in theirs.items() if ".experts." not in n}
+    assert planned.params == sum(torch.Size(s).numel() for s in theirs.values())
+
+
+def test_a_quantized_original_planned_from_its_config_costs_its_stored_bytes() -> None:
+    """DeepSeek-R1's FP8 block-wise Linears take a byte an element plus a float32 scale per 128 x 128 block, its
+    router and embeddings bf16; gpt-oss's MXFP4 experts half a byte plus a scale byte per 32."""
+    r1 = from_config(json.loads((REPO / "recipes/configs/DeepSeek-R1/config.json").read_text()))
+    p = "model.layers.3."
+    kv_b = r1.shapes[p + "self_attn.kv_b_proj.weight"]
+    assert kv_b == (128 * (128 + 128), 512)  # MLA: per head the no-rope key and the value, from the 512-wide latent
+    assert r1.stored_bytes[p + "self_attn.kv_b_proj.weight"] == kv_b[0] * kv_b[1] + (kv_b[0] // 128) * (512 // 128) * 4
+    assert r1.stored_bytes[p + "mlp.gate.weight"] == 2 * 256 * 7168
+    assert r1.stored_bytes["model.embed_tokens.weight"] == 2 * 129280 * 7168
+    assert 1.0 < r1.stored_total(2) / r1.params < 1.01
+    oss = from_config(json.loads((REPO / "recipes/configs/gpt-oss-120b/config.json").read_text()))
+    expert = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert oss.stored_bytes[expert] == 2880 * 2880 * 17 // 32
+    assert oss.stored_bytes["model.layers.0.self_attn.q_proj.weight"] == 2 * 64 * 64 * 2880
 
 
 @pytest.mark.parametrize("model", PUBLISHED)
@@ -37,14 +86,21 @@ def test_config_shapes_give_the_published_parameter_counts(model: str) -> None:
     assert from_config(config).params == PUBLISHED[model]
 
 
+@pytest.fixture(scope="module")
+def rates_store(tmp_path_factory) -> Store:
+    """One cache for the recipes' plans: the machine's rates are probed by the first plan and read by the rest (a
+    plan's probes take most of its time; the rates are what a second `llmc plan` reads too)."""
+    return Store(tmp_path_factory.mktemp("rates") / "cache")
+
+
 @pytest.mark.parametrize("name", SCALE_RECIPES)
-def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, tmp_path: Path) -> None:
+def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, rates_store: Store) -> None:
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path)
     assert recipe.model.source.startswith("hf:") and recipe.model.config
     config = json.loads((path.parent / recipe.model.config).read_text())
     # its wall time is measured in benchmarks/results/planner-log.md, not asserted
-    plan = plan_recipe(recipe, Store(tmp_path / "cache"), path)
+    plan = plan_recipe(recipe, rates_store, path)
     if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21)
         assert all(t["exporter"] == "compressed-tensors" for t in plan.targets)
     rows = plan.rows
