@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmc.model.families import LAYOUTS, MoeLayout
+from llmc.model.families import LAYOUTS, MoeLayout, all_experts_refused
 
 
 class ClampedSwiGLU:
@@ -271,8 +271,6 @@ def observing_experts(layer: nn.Module, all_tokens: bool, counts: dict[str, torc
     blocks = list(routed_blocks(layer))
     for name, _block, experts in blocks:
         if all_tokens and experts.routing == "scaled_input":  # the plan refuses it first (families.check_all_experts)
-            from llmc.model.families import all_experts_refused
-
             raise all_experts_refused(next((m.config.model_type for m in layer.modules() if hasattr(m, "config")),
                                            None))
         experts.all_tokens = all_tokens
