@@ -13,15 +13,15 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from llmc.errors import IncompatibleTargetError
 from llmc.model.source import ModelSource
-from llmc.quant import flows, moe, stream
+from llmc.quant import moe, stream
 from llmc.quant.numerics import static_scale
 from llmc.quant.spec import Scheme, TensorSpec
 from tests.unit.families import make_tiny
 from tests.unit.test_families import _ids
+from tests.unit.test_gemma3 import _linear_input_absmax as linear_input_absmax, observing_channel_absmax
 
 FP8_STATIC = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"))
 FP8_KV = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
@@ -45,25 +45,9 @@ def _float_model(folder: Path, **config):
 
 def _linear_input_absmax(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-input-channel max |input| of every decoder-layer Linear (experts as per-expert Linears, each seeing its
-    routed tokens), from hooks on transformers' whole model run at once."""
+    routed tokens), from hooks on transformers' whole model, two windows a forward."""
     moe.unfuse_experts(model)
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(name: str):
-        def record(_m, args):
-            a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
-            seen[name] = a if name not in seen else torch.maximum(seen[name], a)
-
-        return record
-
-    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and ".layers." in n]
-    with torch.no_grad():
-        for batch in ids.split(2):
-            model(input_ids=batch)
-    for h in hooks:
-        h.remove()
-    return seen
+    return linear_input_absmax(model, ids, batch=2)
 
 
 def test_the_layer_streams_calibration_forward_is_transformers_full_forward(mixed: Path, tmp_path: Path,
@@ -78,14 +62,7 @@ def test_the_layer_streams_calibration_forward_is_transformers_full_forward(mixe
     plain_rope = _linear_input_absmax(_float_model(mixed, rope_interleave=False), calib)
     assert not torch.allclose(plain_rope["model.layers.0.self_attn.o_proj"], ref["model.layers.0.self_attn.o_proj"])
 
-    observed: dict[str, torch.Tensor] = {}
-    real_observe = flows.observe_batches
-
-    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
-        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
-        observed.update(stats.channel_absmax)
-
-    monkeypatch.setattr(flows, "observe_batches", keep)
+    observed = observing_channel_absmax(monkeypatch)
     stream.quantize_model(ModelSource(mixed, "d", "d"), FP8_STATIC, tmp_path / "q", stream.Calibration(calib,
                                                                                                        batch_size=2))
     written = {}

@@ -61,8 +61,9 @@ def _load(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _linear_input_absmax(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |input| of every decoder-layer Linear, from hooks on the whole model run at once."""
+def _linear_input_absmax(model, ids: torch.Tensor, batch: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-input-channel max |input| of every decoder-layer Linear, from hooks on the whole model run at once (or on
+    `batch` windows at a time)."""
     seen: dict[str, torch.Tensor] = {}
 
     def hook(name: str):
@@ -75,10 +76,24 @@ def _linear_input_absmax(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and ".layers." in n]
     with torch.no_grad():
-        model(input_ids=ids)
+        for part in ids.split(batch or len(ids)):
+            model(input_ids=part)
     for h in hooks:
         h.remove()
     return seen
+
+
+def observing_channel_absmax(monkeypatch) -> dict[str, torch.Tensor]:
+    """The per-channel input ranges the layer stream observes (flows.observe_batches' statistics), filled as it runs."""
+    observed: dict[str, torch.Tensor] = {}
+    real_observe = flows.observe_batches
+
+    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
+        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
+        observed.update(stats.channel_absmax)
+
+    monkeypatch.setattr(flows, "observe_batches", keep)
+    return observed
 
 
 def test_streamed_calibration_sees_the_whole_models_activations(gemma3: Path, tmp_path: Path, monkeypatch) -> None:
@@ -91,14 +106,7 @@ def test_streamed_calibration_sees_the_whole_models_activations(gemma3: Path, tm
     wide = _linear_input_absmax(_load(make_tiny_gemma3(tmp_path / "wide", sliding_window=1024)), calib)
     assert not torch.equal(wide["model.layers.0.self_attn.o_proj"], ref["model.layers.0.self_attn.o_proj"])
 
-    observed: dict[str, torch.Tensor] = {}
-    real_observe = flows.observe_batches
-
-    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
-        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
-        observed.update(stats.channel_absmax)
-
-    monkeypatch.setattr(flows, "observe_batches", keep)
+    observed = observing_channel_absmax(monkeypatch)
     stream.quantize_model(ModelSource(gemma3, "g", "g"), W8A8_STATIC, tmp_path / "q",
                           stream.Calibration(calib, batch_size=2))
     written = {}

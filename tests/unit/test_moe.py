@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.model.source import ModelSource
-from llmc.quant import flows, moe, stream
+from llmc.quant import moe, stream
 from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_weight, static_scale
@@ -241,21 +241,14 @@ def test_the_layer_by_layer_calibration_forward_is_transformers_whole_forward(fa
     routing, shared experts, the gated-DeltaNet layers' convolution and recurrence, and the full-attention layers'
     masks and rotary tables are computed as transformers computes them. The Linears a family keeps in float are not
     observed (never quantized)."""
-    from tests.unit.test_gemma3 import _linear_input_absmax
+    from tests.unit.test_gemma3 import _linear_input_absmax, observing_channel_absmax
 
     name, folder = family
     calib = _ids(4, 1)
     model = _float_model(folder)
     moe.unfuse_experts(model)  # per-expert Linears computing the fused block's output (test above)
     ref = _linear_input_absmax(model, calib)
-    observed: dict[str, torch.Tensor] = {}
-    real = flows.observe_batches
-
-    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
-        real(layer, linears, kv, observe, hidden, extras, stats, sink)
-        observed.update(stats.channel_absmax)
-
-    monkeypatch.setattr(flows, "observe_batches", keep)
+    observed = observing_channel_absmax(monkeypatch)
     _quantize(folder, _scheme(name, "fp8-static-kv"), tmp_path / "q")
     # an expert no token reached is absent from both
     assert set(observed) == set(ref) - set(KEPT.get(name, [])) and any(".experts." in n for n in observed)
@@ -632,9 +625,7 @@ def test_gpt_oss_layer_by_layer_calibration_sees_the_whole_models_activations(gp
     gives every Linear the inputs transformers' whole-model forward gives it: per-channel input ranges equal those
     hooked on the whole (unfused) model, attention and every routed expert alike. The check can fail: with the
     sinks zeroed, o_proj sees other inputs."""
-    from llmc.quant import flows
-
-    from tests.unit.test_gemma3 import _linear_input_absmax
+    from tests.unit.test_gemma3 import _linear_input_absmax, observing_channel_absmax
 
     calib = _ids(4, 1)
     whole = _float_model(gpt_oss)
@@ -648,14 +639,7 @@ def test_gpt_oss_layer_by_layer_calibration_sees_the_whole_models_activations(gp
     assert not torch.allclose(_linear_input_absmax(sinkless, calib)["model.layers.0.self_attn.o_proj"],
                               ref["model.layers.0.self_attn.o_proj"], rtol=1e-4)
 
-    observed: dict[str, torch.Tensor] = {}
-    real_observe = flows.observe_batches
-
-    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
-        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
-        observed.update(stats.channel_absmax)
-
-    monkeypatch.setattr(flows, "observe_batches", keep)
+    observed = observing_channel_absmax(monkeypatch)
     _quantize(gpt_oss, SCHEMES["fp8-static-kv"], tmp_path / "q")
     assert len(ref) == len(observed) == 2 * (4 + 4 * 3)
     for name, absmax in ref.items():
@@ -799,9 +783,7 @@ def test_llama4_layer_by_layer_calibration_sees_the_whole_models_activations(lla
     experts' router-scaled inputs) gives every Linear the per-channel input ranges transformers' whole-model forward
     gives it. The check can fail: with chunks covering the window, o_proj sees other inputs. The router stays out of
     the quantized Linears."""
-    from llmc.quant import flows
-
-    from tests.unit.test_gemma3 import _linear_input_absmax
+    from tests.unit.test_gemma3 import _linear_input_absmax, observing_channel_absmax
 
     calib = _ids(4, 1)
     whole = _float_model(llama4)
@@ -810,14 +792,7 @@ def test_llama4_layer_by_layer_calibration_sees_the_whole_models_activations(lla
     unchunked = _float_model(make_tiny("llama4_text", tmp_path / "unchunked", attention_chunk_size=1024))
     assert not torch.allclose(_linear_input_absmax(unchunked, calib)["model.layers.0.self_attn.o_proj"],
                               ref["model.layers.0.self_attn.o_proj"], rtol=1e-4)
-    observed: dict[str, torch.Tensor] = {}
-    real_observe = flows.observe_batches
-
-    def keep(layer, linears, kv, observe, hidden, extras, stats, sink=None):
-        real_observe(layer, linears, kv, observe, hidden, extras, stats, sink)
-        observed.update(stats.channel_absmax)
-
-    monkeypatch.setattr(flows, "observe_batches", keep)
+    observed = observing_channel_absmax(monkeypatch)
     qm = _quantize(llama4, SCHEMES["fp8-static-kv"], tmp_path / "q")
     assert len(ref) == len(observed) == len(qm.quantized_modules) == (4 + 3) + (4 + 4 * 3 + 3)
     for name, absmax in ref.items():
