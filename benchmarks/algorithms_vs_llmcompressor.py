@@ -128,6 +128,7 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
 
     torch.set_num_threads(2)
     group = MODELS[args.model]["group"]
@@ -135,7 +136,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(source.folder)
     calib_docs, eval_docs = load_corpus("brown", "calibration"), load_corpus("brown", "eval")
     eval_ids = make_windows(tok, eval_docs, args.seq_len, args.eval_windows, seed=None).ids
-    base_ppl = math.exp(float(TorchEngine(source.folder).token_nll(eval_ids).mean()))
+    base_ppl = math.exp(float(TorchEngine(source.folder, streamed=decide_torch_loading_of(source.folder, "float32").streamed).token_nll(eval_ids).mean()))
     head = {"baseline_ppl": base_ppl, "eval_windows": args.eval_windows, "seq_len": args.seq_len}
     if args.model != "smollm2-135m":  # the SmolLM2 line stays as recorded
         head = {"model": args.model, "int4_group_size": group, **head}
@@ -158,7 +159,7 @@ def main() -> None:
                         m = _run([str(PEER_PYTHON), str(REPO / "benchmarks" / "_llmcompressor_child.py"),
                                   str(source.folder), str(tokens), peer_scheme, str(out), str(group)])
                         folder = out
-                    ppl = math.exp(float(TorchEngine(folder).token_nll(eval_ids).mean()))
+                    ppl = math.exp(float(TorchEngine(folder, streamed=decide_torch_loading_of(folder, "float32").streamed).token_nll(eval_ids).mean()))
                     if m.get("scheme", scheme) != scheme:  # the child names llm-compressor's recipe
                         m["peer_scheme"] = m.pop("scheme")
                     row = {"scheme": scheme, "tool": tool, "seed": seed, "ppl": ppl,

@@ -66,13 +66,14 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
 
     torch.set_num_threads(2)
     source = model_source("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(source.folder)
     calib_docs = load_corpus("brown", "calibration")
     eval_ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.eval_windows, seed=None).ids
-    base_ppl = math.exp(float(TorchEngine(source.folder).token_nll(eval_ids).mean()))
+    base_ppl = math.exp(float(TorchEngine(source.folder, streamed=decide_torch_loading_of(source.folder, "float32").streamed).token_nll(eval_ids).mean()))
     print(json.dumps({"baseline_ppl": base_ppl, "eval_windows": args.eval_windows, "seq_len": args.seq_len,
                       "samples": args.samples}), flush=True)
 
@@ -90,7 +91,7 @@ def main() -> None:
                 out = Path(tmp) / f"llmc-{scheme}-{seed}"
                 m = _run([sys.executable, "-c", LLMC_CHILD, str(source.folder), str(tokens), llmc_expr, str(out),
                           "smollm2-135m"])
-                ppl = math.exp(float(TorchEngine(out / "export").token_nll(eval_ids).mean()))
+                ppl = math.exp(float(TorchEngine(out / "export", streamed=decide_torch_loading_of(out / "export", "float32").streamed).token_nll(eval_ids).mean()))
                 results = [("llmc", {"ppl": ppl, **m})]
                 if (peer_scheme, seed) not in peer_done:
                     peer_done[(peer_scheme, seed)] = _run([str(PEER_PYTHON), str(REPO / "benchmarks" / "_modelopt_child.py"),

@@ -31,6 +31,7 @@ def child(model: str, windows: int, seq_len: int, batch_size: int, threads: int,
 
     from llmc import distributed
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
 
     torch.set_num_threads(threads)
     distributed.init("cpu")
@@ -38,7 +39,7 @@ def child(model: str, windows: int, seq_len: int, batch_size: int, threads: int,
     ids = torch.randint(3, vocab, (windows, seq_len), generator=torch.Generator().manual_seed(0))
     distributed.barrier()
     t = time.perf_counter()
-    engine = TorchEngine(Path(model))
+    engine = TorchEngine(Path(model), streamed=decide_torch_loading_of(Path(model), "float32").streamed)
     distributed.barrier()
     load_s = time.perf_counter() - t
     passes = {}

@@ -34,13 +34,14 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
     from llmc.model.source import resolve_source
     from llmc.storage.store import Store
 
     src = resolve_source("demo:smollm2-135m", Store.default())
     tok = AutoTokenizer.from_pretrained(src.folder)
     windows = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.windows, seed=None).ids
-    engine = TorchEngine(src.folder)
+    engine = TorchEngine(src.folder, streamed=decide_torch_loading_of(src.folder, "float32").streamed)
     model = engine.model
 
     @torch.no_grad()

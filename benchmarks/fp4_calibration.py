@@ -179,6 +179,7 @@ def measure(args) -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
     from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.model.source import resolve_source
     from llmc.quant.canonical import QuantizedModel
@@ -196,7 +197,7 @@ def measure(args) -> None:
     reference = None
     if not args.bytes_only:
         t = time.monotonic()
-        base = TorchEngine(source.folder)
+        base = TorchEngine(source.folder, streamed=decide_torch_loading_of(source.folder, "float32").streamed)
         reference = base.score(eval_ids)
         head = {"model": args.model, "variant": "baseline", "seq_len": args.seq_len, "eval_windows": args.eval_windows,
                 "window_nll": _window_means(reference["nll"]), "eval_s": round(time.monotonic() - t, 1),
@@ -234,7 +235,7 @@ def measure(args) -> None:
                 _emit({**row, "bytes_only": True, "load_avg": os.getloadavg()[0]}, args.out)
                 continue
             t = time.monotonic()
-            scores = TorchEngine(scored).score(eval_ids, reference=reference)
+            scores = TorchEngine(scored, streamed=decide_torch_loading_of(scored, "float32").streamed).score(eval_ids, reference=reference)
             eval_s = time.monotonic() - t
         row.update({"eval_s": round(eval_s, 1), "load_avg": os.getloadavg()[0],
                     "window_nll": _window_means(scores["nll"]), "window_kl": _window_means(scores["kl"]),

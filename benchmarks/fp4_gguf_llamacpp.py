@@ -34,6 +34,7 @@ from llmc.data.tokens import make_tokens
 from llmc.engines.agreement import kld_kind
 from llmc.engines.llamacpp import LlamaCppEngine
 from llmc.engines.torch_ref import TorchEngine
+from llmc.engines.torch_stream import decide_torch_loading_of
 from llmc.eval.metrics import mean_interval, paired_ppl_change, perplexity
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.formats.gguf import export_gguf
@@ -60,7 +61,7 @@ def q8_0_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 def torch_with_q8_0_activations(folder: Path, modules, windows) -> dict:
     """The torch reference on `folder` with every quantized Linear's input through `q8_0_roundtrip`."""
-    engine = TorchEngine(folder)
+    engine = TorchEngine(folder, streamed=decide_torch_loading_of(folder, "float32").streamed)
     hooked = 0
     for name, mod in engine.model.named_modules():
         if name in modules:
@@ -84,7 +85,7 @@ def compare(qdir: Path, work: Path, windows, *, threads: int | None = None, embe
     gguf = export_gguf(qm, work / f"gguf-{embedding_type}", embedding_type=embedding_type)
     export_compressed_tensors(qm, work / "ct")
     t1 = time.perf_counter()
-    reference = TorchEngine(work / "ct").score(windows)
+    reference = TorchEngine(work / "ct", streamed=decide_torch_loading_of(work / "ct", "float32").streamed).score(windows)
     t2 = time.perf_counter()
     scores, tput = LlamaCppEngine(gguf.path.parent, threads=threads).measure(
         windows, windows[:1], decode_tokens=0, repeats=0, reference=reference)

@@ -12,6 +12,7 @@ from llmc.calibration.windows import make_windows
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.engines.gptqmodel import GptqModelEngine
 from llmc.engines.torch_ref import TorchEngine
+from llmc.engines.torch_stream import decide_torch_loading_of
 from llmc.quant.canonical import QuantizedModel
 
 source, canonical, gptq, awq, n, seq = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
@@ -20,7 +21,7 @@ ids = make_windows(tok, load_corpus("brown", "eval"), seq, n, seed=None).ids
 ct = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmc-ct-{Path(canonical).name}"
 if not (ct / "config.json").is_file():
     export_compressed_tensors(QuantizedModel.open(Path(canonical)), ct)
-ref = TorchEngine(source).score(ids)
+ref = TorchEngine(source, streamed=decide_torch_loading_of(source, "float32").streamed).score(ids)
 base_nll = ref["nll"].double()
 def summary(name, s, tput=None):
     nll = s["nll"].double()
@@ -29,7 +30,7 @@ def summary(name, s, tput=None):
                       "top1": s["top1"].float().mean().item() if "top1" in s else None,
                       "tput": tput}), flush=True)
     return nll
-t = time.time(); ours = TorchEngine(ct).score(ids, reference=ref); summary("torch-ref(ct)", ours)
+t = time.time(); ours = TorchEngine(ct, streamed=decide_torch_loading_of(ct, "float32").streamed).score(ids, reference=ref); summary("torch-ref(ct)", ours)
 print("torch s", time.time() - t, flush=True)
 for name, folder in (("gptqmodel-gptq", gptq), ("gptqmodel-awq", awq)):
     t = time.time()

@@ -27,6 +27,7 @@ def main() -> None:
     from llmc.calibration.corpora import load_corpus
     from llmc.calibration.windows import make_windows
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
     from llmc.engines.vllm_cpu import VllmEngine
 
     tok = AutoTokenizer.from_pretrained(args.folders[0])
@@ -36,7 +37,7 @@ def main() -> None:
         t = time.monotonic()
         scores, tput = VllmEngine(folder).measure(w, w[:1], decode_tokens=8, repeats=1)
         vllm_s = time.monotonic() - t
-        torch_nll = TorchEngine(folder).score(w)["nll"]
+        torch_nll = TorchEngine(folder, streamed=decide_torch_loading_of(folder, "float32").streamed).score(w)["nll"]
         pv, pt = math.exp(scores["nll"].mean()), math.exp(torch_nll.mean())
         print(f"{folder}: vLLM {pv:.4f} ({tput['engine_dtype']}, vLLM {tput['engine_version']}, {vllm_s:.0f} s) "
               f"| llmc torch {pt:.4f} (fp32) | difference {(pv / pt - 1) * 100:+.3f}% "

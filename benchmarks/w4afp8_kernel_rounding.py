@@ -51,6 +51,7 @@ def main() -> None:
     from llmc.formats.compressed_tensors import export_compressed_tensors
     from llmc.formats.modelopt_hf import fp8_weight_operand, w4a8_weight_scale_2
     from llmc.engines.torch_ref import TorchEngine
+    from llmc.engines.torch_stream import decide_torch_loading_of
     from llmc.quant.canonical import QuantizedModel
     from llmc.quant.numerics import dequantize, fp8_row_group_scales
     from llmc.quant.spec import Scheme, TensorSpec
@@ -62,7 +63,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(source.folder)
     eval_ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.eval_windows, seed=None).ids
     calib = make_windows(tok, load_corpus("brown", "calibration"), args.seq_len, args.samples, seed=args.seed).ids
-    base = math.exp(float(TorchEngine(source.folder).token_nll(eval_ids).mean()))
+    base = math.exp(float(TorchEngine(source.folder, streamed=decide_torch_loading_of(source.folder, "float32").streamed).token_nll(eval_ids).mean()))
     print(json.dumps({"model": args.model, "scheme": "W4AFP8", "algorithm": args.algorithm, "seed": args.seed,
                       "baseline_ppl": base}), flush=True)
     for grid in (None, "fp8_row"):
@@ -73,7 +74,7 @@ def main() -> None:
             quantize_model(source, scheme, Path(tmp) / "q", Calibration(calib))
             qm = QuantizedModel.open(Path(tmp) / "q")
             export_compressed_tensors(qm, Path(tmp) / "export")
-            engine = TorchEngine(Path(tmp) / "export")
+            engine = TorchEngine(Path(tmp) / "export", streamed=decide_torch_loading_of(Path(tmp) / "export", "float32").streamed)
             stored = {n: m.weight.data.clone() for n, m in engine.model.named_modules() if n in qm.quantized_modules}
             variants = {"vllm": {}, "tensorrt-llm": {}}
             for tensors in qm.iter_files():

@@ -1,13 +1,79 @@
 """What every engine class shares: `measure` as score-then-throughput, and closing (also as a context manager).
-The contract itself is llmc.engines.registry.Engine."""
+The contract itself is llmc.engines.registry.Engine.
+
+Also what every engine's cost model shares (`Scoring`, `protocol_seconds`): each engine module costs its own
+scorings (`scoring_cost`, called through `EngineSpec.scoring_cost` by the evaluate stage's plan) from the machine's
+probed matmul rates and its own measured start-up (docs/planner-constants.md#engine-start-up)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from llmc.planning.machine import DISK_READ_RATE, Machine, forward_seconds
+from llmc.planning.shapes import Shape
 
 if TYPE_CHECKING:
     import torch
+
+# tokens of the short prompt every engine's throughput measurement decodes after (its `throughput`, the workers')
+DECODE_PREFIX = 64
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """One scoring as the plan costs it: the evaluation protocol's sizes (one corpus), what the engine loads, and
+    the machine planned for."""
+
+    shape: Shape
+    machine: Machine
+    windows: int
+    seq_len: int
+    decode_tokens: int
+    repeats: int  # throughput repeats, each a prefill of one window and a decode of decode_tokens
+    top_k: int
+    model_bytes: float  # the files the engine loads: the artifact's, or the source's for a baseline
+    reference: bool  # an artifact scored against the baseline's scores (KL, top-1), not a baseline itself
+
+    @property
+    def tokens(self) -> int:
+        return self.windows * self.seq_len
+
+
+def forward_s(s: Scoring, dtype: str, tokens: float, rows: int, context: float) -> float:
+    """Seconds of `tokens` through the whole model (every layer and the output head) in forwards of `rows` tokens,
+    each token attending over `context` tokens, at the machine's probed `dtype` matmul rate (CPU)."""
+    sh = s.shape
+    gemm = 2 * tokens * (sh.layer_params * sh.active * sh.layers + sh.vocab * sh.hidden)
+    attention = 2 * tokens * context * sh.attn_width * sh.layers
+    return forward_seconds(gemm, attention, compute=dtype, device="cpu", width=sh.hidden, rows=rows)
+
+
+def protocol_seconds(s: Scoring, dtype: str) -> tuple[float, float]:
+    """(scoring, throughput) seconds of the protocol every engine runs: each window one prefill; then `repeats` times
+    a prefill of one window and, after a DECODE_PREFIX-token prefill, decode_tokens forwards of one token."""
+    score = forward_s(s, dtype, s.tokens, s.seq_len, s.seq_len / 2)  # causal: half the window on average
+    per_repeat = (forward_s(s, dtype, s.seq_len, s.seq_len, s.seq_len / 2)
+                  + forward_s(s, dtype, DECODE_PREFIX, DECODE_PREFIX, DECODE_PREFIX / 2)
+                  + forward_s(s, dtype, s.decode_tokens, 1, DECODE_PREFIX + s.decode_tokens / 2))
+    return score, s.repeats * per_repeat
+
+
+def read_seconds(s: Scoring) -> float:
+    """Reading the model's files (page-cache-warm: docs/planner-constants.md#disk_read_rate)."""
+    return s.model_bytes / DISK_READ_RATE
+
+
+def scores_bytes(s: Scoring) -> float:
+    """The per-token scores it keeps (NLL, top-k ids and log-probs) and, for an artifact, the baseline's reference
+    (its top-k and output head inputs) in float32."""
+    return s.tokens * (s.top_k * 8 + 16 + (s.top_k * 8 + s.shape.hidden * 4 if s.reference else 0))
+
+
+def window_logits_bytes(s: Scoring, rows: int | None = None) -> float:
+    """One forward's float32 logits over the vocabulary and their log-softmax / top-k temporaries."""
+    return 3 * (rows or s.seq_len) * s.shape.vocab * 4
 
 
 class EngineBase:

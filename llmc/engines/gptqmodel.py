@@ -18,9 +18,12 @@ from pathlib import Path
 import torch
 
 from llmc.engines.agreement import agreement, with_exact_kl
+from llmc.engines.base import Scoring, protocol_seconds, read_seconds, scores_bytes, window_logits_bytes
 from llmc.engines.environments import engine_version, require_engine
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors
+from llmc.planning.machine import PROCESS_BYTES
+from llmc.planning.rows import CostRow
 from llmc.errors import EngineFailed
 
 SPEC = engine_spec("gptqmodel")
@@ -69,3 +72,21 @@ class GptqModelEngine(WorkerEngine):
                 "engine_dtype": self.dtype, "threads": result["threads"],
                 "kernels": result["kernels"], "backend": self.backend}
         return scores, tput
+
+
+# GPTQModel's start in its worker (imports, kernel selection, the checkpoint's load): 19-20 s recorded for SmolLM2-135M
+# on the 2-core VM (docs/formats-and-runtimes.md, "Runtimes on this CPU"; docs/planner-constants.md#engine-start-up)
+START_S = 20.0
+
+
+def scoring_cost(s: Scoring) -> CostRow:
+    """One scoring in GPTQModel (its own process): the checkpoint's weights as stored, bfloat16 activations at the
+    machine's probed bfloat16 matmul rate (its int4 kernels are not probed: an estimate; its recorded decode was far
+    slower than its prefill, not understood)."""
+    score_s, throughput_s = protocol_seconds(s, CPU_DTYPE)
+    parts = {"worker process": PROCESS_BYTES, "weights": s.model_bytes, "window logits": window_logits_bytes(s),
+             "scores and reference": scores_bytes(s)}
+    return CostRow("gptqmodel", "cpu", sum(parts.values()), 0.0, 0.0,
+                   START_S + read_seconds(s) + score_s + throughput_s, "its own process, bfloat16",
+                   f"start ~{START_S:g} s (recorded), scoring ~{score_s:.0f} s and throughput ~{throughput_s:.0f} s at "
+                   "the probed bfloat16 matmul rate (GPTQModel's kernels are not probed: an estimate)", parts)

@@ -18,7 +18,10 @@ from llmc.engines.environments import engine_version, require_engine
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors
 from llmc.engines.agreement import agreement, with_exact_kl
+from llmc.engines.base import Scoring, protocol_seconds, read_seconds, scores_bytes, window_logits_bytes
 from llmc.errors import EngineFailed
+from llmc.planning.machine import PROCESS_BYTES
+from llmc.planning.rows import CostRow
 
 SPEC = engine_spec("llama.cpp")
 
@@ -54,3 +57,23 @@ class LlamaCppEngine(WorkerEngine):
         tput = {**result["throughput"], "engine_version": result["version"], "engine_load_s": result["load_s"],
                 "threads": self.threads}
         return scores, tput
+
+
+# The worker's start (a Python that imports llama_cpp) and the GGUF's load, as recorded: llama.cpp's own load 0.21-1.22
+# s and the engine's opening (its version check) 0.0007-1.6 s for SmolLM2-135M and Gemma-3-270M on the 2-core VM:
+# docs/planner-constants.md#engine-start-up
+START_S = 2.8
+
+
+def scoring_cost(s: Scoring) -> CostRow:
+    """One scoring in llama.cpp (its own process): the GGUF mapped (file pages), every window's logits kept for the
+    window (logits_all), its quantized kernels timed at the machine's probed float32 matmul rate (llama.cpp's own
+    rates are not probed: an estimate)."""
+    score_s, throughput_s = protocol_seconds(s, "float32")
+    parts = {"worker process": PROCESS_BYTES, "window logits": window_logits_bytes(s),
+             "scores and reference": scores_bytes(s)}
+    return CostRow("llama.cpp", "cpu", sum(parts.values()), 0.0, 0.0,
+                   START_S + read_seconds(s) + score_s + throughput_s, "its own process, the GGUF mapped",
+                   f"start ~{START_S:g} s (recorded), scoring ~{score_s:.0f} s and throughput ~{throughput_s:.0f} s "
+                   "at the probed float32 matmul rate (llama.cpp's kernels are not probed: an estimate)", parts,
+                   mapped_bytes=s.model_bytes)

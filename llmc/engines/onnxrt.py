@@ -25,10 +25,12 @@ import torch
 
 from llmc.formats.onnx_qdq import MODEL_FILE as QDQ_MODEL
 from llmc.formats.files import SERVE_FILE
-from llmc.engines.base import EngineBase
+from llmc.engines.base import EngineBase, Scoring, protocol_seconds, read_seconds, scores_bytes, window_logits_bytes
 from llmc.engines.agreement import reference_rows, score_logits
 from llmc.engines.torch_ref import summary
 from llmc.errors import EngineFailed, EngineUnavailable
+from llmc.planning.machine import PROCESS_BYTES
+from llmc.planning.rows import CostRow
 from llmc.storage.resource_errors import raise_if_resource
 
 GENAI_CONFIG = "genai_config.json"
@@ -146,3 +148,29 @@ class OnnxRuntimeEngine(EngineBase):
         return {"prefill_tokens_per_s": summary(prefill), "decode_tokens_per_s": summary(decode) if decode else None,
                 "prompt_tokens": int(ids.shape[1]), "decode_tokens": decode_tokens if self.layers else 0, "repeats": repeats,
                 "threads": self.threads, "engine_version": self.version}
+
+
+# What the plan's row rests on (docs/planner-constants.md#engine-start-up, measured by benchmarks/engine_costs.py on
+# SmolLM2-135M W4A16 int4 MatMulNBits, 0.18 GB of files): importing onnxruntime (0.73-0.82 s); creating the session
+# (graph optimizations, MatMulNBits pre-packing: 3.2-3.9 s beside the import, per byte of the files); the bytes the
+# session allocates per byte of them (0.31 GB); and how much faster its forwards ran than the probed float32 rate
+# predicts (scoring 41.6-43.2 s and throughput 6.4-9.5 s against 68 s and 15 s predicted: its int4 kernels read a
+# quarter of the bytes)
+IMPORT_S = 0.8
+SESSION_RATE = 0.05e9
+SESSION_BYTES_PER_FILE_BYTE = 1.7
+SPEED_OVER_FLOAT32_PROBE = 1.6
+
+
+def scoring_cost(s: Scoring) -> CostRow:
+    """One scoring in ONNX Runtime (in llmc's process): the session created from the artifact's files, each window one
+    prefill at the machine's probed float32 rate (the CPU execution provider computes in float32: FP8 Q/DQ as
+    float, int4 MatMulNBits dequantized to float32 blocks), then the throughput repeats."""
+    score_s, throughput_s = (t / SPEED_OVER_FLOAT32_PROBE for t in protocol_seconds(s, "float32"))
+    start_s = IMPORT_S + read_seconds(s) + s.model_bytes / SESSION_RATE
+    parts = {"process": PROCESS_BYTES, "session (weights, pre-packed)": s.model_bytes * SESSION_BYTES_PER_FILE_BYTE,
+             "one window's logits": window_logits_bytes(s), "scores and reference": scores_bytes(s)}
+    return CostRow("onnxruntime", "cpu", sum(parts.values()), 0.0, 0.0, start_s + score_s + throughput_s,
+                   "in process, one window at a time",
+                   f"session start ~{start_s:.0f} s, scoring ~{score_s:.0f} s, throughput ~{throughput_s:.0f} s at "
+                   f"{SPEED_OVER_FLOAT32_PROBE:g}x the probed float32 matmul rate (measured on SmolLM2 int4)", parts)

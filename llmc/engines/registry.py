@@ -18,6 +18,8 @@ from llmc.registry import Registry
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from llmc.engines.base import Scoring
+    from llmc.planning.rows import CostRow
     from llmc.quant.spec import Scheme
 
 # The engine that scores the unquantized source for engines that cannot load it themselves.
@@ -121,12 +123,24 @@ class EngineSpec:
     def open(self, folder: Path, *, dtype: str = "float32", device: str | None = None,
              streamed: bool | None = None) -> Engine:
         """The engine on `folder`; `device` only for an engine that `places_on_device` (others run where they do);
-        `streamed` (the plan's decision: one decoder layer at a time) only for the torch reference, which takes it."""
+        `streamed` (the decision of llmc.engines.torch_stream.decide_torch_loading: one decoder layer at a time)
+        only for the torch reference, which needs it."""
         module, cls = self.loader.split(":")
         placed = {"device": device} if device is not None and self.places_on_device else {}
-        if streamed is not None and self.name == REFERENCE_ENGINE:
+        if self.name == REFERENCE_ENGINE:
+            if streamed is None:  # a caller's bug, not a user's: the engine decides nothing itself
+                raise TypeError("the torch reference loads as its caller decided: pass streamed= "
+                                "(llmc.engines.torch_stream.decide_torch_loading, or decide_torch_loading_of "
+                                "without a plan)")
             placed["streamed"] = streamed
         return getattr(importlib.import_module(module), cls)(Path(folder), dtype=dtype, **placed)
+
+    def scoring_cost(self, scoring: Scoring) -> CostRow | None:
+        """The plan's row for one scoring in this engine, from its module's `scoring_cost` (each engine costs itself,
+        beside its code); None for an engine without a cost model (the GPU engines TensorRT, TensorRT-LLM; the torch
+        reference is costed by the evaluate stage itself, llmc.pipeline.evaluate.eval_cost)."""
+        cost = getattr(importlib.import_module(self.loader.split(":")[0]), "scoring_cost", None)
+        return cost(scoring) if cost is not None else None
 
 
 def _cpu_build_refusal(runtime: str, scheme: Scheme) -> str | None:
@@ -189,6 +203,6 @@ def engine_spec(name: str) -> EngineSpec:
 def open_engine(name: str, folder: Path, *, dtype: str = "float32", device: str | None = None,
                 streamed: bool | None = None) -> Engine:
     """Load the model in `folder` into engine `name` (EngineUnavailable / EngineFailed when it cannot), on `device`
-    where the engine places itself on one; the torch reference streamed or whole as the plan decided (None: it
-    decides, as the plan does)."""
+    where the engine places itself on one; the torch reference streamed or whole as its caller decided
+    (llmc.engines.torch_stream.decide_torch_loading)."""
     return engine_spec(name).open(folder, dtype=dtype, device=device, streamed=streamed)

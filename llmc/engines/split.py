@@ -22,6 +22,7 @@ import torch
 from llmc import distributed
 from llmc.engines.registry import engine_spec, open_engine
 from llmc.engines.agreement import load_reference
+from llmc.engines.torch_stream import decide_torch_loading_of
 
 
 def splits(engine: str) -> bool:
@@ -55,5 +56,9 @@ def follow_scoring() -> None:
 
 def _score_share(command: dict) -> None:
     reference = load_reference(Path(command["reference_dir"])) if command["reference_dir"] else None
-    with open_engine(command["engine"], Path(command["folder"]), dtype=command["dtype"]) as eng:
+    folder = Path(command["folder"])
+    # the torch reference (the engine that splits) as this rank's machine allows; the ranks then agree on it
+    # (streamed where any rank streams: TorchEngine), as rank 0 obeys its plan's decision
+    streamed = decide_torch_loading_of(folder, command["dtype"]).streamed
+    with open_engine(command["engine"], folder, dtype=command["dtype"], streamed=streamed) as eng:
         eng.score(command["windows"], batch_size=command["batch_size"], reference=reference, top_k=command["top_k"])

@@ -12,8 +12,8 @@ A plain (unquantized) folder runs as is; that is the baseline.
 `device`: where the model computes (a GPU: the whole model resident, or one decoder layer at a time when streamed).
 Windows go in from the host and every score comes back to the host, so callers never see a device tensor.
 
-When the dense model would not fit (or with LLMC_TORCH_EVAL=streamed), the engine evaluates one decoder layer at
-a time instead (`llmc.engines.torch_stream`): the same hooks, the same NLL, a fraction of the memory. Its timings
+When the caller decided so (the dense model would not fit, or LLMC_TORCH_EVAL=streamed:
+`llmc.engines.torch_stream.decide_torch_loading`), the engine evaluates one decoder layer at a time instead: the same hooks, the same NLL, a fraction of the memory. Its timings
 are then of the streamed pass, and no decode timing is taken (that would reload every layer per token).
 """
 
@@ -36,14 +36,13 @@ from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.engines.torch_stream import (build_dense_model, build_streaming_model, check_config_patterns,
-                                       choose_streamed, dense_bytes, streamed_logits, targets_match)
+                                       streamed_logits, targets_match)
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
 from llmc.model.attention import register_kv_attention, route_kv
 from llmc.model.families import expert_count
 from llmc.model.source_formats import source_format
-from llmc.quant.activations import memory_available
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import fake_quantize, input_scale_name
 from llmc.quant.spec import TensorSpec
@@ -85,23 +84,17 @@ def _artifact_tensors(folder: Path, suffixes: tuple[str, ...]) -> dict[str, torc
 class TorchEngine(EngineBase):
     name = "torch"
 
-    def __init__(self, folder: Path, *, dtype: str = "float32", streamed: bool | None = None,
+    def __init__(self, folder: Path, *, streamed: bool, dtype: str = "float32",
                  device: str | torch.device = "cpu") -> None:
+        """`streamed`: the caller's decision (llmc.engines.torch_stream.decide_torch_loading: the plan's in a build,
+        `decide_torch_loading_of` without one); the engine decides nothing itself."""
         self.folder = Path(folder)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         # Under torchrun every rank loads the model (llmc.engines.split); a failure on one is raised on all of them
-        # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow.
-        # the plan's decision where it gives one (a build), else decided as the plan decides (`llmc eval`, tasks);
-        # every rank runs the same collectives either way
-        decided, failure = bool(streamed), None
-        if streamed is None:
-            try:
-                decided = choose_streamed(dense_bytes(self.folder, self.dtype), memory_available())
-            except Exception as e:  # noqa: BLE001 - raised on every rank just below
-                failure = e
-        distributed.agree(failure)
-        streamed = distributed.any_rank(decided)
+        # (distributed.agree), so they stay in step, and all take the same path, whose arithmetic the scores follow:
+        # streamed where any rank's decision says so
+        streamed = distributed.any_rank(streamed)
         self.streamed = streamed
         failure = None
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
 from llmc.model.source_formats import source_format
 from llmc.inputs.patterns import PatternRefused, check_patterns, regex_matches
+from llmc.quant.activations import memory_available
 from llmc.quant.canonical import module_matches
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs
@@ -46,6 +48,33 @@ def choose_streamed(dense_bytes: int, available: int | None, setting: str | None
     if setting in ("streamed", "whole"):
         return setting == "streamed"
     return available is not None and dense_bytes > WHOLE_MODEL_SHARE * available
+
+
+@dataclass(frozen=True)
+class TorchLoading:
+    """How the torch reference loads a model, decided once (`decide_torch_loading`) and obeyed by `TorchEngine`: one
+    decoder layer resident at a time (streamed) or the whole dense model."""
+
+    streamed: bool
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return {"streamed": self.streamed}
+
+
+def decide_torch_loading(dense_bytes: float, available: int | None) -> TorchLoading:
+    """The torch reference's loading for a model whose dense weights take `dense_bytes`, on a machine with `available`
+    bytes of memory (`choose_streamed`; LLMC_TORCH_EVAL forces either). The plan's evaluation and tasks stages decide
+    through it; so does every caller that opens the engine without a plan (`decide_torch_loading_of`)."""
+    streamed = choose_streamed(int(dense_bytes), available)
+    return TorchLoading(streamed, f"the dense model takes {dense_bytes / 1e9:.1f} GB against "
+                                  f"{(available or 0) / 1e9:.1f} GB available")
+
+
+def decide_torch_loading_of(folder: Path, dtype: str) -> TorchLoading:
+    """`decide_torch_loading` for a model folder on this machine, for callers without a plan (`llmc eval`, a build's
+    ranks that follow rank 0's scoring): its dense bytes in `dtype` from the safetensors headers only."""
+    return decide_torch_loading(dense_bytes(Path(folder), getattr(torch, dtype)), memory_available())
 
 
 def dense_bytes(folder: Path, dtype: torch.dtype) -> int:

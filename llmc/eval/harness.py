@@ -14,6 +14,7 @@ the ratio, so sampling noise cannot hide a drop.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +22,10 @@ import yaml
 
 from llmc.data.bos import bos_decision
 from llmc.errors import EngineUnavailable, InputError
+from llmc.model.dtype import BYTES
+from llmc.planning.machine import DISK_READ_RATE, PROCESS_BYTES, forward_seconds
+from llmc.planning.rows import CostRow
+from llmc.planning.shapes import Shape
 from llmc.result import EvalId, Verdict
 
 Z95 = 1.96
@@ -152,3 +157,40 @@ def task_verdicts(ratio: float | None, target: EvalId, baseline: dict | None, me
             f"{m['metric']} {m['acc']:.4f} (95% CI {m['ci_low']:.4f} .. {m['ci_high']:.4f}) vs baseline "
             f"{base['acc']:.4f}: lower bound ratio {bound:.4f}", f"lower bound / baseline >= {ratio}", "quality"))
     return verdicts
+
+
+# What a task costs is not in the recipe (its documents, choices and their lengths live in the harness's data), so
+# the plan assumes, per task: eval.task_limit documents, else TASK_DOCUMENTS; REQUESTS_PER_DOCUMENT loglikelihood
+# requests (a multiple-choice task's choices) of TOKENS_PER_REQUEST tokens, each one forward at batch 1 (make_lm).
+# Stated defaults, not measurements: each row's note says so.
+TASK_DOCUMENTS = 1000
+REQUESTS_PER_DOCUMENT = 4
+TOKENS_PER_REQUEST = 128
+# importing lm-evaluation-harness and indexing its tasks (TaskManager), once per scored model: 86-139 s measured on
+# the 2-core VM at load 13-16 (docs/planner-constants.md#engine-start-up)
+HARNESS_START_S = 86.0
+
+
+def tasks_cost(shape: Shape, *, tasks: Sequence[str], limit: int | None, streamed: bool, compute: str,
+               model_bytes: float) -> CostRow:
+    """One model's eval.tasks through the torch reference (`make_lm`): the harness's start, the model's load and every
+    request's forward at the machine's probed matmul rate, on the stated defaults above where the recipe does not
+    say (eval.task_limit)."""
+    documents = limit or TASK_DOCUMENTS
+    requests = len(tasks) * documents * REQUESTS_PER_DOCUMENT
+    tokens = requests * TOKENS_PER_REQUEST
+    e = BYTES[compute]
+    gemm = 2 * tokens * (shape.layer_params * shape.active * shape.layers + shape.vocab * shape.hidden)
+    attention = 2 * tokens * TOKENS_PER_REQUEST / 2 * shape.attn_width * shape.layers
+    forward = forward_seconds(gemm, attention, compute=compute, device="cpu", width=shape.hidden,
+                              rows=TOKENS_PER_REQUEST)
+    model = (shape.outer_params + shape.layer_params) * e if streamed else shape.params * e
+    parts = {"process": PROCESS_BYTES, "model" + (" (one layer resident)" if streamed else ""): model,
+             "one request's logits": 2 * TOKENS_PER_REQUEST * shape.vocab * 4}
+    seconds = HARNESS_START_S + model_bytes / DISK_READ_RATE + forward
+    per_task = f"eval.task_limit {limit}" if limit else f"{TASK_DOCUMENTS} (a stated default: eval.task_limit unset)"
+    return CostRow("tasks", "cpu", sum(parts.values()), 0.0, 0.0, seconds,
+                   "streamed (one layer resident)" if streamed else "whole model",
+                   f"{len(tasks)} tasks x {per_task} documents x {REQUESTS_PER_DOCUMENT} requests x "
+                   f"{TOKENS_PER_REQUEST} tokens (assumed: a task's sizes are not in the recipe), harness start "
+                   f"~{HARNESS_START_S:g} s", parts)

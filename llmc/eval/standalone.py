@@ -13,6 +13,8 @@ from pydantic import TypeAdapter, ValidationError
 from llmc.data.sources import EvalCorpora, corpora_of, corpus_part
 from llmc.data.stages import eval_tokens
 from llmc.engines import engine_spec, open_engine
+from llmc.engines.registry import REFERENCE_ENGINE
+from llmc.engines.torch_stream import decide_torch_loading_of
 from llmc.errors import InputError, RecipeError
 from llmc.eval.gates import SUSPICIOUS_IMPROVEMENT, evaluate_gates, non_finite
 from llmc.eval.metrics import perplexity
@@ -49,6 +51,12 @@ def artifact_folders(path: Path, engine: str) -> list[tuple[str, Path]]:
         raise InputError(f"{path} holds no artifact the {engine} engine loads (found: {kinds})",
                          fix="choose --engine among the engines that read that format (llmc inspect names them)")
     return readable
+
+
+def torch_streamed(engine: str, folder: Path) -> bool | None:
+    """How the torch reference loads `folder` here, decided once (`decide_torch_loading_of`: no plan to take it
+    from); None for every other engine, which loads as it loads."""
+    return decide_torch_loading_of(folder, "float32").streamed if engine == REFERENCE_ENGINE else None
 
 
 def parse_corpora(values: tuple[str, ...] | list[str]) -> EvalCorpora:
@@ -104,11 +112,13 @@ def _evaluate(artifact: Path, baseline: str, store: Store, engine: str, windows:
     rows, failures, suspicious = [], [], []
     for name, tokens in token_sets.items():
         ids = tokens.input_ids
-        with open_engine(engine_spec(engine).baseline_engine, src.folder, dtype="float32") as base:
+        base_engine = engine_spec(engine).baseline_engine
+        with open_engine(base_engine, src.folder, dtype="float32",
+                         streamed=torch_streamed(base_engine, src.folder)) as base:
             reference = base.score(ids)
         base_nll = reference["nll"]
         for label, folder in folders:
-            with open_engine(engine, folder, dtype="float32") as eng:
+            with open_engine(engine, folder, dtype="float32", streamed=torch_streamed(engine, folder)) as eng:
                 scores = eng.score(ids, reference=reference)
             # the build's protocol (llmc.eval.protocol)
             m = evaluation_of(engine, scores, bootstrap_samples=BOOTSTRAP_SAMPLES, baseline_nll=base_nll)

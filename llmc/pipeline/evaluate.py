@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.data import stages as data
 from llmc.data.sources import corpora_of
 from llmc.engines import engine_spec, open_engine, split
-from llmc.engines.torch_stream import choose_streamed
+from llmc.engines.base import Scoring
+from llmc.engines.registry import REFERENCE_ENGINE
+from llmc.engines.torch_stream import TorchLoading, decide_torch_loading, decide_torch_loading_of
 from llmc.engines.agreement import HEAD_FILE, kld_kind, load_reference, split_head
 from llmc.errors import EngineFailed, EngineUnavailable, LlmcError, ResourceError
 from llmc.eval.protocol import evaluation_of
@@ -68,52 +71,109 @@ class Evaluate(Stage):
         return True  # evaluations always count in the disk check: they are small
 
     def pending_parts(self, b: Build) -> list[StageId]:
-        """The plan's scorings (the torch engine's: the baseline, each variant) whose outputs are not all in the
-        cache yet, for every corpus; the whole stage where the torch engine does not score. A variant's scorings
-        are keyed by its artifacts' recorded files: cached exports give their keys (from the store's record of
-        their files) and a pending export makes its variant's scoring pending."""
+        """The plan's scorings (`scorings`) whose outputs are not all in the cache yet, for every corpus. An
+        artifact's scorings are keyed by its recorded files: cached exports give their keys (from the store's record
+        of their files) and a pending export makes its scoring pending."""
         ev, runner = b.recipe.eval, b.runner
-        if "torch" not in ev.runtimes or b.evaluation is None:
+        if b.evaluation is None:
             return [self.id]
-        base_engine = engine_spec("torch").baseline_engine
-        pending: set[str] = set()
+        pending: list[StageId] = []
         for corpus, tokens in b.evaluation.items():
-            source = corpora_of(ev.corpus)[corpus]
-            windows = tokens.input_ids
-            base = score_key(b, base_engine, b.result.source.sha256, windows, None, source)
-            if not runner.is_done(self.id, base):
-                pending.add("baseline")
+            source, windows = corpora_of(ev.corpus)[corpus], tokens.input_ids
+            for engine, label, exports in self.scorings(ev.runtimes):
+                base = score_key(b, engine_spec(engine).baseline_engine, b.result.source.sha256, windows, None,
+                                 source)
+                if label == BASELINE_SCORING:
+                    done = runner.is_done(self.id, base)
+                else:
+                    contents = [e.cached_content_key(b) for e in exports]
+                    done = all(k is not None and runner.is_done(self.id, score_key(b, engine, k, windows, base, source))
+                               for k in contents)
+                part = StageId(Kind.EVAL, (engine, label))
+                if not done and part not in pending:
+                    pending.append(part)
+        return pending
+
+    def scorings(self, runtimes: Sequence[str]) -> list[tuple[str, str, list[Export]]]:
+        """The scorings the plan has a row for, as (engine, label, the exports it scores), in the build's order: the
+        torch reference's baseline (also where only another engine is paired with it) and each variant; then each
+        other engine's: its own baseline where it loads the source, and each artifact it reads and can run (one
+        per set of files)."""
+        out: list[tuple[str, str, list[Export]]] = []
+        if any(engine_spec(e).baseline_engine == REFERENCE_ENGINE for e in runtimes):
+            out.append((REFERENCE_ENGINE, BASELINE_SCORING, []))
+        if REFERENCE_ENGINE in runtimes:
+            torch_spec = engine_spec(REFERENCE_ENGINE)
             for q in self.quantizes:
-                for export in self.exports:
-                    if export.quantize is not q or "torch" not in export.format.read_by:
-                        continue
-                    if engine_spec("torch").cannot_run(q.scheme):
-                        continue
-                    content = export.cached_content_key(b)
-                    if content is None or not runner.is_done(self.id, score_key(b, "torch", content, windows, base,
-                                                                               source)):
-                        pending.add(q.id.of[0])
-        labels = ["baseline"] + [q.id.of[0] for q in self.quantizes]
-        return [StageId(Kind.EVAL, ("torch", label)) for label in labels if label in pending]
+                read = [] if torch_spec.cannot_run(q.scheme) else [
+                    e for e in self.exports if e.quantize is q and REFERENCE_ENGINE in e.format.read_by]
+                out.append((REFERENCE_ENGINE, q.id.of[0], read))
+        for engine in runtimes:
+            spec = engine_spec(engine)
+            if engine == REFERENCE_ENGINE:
+                continue
+            if spec.loads_source:
+                out.append((engine, BASELINE_SCORING, []))
+            seen: set[tuple] = set()
+            for e in self.exports:
+                if engine in e.format.read_by and not spec.cannot_run(e.scheme) and e.same_files() not in seen:
+                    seen.add(e.same_files())
+                    out.append((engine, e.label, [e]))
+        return out
 
     def run(self, b: Build) -> None:
         ranks.log_scoring(b.recipe.eval.runtimes)
         for corpus, tokens in b.evaluation.items():  # one corpus (None), or each of eval.corpus's, in recipe order
             _evaluate(b, tokens.input_ids, corpus)
 
-    def decide(self, c: Costing) -> TorchEvaluation:
+    def decide(self, c: Costing) -> TorchLoading:
         """Whether the torch reference scores one decoder layer at a time: the dense model against the memory of the
-        machine `c` plans for (`choose_streamed`; LLMC_TORCH_EVAL forces either). The build's torch scorings obey
-        it (`_score`)."""
-        dense = c.shape.params * BYTES[c.compute]
-        streamed = choose_streamed(dense, c.machine.available)
-        return TorchEvaluation(streamed, f"the dense model takes {dense / 1e9:.1f} GB against "
-                                         f"{(c.machine.available or 0) / 1e9:.1f} GB available")
+        machine `c` plans for (`decide_torch_loading`; LLMC_TORCH_EVAL forces either). The build's torch scorings
+        obey it (`_score`), and so do its tasks (llmc.pipeline.tasks)."""
+        return decide_torch_loading(c.shape.params * BYTES[c.compute], c.machine.available)
 
     def cost(self, c: Costing) -> None:
+        """A row per scoring (`scorings`): the torch reference's (`eval_cost`), then every other engine's (its own
+        module's `scoring_cost`)."""
+        scorings = self.scorings(c.recipe.eval.runtimes)
+        if scorings and scorings[0][0] == REFERENCE_ENGINE:
+            self._cost_torch(c, REFERENCE_ENGINE in c.recipe.eval.runtimes)
+        for engine, label, exports in scorings:
+            if engine != REFERENCE_ENGINE:
+                c.rows.append(self._cost_engine(c, engine, label, exports))
+
+    def _cost_engine(self, c: Costing, engine: str, label: str, exports: list[Export]) -> CostRow:
+        """One scoring in an engine other than the torch reference, per corpus: the engine's own cost of it, its
+        scores written, and (an artifact's) the artifact's and the baseline's scores verified first."""
+        ev, shape, spec = c.recipe.eval, c.shape, engine_spec(engine)
+        model_bytes = exports[0].artifact_bytes(c) if exports else float(shape.stored_bytes)
+        scoring = Scoring(shape, c.machine, ev.windows, ev.seq_len, ev.decode_tokens, ev.throughput_repeats,
+                          ev.kl_top_k, model_bytes, reference=bool(exports))
+        row = spec.scoring_cost(scoring)
+        if row is None:  # a GPU engine: no cost model (its time is not in the plan's total)
+            row = CostRow(engine, "cpu", 0.0, strategy="not planned",
+                          why=f"{spec.display} has no cost model here: its time is not in the plan's total "
+                              "or resources.max_hours")
+        row.named(StageId(Kind.EVAL, (engine, label)))
+        row.decision = EngineScoring(engine, spec.baseline_engine, bool(exports))
+        if row.strategy == "not planned":
+            return row
+        row.disk_bytes = scoring.tokens * (ev.kl_top_k * 8 + 16)
+        row.seconds += file_write_seconds(row.disk_bytes)
+        if exports:  # the artifact's files (read from the disk: written around the page cache) and the baseline's
+            row.seconds += model_bytes / hash_rate() + uncached_read_seconds(
+                model_bytes, files=max(1, math.ceil(model_bytes / MAX_SHARD_BYTES)))
+        n_corpora = len(corpora_of(ev.corpus))
+        if n_corpora > 1:  # each corpus is its own evaluation, the engine started again for it
+            row.seconds *= n_corpora
+            row.disk_bytes *= n_corpora
+            row.strategy += f"; {n_corpora} corpora, one after another (time and disk x {n_corpora})"
+        return row
+
+    def _cost_torch(self, c: Costing, scores_variants: bool) -> None:
+        """The torch reference's rows: its baseline, and (`scores_variants`: torch is in eval.runtimes) each
+        variant."""
         ev, shape = c.recipe.eval, c.shape
-        if "torch" not in ev.runtimes:
-            return
         decision = self.decide(c)
         streamed = decision.streamed
         throughput = (ev.throughput_repeats + 1) * ev.seq_len + ev.throughput_repeats * ev.decode_tokens
@@ -123,7 +183,7 @@ class Evaluate(Stage):
         n_corpora = len(corpora_of(ev.corpus))
         # an artifact's codes per weight as the torch engine reads them: packed int4 half a byte, 8-bit one
         scorings = [("baseline", False, 0.0, 0.0, 0, ())]
-        for q in self.quantizes:
+        for q in self.quantizes if scores_variants else ():
             sizes = q.sizes(c)
             scorings.append((q.id.of[0], True, q.scheme.weights.bits / 8, sizes.artifact, sizes.quantized_params,
                              emulated_elements(q.scheme, c.linears, c.config)))
@@ -159,15 +219,22 @@ class Evaluate(Stage):
                                    lean / 1e9)
 
 
-@dataclass(frozen=True)
-class TorchEvaluation:
-    """The evaluate stage's decision for the torch reference engine (`Evaluate.decide`)."""
+TorchEvaluation = TorchLoading  # the evaluate stage's decision for the torch reference (its former name)
+BASELINE_SCORING = "baseline"  # the label of an engine's scoring of the unquantized source
 
-    streamed: bool  # one decoder layer resident at a time, rather than the whole dense model
-    why: str
+
+@dataclass(frozen=True)
+class EngineScoring:
+    """The evaluate stage's decision for one scoring in an engine other than the torch reference: the engine, the
+    baseline it is compared with (its own, or the torch reference's where it cannot load the source), and whether
+    it scores an artifact (else the source)."""
+
+    engine: str
+    paired_with: str
+    artifact: bool
 
     def as_dict(self) -> dict:
-        return {"streamed": self.streamed}
+        return {"engine": self.engine, "paired_with": self.paired_with, "artifact": self.artifact}
 
 
 def emulated_elements(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict
@@ -363,8 +430,8 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
     device = eval_device(ev.device, engine)
     key, cfg = score_key(b, engine, content_key, windows, reference.key if reference else None, corpus, config=True)
     # the plan's decision for the torch reference (None elsewhere: the engine runs as it runs)
-    planned = b.result.plan.decision_of(StageId(Kind.EVAL, ("torch", "baseline"))) if engine == "torch" else None
-    streamed = planned.streamed if planned is not None else None
+    streamed = torch_loading(b, StageId(Kind.EVAL, ("torch", "baseline")), folder).streamed \
+        if engine == "torch" else None
     # an artifact's evaluation records the sha256 of the files it measured; other bytes invalidate it
     measured = None
     if reference is not None:  # the files content_key covers: the serve file differs between targets sharing weights
@@ -410,6 +477,13 @@ def _score(b: Build, engine: str, folder: Path, content_key: str, windows, promp
     return evaluation_of(stored.pop("engine"), load_file(str(done / "scores.safetensors")),
                          bootstrap_samples=ev.bootstrap_samples, measures_speed=True, key=key, **stored,
                          baseline_nll=reference.nll if reference is not None else None)
+
+
+def torch_loading(b: Build, planned: StageId, folder: Path) -> TorchLoading:
+    """The torch reference's loading for a scoring of `folder`: the plan's decision in row `planned`, or, where the
+    plan has no such row (planned without the model's shapes), decided for `folder` on this machine."""
+    decision = b.result.plan.decision_of(planned)
+    return decision if decision is not None else decide_torch_loading_of(folder, b.result.dtype)
 
 
 def tokenizer_hash(runner: Runner, folder: Path) -> str | None:

@@ -118,7 +118,7 @@ class Export(Stage):
         # targets share weight files when they export the same quantize stage's output in the same format (and,
         # where the files depend on it, the same tensor-parallel degree)
         shared_with = next((e.label for e in self.earlier if e.same_files() == self.same_files()), None)
-        artifact = sum(fmt.written_bytes(w) for w in written_tensors(c, scheme))  # every file it writes
+        artifact = self.artifact_bytes(c)
         new_bytes = artifact
         outer_bytes = c.shape.outer_params * c.kept_elem
         # a second format that writes the weights outside the layers as stored adds only its layer shards (identical
@@ -140,6 +140,10 @@ class Export(Stage):
                           repacked_bytes=sizes.packed if fmt.repacks_layers else None,
                           bits=scheme.weights.bits)
         c.rows.append(row.named(self.id))
+
+    def artifact_bytes(self, c: Costing) -> float:
+        """Every file the artifact holds (what an engine scoring it loads)."""
+        return sum(self.format.written_bytes(w) for w in written_tensors(c, self.scheme))
 
     def same_files(self) -> tuple:
         """What fixes this export's weight files: the quantize stage's output, the format (and, where the files

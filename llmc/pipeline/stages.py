@@ -32,7 +32,7 @@ def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH
     for q in quantizes:  # each knows the ones before it (whose files, or verified inputs, it may share)
         for t in recipe.targets:
             exports.append(Export(q, t, tuple(exports)))
-    every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(), Gate(), Publish()]
+    every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(exports), Gate(), Publish()]
     return [s for s in every if not s.id.kind.comes_after(last)]
 
 

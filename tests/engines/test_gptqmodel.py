@@ -56,7 +56,7 @@ def checkpoints(tmp_path_factory, tiny_model_session: Path) -> dict:
         export_compressed_tensors(qm, root / f"ct-{name}")
         out[name] = {"gptq": root / f"gptq-{name}", "awq": root / f"awq-{name}", "reference": root / f"ct-{name}"}
     windows = torch.randint(3, 290, (4, 64), generator=torch.Generator().manual_seed(0))
-    source = TorchEngine(tiny_model_session).score(windows, top_k=16)
+    source = TorchEngine(tiny_model_session, streamed=False).score(windows, top_k=16)
     return {"schemes": out, "windows": windows, "source": source}
 
 
@@ -71,7 +71,7 @@ def test_gptqmodel_scores_llmcs_checkpoint_like_the_torch_reference(checkpoints,
         with pytest.raises(EngineFailed, match="sym=False model with format=FORMAT.GPTQ is only supported"):
             GptqModelEngine(paths[layout]).measure(windows[:1], windows[:1], decode_tokens=0, repeats=1)
         return
-    ours = TorchEngine(paths["reference"]).score(windows, reference=source, top_k=16)
+    ours = TorchEngine(paths["reference"], streamed=False).score(windows, reference=source, top_k=16)
     theirs, tput = GptqModelEngine(paths[layout]).measure(windows, windows[:1], decode_tokens=4, repeats=1,
                                                           reference=source, top_k=16)
     ppl_ours, ppl_theirs = (math.exp(s["nll"].double().mean()) for s in (ours, theirs))

@@ -75,7 +75,7 @@ def _score_both(smollm2, name: str, weights):
     res = export_gguf(qm, root / f"gguf-{name}")
     export_compressed_tensors(qm, root / f"ct-{name}")
     # the torch reference on the same quantized weights is the reference distribution
-    reference = TorchEngine(root / f"ct-{name}").score(windows)
+    reference = TorchEngine(root / f"ct-{name}", streamed=False).score(windows)
     scores, tput = LlamaCppEngine(res.path.parent).measure(windows, windows[:1], decode_tokens=8, repeats=1,
                                                            reference=reference)
     return reference, scores, tput, res

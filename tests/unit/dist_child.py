@@ -64,7 +64,7 @@ def evaluate(artifact: Path, windows: Path, out: Path) -> None:
     from llmc.engines.torch_ref import TorchEngine
 
     ids = torch.load(windows)
-    engine = TorchEngine(artifact)
+    engine = TorchEngine(artifact, streamed=False)
     base = engine.score(ids, batch_size=2)
     scored = engine.score(ids, batch_size=2, reference=base)
     if distributed.is_main():

@@ -70,7 +70,7 @@ WINDOWS = torch.randint(0, VOCAB, (5, 33), generator=torch.Generator().manual_se
 def _direct_kl(base: Path, artifact: Path) -> torch.Tensor:
     """KL(base ‖ artifact) per token from both models' full logits, in float64."""
     with torch.no_grad():
-        lp, lq = (TorchEngine(f).model(input_ids=WINDOWS, use_cache=False).logits[:, :-1].double().log_softmax(-1)
+        lp, lq = (TorchEngine(f, streamed=False).model(input_ids=WINDOWS, use_cache=False).logits[:, :-1].double().log_softmax(-1)
                   for f in (base, artifact))
     return (lp.exp() * (lp - lq)).sum(-1)
 
@@ -78,12 +78,12 @@ def _direct_kl(base: Path, artifact: Path) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3", "granite"])
 def test_exact_kl_equals_the_kl_of_the_full_logits_and_bounds_the_top_k(models, kind: str) -> None:
     base, artifact = models(kind)
-    baseline = TorchEngine(base)
+    baseline = TorchEngine(base, streamed=False)
     reference = baseline.score(WINDOWS, batch_size=2, top_k=16)
     assert baseline.output_head["reproduced"] and baseline.output_head["post"] == EXPECTED_POST[kind]
     assert reference[HEAD_INPUT].shape == (5, 32, 32) and reference["head_weight"].shape == (VOCAB, 32)
 
-    scores = TorchEngine(artifact).score(WINDOWS, batch_size=2, reference=reference, top_k=16)
+    scores = TorchEngine(artifact, streamed=False).score(WINDOWS, batch_size=2, reference=reference, top_k=16)
     assert kld_kind(scores) == EXACT
     direct = _direct_kl(base, artifact)
     assert torch.allclose(scores["kl"], direct, rtol=1e-4, atol=1e-6)
@@ -97,11 +97,11 @@ def test_a_head_llmc_cannot_reproduce_falls_back_to_the_bound_and_says_why(
     base, artifact = models(kind)
     # llmc not knowing the model's processing: only "none" is tried, and it does not reproduce the logits
     monkeypatch.setattr(agreement, "candidate_posts", lambda config: [HeadPost()])
-    baseline = TorchEngine(base)
+    baseline = TorchEngine(base, streamed=False)
     reference = baseline.score(WINDOWS, batch_size=2, top_k=16)
     assert not baseline.output_head["reproduced"] and "does not reproduce" in baseline.output_head["reason"]
     assert not any(k.startswith("head") for k in reference)
-    scores = TorchEngine(artifact).score(WINDOWS, batch_size=2, reference=reference, top_k=16)
+    scores = TorchEngine(artifact, streamed=False).score(WINDOWS, batch_size=2, reference=reference, top_k=16)
     assert kld_kind(scores) == TOPK_BOUND and KL_BOUND not in scores
     assert (scores["kl"] <= _direct_kl(base, artifact) + 1e-6).all()
 
@@ -109,17 +109,17 @@ def test_a_head_llmc_cannot_reproduce_falls_back_to_the_bound_and_says_why(
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_a_bfloat16_baseline_reproduces_its_head_in_its_own_dtype(models, kind: str) -> None:
     base, artifact = models(kind)
-    baseline = TorchEngine(base, dtype="bfloat16")
+    baseline = TorchEngine(base, dtype="bfloat16", streamed=False)
     reference = baseline.score(WINDOWS, batch_size=2, top_k=16)
     assert baseline.output_head["reproduced"] and reference["head_weight"].dtype == torch.bfloat16
-    scores = TorchEngine(artifact, dtype="bfloat16").score(WINDOWS, batch_size=2, reference=reference, top_k=16)
+    scores = TorchEngine(artifact, dtype="bfloat16", streamed=False).score(WINDOWS, batch_size=2, reference=reference, top_k=16)
     assert kld_kind(scores) == EXACT and torch.isfinite(scores["kl"]).all()
 
 
 def test_exact_kl_works_a_bounded_chunk_of_tokens_at_a_time(models, monkeypatch: pytest.MonkeyPatch) -> None:
     base, artifact = models("llama")
-    reference = TorchEngine(base).score(WINDOWS, batch_size=2, top_k=16)
-    unchunked = TorchEngine(artifact).score(WINDOWS, batch_size=2, reference=reference, top_k=16)["kl"]
+    reference = TorchEngine(base, streamed=False).score(WINDOWS, batch_size=2, top_k=16)
+    unchunked = TorchEngine(artifact, streamed=False).score(WINDOWS, batch_size=2, reference=reference, top_k=16)["kl"]
 
     monkeypatch.setattr(agreement, "CHUNK_BYTES", 7 * VOCAB * 4 * 4)  # 7 tokens' temporaries
     rows_seen: list[int] = []
@@ -130,7 +130,7 @@ def test_exact_kl_works_a_bounded_chunk_of_tokens_at_a_time(models, monkeypatch:
         return original(self, hidden)
 
     monkeypatch.setattr(OutputHead, "logits", spy)
-    chunked = TorchEngine(artifact).score(WINDOWS, batch_size=2, reference=reference, top_k=16)["kl"]
+    chunked = TorchEngine(artifact, streamed=False).score(WINDOWS, batch_size=2, reference=reference, top_k=16)["kl"]
     assert max(rows_seen) == 7 and sum(rows_seen) == WINDOWS.shape[0] * (WINDOWS.shape[1] - 1)
     assert len(rows_seen) == 2 * math.ceil(64 / 7) + math.ceil(32 / 7)  # batches of 2, 2 and 1 window(s)
     assert torch.allclose(chunked, unchunked, rtol=1e-5, atol=1e-7)

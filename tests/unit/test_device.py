@@ -64,7 +64,7 @@ def _mean_nll(canonical: Path, tokens: torch.Tensor) -> float:
     from llmc.quant.canonical import QuantizedModel
 
     export_compressed_tensors(QuantizedModel.open(canonical), canonical.parent / f"{canonical.name}-export")
-    return float(TorchEngine(canonical.parent / f"{canonical.name}-export").token_nll(tokens).mean())
+    return float(TorchEngine(canonical.parent / f"{canonical.name}-export", streamed=False).token_nll(tokens).mean())
 
 
 @pytest.mark.gpu
@@ -97,7 +97,7 @@ def test_cuda_gives_the_cpu_form_up_to_rounding(name: str, tmp_path: Path, tiny_
                 else:
                     torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=1e-5, msg=k)
     tokens = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(1))
-    base = float(TorchEngine(folder).token_nll(tokens).mean())
+    base = float(TorchEngine(folder, streamed=False).token_nll(tokens).mean())
     cpu_nll, gpu_nll = _mean_nll(tmp_path / "cpu", tokens), _mean_nll(tmp_path / "cuda", tokens)
     # One-sided: the GPU's form may come out better (measured on an H100: GPTQ 6.177 vs 6.207 on the CPU,
     # original 6.182), never worse beyond a quarter of the CPU's quantization damage plus 0.03% of the NLL.

@@ -59,7 +59,7 @@ def test_only_the_cpu_build_of_vllm_refuses_schemes() -> None:
 
 def test_open_engine_loads_the_torch_engine_and_measures_as_before(tiny_model: Path) -> None:
     windows = torch.randint(3, 200, (3, 24), generator=torch.Generator().manual_seed(0))
-    with open_engine("torch", tiny_model, dtype="float32") as engine:
+    with open_engine("torch", tiny_model, dtype="float32", streamed=False) as engine:
         scores, tput = engine.measure(windows, windows[:1], decode_tokens=2, repeats=1, batch_size=2, top_k=8,
                                       throughput_batch_sizes=engine_spec("torch").batch_sizes((1, 2)))
         again = engine.score(windows, batch_size=2, top_k=8)

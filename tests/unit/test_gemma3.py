@@ -140,7 +140,7 @@ def test_streamed_rtn_export_reproduces_direct_fake_quantization(gemma3: Path, t
                 m.weight.data = fake_quantize_weight(m.weight.data, INT4_G16)
                 n += 1
         expected = direct(input_ids=ids).logits
-        got = TorchEngine(tmp_path / "export").model(input_ids=ids, use_cache=False).logits
+        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
     assert n == len(LAYER_TYPES) * 7
     assert (expected - base).abs().max() > 1e-2  # quantization is visible
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

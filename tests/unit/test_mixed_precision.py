@@ -256,7 +256,7 @@ def test_torch_engine_loads_a_mixed_artifact(mixed_build, mixed_artifact) -> Non
     from llmc.quant.canonical import QuantizedModel
 
     qm = QuantizedModel.open(mixed_build[1])
-    engine = TorchEngine(mixed_artifact)
+    engine = TorchEngine(mixed_artifact, streamed=False)
     model = engine.model
     layer1 = load_file(mixed_build[1] / "layers" / "00001.safetensors")
     params = dict(model.named_parameters())

@@ -238,7 +238,7 @@ def test_onnxruntime_reproduces_the_torch_reference(exported, name: str) -> None
     """fp32 compute (accuracy_level 1): same codes, same function -> same NLL and logits to rounding."""
     _, folder, ct = exported[name]
     windows = torch.randint(3, 290, (2, 48), generator=torch.Generator().manual_seed(0))
-    ref = TorchEngine(ct).score(windows, reference=None)
+    ref = TorchEngine(ct, streamed=False).score(windows, reference=None)
     ort = OnnxRuntimeEngine(folder)
     got = ort.score(windows, reference=ref)
     assert torch.allclose(got["nll"], ref["nll"], atol=2e-4, rtol=0), (got["nll"] - ref["nll"]).abs().max()
@@ -270,7 +270,7 @@ def test_default_accuracy_level_quantizes_activations_and_stays_close(exported, 
     levels = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
     assert levels == {4}
     windows = torch.randint(3, 290, (2, 48), generator=torch.Generator().manual_seed(0))
-    ref = TorchEngine(ct).score(windows)
+    ref = TorchEngine(ct, streamed=False).score(windows)
     got = OnnxRuntimeEngine(tmp_path / "acc4").score(windows)
     change = got["nll"].mean().exp() / ref["nll"].mean().exp() - 1
     assert 0 < abs(change.item()) < 0.02  # different arithmetic, same weights

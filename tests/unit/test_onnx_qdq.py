@@ -106,7 +106,7 @@ def test_onnxruntime_reproduces_the_torch_reference(exported, name: str) -> None
 
     _, folder, ct = exported[name]
     ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(1))
-    ref = torch.log_softmax(TorchEngine(ct).model(ids).logits.float(), -1)
+    ref = torch.log_softmax(TorchEngine(ct, streamed=False).model(ids).logits.float(), -1)
     got = _session(folder, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC).run(None, {"input_ids": ids.numpy()})[0]
     got = torch.log_softmax(torch.from_numpy(got), -1)
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
@@ -117,7 +117,7 @@ def test_onnxruntime_reproduces_the_torch_reference(exported, name: str) -> None
 def test_engine_scores_the_qdq_folder_with_default_optimizations(exported) -> None:
     _, folder, ct = exported["w4a16-g32-asym"]
     windows = torch.randint(3, 300, (3, 32), generator=torch.Generator().manual_seed(2))
-    reference = TorchEngine(ct).score(windows, top_k=16)
+    reference = TorchEngine(ct, streamed=False).score(windows, top_k=16)
     engine = OnnxRuntimeEngine(folder)
     scores = engine.score(windows, reference=reference, top_k=16)
     assert scores["nll"].shape == (3, 31)
@@ -161,7 +161,7 @@ def test_exact_session_config_turns_off_the_int8_kernel_fusion(exported) -> None
     reference's function); by default it fuses the Q/DQ MatMuls into its int8 kernel."""
     _, folder, ct = exported["w8a8-int8-static"]
     windows = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(4))
-    reference = TorchEngine(ct).score(windows, top_k=16)
+    reference = TorchEngine(ct, streamed=False).score(windows, top_k=16)
     config = json.loads((folder / "llmc-serve.json").read_text())["onnxruntime"]["exact_session_config"]
     exact = OnnxRuntimeEngine(folder, session_config=config).score(windows, reference, 16)
     assert exact["kl"].mean() < 2e-5 and torch.allclose(exact["nll"], reference["nll"], atol=1e-3)
@@ -229,7 +229,7 @@ def test_tensorrt_engine_from_the_qdq_graph_matches_the_torch_reference(exported
     for name in ("w8a8-int8-static", "w4a16-g32-asym", "w8a16-int8"):
         _, folder, ct = exported[name]
         windows = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(3))
-        reference = TorchEngine(ct).score(windows, top_k=16)
+        reference = TorchEngine(ct, streamed=False).score(windows, top_k=16)
         scores = TensorRtEngine(folder).score(windows, reference, 16)
         assert scores["kl"].mean() < 1e-3 and scores["top1"].float().mean() > 0.95, name
 
@@ -301,7 +301,7 @@ def test_genai_folder_with_qdq_reproduces_the_torch_reference_with_a_kv_cache(ex
     assert np.array_equal(packed.astype(np.float32), want.float().numpy())
     assert not [n for n in inits if n.endswith("MatMul.weight") and "lm_head" not in n]  # no float copies left
     windows = torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(5))
-    reference = TorchEngine(ct).score(windows, top_k=16)
+    reference = TorchEngine(ct, streamed=False).score(windows, top_k=16)
     engine = OnnxRuntimeEngine(folder, session_config={"session.disable_quant_qdq": "1"})
     scores = engine.score(windows, reference, 16)
     assert scores["kl"].mean() < 1e-6 and torch.allclose(scores["nll"], reference["nll"], atol=1e-3)

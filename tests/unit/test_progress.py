@@ -63,6 +63,6 @@ def test_the_torch_engine_reports_its_batches(json_progress, capsys, tiny_model_
     from llmc.engines.torch_ref import TorchEngine
 
     windows = torch.randint(0, 100, (5, 16), generator=torch.Generator().manual_seed(0))
-    TorchEngine(tiny_model_session).token_nll(windows, batch_size=2)
+    TorchEngine(tiny_model_session, streamed=False).token_nll(windows, batch_size=2)
     lines = [d for d in _lines(capsys.readouterr().err) if d["stage"].startswith("score windows")]
     assert lines and lines[-1]["done"] == lines[-1]["total"]

@@ -92,7 +92,7 @@ def test_export_reload_matches_fake_quantized_model(name: str, tiny_model: Path,
     qm = QuantizedModel.open(tmp_path / "q")
     export_compressed_tensors(qm, tmp_path / "artifact")
 
-    engine = TorchEngine(tmp_path / "artifact")
+    engine = TorchEngine(tmp_path / "artifact", streamed=False)
     reference = _reference(tiny_model, scheme, calib)
     ids = _calibration(vocab, n=3, seq=48)
     with torch.no_grad():
