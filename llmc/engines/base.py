@@ -8,37 +8,19 @@ probed matmul rates and its own measured start-up (docs/planner-constants.md#eng
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmc.planning.machine import DISK_READ_RATE, Machine, forward_seconds
-from llmc.planning.shapes import Shape
+from llmc.engines.registry import Scoring
+from llmc.planning.machine import DISK_READ_RATE, forward_seconds
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["DECODE_PREFIX", "EngineBase", "Scoring", "forward_s", "protocol_seconds", "read_seconds",
+           "scores_bytes", "window_logits_bytes"]
+
 # tokens of the short prompt every engine's throughput measurement decodes after (its `throughput`, the workers')
 DECODE_PREFIX = 64
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """One scoring as the plan costs it: the evaluation protocol's sizes (one corpus), what the engine loads, and
-    the machine planned for."""
-
-    shape: Shape
-    machine: Machine
-    windows: int
-    seq_len: int
-    decode_tokens: int
-    repeats: int  # throughput repeats, each a prefill of one window and a decode of decode_tokens
-    top_k: int
-    model_bytes: float  # the files the engine loads: the artifact's, or the source's for a baseline
-    reference: bool  # an artifact scored against the baseline's scores (KL, top-1), not a baseline itself
-
-    @property
-    def tokens(self) -> int:
-        return self.windows * self.seq_len
 
 
 def forward_s(s: Scoring, dtype: str, tokens: float, rows: int, context: float) -> float:
@@ -50,12 +32,14 @@ def forward_s(s: Scoring, dtype: str, tokens: float, rows: int, context: float) 
     return forward_seconds(gemm, attention, compute=dtype, device="cpu", width=sh.hidden, rows=rows)
 
 
-def protocol_seconds(s: Scoring, dtype: str) -> tuple[float, float]:
+def protocol_seconds(s: Scoring, dtype: str, rows: int | None = None) -> tuple[float, float]:
     """(scoring, throughput) seconds of the protocol every engine runs: each window one prefill; then `repeats` times
-    a prefill of one window and, after a DECODE_PREFIX-token prefill, decode_tokens forwards of one token."""
-    score = forward_s(s, dtype, s.tokens, s.seq_len, s.seq_len / 2)  # causal: half the window on average
-    per_repeat = (forward_s(s, dtype, s.seq_len, s.seq_len, s.seq_len / 2)
-                  + forward_s(s, dtype, DECODE_PREFIX, DECODE_PREFIX, DECODE_PREFIX / 2)
+    a prefill of one window and, after a DECODE_PREFIX-token prefill, decode_tokens forwards of one token. `rows`: the
+    probe's rows a prefill is timed at (None: the prefill's own tokens), for an engine whose time per token does not
+    follow the torch probe's rows."""
+    score = forward_s(s, dtype, s.tokens, rows or s.seq_len, s.seq_len / 2)  # causal: half the window on average
+    per_repeat = (forward_s(s, dtype, s.seq_len, rows or s.seq_len, s.seq_len / 2)
+                  + forward_s(s, dtype, DECODE_PREFIX, rows or DECODE_PREFIX, DECODE_PREFIX / 2)
                   + forward_s(s, dtype, s.decode_tokens, 1, DECODE_PREFIX + s.decode_tokens / 2))
     return score, s.repeats * per_repeat
 

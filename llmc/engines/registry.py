@@ -18,8 +18,9 @@ from llmc.registry import Registry
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from llmc.engines.base import Scoring
+    from llmc.planning.machine import Machine
     from llmc.planning.rows import CostRow
+    from llmc.planning.shapes import Shape
     from llmc.quant.spec import Scheme
 
 # The engine that scores the unquantized source for engines that cannot load it themselves.
@@ -53,6 +54,27 @@ class Engine(Protocol):
     def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """One scoring as the plan costs it (each engine module's `scoring_cost`, through `EngineSpec.scoring_cost`; the
+    arithmetic they share: llmc.engines.base): the evaluation protocol's sizes (one corpus), what the engine loads,
+    and the machine planned for."""
+
+    shape: Shape
+    machine: Machine
+    windows: int
+    seq_len: int
+    decode_tokens: int
+    repeats: int  # throughput repeats, each a prefill of one window and a decode of decode_tokens
+    top_k: int
+    model_bytes: float  # the files the engine loads: the artifact's, or the source's for a baseline
+    reference: bool  # an artifact scored against the baseline's scores (KL, top-1), not a baseline itself
+
+    @property
+    def tokens(self) -> int:
+        return self.windows * self.seq_len
 
 
 @dataclass(frozen=True)

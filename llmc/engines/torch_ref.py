@@ -12,9 +12,10 @@ A plain (unquantized) folder runs as is; that is the baseline.
 `device`: where the model computes (a GPU: the whole model resident, or one decoder layer at a time when streamed).
 Windows go in from the host and every score comes back to the host, so callers never see a device tensor.
 
-When the caller decided so (the dense model would not fit, or LLMC_TORCH_EVAL=streamed:
-`llmc.engines.torch_stream.decide_torch_loading`), the engine evaluates one decoder layer at a time instead: the same hooks, the same NLL, a fraction of the memory. Its timings
-are then of the streamed pass, and no decode timing is taken (that would reload every layer per token).
+When its caller decided so (`llmc.engines.torch_stream.decide_torch_loading`: the dense model would not fit, or
+LLMC_TORCH_EVAL=streamed), the engine evaluates one decoder layer at a time instead: the same hooks, the same NLL,
+a fraction of the memory. Its timings are then of the streamed pass, and no decode timing is taken (that would
+reload every layer per token).
 """
 
 from __future__ import annotations

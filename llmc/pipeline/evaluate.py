@@ -2,8 +2,9 @@
 on the same windows of each evaluation corpus; each scoring is cached on its own.
 
 Key of one scoring: the engine, the evaluation protocol (corpus, windows, lengths, throughput settings, dtype,
-tokenizer), the scored model's content key and the baseline's scoring key. Cost (`eval_cost`): the torch engine's
-scorings (the baseline, then each variant), per corpus: the whole dense model, or (streamed,
+tokenizer), the scored model's content key and the baseline's scoring key. Cost: every other engine's scorings by
+the engine's own module (`EngineSpec.scoring_cost`); the torch engine's (`eval_cost`: the baseline, then each
+variant), per corpus: the whole dense model, or (streamed,
 llmc.engines.torch_stream) the outer weights, one dense layer (an artifact's: + its codes and the float32
 decompression of one block of rows, or of one Linear for packed int4), the hidden states of every window and one
 batch's logits; the baseline's output head an artifact is scored with is mapped."""

@@ -1,7 +1,9 @@
 """The tasks stage: eval.tasks through lm-evaluation-harness on the torch reference engine, for the baseline and
 every artifact the torch engine scored, each cached under its model's content key.
 
-Key: the tasks (their fingerprint), the limit, the dtype and the tokenizer; the scored model's content key."""
+Key: the tasks (their fingerprint), the limit, the dtype and the tokenizer; the scored model's content key. Cost
+(llmc.eval.harness.tasks_cost): per scored model, from eval.task_limit or stated defaults; the torch reference loads
+each model as the plan decided (`decide`, the evaluation's decision)."""
 
 from __future__ import annotations
 

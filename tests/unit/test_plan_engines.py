@@ -137,11 +137,16 @@ def _callers_of(name: str) -> list[tuple[str, str]]:
     """(file, enclosing function) of every call of `name` in llmc/."""
     found = []
     for f in sorted((REPO / "llmc").rglob("*.py")):
-        tree = ast.parse(f.read_text())
+        text = f.read_text()
+        if name not in text:  # parse only the files that name it
+            continue
+        tree = ast.parse(text)
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                    called = getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) \
+                        else None
+                    if called == name:
                         found.append((f.relative_to(REPO).as_posix(), fn.name))
     return found
 
