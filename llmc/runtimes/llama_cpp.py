@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES
 from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, WrittenTensors, target_key
 from llmc.runtimes.registry import register_format, register_runtime
 
@@ -26,6 +27,13 @@ class Gguf(ArtifactFormat):
              "llama.cpp) is not run here")
 
     mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)
+    # the families llmc.formats.gguf_arch maps to a llama.cpp architecture (its MoE ones: experts merged into
+    # llama.cpp's 3-D tensors, tests/unit/test_gguf_moe.py); the others are refused at plan time, those llama.cpp has
+    # with the reason (GGUF_REFUSED, the runtimes' refused_families)
+    families = frozenset(GGUF_FAMILIES)
+    families_source = ("llmc.formats.gguf_arch: the families whose llama.cpp architecture (src/models/<arch>.cpp in "
+                       "the llama.cpp llama-cpp-python 0.3.36 vendors) llmc's GGUF exporter writes")
+    moe_families = MOE_MODEL_TYPES
 
     def check_scheme(self, scheme) -> None:
         from llmc.formats.gguf import type_plan
@@ -111,8 +119,9 @@ _FP4_RULES = {
 }
 
 register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rules("0.0.1"), **_FP4_RULES},
-                         known_versions=("0.0.1", "0.3.15", "0.3.36")))
+                         known_versions=("0.0.1", "0.3.15", "0.3.36"), refused_families=dict(GGUF_REFUSED)))
 # Ollama: not given the FP4 types. Its gpt-oss MXFP4 files predate ggml's type 39 (llama.cpp issue #15597: an Ollama
 # gpt-oss blob stores another type id), and which Ollama release loads ggml's MXFP4 / NVFP4 in a dense model is not
 # established here.
-register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0")))
+register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
+                         refused_families=dict(GGUF_REFUSED)))
