@@ -38,6 +38,15 @@ Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.p
 keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
 
+Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2): llama.cpp
+holds a layer's experts as one 3-D tensor per projection (`ffn_{gate,up,down}_exps`, [E, rows, cols]); each expert's
+canonical tensor is converted as above and the E results stacked in expert order, so every expert's codes and scales
+are copied as a dense Linear's are. Routers (and Qwen2-MoE's shared-expert gate) stay F32 as convert_hf_to_gguf.py
+keeps them; DeepSeek's `e_score_correction_bias` is `exp_probs_b.bias`. The per-architecture keys (expert counts,
+shared experts, leading dense layers, gating function, MLA ranks) are `FAMILY_KEYS` rows, the head widths `HEADS`
+rows. DeepSeek's MLA is written in the decompressed form llama.cpp still runs (`attn_kv_b`, no key_length_mla): the
+absorbed form would store k_b transposed, its blocks along another axis, requantized.
+
 Activations: llama.cpp quantizes activations itself (dynamic, blocks of 32) for Q8_0/Q4 matmuls, so a
 W8A8 scheme's activation settings are not carried. FP4 weights of a weight-only scheme are listed with
 `general.tensor_extra.prec_a4` false: llama.cpp's CUDA build on Blackwell otherwise quantizes their activations to
@@ -372,6 +381,9 @@ HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
 }
 
 
+# architectures whose loader requires output.weight, with no fallback to token_embd for a tied head (src/models/
+# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp create `output` with flags 0; the others duplicate token_embd)
+OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2")
 # llama.cpp tensors kept F32 whatever their rank, as convert_hf_to_gguf.py keeps them (ModelBase.prepare_tensors):
 # MoE routers and the shared-expert gate, whose rounding would move tokens to other experts
 KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")
@@ -695,6 +707,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                             fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
                     shape = (len(parts), *shape)
                 items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or ()))
+                if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
+                    items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
                 if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
                     items.append(_Item(f"{module}.weight_global_scale",
                                        name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))

@@ -23,7 +23,9 @@ class Gguf(ArtifactFormat):
     unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
-             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); Ollama itself (which embeds "
+             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
+             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2: Q8_0) loaded and scored in llama.cpp 0.3.36 against "
+             "the torch reference (tests/integration/test_gguf_moe_llamacpp.py); Ollama itself (which embeds "
              "llama.cpp) is not run here")
 
     mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)
@@ -123,5 +125,10 @@ register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rule
 # Ollama: not given the FP4 types. Its gpt-oss MXFP4 files predate ggml's type 39 (llama.cpp issue #15597: an Ollama
 # gpt-oss blob stores another type id), and which Ollama release loads ggml's MXFP4 / NVFP4 in a dense model is not
 # established here.
+# Ollama: nor the MoE families. llmc's DeepSeek-V3 GGUF is the decompressed-MLA form, its experts merged as llama.cpp
+# merges them; which Ollama release (its own Go engine for several of these architectures) loads such files is not
+# established here, and none is run.
+_OLLAMA_MOE_UNRUN = ("llmc's GGUF of this MoE family is proven in llama.cpp only; which Ollama release loads it "
+                     "(Ollama runs several MoE architectures in its own engine) is not established here")
 register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
-                         refused_families=dict(GGUF_REFUSED)))
+                         refused_families={**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN)}))

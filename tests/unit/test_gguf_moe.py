@@ -30,16 +30,20 @@ SCHEMES = {"w8a16": Scheme(TensorSpec("int8", "channel")), "w4a16-g32": Scheme(T
 WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2")
 # config overrides for the GGUF: Qwen2-MoE's published checkpoints keep the softmax weights unnormalised, as
 # llama.cpp's qwen2moe graph does (the tests' tiny model normalises: refused below)
-GGUF_OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False}}
+GGUF_OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
+                  "deepseek_v3": {"first_k_dense_replace": 1}}  # layer 0 a dense MLP, as DeepSeek-V3's first three
 
 
-def _expected_layer(arch: str, c: dict) -> dict[str, tuple[int, ...]]:
-    """Layer 0's tensors as llama.cpp creates them (ggml ne order: input dim first), src/models/<arch>.cpp."""
+def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """A layer's tensors as llama.cpp creates them (ggml ne order: input dim first), src/models/<arch>.cpp."""
     h, n_head, e = c["hidden_size"], c["num_attention_heads"], 4
     n_kv, hd = c.get("num_key_value_heads") or n_head, c.get("head_dim") or h // n_head
     ff = c.get("moe_intermediate_size") or c["intermediate_size"]
     exps = {"ffn_gate_inp.weight": (h, e), "ffn_gate_exps.weight": (h, ff, e), "ffn_up_exps.weight": (h, ff, e),
             "ffn_down_exps.weight": (ff, h, e)}
+    if layer < c.get("first_k_dense_replace", 0):  # leading dense layers: a plain MLP of intermediate_size
+        f = c["intermediate_size"]
+        exps = {"ffn_gate.weight": (h, f), "ffn_up.weight": (h, f), "ffn_down.weight": (f, h)}
     gqa = {"attn_norm.weight": (h,), "attn_q.weight": (h, n_head * hd), "attn_k.weight": (h, n_kv * hd),
            "attn_v.weight": (h, n_kv * hd), "attn_output.weight": (n_head * hd, h)}
     if arch == "LLAMA":  # llama.cpp: Mixtral's experts, no shared expert
@@ -55,7 +59,7 @@ def _expected_layer(arch: str, c: dict) -> dict[str, tuple[int, ...]]:
                 "ffn_norm.weight": (h,), **exps, "exp_probs_b.bias": (e,)}
     fs = ff * c["n_shared_experts"]
     shared = {"ffn_gate_shexp.weight": (h, fs), "ffn_up_shexp.weight": (h, fs), "ffn_down_shexp.weight": (fs, h),
-              "exp_probs_b.bias": (e,)}
+              "exp_probs_b.bias": (e,)} if "ffn_gate_inp.weight" in exps else {}
     if arch == "GLM4_MOE":  # q/k/v biases; the pre-FFN norm is attn_post_norm ("post_attention_norm")
         return {**gqa, "attn_q.bias": (n_head * hd,), "attn_k.bias": (n_kv * hd,), "attn_v.bias": (n_kv * hd,),
                 "post_attention_norm.weight": (h,), **exps, **shared}
@@ -76,7 +80,8 @@ def _expected_keys(arch: str, c: dict) -> dict[str, object]:
     if arch == "QWEN2MOE":
         out["expert_shared_feed_forward_length"] = c["shared_expert_intermediate_size"]
     if arch in ("DEEPSEEK2", "GLM4_MOE"):
-        out |= {"expert_shared_count": 1, "leading_dense_block_count": 0, "expert_weights_norm": True,
+        out |= {"expert_shared_count": 1, "leading_dense_block_count": c["first_k_dense_replace"],
+                "expert_weights_norm": True,
                 "expert_weights_scale": c["routed_scaling_factor"], "expert_gating_func": 2}  # 2: sigmoid
     if arch == "MINIMAXM2":
         out |= {"expert_gating_func": 2, "rope.dimension_count": c["rotary_dim"]}
@@ -123,14 +128,16 @@ def test_every_tensor_has_llama_cpps_name_and_shape_and_every_key_is_written(exp
     assert _field(reader, "general.architecture") == prefix
     got = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
     want = {"token_embd.weight": (c["hidden_size"], c["vocab_size"]), "output_norm.weight": (c["hidden_size"],)}
-    for layer in range(2):  # every layer MoE here (DeepSeek/GLM: first_k_dense_replace 0)
-        want |= {f"blk.{layer}.{k}": v for k, v in _expected_layer(arch, c).items()}
-    assert got == want  # tied embeddings: no output.weight, llama.cpp duplicates token_embd
+    for layer in range(2):
+        want |= {f"blk.{layer}.{k}": v for k, v in _expected_layer(arch, c, layer).items()}
+    if arch in ("MINIMAXM2", "QWEN2MOE"):  # tied, but their loaders require output.weight (flags 0): written
+        want["output.weight"] = want["token_embd.weight"]
+    assert got == want  # the others tied: no output.weight, llama.cpp duplicates token_embd
     for key, value in _expected_keys(arch, c).items():
         assert _field(reader, f"{prefix}.{key}") == pytest.approx(value), key
     # routers in F32 (convert_hf_to_gguf.py keeps FFN_GATE_INP / FFN_GATE_INP_SHEXP F32), experts in the scheme's type
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32"
     assert types["blk.1.ffn_down_exps.weight"] == res.plan.weight_type
 
 
@@ -154,9 +161,10 @@ def test_each_experts_slice_decodes_to_llmcs_canonical_weights(exported) -> None
         # only each block scale's rounding to fp16 separates them (relative 2^-11 of the block's largest weight)
         np.testing.assert_allclose(decoded, want, rtol=0, atol=2.0**-10 * float(np.abs(want).max()))
         checked += 1
-    assert checked == len(qm.quantized_modules) and checked >= 2 * (3 * 4 + 4)
-    router = canonical[next(k for k in canonical if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))]
-    np.testing.assert_array_equal(tensors["blk.0.ffn_gate_inp.weight"].data, router.numpy())  # F32: exact
+    assert checked == len(qm.quantized_modules) and checked >= 3 * 4 + 4
+    router = canonical[next(k for k in canonical if k.startswith("model.layers.1.")
+                            and k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))]
+    np.testing.assert_array_equal(tensors["blk.1.ffn_gate_inp.weight"].data, router.numpy())  # F32: exact
 
 
 def test_a_config_llama_cpp_would_compute_differently_is_refused_naming_the_source(tmp_path: Path) -> None:
