@@ -699,8 +699,9 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                     heads = arch.n_head_kv
                 offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
                 if parts:
-                    mixed = {plan_of(p.rsplit(".", 1)[0]).weight_type for p in parts if p.rsplit(".", 1)[0] in quantized}
-                    if len(mixed) > 1 or (mixed and not all(p.rsplit(".", 1)[0] in quantized for p in parts)):
+                    modules = [p.rsplit(".", 1)[0] for p in parts]
+                    mixed = {plan_of(m).weight_type for m in modules if m in quantized}
+                    if len(mixed) > 1 or (mixed and not all(m in quantized for m in modules)):
                         raise IncompatibleTargetError(
                             f"{name}: llama.cpp holds a layer's experts in one tensor of one type, but this scheme "
                             f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
@@ -843,9 +844,9 @@ def _convert_experts(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item:
     """The experts' tensors, converted one by one, as llama.cpp's [E, rows, row bytes] tensor; their added errors
     summed under the merged tensor's name."""
     part_errors: dict[str, tuple[float, float, float]] = {}
-    data = np.stack([_convert(qm, tensors, dataclasses.replace(item, hf=p, name=f"{item.name}#{e}", shape=item.shape[1:],
-                                                                 parts=()), plan_of, part_errors)
-                     for e, p in enumerate(item.parts)])
+    one = [dataclasses.replace(item, hf=p, name=f"{item.name}#{e}", shape=item.shape[1:], parts=())
+           for e, p in enumerate(item.parts)]
+    data = np.stack([_convert(qm, tensors, expert, plan_of, part_errors) for expert in one])
     if part_errors:
         errs = part_errors.values()
         errors[item.name] = (sum(e[0] for e in errs), sum(e[1] for e in errs), max(e[2] for e in errs))
@@ -1060,7 +1061,8 @@ _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layer
 # loader reads beyond the common ones (llama.cpp src/models/<arch>.cpp load_arch_hparams), with the value
 # convert_hf_to_gguf.py gives it (conversion/<family>.py), one fact a row
 FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] = (
-    (("GEMMA2", "GEMMA3"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window") else None),
+    (("GEMMA2", "GEMMA3"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
+     else None),
     (("GEMMA2",), "add_attn_logit_softcapping", lambda c: float(c.get("attn_logit_softcapping") or 50.0)),
     (("GEMMA2",), "add_final_logit_softcapping", lambda c: float(c.get("final_logit_softcapping") or 30.0)),
     (("GRANITE",), "add_embedding_scale", _key("embedding_multiplier", float)),

@@ -130,5 +130,6 @@ register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rule
 # established here, and none is run.
 _OLLAMA_MOE_UNRUN = ("llmc's GGUF of this MoE family is proven in llama.cpp only; which Ollama release loads it "
                      "(Ollama runs several MoE architectures in its own engine) is not established here")
+_OLLAMA_REFUSED = {**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN)}
 register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
-                         refused_families={**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN)}))
+                         refused_families=_OLLAMA_REFUSED))

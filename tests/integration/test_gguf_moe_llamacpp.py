@@ -1,8 +1,8 @@
 """The MoE GGUF files in the real runtime (issue 45): each family's tiny random model quantized by llmc (W8A16 ->
-Q8_0), exported to GGUF and to compressed-tensors from the same canonical form, scored on the same token windows by
-llama.cpp (llama-cpp-python) and by llmc's torch engine: perplexity within 1%, the same next-token choice almost
-everywhere. What is left between them is llama.cpp's CPU arithmetic (it quantizes each Q8_0 matmul's activations to
-Q8_0 itself) and its own MoE routing code.
+Q8_0; DeepSeek-V3 also W4A16 g32 -> Q4_0), exported to GGUF and to compressed-tensors from the same canonical form,
+scored on the same token windows by llama.cpp (llama-cpp-python) and by llmc's torch engine: perplexity within 1%,
+the same next-token choice almost everywhere. What is left between them is llama.cpp's CPU arithmetic (it quantizes
+each Q8_0 / Q4_0 matmul's activations to Q8_0 itself) and its own MoE routing code.
 
     bash scripts/setup-llama.sh
     pytest -m "slow and llama" tests/integration/test_gguf_moe_llamacpp.py -s
@@ -28,8 +28,12 @@ def _ppl(nll: torch.Tensor) -> float:
     return math.exp(float(nll.double().mean()))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_llama_cpp_runs_llmcs_moe_gguf_as_the_torch_reference(family: str, tmp_path) -> None:
+SCHEMES = {"w8a16": {"format": "int8", "strategy": "channel"},  # -> Q8_0
+           "w4a16-g32": {"format": "int4", "strategy": "group", "group_size": 32}}  # -> Q4_0
+
+
+@pytest.mark.parametrize(("family", "scheme"), [(f, "w8a16") for f in FAMILIES] + [("deepseek_v3", "w4a16-g32")])
+def test_llama_cpp_runs_llmcs_moe_gguf_as_the_torch_reference(family: str, scheme: str, tmp_path) -> None:
     from llmc.engines.llamacpp import LlamaCppEngine, llama_cpp_version
     from llmc.engines.torch_ref import TorchEngine
     from llmc.formats.compressed_tensors import export_compressed_tensors
@@ -43,7 +47,7 @@ def test_llama_cpp_runs_llmcs_moe_gguf_as_the_torch_reference(family: str, tmp_p
     if llama_cpp_version() is None:
         pytest.skip("llama_cpp is not importable in LLMC_LLAMA_PYTHON / .venv-llama (bash scripts/setup-llama.sh)")
     folder = make_tiny(family, tmp_path / "model", **OVERRIDES.get(family, {}))
-    quantize_model(ModelSource(folder, "t", str(folder)), Scheme(TensorSpec("int8", "channel")), tmp_path / "q", None)
+    quantize_model(ModelSource(folder, "t", str(folder)), Scheme(TensorSpec(**SCHEMES[scheme])), tmp_path / "q", None)
     qm = QuantizedModel.open(tmp_path / "q")
     res = export_gguf(qm, tmp_path / "gguf")
     export_compressed_tensors(qm, tmp_path / "ct")

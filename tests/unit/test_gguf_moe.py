@@ -26,7 +26,8 @@ from tests.unit.families import make_tiny
 
 pytestmark = pytest.mark.heavy
 
-SCHEMES = {"w8a16": Scheme(TensorSpec("int8", "channel")), "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32))}
+SCHEMES = {"w8a16": Scheme(TensorSpec("int8", "channel")),
+           "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32))}
 WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2")
 # config overrides for the GGUF: Qwen2-MoE's published checkpoints keep the softmax weights unnormalised, as
 # llama.cpp's qwen2moe graph does (the tests' tiny model normalises: refused below)
