@@ -38,6 +38,15 @@ Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.p
 keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
 
+Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2): llama.cpp
+holds a layer's experts as one 3-D tensor per projection (`ffn_{gate,up,down}_exps`, [E, rows, cols]); each expert's
+canonical tensor is converted as above and the E results stacked in expert order, so every expert's codes and scales
+are copied as a dense Linear's are. Routers (and Qwen2-MoE's shared-expert gate) stay F32 as convert_hf_to_gguf.py
+keeps them; DeepSeek's `e_score_correction_bias` is `exp_probs_b.bias`. The per-architecture keys (expert counts,
+shared experts, leading dense layers, gating function, MLA ranks) are `FAMILY_KEYS` rows, the head widths `HEADS`
+rows. DeepSeek's MLA is written in the decompressed form llama.cpp still runs (`attn_kv_b`, no key_length_mla): the
+absorbed form would store k_b transposed, its blocks along another axis, requantized.
+
 Activations: llama.cpp quantizes activations itself (dynamic, blocks of 32) for Q8_0/Q4 matmuls, so a
 W8A8 scheme's activation settings are not carried. FP4 weights of a weight-only scheme are listed with
 `general.tensor_extra.prec_a4` false: llama.cpp's CUDA build on Blackwell otherwise quantizes their activations to
@@ -48,6 +57,7 @@ FP4 (as convert_hf_to_gguf.py marks ModelOpt's W4A16_NVFP4 layers); a KV-cache s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -63,11 +73,13 @@ from llmc import __version__
 
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
+from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, GgufFamily, fixed_fact_violations
 from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
+from llmc.model.families import expert_count
 from llmc.quant.spec import TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
@@ -78,36 +90,6 @@ EMBEDDING_TYPES = ("f16", "q8_0", "f32")
 GGUF_OPTIONS = {"embedding_type": "f16", "requantize": False}  # what `llmc build` uses (part of its cache key)
 
 
-@dataclass(frozen=True)
-class GgufFamily:
-    """How one Hugging Face model family becomes a llama.cpp architecture. Tensor names come from the gguf
-    package's own tables for that architecture (gguf.TensorNameMap), so a family is one row here."""
-
-    arch: str  # gguf.MODEL_ARCH member
-    permute_qk: bool  # llama.cpp's rotary kernel for this architecture wants q/k rows interleaved (Llama-style)
-    norm_offset: float = 0.0  # added to every norm weight: Gemma's norms multiply by (1 + weight), llama.cpp by weight
-
-
-    # llama.cpp multiplies every Linear's output by its per-tensor `<name>.scale` (NVFP4's global scale). Read in the
-    # llama.cpp that llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp): llama and qwen3 pass the scales of
-    # q/k/v/o and the FFN; qwen2, gemma2/3, granite, phi3 and olmo2 pass NULL for the FFN's, so an NVFP4 GGUF of
-    # those would load and compute wrong FFN outputs: refused.
-    tensor_scales: bool = False
-
-
-# As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
-GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
-    "mistral": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
-    "granite": GgufFamily("GRANITE", permute_qk=True),
-    "qwen2": GgufFamily("QWEN2", permute_qk=False),
-    "qwen3": GgufFamily("QWEN3", permute_qk=False, tensor_scales=True),
-    "phi3": GgufFamily("PHI3", permute_qk=False),
-    "olmo2": GgufFamily("OLMO2", permute_qk=False),
-    "gemma2": GgufFamily("GEMMA2", permute_qk=False, norm_offset=1.0),
-    "gemma3": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
-    "gemma3_text": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
-}
 SUPPORTED_MODEL_TYPES = tuple(GGUF_FAMILIES)
 _CANONICAL_EXTRAS = (".weight_scale", ".weight_zero_point", ".input_scale", ".k_scale", ".v_scale",
                      ".weight_global_scale", ".input_global_scale")
@@ -307,6 +289,8 @@ class _Arch:
     rope_scaling: tuple[str, float] | None
     family: GgufFamily
     config: dict
+    value_dim: int = 0  # attention.value_length (0: head_dim)
+    rope_dim: int = 0  # rope.dimension_count (0: head_dim)
 
     @property
     def gguf_arch(self):
@@ -320,10 +304,15 @@ class _Arch:
 def _arch(config: dict) -> _Arch:
     mt = config.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
+        why = f": {GGUF_REFUSED[mt]}" if mt in GGUF_REFUSED else ""
         raise IncompatibleTargetError(
-            f"the GGUF exporter writes the families {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {mt!r}",
+            f"the GGUF exporter writes the families {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {mt!r}{why}",
             fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this architecture",
         )
+    if violations := fixed_fact_violations(config):
+        raise IncompatibleTargetError(
+            f"llama.cpp's {GGUF_FAMILIES[mt].arch.lower()} graph would compute this {mt} model differently: "
+            + "; ".join(violations), fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     if config.get("mlp_bias"):
         raise IncompatibleTargetError("the GGUF exporter does not write MLP biases (mlp_bias=true)")
     rope = dict(config.get("rope_parameters") or {})
@@ -338,12 +327,17 @@ def _arch(config: dict) -> _Arch:
             fix="target a compressed-tensors runtime for this model",
         )
     n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    family = GGUF_FAMILIES[mt]
+    k_dim, v_dim, rope_dim, n_head_kv = HEADS.get(family.arch, _plain_heads)(config, head_dim, rope)
     return _Arch(
         n_layers=config["num_hidden_layers"],
         hidden=config["hidden_size"],
         n_head=n_head,
-        n_head_kv=config.get("num_key_value_heads") or n_head,
-        head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+        n_head_kv=n_head_kv,
+        head_dim=k_dim,
+        value_dim=v_dim,
+        rope_dim=rope_dim,
         ffn=config["intermediate_size"],
         ctx=config.get("max_position_embeddings", 2048),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
@@ -351,13 +345,64 @@ def _arch(config: dict) -> _Arch:
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=(rope_type, float(factor or 1.0)) if rope_type in ("linear", "llama3") else None,
-        family=GGUF_FAMILIES[mt],
+        family=family,
         config=config,
     )
 
 
+def _plain_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
+    return head_dim, head_dim, head_dim, c.get("num_key_value_heads") or c["num_attention_heads"]
+
+
+def _partial_rotary(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
+    """Rotary on the first dims of each head only (GLM-4.5's partial_rotary_factor, MiniMax-M2's rotary_dim)."""
+    factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
+    rope_dim = c.get("rotary_dim") or int(head_dim * factor)
+    return head_dim, head_dim, rope_dim, c.get("num_key_value_heads") or c["num_attention_heads"]
+
+
+def _mla_decompressed(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
+    """DeepSeek's multi-head latent attention as llama.cpp's deepseek2 graph runs it without key_length_mla
+    (hparams.is_mla() false: src/models/deepseek2.cpp builds k/v per head from attn_kv_b, the `else` branch): every
+    head a key of qk_nope + qk_rope dims and a value of v_head_dim, so kv_b_proj's codes are copied unchanged. The
+    absorbed form convert_hf_to_gguf.py writes (attn_k_b stored transposed per head, a latent KV cache) would put
+    k_b's quantization blocks along another axis: requantized, so not written here."""
+    del head_dim, rope
+    return (c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], c["qk_rope_head_dim"],
+            c["num_attention_heads"])
+
+
+# GGUF architecture -> (key length, value length, rotary dims, KV heads) from config.json where they are not the
+# plain head_dim / num_key_value_heads
+HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
+    "DEEPSEEK2": _mla_decompressed,
+    "GLM4_MOE": _partial_rotary,  # conversion/glm.py: rope dims = head_dim * partial_rotary_factor (0.5)
+    "MINIMAXM2": _partial_rotary,  # conversion/minimax.py: rope dims = rotary_dim
+}
+
+
+# architectures whose loader requires output.weight, with no fallback to token_embd for a tied head (src/models/
+# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp create `output` with flags 0; the others duplicate token_embd)
+OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2")
+# llama.cpp tensors kept F32 whatever their rank, as convert_hf_to_gguf.py keeps them (ModelBase.prepare_tensors):
+# MoE routers and the shared-expert gate, whose rounding would move tokens to other experts
+KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+# Hugging Face names renamed before the gguf.TensorNameMap lookup, as convert_hf_to_gguf.py renames them (the table
+# keys the bias as `<module>.bias`)
+HF_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"\.e_score_correction_bias$", ".e_score_correction.bias"),  # DeepSeek-V3, GLM-4.5, MiniMax-M2 router bias
+)
+# one expert's tensor in a Hub checkpoint: <block>.experts.<index>.<projection>.<weight|bias>
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
 def gguf_name(hf_name: str, names) -> str | None:
-    """llama.cpp's name for a Hugging Face tensor, from the architecture's gguf.TensorNameMap (None: none)."""
+    """llama.cpp's name for a Hugging Face tensor, from the architecture's gguf.TensorNameMap (None: none). One
+    expert's tensor (`...experts.<i>.gate_proj.weight`) gets the name of the merged 3-D tensor it is a slice of."""
+    for pattern, repl in HF_RENAMES:
+        hf_name = re.sub(pattern, repl, hf_name)
+    if m := _EXPERT.match(hf_name):
+        hf_name = f"{m['block']}.{m['rest']}"
     return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
@@ -605,6 +650,8 @@ class _Item:
     permute_heads: int | None  # rotary permutation of rows with this many heads
     norm_offset: float = 0.0  # added to a norm weight (Gemma)
     generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
+    # a merged expert tensor: each expert's canonical tensor in expert order (`hf` is expert 0's); shape [E, ...]
+    parts: tuple[str, ...] = ()
 
 
 def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
@@ -617,8 +664,12 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
     for f in qm.files():
         items: list[_Item] = []
         with safe_open(str(f), framework="pt") as h:
+            experts = _expert_parts(h.keys())
             for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if k.endswith(_CANONICAL_EXTRAS):
+                    continue
+                parts = experts.get(k)
+                if parts == ():  # a later expert's tensor: written inside expert 0's merged one
                     continue
                 if k == "lm_head.weight" and arch.tied:
                     continue
@@ -635,6 +686,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                 elif module in quantized:
                     mine = plan_of(module)
                     qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
+                elif name.split(".")[-2] in KEPT_F32:
+                    qtype = "F32"
                 elif name in ("token_embd.weight", "output.weight"):
                     qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
                 else:
@@ -645,7 +698,18 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                 elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
                     heads = arch.n_head_kv
                 offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
-                items.append(_Item(k, name, shape, qtype, heads, offset))
+                if parts:
+                    modules = [p.rsplit(".", 1)[0] for p in parts]
+                    mixed = {plan_of(m).weight_type for m in modules if m in quantized}
+                    if len(mixed) > 1 or (mixed and not all(m in quantized for m in modules)):
+                        raise IncompatibleTargetError(
+                            f"{name}: llama.cpp holds a layer's experts in one tensor of one type, but this scheme "
+                            f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
+                            fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
+                    shape = (len(parts), *shape)
+                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or ()))
+                if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
+                    items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
                 if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
                     items.append(_Item(f"{module}.weight_global_scale",
                                        name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))
@@ -654,6 +718,24 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
         factors = llama3_rope_factors(arch)
         per_file[-1].append(_Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None, generated=factors))
     return per_file
+
+
+def _expert_parts(keys) -> dict[str, tuple[str, ...]]:
+    """Per-expert tensors grouped for llama.cpp's merged expert tensors: expert 0's key -> every expert's key in
+    expert order; a later expert's key -> () (written inside expert 0's)."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for k in keys:
+        if (m := _EXPERT.match(k)) and not k.endswith(_CANONICAL_EXTRAS):
+            groups.setdefault((m["block"], m["rest"]), {})[int(m["index"])] = k
+    out: dict[str, tuple[str, ...]] = {}
+    for (block, rest), by_index in groups.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise InputError(f"{block}.*.{rest}: experts {sorted(by_index)} are not 0..{len(by_index) - 1}; "
+                             "llama.cpp's merged expert tensor needs every expert")
+        ordered = tuple(by_index[i] for i in range(len(by_index)))
+        out.update({k: () for k in ordered[1:]})
+        out[ordered[0]] = ordered
+    return out
 
 
 def llama3_rope_factors(arch: _Arch) -> np.ndarray:
@@ -694,6 +776,8 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
     gguf = _gguf()
     if item.generated is not None:
         return item.generated
+    if item.parts:  # a merged expert tensor: each expert converted as its own tensor, stacked in expert order
+        return _convert_experts(qm, tensors, item, plan_of, errors)
     module = item.hf.rsplit(".", 1)[0]
     is_quantized = module in qm.quantized_modules and item.hf.endswith(".weight")
     spec = qm.scheme_of(module).weights if is_quantized else None
@@ -752,6 +836,20 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
     diff = (decoded - canonical).astype(np.float64)
     errors[item.name] = (float((diff**2).sum()), float((canonical.astype(np.float64) ** 2).sum()),
                          float(np.abs(diff).max()))
+    return data
+
+
+def _convert_experts(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item,
+                     plan_of: Callable[[str], TypePlan], errors: dict[str, tuple[float, float, float]]) -> np.ndarray:
+    """The experts' tensors, converted one by one, as llama.cpp's [E, rows, row bytes] tensor; their added errors
+    summed under the merged tensor's name."""
+    part_errors: dict[str, tuple[float, float, float]] = {}
+    one = [dataclasses.replace(item, hf=p, name=f"{item.name}#{e}", shape=item.shape[1:], parts=())
+           for e, p in enumerate(item.parts)]
+    data = np.stack([_convert(qm, tensors, expert, plan_of, part_errors) for expert in one])
+    if part_errors:
+        errs = part_errors.values()
+        errors[item.name] = (sum(e[0] for e in errs), sum(e[1] for e in errs), max(e[2] for e in errs))
     return data
 
 
@@ -892,10 +990,10 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
     writer.add_head_count(arch.n_head)
     writer.add_head_count_kv(arch.n_head_kv)
     writer.add_rope_freq_base(arch.rope_theta)
-    writer.add_rope_dimension_count(arch.head_dim)
-    if arch.head_dim * arch.n_head != arch.hidden or "head_dim" in arch.config:
+    writer.add_rope_dimension_count(arch.rope_dim or arch.head_dim)
+    if arch.head_dim * arch.n_head != arch.hidden or "head_dim" in arch.config or arch.value_dim != arch.head_dim:
         writer.add_key_length(arch.head_dim)
-        writer.add_value_length(arch.head_dim)
+        writer.add_value_length(arch.value_dim or arch.head_dim)
     if arch.rope_scaling is not None and arch.rope_scaling[0] == "linear":  # llama3: the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(arch.rope_scaling[1])
@@ -936,18 +1034,55 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
 
 
 def _write_family_metadata(writer, arch: _Arch) -> None:
-    """The keys a family's llama.cpp architecture reads beyond the common ones (as convert_hf_to_gguf.py writes
-    them): Gemma's soft-capping and sliding window, Granite's multipliers."""
-    c = arch.config
-    if arch.family.arch in ("GEMMA2", "GEMMA3") and c.get("sliding_window"):
-        writer.add_sliding_window(int(c["sliding_window"]))
-    if arch.family.arch == "GEMMA2":
-        writer.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 50.0))
-        writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 30.0))
-    if arch.family.arch == "GRANITE":
-        for key, add in (("embedding_multiplier", writer.add_embedding_scale),
-                         ("residual_multiplier", writer.add_residual_scale),
-                         ("attention_multiplier", writer.add_attention_scale),
-                         ("logits_scaling", writer.add_logit_scale)):
-            if c.get(key) is not None:
-                add(float(c[key]))
+    """The keys a family's llama.cpp architecture reads beyond the common ones: each FAMILY_KEYS row whose
+    architecture this is and whose value the config gives."""
+    for archs, adder, value in FAMILY_KEYS:
+        if arch.family.arch in archs and (v := value(arch.config)) is not None:
+            getattr(writer, adder)(v)
+
+
+def _key(name: str, cast: Callable = lambda v: v) -> Callable[[dict], object]:
+    return lambda c: None if c.get(name) is None else cast(c[name])
+
+
+def _routed_experts(c: dict) -> int | None:
+    n = expert_count(c)
+    return n if n > 1 else None
+
+
+def _sigmoid_gating(c: dict) -> object:
+    return _gguf().ExpertGatingFuncType.SIGMOID
+
+
+_MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2")
+_DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layers, grouped scaled sigmoid routing
+
+# (GGUF architectures, GGUFWriter method, its value from config.json; None: not written): each key an architecture's
+# loader reads beyond the common ones (llama.cpp src/models/<arch>.cpp load_arch_hparams), with the value
+# convert_hf_to_gguf.py gives it (conversion/<family>.py), one fact a row
+FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] = (
+    (("GEMMA2", "GEMMA3"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
+     else None),
+    (("GEMMA2",), "add_attn_logit_softcapping", lambda c: float(c.get("attn_logit_softcapping") or 50.0)),
+    (("GEMMA2",), "add_final_logit_softcapping", lambda c: float(c.get("final_logit_softcapping") or 30.0)),
+    (("GRANITE",), "add_embedding_scale", _key("embedding_multiplier", float)),
+    (("GRANITE",), "add_residual_scale", _key("residual_multiplier", float)),
+    (("GRANITE",), "add_attention_scale", _key("attention_multiplier", float)),
+    (("GRANITE",), "add_logit_scale", _key("logits_scaling", float)),
+    (_MOE_ARCHS, "add_expert_count", _routed_experts),
+    (_MOE_ARCHS, "add_expert_used_count", lambda c: int(c["num_experts_per_tok"]) if _routed_experts(c) else None),
+    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE"), "add_expert_feed_forward_length",
+     _key("moe_intermediate_size", int)),
+    (("MINIMAXM2",), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # its experts' width
+    (("QWEN2MOE",), "add_expert_shared_feed_forward_length", _key("shared_expert_intermediate_size", int)),
+    (_DEEPSEEK_ROUTER, "add_expert_shared_count", _key("n_shared_experts", int)),
+    (_DEEPSEEK_ROUTER, "add_leading_dense_block_count", _key("first_k_dense_replace", int)),
+    (_DEEPSEEK_ROUTER, "add_expert_weights_scale", _key("routed_scaling_factor", float)),
+    (_DEEPSEEK_ROUTER, "add_expert_weights_norm", _key("norm_topk_prob", bool)),
+    (_DEEPSEEK_ROUTER, "add_expert_group_count", _key("n_group", int)),
+    (_DEEPSEEK_ROUTER, "add_expert_group_used_count", _key("topk_group", int)),
+    # transformers' DeepSeek-V3, GLM-4.5 and MiniMax-M2 routers score experts with a sigmoid (+ e_score_correction_bias)
+    (_DEEPSEEK_ROUTER + ("MINIMAXM2",), "add_expert_gating_func", _sigmoid_gating),
+    (("DEEPSEEK2",), "add_q_lora_rank", _key("q_lora_rank", int)),
+    (("DEEPSEEK2",), "add_kv_lora_rank", _key("kv_lora_rank", int)),
+)

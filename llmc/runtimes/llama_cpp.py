@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES
 from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, WrittenTensors, target_key
 from llmc.runtimes.registry import register_format, register_runtime
 
@@ -22,10 +23,19 @@ class Gguf(ArtifactFormat):
     unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
-             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); Ollama itself (which embeds "
+             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
+             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2: Q8_0) loaded and scored in llama.cpp 0.3.36 against "
+             "the torch reference (tests/integration/test_gguf_moe_llamacpp.py); Ollama itself (which embeds "
              "llama.cpp) is not run here")
 
     mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)
+    # the families llmc.formats.gguf_arch maps to a llama.cpp architecture (its MoE ones: experts merged into
+    # llama.cpp's 3-D tensors, tests/unit/test_gguf_moe.py); the others are refused at plan time, those llama.cpp has
+    # with the reason (GGUF_REFUSED, the runtimes' refused_families)
+    families = frozenset(GGUF_FAMILIES)
+    families_source = ("llmc.formats.gguf_arch: the families whose llama.cpp architecture (src/models/<arch>.cpp in "
+                       "the llama.cpp llama-cpp-python 0.3.36 vendors) llmc's GGUF exporter writes")
+    moe_families = MOE_MODEL_TYPES
 
     def check_scheme(self, scheme) -> None:
         from llmc.formats.gguf import type_plan
@@ -111,8 +121,15 @@ _FP4_RULES = {
 }
 
 register_runtime(Runtime(name="llama.cpp", format=Gguf.name, rules={**_gguf_rules("0.0.1"), **_FP4_RULES},
-                         known_versions=("0.0.1", "0.3.15", "0.3.36")))
+                         known_versions=("0.0.1", "0.3.15", "0.3.36"), refused_families=dict(GGUF_REFUSED)))
 # Ollama: not given the FP4 types. Its gpt-oss MXFP4 files predate ggml's type 39 (llama.cpp issue #15597: an Ollama
 # gpt-oss blob stores another type id), and which Ollama release loads ggml's MXFP4 / NVFP4 in a dense model is not
 # established here.
-register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0")))
+# Ollama: nor the MoE families. llmc's DeepSeek-V3 GGUF is the decompressed-MLA form, its experts merged as llama.cpp
+# merges them; which Ollama release (its own Go engine for several of these architectures) loads such files is not
+# established here, and none is run.
+_OLLAMA_MOE_UNRUN = ("llmc's GGUF of this MoE family is proven in llama.cpp only; which Ollama release loads it "
+                     "(Ollama runs several MoE architectures in its own engine) is not established here")
+_OLLAMA_REFUSED = {**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN)}
+register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
+                         refused_families=_OLLAMA_REFUSED))

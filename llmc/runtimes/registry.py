@@ -102,6 +102,18 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
     (config.json's model_type), naming the runtimes whose formats do."""
     family = config.get("model_type")
     fmt = format_for(target)
+    # a runtime's own reason for refusing the family first: it names where that was read
+    why = RUNTIMES[target.runtime].refused_families.get(family) if target.runtime in RUNTIMES else None
+    if why:
+        moe = expert_count(config) > 1
+        accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS and family not in rt.refused_families
+                     and (family in FORMATS[rt.format].moe_families if moe else
+                          FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]
+        raise IncompatibleTargetError(
+            f"target {target.label}: {target.runtime} does not load llmc's {fmt.name} artifact of model_type "
+            f"{family!r}: {why}",
+            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
+                f"{', '.join(accepting) or 'none'}")
     if expert_count(config) > 1 and family not in fmt.moe_families:
         accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
                      and family in FORMATS[rt.format].moe_families and family not in rt.refused_families]
@@ -109,15 +121,6 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
             f"target {target.label}: llmc's {fmt.name} export does not write Mixture-of-Experts experts "
             f"(model_type {family!r}): only {', '.join(sorted(f.name for f in FORMATS.values() if f.moe_families))} "
             "artifacts carry per-expert weights, tested by a round-trip",
-            fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
-                f"{', '.join(accepting) or 'none'}")
-    why = RUNTIMES[target.runtime].refused_families.get(family) if target.runtime in RUNTIMES else None
-    if why:
-        accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS and family not in rt.refused_families
-                     and family in FORMATS[rt.format].moe_families]
-        raise IncompatibleTargetError(
-            f"target {target.label}: {target.runtime} does not load llmc's {fmt.name} artifact of model_type "
-            f"{family!r}: {why}",
             fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
                 f"{', '.join(accepting) or 'none'}")
     if fmt.families is None or family in fmt.families:

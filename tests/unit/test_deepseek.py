@@ -155,8 +155,8 @@ def test_the_latent_kv_cache_is_refused_naming_mla(mixed: Path, tmp_path: Path) 
 
 def test_vllm_takes_the_families_only_with_schemes_its_fused_moe_runs(mixed: Path) -> None:
     """vLLM's compressed-tensors MoE method dispatch (its source named in the refusal): FP8 W8A8 and W4A16 plan;
-    FP8 weight-only and static INT8 activations have no fused-MoE kernel and are refused at plan time; GGUF is
-    refused as for every MoE family."""
+    FP8 weight-only and static INT8 activations have no fused-MoE kernel and are refused at plan time; llama.cpp's
+    GGUF plans, Ollama's is refused."""
     from llmc.planning.plan import make_plan
 
     for quantization in (FP8_KV, W4A16_GPTQ):
@@ -169,8 +169,11 @@ def test_vllm_takes_the_families_only_with_schemes_its_fused_moe_runs(mixed: Pat
             make_plan(_recipe(mixed, quantization), mixed)
         assert key in str(refused.value) and "compressed_tensors_moe.py" in str(refused.value)
         assert "W4A16-INT" in refused.value.fix
-    with pytest.raises(IncompatibleTargetError, match="does not write Mixture-of-Experts experts"):
-        make_plan(_recipe(mixed, W4A16_GPTQ, {"runtime": "llama.cpp"}), mixed)
+    # llama.cpp's deepseek2 takes llmc's GGUF (tests/unit/test_gguf_moe.py); Ollama is refused, unrun
+    assert [t["exporter"] for t in make_plan(_recipe(mixed, W4A16_GPTQ, {"runtime": "llama.cpp"}), mixed).targets] == [
+        "gguf"]
+    with pytest.raises(IncompatibleTargetError, match="ollama does not load llmc's gguf artifact"):
+        make_plan(_recipe(mixed, W4A16_GPTQ, {"runtime": "ollama"}), mixed)
     # mixed precision: only the groups that select experts need a fused-MoE kernel (FP8 weight-only attention and
     # shared expert run in dense GEMMs); FP8 weight-only experts are refused
     def groups(experts: str) -> dict:

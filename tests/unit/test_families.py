@@ -179,9 +179,10 @@ def test_plan_refuses_targets_whose_format_lacks_the_family_before_any_weight_lo
 
 
 def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_from_the_config(tmp_path: Path) -> None:
-    """A tiny random Mixtral plans for vLLM (compressed-tensors exports its experts, tests/unit/test_moe.py); a GGUF
-    target is refused at plan time naming the runtimes that take it; DeepSeek-V2 (MLA, shared experts, no tested
-    layout) is refused with that reason, from config.json alone."""
+    """A tiny random Mixtral plans for vLLM (compressed-tensors exports its experts, tests/unit/test_moe.py) and for
+    llama.cpp (GGUF merges them, tests/unit/test_gguf_moe.py); an Ollama target is refused at plan time naming the
+    runtimes that take it; DeepSeek-V2 (MLA, shared experts, no tested layout) is refused with that reason, from
+    config.json alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmc.errors import IncompatibleTargetError
@@ -194,9 +195,11 @@ def test_plan_takes_supported_mixture_of_experts_families_and_refuses_the_rest_f
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixtral")
     plan = make_plan(_recipe(tmp_path / "mixtral", {"runtime": "vllm", "gpu_arch": "sm90"}), tmp_path / "mixtral")
     assert [t["exporter"] for t in plan.targets] == ["compressed-tensors"]
-    with pytest.raises(IncompatibleTargetError, match="does not write Mixture-of-Experts experts") as refused:
-        make_plan(_recipe(tmp_path / "mixtral", {"runtime": "llama.cpp"}), tmp_path / "mixtral")
-    assert "vllm" in refused.value.fix
+    plan = make_plan(_recipe(tmp_path / "mixtral", {"runtime": "llama.cpp"}), tmp_path / "mixtral")
+    assert [t["exporter"] for t in plan.targets] == ["gguf"]
+    with pytest.raises(IncompatibleTargetError, match="ollama does not load llmc's gguf artifact") as refused:
+        make_plan(_recipe(tmp_path / "mixtral", {"runtime": "ollama"}), tmp_path / "mixtral")
+    assert "vllm" in refused.value.fix and "llama.cpp" in refused.value.fix
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention"):
         check_quantizable({"model_type": "deepseek_v2", "n_routed_experts": 160})
 

@@ -1,0 +1,97 @@
+"""Which Hugging Face families become which llama.cpp architecture, as table rows (no heavy imports: the planner reads
+these to refuse a GGUF target before any weight loads; llmc.formats.gguf writes the files).
+
+Read in the llama.cpp that llama-cpp-python 0.3.36 vendors (scripts/setup-llama.sh): src/models/<arch>.cpp
+(`load_arch_hparams`: the keys an architecture reads; `load_arch_tensors`: the tensors and shapes it creates; the
+graph: what it computes), src/llama-arch.cpp (the tensor names), conversion/<family>.py (what convert_hf_to_gguf.py
+writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """How one Hugging Face model family becomes a llama.cpp architecture. Tensor names come from the gguf
+    package's own tables for that architecture (gguf.TensorNameMap), so a family is one row here."""
+
+    arch: str  # gguf.MODEL_ARCH member
+    permute_qk: bool  # llama.cpp's rotary kernel for this architecture wants q/k rows interleaved (Llama-style)
+    norm_offset: float = 0.0  # added to every norm weight: Gemma's norms multiply by (1 + weight), llama.cpp by weight
+
+    # llama.cpp multiplies every Linear's output by its per-tensor `<name>.scale` (NVFP4's global scale). Read in the
+    # llama.cpp that llama-cpp-python 0.3.36 vendors (src/models/<arch>.cpp): llama and qwen3 pass the scales of
+    # q/k/v/o and the FFN; qwen2, gemma2/3, granite, phi3 and olmo2 pass NULL for the FFN's, so an NVFP4 GGUF of
+    # those would load and compute wrong FFN outputs: refused. (MoE families: one `.scale` per merged expert tensor
+    # cannot hold each expert's own global scale: refused too.)
+    tensor_scales: bool = False
+
+
+# As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
+    "mistral": GgufFamily("LLAMA", permute_qk=True, tensor_scales=True),
+    "granite": GgufFamily("GRANITE", permute_qk=True),
+    "qwen2": GgufFamily("QWEN2", permute_qk=False),
+    "qwen3": GgufFamily("QWEN3", permute_qk=False, tensor_scales=True),
+    "phi3": GgufFamily("PHI3", permute_qk=False),
+    "olmo2": GgufFamily("OLMO2", permute_qk=False),
+    "gemma2": GgufFamily("GEMMA2", permute_qk=False, norm_offset=1.0),
+    "gemma3": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
+    "gemma3_text": GgufFamily("GEMMA3", permute_qk=False, norm_offset=1.0),
+    # Mixture-of-Experts: each layer's per-expert Linears merged into llama.cpp's 3-D `ffn_{gate,up,down}_exps`
+    # (conversion/llama.py, qwen.py, deepseek.py, glm.py, minimax.py merge them the same way)
+    "mixtral": GgufFamily("LLAMA", permute_qk=True),  # conversion/llama.py: Mixtral is the llama architecture
+    "qwen2_moe": GgufFamily("QWEN2MOE", permute_qk=False),
+    "qwen3_moe": GgufFamily("QWEN3MOE", permute_qk=False),
+    # DeepSeek-V3 / R1 / Kimi-K2 (MLA, written in its decompressed kv_b form: see llmc.formats.gguf HEADS)
+    "deepseek_v3": GgufFamily("DEEPSEEK2", permute_qk=False),
+    "glm4_moe": GgufFamily("GLM4_MOE", permute_qk=False),
+    "minimax_m2": GgufFamily("MINIMAXM2", permute_qk=False),
+}
+MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2"})
+
+# model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
+# and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
+GGUF_REFUSED: dict[str, str] = {
+    "gpt_oss": "llama.cpp has the gpt-oss architecture (src/models/openai-moe.cpp), but llmc's GGUF exporter does not "
+               "write its YaRN rope keys, attention sinks and biased experts yet",
+    "llama4_text": "llama.cpp has the llama4 architecture (src/models/llama4.cpp), but llmc's GGUF exporter does not "
+                   "write its chunked-attention / no-rope-layer keys yet, and llama.cpp fixes the chunk (8192) and "
+                   "attention-temperature constants rather than reading them from the file",
+    "qwen3_next": "llama.cpp has the qwen3next architecture (src/models/qwen3next.cpp), but llmc's GGUF exporter does "
+                  "not write its gated-DeltaNet tensors (convert_hf_to_gguf.py reorders in_proj_qkvz / in_proj_ba, "
+                  "stores -exp(A_log), reshapes conv1d) yet",
+    "qwen3_5_text": "llama.cpp has the qwen35 architecture (src/models/qwen35.cpp), but llmc's GGUF exporter does not "
+                    "write its gated-DeltaNet linear-attention tensors yet",
+    "qwen3_5_moe_text": "llama.cpp has the qwen35moe architecture (src/models/qwen35moe.cpp), but llmc's GGUF exporter "
+                        "does not write its gated-DeltaNet linear-attention tensors yet",
+    "gemma4_text": "llama.cpp has the gemma4 architecture (src/models/gemma4.cpp), but llmc's GGUF exporter does not "
+                   "write its per-layer input embeddings yet",
+}
+
+# What llama.cpp's graph fixes for an architecture rather than reading it from the file: (model_type, config key,
+# value transformers assumes when config.json lacks the key, the value llama.cpp computes with, where it is fixed).
+# A model whose config says otherwise would load and compute something else: refused by the exporter.
+GGUF_FIXED: tuple[tuple[str, str, object, object, str], ...] = (
+    ("qwen3_moe", "norm_topk_prob", False, True,
+     "src/models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true, ...) renormalises the top-k router weights"),
+    ("qwen2_moe", "norm_topk_prob", False, False,
+     "src/models/qwen2moe.cpp: build_moe_ffn(..., norm_w = false, ...) keeps the softmax weights unnormalised"),
+    ("minimax_m2", "norm_topk_prob", True, True,
+     "src/models/minimax-m2.cpp: build_moe_ffn(..., norm_w = true, ...)"),
+    ("deepseek_v3", "rope_interleave", True, True,
+     "src/models/deepseek2.cpp: ggml's normal rope on adjacent pairs (DeepSeek's interleaved rope dims)"),
+    ("deepseek_v3", "topk_method", "noaux_tc", "noaux_tc",
+     "src/models/deepseek2.cpp: sigmoid scores + exp_probs_b bias, DeepSeek-V3's noaux_tc routing"),
+)
+
+
+def fixed_fact_violations(config: dict) -> list[str]:
+    """What in this config llama.cpp's graph for its family computes differently (GGUF_FIXED), one line each."""
+    mt = config.get("model_type")
+    return [f"{key} = {config.get(key, default)!r}, but llama.cpp computes with {want!r} ({where})"
+            for family, key, default, want, where in GGUF_FIXED
+            if family == mt and config.get(key, default) != want]
