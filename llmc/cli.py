@@ -274,8 +274,8 @@ def probe(recipes: tuple[Path, ...], cache_dir: Path | None, out: Path) -> None:
             plan_recipe(r, store, path)
         rates = {k: list(p.samples) for k, p in probes.book().probes.items()}
         target.write(out, target.this_machine(rates, memory_available()))
-        click.echo(f"wrote {out}: {len(rates)} rates of {target.load(str(out)).describe().split(': ', 1)[1]}"
-                   f" (plan elsewhere with: llmc plan RECIPE --machine {out})")
+        click.echo(f"wrote {len(rates)} rates to {target.load(str(out)).describe()}; plan for it elsewhere with "
+                   f"`llmc plan RECIPE --machine {out}`")
 
     _run(go)
 
@@ -283,13 +283,15 @@ def probe(recipes: tuple[Path, ...], cache_dir: Path | None, out: Path) -> None:
 def _measure_standard() -> None:
     """The probes every plan may read, at the sizes they are read at: matmuls per dtype (on the CPU up the bounded
     ladder of widths, llmc.planning.machine; on a GPU at three widths), the quantizer at FP8 per-tensor and INT4
-    per-group on each device, hashing, the store's large write and the disk's write+fsync and uncached read. A
-    plan for this machine elsewhere reads other sizes of the same probe from them (llmc.planning.target)."""
+    per-group on each device, FP8 fake quantization and the stream's own per-layer work on the CPU, hashing, the
+    store's large write and the disk's write+fsync and uncached read. A plan for this machine elsewhere reads other
+    sizes and specs of the same probe from them (llmc.planning.target)."""
     import torch  # lazy: start-up: `llmc --help` loads just click and llmc.engines
 
     from llmc.planning import disk, machine
-    from llmc.quant.numerics import quantize_rate
+    from llmc.quant.numerics import fake_quantize_rate, quantize_rate
     from llmc.quant.spec import TensorSpec
+    from llmc.quant.stream_probe import layer_overhead_seconds
 
     for dtype in ("float32", "bfloat16"):
         for rows in (128, 512):
@@ -304,6 +306,10 @@ def _measure_standard() -> None:
         for dtype in ("float32", "bfloat16"):
             for spec in (TensorSpec("fp8_e4m3", "tensor"), TensorSpec("int4", "group", group_size=128)):
                 quantize_rate(spec, dtype, device=device)
+    for dtype in ("float32", "bfloat16"):
+        fake_quantize_rate(TensorSpec("fp8_e4m3", "tensor"), dtype, width=4096, rows=512)
+        for calibrated in (True, False):  # the stream's own per-layer work on a CPU
+            layer_overhead_seconds(calibrated, dtype)
     machine.hash_rate()
     machine.write_rate()
     disk.write_rate()

@@ -297,8 +297,8 @@ def _render_estimates(plan: Plan) -> list[str]:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
                      f"{mapped:.2f} GB of their pages (page cache, not counted above) stay mapped in a stage")
     lines.append(f"  disk: {plan.disk_gb:.2f} GB new in the cache (each file once; targets with identical weights "
-                 f"share them), the registry links them (a copy, {plan.registry_gb:.2f} GB{_copy_time(plan)}, on another "
-                 "filesystem); "
+                 f"share them), the registry links them (a copy, {plan.registry_gb:.2f} GB{_copy_time(plan)}, on "
+                 "another filesystem); "
                  f"calibration ~{_duration(plan.calibration_s)}, eval ~{_duration(plan.eval_s)} (predictions)")
     return lines
 

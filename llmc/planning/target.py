@@ -129,10 +129,13 @@ def _matmul_flops(key: str) -> float:
 
 
 def _matmul_points(rates: dict[str, list[float]], key: str) -> list[tuple[float, float]]:
-    """(FLOPs of one call, median rate) of the measured matmuls of `key`'s dtype and device."""
+    """(FLOPs of one call, median rate) of the measured matmuls of `key`'s dtype and device: those of its own
+    number of rows where there are any (a CPU's rate moves with them), else all."""
     head = key.split()[:3]
-    return [(_matmul_flops(k), statistics.median(runs)) for k, runs in rates.items()
-            if k.startswith("matmul ") and k.split()[:3] == head and runs]
+    same = {k: runs for k, runs in rates.items() if k.startswith("matmul ") and k.split()[:3] == head and runs}
+    rows = _params(key).get("rows")
+    same = {k: runs for k, runs in same.items() if _params(k).get("rows") == rows} or same
+    return [(_matmul_flops(k), statistics.median(runs)) for k, runs in same.items()]
 
 
 def rate_class(key: str) -> str:

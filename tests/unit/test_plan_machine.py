@@ -97,7 +97,12 @@ def test_a_probe_file_round_trips_and_answers_every_size_of_a_probe(tmp_path: Pa
     with target.planning_for(m):
         assert probes.book().describe() == ""
         assert disk.read_rate() == 1.2e9
-    assert probes.book() is not None and not isinstance(probes.book(), probes.FixedBook)
+    assert not isinstance(probes.book(), probes.FixedBook)  # the block's end restores this machine's
+    # and a whole plan made with it measures nothing here and says whose rates it read
+    monkeypatch.setattr(probes, "sustained_rate", lambda *a, **k: pytest.fail("a machine file's plan measured here"))
+    plan = _plan_json([str(LLAMA70B), "--machine", str(out), "--cache-dir", str(tmp_path / "c2")])
+    assert plan["estimates"]["machine"] == f"the machine {out}" and plan["estimates"]["device"] == "cpu"
+    assert plan["rates"].startswith(f"rates of machine file {out}: measured on {saved['host']['hostname']}")
 
 
 @pytest.mark.parametrize("content, says", [
