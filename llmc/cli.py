@@ -286,8 +286,8 @@ def _measure_standard() -> None:
     per-group on each device, FP8 fake quantization and the stream's own per-layer work on the CPU, hashing, the
     store's large write and the disk's write+fsync and uncached read. A plan for this machine elsewhere reads other
     sizes and specs of the same probe from them (llmc.planning.target)."""
-    import torch  # lazy: start-up: `llmc --help` loads just click and llmc.engines
-
+    # lazy: start-up: `llmc --help` loads just click and llmc.engines
+    import torch
     from llmc.planning import disk, machine
     from llmc.quant.numerics import fake_quantize_rate, quantize_rate
     from llmc.quant.spec import TensorSpec
