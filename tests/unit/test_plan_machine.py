@@ -55,6 +55,14 @@ def test_the_disk_probes_are_bounded_cached_and_leave_nothing_behind(tmp_path: P
     probes._book = probes.RateBook()
     probes.use_cache(cache)
     assert (disk.write_rate(), disk.read_rate()) == (write, read)
+    # --reprobe measures them again (and pools the new runs with the cached ones)
+    runs: list[str] = []
+    monkeypatch.setattr(disk, "_timer", lambda which: lambda: runs.append(which) or 1e9)
+    probes.use_cache(cache, reprobe=True)
+    disk.write_rate(), disk.read_rate()
+    assert runs == ["write"] * disk.REPEATS + ["read"] * disk.REPEATS
+    saved = json.loads((cache / probes.RATES_FILE).read_text())["rates"]
+    assert len(saved[disk.WRITE_KEY]["runs"]) == 2
 
 
 def test_gigabyte_terms_follow_the_probed_disk_rates(monkeypatch) -> None:
