@@ -78,7 +78,7 @@ class TargetMachine:
         return probes.FixedBook(resolve=self.resolve, label=self.describe())
 
     def resolve(self, key: str) -> tuple[float, ...]:
-        """The timed runs answering probe `key` on this machine (module doc); RecipeError naming the key when none."""
+        """The timed runs answering probe `key` on this machine (module doc); MachineError naming the key when none."""
         if key in self.rates:
             return tuple(self.rates[key])
         if key.startswith("matmul "):
@@ -91,9 +91,10 @@ class TargetMachine:
         same = [statistics.median(runs) for k, runs in self.rates.items() if rate_class(k) == cls and runs]
         if same:  # the same kind of probe at another size or spec: the median of them
             return (statistics.median(same),)
+        probe = "run `llmc probe --out FILE RECIPE` on that machine with this recipe, and plan with --machine FILE"
         raise MachineError(f"the machine {self.name} has no rate for {key!r} (nor any {cls!r})",
-                          fix="run `llmc probe --out FILE RECIPE` on that machine with this recipe, and plan with "
-                              "--machine FILE")
+                           fix=f"a profile has its GPUs' rates only: calibrate and evaluate on the GPU (device: "
+                               f"auto), or {probe}" if self.estimate else probe)
 
 
 _active: list[TargetMachine] = []
@@ -158,7 +159,7 @@ def from_profile(spec: str) -> TargetMachine:
     p = profiles.PROFILES[name]
     if count and not (count.isdigit() and 1 <= int(count) <= 64):
         raise MachineError(f"--machine {spec}: the GPU count after ':' must be a number from 1 to 64",
-                          fix=f"write e.g. --machine {name}:8")
+                           fix=f"write e.g. --machine {name}:8")
     n = int(count or 1)
     return TargetMachine(name=f"{name}:{n}", estimate=True, cpu="(host of a GPU node: assumed)", cpu_flags="",
                          cpus=p.host_cpus_per_gpu * n, memory_bytes=int(p.host_memory_gb_per_gpu * n * 1e9),
@@ -183,8 +184,8 @@ def load(spec: str) -> TargetMachine:
         raise MachineError(f"--machine {spec}: not a machine file (no \"kind\": \"{KIND}\")", fix=fix)
     if data.get("schema") != SCHEMA or data.get("llmc") != __version__:
         raise MachineError(f"--machine {spec}: written by llmc {data.get('llmc')} (schema {data.get('schema')}); "
-                          f"this is llmc {__version__} (schema {SCHEMA}), whose probes and rates differ",
-                          fix=f"run `llmc probe --out {path.name}` again on that machine with this llmc")
+                           f"this is llmc {__version__} (schema {SCHEMA}), whose probes and rates differ",
+                           fix=f"run `llmc probe --out {path.name}` again on that machine with this llmc")
     try:
         host, gpu = data["host"], data["gpu"]
         rates = {str(k): [float(x) for x in v] for k, v in data["rates"].items()}

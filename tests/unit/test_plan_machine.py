@@ -162,7 +162,11 @@ def test_a_profiles_gpu_memory_bounds_its_stages(tmp_path: Path) -> None:
     assert b200["estimates"]["seconds"] < l40s["estimates"]["seconds"]  # the faster GPU
 
 
-def test_a_profile_gpu_count_must_be_a_number() -> None:
+def test_a_profile_gpu_count_must_be_a_number_and_its_rates_are_its_gpus() -> None:
     with pytest.raises(target.MachineError, match="GPU count"):
         target.load("h100-sxm:x")
     assert target.load("h200:4").gpu_count == 4 and target.load("h200").gpu_count == 1
+    # a profile knows its GPUs, not its host's CPU: a CPU rate is refused with the way out, never guessed
+    with pytest.raises(target.MachineError, match="GPUs' rates only") as refused:
+        target.load("h100-sxm:8").resolve("matmul bfloat16 cpu width=8192 rows=512 outputs=24576")
+    assert refused.value.exit_code == 2
