@@ -219,20 +219,101 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
               help="also estimate data-parallel calibration over this many processes (per rank, per layer)")
 @click.option("--json", "as_json", is_flag=True,
               help="print the plan as JSON: every stage's row, with the decision it costs and the build executes")
-def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc: int | None, as_json: bool) -> None:
+@click.option("--machine", "machine", default=None, metavar="FILE_OR_PROFILE",
+              help="plan for another machine, probing nothing here: a machine file `llmc probe` wrote there, or a "
+                   "spec-sheet profile (an estimate) with its GPU count: h100-sxm:8, h100-pcie, h200, b200, "
+                   "a100-80gb, l40s")
+def plan(recipe: Path, cache_dir: Path | None, overrides: tuple[str, ...], nproc: int | None, as_json: bool,
+         machine: str | None) -> None:
     """Check RECIPE against the runtimes and the model; estimate memory, disk and time."""
 
     def go():
         # lazy: start-up: `llmc --help` loads just click and llmc.engines
+        from llmc.planning import target
         from llmc.planning.plan import make_plan, plan_recipe
         from llmc.storage.store import Store
 
+        planned_for = target.load(machine) if machine else None  # a bad file fails before anything is read
         r = _load(recipe, overrides)
         make_plan(r)  # the recipe and the targets first: no source is touched when they fail
-        planned = plan_recipe(r, Store.default(cache_dir), recipe, nproc=nproc)
+        with target.planning_for(planned_for):
+            planned = plan_recipe(r, Store.default(cache_dir), recipe, nproc=nproc)
+        if planned_for is not None:
+            planned.basis = "; ".join(filter(None, [planned.basis, planned_for.describe()]))
         click.echo(json.dumps(planned.as_dict(), indent=2, default=str) if as_json else planned.render())
 
     _run(go)
+
+
+@main.command(epilog=EXIT_HELP)
+@reprobe_option
+@click.argument("recipes", nargs=-1, type=click.Path(path_type=Path))
+@cache_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("llmc-machine.json"), show_default=True,
+              help="the machine file to write")
+def probe(recipes: tuple[Path, ...], cache_dir: Path | None, out: Path) -> None:
+    """Measure this machine's rates and write them as a machine file for `llmc plan --machine FILE` elsewhere.
+
+    Measures the compute probes the plans run (matmul per dtype on the CPU and each GPU kind, the quantizer),
+    hashing, the disk's write+fsync and uncached read, memory and the GPUs; with RECIPES, also exactly the probes
+    their plans read. Cached rates of this machine are reused (--reprobe measures them again)."""
+
+    def go():
+        # lazy: start-up: `llmc --help` loads just click and llmc.engines
+        from llmc.planning.plan import make_plan, plan_recipe
+        from llmc.planning import probes, target
+        from llmc.quant.activations import memory_available
+        from llmc.storage.store import Store
+
+        store = Store.default(cache_dir)
+        probes.use_cache(store.root)
+        _measure_standard()
+        for path in recipes:
+            r = _load(path)
+            make_plan(r)
+            plan_recipe(r, store, path)
+        rates = {k: list(p.samples) for k, p in probes.book().probes.items()}
+        target.write(out, target.this_machine(rates, memory_available()))
+        click.echo(f"wrote {len(rates)} rates to {target.load(str(out)).describe()}; plan for it elsewhere with "
+                   f"`llmc plan RECIPE --machine {out}`")
+
+    _run(go)
+
+
+def _measure_standard() -> None:
+    """The probes every plan may read, at the sizes they are read at: matmuls per dtype (on the CPU up the bounded
+    ladder of widths, llmc.planning.machine; on a GPU at three widths), the quantizer at FP8 per-tensor and INT4
+    per-group on each device, FP8 fake quantization and the stream's own per-layer work on the CPU, hashing, the
+    store's large write and the disk's write+fsync and uncached read. A plan for this machine elsewhere reads other
+    sizes and specs of the same probe from them (llmc.planning.target)."""
+    # lazy: start-up: `llmc --help` loads just click and llmc.engines
+    import torch
+    from llmc.planning import disk, machine
+    from llmc.quant.numerics import fake_quantize_rate, quantize_rate
+    from llmc.quant.spec import TensorSpec
+    from llmc.quant.stream_probe import layer_overhead_seconds
+
+    for dtype in ("float32", "bfloat16"):
+        for rows in (128, 512):
+            machine.matmul_rate(dtype, "cpu", 8192, rows)
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda:0")
+        for dtype in ("bfloat16", "float16", "float32"):
+            for width in (1024, 4096, 8192):
+                machine.matmul_rate(dtype, "cuda:0", width, machine.GPU_PROBE_ROWS)
+    for device in devices:
+        for dtype in ("float32", "bfloat16"):
+            for spec in (TensorSpec("fp8_e4m3", "tensor"), TensorSpec("int4", "group", group_size=128)):
+                quantize_rate(spec, dtype, device=device)
+    for dtype in ("float32", "bfloat16"):
+        fake_quantize_rate(TensorSpec("fp8_e4m3", "tensor"), dtype, width=4096, rows=512)
+        for calibrated in (True, False):  # the stream's own per-layer work on a CPU
+            layer_overhead_seconds(calibrated, dtype)
+    machine.hash_rate()
+    machine.write_rate()
+    disk.write_rate()
+    disk.read_rate()
 
 
 @main.command(epilog=EXIT_HELP)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmc.engines.registry import Scoring
-from llmc.planning.machine import DISK_READ_RATE, forward_seconds
+from llmc.planning.machine import forward_seconds
+from llmc.planning.machine import read_seconds as disk_read_seconds
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +46,8 @@ def protocol_seconds(s: Scoring, dtype: str, rows: int | None = None) -> tuple[f
 
 
 def read_seconds(s: Scoring) -> float:
-    """Reading the model's files (page-cache-warm: docs/planner-constants.md#disk_read_rate)."""
-    return s.model_bytes / DISK_READ_RATE
+    """Reading the model's files at the disk's probed rate (llmc.planning.disk), as the torch reference's are."""
+    return disk_read_seconds(s.model_bytes)
 
 
 def scores_bytes(s: Scoring) -> float:

@@ -23,7 +23,7 @@ import yaml
 from llmc.data.bos import bos_decision
 from llmc.errors import EngineUnavailable, InputError
 from llmc.model.dtype import BYTES
-from llmc.planning.machine import DISK_READ_RATE, PROCESS_BYTES, forward_seconds
+from llmc.planning.machine import PROCESS_BYTES, forward_seconds, read_seconds
 from llmc.planning.rows import CostRow
 from llmc.planning.shapes import Shape
 from llmc.result import EvalId, Verdict
@@ -187,7 +187,7 @@ def tasks_cost(shape: Shape, *, tasks: Sequence[str], limit: int | None, streame
     model = (shape.outer_params + shape.layer_params) * e if streamed else shape.params * e
     parts = {"process": PROCESS_BYTES, "model" + (" (one layer resident)" if streamed else ""): model,
              "one request's logits": 2 * TOKENS_PER_REQUEST * shape.vocab * 4}
-    seconds = HARNESS_START_S + model_bytes / DISK_READ_RATE + forward
+    seconds = HARNESS_START_S + read_seconds(model_bytes) + forward
     per_task = f"eval.task_limit {limit}" if limit else f"{TASK_DOCUMENTS} (a stated default: eval.task_limit unset)"
     return CostRow("tasks", "cpu", sum(parts.values()), 0.0, 0.0, seconds,
                    "streamed (one layer resident)" if streamed else "whole model",

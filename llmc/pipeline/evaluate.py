@@ -40,9 +40,10 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine,
-                                   file_write_seconds, forward_seconds, hash_rate, uncached_read_seconds)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_seconds,
+                                   hash_rate, read_seconds, uncached_read_seconds)
 from llmc.planning.rows import GB, CostRow
+from llmc.planning.target import active as target_machine
 from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.groups import by_group
 from llmc.quant.numerics import BLOCK_ELEMENTS, fake_quantize_rate
@@ -316,7 +317,7 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     forward += sum(scored * elements / fake_quantize_rate(spec, compute, width=h, rows=batch * seq_len, device=device)
                    for spec, elements in emulated)
     # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
-    io = shape.stored_bytes / DISK_READ_RATE + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
+    io = read_seconds(shape.stored_bytes) + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
@@ -391,6 +392,9 @@ def eval_device(requested: str, engine: str) -> str:
     for every other engine."""
     if not engine_spec(engine).places_on_device or distributed.active():
         return "cpu"
+    planned_for = target_machine()  # `llmc plan --machine`: that machine's devices (a build never sets one)
+    if planned_for is not None:
+        return planned_for.device_for(requested, "eval.device")
     return str(resolve_device(requested, "eval.device"))
 
 

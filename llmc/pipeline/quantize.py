@@ -37,8 +37,8 @@ from llmc.pipeline.ids import Kind, StageId
 from llmc.quant.algorithms.catalog import Pipeline, quantize_stage_config
 from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
-from llmc.planning.machine import (CUDA_CONTEXT_BYTES, DISK_READ_RATE, PROCESS_BYTES, Machine, file_write_seconds,
-                                   forward_efficiency, forward_seconds, matmul_rate)
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
+                                   forward_seconds, matmul_rate, read_seconds, spill_seconds)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
@@ -234,7 +234,7 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
     with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens)
-    return {"read": stored_bytes / DISK_READ_RATE, "forward": passes * forward,
+    return {"read": read_seconds(stored_bytes), "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
@@ -336,7 +336,9 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
                             batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights)
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
-    io = parts_s["read"] + parts_s["write"]
+    if spill and calibrated:  # each layer's outputs written to disk, fsynced and read back by the next layer
+        parts_s["spill"] = spill_seconds(copy)
+    io = parts_s["read"] + parts_s["write"] + parts_s.get("spill", 0.0)
     if on_gpu:
         per_layer = max(io, parts_s["forward"] + parts_s["quantize"])
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
@@ -360,9 +362,9 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
     # bf16 embeddings: 0.55 B weights; its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0
-    skeleton_s = skeleton_params * (stored_elem + converted) / DISK_READ_RATE if skeleton else 0.0
+    skeleton_s = read_seconds(skeleton_params * (stored_elem + converted)) if skeleton else 0.0
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
-    fixed = (shape.outer_params * stored_elem / DISK_READ_RATE + file_write_seconds(shape.outer_params * kept)
+    fixed = (read_seconds(shape.outer_params * stored_elem) + file_write_seconds(shape.outer_params * kept)
              + skeleton_s + discovery_s)
     strategy = {"disk": "activations spilled to disk", "device": "activations on the GPU",
                 "memory": "activations in memory"}.get(loop.activations, "no calibration")

@@ -1,6 +1,7 @@
 """This machine as the stages' costs see it: its memory and device (`Machine`), its probed matmul rates
-(`matmul_rate`, measured at plan time or cached: llmc.planning.probes), the share of them a decoder layer's forward reaches, and the rates and sizes
-the cost models take as constants (the process, disk reads and writes, hashing).
+(`matmul_rate`, measured at plan time or cached: llmc.planning.probes), the share of them a decoder layer's forward
+reaches, its probed disk and hashing rates (`read_seconds`, `file_write_seconds`: llmc.planning.disk), and the sizes
+the cost models take as constants (the process, a CUDA context).
 
 The constants were measured on the development VM (2-core AVX2 EPYC); each one's measurement, command and spread is
 in docs/planner-constants.md under its name.
@@ -10,25 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from llmc.planning import probes
+from llmc.planning import disk, probes
 from llmc.storage.direct_io import DIRECT_MIN_BYTES
 
 PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
-DISK_READ_RATE = 1.0e9  # bytes/s a layer is read and converted: docs/planner-constants.md#disk_read_rate
-# bytes/s safetensors serializes and fsyncs through the page cache (files under direct_io.DIRECT_MIN_BYTES; larger ones
-# are written around it, at the probed `write_rate`): docs/planner-constants.md#disk_write_rate
-DISK_WRITE_RATE = 0.3e9
-# bytes/s a file the page cache does not hold is read into it: between the rates of fresh pages and of pages another
-# file or the previous stage just freed (not probed: a probe's file reads into the pages it just freed):
-# docs/planner-constants.md#uncached_read_rate
-UNCACHED_READ_RATE = 1.4e9
 # bytes/s a VM whose free pages go back to its host (`memory_from_host`) gets new memory when its host is short of
 # it (0.24-0.37 GB/s measured, against ~4 GB/s when the host has it to hand): docs/planner-constants.md#reclaim_rate
 RECLAIM_RATE = 0.33e9
@@ -195,19 +187,32 @@ def write_rate() -> float:
 
 def file_write_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to write `nbytes` in `files` files of about equal size, durable and hashed: at the probed
-    `write_rate` when each is large enough to be written around the page cache, else through it at DISK_WRITE_RATE
-    and hashed from it."""
+    `write_rate` when each is large enough to be written around the page cache, else through it, made durable at
+    the disk's probed write+fsync rate (llmc.planning.disk) and hashed from it."""
     if nbytes <= 0:
         return 0.0
     if _written_direct(nbytes, files):
         return nbytes / write_rate()
-    return nbytes * (1 / DISK_WRITE_RATE + 1 / hash_rate())
+    return disk.write_seconds(nbytes) + nbytes / hash_rate()
 
 
 def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to read `nbytes` in `files` files a stage wrote: those written around the page cache (large enough)
-    are read from the disk into it at UNCACHED_READ_RATE; smaller ones are still in the page cache (not counted)."""
-    return nbytes / UNCACHED_READ_RATE if nbytes > 0 and _written_direct(nbytes, files) else 0.0
+    are read from the disk at its probed rate (llmc.planning.disk); smaller ones are still in the page cache (not
+    counted)."""
+    return disk.read_seconds(nbytes) if nbytes > 0 and _written_direct(nbytes, files) else 0.0
+
+
+def read_seconds(nbytes: float) -> float:
+    """Seconds to read `nbytes` of a source or stage file from the disk (not in the page cache), at the probed
+    sequential read rate: a layer's weights, the weights outside the layers, an artifact to evaluate."""
+    return disk.read_seconds(nbytes)
+
+
+def spill_seconds(nbytes: float) -> float:
+    """Seconds to write `nbytes` of spilled activations and read them back (llmc.quant.activations' spill files),
+    at the disk's probed rates."""
+    return disk.write_seconds(nbytes) + disk.read_seconds(nbytes)
 
 
 def _written_direct(nbytes: float, files: int) -> bool:

@@ -31,10 +31,11 @@ from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
-from llmc.planning import probes
+from llmc.planning import disk, probes
 from llmc.planning.machine import (PROCESS_BYTES, Machine, matmul_rate, memory_from_host, reclaim_seconds,
                                    time_range)
 from llmc.planning.rows import CostRow
+from llmc.planning.target import active as target_machine
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
@@ -61,6 +62,7 @@ class CostedFor:
     free_gb: float | None  # MemFree, where memory beyond it comes from a VM's host at its pace (else None)
     cpu_count: int
     device: str  # the calibration device
+    machine: str = "this machine"  # or `--machine`'s: "the machine h100-sxm:8 (an estimate)"
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Plan:
     slow_dtype: SlowDtype | None = None  # the compute dtype is far slower than float32 on this CPU
     export_memory_gb: float | None = None  # a whole-model (ONNX) export's peak; None without such a target
     rates: str = ""  # where the probed rates the estimates used came from (llmc.planning.probes)
+    copy_rate: float | None = None  # bytes/s a file is copied (read + written, fsynced) on the machine planned for
     cache_writes: list[str] = field(default_factory=list)  # what planning itself wrote to the cache (a GGUF unpacked)
     # quantization.search, per variant: the search on this model (with the model's shapes) and, once a build has
     # measured and solved it, the chosen mix (llmc.quant.search.summary)
@@ -171,7 +174,7 @@ class Plan:
             "calibration_s": self.calibration_s, "seconds": self.seconds,
             **({"slow_dtype": {"ratio": self.slow_dtype.ratio, "float32_seconds": self.slow_dtype.float32_seconds}}
                if self.slow_dtype else {}),
-            "seconds_range": self.seconds_range, "eval_s": self.eval_s, "cpu_count": m.cpu_count,
+            "seconds_range": self.seconds_range, "eval_s": self.eval_s, "cpu_count": m.cpu_count, "machine": m.machine,
             "spill_activations": self.spill_activations, "streamed_eval": self.streamed_eval, "device": m.device,
             "device_memory_gb": self.device_memory_gb,
             **({"export_memory_gb": self.export_memory_gb} if self.export_memory_gb is not None else {}),
@@ -241,13 +244,17 @@ def render_search(variant: str, space: SearchSpace, chosen: dict | None) -> list
     return lines
 
 
+def _whose_rates(machine: str) -> str:
+    return "this machine's probed" if machine == "this machine" else f"{machine}'s"
+
+
 def _render_estimates(plan: Plan) -> list[str]:
     """The per-stage table: device, peak host RAM, peak GPU memory, new disk, time, strategy and why."""
     m, rows = plan.costed_for, plan.rows
     w = max([34, *(len(r.name) for r in rows)])  # a mixed scheme's name is long: never cut
     lines = [
         f"  model: {m.params / 1e6:,.1f}M params in {m.layers} layers, computed in {m.dtype}; "
-        f"source {m.source_gb:.2f} GB; this machine: {m.available_gb:.1f} GB available"
+        f"source {m.source_gb:.2f} GB; {m.machine}: {m.available_gb:.1f} GB available"
         + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: a stage needing more than "
            "that may wait for it)" if m.free_gb is not None else "")
         + f", {m.cpu_count} CPUs; calibrating on {m.device}",
@@ -272,7 +279,7 @@ def _render_estimates(plan: Plan) -> list[str]:
             lines.append(f"  {r.name} time (prediction): "
                          f"~{f'{per_layer:.2f} s' if per_layer < 1 else _duration(per_layer)} per decoder layer "
                          f"x {m.layers} layers + ~{_duration(r.fixed_seconds)} outside the layers = "
-                         f"~{_duration(r.seconds)}, at this machine's probed rates")
+                         f"~{_duration(r.seconds)}, at {_whose_rates(m.machine)} rates")
     for variant, groups in plan.groups.items():
         lines.append(f"  mixed precision{' (' + variant + ')' if variant else ''}, weights of the decoder layers' "
                      "Linears stored:")
@@ -290,9 +297,15 @@ def _render_estimates(plan: Plan) -> list[str]:
         lines.append("  host RAM: what the process allocates; safetensors files are read through mmap, and up to "
                      f"{mapped:.2f} GB of their pages (page cache, not counted above) stay mapped in a stage")
     lines.append(f"  disk: {plan.disk_gb:.2f} GB new in the cache (each file once; targets with identical weights "
-                 f"share them), the registry links them (a copy, {plan.registry_gb:.2f} GB, on another filesystem); "
+                 f"share them), the registry links them (a copy, {plan.registry_gb:.2f} GB{_copy_time(plan)}, on "
+                 "another filesystem); "
                  f"calibration ~{_duration(plan.calibration_s)}, eval ~{_duration(plan.eval_s)} (predictions)")
     return lines
+
+
+def _copy_time(plan: Plan) -> str:
+    """How long the registry's copy of the artifacts takes at the disk's probed rates ("" when not known)."""
+    return f", ~{_duration(plan.registry_gb * 1e9 / plan.copy_rate)}" if plan.copy_rate and plan.registry_gb else ""
 
 
 def _size(n: float) -> str:
@@ -736,7 +749,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         unloaded = unloaded_layers_note(config, tensors.shapes)  # DeepSeek's / GLM-4.5's MTP layer
         if unloaded:
             plan.warnings.append(unloaded)
-        device = resolve_device(recipe.calibration.device)  # weight-only schemes are quantized there too
+        device = _calibration_device(recipe.calibration.device)  # weight-only schemes are quantized there too
         probes.book().used.clear()
         _estimate(plan, config, tensors, device, model_folder)
         plan.rates = probes.book().describe()
@@ -754,13 +767,14 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             refuse_if_it_does_not_fit(plan, device)
             if check_time:
                 check_budget(plan)
-            if cache_dir is not None:
+            if cache_dir is not None and target_machine() is None:  # another machine's disk is not known here
                 check_disk(plan, Path(cache_dir))
         except ResourceError as e:
             if refuse:
                 raise
             # planning for another machine (the source is not here): say what this one lacks, do not stop
-            plan.warnings.append(f"this machine could not run the build: {e.message} (fix: {e.fix})")
+            where = f"the machine {target_machine().name}" if target_machine() else "this machine"
+            plan.warnings.append(f"{where} could not run the build: {e.message} (fix: {e.fix})")
     return plan
 
 
@@ -776,7 +790,8 @@ def _slow_dtype_warning(plan: Plan) -> list[str]:
     if not slow:
         return []
     dtype = plan.costed_for.dtype
-    flags = set(probes.fingerprint()["cpu_flags"].split())
+    t = target_machine()
+    flags = set((t.cpu_flags if t else probes.fingerprint()["cpu_flags"]).split())
     native = NATIVE_FLAGS.get(dtype, ())
     why = (f"this CPU has none of {', '.join(native)} in /proc/cpuinfo, so torch emulates {dtype} matmuls"
            if native and flags and not flags & set(native) else "as probed on this CPU")
@@ -786,18 +801,44 @@ def _slow_dtype_warning(plan: Plan) -> list[str]:
             f"{' / '.join(native) or f'native {dtype}'} or on a GPU (calibration.device: cuda)"]
 
 
+def _calibration_device(requested: str) -> torch.device:
+    """calibration.device on the machine planned for: this one (llmc.quant.device), or `--machine`'s."""
+    t = target_machine()
+    return torch.device(t.device_for(requested)) if t else resolve_device(requested)
+
+
+def _machine_name() -> str:
+    t = target_machine()
+    return "this machine" if t is None else f"the machine {t.name}" + (" (an estimate)" if t.estimate else "")
+
+
+def _host_available() -> int | None:
+    """Host bytes available to the build on the machine planned for."""
+    t = target_machine()
+    return t.memory_bytes if t else memory_available()
+
+
+def _gpu_free(device: torch.device) -> int | None:
+    """Bytes free on the calibration GPU of the machine planned for (None: calibrating on the CPU)."""
+    if device.type != "cuda":
+        return None
+    t = target_machine()
+    return t.gpu_memory_bytes if t else torch.cuda.mem_get_info(device)[0]
+
+
 def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
     """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
     and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
-    available = memory_available()
+    available = _host_available()
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] / 1e9
+        free = _gpu_free(device) / 1e9
         if free < plan.device_memory_gb:
             raise ResourceError(
                 f"calibrating one layer needs ~{plan.device_memory_gb:.1f} GB on {device}, {free:.1f} GB are free",
                 fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
                 "or set calibration.device: cpu",
             )
+    _refuse_if_a_stage_overfills_its_gpu(plan)
     whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
     if whole_model and available is not None and plan.export_memory_gb > available / 1e9:
         streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
@@ -825,6 +866,21 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
                  "run on a machine with more memory, or lower calibration.samples / seq_len, eval.batch_size or "
                  "eval.seq_len (one batch of logits is batch x seq_len x vocab floats)"),
         )
+
+
+def _refuse_if_a_stage_overfills_its_gpu(plan: Plan) -> None:
+    """ResourceError when a stage that runs on a GPU (an evaluation holding the whole model there) needs more than
+    that GPU has free: the GPU's own memory, not the host's, bounds it."""
+    for row in plan.rows:
+        if not row.gpu_bytes or row.cached or row.skipped or not row.device.startswith("cuda"):
+            continue
+        free = _gpu_free(torch.device(row.device))
+        if free is not None and row.gpu_bytes > free:
+            raise ResourceError(
+                f"{row.name} needs ~{row.gpu_bytes / 1e9:.1f} GB on {row.device} ({row.strategy}), "
+                f"{free / 1e9:.1f} GB are free there",
+                fix="set LLMC_TORCH_EVAL=streamed (one decoder layer on the GPU at a time), eval.device: cpu, "
+                    "or use a GPU with more memory")
 
 
 def check_budget(plan: Plan, pending: Collection[StageId] | None = None) -> None:
@@ -971,20 +1027,21 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
-    available = memory_available()
+    available = _host_available()
     # A VM whose free memory goes back to its host gets new pages at the host's pace: at ~0.3 GB/s when the host
     # is short of memory, which the guest cannot see (docs/planner-constants.md#reclaim_rate). What it needs beyond
     # MemFree is planned at that pace; the slowest end of the range plans all of it so. Elsewhere the kernel evicts
     # clean page cache at memory speed: nothing is added (`free` None).
-    host_paced = memory_from_host()
+    host_paced = memory_from_host() and target_machine() is None  # another machine: not known to be such a VM
     free = memory_free() if host_paced else None
     c = recipe.calibration
 
-    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    gpu_free = _gpu_free(device)
+    cpus = target_machine().cpus if target_machine() else os.cpu_count()
     side_files = _side_file_bytes(model_folder)
 
     def walk(compute: str = compute, free: int | None = free) -> Costing:
-        machine = Machine(available, gpu_free, str(device), os.cpu_count())
+        machine = Machine(available, gpu_free, str(device), cpus)
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
                           config=config, side_files=side_files)
@@ -1008,10 +1065,11 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
     plan.rows = rows
+    plan.copy_rate = 1 / (1 / disk.read_rate() + 1 / disk.write_rate())  # the registry's copy, when it is one
     plan.costed_for = CostedFor(params=shape.params, layers=shape.layers, dtype=compute,
                                 source_gb=shape.stored_bytes / 1e9, available_gb=(available or 0) / 1e9,
-                                free_gb=free / 1e9 if free is not None else None, cpu_count=os.cpu_count(),
-                                device=str(device))
+                                free_gb=free / 1e9 if free is not None else None, cpu_count=cpus,
+                                device=str(device), machine=_machine_name())
     if device.type == "cpu" and compute != "float32":
         rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)
         ratio = (matmul_rate("float32", "cpu", shape.hidden, rows_probed)

@@ -201,7 +201,30 @@ def _pooled(runs: list[tuple[tuple[float, ...], float]], *, probed_now: bool) ->
     return Probe(tuple(x for samples, _ in runs for x in samples), max(at for _, at in runs), probed_now)
 
 
-_book = RateBook()
+@dataclass
+class FixedBook(RateBook):
+    """Another machine's rates (`llmc plan --machine`: a machine file or a named profile): `resolve` answers each
+    probe's key from them, and nothing is measured here."""
+
+    resolve: Callable[[str], tuple[float, ...]] = lambda key: ()
+    label: str = ""
+
+    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+        found = self.probes.get(key)
+        if found is None:
+            found = Probe(tuple(self.resolve(key)), 0.0, probed_now=False)
+            self.probes[key] = found
+        self.used[key] = found
+        return found
+
+    def cached(self, key: str) -> bool:
+        return True  # every key is read from the machine's rates, at any width (none is probed by parts)
+
+    def describe(self) -> str:
+        return f"rates of {self.label}: {len(self.used)} read from it, none probed here" if self.used else ""
+
+
+_book: RateBook = RateBook()
 _reading = "median"
 
 
@@ -209,10 +232,24 @@ def book() -> RateBook:
     return _book
 
 
+@contextlib.contextmanager
+def fixed(rates: FixedBook) -> Iterator[FixedBook]:
+    """Within this block every probe reads `rates` (another machine's) and `use_cache` keeps them."""
+    global _book
+    previous, _book = _book, rates
+    try:
+        yield rates
+    finally:
+        _book = previous
+
+
 def use_cache(folder: Path | None, *, reprobe: bool = False) -> RateBook:
     """Read and write the probes' samples in `folder` (the llmc cache; None: this process only). `reprobe` (or
-    LLMC_REPROBE=1) ignores what is cached and measures every probe again."""
+    LLMC_REPROBE=1) ignores what is cached and measures every probe again. Under `fixed` (another machine's
+    rates) nothing changes."""
     global _book
+    if isinstance(_book, FixedBook):
+        return _book
     reprobe = reprobe or os.environ.get("LLMC_REPROBE", "") not in ("", "0")
     path = Path(folder) / RATES_FILE if folder is not None else None
     if path != _book.path or reprobe:
@@ -224,7 +261,8 @@ def reread() -> RateBook:
     """Read the cache file again, for rates another process measured meanwhile (a torchrun job's other ranks after
     rank 0 probed); nothing is measured again (not even under --reprobe, which that process has honoured)."""
     global _book
-    _book = RateBook(_book.path)
+    if not isinstance(_book, FixedBook):
+        _book = RateBook(_book.path)
     return _book
 
 

@@ -428,6 +428,6 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     assert batches.gpu_bytes == pytest.approx(machine.CUDA_CONTEXT_BYTES + shape.layer_params * 2
                                               + 8 * min(shape.largest_linear, BLOCK_ELEMENTS)
                                               + 2 * 4 * seq_len * shape.hidden * 2 + forward)  # no scores
-    io = shape.layer_params * 2 / machine.DISK_READ_RATE + machine.file_write_seconds(shape.layer_params)
+    io = machine.read_seconds(shape.layer_params * 2) + machine.file_write_seconds(shape.layer_params)
     assert resident.layer_seconds == pytest.approx(max(io, resident.layer_seconds))  # never below the layer's I/O
     assert cpu.layer_seconds > io  # the CPU adds its I/O to its compute

@@ -1,0 +1,148 @@
+"""This machine's disk as the plan sees it: the sequential write+fsync and read rates of the cache's filesystem,
+probed like the other rates (llmc.planning.probes: timed, cached per machine in machine-rates.json, measured again
+with --reprobe), so no gigabyte-scale term of a plan rests on a constant measured on one VM.
+
+Both probes go around the page cache, because what they must measure is the disk: a file small enough to stay in
+the page cache's dirty limits is "written" at memory speed (a 16 MB `save_file` + fsync read 0.6-0.9 GB/s where
+the stages' gigabyte writes ran under 0.3: benchmarks/results/planner-log.md, "Tried and reverted"), and a file
+just written is read back from memory. So the write is `O_DIRECT` + fsync of PROBE_BYTES, and the read is an
+`O_DIRECT` read of that file; where the filesystem refuses `O_DIRECT` (tmpfs before Linux 6.6, some FUSE and
+network filesystems) the write is buffered + fsync and the read follows `posix_fadvise(DONTNEED)`, which drops the
+file's clean pages first. Each probe runs REPEATS times for at least MIN_SAMPLE_S: about 1 s for both on a disk of
+~1 GB/s, 64 MB write and read per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from llmc.planning import probes
+from llmc.storage.direct_io import DIRECT_MIN_BYTES
+
+PROBE_BYTES = DIRECT_MIN_BYTES  # 64 MB: the smallest file the stages write around the page cache
+CHUNK = 16 << 20  # bytes per write or read call (direct_io's chunk)
+REPEATS = 3  # timed runs per probe
+# each run repeats its call at least this long: I/O waits on the disk, not on a slice of a busy CPU, so a shorter
+# span than the compute probes' MIN_SAMPLE_S measures it (both probes ~1 s on a ~1 GB/s disk)
+MIN_SAMPLE_S = 0.1
+WRITE_KEY = "disk write+fsync"
+READ_KEY = "disk read uncached"
+
+
+def write_rate() -> float:
+    """Bytes/s a large file is written sequentially and made durable (fsync), around the page cache."""
+    return probes.rate(WRITE_KEY, _timer("write"), repeats=REPEATS)
+
+
+def read_rate() -> float:
+    """Bytes/s a file the page cache does not hold is read sequentially."""
+    return probes.rate(READ_KEY, _timer("read"), repeats=REPEATS)
+
+
+@contextlib.contextmanager
+def _probe_folder() -> Iterator[Path]:
+    """A temporary folder on the cache's filesystem (the rates file's), or the system's without a cache."""
+    where = probes.book().path
+    parent = None
+    if where is not None:
+        with contextlib.suppress(OSError):  # a cache not writable yet: the plan says so elsewhere
+            where.parent.mkdir(parents=True, exist_ok=True)
+            parent = where.parent
+    try:
+        folder = tempfile.TemporaryDirectory(prefix=".llmc-disk-probe-", dir=parent)
+    except OSError:
+        folder = tempfile.TemporaryDirectory(prefix=".llmc-disk-probe-")
+    with folder as name:
+        yield Path(name)
+
+
+def _aligned_buffer() -> mmap.mmap:
+    """CHUNK bytes of page-aligned memory (O_DIRECT wants the buffer aligned), filled with non-zero bytes."""
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(4096) * (CHUNK // 4096))
+    return buf
+
+
+def _open(path: Path, flags: int, direct: bool) -> int:
+    return os.open(path, flags | (getattr(os, "O_DIRECT", 0) if direct else 0), 0o600)
+
+
+def write_file(path: Path, buf: mmap.mmap, direct: bool) -> None:
+    """PROBE_BYTES written to `path` from `buf` and fsynced (O_DIRECT when `direct`)."""
+    fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
+    try:
+        view = memoryview(buf)
+        for _ in range(PROBE_BYTES // CHUNK):
+            os.write(fd, view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, buf: mmap.mmap, direct: bool) -> None:
+    """`path` read whole into `buf`, CHUNK at a time; without O_DIRECT its pages are dropped from the cache first."""
+    fd = _open(path, os.O_RDONLY, direct)
+    try:
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        while os.readv(fd, [buf]) > 0:
+            pass
+    finally:
+        os.close(fd)
+
+
+def _supports_direct(path: Path, buf: mmap.mmap) -> bool:
+    """Whether the filesystem at `path` takes an O_DIRECT write (the probe file written once so)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        write_file(path, buf, direct=True)
+        return True
+    except OSError:  # EINVAL: the filesystem refuses O_DIRECT
+        return False
+
+
+def _timer(which: str):
+    """A function timing one run of the `which` ("write" | "read") probe and returning its bytes/s (the folder,
+    buffer and file made on its first call: a cached rate makes none of them)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            stack = contextlib.ExitStack()
+            folder = stack.enter_context(_probe_folder())
+            buf = _aligned_buffer()
+            stack.callback(buf.close)
+            path = folder / "probe.bin"
+            direct = _supports_direct(path, buf)
+            if not direct:
+                write_file(path, buf, direct=False)
+            state.update(stack=stack, buf=buf, path=path, direct=direct)
+        if which == "write":
+            call = lambda: write_file(state["path"], state["buf"], state["direct"])  # noqa: E731
+        else:
+            call = lambda: read_file(state["path"], state["buf"], state["direct"])  # noqa: E731
+        try:
+            return probes.sustained_rate(PROBE_BYTES, call, min_s=MIN_SAMPLE_S)
+        finally:
+            state["runs"] = state.get("runs", 0) + 1
+            if state["runs"] == REPEATS:  # the last run: the probe file goes (a killed plan leaves a hidden temp)
+                state.pop("stack").close()
+                state.clear()
+
+    return run_once
+
+
+def write_seconds(nbytes: float) -> float:
+    """Seconds to write `nbytes` sequentially and fsync them, at the probed rate."""
+    return nbytes / write_rate() if nbytes > 0 else 0.0
+
+
+def read_seconds(nbytes: float) -> float:
+    """Seconds to read `nbytes` the page cache does not hold, at the probed rate."""
+    return nbytes / read_rate() if nbytes > 0 else 0.0
