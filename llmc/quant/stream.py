@@ -293,8 +293,8 @@ def check_moe_ranks(scheme: Scheme, ranks: int) -> None:
     """RecipeError for a Mixture-of-Experts calibration over several ranks that llmc does not combine: AWQ's search
     decides per expert whether it has inputs, which differs by rank (the plan refuses it first)."""
     if ranks > 1 and any(Pipeline.of(member).replays_module_calls for member in scheme.members().values()):
-        raise RecipeError(f"AWQ on a Mixture-of-Experts model over {ranks} processes is not implemented: its search "
-                          "runs on each expert's routed inputs, which differ by rank",
+        raise RecipeError(f"{scheme.name}: a search over each module's replayed inputs (AWQ) on a Mixture-of-Experts "
+                          f"model over {ranks} processes is not implemented: an expert's routed inputs differ by rank",
                           fix="calibrate AWQ in one process (no --nproc), or use GPTQ / SmoothQuant / RTN on the ranks")
 
 

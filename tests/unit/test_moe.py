@@ -546,7 +546,7 @@ def test_data_parallel_calibration_of_a_moe_model_is_planned_per_rank_and_awq_re
     weight_only = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}})
     assert make_plan(weight_only, folder, nproc=2).distributed["nproc"] == 2
     awq = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "awq"})
-    with pytest.raises(RecipeError, match="AWQ on a Mixture-of-Experts model over 2 processes") as refused:
+    with pytest.raises(RecipeError, match=r"\(AWQ\) on a Mixture-of-Experts model over 2 processes") as refused:
         make_plan(awq, folder, nproc=2)
     assert "no --nproc" in refused.value.fix
     make_plan(awq, folder)  # one process: planned
