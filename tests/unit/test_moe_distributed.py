@@ -193,3 +193,51 @@ def test_two_ranks_write_the_canonical_form_of_one_process_byte_for_byte(family:
         assert not mismatch and not errors, (scheme, mismatch, errors)
         tokens = json.loads((two / "moe_tokens.json").read_text())["blocks"]
         assert tokens and all(sum(b["tokens"]) == 16 * 24 * 2 for b in tokens.values())  # every rank's tokens, top-2
+
+
+def _build(recipe: Path, cache: Path, nproc: int) -> dict[str, Path]:
+    """`llmc build RECIPE --nproc N` in its own cache; the exported artifacts by label."""
+    r = subprocess.run([sys.executable, "-m", "llmc", "build", str(recipe), "--no-publish", "--cache-dir", str(cache),
+                        "--report-dir", str(cache / "report"), "--nproc", str(nproc)],
+                       env=_env(LLMC_PROGRESS_JSON="0"), capture_output=True, text=True, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {line.split()[1].rstrip(":"): Path(line.split()[2]) for line in (r.stdout + r.stderr).splitlines()
+            if line.startswith("artifact ")}
+
+
+@pytest.mark.slow  # two builds of two variants with their evaluations: ~6 min on the shared 2-core machine
+def test_llmc_build_nproc_2_exports_a_tiny_deepseek_v3_byte_for_byte_as_one_process(tmp_path: Path) -> None:
+    """`llmc build --nproc 2` (torchrun's launcher, gloo) of a tiny DeepSeek-V3 in FP8 W8A8 static and W4A16 GPTQ for
+    vLLM: every file of both compressed-tensors exports byte-identical to `--nproc 1`'s (the completion marker
+    aside: it names the stage key, which counts the ranks where sums are taken), and the same evaluations."""
+    import yaml
+
+    from tests.unit.families import make_tiny
+
+    folder = make_tiny("deepseek_v3", tmp_path / "model", num_hidden_layers=3, first_k_dense_replace=1)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "tiny-moe-dist", "model": {"source": str(folder)},
+        "variants": [{"name": "fp8", "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                                                      "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}},
+                     {"name": "w4a16", "quantization": {"weights": {"format": "int4", "strategy": "group",
+                                                                    "group_size": 32}, "algorithm": "gptq"}}],
+        # spilled on both sides: one process takes GPTQ's two-forward order as the ranks do (docs/distributed.md)
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0, "spill_activations": "always"},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
+        "eval": {"seq_len": 64, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100,
+                 "runtimes": ["torch"]},
+        "gates": {"max_ppl_increase_pct": 1000.0}}))
+    one, two = _build(recipe, tmp_path / "c1", 1), _build(recipe, tmp_path / "c2", 2)
+    assert sorted(one) == sorted(two) == ["fp8/vllm-sm90-tp1", "w4a16/vllm-sm90-tp1"]
+    for label in one:
+        files = sorted(str(f.relative_to(one[label])) for f in one[label].rglob("*")
+                       if f.is_file() and f.name != ".llmc-complete")
+        assert "model.safetensors" in files and "moe_tokens.json" in files
+        assert files == sorted(str(f.relative_to(two[label])) for f in two[label].rglob("*")
+                               if f.is_file() and f.name != ".llmc-complete")
+        _, mismatch, errors = filecmp.cmpfiles(one[label], two[label], files, shallow=False)
+        assert not mismatch and not errors, (label, mismatch, errors)
+    evals = [json.loads((c / "report" / "report.json").read_text())["evals"] for c in (tmp_path / "c1", tmp_path / "c2")]
+    assert {k: (v["perplexity"], v.get("kld")) for k, v in evals[0].items()} == \
+        {k: (v["perplexity"], v.get("kld")) for k, v in evals[1].items()}
