@@ -195,6 +195,76 @@ def test_two_ranks_write_the_canonical_form_of_one_process_byte_for_byte(family:
         assert tokens and all(sum(b["tokens"]) == 16 * 24 * 2 for b in tokens.values())  # every rank's tokens, top-2
 
 
+EXPERT, CHANNEL = 3, 5
+
+
+def _route_by_vocabulary(folder: Path) -> Path:
+    """The Qwen3-MoE model with layer 0's router picking expert EXPERT for every token id from 100 and never below:
+    embedding channel CHANNEL is -3 below id 100 and +3 from it (the norm before the experts keeps its sign), the
+    router's row EXPERT reads that channel alone, x50, and the other rows ignore it. With the split-vocab windows
+    (tests/unit/dist_child.py) rank 0's block never reaches the expert and rank 1's does."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    embed = state["model.embed_tokens.weight"]
+    embed[:, CHANNEL] = torch.where(torch.arange(embed.shape[0]) < 100, -3.0, 3.0)
+    if "lm_head.weight" in state:
+        state["lm_head.weight"] = embed.clone()
+    state["model.layers.0.post_attention_layernorm.weight"][CHANNEL] = 1.0
+    router = state["model.layers.0.mlp.gate.weight"]
+    router[:, CHANNEL] = 0.0
+    router[EXPERT] = 0.0
+    router[EXPERT, CHANNEL] = 50.0
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _routed_in_layer0(folder: Path, ids: torch.Tensor) -> list[int]:
+    """Tokens of `ids` transformers' own forward routes to each expert of layer 0 (per-expert Linears counting)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.quant import moe
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    moe.unfuse_experts(model)
+    counts: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), moe.observing_experts(model.model.layers[0], False, counts):
+        model(input_ids=ids)
+    return counts["mlp"].tolist()
+
+
+@pytest.mark.slow
+def test_an_expert_only_one_ranks_windows_reach_is_calibrated_as_in_one_process(tmp_path: Path) -> None:
+    """Layer 0's expert 3 is routed tokens of rank 1's windows only: rank 0 holds no statistic for it at all (the
+    case the combination over the union of the ranks' Linears exists for). GPTQ W4A16 and FP8 static: the canonical
+    form byte-identical to one process's, the expert GPTQ-quantized with a static scale from rank 1's tokens."""
+    from tests.unit.dist_child import CALIBRATION
+    from tests.unit.families import make_tiny
+
+    model = _route_by_vocabulary(make_tiny("qwen3_moe", tmp_path / "model"))
+    env = {"LLMC_TEST_SPILL": "always", "LLMC_TEST_CALIBRATION": "split-vocab"}
+    os.environ.update(env)
+    try:
+        from tests.unit.dist_child import calibration_windows
+
+        windows = calibration_windows()
+    finally:
+        for k in env:
+            os.environ.pop(k)
+    half = CALIBRATION[0] // 2
+    assert _routed_in_layer0(model, windows[:half])[EXPERT] == 0 < _routed_in_layer0(model, windows[half:])[EXPERT]
+    for ranks, out in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        r = _run([str(model), str(out), ",".join(SCHEMES)], ranks, **env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for scheme in SCHEMES:
+        one, two = tmp_path / "one" / scheme, tmp_path / "two" / scheme
+        files = sorted(str(f.relative_to(one)) for f in one.rglob("*") if f.is_file())
+        _, mismatch, errors = filecmp.cmpfiles(one, two, files, shallow=False)
+        assert not mismatch and not errors, (scheme, mismatch, errors)
+        tokens = json.loads((two / "moe_tokens.json").read_text())["blocks"]["model.layers.0.mlp"]
+        assert tokens["tokens"][EXPERT] > 0 and not tokens["starved"]
+
+
 def _build(recipe: Path, cache: Path, nproc: int) -> dict[str, Path]:
     """`llmc build RECIPE --nproc N` in its own cache; the exported artifacts by label."""
     r = subprocess.run([sys.executable, "-m", "llmc", "build", str(recipe), "--no-publish", "--cache-dir", str(cache),
