@@ -204,6 +204,7 @@ def gather_objects(obj) -> list:
         return [obj]
     out = [None] * size()
     dist.all_gather_object(out, _to_cpu(obj))
+    out = [_from_wire(o) for o in out]
     _count("gather", sum(_tensor_bytes(o) for r, o in enumerate(out) if r != rank()))
     return out
 
@@ -216,7 +217,7 @@ def broadcast_object(obj, src: int = 0):
     dist.broadcast_object_list(box, src=src)
     if rank() != src:
         _count("broadcast", _tensor_bytes(box[0]))
-    return box[0]
+    return _from_wire(box[0])
 
 
 def computed_once(compute: Callable[[], object], src: int = 0):
@@ -269,16 +270,55 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _Bytes:
+    """A tensor of a dtype plain pickle cannot rebuild (float8, float4: torch 2.13's all_gather_object fails on
+    them), travelling as its bytes."""
+
+    data: torch.Tensor  # uint8 view
+    dtype: torch.dtype
+
+
+def _unpicklable(t: torch.Tensor) -> bool:
+    return t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool)
+
+
+def _mapped(obj, fn: Callable[[object], object]):
+    """`obj` with `fn` applied to each tensor / _Bytes in dicts, lists, tuples and dataclasses."""
+    if isinstance(obj, (torch.Tensor, _Bytes)):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _mapped(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_mapped(v, fn) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return replace(obj, **{f.name: _mapped(getattr(obj, f.name), fn) for f in fields(obj)})
+    return obj
+
+
 def _to_cpu(obj):
-    return moved(obj, "cpu")
+    """`obj`'s tensors on the CPU, those of a one-byte float dtype as their bytes (`_from_wire` restores them)."""
+    def encode(t):
+        t = t.cpu()
+        return _Bytes(t.contiguous().view(torch.uint8), t.dtype) if _unpicklable(t) else t
+
+    return _mapped(obj, encode)
 
 
-def reduce_layer_stats(stats) -> None:
-    """Combine the ranks' `llmc.quant.stream.LayerStats` of one layer in place: ranges by max (exact), Hessians as
-    token-weighted means summed in rank order. AWQ's recorded module calls stay per rank (its search reduces its
-    own losses, `llmc.quant.algorithms.awq`)."""
+def _from_wire(obj):
+    return _mapped(obj, lambda t: t.data.view(t.dtype) if isinstance(t, _Bytes) else t)
+
+
+def reduce_layer_stats(stats, device: torch.device | str = "cpu") -> None:
+    """Combine the ranks' `llmc.quant.observe.LayerStats` of one layer in place: ranges by max (exact), Hessians as
+    token-weighted means summed in rank order, or with `stats.exact` (Mixture-of-Experts layers) chained through the
+    ranks in window order (`chain_hessians`: one process's bits), over the union of the ranks' Linears. AWQ's
+    recorded module calls stay per rank (its search reduces its own losses, `llmc.quant.algorithms.awq`).
+    `device`: where a rank that holds no tensor of a key receives it."""
     if not active():
         return
+    if stats.exact:
+        _align_range_keys(stats, device)
     ranges = [(store, name) for store in (stats.channel_absmax, stats.key_absmax, stats.value_absmax)
               for name in sorted(store)]
     maxima = reduce_maxima([store[name] for store, name in ranges])
@@ -287,9 +327,92 @@ def reduce_layer_stats(stats) -> None:
     for name in sorted(stats.input_absmax):  # the observer's scalar is the channel maxima's max
         stats.input_absmax[name] = stats.channel_absmax[name].amax() if name in stats.channel_absmax else \
             reduce_maxima([stats.input_absmax[name]])[0]
+    if stats.exact:
+        chain_hessians(stats, device)
+        return
     for key in sorted(stats.hessians):
         stats.hessians[key], stats.hessian_tokens[key] = combine_running_means(stats.hessians[key],
                                                                               stats.hessian_tokens[key])
+
+
+def _align_range_keys(stats, device: torch.device | str) -> None:
+    """Give every rank an entry for each Linear / attention module any rank observed (an MoE expert some rank's
+    windows never reached has none there): zeros, which the maximum over ranks leaves exact. A module no rank
+    observed stays absent, as in one process."""
+    stores = (stats.channel_absmax, stats.key_absmax, stats.value_absmax)
+    shapes = gather_objects([{n: tuple(t.shape) for n, t in store.items()} for store in stores])
+    for i, store in enumerate(stores):
+        for part in shapes:
+            for name, shape in part[i].items():
+                if name not in store:
+                    store[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+    for name in stats.channel_absmax:
+        stats.input_absmax.setdefault(name, stats.channel_absmax[name].amax())
+
+
+def chain_hessians(stats, device: torch.device | str) -> None:
+    """Each Hessian as one process accumulates it (`accumulate_hessian`, float32, call after call in window order),
+    bit for bit: rank 0 accumulated its calls as they came; each later rank, in rank order, receives the running
+    Hessian, replays its deferred calls (`stats.deferred`, its block of windows in order) on it and passes it on.
+    Every rank ends with the same tensor; one d x d tensor travels per contributing rank."""
+    from llmc.quant.algorithms.gptq import accumulate_hessian  # lazy: llmc.quant sits above this module
+
+    mine = ({k: (n, stats.hessians[k].shape[-1]) for k, n in stats.hessian_tokens.items()} if rank() == 0 else
+            {k: (sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs), xs[0].shape[-1])
+             for k, xs in stats.deferred.items()})
+    parts = gather_objects((mine, dict(stats.hessian_of)))
+    for _, of in parts:
+        for name, key in of.items():
+            if stats.hessian_of.setdefault(name, key) != key:
+                raise RuntimeError(f"{name} shares {key}'s Hessian on one rank and {stats.hessian_of[name]}'s on "
+                                   "another")
+    keys = sorted({k for counts, _ in parts for k in counts})
+    for key in keys:
+        width = next(counts[key][1] for counts, _ in parts if key in counts)
+        hessian, seen = stats.hessians.get(key) if rank() == 0 else None, 0
+        for r, (counts, _) in enumerate(parts):
+            rows = counts.get(key, (0, 0))[0]
+            if not rows:
+                continue
+            if r == rank() and r > 0:
+                for x in stats.deferred[key]:
+                    hessian, _ = accumulate_hessian(hessian, seen, x)
+                    seen += x.reshape(-1, x.shape[-1]).shape[0]
+            else:
+                seen += rows
+            hessian = broadcast_tensor(hessian if r == rank() else None, (width, width), src=r, device=device)
+        stats.hessians[key], stats.hessian_tokens[key] = hessian, seen
+    stats.deferred.clear()
+
+
+def broadcast_tensor(t: torch.Tensor | None, shape: tuple[int, ...], src: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rank `src`'s float32 tensor `t` (of `shape`) on every rank: on `t`'s device at `src`, on `device` elsewhere.
+    Travels on the backend's device (NCCL: this rank's GPU; gloo: the CPU)."""
+    if not active():
+        return t
+    if rank() == src:
+        dist.broadcast(_same_device_tensor(t.contiguous()), src=src)
+        return t
+    box = _same_device_tensor(torch.empty(shape, dtype=torch.float32, device=device))
+    dist.broadcast(box, src=src)
+    _count("broadcast", box.numel() * box.element_size())
+    return box.to(device)
+
+
+def sum_counts(counts: dict[str, torch.Tensor]) -> None:
+    """Integer counts (the tokens routed to each expert, by MoE block) summed over ranks in place: exact in any
+    order. Every rank holds the same keys and shapes."""
+    if not active() or not counts:
+        return
+    names = sorted(counts)
+    flat = _same_device_tensor(torch.cat([counts[n].reshape(-1).long() for n in names]))
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    at = 0
+    for n in names:
+        t = counts[n]
+        counts[n] = flat[at : at + t.numel()].reshape(t.shape).to(device=t.device, dtype=t.dtype)
+        at += t.numel()
 
 
 def any_rank(flag: bool) -> bool:

@@ -106,7 +106,7 @@ class Quantize(Stage):
                           moe=shape.active < 1, device=c.machine.device, host_available=c.machine.available,
                           device_free=c.machine.gpu_free,
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
-                          resume_every_s=cal.resume_every_s)
+                          resume_every_s=cal.resume_every_s, ranks=distributed.size())
         return decide_layer_loop(Pipeline.of(self.scheme), facts)
 
     def _statistics_recorded(self, c: Costing) -> bool:

@@ -44,9 +44,9 @@ from llmc.quant.device import resolve_device
 from llmc.quant.groups import by_group, split_fused
 from llmc.quant.search import BF16, SearchSpace, search_space
 from llmc.quant.spec import FORMATS, Scheme
-from llmc.quant.stream import CALIBRATION_BATCH_SIZE
+from llmc.quant.stream import CALIBRATION_BATCH_SIZE, check_moe_ranks
 from llmc.recipe.schema import QuantizationSection, Recipe, Target
-from llmc.planning.scaling import Workload, layer_shapes, plan_estimate, render
+from llmc.planning.scaling import Workload, deferred_bytes, layer_shapes, moe_layer, plan_estimate, render
 
 
 @dataclass
@@ -754,12 +754,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         _estimate(plan, config, tensors, device, model_folder)
         plan.rates = probes.book().describe()
         plan.warnings += _slow_dtype_warning(plan)
-        if nproc > 1 and expert_count(config) > 1 and any(s.needs_calibration for s in schemes.values()):
-            # refused here, before torchrun starts; llmc.quant.stream refuses it again for a job started by hand
-            raise IncompatibleTargetError(
-                f"data-parallel calibration ({nproc} processes) of a Mixture-of-Experts model is not implemented: "
-                "the tokens routed to each expert differ by rank and llmc does not reduce them yet",
-                fix="calibrate in one process (drop --nproc / run without torchrun)")
+        if nproc > 1 and expert_count(config) > 1:
+            for s in schemes.values():  # refused here, before torchrun starts (the stream checks it again)
+                check_moe_ranks(s, nproc)
         if nproc > 1:
             plan.distributed = _distributed_estimate(plan, config, tensors.linear_shapes(), nproc)
 
@@ -984,10 +981,12 @@ def _distributed_estimate(plan: Plan, config: dict, shapes: dict, nproc: int) ->
         return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
                                         "layer's Linears; run it as one process"}
     pipelines = [Pipeline.of(s) for s in calibrated]
+    experts = expert_count(config)
     work = Workload(ranges=any(s.stores_ranges for s in calibrated),
                     hessians=any(p.observes_hessians for p in pipelines),
                     module_calls=any(p.replays_module_calls for p in pipelines),
-                    solve_on_rank0=any(p.calibrates and p.true_sequential for p in pipelines))
+                    # MoE on several ranks: Hessians observed, then the layer's Linears spread over the ranks
+                    solve_on_rank0=not experts and any(p.calibrates and p.true_sequential for p in pipelines))
     c = plan.recipe.calibration
     activations_gb = 0.0 if plan.spill_activations else \
         2 * c.samples * c.seq_len * config.get("hidden_size", 0) * 4 / 1e9
@@ -995,8 +994,13 @@ def _distributed_estimate(plan: Plan, config: dict, shapes: dict, nproc: int) ->
     m = plan.costed_for
     flops = matmul_rate(m.dtype, m.device, config.get("hidden_size") or 1024,
                         c.seq_len)  # measured here, as the stage times are
-    return plan_estimate(m.layers, m.device, plan.calibration_s, plan.peak_memory_gb, layer_shapes(shapes), work,
-                         nproc, activations_gb, flops)
+    layer = layer_shapes(shapes, moe_layer(shapes))  # an MoE model: a layer with its experts
+    deferred_gb = 0.0
+    if experts and work.hessians:
+        share = 1.0 if c.moe_calibrate_all_experts else int(config.get("num_experts_per_tok") or 1) / experts
+        deferred_gb = deferred_bytes(layer, c.samples * c.seq_len / nproc, share, BYTES.get(m.dtype, 4)) / 1e9
+    return plan_estimate(m.layers, m.device, plan.calibration_s, plan.peak_memory_gb, layer, work,
+                         nproc, activations_gb, flops, deferred_gb)
 
 
 def _plan_gates(plan: Plan) -> None:

@@ -76,6 +76,22 @@ def bytes_per_layer(shapes: dict[str, tuple[int, int]], nproc: int, work: Worklo
     return out
 
 
+def deferred_bytes(shapes: dict[str, tuple[int, int]], tokens: float, expert_share: float, elem: int) -> float:
+    """Bytes a rank after the first keeps per layer of a Mixture-of-Experts model's Hessian inputs until the ranks
+    before it have accumulated theirs (llmc.distributed.chain_hessians): its `tokens` rows of each distinct input,
+    an expert's inputs being the `expert_share` of them routed to it (top-k / experts)."""
+    return sum(shapes[g[0]][1] * tokens * (expert_share if ".experts." in g[0] else 1.0) * elem
+               for g in input_groups(shapes))
+
+
+def moe_layer(all_shapes: dict[str, tuple[int, int]]) -> int:
+    """The index of the first decoder layer holding routed experts (0 when none does): the layer a Mixture-of-Experts
+    model's per-rank costs are figured on (DeepSeek's first layers are dense)."""
+    layers = sorted({int(n.split(".layers.", 1)[1].split(".", 1)[0]) for n in all_shapes
+                     if ".layers." in n and ".experts." in n})
+    return layers[0] if layers else 0
+
+
 def solve_flops(shapes: dict[str, tuple[int, int]], hessians: bool) -> float:
     """Floating-point operations of one layer's quantization: GPTQ's inverse Hessian (~in³ per input) and column
     loop (~2·out·in² per Linear); RTN ~10 per weight."""
@@ -105,10 +121,11 @@ LINK_BYTES_PER_S = {"cuda": 100e9, "cpu": 1e9}
 
 def plan_estimate(layers: int, device: str, calibration_s: float, peak_memory_gb: float,
                   shapes: dict[str, tuple[int, int]], work: Workload, nproc: int, activations_gb: float,
-                  flops_per_s: float) -> dict:
+                  flops_per_s: float, deferred_gb: float = 0.0) -> dict:
     """Per-rank memory and time, bytes per layer and predicted speed-up for `llmc plan` (see the module doc), from
     the one-process plan's `layers`, calibration `device`, `calibration_s` and `peak_memory_gb`: every rank holds the
-    layer and 1/N of the calibration activations; calibration forwards divide by N."""
+    layer and 1/N of the calibration activations; calibration forwards divide by N. `deferred_gb`: what a rank
+    after the first keeps of a Mixture-of-Experts layer's Hessian inputs (`deferred_bytes`)."""
     device = "cuda" if device.startswith("cuda") else "cpu"
     volume = bytes_per_layer(shapes, nproc, work)
     per_layer = sum(volume.values())
@@ -121,7 +138,7 @@ def plan_estimate(layers: int, device: str, calibration_s: float, peak_memory_gb
         if work.hessians else 0.0
     link = "NVLink-class" if device == "cuda" else "gloo, loopback TCP"
     return {"nproc": nproc,
-            "memory_gb_per_rank": peak_memory_gb - activations_gb * (1 - 1 / nproc) + gather_gb,
+            "memory_gb_per_rank": peak_memory_gb - activations_gb * (1 - 1 / nproc) + gather_gb + deferred_gb,
             "calibration_s_per_rank": tn, "bytes_per_layer": volume, "speedup": t1 / tn if tn else 1.0,
             "link": f"{LINK_BYTES_PER_S[device] / 1e9:.0f} GB/s assumed ({link})"}
 

@@ -76,6 +76,14 @@ class Stream:
     specs: Mapping[str, TensorSpec] | None = None
     hidden: Activations = field(default_factory=lambda: Activations([]))  # the current layer's inputs
     extras: list = field(default_factory=list)  # per batch, per layer: (args, kwargs) the model passes the layer
+    # under torchrun, statistics combined bit for bit as one process computes them, over Linears that differ by
+    # rank (Mixture-of-Experts models: LayerStats.exact)
+    exact_stats: bool = False
+
+    def new_stats(self) -> LayerStats:
+        """An empty LayerStats for one observation pass (`exact_stats`: a rank after the first defers its Hessian
+        calls, llmc.distributed.chain_hessians)."""
+        return LayerStats(exact=True, defer_hessians=distributed.rank() > 0) if self.exact_stats else LayerStats()
 
     def weight_spec(self, name: str) -> TensorSpec:
         return self.specs[name] if self.specs else self.pipeline.scheme.weights
@@ -218,6 +226,9 @@ class TrueSequential(_Calibrating):
         return calibration.shape[0] if s.one_forward else s.batch_size  # GPTQ inside the one forward it makes
 
     def calibrate(self, s: Stream, w: LayerWork) -> None:
+        if s.exact_stats:  # the ranks' experts are called on different tokens: their hooks would not meet
+            raise RuntimeError("GPTQ inside the forward does not combine a Mixture-of-Experts layer over ranks: "
+                               "the layer loop takes the sequential flow there (llmc.quant.loop_plan)")
         w.next_inputs = s.inputs_writer(w.index + 1)
         with moe.observing_experts(w.module, s.moe_all_experts, w.routed):
             w.quantized = quantize_true_sequential(w.module, w.prefix, w.linears, w.kv_modules, s.hidden, w.extras,
@@ -237,20 +248,22 @@ class Sequential(_Calibrating):
         w.next_inputs = s.inputs_writer(w.index + 1)
         observe = pipeline.observe(layer)
         sink = w.next_inputs.put if pipeline.propagate == "original" else None
+        w.stats = s.new_stats()
         with moe.observing_experts(layer, s.moe_all_experts, w.routed):
             observe_batches(layer, w.linears, w.kv_modules, observe, s.hidden, w.extras, w.stats, sink)
-        distributed.reduce_layer_stats(w.stats)
+        distributed.sum_counts(w.routed)  # which experts are starved: decided on every rank's tokens
+        distributed.reduce_layer_stats(w.stats, s.device)
         if s.shared is not None and distributed.is_main():
             s.shared.save(w.index, to_device({"channel_absmax": w.stats.channel_absmax,
                                               "key_absmax": w.stats.key_absmax,
                                               "value_absmax": w.stats.value_absmax}, HOST))
         if pipeline.transform_layer(layer, w.prefix, w.stats) and pipeline.reads_statistics_after_transform:
             # Rescaled weights change activation ranges (and Hessians): measure them again.
-            w.stats = LayerStats()
+            w.stats = s.new_stats()
             again = Observe(hessians=observe.hessians, module_calls=())
             with moe.observing_experts(layer, s.moe_all_experts, None):
                 observe_batches(layer, w.linears, w.kv_modules, again, s.hidden, w.extras, w.stats)
-            distributed.reduce_layer_stats(w.stats)
+            distributed.reduce_layer_stats(w.stats, s.device)
 
     def propagate(self, s: Stream, w: LayerWork) -> None:
         if s.pipeline.propagate == "quantized":

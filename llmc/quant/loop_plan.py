@@ -53,6 +53,7 @@ class LoopFacts:
     shared_stats: bool  # statistics can be shared with other schemes on the same model and data (a folder is given)
     shared_covered: bool  # ... and those already recorded cover every Linear and KV module this scheme needs
     resume_every_s: float | None = None  # the caller's resume interval (None: the default for the placement)
+    ranks: int = 1  # data-parallel processes calibrating (torchrun's WORLD_SIZE)
 
     @property
     def activation_bytes(self) -> int:
@@ -67,7 +68,7 @@ class LoopFacts:
             if (now is None) != (then is None) or (now and then and abs(now - then) > SNAPSHOT_TOLERANCE * then):
                 changes.append(f"{name.replace('_', ' ')} {_gb(then)} at plan time, {_gb(now)} now")
         for name in ("calibrates", "windows", "seq_len", "masked", "batch_size", "spill_mode", "moe", "device",
-                     "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem"):
+                     "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem", "ranks"):
             if getattr(self, name) != getattr(planned, name):
                 changes.append(f"{name.replace('_', ' ')} {getattr(planned, name)} planned, {getattr(self, name)} now")
         return changes
@@ -144,6 +145,13 @@ def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
         one_forward = (pipeline.true_sequential and not spill and not facts.masked
                        and fits_one_forward(facts, facts.device_free if facts.device != "cpu"
                                             else facts.host_available))
+        if one_forward and facts.moe and facts.ranks > 1:
+            # GPTQ inside one forward sums each expert's Hessian over its routed rows of every window at once, in an
+            # order no split of the windows over ranks reproduces; the two-forward order sums them batch by batch,
+            # which the ranks chain bit for bit (llmc.distributed.chain_hessians)
+            one_forward = False
+            why.append(f"Mixture-of-Experts on {facts.ranks} ranks: Hessians observed batch by batch, then GPTQ "
+                       "(not inside one forward)")
     flow = flow_for(FlowNeeds(calibrates=calibrates, shared_cover=shared == "reuse",
                               true_sequential=pipeline.true_sequential, moe=facts.moe, one_forward=one_forward)).name
     if flow == "true-sequential":

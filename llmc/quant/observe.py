@@ -34,6 +34,15 @@ class LayerStats:
     hessian_of: dict[str, str] = field(default_factory=dict)
     # AWQ: (args, kwargs) of each call, per layer-relative module name.
     module_calls: dict[str, list[tuple[tuple, dict]]] = field(default_factory=dict)
+    # Under torchrun, statistics that must equal one process's bit for bit although each rank's Linears differ
+    # (Mixture-of-Experts layers: an expert no token of a rank's windows reached has no entry there): `exact`
+    # combines them key by key over the union of the ranks' keys (llmc.distributed.reduce_layer_stats), and a rank
+    # after the first keeps each Hessian call's input in `deferred` instead of accumulating it, to replay the calls
+    # once the ranks before it have accumulated theirs (llmc.distributed.chain_hessians): every float32 step is then
+    # the one one process takes.
+    exact: bool = False
+    defer_hessians: bool = False
+    deferred: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 _ACTIVE_KV_STATS: LayerStats | None = None
@@ -78,7 +87,9 @@ def observing(
             if observe.hessians:
                 shared = last_input[1] if last_input[0] is args[0] else name
                 key = stats.hessian_of.setdefault(name, shared)
-                if key == name:
+                if key == name and stats.defer_hessians:
+                    stats.deferred.setdefault(key, []).append(x.clone())  # the forward may reuse its buffer
+                elif key == name:
                     stats.hessians[key], stats.hessian_tokens[key] = accumulate_hessian(
                         stats.hessians.get(key), stats.hessian_tokens.get(key, 0), x
                     )

@@ -161,7 +161,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
     s = Stream(m.model, m.layers, pipeline, dtype, device, loop.batch_size, act_dir, start,
                spill=loop.activations == "disk", resident=loop.activations == "device", one_forward=loop.one_forward,
-               moe_all_experts=cal is not None and cal.moe_all_experts, shared=shared, specs=m.specs(scheme))
+               moe_all_experts=cal is not None and cal.moe_all_experts, shared=shared, specs=m.specs(scheme),
+               exact_stats=distributed.active() and bool(m.moe_blocks))
     flow = FLOWS[loop.flow]()
     flow.prepare(s, windows, mask)
     loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start)
@@ -258,7 +259,8 @@ def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | 
         batch_size=cal.batch_size if cal is not None else CALIBRATION_BATCH_SIZE,
         spill_mode=cal.spill if cal is not None else "auto", **config_widths(config), elem=torch.empty(0, dtype=dtype).element_size(), moe=moe_blocks, device=str(device),
         host_available=memory_available(), device_free=_device_free(device), shared_stats=shared is not None,
-        shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s)
+        shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s,
+        ranks=distributed.size())
 
 
 def _obeyed(planned: LayerLoopPlan | None, pipeline: Pipeline, now: LoopFacts) -> LayerLoopPlan:
@@ -283,11 +285,17 @@ def _calibration_windows(scheme: Scheme, cal: Calibration | None, m: _Model):
     if not distributed.active():
         return cal.tokens, cal.mask
     if m.moe_blocks:
-        from llmc.errors import RecipeError
-
-        raise RecipeError("Mixture-of-Experts calibration under torchrun is not implemented (tokens routed per "
-                          "expert differ by rank)", fix="calibrate in one process (no --nproc)")
+        check_moe_ranks(scheme, distributed.size())
     return _my_windows(cal.tokens, cal.mask, cal.batch_size)
+
+
+def check_moe_ranks(scheme: Scheme, ranks: int) -> None:
+    """RecipeError for a Mixture-of-Experts calibration over several ranks that llmc does not combine: AWQ's search
+    decides per expert whether it has inputs, which differs by rank (the plan refuses it first)."""
+    if ranks > 1 and any(Pipeline.of(member).replays_module_calls for member in scheme.members().values()):
+        raise RecipeError(f"{scheme.name}: a search over each module's replayed inputs (AWQ) on a Mixture-of-Experts "
+                          f"model over {ranks} processes is not implemented: an expert's routed inputs differ by rank",
+                          fix="calibrate AWQ in one process (no --nproc), or use GPTQ / SmoothQuant / RTN on the ranks")
 
 
 @dataclass
@@ -420,7 +428,7 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
     if moe_report is not None and w.routed:
         moe_report.add(w.index, w.prefix, w.routed,
                        moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
-                       cal.moe_min_tokens, windows.numel(), m.config)
+                       cal.moe_min_tokens, cal.tokens.numel(), m.config)  # every rank's tokens
     w.stats.module_calls.clear()
     if distributed.is_main():
         schemes = {n: members[m.group_of[n]] for n in w.linears}

@@ -5,6 +5,7 @@ one rank of a torchrun job (`python -m torch.distributed.run --standalone --npro
     dist_child.py --eval ARTIFACT WINDOWS.pt OUT.pt   scores the windows in the torch engine (rank 0 saves them)
 
 LLMC_TEST_KILL_RANK / LLMC_TEST_KILL_LAYER: that rank SIGKILLs itself while writing that layer's outputs (mid-layer).
+LLMC_TEST_SPILL: the calibration's spill_activations (default "auto"). LLMC_TEST_CALIBRATION: see calibration_windows.
 """
 
 from __future__ import annotations
@@ -27,12 +28,21 @@ SCHEMES = {
                           TensorSpec("fp8_e4m3", "tensor"), algorithm="smoothquant"),
     "gptq": Scheme(TensorSpec("int4", "group", group_size=16), algorithm="gptq"),
     "awq": Scheme(TensorSpec("int4", "group", group_size=16), algorithm="awq"),
+    # the Mixture-of-Experts cases (tests/unit/test_moe_distributed.py)
+    "w4a16-gptq": Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq"),
+    "fp8-static": Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")),
 }
 CALIBRATION = (16, 24)  # windows x tokens: 4 batches of 4, two per rank with 2 ranks
 
 
 def calibration_windows() -> torch.Tensor:
-    return torch.randint(3, 200, CALIBRATION, generator=torch.Generator().manual_seed(7))
+    """LLMC_TEST_CALIBRATION=split-vocab: the first half of the windows (rank 0's block of two) draws token ids below
+    100, the second half ids from 100 (a model can then route an expert only the second half's tokens)."""
+    g = torch.Generator().manual_seed(7)
+    if os.environ.get("LLMC_TEST_CALIBRATION") == "split-vocab":
+        half = (CALIBRATION[0] // 2, CALIBRATION[1])
+        return torch.cat([torch.randint(3, 100, half, generator=g), torch.randint(100, 200, half, generator=g)])
+    return torch.randint(3, 200, CALIBRATION, generator=g)
 
 
 def _kill_mid_layer() -> None:
@@ -57,7 +67,8 @@ def quantize(model: Path, out: Path, names: list[str]) -> None:
 
     _kill_mid_layer()
     for name in names:
-        quantize_model(ModelSource(model, "t", "t"), SCHEMES[name], out / name, Calibration(calibration_windows()))
+        quantize_model(ModelSource(model, "t", "t"), SCHEMES[name], out / name,
+                       Calibration(calibration_windows(), spill=os.environ.get("LLMC_TEST_SPILL", "auto")))
 
 
 def evaluate(artifact: Path, windows: Path, out: Path) -> None:

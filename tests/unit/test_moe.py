@@ -522,12 +522,13 @@ def test_llmc_build_fp8_and_w4a16_gptq_of_the_newer_moe_families(name: str, tmp_
         assert (own - got).abs().max().item() < 1e-4, artifact.label
 
 
-def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family, tmp_path: Path) -> None:
-    """--nproc 2 on a MoE model with a calibrated scheme: `llmc plan` refuses (exit 3) before torchrun starts;
-    weight-only RTN (no calibration) is planned per rank as for a dense model."""
+def test_data_parallel_calibration_of_a_moe_model_is_planned_per_rank_and_awq_refused(family, tmp_path: Path) -> None:
+    """--nproc 2 on a MoE model: a calibrated scheme (static FP8) is planned per rank, as weight-only RTN is
+    (llmc.distributed combines the experts' statistics; tests/unit/test_moe_distributed.py); AWQ, whose search
+    runs per expert on inputs that differ by rank, is refused (exit 2) before torchrun starts, naming the fix."""
     import yaml
 
-    from llmc.errors import IncompatibleTargetError
+    from llmc.errors import RecipeError
     from llmc.planning.plan import make_plan
     from llmc.recipe.load import parse_recipe
 
@@ -541,12 +542,14 @@ def test_data_parallel_calibration_of_a_moe_model_is_refused_by_the_plan(family,
 
     static = recipe({"weights": {"format": "fp8_e4m3", "strategy": "channel"},
                      "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
-    with pytest.raises(IncompatibleTargetError, match="Mixture-of-Experts") as refused:
-        make_plan(static, folder, nproc=2)
-    assert "--nproc" in refused.value.fix and refused.value.exit_code == 3
-    make_plan(static, folder)  # one process: planned
+    assert make_plan(static, folder, nproc=2).distributed["nproc"] == 2
     weight_only = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}})
     assert make_plan(weight_only, folder, nproc=2).distributed["nproc"] == 2
+    awq = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "awq"})
+    with pytest.raises(RecipeError, match=r"\(AWQ\) on a Mixture-of-Experts model over 2 processes") as refused:
+        make_plan(awq, folder, nproc=2)
+    assert "no --nproc" in refused.value.fix
+    make_plan(awq, folder)  # one process: planned
 
 
 def test_gptq_on_experts_routed_fewer_tokens_than_their_inputs_is_named_by_the_plan(family) -> None:
