@@ -145,13 +145,14 @@ def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
         one_forward = (pipeline.true_sequential and not spill and not facts.masked
                        and fits_one_forward(facts, facts.device_free if facts.device != "cpu"
                                             else facts.host_available))
-        if one_forward and facts.moe and facts.ranks > 1:
+        if one_forward and facts.moe:
             # GPTQ inside one forward sums each expert's Hessian over its routed rows of every window at once, in an
             # order no split of the windows over ranks reproduces; the two-forward order sums them batch by batch,
-            # which the ranks chain bit for bit (llmc.distributed.chain_hessians)
+            # which the ranks chain bit for bit (llmc.distributed.chain_hessians). Taken in one process too, so the
+            # codes do not depend on the number of processes.
             one_forward = False
-            why.append(f"Mixture-of-Experts on {facts.ranks} ranks: Hessians observed batch by batch, then GPTQ "
-                       "(not inside one forward)")
+            why.append("Mixture-of-Experts: Hessians observed batch by batch, then GPTQ (not inside one forward), "
+                       "so any number of ranks computes the same codes")
     flow = flow_for(FlowNeeds(calibrates=calibrates, shared_cover=shared == "reuse",
                               true_sequential=pipeline.true_sequential, moe=facts.moe, one_forward=one_forward)).name
     if flow == "true-sequential":

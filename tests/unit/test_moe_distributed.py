@@ -108,10 +108,10 @@ def test_experts_statistics_combine_over_ranks_as_one_process_computes_them(tmp_
     assert not torch.equal(weighted, one["a"][0])
 
 
-def test_gptq_on_moe_over_ranks_takes_the_two_forward_order() -> None:
+def test_gptq_on_moe_takes_the_two_forward_order_on_any_number_of_ranks() -> None:
     """GPTQ inside one forward sums an expert's Hessian over its rows of every window at once, which a split of the
-    windows does not reproduce: on several ranks an MoE model is calibrated batch by batch (the plan says why);
-    one rank, or a dense model, keeps the one forward."""
+    windows does not reproduce: an MoE model is calibrated batch by batch, in one process as on several (the plan
+    says why), so its codes do not depend on the number of ranks; a dense model keeps the one forward."""
     from llmc.quant.algorithms.catalog import Pipeline
     from llmc.quant.loop_plan import LoopFacts, decide_layer_loop
     from llmc.quant.spec import Scheme, TensorSpec
@@ -124,9 +124,10 @@ def test_gptq_on_moe_over_ranks_takes_the_two_forward_order() -> None:
             intermediate=128, heads=4, elem=4, moe=moe, device="cpu", host_available=1 << 34, device_free=None,
             shared_stats=False, shared_covered=False, ranks=ranks))
 
-    assert decide(True, 1).one_forward and decide(False, 2).one_forward
-    two = decide(True, 2)
-    assert not two.one_forward and two.flow == "sequential" and "Mixture-of-Experts on 2 ranks" in two.describe()
+    assert decide(False, 1).one_forward and decide(False, 2).one_forward
+    for ranks in (1, 2):
+        moe = decide(True, ranks)
+        assert not moe.one_forward and moe.flow == "sequential" and "Mixture-of-Experts" in moe.describe()
 
 
 def test_the_plan_costs_a_moe_layer_per_rank_with_the_experts_share_of_the_tokens() -> None:
@@ -175,13 +176,13 @@ FAMILIES = {  # DeepSeek-V3 with a dense first layer (first_k_dense_replace) bef
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_ranks_write_the_canonical_form_of_one_process_byte_for_byte(family: str, tmp_path: Path) -> None:
     """Every file of the canonical form (layer files, quantized.json with its token report, moe_tokens.json, the rest)
-    byte-identical. Both sides spill the activations (the two-forward order: one process that fits every window in one
-    forward runs GPTQ inside it, which the ranks do not; test_gptq_on_moe_over_ranks_takes_the_two_forward_order)."""
+    byte-identical, the activations in memory on both sides (one process takes the two-forward order as the ranks
+    do: test_gptq_on_moe_takes_the_two_forward_order_on_any_number_of_ranks)."""
     from tests.unit.families import make_tiny
 
     model = make_tiny(family, tmp_path / "model", **FAMILIES[family])
     for ranks, out in ((1, tmp_path / "one"), (2, tmp_path / "two")):
-        r = _run([str(model), str(out), ",".join(SCHEMES)], ranks, LLMC_TEST_SPILL="always")
+        r = _run([str(model), str(out), ",".join(SCHEMES)], ranks)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for scheme in SCHEMES:
         one, two = tmp_path / "one" / scheme, tmp_path / "two" / scheme
@@ -292,8 +293,7 @@ def test_llmc_build_nproc_2_exports_a_tiny_deepseek_v3_byte_for_byte_as_one_proc
                                                       "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}},
                      {"name": "w4a16", "quantization": {"weights": {"format": "int4", "strategy": "group",
                                                                     "group_size": 32}, "algorithm": "gptq"}}],
-        # spilled on both sides: one process takes GPTQ's two-forward order as the ranks do (docs/distributed.md)
-        "calibration": {"samples": 8, "seq_len": 64, "seed": 0, "spill_activations": "always"},
+        "calibration": {"samples": 8, "seq_len": 64, "seed": 0},
         "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}],
         "eval": {"seq_len": 64, "windows": 4, "decode_tokens": 2, "throughput_repeats": 1, "bootstrap_samples": 100,
                  "runtimes": ["torch"]},
