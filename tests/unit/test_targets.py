@@ -31,7 +31,7 @@ def test_exllamav2_target_gets_gptq_checkpoints_on_cuda_only() -> None:
 
 
 def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() -> None:
-    from llmc.runtimes.base import ARCH_ORDER
+    from llmc.runtimes.names import ARCH_ORDER
 
     assert len(targets.runtimes()) == 10
     for rt in targets.runtimes():
@@ -43,6 +43,21 @@ def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() ->
                 assert arch is None or arch in ARCH_ORDER, (rt.name, key, arch)
 
 
+def test_the_recipe_names_the_registered_runtimes_without_importing_the_catalog() -> None:
+    """llmc.recipe.schema takes its `runtime:` choices from the leaf module llmc.runtimes.names, not from the catalog
+    (which imports every format module): the names there are the registered runtimes, in registration order."""
+    import subprocess
+    import sys
+    import typing
+
+    from llmc.recipe.schema import Runtime
+    from llmc.runtimes.names import RUNTIME_NAMES
+
+    assert RUNTIME_NAMES == targets.runtime_names() == typing.get_args(Runtime)
+    code = "import sys, llmc.recipe.schema; print('llmc.runtimes.catalog' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_scheme_names_and_gpu_archs_come_from_one_table_each() -> None:
     """A scheme's name, its capability key and the recipe's accepted pairs all read llmc.quant.spec.SCHEMES;
     the recipe's gpu_arch takes ARCH_ORDER (and cpu)."""
@@ -50,7 +65,7 @@ def test_scheme_names_and_gpu_archs_come_from_one_table_each() -> None:
 
     from llmc.quant.spec import KV_CACHE_SCHEMES, SCHEMES
     from llmc.recipe.schema import GpuArch
-    from llmc.runtimes.base import ARCH_ORDER
+    from llmc.runtimes.names import ARCH_ORDER
 
     for (w, a), name in SCHEMES.items():
         for kv in (None, *KV_CACHE_SCHEMES):
@@ -154,7 +169,7 @@ def test_a_format_library_that_does_not_import_fails_the_build_before_any_stage_
     from llmc.build import build_until
     from llmc.errors import EngineUnavailable
     from llmc.recipe.load import parse_recipe
-    from llmc.runtimes.vllm import CompressedTensors
+    from llmc.formats.compressed_tensors import CompressedTensors
     from llmc.storage.store import Store
 
     every_format_imports = [m for f in targets.formats() for m in f.libraries]
