@@ -28,6 +28,7 @@ from llmc.quant.spec import BLOCK_SHAPE, Scheme, TensorSpec
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
 
+
 class RuntimeTarget(Protocol):
     """A recipe target as the runtimes and formats read it (`llmc.recipe.schema.Target` is one). Named by what is
     read, not by the recipe's class: the recipe sits a layer above the plugins (docs/architecture.md, "Layers")."""
