@@ -28,7 +28,7 @@ from llmc.planning.plan import check_budget, check_disk, make_plan, source_cache
 from llmc.telemetry.progress import log
 from llmc.quant.device import cpu_threads, resolve_device
 from llmc.recipe.schema import Recipe
-from llmc.runtimes.registry import import_libraries
+from llmc.formats.registry import import_libraries
 from llmc.result import BuildResult
 from llmc.storage.store import CorruptOutput, Store, stage_key
 

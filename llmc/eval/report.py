@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 from llmc.data.sources import corpora_of, corpus_part
 from llmc.result import EvalId
 from llmc.engines import engine_spec
-from llmc.runtimes.catalog import artifact_format
 
 if TYPE_CHECKING:
     from llmc.engines.registry import SpeedKind
@@ -173,6 +172,9 @@ def _unevaluated_rows(result: BuildResult) -> list[list[str]]:
     for label, art in result.artifacts.items():
         unmeasured = [v for v in result.verdicts if v.target.engine is None and v.target.label == label]
         if not result.target_evals.get(label):
+            # lazy: the catalog imports every format module (torch); a report without such a row stays torch-free
+            from llmc.runtimes.catalog import artifact_format
+
             fmt = artifact_format(art.format)
             reason = fmt.unevaluated or f"not evaluated: no engine in eval.runtimes loads {art.format}"
             rows.append([label, "-", "-", "-", "-", "-", "-", "-", "-", _with_unmeasured(reason, unmeasured)])

@@ -71,9 +71,11 @@ from safetensors import safe_open
 
 from llmc import __version__
 
+from llmc.formats.base import ArtifactFormat, ExportRequest, WrittenTensors, target_key
+from llmc.formats.registry import register_format
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
-from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, GgufFamily, fixed_fact_violations
+from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES, GgufFamily, fixed_fact_violations
 from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
@@ -1086,3 +1088,78 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("DEEPSEEK2",), "add_q_lora_rank", _key("q_lora_rank", int)),
     (("DEEPSEEK2",), "add_kv_lora_rank", _key("kv_lora_rank", int)),
 )
+
+
+@register_format
+class Gguf(ArtifactFormat):
+    name = "gguf"
+    libraries = ("gguf",)
+    read_by = ("llama.cpp",)
+    unevaluated = "not evaluated: add llama.cpp to eval.runtimes (bash scripts/setup-llama.sh)"
+    proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
+             "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
+             "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
+             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2: Q8_0) loaded and scored in llama.cpp 0.3.36 against "
+             "the torch reference (tests/integration/test_gguf_moe_llamacpp.py); Ollama itself (which embeds "
+             "llama.cpp) is not run here")
+
+    mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)
+    # the families llmc.formats.gguf_arch maps to a llama.cpp architecture (its MoE ones: experts merged into
+    # llama.cpp's 3-D tensors, tests/unit/test_gguf_moe.py); the others are refused at plan time, those llama.cpp has
+    # with the reason (GGUF_REFUSED, the runtimes' refused_families)
+    families = frozenset(GGUF_FAMILIES)
+    families_source = ("llmc.formats.gguf_arch: the families whose llama.cpp architecture (src/models/<arch>.cpp in "
+                       "the llama.cpp llama-cpp-python 0.3.36 vendors) llmc's GGUF exporter writes")
+    moe_families = MOE_MODEL_TYPES
+
+    def check_scheme(self, scheme) -> None:
+        type_plan(scheme.weights)  # raises for weights GGUF has no llama.cpp type for (fp8, mxfp8)
+
+    copies_tokenizer_files = False  # the vocabulary and merges go into the GGUF's metadata (counted as their size)
+
+    def written_bytes(self, w: WrittenTensors) -> float:
+        """model.gguf: each quantized Linear in its ggml type's blocks (F16 where its input width is no multiple
+        of the blocks), norms and biases F32, the embedding and head at the embedding type, the vocabulary."""
+
+        plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
+        total = sum(_nbytes((o, i), plan.weight_type) if i % plan.row_multiple == 0 else 2 * o * i
+                    for o, i in w.linears)
+        embedding = {"F32": 4, "F16": 2}.get(plan.embedding_type, 34 / 32)  # Q8_0: 34 bytes a block of 32
+        return total + w.layer_unquantized * 4 + w.outer * embedding + w.side_files
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        return {"target": target_key(request.target), "options": GGUF_OPTIONS}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        export_gguf(request.quantized, out, **GGUF_OPTIONS)
+
+    def recognizes(self, path: Path) -> bool:
+        return _gguf_file(path).is_file()
+
+    def describe(self, path: Path) -> str:
+        from gguf import GGUFReader  # lazy: the gguf package is the exporter's (ArtifactFormat.libraries)
+
+        path = _gguf_file(path)
+        reader = GGUFReader(str(path))
+
+        def field(name: str):
+            f = reader.fields.get(name)
+            if f is None:
+                return None
+            v = f.parts[f.data[0]]
+            return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+        types: dict[str, int] = {}
+        for t in reader.tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        return "\n".join([
+            f"GGUF file {path} ({field('general.architecture')}, {len(reader.tensors)} tensors: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(types.items(), key=lambda kv: -kv[1])) + ")",
+            f"  scheme {field('llmc.scheme') or '?'}; linear weights {field('llmc.gguf.weight_type') or '?'} "
+            f"({field('llmc.gguf.weight_method') or 'not written by llmc'})",
+            "  accepted by: llama.cpp (CPU and GPU builds), Ollama (with the Modelfile beside it)",
+        ])
+
+
+def _gguf_file(path: Path) -> Path:
+    return path if path.suffix == ".gguf" else path / "model.gguf"

@@ -55,6 +55,16 @@ from pathlib import Path
 
 import torch
 
+from llmc.formats.base import (
+    ArtifactFormat,
+    ExportLayout,
+    ExportRequest,
+    architectures,
+    quantization_config,
+    read_json,
+    target_key,
+)
+from llmc.formats.registry import register_format
 from llmc.formats.files import copy_tokenizer_files, write_shards
 from llmc.formats.microscaling_export import (
     modelopt_fp8_block_tensors,
@@ -360,3 +370,74 @@ def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 
     atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
                                                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))
     return written
+
+
+# why llmc does not score a TensorRT-LLM artifact here (the report's and the gates' reason)
+NEEDS_GPU = ("not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout conformance-tested against ModelOpt; "
+             "on a GPU machine add tensorrt-llm to eval.runtimes)")
+
+
+@register_format
+class ModelOptCheckpoint(ArtifactFormat):
+    name = "modelopt-hf"
+    layout = ExportLayout(passes_8bit_codes=True, outer_weights_as_stored=True)  # llmc.formats.files.write_shards
+    # TensorRT-LLM's PyTorch-backend model list (docs, 1.x): Gemma 2 and OLMo 2 are not in it
+    families = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "phi3", "granite"})
+    families_source = "TensorRT-LLM's PyTorch-backend model list"
+    read_by = ("tensorrt-llm",)
+    triton_backend = "tensorrt_llm"
+    mixed_precision = True  # quant_algo MIXED_PRECISION + quantized_layers, as ModelOpt writes it (modelopt_hf.py)
+    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
+    unevaluated = NEEDS_GPU
+    proof = ("conformance only (TensorRT-LLM needs a GPU): tensor names, dtypes, shapes and config keys equal "
+             "NVIDIA ModelOpt 0.47's own export of the same model for FP8(+KV), INT8-SQ, INT4-AWQ, W4A8-AWQ, NVFP4 "
+             "and block FP8 (tests marked peers); values decode to the canonical weights exactly (NVFP4: within the "
+             "float32 rounding of ModelOpt's reciprocal global scale)")
+
+    def check_scheme(self, scheme) -> None:
+        quant_algo(scheme)  # raises for schemes ModelOpt's format has no quant_algo for
+
+    def check_mixed(self, scheme) -> None:
+        super().check_mixed(scheme)
+        if scheme.mixed:
+            group_algos(scheme)  # raises for a group quantized_layers cannot hold (block FP8)
+
+    @staticmethod
+    def _options(request: ExportRequest) -> dict:
+        return {"tensor_parallel": request.target.tensor_parallel, "max_batch_size": request.max_batch_size,
+                "max_num_tokens": 8192}
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        return {"target": target_key(request.target), "options": self._options(request)}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        export_modelopt_hf(request.quantized, out, **self._options(request))
+
+    def recognizes(self, path: Path) -> bool:
+        q = quantization_config(path) or {}
+        return q.get("quant_method") == "modelopt" and (path / "hf_quant_config.json").is_file()
+
+    def describe(self, path: Path) -> str:
+        config = read_json(path / "config.json") or {}
+        arch = architectures(config)
+        hq = read_json(path / HF_QUANT_CONFIG)["quantization"]
+        lines = [
+            f"ModelOpt unified Hugging Face checkpoint (TensorRT-LLM) at {path} ({arch})",
+            f"  quant_algo {hq['quant_algo']}, KV cache {hq.get('kv_cache_quant_algo') or 'unquantized'}"
+            + (f", group {hq['group_size']}" if hq.get("group_size") else "")
+            + (f"; {len(hq['quantized_layers'])} quantized layers: " + ", ".join(
+                f"{n} {algo}" for algo, n in sorted(_count(x["quant_algo"] for x in hq["quantized_layers"].values()).items()))
+               if "quantized_layers" in hq else f"; not quantized: {hq.get('exclude_modules')}"),
+            "  accepted by: TensorRT-LLM (LLM API / trtllm-serve) on an NVIDIA GPU; transformers loads this format "
+            "silently wrong (ignores the scales): do not evaluate it there",
+        ]
+        if (path / LLM_API_OPTIONS).is_file():
+            lines.append(f"  serve with: trtllm-serve {path} --extra_llm_api_options {path / LLM_API_OPTIONS}")
+        return "\n".join(lines)
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out

@@ -26,6 +26,7 @@ import ast
 import logging
 import re
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 
 from llmc import __version__
+from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, read_json
+from llmc.formats.registry import register_format
 from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.telemetry.progress import log
@@ -384,3 +387,49 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
     }
     atomic_write_json(out / SERVE_FILE, summary)
     return summary
+
+
+@register_format
+class OnnxQdq(ArtifactFormat):
+    name = "onnx-qdq"
+    libraries = ("onnx",)
+    unquantized_elem = 4  # the graph is traced in float32: every unquantized initializer is float32
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "the Q/DQ graph export is verified on Llama-family models only"
+    read_by = ("onnxruntime", "tensorrt")
+    layout = ExportLayout(whole_model=True)
+    measures_decode = False  # input_ids -> logits, no KV cache
+    triton_backend = "onnxruntime"
+    unevaluated = "not evaluated: add onnxruntime to eval.runtimes (or tensorrt, on a GPU machine with TensorRT)"
+    proof = ("the standard-op Q/DQ graph is loaded and scored in onnxruntime 1.32 here (CPU EP; default test "
+             "run, tiny model): without ORT's int8 kernel fusions it reproduces the torch reference of the same codes "
+             "(KL < 2e-5); a TensorRT engine is built and scored from it only on a GPU machine with TensorRT (test "
+             "marked gpu, not run)")
+
+    def check_scheme(self, scheme) -> None:
+        check_scheme(scheme)
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        return {"opset": OPSET}  # the graph does not depend on the target: onnxruntime and tensorrt share one export
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        export_onnx_qdq(request.quantized, out)
+
+    def recognizes(self, path: Path) -> bool:
+        return (path / MODEL_FILE).is_file() and not (path / "genai_config.json").is_file()
+
+    def describe(self, path: Path) -> str:
+        import onnx  # lazy: onnx is the exporter's optional dependency (ArtifactFormat.libraries)
+
+        graph = onnx.load(str(path / MODEL_FILE), load_external_data=False).graph
+        ops = Counter(n.op_type for n in graph.node)
+        extra = read_json(path / SERVE_FILE) or {}
+        return "\n".join([
+            f"ONNX Q/DQ graph at {path} (input_ids -> logits, no KV cache)",
+            f"  ops: {ops['DequantizeLinear']} DequantizeLinear, {ops['QuantizeLinear']} QuantizeLinear, "
+            f"{ops['MatMul']} MatMul, {sum(ops.values())} nodes in all",
+            f"  scheme {extra.get('scheme', '?')}: weights {extra.get('weights', 'not written by llmc')}; "
+            f"activations {extra.get('activations', '?')}",
+            "  accepted by: onnxruntime (CPU EP here), TensorRT (engine: "
+            + extra.get("tensorrt", {}).get("build", "trtexec --onnx=model.onnx --stronglyTyped") + ")",
+        ])

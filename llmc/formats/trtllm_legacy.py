@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, read_json, target_key
+from llmc.formats.registry import register_format
+from llmc.formats.modelopt_hf import NEEDS_GPU
 from llmc.formats.files import copy_tokenizer_files
 from llmc.formats.modelopt_hf import MODELOPT_LAYOUT_VERSION
 from llmc.errors import IncompatibleTargetError
@@ -211,3 +214,48 @@ def export_trtllm_legacy(qm: QuantizedModel, out: Path, *, tensor_parallel: int 
     atomic_write_json(out / "config.json", legacy_config(qm, tensor_parallel, dtype))
     copy_tokenizer_files(qm.root, out)
     return LegacyExport(ranks=tensor_parallel, files=files, qkv_requantization_error=max(errors, default=0.0))
+
+
+@register_format
+class LegacyCheckpoint(ArtifactFormat):
+    name = "trtllm-checkpoint"
+    layout = ExportLayout(shards_by_tp=True)  # rank{N}.safetensors per tensor-parallel rank
+    families = frozenset({"llama", "mistral", "qwen2"})
+    families_source = "llmc's legacy per-rank layout maps Llama-family weights only"
+    unevaluated = NEEDS_GPU
+    triton_refusal = (
+        "triton: true is not available for the legacy TensorRT-LLM per-rank checkpoint (trtllm-checkpoint): "
+        "Triton cannot serve it until trtllm-build compiles it into an engine on the target GPU",
+        "let the tensorrt-llm target's version range include >=0.17 (ModelOpt checkpoint, served by the "
+        "LLM API), or drop triton: true and run trtllm-build on the serving machine")
+    proof = ("conformance only (GPU): per-rank layout and config keys equal ModelOpt 0.47's "
+             "export_tensorrt_llm_checkpoint at TP=2 (FP8+KV); TP shards re-merge exactly into the TP=1 tensors "
+             "(tests marked peers)")
+
+    def check_scheme(self, scheme) -> None:
+        check_scheme(scheme)
+
+    @staticmethod
+    def _options(request: ExportRequest) -> dict:
+        return {"tensor_parallel": request.target.tensor_parallel, "dtype": "float16"}
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        return {"target": target_key(request.target), "options": self._options(request)}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        export_trtllm_legacy(request.quantized, out, **self._options(request))
+
+    def recognizes(self, path: Path) -> bool:
+        return (path / "config.json").is_file() and (path / "rank0.safetensors").is_file()
+
+    def describe(self, path: Path) -> str:
+        cfg = read_json(path / "config.json") or {}
+        q, m = cfg.get("quantization") or {}, cfg.get("mapping") or {}
+        return "\n".join([
+            f"TensorRT-LLM checkpoint (legacy, per rank) at {path} ({cfg.get('architecture')}, dtype {cfg.get('dtype')})",
+            f"  quant_algo {q.get('quant_algo')}, KV cache {q.get('kv_cache_quant_algo') or 'unquantized'}; "
+            f"tp_size {m.get('tp_size')}, pp_size {m.get('pp_size')}: "
+            + ", ".join(sorted(p.name for p in path.glob("rank*.safetensors"))),
+            f"  accepted by: trtllm-build (TensorRT-LLM < 0.17 and later) on an NVIDIA GPU: "
+            f"trtllm-build --checkpoint_dir {path} --output_dir <engine dir>",
+        ])

@@ -1,28 +1,23 @@
 """The export stage of one scheme for one target: the runtime's artifact written from the canonical quantized form
-by the target's artifact format (`llmc.runtimes`).
+by the target's artifact format (`llmc.formats`, looked up through `llmc.runtimes`).
 
 Key: the format's name and its stage config (its options, the target where the artifact depends on it), and the
-quantize stage's key. Cost (`export_cost`): from what the format states about itself (whole model in memory,
-repacked layers, 8-bit codes passed through, outer weights written as stored), the scheme's sizes on this model
+quantize stage's key. Cost: the format's own (`ArtifactFormat.cost`), given the scheme's sizes on this model
 (`Quantize.sizes`) and the exports before it in the build (identical files linked, inputs verified once)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
 from llmc.runtimes import catalog as targets
 from llmc.formats.described import check_export
-from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
-from llmc.model.dtype import BYTES
+from llmc.formats.files import SERVE_FILE
 from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds, hash_rate, uncached_read_seconds
-from llmc.planning.rows import GB, CostRow
-from llmc.planning.shapes import Shape
+from llmc.planning.machine import hash_rate, uncached_read_seconds
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme
@@ -30,13 +25,6 @@ from llmc.pipeline.quantize import Quantize
 from llmc.recipe.schema import Target
 from llmc.result import Artifact
 from llmc.storage.store import stage_key
-
-# llmc.formats.files.REPACK_BLOCK_ELEMENTS (2^20) x ~10 int32 / float32 temporaries of the packing and its check
-REPACK_BLOCK_BYTES = 40e6
-# quantized weight elements per second a repacking format packs and checks (int16 codes -> int32 words, then the
-# float32 decode against the canonical weight): docs/planner-constants.md#repack_rate
-REPACK_RATE = 0.07e9
-
 
 def served_context(config: dict, eval_seq_len: int) -> int:
     """The context a runtime is configured to serve (vLLM's --max-model-len): the model's trained context,
@@ -114,18 +102,15 @@ class Export(Stage):
             scheme_detail=qm.scheme.to_dict())
 
     def cost(self, c: Costing) -> None:
-        scheme, fmt, sizes = self.scheme, self.format, self.quantize.sizes(c)
+        scheme, sizes = self.scheme, self.quantize.sizes(c)
         # targets share weight files when they export the same quantize stage's output in the same format (and,
         # where the files depend on it, the same tensor-parallel degree)
         shared_with = next((e.label for e in self.earlier if e.same_files() == self.same_files()), None)
-        artifact = self.artifact_bytes(c)
-        new_bytes = artifact
         outer_bytes = c.shape.outer_params * c.kept_elem
         # a second format that writes the weights outside the layers as stored adds only its layer shards (identical
-        # files are linked)
-        if self._writes_outer_as_stored(outer_bytes) and any(
-                e.scheme.name == scheme.name and e._writes_outer_as_stored(outer_bytes) for e in self.earlier):
-            new_bytes -= outer_bytes
+        # files are linked): the format asks whether an earlier one of the same scheme wrote them so
+        outer_before = any(e.scheme.name == scheme.name and e.format.writes_outer_as_stored(outer_bytes)
+                           for e in self.earlier)
         # the canonical form's files (its layer files and rest.safetensors), every byte verified before the first
         # export reads them (Store.require_intact, once per build): read from the disk where they were written
         # around the page cache, then hashed
@@ -133,26 +118,20 @@ class Export(Stage):
         if not any(e.quantize is self.quantize for e in self.earlier):
             read_s = (uncached_read_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
                       + uncached_read_seconds(outer_bytes) + sizes.canonical / hash_rate())
-        row = export_cost(c.shape, label=self.label, artifact_bytes=artifact, new_bytes=new_bytes, read_seconds=read_s,
-                          whole_model=fmt.whole_model, shared_with=shared_with,
-                          compute=c.compute, machine=c.machine, max_shard_bytes=MAX_SHARD_BYTES,
-                          passes_codes_through=scheme.weights.bits == 8 and fmt.passes_8bit_codes,
-                          repacked_bytes=sizes.packed if fmt.repacks_layers else None,
-                          bits=scheme.weights.bits)
-        c.rows.append(row.named(self.id))
+        work = targets.ExportWork(
+            shape=c.shape, written=written_tensors(c, scheme), bits=scheme.weights.bits, packed_bytes=sizes.packed,
+            outer_bytes=outer_bytes, read_seconds=read_s, shared_with=shared_with, outer_written_before=outer_before,
+            compute=c.compute, machine=c.machine)
+        c.rows.append(self.format.cost(self.label, work).named(self.id))
 
     def artifact_bytes(self, c: Costing) -> float:
         """Every file the artifact holds (what an engine scoring it loads)."""
         return sum(self.format.written_bytes(w) for w in written_tensors(c, self.scheme))
 
     def same_files(self) -> tuple:
-        """What fixes this export's weight files: the quantize stage's output, the format (and, where the files
-        depend on it, the tensor-parallel degree)."""
-        return (self.quantize.id, self.format.name) + ((self.target.tensor_parallel,) if self.format.shards_by_tp
-                                                       else ())
-
-    def _writes_outer_as_stored(self, outer_bytes: float) -> bool:
-        return self.format.outer_weights_as_stored and outer_bytes > MAX_SHARD_BYTES
+        """What fixes this export's weight files: the quantize stage's output and what the format's files depend on
+        (`ArtifactFormat.files_key`)."""
+        return (self.quantize.id, *self.format.files_key(self.target))
 
 
 def content_key(files: dict[str, str]) -> str:
@@ -186,46 +165,3 @@ def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
             linears=tuple(shapes.values()), weights=member.weights, outer=0, layer_unquantized=0, elem=c.elem,
             kept_elem=c.kept_elem, static_input_scales=acts is not None and not acts.dynamic))
     return parts
-
-
-def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
-                compute: str, machine: Machine, passes_codes_through: bool = False,
-                max_shard_bytes: float = 2 << 30, new_bytes: float | None = None,
-                repacked_bytes: float | None = None, bits: int = 4, read_seconds: float = 0.0) -> CostRow:
-    """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
-    (llmc.formats.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
-    shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored: the process alone.
-    `repacked_bytes`: the layers' weights in a repacking format's layout (llmc.formats.files.
-    write_repacked_checkpoint, a block of rows at a time): one shard of them, and the largest Linear's packed blocks
-    joined. Otherwise one shard of new tensors and one layer's codes (an upper bound). Whole-model exporters hold
-    the float32 model three times (weights, the graph's copy, the codes). The figures measured against each case:
-    docs/planner-constants.md#export-memory. `read_seconds`: verifying and reading the canonical form's files."""
-    e = BYTES[compute]
-    mapped = 0.0
-    # the largest shard: write_shards never splits one canonical file, and the weights outside the layers are one
-    shard = min(artifact_bytes, max(max_shard_bytes, shape.outer_params * e))
-    if whole_model:
-        host = PROCESS_BYTES + 3 * shape.params * 4
-    elif passes_codes_through:
-        host = PROCESS_BYTES
-        mapped = shard
-    elif repacked_bytes is not None:
-        # the codes' bits, twice (the blocks and their concatenation), and one block's int32 / float32 temporaries
-        largest_packed = shape.largest_linear * bits / 8
-        host = PROCESS_BYTES + min(repacked_bytes, max_shard_bytes) + 2 * largest_packed + REPACK_BLOCK_BYTES
-        mapped = shard + shape.layer_params * 1.0
-    else:
-        host = PROCESS_BYTES + min(artifact_bytes, max_shard_bytes) + shape.layer_params * 1.0
-        mapped = shard + shape.layer_params * e
-    new_bytes = artifact_bytes if new_bytes is None else new_bytes  # less what identical files already hold
-    disk = 0.0 if shared_with else new_bytes
-    why = (f"same weight files as {shared_with} (hard links)" if shared_with else
-           "its own files" if new_bytes >= artifact_bytes else
-           f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
-           "export's (hard links)")
-    # read the canonical form, serialize, fsync and hash the artifact (the store's record), a shard at a time
-    seconds = read_seconds + file_write_seconds(artifact_bytes, files=max(1, math.ceil(artifact_bytes / max_shard_bytes)))
-    if repacked_bytes is not None:
-        seconds += repacked_bytes * 8 / bits / REPACK_RATE
-    return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,
-                   "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)

@@ -836,9 +836,9 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
                 "or set calibration.device: cpu",
             )
     _refuse_if_a_stage_overfills_its_gpu(plan)
-    whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).whole_model]
+    whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).layout.whole_model]
     if whole_model and available is not None and plan.export_memory_gb > available / 1e9:
-        streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).whole_model]
+        streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).layout.whole_model]
         raise ResourceError(
             f"the export for {', '.join(whole_model)} holds the whole model in float32 "
             f"(~{plan.export_memory_gb:.1f} GB); {available / 1e9:.1f} GB of memory are available",
@@ -1083,5 +1083,5 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     # mixed precision: variant name ("" for one quantization) -> per group, its Linears, parameters, stored bytes
     plan.groups = {s.variant: s.groups(costing) for s in stages(recipe, schemes, Kind.QUANTIZE)
                    if isinstance(s, Quantize) and s.scheme.mixed}
-    if any(targets.artifact_format(t["exporter"]).whole_model for t in plan.targets):
+    if any(targets.artifact_format(t["exporter"]).layout.whole_model for t in plan.targets):
         plan.export_memory_gb = 3 * shape.params * 4 / 1e9

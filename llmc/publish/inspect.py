@@ -15,7 +15,7 @@ from pathlib import Path
 from llmc.errors import InputError
 from llmc.quant.canonical import META_FILE, QuantizedModel
 from llmc.runtimes.catalog import recognize
-from llmc.runtimes.base import architectures
+from llmc.formats.base import architectures
 from llmc.result import gates_summary
 from llmc.publish.local import read_manifest, verify_entry
 from llmc.publish.signing import signature_status, signing_key

@@ -21,13 +21,12 @@ from llmc.quant.algorithms.catalog import Pipeline, compose, steps_of
 from llmc.quant.groups import check_layer_spec
 from llmc.quant.spec import (BLOCK_SHAPE, FORMATS, ROLES, SCHEMES, ModuleGroup, ModuleTargets, Scheme, TensorSpec,
                              pair_name, weight_kind)
-from llmc.runtimes.catalog import runtime_names
-from llmc.runtimes.base import ARCH_ORDER
+from llmc.runtimes.names import ARCH_ORDER, RUNTIME_NAMES
 
 SCHEMA_VERSION = 1
 
-Runtime = Literal[runtime_names()]  # every runtime in the target registry
-GpuArch = Literal[("cpu", *ARCH_ORDER)]  # every arch the runtimes' rules know (llmc.runtimes.base)
+Runtime = Literal[RUNTIME_NAMES]  # every runtime in the target registry (a test keeps the two equal)
+GpuArch = Literal[("cpu", *ARCH_ORDER)]  # every arch the runtimes' rules know (llmc.runtimes.names)
 
 
 class _Strict(BaseModel):

@@ -1,6 +1,7 @@
-"""Runtime targets: one module per runtime family beside this file registers the runtime and the artifact format
-it reads (the exporter, its stage-key options, its capability rules as data, its Triton backend, what
-`llmc inspect` recognises, which engines load it) into `registry`.
+"""Runtime targets: one module per runtime family beside this file registers its runtimes (their capability rules
+as data, with their sources; their known releases; the artifact format each reads) into `registry`. The formats
+themselves (exporter, stage-key options, cost, Triton backend, what `llmc inspect` recognises, which engines load
+them) are classes in `llmc.formats`, which each runtime module imports.
 
 Consumers import `llmc.runtimes.catalog`: it imports every built-in runtime module, in the order of
 docs/compatibility.md, and re-exports the lookups. This file imports nothing, so a runtime module (which imports

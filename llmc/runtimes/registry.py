@@ -1,36 +1,31 @@
-"""The registries of runtimes and artifact formats (`llmc.registry`), and the lookups over them.
+"""The registry of runtimes (`llmc.registry`), and the lookups over runtimes and the formats they read
+(`llmc.formats.registry` holds the formats).
 
-Each runtime module beside this file imports `register_runtime` / `register_format` from here; consumers import
-`llmc.runtimes.catalog`, which imports every built-in runtime module first, so the lookups they call see all of
-them. `llmc.build`, `llmc.planning.plan`, `llmc inspect`, the reports, `llmc matrix` and the Triton writer look
+Each runtime module beside this file imports `register_runtime` from here; consumers import
+`llmc.runtimes.catalog`, which imports every built-in runtime module (and so the format module each reads) first,
+so the lookups they call see all of them. `llmc.build`, `llmc.planning.plan`, `llmc inspect`, the reports, `llmc matrix` and the Triton writer look
 targets up there; none of them names a runtime. docs/extending.md shows how to add one.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
-from llmc.errors import EngineUnavailable, IncompatibleTargetError
+from llmc.errors import IncompatibleTargetError
+from llmc.formats.base import ArtifactFormat, RuntimeTarget
+from llmc.formats.registry import FORMATS
 from llmc.model.families import expert_count
 from llmc.registry import Registry
-from llmc.runtimes.base import ArtifactFormat, Runtime, RuntimeTarget, arch_rank, arch_span, scheme_keys
+from llmc.runtimes.base import Runtime, arch_rank, arch_span, scheme_keys
 
 if TYPE_CHECKING:
     from llmc.quant.spec import Scheme
 
 RUNTIMES: Registry[Runtime] = Registry("runtime")  # in the order of docs/compatibility.md
-FORMATS: Registry[ArtifactFormat] = Registry("artifact format")
 
 
 def register_runtime(runtime: Runtime) -> Runtime:
     return RUNTIMES.add(runtime.name, runtime)
-
-
-def register_format(cls: type[ArtifactFormat]) -> type[ArtifactFormat]:
-    """Class decorator: one instance of each format, looked up by its name."""
-    FORMATS.add(cls.name, cls())
-    return cls
 
 
 def runtime(name: str) -> Runtime:
@@ -44,14 +39,6 @@ def runtimes() -> list[Runtime]:
 
 def runtime_names() -> tuple[str, ...]:
     return RUNTIMES.names()
-
-
-def artifact_format(name: str) -> ArtifactFormat:
-    return FORMATS[name]
-
-
-def formats() -> list[ArtifactFormat]:
-    return list(FORMATS.values())
 
 
 def format_for(target: RuntimeTarget) -> ArtifactFormat:
@@ -131,30 +118,6 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
         f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
         f"({fmt.families_source}); this model's model_type is {family!r}",
         fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
-
-
-def import_libraries(formats: Iterable[ArtifactFormat]) -> None:
-    """Import the Python packages these formats' exporters need (`ArtifactFormat.libraries`); EngineUnavailable
-    naming the package, the format and the error where one does not import."""
-    for fmt in formats:
-        for module in fmt.libraries:
-            try:
-                importlib.import_module(module)
-            except Exception as e:  # not only ImportError: a package broken by another's version raises anything
-                raise EngineUnavailable(
-                    f"the {fmt.name} exporter needs the Python package {module}, which does not import here: "
-                    f"{type(e).__name__}: {e}",
-                    fix="reinstall llmc's pinned dependencies (pip install -c constraints.txt -e ., as "
-                        "scripts/setup.sh does), or drop the targets written in this format") from None
-
-
-def is_implemented(format_name: str) -> bool:
-    return format_name in FORMATS
-
-
-def recognize(path) -> ArtifactFormat | None:
-    """The format of the artifact at `path`, or None."""
-    return next((f for f in FORMATS.values() if f.recognizes(path)), None)
 
 
 def accepting_runtimes(scheme: Scheme, format_name: str | None = None, family: str | None = None) -> list[str]:

@@ -3,69 +3,9 @@ TensorRT 10's ONNX parser reads); `llmc.engines.tensorrt` builds a strongly type
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from llmc.runtimes.base import ArtifactFormat, ExportRequest, Rule, Runtime, read_json
-from llmc.runtimes.registry import register_format, register_runtime
-
-
-@register_format
-class OnnxQdq(ArtifactFormat):
-    name = "onnx-qdq"
-    libraries = ("onnx",)
-    unquantized_elem = 4  # the graph is traced in float32: every unquantized initializer is float32
-    families = frozenset({"llama", "mistral", "qwen2"})
-    families_source = "the Q/DQ graph export is verified on Llama-family models only"
-    read_by = ("onnxruntime", "tensorrt")
-    whole_model = True
-    measures_decode = False  # input_ids -> logits, no KV cache
-    triton_backend = "onnxruntime"
-    unevaluated = "not evaluated: add onnxruntime to eval.runtimes (or tensorrt, on a GPU machine with TensorRT)"
-    proof = ("the standard-op Q/DQ graph is loaded and scored in onnxruntime 1.32 here (CPU EP; default test "
-             "run, tiny model): without ORT's int8 kernel fusions it reproduces the torch reference of the same codes "
-             "(KL < 2e-5); a TensorRT engine is built and scored from it only on a GPU machine with TensorRT (test "
-             "marked gpu, not run)")
-
-    def check_scheme(self, scheme) -> None:
-        from llmc.formats.onnx_qdq import check_scheme
-
-        check_scheme(scheme)
-
-    def stage_config(self, request: ExportRequest) -> dict:
-        from llmc.formats.onnx_qdq import OPSET
-
-        return {"opset": OPSET}  # the graph does not depend on the target: onnxruntime and tensorrt share one export
-
-    def write(self, request: ExportRequest, out: Path) -> None:
-        from llmc.formats.onnx_qdq import export_onnx_qdq
-
-        export_onnx_qdq(request.quantized, out)
-
-    def recognizes(self, path: Path) -> bool:
-        from llmc.formats.onnx_qdq import MODEL_FILE
-
-        return (path / MODEL_FILE).is_file() and not (path / "genai_config.json").is_file()
-
-    def describe(self, path: Path) -> str:
-        from collections import Counter
-
-        import onnx
-
-        from llmc.formats.files import SERVE_FILE
-        from llmc.formats.onnx_qdq import MODEL_FILE
-
-        graph = onnx.load(str(path / MODEL_FILE), load_external_data=False).graph
-        ops = Counter(n.op_type for n in graph.node)
-        extra = read_json(path / SERVE_FILE) or {}
-        return "\n".join([
-            f"ONNX Q/DQ graph at {path} (input_ids -> logits, no KV cache)",
-            f"  ops: {ops['DequantizeLinear']} DequantizeLinear, {ops['QuantizeLinear']} QuantizeLinear, "
-            f"{ops['MatMul']} MatMul, {sum(ops.values())} nodes in all",
-            f"  scheme {extra.get('scheme', '?')}: weights {extra.get('weights', 'not written by llmc')}; "
-            f"activations {extra.get('activations', '?')}",
-            "  accepted by: onnxruntime (CPU EP here), TensorRT (engine: "
-            + extra.get("tensorrt", {}).get("build", "trtexec --onnx=model.onnx --stronglyTyped") + ")",
-        ])
+from llmc.formats.onnx_qdq import OnnxQdq
+from llmc.runtimes.base import Rule, Runtime
+from llmc.runtimes.registry import register_runtime
 
 
 register_runtime(Runtime(

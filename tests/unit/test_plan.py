@@ -150,6 +150,7 @@ def test_version_range_check_on_a_supported_scheme() -> None:
 
 def test_target_without_exporter_says_so(monkeypatch) -> None:
     # every runtime has an exporter today; a runtime whose exporter is missing must be named, with the alternatives
+    from llmc.formats import registry as format_registry
     from llmc.runtimes import catalog as targets
     from llmc.runtimes import registry
 
@@ -160,7 +161,9 @@ def test_target_without_exporter_says_so(monkeypatch) -> None:
     for name, fmt in targets.FORMATS.items():
         if name != "onnx":
             formats.add(name, fmt)
-    monkeypatch.setattr(registry, "FORMATS", formats)  # the lookups' module; the catalog re-exports them
+    # the lookups' modules (the formats' and the runtimes' over them); the catalog re-exports them
+    monkeypatch.setattr(format_registry, "FORMATS", formats)
+    monkeypatch.setattr(registry, "FORMATS", formats)
     w4 = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}}
     with pytest.raises(IncompatibleTargetError) as e:
         make_plan(recipe(w4, {"runtime": "onnxruntime", "gpu_arch": "cpu"}))

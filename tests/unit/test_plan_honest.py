@@ -501,7 +501,7 @@ def test_an_export_is_planned_at_the_probed_write_rate_and_a_small_one_through_t
     """Issue 35: a 7B's exports ran 0.6-1.7x their planned time, written through a page cache whose fresh pages came
     at a tenth of the disk's rate. Files of DIRECT_MIN_BYTES or more are written around it now, at the rate the
     store's own write of such a file is probed at (hashing included); smaller ones as before."""
-    from llmc.pipeline.export import export_cost
+    from llmc.formats.base import export_cost
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
     from llmc.storage.direct_io import DIRECT_MIN_BYTES

@@ -346,7 +346,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     and one block's temporaries, not compressed-tensors' one shard + one layer's codes; and the repacking's time on
     top of writing and hashing the same number of bytes."""
     from llmc.formats.files import MAX_SHARD_BYTES
-    from llmc.pipeline.export import REPACK_BLOCK_BYTES, REPACK_RATE
+    from llmc.formats.base import REPACK_BLOCK_BYTES, REPACK_RATE
     from llmc.planning.machine import PROCESS_BYTES, hash_rate, uncached_read_seconds, write_rate
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"

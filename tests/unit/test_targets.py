@@ -31,7 +31,7 @@ def test_exllamav2_target_gets_gptq_checkpoints_on_cuda_only() -> None:
 
 
 def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() -> None:
-    from llmc.runtimes.base import ARCH_ORDER
+    from llmc.runtimes.names import ARCH_ORDER
 
     assert len(targets.runtimes()) == 10
     for rt in targets.runtimes():
@@ -43,6 +43,21 @@ def test_every_runtime_reads_a_registered_format_and_rules_name_known_archs() ->
                 assert arch is None or arch in ARCH_ORDER, (rt.name, key, arch)
 
 
+def test_the_recipe_names_the_registered_runtimes_without_importing_the_catalog() -> None:
+    """llmc.recipe.schema takes its `runtime:` choices from the leaf module llmc.runtimes.names, not from the catalog
+    (which imports every format module): the names there are the registered runtimes, in registration order."""
+    import subprocess
+    import sys
+    import typing
+
+    from llmc.recipe.schema import Runtime
+    from llmc.runtimes.names import RUNTIME_NAMES
+
+    assert RUNTIME_NAMES == targets.runtime_names() == typing.get_args(Runtime)
+    code = "import sys, llmc.recipe.schema; print('llmc.runtimes.catalog' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_scheme_names_and_gpu_archs_come_from_one_table_each() -> None:
     """A scheme's name, its capability key and the recipe's accepted pairs all read llmc.quant.spec.SCHEMES;
     the recipe's gpu_arch takes ARCH_ORDER (and cpu)."""
@@ -50,7 +65,7 @@ def test_scheme_names_and_gpu_archs_come_from_one_table_each() -> None:
 
     from llmc.quant.spec import KV_CACHE_SCHEMES, SCHEMES
     from llmc.recipe.schema import GpuArch
-    from llmc.runtimes.base import ARCH_ORDER
+    from llmc.runtimes.names import ARCH_ORDER
 
     for (w, a), name in SCHEMES.items():
         for kv in (None, *KV_CACHE_SCHEMES):
@@ -154,7 +169,7 @@ def test_a_format_library_that_does_not_import_fails_the_build_before_any_stage_
     from llmc.build import build_until
     from llmc.errors import EngineUnavailable
     from llmc.recipe.load import parse_recipe
-    from llmc.runtimes.vllm import CompressedTensors
+    from llmc.formats.compressed_tensors import CompressedTensors
     from llmc.storage.store import Store
 
     every_format_imports = [m for f in targets.formats() for m in f.libraries]
@@ -172,3 +187,61 @@ def test_a_format_library_that_does_not_import_fails_the_build_before_any_stage_
     assert not (store.root / "stages" / "quantize").exists()  # refused before the quantize stage wrote anything
     build_until(recipe, store, "quantize")  # a build that exports nothing does not need the exporter's packages
     assert (store.root / "stages" / "quantize").is_dir()
+
+
+def _export_work(**changes) -> targets.ExportWork:
+    """A 2-layer 7B-width model's FP8 export, as the export stage hands it to its format (`Export.cost`)."""
+    from dataclasses import replace
+
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape
+
+    shape = Shape(params=2_000_000_000, layers=2, hidden=3584, heads=28, vocab=152064, layer_params=233_000_000,
+                  outer_params=1_090_000_000, largest_linear=3584 * 18944, widest_input=18944, intermediate=18944,
+                  attn_width=3584, active=1.0, stored_bytes=4_000_000_000)
+    linears = ((18944, 3584), (3584, 18944)) * 2
+    written = targets.WrittenTensors(linears=linears, weights=TensorSpec("fp8_e4m3", "channel"),
+                                     layer_unquantized=10_000, outer=shape.outer_params, elem=2, kept_elem=2)
+    work = targets.ExportWork(shape=shape, written=[written], bits=8, packed_bytes=sum(o * i for o, i in linears),
+                              outer_bytes=shape.outer_params * 2.0, read_seconds=0.0, shared_with=None,
+                              outer_written_before=False, compute="bfloat16",
+                              machine=Machine(available=None, gpu_free=None, device="cpu"))
+    return replace(work, **changes)
+
+
+def test_a_format_costs_its_own_export_from_how_its_exporter_works(monkeypatch) -> None:
+    """`ArtifactFormat.cost` (issue 44): the export stage asks the format, which reads its own `ExportLayout`:
+    compressed-tensors passes 8-bit codes through mmap and links outer weights an earlier export of the same scheme
+    wrote as stored; a repacking format pays its repack time; a whole-model exporter holds the float32 model."""
+    from llmc.formats import base
+
+    monkeypatch.setattr(base, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)  # no disk probe
+    ct, gptq, onnx = (targets.artifact_format(n) for n in ("compressed-tensors", "gptq", "onnx"))
+    first = ct.cost("vllm", _export_work())
+    artifact = ct.written_bytes(_export_work().written[0])
+    assert first.disk_bytes == artifact and first.host_bytes == base.PROCESS_BYTES  # the codes stay file pages
+    outer = _export_work().outer_bytes
+    assert outer > base.MAX_SHARD_BYTES  # the outer weights are shard files of their own
+    second = ct.cost("sglang-tp2", _export_work(outer_written_before=True))
+    assert second.disk_bytes == pytest.approx(artifact - outer) and "identical to an earlier export" in second.why
+    shared = ct.cost("sglang", _export_work(shared_with="vllm"))
+    assert shared.disk_bytes == 0 and "same weight files as vllm" in shared.why
+    # a format that does not write the outer weights as stored links none of them
+    assert gptq.cost("exllamav2", _export_work(outer_written_before=True)).disk_bytes == gptq.written_bytes(
+        _export_work().written[0])
+    repacked = gptq.cost("exllamav2", _export_work(bits=4))
+    assert repacked.seconds - gptq.written_bytes(_export_work().written[0]) / 1e9 == pytest.approx(
+        _export_work().packed_bytes * 8 / 4 / base.REPACK_RATE)
+    whole = onnx.cost("onnxruntime", _export_work())
+    assert whole.strategy == "whole model in memory" and whole.host_bytes == base.PROCESS_BYTES + 3 * 2e9 * 4
+
+
+def test_targets_share_weight_files_where_the_format_says_so() -> None:
+    """`ArtifactFormat.files_key`: compressed-tensors' files do not depend on tensor_parallel (the TP=2 target links
+    the TP=1 one's), the legacy TensorRT-LLM checkpoint's per-rank files do."""
+    ct = targets.format_for(Target(runtime="vllm"))
+    assert ct.files_key(Target(runtime="vllm", tensor_parallel=2)) == ct.files_key(Target(runtime="sglang"))
+    legacy = targets.format_for(Target(runtime="tensorrt-llm", version="<0.17", tensor_parallel=2))
+    assert legacy.name == "trtllm-checkpoint"
+    assert legacy.files_key(Target(runtime="tensorrt-llm", version="<0.17", tensor_parallel=2)) == (legacy.name, 2)
+    assert legacy.files_key(Target(runtime="tensorrt-llm", version="<0.17")) == (legacy.name, 1)
