@@ -128,6 +128,45 @@ def _shared_models_unchanged(request):
                         "copy it first (shutil.copytree) and change the copy", pytrace=False)
 
 
+# Each real rate probe's timed runs as first measured in this session, by (probe key, runs, torch threads).
+_SESSION_RATES: dict[tuple[str, int, int], tuple[float, ...]] = {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _rates_probed_once_per_session():
+    """A plan times each rate probe 5 x >= 0.25 s (llmc.planning.probes) and each test's fresh cache forgets them:
+    ~30 s of probes per plan or build, most of the suite's time. Here a real probe (a timer from llmc) is timed once
+    per session and replayed into every later cache that lacks it, through RateBook.probe itself (kept, written to
+    the cache's rates file, pooled), as one cache shared by every test would. A test's own pinned or counted timers
+    (test_plan_honest, test_plan_probes) are called as before; subprocesses (`llmc` run as a command) probe their
+    own."""
+    from llmc.planning import probes
+
+    measure = probes.RateBook.probe
+
+    def probe(self, key: str, run_once, repeats: int = probes.REPEATS):
+        if not getattr(run_once, "__module__", "").startswith("llmc."):
+            return measure(self, key, run_once, repeats)
+        pooled = (key, repeats, torch.get_num_threads())
+        if pooled in _SESSION_RATES:
+            replay = iter(_SESSION_RATES[pooled])
+            return measure(self, key, lambda: next(replay), repeats)
+        samples: list[float] = []
+
+        def timed() -> float:
+            samples.append(run_once())
+            return samples[-1]
+
+        found = measure(self, key, timed, repeats)
+        if len(samples) == repeats:
+            _SESSION_RATES[pooled] = tuple(samples)
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(probes.RateBook, "probe", probe)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _progress_speaks_again():
     """`llmc --quiet` invoked in-process (click's CliRunner) leaves llmc.telemetry.progress quiet for every later test."""

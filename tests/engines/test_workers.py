@@ -67,7 +67,9 @@ def test_vllm_worker_returns_the_actual_tokens_nll(fake_engines: Path) -> None:
     assert tput["prefill_tokens_per_s"]["n"] == 2 and tput["decode_tokens_per_s"]["n"] == 2
 
 
-@pytest.mark.parametrize("engine_name", ["llama.cpp", "tensorrt-llm", "gptqmodel"])
+# gptqmodel's worker: 7 s of CPU on the 2-core EPYC (load ~15), its other cases stay in the fast tier
+@pytest.mark.parametrize("engine_name",
+                         ["llama.cpp", "tensorrt-llm", pytest.param("gptqmodel", marks=pytest.mark.heavy)])
 def test_full_distribution_workers_score_like_the_torch_reference(fake_engines: Path, engine_name: str) -> None:
     windows, reference = _windows_and_reference()
     with open_engine(engine_name, fake_engines, dtype="float32") as engine:
@@ -89,6 +91,7 @@ def test_gptqmodel_worker_names_the_kernel_it_ran(fake_engines: Path) -> None:
     assert tput["backend"] == "auto" and tput["decode_tokens_per_s"]["n"] == 1
 
 
+@pytest.mark.heavy  # a worker subprocess: 5 s of CPU on the 2-core EPYC (load ~15)
 def test_gptqmodel_load_failure_is_a_runtime_failure(fake_engines: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from llmc.errors import EngineFailed
 

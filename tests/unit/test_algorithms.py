@@ -332,7 +332,7 @@ def test_awq_transform_lowers_quantized_layer_error(tiny_model: Path) -> None:
 
 @pytest.mark.parametrize("algorithm,weights,acts", [
     ("gptq", INT4_G16, None),
-    ("awq", INT4_G16, None),
+    pytest.param("awq", INT4_G16, None, marks=pytest.mark.heavy),  # 7 s of CPU on the 2-core EPYC (load ~15)
     ("smoothquant", INT8_CH, TensorSpec("int8", "tensor")),
     ("smoothquant+gptq", INT8_CH, TensorSpec("int8", "token", dynamic=True)),
 ])
@@ -352,7 +352,7 @@ def test_streamed_algorithms_are_deterministic(algorithm, weights, acts, tmp_pat
         assert "model.layers.1.mlp.down_proj.input_scale" in outs[0]
 
 
-@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+@pytest.mark.parametrize("algorithm", ["gptq", pytest.param("awq", marks=pytest.mark.heavy)])  # awq: 8 s of CPU
 def test_w4afp8_scales_stay_on_vllms_fp8_row_grid(algorithm: str, tmp_path: Path, tiny_model_session: Path) -> None:
     """GPTQ and AWQ quantize with the group scales vLLM's W4A8-FP8 kernel will use: every stored scale is a fixed
     point of its load-time conversion (without the grid, GPTQ's and AWQ's scales are not)."""

@@ -204,6 +204,7 @@ def test_fake_cuda_raises_torchs_error_on_a_host_device_mix_and_follows_cudas_ex
         assert layer.weight.dtype == torch.float64 and layer.weight._host.dtype == torch.float64
 
 
+@pytest.mark.heavy  # Triton's interpreter: 5.5 s of CPU on the 2-core EPYC (load ~15)
 def test_gptqs_triton_kernel_runs_on_the_fake_gpu_under_the_interpreter() -> None:
     """The GPU's GPTQ path proper (the Triton kernel and its wrapper, run by Triton's interpreter, which must be on
     before triton is first imported: a child process) on fake CUDA tensors: the host's codes, bit for bit."""

@@ -78,6 +78,7 @@ def _reductions(rank: int, world: int, init_file: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.heavy  # two ranks in subprocesses: 5 s of CPU on the 2-core EPYC (load ~15)
 def test_reductions_match_one_process_and_every_rank_agrees(tmp_path: Path) -> None:
     world = 2
     mp.spawn(_reductions, args=(world, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=world, join=True)

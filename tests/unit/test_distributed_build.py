@@ -183,6 +183,7 @@ def _agreement(rank: int, world: int, init_file: str, out: str) -> None:
     torch.save({"caught": caught, "served": served, "active": distributed.active()}, f"{out}.{rank}")
 
 
+@pytest.mark.heavy  # two ranks in subprocesses: 5 s of CPU on the 2-core EPYC (load ~15)
 def test_failures_are_raised_on_every_rank_and_followers_serve_until_released(tmp_path: Path) -> None:
     mp.spawn(_agreement, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
     zero, one = (torch.load(tmp_path / f"out.{r}") for r in range(2))

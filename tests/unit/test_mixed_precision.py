@@ -491,6 +491,7 @@ def test_inspect_describes_each_config_group(mixed_artifact) -> None:
     assert "group attention: format float-quantized" in text and "group mlp: format nvfp4-pack-quantized" in text
 
 
+@pytest.mark.heavy  # probes at the 30B's widths and schemes: 12 s of CPU on the 2-core EPYC
 def test_qwen3_moe_mixed_recipe_plans_every_group_from_the_config(tmp_path: Path) -> None:
     from llmc.planning.plan import plan_recipe
     from llmc.recipe.load import load_recipe

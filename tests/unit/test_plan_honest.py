@@ -260,6 +260,7 @@ def test_the_budget_counts_only_the_stages_still_to_run(tiny_model: Path, tmp_pa
     check_budget(plan, [])  # everything cached
 
 
+@pytest.mark.heavy  # whole builds: 11-27 s of CPU on the 2-core EPYC
 def test_a_build_over_its_time_budget_stops_before_any_weight_loads(tiny_model: Path, tmp_path: Path,
                                                                     monkeypatch) -> None:
     from llmc.build import build
@@ -304,6 +305,7 @@ def test_hessians_from_fewer_tokens_than_the_widest_input_are_warned_with_the_to
 # 6. A cached plan says what is cached and predicts only the rest
 
 
+@pytest.mark.heavy  # whole builds: 11-27 s of CPU on the 2-core EPYC
 def test_the_plan_of_a_rerun_says_what_is_cached_and_counts_only_the_rest(tiny_model: Path, tmp_path: Path,
                                                                           monkeypatch) -> None:
     from llmc.build import build_until
@@ -325,6 +327,7 @@ def test_the_plan_of_a_rerun_says_what_is_cached_and_counts_only_the_rest(tiny_m
     assert first.seconds > 0 and "per decoder layer" in first.render()
 
 
+@pytest.mark.heavy  # whole builds: 11-27 s of CPU on the 2-core EPYC
 def test_a_rerun_s_plan_knows_its_evaluations_are_cached(tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     """Issue 35: an evaluation's key names the export's recorded files, so the plan of a fully cached rerun predicted
     its evaluations again. The build now reads the cached exports' records from the store and marks the scorings whose
