@@ -8,6 +8,11 @@ special files). The property, for every case: `llmc plan` (in-process through cl
 with a documented code other than 70, prints no traceback and no raw control characters, finishes in
 bounded time, and writes nothing outside its cache (LLMC_CACHE) - not in the working directory, not in $HOME.
 
+Frontier recipes (issue 50) are built field by field (groups, every scheme, options, kv_cache, devices, search,
+targets) on the tiny Llama and tiny models of the newer MoE families, with `--set` overrides. Every case records its
+exit code, wall time and peak RSS (tests/unit/fuzz_limits.py: at most 60 s and 4 GB), and each test function is one
+class of cases whose rate cache starts empty (`ClassRates`).
+
 The default run is a fixed-seed budget (derandomized); `-m fuzz_long` runs the long one (docs/reliability.md).
 """
 
