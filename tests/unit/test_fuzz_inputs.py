@@ -8,6 +8,11 @@ special files). The property, for every case: `llmc plan` (in-process through cl
 with a documented code other than 70, prints no traceback and no raw control characters, finishes in
 bounded time, and writes nothing outside its cache (LLMC_CACHE) - not in the working directory, not in $HOME.
 
+Frontier recipes (issue 50) are built field by field (groups, every scheme, options, kv_cache, devices, search,
+targets) on the tiny Llama and tiny models of the newer MoE families, with `--set` overrides. Every case records its
+exit code, wall time and peak RSS (tests/unit/fuzz_limits.py: at most 60 s and 4 GB), and each test function is one
+class of cases whose rate cache starts empty (`ClassRates`).
+
 The default run is a fixed-seed budget (derandomized); `-m fuzz_long` runs the long one (docs/reliability.md).
 """
 
@@ -34,14 +39,19 @@ from hypothesis import strategies as st  # noqa: E402
 
 from llmc.cli import main  # noqa: E402
 from llmc.errors import EXIT_CODES, INTERNAL_ERROR_EXIT_CODE  # noqa: E402
+from llmc.engines import ENGINE_NAMES  # noqa: E402
 from llmc.model.source import DEMO_MODELS  # noqa: E402
-from llmc.recipe.schema import Recipe  # noqa: E402
+from llmc.quant.spec import ROLES  # noqa: E402
+from llmc.recipe.schema import SCHEME_SETTINGS, Recipe  # noqa: E402
+from llmc.runtimes.base import ARCH_ORDER  # noqa: E402
+from llmc.runtimes.catalog import runtime_names  # noqa: E402
+from tests.unit.fuzz_limits import MAX_CASE_S, ClassRates, measured_case  # noqa: E402
 from tests.unit.timeouts import alarm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
 DOCUMENTED = (set(EXIT_CODES.values()) | {0}) - {INTERNAL_ERROR_EXIT_CODE}
-PER_CASE_S = 30  # generous: this machine is shared; a hang is what this catches
+PER_CASE_S = int(MAX_CASE_S)  # issue 50's bound; the machine is shared, a hang is what this catches
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f\u202a-\u202e\u2066-\u2069]")
 
 DEFAULT = dict(derandomize=True, deadline=None, database=None, print_blob=True,
@@ -61,7 +71,8 @@ def _tree(root: Path) -> set[str]:
 class Workspace:
     """A fresh working directory with the recipe, a cache (LLMC_CACHE) and an empty $HOME."""
 
-    def __init__(self, base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, base: Path, monkeypatch: pytest.MonkeyPatch, rates: ClassRates) -> None:
+        self.rates = rates
         self.dir = Path(tempfile.mkdtemp(dir=base))
         self.cache = self.dir / "cache"
         self.home = self.dir / "home"
@@ -70,8 +81,10 @@ class Workspace:
         monkeypatch.setenv("HOME", str(self.home))
         self.allowed = {"recipe.yaml", "cache", "home", "source"}
 
-    def plan(self, recipe: bytes, protected: list[Path] = ()) -> tuple[int, str]:
-        """Run `llmc plan` on the recipe bytes and assert the property; return (exit code, output)."""
+    def plan(self, recipe: bytes, protected: list[Path] = (), sets: list[str] = (),
+             case_class: str = "recipes") -> tuple[int, str]:
+        """Run `llmc plan` on the recipe bytes (with `--set` for each of `sets`) and assert the property; return
+        (exit code, output)."""
         from click.testing import CliRunner
 
         (self.dir / "recipe.yaml").write_bytes(recipe)
@@ -79,11 +92,16 @@ class Workspace:
         cwd = os.getcwd()
         os.chdir(self.dir)
         start = time.monotonic()
+        args = ["--quiet", "plan", "recipe.yaml", *(a for s in sets for a in ("--set", s))]
+        self.rates.lend(self.cache)
         try:
-            with alarm(PER_CASE_S):
-                result = CliRunner().invoke(main, ["--quiet", "plan", "recipe.yaml"])
+            with measured_case(case_class) as record, alarm(PER_CASE_S):
+                result = CliRunner().invoke(main, args)
+                record["outcome"] = f"exit {result.exit_code}"
+                record["probed"], record["read"] = ClassRates.used(self.cache) or (0, 0)
         finally:
             os.chdir(cwd)
+        self.rates.keep(self.cache)
         took = time.monotonic() - start
         out = result.output
         shown = out[-3000:]
@@ -109,9 +127,10 @@ class Workspace:
 @pytest.fixture
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     spaces = []
+    rates = ClassRates(tmp_path)  # one test function is one class of cases: its rate cache starts empty
 
     def make() -> Workspace:
-        w = Workspace(tmp_path, monkeypatch)
+        w = Workspace(tmp_path, monkeypatch, rates)
         spaces.append(w)
         return w
 
@@ -353,6 +372,230 @@ def recipes(draw, source: str) -> bytes:
     return draw(text_mutation(_dump(tree)))
 
 
+# --- recipes with the frontier fields (issue 50): groups, every scheme, options, kv_cache, devices, search, targets,
+# `--set` overrides; drawn valid-looking first so that most reach the planner, then mutated like the others
+
+SCHEME_NAMES = sorted(SCHEME_SETTINGS)
+ALGORITHMS = ["rtn", "gptq", "awq", "smoothquant", "scale_search", "smoothquant+gptq", ["smoothquant", "gptq"],
+              "awq+gptq", "gptq+rtn"]
+OPTION_VALUES: dict[str, st.SearchStrategy] = {
+    "block_size": st.sampled_from([1, 16, 64, 128, 129, 4096, 0, -1]),
+    "dampening": st.sampled_from([0.0, 0.01, 0.1, 1.0, -0.5, 1e9]),
+    "act_order": st.booleans(), "true_sequential": st.booleans(),
+    "block_scales": st.sampled_from(["absmax", "search", "other"]),
+    "n_grid": st.sampled_from([1, 2, 20, 0, 10**6]), "search": st.sampled_from(["grid", "refine", "x"]),
+    "duo_scaling": st.booleans(), "clip": st.booleans(), "clip_grid": st.sampled_from([1, 20, 0]),
+    "max_shrink": st.sampled_from([0.0, 0.5, 0.99, 1.0, -0.1]),
+    "alpha": st.sampled_from([0.0, 0.5, 0.8, 1.0, 1.5, -1.0]), "smooth": st.sampled_from(["norms", "all", "none"]),
+    "propagate": st.sampled_from(["original", "quantized", "x"]),
+}
+NAME_SELECTORS = ["q_proj", "o_proj", "down_proj", "gate_proj", "mlp.experts", "shared_expert", "lm_head",
+                  "model.layers.0.self_attn.q_proj", "re:.*mlp.*", "re:model\\.layers\\.1\\..*", "re:(.*)*x$",
+                  "kv_a_proj_with_mqa", "in_proj_qkvz", "router", "gate", "nothing_matches"]
+LAYER_SELECTORS = ["first 1", "last 1", "0", "1", "0-1", 0, 1, 5, "1-0", "first 0", "last 99"]
+TARGET_VERSIONS = [None, ">=0.9", ">=0.9,<0.12", "<0.5", "==1.0", "bad version"]
+
+
+def _scheme_quant(draw, scheme: str) -> dict:
+    """A scheme's weights/activations as a recipe writes them, sometimes with another group size or symmetry."""
+    settings = json.loads(json.dumps(SCHEME_SETTINGS[scheme]))
+    weights = settings["weights"]
+    if weights["format"] == "int4" and draw(st.booleans()):
+        weights["group_size"] = draw(st.sampled_from([16, 32, 64, 128, 256, 48]))
+        weights["symmetric"] = draw(st.booleans())
+        if draw(st.booleans()):
+            weights["scale_grid"] = draw(st.sampled_from(["float", "fp8_row"]))
+    if weights["format"] in ("int8", "fp8_e4m3") and weights["strategy"] == "channel" and draw(st.booleans()):
+        weights["strategy"] = "tensor"
+    return settings
+
+
+@st.composite
+def group_sections(draw) -> list[dict]:
+    groups = []
+    for i in range(draw(st.integers(1, 3))):
+        group: dict = {"name": f"g{i}"}
+        kind = draw(st.sampled_from(["scheme", "scheme", "weights", "ignore"]))
+        if kind == "scheme":
+            group["scheme"] = draw(st.sampled_from(SCHEME_NAMES))
+        elif kind == "weights":
+            group.update(_scheme_quant(draw, draw(st.sampled_from(SCHEME_NAMES))))
+        else:
+            group["ignore"] = True
+        selectors = draw(st.sets(st.sampled_from(["names", "roles", "layers"]), min_size=1))
+        if draw(st.integers(0, 3)) == 0:
+            selectors.add("exclude_layers")
+        if "names" in selectors:
+            group["names"] = draw(st.lists(st.sampled_from(NAME_SELECTORS), min_size=1, max_size=3, unique=True))
+        if "roles" in selectors:
+            group["roles"] = draw(st.lists(st.sampled_from(list(ROLES)), min_size=1, max_size=3, unique=True))
+        if "layers" in selectors:
+            group["layers"] = draw(st.lists(st.sampled_from(LAYER_SELECTORS), min_size=1, max_size=2))
+        if "exclude_layers" in selectors:
+            group["exclude_layers"] = draw(st.lists(st.sampled_from(LAYER_SELECTORS), min_size=1, max_size=2))
+        groups.append(group)
+    if draw(st.booleans()):  # a catch-all last group, so that every Linear is in one (the plan checks it)
+        groups.append({"name": "rest", "scheme": draw(st.sampled_from(SCHEME_NAMES)), "layers": ["0-1"]})
+    return groups
+
+
+HOPPER_CANDIDATES = ["W4A16-NVFP4", "W8A8-FP8", "W4A16-INT", "W8A16-FP8", "W8A8-INT8", "bf16"]  # vLLM on sm90
+
+
+@st.composite
+def search_sections(draw, valid: bool) -> dict:
+    pool = HOPPER_CANDIDATES if valid else [*SCHEME_NAMES, "bf16"]
+    candidates = draw(st.lists(st.sampled_from(pool), min_size=2, max_size=4, unique=True))
+    bits = [6.0, 8.0, 12.0, 16.0, 32] if valid else [1.0, 4.5, 5.5, 8.0, 16.0, 32]
+    budget = draw(st.one_of(st.builds(lambda b: {"effective_bits": b}, st.sampled_from(bits)),
+                            st.builds(lambda b: {"bytes": b}, st.sampled_from([1, 10_000, 100_000, 10**9]))))
+    section = {"candidates": candidates, "budget": budget,
+               "granularity": draw(st.sampled_from(["layer", "role", "linear"]))}
+    if draw(st.booleans()):
+        section["protect"] = draw(st.lists(st.sampled_from(["first 1", "last 1", "o_proj", "re:.*down.*"]),
+                                           max_size=2))
+    return section
+
+
+VALID_OPTIONS = {"gptq": {"block_size": [16, 64, 128], "dampening": [0.01, 0.1], "act_order": [True, False],
+                          "true_sequential": [True, False]},
+                 "awq": {"n_grid": [2, 20], "search": ["grid", "refine"], "duo_scaling": [True, False],
+                         "clip": [True, False], "max_shrink": [0.5, 0.8]},
+                 "smoothquant": {"alpha": [0.5, 0.8]}}
+BLACKWELL_SCHEMES = {"W4A4-NVFP4", "W8A8-MXFP8"}  # vLLM runs them from sm100; W4AFP8 only up to sm90
+
+
+def _valid_options(draw, algorithm: str) -> dict:
+    table = {k: v for step in algorithm.split("+") for k, v in VALID_OPTIONS.get(step, {}).items()}
+    keys = draw(st.lists(st.sampled_from(sorted(table)), max_size=2, unique=True)) if table else []
+    return {k: draw(st.sampled_from(table[k])) for k in keys}
+
+
+@st.composite
+def quantization_sections(draw, valid: bool) -> dict:
+    """`valid`: algorithms, options and scheme combinations the recipe accepts, mostly (so that most plans reach the
+    model and the planner); otherwise anything of the right shape."""
+    shape = draw(st.sampled_from(["scheme", "scheme", "groups", "search"]))
+    if valid:  # the transforms (awq, smoothquant) and scale_search take only some schemes: the other branch
+        algorithm = "rtn" if shape == "search" else draw(st.sampled_from(["rtn", "rtn", "gptq"]))
+    else:
+        algorithm = draw(st.sampled_from(ALGORITHMS))
+    q: dict = {"algorithm": algorithm}
+    if shape == "scheme":
+        q.update(_scheme_quant(draw, draw(st.sampled_from(SCHEME_NAMES))))
+    elif shape == "groups":
+        q["groups"] = draw(group_sections())
+    else:
+        q["search"] = draw(search_sections(valid))
+    if draw(st.booleans()):
+        q["kv_cache"] = {"format": draw(st.sampled_from(["fp8_e4m3"] if valid else ["fp8_e4m3", "int8"]))}
+    if valid and isinstance(algorithm, str):
+        q["options"] = _valid_options(draw, algorithm)
+    elif draw(st.booleans()):
+        keys = draw(st.lists(st.sampled_from(sorted(OPTION_VALUES)), max_size=3, unique=True))
+        q["options"] = {k: draw(OPTION_VALUES[k]) for k in keys}
+    if draw(st.booleans()):  # valid: lm_head stays ignored (the tiny models tie it to the embeddings)
+        more = draw(st.lists(st.sampled_from(["lm_head", *NAME_SELECTORS[:8]]), max_size=3, unique=True))
+        q["ignore"] = sorted({"lm_head", *more}) if valid else more
+    return q
+
+
+def _schemes_of(q: dict) -> set[str]:
+    names = {g.get("scheme") for g in q.get("groups", ())} | set((q.get("search") or {}).get("candidates", ()))
+    weights = q.get("weights") or {}
+    for scheme, preset in SCHEME_SETTINGS.items():
+        if preset["weights"]["format"] == weights.get("format") and (
+                (preset.get("activations") or {}).get("format") == (q.get("activations") or {}).get("format")):
+            names.add(scheme)
+    return names
+
+
+@st.composite
+def target_lists(draw, schemes: set[str], valid: bool) -> list[dict]:
+    """`valid`: first a vLLM target at an arch that runs the schemes (sm100 for Blackwell-only schemes)."""
+    targets = []
+    if valid:
+        targets.append({"runtime": "vllm", "gpu_arch": "sm100" if schemes & BLACKWELL_SCHEMES else "sm90"})
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1] if valid else [1, 1, 2]))):
+        t: dict = {"runtime": draw(st.sampled_from(list(runtime_names()))),
+                   "gpu_arch": draw(st.sampled_from(["cpu", *ARCH_ORDER]))}
+        if draw(st.booleans()):
+            t["tensor_parallel"] = draw(st.sampled_from([1, 2, 4, 8, 3, 64]))
+        version = draw(st.sampled_from(TARGET_VERSIONS))
+        if version is not None:
+            t["version"] = version
+        if t["runtime"] == "tensorrt" and draw(st.booleans()):
+            t["triton"] = True
+        targets.append(t)
+    return targets
+
+
+@st.composite
+def frontier_trees(draw, source: str, valid: bool) -> dict:
+    quantization = draw(quantization_sections(valid))
+    tree: dict = {"version": 1, "name": "frontier", "model": {"source": source}, "quantization": quantization,
+                  "targets": draw(target_lists(_schemes_of(quantization), valid))}
+    if draw(st.booleans()):
+        tree["model"]["dtype"] = draw(st.sampled_from(["auto", "float32", "bfloat16", "float16"]))
+    calibration: dict = {"samples": draw(st.sampled_from([1, 4, 32])), "seq_len": draw(st.sampled_from([16, 64, 512]))}
+    for key, values in (("device", ["auto", "cpu", "cuda"]), ("packing", ["windows", "samples"]),
+                        ("spill_activations", ["auto", "always", "never"]),
+                        ("moe_calibrate_all_experts", [True, False]), ("moe_min_tokens", [1, 8, 10**6]),
+                        ("resume_every_s", [1.0, 600.0])):
+        if draw(st.integers(0, 3)) == 0:
+            calibration[key] = draw(st.sampled_from(values))
+    tree["calibration"] = calibration
+    if draw(st.booleans()):
+        tree["eval"] = {"device": draw(st.sampled_from(["auto", "cpu", "cuda"])), "seq_len": 64, "windows": 2,
+                        "runtimes": draw(st.lists(st.sampled_from(list(ENGINE_NAMES)), min_size=1, max_size=3,
+                                                  unique=True))}
+    return tree
+
+
+SET_PATHS: dict[str, st.SearchStrategy] = {
+    "targets[0].gpu_arch": st.sampled_from(["cpu", *ARCH_ORDER, "sm999"]),
+    "targets[0].runtime": st.sampled_from([*runtime_names(), "nope"]),
+    "targets[0].tensor_parallel": st.sampled_from(["1", "2", "8", "0", "'8'"]),
+    "targets": st.just("[{runtime: vllm, gpu_arch: sm100}]"),
+    "quantization.kv_cache.format": st.sampled_from(["fp8_e4m3", "int8", "int4"]),
+    "quantization.algorithm": st.sampled_from(["rtn", "gptq", "awq", "smoothquant+gptq", "[smoothquant, gptq]"]),
+    "quantization.options.alpha": st.sampled_from(["0.5", "2", "true"]),
+    "quantization.groups[0].scheme": st.sampled_from(SCHEME_NAMES),
+    "quantization.search.budget.effective_bits": st.sampled_from(["4.5", "0", ".nan"]),
+    "calibration.device": st.sampled_from(["cpu", "cuda", "tpu"]),
+    "eval.device": st.sampled_from(["cpu", "cuda"]),
+    "calibration.samples": st.sampled_from(["1", "4", "99999", "-1", "9" * 500]),
+    "model.dtype": st.sampled_from(["auto", "bfloat16", "int8"]),
+    "targets[9].runtime": st.just("vllm"),
+}
+BAD_SETS = st.sampled_from(["", "=", "novalue", "a..b=1", "x[=1", "targets[99999999].x=1", "name=[", "name=*a",
+                            "name=" + "[" * 2000, "\x1b[31m=1", "quantization.ignore=['re:(.*)*x$']"])
+
+
+@st.composite
+def overrides(draw) -> list[str]:
+    out = []
+    for _ in range(draw(st.sampled_from([0, 0, 0, 0, 1, 1, 2, 3]))):
+        if draw(st.integers(0, 9)) == 0:
+            out.append(draw(BAD_SETS))
+        else:
+            path = draw(st.sampled_from(sorted(SET_PATHS)))
+            out.append(f"{path}={draw(SET_PATHS[path])}")
+    return out
+
+
+@st.composite
+def frontier_recipes(draw, sources: list[str]) -> tuple[bytes, list[str]]:
+    """(recipe bytes, `--set` arguments): a frontier tree on one of `sources` (three in four drawn valid), a fifth
+    mutated as data, a tenth as text, with 0-3 overrides."""
+    tree = draw(frontier_trees(draw(st.sampled_from(sources)), valid=draw(st.integers(0, 3)) > 0))
+    if draw(st.integers(0, 4)) == 0:
+        tree = draw(mutated_tree(st.just(tree)))
+    text = _dump(tree)
+    data = draw(text_mutation(text)) if draw(st.integers(0, 9)) == 0 else text.encode()
+    return data, draw(overrides())
+
+
 # regressions found while writing this (each was an internal error, a hang or a runaway before the fix)
 _T = "name: r\nmodel: {{source: {src}}}\nquantization: {{weights: {{format: int8, strategy: channel}}}}\n" \
      "targets: [{{runtime: vllm}}]\n"
@@ -395,6 +638,42 @@ def test_plan_on_recipe_regressions(workspace, model: Path, template: str) -> No
 @given(data=st.data())
 def test_plan_on_fuzzed_recipes_long(workspace, model: Path, data) -> None:
     _check_recipe(workspace, model, data.draw(recipes(str(model))))
+
+
+NEW_FAMILIES = ["deepseek_v3", "gpt_oss", "qwen3_next", "llama4_text", "glm4_moe", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def frontier_sources(tiny_model_session: Path, tmp_path_factory) -> list[Path]:
+    """The tiny Llama and a tiny model of each newer MoE family (0.3-0.5 s each): the groups' roles (experts,
+    shared_experts, router) and the families' own Linears select something real."""
+    from tests.unit.families import make_tiny
+
+    base = tmp_path_factory.mktemp("families")
+    return [tiny_model_session, *(make_tiny(f, base / f) for f in NEW_FAMILIES)]
+
+
+def _check_frontier(workspace, sources: list[Path], case: tuple[bytes, list[str]]) -> None:
+    recipe, sets = case
+    w = workspace()
+    try:
+        w.plan(recipe, protected=sources, sets=sets, case_class="frontier recipes")
+    finally:
+        w.close()
+
+
+@settings(max_examples=40, **DEFAULT)
+@given(data=st.data())
+def test_plan_on_frontier_recipes(workspace, frontier_sources: list[Path], data) -> None:
+    _check_frontier(workspace, frontier_sources, data.draw(frontier_recipes([str(p) for p in frontier_sources])))
+
+
+@pytest.mark.slow
+@pytest.mark.fuzz_long
+@settings(max_examples=int(os.environ.get("LLMC_FUZZ_FRONTIER", 5000)), **LONG)
+@given(data=st.data())
+def test_plan_on_frontier_recipes_long(workspace, frontier_sources: list[Path], data) -> None:
+    _check_frontier(workspace, frontier_sources, data.draw(frontier_recipes([str(p) for p in frontier_sources])))
 
 
 # --- model sources: a tiny real model, corrupted ------------------------------------------------------------------
@@ -554,7 +833,7 @@ def _check_source(workspace, model: Path, lay_out: Callable[[Path, Path], str]) 
     try:
         spec = lay_out(model, w.dir)
         recipe = _T.format(src=json.dumps(spec)).encode()
-        code, out = w.plan(recipe, protected=[model])
+        code, out = w.plan(recipe, protected=[model], case_class="model sources")
         return code
     finally:
         w.close()

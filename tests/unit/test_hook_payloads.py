@@ -18,6 +18,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="pip install -e '.[dev]' i
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from tests.unit.fuzz_limits import measured_case  # noqa: E402
 from tests.unit.hook_helpers import SECRET, make_receiver, signed_headers, version_created  # noqa: E402
 
 HF_SECRET = "hf-" + SECRET
@@ -200,7 +201,9 @@ def _encoded(events) -> st.SearchStrategy[bytes]:
 
 def _check_mlflow(client, queue, body: bytes) -> None:
     before = {j["id"] for j in queue.jobs()}
-    answer = _mlflow(client, body)
+    with measured_case("webhook deliveries (MLflow)") as record:
+        answer = _mlflow(client, body)
+        record["outcome"] = f"HTTP {answer.status_code}"
     event(f"HTTP {answer.status_code}")  # counted by --hypothesis-show-statistics
     assert 200 <= answer.status_code < 500, (answer.status_code, body[:300], answer.get_data()[:300])
     assert answer.is_json and set(answer.json) & {"error", "ignored", "jobs"}
@@ -221,7 +224,9 @@ def _check_mlflow(client, queue, body: bytes) -> None:
 
 
 def _check_hf(client, queue, body: bytes) -> None:
-    answer = _hf(client, body)
+    with measured_case("webhook deliveries (Hub)") as record:
+        answer = _hf(client, body)
+        record["outcome"] = f"HTTP {answer.status_code}"
     event(f"HTTP {answer.status_code}")
     assert 200 <= answer.status_code < 500, (answer.status_code, body[:300], answer.get_data()[:300])
     assert answer.is_json and set(answer.json) & {"error", "ignored", "jobs"}
