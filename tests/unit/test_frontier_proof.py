@@ -77,7 +77,8 @@ FAMILIES: dict[str, Row] = {
     "gpt_oss": Row(moe=True, all_experts=True, decode="refuse", build=False, tier="heavy"),
     "llama4_text": Row(moe=True, decode="refuse"),
     "qwen3_5": Row(moe=False),
-    "gemma4": Row(moe=False),
+    # per-layer inputs 32 wide (the tiny default, 8, is narrower than a W4A16 group; Gemma-4's own: 256)
+    "gemma4": Row(moe=False, config=(("hidden_size_per_layer_input", 32),)),
     "smollm3": Row(moe=False),
     "olmo3": Row(moe=False),
     "exaone4": Row(moe=False),
