@@ -117,6 +117,21 @@ OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
                                "hidden_size_per_layer_input": 8}),
 }
 
+# dense families of 2025-26 (issue 45, tests/unit/test_frontier_proof.py): each builds with llmc unchanged
+NEWCOMER_FAMILIES: dict[str, tuple[str, dict]] = {
+    # NoPE in every 4th layer (none of the 2 here)
+    "smollm3": ("smollm3", {"num_key_value_heads": 2, "pad_token_id": 0}),  # its default pad id is past the vocabulary
+    # OLMo 2's post-norms with sliding/full layers (window 6 < the tests' 24 tokens)
+    "olmo3": ("olmo3", {"num_key_value_heads": 2, "sliding_window": 6,
+                        "layer_types": ["sliding_attention", "full_attention"]}),
+    # post-norms, q/k norms, sliding/full layers (NoPE on the full ones)
+    "exaone4": ("exaone4", {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6,
+                            "layer_types": ["sliding_attention", "full_attention"]}),
+    "seed_oss": ("seed_oss", {"num_key_value_heads": 2, "head_dim": 16}),  # q/k/v biases, o_proj without
+    # xIELU activation (no gate_proj), q/k norms; its llama3 rope needs more positions than the original 8192
+    "apertus": ("apertus", {"num_key_value_heads": 2, "max_position_embeddings": 16384}),
+}
+
 for _f in ("qwen2", "qwen3", "granite"):
     EXPECTED_PAIRS[_f] = EXPECTED_PAIRS["mistral"]
 # per layer where layers differ: Qwen3.5's linear-attention layer 0 (its kept in_proj_b / in_proj_a are scaled with
@@ -135,7 +150,8 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **LLAMA4, **OUTER_LINEAR_FAMILIES}[family]
+    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **LLAMA4, **OUTER_LINEAR_FAMILIES,
+                             **NEWCOMER_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
     if family in OUTER_LINEAR_FAMILIES:

@@ -179,12 +179,16 @@ def _compressed_tensors_model(export: Path):
 
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    # compressed-tensors 0.20 decodes NVFP4 into bf16 whatever the model's dtype: without the cast a float32 model
+    # with NVFP4 experts mixes dtypes in its matmuls (bf16 -> float32 is exact)
+    model = model.float()
     q = json.loads((export / "config.json").read_text())["quantization_config"]
-    acts = q["config_groups"]["group_0"].get("input_activations")
-    if acts is None:
+    # static activations: one set of args for every group that has them (a mixed-precision export's FP8 group)
+    groups = [g["input_activations"] for g in q["config_groups"].values() if g.get("input_activations")]
+    if not groups:
         return model
-    assert not acts["dynamic"]
-    acts = QuantizationArgs(**acts)
+    assert all(g == groups[0] for g in groups) and not groups[0]["dynamic"], groups
+    acts = QuantizationArgs(**groups[0])
     tensors = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
     moe.unfuse_experts(model)
 
