@@ -93,6 +93,8 @@ class SlurmSection(_Strict):
     memory_margin: float = Field(default=1.25, ge=1, le=10, description="--mem = the plan's host peak x this")
     llmc: str = Field(default="llmc", description="the llmc executable on the compute nodes")
     poll_s: float = Field(default=30, gt=0, le=3600, description="how often squeue/sacct are asked")
+    machine: str | None = Field(default=None, description="plan for the nodes: a profile (h100-sxm:8) or a machine "
+                                "file `llmc probe` wrote on one; unset: this host's own rates")
 
 
 class KubernetesSection(_Strict):
@@ -102,6 +104,7 @@ class KubernetesSection(_Strict):
     cache_claim: str = Field(default="", description="PersistentVolumeClaim holding the stage cache")
     memory_margin: float = Field(default=1.25, ge=1, le=10)
     time_margin: float = Field(default=1.5, ge=1, le=10, description="activeDeadlineSeconds = slowest estimate x this")
+    machine: str | None = Field(default=None, description="plan for the nodes, as slurm.machine")
 
 
 class HookConfig(_Strict):

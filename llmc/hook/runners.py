@@ -126,15 +126,21 @@ def sbatch_request(needs: Needs, partitions: Sequence[Partition], time_margin: f
 
 
 def plan_needs(job: dict, config: HookConfig, ranks: int = 1) -> Needs:
-    """Plan the job's recipe on its fetched source (headers only, no weights loaded) and reduce it to its needs."""
+    """Plan the job's recipe on its fetched source (headers only, no weights loaded), for the runner's `machine` when
+    the config names one, and reduce it to its needs."""
     from llmc.hook.jobs import fetch_source  # lazy: jobs imports the build stack
+    from llmc.planning import target  # lazy: as make_plan
     from llmc.planning.plan import make_plan  # lazy: the planner imports torch; `llmc hook serve` never needs it
     from llmc.recipe.schema import Recipe  # lazy: with the planner, only when a job is sized
 
+    # the nodes' machine (`llmc plan --machine`), not the hook host's: a CPU-only hook host would plan CPU times
+    spec = (config.slurm if config.runner == "slurm" else config.kubernetes).machine
+    machine = target.load(spec) if spec else None
     folder = fetch_source(job["source"], config)
     recorded = Recipe.model_validate(job["recipe"])
     recipe = recorded.model_copy(update={"model": recorded.model.model_copy(update={"source": str(folder)})})
-    return needs_from_plan(make_plan(recipe, folder, refuse=False), ranks)
+    with target.planning_for(machine):
+        return needs_from_plan(make_plan(recipe, folder, refuse=False), ranks)
 
 
 def scheduler_name(job: dict) -> str:
@@ -293,7 +299,9 @@ class KubernetesRunner:
     def logs(self, scheduler_id: str) -> str:
         _, core = self.api()
         pods = core.list_namespaced_pod(self.k8s.namespace, label_selector=f"job-name={scheduler_id}").items
-        return "\n".join(core.read_namespaced_pod_log(p.metadata.name, self.k8s.namespace) for p in pods)
+        # the raw body: client 36's deserializer returns a log as the repr of its bytes ("b'...'")
+        return "\n".join(core.read_namespaced_pod_log(p.metadata.name, self.k8s.namespace, _preload_content=False)
+                         .data.decode(errors="replace") for p in pods)
 
     def cancel(self, scheduler_id: str) -> None:
         batch, _ = self.api()

@@ -1,10 +1,13 @@
 """The hook's Slurm runner against a real one-node Slurm cluster on loopback (Debian's slurmctld, slurmd and munge,
-started here with their config, key and state in a temporary folder): a job queued for a tiny model is planned,
-submitted with `sbatch`, run by `srun llmc hook execute` on the node (a real build of the tiny model) and followed
-with `squeue` until it is done; dispatching it again submits nothing.
+started here with their config, key and state in a temporary folder, stopped at the end):
+- a job queued for a tiny model is planned, submitted with `sbatch`, run by `srun llmc hook execute` on the node (a
+  real build of the tiny model) and followed with `squeue` until it is done; dispatching it again submits nothing;
+- the whole path: a real MLflow server's webhook -> `llmc hook serve` -> one `sbatch` job that builds the tiny model
+  and registers it in MLflow; the same version delivered again submits nothing; the hook SIGKILLed mid-job and
+  restarted follows the job by its id, and the variant is registered once.
 
-Needs root and the packages (`scripts/setup.sh --slurm`, or `apt-get install -y --no-install-recommends slurmctld
-slurmd munge`); skipped, saying which is missing, without them. Marked slow: it builds a model and starts daemons.
+Needs root and the packages (`scripts/setup.sh` installs them where apt can); skipped, saying which is missing,
+without them. Marked slow: each builds a model and starts daemons (~75 s and ~200 s on the shared 2-core host).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from llmc.hook.runners import TERMINAL, SlurmRunner, dispatch, follow
 from llmc.recipe.load import load_recipe
 from tests.unit.hook_helpers import REPO, free_port, tiny_recipe
 
-pytestmark = pytest.mark.slow
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "srun")
 
@@ -35,7 +37,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "srun")
 def _missing() -> str | None:
     absent = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
     if absent:
-        return f"not installed: {', '.join(absent)} (apt-get install slurmctld slurmd munge; scripts/setup.sh --slurm)"
+        return f"not installed: {', '.join(absent)} (apt-get install slurmctld slurmd munge, or scripts/setup.sh as root)"
     if os.geteuid() != 0:
         return "a one-node Slurm cluster started by the test needs root (slurmd launches jobs as their user)"
     return None
@@ -126,6 +128,7 @@ PartitionName=debug Nodes=llmcnode Default=YES MaxTime=60 State=UP
                 p.kill()
 
 
+@pytest.mark.slow
 def test_a_queued_job_is_built_by_a_real_slurm_job_and_submitted_once(slurm_cluster: Path, tmp_path: Path,
                                                                       tiny_model_session: Path) -> None:
     recipe = tiny_recipe(tmp_path / "recipe.yaml", tmp_path / "registry")
@@ -174,3 +177,116 @@ def test_a_queued_job_is_built_by_a_real_slurm_job_and_submitted_once(slurm_clus
     names = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i %j"], capture_output=True,
                            text=True, check=True).stdout.split("\n")
     assert [n for n in names if n.strip()] == [f"{sid} llmc-{job['id'][:16]}"]
+
+
+# ---------------------------------------------------------------- MLflow -> llmc hook serve -> sbatch, across a kill
+
+VARIANT = "tiny-w8.vllm-sm90-tp1"  # <recipe>.<target label>, after the source model's name
+
+# the node's llmc: this checkout in this venv, reading the small corpus file (as the hook's own child does)
+_NODE_LLMC = """#!/bin/sh
+exec {python} -c 'import sys; sys.path.insert(0, "{repo}")
+from tests.unit.build_helpers import use_corpus_file
+use_corpus_file("{corpus}")
+from llmc.cli import main
+sys.argv[0] = "llmc"
+main()' "$@"
+"""
+
+
+def _slurm_jobs() -> list[str]:
+    out = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i %j %T"], capture_output=True,
+                         text=True, check=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def _queued(state: Path) -> list[dict]:
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted((state / "queue").glob("*.json"))]
+
+
+def _serve(config: Path, corpus: Path, log: Path, client) -> tuple[subprocess.Popen, str, str]:
+    from tests.unit.hook_helpers import SECRET, start_hook
+
+    proc, url = start_hook(config, corpus, log)
+    webhook = client.create_webhook(f"llmc-slurm-{proc.pid}", f"{url}/webhooks/mlflow",
+                                    events=["model_version.created"], secret=SECRET)
+    return proc, url, webhook.webhook_id
+
+
+def _kill(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow  # ~4 min on this project's shared 2-core host: an MLflow server, daemons, a build on the node
+def test_an_mlflow_delivery_is_built_on_slurm_once_across_a_redelivery_and_a_hook_kill(
+        slurm_cluster: Path, tmp_path: Path, tiny_model_session: Path) -> None:
+    import signal
+
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from tests.unit.build_helpers import small_corpus_file
+    from tests.unit.hook_helpers import (post, register_source_version, signed_delivery, start_mlflow,
+                                         version_created, wait_jobs)
+
+    mlflow_proc, mlflow_uri = start_mlflow(tmp_path / "mlflow")
+    corpus = small_corpus_file(tmp_path / "corpus.json")
+    recipe = tiny_recipe(tmp_path / "recipe.yaml", tmp_path / "unused-registry")
+    spec = yaml.safe_load(recipe.read_text())  # this node has no GPU: "auto" devices would make the plan ask for one
+    spec["calibration"], spec["eval"] = {"device": "cpu"}, {**spec["eval"], "device": "cpu"}
+    recipe.write_text(yaml.safe_dump(spec))
+    llmc = tmp_path / "llmc"
+    llmc.write_text(_NODE_LLMC.format(python=sys.executable, repo=REPO, corpus=corpus))
+    llmc.chmod(0o755)
+    config = tmp_path / "hook.yaml"
+    config.write_text(yaml.safe_dump({
+        "mlflow": {"tracking_uri": mlflow_uri}, "state_dir": str(tmp_path / "state"),
+        "cache_dir": str(tmp_path / "cache"), "runner": "slurm",
+        "slurm": {"partitions": [{"name": "debug", "memory_gb": 3.9, "max_time_h": 1}], "llmc": str(llmc),
+                  "poll_s": 1},
+        "routes": [{"models": "tiny-s*", "recipes": [str(recipe)]}]}))
+    source = tmp_path / "source"
+    shutil.copytree(tiny_model_session, source)
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    client = MlflowClient(mlflow_uri)
+    log, state = tmp_path / "hook.log", tmp_path / "state"
+    hook, url, webhook = _serve(config, corpus, log, client)
+    try:
+        version = register_source_version(mlflow_uri, "tiny-s", source)  # MLflow delivers model_version.created
+
+        def submitted() -> bool:
+            return any(j.get("scheduler_id") for j in _queued(state))
+
+        _wait(submitted, 120, "the hook did not submit the delivery to Slurm", [log])
+        [job] = _queued(state)
+        sid = job["scheduler_id"]
+        # the same version delivered again while its job is on the cluster: answered, nothing submitted
+        body, headers = signed_delivery(version_created("tiny-s", version), delivery_id="again-while-running")
+        status, answer = post(f"{url}/webhooks/mlflow", body, headers)
+        assert status == 202 and answer["jobs"][0]["new"] is False, answer
+        # the hook killed mid-job (SIGKILL: no cleanup), the Slurm job running on; a new hook follows it by its id
+        _kill(hook, signal.SIGKILL)
+        client.delete_webhook(webhook)
+        assert [line.split()[0] for line in _slurm_jobs()] == [sid]
+        hook, url, webhook = _serve(config, corpus, log, client)
+        [final] = wait_jobs(url, 1, 240, hook)
+        assert final["state"] == "done", (final, (state / "slurm" / f"{sid}.out").read_text()[-3000:])
+        assert final["scheduler_id"] == sid and final["attempts"] == 1
+        # the node records `done` before its Slurm job ends; the job then ends COMPLETED
+        _wait(lambda: _slurm_jobs()[0].split()[2] == "COMPLETED", 60, f"slurm job {sid} did not end COMPLETED",
+              [state / "slurm" / f"{sid}.out"])
+        # delivered once more after it is done: nothing queued, nothing submitted
+        body, headers = signed_delivery(version_created("tiny-s", version), delivery_id="again-when-done")
+        status, answer = post(f"{url}/webhooks/mlflow", body, headers)
+        assert status == 202 and answer["jobs"][0]["new"] is False and answer["jobs"][0]["state"] == "done"
+        [line] = _slurm_jobs()  # one Slurm job in all (squeue keeps finished ones for MinJobAge)
+        assert line.split()[:2] == [sid, f"llmc-{job['id'][:16]}"]
+        [mv] = client.search_model_versions(f"name = 'tiny-s.{VARIANT}'")  # registered exactly once
+        assert mv.tags["llmc.source.uri"] == f"models:/tiny-s/{version}" and mv.tags["llmc.gates"] == "passed"
+    finally:
+        _kill(hook, signal.SIGTERM)
+        _kill(mlflow_proc, signal.SIGTERM)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmc.errors import RecipeError, ResourceError
+from llmc.errors import LlmcError, RecipeError, ResourceError
 from llmc.hook.commands import render_status
 from llmc.hook.config import KubernetesSection, Partition, load_hook_config
 from llmc.hook.jobs import COMPLETE, mlflow_source, new_job
@@ -136,6 +136,28 @@ def test_the_needs_are_the_plans_rows(queued) -> None:
     assert needs.seconds >= sum(r.seconds for r in rows) > 0  # the slowest estimate
     # the recipe's devices are "auto": a node's GPU is asked for; this CPU machine's plan says nothing of GPU memory
     assert needs.gpus_per_rank == 1 and needs.gpu_gb is None
+
+
+def test_the_needs_are_planned_for_the_nodes_machine_when_the_config_names_one(queued) -> None:
+    path, _, job = queued
+    from llmc.planning import target
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.schema import Recipe
+
+    config = load_hook_config(path)
+    config = config.model_copy(update={"slurm": config.slurm.model_copy(update={"machine": "h100-sxm:8"})})
+    needs = plan_needs(job, config)
+    recipe = Recipe.model_validate(job["recipe"])
+    folder = config.state / "sources" / "mlflow" / "tiny" / "3"
+    with target.planning_for(target.load("h100-sxm:8")):
+        rows = make_plan(recipe.model_copy(update={"model": recipe.model.model_copy(update={"source": str(folder)})}),
+                         folder, refuse=False).rows
+    assert any(str(r.device).startswith("cuda") for r in rows)  # planned on the profile's GPU, not on this CPU
+    assert needs.gpu_gb == pytest.approx(max(r.gpu_bytes for r in rows) / 1e9, rel=1e-6) and needs.gpu_gb > 0
+    assert needs.seconds == pytest.approx(sum((r.seconds_range or (r.seconds, r.seconds))[1] for r in rows))
+    bad = config.model_copy(update={"slurm": config.slurm.model_copy(update={"machine": "h200-nope:8"})})
+    with pytest.raises(LlmcError, match="h200-nope:8: no such profile or machine file"):
+        plan_needs(job, bad)
 
 
 # --------------------------------------------------------------------------- Slurm against recording fakes
@@ -305,8 +327,9 @@ class _FakeCore:
         assert label_selector.startswith("job-name=llmc-")
         return type("PodList", (), {"items": [pod]})()
 
-    def read_namespaced_pod_log(self, name, namespace):
-        return f"{name}: OOMKilled"
+    def read_namespaced_pod_log(self, name, namespace, _preload_content=True):
+        assert not _preload_content  # the raw body (see test_hook_k8s_schema: the client's own answer)
+        return type("Response", (), {"data": f"{name}: OOMKilled".encode()})()
 
 
 def test_the_kubernetes_runner_submits_once_follows_and_cancels(queued) -> None:
