@@ -2,10 +2,11 @@
 
 A probe (`matmul_rate`, the quantizer's `quantize_rate`) is one timed call of a few milliseconds to a second; on a
 shared machine one call lands in a quiet or a busy moment, and two plans of one recipe two minutes apart once said
-46 s and 12 min for a stage that took 315 s. So each probe is timed `REPEATS` times after a warm-up, and the plan
-reads the **median**: a stage runs for minutes through the machine's quiet and busy moments, and the median is what
-a typical moment delivers, where the best of N is the one quiet moment (it predicts the machine as if nothing else
-ran, and a busy machine's stages then overrun it). The fastest and the slowest run bound the plan's time range
+46 s and 12 min for a stage that took 315 s. So each probe is timed `REPEATS` times after a warm-up
+(`SETTLED_REPEATS` when those agree within `SETTLED_SPREAD`), and the plan reads the **median**: a stage runs for
+minutes through the machine's quiet and busy moments, and the median is what a typical moment delivers, where the
+best of N is the one quiet moment (it predicts the machine as if nothing else ran, and a busy machine's stages then
+overrun it). The fastest and the slowest run bound the plan's time range
 (`reading`).
 
 The samples are kept in `<cache>/machine-rates.json` with the machine they were measured on (CPU model and flags,
