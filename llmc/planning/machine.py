@@ -235,19 +235,30 @@ def _probe_folder():
 
 
 def _write_timer():
+    """A function timing one run of the store's write (atomic_save_safetensors + its sha256) and returning bytes/s.
+    The 64 MB tensor and the folder are made on the first run and kept for the others (made anew each run, the
+    random tensor alone took ~0.3 s of a ~1.2 s run here), and go after the last; a cached rate makes neither."""
+    state: dict = {}
+
     def run_once() -> float:
         # lazy: the store imports filelock and the telemetry, which a plan with cached rates never needs
         from llmc.storage.store import atomic_save_safetensors, current_sha256
 
-        tensors = {"probe": torch.randint(0, 255, (IO_PROBE_BYTES,), dtype=torch.uint8)}
-        with _probe_folder() as folder:
-            path = os.path.join(folder, "probe.safetensors")
+        if not state:
+            folder = _probe_folder()
+            state.update(folder=folder, path=os.path.join(folder.name, "probe.safetensors"),
+                         tensors={"probe": torch.randint(0, 255, (IO_PROBE_BYTES,), dtype=torch.uint8)})
 
-            def write() -> None:
-                atomic_save_safetensors(path, tensors)
-                current_sha256(path)  # the store's record of it
+        def write() -> None:
+            atomic_save_safetensors(state["path"], state["tensors"])
+            current_sha256(state["path"])  # the store's record of it
 
+        try:
             return probes.sustained_rate(IO_PROBE_BYTES, write)
+        except BaseException:
+            state.pop("folder").cleanup()
+            state.clear()
+            raise
 
     return run_once
 

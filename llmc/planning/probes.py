@@ -2,10 +2,11 @@
 
 A probe (`matmul_rate`, the quantizer's `quantize_rate`) is one timed call of a few milliseconds to a second; on a
 shared machine one call lands in a quiet or a busy moment, and two plans of one recipe two minutes apart once said
-46 s and 12 min for a stage that took 315 s. So each probe is timed `REPEATS` times after a warm-up, and the plan
-reads the **median**: a stage runs for minutes through the machine's quiet and busy moments, and the median is what
-a typical moment delivers, where the best of N is the one quiet moment (it predicts the machine as if nothing else
-ran, and a busy machine's stages then overrun it). The fastest and the slowest run bound the plan's time range
+46 s and 12 min for a stage that took 315 s. So each probe is timed `REPEATS` times after a warm-up
+(`SETTLED_REPEATS` when those agree within `SETTLED_SPREAD`), and the plan reads the **median**: a stage runs for
+minutes through the machine's quiet and busy moments, and the median is what a typical moment delivers, where the
+best of N is the one quiet moment (it predicts the machine as if nothing else ran, and a busy machine's stages then
+overrun it). The fastest and the slowest run bound the plan's time range
 (`reading`).
 
 The samples are kept in `<cache>/machine-rates.json` with the machine they were measured on (CPU model and flags,
@@ -31,7 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RATES_FILE = "machine-rates.json"
-REPEATS = 5  # timed runs of each probe (after one warm-up)
+REPEATS = 5  # timed runs of each probe at most (after one warm-up)
+# A probe stops after SETTLED_REPEATS runs when they lie within SETTLED_SPREAD of their median (max - min over the
+# median): a quiet machine's runs agree, and two more would move neither the median nor the range's ends by more
+# than that spread; a busy machine's runs scatter (0.1-0.8 at load 7-9 on the shared 2-core VM) and get all REPEATS.
+SETTLED_REPEATS = 3
+SETTLED_SPREAD = 0.10
 POOLED_PROBES = 5  # the last probes of one key whose runs a plan reads together
 MAX_AGE_S = 7 * 24 * 3600  # cached rates older than this are measured again
 READINGS = ("median", "fastest", "slowest")
@@ -105,6 +111,8 @@ class RateBook:
     used: dict[str, Probe] = field(default_factory=dict)
     # per key, the cached probes' runs (samples, when), oldest first
     history: dict[str, list[tuple[tuple[float, ...], float]]] = field(default_factory=dict)
+    # the keys this process measured, in order (each once: a key measured is kept in `probes`)
+    measured_now: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.path is not None:
@@ -142,7 +150,8 @@ class RateBook:
         then pooled with the cached probes' runs)."""
         found = self.probes.get(key)
         if found is None:
-            run = (tuple(run_once() for _ in range(repeats)), time.time())
+            run = (_timed_runs(run_once, repeats), time.time())
+            self.measured_now.append(key)
             self.history[key] = [*self.history.get(key, []), run][-POOLED_PROBES:]
             found = _pooled(self.history[key], probed_now=True)
             self.probes[key] = found
@@ -194,6 +203,21 @@ class RateBook:
         where = f", kept in {self.path}" if self.path else ""
         runs = max(len(p.samples) for p in self.used.values())
         return f"rates of this machine (median of up to {runs} timed runs each{where}): {'; '.join(parts)}"
+
+
+def _timed_runs(run_once: Callable[[], float], repeats: int) -> tuple[float, ...]:
+    """`repeats` runs of `run_once`, or fewer once SETTLED_REPEATS of them agree within SETTLED_SPREAD."""
+    samples: list[float] = []
+    while len(samples) < repeats:
+        samples.append(run_once())
+        if len(samples) >= SETTLED_REPEATS and _spread(samples) <= SETTLED_SPREAD:
+            break
+    return tuple(samples)
+
+
+def _spread(samples: Sequence[float]) -> float:
+    """(fastest - slowest) / median of `samples`."""
+    return (max(samples) - min(samples)) / statistics.median(samples)
 
 
 def _pooled(runs: list[tuple[tuple[float, ...], float]], *, probed_now: bool) -> Probe:

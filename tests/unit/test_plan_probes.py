@@ -92,6 +92,69 @@ def test_a_slow_cpu_stops_at_the_smallest_width_and_a_small_model_is_probed_at_i
     assert [w for w, _, _ in built] == [576]
 
 
+def _recorded_probes(monkeypatch) -> list[str]:
+    """Every key any RateBook measures (not read from its cache), in order; each measurement answered at once
+    with a plausible rate (100 GFLOP/s for a matmul, else 1e9 per second) instead of being timed."""
+    from llmc.planning import probes
+
+    measured: list[str] = []
+    real = probes.RateBook.probe
+
+    def probe(self, key, run_once, repeats=probes.REPEATS):
+        if key not in self.probes:
+            measured.append(key)
+            run_once = lambda: 1e11 if key.startswith("matmul") else 1e9  # noqa: E731
+        return real(self, key, run_once, repeats)
+
+    monkeypatch.setattr(probes.RateBook, "probe", probe)
+    return measured
+
+
+@pytest.mark.heavy
+def test_a_cold_plan_of_a_big_recipe_measures_each_probe_once_and_only_those_its_costs_read(
+        tmp_path, monkeypatch) -> None:
+    """A cold 405B plan costs each stage three times (median, fastest, slowest) and reads the float32 rate again
+    for its slow-dtype check: every probe is measured once, the keys measured are exactly those the costs read,
+    and a second plan on the same cache measures nothing."""
+    from pathlib import Path
+
+    from llmc.planning import probes
+    from llmc.planning.plan import plan_recipe
+    from llmc.recipe.load import load_recipe
+    from llmc.storage.store import Store
+
+    monkeypatch.delenv("LLMC_REPROBE", raising=False)
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    measured = _recorded_probes(monkeypatch)
+    path = Path(__file__).resolve().parents[2] / "recipes" / "llama405b-fp8-plan.yaml"
+    store = Store(tmp_path / "cache")
+    plan_recipe(load_recipe(path), store, path)
+    assert len(measured) == len(set(measured)), measured
+    assert set(measured) == set(probes.book().used), (measured, list(probes.book().used))
+    assert probes.book().measured_now == measured
+    kinds = {k.split()[0] for k in measured}
+    assert {"matmul", "disk", "stream", "quantize"} <= kinds, kinds
+    widths = [int(k.split("width=")[1].split()[0]) for k in measured if k.startswith("matmul")]
+    assert max(widths) <= 8192  # the ladder, never the model's 16384
+    measured.clear()
+    monkeypatch.setattr(probes, "_book", probes.RateBook())  # a new process: reads the cache file
+    plan_recipe(load_recipe(path), store, path)
+    assert measured == []
+
+
+def test_a_probe_stops_at_three_runs_that_agree_and_takes_all_five_when_they_scatter() -> None:
+    from llmc.planning import probes
+
+    book = probes.RateBook()
+    quiet = iter([100.0, 104.0, 98.0, 500.0, 500.0])
+    assert book.probe("quiet", lambda: next(quiet)).samples == (100.0, 104.0, 98.0)
+    busy = iter([100.0, 60.0, 140.0, 95.0, 105.0])
+    assert book.probe("busy", lambda: next(busy)).samples == (100.0, 60.0, 140.0, 95.0, 105.0)
+    fixed = iter([1.0, 1.0, 1.0])
+    assert book.probe("io", lambda: next(fixed), repeats=3).samples == (1.0, 1.0, 1.0)
+    assert book.measured_now == ["quiet", "busy", "io"]
+
+
 @pytest.mark.slow
 def test_a_cold_405b_plan_is_bounded_and_a_killed_one_keeps_what_it_measured(tmp_path) -> None:
     """Real probes on a cold cache (not pinned). 8a48c9f: over 300 s for this plan, and a plan killed meanwhile left
