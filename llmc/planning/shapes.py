@@ -1,9 +1,9 @@
 """A model's tensors as the planner needs them: names and shapes from safetensors headers, or from config.json
 alone (planning a Hub model offline from the config kept beside its recipe, recipes/configs/).
 
-The config path writes the tensor names and shapes Hugging Face checkpoints of these architectures hold (Llama,
-Mistral, Qwen2/3 dense; Qwen3-MoE, Mixtral, DeepSeek-V3 with its latent attention, GLM-4.5, Qwen3-Next with its
-linear attention, Llama-4 text and gpt-oss experts as one Linear per expert), and the bytes a quantized original
+The config path writes the tensor names and shapes Hugging Face checkpoints of the families with a row in
+llmc.model.shape_rows hold (dense decoders; MoE families under their families.LAYOUTS names, MLA, gated-DeltaNet
+linear attention, fused Llama-4 / gpt-oss experts as one Linear per expert), and the bytes a quantized original
 stores them in (FP8 block-wise, MXFP4). Its totals equal the published
 checkpoints' (Llama-3.1-8B: 8,030,261,248 parameters; Llama-3.3-70B: 70,553,706,496; tests/unit/test_plan_scale.py).
 """
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.model.families import expert_count
+from llmc.model.families import LAYOUTS, MoeLayout, expert_count
+from llmc.model.shape_rows import SHAPE_ROWS, ShapeRow
 
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
@@ -124,82 +125,122 @@ def _experts_per_expert(folder: Path, shapes: dict[str, tuple[int, ...]],
                    for n, s in split.items()}
 
 
-# model_types planned from config.json alone: the dense decoders and MoE families whose Hub tensor names and shapes
-# `from_config` writes
-CONFIG_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
-                   "qwen3_next", "llama4_text", "gpt_oss")
+# model_types planned from config.json alone: those with a row in llmc.model.shape_rows.SHAPE_ROWS (the dense
+# decoders and MoE families whose Hub tensor names and shapes `from_config` writes)
+CONFIG_FAMILIES = tuple(SHAPE_ROWS)
 
 
 def from_config(config: dict) -> ModelTensors:
-    """The tensors a Hugging Face checkpoint of this config holds, as the build reads them: fused experts (gpt-oss,
-    Llama-4) split per expert, a quantized original (DeepSeek's FP8 block-wise, gpt-oss's MXFP4) decoded, each
-    tensor costing the bytes its stored parts take (`_stored_bytes`)."""
+    """The tensors a Hugging Face checkpoint of this config holds, as the build reads them: its family's row
+    (llmc.model.shape_rows) laid out layer by layer, fused experts (gpt-oss, Llama-4) split per expert, a quantized
+    original (DeepSeek's FP8 block-wise, gpt-oss's MXFP4) decoded, each tensor costing the bytes its stored parts
+    take (`_stored_bytes`)."""
     kind = config.get("model_type")
-    h, n_layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or h // heads
-    inter = config.get("intermediate_size") or 4 * h
-    if kind not in CONFIG_FAMILIES:
+    if kind not in SHAPE_ROWS:
         raise InputError(f"planning from config.json alone knows the {', '.join(CONFIG_FAMILIES)} layouts, not "
                          f"{kind!r}", fix="plan with the checkpoint itself (model.source: its folder)")
+    row = SHAPE_ROWS[kind]
+    h, n_layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, h)
-    attn_bias = kind == "qwen2" or bool(config.get("attention_bias"))
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if kind == "deepseek_v3":
-            shapes.update(_mla(config, p, h, heads))
-        elif kind == "qwen3_next" and _layer_type(config, i) == "linear_attention":
-            shapes.update(_gated_deltanet(config, p, h))
+        shapes.update({f"{p}{norm}.weight": (h,) for norm in row.norms})
+        if row.linear_attention and _layer_type(config, i) == "linear_attention":
+            shapes.update(_gated_deltanet(config, row, p, h))
+        elif row.attention == "mla":
+            shapes.update(_mla(config, p, h, config["num_attention_heads"]))
         else:
-            # Qwen3-Next's full attention: q_proj holds the query and its output gate (attn_output_gate)
-            q_out = heads * head_dim * (2 if kind == "qwen3_next" else 1)
-            for proj, out in (("q_proj", q_out), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
-                shapes[f"{p}self_attn.{proj}.weight"] = (out, h)
-                if attn_bias:
-                    shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-            shapes[f"{p}self_attn.o_proj.weight"] = (h, heads * head_dim)
-            if kind == "gpt_oss":  # o_proj biased too, and one attention sink per head
-                shapes[f"{p}self_attn.o_proj.bias"] = (h,)
-                shapes[f"{p}self_attn.sinks"] = (heads,)
-            if kind in ("qwen3", "qwen3_moe", "qwen3_next") or kind == "glm4_moe" and config.get("use_qk_norm"):
-                shapes[f"{p}self_attn.q_norm.weight"] = (head_dim,)
-                shapes[f"{p}self_attn.k_norm.weight"] = (head_dim,)
-        if kind in ("deepseek_v3", "glm4_moe"):
-            shapes.update(_deepseek_mlp(config, i, p, h, inter))
-        elif kind in ("llama4_text", "gpt_oss"):
-            shapes.update(_fused_experts(config, kind, i, p, h, inter))
+            shapes.update(_attention(config, row, p, h))
+        layout = LAYOUTS.get(kind)
+        if layout is not None and _sparse(config, row, i):
+            shapes.update(_moe(config, row, layout, p, h))
         else:
-            shapes.update(_mlp(config, kind, i, p, h, inter))
+            shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h))
     return ModelTensors(shapes, _stored_bytes(config, shapes))
 
 
-def _mlp(config: dict, kind: str, i: int, p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
-    if kind == "mixtral":
-        experts = config["num_local_experts"]
-        out = {f"{p}block_sparse_moe.gate.weight": (experts, h)}
+def _attention(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """q/k/v/o projections (grouped-query), their biases, sinks and q/k norms as the row says."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    q_out = heads * head_dim * (2 if row.q_gate else 1)
+    qkv_bias = _flag(config, row.qkv_bias if row.qkv_bias is not None else "attention_bias")
+    a = f"{p}self_attn."
+    out: dict[str, tuple[int, ...]] = {}
+    for proj, width in (("q_proj", q_out), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
+        out[f"{a}{proj}.weight"] = (width, h)
+        if qkv_bias:
+            out[f"{a}{proj}.bias"] = (width,)
+    out[f"{a}o_proj.weight"] = (h, heads * head_dim)
+    if _flag(config, row.o_bias):
+        out[f"{a}o_proj.bias"] = (h,)
+    if row.sinks:
+        out[f"{a}sinks"] = (heads,)
+    if row.qk_norm and (row.qk_norm_key is None or config.get(row.qk_norm_key)):
+        q_norm, k_norm = (head_dim, head_dim) if row.qk_norm == "head" else (heads * head_dim, kv * head_dim)
+        out |= {f"{a}q_norm.weight": (q_norm,), f"{a}k_norm.weight": (k_norm,)}
+    return out
+
+
+def _flag(config: dict, flag: bool | str) -> bool:
+    """A row's yes/no fact: fixed, or the config key that states it."""
+    return bool(config.get(flag)) if isinstance(flag, str) else flag
+
+
+def _dense_mlp(config: dict, row: ShapeRow, prefix: str, h: int) -> dict[str, tuple[int, ...]]:
+    inter = config.get(row.dense_width) or config.get("intermediate_size") or 4 * h
+    if row.mlp == "up_down":  # Apertus: up/down with xIELU's two learned scalars
+        return {prefix + "up_proj.weight": (inter, h), prefix + "down_proj.weight": (h, inter),
+                prefix + "act_fn.alpha_p": (1,), prefix + "act_fn.alpha_n": (1,)}
+    return _swiglu(prefix, inter, h)
+
+
+def _sparse(config: dict, row: ShapeRow, i: int) -> bool:
+    """Whether layer i holds the MoE block (else the family's dense MLP), by the row's layer pattern."""
+    if row.sparse_layers == "first_k_dense":
+        return i >= (config.get("first_k_dense_replace") or 0)
+    if row.sparse_layers == "sparse_step":
+        return i not in (config.get("mlp_only_layers") or []) and expert_count(config) > 0 and (
+            (i + 1) % (config.get("decoder_sparse_step") or 1) == 0)
+    if row.sparse_layers == "moe_layers":
+        moe_layers = config.get("moe_layers")
+        if moe_layers is None:
+            step = config.get("interleave_moe_layer_step") or 1
+            moe_layers = list(range(step - 1, config["num_hidden_layers"], step))
+        return i in moe_layers
+    return True
+
+
+def _moe(config: dict, row: ShapeRow, layout: MoeLayout, p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """One MoE block under its LAYOUTS names: router (and its bias / score-correction bias), the routed experts (per
+    expert in the checkpoint, or fused there and split as the build reads them), the shared expert and its gate."""
+    from llmc.quant.moe import per_expert_shapes
+
+    experts, inter = expert_count(config), config[row.expert_width]
+    b = f"{p}{layout.block}."
+    out: dict[str, tuple[int, ...]] = {f"{b}{layout.router}.weight": (experts, h)}
+    if row.router_bias:
+        out[f"{b}{layout.router}.bias"] = (experts,)
+    if row.score_bias:
+        out[b + row.score_bias] = (experts,)
+    if layout.checkpoint_fused:
+        fused = {b + "experts.gate_up_proj": (experts, h, 2 * inter), b + "experts.down_proj": (experts, inter, h)}
+        if layout.bias:
+            fused |= {b + "experts.gate_up_proj_bias": (experts, 2 * inter), b + "experts.down_proj_bias": (experts, h)}
+        out |= per_expert_shapes(fused, layout)
+    else:
         for e in range(experts):
-            q = f"{p}block_sparse_moe.experts.{e}."
-            out |= {q + "w1.weight": (inter, h), q + "w2.weight": (h, inter), q + "w3.weight": (inter, h)}
-        return out
-    sparse = kind in ("qwen3_moe", "qwen3_next") and i not in (config.get("mlp_only_layers") or []) and (
-        config.get("num_experts", 0) > 0 and (i + 1) % (config.get("decoder_sparse_step") or 1) == 0)
-    if not sparse:
-        return {f"{p}mlp.gate_proj.weight": (inter, h), f"{p}mlp.up_proj.weight": (inter, h),
-                f"{p}mlp.down_proj.weight": (h, inter)}
-    experts, moe_inter = config["num_experts"], config["moe_intermediate_size"]
-    out = {f"{p}mlp.gate.weight": (experts, h)}
-    for e in range(experts):
-        q = f"{p}mlp.experts.{e}."
-        out |= {q + "gate_proj.weight": (moe_inter, h), q + "up_proj.weight": (moe_inter, h),
-                q + "down_proj.weight": (h, moe_inter)}
-    if kind == "qwen3_next":  # Qwen2-MoE's block: a shared expert and its one-row sigmoid gate
-        out |= _swiglu(f"{p}mlp.shared_expert.", config["shared_expert_intermediate_size"], h)
-        out[f"{p}mlp.shared_expert_gate.weight"] = (1, h)
+            q = f"{b}experts.{e}."
+            out |= {f"{q}{layout.gate}.weight": (inter, h), f"{q}{layout.up}.weight": (inter, h),
+                    f"{q}{layout.down}.weight": (h, inter)}
+    if layout.shared and row.shared_width:
+        key, times = row.shared_width
+        out |= _swiglu(f"{b}{layout.shared}.", config[key] * ((config.get(times) or 1) if times else 1), h)
+    if layout.shared_gate:
+        out[f"{b}{layout.shared_gate}.weight"] = (1, h)
     return out
 
 
@@ -226,57 +267,27 @@ def _mla(config: dict, p: str, h: int, heads: int) -> dict[str, tuple[int, ...]]
                   a + "kv_b_proj.weight": (heads * (nope + v), kv_rank), a + "o_proj.weight": (h, heads * v)}
 
 
-def _gated_deltanet(config: dict, p: str, h: int) -> dict[str, tuple[int, ...]]:
-    """Qwen3-Next's linear-attention layer (transformers' Qwen3NextGatedDeltaNet)."""
+def _gated_deltanet(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """A gated-DeltaNet linear-attention layer (transformers' Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet): the
+    query/key/value/z projection fused (Qwen3-Next in_proj_qkvz, beta and decay in in_proj_ba) or split (Qwen3.5
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), the causal convolution over q/k/v, per-head decay terms."""
     k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     key_dim = k_heads * config["linear_key_head_dim"]
     value_dim = v_heads * config["linear_value_head_dim"]
     a = f"{p}linear_attn."
-    return {a + "in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, h), a + "in_proj_ba.weight": (2 * v_heads, h),
-            a + "conv1d.weight": (2 * key_dim + value_dim, 1, config["linear_conv_kernel_dim"]),
-            a + "dt_bias": (v_heads,), a + "A_log": (v_heads,), a + "norm.weight": (config["linear_value_head_dim"],),
-            a + "out_proj.weight": (h, value_dim)}
+    if row.linear_attention == "qkvz":
+        proj = {a + "in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, h), a + "in_proj_ba.weight": (2 * v_heads, h)}
+    else:
+        proj = {a + "in_proj_qkv.weight": (2 * key_dim + value_dim, h), a + "in_proj_z.weight": (value_dim, h),
+                a + "in_proj_b.weight": (v_heads, h), a + "in_proj_a.weight": (v_heads, h)}
+    return proj | {a + "conv1d.weight": (2 * key_dim + value_dim, 1, config["linear_conv_kernel_dim"]),
+                   a + "dt_bias": (v_heads,), a + "A_log": (v_heads,),
+                   a + "norm.weight": (config["linear_value_head_dim"],), a + "out_proj.weight": (h, value_dim)}
 
 
 def _swiglu(prefix: str, inter: int, h: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (inter, h), prefix + "up_proj.weight": (inter, h),
             prefix + "down_proj.weight": (h, inter)}
-
-
-def _deepseek_mlp(config: dict, i: int, p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-V3 / GLM-4.5: a dense MLP in the first `first_k_dense_replace` layers, then routed experts, the
-    shared experts (one MLP n_shared_experts wide) and the sigmoid router with its score-correction bias."""
-    if i < (config.get("first_k_dense_replace") or 0):
-        return _swiglu(f"{p}mlp.", inter, h)
-    experts, moe_inter = config["n_routed_experts"], config["moe_intermediate_size"]
-    out = {f"{p}mlp.gate.weight": (experts, h), f"{p}mlp.gate.e_score_correction_bias": (experts,)}
-    for e in range(experts):
-        out |= _swiglu(f"{p}mlp.experts.{e}.", moe_inter, h)
-    return out | _swiglu(f"{p}mlp.shared_experts.", moe_inter * (config.get("n_shared_experts") or 1), h)
-
-
-def _fused_experts(config: dict, kind: str, i: int, p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
-    """gpt-oss and Llama-4: fused 3-D experts in the Hub checkpoint, split per expert as the build reads them
-    (llmc.quant.moe.per_expert_shapes)."""
-    from llmc.model.families import LAYOUTS
-    from llmc.quant.moe import per_expert_shapes
-
-    experts = config["num_local_experts"]
-    if kind == "llama4_text":
-        moe_layers = config.get("moe_layers")
-        if moe_layers is None:
-            step = config.get("interleave_moe_layer_step") or 1
-            moe_layers = list(range(step - 1, config["num_hidden_layers"], step))
-        if i not in moe_layers:
-            return _swiglu(f"{p}feed_forward.", config.get("intermediate_size_mlp") or inter, h)
-        b = f"{p}feed_forward."
-        fused = {b + "experts.gate_up_proj": (experts, h, 2 * inter), b + "experts.down_proj": (experts, inter, h)}
-        return {b + "router.weight": (experts, h), **_swiglu(b + "shared_expert.", inter, h),
-                **per_expert_shapes(fused, LAYOUTS[kind])}
-    b = f"{p}mlp."
-    fused = {b + "experts.gate_up_proj": (experts, h, 2 * inter), b + "experts.gate_up_proj_bias": (experts, 2 * inter),
-             b + "experts.down_proj": (experts, inter, h), b + "experts.down_proj_bias": (experts, h)}
-    return {b + "router.weight": (experts, h), b + "router.bias": (experts,), **per_expert_shapes(fused, LAYOUTS[kind])}
 
 
 def _stored_bytes(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, int] | None:

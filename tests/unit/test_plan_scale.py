@@ -15,6 +15,7 @@ import llmc.planning.plan
 from llmc.errors import ResourceError
 from llmc.quant.numerics import BLOCK_ELEMENTS
 from llmc.model.families import expert_count
+from llmc.model.shape_rows import SHAPE_ROWS
 from llmc.pipeline.ids import Kind
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.planning.plan import make_plan, plan_recipe
@@ -437,3 +438,43 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     io = machine.read_seconds(shape.layer_params * 2) + machine.file_write_seconds(shape.layer_params)
     assert resident.layer_seconds == pytest.approx(max(io, resident.layer_seconds))  # never below the layer's I/O
     assert cpu.layer_seconds > io  # the CPU adds its I/O to its compute
+
+
+def _meta_params(model_type: str, **config) -> int:
+    """Parameters of transformers' own model of this config, built on the meta device (no memory), with the sigmoid
+    routers' e_score_correction_bias, a buffer there but a tensor of the Hub checkpoints (DeepSeek, GLM, MiniMax)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    return sum(p.numel() for p in built.parameters()) + sum(
+        b.numel() for n, b in built.named_buffers() if n.endswith("e_score_correction_bias"))
+
+
+# every family with a config-only row (llmc.model.shape_rows), at transformers' default widths with 4 layers and a
+# small vocabulary: enough layers for each interleave (DeepSeek's 3 dense first layers, Qwen3.5's 3 linear-attention
+# layers then a full one, Llama-4's MoE layers)
+_TINY = {"num_hidden_layers": 4, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+
+
+@pytest.mark.parametrize("model_type", sorted(SHAPE_ROWS))
+def test_each_family_row_plans_the_parameters_transformers_builds(model_type: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **_TINY).to_dict()
+    planned = from_config(config).params
+    # exact, not just within 0.1%: a per-head norm planned at full width is 4e-5 of OLMo-3's total
+    assert planned == _meta_params(model_type, **_TINY), model_type
+
+
+# shipped configs whose tensors the name-by-name test above does not already hold to transformers' model
+_SHIPPED_TOTALS = ["Llama-3.1-8B", "Llama-3.3-70B-Instruct", "Mixtral-8x7B-Instruct-v0.1", "Qwen2-7B", "Qwen3-30B-A3B",
+                   "Qwen3-8B", "DeepSeek-V3"]
+
+
+@pytest.mark.parametrize("model", _SHIPPED_TOTALS)
+def test_shipped_configs_plan_the_parameters_transformers_builds_at_full_width(model: str) -> None:
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config")}
+    planned = from_config(config).params
+    assert planned == _meta_params(config["model_type"], **kwargs), model
