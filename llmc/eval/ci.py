@@ -13,7 +13,7 @@ from llmc.eval.gates import effective_gates
 from llmc.eval.report import footnotes, header, speed_kind, summary_rows
 
 if TYPE_CHECKING:
-    from llmc.result import BuildResult
+    from llmc.result import BuildResult, Evaluation
 
 
 def junit_xml(recipe_name: str, verdicts: list, error: tuple[str, str] | None = None) -> str:

@@ -29,7 +29,6 @@ AUTO_SPILL_SHARE = 0.25
 
 
 ALL_BATCHES = "batches.safetensors"  # in-memory mode's single file per layer
-HOST = torch.device("cpu")
 
 
 def inputs_dir(state_dir: Path, layer: int) -> Path:
