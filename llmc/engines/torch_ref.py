@@ -303,7 +303,9 @@ class TorchEngine(EngineBase):
             prefill.append(prompt.numel() / (time.perf_counter() - t))
             if decode_tokens:
                 short = prompt[:, :64]
-                out = self.model(input_ids=short, use_cache=True)  # the prompt's prefill, untimed
+                t = time.perf_counter()
+                out = self.model(input_ids=short, use_cache=True)
+                t_prefill = time.perf_counter() - t
                 past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 t = time.perf_counter()
                 for _ in range(decode_tokens):
