@@ -24,18 +24,9 @@ from pathlib import Path
 
 import torch
 
-from llmc.formats.base import (
-    ArtifactFormat,
-    ExportLayout,
-    ExportRequest,
-    architectures,
-    quantization_config,
-    read_json,
-    serve_line,
-    target_key,
-)
+from llmc.formats.base import architectures, quantization_config, read_json, serve_line
 from llmc.formats.registry import register_format
-from llmc.formats.gptq_format import NEEDS_GPU
+from llmc.formats.gptq_format import RepackedCheckpoint
 from llmc.formats.files import write_repacked_checkpoint
 from llmc.formats.gptq_format import check_scheme as check_integer_weight_only
 from llmc.errors import IncompatibleTargetError
@@ -140,16 +131,9 @@ def export_awq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> d
 
 
 @register_format
-class AwqCheckpoint(ArtifactFormat):
+class AwqCheckpoint(RepackedCheckpoint):
     name = "awq"
-    # float16 scales and the zero points packed at the codes' bits, written for symmetric schemes too; GPTQ adds
-    # g_idx (int32 per input feature)
-    scale_bytes = 2 + 0.5
-    layout = ExportLayout(repacks_layers=True)  # llmc.formats.files.write_repacked_checkpoint
-    families = frozenset({"llama", "mistral", "qwen2"})
     families_source = "AutoAWQ-format loaders verified against here: Llama-family layouts"
-    read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
-    unevaluated = NEEDS_GPU
     proof = ("loaded and scored here by GPTQModel's CPU AWQ kernels (engine gptqmodel; docs/formats-and-runtimes.md, issue 20); "
              "LMDeploy/vLLM's AWQ kernels need a GPU. AutoAWQ GEMM layout (nibble order "
              "0 2 4 6 1 3 5 7, unsigned zeros, fp16 scales) decodes to the canonical weights exactly, and "
@@ -158,11 +142,11 @@ class AwqCheckpoint(ArtifactFormat):
     def check_scheme(self, scheme) -> None:
         check_scheme(scheme)
 
-    def stage_config(self, request: ExportRequest) -> dict:
-        return {"target": target_key(request.target), "serve": serve_args(tensor_parallel=request.target.tensor_parallel)}
+    def serve(self, tensor_parallel: int) -> dict:
+        return serve_args(tensor_parallel=tensor_parallel)
 
-    def write(self, request: ExportRequest, out: Path) -> None:
-        export_awq(request.quantized, out, serve=self.stage_config(request)["serve"])
+    def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
+        export_awq(quantized, out, serve=serve)
 
     def recognizes(self, path: Path) -> bool:
         return (quantization_config(path) or {}).get("quant_method") == "awq"

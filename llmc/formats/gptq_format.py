@@ -174,18 +174,37 @@ NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmo
              "it in GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)")
 
 
-@register_format
-class GptqCheckpoint(ArtifactFormat):
-    name = "gptq"
-    # float16 scales and the zero points packed at the codes' bits, written for symmetric schemes too; GPTQ adds
-    # g_idx (int32 per input feature)
+class RepackedCheckpoint(ArtifactFormat):
+    """What the GPTQ and AWQ checkpoints share: integer codes repacked a block at a time
+    (llmc.formats.files.write_repacked_checkpoint), float16 scales and the zero points packed at the codes' bits
+    (written for symmetric schemes too), the Llama-family layouts their loaders were verified against, GPTQModel's
+    CPU kernels to score them, and a stage config of the target and the serving arguments. Each format gives its
+    `check`, `serve` and `export`."""
+
     scale_bytes = 2 + 0.5
-    per_input_bytes = 4
-    layout = ExportLayout(repacks_layers=True)  # llmc.formats.files.write_repacked_checkpoint
+    layout = ExportLayout(repacks_layers=True)
     families = frozenset({"llama", "mistral", "qwen2"})
-    families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
     read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = NEEDS_GPU
+
+    def serve(self, tensor_parallel: int) -> dict:
+        raise NotImplementedError
+
+    def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
+        raise NotImplementedError
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        return {"target": target_key(request.target), "serve": self.serve(request.target.tensor_parallel)}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        self.export(request.quantized, out, serve=self.stage_config(request)["serve"])
+
+
+@register_format
+class GptqCheckpoint(RepackedCheckpoint):
+    name = "gptq"
+    per_input_bytes = 4  # g_idx: int32 per input feature
+    families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
     proof = ("loaded and scored here by GPTQModel's CPU kernels (engine gptqmodel; docs/formats-and-runtimes.md, issue 20); "
              "ExLlamaV2 itself needs a GPU. GPTQ v1 layout decodes to the canonical weights exactly, and "
              "onnxruntime-genai's own GPTQ loader reads it back to the same weights; the same files feed the ONNX "
@@ -194,11 +213,11 @@ class GptqCheckpoint(ArtifactFormat):
     def check_scheme(self, scheme) -> None:
         check_scheme(scheme)
 
-    def stage_config(self, request: ExportRequest) -> dict:
-        return {"target": target_key(request.target), "serve": serve_args(tensor_parallel=request.target.tensor_parallel)}
+    def serve(self, tensor_parallel: int) -> dict:
+        return serve_args(tensor_parallel=tensor_parallel)
 
-    def write(self, request: ExportRequest, out: Path) -> None:
-        export_gptq(request.quantized, out, serve=self.stage_config(request)["serve"])
+    def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
+        export_gptq(quantized, out, serve=serve)
 
     def recognizes(self, path: Path) -> bool:
         q = quantization_config(path) or {}
