@@ -247,15 +247,7 @@ def spread(groups: Sequence[Sequence[str]], sizes: dict[str, int], compute: Call
 
 def moved(obj, device: torch.device | str):
     """`obj` (tensors in dicts, lists, tuples and dataclasses such as QuantizedWeight) with its tensors on `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: moved(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(moved(v, device) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return replace(obj, **{f.name: moved(getattr(obj, f.name), device) for f in fields(obj)})
-    return obj
+    return _mapped(obj, lambda t: t.to(device))
 
 
 def _tensor_bytes(obj) -> int:
