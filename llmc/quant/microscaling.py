@@ -300,3 +300,70 @@ def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype | None = None) -> to
     values = decode_elements(q.codes, q.format)
     out = (_blocks(values, q.format) * scale_values(q.scale, q.global_scale).unsqueeze(-1)).flatten(-2)
     return out if dtype is None else out.to(dtype)
+
+
+# --------------------------------------------------------------------------- MXFP4 -> NVFP4 without re-rounding
+
+# E4M3 holds every power of two from its smallest subnormal 2^-9 to 2^8 (448 is not a power of two): 18 of them.
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+
+
+@dataclass
+class Mxfp4Cast:
+    """MXFP4 codes cast to NVFP4 (`nvfp4`), with how many 16-element blocks kept their codes exactly and how many
+    were requantized from their decoded values (their MX scale lay below what E4M3 reaches under the global scale)."""
+
+    nvfp4: BlockQuantized
+    exact_blocks: int
+    requantized_blocks: int
+
+
+def mxfp4_cast_global_scale(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The NVFP4 global scale (compressed-tensors' divisor, float32 [1]) an exact cast of these MXFP4 tensors uses,
+    shared by all of them (fused siblings: gate and up). Each MX block's value is code * 2^(s - 127); NVFP4's is
+    code * b / G. With G = 2^k and b = 2^(s - 127 + k) both are powers of two, so b / G is 2^(s - 127) exactly in
+    float32 and the codes carry over unchanged, provided b is an E4M3 power of two: -9 <= s - 127 + k <= 8. k puts
+    the largest non-zero block's scale on 2^8 (nothing can lie above it), so every block within 17 exponents of it
+    casts exactly; one further below is requantized (`mxfp4_to_nvfp4`). `blocks`: (codes [..., n] uint8 E2M1
+    unpacked, E8M0 exponents [..., n / 32] uint8) per tensor. All-zero tensors get 1, as `nvfp4_global_scale`."""
+    top = None
+    for codes, exponents in blocks:
+        live = _blocks(codes, MXFP4).bitwise_and(0x7).amax(dim=-1) > 0  # a block holding a non-zero code
+        if bool(live.any()):
+            s = int(exponents[live].max())
+            top = s if top is None else max(top, s)
+    if top is None:
+        return torch.ones(1, dtype=torch.float32)
+    k = min(E4M3_POW2_MAX - (top - E8M0_BIAS), E8M0_BIAS)  # 2^k stays a finite float32
+    return torch.ldexp(torch.ones(1), torch.tensor([float(k)]))
+
+
+def mxfp4_to_nvfp4(codes: torch.Tensor, exponents: torch.Tensor, global_scale: torch.Tensor) -> Mxfp4Cast:
+    """MXFP4 (E2M1 codes [..., n] unpacked, E8M0 exponents [..., n / 32]) as NVFP4 under `global_scale` (a power of
+    two: `mxfp4_cast_global_scale`). Each 32-element block's two 16-element halves take the block scale
+    2^(s - 127) * global_scale and keep their codes, bit for bit, wherever that is an E4M3 power of two; the value
+    each element decodes to is then the MXFP4 one exactly. A half whose scale falls below E4M3's 2^-9 (and that
+    holds a non-zero code) is requantized from its decoded values under the same global scale (round to nearest,
+    `nvfp4_block_scale`): the only rounding, reported in `requantized_blocks`."""
+    g = global_scale.float().reshape(1)
+    _, e = torch.frexp(g)
+    if not bool((torch.ldexp(torch.ones(1), e - 1) == g).all()):
+        raise ValueError(f"an exact MXFP4 -> NVFP4 cast needs a power-of-two global scale, got {float(g)}")
+    k = int(e) - 1
+    t = (exponents.to(torch.int32) - E8M0_BIAS + k).repeat_interleave(MXFP4.block_size // NVFP4.block_size, dim=-1)
+    live = _blocks(codes, NVFP4).bitwise_and(0x7).amax(dim=-1) > 0
+    exact = (t >= E4M3_POW2_MIN) & (t <= E4M3_POW2_MAX)
+    scale = torch.ldexp(torch.ones_like(t, dtype=torch.float32), t.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX).float())
+    # a block of zeros keeps its MX scale too where E4M3 holds it (requantizing then gives its codes back, -0 too)
+    scale = torch.where(exact, scale, 0.0).to(torch.float8_e4m3fn)
+    out = codes.clone()
+    redo = live & ~exact
+    if bool(redo.any()):
+        values = (_blocks(e2m1_decode(codes), MXFP4) * e8m0_decode(exponents).unsqueeze(-1)).flatten(-2)
+        values = _blocks(values, NVFP4)[redo]  # [blocks, 16]
+        redo_scale = nvfp4_block_scale(values.abs().amax(dim=-1), g)
+        _blocks(out, NVFP4)[redo] = encode_elements(values, scale_values(redo_scale, g).unsqueeze(-1), NVFP4)
+        scale[redo] = redo_scale
+    n_redo = int(redo.sum())
+    return Mxfp4Cast(BlockQuantized(codes=out, scale=scale, global_scale=g.to(codes.device), format=NVFP4),
+                     exact_blocks=int(live.sum()) - n_redo, requantized_blocks=n_redo)

@@ -49,7 +49,7 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import decode_fp8
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
-from llmc.quant import moe
+from llmc.quant import moe, mxfp4_source
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
@@ -181,6 +181,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     if m.passed_through:
         log(f"{m.passed_through} Linear(s) kept the codes and scales of the {m.reader.source_format.describe()} "
             "source, bit for bit (their target format is the source's)")
+    if m.mxfp4_kept.describe():
+        log(m.mxfp4_kept.describe())
     release(m.model)  # the skeleton's embeddings and head: read again below, so never two copies
     # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
@@ -313,6 +315,7 @@ class _Model:
     group_of: dict[str, str | None]  # Linear -> its group ("" unmixed; None: left unquantized)
     every_linear: list[str]  # every Linear of the model, inside the decoder layers or not
     passed_through: int = 0  # Linears that kept their quantized original's codes (_pass_through_source_codes)
+    mxfp4_kept: mxfp4_source.Kept = field(default_factory=mxfp4_source.Kept)  # an MXFP4 original's expert codes
     modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
     pipelines: dict[str, Pipeline] = field(default_factory=dict)  # each group's (one "" unmixed)
     kv_names: list[str] = field(default_factory=list)
@@ -425,6 +428,11 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
                                              if n not in w.quantized and m.group_of[n] == group}, member.weights))
     if m.reader.source_format is not None:
         m.passed_through += _pass_through_source_codes(w, m, members)
+    if m.reader.source_format is not None and m.reader.source_format.name == "mxfp4" and m.moe_blocks:
+        # gpt-oss's MXFP4 experts: passed through to an MXFP4 target, cast exactly to NVFP4 (llmc.quant.mxfp4_source)
+        m.mxfp4_kept.add(mxfp4_source.keep_layer_codes(
+            w.quantized, {n: lin.weight.data for n, lin in w.linears.items()},
+            {n: members[m.group_of[n]].weights for n in w.linears}, m.reader, w.prefix, moe.layout_of(m.config)))
     if moe_report is not None and w.routed:
         moe_report.add(w.index, w.prefix, w.routed,
                        moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},

@@ -1,0 +1,145 @@
+"""An MXFP4 original's expert codes kept where the target's scheme allows it, instead of quantizing the decoded values
+a second time (issue 46, "no needless rounding").
+
+gpt-oss ships its routed experts as MXFP4 (`<block>.experts.gate_up_proj_blocks` / `_scales`: E2M1 codes two a byte
+and one E8M0 exponent per 32 inputs, rows = output features; llmc.model.source_formats decodes them). The layer
+stream splits the decoded experts into per-expert Linears (llmc.quant.moe); here the stored codes and exponents are
+split the same way (`split_experts` on the stored tensors, viewed in the decoded layout), so each per-expert Linear
+finds its own codes, and:
+
+  - an MXFP4 target (W4A16-MXFP4) takes them as they are: codes and exponents bit for bit;
+  - an NVFP4 target (W4A16-NVFP4, W4A4-NVFP4) gets them cast (llmc.quant.microscaling.mxfp4_to_nvfp4): the codes
+    unchanged, each 16-element half of an MX block scaled by the E4M3 power of two 2^(s - 127 + k) under the
+    global scale 2^k, shared by an expert's gate and up (a runtime fuses them under one global scale). This is exact
+    wherever a non-zero block's exponent lies within 17 of the largest one's (E4M3 holds 2^-9 .. 2^8); a block
+    further below is requantized from its decoded values under the same global scale, and counted.
+
+A Linear whose weight an algorithm changed (it no longer equals the decoded original in the compute dtype) keeps the
+quantizer's own codes, as the FP8 pass-through does (llmc.quant.stream._pass_through_source_codes); so does every
+member of a gate/up pair when one of them changed (their global scale must stay shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from llmc.model.checkpoint import CheckpointReader
+from llmc.model.families import MoeLayout
+from llmc.quant.microscaling import (MXFP4, BlockQuantized, dequantize_blocks, fused_groups, mxfp4_cast_global_scale,
+                                     mxfp4_to_nvfp4, unpack_e2m1)
+from llmc.quant.moe import split_experts
+from llmc.quant.numerics import QuantizedWeight
+from llmc.quant.spec import TensorSpec
+
+KEPT_FORMATS = ("mxfp4", "nvfp4")  # the target weight formats an MXFP4 source's codes carry over to
+
+
+@dataclass
+class Kept:
+    """What the MXFP4 source's codes became, summed over the layers."""
+
+    passed_through: int = 0  # Linears written with the source's MXFP4 codes and exponents, bit for bit
+    cast: int = 0  # Linears cast to NVFP4
+    exact_blocks: int = 0  # of theirs, 16-element blocks whose codes were kept (values equal to the source's)
+    requantized_blocks: int = 0  # blocks requantized from their decoded values (below E4M3's reach)
+
+    def add(self, other: Kept) -> None:
+        self.passed_through += other.passed_through
+        self.cast += other.cast
+        self.exact_blocks += other.exact_blocks
+        self.requantized_blocks += other.requantized_blocks
+
+    def describe(self) -> str:
+        parts = []
+        if self.passed_through:
+            parts.append(f"{self.passed_through} expert Linear(s) kept the MXFP4 source's codes and E8M0 scales, "
+                         "bit for bit (their target is MXFP4)")
+        if self.cast:
+            redo = (f"; {self.requantized_blocks} block(s) lay below E4M3's reach under the global scale and were "
+                    "requantized from their decoded values") if self.requantized_blocks else ""
+            parts.append(f"{self.cast} expert Linear(s) cast from MXFP4 to NVFP4 with their codes kept: "
+                         f"{self.exact_blocks} 16-element block(s) exact{redo}")
+        return "; ".join(parts)
+
+
+def keep_layer_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, torch.Tensor],
+                     specs: dict[str, TensorSpec], reader: CheckpointReader, prefix: str, layout: MoeLayout) -> Kept:
+    """`keep_source_codes` for one decoder layer (`prefix`) of an MXFP4 source; the stored codes are read only when
+    a Linear of the layer targets MXFP4 or NVFP4."""
+    if not any(specs.get(n) is not None and specs[n].format in KEPT_FORMATS for n in quantized):
+        return Kept()
+    return keep_source_codes(quantized, weights, specs, source_expert_codes(reader, prefix, layout))
+
+
+def source_expert_codes(reader: CheckpointReader, prefix: str,
+                        layout: MoeLayout) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert Linear name (under `prefix`, a decoder layer's) -> its stored (packed E2M1 codes [out, in / 2],
+    E8M0 exponents [out, in / 32]), views of the layer's stored MXFP4 tensors."""
+    fused = {n: reader.encoded(n) for n in reader.names() if n.startswith(prefix) and reader.encoded(n) is not None}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for gate_up in [n for n in fused if n.endswith(".experts.gate_up_proj")]:
+        base = gate_up[: -len("gate_up_proj")]
+        down = base + "down_proj"
+        if down not in fused:
+            continue  # half a fused block: the stream's own checks name what is missing
+        names = [fused[gate_up].codes, fused[gate_up].scale, fused[down].codes, fused[down].scale]
+        stored = reader.get_stored(names)
+        packed = [_decoded_layout(stored[names[i]]) for i in (0, 2)]
+        scales = [_decoded_layout(stored[names[i]]) for i in (1, 3)]
+        plain = replace(layout, bias=False)  # biases are not MXFP4: only the weights are split here
+        projections = {"gate": layout.gate, "up": layout.up, "down": layout.down}
+        for e, (p, s) in enumerate(zip(split_experts(plain, *packed, None, None),
+                                       split_experts(plain, *scales, None, None))):
+            for proj, local in projections.items():
+                out[f"{base}{e}.{local}"] = (p[f"{proj}.weight"], s[f"{proj}.weight"])
+    return out
+
+
+def _decoded_layout(stored: torch.Tensor) -> torch.Tensor:
+    """A stored MXFP4 part ([E, out, blocks, 16] bytes or [E, out, blocks] exponents) viewed as the decoded tensor is
+    laid out ([E, in-direction, out], llmc.model.source_formats.decode_mxfp4), so `split_experts` picks its rows."""
+    if stored.dim() == 4:
+        stored = stored.reshape(*stored.shape[:2], -1)
+    return stored.transpose(1, 2)
+
+
+def keep_source_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, torch.Tensor],
+                      specs: dict[str, TensorSpec], source: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Kept:
+    """Replace, in `quantized`, the codes of each expert Linear whose target format is MXFP4 or NVFP4 and whose
+    weight (`weights`, in the compute dtype) still equals its decoded source, by the source's codes: passed through
+    (MXFP4) or cast (NVFP4, one global scale per gate/up pair)."""
+    kept = Kept()
+    unpacked = {}
+    for name, q in quantized.items():
+        spec = specs.get(name)
+        if name not in source or spec is None or spec.format not in KEPT_FORMATS or not spec.info.microscaling:
+            continue
+        packed, exponents = source[name]
+        codes = unpack_e2m1(packed)
+        weight = weights[name]
+        decoded = dequantize_blocks(BlockQuantized(codes, exponents, None, MXFP4), weight.dtype)
+        if torch.equal(decoded, weight.detach().cpu()):  # no algorithm changed it: the source's codes stand
+            unpacked[name] = (codes, exponents.clone())  # its own tensor: safetensors stores no aliases
+    for name in [n for n in unpacked if specs[n].format == "mxfp4"]:
+        codes, exponents = unpacked[name]
+        device = quantized[name].codes.device
+        quantized[name] = QuantizedWeight(codes=codes.to(device), scale=exponents.to(device), zero_point=None)
+        kept.passed_through += 1
+    nvfp4 = [n for n in quantized if specs.get(n) is not None and specs[n].format == "nvfp4"]
+    for group in fused_groups(nvfp4):
+        if not all(n in unpacked for n in group):
+            continue  # a member the quantizer coded under its own global scale: the pair keeps one scale
+        global_scale = mxfp4_cast_global_scale([unpacked[n] for n in group])
+        for name in group:
+            cast = mxfp4_to_nvfp4(*unpacked[name], global_scale)
+            device = quantized[name].codes.device
+            q = cast.nvfp4
+            quantized[name] = QuantizedWeight(codes=q.codes.to(device), scale=q.scale.to(device), zero_point=None,
+                                              global_scale=q.global_scale.clone().to(device))
+            kept.cast += 1
+            kept.exact_blocks += cast.exact_blocks
+            kept.requantized_blocks += cast.requantized_blocks
+    return kept
+
