@@ -88,7 +88,9 @@ def decoded_config(config: dict) -> dict:
 def statement(fmt: SourceFormat, dtype: str) -> str:
     """What the plan (and the build's report) says about a decoded source."""
     rounding = "" if dtype == "float32" else f", rounded once to {dtype}"
-    kept = " (a weight whose target format is the source's keeps the source's codes)" if fmt.name != "mxfp4" else ""
+    kept = (" (a weight whose target format is the source's keeps the source's codes)" if fmt.name != "mxfp4" else
+            " (experts whose target is MXFP4 keep the source's codes; an NVFP4 target gets them cast with the codes "
+            "kept, exactly wherever a block's exponent lies within 17 of its expert's largest: llmc.quant.mxfp4_source)")
     return (f"model.source is a quantized original, {fmt.describe()} (quantization_config quant_method "
             f"'{fmt.quant_method}'): llmc decodes it layer by layer (each code times its scale, in float32"
             f"{rounding}) and quantizes the decoded weights{kept}; the baseline is the decoded original")

@@ -13,10 +13,17 @@ _MARLIN_FP8 = (
 _MARLIN_FP4 = "NVFP4 runs weight-only through the FP4 Marlin kernel: activations stay 16-bit, no FP4 matmul speed-up"
 # gpt-oss: llmc writes its experts per expert (llm-compressor's names, docs/models.md); vLLM's gpt-oss loader reads
 # only the fused 3-D tensors and skips any other name it has no parameter for, so the experts would stay unloaded
+# Read again for issue 46 (vLLM's gpt_oss.py as docs.vllm.ai/en/latest published it, 2026-09): besides the fused
+# tensors it reads Quark's per-expert fused `experts.E.gate_up_proj.weight` (quant_method quark only) and, since PR
+# #52209 (0.29), per-expert keys `experts.E.{w13,w2}_{weight,bias,weight_scale}` (_try_load_streamed_expert, for RL
+# weight sync); a compressed-tensors per-expert `gate_proj` / `up_proj` with NVFP4's weight_packed / weight_global_scale
+# matches no mapper suffix, no streamed suffix and no parameter, so it is skipped
 _GPT_OSS_VLLM = (
     "vLLM's gpt-oss loader reads its experts only as fused 3-D tensors (MXFP4 blocks, or bf16 gate_up_proj / "
-    "down_proj) and skips names it has no parameter for, so per-expert quantized experts would not load "
-    "(vllm-project/vllm: vllm/model_executor/models/gpt_oss.py, GptOssModel._load_weights_other, read at a6b6cfa)")
+    "down_proj), Quark's per-expert fused gate_up_proj, or per-expert w13/w2 weight, bias and weight_scale keys, and "
+    "skips names it has no parameter for, so compressed-tensors' per-expert gate_proj / up_proj / down_proj "
+    "(weight_packed, weight_global_scale) would not load (vllm-project/vllm: vllm/model_executor/models/gpt_oss.py, "
+    "GptOssModel._load_weights_other and _try_load_streamed_expert, read at a6b6cfa and as of 2026-09)")
 _GPT_OSS_UNREAD = "its gpt-oss loader was not checked for per-expert compressed-tensors experts (llmc refuses unread)"
 
 
