@@ -109,37 +109,45 @@ def keep_source_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, 
                       specs: dict[str, TensorSpec], source: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Kept:
     """Replace, in `quantized`, the codes of each expert Linear whose target format is MXFP4 or NVFP4 and whose
     weight (`weights`, in the compute dtype) still equals its decoded source, by the source's codes: passed through
-    (MXFP4) or cast (NVFP4, one global scale per gate/up pair)."""
+    (MXFP4) or cast (NVFP4, one global scale per gate/up pair). One fused group at a time, so at most one pair's
+    unpacked codes exist beside the layer's quantized ones."""
     kept = Kept()
-    unpacked = {}
-    for name, q in quantized.items():
-        spec = specs.get(name)
-        if name not in source or spec is None or spec.format not in KEPT_FORMATS or not spec.info.microscaling:
-            continue
-        packed, exponents = source[name]
-        codes = unpack_e2m1(packed)
-        weight = weights[name]
-        decoded = dequantize_blocks(BlockQuantized(codes, exponents, None, MXFP4), weight.dtype)
-        if torch.equal(decoded, weight.detach().cpu()):  # no algorithm changed it: the source's codes stand
-            unpacked[name] = (codes, exponents.clone())  # its own tensor: safetensors stores no aliases
-    for name in [n for n in unpacked if specs[n].format == "mxfp4"]:
-        codes, exponents = unpacked[name]
-        device = quantized[name].codes.device
-        quantized[name] = QuantizedWeight(codes=codes.to(device), scale=exponents.to(device), zero_point=None)
-        kept.passed_through += 1
-    nvfp4 = [n for n in quantized if specs.get(n) is not None and specs[n].format == "nvfp4"]
-    for group in fused_groups(nvfp4):
-        if not all(n in unpacked for n in group):
-            continue  # a member the quantizer coded under its own global scale: the pair keeps one scale
-        global_scale = mxfp4_cast_global_scale([unpacked[n] for n in group])
-        for name in group:
-            cast = mxfp4_to_nvfp4(*unpacked[name], global_scale)
-            device = quantized[name].codes.device
-            q = cast.nvfp4
-            quantized[name] = QuantizedWeight(codes=q.codes.to(device), scale=q.scale.to(device), zero_point=None,
-                                              global_scale=q.global_scale.clone().to(device))
-            kept.cast += 1
-            kept.exact_blocks += cast.exact_blocks
-            kept.requantized_blocks += cast.requantized_blocks
+    names = [n for n in quantized if n in source and specs.get(n) is not None and specs[n].format in KEPT_FORMATS
+             and specs[n].info.microscaling]
+    for fmt in KEPT_FORMATS:
+        # NVFP4 siblings share a global scale (fused_groups); MXFP4 has none to share, each Linear stands alone
+        mine = [n for n in names if specs[n].format == fmt]
+        for group in (fused_groups(mine) if fmt == "nvfp4" else [[n] for n in mine]):
+            unpacked = {n: _unchanged_source_codes(source[n], weights[n]) for n in group}
+            if any(u is None for u in unpacked.values()):
+                continue  # an algorithm changed a member: the quantizer's codes stand for the whole group
+            if fmt == "mxfp4":
+                (name,) = group
+                codes, exponents = unpacked[name]
+                device = quantized[name].codes.device
+                quantized[name] = QuantizedWeight(codes=codes.to(device), scale=exponents.to(device), zero_point=None)
+                kept.passed_through += 1
+                continue
+            global_scale = mxfp4_cast_global_scale(list(unpacked.values()))
+            for name in group:
+                cast = mxfp4_to_nvfp4(*unpacked[name], global_scale)
+                device, q = quantized[name].codes.device, cast.nvfp4
+                quantized[name] = QuantizedWeight(codes=q.codes.to(device), scale=q.scale.to(device), zero_point=None,
+                                                  global_scale=q.global_scale.clone().to(device))
+                kept.cast += 1
+                kept.exact_blocks += cast.exact_blocks
+                kept.requantized_blocks += cast.requantized_blocks
     return kept
+
+
+def _unchanged_source_codes(stored: tuple[torch.Tensor, torch.Tensor],
+                            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(E2M1 codes unpacked, E8M0 exponents) of a Linear whose weight still equals its decoded source in the compute
+    dtype (no algorithm changed it); None otherwise."""
+    packed, exponents = stored
+    codes = unpack_e2m1(packed)
+    decoded = dequantize_blocks(BlockQuantized(codes, exponents, None, MXFP4), weight.dtype)
+    if not torch.equal(decoded, weight.detach().cpu()):
+        return None
+    return codes, exponents.clone()  # its own tensor: safetensors stores no aliases
 

@@ -181,3 +181,27 @@ def test_an_nvfp4_target_gets_the_exact_cast_and_compressed_tensors_decodes_the_
         theirs = _nvfp4_float32(raw[f"{name}.weight_packed"], raw[f"{name}.weight_scale"],
                                 raw[f"{name}.weight_global_scale"], scheme)
         assert torch.equal(theirs, _decoded(codes, exponents)), name
+
+
+def test_a_changed_weight_keeps_the_quantizers_codes_and_so_does_its_gate_up_sibling() -> None:
+    """A Linear an algorithm changed (its weight no longer the decoded original) is not replaced; its gate/up sibling
+    is not either (the pair must keep one global scale); the untouched down projection is cast."""
+    from llmc.quant.mxfp4_source import keep_source_codes
+    from llmc.quant.numerics import quantize_weights
+    from llmc.quant.spec import TensorSpec
+
+    spec = TensorSpec("nvfp4", "group", group_size=16)
+    source, weights = {}, {}
+    for i, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+        codes, exponents = _mx(32, 64, 118, 126, seed=10 + i)
+        source[f"e.0.{proj}"] = (pack_e2m1(codes), exponents)
+        weights[f"e.0.{proj}"] = _decoded(codes, exponents)
+    weights["e.0.up_proj"] = weights["e.0.up_proj"] * 1.01  # what GPTQ's updates would do
+    quantized = quantize_weights(weights, spec)
+    before = {n: q.codes.clone() for n, q in quantized.items()}
+    kept = keep_source_codes(quantized, weights, dict.fromkeys(weights, spec), source)
+    assert (kept.cast, kept.passed_through) == (1, 0)
+    assert torch.equal(quantized["e.0.gate_proj"].codes, before["e.0.gate_proj"])
+    assert torch.equal(quantized["e.0.up_proj"].codes, before["e.0.up_proj"])
+    assert torch.equal(quantized["e.0.down_proj"].codes, unpack_e2m1(source["e.0.down_proj"][0]))
+    assert not torch.equal(before["e.0.down_proj"], quantized["e.0.down_proj"].codes)  # RTN had other codes
