@@ -205,3 +205,59 @@ def test_a_changed_weight_keeps_the_quantizers_codes_and_so_does_its_gate_up_sib
     assert torch.equal(quantized["e.0.up_proj"].codes, before["e.0.up_proj"])
     assert torch.equal(quantized["e.0.down_proj"].codes, unpack_e2m1(source["e.0.down_proj"][0]))
     assert not torch.equal(before["e.0.down_proj"], quantized["e.0.down_proj"].codes)  # RTN had other codes
+
+
+NVFP4_EXPERTS = {"algorithm": "rtn", "groups": [{"name": "router", "roles": ["router"], "ignore": True},
+                                                {"name": "experts", "roles": ["experts"], "scheme": "W4A4-NVFP4"},
+                                                {"name": "bf16", "roles": ["attention"], "ignore": True}]}
+
+
+def _cli(folder: Path, tmp_path: Path, command: str) -> tuple[int, str]:
+    import yaml
+    from click.testing import CliRunner
+    from test_build import recipe_text
+
+    from llmc.cli import main
+
+    recipe = yaml.safe_load(recipe_text(folder, tmp_path / "reg", **{"eval.windows": 2, "calibration.samples": 2}))
+    recipe["quantization"] = NVFP4_EXPERTS
+    recipe["targets"] = [{"runtime": "vllm", "gpu_arch": "sm100"}]
+    recipe["gates"] = {"max_ppl_increase_pct": 1000.0}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    args = [command, str(path), "--cache-dir", str(tmp_path / "cache")]
+    if command == "build":
+        args += ["--report-dir", str(tmp_path / "report"), "--no-publish"]
+    result = CliRunner().invoke(main, args)
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+@pytest.mark.heavy
+def test_vllm_refuses_the_nvfp4_experts_of_an_mxfp4_gpt_oss_naming_what_its_loader_reads(tmp_path: Path) -> None:
+    code, out = _cli(save_mxfp4_gpt_oss(tmp_path / "gpt-oss"), tmp_path, "plan")
+    assert code == 3 and "weight_packed" in out and "_try_load_streamed_expert" in out, out
+
+
+@pytest.mark.slow
+def test_llmc_build_of_the_mxfp4_original_to_nvfp4_experts_with_the_vllm_refusal_lifted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole build (plan, calibration, the layer stream's cast, the compressed-tensors export, the torch engine's
+    evaluation of the files) on the tiny MXFP4 original, with vLLM's gpt-oss refusal lifted in this test only: what a
+    runtime that loads per-expert NVFP4 gpt-oss experts would get. The experts' exported codes are the original's."""
+    from llmc.runtimes.catalog import runtime_names
+    from llmc.runtimes.registry import RUNTIMES
+
+    assert "vllm" in runtime_names()  # the catalog registered the runtimes
+    monkeypatch.delitem(RUNTIMES["vllm"].refused_families, "gpt_oss")
+    folder = _narrow_codes_source(tmp_path)
+    code, out = _cli(folder, tmp_path, "build")
+    assert code == 0, out
+    (export,) = [p.parent for p in (tmp_path / "cache").rglob("config.json")
+                 if json.loads(p.read_text()).get("quantization_config", {}).get("quant_method") == "compressed-tensors"]
+    raw = {k: v for f in export.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    expected = _source_expert_codes(folder)
+    for name, (codes, _) in expected.items():
+        assert torch.equal(unpack_e2m1(raw[f"{name}.weight_packed"]), codes), name
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "the baseline is the decoded original" in report and "cast with the codes kept" in report
