@@ -160,7 +160,7 @@ class EngineSpec:
     def scoring_cost(self, scoring: Scoring) -> CostRow | None:
         """The plan's row for one scoring in this engine, from its module's `scoring_cost` (each engine costs itself,
         beside its code); None for an engine without a cost model (the GPU engines TensorRT, TensorRT-LLM; the torch
-        reference is costed by the evaluate stage itself, llmc.pipeline.evaluate.eval_cost)."""
+        reference is costed by the evaluate stage itself, llmc.engines.torch_cost.eval_cost)."""
         cost = getattr(importlib.import_module(self.loader.split(":")[0]), "scoring_cost", None)
         return cost(scoring) if cost is not None else None
 

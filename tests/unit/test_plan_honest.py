@@ -422,7 +422,7 @@ def test_the_quantize_peak_counts_the_embeddings_read_in_the_stored_dtype_and_he
 def test_fewer_windows_than_the_batch_are_planned_as_one_batch_of_them(streamed: bool, monkeypatch) -> None:
     """Issue 35: eval.windows 2 with eval.batch_size 8 runs one batch of 2 windows; its logits, forward temporaries
     and forward time were planned for 8."""
-    from llmc.pipeline.evaluate import eval_cost
+    from llmc.engines.torch_cost import eval_cost
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
 
@@ -446,7 +446,7 @@ def test_fewer_windows_than_the_batch_are_planned_as_one_batch_of_them(streamed:
 def test_the_emulated_inputs_are_each_quantized_linears_input_and_the_kv_cache_per_token() -> None:
     """Issue 35: the torch engine fake-quantizes every quantized Linear's input (q, k and v each their own) and the
     keys and values; at SmolLM2's widths that doubled the scoring time and the plan did not count it."""
-    from llmc.pipeline.evaluate import emulated_elements
+    from llmc.engines.torch_cost import emulated_elements
     from llmc.planning.shapes import from_config
     from llmc.quant.spec import Scheme, TensorSpec
 
@@ -470,7 +470,7 @@ def test_the_emulated_inputs_are_each_quantized_linears_input_and_the_kv_cache_p
 
 
 def test_an_artifact_whose_runtime_quantizes_activations_is_planned_slower_by_the_emulation(monkeypatch) -> None:
-    from llmc.pipeline.evaluate import eval_cost
+    from llmc.engines.torch_cost import eval_cost
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
     from llmc.quant.spec import TensorSpec
