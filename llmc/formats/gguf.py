@@ -38,7 +38,8 @@ Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.p
 keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
 
-Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2): llama.cpp
+Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss,
+Qwen3-Next, Qwen3.5-MoE, Llama-4 text): llama.cpp
 holds a layer's experts as one 3-D tensor per projection (`ffn_{gate,up,down}_exps`, [E, rows, cols]); each expert's
 canonical tensor is converted as above and the E results stacked in expert order, so every expert's codes and scales
 are copied as a dense Linear's are. Routers (and Qwen2-MoE's shared-expert gate) stay F32 as convert_hf_to_gguf.py
@@ -356,7 +357,7 @@ def _arch(config: dict) -> _Arch:
         head_dim=k_dim,
         value_dim=v_dim,
         rope_dim=rope_dim,
-        ffn=config["intermediate_size"],
+        ffn=config[FFN_WIDTH_KEY.get(family.arch, "intermediate_size")],
         ctx=config.get("max_position_embeddings", 2048),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rms_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -410,10 +411,29 @@ def _mrope_sections_fit(c: dict, head_dim: int) -> str | None:
             f"{head_dim}, which ggml's multi-section rope asserts against (ggml-cpu/ops.cpp: sect_dims <= ne0)")
 
 
+def _llama4_layers(c: dict, head_dim: int) -> str | None:
+    """llama.cpp's llama4 graph: no rope on every 4th layer (n_no_rope_layer_step), q/k L2-normed unless the model
+    has 128 experts (use_kq_norm), chunked attention on the others (load_swa_pattern's 3 chunked, 1 full)."""
+    n = c["num_hidden_layers"]
+    if n < 4:  # measured: llama.cpp 0.3.36 aborts in the first decode (ggml-backend.cpp: "tensor buffer not set")
+        return (f"{n} layers: llama.cpp's llama4 graph builds the attention-temperature input of its no-rope layers "
+                "(every 4th) and aborts when there is none")
+    want = [int((i + 1) % 4 != 0) for i in range(n)]
+    if (got := c.get("no_rope_layers") or want) != want:
+        return f"no_rope_layers = {got}, but llama.cpp skips rope on every 4th layer ({want})"
+    if bool(c.get("use_qk_norm", True)) != (c.get("num_local_experts") != 128):
+        return (f"use_qk_norm = {c.get('use_qk_norm')}, but llama.cpp L2-normalises q/k exactly when the model does "
+                "not have 128 experts (src/models/llama4.cpp use_kq_norm)")
+    return None
+
+
 # (GGUF architectures, check of config.json and the key head width -> why llama.cpp cannot run it, or None)
 ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ...] = (
     (("QWEN35", "QWEN35MOE"), _mrope_sections_fit),
+    (("LLAMA4",), _llama4_layers),
 )
+# the dense MLP's width where config.json names it otherwise (Llama-4's intermediate_size is its experts')
+FFN_WIDTH_KEY = {"LLAMA4": "intermediate_size_mlp"}
 
 
 def _plain_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
@@ -1287,7 +1307,7 @@ def _sigmoid_gating(c: dict) -> object:
 
 
 _MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2", "GPT_OSS", "QWEN3NEXT",
-              "QWEN35MOE")
+              "QWEN35MOE", "LLAMA4")
 _DELTANET = ("QWEN3NEXT", "QWEN35", "QWEN35MOE")  # gated-DeltaNet linear attention in the layers layer_types names
 _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layers, grouped scaled sigmoid routing
 
@@ -1308,7 +1328,8 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (_MOE_ARCHS, "add_expert_used_count", lambda c: int(c["num_experts_per_tok"]) if _routed_experts(c) else None),
     (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_feed_forward_length",
      _key("moe_intermediate_size", int)),
-    (("MINIMAXM2", "GPT_OSS"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts' width
+    (("MINIMAXM2", "GPT_OSS", "LLAMA4"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts'
+    (("LLAMA4",), "add_interleave_moe_layer_step", _key("interleave_moe_layer_step", int)),
     # gpt-oss: which layers slide, per layer (openai-moe.cpp load_swa_pattern reads the array before its default)
     (("GPT_OSS",), "add_sliding_window_pattern", _sliding_layers),
     (("QWEN2MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_shared_feed_forward_length",
@@ -1347,7 +1368,8 @@ class Gguf(ArtifactFormat):
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
-             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Q8_0) loaded "
+             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Llama-4: "
+             "Q8_0) loaded "
              "and scored in llama.cpp 0.3.36 against the torch reference (tests/integration/test_gguf_moe_llamacpp.py); "
              "Ollama itself (which embeds "
              "llama.cpp) is not run here")

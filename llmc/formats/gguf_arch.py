@@ -62,16 +62,17 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     # in_proj_a / in_proj_b apart and its value heads reordered for llama.cpp's broadcast (llmc.formats.gguf)
     "qwen3_5_text": GgufFamily("QWEN35", permute_qk=False, norm_offset=1.0, norm_offset_skip=("ssm_norm",)),
     "qwen3_5_moe_text": GgufFamily("QWEN35MOE", permute_qk=False, norm_offset=1.0, norm_offset_skip=("ssm_norm",)),
+    # Llama-4 text (conversion/llama.py Llama4Model, undo_permute = False): transformers' Llama-4 already rotates
+    # adjacent pairs, as llama.cpp's normal rope does, so q/k keep their rows; MoE every interleave_moe_layer_step-th
+    # layer with a shared expert, the dense layers' MLP intermediate_size_mlp wide
+    "llama4_text": GgufFamily("LLAMA4", permute_qk=False),
 }
 MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
-                             "qwen3_next", "qwen3_5_moe_text"})
+                             "qwen3_next", "qwen3_5_moe_text", "llama4_text"})
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
 GGUF_REFUSED: dict[str, str] = {
-    "llama4_text": "llama.cpp has the llama4 architecture (src/models/llama4.cpp), but llmc's GGUF exporter does not "
-                   "write its chunked-attention / no-rope-layer keys yet, and llama.cpp fixes the chunk (8192) and "
-                   "attention-temperature constants rather than reading them from the file",
     "gemma4_text": "llama.cpp has the gemma4 architecture (src/models/gemma4.cpp), but llmc's GGUF exporter does not "
                    "write its per-layer input embeddings yet",
 }
@@ -95,6 +96,12 @@ GGUF_FIXED: tuple[tuple[str, str, object, object, str], ...] = (
     ("qwen3_next", "mlp_only_layers", [], [],
      "src/models/qwen3next.cpp: every layer loads the experts (ffn_gate_inp, flags 0): no dense-MLP layers"),
     ("qwen3_next", "decoder_sparse_step", 1, 1, "src/models/qwen3next.cpp: every layer is a Mixture-of-Experts layer"),
+    ("llama4_text", "attention_chunk_size", 8192, 8192,
+     "src/models/llama4.cpp: load_arch_hparams sets the chunked-attention window n_swa = 8192"),
+    ("llama4_text", "floor_scale", 8192, 8192, "src/models/llama4.cpp: n_attn_temp_floor_scale = 8192"),
+    ("llama4_text", "attn_scale", 0.1, 0.1, "src/models/llama4.cpp: f_attn_temp_scale = 0.1"),
+    ("llama4_text", "attn_temperature_tuning", True, True,
+     "src/models/llama4.cpp: the no-rope layers' query temperature is always applied"),
     ("gpt_oss", "swiglu_limit", 7.0, 7.0,
      "src/llama-graph.cpp: LLM_FFN_SWIGLU_OAI_MOE clamps the experts' gate/up at the constant limit 7.0"),
 )

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.heavy
 SCHEMES = {"w8a16": Scheme(TensorSpec("int8", "channel")),
            "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32))}
 WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss", "qwen3_next",
-           "qwen3_5_moe")
+           "qwen3_5_moe", "llama4_text")
 # config overrides for the GGUF: Qwen2-MoE's published checkpoints keep the softmax weights unnormalised, as
 # llama.cpp's qwen2moe graph does (the tests' tiny model normalises: refused below)
 QWEN35_ROPE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default", "mrope_section": [1, 1, 0]}
@@ -37,7 +37,9 @@ GGUF_OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
                   "deepseek_v3": {"first_k_dense_replace": 1},  # layer 0 a dense MLP, as DeepSeek-V3's first three
                   "gpt_oss": {"swiglu_limit": 7.0},  # the published clamp, which llama.cpp fixes
                   # rope sections that fit the tiny heads (transformers' default [11, 11, 10] needs 64 rotary dims)
-                  "qwen3_5_moe": {"rope_parameters": QWEN35_ROPE}}
+                  "qwen3_5_moe": {"rope_parameters": QWEN35_ROPE},
+                  # llama.cpp's fixed chunk; 4 layers, so that one is a no-rope layer (llama.cpp needs one)
+                  "llama4_text": {"attention_chunk_size": 8192, "num_hidden_layers": 4}}
 
 
 def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -52,6 +54,13 @@ def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]
         exps = {"ffn_gate.weight": (h, f), "ffn_up.weight": (h, f), "ffn_down.weight": (f, h)}
     gqa = {"attn_norm.weight": (h,), "attn_q.weight": (h, n_head * hd), "attn_k.weight": (h, n_kv * hd),
            "attn_v.weight": (h, n_kv * hd), "attn_output.weight": (n_head * hd, h)}
+    if arch == "LLAMA4":  # src/models/llama4.cpp: MoE every interleave_moe_layer_step-th layer, a shared expert
+        if (layer + 1) % c["interleave_moe_layer_step"]:
+            f = c["intermediate_size_mlp"]
+            exps = {"ffn_gate.weight": (h, f), "ffn_up.weight": (h, f), "ffn_down.weight": (f, h)}
+        else:
+            exps |= {"ffn_gate_shexp.weight": (h, ff), "ffn_up_shexp.weight": (h, ff), "ffn_down_shexp.weight": (ff, h)}
+        return {**gqa, "ffn_norm.weight": (h,), **exps}
     if arch == "LLAMA":  # llama.cpp: Mixtral's experts, no shared expert
         return {**gqa, "ffn_norm.weight": (h,), **exps}
     if arch == "GPT_OSS":  # src/models/openai-moe.cpp: biases everywhere, sinks, the router's bias
@@ -113,6 +122,9 @@ def _expected_keys(arch: str, c: dict) -> dict[str, object]:
                 "expert_weights_scale": c["routed_scaling_factor"], "expert_gating_func": 2}  # 2: sigmoid
     if arch == "MINIMAXM2":
         out |= {"expert_gating_func": 2, "rope.dimension_count": c["rotary_dim"]}
+    if arch == "LLAMA4":
+        out |= {"expert_feed_forward_length": c["intermediate_size"], "feed_forward_length": c["intermediate_size_mlp"],
+                "interleave_moe_layer_step": c["interleave_moe_layer_step"]}
     if arch == "GPT_OSS":
         rope = c["rope_parameters"]
         out |= {"expert_feed_forward_length": c["intermediate_size"], "attention.sliding_window": c["sliding_window"],
@@ -172,7 +184,7 @@ def test_every_tensor_has_llama_cpps_name_and_shape_and_every_key_is_written(exp
     assert _field(reader, "general.architecture") == prefix
     got = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
     want = {"token_embd.weight": (c["hidden_size"], c["vocab_size"]), "output_norm.weight": (c["hidden_size"],)}
-    for layer in range(2):
+    for layer in range(c["num_hidden_layers"]):
         want |= {f"blk.{layer}.{k}": v for k, v in _expected_layer(arch, c, layer).items()}
     if arch in ("MINIMAXM2", "QWEN2MOE", "GPT_OSS"):  # tied, but their loaders require output.weight: written
         want["output.weight"] = want["token_embd.weight"]
@@ -211,7 +223,8 @@ def test_each_experts_slice_decodes_to_llmcs_canonical_weights(exported) -> None
         checked += 1
     assert checked == len(qm.quantized_modules) and checked >= 3 * 4 + 2
     router = canonical[next(k for k in canonical if k.startswith("model.layers.1.")
-                            and k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")))]
+                            and k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
+                                                          "feed_forward.router.weight")))]
     np.testing.assert_array_equal(tensors["blk.1.ffn_gate_inp.weight"].data, router.numpy())  # F32: exact
 
 
@@ -235,7 +248,7 @@ def _recipe(folder: Path, runtime: str, weights: dict):
 W8 = {"format": "int8", "strategy": "channel"}
 
 
-@pytest.mark.parametrize("family", ["llama4_text", "gemma4"])
+@pytest.mark.parametrize("family", ["gemma4"])
 def test_families_without_a_gguf_writer_are_refused_by_the_plan_with_the_reason(family: str, tmp_path: Path) -> None:
     """llama.cpp has these architectures, llmc's GGUF exporter does not write them: `llmc plan` says so (exit 3)
     before any weight loads, for llama.cpp and Ollama alike, and names the runtimes that take the family."""
@@ -245,8 +258,7 @@ def test_families_without_a_gguf_writer_are_refused_by_the_plan_with_the_reason(
     for runtime in ("llama.cpp", "ollama"):
         with pytest.raises(IncompatibleTargetError, match=r"llama\.cpp has the \S+ architecture \(src/models/") as e:
             make_plan(_recipe(folder, runtime, W8), folder)
-        # vLLM takes Qwen3-Next and Llama-4 text; gpt-oss's per-expert export it refuses too (llmc.runtimes.vllm)
-        assert e.value.exit_code == 3 and "vllm" in e.value.fix
+        assert e.value.exit_code == 3 and "vllm" in e.value.fix  # the runtimes that take it
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
@@ -315,8 +327,12 @@ def test_gpt_oss_sinks_and_biases_are_written_in_f32_and_its_yarn_rounding_is_sa
         "rope_type": "yarn", "factor": 32.0, "beta_fast": 16.0, "beta_slow": 1.0, "original_max_position_embeddings": 32,
         "rope_theta": 150000.0}}, r"beta_fast = 16\.0, llama\.cpp computes with 32\.0"),
     ("qwen3_next", {"norm_topk_prob": False}, r"norm_topk_prob = False.*qwen3next\.cpp"),
+    ("llama4_text", {"num_hidden_layers": 4}, r"attention_chunk_size = 8, but llama\.cpp computes with 8192"),
+    ("llama4_text", {"attention_chunk_size": 8192}, r"2 layers: llama\.cpp's llama4 graph"),
+    ("llama4_text", {"attention_chunk_size": 8192, "num_hidden_layers": 4, "use_qk_norm": False},
+     r"use_qk_norm = False"),
 ])
-def test_what_llama_cpp_fixes_for_gpt_oss_and_qwen3_next_is_refused(family: str, config: dict, match: str,
+def test_what_llama_cpp_fixes_for_gpt_oss_qwen3_next_and_llama4_is_refused(family: str, config: dict, match: str,
                                                                      tmp_path: Path) -> None:
     qm = _build(family, tmp_path, SCHEMES["w8a16"], **config)
     with pytest.raises(IncompatibleTargetError, match=match):
