@@ -74,7 +74,9 @@ MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
 GGUF_REFUSED: dict[str, str] = {
     "gemma4_text": "llama.cpp has the gemma4 architecture (src/models/gemma4.cpp), but llmc's GGUF exporter does not "
-                   "write its per-layer input embeddings yet",
+                   "write its per-layer input embeddings (embedding_length_per_layer, per_layer_token_embd, "
+                   "per_layer_model_proj), the sliding layers' own head widths (attention.key_length_swa) or its "
+                   "shared-KV layers yet",
 }
 
 # What llama.cpp's graph fixes for an architecture rather than reading it from the file: (model_type, config key,
