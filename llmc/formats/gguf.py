@@ -38,7 +38,8 @@ Llama's q_proj/k_proj rows are permuted the way llama.cpp's convert_hf_to_gguf.p
 keeps each head's rotary pairs as [first half | second half]; llama.cpp's rotary kernel wants them
 interleaved). Row permutation commutes with row-blocked quantization, so codes and scales permute alike.
 
-Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2): llama.cpp
+Mixture-of-Experts (llmc.formats.gguf_arch: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss,
+Qwen3-Next, Qwen3.5-MoE, Llama-4 text): llama.cpp
 holds a layer's experts as one 3-D tensor per projection (`ffn_{gate,up,down}_exps`, [E, rows, cols]); each expert's
 canonical tensor is converted as above and the E results stacked in expert order, so every expert's codes and scales
 are copied as a dense Linear's are. Routers (and Qwen2-MoE's shared-expert gate) stay F32 as convert_hf_to_gguf.py
@@ -46,6 +47,13 @@ keeps them; DeepSeek's `e_score_correction_bias` is `exp_probs_b.bias`. The per-
 shared experts, leading dense layers, gating function, MLA ranks) are `FAMILY_KEYS` rows, the head widths `HEADS`
 rows. DeepSeek's MLA is written in the decompressed form llama.cpp still runs (`attn_kv_b`, no key_length_mla): the
 absorbed form would store k_b transposed, its blocks along another axis, requantized.
+
+gpt-oss: biased experts and router (F32, merged like the weights), attention sinks (`attn_sinks.weight`), the sliding
+layers as a per-layer pattern, YaRN keys (ggml rounds YaRN's correction range; a truncate=false config is said in the
+notes). Gated-DeltaNet linear attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) as convert_hf_to_gguf.py writes it, each
+fact a table row: `ROW_SPLITS` (Qwen3-Next's in_proj_qkvz rows into attn_qkv + attn_gate; Qwen3.5's value heads from
+grouped to tiled order), `COLUMN_ORDERS` (Qwen3.5's out_proj), `TENSOR_TRANSFORMS` (A = -exp(A_log), the conv kernel
+[C, 1, K] -> [C, K]); rows and columns move codes and scales together, so the quantized values are copied exactly.
 
 Activations: llama.cpp quantizes activations itself (dynamic, blocks of 32) for Q8_0/Q4 matmuls, so a
 W8A8 scheme's activation settings are not carried. FP4 weights of a weight-only scheme are listed with
@@ -291,6 +299,7 @@ class _Arch:
     rope_scaling: tuple[str, float] | None
     family: GgufFamily
     config: dict
+    rope: dict = field(default_factory=dict)  # the rope parameters (rope_parameters with rope_scaling over them)
     value_dim: int = 0  # attention.value_length (0: head_dim)
     rope_dim: int = 0  # rope.dimension_count (0: head_dim)
 
@@ -323,15 +332,23 @@ def _arch(config: dict) -> _Arch:
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
     factor = scaling.get("factor", rope.get("factor"))
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise IncompatibleTargetError(
-            f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default, linear and llama3 are)",
-            fix="target a compressed-tensors runtime for this model",
+            f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default, linear, llama3 and "
+            "yarn are)", fix="target a compressed-tensors runtime for this model",
         )
+    if rope_type == "yarn" and (unread := yarn_unread({**rope, **scaling})):
+        raise IncompatibleTargetError(
+            "llama.cpp's YaRN would compute this model's rotary embedding differently: " + "; ".join(unread),
+            fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     family = GGUF_FAMILIES[mt]
     k_dim, v_dim, rope_dim, n_head_kv = HEADS.get(family.arch, _plain_heads)(config, head_dim, rope)
+    for archs, check in ARCH_CHECKS:
+        if family.arch in archs and (why := check(config, k_dim)):
+            raise IncompatibleTargetError(f"llama.cpp cannot run this {mt} model: {why}",
+                                          fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     return _Arch(
         n_layers=config["num_hidden_layers"],
         hidden=config["hidden_size"],
@@ -340,16 +357,83 @@ def _arch(config: dict) -> _Arch:
         head_dim=k_dim,
         value_dim=v_dim,
         rope_dim=rope_dim,
-        ffn=config["intermediate_size"],
+        ffn=config[FFN_WIDTH_KEY.get(family.arch, "intermediate_size")],
         ctx=config.get("max_position_embeddings", 2048),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rms_eps=float(config.get("rms_norm_eps", 1e-6)),
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),
-        rope_scaling=(rope_type, float(factor or 1.0)) if rope_type in ("linear", "llama3") else None,
+        rope_scaling=(rope_type, float(factor or 1.0)) if rope_type in ("linear", "llama3", "yarn") else None,
         family=family,
         config=config,
+        rope={**rope, **scaling},
     )
+
+
+# YaRN as llama.cpp computes it (src/llama-context.cpp, src/llama-hparams.h): beta_fast 32 and beta_slow 1 fixed (no
+# architecture llmc writes reads them from the file), the attention factor computed from the factor alone (0.1 ln
+# factor + 1, transformers' default); (parameter, the value llama.cpp computes with, transformers' default)
+YARN_FIXED: tuple[tuple[str, object, object], ...] = (
+    ("beta_fast", 32.0, 32.0),
+    ("beta_slow", 1.0, 1.0),
+    ("attention_factor", None, None),
+    ("mscale", None, None),
+    ("mscale_all_dim", None, None),
+)
+
+
+def yarn_unread(rope: dict) -> list[str]:
+    """The YaRN parameters of this config that llama.cpp would not compute with, one line each."""
+    return [f"{key} = {rope.get(key, default)!r}, llama.cpp computes with {want!r}"
+            for key, want, default in YARN_FIXED if rope.get(key, default) != want]
+
+
+def yarn_notes(arch: _Arch) -> list[str]:
+    """What llama.cpp's YaRN rounds that transformers' does not (said, not refused: llama.cpp's own converter
+    writes gpt-oss this way)."""
+    if arch.rope_scaling is None or arch.rope_scaling[0] != "yarn" or arch.rope.get("truncate", True):
+        return []
+    return ["YaRN: the config says truncate=false, but ggml rounds the correction range to whole dimensions "
+            "(ggml_rope_yarn_corr_dims: floor/ceil), as transformers does with truncate=true: the rotary frequencies "
+            "inside that range differ slightly from the torch model's"]
+
+
+def _mrope_sections(c: dict) -> list[int]:
+    """Qwen3.5's multimodal rope sections as llama.cpp reads them (four; conversion/qwen.py's default)."""
+    return [*(c.get("rope_parameters") or {}).get("mrope_section", [11, 11, 10]), 0][:4]
+
+
+def _mrope_sections_fit(c: dict, head_dim: int) -> str | None:
+    sections = _mrope_sections(c)
+    if sum(sections) <= head_dim:
+        return None
+    return (f"its rope sections {sections} (rope_parameters.mrope_section) add up to {sum(sections)} > the head width "
+            f"{head_dim}, which ggml's multi-section rope asserts against (ggml-cpu/ops.cpp: sect_dims <= ne0)")
+
+
+def _llama4_layers(c: dict, head_dim: int) -> str | None:
+    """llama.cpp's llama4 graph: no rope on every 4th layer (n_no_rope_layer_step), q/k L2-normed unless the model
+    has 128 experts (use_kq_norm), chunked attention on the others (load_swa_pattern's 3 chunked, 1 full)."""
+    n = c["num_hidden_layers"]
+    if n < 4:  # measured: llama.cpp 0.3.36 aborts in the first decode (ggml-backend.cpp: "tensor buffer not set")
+        return (f"{n} layers: llama.cpp's llama4 graph builds the attention-temperature input of its no-rope layers "
+                "(every 4th) and aborts when there is none")
+    want = [int((i + 1) % 4 != 0) for i in range(n)]
+    if (got := c.get("no_rope_layers") or want) != want:
+        return f"no_rope_layers = {got}, but llama.cpp skips rope on every 4th layer ({want})"
+    if bool(c.get("use_qk_norm", True)) != (c.get("num_local_experts") != 128):
+        return (f"use_qk_norm = {c.get('use_qk_norm')}, but llama.cpp L2-normalises q/k exactly when the model does "
+                "not have 128 experts (src/models/llama4.cpp use_kq_norm)")
+    return None
+
+
+# (GGUF architectures, check of config.json and the key head width -> why llama.cpp cannot run it, or None)
+ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ...] = (
+    (("QWEN35", "QWEN35MOE"), _mrope_sections_fit),
+    (("LLAMA4",), _llama4_layers),
+)
+# the dense MLP's width where config.json names it otherwise (Llama-4's intermediate_size is its experts')
+FFN_WIDTH_KEY = {"LLAMA4": "intermediate_size_mlp"}
 
 
 def _plain_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
@@ -380,20 +464,131 @@ HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
     "DEEPSEEK2": _mla_decompressed,
     "GLM4_MOE": _partial_rotary,  # conversion/glm.py: rope dims = head_dim * partial_rotary_factor (0.5)
     "MINIMAXM2": _partial_rotary,  # conversion/minimax.py: rope dims = rotary_dim
+    "QWEN3NEXT": _partial_rotary,  # conversion/qwen.py: rope dims = head_dim * partial_rotary_factor (0.25)
+    "QWEN35": _partial_rotary,
+    "QWEN35MOE": _partial_rotary,
 }
 
 
 # architectures whose loader requires output.weight, with no fallback to token_embd for a tied head (src/models/
-# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp create `output` with flags 0; the others duplicate token_embd)
-OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2")
+# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp, openai-moe.cpp create `output` with flags 0; the others duplicate token_embd)
+OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2", "GPT_OSS")
 # llama.cpp tensors kept F32 whatever their rank, as convert_hf_to_gguf.py keeps them (ModelBase.prepare_tensors):
 # MoE routers and the shared-expert gate, whose rounding would move tokens to other experts
-KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp",
+            # gated DeltaNet's gate projections (Qwen3.5's apart) and convolution (ggml_ssm_conv takes F32)
+            "ssm_ba", "ssm_alpha", "ssm_beta", "ssm_conv1d")
 # Hugging Face names renamed before the gguf.TensorNameMap lookup, as convert_hf_to_gguf.py renames them (the table
 # keys the bias as `<module>.bias`)
 HF_RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.e_score_correction_bias$", ".e_score_correction.bias"),  # DeepSeek-V3, GLM-4.5, MiniMax-M2 router bias
+    (r"\.self_attn\.sinks$", ".self_attn.sinks.weight"),  # gpt-oss: llama.cpp reads `attn_sinks.weight`
+    (r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias"),  # Qwen3-Next: llama.cpp's `ssm_dt.bias`
 )
+
+
+@dataclass(frozen=True)
+class TensorTransform:
+    """How an unquantized tensor's values become the ones llama.cpp's graph computes with."""
+
+    why: str
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    value: Callable[[torch.Tensor], torch.Tensor]
+
+
+# (GGUF architectures, llama.cpp tensor kind) -> its transform, as convert_hf_to_gguf.py applies it
+# (conversion/qwen.py Qwen3NextModel.modify_tensors); one fact a row
+TENSOR_TRANSFORMS: tuple[tuple[tuple[str, ...], str, TensorTransform], ...] = (
+    (("QWEN3NEXT", "QWEN35", "QWEN35MOE"), "ssm_a", TensorTransform(
+        "A = -exp(A_log): the graph multiplies softplus(alpha + dt_bias) by ssm_a itself", lambda s: s,
+        lambda t: -torch.exp(t))),
+    (("QWEN3NEXT", "QWEN35", "QWEN35MOE"), "ssm_conv1d", TensorTransform(
+        "the depthwise kernel [channels, 1, width] as ggml_ssm_conv's [channels, width]",
+        lambda s: (s[0], s[-1]), lambda t: t.reshape(t.shape[0], t.shape[-1]))),
+)
+
+
+def tensor_kind(name: str) -> str:
+    """llama.cpp's tensor kind: `blk.3.ssm_conv1d.weight` -> ssm_conv1d, `blk.3.ssm_a` -> ssm_a."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        parts = parts[2:]
+    return parts[0]
+
+
+def _qwen3next_qkvz(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3-Next's in_proj_qkvz rows, [q, k, v, z] per key head, as llama.cpp's attn_qkv (every q, every k, every
+    v) and attn_gate (every z), the split conversion/qwen.py Qwen3NextModel.modify_tensors writes."""
+    hk, hv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    vz = nv // nk * hv
+    group = 2 * hk + 2 * vz
+
+    def part(start: int, width: int) -> list[int]:
+        return [g * group + start + i for g in range(nk) for i in range(width)]
+
+    return [("attn_qkv", tuple(part(0, hk) + part(hk, hk) + part(2 * hk, vz))),
+            ("attn_gate", tuple(part(2 * hk + vz, vz)))]
+
+
+def _tiled_v_heads(c: dict, width: int, lead: int = 0) -> tuple[int, ...]:
+    """Qwen3.5's value heads from Hugging Face's order (grouped by key head: G0v0, G0v1, G1v0, ...) to the tiled
+    order llama.cpp's qwen35 graph broadcasts key heads in (G0v0, G1v0, G0v1, ...), `width` rows a head, after
+    `lead` rows kept in place (conversion/qwen.py _LinearAttentionVReorderBase._reorder_v_heads)."""
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    r = nv // nk
+    heads = [g * r + j for j in range(r) for g in range(nk)]
+    return tuple(range(lead)) + tuple(lead + h * width + i for h in heads for i in range(width))
+
+
+def _qk_rows(c: dict) -> int:
+    return 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
+
+
+_QWEN35_V_ROWS: dict[str, Callable[[dict], list[tuple[str, tuple[int, ...]]]]] = {
+    ".linear_attn.in_proj_qkv.weight": lambda c: [("attn_qkv", _tiled_v_heads(c, c["linear_value_head_dim"],
+                                                                               _qk_rows(c)))],
+    ".linear_attn.in_proj_z.weight": lambda c: [("attn_gate", _tiled_v_heads(c, c["linear_value_head_dim"]))],
+    ".linear_attn.in_proj_a.weight": lambda c: [("ssm_alpha", _tiled_v_heads(c, 1))],
+    ".linear_attn.in_proj_b.weight": lambda c: [("ssm_beta", _tiled_v_heads(c, 1))],
+    ".linear_attn.A_log": lambda c: [("ssm_a", _tiled_v_heads(c, 1))],
+    ".linear_attn.dt_bias": lambda c: [("ssm_dt", _tiled_v_heads(c, 1))],
+    ".linear_attn.conv1d.weight": lambda c: [("ssm_conv1d", _tiled_v_heads(c, c["linear_value_head_dim"],
+                                                                            _qk_rows(c)))],
+}
+# (GGUF architecture, Hugging Face tensor suffix) -> the llama.cpp tensors its rows become, from config.json. Row
+# selection commutes with row-wise quantization: each part's codes and scales are the canonical ones, copied
+ROW_SPLITS: dict[tuple[str, str], Callable[[dict], list[tuple[str, tuple[int, ...]]]]] = {
+    ("QWEN3NEXT", ".linear_attn.in_proj_qkvz.weight"): _qwen3next_qkvz,
+    **{(a, suffix): f for a in ("QWEN35", "QWEN35MOE") for suffix, f in _QWEN35_V_ROWS.items()},
+}
+# (GGUF architecture, Hugging Face tensor suffix) -> its input columns in llama.cpp's order (codes copied; a group
+# scale's groups move with their columns where the head width is a multiple of the group)
+COLUMN_ORDERS: dict[tuple[str, str], Callable[[dict], tuple[int, ...]]] = {
+    (a, ".linear_attn.out_proj.weight"): lambda c: _tiled_v_heads(c, c["linear_value_head_dim"])
+    for a in ("QWEN35", "QWEN35MOE")
+}
+
+
+def _row_split(arch: _Arch, hf_name: str) -> list[tuple[str, tuple[int, ...]]] | None:
+    return next((split(arch.config) for (a, suffix), split in ROW_SPLITS.items()
+                 if a == arch.family.arch and hf_name.endswith(suffix)), None)
+
+
+def _column_order(arch: _Arch, hf_name: str) -> tuple[int, ...] | None:
+    return next((order(arch.config) for (a, suffix), order in COLUMN_ORDERS.items()
+                 if a == arch.family.arch and hf_name.endswith(suffix)), None)
+
+
+def _renamed(name: str, kind: str, new_kind: str) -> str:
+    """`blk.3.ssm_in.weight` with kind ssm_in as new_kind: `blk.3.attn_qkv.weight`."""
+    parts = name.split(".")
+    parts[parts.index(kind)] = new_kind
+    return ".".join(parts)
+
+
+def _transform(arch: str, kind: str) -> TensorTransform | None:
+    return next((t for archs, k, t in TENSOR_TRANSFORMS if arch in archs and k == kind), None)
 # one expert's tensor in a Hub checkpoint: <block>.experts.<index>.<projection>.<weight|bias>
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
@@ -651,6 +846,9 @@ class _Item:
     qtype: str  # GGMLQuantizationType name
     permute_heads: int | None  # rotary permutation of rows with this many heads
     norm_offset: float = 0.0  # added to a norm weight (Gemma)
+    transform: TensorTransform | None = None  # an unquantized tensor's values as llama.cpp computes with them
+    rows: tuple[int, ...] | None = None  # the canonical tensor's rows this GGUF tensor holds (a split tensor)
+    cols: tuple[int, ...] | None = None  # its input columns in llama.cpp's order (Qwen3.5's out_proj)
     generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
     # a merged expert tensor: each expert's canonical tensor in expert order (`hf` is expert 0's); shape [E, ...]
     parts: tuple[str, ...] = ()
@@ -683,12 +881,15 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                         fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this model")
                 shape = tuple(h.get_slice(k).get_shape())
                 module = k.rsplit(".", 1)[0]
+                kind = tensor_kind(name)
+                if (transform := _transform(arch.family.arch, kind)) is not None:
+                    shape = transform.shape(shape)
                 if len(shape) == 1:
                     qtype = "F32"
                 elif module in quantized:
                     mine = plan_of(module)
                     qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
-                elif name.split(".")[-2] in KEPT_F32:
+                elif kind in KEPT_F32:
                     qtype = "F32"
                 elif name in ("token_embd.weight", "output.weight"):
                     qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
@@ -699,7 +900,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                     heads = arch.n_head
                 elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
                     heads = arch.n_head_kv
-                offset = arch.family.norm_offset if len(shape) == 1 and "norm" in name.split(".")[-2] else 0.0
+                offset = arch.family.norm_offset if (len(shape) == 1 and "norm" in name.split(".")[-2]
+                                                     and kind not in arch.family.norm_offset_skip) else 0.0
                 if parts:
                     modules = [p.rsplit(".", 1)[0] for p in parts]
                     mixed = {plan_of(m).weight_type for m in modules if m in quantized}
@@ -709,7 +911,14 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                             f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
                             fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
                     shape = (len(parts), *shape)
-                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or ()))
+                if (split := _row_split(arch, k)) is not None:  # one Hugging Face tensor, several llama.cpp ones
+                    items += [_Item(k, _renamed(name, kind, part), (len(rows), *shape[1:]), qtype, None, offset,
+                                    transform=transform, rows=rows) for part, rows in split]
+                    continue
+                if (order := _column_order(arch, k)) is not None:
+                    items.append(_Item(k, name, shape, qtype, None, offset, cols=order))
+                    continue
+                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or (), transform=transform))
                 if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
                     items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
                 if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
@@ -787,14 +996,33 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
 
     def perm(t: torch.Tensor | None) -> torch.Tensor | None:
         # rows only: a per-tensor scale ([1]) is shared by every row and needs no permutation
+        if t is not None and item.rows is not None and t.dim() > 0 and t.shape[0] > 1:
+            t = t[list(item.rows)]  # this GGUF tensor's rows of a split one (codes, scales, zero points alike)
         if t is None or item.permute_heads is None or t.shape[0] != item.shape[0]:
             return t
         return llama_permute(t, item.permute_heads)
+
+    def cols(t: torch.Tensor, per_group: int = 1) -> torch.Tensor:
+        """Input columns in llama.cpp's order: a weight's columns, or (per_group > 1) a group scale's groups."""
+        if item.cols is None or t.dim() < 2 or t.shape[1] == 1:
+            return t
+        order = list(item.cols)
+        if per_group > 1:
+            groups = [order[g] // per_group for g in range(0, len(order), per_group)]
+            if any(order[g:g + per_group] != list(range(o * per_group, (o + 1) * per_group))
+                   for g, o in zip(range(0, len(order), per_group), groups)):
+                raise IncompatibleTargetError(
+                    f"{item.hf}: llama.cpp's column order moves columns across quantization groups of {per_group}",
+                    fix="use a group size that divides the linear-attention head width, or per-channel scales")
+            order = groups
+        return t[:, order]
 
     if item.hf.endswith(".weight_global_scale"):  # NVFP4's `.scale`: the multiplier llama.cpp applies
         return modelopt_weight_scale_2(tensors[item.hf]).reshape(1).numpy()
     if not is_quantized:
         x = perm(tensors[item.hf].float())
+        if item.transform is not None:
+            x = item.transform.value(x)
         if item.norm_offset:
             x = x + item.norm_offset
         if item.qtype == "F32":
@@ -803,13 +1031,17 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
             return x.numpy().astype(np.float16)
         return gguf.quants.quantize(x.numpy().astype(np.float32), gguf.GGMLQuantizationType[item.qtype])
 
-    canonical = perm(qm.dequantized_weight(tensors, module).float()).numpy()
+    canonical = cols(perm(qm.dequantized_weight(tensors, module).float())).numpy()
+    group = spec.group_size if spec.strategy == "group" else 1
     if item.qtype == "F16":  # input dimension not a multiple of 32: no block type fits
         data = canonical.astype(np.float16)
         decoded = data.astype(np.float32)
     else:
         qtype = gguf.GGMLQuantizationType[item.qtype]
         if item.qtype in _FP4_TYPES:
+            if item.cols is not None:
+                raise IncompatibleTargetError(f"{item.hf}: llmc does not reorder FP4 blocks' columns for llama.cpp",
+                                              fix="use int8 or int4 weights for llama.cpp with this model")
             q = BlockQuantized(codes=perm(tensors[f"{module}.weight"]), scale=perm(tensors[f"{module}.weight_scale"]),
                                global_scale=tensors.get(f"{module}.weight_global_scale"),
                                format=MICROSCALING_FORMATS[_FP4_TYPES[item.qtype]])
@@ -822,15 +1054,15 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
                                  float(np.abs(diff).max()))
             return data
         if plan.method == "repacked":
-            codes = perm(tensors[f"{module}.weight"]).numpy()
+            codes = cols(perm(tensors[f"{module}.weight"])).numpy()
             shape2d = tuple(codes.shape)
-            scales = _block_scales(perm(tensors[f"{module}.weight_scale"].float()), shape2d, spec)
+            scales = _block_scales(cols(perm(tensors[f"{module}.weight_scale"].float()), group), shape2d, spec)
             if item.qtype == "Q8_0":
                 data = pack_q8_0(codes, scales)
             elif item.qtype == "Q4_0":
                 data = pack_q4_0(codes, scales)
             else:
-                zp = _block_scales(perm(tensors[f"{module}.weight_zero_point"].float()), shape2d, spec)
+                zp = _block_scales(cols(perm(tensors[f"{module}.weight_zero_point"].float()), group), shape2d, spec)
                 data = pack_q4_1(codes, scales, zp)
         else:
             data = gguf.quants.quantize(canonical.astype(np.float32), qtype)
@@ -889,6 +1121,7 @@ def export_gguf(
         notes.append("KV-cache quantization is a llama.cpp runtime option: run with --cache-type-k q8_0 "
                      "--cache-type-v q8_0 (dynamic blocks of 32, not the scheme's static scales)")
     arch = _arch(qm.config)
+    notes += yarn_notes(arch)
     if any(p.weight_type == "NVFP4" for p in plans.values()) and not arch.family.tensor_scales:
         raise IncompatibleTargetError(
             f"llama.cpp's {arch.family.arch.lower()} graph does not apply per-tensor scales to every Linear (its FFN "
@@ -999,6 +1232,10 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
     if arch.rope_scaling is not None and arch.rope_scaling[0] == "linear":  # llama3: the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(arch.rope_scaling[1])
+    if arch.rope_scaling is not None and arch.rope_scaling[0] == "yarn":  # as conversion/base.py writes YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(arch.rope_scaling[1])
+        writer.add_rope_scaling_orig_ctx_len(int(arch.rope["original_max_position_embeddings"]))
     writer.add_layer_norm_rms_eps(arch.rms_eps)
     _write_family_metadata(writer, arch)
     writer.add_vocab_size(arch.vocab)
@@ -1040,7 +1277,10 @@ def _write_family_metadata(writer, arch: _Arch) -> None:
     architecture this is and whose value the config gives."""
     for archs, adder, value in FAMILY_KEYS:
         if arch.family.arch in archs and (v := value(arch.config)) is not None:
-            getattr(writer, adder)(v)
+            if adder.startswith("."):  # `<arch><key>`, an array the gguf package's writer has no method for
+                writer.add_array(writer.arch + adder, v)
+            else:
+                getattr(writer, adder)(v)
 
 
 def _key(name: str, cast: Callable = lambda v: v) -> Callable[[dict], object]:
@@ -1052,18 +1292,31 @@ def _routed_experts(c: dict) -> int | None:
     return n if n > 1 else None
 
 
+def _linear_attention_layers(c: dict) -> list[bool] | None:
+    types = c.get("layer_types")
+    return None if types is None else [t == "linear_attention" for t in types]
+
+
+def _sliding_layers(c: dict) -> list[bool] | None:
+    types = c.get("layer_types")
+    return None if types is None else [t == "sliding_attention" for t in types]
+
+
 def _sigmoid_gating(c: dict) -> object:
     return _gguf().ExpertGatingFuncType.SIGMOID
 
 
-_MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2")
+_MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2", "GPT_OSS", "QWEN3NEXT",
+              "QWEN35MOE", "LLAMA4")
+_DELTANET = ("QWEN3NEXT", "QWEN35", "QWEN35MOE")  # gated-DeltaNet linear attention in the layers layer_types names
 _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layers, grouped scaled sigmoid routing
 
-# (GGUF architectures, GGUFWriter method, its value from config.json; None: not written): each key an architecture's
+# (GGUF architectures, GGUFWriter method or `.<key>` of an array under the architecture, its value from config.json;
+# None: not written): each key an architecture's
 # loader reads beyond the common ones (llama.cpp src/models/<arch>.cpp load_arch_hparams), with the value
 # convert_hf_to_gguf.py gives it (conversion/<family>.py), one fact a row
 FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] = (
-    (("GEMMA2", "GEMMA3"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
+    (("GEMMA2", "GEMMA3", "GPT_OSS"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
      else None),
     (("GEMMA2",), "add_attn_logit_softcapping", lambda c: float(c.get("attn_logit_softcapping") or 50.0)),
     (("GEMMA2",), "add_final_logit_softcapping", lambda c: float(c.get("final_logit_softcapping") or 30.0)),
@@ -1073,10 +1326,26 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("GRANITE",), "add_logit_scale", _key("logits_scaling", float)),
     (_MOE_ARCHS, "add_expert_count", _routed_experts),
     (_MOE_ARCHS, "add_expert_used_count", lambda c: int(c["num_experts_per_tok"]) if _routed_experts(c) else None),
-    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE"), "add_expert_feed_forward_length",
+    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_feed_forward_length",
      _key("moe_intermediate_size", int)),
-    (("MINIMAXM2",), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # its experts' width
-    (("QWEN2MOE",), "add_expert_shared_feed_forward_length", _key("shared_expert_intermediate_size", int)),
+    (("MINIMAXM2", "GPT_OSS", "LLAMA4"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts'
+    (("LLAMA4",), "add_interleave_moe_layer_step", _key("interleave_moe_layer_step", int)),
+    # gpt-oss: which layers slide, per layer (openai-moe.cpp load_swa_pattern reads the array before its default)
+    (("GPT_OSS",), "add_sliding_window_pattern", _sliding_layers),
+    (("QWEN2MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_shared_feed_forward_length",
+     _key("shared_expert_intermediate_size", int)),
+    # gated DeltaNet (conversion/qwen.py Qwen3NextModel.set_gguf_parameters; src/models/qwen3next.cpp derives the
+    # head widths from these: key heads = group count, value heads = time-step rank)
+    (_DELTANET, "add_ssm_conv_kernel", _key("linear_conv_kernel_dim", int)),
+    (_DELTANET, "add_ssm_state_size", _key("linear_key_head_dim", int)),
+    (_DELTANET, "add_ssm_group_count", _key("linear_num_key_heads", int)),
+    (_DELTANET, "add_ssm_time_step_rank", _key("linear_num_value_heads", int)),
+    (_DELTANET, "add_ssm_inner_size", lambda c: int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"])),
+    # which layers are linear attention (gguf 0.19's writer has no adder for it: the key llama-arch.cpp names)
+    (_DELTANET, ".attention.recurrent_layers", _linear_attention_layers),
+    # Qwen3.5's interleaved multimodal rope (src/models/qwen35.cpp requires the sections; text positions are equal
+    # in each section, so it is the plain rope; conversion/qwen.py _Qwen35MRopeMixin's default)
+    (("QWEN35", "QWEN35MOE"), "add_rope_dimension_sections", _mrope_sections),
     (_DEEPSEEK_ROUTER, "add_expert_shared_count", _key("n_shared_experts", int)),
     (_DEEPSEEK_ROUTER, "add_leading_dense_block_count", _key("first_k_dense_replace", int)),
     (_DEEPSEEK_ROUTER, "add_expert_weights_scale", _key("routed_scaling_factor", float)),
@@ -1099,8 +1368,10 @@ class Gguf(ArtifactFormat):
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
-             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2: Q8_0) loaded and scored in llama.cpp 0.3.36 against "
-             "the torch reference (tests/integration/test_gguf_moe_llamacpp.py); Ollama itself (which embeds "
+             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Llama-4: "
+             "Q8_0) loaded "
+             "and scored in llama.cpp 0.3.36 against the torch reference (tests/integration/test_gguf_moe_llamacpp.py); "
+             "Ollama itself (which embeds "
              "llama.cpp) is not run here")
 
     mixed_precision = True  # each group's GGUF type, per tensor (llmc.formats.gguf)

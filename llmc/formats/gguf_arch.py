@@ -27,6 +27,7 @@ class GgufFamily:
     # those would load and compute wrong FFN outputs: refused. (MoE families: one `.scale` per merged expert tensor
     # cannot hold each expert's own global scale: refused too.)
     tensor_scales: bool = False
+    norm_offset_skip: tuple[str, ...] = ()  # llama.cpp norms that take the weight as it is (Qwen3-Next's gated norm)
 
 
 # As llama.cpp's convert_hf_to_gguf.py writes these families (permutation, Gemma's +1 on norm weights).
@@ -50,26 +51,32 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "deepseek_v3": GgufFamily("DEEPSEEK2", permute_qk=False),
     "glm4_moe": GgufFamily("GLM4_MOE", permute_qk=False),
     "minimax_m2": GgufFamily("MINIMAXM2", permute_qk=False),
+    # gpt-oss (conversion/gpt_oss.py): biased experts, attention sinks, sliding/full layers, YaRN; llama.cpp's
+    # openai-moe graph (src/models/openai-moe.cpp) runs NeoX rope, so q/k keep Hugging Face's row order
+    "gpt_oss": GgufFamily("GPT_OSS", permute_qk=False),
+    # Qwen3-Next (conversion/qwen.py Qwen3NextModel): Qwen2-MoE's block, gated-DeltaNet linear attention in the layers
+    # layer_types names, full attention with an output gate elsewhere; its norms multiply by (1 + weight) except
+    # the linear attention's gated norm (ssm_norm), as Gemma's
+    "qwen3_next": GgufFamily("QWEN3NEXT", permute_qk=False, norm_offset=1.0, norm_offset_skip=("ssm_norm",)),
+    # Qwen3.5 (conversion/qwen.py Qwen3_5TextModel): Qwen3-Next's linear attention with in_proj_qkv / in_proj_z /
+    # in_proj_a / in_proj_b apart and its value heads reordered for llama.cpp's broadcast (llmc.formats.gguf)
+    "qwen3_5_text": GgufFamily("QWEN35", permute_qk=False, norm_offset=1.0, norm_offset_skip=("ssm_norm",)),
+    "qwen3_5_moe_text": GgufFamily("QWEN35MOE", permute_qk=False, norm_offset=1.0, norm_offset_skip=("ssm_norm",)),
+    # Llama-4 text (conversion/llama.py Llama4Model, undo_permute = False): transformers' Llama-4 already rotates
+    # adjacent pairs, as llama.cpp's normal rope does, so q/k keep their rows; MoE every interleave_moe_layer_step-th
+    # layer with a shared expert, the dense layers' MLP intermediate_size_mlp wide
+    "llama4_text": GgufFamily("LLAMA4", permute_qk=False),
 }
-MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2"})
+MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
+                             "qwen3_next", "qwen3_5_moe_text", "llama4_text"})
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
 GGUF_REFUSED: dict[str, str] = {
-    "gpt_oss": "llama.cpp has the gpt-oss architecture (src/models/openai-moe.cpp), but llmc's GGUF exporter does not "
-               "write its YaRN rope keys, attention sinks and biased experts yet",
-    "llama4_text": "llama.cpp has the llama4 architecture (src/models/llama4.cpp), but llmc's GGUF exporter does not "
-                   "write its chunked-attention / no-rope-layer keys yet, and llama.cpp fixes the chunk (8192) and "
-                   "attention-temperature constants rather than reading them from the file",
-    "qwen3_next": "llama.cpp has the qwen3next architecture (src/models/qwen3next.cpp), but llmc's GGUF exporter does "
-                  "not write its gated-DeltaNet tensors (convert_hf_to_gguf.py reorders in_proj_qkvz / in_proj_ba, "
-                  "stores -exp(A_log), reshapes conv1d) yet",
-    "qwen3_5_text": "llama.cpp has the qwen35 architecture (src/models/qwen35.cpp), but llmc's GGUF exporter does not "
-                    "write its gated-DeltaNet linear-attention tensors yet",
-    "qwen3_5_moe_text": "llama.cpp has the qwen35moe architecture (src/models/qwen35moe.cpp), but llmc's GGUF exporter "
-                        "does not write its gated-DeltaNet linear-attention tensors yet",
     "gemma4_text": "llama.cpp has the gemma4 architecture (src/models/gemma4.cpp), but llmc's GGUF exporter does not "
-                   "write its per-layer input embeddings yet",
+                   "write its per-layer input embeddings (embedding_length_per_layer, per_layer_token_embd, "
+                   "per_layer_model_proj), the sliding layers' own head widths (attention.key_length_swa) or its "
+                   "shared-KV layers yet",
 }
 
 # What llama.cpp's graph fixes for an architecture rather than reading it from the file: (model_type, config key,
@@ -86,6 +93,19 @@ GGUF_FIXED: tuple[tuple[str, str, object, object, str], ...] = (
      "src/models/deepseek2.cpp: ggml's normal rope on adjacent pairs (DeepSeek's interleaved rope dims)"),
     ("deepseek_v3", "topk_method", "noaux_tc", "noaux_tc",
      "src/models/deepseek2.cpp: sigmoid scores + exp_probs_b bias, DeepSeek-V3's noaux_tc routing"),
+    ("qwen3_next", "norm_topk_prob", True, True,
+     "src/models/qwen3next.cpp: build_moe_ffn(..., norm_w = true, ...) renormalises the top-k router weights"),
+    ("qwen3_next", "mlp_only_layers", [], [],
+     "src/models/qwen3next.cpp: every layer loads the experts (ffn_gate_inp, flags 0): no dense-MLP layers"),
+    ("qwen3_next", "decoder_sparse_step", 1, 1, "src/models/qwen3next.cpp: every layer is a Mixture-of-Experts layer"),
+    ("llama4_text", "attention_chunk_size", 8192, 8192,
+     "src/models/llama4.cpp: load_arch_hparams sets the chunked-attention window n_swa = 8192"),
+    ("llama4_text", "floor_scale", 8192, 8192, "src/models/llama4.cpp: n_attn_temp_floor_scale = 8192"),
+    ("llama4_text", "attn_scale", 0.1, 0.1, "src/models/llama4.cpp: f_attn_temp_scale = 0.1"),
+    ("llama4_text", "attn_temperature_tuning", True, True,
+     "src/models/llama4.cpp: the no-rope layers' query temperature is always applied"),
+    ("gpt_oss", "swiglu_limit", 7.0, 7.0,
+     "src/llama-graph.cpp: LLM_FFN_SWIGLU_OAI_MOE clamps the experts' gate/up at the constant limit 7.0"),
 )
 
 
