@@ -7,7 +7,9 @@ started here with their config, key and state in a temporary folder, stopped at 
   restarted follows the job by its id, and the variant is registered once.
 
 Needs root and the packages (`scripts/setup.sh` installs them where apt can); skipped, saying which is missing,
-without them. The whole path is in the default run (heavy); the first test, whose steps it covers, stays slow.
+without them. The whole path is in the default run (heavy: 148 s and 158 s with its setup, at load ~10-13 on the
+shared 2-core AMD EPYC host, `pytest -m "not slow" tests/integration/test_hook_slurm.py`); the first test, whose
+steps it covers, stays slow (75 s at load ~13).
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def _seed_rates(cache: Path, recipe: Path, source: Path) -> None:
               source, refuse=False)
 
 
-@pytest.mark.heavy  # an MLflow server, the Slurm daemons, two hooks, a build on the node: measured in the docstring
+@pytest.mark.heavy  # an MLflow server, the Slurm daemons, two hooks, a build on the node: timed in the docstring
 def test_an_mlflow_delivery_is_built_on_slurm_once_across_a_redelivery_and_a_hook_kill(
         slurm_cluster: Path, tmp_path: Path, tiny_model_session: Path) -> None:
     import signal
