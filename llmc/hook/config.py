@@ -32,6 +32,11 @@ from llmc.errors import InputError, RecipeError
 MLFLOW_SECRET = "LLMC_HOOK_MLFLOW_SECRET"
 HF_SECRET = "LLMC_HOOK_HF_SECRET"
 STATUS_TOKEN = "LLMC_HOOK_STATUS_TOKEN"  # optional: a read-only token for GET /status besides the receivers' secrets
+# A cluster job's time beyond the plan's stages: the interpreter's start, a fresh node's rate probes, the MLflow upload
+# and registration, the exit. The tiny test model's job spent ~62 s of its 64 s there at load ~15 on a shared 2-core
+# host (start 16 s, plan with probes 26 s, upload and registration 14 s, exit 7 s): with --time the plan's 0 s
+# rounded up to 1 min, Slurm ended it TIMEOUT (tests/integration/test_hook_slurm.py).
+TIME_OVERHEAD_S = 600.0
 
 
 class _Strict(BaseModel):
@@ -91,6 +96,8 @@ class SlurmSection(_Strict):
     ranks: int = Field(default=1, ge=1, le=4096, description="processes (one GPU each when the recipe uses GPUs)")
     time_margin: float = Field(default=1.5, ge=1, le=10, description="--time = the plan's slowest estimate x this")
     memory_margin: float = Field(default=1.25, ge=1, le=10, description="--mem = the plan's host peak x this")
+    time_overhead_s: float = Field(default=TIME_OVERHEAD_S, ge=0, le=86_400,
+                                   description="added to --time: the job's work outside the plan's stages")
     llmc: str = Field(default="llmc", description="the llmc executable on the compute nodes")
     poll_s: float = Field(default=30, gt=0, le=3600, description="how often squeue/sacct are asked")
     machine: str | None = Field(default=None, description="plan for the nodes: a profile (h100-sxm:8) or a machine "
@@ -104,6 +111,8 @@ class KubernetesSection(_Strict):
     cache_claim: str = Field(default="", description="PersistentVolumeClaim holding the stage cache")
     memory_margin: float = Field(default=1.25, ge=1, le=10)
     time_margin: float = Field(default=1.5, ge=1, le=10, description="activeDeadlineSeconds = slowest estimate x this")
+    time_overhead_s: float = Field(default=TIME_OVERHEAD_S, ge=0, le=86_400,
+                                   description="added to activeDeadlineSeconds, as slurm.time_overhead_s")
     machine: str | None = Field(default=None, description="plan for the nodes, as slurm.machine")
 
 

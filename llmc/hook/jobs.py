@@ -134,6 +134,11 @@ def _model_folder(root: Path) -> Path:
     return found[0]
 
 
+def cache_store(config: HookConfig) -> Store:
+    """The stage cache the config names (relative to its file), else llmc's default ($LLMC_CACHE, ~/.cache/llmc)."""
+    return Store.default(config.path(config.cache_dir) if config.cache_dir else None)
+
+
 def run_job(job: dict, config: HookConfig, queue: JobQueue) -> dict:
     """Run a job taken from the queue; returns it as finally stored (state done or failed). Any failure is recorded
     on the job, never raised: the worker goes on with the next."""
@@ -144,7 +149,7 @@ def run_job(job: dict, config: HookConfig, queue: JobQueue) -> dict:
         model = recorded.model.model_copy(update={"source": str(folder)})
         publish = recorded.publish.model_copy(update={"registry": str(config.state / "registry")})
         recipe = recorded.model_copy(update={"model": model, "publish": publish})
-        store = Store.default(config.path(config.cache_dir) if config.cache_dir else None)
+        store = cache_store(config)
         log(f"hook: building {recipe.name} for {source['uri']} (job {job['id'][:12]})")
         result = build(recipe, store, publish=True)
         if not result.passed:

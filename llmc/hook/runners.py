@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from llmc.errors import LlmcError, ResourceError
-from llmc.hook.config import HookConfig, KubernetesSection, Partition
+from llmc.hook.config import TIME_OVERHEAD_S, HookConfig, KubernetesSection, Partition
 
 # Slurm's terminal job states (squeue/sacct %T); anything else is still pending or running
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -80,7 +80,8 @@ def slurm_time(seconds: float) -> str:
     return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
 
 
-def _fit(needs: Needs, p: Partition, time_margin: float, memory_margin: float) -> SbatchRequest | str:
+def _fit(needs: Needs, p: Partition, time_margin: float, memory_margin: float,
+         time_overhead_s: float) -> SbatchRequest | str:
     """The request on partition `p`, or why it does not fit."""
     gpus = needs.ranks * needs.gpus_per_rank
     if gpus and p.gpus_per_node == 0:
@@ -96,10 +97,10 @@ def _fit(needs: Needs, p: Partition, time_margin: float, memory_margin: float) -
         return f"{mem_gb:.1f} GB of host memory per node needed, it gives {p.memory_gb:g} GB"
     if gpus and needs.gpu_gb is not None and p.gpu_memory_gb is not None and needs.gpu_gb > p.gpu_memory_gb:
         return f"{needs.gpu_gb:.1f} GB per GPU needed, its GPUs have {p.gpu_memory_gb:g} GB"
-    seconds = needs.seconds * time_margin
+    seconds = needs.seconds * time_margin + time_overhead_s
     if seconds > p.max_time_h * 3600:
-        return f"{seconds / 3600:.1f} h needed (the plan's slowest estimate x {time_margin:g}), its MaxTime is " \
-               f"{p.max_time_h:g} h"
+        return f"{seconds / 3600:.1f} h needed (the plan's slowest estimate x {time_margin:g} + " \
+               f"{time_overhead_s / 60:g} min outside its stages), its MaxTime is {p.max_time_h:g} h"
     if p.tmp_disk_gb is not None and needs.disk_gb > p.tmp_disk_gb:
         return f"{needs.disk_gb:.1f} GB of disk needed, its nodes have {p.tmp_disk_gb:g} GB"
     args = [f"--partition={p.name}", f"--nodes={nodes}", "--ntasks-per-node=1",  # one launcher per node
@@ -112,11 +113,13 @@ def _fit(needs: Needs, p: Partition, time_margin: float, memory_margin: float) -
 
 
 def sbatch_request(needs: Needs, partitions: Sequence[Partition], time_margin: float = 1.5,
-                   memory_margin: float = 1.25) -> SbatchRequest:
-    """The `sbatch` arguments on the first partition that fits; ResourceError naming each one's reason if none."""
+                   memory_margin: float = 1.25, time_overhead_s: float = TIME_OVERHEAD_S) -> SbatchRequest:
+    """The `sbatch` arguments on the first partition that fits; ResourceError naming each one's reason if none.
+    `--time` is the plan's slowest estimate x `time_margin` + `time_overhead_s` (the job's start, probes and
+    registration, which no stage row times)."""
     reasons = []
     for p in partitions:
-        fit = _fit(needs, p, time_margin, memory_margin)
+        fit = _fit(needs, p, time_margin, memory_margin, time_overhead_s)
         if isinstance(fit, SbatchRequest):
             return fit
         reasons.append(f"{p.name}: {fit}")
@@ -128,14 +131,17 @@ def sbatch_request(needs: Needs, partitions: Sequence[Partition], time_margin: f
 def plan_needs(job: dict, config: HookConfig, ranks: int = 1) -> Needs:
     """Plan the job's recipe on its fetched source (headers only, no weights loaded), for the runner's `machine` when
     the config names one, and reduce it to its needs."""
-    from llmc.hook.jobs import fetch_source  # lazy: jobs imports the build stack
-    from llmc.planning import target  # lazy: as make_plan
+    from llmc.hook.jobs import cache_store, fetch_source  # lazy: jobs imports the build stack
+    from llmc.planning import probes, target  # lazy: as make_plan
     from llmc.planning.plan import make_plan  # lazy: the planner imports torch; `llmc hook serve` never needs it
     from llmc.recipe.schema import Recipe  # lazy: with the planner, only when a job is sized
 
     # the nodes' machine (`llmc plan --machine`), not the hook host's: a CPU-only hook host would plan CPU times
     spec = (config.slurm if config.runner == "slurm" else config.kubernetes).machine
     machine = target.load(spec) if spec else None
+    # the rates this host probes are kept in the cache the nodes share: a node of the same machine (fingerprint) reads
+    # them instead of probing again inside its allocation, and a restarted hook does not probe again either
+    probes.use_cache(cache_store(config).root)
     folder = fetch_source(job["source"], config)
     recorded = Recipe.model_validate(job["recipe"])
     recipe = recorded.model_copy(update={"model": recorded.model.model_copy(update={"source": str(folder)})})
@@ -185,8 +191,9 @@ class SlurmRunner:
         existing = self.find(job)
         if existing:
             return existing  # submitted before the hook could record it: followed, not submitted again
-        request = sbatch_request(self.needs_for(job), self.config.slurm.partitions, self.config.slurm.time_margin,
-                                 self.config.slurm.memory_margin)
+        slurm = self.config.slurm
+        request = sbatch_request(self.needs_for(job), slurm.partitions, slurm.time_margin, slurm.memory_margin,
+                                 slurm.time_overhead_s)
         self.dir.mkdir(parents=True, exist_ok=True)
         script = self.dir / f"{job['id']}.sh"
         script.write_text(self.script(job))
@@ -229,7 +236,7 @@ def job_manifest(job: dict, needs: Needs, k8s: KubernetesSection, state_dir: str
                      "labels": {"app.kubernetes.io/name": "llmc-hook", "llmc.job": job["id"][:63]}},
         "spec": {
             "backoffLimit": 0,  # a failed build is retried by the hook, as the local runner's are
-            "activeDeadlineSeconds": max(60, math.ceil(needs.seconds * k8s.time_margin)),
+            "activeDeadlineSeconds": max(60, math.ceil(needs.seconds * k8s.time_margin + k8s.time_overhead_s)),
             "template": {
                 "metadata": {"labels": {"app.kubernetes.io/name": "llmc-hook"}},
                 "spec": {

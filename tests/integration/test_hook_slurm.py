@@ -7,7 +7,9 @@ started here with their config, key and state in a temporary folder, stopped at 
   restarted follows the job by its id, and the variant is registered once.
 
 Needs root and the packages (`scripts/setup.sh` installs them where apt can); skipped, saying which is missing,
-without them. Marked slow: each builds a model and starts daemons (~75 s and ~200 s on the shared 2-core host).
+without them. The whole path is in the default run (heavy: 148 s and 158 s with its setup, at load ~10-13 on the
+shared 2-core AMD EPYC host, `pytest -m "not slow" tests/integration/test_hook_slurm.py`); the first test, whose
+steps it covers, stays slow (75 s at load ~13).
 """
 
 from __future__ import annotations
@@ -221,7 +223,20 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
         proc.wait(timeout=60)
 
 
-@pytest.mark.slow  # ~4 min on this project's shared 2-core host: an MLflow server, daemons, a build on the node
+def _seed_rates(cache: Path, recipe: Path, source: Path) -> None:
+    """Plan the recipe here on `cache`: the session's rates (tests/conftest.py replays them) are written to its rates
+    file, which the hook's plan and the node's build then read as a cache shared with earlier plans, instead of
+    probing for ~30 s each (the hook's own plan_needs keeps what it probes there too: test_hook_runners)."""
+    from llmc.planning import probes
+    from llmc.planning.plan import make_plan
+
+    recorded = load_recipe(recipe)
+    probes.use_cache(cache)
+    make_plan(recorded.model_copy(update={"model": recorded.model.model_copy(update={"source": str(source)})}),
+              source, refuse=False)
+
+
+@pytest.mark.heavy  # an MLflow server, the Slurm daemons, two hooks, a build on the node: timed in the docstring
 def test_an_mlflow_delivery_is_built_on_slurm_once_across_a_redelivery_and_a_hook_kill(
         slurm_cluster: Path, tmp_path: Path, tiny_model_session: Path) -> None:
     import signal
@@ -252,6 +267,7 @@ def test_an_mlflow_delivery_is_built_on_slurm_once_across_a_redelivery_and_a_hoo
     source = tmp_path / "source"
     shutil.copytree(tiny_model_session, source)
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    _seed_rates(tmp_path / "cache", recipe, source)
     client = MlflowClient(mlflow_uri)
     log, state = tmp_path / "hook.log", tmp_path / "state"
     hook, url, webhook = _serve(config, corpus, log, client)
@@ -276,9 +292,13 @@ def test_an_mlflow_delivery_is_built_on_slurm_once_across_a_redelivery_and_a_hoo
         [final] = wait_jobs(url, 1, 240, hook)
         assert final["state"] == "done", (final, (state / "slurm" / f"{sid}.out").read_text()[-3000:])
         assert final["scheduler_id"] == sid and final["attempts"] == 1
-        # the node records `done` before its Slurm job ends; the job then ends COMPLETED
-        _wait(lambda: _slurm_jobs()[0].split()[2] == "COMPLETED", 60, f"slurm job {sid} did not end COMPLETED",
-              [state / "slurm" / f"{sid}.out"])
+        node_log = (state / "slurm" / f"{sid}.out").read_text()
+        assert "read from the cache" in node_log and "probed now" not in node_log, node_log[-3000:]
+        # the node records `done` before its Slurm job ends; the job then ends COMPLETED (not TIMEOUT: --time holds
+        # the job's start, upload and registration besides the plan's stages, llmc.hook.config.TIME_OVERHEAD_S)
+        _wait(lambda: _slurm_jobs()[0].split()[2] in TERMINAL, 120, f"slurm job {sid} did not end",
+              [state / "slurm" / f"{sid}.out", slurm_cluster / "log" / "slurmctld.log"])
+        assert _slurm_jobs()[0].split()[2] == "COMPLETED", _slurm_jobs()
         # delivered once more after it is done: nothing queued, nothing submitted
         body, headers = signed_delivery(version_created("tiny-s", version), delivery_id="again-when-done")
         status, answer = post(f"{url}/webhooks/mlflow", body, headers)

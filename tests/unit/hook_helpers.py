@@ -83,8 +83,10 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
     """A real MLflow server: SQLite backend, local artifact store, loopback port, webhooks allowed to loopback."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    # no job runner: its 7 huey consumers (GenAI scorer jobs; webhooks are sent from the server's own threads) are 8
+    # more Python processes importing MLflow on the shared 2-core host
     env = {**os.environ, "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true", "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
-           "MLFLOW_WEBHOOK_CACHE_TTL": "1"}
+           "MLFLOW_WEBHOOK_CACHE_TTL": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                              f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],

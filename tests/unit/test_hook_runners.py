@@ -73,7 +73,7 @@ def test_a_gpu_build_gets_one_gpu_per_rank_with_margins_on_memory_and_time() -> 
     request = sbatch_request(needs, [CPU, GPU], time_margin=1.5, memory_margin=1.25)
     assert request.partition == "gpu"  # cpu has no GPUs: skipped
     assert request.args == ("--partition=gpu", "--nodes=1", "--ntasks-per-node=1", f"--mem={25 * 1024}M",
-                            "--time=0-15:00:00", "--gres=gpu:1")
+                            "--time=0-15:10:00", "--gres=gpu:1")  # 10 h x 1.5 + 10 min outside the stages
 
 
 def test_ranks_fill_nodes_of_the_partition_and_split_across_nodes() -> None:
@@ -88,7 +88,7 @@ def test_a_cpu_build_asks_for_no_gpu_and_node_local_disk_when_the_partition_has_
     scratch = Partition(name="scratch", memory_gb=64, max_time_h=4, tmp_disk_gb=100)
     request = sbatch_request(Needs(2, None, 3.5, 60, 0), [scratch])
     assert request.args == ("--partition=scratch", "--nodes=1", "--ntasks-per-node=1", "--mem=2560M",
-                            "--time=0-00:02:00", "--tmp=3584M")
+                            "--time=0-00:12:00", "--tmp=3584M")  # 60 s x 1.5 + 600 s, up to the minute
 
 
 def test_no_partition_that_fits_is_refused_with_each_ones_reason() -> None:
@@ -98,12 +98,27 @@ def test_no_partition_that_fits_is_refused_with_each_ones_reason() -> None:
                        [CPU, small, GPU.model_copy(update={"max_time_h": 4})])
     assert e.value.message == (
         "no Slurm partition fits the build: cpu: it has no GPUs; small: 125.0 GB of host memory per node needed, "
-        "it gives 64 GB; gpu: 4.5 h needed (the plan's slowest estimate x 1.5), its MaxTime is 4 h")
+        "it gives 64 GB; gpu: 4.7 h needed (the plan's slowest estimate x 1.5 + 10 min outside its stages), its "
+        "MaxTime is 4 h")
     assert "slurm.partitions" in e.value.fix
     with pytest.raises(ResourceError, match="40.0 GB per GPU needed, its GPUs have 24 GB"):
         sbatch_request(Needs(1, 40, 1, 60, 1), [small])
     with pytest.raises(ResourceError, match="16 ranks need 2 nodes, it allows 1"):
         sbatch_request(Needs(1, None, 1, 60, 1, ranks=16), [GPU.model_copy(update={"max_nodes": 1})])
+
+
+def test_a_build_the_plan_times_at_zero_still_gets_the_time_outside_its_stages() -> None:
+    """The plan times the stages only; the job also starts Python, probes a fresh node, uploads and registers (~1 min
+    for the tiny model on a loaded 2-core host): a 0 s plan asked for 1 min and Slurm ended the job TIMEOUT."""
+    nothing = Needs(host_gb=1, gpu_gb=None, disk_gb=0, seconds=0, gpus_per_rank=0)
+    assert "--time=0-00:10:00" in sbatch_request(nothing, [CPU]).args
+    assert "--time=0-00:02:00" in sbatch_request(nothing, [CPU], time_overhead_s=90).args
+    short = Partition(name="short", memory_gb=8, max_time_h=0.1)  # MaxTime 6 min: the overhead alone exceeds it
+    with pytest.raises(ResourceError, match=r"short: 0\.2 h needed \(the plan's slowest estimate x 1\.5 \+ 10 min "
+                                            r"outside its stages\), its MaxTime is 0\.1 h"):
+        sbatch_request(nothing, [short])
+    k8s = KubernetesSection(image="x", state_claim="s", time_overhead_s=300)
+    assert job_manifest({"id": "ab" * 32}, nothing, k8s)["spec"]["activeDeadlineSeconds"] == 300
 
 
 @pytest.fixture
@@ -136,6 +151,23 @@ def test_the_needs_are_the_plans_rows(queued) -> None:
     assert needs.seconds >= sum(r.seconds for r in rows) > 0  # the slowest estimate
     # the recipe's devices are "auto": a node's GPU is asked for; this CPU machine's plan says nothing of GPU memory
     assert needs.gpus_per_rank == 1 and needs.gpu_gb is None
+
+
+def test_the_rates_the_hook_probes_are_kept_in_its_cache_for_the_nodes(queued, monkeypatch) -> None:
+    """A node of the same machine reads the hook's probed rates from the shared cache instead of probing inside its
+    allocation (~26 s of a 64 s job on the loaded 2-core host); a process starting afresh reads them too."""
+    from llmc.planning import probes
+
+    path, _, job = queued
+    config = load_hook_config(path)
+    monkeypatch.setattr(probes, "_book", probes.RateBook())  # this process has probed nothing yet
+    plan_needs(job, config)
+    rates = config.path(config.cache_dir) / probes.RATES_FILE
+    assert rates.is_file() and json.loads(rates.read_text())["rates"]
+    monkeypatch.setattr(probes, "_book", probes.RateBook())  # a fresh process (the node's `llmc hook execute`)
+    plan_needs(job, config)
+    assert probes.book().path == rates and probes.book().measured_now == []
+    assert "read from the cache" in probes.book().describe() and "probed now" not in probes.book().describe()
 
 
 def test_the_needs_are_planned_for_the_nodes_machine_when_the_config_names_one(queued) -> None:
@@ -202,7 +234,7 @@ def test_a_job_is_submitted_once_with_the_plans_request_and_followed(queued, fak
     state = config.state
     assert _argv(fake_slurm, "squeue") == [["--noheader", f"--name=llmc-{job['id'][:16]}", "--format=%i"]]
     assert _argv(fake_slurm, "sbatch") == [[
-        "--parsable", "--partition=gpu", "--nodes=1", "--ntasks-per-node=1", "--mem=2560M", "--time=0-00:15:00",
+        "--parsable", "--partition=gpu", "--nodes=1", "--ntasks-per-node=1", "--mem=2560M", "--time=0-00:25:00",
         "--gres=gpu:1", f"--job-name=llmc-{job['id'][:16]}", f"--output={state / 'slurm' / '%j.out'}",
         str(state / "slurm" / f"{job['id']}.sh")]]
     script = (state / "slurm" / f"{job['id']}.sh").read_text()
@@ -281,7 +313,7 @@ def test_the_job_manifest_is_a_valid_v1_job(tmp_path: Path) -> None:
     container = v1.spec.template.spec.containers[0]
     assert container.resources.limits == {"memory": f"{15 * 1024}Mi", "nvidia.com/gpu": "1"}
     assert container.command == ["llmc", "hook", "execute", "--config", "/llmc/state/hook.yaml", job["id"]]
-    assert v1.spec.active_deadline_seconds == 5400 and v1.spec.backoff_limit == 0
+    assert v1.spec.active_deadline_seconds == 5400 + 600 and v1.spec.backoff_limit == 0  # 1 h x 1.5 + the overhead
     assert [v.persistent_volume_claim.claim_name for v in v1.spec.template.spec.volumes] == \
         ["llmc-state", "llmc-cache"]
 
