@@ -453,14 +453,23 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
             if name != "__metadata__":
                 tensors[name] = (info["dtype"], tuple(info["shape"]))
                 files[name] = f.name
-    fmt = source_format(config)  # a quantized original llmc decodes (FP8, MXFP4); InputError for a malformed one
+    hf_quant_config = _optional_json(folder, "hf_quant_config.json")  # ModelOpt's export
+    # a quantized original llmc decodes (FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ); InputError for a
+    # malformed one or a variant no decoder reads
+    fmt = source_format(config, hf_quant_config)
     if fmt is not None:
+        hf_quant_config = None  # decoded: what is left is checked as a float model
         notes.append(decoded_statement(fmt, source_dtype(recipe.model.dtype)))
         decoded, _ = decoding_map(fmt, tensors)
+        if not decoded:
+            raise InputError(f"model source {where}: its quantization config says {fmt.describe()}, but no tensor "
+                             "holds such codes (every weight is a float)",
+                             fix="remove the quantization config (config.json's quantization_config, ModelOpt's "
+                                 "hf_quant_config.json) from an unquantized checkpoint, or re-download the quantized one")
         files.update({name: files.get(parts.codes, "?") for name, parts in decoded.items()})
         tensors = decoded_header(fmt, tensors)  # every check below sees the model the build reads
         config = decoded_config(config)
-    found = quantized_kind(config, tensors, _optional_json(folder, "hf_quant_config.json"))
+    found = quantized_kind(config, tensors, hf_quant_config)
     if found is not None:
         refuse_quantized(found, where, base_model_of(_model_card(folder)))
     check_config(config, where)
