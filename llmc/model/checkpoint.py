@@ -263,9 +263,10 @@ def transformers_architectures(config: dict, path: Path) -> list[str]:
 HF_QUANT_CONFIG = "hf_quant_config.json"  # NVIDIA ModelOpt's export writes its quantization here
 
 
-def folder_source_format(folder: Path, config: dict | None = None):
+def folder_source_format(folder: Path, config: dict | None = None, strict: bool = False):
     """The quantized original `folder` is (`llmc.model.source_formats.SourceFormat`, from config.json and ModelOpt's
-    hf_quant_config.json), or None."""
+    hf_quant_config.json), or None; `strict` as `source_format` takes it (False: a packed format's variant no
+    decoder reads is read as stored)."""
     from llmc.model.source_formats import source_format  # lazy: it imports llmc.quant
 
     hf = None
@@ -275,7 +276,7 @@ def folder_source_format(folder: Path, config: dict | None = None):
         hf = read_input_json(path, "ModelOpt quantization config", MAX_CONFIG_BYTES,
                              "replace hf_quant_config.json with the one ModelOpt wrote")
         hf = hf if isinstance(hf, dict) else None
-    return source_format(read_model_config(Path(folder)) if config is None else config, hf)
+    return source_format(read_model_config(Path(folder)) if config is None else config, hf, strict)
 
 
 def _non_finite(value: object) -> str | None:

@@ -461,7 +461,7 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
         hf_quant_config = None  # decoded: what is left is checked as a float model
         notes.append(decoded_statement(fmt, source_dtype(recipe.model.dtype)))
         decoded, _ = decoding_map(fmt, tensors)
-        if not decoded:
+        if not decoded and folder is not None:  # planning from config.json alone: no tensors to look at
             raise InputError(f"model source {where}: its quantization config says {fmt.describe()}, but no tensor "
                              "holds such codes (every weight is a float)",
                              fix="remove the quantization config (config.json's quantization_config, ModelOpt's "

@@ -70,21 +70,28 @@ def _groups_word(group_size: int) -> str:
     return "one group per input row" if group_size <= 0 else f"groups of {group_size}"
 
 
-def source_format(config: dict, hf_quant_config: dict | None = None) -> SourceFormat | None:
+def source_format(config: dict, hf_quant_config: dict | None = None, strict: bool = True) -> SourceFormat | None:
     """The decoder config.json's quantization_config (or ModelOpt's hf_quant_config.json) asks for; None for a config
     without one or with a method no decoder here reads (llmc.model.checks refuses those by name). InputError for a
-    config that is malformed or a variant llmc does not decode, naming the field."""
+    config that is malformed or a variant llmc does not decode, naming the field; `strict` False: None for a packed
+    format's (compressed-tensors, ModelOpt, GPTQ, AWQ) such variant instead, read as it is stored (llmc's own
+    artifacts of every layout are read by the same CheckpointReader; the plan refuses them as sources)."""
     qc = config.get("quantization_config")
-    if isinstance(hf_quant_config, dict) and not (isinstance(qc, dict) and str(qc.get("quant_method")).lower()
-                                                  == "modelopt"):
-        return _modelopt_format(hf_quant_config.get("quantization"), "hf_quant_config.json's quantization")
+    try:
+        if isinstance(hf_quant_config, dict) and not (isinstance(qc, dict) and str(qc.get("quant_method")).lower()
+                                                      == "modelopt"):
+            return _modelopt_format(hf_quant_config.get("quantization"), "hf_quant_config.json's quantization")
+        packed = _PACKED_FORMATS.get(str(qc.get("quant_method") or "").lower()) if isinstance(qc, dict) else None
+        if packed is not None:
+            return packed(qc, "config.json's quantization_config")
+    except InputError:
+        if strict:
+            raise
+        return None
     if not isinstance(qc, dict):
         return None
     method = str(qc.get("quant_method") or "").lower()
     where = "config.json's quantization_config"
-    packed = _PACKED_FORMATS.get(method)
-    if packed is not None:
-        return packed(qc, where)
     if method == "fp8":
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":

@@ -176,7 +176,14 @@ def from_config(config: dict) -> ModelTensors:
             shapes.update(_moe(config, row, layout, p, h))
         else:
             shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h))
-    return ModelTensors(shapes, _stored_bytes(config, shapes))
+    stored = _stored_bytes(config, shapes)
+    if not stored:
+        return ModelTensors(shapes, stored)
+    from llmc.model.source_formats import source_format
+
+    # a quantized original's weights take under 2 bytes an element where stored (FP8, MXFP4): those are decoded
+    decoded = frozenset(n for n, b in stored.items() if b < 2 * ModelTensors.numel(shapes[n]))
+    return ModelTensors(shapes, stored, source_format=source_format(config, strict=False), decoded=decoded)
 
 
 def _attention(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:
