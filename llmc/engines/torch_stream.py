@@ -91,11 +91,13 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
             n = 1
             for d in info["shape"]:
                 n *= d
-            if name.endswith(".weight_packed"):
+            if name.endswith((".weight_packed", ".qweight")):  # GPTQ / AWQ: counted as 4-bit, the most a word
                 n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
+            if name.endswith(".weight") and info["dtype"] == "U8":  # ModelOpt NVFP4: E2M1 two a byte
+                n *= 2
             mxfp4 = name.endswith("_blocks") and info["dtype"] == "U8"  # an MXFP4 source's experts, two a byte
             n *= 2 if mxfp4 else 1
-            if mxfp4 or name.endswith((".weight_packed", ".weight")):
+            if mxfp4 or name.endswith((".weight_packed", ".weight", ".qweight")):
                 total += n * elem
             else:
                 total += info["data_offsets"][1] - info["data_offsets"][0]

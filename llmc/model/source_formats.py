@@ -8,6 +8,12 @@ values the format's reference decoder gives, bit for bit (tests/unit/test_source
 `Fp8Dequantize` / `_dequantize_fp8_weight` and `convert_moe_packed_tensors`): the product in float32, then rounded
 once to the dtype the build computes in.
 
+The packed formats are decoded the same way, Linear by Linear: compressed-tensors checkpoints (llm-compressor,
+vLLM, llmc's `vllm` artifacts) by compressed-tensors' own decompressors, ModelOpt FP8 / NVFP4 exports, GPTQ and AWQ
+(GEMM) checkpoints by the formulas of GPTQModel and AutoAWQ (tests/unit/test_packed_sources.py); a variant none of
+them reads (another compressed-tensors format, ModelOpt's INT4 algorithms, GPTQ 3-bit, AWQ GEMV, ...) is refused
+naming the field. `decode_rate` probes each decoder's speed for the plan.
+
 `decoding_map` pairs the stored tensors from their names, dtypes and shapes alone (safetensors headers), so the plan
 checks a source through the same view the stream reads (`decoded_header`). A `quantization_config` whose method is
 not one of these stays refused (llmc.model.checks); one of these methods with a variant no decoder here reads (FP8
@@ -16,6 +22,7 @@ E5M2, a block that is not 2-D) is refused by `source_format`, naming the field.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -67,7 +74,7 @@ class SourceFormat:
 
 
 def _groups_word(group_size: int) -> str:
-    return "one group per input row" if group_size <= 0 else f"groups of {group_size}"
+    return "per output channel (one group spans the input)" if group_size <= 0 else f"groups of {group_size}"
 
 
 def source_format(config: dict, hf_quant_config: dict | None = None, strict: bool = True) -> SourceFormat | None:
@@ -604,7 +611,7 @@ def decode_modelopt(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Ten
 _E2M1_PAIRS = e2m1_decode(unpack_e2m1(torch.arange(256, dtype=torch.uint8).unsqueeze(-1)))  # [256, 2]: low, high
 
 
-_CT_SCHEMES: dict[tuple[int, str], object] = {}
+_CT_SCHEMES: dict[str, object] = {}  # a config group (as JSON) -> its validated QuantizationScheme
 
 
 def decode_compressed_tensors(fmt: SourceFormat, encoded: Encoded, parts: dict[str, torch.Tensor],
@@ -627,19 +634,19 @@ def decode_compressed_tensors(fmt: SourceFormat, encoded: Encoded, parts: dict[s
         raise InputError(f"model source: {excerpt(module, 100)}'s weight_shape is {state['weight_shape'].tolist()}, "
                          f"not the {list(encoded.shape)} its packed words hold (in_features not a whole number of "
                          "int32 words is not decoded)", fix=_PARENT)
-    scheme = _ct_scheme(fmt, encoded.group, group, group_format)
+    scheme = _ct_scheme(group, group_format)
     return BaseCompressor.get_value_from_registry(group_format).decompress(state, scheme)["weight"].to(dtype)
 
 
-def _ct_scheme(fmt: SourceFormat, key: str, group: dict, group_format: str):
-    """The group's QuantizationScheme, validated once per source format and group."""
+def _ct_scheme(group: dict, group_format: str):
+    """The group's QuantizationScheme, validated once per distinct group."""
     from compressed_tensors.quantization import QuantizationScheme
 
-    cached = _CT_SCHEMES.get((id(fmt.qc), key))
+    spec = {k: v for k, v in group.items() if k != "format"} | {"format": group_format}
+    text = json.dumps(spec, sort_keys=True, default=str)
+    cached = _CT_SCHEMES.get(text)
     if cached is None:
-        cached = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"} |
-                                                   {"format": group_format})
-        _CT_SCHEMES[(id(fmt.qc), key)] = cached
+        cached = _CT_SCHEMES[text] = QuantizationScheme.model_validate(spec)
     return cached
 
 

@@ -242,6 +242,7 @@ def _awq_reference(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
     return ((iweight - izeros).double() * scales.double().repeat_interleave(group_size, dim=0)).t()
 
 
+@pytest.mark.heavy  # the element-wise reference is a Python loop
 def test_gptq_decoder_against_gptqmodels_formula_and_llmcs_exporter(saved: dict) -> None:
     from llmc.formats.gptq_format import GPTQTensors, dequantize_gptq
 
@@ -474,3 +475,14 @@ def test_an_fp8_target_of_the_sources_strategy_keeps_its_codes(kind: str, saved:
             else:
                 assert written[name].equal(quantize_weight(reader.get(name), TensorSpec("fp8_e4m3", "channel"))
                                            .codes), name
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq", "modelopt-nvfp4"])
+def test_the_torch_engine_sizes_a_packed_source_as_decoded(kind: str, saved: dict) -> None:
+    """Whole or streamed (torch_stream.decide_torch_loading) is decided on the dense size: each packed weight counts
+    its decoded elements, not its stored bytes."""
+    from llmc.engines.torch_stream import dense_bytes
+
+    reader = CheckpointReader(saved[kind])
+    decoded = sum(4 * reader.get(n).numel() for n in reader.names() if reader.encoded(n) is not None)
+    assert dense_bytes(saved[kind], torch.float32) >= decoded
