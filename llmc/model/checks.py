@@ -1,13 +1,13 @@
 """Checks of a model source made at plan time, from config.json, the tokenizer files and the safetensors headers
 alone (no tensor data is read), so that a source llmc would mis-handle fails with exit 7 before any weight moves.
 
-- **Already-quantized checkpoints** (docs/model-sources.md): compressed-tensors, ModelOpt, GPTQ, AWQ, FP8 scales
-  without an FP8 quantization_config, bitsandbytes and every other `quantization_config` are refused with the fix
-  (the unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's
-  `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. Two kinds
-  are decoded instead, and the plan says so: a GGUF (transformers' GGUF reader dequantizes it to the declared
-  dtype) and a quantized original llmc.model.source_formats decodes (FP8 block-wise or per-tensor, MXFP4), whose
-  tensors every check below sees decoded.
+- **Already-quantized checkpoints** (docs/model-sources.md): FP8 scales without an FP8 quantization_config,
+  bitsandbytes, a variant no decoder reads and every other `quantization_config` are refused with the fix (the
+  unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's `.weight`
+  tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. Two kinds are
+  decoded instead, and the plan says so: a GGUF (transformers' GGUF reader dequantizes it to the declared dtype)
+  and a quantized original llmc.model.source_formats decodes (FP8 block-wise or per-tensor, MXFP4,
+  compressed-tensors, ModelOpt FP8/NVFP4, GPTQ, AWQ), whose tensors every check below sees decoded.
 - **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
   tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a
   row of the embedding (and of the output head), and `vocab_size` is the embedding's row count; heads, head_dim

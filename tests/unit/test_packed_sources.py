@@ -486,3 +486,13 @@ def test_the_torch_engine_sizes_a_packed_source_as_decoded(kind: str, saved: dic
     reader = CheckpointReader(saved[kind])
     decoded = sum(4 * reader.get(n).numel() for n in reader.names() if reader.encoded(n) is not None)
     assert dense_bytes(saved[kind], torch.float32) >= decoded
+
+
+def test_the_statement_says_when_a_compressed_tensors_baseline_quantizes_activations(saved: dict) -> None:
+    """The torch engine scores a compressed-tensors folder as it scores llmc's artifacts, activations quantized as
+    its config groups say: the plan says so for such a source, and not for a weight-only one."""
+    said = "with its activations quantized as its config_groups say"
+    assert said in sf.statement(CheckpointReader(saved["ct-fp8"]).source_format, "float32")
+    assert said not in sf.statement(CheckpointReader(saved["ct-int4"]).source_format, "float32")
+    assert "the baseline is the decoded original" in sf.statement(CheckpointReader(saved["gptq"]).source_format,
+                                                                  "bfloat16")
