@@ -37,13 +37,12 @@ from llmc.engines.agreement import HEAD_INPUT, HEAD_KEYS, HeadCapture, reference
 from llmc.engines.agreement import agreement, topk_kl  # noqa: F401  (their former home: imported from here elsewhere)
 from llmc.engines.base import EngineBase
 from llmc.engines.torch_stream import (build_dense_model, build_streaming_model, check_config_patterns,
-                                       streamed_logits, targets_match)
+                                       is_decoded_original, streamed_logits, targets_match)
 from llmc.errors import EngineFailed
 from llmc.formats.compressed_tensors import spec_from_args
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS
 from llmc.model.attention import register_kv_attention, route_kv
 from llmc.model.families import expert_count
-from llmc.model.source_formats import source_format
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import fake_quantize, input_scale_name
 from llmc.quant.spec import TensorSpec
@@ -135,7 +134,7 @@ class TorchEngine(EngineBase):
         config = json.loads((self.folder / "config.json").read_text())
         qcfg = config.get("quantization_config")
         check_config_patterns(self.folder, qcfg)
-        decoded = source_format(config) is not None  # a quantized original: decoded as it is read, then dense
+        decoded = is_decoded_original(self.folder, config)  # a quantized original: decoded as it is read, then dense
         try:
             if decoded:
                 model, qcfg = build_dense_model(self.folder, self.dtype), None

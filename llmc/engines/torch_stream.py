@@ -31,8 +31,9 @@ from llmc.model.families import MoeLayout
 from llmc.quant.moe import layout_of, per_expert_tensors, unfuse_experts
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, nvfp4_from_compressed_tensors
 from llmc.quant.numerics import BLOCK_ELEMENTS
-from llmc.model.checkpoint import check_safetensors_header, safetensors_files, CheckpointReader
-from llmc.model.source_formats import source_format
+from llmc.model.checkpoint import check_safetensors_header, folder_source_format, safetensors_files, CheckpointReader
+
+COMPRESSED_TENSORS = "compressed-tensors"  # the SourceFormat name of compressed-tensors folders
 from llmc.inputs.patterns import PatternRefused, check_patterns, regex_matches
 from llmc.quant.activations import memory_available
 from llmc.quant.canonical import module_matches
@@ -90,11 +91,13 @@ def dense_bytes(folder: Path, dtype: torch.dtype) -> int:
             n = 1
             for d in info["shape"]:
                 n *= d
-            if name.endswith(".weight_packed"):
+            if name.endswith((".weight_packed", ".qweight")):  # GPTQ / AWQ: counted as 4-bit, the most a word
                 n *= 8 if info["dtype"] == "I32" else 2  # int4 in int32 words, E2M1 two a byte
+            if name.endswith(".weight") and info["dtype"] == "U8":  # ModelOpt NVFP4: E2M1 two a byte
+                n *= 2
             mxfp4 = name.endswith("_blocks") and info["dtype"] == "U8"  # an MXFP4 source's experts, two a byte
             n *= 2 if mxfp4 else 1
-            if mxfp4 or name.endswith((".weight_packed", ".weight")):
+            if mxfp4 or name.endswith((".weight_packed", ".weight", ".qweight")):
                 total += n * elem
             else:
                 total += info["data_offsets"][1] - info["data_offsets"][0]
@@ -107,7 +110,8 @@ class LayerDecoder:
 
     def __init__(self, folder: Path, qcfg: dict | None, dtype: torch.dtype | None = None,
                  layout: MoeLayout | None = None) -> None:
-        self.reader = CheckpointReader(folder, dtype or torch.float32)  # a quantized original: decoded
+        # a quantized original: decoded; a compressed-tensors folder (an artifact) decompressed below
+        self.reader = CheckpointReader(folder, dtype or torch.float32, as_stored=(COMPRESSED_TENSORS,))
         self.qcfg = qcfg
         self.dtype = dtype
         self.groups = self._groups(qcfg) if qcfg else []
@@ -189,6 +193,13 @@ class LayerDecoder:
 NVFP4_FORMAT = COMPRESSED_TENSORS_FORMATS["nvfp4"][0]
 
 
+def is_decoded_original(folder: Path, config: dict) -> bool:
+    """Whether the torch engine reads `folder` as the model its CheckpointReader decodes (not a compressed-tensors
+    folder, which it decompresses itself)."""
+    fmt = folder_source_format(folder, config)
+    return fmt is not None and fmt.name != COMPRESSED_TENSORS
+
+
 def check_config_patterns(folder: Path, qcfg: object) -> None:
     """An artifact's quantization_config patterns (ignore, each group's targets), compiled before any weight loads:
     InputError naming the key where the linear-time matcher refuses one."""
@@ -224,8 +235,10 @@ class _Replay(nn.Module):
 def build_streaming_model(folder: Path, dtype: torch.dtype) -> tuple[nn.Module, LayerDecoder, dict | None]:
     """The model on the meta device with everything outside the decoder layers loaded; (model, decoder, qcfg)."""
     config = json.loads((Path(folder) / "config.json").read_text())
-    # a quantized original (FP8, MXFP4) is the model its CheckpointReader decodes: no runtime quantization
-    decoded = source_format(config) is not None
+    # a quantized original (FP8, MXFP4, ModelOpt, GPTQ, AWQ) is the model its CheckpointReader decodes: no runtime
+    # quantization; a compressed-tensors folder keeps its activation quantization (llmc's artifacts, and a source's
+    # baseline as its runtime runs it)
+    decoded = is_decoded_original(folder, config)
     qcfg = config.pop("quantization_config", None)
     qcfg = None if decoded else qcfg
     check_config_patterns(folder, qcfg)

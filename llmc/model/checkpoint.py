@@ -260,6 +260,25 @@ def transformers_architectures(config: dict, path: Path) -> list[str]:
     return [causal_lm]
 
 
+HF_QUANT_CONFIG = "hf_quant_config.json"  # NVIDIA ModelOpt's export writes its quantization here
+
+
+def folder_source_format(folder: Path, config: dict | None = None, strict: bool = False):
+    """The quantized original `folder` is (`llmc.model.source_formats.SourceFormat`, from config.json and ModelOpt's
+    hf_quant_config.json), or None; `strict` as `source_format` takes it (False: a packed format's variant no
+    decoder reads is read as stored)."""
+    from llmc.model.source_formats import source_format  # lazy: it imports llmc.quant
+
+    hf = None
+    path = Path(folder) / HF_QUANT_CONFIG
+    if os.path.lexists(path):
+        path = source_file(Path(folder), HF_QUANT_CONFIG, "ModelOpt quantization config")
+        hf = read_input_json(path, "ModelOpt quantization config", MAX_CONFIG_BYTES,
+                             "replace hf_quant_config.json with the one ModelOpt wrote")
+        hf = hf if isinstance(hf, dict) else None
+    return source_format(read_model_config(Path(folder)) if config is None else config, hf, strict)
+
+
 def _non_finite(value: object) -> str | None:
     """The dotted key of the first float in `value` that is NaN or infinite, else None (iterative: any depth)."""
     stack: list[tuple[str, object]] = [("", value)]
@@ -286,8 +305,10 @@ class CheckpointReader:
     as it is read, in float32 rounded once to `dtype`, and `config()` has no quantization_config. `get_stored`
     reads the stored tensors as they are (codes passed through to a target of the same format)."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
-        from llmc.model.source_formats import decoding_map, source_format  # lazy: it imports llmc.quant
+    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32, as_stored: tuple[str, ...] = ()) -> None:
+        """`as_stored`: source formats (SourceFormat names) read as they are stored, not decoded (the torch engine
+        decodes a compressed-tensors artifact itself, with its runtime's activation quantization)."""
+        from llmc.model.source_formats import decoding_map  # lazy: it imports llmc.quant
 
         self.folder = Path(folder)
         self.files = safetensors_files(self.folder)
@@ -299,7 +320,8 @@ class CheckpointReader:
                 if name != "__metadata__":
                     self._where[name] = f
                     header[name] = (info["dtype"], tuple(info["shape"]))
-        self.source_format = source_format(read_model_config(self.folder))
+        fmt = folder_source_format(self.folder)
+        self.source_format = None if fmt is None or fmt.name in as_stored else fmt
         self._decoded, self._hidden = (decoding_map(self.source_format, header) if self.source_format
                                        else ({}, set()))
 
@@ -329,7 +351,7 @@ class CheckpointReader:
         if stored:
             out.update(self.get_stored(stored))
         for name, parts in encoded.items():  # one decoded tensor's parts at a time: its float32 copy is the peak
-            out[name] = decode(self.source_format, parts, self.get_stored([parts.codes, parts.scale]), self.dtype)
+            out[name] = decode(self.source_format, parts, self.get_stored(parts.parts), self.dtype)
         return {n: out[n] for n in names}
 
     def get_stored(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -1,13 +1,13 @@
 """Checks of a model source made at plan time, from config.json, the tokenizer files and the safetensors headers
 alone (no tensor data is read), so that a source llmc would mis-handle fails with exit 7 before any weight moves.
 
-- **Already-quantized checkpoints** (docs/model-sources.md): compressed-tensors, ModelOpt, GPTQ, AWQ, FP8 scales
-  without an FP8 quantization_config, bitsandbytes and every other `quantization_config` are refused with the fix
-  (the unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's
-  `.weight` tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. Two kinds
-  are decoded instead, and the plan says so: a GGUF (transformers' GGUF reader dequantizes it to the declared
-  dtype) and a quantized original llmc.model.source_formats decodes (FP8 block-wise or per-tensor, MXFP4), whose
-  tensors every check below sees decoded.
+- **Already-quantized checkpoints** (docs/model-sources.md): FP8 scales without an FP8 quantization_config,
+  bitsandbytes, a variant no decoder reads and every other `quantization_config` are refused with the fix (the
+  unquantized parent, named by the model card's `base_model` where it has one): llmc reads a checkpoint's `.weight`
+  tensors as the weights, and a quantized checkpoint's are codes whose scales live beside them. Two kinds are
+  decoded instead, and the plan says so: a GGUF (transformers' GGUF reader dequantizes it to the declared dtype)
+  and a quantized original llmc.model.source_formats decodes (FP8 block-wise or per-tensor, MXFP4,
+  compressed-tensors, ModelOpt FP8/NVFP4, GPTQ, AWQ), whose tensors every check below sees decoded.
 - **Consistency**: every token id the tokenizer can produce or names as special (bos/eos/pad/unk, added special
   tokens, as transformers numbers them once loaded; config.json's and generation_config.json's ids) indexes a
   row of the embedding (and of the output head), and `vocab_size` is the embedding's row count; heads, head_dim
@@ -453,14 +453,23 @@ def check_source(recipe, config: dict, folder: Path | None) -> list[str]:
             if name != "__metadata__":
                 tensors[name] = (info["dtype"], tuple(info["shape"]))
                 files[name] = f.name
-    fmt = source_format(config)  # a quantized original llmc decodes (FP8, MXFP4); InputError for a malformed one
+    hf_quant_config = _optional_json(folder, "hf_quant_config.json")  # ModelOpt's export
+    # a quantized original llmc decodes (FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ); InputError for a
+    # malformed one or a variant no decoder reads
+    fmt = source_format(config, hf_quant_config)
     if fmt is not None:
+        hf_quant_config = None  # decoded: what is left is checked as a float model
         notes.append(decoded_statement(fmt, source_dtype(recipe.model.dtype)))
         decoded, _ = decoding_map(fmt, tensors)
+        if not decoded and folder is not None:  # planning from config.json alone: no tensors to look at
+            raise InputError(f"model source {where}: its quantization config says {fmt.describe()}, but no tensor "
+                             "holds such codes (every weight is a float)",
+                             fix="remove the quantization config (config.json's quantization_config, ModelOpt's "
+                                 "hf_quant_config.json) from an unquantized checkpoint, or re-download the quantized one")
         files.update({name: files.get(parts.codes, "?") for name, parts in decoded.items()})
         tensors = decoded_header(fmt, tensors)  # every check below sees the model the build reads
         config = decoded_config(config)
-    found = quantized_kind(config, tensors, _optional_json(folder, "hf_quant_config.json"))
+    found = quantized_kind(config, tensors, hf_quant_config)
     if found is not None:
         refuse_quantized(found, where, base_model_of(_model_card(folder)))
     check_config(config, where)

@@ -31,6 +31,7 @@ from llmc.telemetry import events
 from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES, kept_elem
+from llmc.model.source_formats import decode_rate
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.runner import read_json
 from llmc.pipeline.ids import Kind, StageId
@@ -330,15 +331,20 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
                        + parts["next layer read ahead"])
     # time: each layer's parts (llmc.quant.stream's loop) times the depth, plus reading the weights outside the
     # layers (twice when calibrating: the skeleton's copy, then rest.safetensors') and writing their copy once
-    parts_s = layer_seconds(layer, stored_bytes=layer * stored_elem, tokens=tokens if calibrated else 0,
+    # a quantized original: its codes and scales are read (not stored_elem bytes a weight), then decoded at its
+    # decoder's probed rate (llmc.model.source_formats.decode_rate)
+    parts_s = layer_seconds(layer, stored_bytes=shape.layer_stored_bytes or layer * stored_elem,
+                            tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
                             batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights)
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
+    if shape.source_format is not None and shape.layer_decoded:
+        parts_s["decode"] = shape.layer_decoded / decode_rate(shape.source_format)
     if spill and calibrated:  # each layer's outputs written to disk, fsynced and read back by the next layer
         parts_s["spill"] = spill_seconds(copy)
-    io = parts_s["read"] + parts_s["write"] + parts_s.get("spill", 0.0)
+    io = parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
     if on_gpu:
         per_layer = max(io, parts_s["forward"] + parts_s["quantize"])
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)

@@ -28,6 +28,8 @@ class ModelTensors:
     shapes: dict[str, tuple[int, ...]]
     stored_bytes: dict[str, int] | None = None
     layer_of: dict[str, int] = field(default_factory=dict)
+    source_format: object = None  # a quantized original's llmc.model.source_formats.SourceFormat
+    decoded: frozenset[str] = frozenset()  # its tensors decoded as they are read
 
     def __post_init__(self) -> None:
         for name in self.shapes:
@@ -72,12 +74,25 @@ class ModelTensors:
     def stored_total(self, elem: int) -> int:
         return sum(self.stored_bytes.values()) if self.stored_bytes else self.params * elem
 
+    def largest_layer_read(self, elem: int) -> tuple[int, int]:
+        """(stored bytes, decoded elements) of the decoder layer with the most parameters: what the stream reads
+        for it (a quantized original's codes and scales, not `elem` bytes a weight) and decodes."""
+        per_layer = self.layer_params()
+        if not per_layer:
+            return 0, 0
+        i = max(per_layer, key=per_layer.__getitem__)
+        stored = per_layer[i] * elem
+        if self.stored_bytes:
+            stored = sum(b for n, b in self.stored_bytes.items() if (m := _LAYER.match(n)) and int(m.group(1)) == i)
+        decoded = sum(self.numel(self.shapes[n]) for n in self.decoded if self.layer_of.get(n) == i)
+        return stored, decoded
+
 
 def from_headers(folder: Path) -> ModelTensors:
     """The tensors as the build reads them: a quantized original's (llmc.model.source_formats) decoded, each
     costing the bytes of its stored parts to read."""
-    from llmc.model.checkpoint import check_safetensors_header, read_model_config, safetensors_files
-    from llmc.model.source_formats import decoding_map, source_format
+    from llmc.model.checkpoint import check_safetensors_header, folder_source_format, safetensors_files
+    from llmc.model.source_formats import decoding_map
 
     shapes: dict[str, tuple[int, ...]] = {}
     stored: dict[str, int] = {}
@@ -89,21 +104,24 @@ def from_headers(folder: Path) -> ModelTensors:
             shapes[name] = tuple(info["shape"])
             stored[name] = info["data_offsets"][1] - info["data_offsets"][0]
             header[name] = (info["dtype"], shapes[name])
-    fmt = source_format(read_model_config(Path(folder)))
+    fmt = folder_source_format(Path(folder))
     if fmt is not None:
         decoded, hidden = decoding_map(fmt, header)
         for name, parts in decoded.items():
             shapes[name] = parts.shape
-            stored[name] = stored.pop(parts.codes) + stored.pop(parts.scale)
-            hidden -= {parts.codes, parts.scale}
-            shapes.pop(parts.scale, None)
-            if parts.codes != name:
-                shapes.pop(parts.codes, None)
+            stored[name] = sum(stored.pop(p) for p in parts.parts)
+            hidden -= set(parts.parts)
+            for p in parts.parts:
+                if p != name:
+                    shapes.pop(p, None)
         for name in hidden:  # static activation scales: read with the layer, not a weight
             shapes.pop(name, None)
+    decoded_names = frozenset(decoded) if fmt is not None else frozenset()
     if any(n.endswith(".experts.gate_up_proj") for n in shapes):
         shapes, stored = _experts_per_expert(folder, shapes, stored)
-    return ModelTensors(shapes, stored)
+        decoded_names = frozenset(n for n in shapes if n in decoded_names or ".experts." in n and fmt is not None
+                                  and fmt.name == "mxfp4")
+    return ModelTensors(shapes, stored, source_format=fmt, decoded=decoded_names)
 
 
 def _experts_per_expert(folder: Path, shapes: dict[str, tuple[int, ...]],
@@ -158,7 +176,14 @@ def from_config(config: dict) -> ModelTensors:
             shapes.update(_moe(config, row, layout, p, h))
         else:
             shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h))
-    return ModelTensors(shapes, _stored_bytes(config, shapes))
+    stored = _stored_bytes(config, shapes)
+    if not stored:
+        return ModelTensors(shapes, stored)
+    from llmc.model.source_formats import source_format
+
+    # a quantized original's weights take under 2 bytes an element where stored (FP8, MXFP4): those are decoded
+    decoded = frozenset(n for n, b in stored.items() if b < 2 * ModelTensors.numel(shapes[n]))
+    return ModelTensors(shapes, stored, source_format=source_format(config, strict=False), decoded=decoded)
 
 
 def _attention(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:
@@ -347,6 +372,9 @@ class Shape:
     active: float  # share of a layer's parameters one token runs through (MoE < 1)
     stored_bytes: int
     head_params: int = 0  # an untied output head's, in outer_params (the calibration skeleton leaves it unread)
+    layer_stored_bytes: int = 0  # the largest layer's bytes as stored (a quantized original's codes and scales)
+    layer_decoded: int = 0  # elements of the largest layer decoded as it is read (a quantized original's)
+    source_format: object = None  # a quantized original's SourceFormat: its decoder's probed rate times them
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -361,9 +389,12 @@ class Shape:
         largest = max(per_layer.values()) if per_layer else 0
         experts = sum(tensors.numel(s) for n, s in in_layers.items() if ".experts." in n) / max(len(per_layer), 1)
         active = (largest - experts * (1 - fraction)) / largest if largest else 1.0
+        layer_read = tensors.largest_layer_read(elem)
         return cls(params=tensors.params, layers=config.get("num_hidden_layers", 1), hidden=h, heads=heads,
                    vocab=config.get("vocab_size", 0), layer_params=largest, outer_params=tensors.outer_params,
                    largest_linear=max((a * b for a, b in in_layers.values()), default=0),
                    widest_input=max((b for _, b in in_layers.values()), default=h),
                    intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
-                   active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params)
+                   active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params,
+                   layer_stored_bytes=layer_read[0], layer_decoded=layer_read[1],
+                   source_format=tensors.source_format)

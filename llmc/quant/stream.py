@@ -46,7 +46,7 @@ from llmc.model.families import check_kv_cache, kept_in_dtype, unloaded_layers_n
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
                                  output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
-from llmc.model.source_formats import decode_fp8
+from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe, mxfp4_source
@@ -60,7 +60,7 @@ from llmc.quant.observe import LayerStats
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.groups import resolve as resolve_groups
-from llmc.quant.spec import BLOCK_SHAPE, Scheme
+from llmc.quant.spec import Scheme
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
@@ -448,28 +448,27 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
 
 
 def _pass_through_source_codes(w: LayerWork, m: _Model, members: dict) -> int:
-    """Where a Linear's target format is its quantized original's own (FP8 128x128 blocks from an FP8 block-wise
-    source, FP8 per-tensor from a per-tensor one) and no algorithm changed its weight (it still equals the decoded
-    original in the compute dtype), the source's codes and scales are kept, bit for bit: quantizing the decoded
-    values again would round a second time (a block's maximum need not be a code of 448, and bf16 rounds the decoded
-    values first). Returns how many Linears kept them."""
+    """Where a Linear's target format is its quantized original's own (FP8 128x128 blocks, per channel or per
+    tensor, from an FP8 block-wise, compressed-tensors or ModelOpt source of that strategy) and no algorithm changed
+    its weight (it still equals the decoded original in the compute dtype), the source's codes and scales are kept,
+    bit for bit: quantizing the decoded values again would round a second time (a block's maximum need not be a
+    code of 448, and bf16 rounds the decoded values first). Returns how many Linears kept them."""
     fmt = m.reader.source_format
-    strategy = {"fp8-block": "block", "fp8-tensor": "tensor"}.get(fmt.name)
-    if strategy is None or strategy == "block" and fmt.block != BLOCK_SHAPE:
-        return 0
     kept = 0
     for name in list(w.quantized):
         spec = members[m.group_of[name]].weights
         parts = m.reader.encoded(f"{name}.weight")
-        if parts is None or spec.format != "fp8_e4m3" or spec.strategy != strategy:
+        if parts is None or spec.format != "fp8_e4m3" or spec.strategy not in ("tensor", "channel", "block"):
             continue
-        stored = m.reader.get_stored([parts.codes, parts.scale])
-        codes, scale = stored[parts.codes], stored[parts.scale].float()
+        stored = m.reader.get_stored(parts.parts)
+        codes, scale = stored[parts.codes], stored[parts.scale]
+        if fp8_strategy(fmt, parts, codes, scale) != spec.strategy:
+            continue
         weight = w.linears[name].weight.data
-        if not torch.equal(decode_fp8(codes, scale, fmt.block, weight.dtype), weight.cpu()):
+        if not torch.equal(decode(fmt, parts, stored, weight.dtype), weight.cpu()):
             continue  # an algorithm changed the weight: its own codes stand
-        w.quantized[name] = QuantizedWeight(codes=codes.to(weight.device), zero_point=None,
-                                            scale=(scale if strategy == "block" else scale.reshape(1)).to(weight.device))
+        w.quantized[name] = QuantizedWeight(codes=codes.to(weight.device), zero_point=None, scale=canonical_fp8_scale(
+            scale, spec.strategy, tuple(codes.shape)).to(weight.device))
         kept += 1
     return kept
 

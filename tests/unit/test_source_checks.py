@@ -58,12 +58,18 @@ def fp8_artifact(tiny_model_session: Path, tmp_path_factory) -> Path:
     return work / "export"
 
 
-def test_llmc_fp8_artifact_as_source_is_refused_at_plan_time(fp8_artifact: Path, tmp_path: Path) -> None:
+def test_llmc_fp8_artifact_as_source_is_decoded_and_an_unknown_method_refused(fp8_artifact: Path,
+                                                                               tmp_path: Path) -> None:
+    """compressed-tensors is decoded (tests/unit/test_packed_sources.py); a quant_method no decoder reads is refused,
+    naming the parent the model card gives."""
     code, out = plan(fp8_artifact, tmp_path)
-    assert code == 7, out
-    assert "already quantized (compressed-tensors" in out and "scales beside them" in out
-    assert "unquantized checkpoint it was made from" in out and not (tmp_path / "cache" / "quantize").exists()
+    assert code == 0 and "quantized original, compressed-tensors (float-quantized float8 channel)" in out, out
     model = copy_model(fp8_artifact, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "hqq"}}))
+    code, out = plan(model, tmp_path)
+    assert code == 7 and "already quantized (hqq" in out, out
+    assert "unquantized checkpoint it was made from" in out and not (tmp_path / "cache" / "quantize").exists()
     (model / "README.md").write_text("---\nbase_model: acme/tiny-base\nlicense: mit\n---\n# tiny fp8\n")
     code, out = plan(model, tmp_path)
     assert code == 7 and "model.source: hf:acme/tiny-base" in out, out
@@ -108,8 +114,8 @@ def test_modelopt_folder_and_unquantized_model(tiny_model_session: Path, tmp_pat
     model = copy_model(tiny_model_session, tmp_path)
     (model / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
                                                             "quantization": {"quant_algo": "FP8"}}))
-    code, out = plan(model, tmp_path)
-    assert code == 7 and "already quantized (modelopt" in out, out
+    code, out = plan(model, tmp_path)  # a ModelOpt config over float weights: nothing to decode, refused
+    assert code == 7 and "NVIDIA ModelOpt FP8" in out and "no tensor holds such codes" in out, out
 
 
 def test_base_model_from_the_card() -> None:
