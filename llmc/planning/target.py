@@ -150,6 +150,8 @@ def rate_class(key: str) -> str:
         return f"{words[0]} {device}"
     if words[:2] == ["stream", "layers"]:
         return "stream layers"
+    if words[:2] == ["source", "decode"]:  # a quantized original's decoder, whatever its format (host side)
+        return "source decode"
     return key
 
 

@@ -170,3 +170,18 @@ def test_a_profile_gpu_count_must_be_a_number_and_its_rates_are_its_gpus() -> No
     with pytest.raises(target.MachineError, match="GPUs' rates only") as refused:
         target.load("h100-sxm:8").resolve("matmul bfloat16 cpu width=8192 rows=512 outputs=24576")
     assert refused.value.exit_code == 2
+
+
+def test_a_profile_plans_a_quantized_original_s_decode_on_its_host(tmp_path: Path, monkeypatch) -> None:
+    """DeepSeek-R1 ships as FP8 block-wise codes: the stream decodes each layer's codes on the host, a rate a profile
+    states as its host's assumption ("source decode", whatever the format) instead of refusing the plan."""
+    monkeypatch.setattr(probes, "sustained_rate", lambda *a, **k: pytest.fail("a profile's plan measured here"))
+    assert target.rate_class("source decode fp8-block") == target.rate_class("source decode gptq  4") == \
+        "source decode"
+    plan = _plan_json([str(REPO / "recipes" / "deepseek-r1-nvfp4.yaml"), "--machine", "h200",
+                       "--cache-dir", str(tmp_path / "c")])
+    quantize = next(r for r in plan["estimates"]["stages"] if r["stage"].startswith("quantize"))
+    assert quantize["device"] == "cuda:0" and 0 < quantize["gpu_gb"] < 141
+    # every weight decoded once at the profile's host rate: the layers' time cannot be less (they overlap the GPU)
+    decoded = 671e9 / profiles.PROFILES["h200"].host_decode_elements_s
+    assert 0.9 * decoded <= quantize["seconds"] <= 3 * decoded
