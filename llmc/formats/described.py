@@ -117,8 +117,10 @@ def model_linears(config: dict) -> list[str]:
 # `check_export` builds the model's skeleton on the meta device to list its Linears: Python work per decoder layer,
 # whatever the widths (SmolLM2-135M: 0.75 s for 30 layers under load ~8, 0.09 s for 1 layer: more than the FP8
 # export's own writes). The plan times `model_linears` on the model's own config cut to 1 and CHECK_PROBE_LAYERS layers
-# and fits the two (benchmarks/results/planner-log.md, "The export stages' own work").
-CHECK_PROBE_LAYERS = 4
+# and fits the two (benchmarks/results/planner-log.md, "The export stages' own work"); 8, not fewer: the slope is a
+# difference of two timings, which a busy machine's noise swamps when the two differ by little (at 4 layers the
+# probe read 0.063 s per layer under load ~13, against 0.023 measured on 1, 4 and 30 layers).
+CHECK_PROBE_LAYERS = 8
 
 
 def probe_config(config: dict, layers: int) -> dict:
@@ -135,7 +137,7 @@ def skeleton_rate(config: dict, layers: int) -> float:
     from llmc.planning import probes
 
     key = f"meta skeleton {config.get('model_type')} experts={expert_count(config)} layers={layers}"
-    return probes.rate(key, _skeleton_timer(probe_config(config, layers)), repeats=3)
+    return probes.rate(key, _skeleton_timer(probe_config(config, layers)))
 
 
 def _skeleton_timer(cut: dict):
@@ -157,10 +159,15 @@ def _skeleton_timer(cut: dict):
 def check_seconds(config: dict) -> float:
     """Seconds `check_export` takes for the model of `config`: the probed skeleton of 1 layer, plus each further
     layer at the probed difference between CHECK_PROBE_LAYERS layers and 1."""
-    one = 1.0 / skeleton_rate(config, 1)
-    more = 1.0 / skeleton_rate(config, CHECK_PROBE_LAYERS)
-    per_layer = max(more - one, 0.0) / (CHECK_PROBE_LAYERS - 1)
-    return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
+    from llmc.planning.target import host_work_seconds
+
+    def seconds() -> float:
+        one = 1.0 / skeleton_rate(config, 1)
+        more = 1.0 / skeleton_rate(config, CHECK_PROBE_LAYERS)
+        per_layer = max(more - one, 0.0) / (CHECK_PROBE_LAYERS - 1)
+        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
+
+    return host_work_seconds(seconds)
 
 
 def stored_tensor_names(folder: Path) -> set[str]:

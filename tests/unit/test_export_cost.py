@@ -118,3 +118,23 @@ def test_the_check_probe_cuts_per_layer_lists_with_the_layers() -> None:
     assert cut["num_hidden_layers"] == 4 and cut["layer_types"] == ["full_attention"] * 4
     assert cut["architectures"] == ["X"]  # a list of another length stays
     assert len(described.model_linears(cut)) == 4 * 7 + 1  # llama: q, k, v, o, gate, up, down per layer; lm_head
+
+
+def test_a_profile_plans_no_host_python_work_and_a_machine_file_answers_it_by_class() -> None:
+    """A spec-sheet profile has no rate for an export's host work (its plans are estimates): the terms are 0 there.
+    A machine file answers another family's or depth's key from the same kind of probe at the same depth."""
+    from llmc.formats import described
+    from llmc.planning import target
+
+    with target.planning_for(target.load("h100-sxm")):
+        assert described.check_seconds(LLAMA) == 0.0 and onnx_qdq.graph_export_seconds(LLAMA) == 0.0
+    m = target.TargetMachine(name="m", estimate=False, cpu="", cpu_flags="", cpus=2, memory_bytes=10**10, gpu=None,
+                             gpu_count=0, gpu_memory_bytes=0,
+                             rates={"meta skeleton llama experts=0 layers=1": [10.0],
+                                    f"meta skeleton llama experts=0 layers={described.CHECK_PROBE_LAYERS}": [2.0]})
+    with target.planning_for(m):
+        qwen = {**LLAMA, "model_type": "qwen2"}
+        assert described.check_seconds(qwen) == pytest.approx(
+            0.1 + (0.5 - 0.1) / (described.CHECK_PROBE_LAYERS - 1) * 29)
+        with pytest.raises(target.MachineError, match="torch.onnx export"):
+            onnx_qdq.graph_export_seconds(LLAMA)  # a machine file without it: run `llmc probe RECIPE` there
