@@ -124,9 +124,10 @@ CHECK_PROBE_LAYERS = 8
 
 
 def probe_config(config: dict, layers: int) -> dict:
-    """`config` with `layers` decoder layers (its per-layer lists, such as layer_types, cut to them)."""
+    """`config` with `layers` decoder layers (its per-layer lists, such as layer_types, cut to them, or repeated
+    in their pattern for a model of fewer layers)."""
     n = config.get("num_hidden_layers")
-    cut = {k: v[:layers] for k, v in config.items() if isinstance(v, list) and n and len(v) == n}
+    cut = {k: (v * -(-layers // n))[:layers] for k, v in config.items() if isinstance(v, list) and n and len(v) == n}
     return {**config, **cut, "num_hidden_layers": layers}
 
 

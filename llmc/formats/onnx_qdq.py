@@ -459,8 +459,9 @@ def _graph_timer(tiny: dict):
 
             config = AutoConfig.for_model(**tiny)
             config._attn_implementation = "sdpa"  # as llmc.model.skeleton.build_skeleton builds the real one
-            torch.manual_seed(0)
-            state["model"] = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                torch.manual_seed(0)
+                state["model"] = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():
             return probes.sustained_rate(1.0, lambda: _export_float_graph(state["model"], GRAPH_PROBE_SEQUENCE))
 
