@@ -73,7 +73,11 @@ PROBES = {"matmul_rate": pinned_matmul_rate, "quantize_rate": pinned_quantize_ra
           "memory_available": lambda: MEMORY,
           # a VM that hands its free pages to its host plans the wait for memory beyond MemFree, which moves between
           # two records: planned as on a machine without such a host
-          "memory_from_host": lambda: False}
+          "memory_from_host": lambda: False,
+          # torch.onnx's export of a tiny model of the family with `layers` layers (llmc.formats.onnx_qdq): exports/s
+          "graph_export_rate": lambda config, layers: 1.0 / (1.0 + 0.5 * layers),
+          # the meta skeleton an export's config check builds (llmc.formats.described): calls/s
+          "skeleton_rate": lambda config, layers: 1.0 / (0.05 + 0.02 * layers)}
 
 
 def _pin() -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from llmc.errors import IncompatibleTargetError
+from llmc.formats.described import check_seconds
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.model.dtype import BYTES
 from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds
@@ -124,6 +125,7 @@ class ExportWork:
     outer_written_before: bool
     compute: str  # the compute dtype's name
     machine: Machine
+    config: dict = field(default_factory=dict)  # the model's config.json (a format whose work follows its family)
 
 
 class ArtifactFormat:
@@ -165,6 +167,10 @@ class ArtifactFormat:
     unquantized_elem: ClassVar[int | None] = None
     per_input_bytes: ClassVar[int] = 0
     copies_tokenizer_files: ClassVar[bool] = True
+    # its config.json's quantization_config names how each Linear is stored, which the export stage checks against
+    # the model's Linears after writing (llmc.formats.described.check_export: the model's skeleton built on the meta
+    # device, costed per decoder layer at a probed rate)
+    describes_linears: ClassVar[bool] = False
     # The Python packages its exporter imports beyond torch and safetensors: `llmc build` imports them before its
     # first stage (llmc.formats.registry.import_libraries), so that a broken install fails before any weight loads
     # and an export's time is its own work (compressed-tensors' import takes 0.4-2 s, longer than exporting a
@@ -210,12 +216,15 @@ class ArtifactFormat:
         new_bytes = artifact
         if work.outer_written_before and self.writes_outer_as_stored(work.outer_bytes):
             new_bytes -= work.outer_bytes
-        return export_cost(work.shape, label=label, artifact_bytes=artifact, new_bytes=new_bytes,
+        row = export_cost(work.shape, label=label, artifact_bytes=artifact, new_bytes=new_bytes,
                            read_seconds=work.read_seconds, whole_model=self.layout.whole_model,
                            shared_with=work.shared_with, compute=work.compute, machine=work.machine,
                            max_shard_bytes=MAX_SHARD_BYTES,
                            passes_codes_through=work.bits == 8 and self.layout.passes_8bit_codes,
                            repacked_bytes=work.packed_bytes if self.layout.repacks_layers else None, bits=work.bits)
+        if self.describes_linears and work.config:
+            row.seconds += check_seconds(work.config)
+        return row
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""

@@ -288,6 +288,7 @@ class CompressedTensors(ArtifactFormat):
     name = "compressed-tensors"
     libraries = ("compressed_tensors",)
     layout = ExportLayout(passes_8bit_codes=True, outer_weights_as_stored=True)  # llmc.formats.files.write_shards
+    describes_linears = True  # its quantization_config is checked against the Linears (check_export)
     read_by = ("torch", "vllm")
     triton_backend = "vllm"
     # experts per expert under the Hub names vLLM's fused-MoE loaders read, routers ignored (tests/unit/test_moe.py)

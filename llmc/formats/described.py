@@ -114,6 +114,63 @@ def model_linears(config: dict) -> list[str]:
     return sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
 
 
+# `check_export` builds the model's skeleton on the meta device to list its Linears: Python work per decoder layer,
+# whatever the widths (SmolLM2-135M: 0.75 s for 30 layers under load ~8, 0.09 s for 1 layer: more than the FP8
+# export's own writes). The plan times `model_linears` on the model's own config cut to 1 and CHECK_PROBE_LAYERS layers
+# and fits the two (benchmarks/results/planner-log.md, "The export stages' own work"); 8, not fewer: the slope is a
+# difference of two timings, which a busy machine's noise swamps when the two differ by little (at 4 layers the
+# probe read 0.063 s per layer under load ~13, against 0.023 measured on 1, 4 and 30 layers).
+CHECK_PROBE_LAYERS = 8
+
+
+def probe_config(config: dict, layers: int) -> dict:
+    """`config` with `layers` decoder layers (its per-layer lists, such as layer_types, cut to them, or repeated
+    in their pattern for a model of fewer layers)."""
+    n = config.get("num_hidden_layers")
+    cut = {k: (v * -(-layers // n))[:layers] for k, v in config.items() if isinstance(v, list) and n and len(v) == n}
+    return {**config, **cut, "num_hidden_layers": layers}
+
+
+def skeleton_rate(config: dict, layers: int) -> float:
+    """Calls/s of `model_linears` on `config` cut to `layers` decoder layers (llmc.planning.probes: timed, cached
+    per machine; the key names the family and its experts per layer, which set the modules a layer holds)."""
+    from llmc.model.families import expert_count
+    from llmc.planning import probes
+
+    key = f"meta skeleton {config.get('model_type')} experts={expert_count(config)} layers={layers}"
+    return probes.rate(key, _skeleton_timer(probe_config(config, layers)))
+
+
+def _skeleton_timer(cut: dict):
+    """A function timing `model_linears(cut)` and returning calls/s; its first call warms up untimed (the first
+    skeleton imports transformers and accelerate: seconds that a build's earlier stages already paid)."""
+    warm: list[bool] = []
+
+    def run_once() -> float:
+        from llmc.planning import probes
+
+        if not warm:
+            model_linears(cut)
+            warm.append(True)
+        return probes.sustained_rate(1.0, lambda: model_linears(cut))
+
+    return run_once
+
+
+def check_seconds(config: dict) -> float:
+    """Seconds `check_export` takes for the model of `config`: the probed skeleton of 1 layer, plus each further
+    layer at the probed difference between CHECK_PROBE_LAYERS layers and 1."""
+    from llmc.planning.target import host_work_seconds
+
+    def seconds() -> float:
+        one = 1.0 / skeleton_rate(config, 1)
+        more = 1.0 / skeleton_rate(config, CHECK_PROBE_LAYERS)
+        per_layer = max(more - one, 0.0) / (CHECK_PROBE_LAYERS - 1)
+        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
+
+    return host_work_seconds(seconds)
+
+
 def stored_tensor_names(folder: Path) -> set[str]:
     names: set[str] = set()
     for f in sorted(Path(folder).glob("*.safetensors")):

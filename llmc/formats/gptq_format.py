@@ -183,6 +183,7 @@ class RepackedCheckpoint(ArtifactFormat):
 
     scale_bytes = 2 + 0.5
     layout = ExportLayout(repacks_layers=True)
+    describes_linears = True  # its quantization_config is checked against the Linears (check_export)
     families = frozenset({"llama", "mistral", "qwen2"})
     read_by = ("gptqmodel",)  # GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)
     unevaluated = NEEDS_GPU

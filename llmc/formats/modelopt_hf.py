@@ -381,6 +381,7 @@ NEEDS_GPU = ("not evaluated here: TensorRT-LLM needs an NVIDIA GPU (layout confo
 class ModelOptCheckpoint(ArtifactFormat):
     name = "modelopt-hf"
     layout = ExportLayout(passes_8bit_codes=True, outer_weights_as_stored=True)  # llmc.formats.files.write_shards
+    describes_linears = True  # its quantization_config is checked against the Linears (check_export)
     # TensorRT-LLM's PyTorch-backend model list (docs, 1.x): Gemma 2 and OLMo 2 are not in it
     families = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "phi3", "granite"})
     families_source = "TensorRT-LLM's PyTorch-backend model list"

@@ -35,12 +35,16 @@ import torch
 from torch import nn
 
 from llmc import __version__
-from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, read_json
+from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json
 from llmc.formats.registry import register_format
 from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
+from llmc.planning import probes
+from llmc.planning.rows import CostRow
+from llmc.planning.target import host_work_seconds
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
+from llmc.quant.numerics import quantize_rate
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import atomic_write_json
@@ -389,6 +393,81 @@ def export_onnx_qdq(qm: QuantizedModel, out: Path) -> dict:
     return summary
 
 
+# torch.onnx's export (torch.export's trace, the translation to ONNX, its optimizer) costs per traced op, whatever the
+# widths: a part per export and a part per decoder layer (SmolLM2-135M's graph: 2,201 nodes, 71 per layer; the tiny
+# models' 141 and 354 nodes at 1 and 4 layers). The plan times it on tiny models of the model's own family of 1 and
+# GRAPH_PROBE_LAYERS layers and fits the two (benchmarks/results/planner-log.md, "The export stages' own work").
+GRAPH_PROBE_LAYERS = 3
+GRAPH_PROBE_REPEATS = 2  # timed runs per size: one export of the tiny model takes seconds, minutes under load
+GRAPH_PROBE_SEQUENCE = 256  # the tiny models' max_position_embeddings (the dynamic sequence dimension's bound)
+
+
+def graph_probe_config(config: dict, layers: int) -> dict:
+    """A tiny model of `config`'s family (its model_type and the flags that change its graph: biases, tied
+    embeddings) with `layers` decoder layers, for the graph export's probe."""
+    kept = ("model_type", "architectures", "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act")
+    return {**{k: config[k] for k in kept if k in config}, "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+            "max_position_embeddings": GRAPH_PROBE_SEQUENCE, "num_hidden_layers": layers}
+
+
+def graph_export_rate(config: dict, layers: int) -> float:
+    """Exports/s of a tiny model of `config`'s family with `layers` decoder layers through `_export_float_graph`
+    (llmc.planning.probes: timed, cached per machine)."""
+    key = f"torch.onnx export {config.get('model_type')} tied={bool(config.get('tie_word_embeddings'))} layers={layers}"
+    return probes.rate(key, _graph_timer(graph_probe_config(config, layers)), repeats=GRAPH_PROBE_REPEATS)
+
+
+def graph_export_seconds(config: dict) -> float:
+    """Seconds torch.onnx takes to export the float graph of the model of `config` (its num_hidden_layers): the
+    probed export at 1 layer, plus the probed time of each further layer (GRAPH_PROBE_LAYERS against 1)."""
+    def seconds() -> float:
+        one = 1.0 / graph_export_rate(config, 1)
+        more = 1.0 / graph_export_rate(config, GRAPH_PROBE_LAYERS)
+        per_layer = max(more - one, 0.0) / (GRAPH_PROBE_LAYERS - 1)
+        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
+
+    return host_work_seconds(seconds)
+
+
+# The exporter's passes over each quantized weight, in units of one `quantize_weight` of it (the quantizer's probed
+# elementwise rate, llmc.quant.numerics.quantize_rate), counted from the code above, not measured: the float model's
+# dequantized copy (`float_model`), the dequantization again and its comparison with the graph's initializer, and the
+# codes' transposed copy into the graph (`insert_qdq`).
+WEIGHT_PASSES = 3
+
+
+def weight_pass_seconds(work: ExportWork) -> float:
+    """Seconds of the exporter's passes over the quantized weights (WEIGHT_PASSES), at the probed quantizer's rate."""
+    seconds = 0.0
+    for w in work.written:
+        elements = sum(o * i for o, i in w.linears)
+        if elements:
+            seconds += WEIGHT_PASSES * elements / quantize_rate(w.weights, work.compute,
+                                                                elements=work.shape.largest_linear)
+    return seconds
+
+
+def _graph_timer(tiny: dict):
+    """A function timing one export of the tiny model `tiny` and returning exports/s (the model built on first
+    call: a cached rate builds none)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            from transformers import AutoConfig, AutoModelForCausalLM  # lazy: a plan with cached rates skips it
+
+            config = AutoConfig.for_model(**tiny)
+            config._attn_implementation = "sdpa"  # as llmc.model.skeleton.build_skeleton builds the real one
+            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                torch.manual_seed(0)
+                state["model"] = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return probes.sustained_rate(1.0, lambda: _export_float_graph(state["model"], GRAPH_PROBE_SEQUENCE))
+
+    return run_once
+
+
 @register_format
 class OnnxQdq(ArtifactFormat):
     name = "onnx-qdq"
@@ -408,6 +487,15 @@ class OnnxQdq(ArtifactFormat):
 
     def check_scheme(self, scheme) -> None:
         check_scheme(scheme)
+
+    def cost(self, label: str, work: ExportWork) -> CostRow:
+        """Its files written and hashed (`ArtifactFormat.cost`), and what the graph's making adds: torch.onnx's
+        export of the float graph (probed on tiny models of the family: `graph_export_seconds`) and the passes over
+        every weight (the float model's dequantized copy, each replaced initializer checked against the canonical
+        weight, the codes' transposed copy: `weight_pass_seconds`)."""
+        row = super().cost(label, work)
+        row.seconds += graph_export_seconds(work.config) + weight_pass_seconds(work)
+        return row
 
     def stage_config(self, request: ExportRequest) -> dict:
         return {"opset": OPSET}  # the graph does not depend on the target: onnxruntime and tensorrt share one export

@@ -121,7 +121,7 @@ class Export(Stage):
         work = targets.ExportWork(
             shape=c.shape, written=written_tensors(c, scheme), bits=scheme.weights.bits, packed_bytes=sizes.packed,
             outer_bytes=outer_bytes, read_seconds=read_s, shared_with=shared_with, outer_written_before=outer_before,
-            compute=c.compute, machine=c.machine)
+            compute=c.compute, machine=c.machine, config=c.config)
         c.rows.append(self.format.cost(self.label, work).named(self.id))
 
     def artifact_bytes(self, c: Costing) -> float:

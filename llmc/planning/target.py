@@ -152,7 +152,23 @@ def rate_class(key: str) -> str:
         return "stream layers"
     if words[:2] == ["source", "decode"]:  # a quantized original's decoder, whatever its format (host side)
         return "source decode"
+    # an export's host work per layer count (llmc.formats: the config check's skeleton, torch.onnx's graph), any family
+    if words[:2] == ["meta", "skeleton"] or words[:2] == ["torch.onnx", "export"]:
+        return " ".join(words[:2] + [w for w in words if w.startswith("layers=")])
     return key
+
+
+def host_work_seconds(seconds) -> float:
+    """`seconds()` (a cost term read from a probe of the host's Python work: an export's skeleton or graph), or 0
+    when planning for a named profile, whose spec sheet has no such rate (its plans are labelled estimates; a
+    machine file from `llmc probe` has them)."""
+    try:
+        return seconds()
+    except MachineError:
+        machine = active()
+        if machine is not None and machine.estimate:
+            return 0.0
+        raise
 
 
 def from_profile(spec: str) -> TargetMachine:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmc.formats import described, onnx_qdq
 from llmc.planning import disk, machine, probes
 from llmc.planning.plan import make_plan
 from llmc.planning.rows import CostRow
@@ -34,10 +35,10 @@ def own_rates(monkeypatch):
 
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
-               disk_read=(1.4e9,)) -> dict:
+               disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,)) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
-             "disk write": 0, "disk read": 0}
+             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -55,6 +56,9 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     monkeypatch.setattr(machine, "_write_timer", timer("write", writing))
     disk_timers = {"write": timer("disk write", disk_write)(), "read": timer("disk read", disk_read)()}
     monkeypatch.setattr(disk, "_timer", disk_timers.__getitem__)
+    # an export's host work: the config check's meta skeleton, torch.onnx's graph (llmc.formats)
+    monkeypatch.setattr(described, "_skeleton_timer", timer("skeleton", skeleton))
+    monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
     return calls
 
 

@@ -1,0 +1,143 @@
+"""The export stages' own work in `llmc plan` (issue 44, "Plan accuracy"): what each format's `cost` adds to writing
+and hashing its files, from a probed rate times the work's size (benchmarks/results/planner-log.md, "The export
+stages' own work")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmc.formats import base, onnx_qdq
+from llmc.planning.machine import Machine
+from llmc.planning.shapes import Shape
+from llmc.quant.spec import TensorSpec
+from llmc.runtimes import catalog as targets
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True,
+         "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "vocab_size": 49152, "num_hidden_layers": 30}
+
+
+def _work(layers: int = 30, linears: tuple = ((1536, 576), (576, 1536)) * 30) -> targets.ExportWork:
+    shape = Shape(params=134_500_000, layers=layers, hidden=576, heads=9, vocab=49152, layer_params=3_540_000,
+                  outer_params=28_300_000, largest_linear=1536 * 576, widest_input=1536, intermediate=1536,
+                  attn_width=576, active=1.0, stored_bytes=538_000_000)
+    written = targets.WrittenTensors(linears=linears, weights=TensorSpec("fp8_e4m3", "channel"),
+                                     layer_unquantized=20_000, outer=shape.outer_params, elem=4, kept_elem=4)
+    return targets.ExportWork(shape=shape, written=[written], bits=8, packed_bytes=sum(o * i for o, i in linears),
+                              outer_bytes=shape.outer_params * 4.0, read_seconds=0.0, shared_with=None,
+                              outer_written_before=False, compute="float32",
+                              machine=Machine(available=None, gpu_free=None, device="cpu"),
+                              config={**LLAMA, "num_hidden_layers": layers})
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """Rates that are functions of what the cost asks: a tiny export of n layers takes 2 + n s; the quantizer
+    runs 1e8 elements/s; writing and hashing 1 GB/s."""
+    asked: list[tuple[str, int]] = []
+
+    def rate(config: dict, layers: int) -> float:
+        asked.append((config["model_type"], layers))
+        return 1.0 / (2.0 + layers)
+
+    monkeypatch.setattr(onnx_qdq, "graph_export_rate", rate)
+    monkeypatch.setattr(onnx_qdq, "quantize_rate", lambda spec, dtype, elements: 1e8)
+    monkeypatch.setattr(base, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)
+    return asked
+
+
+def test_the_onnx_graph_export_is_costed_per_decoder_layer_from_two_probed_sizes(pinned) -> None:
+    """torch.onnx's export: the 1-layer export plus each further layer at the probed difference between
+    GRAPH_PROBE_LAYERS and 1 layer (here 3 s + 1 s per layer), probed on the model's own family."""
+    assert onnx_qdq.graph_export_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(3.0 + 29 * 1.0)
+    assert onnx_qdq.graph_export_seconds({**LLAMA, "num_hidden_layers": 1}) == pytest.approx(3.0)
+    assert set(pinned) == {("llama", 1), ("llama", onnx_qdq.GRAPH_PROBE_LAYERS)}
+
+
+def test_the_onnx_qdq_export_cost_counts_the_graph_and_the_weight_passes(pinned) -> None:
+    """`OnnxQdq.cost` adds the graph's export and the passes over the quantized weights to the files' write: drop
+    either term and the difference to the base cost no longer matches; both grow with the model."""
+    fmt = targets.artifact_format("onnx-qdq")
+    work = _work()
+    plain = base.ArtifactFormat.cost(fmt, "tensorrt", work).seconds
+    elements = sum(o * i for o, i in work.written[0].linears)
+    graph, passes = 3.0 + 29 * 1.0, onnx_qdq.WEIGHT_PASSES * elements / 1e8
+    assert fmt.cost("tensorrt", work).seconds - plain == pytest.approx(graph + passes)
+    # twice the layers: the graph's part per layer and the weights' passes both grow
+    deeper = _work(layers=60, linears=((1536, 576), (576, 1536)) * 60)
+    added = fmt.cost("tensorrt", deeper).seconds - base.ArtifactFormat.cost(fmt, "tensorrt", deeper).seconds
+    assert added == pytest.approx(3.0 + 59 * 1.0 + 2 * passes)
+
+
+def test_the_graph_probe_builds_a_tiny_model_of_the_family() -> None:
+    """The probe's model keeps what changes the graph (family, tied embeddings, biases), at tiny widths."""
+    tiny = onnx_qdq.graph_probe_config({**LLAMA, "model_type": "qwen2", "attention_bias": True,
+                                        "tie_word_embeddings": False, "layer_types": ["full_attention"] * 30}, 3)
+    assert tiny["model_type"] == "qwen2" and tiny["attention_bias"] and not tiny["tie_word_embeddings"]
+    assert tiny["num_hidden_layers"] == 3 and tiny["hidden_size"] == 64 and "layer_types" not in tiny
+
+
+@pytest.mark.heavy
+def test_the_graph_probe_exports_its_tiny_model() -> None:
+    """The probe's timer runs the exporter's own `_export_float_graph` on the tiny model and returns exports/s."""
+    rate = onnx_qdq._graph_timer(onnx_qdq.graph_probe_config(LLAMA, 1))()
+    assert 0 < rate < 1e3
+
+
+def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeypatch, pinned) -> None:
+    """`check_export` builds the model's meta skeleton: compressed-tensors, GPTQ, AWQ and ModelOpt pay it per
+    decoder layer (probed at 1 and CHECK_PROBE_LAYERS layers of the model's own config); GGUF and ONNX do not."""
+    from llmc.formats import described
+
+    asked: list[int] = []
+
+    def rate(config: dict, layers: int) -> float:
+        asked.append(layers)
+        return 1.0 / (0.1 + 0.02 * layers)
+
+    monkeypatch.setattr(described, "skeleton_rate", rate)
+    assert described.check_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(0.12 + 29 * 0.02)
+    assert set(asked) == {1, described.CHECK_PROBE_LAYERS}
+    for name in ("compressed-tensors", "gptq", "awq", "modelopt-hf"):
+        fmt = targets.artifact_format(name)
+        work = _work()
+        added = fmt.cost("t", work).seconds - fmt.cost("t", replace(work, config={})).seconds
+        assert added == pytest.approx(0.12 + 29 * 0.02), name
+    assert not any(targets.artifact_format(n).describes_linears for n in ("gguf", "onnx", "trtllm-checkpoint"))
+    onnx = targets.artifact_format("onnx")
+    assert onnx.cost("t", _work()).seconds == pytest.approx(onnx.cost("t", replace(_work(), config={})).seconds)
+
+
+def test_the_check_probe_cuts_per_layer_lists_with_the_layers() -> None:
+    """A config with per-layer lists (layer_types) is cut consistently, so transformers builds it."""
+    from llmc.formats import described
+
+    cut = described.probe_config({**LLAMA, "layer_types": ["full_attention"] * 30, "architectures": ["X"]}, 4)
+    assert cut["num_hidden_layers"] == 4 and cut["layer_types"] == ["full_attention"] * 4
+    assert cut["architectures"] == ["X"]  # a list of another length stays
+    two = {**LLAMA, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    assert described.probe_config(two, 5)["layer_types"] == ["sliding_attention", "full_attention"] * 2 + [
+        "sliding_attention"]  # a model of fewer layers than the probe: its pattern repeated
+    assert len(described.model_linears(cut)) == 4 * 7 + 1  # llama: q, k, v, o, gate, up, down per layer; lm_head
+
+
+def test_a_profile_plans_no_host_python_work_and_a_machine_file_answers_it_by_class() -> None:
+    """A spec-sheet profile has no rate for an export's host work (its plans are estimates): the terms are 0 there.
+    A machine file answers another family's or depth's key from the same kind of probe at the same depth."""
+    from llmc.formats import described
+    from llmc.planning import target
+
+    with target.planning_for(target.load("h100-sxm")):
+        assert described.check_seconds(LLAMA) == 0.0 and onnx_qdq.graph_export_seconds(LLAMA) == 0.0
+    m = target.TargetMachine(name="m", estimate=False, cpu="", cpu_flags="", cpus=2, memory_bytes=10**10, gpu=None,
+                             gpu_count=0, gpu_memory_bytes=0,
+                             rates={"meta skeleton llama experts=0 layers=1": [10.0],
+                                    f"meta skeleton llama experts=0 layers={described.CHECK_PROBE_LAYERS}": [2.0]})
+    with target.planning_for(m):
+        qwen = {**LLAMA, "model_type": "qwen2"}
+        assert described.check_seconds(qwen) == pytest.approx(
+            0.1 + (0.5 - 0.1) / (described.CHECK_PROBE_LAYERS - 1) * 29)
+        with pytest.raises(target.MachineError, match="torch.onnx export"):
+            onnx_qdq.graph_export_seconds(LLAMA)  # a machine file without it: run `llmc probe RECIPE` there
