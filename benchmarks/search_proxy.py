@@ -3,9 +3,9 @@ calibration pass) ranks the true per-unit damage: the end-to-end KL divergence f
 evaluation windows with only that unit quantized (weights round-to-nearest, as the search measures them).
 
     PYTHONPATH=$PWD python benchmarks/search_proxy.py RECIPE [--set KEY=VALUE]... [--windows 4] [--seq-len 256]
-        [--sensitivity PATH] [--mix CHOSEN.json]... [--out results.json]
+        [--sensitivity PATH] [--candidates A,B] [--mix CHOSEN.json]... [--out results.json]
 
-RECIPE (with the same --set as the build) names the search; its measurement must be in the cache (`llmc build` or
+RECIPE (with the same --set as the build) names the search (evaluated on Brown's eval split); its measurement must be in the cache (`llmc build` or
 `llmc quantize` it first). Weight-only candidates only (an activation scheme's true damage needs its calibrated
 activation scales; those candidates are skipped, said so). Prints Spearman's rank correlation between proxy and true
 damage, over every (unit, candidate) and per candidate across units; the least-squares factor a in
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--candidates", help="comma-separated: only these candidates (default: every weight-only one)")
     ap.add_argument("--mix", action="append", default=[], help="a JSON file with {'units': {unit: candidate}}")
     ap.add_argument("--sensitivity", type=Path, help="the measurement's sensitivity.json (default: the newest cached)")
     ap.add_argument("--out", type=Path)
@@ -72,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     measured = _measurement(store, args.sensitivity)
     cands = measured["candidates"]
     skipped = [c for c in cands if c in members and members[c].activations is not None]
-    specs = {c: members[c].weights for c in cands if c in members and c not in skipped}
+    wanted = args.candidates.split(",") if args.candidates else cands
+    specs = {c: members[c].weights for c in cands if c in members and c not in skipped and c in wanted}
     if skipped:
         print(f"skipped (activation schemes): {', '.join(skipped)}")
 
     source = resolve_source(recipe.model.source, store)
     tok = AutoTokenizer.from_pretrained(source.folder)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
-    ids = make_windows(tok, load_corpus(recipe.eval.corpus or "brown", "eval"), args.seq_len, args.windows,
+    ids = make_windows(tok, load_corpus("brown", "eval"), args.seq_len, args.windows,
                        seed=None).ids
     ids = torch.as_tensor(np.asarray(ids))
     layers = model.model.layers

@@ -139,3 +139,30 @@ def test_searched_gguf_takes_the_solved_bytes_within_the_budget(tiny: Path) -> N
             assert kind == ("F16" if fallback else GGML_TYPE[candidate]), (unit, candidate, kind)
             seen_types.add(kind)
     assert len(seen_types) >= 3  # the budgets drew several of ggml's types
+
+
+def test_with_several_target_formats_each_candidate_costs_the_largest(tiny: Path) -> None:
+    """vLLM (compressed-tensors) beside llama.cpp (GGUF): a unit's bytes are the larger file's, so the mix fits both:
+    NVFP4 with GGUF's `.scale` per tensor, bf16 in the model's float32 rather than GGUF's F16."""
+    from llmc.planning.plan import make_plan
+
+    recipe = parse_recipe(yaml.safe_dump({
+        "name": "two-formats", "model": {"source": str(tiny / "model")},
+        "quantization": {"search": {"candidates": ["W4A16-NVFP4", "bf16"], "budget": {"effective_bits": 8.0},
+                                    "granularity": "linear"}},
+        "targets": [{"runtime": "vllm", "gpu_arch": "sm100"}, TARGET]}))
+    space = make_plan(recipe, tiny / "model", refuse=False).search[""]
+    gguf, ct = artifact_format(Gguf.name), artifact_format("compressed-tensors")
+    nvfp4 = TensorSpec("nvfp4", "group", group_size=16)
+    shapes = {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64), "o_proj": (64, 64), "gate_proj": (96, 64),
+              "up_proj": (96, 64), "down_proj": (64, 96)}
+    seen = 0
+    for unit, (fp4, kept) in zip(space.units, space.sizes):
+        expect_fp4 = expect_kept = Fraction(0)
+        for name in unit.linears:
+            shape = shapes[name.rsplit(".", 1)[1]]
+            expect_fp4 += max(gguf.linear_weight_bytes(shape, nvfp4, 4), ct.linear_weight_bytes(shape, nvfp4, 4))
+            expect_kept += shape[0] * shape[1] * 4
+        assert (fp4, kept) == (expect_fp4, expect_kept)
+        seen += 1
+    assert seen == len(space.units) > 0
