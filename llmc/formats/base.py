@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -181,6 +182,17 @@ class ArtifactFormat:
         """Bytes one quantized weight's code takes in its files: packed at its bits (microscaling: with its
         block scales)."""
         return weights.stored_bits / 8
+
+    def linear_weight_bytes(self, shape: tuple[int, int], weights: TensorSpec | None, elem: int) -> Fraction:
+        """Bytes one decoder-layer Linear's weight (`shape`: out, in) takes in this format's files, exactly: its codes
+        packed at their bits, microscaling block scales included (`weights` None: left unquantized, `elem` bytes a
+        weight, or the format's own `unquantized_elem`). What quantization.search budgets per candidate; a format
+        whose blocks hold more than the codes (GGUF) says so by overriding it. Other scales are the format's
+        metadata, not counted."""
+        n = shape[0] * shape[1]
+        if weights is None:
+            return Fraction(n * (self.unquantized_elem or elem))
+        return n * Fraction(weights.stored_bits).limit_denominator(64) / 8
 
     def written_bytes(self, w: WrittenTensors) -> float:
         """Bytes of every file this format writes for the model: codes, scales, zero points, the unquantized tensors

@@ -71,6 +71,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -1387,6 +1388,19 @@ class Gguf(ArtifactFormat):
         type_plan(scheme.weights)  # raises for weights GGUF has no llama.cpp type for (fp8, mxfp8)
 
     copies_tokenizer_files = False  # the vocabulary and merges go into the GGUF's metadata (counted as their size)
+
+    def linear_weight_bytes(self, shape: tuple[int, int], weights: TensorSpec | None, elem: int) -> Fraction:
+        """What model.gguf holds for one decoder-layer Linear, exactly as `export_gguf` writes it: ggml's blocks of its
+        type (Q4_0 18 bytes per 32 weights: 4.5 bits; Q8_0 34 per 32: 8.5; MXFP4 17 per 32: 4.25; NVFP4 36 per 64:
+        4.5, plus its F32 `.scale`), F16 where the input width is no multiple of the type's block and for a Linear
+        left unquantized (whatever the model's dtype: the exporter writes ignored Linears as F16)."""
+        del elem  # GGUF writes unquantized Linears as F16 whatever the canonical form holds
+        if weights is None:
+            return Fraction(2 * shape[0] * shape[1])
+        plan = type_plan(weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
+        if shape[1] % plan.row_multiple:
+            return Fraction(2 * shape[0] * shape[1])
+        return Fraction(_nbytes(shape, plan.weight_type) + (4 if plan.weight_type == "NVFP4" else 0))
 
     def written_bytes(self, w: WrittenTensors) -> float:
         """model.gguf: each quantized Linear in its ggml type's blocks (F16 where its input width is no multiple

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -364,18 +365,24 @@ def _search_space(recipe: Recipe, q: QuantizationSection, removed: list[tuple[st
             _check_widths(base.member(group), inside, f"quantization.search candidate {c}")
         except IncompatibleTargetError as e:
             removed.append((c, e.message))
-    kept = [c for c in search.candidates if c not in dict(removed)]
+    kept = [c for c in search.names if c not in dict(removed)]
     if not any(c != BF16 for c in kept):
         raise IncompatibleTargetError("quantization.search: no scheme candidate fits this model and the targets: "
                                       + "; ".join(f"{c}: {why}" for c, why in removed),
                                       fix="add a candidate the targets run with a group size this model's widths take")
     elem = BYTES[resolve_dtype(recipe.model.dtype, model_folder, config)]
+    formats = {targets.format_for(t).name: targets.format_for(t) for t in recipe.targets}
+
+    def linear_bytes(shape: tuple[int, int], spec) -> Fraction:  # the largest of the targets' files: fits each
+        return max(f.linear_weight_bytes(shape, spec, elem) for f in formats.values())
+
     space = search_space(
         linears, candidates=kept, removed=removed, specs={c: g.weights for c, g in members.items()},
         granularity=search.granularity, protect=search.protect, budget_bytes=search.budget.bytes,
         effective_bits=search.budget.effective_bits, ignore=base.ignore,
         n_layers=config.get("num_hidden_layers", 0), model_type=config.get("model_type"),
-        fuse=any(targets.format_for(t).fuses_projections for t in recipe.targets), elem=elem, matches=module_matches)
+        fuse=any(f.fuses_projections for f in formats.values()), elem=elem, matches=module_matches,
+        linear_bytes=linear_bytes)
     if not space.units:
         raise RecipeError(f"quantization.search has nothing to search: search.protect and quantization.ignore hold "
                           f"every decoder-layer Linear ({len(space.protected)} protected)",

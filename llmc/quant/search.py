@@ -245,6 +245,10 @@ def _activation_hook(spec: TensorSpec, absmax: torch.Tensor | None):
 # --------------------------------------------------------------------------- the search on one model
 
 
+# bytes one Linear (out, in) takes stored under a candidate's weights (None: unquantized), in the target's files
+LinearBytes = Callable[[tuple[int, int], "TensorSpec | None"], Fraction]
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """A recipe's search resolved on a model's shapes: what the plan prints and the build measures and solves."""
@@ -254,7 +258,7 @@ class SearchSpace:
     units: tuple[Unit, ...]
     protected: tuple[str, ...]  # Linears kept in the model's dtype, not searched (protect, and their fused siblings)
     fixed_bytes: Fraction  # bytes of the decoder layers' Linears outside the search (protected, quantization.ignore)
-    sizes: tuple[tuple[Fraction, ...], ...]  # per unit, per candidate: stored bytes
+    sizes: tuple[tuple[Fraction, ...], ...]  # per unit, per candidate: stored bytes (in the targets' files)
     budget_bytes: Fraction  # for every decoder-layer Linear, fixed ones included
     total_params: int
     granularity: str
@@ -281,10 +285,16 @@ def search_space(linears: Mapping[str, tuple[int, int]], *, candidates: Sequence
                  removed: Sequence[tuple[str, str]], specs: Mapping[str, TensorSpec], granularity: str,
                  protect: Sequence[str], budget_bytes: float | None, effective_bits: float | None,
                  ignore: tuple[str, ...], n_layers: int, model_type: str | None, fuse: bool, elem: int,
-                 matches: Callable[[str, tuple], bool]) -> SearchSpace:
+                 matches: Callable[[str, tuple], bool], linear_bytes: LinearBytes | None = None) -> SearchSpace:
     """The search on a model of `linears` (every Linear name -> (out, in)): its decoder layers' Linears, less those
     `ignore`d and `protect`ed (fused siblings of a protected Linear are protected too where a target fuses them),
-    cut into units; each unit's bytes under each candidate (`specs`; BF16: `elem` bytes a weight)."""
+    cut into units; each unit's bytes under each candidate (`specs`; BF16: None), as `linear_bytes` counts one
+    Linear's (the target formats' files: `ArtifactFormat.linear_weight_bytes`), or by default its codes at the
+    candidate's stored bits and `elem` bytes a weight left unquantized."""
+    if linear_bytes is None:
+        def linear_bytes(shape: tuple[int, int], spec: TensorSpec | None) -> Fraction:
+            return unit_bytes(shape[0] * shape[1], spec, elem)
+
     inside = {n: s for n, s in linears.items() if site_of(n) is not None}
     ignored = {n for n in inside if matches(n, ignore)}
     kept = {n for n in inside if n not in ignored and protected(n, protect, n_layers, matches)}
@@ -297,8 +307,9 @@ def search_space(linears: Mapping[str, tuple[int, int]], *, candidates: Sequence
                 kept |= set(siblings)
     searched = {n: s for n, s in inside.items() if n not in ignored and n not in kept}
     units = make_units(searched, granularity, model_type, fuse)
-    sizes = tuple(tuple(unit_bytes(u.params, specs.get(c), elem) for c in candidates) for u in units)
-    fixed = sum((unit_bytes(inside[n][0] * inside[n][1], None, elem) for n in kept | ignored), Fraction(0))
+    sizes = tuple(tuple(sum((linear_bytes(inside[n], specs.get(c)) for n in u.linears), Fraction(0))
+                        for c in candidates) for u in units)
+    fixed = sum((linear_bytes(inside[n], None) for n in kept | ignored), Fraction(0))
     total = sum(a * b for a, b in inside.values())
     budget = (Fraction(budget_bytes) if budget_bytes is not None
               else Fraction(effective_bits).limit_denominator(1 << 20) * total / 8)

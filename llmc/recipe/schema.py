@@ -297,14 +297,36 @@ class SearchBudget(_Strict):
         return self
 
 
+class SearchCandidate(_Strict):
+    """A search candidate spelled out (`quantization.search.candidates`), for settings no scheme name has: e.g. a
+    llama.cpp target's Q4_0, `{name: Q4_0, weights: {format: int4, strategy: group, group_size: 32}}`, which GGUF
+    stores in its own blocks of 32 exactly."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                      description="what the plan, the groups (search-<name>) and the records call it")
+    weights: WeightQuant
+    activations: ActivationQuant | None = None
+
+    @model_validator(mode="after")
+    def _runs(self) -> "SearchCandidate":
+        if self.name in SCHEME_SETTINGS or self.name == "bf16":
+            raise ValueError(f"search candidate {self.name} spells out settings under a scheme's own name; fix: name "
+                             f"it otherwise (e.g. {self.name}-custom), or give the name alone for its usual settings")
+        problem = _scheme_pair_error(self.weights, self.activations)
+        if problem:
+            raise ValueError(f"search candidate {self.name}: {problem}")
+        return self
+
+
 class SearchSection(_Strict):
     """Mixed precision chosen by measurement (llmc.quant.search): each unit's damage under each candidate is measured
     on the calibration activations while its layer is resident, and an exact knapsack picks the mix of least
     predicted damage within the budget."""
 
-    candidates: tuple[Literal[(*SCHEME_SETTINGS, "bf16")], ...] = Field(
-        min_length=2, description="scheme names (W4A16-NVFP4, W8A8-FP8, ...) and bf16 (left in the model's dtype); "
-        "those a target runtime cannot run at its arch are removed at plan time, with the reason")
+    candidates: tuple[Literal[(*SCHEME_SETTINGS, "bf16")] | SearchCandidate, ...] = Field(
+        min_length=2, description="scheme names (W4A16-NVFP4, W8A8-FP8, ...), candidates spelled out ({name, weights, "
+        "activations}) and bf16 (left in the model's dtype); those a target runtime cannot run at its arch are "
+        "removed at plan time, with the reason")
     budget: SearchBudget
     granularity: Literal["layer", "role", "linear"] = Field(
         default="role", description="what one unit is: a decoder layer, a role of one (attention, mlp, ...), or one "
@@ -315,9 +337,10 @@ class SearchSection(_Strict):
 
     @field_validator("candidates")
     @classmethod
-    def _distinct(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v):
-            raise ValueError(f"quantization.search.candidates repeat: {list(v)}; fix: name each candidate once")
+    def _distinct(cls, v: tuple) -> tuple:
+        names = [c if isinstance(c, str) else c.name for c in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"quantization.search.candidates repeat: {names}; fix: name each candidate once")
         if all(c == "bf16" for c in v):
             raise ValueError("quantization.search.candidates holds no scheme; fix: add a scheme such as W4A16-NVFP4")
         return v
@@ -328,10 +351,20 @@ class SearchSection(_Strict):
         QuantizationSection._ignore_regexes(tuple(p for p in v if p.startswith("re:")))  # refused regexes: exit 2
         return tuple(p.strip() for p in v)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The candidates' names, in the recipe's order (bf16 among them where given)."""
+        return tuple(c if isinstance(c, str) else c.name for c in self.candidates)
+
     def members(self, algorithm: str) -> dict[str, ModuleGroup]:
         """Each scheme candidate's formats, as a group of that scheme would have them (scale grid defaults too)."""
-        return {c: ModuleGroupSection(name="candidate", scheme=c, roles=("attention",)).to_group(algorithm)
-                for c in self.candidates if c != "bf16"}
+        def group(c) -> ModuleGroupSection:
+            if isinstance(c, str):
+                return ModuleGroupSection(name="candidate", scheme=c, roles=("attention",))
+            return ModuleGroupSection(name="candidate", weights=c.weights, activations=c.activations,
+                                      roles=("attention",))
+
+        return {name: group(c).to_group(algorithm) for name, c in zip(self.names, self.candidates) if c != "bf16"}
 
 
 class QuantizationSection(_Strict):
