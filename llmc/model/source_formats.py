@@ -385,7 +385,7 @@ def _ct_groups(qc: dict) -> list[tuple[str, tuple[str, ...], str]]:
 def _ct_group_of(module: str, groups: list[tuple[str, tuple[str, ...], str]]) -> tuple[str, str] | None:
     """The (key, format) of the first group whose targets name `module` (a class name: every module with stored
     codes is a Linear), as compressed-tensors matches them."""
-    from llmc.inputs.patterns import module_matches
+    from llmc.inputs.patterns import module_matches  # lazy: only a compressed-tensors source's targets need it
 
     for key, targets, fmt in groups:
         if any(t == "Linear" or module_matches(module, [t]) for t in targets):
@@ -648,7 +648,7 @@ def decode_compressed_tensors(fmt: SourceFormat, encoded: Encoded, parts: dict[s
 
 def _ct_scheme(group: dict, group_format: str):
     """The group's QuantizationScheme, validated once per distinct group."""
-    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization import QuantizationScheme  # lazy: compressed-tensors, its sources only
 
     spec = {k: v for k, v in group.items() if k != "format"} | {"format": group_format}
     text = json.dumps(spec, sort_keys=True, default=str)
@@ -720,14 +720,14 @@ DECODE_PROBE_SHAPE = (1024, 2048)  # one probe call decodes 2M elements (~0.1 s 
 def decode_rate(fmt: SourceFormat) -> float:
     """Decoded elements per second of `fmt`'s decoder on this machine (probed: llmc.planning.probes, cached per
     machine), one Linear of DECODE_PROBE_SHAPE at a time in float32 as the layer stream decodes them."""
-    from llmc.planning import probes
+    from llmc.planning import probes  # lazy: only a plan that costs the decode
 
     key = f"source decode {fmt.name} {fmt.variant or ''} {fmt.bits or ''}".strip()
     return probes.rate(key, lambda: _decode_probe(fmt))
 
 
 def _decode_probe(fmt: SourceFormat) -> float:
-    from llmc.planning.probes import sustained_rate
+    from llmc.planning.probes import sustained_rate  # lazy: as above
 
     rows, cols = DECODE_PROBE_SHAPE
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ algorithm (`llmc.quant.stream`), written in llmc's canonical quantized form.
 Key: the scheme, the compute dtype, the algorithm's key entries, the device type where it is not the CPU, the MoE
 calibration mode where set, the number of ranks where sums over windows depend on it; the source and the
 calibration windows. Cost (`quantize_cost`): what `llmc.quant.stream` holds at its peak, term by term, and its time
-per decoder layer, from what the scheme's algorithm states about itself (`Pipeline`: Hessians, replayed module
+per decoder layer, from what the scheme's algorithm states about itself (`AlgorithmSteps`: Hessians, replayed module
 calls, transforms, search sizes, calibration passes) and the quantizer's probed rate at the scheme's weights
 (`llmc.quant.numerics.quantize_rate`).
 
@@ -35,7 +35,7 @@ from llmc.model.source_formats import decode_rate
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.runner import read_json
 from llmc.pipeline.ids import Kind, StageId
-from llmc.quant.algorithms.catalog import Pipeline, quantize_stage_config
+from llmc.quant.algorithms.catalog import AlgorithmSteps, quantize_stage_config
 from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
@@ -82,7 +82,7 @@ class Quantize(Stage):
             cfg["moe_calibrate_all_experts"] = True
         if self.searched:  # the measurement its predicted damages come from
             cfg["search"] = self.searched["measurement_key"]
-        summing = ranks.ranks_summing(Pipeline.of(scheme).sums_over_windows)
+        summing = ranks.ranks_summing(AlgorithmSteps.of(scheme).sums_over_windows)
         if summing:  # sums over windows associate differently on N ranks (maxima do not)
             cfg["ranks"] = summing
         return stage_key("quantize", cfg, [b.result.source.sha256, self._calib_key(b) or ""])
@@ -108,7 +108,7 @@ class Quantize(Stage):
                           device_free=c.machine.gpu_free,
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
                           resume_every_s=cal.resume_every_s, ranks=distributed.size())
-        return decide_layer_loop(Pipeline.of(self.scheme), facts)
+        return decide_layer_loop(AlgorithmSteps.of(self.scheme), facts)
 
     def _statistics_recorded(self, c: Costing) -> bool:
         """Whether an earlier quantize stage of this build records the statistics this scheme needs (its Linears and
@@ -116,10 +116,10 @@ class Quantize(Stage):
         # an earlier scheme that shares statistics has them recorded, by itself or (where it reused them) by one
         # before it that covers it: no need to decide the earlier stages again (that recursion doubles per variant)
         needed = _targets(self.scheme, c.linears)
-        if self.searched is not None and Pipeline.of(self.scheme).shares_statistics:
+        if self.searched is not None and AlgorithmSteps.of(self.scheme).shares_statistics:
             return True  # the search's measurement pass recorded them (llmc.pipeline.search)
         return any(
-            q.scheme.needs_calibration and Pipeline.of(q.scheme).shares_statistics
+            q.scheme.needs_calibration and AlgorithmSteps.of(q.scheme).shares_statistics
             and needed <= _targets(q.scheme, c.linears)
             and (q.scheme.kv_cache is not None or self.scheme.kv_cache is None) for q in self.earlier)
 
@@ -186,7 +186,7 @@ class Quantize(Stage):
 
     def cost(self, c: Costing) -> None:
         scheme, shape, sizes = self.scheme, c.shape, self.sizes(c)
-        pipe, loop = Pipeline.of(scheme), self.decide(c)
+        pipe, loop = AlgorithmSteps.of(scheme), self.decide(c)
         row = quantize_cost(shape, loop, pipe, compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
         row.disk_bytes = sizes.canonical
         row.decision = loop
@@ -240,14 +240,14 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
 
-def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute: str, stored_elem: int,
+def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, compute: str, stored_elem: int,
                   machine: Machine, code_bytes: float = 1.0) -> CostRow:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU, as `loop` decided it
     (llmc.quant.loop_plan): where the activations live (two copies in memory or on the GPU, one batch when
     spilled, none when statistics are reused), the data flow's forward passes (`DataFlow.forward_passes`), the
     smoothing pairs traced first in float64. What the algorithm costs beside the forwards comes from its `pipe`:
     Hessians, replayed module calls (each module's calibration inputs kept), whole float32 weight copies, a
-    search's candidate scales, clipping ranges and clip-search tokens (`Pipeline.search_cost`)."""
+    search's candidate scales, clipping ranges and clip-search tokens (`AlgorithmSteps.search_cost`)."""
     calibrated, spill, resident = loop.runs_forwards, loop.activations == "disk", loop.activations == "device"
     skeleton = loop.reads_skeleton  # the weights outside the layers, read before the first layer
     tokens, seq_len, batch = loop.facts.windows * loop.facts.seq_len, loop.facts.seq_len, loop.batch_size

@@ -40,7 +40,7 @@ from llmc.planning.target import active as target_machine
 from llmc.quant.canonical import module_matches
 from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.device import resolve_device
 from llmc.quant.groups import by_group, split_fused
 from llmc.quant.search import BF16, SearchSpace, search_space
@@ -637,7 +637,7 @@ def _hessian_rank_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str, t
     spans, and the quantized weights come out far worse than the same tokens give other algorithms."""
     c = recipe.calibration
     tokens = c.samples * c.seq_len
-    short = _widest_beyond(quantized, tokens) if Pipeline.of(scheme).observes_hessians else None
+    short = _widest_beyond(quantized, tokens) if AlgorithmSteps.of(scheme).observes_hessians else None
     if short is None:
         return []
     name, widest = short
@@ -663,7 +663,7 @@ def _expert_hessian_warning(recipe: Recipe, scheme: Scheme, quantized: dict[str,
     a tiny Qwen3-MoE, activations 2.4e-7 apart moved up to 4 code steps on 17% of an expert's weights
     (tests/unit/test_device_mix.py). Calibrating every expert on every token gives each one all of them."""
     c = recipe.calibration
-    if c.moe_calibrate_all_experts or not Pipeline.of(scheme).observes_hessians:
+    if c.moe_calibrate_all_experts or not AlgorithmSteps.of(scheme).observes_hessians:
         return []
     layout = LAYOUTS.get(config.get("model_type"))
     every_token = layout is None or layout.routing != "scaled_input"  # Llama-4: refused (families.check_all_experts)
@@ -987,7 +987,7 @@ def _distributed_estimate(plan: Plan, config: dict, shapes: dict, nproc: int) ->
     if not calibrated:
         return {"nproc": nproc, "note": "no scheme calibrates: the ranks would only share the quantization of each "
                                         "layer's Linears; run it as one process"}
-    pipelines = [Pipeline.of(s) for s in calibrated]
+    pipelines = [AlgorithmSteps.of(s) for s in calibrated]
     experts = expert_count(config)
     work = Workload(ranges=any(s.stores_ranges for s in calibrated),
                     hessians=any(p.observes_hessians for p in pipelines),

@@ -34,7 +34,7 @@ from llmc.model.skeleton import HOST, capture_layer_inputs, layer_output, to_dev
 from llmc.telemetry.progress import log
 from llmc.quant import moe, true_sequential
 from llmc.quant.activations import Activations, ActivationWriter, inputs_dir
-from llmc.quant.algorithms.catalog import Observe, Pipeline
+from llmc.quant.algorithms.catalog import Observe, AlgorithmSteps
 from llmc.quant.numerics import QuantizedWeight, dequantize_weight
 from llmc.quant.observe import (RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing,
                                 register_kv_observer, stats_from_shared)
@@ -60,7 +60,7 @@ class Stream:
 
     model: nn.Module
     layers: nn.ModuleList
-    pipeline: Pipeline
+    pipeline: AlgorithmSteps
     dtype: torch.dtype
     device: torch.device
     batch_size: int
@@ -117,7 +117,7 @@ class DataFlow:
         raise NotImplementedError
 
     @staticmethod
-    def forward_passes(pipeline: Pipeline, loop) -> float:
+    def forward_passes(pipeline: AlgorithmSteps, loop) -> float:
         """Forward passes over the calibration tokens per layer, in model forwards (what the plan costs): one to
         observe, one more through the quantized layer where a step calibrates, plus each step's own."""
         return pipeline.calibration_passes()
@@ -157,7 +157,7 @@ class DataFree(DataFlow):
         return not needs.calibrates
 
     @staticmethod
-    def forward_passes(pipeline: Pipeline, loop) -> float:
+    def forward_passes(pipeline: AlgorithmSteps, loop) -> float:
         return 0.0
 
 
@@ -168,7 +168,7 @@ class SharedStatistics(DataFlow):
         return needs.shared_cover
 
     @staticmethod
-    def forward_passes(pipeline: Pipeline, loop) -> float:
+    def forward_passes(pipeline: AlgorithmSteps, loop) -> float:
         return 0.0  # the ranges an earlier scheme recorded: no calibration forward
 
     def prepare(self, s: Stream, calibration, mask) -> None:
@@ -217,7 +217,7 @@ class TrueSequential(_Calibrating):
         return needs.calibrates and needs.true_sequential and (needs.one_forward or not needs.moe)
 
     @staticmethod
-    def forward_passes(pipeline: Pipeline, loop) -> float:
+    def forward_passes(pipeline: AlgorithmSteps, loop) -> float:
         # in one forward, that forward is also the one that makes the next layer's inputs; staged, the partial
         # passes add up to about one more
         return pipeline.calibration_passes() - (1.0 if loop.one_forward else 0.0)
@@ -281,7 +281,7 @@ def quantize_true_sequential(
     hidden: Activations,
     extras: list[tuple[tuple, dict]],
     stats: LayerStats,
-    pipeline: Pipeline,
+    pipeline: AlgorithmSteps,
     sink: Callable[[torch.Tensor], None],
     batch_windows: int,
 ) -> dict[str, QuantizedWeight]:

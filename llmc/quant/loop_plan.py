@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from llmc.quant.activations import SpillMode, should_spill, stays_on_device
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.flows import FlowNeeds, flow_for
 
 Placement = Literal["none", "memory", "device", "disk"]
@@ -116,7 +116,7 @@ class LayerLoopPlan:
         return "; ".join(self.why)
 
 
-def decide_layer_loop(pipeline: Pipeline, facts: LoopFacts) -> LayerLoopPlan:
+def decide_layer_loop(pipeline: AlgorithmSteps, facts: LoopFacts) -> LayerLoopPlan:
     """Every choice the layer loop makes for `pipeline`'s scheme, from `facts` (pure)."""
     why: list[str] = []
     calibrates = facts.calibrates
@@ -182,7 +182,7 @@ def fits_one_forward(facts: LoopFacts, free: int | None) -> bool:
     return free is not None and need <= free // 4
 
 
-def redecided(planned: LayerLoopPlan, now: LoopFacts, pipeline: Pipeline) -> tuple[LayerLoopPlan, list[str]]:
+def redecided(planned: LayerLoopPlan, now: LoopFacts, pipeline: AlgorithmSteps) -> tuple[LayerLoopPlan, list[str]]:
     """The plan's decision, or a new one where the facts moved materially since (with what changed)."""
     changes = now.changed_from(planned.facts)
     if not changes:

@@ -10,7 +10,7 @@ caller.
 
 Not shared: GPTQ Hessians and AWQ's per-module inputs. Both algorithms calibrate layer i+1 on the
 already-*quantized* layer i, so their statistics depend on the scheme from the second layer on
-(`Pipeline.shares_statistics`: no step registered with `hessians` or `module_calls`, original outputs).
+(`AlgorithmSteps.shares_statistics`: no step registered with `hessians` or `module_calls`, original outputs).
 
     <folder>/layer-<i>.safetensors   channel_absmax.<linear>, key_absmax.<attn>, value_absmax.<attn>
     <folder>/complete.json           written last: layer count and the names covered

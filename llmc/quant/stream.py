@@ -51,7 +51,7 @@ from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
 from llmc.quant import moe, mxfp4_source
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
 from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, redecided
@@ -143,12 +143,12 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         log(f"resuming quantization at layer {start}/{m.n_layers}")
     windows, mask = _calibration_windows(scheme, cal, m)
     shared = (SharedStats(cal.shared_stats, m.n_layers) if cal is not None and cal.shared_stats else None)
-    pipeline = Pipeline.of(scheme)
+    pipeline = AlgorithmSteps.of(scheme)
     loop = _obeyed(options.loop, pipeline, loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
                                                       bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
                                                       options.resume_every_s))
     shared = shared if loop.shared != "none" else None
-    m.pipelines = {g: Pipeline.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
+    m.pipelines = {g: AlgorithmSteps.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
     moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
     if loop.reads_skeleton:
         # no name kept for these tensors: release(model) below must free them before the rest is read again; the
@@ -219,7 +219,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     dtype, device = options.dtype, torch.device(options.device)
     observing = replace(scheme, algorithm="rtn", algorithm_options=(), groups=())  # ranges, original outputs
     m = _open_model(source, observing, dtype)
-    pipeline = Pipeline.of(observing)
+    pipeline = AlgorithmSteps.of(observing)
     shared = SharedStats(calibration.shared_stats, m.n_layers) if calibration.shared_stats else None
     facts = loop_facts(observing, calibration, calibration.tokens, calibration.mask, m.config, dtype, device,
                        bool(m.moe_blocks), None, m.all_linears, m.all_kv, None)
@@ -265,7 +265,7 @@ def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | 
         ranks=distributed.size())
 
 
-def _obeyed(planned: LayerLoopPlan | None, pipeline: Pipeline, now: LoopFacts) -> LayerLoopPlan:
+def _obeyed(planned: LayerLoopPlan | None, pipeline: AlgorithmSteps, now: LoopFacts) -> LayerLoopPlan:
     """The plan's decision; decided again (and said so) only where the facts moved materially since it was made."""
     if planned is None:
         loop = decide_layer_loop(pipeline, now)
@@ -294,7 +294,7 @@ def _calibration_windows(scheme: Scheme, cal: Calibration | None, m: _Model):
 def check_moe_ranks(scheme: Scheme, ranks: int) -> None:
     """RecipeError for a Mixture-of-Experts calibration over several ranks that llmc does not combine: AWQ's search
     decides per expert whether it has inputs, which differs by rank (the plan refuses it first)."""
-    if ranks > 1 and any(Pipeline.of(member).replays_module_calls for member in scheme.members().values()):
+    if ranks > 1 and any(AlgorithmSteps.of(member).replays_module_calls for member in scheme.members().values()):
         raise RecipeError(f"{scheme.name}: a search over each module's replayed inputs (AWQ) on a Mixture-of-Experts "
                           f"model over {ranks} processes is not implemented: an expert's routed inputs differ by rank",
                           fix="calibrate AWQ in one process (no --nproc), or use GPTQ / SmoothQuant / RTN on the ranks")
@@ -317,7 +317,7 @@ class _Model:
     passed_through: int = 0  # Linears that kept their quantized original's codes (_pass_through_source_codes)
     mxfp4_kept: mxfp4_source.Kept = field(default_factory=mxfp4_source.Kept)  # an MXFP4 original's expert codes
     modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
-    pipelines: dict[str, Pipeline] = field(default_factory=dict)  # each group's (one "" unmixed)
+    pipelines: dict[str, AlgorithmSteps] = field(default_factory=dict)  # each group's (one "" unmixed)
     kv_names: list[str] = field(default_factory=list)
 
     @property
@@ -552,7 +552,7 @@ def _my_windows(ids: torch.Tensor, mask: torch.Tensor | None, batch_size: int):
     return ids[lo:hi], None if mask is None else mask[lo:hi]
 
 
-def _quantize_spread(pipeline: Pipeline, linears: dict[str, nn.Linear], stats: LayerStats,
+def _quantize_spread(pipeline: AlgorithmSteps, linears: dict[str, nn.Linear], stats: LayerStats,
                      device: torch.device) -> dict[str, QuantizedWeight]:
     """The quantizer's codes for every Linear; under torchrun each group of Linears sharing an input (one Hessian)
     is quantized on one rank and the results broadcast (llmc.distributed.spread)."""

@@ -17,7 +17,7 @@ from llmc.data.sources import BrownSource, DataSource, EvalCorpora
 from llmc.engines import ENGINE_NAMES
 from llmc.engines.registry import REFERENCE_ENGINE
 from llmc.storage.paths import SAFE_NAME
-from llmc.quant.algorithms.catalog import Pipeline, compose, steps_of
+from llmc.quant.algorithms.catalog import AlgorithmSteps, compose, steps_of
 from llmc.quant.groups import check_layer_spec
 from llmc.quant.spec import (BLOCK_SHAPE, FORMATS, ROLES, SCHEMES, ModuleGroup, ModuleTargets, Scheme, TensorSpec,
                              pair_name, weight_kind)
@@ -423,7 +423,7 @@ class QuantizationSection(_Strict):
         problem = _scheme_pair_error(self.weights, self.activations)
         if problem:
             raise ValueError(problem)
-        Pipeline.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
+        AlgorithmSteps.of(self.to_scheme()).check()  # unknown options, bad values, what the algorithm cannot do
         return self
 
     def _mixed(self) -> "QuantizationSection":
@@ -436,7 +436,7 @@ class QuantizationSection(_Strict):
         scheme = self.to_scheme()
         if not scheme.members():
             raise ValueError("every group is ignore: true, so nothing is quantized; fix: give a group a scheme")
-        pipeline = Pipeline.of(scheme)
+        pipeline = AlgorithmSteps.of(scheme)
         if pipeline.transforms or pipeline.true_sequential:
             raise ValueError(
                 f"mixed-precision groups are quantized by rtn, or gptq with options.true_sequential: false, in this "
@@ -445,7 +445,7 @@ class QuantizationSection(_Strict):
                 + "; fix: algorithm: rtn, or algorithm: gptq with options: {true_sequential: false}")
         for group, member in scheme.members().items():
             try:
-                Pipeline.of(member).check()  # what the quantizer cannot do for this group's scheme
+                AlgorithmSteps.of(member).check()  # what the quantizer cannot do for this group's scheme
             except ValueError as e:
                 raise ValueError(f"group {group} ({member.name}): {e}") from None
         return self
@@ -455,14 +455,14 @@ class QuantizationSection(_Strict):
             raise ValueError("quantization gives search and also weights/activations; fix: name the schemes in "
                              "search.candidates, and remove the top-level weights and activations")
         scheme = self.to_scheme()
-        pipeline = Pipeline.of(scheme)
+        pipeline = AlgorithmSteps.of(scheme)
         if pipeline.transforms or pipeline.true_sequential:
             raise ValueError("a searched mix is quantized by rtn, or gptq with options.true_sequential: false, in this "
                              f"llmc version, not {self.algorithm}; fix: algorithm: rtn, or algorithm: gptq with "
                              "options: {true_sequential: false}")
         for candidate, group in self.search.members(self.algorithm).items():
             try:
-                Pipeline.of(scheme.member(group)).check()  # what the quantizer cannot do for this candidate
+                AlgorithmSteps.of(scheme.member(group)).check()  # what the quantizer cannot do for this candidate
             except ValueError as e:
                 raise ValueError(f"search candidate {candidate}: {e}") from None
         if self.groups:

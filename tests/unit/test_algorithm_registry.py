@@ -11,7 +11,7 @@ import yaml
 from torch import nn
 
 from llmc.errors import RecipeError
-from llmc.quant.algorithms.catalog import IMPLEMENTED, ALGORITHMS, Pipeline, calibration_passes, names, quantize_stage_config
+from llmc.quant.algorithms.catalog import IMPLEMENTED, ALGORITHMS, AlgorithmSteps, calibration_passes, names, quantize_stage_config
 from llmc.quant.algorithms.awq import AwqOptions
 from llmc.quant.algorithms.gptq import GptqOptions
 from llmc.quant.algorithms.registry import AlgorithmOptions, register
@@ -119,7 +119,7 @@ def test_quantize_stage_config_is_byte_for_byte_the_old_formula() -> None:
 
 def test_calibration_passes_and_stream_properties_are_the_old_ones() -> None:
     for s in SCHEMES:
-        p = Pipeline.of(s)
+        p = AlgorithmSteps.of(s)
         assert calibration_passes(s) == _old_calibration_passes(s), s
         assert p.propagate == _old_propagate(s)
         assert p.true_sequential == _old_true_sequential(s)
@@ -150,10 +150,10 @@ def test_each_algorithm_is_registered_once_with_its_kind() -> None:
 
 
 def test_a_transform_alone_is_followed_by_rtn() -> None:
-    p = Pipeline.of(Scheme(INT8_CH, DYNAMIC, algorithm="smoothquant"))
+    p = AlgorithmSteps.of(Scheme(INT8_CH, DYNAMIC, algorithm="smoothquant"))
     assert [s.name for s in p.steps] == ["smoothquant", "rtn"]
     assert [s.name for s in p.transforms] == ["smoothquant"] and p.quantizer.name == "rtn"
-    assert [s.name for s in Pipeline.of(Scheme(INT4_G16, algorithm="gptq")).steps] == ["gptq"]
+    assert [s.name for s in AlgorithmSteps.of(Scheme(INT4_G16, algorithm="gptq")).steps] == ["gptq"]
 
 
 def _recipe(quantization: dict) -> str:
@@ -231,19 +231,19 @@ def test_options_are_checked_against_the_steps_option_models(algorithm, options,
 
 
 def test_defaults_come_from_the_option_models() -> None:
-    gptq = Pipeline.of(Scheme(INT4_G16, algorithm="gptq"))
+    gptq = AlgorithmSteps.of(Scheme(INT4_G16, algorithm="gptq"))
     assert gptq.quantizer.options == GptqOptions() and gptq.quantizer.options.block_size == 128
-    assert Pipeline.of(Scheme(INT4_G16, algorithm="awq")).transforms[0].options == AwqOptions()
+    assert AlgorithmSteps.of(Scheme(INT4_G16, algorithm="awq")).transforms[0].options == AwqOptions()
     assert AwqOptions().n_grid == 20 and calibration_passes(Scheme(INT4_G16, algorithm="awq")) == 2 + 1 + 1 + 5 + 4
-    given = Pipeline.of(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("block_size", 64),))).quantizer.options
+    given = AlgorithmSteps.of(Scheme(INT4_G16, algorithm="gptq", algorithm_options=(("block_size", 64),))).quantizer.options
     assert given == GptqOptions(block_size=64)
     # scheme-dependent defaults are resolved on the options model: SmoothQuant for static per-tensor activations
     for acts, expected in ((STATIC, ("all", 1.0)), (DYNAMIC, ("norms", 0.5))):
-        sq = Pipeline.of(Scheme(INT8_CH, acts, algorithm="smoothquant")).transforms[0]
+        sq = AlgorithmSteps.of(Scheme(INT8_CH, acts, algorithm="smoothquant")).transforms[0]
         assert (sq.given.smooth, sq.given.alpha) == (None, None)
         assert (sq.options.smooth, sq.options.alpha) == expected
     # the composition resolves GPTQ's true-sequential default: not after a transform
-    assert not Pipeline.of(Scheme(INT8_CH, DYNAMIC, algorithm="smoothquant+gptq")).quantizer.options.true_sequential
+    assert not AlgorithmSteps.of(Scheme(INT8_CH, DYNAMIC, algorithm="smoothquant+gptq")).quantizer.options.true_sequential
 
 
 def test_a_new_algorithm_is_one_registered_function() -> None:
@@ -261,7 +261,7 @@ def test_a_new_algorithm_is_one_registered_function() -> None:
         scheme = parse_recipe(_recipe({"weights": {"format": "int8", "strategy": "channel"},
                                        "algorithm": ["double"], "options": {"factor": 3}})).quantization.to_scheme()
         assert (scheme.algorithm, scheme.algorithm_options) == ("double", (("factor", 3),))
-        p = Pipeline.of(scheme)
+        p = AlgorithmSteps.of(scheme)
         assert [s.name for s in p.steps] == ["double", "rtn"] and p.calibrates and p.propagate == "original"
         layer = nn.Sequential(nn.Linear(4, 4, bias=False))
         w = layer[0].weight.data.clone()

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
-from llmc.quant.algorithms.catalog import Observe, Pipeline
+from llmc.quant.algorithms.catalog import Observe, AlgorithmSteps
 from llmc.quant.algorithms.awq import (
     AwqOptions,
     awq_layer,
@@ -236,7 +236,7 @@ def test_smoothquant_preserves_the_layer_function(tiny_model: Path) -> None:
     stats = _observed(model, layer, ids)
     norm_before = layer.input_layernorm.weight.clone()
     scheme = Scheme(INT8_CH, TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
-    assert Pipeline.of(scheme).transform_layer(layer, "l.", stats)
+    assert AlgorithmSteps.of(scheme).transform_layer(layer, "l.", stats)
     after, logits_after = _layer_out(model, layer, ids)
     assert not torch.equal(norm_before, layer.input_layernorm.weight)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
@@ -272,7 +272,7 @@ def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: P
     default, as ModelOpt), keeps the layer's function, and leaves down_proj an input whose channels all
     peak at the same value; dynamic per-token schemes keep the norms-only default."""
     def smooth_and_alpha(scheme: Scheme) -> tuple[str, float]:
-        options = Pipeline.of(scheme).transforms[0].options
+        options = AlgorithmSteps.of(scheme).transforms[0].options
         return options.smooth, options.alpha
 
     static = Scheme(INT8_CH, TensorSpec("int8", "tensor"), algorithm="smoothquant")
@@ -288,7 +288,7 @@ def test_smoothquant_for_static_activations_also_smooths_down_proj(tiny_model: P
     before, logits_before = _layer_out(model, layer, ids)
     stats = _observed(model, layer, ids)
     up_before = layer.mlp.up_proj.weight.clone()
-    assert Pipeline.of(static).transform_layer(layer, "l.", stats)
+    assert AlgorithmSteps.of(static).transform_layer(layer, "l.", stats)
     assert not torch.equal(up_before, layer.mlp.up_proj.weight)
     after, logits_after = _layer_out(model, layer, ids)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import flows, stream
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.algorithms.awq import AwqOptions, awq_layer, fake_quantize_weight
 from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.catalog import Observe
@@ -177,7 +177,7 @@ def test_smoothquant_and_awq_scaling_keep_a_gemma3_layers_function(gemma3: Path,
         norms = {n: layer.get_submodule(n).weight.clone() for n in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm")}
         if algorithm == "smoothquant":
             scheme = Scheme(TensorSpec("int8", "channel"), TensorSpec("int8", "token", dynamic=True), algorithm="smoothquant")
-            assert Pipeline.of(scheme).transform_layer(layer, "", stats)
+            assert AlgorithmSteps.of(scheme).transform_layer(layer, "", stats)
         else:
             awq_layer(layer, "", stats, INT4_G16, AwqOptions(clip=False))
         after, logits_after = _layer_io(model, index, ids)

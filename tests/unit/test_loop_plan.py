@@ -11,7 +11,7 @@ import torch
 
 import llmc.quant.stream as stream
 from llmc.model.source import ModelSource
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.loop_plan import RESIDENT_RESUME_EVERY_S, LoopFacts, decide_layer_loop, redecided
 from llmc.quant.spec import Scheme, TensorSpec
 
@@ -27,7 +27,7 @@ FACTS = LoopFacts(calibrates=True, windows=64, seq_len=512, masked=False, batch_
 
 
 def decide(scheme: Scheme, **facts):
-    return decide_layer_loop(Pipeline.of(scheme), replace(FACTS, calibrates=scheme.needs_calibration, **facts))
+    return decide_layer_loop(AlgorithmSteps.of(scheme), replace(FACTS, calibrates=scheme.needs_calibration, **facts))
 
 
 def test_where_the_activations_live_follows_the_memory_the_facts_state() -> None:
@@ -65,7 +65,7 @@ def test_statistics_are_recorded_for_later_schemes_and_reused_when_they_cover_th
 
 
 def test_the_plan_stands_unless_a_fact_moved_materially_and_then_the_change_is_named() -> None:
-    pipe = Pipeline.of(FP8_STATIC)
+    pipe = AlgorithmSteps.of(FP8_STATIC)
     planned = decide_layer_loop(pipe, FACTS)
     assert redecided(planned, replace(FACTS, host_available=int(60.5 * GB)), pipe) == (planned, [])
     again, changes = redecided(planned, replace(FACTS, host_available=1 * GB), pipe)
@@ -81,7 +81,7 @@ def test_the_stream_obeys_the_decision_it_is_given(tiny_model: Path, tmp_path: P
     calibration = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(0))
     cal = stream.Calibration(calibration, batch_size=2)
     source = ModelSource(tiny_model, "t", "t")
-    pipe = Pipeline.of(FP8_STATIC)
+    pipe = AlgorithmSteps.of(FP8_STATIC)
     # the facts exactly as this stream sees them, then a decision to spill (as spill_activations: always would make)
     seen = stream.quantize_model(source, FP8_STATIC, tmp_path / "auto", cal).loop
     assert seen.activations == "memory"

@@ -112,11 +112,11 @@ def test_gptq_on_moe_takes_the_two_forward_order_on_any_number_of_ranks() -> Non
     """GPTQ inside one forward sums an expert's Hessian over its rows of every window at once, which a split of the
     windows does not reproduce: an MoE model is calibrated batch by batch, in one process as on several (the plan
     says why), so its codes do not depend on the number of ranks; a dense model keeps the one forward."""
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.loop_plan import LoopFacts, decide_layer_loop
     from llmc.quant.spec import Scheme, TensorSpec
 
-    pipeline = Pipeline.of(Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq"))
+    pipeline = AlgorithmSteps.of(Scheme(TensorSpec("int4", "group", group_size=32), algorithm="gptq"))
 
     def decide(moe: bool, ranks: int):
         return decide_layer_loop(pipeline, LoopFacts(

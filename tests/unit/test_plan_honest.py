@@ -403,11 +403,11 @@ def test_the_quantize_peak_counts_the_embeddings_read_in_the_stored_dtype_and_he
     shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
     assert shape.outer_params == 2 * 152064 * 3584 + 3584  # embedding, head, final norm
     assert shape.head_params == 152064 * 3584
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.spec import Scheme, TensorSpec
     from tests.unit.build_helpers import layer_loop
 
-    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
+    fp8 = AlgorithmSteps.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
     row = quantize_cost(shape, layer_loop(fp8, activations="memory" if calibrated else "none"), fp8, compute=compute,
                         stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
     skeleton = shape.outer_params - shape.head_params
@@ -574,11 +574,11 @@ def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) 
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
 
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.spec import Scheme, TensorSpec
     from tests.unit.build_helpers import layer_loop
 
-    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
+    fp8 = AlgorithmSteps.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))
     shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
 
     def per_layer(layers_per_s: float) -> float:

@@ -273,13 +273,13 @@ def test_rtn_counts_one_block_of_float32_temporaries_and_whole_weight_algorithms
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.3-70B-Instruct" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.spec import Scheme, TensorSpec
     from tests.unit.build_helpers import layer_loop
 
     kwargs = dict(compute="bfloat16", stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
     int8 = TensorSpec("int8", "channel")
-    rtn_pipe, sq_pipe = (Pipeline.of(Scheme(int8, TensorSpec("int8", "token", dynamic=True), algorithm=a))
+    rtn_pipe, sq_pipe = (AlgorithmSteps.of(Scheme(int8, TensorSpec("int8", "token", dynamic=True), algorithm=a))
                          for a in ("rtn", "smoothquant"))  # SmoothQuant copies whole Linears, observes no Hessian
     rtn = quantize_cost(shape, layer_loop(rtn_pipe), rtn_pipe, **kwargs)
     whole = quantize_cost(shape, layer_loop(sq_pipe), sq_pipe, **kwargs)
@@ -324,17 +324,17 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
 
     config = json.loads((REPO / "recipes" / "configs" / "Llama-3.1-8B" / "config.json").read_text())
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.spec import Scheme
     from tests.unit.build_helpers import layer_loop
 
-    class WithoutSearch(Pipeline):
+    class WithoutSearch(AlgorithmSteps):
         search_cost = None  # the same pipeline, its search left out: what the search adds
 
     kwargs = dict(compute="bfloat16", stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
     refine = AwqOptions()
     grid = AwqOptions(search="grid")
-    pipes = {o.search: Pipeline.of(Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq",
+    pipes = {o.search: AlgorithmSteps.of(Scheme(TensorSpec("int4", "group", group_size=128), algorithm="awq",
                                           algorithm_options=(("search", o.search),))) for o in (refine, grid)}
     loop = layer_loop(pipes["refine"], windows=1, seq_len=32, activations="memory")
     plain_pipe = WithoutSearch(pipes["refine"].scheme, pipes["refine"].steps, pipes["refine"].propagate)
@@ -402,11 +402,11 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     shape = Shape.of(from_config(config), config, BYTES["bfloat16"])
     tokens, seq_len, gb = 128 * 2048, 2048, 1e9
     copy = tokens * shape.hidden * 2
-    from llmc.quant.algorithms.catalog import Pipeline
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
     from llmc.quant.spec import Scheme, TensorSpec
     from tests.unit.build_helpers import layer_loop
 
-    fp8 = Pipeline.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))  # one pass
+    fp8 = AlgorithmSteps.of(Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor")))  # one pass
     kwargs = dict(compute="bfloat16", stored_elem=2)
     assert stays_on_device(torch.device("cuda"), copy, int(80 * gb)) and not stays_on_device(
         torch.device("cuda"), copy, int(16 * gb)) and not stays_on_device(torch.device("cpu"), copy, int(80 * gb))

@@ -13,7 +13,7 @@ from torch import nn
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream, true_sequential
-from llmc.quant.algorithms.catalog import Pipeline
+from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.algorithms.gptq import GptqOptions, accumulate_hessian, gptq_quantize
 from llmc.quant.numerics import dequantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
@@ -115,7 +115,7 @@ def test_one_forward_outputs_are_the_quantized_layers_outputs() -> None:
 
 
 def _true_sequential(scheme: Scheme) -> bool:
-    return Pipeline.of(scheme).true_sequential
+    return AlgorithmSteps.of(scheme).true_sequential
 
 
 def test_true_sequential_option() -> None:

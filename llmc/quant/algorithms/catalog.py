@@ -1,5 +1,5 @@
-"""Every built-in calibration algorithm, registered, and what consumers ask about them: `Pipeline.of(scheme)`,
-the registry's lookups, `IMPLEMENTED` (`from llmc.quant.algorithms.catalog import Pipeline`).
+"""Every built-in calibration algorithm, registered, and what consumers ask about them: `AlgorithmSteps.of(scheme)`,
+the registry's lookups, `IMPLEMENTED` (`from llmc.quant.algorithms.catalog import AlgorithmSteps`).
 
 Importing this module imports each algorithm module (each registers itself). A new algorithm is one module and
 one name on the import line below.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from llmc.quant.algorithms import awq, gptq, rtn, scale_search, smoothquant  # noqa: F401  (each registers itself)
 from llmc.quant.algorithms.mappings import Mapping
-from llmc.quant.algorithms.pipeline import Pipeline, calibration_passes, quantize_stage_config
+from llmc.quant.algorithms.steps import AlgorithmSteps, calibration_passes, quantize_stage_config
 from llmc.quant.algorithms.registry import (
     ALGORITHMS,
     Algorithm,
@@ -26,5 +26,5 @@ from llmc.quant.algorithms.registry import (
 # (awq+gptq) are refused as not implemented until they are.
 IMPLEMENTED: frozenset[str] = frozenset(names()) | {"smoothquant+gptq"}
 
-__all__ = ["ALGORITHMS", "IMPLEMENTED", "Algorithm", "AlgorithmOptions", "Mapping", "Observe", "Pipeline",
+__all__ = ["ALGORITHMS", "IMPLEMENTED", "Algorithm", "AlgorithmOptions", "Mapping", "Observe", "AlgorithmSteps",
            "calibration_passes", "compose", "names", "quantize_stage_config", "register", "steps_of"]

@@ -12,7 +12,7 @@ registered with what the layer stream must know about it:
                     options) -> {name: QuantizedWeight}.
 
 A scheme's `algorithm` names its steps, "+"-joined ("smoothquant+gptq"): at most one transform, then at most
-one quantizer (RTN when none is named). `llmc.quant.algorithms.pipeline` composes and resolves them.
+one quantizer (RTN when none is named). `llmc.quant.algorithms.steps` composes and resolves them.
 """
 
 from __future__ import annotations

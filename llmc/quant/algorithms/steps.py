@@ -1,6 +1,6 @@
 """A scheme's algorithm steps, composed and resolved: all the layer stream and the build ask about them.
 
-`Pipeline.of(scheme)` looks up the steps of `scheme.algorithm` in the registry, validates the scheme's options
+`AlgorithmSteps.of(scheme)` looks up the steps of `scheme.algorithm` in the registry, validates the scheme's options
 against the steps' option models (one ValueError "<what>; fix: <how>" for an unknown option or a bad value) and
 resolves the defaults that depend on the scheme or the composition. Per layer the stream then asks it what to
 observe, runs its transform (if any) and its quantizer.
@@ -26,7 +26,7 @@ from llmc.quant.numerics import QuantizedWeight, block_scaled
 from llmc.quant.spec import Scheme
 
 
-class StreamOptions(AlgorithmOptions):
+class PropagateOptions(AlgorithmOptions):
     """Options of the layer stream itself, given wherever a step calibrates.
 
     propagate: which outputs of layer i the calibration of layer i+1 sees. By default the quantized layer's when
@@ -67,17 +67,17 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class AlgorithmSteps:
     scheme: Scheme
     steps: tuple[Step, ...]  # the transform (if any), then the quantizer
     propagate: Propagate
 
     @classmethod
-    def of(cls, scheme: Scheme) -> Pipeline:
+    def of(cls, scheme: Scheme) -> AlgorithmSteps:
         algorithms = steps_of(scheme.algorithm)
         raw = dict(scheme.algorithm_options)
         calibrates = any(a.calibrates for a in algorithms)
-        models = ([StreamOptions] if calibrates else []) + [a.options for a in algorithms]
+        models = ([PropagateOptions] if calibrates else []) + [a.options for a in algorithms]
         known = set().union(*(m.model_fields for m in models))
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -86,7 +86,7 @@ class Pipeline:
                 f"fix: use {', '.join(sorted(known)) or 'no options'}"
             )
         wanted = "quantized" if any(a.propagate == "quantized" for a in algorithms) else "original"
-        propagate = _validated(StreamOptions, raw).propagate or wanted
+        propagate = _validated(PropagateOptions, raw).propagate or wanted
         steps = []
         for i, a in enumerate(algorithms):
             given = _validated(a.options, raw)
@@ -207,8 +207,8 @@ class Pipeline:
 
 def quantize_stage_config(scheme: Scheme) -> dict:
     """The algorithm-dependent entries of the quantize stage's config (`propagate`, `smoothquant`, `gptq`)."""
-    return Pipeline.of(scheme).stage_key_config()
+    return AlgorithmSteps.of(scheme).stage_key_config()
 
 
 def calibration_passes(scheme: Scheme) -> float:
-    return Pipeline.of(scheme).calibration_passes()
+    return AlgorithmSteps.of(scheme).calibration_passes()
