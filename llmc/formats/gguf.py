@@ -97,6 +97,7 @@ from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
 from llmc.model.families import expert_count
+from llmc.model.shape_rows import layer_attention
 from llmc.quant.spec import TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
@@ -441,22 +442,8 @@ def _llama4_layers(c: dict, head_dim: int) -> str | None:
     return None
 
 
-_GEMMA4_GLOBAL = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
-_GEMMA4_DEFAULT = {"global_head_dim": 512}  # Gemma4TextConfig's default when config.json names neither form
-
-
-def _gemma4_layer_values(c: dict, key: str) -> list:
-    """Each layer's `key` (head_dim, num_key_value_heads) as transformers' Gemma4TextConfig resolves it: the full
-    layers' global_head_dim / num_global_key_value_heads where config.json names them, else per_layer_config's
-    overrides (what transformers 5.x saves), else the config's own value."""
-    types, base = c["layer_types"], c.get(key) or c["num_attention_heads"]
-    per_layer = {int(i): v for i, v in (c.get("per_layer_config") or {}).items()}
-    glob = _GEMMA4_GLOBAL[key]
-    full = c.get(glob)
-    if full is None and "per_layer_config" not in c:
-        full = _GEMMA4_DEFAULT.get(glob)
-    return [per_layer.get(i, {}).get(key, full if t == "full_attention" and full is not None else base)
-            for i, t in enumerate(types)]
+def _gemma4_layer_values(c: dict, key: str) -> list[int]:
+    return layer_attention(c, key)  # llmc.model.shape_rows: as transformers' Gemma4TextConfig resolves it
 
 
 def _gemma4_full(c: dict, key: str) -> int:
