@@ -63,9 +63,11 @@ FP4 (as convert_hf_to_gguf.py marks ModelOpt's W4A16_NVFP4 layers); a KV-cache s
 
 Gemma-4 text (conversion/gemma.py Gemma4Model): the per-layer input embeddings (`per_layer_token_embd`,
 `per_layer_model_proj`, each layer's `inp_gate`/`proj`/`post_norm`), the sliding layers' head width as
-`key_length_swa` beside the full layers' `key_length`, the KV-shared trailing layers (`shared_kv_layers`, no k/v
-tensors; `_gemma4_kv_sharers` checks they read the layers llama.cpp's reuse rule reads), double-wide MLPs as a
-per-layer `feed_forward_length`, the full layers' proportional rope as the `rope_freqs` tensor (ROPE_FREQS).
+`key_length_swa` beside the full layers' `key_length`, their own KV heads (attention_k_eq_v: a per-layer
+`head_count_kv`, no v_proj: llama.cpp takes V from K as transformers does), the KV-shared trailing layers
+(`shared_kv_layers`, no k/v tensors; `_gemma4_kv_sharers` checks they read the layers llama.cpp's reuse rule reads),
+double-wide MLPs as a per-layer `feed_forward_length`, the full layers' proportional rope as the `rope_freqs` tensor
+(ROPE_FREQS).
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class _Arch:
     n_layers: int
     hidden: int
     n_head: int
-    n_head_kv: int
+    n_head_kv: int | list[int]  # attention.head_count_kv: per layer where layers differ (Gemma-4's full layers)
     head_dim: int
     ffn: int | list[int]  # feed_forward_length: per layer where layers differ (Gemma-4's double-wide MLPs)
     ctx: int
@@ -335,7 +337,8 @@ def _arch(config: dict) -> _Arch:
     if unwritten := unwritten_violations(config):
         raise IncompatibleTargetError(
             f"llama.cpp has the {GGUF_FAMILIES[mt].arch.lower()} architecture, but llmc's GGUF exporter does not write "
-            "this model: " + "; ".join(unwritten), fix="target a compressed-tensors runtime (vllm, sglang) for this model")
+            "this model: " + "; ".join(unwritten),
+            fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     if config.get("mlp_bias"):
         raise IncompatibleTargetError("the GGUF exporter does not write MLP biases (mlp_bias=true)")
     family = GGUF_FAMILIES[mt]
@@ -452,12 +455,15 @@ def _gemma4_full(c: dict, key: str) -> int:
     return int(next(v for v, t in zip(values, c["layer_types"]) if t == "full_attention"))
 
 
-def _gemma4_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
+def _gemma4_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int | list[int]]:
     """llama.cpp's gemma4 keys: key/value length = the full layers' head width (rope over all of it, the unrotated
-    dims given rope_freqs 1e30), the sliding layers' own width as *_length_swa (FAMILY_KEYS)."""
+    dims given rope_freqs 1e30), the sliding layers' own width as *_length_swa (FAMILY_KEYS); the KV heads per layer
+    where the full layers have their own (attention_k_eq_v: num_global_key_value_heads, as conversion/gemma.py
+    writes the array)."""
     del head_dim, rope
     full = _gemma4_full(c, "head_dim")
-    return full, full, full, c.get("num_key_value_heads") or c["num_attention_heads"]
+    kv = _gemma4_layer_values(c, "num_key_value_heads")
+    return full, full, full, kv[0] if len(set(kv)) == 1 else kv
 
 
 def _gemma4_kv_sharers(c: dict) -> str | None:
@@ -500,8 +506,10 @@ def _gemma4_layers(c: dict, head_dim: int) -> str | None:
         (len({v for v, t in zip(_gemma4_layer_values(c, "head_dim"), types) if t == "full_attention"}) > 1,
          "the full layers' head widths differ (llama.cpp reads one key_length)"),
         (any(v != (c.get("num_key_value_heads") or c["num_attention_heads"])
-             for v in _gemma4_layer_values(c, "num_key_value_heads")),
-         "a layer's KV head count differs from num_key_value_heads (llmc writes one attention.head_count_kv)"),
+             for v, t in zip(_gemma4_layer_values(c, "num_key_value_heads"), types) if t == "sliding_attention"),
+         "a sliding layer's KV head count differs from num_key_value_heads"),
+        (len({v for v, t in zip(_gemma4_layer_values(c, "num_key_value_heads"), types) if t == "full_attention"}) > 1,
+         "the full layers' KV head counts differ"),
     ]
     why = [w for bad, w in checks if bad]
     if kv := _gemma4_kv_sharers(c):
@@ -1438,8 +1446,8 @@ _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layer
 # loader reads beyond the common ones (llama.cpp src/models/<arch>.cpp load_arch_hparams), with the value
 # convert_hf_to_gguf.py gives it (conversion/<family>.py), one fact a row
 FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] = (
-    (("GEMMA2", "GEMMA3", "GPT_OSS", "GEMMA4"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
-     else None),
+    (("GEMMA2", "GEMMA3", "GPT_OSS", "GEMMA4"), "add_sliding_window",
+     lambda c: int(c["sliding_window"]) if c.get("sliding_window") else None),
     (("GEMMA2",), "add_attn_logit_softcapping", lambda c: float(c.get("attn_logit_softcapping") or 50.0)),
     (("GEMMA2",), "add_final_logit_softcapping", lambda c: float(c.get("final_logit_softcapping") or 30.0)),
     (("GRANITE",), "add_embedding_scale", _key("embedding_multiplier", float)),

@@ -83,9 +83,6 @@ GGUF_REFUSED: dict[str, str] = {}
 GGUF_UNWRITTEN: tuple[tuple[str, str, object, object, str], ...] = (
     ("gemma4_text", "enable_moe_block", False, False,
      "Gemma-4's MoE block (router scale, per-expert scales, ffn_gate_up_exps, pre/post norms 1 and 2)"),
-    ("gemma4_text", "attention_k_eq_v", False, False,
-     "Gemma-4's full layers without v_proj (values from k_proj) and their own KV head count (a per-layer "
-     "attention.head_count_kv array)"),
 )
 
 

@@ -36,7 +36,8 @@ OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
 # Llama-4: llama.cpp's fixed chunk, and a no-rope layer (every 4th), without which llama.cpp aborts
 OVERRIDES["llama4_text"] = {"attention_chunk_size": 8192, "num_hidden_layers": 4}
 # Gemma-4: per-layer embeddings, full layers twice as wide per head as the sliding ones (proportional rope on a
-# quarter of them), the last two layers reading the KV of the first two, their MLPs double-wide (GEMMA4_GGUF)
+# quarter of them) with one KV head from k_proj alone (attention_k_eq_v), the last two layers reading the KV of the
+# first two, their MLPs double-wide (GEMMA4_GGUF)
 OVERRIDES["gemma4"] = GEMMA4_GGUF
 # Qwen3.5: rope sections that fit the tiny heads (the default [11, 11, 10] is refused for them: ggml asserts)
 OVERRIDES |= {f: {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default",

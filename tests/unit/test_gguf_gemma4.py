@@ -38,8 +38,9 @@ def exported(tmp_path_factory):
 
 def _expected_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """gemma4.cpp load_arch_tensors (ggml ne order: input dim first), for this config's layers: the sliding layers'
-    head width head_dim, the full layers' 32 (per_layer_config); the KV-shared layers (the last
-    num_kv_shared_layers, hparams.has_kv false) without k/v and k norm, their MLPs twice intermediate_size."""
+    head width head_dim and num_key_value_heads, the full layers' 32 and 1 KV head (per_layer_config) with no attn_v
+    (attention_k_eq_v: llama.cpp takes V from K); the KV-shared layers (the last num_kv_shared_layers, hparams.has_kv
+    false) without k/v and k norm, their MLPs twice intermediate_size."""
     h, n_head, n_kv, v = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
     n, pl, ff = c["num_hidden_layers"], c["hidden_size_per_layer_input"], c["intermediate_size"]
     first_shared = n - c["num_kv_shared_layers"]
@@ -47,7 +48,7 @@ def _expected_tensors(c: dict) -> dict[str, tuple[int, ...]]:
             "per_layer_token_embd.weight": (pl * n, v), "per_layer_model_proj.weight": (h, pl * n),
             "per_layer_proj_norm.weight": (pl,), "rope_freqs.weight": (32 // 2,)}
     for i, kind in enumerate(c["layer_types"]):
-        hd = 16 if kind == "sliding_attention" else 32
+        hd, kv = (16, n_kv) if kind == "sliding_attention" else (32, 1)
         f = ff if i < first_shared else 2 * ff
         layer = {"attn_norm.weight": (h,), "attn_q.weight": (h, hd * n_head), "attn_output.weight": (hd * n_head, h),
                  "attn_q_norm.weight": (hd,), "post_attention_norm.weight": (h,), "layer_output_scale.weight": (1,),
@@ -55,7 +56,9 @@ def _expected_tensors(c: dict) -> dict[str, tuple[int, ...]]:
                  "ffn_down.weight": (f, h), "post_ffw_norm.weight": (h,), "inp_gate.weight": (h, pl),
                  "proj.weight": (pl, h), "post_norm.weight": (h,)}
         if i < first_shared:
-            layer |= {"attn_k.weight": (h, n_kv * hd), "attn_v.weight": (h, n_kv * hd), "attn_k_norm.weight": (hd,)}
+            layer |= {"attn_k.weight": (h, kv * hd), "attn_k_norm.weight": (hd,)}
+        if i < first_shared and kind == "sliding_attention":
+            layer["attn_v.weight"] = (h, kv * hd)
         want |= {f"blk.{i}.{k}": s for k, s in layer.items()}
     return want
 
@@ -69,7 +72,8 @@ def _field(reader: GGUFReader, key: str):
 def test_every_tensor_llama_cpps_gemma4_creates_is_written_with_its_shape(exported) -> None:
     _, qm, res = exported
     c = qm.config
-    assert c["per_layer_config"] == {"1": {"head_dim": 32}, "3": {"head_dim": 32}}  # how transformers saves the widths
+    full = {"head_dim": 32, "num_key_value_heads": 1}
+    assert c["per_layer_config"] == {"1": full, "3": full}  # how transformers 5.23 saves the full layers' widths
     reader = GGUFReader(str(res.path))
     assert _field(reader, "general.architecture") == "gemma4"
     assert {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors} == _expected_tensors(c)
@@ -80,7 +84,8 @@ def test_the_keys_gemma4_reads_carry_the_configs_values(exported) -> None:
     c = qm.config
     reader = GGUFReader(str(res.path))
     rope = c["rope_parameters"]
-    want = {"embedding_length": 64, "block_count": 4, "attention.head_count": 4, "attention.head_count_kv": 2,
+    want = {"embedding_length": 64, "block_count": 4, "attention.head_count": 4,
+            "attention.head_count_kv": [2, 1, 2, 1],  # per layer: the full layers' one (attention_k_eq_v)
             "attention.key_length": 32, "attention.value_length": 32,  # the full layers'
             "attention.key_length_swa": 16, "attention.value_length_swa": 16,
             "rope.dimension_count": 32, "rope.dimension_count_swa": 16,
@@ -115,7 +120,7 @@ def test_every_tensor_decodes_to_llmcs_canonical_values(exported) -> None:
         assert tensors[name].tensor_type.name == ("F16" if want.shape[1] % 32 else "Q8_0"), name
         np.testing.assert_allclose(decoded(name), want, rtol=0, atol=2.0**-10 * float(np.abs(want).max()),
                                    err_msg=name)
-    assert len(qm.quantized_modules) == 2 * 9 + 2 * 7  # the shared layers have no k_proj / v_proj
+    assert len(qm.quantized_modules) == 9 + 8 + 2 * 7  # no v_proj in layer 1 (k_eq_v), no k/v in the shared ones
     kept = [k for k in canonical if k.rsplit(".", 1)[0] not in qm.quantized_modules and ".weight_" not in k]
     for k in kept:
         name = G.gguf_name(k, names)
@@ -142,13 +147,13 @@ def test_gemma4_configs_llmc_does_not_write_or_llama_cpp_computes_otherwise_are_
     _, qm, _ = exported
     c = qm.config
     assert "llmc does not write Gemma-4's MoE block" in _refused(c, enable_moe_block=True)
-    assert "attention_k_eq_v = True" in _refused(c, attention_k_eq_v=True)
+    assert "the full layers' KV head counts differ" in _refused(c, per_layer_config={
+        "1": {"head_dim": 32, "num_key_value_heads": 1}, "3": {"head_dim": 32, "num_key_value_heads": 2}})
     # transformers' shared layers read the last unshared layer of their type (here 0 full, 1 sliding); llama.cpp's
     # gemma4 reuse callback reads layer n_layer_kv_from_start - 2 for sliding layers, - 1 for full ones
     swapped = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
-    assert "llama.cpp reads layer 0 (sliding) and 1 (full)" in _refused(c, layer_types=swapped,
-                                                                        per_layer_config={"0": {"head_dim": 32},
-                                                                                          "3": {"head_dim": 32}})
+    assert "llama.cpp reads layer 0 (sliding) and 1 (full)" in _refused(
+        c, layer_types=swapped, per_layer_config={"0": c["per_layer_config"]["1"], "3": c["per_layer_config"]["3"]})
     assert "vocab_size_per_layer_input = 299" in _refused(c, vocab_size_per_layer_input=299)
     rope = copy.deepcopy(c["rope_parameters"])
     rope["full_attention"]["factor"] = 8.0
