@@ -60,6 +60,14 @@ W8A8 scheme's activation settings are not carried. FP4 weights of a weight-only 
 `general.tensor_extra.prec_a4` false: llama.cpp's CUDA build on Blackwell otherwise quantizes their activations to
 FP4 (as convert_hf_to_gguf.py marks ModelOpt's W4A16_NVFP4 layers); a KV-cache scheme maps to llama.cpp's runtime
 `--cache-type-k/v q8_0` option (noted in llmc-serve.json), fp8 KV is refused.
+
+Gemma-4 text (conversion/gemma.py Gemma4Model): the per-layer input embeddings (`per_layer_token_embd`,
+`per_layer_model_proj`, each layer's `inp_gate`/`proj`/`post_norm`), the sliding layers' head width as
+`key_length_swa` beside the full layers' `key_length`, their own KV heads (attention_k_eq_v: a per-layer
+`head_count_kv`, no v_proj: llama.cpp takes V from K as transformers does), the KV-shared trailing layers
+(`shared_kv_layers`, no k/v tensors; `_gemma4_kv_sharers` checks they read the layers llama.cpp's reuse rule reads),
+double-wide MLPs as a per-layer `feed_forward_length`, the full layers' proportional rope as the `rope_freqs` tensor
+(ROPE_FREQS).
 """
 
 from __future__ import annotations
@@ -84,13 +92,15 @@ from llmc.formats.base import ArtifactFormat, ExportRequest, WrittenTensors, tar
 from llmc.formats.registry import register_format
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
-from llmc.formats.gguf_arch import GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES, GgufFamily, fixed_fact_violations
+from llmc.formats.gguf_arch import (GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES, GgufFamily, fixed_fact_violations,
+                                    unwritten_violations)
 from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
 from llmc.model.families import expert_count
+from llmc.model.shape_rows import layer_attention
 from llmc.quant.spec import TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
@@ -289,9 +299,9 @@ class _Arch:
     n_layers: int
     hidden: int
     n_head: int
-    n_head_kv: int
+    n_head_kv: int | list[int]  # attention.head_count_kv: per layer where layers differ (Gemma-4's full layers)
     head_dim: int
-    ffn: int
+    ffn: int | list[int]  # feed_forward_length: per layer where layers differ (Gemma-4's double-wide MLPs)
     ctx: int
     rope_theta: float
     rms_eps: float
@@ -325,14 +335,22 @@ def _arch(config: dict) -> _Arch:
         raise IncompatibleTargetError(
             f"llama.cpp's {GGUF_FAMILIES[mt].arch.lower()} graph would compute this {mt} model differently: "
             + "; ".join(violations), fix="target a compressed-tensors runtime (vllm, sglang) for this model")
+    if unwritten := unwritten_violations(config):
+        raise IncompatibleTargetError(
+            f"llama.cpp has the {GGUF_FAMILIES[mt].arch.lower()} architecture, but llmc's GGUF exporter does not write "
+            "this model: " + "; ".join(unwritten),
+            fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     if config.get("mlp_bias"):
         raise IncompatibleTargetError("the GGUF exporter does not write MLP biases (mlp_bias=true)")
+    family = GGUF_FAMILIES[mt]
     rope = dict(config.get("rope_parameters") or {})
     if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): llama.cpp's base is the global one
         rope = dict(rope["full_attention"])
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
     factor = scaling.get("factor", rope.get("factor"))
+    if rope_type == "proportional" and family.arch in ROPE_FREQS:  # the rope_freqs tensor carries it (ARCH_CHECKS)
+        rope_type, factor = "default", None
     if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise IncompatibleTargetError(
             f"rope scaling type {rope_type!r} is not written by llmc's GGUF exporter yet (default, linear, llama3 and "
@@ -344,7 +362,6 @@ def _arch(config: dict) -> _Arch:
             fix="target a compressed-tensors runtime (vllm, sglang) for this model")
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    family = GGUF_FAMILIES[mt]
     k_dim, v_dim, rope_dim, n_head_kv = HEADS.get(family.arch, _plain_heads)(config, head_dim, rope)
     for archs, check in ARCH_CHECKS:
         if family.arch in archs and (why := check(config, k_dim)):
@@ -358,7 +375,8 @@ def _arch(config: dict) -> _Arch:
         head_dim=k_dim,
         value_dim=v_dim,
         rope_dim=rope_dim,
-        ffn=config[FFN_WIDTH_KEY.get(family.arch, "intermediate_size")],
+        ffn=(FFN_WIDTHS[family.arch](config) if family.arch in FFN_WIDTHS
+             else config[FFN_WIDTH_KEY.get(family.arch, "intermediate_size")]),
         ctx=config.get("max_position_embeddings", 2048),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rms_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -428,13 +446,100 @@ def _llama4_layers(c: dict, head_dim: int) -> str | None:
     return None
 
 
+def _gemma4_layer_values(c: dict, key: str) -> list[int]:
+    return layer_attention(c, key)  # llmc.model.shape_rows: as transformers' Gemma4TextConfig resolves it
+
+
+def _gemma4_full(c: dict, key: str) -> int:
+    """The full-attention layers' `key` (_gemma4_checks refuses full layers that differ among themselves)."""
+    values = _gemma4_layer_values(c, key)
+    return int(next(v for v, t in zip(values, c["layer_types"]) if t == "full_attention"))
+
+
+def _gemma4_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int | list[int]]:
+    """llama.cpp's gemma4 keys: key/value length = the full layers' head width (rope over all of it, the unrotated
+    dims given rope_freqs 1e30), the sliding layers' own width as *_length_swa (FAMILY_KEYS); the KV heads per layer
+    where the full layers have their own (attention_k_eq_v: num_global_key_value_heads, as conversion/gemma.py
+    writes the array)."""
+    del head_dim, rope
+    full = _gemma4_full(c, "head_dim")
+    kv = _gemma4_layer_values(c, "num_key_value_heads")
+    return full, full, full, kv[0] if len(set(kv)) == 1 else kv
+
+
+def _gemma4_kv_sharers(c: dict) -> str | None:
+    """llama.cpp's KV-shared layers (src/llama-model.cpp, the gemma4 reuse callback) read the cache of layer
+    n_layer_kv_from_start - 2 (sliding) or - 1 (full); transformers' read the last unshared layer of their type."""
+    n, shared, types = c["num_hidden_layers"], int(c.get("num_kv_shared_layers") or 0), c["layer_types"]
+    if not shared:
+        return None
+    first = n - shared
+    last = {t: max((i for i in range(first) if types[i] == t), default=-1) for t in set(types)}
+    want = {"sliding_attention": first - 2, "full_attention": first - 1}
+    if any(last.get(t, -1) != i for t, i in want.items()) or set(types) - set(want):
+        return (f"num_kv_shared_layers = {shared}: its shared layers read the KV of layers {last}, but llama.cpp "
+                f"reads layer {first - 2} (sliding) and {first - 1} (full)")
+    return None
+
+
+def _gemma4_layers(c: dict, head_dim: int) -> str | None:
+    """What llama.cpp's gemma4 graph (src/models/gemma4.cpp) fixes that this config could say otherwise."""
+    del head_dim
+    rope = c.get("rope_parameters") or {}
+    full, sliding = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    types = c["layer_types"]
+    checks = [
+        (c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+         f"hidden_activation = {c.get('hidden_activation')!r}, but llama.cpp's gelu is the tanh approximation"),
+        (bool(c.get("attention_bias")), "attention_bias = True, but llama.cpp's gemma4 has no attention biases"),
+        (c.get("use_bidirectional_attention") == "all",
+         "use_bidirectional_attention = 'all', but llama.cpp runs the text causally"),
+        (bool(c.get("hidden_size_per_layer_input")) and c.get("vocab_size_per_layer_input") != c["vocab_size"],
+         f"vocab_size_per_layer_input = {c.get('vocab_size_per_layer_input')}, but llama.cpp's per_layer_token_embd "
+         f"has vocab_size ({c['vocab_size']}) rows"),
+        (sliding.get("rope_type", "default") != "default",
+         f"the sliding layers' rope_type = {sliding.get('rope_type')!r}; llama.cpp runs plain rope there"),
+        (full.get("rope_type", "default") not in ("default", "proportional") or float(full.get("factor", 1.0)) != 1.0,
+         f"the full layers' rope {full.get('rope_type')!r} (factor {full.get('factor', 1.0)}); llama.cpp's gemma4 "
+         "takes proportional rope as the rope_freqs tensor, factor 1"),
+        (any(v != c.get("head_dim") for v, t in zip(_gemma4_layer_values(c, "head_dim"), types)
+             if t == "sliding_attention"), "a sliding layer's head_dim differs from head_dim (key_length_swa)"),
+        (len({v for v, t in zip(_gemma4_layer_values(c, "head_dim"), types) if t == "full_attention"}) > 1,
+         "the full layers' head widths differ (llama.cpp reads one key_length)"),
+        (any(v != (c.get("num_key_value_heads") or c["num_attention_heads"])
+             for v, t in zip(_gemma4_layer_values(c, "num_key_value_heads"), types) if t == "sliding_attention"),
+         "a sliding layer's KV head count differs from num_key_value_heads"),
+        (len({v for v, t in zip(_gemma4_layer_values(c, "num_key_value_heads"), types) if t == "full_attention"}) > 1,
+         "the full layers' KV head counts differ"),
+    ]
+    why = [w for bad, w in checks if bad]
+    if kv := _gemma4_kv_sharers(c):
+        why.append(kv)
+    return "; ".join(why) or None
+
+
 # (GGUF architectures, check of config.json and the key head width -> why llama.cpp cannot run it, or None)
 ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ...] = (
     (("QWEN35", "QWEN35MOE"), _mrope_sections_fit),
     (("LLAMA4",), _llama4_layers),
+    (("GEMMA4",), _gemma4_layers),
 )
 # the dense MLP's width where config.json names it otherwise (Llama-4's intermediate_size is its experts')
 FFN_WIDTH_KEY = {"LLAMA4": "intermediate_size_mlp"}
+
+
+def _gemma4_ffn(c: dict) -> int | list[int]:
+    """Gemma-4's KV-shared layers have MLPs twice as wide with use_double_wide_mlp (conversion/gemma.py: a per-layer
+    feed_forward_length array)."""
+    ff, shared = int(c["intermediate_size"]), int(c.get("num_kv_shared_layers") or 0)
+    if not (c.get("use_double_wide_mlp") and shared):
+        return ff
+    first = c["num_hidden_layers"] - shared
+    return [ff if i < first else 2 * ff for i in range(c["num_hidden_layers"])]
+
+
+# feed_forward_length from config.json where it is per layer
+FFN_WIDTHS: dict[str, Callable[[dict], int | list[int]]] = {"GEMMA4": _gemma4_ffn}
 
 
 def _plain_heads(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
@@ -468,6 +573,7 @@ HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
     "QWEN3NEXT": _partial_rotary,  # conversion/qwen.py: rope dims = head_dim * partial_rotary_factor (0.25)
     "QWEN35": _partial_rotary,
     "QWEN35MOE": _partial_rotary,
+    "GEMMA4": _gemma4_heads,
 }
 
 
@@ -485,6 +591,7 @@ HF_RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.e_score_correction_bias$", ".e_score_correction.bias"),  # DeepSeek-V3, GLM-4.5, MiniMax-M2 router bias
     (r"\.self_attn\.sinks$", ".self_attn.sinks.weight"),  # gpt-oss: llama.cpp reads `attn_sinks.weight`
     (r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias"),  # Qwen3-Next: llama.cpp's `ssm_dt.bias`
+    (r"\.layer_scalar$", ".layer_scalar.weight"),  # Gemma-4: llama.cpp's `layer_output_scale.weight`
 )
 
 
@@ -926,8 +1033,12 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                     items.append(_Item(f"{module}.weight_global_scale",
                                        name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))
         per_file.append(items)
+    factors = None
     if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
         factors = llama3_rope_factors(arch)
+    elif arch.family.arch in ROPE_FREQS:
+        factors = ROPE_FREQS[arch.family.arch](arch)
+    if factors is not None:
         per_file[-1].append(_Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None, generated=factors))
     return per_file
 
@@ -972,6 +1083,20 @@ def llama3_rope_factors(arch: _Arch) -> np.ndarray:
             smooth = (old_ctx / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+def proportional_rope_freqs(arch: _Arch) -> np.ndarray:
+    """Gemma-4's proportional rope on its full layers as llama.cpp takes it (conversion/gemma.py Gemma4Model
+    generate_extra_tensors): ggml's NeoX rope over the whole head, a frequency divisor of 1 on the rotated pairs and
+    1e30 (no rotation) on the rest, as transformers' inv_freq is 0 there (modeling_rope_utils proportional)."""
+    full = (arch.config.get("rope_parameters") or {}).get("full_attention") or {}
+    factor = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
+    rotated = int(factor * arch.head_dim // 2)
+    return np.asarray([1.0] * rotated + [1e30] * (arch.head_dim // 2 - rotated), dtype=np.float32)
+
+
+# GGUF architecture -> the rope_freqs tensor its graph reads whatever the rope scaling
+ROPE_FREQS: dict[str, Callable[[_Arch], np.ndarray]] = {"GEMMA4": proportional_rope_freqs}
 
 
 def _nbytes(shape: tuple[int, ...], qtype: str) -> int:
@@ -1303,6 +1428,11 @@ def _sliding_layers(c: dict) -> list[bool] | None:
     return None if types is None else [t == "sliding_attention" for t in types]
 
 
+def _sliding_rope_theta(c: dict) -> float | None:
+    theta = ((c.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_theta")
+    return None if theta is None else float(theta)
+
+
 def _sigmoid_gating(c: dict) -> object:
     return _gguf().ExpertGatingFuncType.SIGMOID
 
@@ -1317,8 +1447,8 @@ _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layer
 # loader reads beyond the common ones (llama.cpp src/models/<arch>.cpp load_arch_hparams), with the value
 # convert_hf_to_gguf.py gives it (conversion/<family>.py), one fact a row
 FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] = (
-    (("GEMMA2", "GEMMA3", "GPT_OSS"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window")
-     else None),
+    (("GEMMA2", "GEMMA3", "GPT_OSS", "GEMMA4"), "add_sliding_window",
+     lambda c: int(c["sliding_window"]) if c.get("sliding_window") else None),
     (("GEMMA2",), "add_attn_logit_softcapping", lambda c: float(c.get("attn_logit_softcapping") or 50.0)),
     (("GEMMA2",), "add_final_logit_softcapping", lambda c: float(c.get("final_logit_softcapping") or 30.0)),
     (("GRANITE",), "add_embedding_scale", _key("embedding_multiplier", float)),
@@ -1332,7 +1462,15 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("MINIMAXM2", "GPT_OSS", "LLAMA4"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts'
     (("LLAMA4",), "add_interleave_moe_layer_step", _key("interleave_moe_layer_step", int)),
     # gpt-oss: which layers slide, per layer (openai-moe.cpp load_swa_pattern reads the array before its default)
-    (("GPT_OSS",), "add_sliding_window_pattern", _sliding_layers),
+    (("GPT_OSS", "GEMMA4"), "add_sliding_window_pattern", _sliding_layers),
+    # Gemma-4 (conversion/gemma.py Gemma4Model.set_gguf_parameters; src/models/gemma4.cpp load_arch_hparams)
+    (("GEMMA4",), "add_final_logit_softcapping", _key("final_logit_softcapping", float)),
+    (("GEMMA4",), "add_embedding_length_per_layer_input", lambda c: int(c.get("hidden_size_per_layer_input") or 0)),
+    (("GEMMA4",), "add_shared_kv_layers", lambda c: int(c.get("num_kv_shared_layers") or 0)),
+    (("GEMMA4",), "add_key_length_swa", _key("head_dim", int)),  # the sliding layers' head width
+    (("GEMMA4",), "add_value_length_swa", _key("head_dim", int)),
+    (("GEMMA4",), "add_rope_dimension_count_swa", _key("head_dim", int)),  # plain rope over the whole head
+    (("GEMMA4",), "add_rope_freq_base_swa", _sliding_rope_theta),
     (("QWEN2MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_shared_feed_forward_length",
      _key("shared_expert_intermediate_size", int)),
     # gated DeltaNet (conversion/qwen.py Qwen3NextModel.set_gguf_parameters; src/models/qwen3next.cpp derives the
@@ -1370,7 +1508,7 @@ class Gguf(ArtifactFormat):
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
              "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Llama-4: "
-             "Q8_0) loaded "
+             "Q8_0) and Gemma-4 (per-layer embeddings, KV-shared layers: Q8_0) loaded "
              "and scored in llama.cpp 0.3.36 against the torch reference (tests/integration/test_gguf_moe_llamacpp.py); "
              "Ollama itself (which embeds "
              "llama.cpp) is not run here")

@@ -66,18 +66,32 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     # adjacent pairs, as llama.cpp's normal rope does, so q/k keep their rows; MoE every interleave_moe_layer_step-th
     # layer with a shared expert, the dense layers' MLP intermediate_size_mlp wide
     "llama4_text": GgufFamily("LLAMA4", permute_qk=False),
+    # Gemma-4 text (conversion/gemma.py Gemma4Model, norm_shift 0: its RMSNorm multiplies by the weight itself, not
+    # 1 + weight; NeoX rope, so q/k keep their rows): per-layer input embeddings, sliding layers with their own head
+    # width, KV-shared trailing layers, proportional rope on the full layers as the rope_freqs tensor
+    "gemma4_text": GgufFamily("GEMMA4", permute_qk=False),
 }
 MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
                              "qwen3_next", "qwen3_5_moe_text", "llama4_text"})
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
-GGUF_REFUSED: dict[str, str] = {
-    "gemma4_text": "llama.cpp has the gemma4 architecture (src/models/gemma4.cpp), but llmc's GGUF exporter does not "
-                   "write its per-layer input embeddings (embedding_length_per_layer, per_layer_token_embd, "
-                   "per_layer_model_proj), the sliding layers' own head widths (attention.key_length_swa) or its "
-                   "shared-KV layers yet",
-}
+GGUF_REFUSED: dict[str, str] = {}
+
+# What llmc's GGUF exporter does not write yet for a family it writes: (model_type, config key, the value transformers
+# assumes when config.json lacks the key, the only value written, what is missing). Refused by the exporter.
+GGUF_UNWRITTEN: tuple[tuple[str, str, object, object, str], ...] = (
+    ("gemma4_text", "enable_moe_block", False, False,
+     "Gemma-4's MoE block (router scale, per-expert scales, ffn_gate_up_exps, pre/post norms 1 and 2)"),
+)
+
+
+def unwritten_violations(config: dict) -> list[str]:
+    """What in this config llmc's GGUF exporter does not write yet (GGUF_UNWRITTEN), one line each."""
+    mt = config.get("model_type")
+    return [f"{key} = {config.get(key, default)!r}: llmc does not write {what} yet"
+            for family, key, default, want, what in GGUF_UNWRITTEN
+            if family == mt and (config.get(key, default) or default) != want]
 
 # What llama.cpp's graph fixes for an architecture rather than reading it from the file: (model_type, config key,
 # value transformers assumes when config.json lacks the key, the value llama.cpp computes with, where it is fixed).

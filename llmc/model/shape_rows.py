@@ -42,9 +42,20 @@ class ShapeRow:
     shared_width: tuple[str, str | None] | None = None
     router_bias: bool = False  # the router Linear has a bias (gpt-oss)
     score_bias: str | None = None  # the sigmoid router's e_score_correction_bias, its name inside the MoE block
+    # per-layer input embeddings (Gemma-4 hidden_size_per_layer_input): outside the layers the packed embedding,
+    # its projection from the hidden state and that projection's norm; in each layer an input gate, a projection
+    # back to the hidden size and its norm
+    per_layer_inputs: bool = False
+    layer_scalar: bool = False  # one scalar per layer the checkpoints hold (Gemma-4 layer_scalar, a buffer)
+    # each layer's head width and KV heads by its type (`layer_attention`), the last num_kv_shared_layers reading
+    # earlier layers' keys/values (no k/v projections or k norm) with MLPs twice as wide under use_double_wide_mlp,
+    # full layers without v_proj under attention_k_eq_v (Gemma-4)
+    per_layer_attention: bool = False
 
 
 _QWEN3 = ShapeRow(qk_norm="head")
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
 _QWEN2_MOE_SHARED = ("shared_expert_intermediate_size", None)
 _DEEPSEEK_MOE = dict(sparse_layers="first_k_dense", shared_width=("moe_intermediate_size", "n_shared_experts"),
                      score_bias="gate.e_score_correction_bias")
@@ -61,6 +72,8 @@ SHAPE_ROWS: dict[str, ShapeRow] = {
     "exaone4": ShapeRow(qk_norm="head", norms=_POST_NORMS),
     "apertus": ShapeRow(qk_norm="head", norms=("attention_layernorm", "feedforward_layernorm"), mlp="up_down"),
     "qwen3_5_text": ShapeRow(qk_norm="head", q_gate=True, linear_attention="qkv_z_b_a"),
+    "gemma4_text": ShapeRow(qk_norm="head", norms=_GEMMA_NORMS, per_layer_inputs=True, layer_scalar=True,
+                            per_layer_attention=True),
     # MoE families (the names of their blocks: families.LAYOUTS)
     "mixtral": ShapeRow(expert_width="intermediate_size"),
     "minimax_m2": ShapeRow(qk_norm="full", expert_width="intermediate_size", score_bias="e_score_correction_bias"),
@@ -76,3 +89,25 @@ SHAPE_ROWS: dict[str, ShapeRow] = {
                             expert_width="intermediate_size", shared_width=("intermediate_size", None)),
     "gpt_oss": ShapeRow(o_bias=True, sinks=True, expert_width="intermediate_size", router_bias=True),
 }
+
+
+# the config key that names the full-attention layers' value of a per-layer attention key (Gemma4TextConfig)
+_GLOBAL_KEYS = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+
+
+def layer_attention(config: dict, key: str) -> list[int]:
+    """Each layer's `key` (head_dim or num_key_value_heads) as transformers' Gemma4TextConfig resolves it: the
+    per_layer_config overrides where config.json holds them (what transformers 5.x saves), else the full layers'
+    global_head_dim (transformers' default 512) and, with attention_k_eq_v, num_global_key_value_heads; the config's
+    own value elsewhere."""
+    types = config["layer_types"]
+    base = config.get(key) or config["num_attention_heads"]
+    if "per_layer_config" in config:
+        per_layer = {int(i): v for i, v in (config["per_layer_config"] or {}).items()}
+        return [int(per_layer.get(i, {}).get(key, base)) for i in range(len(types))]
+    full = config.get(_GLOBAL_KEYS[key])
+    if key == "head_dim" and full is None:
+        full = 512
+    if key == "num_key_value_heads" and not config.get("attention_k_eq_v"):
+        full = None
+    return [int(full if t == "full_attention" and full is not None else base) for t in types]

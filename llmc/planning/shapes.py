@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llmc.errors import InputError
 from llmc.model.families import LAYOUTS, MoeLayout, expert_count
-from llmc.model.shape_rows import SHAPE_ROWS, ShapeRow
+from llmc.model.shape_rows import SHAPE_ROWS, ShapeRow, layer_attention
 
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
@@ -158,10 +158,18 @@ def from_config(config: dict) -> ModelTensors:
         raise InputError(f"planning from config.json alone knows the {', '.join(CONFIG_FAMILIES)} layouts, not "
                          f"{kind!r}", fix="plan with the checkpoint itself (model.source: its folder)")
     row = SHAPE_ROWS[kind]
+    if row.per_layer_attention and config.get("enable_moe_block"):
+        raise InputError(f"planning {kind} from config.json alone does not lay out its MoE block (enable_moe_block)",
+                         fix="plan with the checkpoint itself (model.source: its folder)")
     h, n_layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, h)
+    per_layer = config.get("hidden_size_per_layer_input") if row.per_layer_inputs else None
+    if per_layer:
+        shapes |= {"model.embed_tokens_per_layer.weight": (config["vocab_size_per_layer_input"], n_layers * per_layer),
+                   "model.per_layer_model_projection.weight": (n_layers * per_layer, h),
+                   "model.per_layer_projection_norm.weight": (per_layer,)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
         shapes.update({f"{p}{norm}.weight": (h,) for norm in row.norms})
@@ -170,12 +178,17 @@ def from_config(config: dict) -> ModelTensors:
         elif row.attention == "mla":
             shapes.update(_mla(config, p, h, config["num_attention_heads"]))
         else:
-            shapes.update(_attention(config, row, p, h))
+            shapes.update(_attention(config, row, p, h, i))
         layout = LAYOUTS.get(kind)
         if layout is not None and _sparse(config, row, i):
             shapes.update(_moe(config, row, layout, p, h))
         else:
-            shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h))
+            shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h, 2 if _double_wide(config, row, i) else 1))
+        if per_layer:
+            shapes |= {f"{p}per_layer_input_gate.weight": (per_layer, h),
+                       f"{p}per_layer_projection.weight": (h, per_layer), f"{p}post_per_layer_input_norm.weight": (h,)}
+        if row.layer_scalar:
+            shapes[f"{p}layer_scalar"] = (1,)
     stored = _stored_bytes(config, shapes)
     if not stored:
         return ModelTensors(shapes, stored)
@@ -186,16 +199,36 @@ def from_config(config: dict) -> ModelTensors:
     return ModelTensors(shapes, stored, source_format=source_format(config, strict=False), decoded=decoded)
 
 
-def _attention(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:
-    """q/k/v/o projections (grouped-query), their biases, sinks and q/k norms as the row says."""
+def _kv_shared(config: dict, row: ShapeRow, i: int) -> bool:
+    """Layer i reads an earlier layer's keys/values (Gemma-4's last num_kv_shared_layers): no k/v of its own."""
+    shared = config.get("num_kv_shared_layers") or 0
+    return row.per_layer_attention and i >= config["num_hidden_layers"] - shared
+
+
+def _double_wide(config: dict, row: ShapeRow, i: int) -> bool:
+    return bool(config.get("use_double_wide_mlp")) and _kv_shared(config, row, i)
+
+
+def _attention(config: dict, row: ShapeRow, p: str, h: int, i: int = 0) -> dict[str, tuple[int, ...]]:
+    """q/k/v/o projections (grouped-query), their biases, sinks and q/k norms as the row says (layer i's own head
+    width, KV heads and k/v where the row says they are per layer)."""
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or h // heads
+    projections = ["q_proj", "k_proj", "v_proj"]
+    if row.per_layer_attention:
+        head_dim, kv = layer_attention(config, "head_dim")[i], layer_attention(config, "num_key_value_heads")[i]
+        if _kv_shared(config, row, i):
+            projections = ["q_proj"]
+        elif config.get("attention_k_eq_v") and _layer_type(config, i) == "full_attention":
+            projections = ["q_proj", "k_proj"]  # values from k_proj
     q_out = heads * head_dim * (2 if row.q_gate else 1)
     qkv_bias = _flag(config, row.qkv_bias if row.qkv_bias is not None else "attention_bias")
     a = f"{p}self_attn."
     out: dict[str, tuple[int, ...]] = {}
     for proj, width in (("q_proj", q_out), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
+        if proj not in projections:
+            continue
         out[f"{a}{proj}.weight"] = (width, h)
         if qkv_bias:
             out[f"{a}{proj}.bias"] = (width,)
@@ -206,7 +239,9 @@ def _attention(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[i
         out[f"{a}sinks"] = (heads,)
     if row.qk_norm and (row.qk_norm_key is None or config.get(row.qk_norm_key)):
         q_norm, k_norm = (head_dim, head_dim) if row.qk_norm == "head" else (heads * head_dim, kv * head_dim)
-        out |= {f"{a}q_norm.weight": (q_norm,), f"{a}k_norm.weight": (k_norm,)}
+        out[f"{a}q_norm.weight"] = (q_norm,)
+        if "k_proj" in projections:
+            out[f"{a}k_norm.weight"] = (k_norm,)
     return out
 
 
@@ -215,8 +250,8 @@ def _flag(config: dict, flag: bool | str) -> bool:
     return bool(config.get(flag)) if isinstance(flag, str) else flag
 
 
-def _dense_mlp(config: dict, row: ShapeRow, prefix: str, h: int) -> dict[str, tuple[int, ...]]:
-    inter = config.get(row.dense_width) or config.get("intermediate_size") or 4 * h
+def _dense_mlp(config: dict, row: ShapeRow, prefix: str, h: int, wide: int = 1) -> dict[str, tuple[int, ...]]:
+    inter = (config.get(row.dense_width) or config.get("intermediate_size") or 4 * h) * wide
     if row.mlp == "up_down":  # Apertus: up/down with xIELU's two learned scalars
         return {prefix + "up_proj.weight": (inter, h), prefix + "down_proj.weight": (h, inter),
                 prefix + "act_fn.alpha_p": (1,), prefix + "act_fn.alpha_n": (1,)}

@@ -50,7 +50,10 @@ _OLLAMA_MOE_UNRUN = ("llmc's GGUF of this MoE family is proven in llama.cpp only
 # Nor Qwen3.5's dense linear-attention model (llama.cpp's qwen35 architecture, newer than the Ollama releases known here)
 _OLLAMA_LINEAR_ATTENTION_UNRUN = ("llmc's GGUF of this gated-DeltaNet family is proven in llama.cpp only; which Ollama "
                                   "release loads llama.cpp's qwen35 architecture is not established here")
+# Nor Gemma-4 (llama.cpp's gemma4 architecture: per-layer embeddings, KV-shared layers), likewise
+_OLLAMA_GEMMA4_UNRUN = ("llmc's GGUF of Gemma-4 is proven in llama.cpp only; which Ollama release loads llama.cpp's "
+                        "gemma4 architecture is not established here")
 _OLLAMA_REFUSED = {**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN),
-                   "qwen3_5_text": _OLLAMA_LINEAR_ATTENTION_UNRUN}
+                   "qwen3_5_text": _OLLAMA_LINEAR_ATTENTION_UNRUN, "gemma4_text": _OLLAMA_GEMMA4_UNRUN}
 register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
                          refused_families=_OLLAMA_REFUSED))

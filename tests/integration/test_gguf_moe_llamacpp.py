@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.families import GEMMA4_GGUF
+
 pytestmark = [pytest.mark.slow, pytest.mark.llama, pytest.mark.integration]
 
 SEQ_LEN = 64
 WINDOWS = 8
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss", "qwen3_next",
-            "qwen3_5", "qwen3_5_moe", "llama4_text")
+            "qwen3_5", "qwen3_5_moe", "llama4_text", "gemma4")
 # llama.cpp's qwen2moe graph (tests/unit/test_gguf_moe.py); gpt-oss's published clamp, which llama.cpp fixes (the
 # tests' tiny model lowers it to reach it), and YaRN's correction range rounded as ggml rounds it (with the tiny
 # model's truncate=false, as gpt-oss's own config says: perplexity +0.060%, top-1 0.988, KLD 1.1e-4, measured here;
@@ -33,6 +35,10 @@ OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
                  "original_max_position_embeddings": 32, "rope_theta": 150000.0}}}
 # Llama-4: llama.cpp's fixed chunk, and a no-rope layer (every 4th), without which llama.cpp aborts
 OVERRIDES["llama4_text"] = {"attention_chunk_size": 8192, "num_hidden_layers": 4}
+# Gemma-4: per-layer embeddings, full layers twice as wide per head as the sliding ones (proportional rope on a
+# quarter of them) with one KV head from k_proj alone (attention_k_eq_v), the last two layers reading the KV of the
+# first two, their MLPs double-wide (GEMMA4_GGUF)
+OVERRIDES["gemma4"] = GEMMA4_GGUF
 # Qwen3.5: rope sections that fit the tiny heads (the default [11, 11, 10] is refused for them: ggml asserts)
 OVERRIDES |= {f: {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default",
                                       "mrope_section": [1, 1, 0]}} for f in ("qwen3_5", "qwen3_5_moe")}

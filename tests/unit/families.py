@@ -117,6 +117,14 @@ OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
                                "hidden_size_per_layer_input": 8}),
 }
 
+# Gemma-4 as its GGUF tests build it (tests/unit/test_gguf_gemma4.py, tests/integration/test_gguf_moe_llamacpp.py):
+# every feature llama.cpp's gemma4 reads beyond Gemma 3's: the full layers' heads twice as wide as the sliding ones
+# (key_length vs key_length_swa), one KV head there with values from k_proj (attention_k_eq_v: no v_proj), the last
+# two layers KV-shared (reading layers 0 and 1), their MLPs double-wide
+GEMMA4_GGUF = {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+               "global_head_dim": 32, "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "attention_k_eq_v": True,
+               "num_global_key_value_heads": 1}
+
 # dense families of 2025-26 (issue 45, tests/unit/test_frontier_proof.py): each builds with llmc unchanged
 NEWCOMER_FAMILIES: dict[str, tuple[str, dict]] = {
     # NoPE in every 4th layer (none of the 2 here)

@@ -248,19 +248,6 @@ def _recipe(folder: Path, runtime: str, weights: dict):
 W8 = {"format": "int8", "strategy": "channel"}
 
 
-@pytest.mark.parametrize("family", ["gemma4"])
-def test_families_without_a_gguf_writer_are_refused_by_the_plan_with_the_reason(family: str, tmp_path: Path) -> None:
-    """llama.cpp has these architectures, llmc's GGUF exporter does not write them: `llmc plan` says so (exit 3)
-    before any weight loads, for llama.cpp and Ollama alike, and names the runtimes that take the family."""
-    from llmc.planning.plan import make_plan
-
-    folder = make_tiny(family, tmp_path / "model")
-    for runtime in ("llama.cpp", "ollama"):
-        with pytest.raises(IncompatibleTargetError, match=r"llama\.cpp has the \S+ architecture \(src/models/") as e:
-            make_plan(_recipe(folder, runtime, W8), folder)
-        assert e.value.exit_code == 3 and "vllm" in e.value.fix  # the runtimes that take it
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_the_moe_families_llmc_writes_plan_for_llama_cpp(family: str, tmp_path: Path) -> None:
     from llmc.planning.plan import make_plan

@@ -440,15 +440,20 @@ def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlap
     assert cpu.layer_seconds > io  # the CPU adds its I/O to its compute
 
 
+# buffers there that the Hub checkpoints hold as tensors: the sigmoid routers' score correction (DeepSeek, GLM,
+# MiniMax), Gemma-4's per-layer scalar
+_CHECKPOINT_BUFFERS = ("e_score_correction_bias", "layer_scalar")
+
+
 def _meta_params(model_type: str, **config) -> int:
-    """Parameters of transformers' own model of this config, built on the meta device (no memory), with the sigmoid
-    routers' e_score_correction_bias, a buffer there but a tensor of the Hub checkpoints (DeepSeek, GLM, MiniMax)."""
+    """Parameters of transformers' own model of this config, built on the meta device (no memory), with the buffers
+    the Hub checkpoints hold as tensors (_CHECKPOINT_BUFFERS)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
     return sum(p.numel() for p in built.parameters()) + sum(
-        b.numel() for n, b in built.named_buffers() if n.endswith("e_score_correction_bias"))
+        b.numel() for n, b in built.named_buffers() if n.endswith(_CHECKPOINT_BUFFERS))
 
 
 # every family with a config-only row (llmc.model.shape_rows), at transformers' default widths with 4 layers and a
@@ -478,3 +483,33 @@ def test_shipped_configs_plan_the_parameters_transformers_builds_at_full_width(m
     kwargs = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config")}
     planned = from_config(config).params
     assert planned == _meta_params(config["model_type"], **kwargs), model
+
+
+_GEMMA4_TYPES = {"layer_types": ["sliding_attention", "full_attention"] * 2}
+
+
+@pytest.mark.parametrize(("variant", "hub_form"), [
+    ({}, False),  # per-layer inputs, the full layers' 512-wide heads (transformers' default global_head_dim)
+    ({"num_kv_shared_layers": 2, "use_double_wide_mlp": True, "global_head_dim": 64}, False),
+    ({"attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 64}, False),
+    # the Hub's form: global_head_dim / num_global_key_value_heads named, no per_layer_config
+    ({"attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 64,
+      "num_kv_shared_layers": 2}, True),
+    # without attention_k_eq_v transformers gives the full layers num_key_value_heads, whatever the global count
+    ({"num_global_key_value_heads": 1, "global_head_dim": 64}, True),
+    ({"hidden_size_per_layer_input": 0}, False),
+])
+def test_gemma4_is_planned_tensor_by_tensor_as_transformers_builds_it(variant: dict, hub_form: bool) -> None:
+    """Gemma-4 from config.json alone (llmc.model.shape_rows gemma4_text): each layer's head width and KV heads by
+    its type, KV-shared layers without k/v (and double-wide MLPs), full layers without v_proj under
+    attention_k_eq_v, the per-layer inputs and layer_scalar: every tensor transformers' model holds, by name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**_TINY, **_GEMMA4_TYPES, **variant}
+    config = AutoConfig.for_model("gemma4_text", **kwargs).to_dict()
+    if hub_form:
+        config = {k: v for k, v in config.items() if k != "per_layer_config"} | variant
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma4_text", **kwargs))
+    theirs = {n: tuple(t.shape) for n, t in built.state_dict().items() if n != "lm_head.weight"}  # tied
+    assert from_config(config).shapes == theirs
