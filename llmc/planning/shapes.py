@@ -347,6 +347,10 @@ class Shape:
     active: float  # share of a layer's parameters one token runs through (MoE < 1)
     stored_bytes: int
     head_params: int = 0  # an untied output head's, in outer_params (the calibration skeleton leaves it unread)
+    # the largest decoder layer's routed experts (not shared ones), and one routed expert's parameters: what
+    # expert-by-expert streaming holds instead of the layer (llmc.quant.expert_stream)
+    routed_params: int = 0
+    expert_params: int = 0
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -361,9 +365,16 @@ class Shape:
         largest = max(per_layer.values()) if per_layer else 0
         experts = sum(tensors.numel(s) for n, s in in_layers.items() if ".experts." in n) / max(len(per_layer), 1)
         active = (largest - experts * (1 - fraction)) / largest if largest else 1.0
+        routed_by_layer: dict[int, int] = {}
+        for n, shape in in_layers.items():
+            if ".experts." in n:  # routed only: a shared expert is `shared_experts.`
+                i = tensors.layer_of[f"{n}.weight"]
+                routed_by_layer[i] = routed_by_layer.get(i, 0) + tensors.numel(shape)
+        routed = max(routed_by_layer.values(), default=0)
         return cls(params=tensors.params, layers=config.get("num_hidden_layers", 1), hidden=h, heads=heads,
                    vocab=config.get("vocab_size", 0), layer_params=largest, outer_params=tensors.outer_params,
                    largest_linear=max((a * b for a, b in in_layers.values()), default=0),
                    widest_input=max((b for _, b in in_layers.values()), default=h),
                    intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
-                   active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params)
+                   active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params,
+                   routed_params=routed, expert_params=routed // max(expert_count(config), 1))

@@ -135,6 +135,11 @@ class LayerParts:
         resident = {n: t.contiguous().cpu() for n, t in resident.items() if n not in self.spilled}
         meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (_p, _o, dtype, shape) in self.spilled.items()}
         head, order = direct_io.header({**resident, **meta}, None)
+        # a spill file is removed once its last tensor is copied: the library's order keeps an expert's 1-byte codes
+        # and scales together, so the disk holds about one layer of expert codes, not two
+        left: dict[Path, int] = {}
+        for src, *_ in self.spilled.values():
+            left[src] = left.get(src, 0) + 1
         tmp = path.with_name(f".{path.name}.tmp")
         digest = hashlib.sha256(head)
         with open(tmp, "wb") as out:
@@ -145,8 +150,12 @@ class LayerParts:
                         if resident[name].numel() else b""
                     out.write(data)
                     digest.update(data)
-                else:
-                    self._copy(name, meta[name], out, digest)
+                    continue
+                self._copy(name, meta[name], out, digest)
+                src = self.spilled[name][0]
+                left[src] -= 1
+                if not left[src]:
+                    src.unlink()
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

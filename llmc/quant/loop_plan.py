@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from llmc.model.families import LAYOUTS
 from llmc.quant.activations import SpillMode, should_spill, stays_on_device
 from llmc.quant.algorithms.catalog import Pipeline
 from llmc.quant.flows import FlowNeeds, flow_for
@@ -84,8 +85,6 @@ class LoopFacts:
 def experts_streamable(config: dict) -> bool:
     """Whether the family's routed experts can be read one at a time: per-expert tensors in its Hub checkpoints
     (not fused 3-D ones) and top-k routing (not Llama-4's router-scaled inputs)."""
-    from llmc.model.families import LAYOUTS
-
     layout = LAYOUTS.get(config.get("model_type"))
     return layout is not None and not layout.checkpoint_fused and layout.routing == "top_k"
 

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
@@ -103,3 +102,31 @@ def test_the_decision_streams_experts_only_where_the_layer_does_not_fit_and_the_
     gptq = decide_layer_loop(Pipeline.of(replace(NVFP4, activations=None, algorithm="gptq")), _facts())
     assert not gptq.expert_stream and "gptq pipeline" in gptq.describe()
     assert not decide_layer_loop(rtn, _facts(moe=False)).expert_stream
+
+
+def test_the_plan_prices_one_expert_at_a_time_at_deepseek_v3_width(monkeypatch) -> None:
+    """DeepSeek-V3's widths (1 dense + 1 MoE layer): the whole-layer path holds the 11.3 B-parameter layer in bf16,
+    its codes and the next layer's read-ahead (~70 GB); expert by expert, the layer less its routed experts plus one
+    expert (~3 GB with the skeleton), the expert codes spilled to disk per layer named in the row."""
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+    from tests.unit.build_helpers import layer_loop
+    from tests.unit.test_plan_honest import pin_probes
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    config = json.loads((Path(__file__).parents[2] / "recipes" / "configs" / "DeepSeek-V3" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k != "quantization_config"} | {"num_hidden_layers": 2,
+                                                                                 "first_k_dense_replace": 1}
+    shape = Shape.of(from_config(config), config, 2)
+    assert shape.expert_params == 3 * 7168 * 2048 and shape.routed_params == 256 * shape.expert_params
+    rtn = Pipeline.of(NVFP4)
+    whole = layer_loop(rtn, windows=1, seq_len=128, batch=4, activations="memory")
+    by_expert = replace(whole, expert_stream=True)
+    kwargs = dict(compute="bfloat16", stored_elem=1, machine=Machine(available=None, gpu_free=None, device="cpu"))
+    a, b = quantize_cost(shape, whole, rtn, **kwargs), quantize_cost(shape, by_expert, rtn, **kwargs)
+    assert a.host_bytes > 2.5 * shape.layer_params * 2  # the layer, its codes, its neighbours
+    assert b.parts["layer"] == (shape.layer_params - shape.routed_params + shape.expert_params) * 2
+    assert b.host_bytes < 0.1 * a.host_bytes
+    assert "per expert: 0.18 GB" in b.why and "11.3 GB of expert codes spilled" in b.why
+    assert b.layer_seconds > a.layer_seconds  # the spill and the second forward cost time
