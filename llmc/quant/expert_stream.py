@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from llmc.model.skeleton import release
 from llmc.quant.moe import ExpertLinears, routed_blocks
 from llmc.storage import direct_io
 from llmc.storage.store import fsync_dir
@@ -104,8 +105,10 @@ def move_resident(module: nn.Module, device: torch.device) -> None:
 
 
 def release_weights(module: nn.Module) -> None:
-    """Drop `module`'s tensors (back to meta): an expert once its codes are spilled."""
-    module.to_empty(device="meta")
+    """Drop `module`'s tensors (back to meta): an expert once its codes are spilled. The freed heap is given back
+    to the OS each time (llmc.model.skeleton.release): without it the process grew ~35 MB an expert at DeepSeek-V3's
+    width (RssAnon 3.5 GB at expert 12, 5.4 GB at expert 63 of 256)."""
+    release(module)
 
 
 class LayerParts:
