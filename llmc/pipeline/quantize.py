@@ -241,6 +241,13 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
 
+def _scale_bytes(spec: TensorSpec) -> float:
+    """Bytes of scale per weight a microscaling format's canonical form keeps beside its one-a-byte codes (NVFP4:
+    an E4M3 scale per 16, 0.0625); other formats' scales are too few to count here."""
+    info = spec.info
+    return info.scale_bits / 8 / info.scale_block if info.microscaling else 0.0
+
+
 def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute: str, stored_elem: int,
                   machine: Machine, code_bytes: float = 1.0) -> CostRow:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU, as `loop` decided it
@@ -262,8 +269,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     copy = tokens * h * e  # one copy of the activations passed between layers
     # expert by expert (llmc.quant.expert_stream): the layer without its routed experts, and one expert, at a time
     by_expert = loop.expert_stream and shape.routed_params > 0
-    resident = layer - shape.routed_params if by_expert else layer
-    held = resident + shape.expert_params if by_expert else layer
+    layer_less_experts = layer - shape.routed_params if by_expert else layer
+    held = layer_less_experts + shape.expert_params if by_expert else layer
     act = (2 * batch * seq_len * h * e if spill else copy if resident else 2 * copy) if calibrated else 0
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
     if not on_gpu:  # the CPU's attention materializes its scores; a GPU's SDPA (flash, memory-efficient) does not
@@ -305,8 +312,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
                                          else CHUNK_BYTES)  # (expert by expert: streamed from the spilled experts)
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
-    parts["previous layer being written"] = resident * code_bytes
-    parts["next layer read ahead"] = resident * stored_elem
+    parts["previous layer being written"] = layer_less_experts * code_bytes
+    parts["next layer read ahead"] = layer_less_experts * stored_elem
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
     # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
@@ -348,8 +355,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
         parts_s["spill"] = spill_seconds(copy)
     if by_expert:  # each expert's codes spilled and read back into the layer file; the batches run again without
         # the routed experts for the next layer's inputs
-        parts_s["expert spill"] = spill_seconds(shape.routed_params * code_bytes)
-        parts_s["forward again"] = forward_seconds(2 * tokens * resident, 2 * tokens * seq_len * shape.attn_width,
+        parts_s["expert spill"] = spill_seconds(shape.routed_params * (code_bytes + _scale_bytes(weights)))
+        parts_s["forward again"] = forward_seconds(2 * tokens * layer_less_experts, 2 * tokens * seq_len * shape.attn_width,
                                                    compute=compute, device=machine.device, width=h,
                                                    rows=batch * seq_len) if calibrated else 0.0
     io = parts_s["read"] + parts_s["write"] + parts_s.get("spill", 0.0) + parts_s.get("expert spill", 0.0)
@@ -387,9 +394,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: Pipeline, *, compute:
     why = loop.describe() or "weights only: no forward pass"
     if by_expert:
         one = shape.expert_params * (e + code_bytes + stored_elem)
-        why += (f"; per expert: {one / GB:.2f} GB read, quantized and spilled at a time, ~{per_layer * shape.expert_params / max(layer, 1):.1f} s; per MoE layer "
-                f"{shape.routed_params * code_bytes / GB:.1f} GB of expert codes spilled to disk beside the output "
-                "(removed once the layer file is written)")
+        why += (f"; per expert: {one / GB:.2f} GB read, quantized and spilled at a time, "
+                f"~{per_layer * shape.expert_params / max(layer, 1):.1f} s; per MoE layer "
+                f"{shape.routed_params * (code_bytes + _scale_bytes(weights)) / GB:.1f} GB of expert codes and "
+                "scales spilled to disk beside the output (removed as the layer file is written)")
     if discovery:
         why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
                 f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")
