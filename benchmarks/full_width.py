@@ -121,12 +121,15 @@ def stage_of(kind: str, rest: str) -> str:
     return kind
 
 
-def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, report: Path) -> dict:
-    """`llmc build` in a child; its peak RSS overall (VmHWM) and per stage (sampled), wall time, exit code."""
+def run_build(recipe: Path, overrides: list[str], cache: Path, registry: Path, report: Path,
+              command: str = "build") -> dict:
+    """`llmc build` (or `llmc quantize`: `command`) in a child; its peak RSS overall (VmHWM) and per stage
+    (sampled), wall time, exit code."""
     env = {**os.environ, "LLMC_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-c", "from llmc.cli import main; main()", "build", str(recipe),
-           "--report-dir", str(report), *[a for o in overrides for a in ("--set", o)],
-           "--set", f"publish.registry={registry}"]
+    tail = (["--report-dir", str(report), *[a for o in overrides for a in ("--set", o)],
+             "--set", f"publish.registry={registry}"] if command == "build"
+            else [*[a for o in overrides for a in ("--set", o)]])
+    cmd = [sys.executable, "-c", "from llmc.cli import main; main()", command, str(recipe), *tail]
     t0 = time.time()
     child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     samples: list[tuple[float, dict[str, int]]] = []  # (time, {VmRSS, RssAnon, RssFile} in bytes)

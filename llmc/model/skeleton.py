@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,11 +27,30 @@ def build_skeleton(config_dict: dict, dtype: torch.dtype) -> nn.Module:
     # sdpa where the family supports it; Gemma 2 (logit soft-capping) runs transformers' eager attention
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), _LargeEmptyOnMeta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _keep_float32(model)
     model.eval()
     return model
+
+
+# init_empty_weights moves each parameter to the meta device once it is registered, but transformers' fused experts
+# allocate it first (`nn.Parameter(torch.empty(E, 2I, H))`): DeepSeek-V3's gate_up_proj is 30 GB in float32, an
+# allocation Linux's overcommit heuristic refuses on a 24 GB machine before any page is touched. No buffer is that
+# large, so an uninitialized tensor of this many elements is made on the meta device directly.
+META_ABOVE_ELEMENTS = 1 << 28
+
+
+class _LargeEmptyOnMeta(torch.overrides.TorchFunctionMode):
+    """`torch.empty` of META_ABOVE_ELEMENTS or more elements, with no device named, made on the meta device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None:
+            size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if all(isinstance(d, int) for d in size) and math.prod(size) >= META_ABOVE_ELEMENTS:
+                kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
 
 
 def _keep_float32(model: nn.Module) -> None:

@@ -48,7 +48,7 @@ from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.canonical import META_FILE
-from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop
+from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, experts_streamable
 from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
 
@@ -107,7 +107,9 @@ class Quantize(Stage):
                           moe=shape.active < 1, device=c.machine.device, host_available=c.machine.available,
                           device_free=c.machine.gpu_free,
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
-                          resume_every_s=cal.resume_every_s, ranks=distributed.size())
+                          resume_every_s=cal.resume_every_s, ranks=distributed.size(),
+                          layer_bytes=shape.layer_params * c.elem,
+                          experts_streamable=shape.active < 1 and experts_streamable(c.config))
         return decide_layer_loop(AlgorithmSteps.of(self.scheme), facts)
 
     def _statistics_recorded(self, c: Costing) -> bool:
@@ -240,6 +242,13 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
 
+def _scale_bytes(spec: TensorSpec) -> float:
+    """Bytes of scale per weight a microscaling format's canonical form keeps beside its one-a-byte codes (NVFP4:
+    an E4M3 scale per 16, 0.0625); other formats' scales are too few to count here."""
+    info = spec.info
+    return info.scale_bits / 8 / info.scale_block if info.microscaling else 0.0
+
+
 def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, compute: str, stored_elem: int,
                   machine: Machine, code_bytes: float = 1.0) -> CostRow:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU, as `loop` decided it
@@ -259,6 +268,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
     copy = tokens * h * e  # one copy of the activations passed between layers
+    # expert by expert (llmc.quant.expert_stream): the layer without its routed experts, and one expert, at a time
+    by_expert = loop.expert_stream and shape.routed_params > 0
+    layer_less_experts = layer - shape.routed_params if by_expert else layer
+    held = layer_less_experts + shape.expert_params if by_expert else layer
     act = (2 * batch * seq_len * h * e if spill else copy if resident else 2 * copy) if calibrated else 0
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
     if not on_gpu:  # the CPU's attention materializes its scores; a GPU's SDPA (flash, memory-efficient) does not
@@ -276,30 +289,32 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     parts = {
         "process": PROCESS_BYTES,
         "outer weights": skeleton_params * e if skeleton else 0.0,
-        "layer": layer * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
+        "layer": held * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
         "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
                                            else min(shape.largest_linear, BLOCK_ELEMENTS)),
-        "layer codes": layer * code_bytes,
+        "layer codes": held * code_bytes,
         "activations": act,
+        # expert by expert: each MoE block's inputs and routing, and its summed outputs, kept for every batch
+        "expert calls kept": 2 * copy if by_expert and calibrated else 0.0,
         "forward temporaries": forward if calibrated else 0.0,
         "algorithm state": algorithm,
     }
     gpu = 0.0
     if on_gpu:  # the layer, its float32 copies, one batch and the algorithm state live on the GPU
-        gpu = (CUDA_CONTEXT_BYTES + layer * e + parts["quantizer float32 copy"]
+        gpu = (CUDA_CONTEXT_BYTES + held * e + parts["quantizer float32 copy"]
                + (2 * copy if resident else 2 * batch * seq_len * h * e) + parts["forward temporaries"] + algorithm)
         for k in ("quantizer float32 copy", "forward temporaries", "algorithm state"):
             parts[k] = 0.0
     # safetensors before 0.6 serializes a file's tensors in memory; a file of DIRECT_MIN_BYTES or more goes through
     # direct_io's bounce buffer of CHUNK_BYTES instead
-    parts["layer file being written"] = (layer * code_bytes if layer * code_bytes < DIRECT_MIN_BYTES
-                                         else CHUNK_BYTES)
+    parts["layer file being written"] = (layer * code_bytes if layer * code_bytes < DIRECT_MIN_BYTES and not by_expert
+                                         else CHUNK_BYTES)  # (expert by expert: streamed from the spilled experts)
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
-    parts["previous layer being written"] = layer * code_bytes
-    parts["next layer read ahead"] = layer * stored_elem
+    parts["previous layer being written"] = layer_less_experts * code_bytes
+    parts["next layer read ahead"] = layer_less_experts * stored_elem
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
     # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
@@ -313,7 +328,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # while a layer is converted from its clone in the stored dtype, before any of its compute's parts exist
     conversion = (sum(parts[k] for k in ("process", "outer weights", "layer", "previous layer being written",
                                          "next layer read ahead", "activations"))
-                  + (layer * stored_elem if stored_elem != e else 0))
+                  + (held * stored_elem if stored_elem != e else 0))
     host = max(sum(parts.values()), conversion, outer_peak)
     discovery = discovery_s = 0.0
     if discovers_pairs:
@@ -344,9 +359,15 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         parts_s["decode"] = shape.layer_decoded / decode_rate(shape.source_format)
     if spill and calibrated:  # each layer's outputs written to disk, fsynced and read back by the next layer
         parts_s["spill"] = spill_seconds(copy)
-    io = parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
+    if by_expert:  # each expert's codes spilled and read back into the layer file; the batches run again without
+        # the routed experts for the next layer's inputs
+        parts_s["expert spill"] = spill_seconds(shape.routed_params * (code_bytes + _scale_bytes(weights)))
+        parts_s["forward again"] = forward_seconds(2 * tokens * layer_less_experts, 2 * tokens * seq_len * shape.attn_width,
+                                                   compute=compute, device=machine.device, width=h,
+                                                   rows=batch * seq_len) if calibrated else 0.0
+    io = parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0) + parts_s.get("expert spill", 0.0)
     if on_gpu:
-        per_layer = max(io, parts_s["forward"] + parts_s["quantize"])
+        per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s["quantize"])
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
         per_layer = sum(parts_s.values()) + layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
@@ -377,8 +398,14 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     if loop.flow == "shared-statistics":
         strategy = "statistics shared"
     why = loop.describe() or "weights only: no forward pass"
+    if by_expert:
+        one = shape.expert_params * (e + code_bytes + stored_elem)
+        why += (f"; per expert: {one / GB:.2f} GB read, quantized and spilled at a time, "
+                f"~{per_layer * shape.expert_params / max(layer, 1):.1f} s; per MoE layer "
+                f"{shape.routed_params * (code_bytes + _scale_bytes(weights)) / GB:.1f} GB of expert codes and "
+                "scales spilled to disk beside the output (removed as the layer file is written)")
     if discovery:
         why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
                 f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")
     return CostRow("quantize", machine.device, host, gpu, 0.0, per_layer * shape.layers + fixed, strategy, why, parts,
-                   mapped_bytes=layer * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)
+                   mapped_bytes=held * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)

@@ -410,6 +410,10 @@ class Shape:
     layer_stored_bytes: int = 0  # the largest layer's bytes as stored (a quantized original's codes and scales)
     layer_decoded: int = 0  # elements of the largest layer decoded as it is read (a quantized original's)
     source_format: object = None  # a quantized original's SourceFormat: its decoder's probed rate times them
+    # the largest decoder layer's routed experts (not shared ones), and one routed expert's parameters: what
+    # expert-by-expert streaming holds instead of the layer (llmc.quant.expert_stream)
+    routed_params: int = 0
+    expert_params: int = 0
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -425,6 +429,12 @@ class Shape:
         experts = sum(tensors.numel(s) for n, s in in_layers.items() if ".experts." in n) / max(len(per_layer), 1)
         active = (largest - experts * (1 - fraction)) / largest if largest else 1.0
         layer_read = tensors.largest_layer_read(elem)
+        routed_by_layer: dict[int, int] = {}
+        for n, shape in in_layers.items():
+            if ".experts." in n:  # routed only: a shared expert is `shared_experts.`
+                i = tensors.layer_of[f"{n}.weight"]
+                routed_by_layer[i] = routed_by_layer.get(i, 0) + tensors.numel(shape)
+        routed = max(routed_by_layer.values(), default=0)
         return cls(params=tensors.params, layers=config.get("num_hidden_layers", 1), hidden=h, heads=heads,
                    vocab=config.get("vocab_size", 0), layer_params=largest, outer_params=tensors.outer_params,
                    largest_linear=max((a * b for a, b in in_layers.values()), default=0),
@@ -432,4 +442,5 @@ class Shape:
                    intermediate=inter or 4 * h, attn_width=heads * (config.get("head_dim") or h // max(heads, 1)),
                    active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params,
                    layer_stored_bytes=layer_read[0], layer_decoded=layer_read[1],
-                   source_format=tensors.source_format)
+                   source_format=tensors.source_format,
+                   routed_params=routed, expert_params=routed // max(expert_count(config), 1))

@@ -16,12 +16,14 @@ from typing import Literal
 
 import torch
 
+from llmc.model.families import LAYOUTS
 from llmc.quant.activations import SpillMode, should_spill, stays_on_device
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.flows import FlowNeeds, flow_for
 
 Placement = Literal["none", "memory", "device", "disk"]
 SharedUse = Literal["none", "record", "reuse"]
+ExpertMode = Literal["auto", "always", "never"]  # Calibration.stream_experts
 
 # With the activations on the GPU a layer takes well under a second at 8B width, less than writing its 2 GB of
 # outputs takes: a resume point (the next layer's inputs copied to the host and made durable) is made when this long
@@ -54,6 +56,11 @@ class LoopFacts:
     shared_covered: bool  # ... and those already recorded cover every Linear and KV module this scheme needs
     resume_every_s: float | None = None  # the caller's resume interval (None: the default for the placement)
     ranks: int = 1  # data-parallel processes calibrating (torchrun's WORLD_SIZE)
+    # the largest decoder layer's weights in the compute dtype, and whether its routed experts can be read one at a
+    # time (per-expert tensors in the checkpoint, top-k routing): what expert-by-expert streaming is decided on
+    layer_bytes: int = 0
+    experts_streamable: bool = False
+    stream_experts: ExpertMode = "auto"
 
     @property
     def activation_bytes(self) -> int:
@@ -68,10 +75,18 @@ class LoopFacts:
             if (now is None) != (then is None) or (now and then and abs(now - then) > SNAPSHOT_TOLERANCE * then):
                 changes.append(f"{name.replace('_', ' ')} {_gb(then)} at plan time, {_gb(now)} now")
         for name in ("calibrates", "windows", "seq_len", "masked", "batch_size", "spill_mode", "moe", "device",
-                     "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem", "ranks"):
+                     "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem", "ranks",
+                     "experts_streamable", "stream_experts"):
             if getattr(self, name) != getattr(planned, name):
                 changes.append(f"{name.replace('_', ' ')} {getattr(planned, name)} planned, {getattr(self, name)} now")
         return changes
+
+
+def experts_streamable(config: dict) -> bool:
+    """Whether the family's routed experts can be read one at a time: per-expert tensors in its Hub checkpoints
+    (not fused 3-D ones) and top-k routing (not Llama-4's router-scaled inputs)."""
+    layout = LAYOUTS.get(config.get("model_type"))
+    return layout is not None and not layout.checkpoint_fused and layout.routing == "top_k"
 
 
 def config_widths(config: dict) -> dict[str, int]:
@@ -94,6 +109,9 @@ class LayerLoopPlan:
     device: str
     why: tuple[str, ...]  # each choice's reason, in words
     facts: LoopFacts  # what it was decided from
+    # a Mixture-of-Experts layer's routed experts read, calibrated, quantized and written one at a time
+    # (llmc.quant.expert_stream), the router run once: the layer never whole in memory
+    expert_stream: bool = False
 
     @property
     def runs_forwards(self) -> bool:
@@ -110,7 +128,8 @@ class LayerLoopPlan:
         """The decision as `llmc plan --json` and report.json record it (facts left out: they are the machine's)."""
         return {"flow": self.flow, "activations": self.activations, "one_forward": self.one_forward,
                 "shared_statistics": self.shared, "traces_structure": self.traces_structure,
-                "batch_size": self.batch_size, "resume_every_s": self.resume_every_s, "device": self.device}
+                "batch_size": self.batch_size, "resume_every_s": self.resume_every_s, "device": self.device,
+                **({"experts": "one at a time"} if self.expert_stream else {})}
 
     def describe(self) -> str:
         return "; ".join(self.why)
@@ -167,9 +186,44 @@ def decide_layer_loop(pipeline: AlgorithmSteps, facts: LoopFacts) -> LayerLoopPl
     if resume:
         why.append(f"a resume point every {resume:.0f} s (the next layer's inputs saved)")
     traces = calibrates and (bool(pipeline.transforms) or pipeline.true_sequential)
+    expert_stream = decide_expert_stream(pipeline, facts, flow, why)
     return LayerLoopPlan(flow=flow, activations=placement, one_forward=one_forward, shared=shared,
                          traces_structure=traces, batch_size=facts.batch_size, resume_every_s=resume,
-                         device=facts.device, why=tuple(why), facts=facts)
+                         device=facts.device, why=tuple(why), facts=facts, expert_stream=expert_stream)
+
+
+# A layer whose weights in the compute dtype take more than this share of the available memory is streamed expert by
+# expert: the whole-layer path holds the layer, its codes, the previous layer's codes being written and the next
+# layer read ahead, about 2.5 copies of it (llmc.pipeline.quantize.quantize_cost)
+WHOLE_LAYER_SHARE = 0.5
+
+
+def decide_expert_stream(pipeline: AlgorithmSteps, facts: LoopFacts, flow: str, why: list[str]) -> bool:
+    """Whether a Mixture-of-Experts layer's routed experts are read, calibrated, quantized and written one at a time
+    (appending the reason to `why`). Only where each expert's statistics and codes depend on its own weights and its
+    routed inputs alone: no forward at all, or one observing forward over the original weights (RTN's ranges) with
+    no transform, Hessian or replayed module call, whose outputs (the original ones) are the next layer's inputs."""
+    if not facts.moe or facts.stream_experts == "never" or facts.ranks > 1:  # one process: its stats are its own
+        return False
+    if facts.stream_experts == "auto" and (facts.host_available is None
+                                           or facts.layer_bytes <= WHOLE_LAYER_SHARE * facts.host_available):
+        return False
+    observe_only = (flow == "data-free" or flow == "sequential" and not pipeline.transforms
+                    and not pipeline.observes_hessians and not pipeline.replays_module_calls
+                    and pipeline.propagate == "original")
+    if not (facts.experts_streamable and observe_only):
+        if facts.stream_experts == "always" or facts.layer_bytes > WHOLE_LAYER_SHARE * (facts.host_available or 0):
+            why.append("the layer's experts are not streamed one at a time: "
+                       + ("the checkpoint holds them fused (or their routing scales the input)"
+                          if not facts.experts_streamable else
+                          f"the {pipeline.scheme.algorithm} pipeline transforms or observes more than each expert's "
+                          "own input ranges"))
+        return False
+    why.append(f"routed experts one at a time (the router run once, each expert read from the checkpoint, calibrated "
+               f"on its routed tokens, quantized, written and dropped): the {_gb(facts.layer_bytes)} layer "
+               + ("is over half of the " + _gb(facts.host_available) + " available"
+                  if facts.stream_experts == "auto" else "(calibration.stream_experts: always)"))
+    return True
 
 
 def fits_one_forward(facts: LoopFacts, free: int | None) -> bool:

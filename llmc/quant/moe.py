@@ -99,27 +99,39 @@ class ExpertLinears(nn.ModuleList):
         self.routing = routing
         self.all_tokens = False  # statistics mode: every expert sees every token (output still routed)
         self.routed: torch.Tensor | None = None  # tokens routed per expert, counted while set
+        # expert-by-expert streaming (llmc.quant.expert_stream): called instead of the loop, with the block's routing
+        self.deferred = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.routing == "scaled_input":
             return self._scaled_input(hidden_states)
+        if self.deferred is not None:
+            return self.deferred(self, hidden_states, top_k_index, top_k_weights)
         final = torch.zeros_like(hidden_states)
-        with torch.no_grad():  # [expert, top-k slot, token]; as transformers' loop, E + 1 classes
-            mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
-        for e, expert in enumerate(self):
-            slot, token = torch.where(mask[e])
-            if self.routed is not None:
-                self.routed[e] += token.numel()
-            if self.all_tokens:  # the Linears' hooks see every token; only the routed rows enter the output
-                out = expert(hidden_states)[token]
-            elif token.numel() == 0:
-                continue
-            else:
-                out = expert(hidden_states[token])
-            out = out * top_k_weights[token, slot, None]
-            final.index_add_(0, token, out.to(final.dtype))
+        mask = self.routing_mask(top_k_index)
+        for e in range(len(self)):
+            self.add_expert(e, hidden_states, mask, top_k_weights, final)
         return final
+
+    def routing_mask(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # [expert, top-k slot, token]; as transformers' loop, E + 1 classes
+            return nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
+
+    def add_expert(self, e: int, hidden_states: torch.Tensor, mask: torch.Tensor, top_k_weights: torch.Tensor,
+                   final: torch.Tensor) -> None:
+        """Expert e's weighted outputs on its routed tokens, added into `final` (counted in `routed` while set)."""
+        slot, token = torch.where(mask[e])
+        if self.routed is not None:
+            self.routed[e] += token.numel()
+        if self.all_tokens:  # the Linears' hooks see every token; only the routed rows enter the output
+            out = self[e](hidden_states)[token]
+        elif token.numel() == 0:
+            return
+        else:
+            out = self[e](hidden_states[token])
+        out = out * top_k_weights[token, slot, None]
+        final.index_add_(0, token, out.to(final.dtype))
 
     def _scaled_input(self, routed_in: torch.Tensor) -> torch.Tensor:
         """Llama-4's Llama4TextExperts.forward: `routed_in` [E * T, H] holds every token once per expert, scaled by

@@ -49,14 +49,15 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
-from llmc.quant import moe, mxfp4_source
+from llmc.quant import expert_stream, moe, mxfp4_source
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
-from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, redecided
+from llmc.quant.loop_plan import (ExpertMode, LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop,
+                                  experts_streamable, redecided)
 from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weights, static_scale
-from llmc.quant.observe import LayerStats
+from llmc.quant.observe import RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.groups import resolve as resolve_groups
@@ -96,6 +97,9 @@ class Calibration:
     # Tokens routed per expert: `moe_tokens.json`.
     moe_all_experts: bool = False
     moe_min_tokens: int | None = None
+    # a MoE layer's routed experts one at a time (llmc.quant.expert_stream): "auto" where the layer is over half
+    # the available memory (llmc.quant.loop_plan.decide_expert_stream); never changes the output
+    stream_experts: ExpertMode = "auto"
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     pipeline = AlgorithmSteps.of(scheme)
     loop = _obeyed(options.loop, pipeline, loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
                                                       bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
-                                                      options.resume_every_s))
+                                                      options.resume_every_s, m.largest_layer_params))
     shared = shared if loop.shared != "none" else None
     m.pipelines = {g: AlgorithmSteps.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
     moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
@@ -165,15 +169,18 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                exact_stats=distributed.active() and bool(m.moe_blocks))
     flow = FLOWS[loop.flow]()
     flow.prepare(s, windows, mask)
-    loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start)
+    loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start, expert_stream=loop.expert_stream)
     # a family whose Hub checkpoints hold fused experts (gpt-oss): split per expert as each layer is read
     layout = moe.layout_of(m.config) if m.moe_blocks else None
-    weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout),
-                         range(s.start, m.n_layers), loop_state.overlap)
+    weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout,
+                                                             loop.expert_stream), range(s.start, m.n_layers),
+                         loop_state.overlap)
     for i in steps(range(m.n_layers), "quantize layers", total=m.n_layers):
         w = m.layer_work(i, scheme)
         if i >= s.start:
-            _quantize_layer(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows, loop_state)
+            by_expert = loop.expert_stream and any(True for _ in moe.routed_blocks(w.module))
+            (_quantize_layer_by_expert if by_expert else _quantize_layer)(s, flow, w, m, weights.take(i), structure,
+                                                                          moe_report, cal, windows, loop_state)
             loop_state.commit(i, i == m.n_layers - 1, w.next_inputs, loop.resume_every_s)
             release(w.module)
     loop_state.writer.close()
@@ -253,7 +260,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
 def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,
                config: dict, dtype: torch.dtype, device: torch.device, moe_blocks: bool,
                shared: SharedStats | None, linears: set[str], kv: set[str],
-               resume_every_s: float | None) -> LoopFacts:
+               resume_every_s: float | None, layer_params: int = 0) -> LoopFacts:
     """The facts the layer loop is decided on, as the stream sees them when it starts."""
     return LoopFacts(
         calibrates=scheme.needs_calibration, windows=0 if windows is None else windows.shape[0],
@@ -262,7 +269,9 @@ def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | 
         spill_mode=cal.spill if cal is not None else "auto", **config_widths(config), elem=torch.empty(0, dtype=dtype).element_size(), moe=moe_blocks, device=str(device),
         host_available=memory_available(), device_free=_device_free(device), shared_stats=shared is not None,
         shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s,
-        ranks=distributed.size())
+        ranks=distributed.size(), layer_bytes=layer_params * torch.empty(0, dtype=dtype).element_size(),
+        experts_streamable=moe_blocks and experts_streamable(config),
+        stream_experts=cal.stream_experts if cal is not None else "auto")
 
 
 def _obeyed(planned: LayerLoopPlan | None, pipeline: AlgorithmSteps, now: LoopFacts) -> LayerLoopPlan:
@@ -324,6 +333,11 @@ class _Model:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def largest_layer_params(self) -> int:
+        """The largest decoder layer's parameters (the skeleton's: meta, no memory)."""
+        return max((sum(p.numel() for p in layer.parameters()) for layer in self.layers), default=0)
+
     def specs(self, scheme: Scheme) -> dict:
         members = scheme.members()
         return {n: members[g].weights for n, g in self.group_of.items() if g is not None}
@@ -341,8 +355,14 @@ class _Model:
         return w
 
 
-def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout) -> dict[str, torch.Tensor]:
-    """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names."""
+def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout,
+                              without_experts: bool = False) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names;
+    `without_experts`: all but the routed experts' (read one at a time: llmc.quant.expert_stream)."""
+    if without_experts:
+        names = [n for n in reader.names() if n.startswith(prefix)
+                 and not expert_stream.is_routed_expert(n[len(prefix):])]
+        return {n[len(prefix):]: t for n, t in reader.get_many(names).items()}
     tensors = reader.with_prefix(prefix)
     return moe.per_expert_tensors(tensors, layout) if layout is not None else tensors
 
@@ -377,8 +397,10 @@ class _LoopState:
     """The loop's writes and resume points: each layer's file on the writer's thread, progress moved at each resume
     point after the layer file and the next layer's inputs are durable."""
 
-    def __init__(self, out: Path, progress_file: Path, act_dir: Path, options: StreamOptions, saved: int) -> None:
+    def __init__(self, out: Path, progress_file: Path, act_dir: Path, options: StreamOptions, saved: int,
+                 expert_stream: bool = False) -> None:
         self.out, self.progress_file, self.act_dir, self.options = out, progress_file, act_dir, options
+        self.expert_stream = expert_stream  # the loop's decision: MoE layers expert by expert
         self.overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave
         self.writer = LayerWriter(self.overlap)
         self.saved, self.saved_at = saved, time.monotonic()  # the layer progress.json points at, and when
@@ -386,6 +408,10 @@ class _LoopState:
     def write_layer(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         self.writer.submit(i, functools.partial(atomic_save_safetensors, self.out / "layers" / f"{i:05d}.safetensors",
                                                 tensors))
+
+    def write_layer_parts(self, i: int, parts: expert_stream.LayerParts, resident: dict[str, torch.Tensor]) -> None:
+        """Layer i's file from its resident tensors and its experts' spilled ones (llmc.quant.expert_stream)."""
+        self.writer.submit(i, functools.partial(parts.write, self.out / "layers" / f"{i:05d}.safetensors", resident))
 
     def commit(self, i: int, last: bool, next_inputs: ActivationWriter | None, resume_every_s: float) -> None:
         """Progress moves only after the layer file and the next layer's inputs are durable (the writer's order, on
@@ -417,15 +443,7 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
     # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
     starved = [] if s.moe_all_experts else moe.starved_linears(w.module, w.prefix, w.routed, w.linears)
     members = scheme.members()
-    if w.quantized is None:
-        w.quantized = {}
-        for group in members:  # one quantizer call per group, with its group's scheme
-            mine = {n: lin for n, lin in w.linears.items() if n not in starved and m.group_of[n] == group}
-            if mine:
-                w.quantized.update(_quantize_spread(m.pipelines[group], mine, w.stats, device))
-    for group, member in members.items():
-        w.quantized.update(quantize_weights({n: w.linears[n].weight.data for n in w.linears
-                                             if n not in w.quantized and m.group_of[n] == group}, member.weights))
+    w.quantized = _quantized_linears(w.linears, w.quantized, starved, m, members, w.stats, device)
     if m.reader.source_format is not None:
         m.passed_through += _pass_through_source_codes(w, m, members)
     if m.reader.source_format is not None and m.reader.source_format.name == "mxfp4" and m.moe_blocks:
@@ -445,6 +463,94 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
         if moe_report is not None:
             moe_report.save(state.out)
     flow.propagate(s, w)
+
+
+def _quantize_layer_by_expert(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights, structure, moe_report,
+                              cal: Calibration | None, windows, state: _LoopState) -> None:
+    """One Mixture-of-Experts decoder layer, its routed experts one at a time (llmc.quant.expert_stream): the layer
+    read without them, its calibration batches routed once, then each expert read, calibrated on its routed tokens,
+    quantized, spilled and dropped; the batches run again for the next layer's inputs. The same file as
+    `_quantize_layer` writes."""
+    scheme, device, members = s.pipeline.scheme, s.device, s.pipeline.scheme.members()
+    materialize(w.module, weights, s.dtype)
+    expert_stream.move_resident(w.module, device)
+    w.extras = to_device([e[w.index] for e in s.extras], device)
+    calibrating = flow.name != "data-free"
+    observe = s.pipeline.observe(w.module) if calibrating else RANGES_ONLY
+    w.stats = s.new_stats()
+    resident = {n: lin for n, lin in w.linears.items() if not expert_stream.is_routed_expert(n[len(w.prefix):])}
+    parts = expert_stream.LayerParts(state.act_dir / f"experts-{w.index}")
+    schemes = {n: members[m.group_of[n]] for n in w.linears}
+    with expert_stream.deferred(w.module) as blocks:
+        if calibrating:  # the router once: each block's inputs and routing kept, its experts not run
+            with moe.observing_experts(w.module, s.moe_all_experts, w.routed):
+                observe_batches(w.module, resident, w.kv_modules, observe, s.hidden, w.extras, w.stats)
+        starved = [] if s.moe_all_experts else moe.starved_linears(w.module, w.prefix, w.routed, w.linears)
+        for block, d in blocks.items():
+            experts = w.module.get_submodule(f"{block}.experts")
+            for e in steps(range(len(experts)), f"layer {w.index} experts", total=len(experts)):
+                _quantize_expert(s, w, m, block, e, experts, d if calibrating else None, observe, starved, members,
+                                 schemes, parts)
+        w.quantized = _quantized_linears(resident, None, starved, m, members, w.stats, device)
+        if m.reader.source_format is not None:
+            m.passed_through += _pass_through_source_codes(w, m, members)
+        if calibrating:  # the next layer's inputs: the batches again, each block given its experts' summed outputs
+            w.next_inputs = s.inputs_writer(w.index + 1)
+            for d in blocks.values():
+                d.replay()
+            with observing(w.module, {}, LayerStats(), w.kv_modules, RANGES_ONLY):  # attention routed as observed
+                forward_batches(w.module, s.hidden, w.extras, w.next_inputs.put)
+    if moe_report is not None and w.routed:
+        moe_report.add(w.index, w.prefix, w.routed,
+                       moe.proxy_input_ranges(w.stats, starved) if scheme.stores_ranges else {},
+                       cal.moe_min_tokens, cal.tokens.numel(), m.config)
+    w.stats.module_calls.clear()
+    tensors = _layer_tensors(w.module, w.prefix, resident, w.quantized, w.stats, scheme, schemes, w.kv_modules)
+    state.write_layer_parts(w.index, parts, on_host({n: t for n, t in tensors.items() if not t.is_meta}))
+    if moe_report is not None:
+        moe_report.save(state.out)
+    flow.propagate(s, w)
+
+
+def _quantize_expert(s: Stream, w: LayerWork, m: _Model, block: str, e: int, experts: nn.Module, d, observe,
+                     starved: list[str], members: dict[str, Scheme], schemes: dict[str, Scheme],
+                     parts: expert_stream.LayerParts) -> None:
+    """Expert e of `block`: read from the checkpoint (its own tensors), run on the kept calls with its Linears
+    observed (`d`; None: data-free), quantized, its tensors spilled, its weights dropped."""
+    name = f"{block}.experts.{e}"
+    expert, prefix = experts[e], f"{w.prefix}{name}."
+    materialize(expert, m.reader.with_prefix(prefix), s.dtype)
+    moe.check_materialized(expert, prefix, m.reader.folder)
+    expert.to(s.device)
+    linears = {n: lin for n, lin in w.linears.items() if n.startswith(prefix)}
+    if d is not None:
+        with observing(w.module, linears, w.stats, {}, observe), \
+                moe.observing_experts(w.module, s.moe_all_experts, None):
+            d.run_expert(experts, e)
+    quantized = _quantized_linears(linears, None, starved, m, members, w.stats, s.device)
+    if m.reader.source_format is not None:
+        one = LayerWork(w.index, prefix, expert, linears, {}, extras=[], quantized=quantized)
+        m.passed_through += _pass_through_source_codes(one, m, members)
+    parts.spill(f"{name}", on_host(_layer_tensors(expert, prefix, linears, quantized, w.stats, s.pipeline.scheme,
+                                                  schemes, {})))
+    expert_stream.release_weights(expert)
+
+
+def _quantized_linears(linears: dict[str, nn.Linear], quantized: dict[str, QuantizedWeight] | None, starved: list[str],
+                       m: _Model, members: dict[str, Scheme], stats: LayerStats,
+                       device: torch.device) -> dict[str, QuantizedWeight]:
+    """Codes of `linears`: what a flow quantized already (`quantized`), else each group's quantizer (one call per
+    group, with its group's scheme); starved experts and what is left by round-to-nearest."""
+    if quantized is None:
+        quantized = {}
+        for group in members:
+            mine = {n: lin for n, lin in linears.items() if n not in starved and m.group_of[n] == group}
+            if mine:
+                quantized.update(_quantize_spread(m.pipelines[group], mine, stats, device))
+    for group, member in members.items():
+        quantized.update(quantize_weights({n: linears[n].weight.data for n in linears
+                                           if n not in quantized and m.group_of[n] == group}, member.weights))
+    return quantized
 
 
 def _pass_through_source_codes(w: LayerWork, m: _Model, members: dict) -> int:
@@ -653,7 +759,8 @@ def _layer_tensors(
     kv_modules: dict[str, nn.Module],
 ) -> dict[str, torch.Tensor]:
     """The layer's tensors as the canonical form stores them; `schemes`: each quantized Linear's (plain) scheme."""
-    tensors = {f"{prefix}{n}": p.detach() for n, p in layer.state_dict().items()}
+    # (meta: a routed expert streamed one at a time, its tensors spilled already: llmc.quant.expert_stream)
+    tensors = {f"{prefix}{n}": p.detach() for n, p in layer.state_dict().items() if not p.is_meta}
     for name, q in quantized.items():
         member = schemes[name]
         tensors[f"{name}.weight"] = q.codes
