@@ -362,10 +362,12 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     if by_expert:  # each expert's codes spilled and read back into the layer file; the batches run again without
         # the routed experts for the next layer's inputs
         parts_s["expert spill"] = spill_seconds(shape.routed_params * (code_bytes + _scale_bytes(weights)))
-        parts_s["forward again"] = forward_seconds(2 * tokens * layer_less_experts, 2 * tokens * seq_len * shape.attn_width,
+        parts_s["forward again"] = forward_seconds(2 * tokens * layer_less_experts,
+                                                   2 * tokens * seq_len * shape.attn_width,
                                                    compute=compute, device=machine.device, width=h,
                                                    rows=batch * seq_len) if calibrated else 0.0
-    io = parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0) + parts_s.get("expert spill", 0.0)
+    io = (parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
+          + parts_s.get("expert spill", 0.0))
     if on_gpu:
         per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s["quantize"])
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)

@@ -152,7 +152,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                                                       bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
                                                       options.resume_every_s, m.largest_layer_params))
     shared = shared if loop.shared != "none" else None
-    m.pipelines = {g: AlgorithmSteps.of(member) for g, member in scheme.members().items()} if scheme.mixed else {"": pipeline}
+    m.pipelines = ({g: AlgorithmSteps.of(member) for g, member in scheme.members().items()} if scheme.mixed
+                   else {"": pipeline})
     moe_report = moe.TokenReport.load(out, cal.moe_all_experts) if m.moe_blocks and scheme.needs_calibration else None
     if loop.reads_skeleton:
         # no name kept for these tensors: release(model) below must free them before the rest is read again; the
