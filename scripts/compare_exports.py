@@ -28,6 +28,9 @@ is written by torch.onnx's dynamo exporter, which stores a Python stack trace in
 was checked out elsewhere, and when a line moved in that file. The exporter has dropped those traces since
 (`onnx_qdq.drop_stack_traces`), but revisions before that still write them, so both trees run from one path; a
 difference confined to that metadata is reported as such.
+Likewise onnxruntime-genai's model builder stamped model.onnx's `producer_version` with the HEAD of whatever git
+repository holds the venv (this one's, for .venv): revisions before `onnx_genai.builder_env` differ there whenever a
+commit is made while this script runs.
 
 --model tiny (default): each recipe's model.source becomes a tiny random model of the same family built once here,
 with fixed seeds, from this tree's tests/conftest.py (Llama for demo:smollm2-135m — llama architecture, as the

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -57,6 +58,14 @@ UNQUANTIZED_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
 # Initializer suffixes the builder gives weights *it* quantized (never present in an llmc export).
 _BUILDER_QUANTIZED_SUFFIXES = ("_Q4", "_Q8")
 _BUILDER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(attn|mlp)\.(\w+)\.MatMul\.weight")
+
+
+def builder_env() -> dict[str, str]:
+    """The model builder's environment: it stamps each graph's producer_version with `git rev-parse HEAD` run five
+    folders above its own file, which is the enclosing repository's commit wherever the venv lives inside one (a
+    project's .venv): the artifact's bytes then changed with every commit of that project. With no repository to
+    find it stamps its wheel's own commit."""
+    return {**os.environ, "GIT_DIR": os.devnull}
 
 
 def check_scheme(scheme: Scheme) -> None:
@@ -163,7 +172,7 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
             log("export: onnxruntime-genai model builder (float graph), then Q/DQ from the canonical codes")
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out),
                "-e", "cpu", "-c", str(Path(tmp) / "cache"), *options]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=builder_env())
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
             raise EngineFailed(f"onnxruntime-genai's model builder failed (exit {proc.returncode}):\n{tail}",

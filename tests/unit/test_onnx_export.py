@@ -424,3 +424,32 @@ def test_lmdeploy_and_exllamav2_targets_plan_build_and_inspect(exported, tmp_pat
     awq, gptq = describe(tmp_path / "awq"), describe(tmp_path / "gptq")
     assert "AWQ checkpoint (GEMM layout)" in awq and "LMDeploy" in awq and "lmdeploy serve" in awq
     assert "GPTQ-format checkpoint" in gptq and "ExLlamaV2" in gptq and "serve with" in gptq
+
+
+def test_the_model_builder_stamps_its_own_commit_not_the_enclosing_repository_s(tmp_path: Path) -> None:
+    """onnxruntime-genai's builder stamps producer_version with `git rev-parse HEAD` run five folders above its own
+    file: inside a project whose .venv holds it, that is the project's commit, and the artifact's bytes changed with
+    every commit (scripts/compare_exports.py found model.onnx differing between two builds of the same tree). Here
+    the builder's module believes it lives in a fresh git repository; with llmc's builder environment it reports
+    the wheel's commit, without it the repository's."""
+    import os
+    import subprocess
+    import sys
+
+    og = pytest.importorskip("onnxruntime_genai")
+    from llmc.formats.onnx_genai import builder_env
+
+    repo = tmp_path / "project"
+    builders = repo / "lib" / "python" / "site-packages" / "onnxruntime_genai" / "builders"  # repo: 5 folders up
+    builders.mkdir(parents=True)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    probe = [sys.executable, "-c", "import onnxruntime_genai.models.builders.base as b; "
+                                   f"b.__file__ = {str(builders / 'base.py')!r}; print(b.Model.get_genai_commit())"]
+    plain = subprocess.run(probe, capture_output=True, text=True, env=dict(os.environ), check=True).stdout.strip()
+    ours = subprocess.run(probe, capture_output=True, text=True, env=builder_env(), check=True).stdout.strip()
+    assert plain == head  # the builder's own behaviour: the enclosing repository's commit
+    assert ours != head and ours == str(og.__commit__ or None)
