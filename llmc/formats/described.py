@@ -160,15 +160,9 @@ def _skeleton_timer(cut: dict):
 def check_seconds(config: dict) -> float:
     """Seconds `check_export` takes for the model of `config`: the probed skeleton of 1 layer, plus each further
     layer at the probed difference between CHECK_PROBE_LAYERS layers and 1."""
-    from llmc.planning.target import host_work_seconds
+    from llmc.planning.target import per_layer_host_seconds
 
-    def seconds() -> float:
-        one = 1.0 / skeleton_rate(config, 1)
-        more = 1.0 / skeleton_rate(config, CHECK_PROBE_LAYERS)
-        per_layer = max(more - one, 0.0) / (CHECK_PROBE_LAYERS - 1)
-        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
-
-    return host_work_seconds(seconds)
+    return per_layer_host_seconds(skeleton_rate, config, CHECK_PROBE_LAYERS)
 
 
 def stored_tensor_names(folder: Path) -> set[str]:

@@ -41,7 +41,7 @@ from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
-from llmc.planning.target import host_work_seconds
+from llmc.planning.target import per_layer_host_seconds
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_rate
@@ -421,13 +421,7 @@ def graph_export_rate(config: dict, layers: int) -> float:
 def graph_export_seconds(config: dict) -> float:
     """Seconds torch.onnx takes to export the float graph of the model of `config` (its num_hidden_layers): the
     probed export at 1 layer, plus the probed time of each further layer (GRAPH_PROBE_LAYERS against 1)."""
-    def seconds() -> float:
-        one = 1.0 / graph_export_rate(config, 1)
-        more = 1.0 / graph_export_rate(config, GRAPH_PROBE_LAYERS)
-        per_layer = max(more - one, 0.0) / (GRAPH_PROBE_LAYERS - 1)
-        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
-
-    return host_work_seconds(seconds)
+    return per_layer_host_seconds(graph_export_rate, config, GRAPH_PROBE_LAYERS)
 
 
 # The exporter's passes over each quantized weight, in units of one `quantize_weight` of it (the quantizer's probed

@@ -171,6 +171,19 @@ def host_work_seconds(seconds) -> float:
         raise
 
 
+def per_layer_host_seconds(rate, config: dict, probe_layers: int) -> float:
+    """Host seconds of work that grows with a model's depth, from `rate(config, layers)` (runs/s, probed on a tiny
+    model of the family) at 1 and `probe_layers` layers: the 1-layer time plus each further layer at the probed
+    difference (`host_work_seconds`: 0 for a named profile)."""
+    def seconds() -> float:
+        one = 1.0 / rate(config, 1)
+        more = 1.0 / rate(config, probe_layers)
+        per_layer = max(more - one, 0.0) / (probe_layers - 1)
+        return one + per_layer * (max(int(config.get("num_hidden_layers") or 1), 1) - 1)
+
+    return host_work_seconds(seconds)
+
+
 def from_profile(spec: str) -> TargetMachine:
     """`name` or `name:COUNT` from llmc.planning.profiles."""
     name, _, count = spec.partition(":")
