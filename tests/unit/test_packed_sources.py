@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -25,6 +24,7 @@ from llmc.model.checkpoint import CheckpointReader
 sys.path.insert(0, str(Path(__file__).parent))
 from families import make_tiny  # noqa: E402
 from test_build import recipe_text  # noqa: E402
+from test_source_formats import _build as _build_with  # noqa: E402  (the same CLI build of a recipe)
 
 LINEARS = 14  # the tiny llama's decoder-layer Linears: 2 layers x q, k, v, o, gate, up, down
 
@@ -374,15 +374,8 @@ def test_the_plans_layer_time_adds_the_probed_decode(saved: dict, tmp_path: Path
 
 
 def _build(source: Path, tmp_path: Path, quantization: dict) -> tuple[int, str]:
-    recipe = tmp_path / "recipe.yaml"
-    text = yaml.safe_load(recipe_text(source, tmp_path / "reg", **{"eval.windows": 2, "calibration.samples": 2,
-                                                                   "gates.max_ppl_increase_pct": 1000.0}))
-    text["quantization"] = quantization
-    recipe.write_text(yaml.safe_dump(text))
-    result = CliRunner().invoke(main, ["build", str(recipe), "--cache-dir", str(tmp_path / "cache"),
-                                       "--report-dir", str(tmp_path / "report"), "--no-publish"])
-    assert "Traceback" not in result.output, result.output
-    return result.exit_code, result.output
+    return _build_with(source, tmp_path, quantization, **{"eval.windows": 2, "calibration.samples": 2,
+                                                            "gates.max_ppl_increase_pct": 1000.0})
 
 
 W8A16_INT8 = {"weights": {"format": "int8", "strategy": "channel"}}
