@@ -284,7 +284,8 @@ def _measure_standard() -> None:
     """The probes every plan may read, at the sizes they are read at: matmuls per dtype (on the CPU up the bounded
     ladder of widths, llmc.planning.machine; on a GPU at three widths), the quantizer at FP8 per-tensor and INT4
     per-group on each device, FP8 fake quantization and the stream's own per-layer work on the CPU, an export's
-    config check (a Llama's meta skeleton at two depths: llmc.formats.described), hashing, the
+    config check (a Llama's meta skeleton at two depths: llmc.formats.described), an evaluation's scoring of the
+    logits (llmc.engines.agreement), hashing, the
     store's large write and the disk's write+fsync and uncached read. A plan for this machine elsewhere reads other
     sizes and specs of the same probe from them (llmc.planning.target)."""
     # lazy: start-up: `llmc --help` loads just click and llmc.engines
@@ -294,6 +295,7 @@ def _measure_standard() -> None:
     from llmc.quant.spec import TensorSpec
     from llmc.quant.stream_probe import PROBE_CONFIG, layer_overhead_seconds
     from llmc.formats.described import check_seconds
+    from llmc.engines.agreement import scoring_rate
 
     for dtype in ("float32", "bfloat16"):
         for rows in (128, 512):
@@ -313,6 +315,9 @@ def _measure_standard() -> None:
         for calibrated in (True, False):  # the stream's own per-layer work on a CPU
             layer_overhead_seconds(calibrated, dtype)
     check_seconds(PROBE_CONFIG)  # an export's config check, on a Llama's skeleton (other families: its class)
+    for device in devices:  # an evaluation's scoring of the logits, per element (at Llama-3's vocabulary)
+        for reference in (False, True):
+            scoring_rate(128256, 256, reference, device)
     machine.hash_rate()
     machine.write_rate()
     disk.write_rate()

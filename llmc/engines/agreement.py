@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from safetensors.torch import load_file
 
+from llmc.planning import probes
+
 EXACT, TOPK_BOUND = "exact", "topk_lower_bound"
 HEAD_FILE = "head.safetensors"  # beside an eval stage's scores.safetensors: the reference head (baseline only)
 HEAD_INPUT = "head_input"  # [windows, seq-1, hidden]: what entered the baseline's output head, per token
@@ -304,3 +306,51 @@ def load_reference(folder: Path) -> dict[str, torch.Tensor]:
     if (Path(folder) / HEAD_FILE).is_file():
         reference.update(load_file(str(Path(folder) / HEAD_FILE)))
     return reference
+
+
+# --------------------------------------------------------------------------- cost (the planner's probe of the scoring)
+
+SCORING_PROBE_ROWS = 64  # tokens per timed call: [64, vocab] float32 logits, 39 MB at a 152k vocabulary
+_PROBE_HIDDEN = 8  # the probe's reference head: its matmul negligible (the plan counts the head's FLOPs itself)
+
+
+def scoring_rate(vocab: int, top_k: int, reference: bool, device: str = "cpu") -> float:
+    """Logit elements/s (tokens x vocab) `score_logits` scores at `vocab`: the NLL and top-k of a baseline; with
+    `reference`, the agreement and the exact KL against a reference head, less that head's matmul, which the plan
+    prices as FLOPs. What an engine scoring full logits spends beside its forward, as the planner times it
+    (llmc.planning.probes: timed several times, cached per machine; llmc.planning.target.rate_class groups it by
+    `reference` and device)."""
+    where = "" if device == "cpu" else f" {device}"
+    return probes.rate(f"score_logits reference={reference}{where} vocab={vocab} top_k={top_k}",
+                       _scoring_timer(vocab, top_k, reference, device))
+
+
+def _scoring_timer(vocab: int, top_k: int, reference: bool, device: str):
+    """A function timing one `score_logits` of SCORING_PROBE_ROWS tokens and returning its logit elements/s."""
+    state: dict = {}
+
+    def sync() -> None:
+        if state["logits"].is_cuda:
+            torch.cuda.synchronize(state["logits"].device)
+
+    def run_once() -> float:
+        if not state:
+            g = torch.Generator().manual_seed(0)
+            rows, k = SCORING_PROBE_ROWS, max(1, min(top_k, vocab))
+            logits = torch.randn(1, rows, vocab, generator=g).to(device)
+            targets = torch.randint(0, vocab, (1, rows), generator=g).to(device)
+            ref = None
+            if reference:
+                top = torch.randn(1, rows, vocab, generator=g).topk(k, dim=-1)
+                ref = {"topk_logprobs": top.values.log_softmax(-1).to(device),
+                       "topk_index": top.indices.int().to(device),
+                       HEAD_INPUT: torch.randn(1, rows, _PROBE_HIDDEN, generator=g).to(device),
+                       **OutputHead(torch.randn(vocab, _PROBE_HIDDEN, generator=g).to(device), None,
+                                    HeadPost(1.0, None)).tensors()}
+            state.update(logits=logits, targets=targets, ref=ref, k=k)
+            score_logits(logits, targets, k, ref)  # warm-up: first-call dispatch
+        return probes.sustained_rate(SCORING_PROBE_ROWS * vocab,
+                                     lambda: score_logits(state["logits"], state["targets"], state["k"], state["ref"]),
+                                     sync)
+
+    return run_once

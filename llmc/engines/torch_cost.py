@@ -5,6 +5,7 @@ artifact's runtime."""
 
 from __future__ import annotations
 
+from llmc.engines.agreement import chunk_rows, scoring_rate
 from llmc.model.dtype import BYTES
 from llmc.planning.machine import CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds
 from llmc.planning.rows import GB, CostRow
@@ -96,6 +97,12 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     # SmolLM2's widths static FP8 doubled the scoring time: benchmarks/results/planner-log.md "Accuracy under load")
     forward += sum(scored * elements / fake_quantize_rate(spec, compute, width=h, rows=batch * seq_len, device=device)
                    for spec, elements in emulated)
+    # scoring the logits (llmc.engines.agreement.score_logits, probed): an artifact's exact KL also recomputes the
+    # baseline's logits from its head input, one more output-head matmul per scored token
+    forward += tokens * shape.vocab / scoring_rate(shape.vocab, top_k, reference, device)
+    if reference:
+        forward += forward_seconds(2 * tokens * shape.vocab * h, 0, compute=compute, device=device, width=h,
+                                   rows=chunk_rows(shape.vocab))
     # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
     io = read_seconds(shape.stored_bytes) + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e

@@ -41,7 +41,7 @@ from llmc.model.dtype import BYTES
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.runner import Runner, read_json
-from llmc.planning.machine import file_write_seconds, hash_rate, uncached_read_seconds
+from llmc.planning.machine import file_write_seconds, verify_seconds
 from llmc.planning.rows import CostRow
 from llmc.planning.target import active as target_machine
 from llmc.telemetry.progress import log
@@ -156,8 +156,7 @@ class Evaluate(Stage):
         row.disk_bytes = scoring.tokens * (ev.kl_top_k * 8 + 16)
         row.seconds += file_write_seconds(row.disk_bytes)
         if exports:  # the artifact's files (read from the disk: written around the page cache) and the baseline's
-            row.seconds += model_bytes / hash_rate() + uncached_read_seconds(
-                model_bytes, files=max(1, math.ceil(model_bytes / MAX_SHARD_BYTES)))
+            row.seconds += verify_seconds(model_bytes, files=max(1, math.ceil(model_bytes / MAX_SHARD_BYTES)))
         n_corpora = len(corpora_of(ev.corpus))
         if n_corpora > 1:  # each corpus is its own evaluation, the engine started again for it
             row.seconds *= n_corpora
@@ -196,8 +195,8 @@ class Evaluate(Stage):
             # checks every byte of the artifact and of the baseline's scores (Store.require_intact)
             row.seconds += file_write_seconds(row.disk_bytes)
             if reference:  # (read from the disk: both were written around the page cache where large)
-                row.seconds += ((artifact_size + baseline_disk) / hash_rate() + uncached_read_seconds(baseline_disk)
-                                + uncached_read_seconds(artifact_size, files=max(1, math.ceil(artifact_size / MAX_SHARD_BYTES))))
+                row.seconds += (verify_seconds(baseline_disk)
+                                + verify_seconds(artifact_size, files=max(1, math.ceil(artifact_size / MAX_SHARD_BYTES))))
             else:
                 baseline_disk = row.disk_bytes
             if n_corpora > 1:  # each corpus is its own evaluation of ev.windows windows, one after another

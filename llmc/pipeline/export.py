@@ -17,7 +17,7 @@ from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import hash_rate, uncached_read_seconds
+from llmc.planning.machine import verify_seconds
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme
@@ -116,8 +116,8 @@ class Export(Stage):
         # around the page cache, then hashed
         read_s = 0.0
         if not any(e.quantize is self.quantize for e in self.earlier):
-            read_s = (uncached_read_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
-                      + uncached_read_seconds(outer_bytes) + sizes.canonical / hash_rate())
+            read_s = (verify_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
+                      + verify_seconds(outer_bytes))
         work = targets.ExportWork(
             shape=c.shape, written=written_tensors(c, scheme), bits=scheme.weights.bits, packed_bytes=sizes.packed,
             outer_bytes=outer_bytes, read_seconds=read_s, shared_with=shared_with, outer_written_before=outer_before,

@@ -203,6 +203,16 @@ def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
     return disk.read_seconds(nbytes) if nbytes > 0 and _written_direct(nbytes, files) else 0.0
 
 
+def verify_seconds(nbytes: float, files: int = 1) -> float:
+    """Seconds to check `nbytes` in `files` files a stage wrote against their recorded sha256 (Store.require_intact,
+    or a shared blob re-hashed before a hard link to it): large files are read around the page cache while the
+    previous chunk is hashed (llmc.storage.direct_io.sha256_around_cache), so the slower of the two; small ones are
+    hashed from the page cache."""
+    if nbytes <= 0:
+        return 0.0
+    return max(uncached_read_seconds(nbytes, files), nbytes / hash_rate())
+
+
 def read_seconds(nbytes: float) -> float:
     """Seconds to read `nbytes` of a source or stage file from the disk (not in the page cache), at the probed
     sequential read rate: a layer's weights, the weights outside the layers, an artifact to evaluate."""

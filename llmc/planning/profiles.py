@@ -18,6 +18,9 @@ from dataclasses import dataclass
 GEMM_EFFICIENCY = 0.7  # share of the spec sheet's dense peak a large GEMM reaches (stated, not measured here)
 QUANTIZE_BYTES_PER_ELEMENT = 32.0  # memory traffic per weight element of quantize_weight (float32 passes)
 FAKE_QUANTIZE_BYTES_PER_ELEMENT = 16.0  # per activation element of fake_quantize
+# per logit element scored (llmc.engines.agreement.score_logits): a baseline's logsumexp, top-k and gathers read the
+# float32 logits a few times; an artifact's exact KL adds two log-softmaxes, an exp and a float64 sum (stated)
+SCORE_BYTES_PER_ELEMENT = {False: 16.0, True: 48.0}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ def rates(p: GpuProfile) -> dict[str, float]:
     out = {f"matmul {dtype} cuda": tflops * 1e12 * GEMM_EFFICIENCY for dtype, tflops in gemm.items()}
     out["quantize cuda"] = p.bandwidth_tbs * 1e12 / QUANTIZE_BYTES_PER_ELEMENT
     out["fake_quantize cuda"] = p.bandwidth_tbs * 1e12 / FAKE_QUANTIZE_BYTES_PER_ELEMENT
+    for reference, per_element in SCORE_BYTES_PER_ELEMENT.items():
+        out[f"score_logits reference={reference} cuda"] = p.bandwidth_tbs * 1e12 / per_element
     out["sha256"] = p.host_sha256_gbs * 1e9
     out["write+sha256"] = 1 / (1 / (p.disk_write_gbs * 1e9) + 1 / (p.host_sha256_gbs * 1e9))
     out["disk write+fsync"] = p.disk_write_gbs * 1e9

@@ -148,6 +148,8 @@ def rate_class(key: str) -> str:
         return f"matmul {words[1]} {device}"
     if words[0] in ("quantize", "fake_quantize"):
         return f"{words[0]} {device}"
+    if words[0] == "score_logits":  # per logit element, whatever the vocabulary (llmc.engines.agreement)
+        return f"score_logits {words[1]} {device}"
     if words[:2] == ["stream", "layers"]:
         return "stream layers"
     if words[:2] == ["source", "decode"]:  # a quantized original's decoder, whatever its format (host side)

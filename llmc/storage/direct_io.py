@@ -26,6 +26,7 @@ import mmap
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -173,3 +174,39 @@ def written_digest(st: os.stat_result) -> str | None:
     """The sha256 this process wrote a file with, if the file is still that one (same inode, size and modification
     time), else None."""
     return _digests.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+def sha256_around_cache(path: Path, on_chunk=None) -> str | None:
+    """The sha256 of a large file read around the page cache (O_DIRECT), each chunk read on a helper thread while
+    the one before is hashed (both release the GIL), so checking a file costs the slower of the disk's read and the
+    hash, not their sum; `on_chunk(n)` after each chunk. None where the filesystem or platform refuses O_DIRECT.
+    Buffered reads of a file this module wrote ran at 0.2-0.5 GB/s on the development VM, the disk's direct reads at
+    ~0.9 (benchmarks/results/planner-log.md, "Checking a stage's files")."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    buffers = [mmap.mmap(-1, CHUNK_BYTES), mmap.mmap(-1, CHUNK_BYTES)]
+    h = hashlib.sha256()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="llmc-read") as reader:
+            which, pending = 0, reader.submit(os.readv, fd, [buffers[0]])
+            while (n := pending.result()) > 0:
+                pending = reader.submit(os.readv, fd, [buffers[1 - which]])
+                h.update(memoryview(buffers[which])[:n])
+                if on_chunk is not None:
+                    on_chunk(n)
+                which = 1 - which
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # the filesystem opened it O_DIRECT but refuses such reads
+            return None
+        raise
+    finally:
+        os.close(fd)
+        for b in buffers:
+            b.close()
+    return h.hexdigest()

@@ -144,6 +144,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         size = os.fstat(f.fileno()).st_size
         meter = Meter(f"hash {Path(path).name}", size, unit="B", every_s=10.0) if size >= _METERED_HASH_BYTES else None
         with meter or contextlib.nullcontext():
+            # large files (written around the page cache where llmc wrote them) are read around it too
+            direct = (direct_io.sha256_around_cache(path, meter.advance if meter else None)
+                      if size >= direct_io.DIRECT_MIN_BYTES else None)
+            if direct is not None:
+                return direct
             while block := f.read(chunk):
                 h.update(block)
                 if meter is not None:

@@ -158,3 +158,37 @@ def test_a_full_disk_during_a_direct_write_is_a_resource_error_and_leaves_no_fil
     if calls[0] < 3:
         pytest.skip("this filesystem refuses O_DIRECT")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_file_is_hashed_around_the_page_cache_to_the_same_digest(tmp_path, monkeypatch):
+    """A file of DIRECT_MIN_BYTES and more is checked through O_DIRECT reads overlapped with hashing; its digest is
+    hashlib's, whatever the tail (not a multiple of the block size, not of the chunk)."""
+    path = tmp_path / "big.bin"
+    data = os.urandom(1 << 20) * (direct_io.DIRECT_MIN_BYTES >> 20) + os.urandom(12_345)
+    path.write_bytes(data)
+    expected = hashlib.sha256(data).hexdigest()
+    chunks = []
+    direct = direct_io.sha256_around_cache(path, chunks.append)
+    if direct is None:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    assert direct == expected and sum(chunks) == len(data) and len(chunks) > 1
+    seen = []
+    real = direct_io.sha256_around_cache
+    monkeypatch.setattr(direct_io, "sha256_around_cache", lambda p, f=None: seen.append(p) or real(p, f))
+    assert store.sha256_file(path) == expected and seen == [path]
+
+
+def test_a_filesystem_refusing_o_direct_is_hashed_through_the_page_cache(tmp_path, monkeypatch):
+    path = tmp_path / "big.bin"
+    data = os.urandom(direct_io.DIRECT_MIN_BYTES + 1)
+    path.write_bytes(data)
+    real_open = os.open
+
+    def refuse_direct(p, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    assert direct_io.sha256_around_cache(path) is None
+    assert store.sha256_file(path) == hashlib.sha256(data).hexdigest()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmc.engines import agreement
 from llmc.formats import described, onnx_qdq
 from llmc.planning import disk, machine, probes
 from llmc.planning.plan import make_plan
@@ -35,10 +36,10 @@ def own_rates(monkeypatch):
 
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
-               disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,)) -> dict:
+               disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,)) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
-             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0}
+             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -59,6 +60,7 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     # an export's host work: the config check's meta skeleton, torch.onnx's graph (llmc.formats)
     monkeypatch.setattr(described, "_skeleton_timer", timer("skeleton", skeleton))
     monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
+    monkeypatch.setattr(agreement, "_scoring_timer", timer("scoring", scoring))
     return calls
 
 
@@ -494,6 +496,49 @@ def test_an_artifact_whose_runtime_quantizes_activations_is_planned_slower_by_th
     assert emulating.host_bytes == plain.host_bytes
 
 
+def test_scoring_the_logits_is_planned_at_its_probe_and_an_artifact_adds_the_reference_heads_matmul(monkeypatch
+                                                                                                     ) -> None:
+    """Issue 44 (quiet re-measure, 2026-12-02): at SmolLM2's widths an artifact's scoring took 5.6 s more than the
+    baseline's where the plan said 2.2: the exact KL recomputes the baseline's logits from its head input (one more
+    output-head matmul per token) and both take log-softmaxes over the whole vocabulary; score_logits is probed now."""
+    from llmc.engines.agreement import chunk_rows
+    from llmc.engines.torch_cost import eval_cost
+    from llmc.planning.machine import Machine, forward_seconds
+    from llmc.planning.shapes import Shape, from_config
+
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+
+    def seconds(reference: bool, scoring: float) -> float:
+        probes._book = probes.RateBook()
+        pin_probes(monkeypatch, matmul=(10e9,), scoring=(scoring,))
+        return eval_cost(shape, label="torch x", compute="float32", windows=4, seq_len=128, batch=4, streamed=False,
+                         reference=reference, artifact_code_bytes=0.0, top_k=10, throughput_tokens=0,
+                         machine=Machine(available=None, gpu_free=None, device="cpu")).seconds
+
+    elements = 4 * 128 * shape.vocab  # scored tokens x vocabulary
+    assert seconds(False, 1e8) - seconds(False, 2e8) == pytest.approx(elements / 1e8 - elements / 2e8)
+    tokens = 4 * 128
+    head = forward_seconds(2 * tokens * shape.vocab * shape.hidden, 0, compute="float32", device="cpu",
+                           width=shape.hidden, rows=chunk_rows(shape.vocab))
+    assert head > 0 and seconds(True, 1e8) - seconds(False, 1e8) == pytest.approx(head)
+
+
+def test_the_scoring_probe_times_score_logits_itself() -> None:
+    from llmc.engines import agreement
+
+    seen = []
+    real = agreement.score_logits
+
+    def counted(logits, targets, top_k, reference=None):
+        seen.append((tuple(logits.shape), reference is not None and agreement.HEAD_INPUT in reference))
+        return real(logits, targets, top_k, reference)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(agreement, "score_logits", counted)
+        rate = agreement._scoring_timer(1000, 10, True, "cpu")()
+    assert rate > 0 and seen and set(seen) == {((1, agreement.SCORING_PROBE_ROWS, 1000), True)}
+
+
 # 10. Hashing is probed, as the matmul is
 
 
@@ -530,6 +575,24 @@ def test_an_export_is_planned_at_the_probed_write_rate_and_a_small_one_through_t
     assert seconds(small, 0.5e9, hashing=0.5e9) - seconds(small, 1e9) == pytest.approx(small / 0.5e9 - small / 1.5e9)
     # issue 44: made durable at the disk's probed write+fsync rate, not a constant from one VM
     assert seconds(small, 1e9, disk_write=0.1e9) - seconds(small, 1e9) == pytest.approx(small / 0.1e9 - small / 0.3e9)
+
+
+def test_an_export_sharing_an_earlier_ones_files_is_planned_with_the_blob_re_hashed(monkeypatch) -> None:
+    """Issue 44 (quiet re-measure): a second vLLM target's export of the same weights took 6.8 s where the plan said
+    4.6: before a file is hard-linked to the earlier export's identical one, that one is read and hashed again
+    (llmc.storage.links), around the page cache while hashing (llmc.planning.machine.verify_seconds)."""
+    from llmc.formats.base import export_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+    pin_probes(monkeypatch, hashing=(1.5e9,), writing=(1e9,), disk_read=(0.5e9,))
+
+    def seconds(shared_with):
+        return export_cost(shape, label="vllm", artifact_bytes=3e9, whole_model=False, shared_with=shared_with,
+                           compute="float32", machine=Machine(available=None, gpu_free=None, device="cpu")).seconds
+
+    assert seconds("vllm-sm90") - seconds(None) == pytest.approx(max(3e9 / 0.5e9, 3e9 / 1.5e9))
 
 
 def test_the_write_probe_times_the_stores_own_write_and_leaves_nothing_behind(tmp_path: Path) -> None:

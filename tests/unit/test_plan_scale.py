@@ -354,7 +354,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     top of writing and hashing the same number of bytes."""
     from llmc.formats.files import MAX_SHARD_BYTES
     from llmc.formats.base import REPACK_BLOCK_BYTES, REPACK_RATE
-    from llmc.planning.machine import PROCESS_BYTES, hash_rate, uncached_read_seconds, write_rate
+    from llmc.planning.machine import PROCESS_BYTES, verify_seconds, write_rate
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
@@ -372,11 +372,10 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     # each writes and hashes its own files (AWQ: float16 scales and packed zero points; compressed-tensors: float32
     # scales), and AWQ repacks on top
     io = (awq.disk_bytes - vllm.disk_bytes) / write_rate()  # GB-sized shards: the probed write (+ hash) rate
-    # the first export of the quantized form verifies it (read from the disk, hashed): once per build
+    # the first export of the quantized form verifies it (read from the disk while hashed): once per build
     canonical = next(r for r in plan.rows if r.id.kind is Kind.QUANTIZE).disk_bytes
     outer = from_config(config).outer_params * 2
-    verify = (canonical / hash_rate() + uncached_read_seconds(canonical - outer, files=config["num_hidden_layers"])
-              + uncached_read_seconds(outer))
+    verify = verify_seconds(canonical - outer, files=config["num_hidden_layers"]) + verify_seconds(outer)
     names = [r.name for r in plan.rows]
     verify *= 1 if names.index("export lmdeploy-sm80-tp1") < names.index("export vllm-sm80-tp1") else -1
     assert awq.seconds - vllm.seconds == pytest.approx(layer_linears / REPACK_RATE + io + verify, rel=1e-3)
