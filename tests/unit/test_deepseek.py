@@ -287,6 +287,7 @@ def test_deepseek_v32_is_a_row_of_the_family_tables() -> None:
         assert linear_role("deepseek_v32", name) == role
 
 
+@pytest.mark.heavy  # ~8 s here
 def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(v32: Path, tmp_path: Path,
                                                                                 monkeypatch) -> None:
     """Layer by layer, every quantized Linear of DeepSeek-V3.2 (MLA, the indexer's wq_b, the dense MLP, each routed
