@@ -365,3 +365,28 @@ def test_v32_is_planned_from_its_config_tensor_by_tensor_as_transformers_builds_
     assert planned == theirs
     assert planned["model.layers.3.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
     assert planned["model.layers.3.self_attn.indexer.k_norm.bias"] == (128,)
+
+
+@pytest.mark.heavy  # ~9 s here
+def test_v32_smoothing_pairs_take_the_indexer_with_the_norms_it_reads(v32: Path) -> None:
+    """What discovery traces in a DeepSeek-V3.2 layer: input_layernorm feeds the indexer's kept wk / weights_proj
+    beside q_a_proj and kv_a_proj_with_mqa (scaled with them, so the layer's function holds); q_a_layernorm feeds
+    q_b_proj and the indexer's wq_b, scored by AWQ at q_b_proj (self_attn's own input is the hidden state, not theirs)."""
+    from llmc.quant.algorithms import mappings
+
+    model = _float_model(v32).double()
+    layer = model.model.layers[0]
+    x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    position = torch.arange(16)[None]
+    rotary = model.model.rotary_emb(x, position)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]  # the causal mask the model gives the indexer
+
+    def run():
+        return layer(x, attention_mask=mask, position_ids=position, position_embeddings=rotary)
+
+    found = {m.producer: m for m in mappings.discover(layer, lambda: (x, run()))}
+    attention = found["input_layernorm"]
+    assert set(attention.consumers) == {f"self_attn.{p}" for p in ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk",
+                                                                   "indexer.weights_proj")}
+    latent = found["self_attn.q_a_layernorm"]
+    assert (latent.consumers, latent.parent) == (("self_attn.q_b_proj", "self_attn.indexer.wq_b"), "self_attn.q_b_proj")
