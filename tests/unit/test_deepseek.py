@@ -371,7 +371,8 @@ def test_v32_is_planned_from_its_config_tensor_by_tensor_as_transformers_builds_
 def test_v32_smoothing_pairs_take_the_indexer_with_the_norms_it_reads(v32: Path) -> None:
     """What discovery traces in a DeepSeek-V3.2 layer: input_layernorm feeds the indexer's kept wk / weights_proj
     beside q_a_proj and kv_a_proj_with_mqa (scaled with them, so the layer's function holds); q_a_layernorm feeds
-    q_b_proj and the indexer's wq_b, scored by AWQ at q_b_proj (self_attn's own input is the hidden state, not theirs)."""
+    q_b_proj and the indexer's wq_b, scored by AWQ at q_b_proj (self_attn's own input is the hidden state, not
+    theirs)."""
     from llmc.quant.algorithms import mappings
 
     model = _float_model(v32).double()
