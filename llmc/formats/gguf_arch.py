@@ -76,7 +76,17 @@ MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
-GGUF_REFUSED: dict[str, str] = {}
+GGUF_REFUSED: dict[str, str] = {
+    # llama.cpp 0.3.36 (llama-cpp-python's vendored build) has the DEEPSEEK32 architecture (src/models/deepseek32.cpp,
+    # the indexer as blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}), but its loader aborts without the absorbed MLA
+    # form ("DEEPSEEK32 architecture requires MLA": attention.key_length_mla, attn_k_b / attn_v_b), and llmc writes
+    # DeepSeek's MLA in the decompressed kv_b form only (deepseek2 without key_length_mla, llmc.formats.gguf)
+    "deepseek_v32": "llama.cpp's deepseek32 architecture (src/models/deepseek32.cpp, llama.cpp 0.3.36) requires "
+                    "multi-head latent attention in its absorbed form (attention.key_length_mla, attn_k_b and attn_v_b "
+                    "split from kv_b_proj, k_b stored transposed: a quantized kv_b_proj would need requantizing), "
+                    "which llmc's GGUF exporter does not write (it writes DeepSeek's kv_b_proj whole, the deepseek2 "
+                    "form), nor the lightning indexer's tensors",
+}
 
 # What llmc's GGUF exporter does not write yet for a family it writes: (model_type, config key, the value transformers
 # assumes when config.json lacks the key, the only value written, what is missing). Refused by the exporter.

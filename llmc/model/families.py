@@ -4,14 +4,16 @@ Dense decoder-only families are found structurally (llmc.quant.algorithms.mappin
 quantized expert by expert (llmc.quant.moe) for the families whose fused experts llmc maps to per-expert Linears
 under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, Qwen2-MoE,
 Qwen3-Next, Qwen3.5-MoE (text), MiniMax-M2, gpt-oss, Llama-4 text, DeepSeek-V3 (Kimi-K2: the same model_type;
-multi-head latent attention, shared experts, dense first layers) and GLM-4.5 (tests/unit/test_deepseek.py). How a
+multi-head latent attention, shared experts, dense first layers), DeepSeek-V3.2 (V3 plus a sparse-attention lightning
+indexer in every attention block) and GLM-4.5 (tests/unit/test_deepseek.py). How a
 family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped SwiGLU; Llama-4:
 router-scaled inputs; both: fused tensors in their Hub checkpoints; shared experts and their gates) is data in its
 `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). A shared expert is an ordinary MLP
 inside the block (role shared_experts); a one-row sigmoid gate for it stays in the model's dtype (`KEPT_IN_DTYPE`), as
 do the gated-DeltaNet per-head gate projections of Qwen3-Next / Qwen3.5's linear-attention layers (dense Qwen3.5 too).
+DeepSeek-V3.2's indexer projections wk and weights_proj stay in the model's dtype too (`KEPT_IN_DTYPE` says why).
 Other MoE families are refused with the reason: their blocks hold more than llmc has a tested layout for
-(DeepSeek-V2's, DeepSeek-V3.2's sparse-attention indexer).
+(DeepSeek-V2's).
 """
 
 from __future__ import annotations
@@ -27,12 +29,6 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 # model_type -> why llmc refuses it, for MoE families people ask about
 _WHY_NOT = {
     "deepseek_v2": "multi-head latent attention (low-rank q/kv projections) and shared experts",
-    # DeepSeek Sparse Attention: each layer's lightning indexer (self_attn.indexer.{wq_b, wk, k_norm, weights_proj})
-    # picks the top-k tokens every query attends to; vLLM fuses wk + weights_proj; which of its Linears may be
-    # quantized, with what calibration of a hard top-k choice, has no tested layout here
-    "deepseek_v32": "DeepSeek Sparse Attention's lightning indexer (self_attn.indexer: wq_b, wk, weights_proj, "
-                    "k_norm), which selects the tokens each query attends to and has no tested quantization layout "
-                    "in llmc",
 }
 
 
@@ -87,6 +83,9 @@ LAYOUTS: dict[str, MoeLayout] = {
     # dense SwiGLU MLP, quantized) and a sigmoid top-k router `mlp.gate` with `e_score_correction_bias` (kept in
     # float); their first `first_k_dense_replace` layers hold a dense `mlp`
     "deepseek_v3": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
+    # DeepSeek-V3.2: DeepSeek-V3's block (transformers' conversion_mapping maps both from the same per-expert names);
+    # its attention adds the lightning indexer (self_attn.indexer, `KEPT_IN_DTYPE` below)
+    "deepseek_v32": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
     "glm4_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts"),
     # routed experts + mlp.shared_expert (an MLP) + mlp.shared_expert_gate (Linear, 1 row: KEPT_IN_DTYPE)
     "qwen2_moe": MoeLayout("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert",
@@ -110,7 +109,18 @@ LAYOUTS: dict[str, MoeLayout] = {
 # create_ba_proj / maybe_disable_tp, vllm issue 35924). The conv1d, A_log, dt_bias and norms are no Linears: kept too.
 _SHARED_EXPERT_GATE = {r"mlp\.shared_expert_gate$": "the shared expert's sigmoid gate (one output row)"}
 _DELTANET_GATES = "the gated-DeltaNet per-head decay/beta gate projection (num_v_heads output rows)"
+# DeepSeek-V3.2's lightning indexer (self_attn.indexer: wq_b, wk, k_norm, weights_proj; it picks the index_topk keys
+# each query attends to): vLLM builds wq_b as a quantized ReplicatedLinear (quant_config) but fuses wk and weights_proj
+# into one unquantized GEMM, `wk_weights_proj` (MergedColumnParallelLinear, quant_config=None), upcasting an FP8 wk to
+# bf16 as it loads (vllm-project/vllm: vllm/model_executor/models/deepseek_v2.py, `Indexer` and
+# `_try_load_fp8_indexer_wk`, read at 002d607): a compressed-tensors-quantized wk or weights_proj has no quantized
+# layer to load into there. So wq_b is quantized with the attention (role attention, `self_attn.`), wk and
+# weights_proj stay in the dtype (and in `ignore`); k_norm is a LayerNorm, no Linear.
+_DSA_INDEXER = {r"self_attn\.indexer\.(wk|weights_proj)$":
+                "the sparse-attention indexer's key / head-weight projection (vLLM fuses them into one unquantized "
+                "GEMM, wk_weights_proj)"}
 KEPT_IN_DTYPE: dict[str, dict[str, str]] = {
+    "deepseek_v32": _DSA_INDEXER,
     "qwen2_moe": _SHARED_EXPERT_GATE,
     "qwen3_next": {**_SHARED_EXPERT_GATE, r"linear_attn\.in_proj_ba$": _DELTANET_GATES},
     "qwen3_5_text": {r"linear_attn\.in_proj_[ab]$": _DELTANET_GATES},
@@ -167,10 +177,14 @@ def check_all_experts(config: dict, all_experts: bool) -> None:
 
 
 # model_type -> why llmc does not quantize its KV cache (the scheme's kv_cache is refused at plan time)
+_MLA_CACHE = ("multi-head latent attention caches the compressed latent (kv_a_layernorm's output and the shared "
+              "rope key, one scale in vLLM's MLA cache), not per-head keys and values, which are what llmc "
+              "observes k_scale/v_scale on")
 _NO_KV_CACHE = {
-    "deepseek_v3": "multi-head latent attention caches the compressed latent (kv_a_layernorm's output and the shared "
-                   "rope key, one scale in vLLM's MLA cache), not per-head keys and values, which are what llmc "
-                   "observes k_scale/v_scale on",
+    "deepseek_v3": _MLA_CACHE,
+    # DeepSeek-V3.2: V3's latent cache, plus the indexer's own key cache (vLLM: FP8 with a float32 scale per 128
+    # values, quantized as it is written, DeepseekV32IndexerCache), which no llmc scale reaches either
+    "deepseek_v32": _MLA_CACHE,
 }
 
 

@@ -18,6 +18,9 @@ class ShapeRow:
 
     # "gqa": q/k/v/o projections; "mla": DeepSeek's latent attention (q_lora_rank, kv_lora_rank, nope/rope/v widths)
     attention: str = "gqa"
+    # DeepSeek-V3.2's lightning indexer in each MLA block (self_attn.indexer: wq_b, wk, k_norm LayerNorm, weights_proj;
+    # widths index_n_heads x index_head_dim)
+    indexer: bool = False
     q_gate: bool = False  # q_proj also holds the output gate (Qwen3-Next / Qwen3.5 attn_output_gate): twice the rows
     # biases on q/k/v: True, False, or the config key that says (None: "attention_bias")
     qkv_bias: bool | str | None = None
@@ -84,6 +87,7 @@ SHAPE_ROWS: dict[str, ShapeRow] = {
     "qwen3_5_moe_text": ShapeRow(qk_norm="head", q_gate=True, linear_attention="qkv_z_b_a",
                                  shared_width=_QWEN2_MOE_SHARED),
     "deepseek_v3": ShapeRow(attention="mla", **_DEEPSEEK_MOE),
+    "deepseek_v32": ShapeRow(attention="mla", indexer=True, **_DEEPSEEK_MOE),
     "glm4_moe": ShapeRow(qk_norm="head", qk_norm_key="use_qk_norm", **_DEEPSEEK_MOE),
     "llama4_text": ShapeRow(dense_mlp="feed_forward", dense_width="intermediate_size_mlp", sparse_layers="moe_layers",
                             expert_width="intermediate_size", shared_width=("intermediate_size", None)),

@@ -177,6 +177,8 @@ def from_config(config: dict) -> ModelTensors:
             shapes.update(_gated_deltanet(config, row, p, h))
         elif row.attention == "mla":
             shapes.update(_mla(config, p, h, config["num_attention_heads"]))
+            if row.indexer:
+                shapes.update(_indexer(config, p, h))
         else:
             shapes.update(_attention(config, row, p, h, i))
         layout = LAYOUTS.get(kind)
@@ -325,6 +327,15 @@ def _mla(config: dict, p: str, h: int, heads: int) -> dict[str, tuple[int, ...]]
         out[a + "q_proj.weight"] = (heads * (nope + rope), h)
     return out | {a + "kv_a_proj_with_mqa.weight": (kv_rank + rope, h), a + "kv_a_layernorm.weight": (kv_rank,),
                   a + "kv_b_proj.weight": (heads * (nope + v), kv_rank), a + "o_proj.weight": (h, heads * v)}
+
+
+def _indexer(config: dict, p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3.2's lightning indexer: index_n_heads query heads of index_head_dim from the query latent (wq_b),
+    one key from the hidden state (wk, then a LayerNorm with bias) and a weight per head (weights_proj)."""
+    heads, dim = config["index_n_heads"], config["index_head_dim"]
+    a = f"{p}self_attn.indexer."
+    return {a + "wq_b.weight": (heads * dim, config["q_lora_rank"]), a + "wk.weight": (dim, h),
+            a + "k_norm.weight": (dim,), a + "k_norm.bias": (dim,), a + "weights_proj.weight": (heads, h)}
 
 
 def _gated_deltanet(config: dict, row: ShapeRow, p: str, h: int) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,10 @@ _GPT_OSS_VLLM = (
     "(weight_packed, weight_global_scale) would not load (vllm-project/vllm: vllm/model_executor/models/gpt_oss.py, "
     "GptOssModel._load_weights_other and _try_load_streamed_expert, read at a6b6cfa and as of 2026-09)")
 _GPT_OSS_UNREAD = "its gpt-oss loader was not checked for per-expert compressed-tensors experts (llmc refuses unread)"
+# DeepSeek-V3.2: llmc's artifact keeps the indexer's wk / weights_proj unquantized (in `ignore`) as vLLM's loader
+# needs (llmc.model.families.KEPT_IN_DTYPE); these runtimes' V3.2 indexers were not read against such an artifact
+_DSA_UNREAD = ("its DeepSeek-V3.2 sparse-attention indexer was not checked against a compressed-tensors artifact whose "
+               "indexer wk / weights_proj are unquantized in `ignore` (llmc refuses unread)")
 
 
 class Vllm(Runtime):
@@ -127,7 +131,7 @@ register_runtime(Runtime(
                        source="sgl-project/sglang: python/sglang/srt/layers/quantization/kv_cache.py"),
     },
     known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),
-    refused_families={"gpt_oss": _GPT_OSS_UNREAD},
+    refused_families={"gpt_oss": _GPT_OSS_UNREAD, "deepseek_v32": _DSA_UNREAD},
 ))
 
 register_runtime(Runtime(
@@ -149,5 +153,5 @@ register_runtime(Runtime(
                        source=_TGI_LAYERS + "attention/kv_cache.py"),
     },
     known_versions=("2.0.0", "2.2.0", "2.3.0", "2.4.0", "3.0.0", "3.3.0"),
-    refused_families={"gpt_oss": _GPT_OSS_UNREAD},
+    refused_families={"gpt_oss": _GPT_OSS_UNREAD, "deepseek_v32": _DSA_UNREAD},
 ))

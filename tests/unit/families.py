@@ -74,6 +74,16 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                     "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": 32,
                                     "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
                                     "v_head_dim": 16, "routed_scaling_factor": 2.5}),
+    # DeepSeek-V3.2: DeepSeek-V3's layers plus the lightning indexer in each attention block (wq_b from the query
+    # latent, wk + k_norm + weights_proj from the hidden state: 4 heads of 16, half-split rope on 8 dims), which keeps
+    # index_topk 8 of the tests' 24 tokens for each query, so the sparse selection changes the attention; every layer
+    # MoE here (test_deepseek.py mixes)
+    "deepseek_v32": ("deepseek_v32", {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 1,
+                                      "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": 32,
+                                      "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                                      "v_head_dim": 16, "routed_scaling_factor": 2.5, "index_topk": 8,
+                                      "index_n_heads": 4, "index_head_dim": 16}),
     # GLM-4.5: grouped-query attention with q/k/v biases and partial rotary (no q/k norm, as its config), shared
     # expert, DeepSeek's router
     "glm4_moe": ("glm4_moe", {"num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 4,

@@ -1,11 +1,14 @@
-"""DeepSeek-V3 (and Kimi-K2, the same model_type) and GLM-4.5 beyond what tests/unit/test_moe.py checks on every MoE
-family: the layer stream's calibration forward on a model mixing a dense first layer (first_k_dense_replace) with MoE
-layers under multi-head latent attention, the MTP layer DeepSeek checkpoints carry (skipped and said), the latent KV
-cache (refused), the roles of the family tables, vLLM's fused-MoE scheme rule, and `llmc build` end to end."""
+"""DeepSeek-V3 (and Kimi-K2, the same model_type), DeepSeek-V3.2 (V3 plus its sparse-attention indexer) and GLM-4.5
+beyond what tests/unit/test_moe.py checks on every MoE family: the layer stream's calibration forward on a model
+mixing a dense first layer (first_k_dense_replace) with MoE layers under multi-head latent attention, the MTP layer
+DeepSeek checkpoints carry (skipped and said), the latent KV cache (refused), the roles of the family tables, vLLM's
+fused-MoE scheme rule, V3.2's indexer (which Linears are quantized, GGUF refused, its config-only planner row) and
+`llmc build` end to end."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -187,7 +190,7 @@ def test_vllm_takes_the_families_only_with_schemes_its_fused_moe_runs(mixed: Pat
 
 
 @pytest.mark.slow  # two quantized variants and their evaluations
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "deepseek_v32"])
 def test_llmc_build_of_a_tiny_model_in_fp8_and_w4a16_gptq(family: str, tmp_path: Path) -> None:
     """`llmc build` of a tiny random DeepSeek-V3 (dense first layer, MLA, shared expert, MTP layer in the
     checkpoint) and GLM-4.5: FP8 W8A8 (static activations) and W4A16 GPTQ variants for vLLM, exported as
@@ -198,7 +201,7 @@ def test_llmc_build_of_a_tiny_model_in_fp8_and_w4a16_gptq(family: str, tmp_path:
     from llmc.storage.store import Store
 
     folder = make_tiny(family, tmp_path / "model", num_hidden_layers=3, first_k_dense_replace=1)
-    mtp = _add_mtp_layer(folder) if family == "deepseek_v3" else None
+    mtp = _add_mtp_layer(folder) if family.startswith("deepseek") else None
     recipe = parse_recipe(yaml.safe_dump({
         "name": f"tiny-{family}", "model": {"source": str(folder)},
         "variants": [{"name": "fp8", "quantization": FP8_KV}, {"name": "w4a16", "quantization": W4A16_GPTQ}],
@@ -221,6 +224,12 @@ def test_llmc_build_of_a_tiny_model_in_fp8_and_w4a16_gptq(family: str, tmp_path:
         assert "model.layers.2.mlp.experts.3.down_proj.weight_scale" in names
         assert "model.layers.2.mlp.shared_experts.down_proj.weight_scale" in names
         assert "model.layers.0.mlp.down_proj.weight_scale" in names  # the dense first layer
+        if family == "deepseek_v32":  # the indexer: wq_b quantized, wk / weights_proj in float and ignored
+            assert "model.layers.2.self_attn.indexer.wq_b.weight_scale" in names
+            for kept in ("wk", "weights_proj"):
+                assert f"model.layers.2.self_attn.indexer.{kept}.weight" in names
+                assert any(re.fullmatch(p[3:] if p.startswith("re:") else re.escape(p),
+                                        f"model.layers.2.self_attn.indexer.{kept}") for p in ignore)
         if mtp is not None:
             assert not [k for k in names if k.startswith(f"model.layers.{mtp}.")]
 
@@ -249,11 +258,136 @@ def test_the_routers_correction_bias_stays_float32_in_a_bf16_build(tmp_path: Pat
         assert torch.equal(f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
 
 
-def test_deepseek_v32_is_refused_naming_its_indexer() -> None:
-    """DeepSeek-V3.2 (model_type deepseek_v32): refused from config.json (exit 3) naming the sparse-attention
-    indexer llmc has no tested layout for, with the fix."""
-    from llmc.model.families import check_quantizable
+# DeepSeek-V3.2 (model_type deepseek_v32): DeepSeek-V3's layers plus the lightning indexer in every attention block
+# (tests/unit/families.py: 4 index heads of 16, index_topk 8 of the tests' 24 tokens)
+V32_INDEXER = ("wq_b", "wk", "weights_proj")
 
-    with pytest.raises(IncompatibleTargetError, match="lightning indexer") as refused:
-        check_quantizable({"model_type": "deepseek_v32", "n_routed_experts": 256})
-    assert refused.value.exit_code == 3 and "llm-compressor" in refused.value.fix
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory) -> Path:
+    """Three layers as `mixed` (a dense first layer, then MoE), each attention block with its indexer."""
+    return make_tiny("deepseek_v32", tmp_path_factory.mktemp("deepseek_v32") / "model", num_hidden_layers=3,
+                     first_k_dense_replace=1)
+
+
+def test_deepseek_v32_is_a_row_of_the_family_tables() -> None:
+    """config.json of DeepSeek-V3.2 is quantizable; its indexer's wq_b (reading the query latent) is attention and
+    quantized, wk and weights_proj (vLLM's unquantized wk_weights_proj) stay in the dtype, the rest is DeepSeek-V3's
+    table."""
+    from llmc.model.families import check_quantizable, kept_in_dtype, linear_role
+
+    check_quantizable({"model_type": "deepseek_v32", "n_routed_experts": 256})
+    assert linear_role("deepseek_v32", "self_attn.indexer.wq_b") == "attention"
+    assert kept_in_dtype("deepseek_v32", "model.layers.4.self_attn.indexer.wq_b") is None
+    for kept in ("wk", "weights_proj"):
+        assert "wk_weights_proj" in kept_in_dtype("deepseek_v32", f"model.layers.4.self_attn.indexer.{kept}")
+        assert kept_in_dtype("deepseek_v3", f"model.layers.4.self_attn.indexer.{kept}") is None
+    for name, role in (("mlp.shared_experts.down_proj", "shared_experts"), ("mlp.experts.7.up_proj", "experts"),
+                       ("mlp.gate", "router"), ("mlp.down_proj", "mlp"), ("self_attn.kv_b_proj", "attention")):
+        assert linear_role("deepseek_v32", name) == role
+
+
+@pytest.mark.heavy  # ~8 s here
+def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(v32: Path, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """Layer by layer, every quantized Linear of DeepSeek-V3.2 (MLA, the indexer's wq_b, the dense MLP, each routed
+    expert, the shared expert) sees the per-channel input ranges transformers' whole-model forward gives it, so the
+    indexer's top-k selection (the mask it adds) is computed as there; the written static scales are theirs; the kept
+    wk / weights_proj are never observed."""
+    calib = _ids(4, 1)
+    ref = _linear_input_absmax(_float_model(v32), calib)
+    # the check can fail: keeping every token (index_topk >= the window) gives other attention outputs
+    dense = _linear_input_absmax(_float_model(v32, index_topk=1024), calib)
+    assert not torch.allclose(dense["model.layers.1.self_attn.o_proj"], ref["model.layers.1.self_attn.o_proj"])
+
+    observed = observing_channel_absmax(monkeypatch)
+    stream.quantize_model(ModelSource(v32, "d", "d"), FP8_STATIC, tmp_path / "q", stream.Calibration(calib,
+                                                                                                    batch_size=2))
+    written = {}
+    for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
+        written.update(load_file(str(f)))
+    kept = {f"model.layers.{i}.self_attn.indexer.{p}" for i in range(3) for p in ("wk", "weights_proj")}
+    assert kept <= set(ref) and not kept & set(observed)
+    assert {f"model.layers.{i}.self_attn.indexer.wq_b" for i in range(3)} <= set(observed)
+    # (MLA 5 + wq_b) x3, the dense MLP, 2 x (experts + shared)
+    assert len(observed) == len(ref) - len(kept) == 3 * 6 + 3 + 2 * (4 * 3 + 3)
+    for name, absmax in observed.items():
+        torch.testing.assert_close(absmax, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(written[f"{name}.input_scale"], static_scale(ref[name].amax(),
+                                                                                FP8_STATIC.activations),
+                                   rtol=1e-5, atol=0, msg=name)
+    for name in kept:  # in the model's dtype, no scale
+        assert written[f"{name}.weight"].dtype == torch.float32 and f"{name}.input_scale" not in written
+
+
+@pytest.mark.heavy  # seven plans: ~12 s here
+def test_v32_targets_vllm_and_refuses_the_latent_kv_cache_gguf_and_unread_runtimes(v32: Path) -> None:
+    """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); llama.cpp's GGUF is refused at
+    plan time and by the exporter, naming the absorbed MLA form llama.cpp's deepseek32 requires; SGLang and TGI,
+    whose V3.2 indexers were not read, are refused naming that."""
+    from llmc.formats.gguf import _arch
+    from llmc.planning.plan import make_plan
+
+    for quantization in (FP8_KV, W4A16_GPTQ):
+        assert [t["exporter"] for t in make_plan(_recipe(v32, quantization), v32).targets] == ["compressed-tensors"]
+    with pytest.raises(IncompatibleTargetError, match="multi-head latent attention caches the compressed latent") as no:
+        make_plan(_recipe(v32, {**FP8_KV, "kv_cache": {"format": "fp8_e4m3"}}), v32)
+    assert no.value.exit_code == 3
+    for runtime in ("llama.cpp", "ollama"):
+        with pytest.raises(IncompatibleTargetError, match="deepseek32.*absorbed form") as gguf:
+            make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": runtime}), v32)
+        assert gguf.value.exit_code == 3 and "vllm" in gguf.value.fix
+    with pytest.raises(IncompatibleTargetError, match="key_length_mla"):
+        _arch(json.loads((v32 / "config.json").read_text()))
+    for runtime in ("sglang", "tgi"):
+        with pytest.raises(IncompatibleTargetError, match="sparse-attention indexer was not checked"):
+            make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": runtime}), v32)
+
+
+def test_v32_is_planned_from_its_config_tensor_by_tensor_as_transformers_builds_it() -> None:
+    """The config-only planner row (llmc.model.shape_rows deepseek_v32) at transformers' default (flagship) widths,
+    4 layers (3 dense, 1 MoE): every tensor of transformers' own model of that config, by name and shape (its fused
+    experts split per expert under the Hub names), the indexer's included."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.model.families import LAYOUTS
+    from llmc.planning.shapes import from_config
+
+    kwargs = {"num_hidden_layers": 4, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    config = AutoConfig.for_model("deepseek_v32", **kwargs)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config)
+    theirs = moe.per_expert_shapes({n: tuple(t.shape) for n, t in built.state_dict().items()},
+                                   replace(LAYOUTS["deepseek_v32"], checkpoint_fused=True))
+    planned = from_config(config.to_dict()).shapes
+    assert planned == theirs
+    assert planned["model.layers.3.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
+    assert planned["model.layers.3.self_attn.indexer.k_norm.bias"] == (128,)
+
+
+@pytest.mark.heavy  # ~9 s here
+def test_v32_smoothing_pairs_take_the_indexer_with_the_norms_it_reads(v32: Path) -> None:
+    """What discovery traces in a DeepSeek-V3.2 layer: input_layernorm feeds the indexer's kept wk / weights_proj
+    beside q_a_proj and kv_a_proj_with_mqa (scaled with them, so the layer's function holds); q_a_layernorm feeds
+    q_b_proj and the indexer's wq_b, scored by AWQ at q_b_proj (self_attn's own input is the hidden state, not
+    theirs)."""
+    from llmc.quant.algorithms import mappings
+
+    model = _float_model(v32).double()
+    layer = model.model.layers[0]
+    x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    position = torch.arange(16)[None]
+    rotary = model.model.rotary_emb(x, position)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]  # the causal mask the model gives the indexer
+
+    def run():
+        return layer(x, attention_mask=mask, position_ids=position, position_embeddings=rotary)
+
+    found = {m.producer: m for m in mappings.discover(layer, lambda: (x, run()))}
+    attention = found["input_layernorm"]
+    assert set(attention.consumers) == {f"self_attn.{p}" for p in ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk",
+                                                                   "indexer.weights_proj")}
+    latent = found["self_attn.q_a_layernorm"]
+    assert (latent.consumers, latent.parent) == (("self_attn.q_b_proj", "self_attn.indexer.wq_b"), "self_attn.q_b_proj")

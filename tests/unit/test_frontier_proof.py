@@ -70,6 +70,9 @@ FAMILIES: dict[str, Row] = {
     # a dense first layer before the MoE ones (first_k_dense_replace)
     "deepseek_v3": Row(moe=True, all_experts=True, config=_DENSE_FIRST, mixed_loads=False),
     "glm4_moe": Row(moe=True, all_experts=True, config=_DENSE_FIRST, mixed_loads=False),
+    # DeepSeek-V3's layers plus the sparse-attention indexer (wq_b quantized with the attention, wk / weights_proj
+    # kept and ignored)
+    "deepseek_v32": Row(moe=True, all_experts=True, config=_DENSE_FIRST, mixed_loads=False),
     "qwen2_moe": Row(moe=True, all_experts=True),
     "qwen3_next": Row(moe=True, all_experts=True),
     "qwen3_5_moe": Row(moe=True, all_experts=True),

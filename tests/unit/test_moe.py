@@ -31,7 +31,7 @@ from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
 _QWEN = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 _MIXTRAL = ("block_sparse_moe", ("w1", "w3", "w2"))
 LAYOUT = {"mixtral": _MIXTRAL, "qwen3_moe": _QWEN, "qwen2_moe": _QWEN, "qwen3_next": _QWEN, "qwen3_5_moe": _QWEN,
-          "minimax_m2": _MIXTRAL, "gpt_oss": _QWEN, "deepseek_v3": _QWEN, "glm4_moe": _QWEN}
+          "minimax_m2": _MIXTRAL, "gpt_oss": _QWEN, "deepseek_v3": _QWEN, "glm4_moe": _QWEN, "deepseek_v32": _QWEN}
 ROUTER = {name: "router" if name == "gpt_oss" else "gate" for name in LAYOUT}  # the router's name inside the block
 REFUSED_BY_VLLM = {"gpt_oss"}  # llmc.runtimes.vllm: vLLM's gpt-oss loader reads fused experts only
 # quantized Linears per family (2 layers): attention (4; a gated-DeltaNet layer: in_proj_qkvz, out_proj or
@@ -40,16 +40,19 @@ REFUSED_BY_VLLM = {"gpt_oss"}  # llmc.runtimes.vllm: vLLM's gpt-oss loader reads
 QUANTIZED = {"mixtral": 2 * (4 + 12), "qwen3_moe": 2 * (4 + 12), "qwen2_moe": 2 * (4 + 3 + 12),
              "qwen3_next": (2 + 3 + 12) + (4 + 3 + 12), "qwen3_5_moe": (3 + 3 + 12) + (4 + 3 + 12),
              "minimax_m2": 2 * (4 + 12), "gpt_oss": 2 * (4 + 12), "deepseek_v3": 2 * (5 + 3 + 12),
-             "glm4_moe": 2 * (4 + 3 + 12)}
+             "glm4_moe": 2 * (4 + 3 + 12), "deepseek_v32": 2 * (5 + 1 + 3 + 12)}  # V3.2: MLA + the indexer's wq_b
 # Linears the family keeps in float (llmc.model.families.KEPT_IN_DTYPE), which every export must list as unquantized
 _GATE = ["model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert_gate"]
 KEPT = {"qwen2_moe": _GATE, "qwen3_next": [*_GATE, "model.layers.0.linear_attn.in_proj_ba"],
-        "qwen3_5_moe": [*_GATE, "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"]}
+        "qwen3_5_moe": [*_GATE, "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"],
+        # DeepSeek-V3.2's indexer: wk and weights_proj (vLLM's unquantized wk_weights_proj)
+        "deepseek_v32": [f"model.layers.{i}.self_attn.indexer.{p}" for i in range(2) for p in ("wk", "weights_proj")]}
 # a shared expert beside the routed ones: family -> its name inside the block
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert",
-          "deepseek_v3": "shared_experts", "glm4_moe": "shared_experts"}
+          "deepseek_v3": "shared_experts", "glm4_moe": "shared_experts", "deepseek_v32": "shared_experts"}
 SHARED_GATE = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")  # ... with its own one-row gate (kept, scaled like a router)
-NO_KV_CACHE = ("deepseek_v3",)  # MLA caches a latent: its KV-cache quantization is refused (test_deepseek.py)
+# MLA caches a latent: its KV-cache quantization is refused (test_deepseek.py)
+NO_KV_CACHE = ("deepseek_v3", "deepseek_v32")
 STARVED = 3  # the expert the starved model's layer-0 router never picks
 CHANNEL = 5  # the embedding channel that makes it so
 
@@ -414,9 +417,11 @@ def test_smoothing_the_norm_into_the_experts_is_a_pair_only_with_the_router_scal
     x = torch.randn(1, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     position = torch.arange(16)[None]
     rotary = model.model.rotary_emb(x, position)
+    # DeepSeek-V3.2's indexer takes its top-k over the keys the mask leaves: the causal one its model builds
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()[None, None] if name == "deepseek_v32" else None
 
     def run():
-        return layer(x, attention_mask=None, position_ids=position, position_embeddings=rotary)
+        return layer(x, attention_mask=mask, position_ids=position, position_embeddings=rotary)
 
     out = run()
     added = (out - x).abs().max().item()

@@ -166,8 +166,9 @@ def _run(args: list[str], ranks: int, **env: str) -> subprocess.CompletedProcess
 
 
 SCHEMES = ["w4a16-gptq", "fp8-static"]
-FAMILIES = {  # DeepSeek-V3 with a dense first layer (first_k_dense_replace) before two MoE layers
+FAMILIES = {  # DeepSeek-V3 (and V3.2) with a dense first layer (first_k_dense_replace) before two MoE layers
     "deepseek_v3": {"num_hidden_layers": 3, "first_k_dense_replace": 1},
+    "deepseek_v32": {"num_hidden_layers": 3, "first_k_dense_replace": 1},  # V3 plus the sparse-attention indexer
     "qwen3_moe": {},
 }
 

@@ -256,9 +256,10 @@ def _candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
             module = layer.get_submodule(producer)
             linear = isinstance(module, nn.Linear) and module.out_features == width
             parent = _parent(layer, group, linear)
-            if (len(group) == 1 and parent in trace.module_input
-                    and trace.module_input[parent] != trace.input_of[group[0]]):
-                parent = group[0]  # MLA's q_b_proj / kv_b_proj: self_attn's input is not theirs (AWQ scores it)
+            if parent in trace.module_input and trace.module_input[parent] != trace.input_of[group[0]]:
+                # MLA's q_b_proj / kv_b_proj: self_attn's input is not theirs, so AWQ scores the first consumer's
+                # output (DeepSeek-V3.2: q_b_proj, beside the indexer's wq_b, which takes the same scale)
+                parent = group[0]
             if parent and (linear or is_norm(module, width)):
                 out.append(Mapping(producer, group, parent, not linear))
             continue
