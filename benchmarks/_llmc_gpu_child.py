@@ -127,7 +127,8 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     elem = BYTES[dtype_name]
     available = memory_available()
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto")
+    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto",
+                                  resume_every_s=None)
     recipe = SimpleNamespace(calibration=calibration)
     costing = Costing(recipe=recipe, shape=shapes.Shape.of(tensors, config, elem),
                       machine=Machine(available, gpu_free, str(device), os.cpu_count()),
