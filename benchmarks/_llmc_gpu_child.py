@@ -14,6 +14,10 @@ BENCH_EVAL_WINDOWS=N, the streamed torch evaluation of the export on DEVICE (one
 the calibration file in bf16), its time per decoder layer; with BENCH_PROFILE=FILE, the quantization call under
 cProfile (its time then includes the profiler's), the top functions by cumulative time written to FILE;
 BENCH_RESUME_EVERY_S sets StreamOptions.resume_every_s (0: a resume point after every layer).
+
+BENCH_REPEATS=N (default 1): the quantization call N times in this process, each into a fresh folder (a second run
+into the first's would resume it), one JSON line each with its `repeat`; imports, the floor and the prediction once.
+Only the first repeat's output is exported (what the quality step scores) and profiled.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -57,34 +62,49 @@ def main() -> None:
 
     predicted = planner_prediction(Path(folder), scheme, ids.shape, dtype_name, device)
     resume = os.environ.get("BENCH_RESUME_EVERY_S")
-    options = StreamOptions(dtype=dtype, device=device, on_layer_done=layer_done,
-                            resume_every_s=float(resume) if resume else None)
     profile = os.environ.get("BENCH_PROFILE")
-    profiler = cProfile.Profile() if profile else None
-    t = time.monotonic()
-    if profiler:
-        profiler.enable()
-    quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, Path(out) / "canonical",
-                   Calibration(ids), options)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.monotonic() - t
-    if profiler:
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
-        Path(profile).write_text(text.getvalue())
-    layer_s = [b - a for a, b in zip([t, *done], done)]
-    peak_gpu = peak_gpu_mb(device)
-    export_compressed_tensors(QuantizedModel.open(Path(out) / "canonical"), Path(out) / "export")
-    row = {"wall_s": wall, "layer_s": layer_s, "floor_s": floor, "peak_gpu_mb": peak_gpu,
-           "peak_rss_mb": peak_rss_mb(), "torch": torch.__version__, "predicted": predicted,
-           "resume_every_s": options.resume_every_s}
+    for repeat in range(int(os.environ.get("BENCH_REPEATS", "1"))):
+        done.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        canonical = Path(out) / ("canonical" if repeat == 0 else f"canonical-{repeat}")
+        options = StreamOptions(dtype=dtype, device=device, on_layer_done=layer_done,
+                                resume_every_s=float(resume) if resume else None)
+        profiler = cProfile.Profile() if profile and repeat == 0 else None
+        t = time.monotonic()
+        if profiler:
+            profiler.enable()
+        quantize_model(ModelSource(Path(folder), "synthetic", "synthetic"), scheme, canonical, Calibration(ids),
+                       options)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.monotonic() - t
+        if profiler:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+            Path(profile).write_text(text.getvalue())
+        layer_s = [b - a for a, b in zip([t, *done], done)]
+        peak_gpu = peak_gpu_mb(device)
+        if repeat == 0:
+            export_compressed_tensors(QuantizedModel.open(canonical), Path(out) / "export")
+        else:
+            shutil.rmtree(canonical, ignore_errors=True)
+        row = {"repeat": repeat, "wall_s": wall, "layer_s": layer_s, "floor_s": floor, "peak_gpu_mb": peak_gpu,
+               "peak_rss_mb": peak_rss_mb(), "torch": torch.__version__, "predicted": predicted,
+               "resume_every_s": options.resume_every_s}
+        if repeat == 0:
+            row.update(evaluated(Path(folder), Path(out) / "export", ids, device))
+        print(json.dumps(row), flush=True)
+
+
+def evaluated(folder: Path, export: Path, ids, device) -> dict:
+    """With BENCH_EVAL_WINDOWS=N: the streamed torch evaluation of the export and of the unquantized model, timed."""
     windows = int(os.environ.get("BENCH_EVAL_WINDOWS", "0"))
-    if windows:
-        row["eval"] = {"artifact": streamed_eval_seconds(Path(out) / "export", ids[:windows], device),
-                       "baseline": streamed_eval_seconds(Path(folder), ids[:windows], device)}
-    print(json.dumps(row))
+    if not windows:
+        return {}
+    return {"eval": {"artifact": streamed_eval_seconds(export, ids[:windows], device),
+                     "baseline": streamed_eval_seconds(folder, ids[:windows], device)}}
 
 
 def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name: str, device) -> dict:
@@ -107,7 +127,8 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     elem = BYTES[dtype_name]
     available = memory_available()
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto")
+    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto",
+                                  resume_every_s=None)
     recipe = SimpleNamespace(calibration=calibration)
     costing = Costing(recipe=recipe, shape=shapes.Shape.of(tensors, config, elem),
                       machine=Machine(available, gpu_free, str(device), os.cpu_count()),

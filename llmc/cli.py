@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -74,6 +75,21 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
                           "(repeatable), e.g. --set model.source=/ckpts/llama70b --set targets[0].tensor_parallel=8")
 
 
+def resume_every_option(command):
+    """`--resume-every SECONDS`: the quantize stage's resume interval, as `--set calibration.resume_every_s=SECONDS`
+    (validated and recorded like any override; the files and stage keys do not depend on it)."""
+    @functools.wraps(command)
+    def with_resume_every(*args, resume_every: float | None = None, overrides: tuple[str, ...] = (), **kwargs):
+        if resume_every is not None:
+            overrides = (*overrides, f"calibration.resume_every_s={resume_every:g}")
+        return command(*args, overrides=overrides, **kwargs)
+
+    return click.option("--resume-every", "resume_every", type=click.FloatRange(0, 86400), default=None,
+                        metavar="SECONDS", help="seconds between the quantize stage's resume points (0: after every "
+                        "layer; default: every layer, or every 60 s where the activations stay on a GPU); a kill "
+                        "loses at most about this plus one layer (`llmc plan` prints it)")(with_resume_every)
+
+
 def _reprobe(_ctx: click.Context, _param: click.Parameter, on: bool) -> None:
     if on:  # an environment variable reaches every process of the command (torchrun's ranks too)
         os.environ["LLMC_REPROBE"] = "1"  # llmc.planning.probes reads it
@@ -106,6 +122,7 @@ def _load(recipe_path: Path, overrides: tuple[str, ...] = ()):
 @cache_option
 @threads_option
 @set_option
+@resume_every_option
 @click.option("--no-publish", is_flag=True, help="stop after the gates")
 @click.option("--json", "as_json", is_flag=True, help="print report.json instead of the table")
 @click.option("--junit", type=click.Path(path_type=Path), default=None,
@@ -215,6 +232,7 @@ def _build(recipe: Path, cache_dir: Path | None, threads: int | None, no_publish
 @click.argument("recipe", type=click.Path(path_type=Path))
 @cache_option
 @set_option
+@resume_every_option
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="also estimate data-parallel calibration over this many processes (per rank, per layer)")
 @click.option("--json", "as_json", is_flag=True,
@@ -329,6 +347,7 @@ def _measure_standard() -> None:
 @cache_option
 @threads_option
 @set_option
+@resume_every_option
 def quantize(recipe: Path, cache_dir: Path | None, threads: int | None, overrides: tuple[str, ...]) -> None:
     """Calibrate and quantize RECIPE's model into the canonical quantized form; print its path."""
 

@@ -205,6 +205,20 @@ def _targets(scheme: Scheme, linears: dict[str, tuple[int, int]]) -> set[str]:
     return {n for n in linears if not module_matches(n, scheme.ignore)}
 
 
+def kill_loss_seconds(resume_every_s: float, per_layer: float, layers: int) -> float:
+    """The most quantize work a kill can lose: a layer is a resume point once `resume_every_s` have passed since the
+    last, so up to the interval plus the layer running is redone (never more than the whole loop)."""
+    return min(resume_every_s + per_layer, per_layer * layers)
+
+
+def kill_loss(resume_every_s: float, per_layer: float, layers: int) -> str:
+    """The plan's sentence for the worst case of a kill (llmc plan's quantize row)."""
+    lost = kill_loss_seconds(resume_every_s, per_layer, layers)
+    what = "the interval plus the layer running" if resume_every_s else "the layer running"
+    return (f"a kill loses at most ~{lost:.1f} s of quantization ({what}; "
+            "calibration.resume_every_s or --resume-every sets the interval)")
+
+
 def group_bytes(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dict, elem: int) -> list[dict]:
     """A mixed scheme's groups on this model, in the recipe's order: each group's Linears, parameters and the bytes
     its weights take stored (codes packed, microscaling scales included; an `ignore: true` group's, and those the
@@ -400,6 +414,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     if loop.flow == "shared-statistics":
         strategy = "statistics shared"
     why = loop.describe() or "weights only: no forward pass"
+    if loop.activations != "none":
+        why += f"; {kill_loss(loop.resume_every_s, per_layer, shape.layers)}"
     if by_expert:
         one = shape.expert_params * (e + code_bytes + stored_elem)
         why += (f"; per expert: {one / GB:.2f} GB read, quantized and spilled at a time, "

@@ -220,3 +220,61 @@ def test_killed_during_an_overlapped_write_resumes_identical(spill: str, event: 
     assert _tree_hashes(out) == hashes, f"killed at {event}"
     if event.startswith("quantize:layer:"):  # reported once progress has moved past that layer
         assert f"resuming quantization at layer {int(event.split(':')[2].split('#')[0]) + 1}/3" in resumed.stderr
+
+
+# --------------------------------------------------------------------------- killed between two timed resume points
+
+# The GPU path's layer loop (activations resident on a fake 80 GB GPU: tests/unit/fake_cuda.py), where a resume point
+# is made only every `resume_every_s`: a clock that moves 5 s per read and an interval of 10 s make layer 1 a resume
+# point and layer 2 not (the loop reads the clock at the start, at each layer's end, and after each resume point).
+_RESIDENT_CHILD = """
+import itertools, os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from llmc.model.source import ModelSource
+from llmc.quant import stream
+from llmc.quant.spec import Scheme, TensorSpec
+from llmc.telemetry import events
+from tests.unit.fake_cuda import fake_cuda
+model, out, kill_at = sys.argv[2:5]
+ticks = itertools.count(0.0, 5.0)
+stream.time = type("Clock", (), {"monotonic": staticmethod(lambda: next(ticks))})
+events.subscribe(lambda event: os.kill(os.getpid(), signal.SIGKILL) if event == kill_at else None)
+scheme = Scheme(TensorSpec("fp8_e4m3", "channel"), TensorSpec("fp8_e4m3", "tensor"))
+ids = torch.randint(3, 200, (6, 24), generator=torch.Generator().manual_seed(0))
+with fake_cuda(total_memory=80 * 2**30):
+    stream.quantize_model(ModelSource(Path(model), "t", "t"), scheme, Path(out), stream.Calibration(ids, batch_size=2),
+                          stream.StreamOptions(device="cuda", resume_every_s=10.0,
+                                               on_layer_done=lambda i: events.emit(f"quantize:layer:{i}")))
+"""
+
+
+def _resident_child(model: Path, out: Path, kill_at: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RESIDENT_CHILD, str(REPO), str(model), str(out), kill_at],
+                          env={**os.environ, "LLMC_PROGRESS_JSON": "0"}, capture_output=True, text=True, timeout=600)
+
+
+def test_killed_between_timed_resume_points_on_the_gpu_path_resumes_identical(tmp_path: Path) -> None:
+    """kill -9 after layer 2 of 4, the last resume point after layer 1: the rerun redoes layers 2 and 3 from the inputs
+    saved there (copied off the fake GPU) and writes the clean run's bytes; a kill loses the work since the last resume
+    point, not more."""
+    import json
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", layers=4)
+    clean = _resident_child(model, tmp_path / "clean", "never")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    loop = json.loads((tmp_path / "clean" / "quantized.json").read_text())["layer_loop"]
+    assert loop["activations"] == "device" and loop["resume_every_s"] == 10.0  # the resident path, timed points
+
+    killed = _resident_child(model, tmp_path / "out", "quantize:layer:2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    state = tmp_path / "out" / "state"
+    assert json.loads((state / "progress.json").read_text())["next_layer"] == 2  # layer 1's point, not layer 2's
+    assert (state / "inputs-00002").exists() and not (state / "inputs-00003").exists()
+    resumed = _resident_child(model, tmp_path / "out", "never")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming quantization at layer 2/4" in resumed.stderr
+    assert _tree_hashes(tmp_path / "out") == _tree_hashes(tmp_path / "clean")

@@ -157,3 +157,41 @@ def test_the_resume_interval_is_the_recipes_to_set(tiny_model: Path, tmp_path: P
 
     assert calibration_config(recipe(resume_every_s=120).calibration, Tokens) == \
         calibration_config(recipe().calibration, Tokens)
+
+
+def test_resume_every_sets_the_interval_and_the_plan_says_what_a_kill_loses(tiny_model: Path, tmp_path: Path) -> None:
+    """`--resume-every` is `calibration.resume_every_s` on the command line; the quantize row says the most a kill
+    loses: the layer running without an interval, the interval plus that layer with one (never more than the loop)."""
+    import json
+    import re
+
+    import yaml
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+    from tests.unit.build_helpers import every_stage_recipe
+
+    r = yaml.safe_load(every_stage_recipe(tiny_model, tmp_path / "registry"))
+    r["calibration"]["spill_activations"] = "never"  # spilled inputs make every layer a resume point
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+
+    def quantize_row(*extra: str) -> dict:
+        printed = CliRunner().invoke(main, ["--quiet", "plan", str(recipe), "--json", "--cache-dir",
+                                            str(tmp_path / "c"), *extra])
+        assert printed.exit_code == 0, printed.output
+        rows = json.loads(printed.output[printed.output.index("{"):])["estimates"]["stages"]
+        return next(row for row in rows if row["stage"].startswith("quantize"))
+
+    def lost(row: dict) -> float:
+        return float(re.search(r"a kill loses at most ~([0-9.]+) s of quantization", row["why"]).group(1))
+
+    every_layer, timed = quantize_row(), quantize_row("--resume-every", "0.5")
+    assert every_layer["decision"]["resume_every_s"] == 0.0 and timed["decision"]["resume_every_s"] == 0.5
+    assert "(the layer running;" in every_layer["why"] and "(the interval plus the layer running;" in timed["why"]
+    per_layer = timed["layer_seconds"]
+    assert lost(every_layer) == pytest.approx(every_layer["layer_seconds"], abs=0.051)
+    assert lost(timed) == pytest.approx(min(0.5 + per_layer, per_layer * layers), abs=0.051)
+    bad = CliRunner().invoke(main, ["--quiet", "plan", str(recipe), "--resume-every", "-1"])
+    assert bad.exit_code != 0 and "--resume-every" in bad.output
