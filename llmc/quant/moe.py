@@ -225,7 +225,9 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> d
     if not layout.checkpoint_fused:
         return tensors
     out = dict(tensors)
-    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+    # layer-relative names start at the block ("feed_forward.experts.gate_up_proj"), or at `experts` where the
+    # layer is the block (Gemma-4)
+    for name in [n for n in tensors if n == "experts.gate_up_proj" or n.endswith(".experts.gate_up_proj")]:
         base = name[: -len("gate_up_proj")]
         parts = [out.pop(base + f, None) for f in FUSED_NAMES]
         if parts[1] is None:

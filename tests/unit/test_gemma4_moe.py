@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -93,7 +94,6 @@ def test_gemma4_layer_by_layer_calibration_sees_the_whole_models_activations(gem
     assert all(sum(b["tokens"]) == calib.numel() * 2 for b in tokens.values())  # top-2 of every token
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("scheme_name", ["fp8-static-kv", "int4-gptq"])
 def test_gemma4_moe_export_reloads_with_the_reference_logits(gemma4_moe: Path, scheme_name: str,
                                                              tmp_path: Path) -> None:
@@ -148,3 +148,69 @@ def test_gemma4_moe_is_planned_tensor_by_tensor_as_transformers_builds_it(varian
     planned = from_config(config.to_dict())
     assert planned.shapes == theirs
     assert "model.layers.3.experts.3.down_proj.weight" in planned.shapes
+
+
+@pytest.fixture(scope="module")
+def gguf_export(gemma4_moe: Path, tmp_path_factory):
+    """The tiny model quantized W8A16 (int8 per channel -> Q8_0) and written as GGUF."""
+    from llmc.formats import gguf as G
+    from llmc.model.source import ModelSource
+    from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.spec import Scheme, TensorSpec
+    from llmc.quant.stream import quantize_model
+
+    root = tmp_path_factory.mktemp("gemma4-moe-gguf")
+    quantize_model(ModelSource(gemma4_moe, "t", str(gemma4_moe)), Scheme(TensorSpec("int8", "channel")), root / "q",
+                   None)
+    qm = QuantizedModel.open(root / "q")
+    return qm, G.export_gguf(qm, root / "out")
+
+
+def test_gemma4_moe_gguf_holds_what_llama_cpps_gemma4_reads_for_its_moe_layers(gguf_export) -> None:
+    """Per MoE layer, the tensors src/models/gemma4.cpp load_arch_tensors creates for one (ggml ne order: input dim
+    first): the router ffn_gate_inp [H, E] (F32) with its input scale ffn_gate_inp.scale [H], the merged
+    ffn_gate_up_exps [H, 2I, E] (each expert's gate rows, then its up rows), ffn_down_exps [I, H, E] and its
+    per-expert output scales ffn_down_exps.scale [E], the norms pre_ffw_norm_2, post_ffw_norm_1 / _2, beside the
+    dense MLP; the expert keys; every value decodes to llmc's canonical one (Q8_0: to fp16 block-scale rounding)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    qm, res = gguf_export
+    reader = GGUFReader(str(res.path))
+    tensors = {t.name: t for t in reader.tensors}
+    h, experts, inter = 64, 4, 128
+    moe_layer = {"ffn_gate_inp.weight": (h, experts), "ffn_gate_inp.scale": (h,), "pre_ffw_norm_2.weight": (h,),
+                 "post_ffw_norm_1.weight": (h,), "post_ffw_norm_2.weight": (h,),
+                 "ffn_gate_up_exps.weight": (h, 2 * inter, experts), "ffn_down_exps.weight": (inter, h, experts),
+                 "ffn_down_exps.scale": (experts,), "ffn_gate.weight": (h, 128), "ffn_up.weight": (h, 128),
+                 "ffn_down.weight": (128, h), "ffn_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
+    for i in range(2):
+        for kind, shape in moe_layer.items():
+            assert tuple(int(d) for d in tensors[f"blk.{i}.{kind}"].shape) == shape, (i, kind)
+    assert not [n for n in tensors if "ffn_gate_exps" in n or "ffn_up_exps" in n]
+    for key, value in (("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", inter)):
+        assert reader.fields[f"gemma4.{key}"].contents() == value, key
+
+    canonical = {k: v for t in qm.iter_files() for k, v in t.items()}
+
+    def decoded(name: str) -> np.ndarray:
+        t = tensors[name]
+        return dequantize(t.data, t.tensor_type).reshape([int(d) for d in t.shape[::-1]])
+
+    def weight(module: str) -> np.ndarray:
+        return qm.dequantized_weight(canonical, module).numpy()
+
+    for i in range(2):
+        p = f"model.layers.{i}"
+        gate_up, down = decoded(f"blk.{i}.ffn_gate_up_exps.weight"), decoded(f"blk.{i}.ffn_down_exps.weight")
+        assert tensors[f"blk.{i}.ffn_gate_up_exps.weight"].tensor_type.name == "Q8_0"
+        for e in range(experts):
+            want = np.concatenate([weight(f"{p}.experts.{e}.gate_proj"), weight(f"{p}.experts.{e}.up_proj")])
+            np.testing.assert_allclose(gate_up[e], want, rtol=0, atol=2.0**-10 * float(np.abs(want).max()))
+            want = weight(f"{p}.experts.{e}.down_proj")
+            np.testing.assert_allclose(down[e], want, rtol=0, atol=2.0**-10 * float(np.abs(want).max()))
+        for kind, hf in (("ffn_gate_inp.weight", "router.proj.weight"), ("ffn_gate_inp.scale", "router.scale"),
+                         ("ffn_down_exps.scale", "router.per_expert_scale")):
+            assert tensors[f"blk.{i}.{kind}"].tensor_type.name == "F32", kind
+            np.testing.assert_array_equal(decoded(f"blk.{i}.{kind}").reshape(canonical[f"{p}.{hf}"].shape),
+                                          canonical[f"{p}.{hf}"].float().numpy(), err_msg=kind)
