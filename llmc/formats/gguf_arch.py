@@ -68,11 +68,13 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "llama4_text": GgufFamily("LLAMA4", permute_qk=False),
     # Gemma-4 text (conversion/gemma.py Gemma4Model, norm_shift 0: its RMSNorm multiplies by the weight itself, not
     # 1 + weight; NeoX rope, so q/k keep their rows): per-layer input embeddings, sliding layers with their own head
-    # width, KV-shared trailing layers, proportional rope on the full layers as the rope_freqs tensor
+    # width, KV-shared trailing layers, proportional rope on the full layers as the rope_freqs tensor; its MoE variant
+    # (enable_moe_block): experts merged as ffn_gate_up_exps / ffn_down_exps beside the dense MLP, the router's
+    # scale and per-expert scales (llmc.formats.gguf GATE_UP_EXPERTS, DIRECT_NAMES)
     "gemma4_text": GgufFamily("GEMMA4", permute_qk=False),
 }
 MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
-                             "qwen3_next", "qwen3_5_moe_text", "llama4_text"})
+                             "qwen3_next", "qwen3_5_moe_text", "llama4_text", "gemma4_text"})
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
@@ -90,10 +92,7 @@ GGUF_REFUSED: dict[str, str] = {
 
 # What llmc's GGUF exporter does not write yet for a family it writes: (model_type, config key, the value transformers
 # assumes when config.json lacks the key, the only value written, what is missing). Refused by the exporter.
-GGUF_UNWRITTEN: tuple[tuple[str, str, object, object, str], ...] = (
-    ("gemma4_text", "enable_moe_block", False, False,
-     "Gemma-4's MoE block (router scale, per-expert scales, ffn_gate_up_exps, pre/post norms 1 and 2)"),
-)
+GGUF_UNWRITTEN: tuple[tuple[str, str, object, object, str], ...] = ()
 
 
 def unwritten_violations(config: dict) -> list[str]:

@@ -5,7 +5,8 @@ quantized expert by expert (llmc.quant.moe) for the families whose fused experts
 under their Hub names and whose export round-trip is tested (tests/unit/test_moe.py): Mixtral, Qwen3-MoE, Qwen2-MoE,
 Qwen3-Next, Qwen3.5-MoE (text), MiniMax-M2, gpt-oss, Llama-4 text, DeepSeek-V3 (Kimi-K2: the same model_type;
 multi-head latent attention, shared experts, dense first layers), DeepSeek-V3.2 (V3 plus a sparse-attention lightning
-indexer in every attention block) and GLM-4.5 (tests/unit/test_deepseek.py). How a
+indexer in every attention block), GLM-4.5 (tests/unit/test_deepseek.py) and Gemma-4's MoE variant (its decoder layer
+is the block; tests/unit/test_gemma4_moe.py). How a
 family's experts differ (gpt-oss: biased, gate/up interleaved and stored transposed, a clamped SwiGLU; Llama-4:
 router-scaled inputs; both: fused tensors in their Hub checkpoints; shared experts and their gates) is data in its
 `MoeLayout` row, read by one `Expert` / `ExpertLinears` pair (llmc.quant.moe). A shared expert is an ordinary MLP
@@ -37,11 +38,17 @@ def expert_count(config: dict) -> int:
     return max((int(config[k]) for k in EXPERT_COUNT_KEYS if isinstance(config.get(k), int)), default=0)
 
 
+def experts_per_token(config: dict) -> int | None:
+    """The experts each token is routed to (top-k): num_experts_per_tok, Gemma-4's top_k_experts; None if unsaid."""
+    top = config.get("num_experts_per_tok") or config.get("top_k_experts")
+    return int(top) if top else None
+
+
 @dataclass(frozen=True)
 class MoeLayout:
     """How a family's Hub checkpoints name one MoE block (what vLLM's fused-MoE loaders read)."""
 
-    block: str  # the block's name inside a decoder layer in the Hub checkpoint
+    block: str  # the block's name inside a decoder layer in the Hub checkpoint ("": the layer itself, Gemma-4)
     gate: str  # the per-expert projection names: gate (through the activation), up, down
     up: str
     down: str
@@ -98,6 +105,11 @@ LAYOUTS: dict[str, MoeLayout] = {
     # Mixtral's Hub names (conversion_mapping.py maps minimax_m2 to mixtral); the router's sigmoid scores take the
     # block's e_score_correction_bias buffer, a non-Linear tensor kept as stored
     "minimax_m2": MoeLayout("block_sparse_moe", "w1", "w3", "w2"),
+    # Gemma-4's MoE variant (enable_moe_block): the decoder layer itself is the block (block ""), its experts
+    # `layers.L.experts` beside a dense `mlp` that stays; fused [E, 2I, H] halves in the Hub checkpoint (no conversion
+    # mapping), read per expert as `layers.L.experts.E.{gate,up,down}_proj` by vLLM's gemma4.py _weight_iterator; the
+    # router `layers.L.router` (norm, scale, per_expert_scale) projects through `router.proj`, an nn.Linear kept
+    "gemma4_text": MoeLayout("", "gate_proj", "up_proj", "down_proj", router="router.proj", checkpoint_fused=True),
 }
 
 # model_type -> Linears of a decoder layer that stay in the model's dtype, as for MoE routers: regex on the name inside
@@ -252,8 +264,12 @@ _HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 
 LINEAR_ROLES: dict[str, dict[str, str]] = {
     **{family: _moe_roles(layout, _HYBRID_ATTENTION if family in _HYBRID_FAMILIES else _ATTENTION)
-       for family, layout in LAYOUTS.items()},
+       for family, layout in LAYOUTS.items() if layout.block},
     "qwen3_5_text": {"attention": _HYBRID_ATTENTION, "mlp": r"mlp\."},
+    # Gemma-4: the layer is the MoE block (experts and router directly in it); its dense `mlp` runs beside them, and
+    # the per-layer-input gate and projection (a gated feed-forward path of their own) count as MLP too
+    "gemma4_text": {"attention": _ATTENTION, "experts": r"experts\.\d+\.", "router": r"router\.proj$",
+                    "mlp": r"(mlp\.|per_layer_(input_gate|projection)$)"},
 }
 
 

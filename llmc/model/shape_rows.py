@@ -38,7 +38,8 @@ class ShapeRow:
     # linear_attention: "qkvz" (Qwen3-Next: in_proj_qkvz + in_proj_ba), "qkv_z_b_a" (Qwen3.5: four projections)
     linear_attention: str | None = None
     # MoE (the family has a LAYOUTS row): which layers are sparse ("all", "first_k_dense": first_k_dense_replace,
-    # "sparse_step": mlp_only_layers + decoder_sparse_step, "moe_layers": moe_layers / interleave_moe_layer_step)
+    # "sparse_step": mlp_only_layers + decoder_sparse_step, "moe_layers": moe_layers / interleave_moe_layer_step,
+    # "enable_moe_block": every layer where that config key is true, none otherwise: Gemma-4)
     sparse_layers: str = "all"
     expert_width: str = "moe_intermediate_size"  # a routed expert's width's config key
     # the shared expert's width: (config key, config key of a multiplier or None) (DeepSeek: moe width x n_shared)
@@ -54,6 +55,11 @@ class ShapeRow:
     # earlier layers' keys/values (no k/v projections or k norm) with MLPs twice as wide under use_double_wide_mlp,
     # full layers without v_proj under attention_k_eq_v (Gemma-4)
     per_layer_attention: bool = False
+    # Gemma-4's MoE variant (sparse_layers "enable_moe_block": every layer): the MoE block runs beside the dense MLP,
+    # with the norms only such a layer has and the router's vectors besides its weight (name -> "hidden" / "experts")
+    moe_beside_mlp: bool = False
+    moe_norms: tuple[str, ...] = ()
+    router_vectors: tuple[tuple[str, str], ...] = ()
 
 
 _QWEN3 = ShapeRow(qk_norm="head")
@@ -76,7 +82,10 @@ SHAPE_ROWS: dict[str, ShapeRow] = {
     "apertus": ShapeRow(qk_norm="head", norms=("attention_layernorm", "feedforward_layernorm"), mlp="up_down"),
     "qwen3_5_text": ShapeRow(qk_norm="head", q_gate=True, linear_attention="qkv_z_b_a"),
     "gemma4_text": ShapeRow(qk_norm="head", norms=_GEMMA_NORMS, per_layer_inputs=True, layer_scalar=True,
-                            per_layer_attention=True),
+                            per_layer_attention=True, sparse_layers="enable_moe_block", moe_beside_mlp=True,
+                            moe_norms=("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                                       "pre_feedforward_layernorm_2"),
+                            router_vectors=(("router.scale", "hidden"), ("router.per_expert_scale", "experts"))),
     # MoE families (the names of their blocks: families.LAYOUTS)
     "mixtral": ShapeRow(expert_width="intermediate_size"),
     "minimax_m2": ShapeRow(qk_norm="full", expert_width="intermediate_size", score_bias="e_score_correction_bias"),

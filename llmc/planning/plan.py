@@ -26,7 +26,7 @@ from llmc.model.checkpoint import INDEX_FILE, read_model_config
 from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import (LAYOUTS, check_all_experts, check_kv_cache, check_quantizable, expert_count,
-                                  kept_in_dtype, unloaded_layers_note)
+                                  experts_per_token, kept_in_dtype, unloaded_layers_note)
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
@@ -1004,7 +1004,7 @@ def _distributed_estimate(plan: Plan, config: dict, shapes: dict, nproc: int) ->
     layer = layer_shapes(shapes, moe_layer(shapes))  # an MoE model: a layer with its experts
     deferred_gb = 0.0
     if experts and work.hessians:
-        share = 1.0 if c.moe_calibrate_all_experts else int(config.get("num_experts_per_tok") or 1) / experts
+        share = 1.0 if c.moe_calibrate_all_experts else (experts_per_token(config) or 1) / experts
         deferred_gb = deferred_bytes(layer, c.samples * c.seq_len / nproc, share, BYTES.get(m.dtype, 4)) / 1e9
     return plan_estimate(m.layers, m.device, plan.calibration_s, plan.peak_memory_gb, layer, work,
                          nproc, activations_gb, flops, deferred_gb)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import InputError
-from llmc.model.families import LAYOUTS, MoeLayout, expert_count
+from llmc.model.families import LAYOUTS, MoeLayout, expert_count, experts_per_token
 from llmc.model.shape_rows import SHAPE_ROWS, ShapeRow, layer_attention
 
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
@@ -158,9 +158,6 @@ def from_config(config: dict) -> ModelTensors:
         raise InputError(f"planning from config.json alone knows the {', '.join(CONFIG_FAMILIES)} layouts, not "
                          f"{kind!r}", fix="plan with the checkpoint itself (model.source: its folder)")
     row = SHAPE_ROWS[kind]
-    if row.per_layer_attention and config.get("enable_moe_block"):
-        raise InputError(f"planning {kind} from config.json alone does not lay out its MoE block (enable_moe_block)",
-                         fix="plan with the checkpoint itself (model.source: its folder)")
     h, n_layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not config.get("tie_word_embeddings", False):
@@ -182,9 +179,10 @@ def from_config(config: dict) -> ModelTensors:
         else:
             shapes.update(_attention(config, row, p, h, i))
         layout = LAYOUTS.get(kind)
-        if layout is not None and _sparse(config, row, i):
+        sparse = layout is not None and _sparse(config, row, i)
+        if sparse:
             shapes.update(_moe(config, row, layout, p, h))
-        else:
+        if not sparse or row.moe_beside_mlp:
             shapes.update(_dense_mlp(config, row, f"{p}{row.dense_mlp}.", h, 2 if _double_wide(config, row, i) else 1))
         if per_layer:
             shapes |= {f"{p}per_layer_input_gate.weight": (per_layer, h),
@@ -273,6 +271,8 @@ def _sparse(config: dict, row: ShapeRow, i: int) -> bool:
             step = config.get("interleave_moe_layer_step") or 1
             moe_layers = list(range(step - 1, config["num_hidden_layers"], step))
         return i in moe_layers
+    if row.sparse_layers == "enable_moe_block":
+        return bool(config.get("enable_moe_block"))
     return True
 
 
@@ -282,14 +282,18 @@ def _moe(config: dict, row: ShapeRow, layout: MoeLayout, p: str, h: int) -> dict
     from llmc.quant.moe import per_expert_shapes
 
     experts, inter = expert_count(config), config[row.expert_width]
-    b = f"{p}{layout.block}."
+    b = f"{p}{layout.block}." if layout.block else p  # "": the decoder layer is the block (Gemma-4)
     out: dict[str, tuple[int, ...]] = {f"{b}{layout.router}.weight": (experts, h)}
+    out |= {f"{b}{name}": (h if width == "hidden" else experts,) for name, width in row.router_vectors}
+    out |= {f"{p}{norm}.weight": (h,) for norm in row.moe_norms}
     if row.router_bias:
         out[f"{b}{layout.router}.bias"] = (experts,)
     if row.score_bias:
         out[b + row.score_bias] = (experts,)
     if layout.checkpoint_fused:
-        fused = {b + "experts.gate_up_proj": (experts, h, 2 * inter), b + "experts.down_proj": (experts, inter, h)}
+        fused = ({b + "experts.gate_up_proj": (experts, h, 2 * inter), b + "experts.down_proj": (experts, inter, h)}
+                 if layout.transposed else  # [E, in, out] (gpt-oss, Llama-4); else [E, out, in] (Gemma-4)
+                 {b + "experts.gate_up_proj": (experts, 2 * inter, h), b + "experts.down_proj": (experts, h, inter)})
         if layout.bias:
             fused |= {b + "experts.gate_up_proj_bias": (experts, 2 * inter), b + "experts.down_proj_bias": (experts, h)}
         out |= per_expert_shapes(fused, layout)
@@ -396,7 +400,7 @@ def inputs_per_token(linears: dict[str, tuple[int, int]], config: dict) -> float
 def active_fraction(config: dict) -> float:
     """The share of expert parameters a token runs through (1 for dense models): top-k of the experts."""
     experts = expert_count(config)  # DeepSeek's n_routed_experts too
-    top = config.get("num_experts_per_tok") or experts
+    top = experts_per_token(config) or experts
     return top / experts if experts else 1.0
 
 

@@ -32,13 +32,14 @@ all of them, while the block's output still takes only the routed rows (statisti
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from llmc.model.families import LAYOUTS, MoeLayout, all_experts_refused
+from llmc.model.families import LAYOUTS, MoeLayout, all_experts_refused, experts_per_token
 
 
 class ClampedSwiGLU:
@@ -92,11 +93,14 @@ class Expert(nn.Module):
 
 class ExpertLinears(nn.ModuleList):
     """Drop-in for transformers' fused experts module: same forward signature and arithmetic, per-expert Linears.
-    `routing` is the layout's: "top_k" (hidden, top-k index, top-k weights) or "scaled_input" (Llama-4)."""
+    `routing` is the layout's: "top_k" (hidden, top-k index, top-k weights) or "scaled_input" (Llama-4). `routers`:
+    the block's routers by name (`block_routers`), where its children cannot say (Gemma-4, whose block is the
+    decoder layer, holding other Linears)."""
 
-    def __init__(self, experts: list[Expert], routing: str = "top_k") -> None:
+    def __init__(self, experts: list[Expert], routing: str = "top_k", routers: tuple[str, ...] | None = None) -> None:
         super().__init__(experts)
         self.routing = routing
+        self.routers = routers
         self.all_tokens = False  # statistics mode: every expert sees every token (output still routed)
         self.routed: torch.Tensor | None = None  # tokens routed per expert, counted while set
         # expert-by-expert streaming (llmc.quant.expert_stream): called instead of the loop, with the block's routing
@@ -196,7 +200,22 @@ def expert_linears(fused: nn.Module, layout: MoeLayout) -> ExpertLinears:
     for t in split_experts(layout, fused.gate_up_proj.data, fused.down_proj.data, *bias):
         experts.append(Expert(layout, *(_linear_view(t[f"{p}.weight"], t.get(f"{p}.bias")) for p in ("gate", "up", "down")),
                               glu))
-    return ExpertLinears(experts, layout.routing)
+    # a block that is the decoder layer itself (Gemma-4) holds other 2-D Linears beside its router: name it
+    return ExpertLinears(experts, layout.routing, None if layout.block else (layout.router,))
+
+
+def block_path(block: str, rest: str) -> str:
+    """`rest` inside the MoE block `block` (layer-relative; "" where the decoder layer is the block: Gemma-4)."""
+    return f"{block}.{rest}" if block else rest
+
+
+def block_routers(block: nn.Module, experts: ExpertLinears) -> list[str]:
+    """Block-relative names of `block`'s routers (kept in high precision): the layout's where the experts carry them,
+    else every child with a 2-D weight beside the experts (a router or a shared expert's one-row gate)."""
+    if experts.routers is not None:
+        return list(experts.routers)
+    return [n for n, m in block.named_children() if not isinstance(m, ExpertLinears)
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> dict[str, torch.Tensor]:
@@ -206,7 +225,9 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> d
     if not layout.checkpoint_fused:
         return tensors
     out = dict(tensors)
-    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+    # layer-relative names start at the block ("feed_forward.experts.gate_up_proj"), or at `experts` where the
+    # layer is the block (Gemma-4)
+    for name in [n for n in tensors if n == "experts.gate_up_proj" or n.endswith(".experts.gate_up_proj")]:
         base = name[: -len("gate_up_proj")]
         parts = [out.pop(base + f, None) for f in FUSED_NAMES]
         if parts[1] is None:
@@ -249,6 +270,9 @@ def unfuse_experts(model: nn.Module) -> list[str]:
     blocks = []
     for name, block in found:
         block.experts = expert_linears(block.experts, layout)
+        if not layout.block:  # the decoder layer is the block (Gemma-4): nothing to rename
+            blocks.append(name)
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         if attr != layout.block:  # Mixtral: the layer calls self.mlp, the Hub names the block block_sparse_moe
@@ -272,7 +296,7 @@ def expert_names(layer: nn.Module) -> dict[str, tuple[int, int]]:
     for b, (name, _block, experts) in enumerate(routed_blocks(layer)):
         for e, expert in enumerate(experts):
             for proj in expert.names:
-                out[f"{name}.experts.{e}.{proj}"] = (b, e)
+                out[block_path(name, f"experts.{e}.{proj}")] = (b, e)
     return out
 
 
@@ -305,8 +329,8 @@ def starved_linears(layer: nn.Module, prefix: str, counts: dict[str, torch.Tenso
     out = []
     for block, routed in counts.items():
         for e in (routed == 0).nonzero().flatten().tolist():
-            for proj in layer.get_submodule(f"{block}.experts.{e}").names:
-                name = f"{prefix}{block}.experts.{e}.{proj}"
+            for proj in layer.get_submodule(block_path(block, f"experts.{e}")).names:
+                name = prefix + block_path(block, f"experts.{e}.{proj}")
                 if name in linears:
                     out.append(name)
     return out
@@ -361,12 +385,13 @@ class TokenReport:
 
         for block, counts in routed.items():
             tokens = counts.tolist()
-            top_k = int(config.get("num_experts_per_tok") or 1)
+            top_k = experts_per_token(config) or 1
             threshold = min_tokens if min_tokens is not None else default_min_tokens(calibration_tokens, len(tokens),
                                                                                      top_k)
             below = [e for e, n in enumerate(tokens) if n < threshold]
             starved = [e for e, n in enumerate(tokens) if n == 0] if not self.all_experts else []
-            name = prefix + block
+            name = full_block_name(prefix, block)
+            block = block or "experts"  # Gemma-4: the layer is the block
             self.blocks[name] = {"layer": layer_index, "tokens": tokens, "min_tokens": threshold, "below": below,
                                  "starved": starved}
             log(f"layer {layer_index} {block}: calibration tokens routed to experts 0..{len(tokens) - 1}: {tokens}")
@@ -393,12 +418,17 @@ class TokenReport:
         return {"calibrate_all_experts": self.all_experts, "blocks": self.blocks}
 
 
+def full_block_name(prefix: str, block: str) -> str:
+    """A block's full name from its layer's prefix ("model.layers.3.") and its layer-relative name ("" for Gemma-4,
+    whose layer is the block: "model.layers.3")."""
+    return prefix + block if block else prefix.rstrip(".")
+
+
 def layer_routers(layer: nn.Module) -> set[str]:
     """Layer-relative names of the routers of `layer`'s MoE blocks: kept in high precision even where they are
-    nn.Linear (Llama-4's Llama4Router)."""
-    return {f"{name}.{n}" for name, block, _experts in routed_blocks(layer) for n, m in block.named_children()
-            if not isinstance(m, ExpertLinears) and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2}
+    nn.Linear (Llama-4's Llama4Router, Gemma-4's router.proj)."""
+    return {block_path(name, n) for name, block, experts in routed_blocks(layer)
+            for n in block_routers(block, experts)}
 
 
 def router_names(model: nn.Module, blocks: list[str]) -> list[str]:
@@ -406,8 +436,7 @@ def router_names(model: nn.Module, blocks: list[str]) -> list[str]:
     out = []
     for name in blocks:
         block = model.get_submodule(name)
-        out += [f"{name}.{n}" for n, m in block.named_children() if not isinstance(m, ExpertLinears)
-                and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+        out += [f"{name}.{n}" for n in block_routers(block, block.experts)]
     return out
 
 
@@ -420,7 +449,7 @@ def canonical_entry(model: nn.Module, blocks: list[str], report: TokenReport | N
         "layout": {"block": layout.block, "gate": layout.gate, "up": layout.up, "down": layout.down},
         "blocks": blocks,
         "routers": routers,
-        "ignore": [f"re:.*\\.{layout.block}\\.{layout.router}$"],
+        "ignore": ["re:.*\\." + re.escape(block_path(layout.block, layout.router)) + "$"],
         "tokens": report.to_dict() if report is not None else None,
     }
 

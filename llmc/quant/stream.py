@@ -488,7 +488,7 @@ def _quantize_layer_by_expert(s: Stream, flow: DataFlow, w: LayerWork, m: _Model
                 observe_batches(w.module, resident, w.kv_modules, observe, s.hidden, w.extras, w.stats)
         starved = [] if s.moe_all_experts else moe.starved_linears(w.module, w.prefix, w.routed, w.linears)
         for block, d in blocks.items():
-            experts = w.module.get_submodule(f"{block}.experts")
+            experts = w.module.get_submodule(moe.block_path(block, "experts"))
             for e in steps(range(len(experts)), f"layer {w.index} experts", total=len(experts)):
                 _quantize_expert(s, w, m, block, e, experts, d if calibrating else None, observe, starved, members,
                                  schemes, parts)
@@ -518,7 +518,7 @@ def _quantize_expert(s: Stream, w: LayerWork, m: _Model, block: str, e: int, exp
                      parts: expert_stream.LayerParts) -> None:
     """Expert e of `block`: read from the checkpoint (its own tensors), run on the kept calls with its Linears
     observed (`d`; None: data-free), quantized, its tensors spilled, its weights dropped."""
-    name = f"{block}.experts.{e}"
+    name = moe.block_path(block, f"experts.{e}")
     expert, prefix = experts[e], f"{w.prefix}{name}."
     materialize(expert, m.reader.with_prefix(prefix), s.dtype)
     moe.check_materialized(expert, prefix, m.reader.folder)

@@ -127,6 +127,15 @@ OUTER_LINEAR_FAMILIES: dict[str, tuple[str, dict]] = {
                                "hidden_size_per_layer_input": 8}),
 }
 
+# Gemma-4's MoE variant (tests/unit/test_gemma4_moe.py): every layer runs a routed block (4 experts, top-2; router
+# with its own norm, scale and per-expert scales) beside its dense MLP; the decoder layer is the block (experts and
+# router directly in it, beside the per-layer-input Linears, 32 wide as in test_frontier_proof)
+GEMMA4_MOE: dict[str, tuple[str, dict]] = {
+    "gemma4_moe": ("gemma4_text", {**OUTER_LINEAR_FAMILIES["gemma4"][1], "hidden_size_per_layer_input": 32,
+                                   "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                   "moe_intermediate_size": 128}),
+}
+
 # Gemma-4 as its GGUF tests build it (tests/unit/test_gguf_gemma4.py, tests/integration/test_gguf_moe_llamacpp.py):
 # every feature llama.cpp's gemma4 reads beyond Gemma 3's: the full layers' heads twice as wide as the sliding ones
 # (key_length vs key_length_swa), one KV head there with values from k_proj (attention_k_eq_v: no v_proj), the last
@@ -168,11 +177,11 @@ def make_tiny(family: str, folder: Path, *, seed: int = 0, **config) -> Path:
     safetensors folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **LLAMA4, **OUTER_LINEAR_FAMILIES,
+    model_type, overrides = {**FAMILIES, **MOE_FAMILIES, **LLAMA4, **OUTER_LINEAR_FAMILIES, **GEMMA4_MOE,
                              **NEWCOMER_FAMILIES}[family]
     tok = make_tokenizer()
     torch.manual_seed(seed)
-    if family in OUTER_LINEAR_FAMILIES:
+    if family in OUTER_LINEAR_FAMILIES or family in GEMMA4_MOE:
         overrides = {**overrides, "vocab_size_per_layer_input": len(tok)}
     if model_type.startswith("qwen3_5"):  # transformers reads it as Qwen3_5Tokenizer, whose default pad token
         tok.pad_token = tok.eos_token  # (<|endoftext|>) this vocabulary lacks: it would be added past the embedding

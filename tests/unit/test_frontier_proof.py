@@ -39,7 +39,7 @@ import yaml
 from safetensors.torch import load_file
 
 from llmc.quant import moe
-from tests.unit.families import LLAMA4, MOE_FAMILIES, NEWCOMER_FAMILIES, make_tiny
+from tests.unit.families import GEMMA4_MOE, LLAMA4, MOE_FAMILIES, NEWCOMER_FAMILIES, make_tiny
 
 SEQ = 24
 
@@ -79,6 +79,8 @@ FAMILIES: dict[str, Row] = {
     "minimax_m2": Row(moe=True, all_experts=True),
     "gpt_oss": Row(moe=True, all_experts=True, decode="refuse", build=False, tier="heavy"),
     "llama4_text": Row(moe=True, decode="refuse"),
+    # Gemma-4's MoE variant (the decoder layer is the block): transformers has no per-expert names for its experts
+    "gemma4_moe": Row(moe=True, all_experts=True, decode="refuse"),
     "qwen3_5": Row(moe=False),
     # per-layer inputs 32 wide (the tiny default, 8, is narrower than a W4A16 group; Gemma-4's own: 256)
     "gemma4": Row(moe=False, config=(("hidden_size_per_layer_input", 32),)),
@@ -88,7 +90,7 @@ FAMILIES: dict[str, Row] = {
     "seed_oss": Row(moe=False),
     "apertus": Row(moe=False),
 }
-assert set(FAMILIES) == {*MOE_FAMILIES, *LLAMA4, "qwen3_5", "gemma4", *NEWCOMER_FAMILIES}
+assert set(FAMILIES) == {*MOE_FAMILIES, *LLAMA4, *GEMMA4_MOE, "qwen3_5", "gemma4", *NEWCOMER_FAMILIES}
 
 # transformers 5.23 (integrations/compressed_tensors.py) decompresses every non-expert Linear with one config group,
 # `get_dense_scheme`: the first whose `re:` targets do not contain the word "experts". A `shared_experts` module in

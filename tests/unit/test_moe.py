@@ -683,6 +683,9 @@ def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor
         state[f"{module}.weight"] = compressor.decompress(state.pop(module), scheme)["weight"].float()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
+        if isinstance(getattr(layer, "experts", None), torch.nn.Module):  # Gemma-4: [E, out, in], halves
+            _refuse_gemma4_experts(layer.experts, state, f"model.layers.{i}.experts")
+            continue
         block = "mlp" if hasattr(layer, "mlp") else "feed_forward"
         p, experts = f"model.layers.{i}.{block}.experts", getattr(getattr(layer, block), "experts", None)
         if experts is None:  # Llama-4's dense layers
@@ -703,6 +706,17 @@ def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor
     assert not unexpected and all(".experts." in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def _refuse_gemma4_experts(experts, state: dict, p: str) -> None:
+    """Gemma-4's fused experts (gate_up_proj [E, 2I, H]: gate rows then up rows; down_proj [E, H, I]) from the
+    per-expert tensors `p`.E.{gate,up,down}_proj.weight of `state` (popped)."""
+    inter = experts.gate_up_proj.shape[1] // 2
+    with torch.no_grad():
+        for e in range(experts.gate_up_proj.shape[0]):
+            experts.gate_up_proj[e][:inter] = state.pop(f"{p}.{e}.gate_proj.weight")
+            experts.gate_up_proj[e][inter:] = state.pop(f"{p}.{e}.up_proj.weight")
+            experts.down_proj[e] = state.pop(f"{p}.{e}.down_proj.weight")
 
 
 @pytest.mark.heavy

@@ -176,7 +176,8 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
         if name:
             handles.append(module.register_forward_hook(out_hook(name)))
             handles.append(module.register_forward_pre_hook(first_input_hook(name), with_kwargs=True))
-        if name in linears or name in blocks:
+        if name in linears or (name and name in blocks):  # a layer that is its own block (Gemma-4): its input is
+            # the residual stream, which no module of the layer produces
             handles.append(module.register_forward_pre_hook(in_hook(name)))
     experts_input: dict[str, int] = {}  # MoE block -> the tensor its experts module was given
 
@@ -199,9 +200,11 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
     for name in sorted(inputs, key=first_call.__getitem__):
         by_input.setdefault(inputs[name], []).append(name)
     groups = [tuple(g) for g in by_input.values() if g[0] not in blocks]
-    readers = {b: tuple(n for n in by_input[inputs[b]] if n.startswith(f"{b}.")) for b in blocks if b in inputs}
-    beside = {b: tuple(n for g in groups for n in g if inputs[n] == experts_input[b] and n.startswith(f"{b}.")
-                       and not n.startswith(f"{b}.experts.")) for b in blocks if b in experts_input}
+    inside = {b: f"{b}." if b else "" for b in blocks}  # "": the decoder layer is the block (Gemma-4)
+    readers = {b: tuple(n for n in by_input[inputs[b]] if n.startswith(inside[b]) and n != b) for b in blocks
+               if b in inputs}
+    beside = {b: tuple(n for g in groups for n in g if inputs[n] == experts_input[b] and n.startswith(inside[b])
+                       and not n.startswith(f"{inside[b]}experts.")) for b in blocks if b in experts_input}
     producer_of = {g: produced.get(inputs[g[0]], produced.get(reshaped_from.get(inputs[g[0]], -1))) for g in groups}
     return _Trace(groups, producer_of, first_call, {b: produced.get(inputs[b]) for b in blocks if b in inputs},
                   readers, inputs, module_input, beside)
@@ -226,17 +229,16 @@ def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
     out = []
     for name, block, experts in moe.routed_blocks(layer):
         producer = trace.block_input_producer.get(name)
-        gate_up = tuple(f"{name}.experts.{e}.{p}" for e, x in enumerate(experts) for p in x.names[:2])
+        gate_up = tuple(moe.block_path(name, f"experts.{e}.{p}") for e, x in enumerate(experts) for p in x.names[:2])
         gate_up += trace.block_input_readers.get(name, ())  # DeepSeek's shared experts read the block input itself
-        router = [f"{name}.{n}" for n, m in block.named_children() if m is not experts and isinstance(
-            getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+        router = [moe.block_path(name, n) for n in moe.block_routers(block, experts)]
         # a shared expert reads the block's whole input beside the routed experts: its gate/up are consumers too (its
         # sigmoid gate, a Linear child of the block, is scaled with the router and stays unquantized)
         shared = tuple(n for n in trace.beside_experts.get(name, ()) if n not in router and n not in gate_up)
         if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
             out.append(Mapping(producer, gate_up + shared, name, True, also_scaled=tuple(router), routed=True))
         for e, x in enumerate(experts):
-            _gate, up, down = (f"{name}.experts.{e}.{p}" for p in x.names)
+            _gate, up, down = (moe.block_path(name, f"experts.{e}.{p}") for p in x.names)
             out.append(Mapping(up, (down,), down, False))
     return out
 
