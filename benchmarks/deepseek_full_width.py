@@ -38,7 +38,6 @@ from full_width import ROOT, du  # noqa: E402
 SHARD_BYTES = 2 << 30
 BLOCK = 128
 SCALE_INV = 5e-5  # a code of 448 decodes to 0.022: weights of a trained model's order
-RECIPE = ROOT / "recipes" / "deepseek-r1-nvfp4.yaml"
 
 
 def fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
