@@ -45,11 +45,13 @@ def fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
     return ".layers." in name and name.endswith(".weight") and len(shape) == 2 and not name.endswith("mlp.gate.weight")
 
 
-def write_checkpoint(out: Path, layers: int, dense: int, tokenizer_from: Path) -> dict:
+def write_checkpoint(out: Path, layers: int, dense: int, tokenizer_from: Path, experts: int | None = None) -> dict:
     from llmc.planning.shapes import from_config
 
     config = json.loads((ROOT / "recipes" / "configs" / "DeepSeek-V3" / "config.json").read_text())
     config.update(num_hidden_layers=layers, first_k_dense_replace=dense)
+    if experts is not None:  # fewer routed experts, every width kept (the expert-by-expert path's cost is per expert)
+        config.update(n_routed_experts=experts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dense", type=int, default=1, help="first_k_dense_replace")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts per MoE layer (default DeepSeek-V3's 256; a multiple of its 8 groups)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--min-free-gb", type=float, default=3.0, help="stop the child below this much free disk")
     ap.add_argument("--keep", action="store_true")
@@ -189,13 +193,14 @@ def main() -> None:
     written = None
     if not (args.reuse and (ckpt / "model.safetensors.index.json").is_file()):
         shutil.rmtree(args.work, ignore_errors=True)
-        written = write_checkpoint(ckpt, args.layers, args.dense, tokenizer)
+        written = write_checkpoint(ckpt, args.layers, args.dense, tokenizer, args.experts)
         os.sync()  # a user's checkpoint is on disk already: no write-back during the run
     write_s = time.time() - t
     shutil.rmtree(args.work / "out", ignore_errors=True)
     measured = run_quantize(args.work, args.overrides, args.min_free_gb * 1e9)
     planned = measured.pop("planned")
     row = {"cpu": "2-core AMD EPYC (AVX-512, avx512_bf16), shared", "overrides": args.overrides,
+           "layers": args.layers, "dense": args.dense, "routed_experts": args.experts or 256,
            "checkpoint_gb": du(ckpt) / 1e9, "written": written, "write_checkpoint_s": write_s,
            "predicted": planned, "measured": measured}
     if planned:
