@@ -1,34 +1,57 @@
 """The quantize stage of recipes/deepseek-r1-nvfp4.yaml on the synthetic DeepSeek-V3-width checkpoint, in this process:
 `llmc quantize` refuses to start there, because the plan's export row (40.8 GB host) does not fit this machine although
-`quantize` never exports. The plan's decision is handed to quantize_model as the build hands it. Peak RSS: sample
-/proc/<pid>/status (VmHWM) meanwhile (benchmarks/results/deepseek_full_width.md).
+`quantize` never exports. The plan's decision is handed to quantize_model as the build hands it; the recipe's
+calibration section (samples, seq_len, every expert on every token, stream_experts) as the build reads it. Run by
+benchmarks/deepseek_full_width.py, which samples this process's memory and the disk meanwhile.
 
-    nice -n 10 python benchmarks/_deepseek_quantize_child.py <work folder>
+    nice -n 10 python benchmarks/_deepseek_quantize_child.py <work folder> [--set key=value ...]
+
+Prints `planned <json>` (the plan's quantize row), `layer <i> <seconds since the stage started>` as each layer is
+durable, and `done <json>` (the stage's seconds and the decision the loop obeyed).
 """
-import json, sys, time
-from pathlib import Path
-import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmc.model.source import ModelSource
-from llmc.planning.plan import make_plan
-from llmc.quant.stream import Calibration, StreamOptions, quantize_model
-from llmc.recipe.load import load_recipe
 
-W = Path(sys.argv[1])  # the --work folder `benchmarks/deepseek_full_width.py --keep` left (checkpoint/)
-torch.set_num_threads(2)
-overrides = [f"model.source={W}/checkpoint", "model.config=null", "calibration.samples=1", "calibration.seq_len=128"]
-recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "deepseek-r1-nvfp4.yaml", overrides)
-t0 = time.time()
-plan = make_plan(recipe, W / "checkpoint", refuse=False)
-row = next(r for r in plan.rows if r.name.startswith("quantize"))
-scheme = {name: q.to_scheme() for name, q in recipe.variant_sections()}
-(name, scheme), = scheme.items()
-(W / "plan.json").write_text(json.dumps({**row.as_dict(), "parts_gb": {k: v / 1e9 for k, v in row.parts.items()},
-                                          "plan_s": time.time() - t0, "estimates": plan.as_dict()["estimates"]}, default=str))
-print("planned", row.host_bytes / 1e9, row.disk_bytes / 1e9, row.seconds, row.decision.as_dict(), flush=True)
-ids = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
-cal = Calibration(ids, moe_all_experts=recipe.calibration.moe_calibrate_all_experts)
-t = time.time()
-res = quantize_model(ModelSource(W / "checkpoint", "s", "s"), scheme, W / "out", cal,
-                     StreamOptions(dtype=torch.bfloat16, loop=row.decision))
-print("done", time.time() - t, res.loop.as_dict(), flush=True)
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from llmc.model.source import ModelSource  # noqa: E402
+from llmc.planning.plan import make_plan  # noqa: E402
+from llmc.quant.stream import Calibration, StreamOptions, quantize_model  # noqa: E402
+from llmc.recipe.load import load_recipe  # noqa: E402
+
+TOKENIZER_VOCAB = 49152  # SmolLM2's ids (the checkpoint's tokenizer), inside the 129,280-row embedding
+
+
+def main() -> None:
+    work = Path(sys.argv[1])  # the --work folder of benchmarks/deepseek_full_width.py (checkpoint/ in it)
+    extra = [a for flag, a in zip(sys.argv[2::2], sys.argv[3::2]) if flag == "--set"]
+    torch.set_num_threads(2)
+    overrides = [f"model.source={work}/checkpoint", "model.config=null", "calibration.samples=1",
+                 "calibration.seq_len=128", *extra]
+    recipe = load_recipe(ROOT / "recipes" / "deepseek-r1-nvfp4.yaml", overrides)
+    t0 = time.time()
+    plan = make_plan(recipe, work / "checkpoint", refuse=False)
+    row = next(r for r in plan.rows if r.name.startswith("quantize"))
+    (name, scheme), = ((n, q.to_scheme()) for n, q in recipe.variant_sections())
+    planned = {**row.as_dict(), "parts_gb": {k: v / 1e9 for k, v in row.parts.items()}, "plan_s": time.time() - t0,
+               "estimates": {k: v for k, v in plan.as_dict()["estimates"].items() if k != "stages"}}
+    print("planned " + json.dumps(planned, default=str), flush=True)
+    c = recipe.calibration
+    ids = torch.randint(0, TOKENIZER_VOCAB, (c.samples, c.seq_len), generator=torch.Generator().manual_seed(0))
+    cal = Calibration(ids, moe_all_experts=c.moe_calibrate_all_experts, stream_experts=c.stream_experts)
+    t = time.time()
+    res = quantize_model(ModelSource(work / "checkpoint", "s", "s"), scheme, work / "out", cal,
+                         StreamOptions(dtype=torch.bfloat16, loop=row.decision,
+                                       on_layer_done=lambda i: print(f"layer {i} {time.time() - t:.2f}", flush=True)))
+    print("done " + json.dumps({"seconds": time.time() - t, "decision": res.loop.as_dict()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,9 +24,9 @@ def calibration_tokens(calibration, tokenizer) -> TokenSet:
 
 
 def calibration_config(calibration, tokens: TokenSet) -> dict:
-    """The calibrate stage's key config. Where activations live, which device quantizes and how often the stream
-    makes a resume point change no token, so they stay out."""
-    cfg = calibration.model_dump(mode="json", exclude={"spill_activations", "device", "resume_every_s"})
+    """The calibrate stage's key config. Where activations live, which device quantizes, how often the stream
+    makes a resume point and whether experts stream one at a time change no token, so they stay out."""
+    cfg = calibration.model_dump(mode="json", exclude={"spill_activations", "device", "resume_every_s", "stream_experts"})
     if is_legacy_brown(calibration):
         docs = [Document(id=i, text=t) for i, t in zip(tokens.row_ids, tokens.texts)]
         legacy = {**cfg, "corpus_sha256": corpus_fingerprint(docs), "split": "calibration"}

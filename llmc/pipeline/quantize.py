@@ -109,7 +109,8 @@ class Quantize(Stage):
                           shared_stats=self.scheme.needs_calibration, shared_covered=self._statistics_recorded(c),
                           resume_every_s=cal.resume_every_s, ranks=distributed.size(),
                           layer_bytes=shape.layer_params * c.elem,
-                          experts_streamable=shape.active < 1 and experts_streamable(c.config))
+                          experts_streamable=shape.active < 1 and experts_streamable(c.config),
+                          stream_experts=cal.stream_experts)
         return decide_layer_loop(AlgorithmSteps.of(self.scheme), facts)
 
     def _statistics_recorded(self, c: Costing) -> bool:
@@ -137,7 +138,8 @@ class Quantize(Stage):
                 saved = load_file(str(calibration / "tokens.safetensors"))
                 windows = Calibration(saved["input_ids"], mask=saved.get("attention_mask"), spill=c.spill_activations,
                                       shared_stats=self._shared_stats(b, calib_key),
-                                      moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens)
+                                      moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens,
+                                      stream_experts=c.stream_experts)
             quantize_model(b.result.source, scheme, out, windows,
                            StreamOptions(dtype=getattr(torch, b.result.dtype), device=device, loop=planned,
                                          resume_every_s=c.resume_every_s,

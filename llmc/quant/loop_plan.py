@@ -205,14 +205,14 @@ def decide_expert_stream(pipeline: AlgorithmSteps, facts: LoopFacts, flow: str, 
     no transform, Hessian or replayed module call, whose outputs (the original ones) are the next layer's inputs."""
     if not facts.moe or facts.stream_experts == "never" or facts.ranks > 1:  # one process: its stats are its own
         return False
-    if facts.stream_experts == "auto" and (facts.host_available is None
-                                           or facts.layer_bytes <= WHOLE_LAYER_SHARE * facts.host_available):
+    over = too_large_for(facts)
+    if facts.stream_experts == "auto" and over is None:
         return False
     observe_only = (flow == "data-free" or flow == "sequential" and not pipeline.transforms
                     and not pipeline.observes_hessians and not pipeline.replays_module_calls
                     and pipeline.propagate == "original")
     if not (facts.experts_streamable and observe_only):
-        if facts.stream_experts == "always" or facts.layer_bytes > WHOLE_LAYER_SHARE * (facts.host_available or 0):
+        if facts.stream_experts == "always" or over is not None:
             why.append("the layer's experts are not streamed one at a time: "
                        + ("the checkpoint holds them fused (or their routing scales the input)"
                           if not facts.experts_streamable else
@@ -221,9 +221,20 @@ def decide_expert_stream(pipeline: AlgorithmSteps, facts: LoopFacts, flow: str, 
         return False
     why.append(f"routed experts one at a time (the router run once, each expert read from the checkpoint, calibrated "
                f"on its routed tokens, quantized, written and dropped): the {_gb(facts.layer_bytes)} layer "
-               + ("is over half of the " + _gb(facts.host_available) + " available"
-                  if facts.stream_experts == "auto" else "(calibration.stream_experts: always)"))
+               + (f"is over half of {over}" if facts.stream_experts == "auto"
+                  else "(calibration.stream_experts: always)"))
     return True
+
+
+def too_large_for(facts: LoopFacts) -> str | None:
+    """Where a whole layer does not fit (over WHOLE_LAYER_SHARE of the host's available memory, or of the
+    calibrating GPU's free memory, which holds the whole layer too), in words; None where it fits both."""
+    if facts.host_available is not None and facts.layer_bytes > WHOLE_LAYER_SHARE * facts.host_available:
+        return f"the {_gb(facts.host_available)} available"
+    if (facts.device != "cpu" and facts.device_free is not None
+            and facts.layer_bytes > WHOLE_LAYER_SHARE * facts.device_free):
+        return f"the GPU's {_gb(facts.device_free)} free"
+    return None
 
 
 def fits_one_forward(facts: LoopFacts, free: int | None) -> bool:

@@ -553,6 +553,13 @@ class CalibrationSection(_Strict):
         description="Mixture-of-Experts: experts routed fewer calibration tokens are named in a warning; default: a "
         "tenth of an even share (tokens x top-k / experts / 10)",
     )
+    stream_experts: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Mixture-of-Experts: read, calibrate, quantize and write a layer's routed experts one at a time "
+        "(the router run once), so a layer is never whole in memory; auto: where the layer in the compute dtype is "
+        "over half the available memory. Only RTN's ranges or a data-free scheme stream (each expert's statistics "
+        "its own). Never changes results (llmc.quant.expert_stream)",
+    )
     resume_every_s: float | None = Field(
         default=None, ge=0, le=86400,
         description="seconds between the quantize stage's resume points (the next layer's inputs saved, so a killed "
@@ -563,7 +570,8 @@ class CalibrationSection(_Strict):
     @model_serializer(mode="wrap")
     def _compact(self, handler):
         return _drop_defaults(handler(self), {"packing": "windows", "moe_calibrate_all_experts": False,
-                                              "moe_min_tokens": None, "resume_every_s": None})
+                                              "moe_min_tokens": None, "resume_every_s": None,
+                                              "stream_experts": "auto"})
 
 
 class Target(_Strict):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmc.model.source import ModelSource
 from llmc.quant import stream
@@ -131,3 +132,55 @@ def test_the_plan_prices_one_expert_at_a_time_at_deepseek_v3_width(monkeypatch) 
     assert b.host_bytes < 0.1 * a.host_bytes
     assert "per expert: 0.18 GB" in b.why and "12.0 GB of expert codes and scales spilled" in b.why
     assert b.layer_seconds > a.layer_seconds  # the spill and the second forward cost time
+
+
+def test_a_layer_over_half_the_gpu_s_free_memory_streams_its_experts_whatever_the_host_holds() -> None:
+    """Calibrating on a GPU, the whole layer lives there too: DeepSeek-V3's 22.5 GB layer on a 24 GB GPU streams even
+    with 256 GB of host memory; on an H200's 141 GB it fits, and a CPU build ignores the GPU."""
+    rtn = AlgorithmSteps.of(NVFP4)
+    big_host = dict(host_available=256_000_000_000, device="cuda:0")
+    small_gpu = decide_layer_loop(rtn, _facts(**big_host, device_free=24_000_000_000))
+    assert small_gpu.expert_stream and "over half of the GPU's 24.0 GB free" in small_gpu.describe()
+    assert not decide_layer_loop(rtn, _facts(**big_host, device_free=141_000_000_000)).expert_stream
+    assert not decide_layer_loop(rtn, _facts(host_available=256_000_000_000, device_free=1)).expert_stream
+
+
+def test_calibration_stream_experts_is_a_recipe_key_that_leaves_other_keys_as_they_were() -> None:
+    """The recipe's `calibration.stream_experts` reaches the decision; at its default it leaves the section's dump
+    (build ids) as it was, and never the calibrate stage's key (it changes no token)."""
+    from llmc.data.stages import calibration_config
+    from llmc.data.tokens import TokenSet
+    from llmc.recipe.schema import CalibrationSection
+
+    default, always = CalibrationSection(), CalibrationSection(stream_experts="always")
+    assert "stream_experts" not in default.model_dump(mode="json")
+    assert always.model_dump(mode="json")["stream_experts"] == "always"
+    with pytest.raises(ValueError, match="stream_experts"):
+        CalibrationSection(stream_experts="sometimes")
+    tokens = TokenSet(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=None, provenance=[])
+    custom = {"kind": "jsonl", "path": "x.jsonl", "field": "text"}
+    assert calibration_config(CalibrationSection(dataset=custom), tokens) == calibration_config(
+        CalibrationSection(dataset=custom, stream_experts="always"), tokens)
+
+
+@pytest.mark.heavy
+def test_deepseek_r1_on_one_h200_plans_under_64_gb_of_host_memory(tmp_path: Path) -> None:
+    """Issue 46: `llmc plan recipes/deepseek-r1-nvfp4.yaml --machine h200` states host RAM under 64 GB, the GPU peak,
+    disk and time per layer and in all, with the decision that makes it so printed; the recipe's
+    `calibration.stream_experts: always` is what does (at auto the 256 GB host holds the whole 23 GB layer: ~72 GB)."""
+    from tests.unit.test_plan_machine import REPO, _plan_json
+
+    def plan(*sets: str) -> tuple[dict, dict]:
+        p = _plan_json([str(REPO / "recipes" / "deepseek-r1-nvfp4.yaml"), "--machine", "h200",
+                        "--cache-dir", str(tmp_path / "c"), *[a for s in sets for a in ("--set", s)]])
+        return p, next(r for r in p["estimates"]["stages"] if r["stage"].startswith("quantize"))
+
+    shipped, quantize = plan()
+    assert quantize["decision"]["experts"] == "one at a time"
+    assert "calibration.stream_experts: always" in quantize["why"] and "per expert" in quantize["why"]
+    assert max(r["host_gb"] for r in shipped["estimates"]["stages"]) < 64
+    assert 0 < quantize["gpu_gb"] < 141 and quantize["disk_gb"] > 300  # the expert codes of 58 MoE layers
+    assert quantize["layer_seconds"] * 61 < quantize["seconds"] < quantize["layer_seconds"] * 61 + 600
+    whole = plan("calibration.stream_experts=auto")[1]
+    assert "experts" not in whole["decision"] and whole["host_gb"] > 64 > quantize["host_gb"]
+    assert whole["gpu_gb"] > quantize["gpu_gb"]
