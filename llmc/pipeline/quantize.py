@@ -427,5 +427,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     if discovery:
         why += (f"; the first layer's smoothing pairs are found in float64 ({discovery / GB:.1f} GB on the "
                 f"{'GPU' if on_gpu else 'host'}, ~{discovery_s:.0f} s)")
-    return CostRow("quantize", machine.device, host, gpu, 0.0, per_layer * shape.layers + fixed, strategy, why, parts,
+    # the largest layer's time, each smaller layer's in proportion to its parameters (benchmarks/results/
+    # deepseek_full_width.md: a dense first layer priced as the MoE one put the stage at +83% to +102%)
+    layers = shape.layers * shape.layer_share
+    return CostRow("quantize", machine.device, host, gpu, 0.0, per_layer * layers + fixed, strategy, why, parts,
                    mapped_bytes=held * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)

@@ -277,9 +277,12 @@ def _render_estimates(plan: Plan) -> list[str]:
     for r in rows:
         if r.layer_seconds and not r.cached and not r.skipped:
             per_layer = r.layer_seconds  # a small model's layers take a fraction of a second each
+            equivalent = (r.seconds - r.fixed_seconds) / per_layer  # smaller layers priced by their size
+            count = (f"x {m.layers} layers" if abs(equivalent - m.layers) < 0.05 else
+                     f"(the largest) x {equivalent:.1f} of its size ({m.layers} layers, each priced by its size)")
             lines.append(f"  {r.name} time (prediction): "
                          f"~{f'{per_layer:.2f} s' if per_layer < 1 else _duration(per_layer)} per decoder layer "
-                         f"x {m.layers} layers + ~{_duration(r.fixed_seconds)} outside the layers = "
+                         f"{count} + ~{_duration(r.fixed_seconds)} outside the layers = "
                          f"~{_duration(r.seconds)}, at {_whose_rates(m.machine)} rates")
     for variant, groups in plan.groups.items():
         lines.append(f"  mixed precision{' (' + variant + ')' if variant else ''}, weights of the decoder layers' "

@@ -429,6 +429,9 @@ class Shape:
     # expert-by-expert streaming holds instead of the layer (llmc.quant.expert_stream)
     routed_params: int = 0
     expert_params: int = 0
+    # the decoder layers' parameters over the largest layer's times their count: below 1 where layers differ (a
+    # DeepSeek's dense first layers beside its MoE ones); each layer's time is priced by its size
+    layer_share: float = 1.0
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -458,4 +461,5 @@ class Shape:
                    active=active, stored_bytes=tensors.stored_total(elem), head_params=tensors.head_params,
                    layer_stored_bytes=layer_read[0], layer_decoded=layer_read[1],
                    source_format=tensors.source_format,
-                   routed_params=routed, expert_params=routed // max(expert_count(config), 1))
+                   routed_params=routed, expert_params=routed // max(expert_count(config), 1),
+                   layer_share=sum(per_layer.values()) / (largest * len(per_layer)) if largest else 1.0)
