@@ -127,7 +127,7 @@ def compare(a_path: str, b_path: str) -> dict:
     return out
 
 
-def parts_against(before_dir: Path, config_dir: Path, tokens: int, group_size: int) -> dict:
+def parts_against(before_dir: Path, config_dir: Path, tokens: int, group_size: int, with_linear: bool = True) -> dict:
     """The parts this change made cheaper, timed with this llmc's awq.py and with `before_dir`'s (loaded beside it;
     both use this llmc's numerics), on the down projection [hidden, intermediate] in float32 with `tokens` input
     rows: fake quantization of the weight, the lone-Linear search (s = 1 and one ratio: the Gram matrix and two
@@ -162,9 +162,11 @@ def parts_against(before_dir: Path, config_dir: Path, tokens: int, group_size: i
         t = time.perf_counter()
         q = module.fake_quantize_weight(lin.weight.data, spec)
         timings["fake_quantize_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        s = module._search_linear(lin, calls, x_mean, None, spec, two)
-        timings["linear_search_2_candidates_s"] = time.perf_counter() - t
+        s = None
+        if with_linear:
+            t = time.perf_counter()
+            s = module._search_linear(lin, calls, x_mean, None, spec, two)
+            timings["linear_search_2_candidates_s"] = time.perf_counter() - t
         t = time.perf_counter()
         clipped = module.search_clip(lin.weight.data, x, spec)
         timings["clip_search_s"] = time.perf_counter() - t
@@ -175,7 +177,7 @@ def parts_against(before_dir: Path, config_dir: Path, tokens: int, group_size: i
         "weight": [hidden, inter], "tokens": tokens,
         "before": b["timings"], "after": a["timings"],
         "fake_quantize_equal": bool(torch.equal(b["q"], a["q"])),
-        "linear_search_same_scale": bool(torch.equal(b["s"], a["s"])),
+        "linear_search_same_scale": bool(torch.equal(b["s"], a["s"])) if with_linear else None,
         "clip_bounds_equal_fraction": float((bounds[0] == bounds[1]).float().mean()),
     }
 
@@ -196,11 +198,13 @@ def main() -> None:
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --save files and exit")
     ap.add_argument("--parts-against", metavar="DIR",
                     help="time the changed parts against the awq.py of the llmc tree in DIR instead, and exit")
+    ap.add_argument("--skip-linear", action="store_true", help="with --parts-against: not the lone-Linear search")
     args = ap.parse_args()
     if args.parts_against:
         config_dir = Path(args.model) if Path(args.model).is_dir() else ROOT / "recipes" / "configs" / args.model
         print(json.dumps({"model": args.model, **parts_against(Path(args.parts_against), config_dir,
-                                                               args.samples * args.seq_len, args.group_size),
+                                                               args.samples * args.seq_len, args.group_size,
+                                                               not args.skip_linear),
                           "load": list(os.getloadavg())}))
         return
     if args.compare:
