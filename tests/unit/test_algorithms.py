@@ -178,9 +178,10 @@ def test_awq_plans_as_many_candidate_scales_as_the_search_scores(search: str, n_
         assert len(calls) <= options.search_evaluations()
 
 
-def test_awq_clip_minimizes_each_groups_output_error() -> None:
+@pytest.mark.parametrize("rows", [128, 8])  # the group errors through Gram matrices, and through the rows
+def test_awq_clip_minimizes_each_groups_output_error(rows: int) -> None:
     torch.manual_seed(0)
-    x = correlated_inputs(128, 32).float()
+    x = correlated_inputs(rows, 32).float()
     w = torch.randn(4, 32) * 0.05
     w[0, 3] = 1.0  # an outlier weight that clipping should trade off
     opts = AwqOptions(clip_grid=10, max_shrink=0.5)
@@ -371,13 +372,14 @@ def test_w4afp8_scales_stay_on_vllms_fp8_row_grid(algorithm: str, tmp_path: Path
         assert all(on_grid) if grid else not any(on_grid)
 
 
-def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
+@pytest.mark.parametrize("tokens", [200, 40])  # more rows than input channels: the Gram matrix; fewer: the rows
+def test_awq_linear_search_through_gram_matrix_equals_direct_outputs(tokens: int) -> None:
     from llmc.quant.algorithms.awq import _search_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 32, bias=False)
-    x = correlated_inputs(200, 64).float()
-    calls = [((x[:100],), {}), ((x[100:],), {})]
+    x = correlated_inputs(tokens, 64).float()
+    calls = [((x[: tokens // 2],), {}), ((x[tokens // 2 :],), {})]
     x_mean = x.abs().mean(0)
     s = _search_linear(lin, calls, x_mean, None, INT4_G16, AwqOptions(n_grid=8, search="grid"))
     w = lin.weight.data
@@ -388,6 +390,53 @@ def test_awq_linear_search_through_gram_matrix_equals_direct_outputs() -> None:
     _, errors = search_scale(x_mean, None, direct, AwqOptions(n_grid=8, search="grid"))
     candidates = [torch.ones(64)] + [candidate_scales(x_mean, None, i / 8) for i in range(8)]
     assert torch.equal(s, candidates[min(range(len(errors)), key=errors.__getitem__)])
+
+
+@pytest.mark.parametrize("spec", [
+    INT4_G16,
+    TensorSpec("int4", "group", group_size=16, symmetric=False),
+    TensorSpec("int8", "channel"),
+    TensorSpec("int4", "group", group_size=16, scale_grid="fp8_row"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_awq_fake_quantization_in_row_blocks_equals_quantize_then_dequantize(spec: TensorSpec, dtype,
+                                                                            monkeypatch) -> None:
+    """AWQ's block-by-block fake quantization (its search's main cost on the host) gives the values
+    quantize_with + dequantize give, with and without a candidate scale, bit for bit (a -0.0 equals 0.0)."""
+    from llmc.quant import numerics
+    from llmc.quant.algorithms import awq
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3000, 64, generator=g) * 0.05).to(dtype)  # 3000 rows: several blocks of BLOCK_ELEMENTS
+    w[5, :32] = 0  # all-zero groups (scale 1) and a lone outlier
+    w[7, 3] = 2.0
+    s = torch.rand(64, generator=g) + 0.5
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        scale, zp = numerics.compute_qparams(x, spec)
+        return numerics.dequantize(numerics.quantize_with(x, scale, zp, spec), scale, zp, spec)
+
+    monkeypatch.setattr(awq, "BLOCK_ELEMENTS", 64 * 1000)  # three blocks of 1000 rows
+    plain, scaled = fake_quantize_weight(w, spec), awq.quantized_at_scale(w, s, spec)
+    assert plain.dtype == dtype and scaled.dtype == torch.float32
+    assert torch.equal(plain, reference(w).to(dtype))
+    assert torch.equal(scaled, reference(w.float() * s) / s)
+    assert not torch.equal(plain.float(), w.float())  # it quantized
+
+
+@pytest.mark.parametrize("rows", [64, 8])  # more sampled rows than a group's width (Gram matrices), and fewer
+def test_awq_clip_group_errors_equal_the_outputs_multiplied_out(rows: int) -> None:
+    """The clip search scores a weight change per (output channel, group) as mean_t (x_g · Δ)², through each group's
+    Gram matrix or the sampled rows: the same as x_g·q − x_g·w multiplied out, up to float rounding."""
+    from llmc.quant.algorithms.awq import _group_basis, _group_errors
+
+    x = correlated_inputs(rows, 48).float().reshape(rows, 3, 16)  # [t, G, g]
+    g = torch.Generator().manual_seed(1)
+    w, q = torch.randn(5, 3, 16, generator=g), torch.randn(5, 3, 16, generator=g)
+    direct = (torch.einsum("tGg,oGg->oGt", x, q) - torch.einsum("tGg,oGg->oGt", x, w)).pow(2).mean(-1, keepdim=True)
+    basis = _group_basis(x)
+    assert basis[1] == (rows > 16)
+    torch.testing.assert_close(_group_errors(q - w, basis), direct, rtol=1e-5, atol=1e-6)
 
 
 def test_gptq_on_stacked_linears_equals_one_at_a_time() -> None:

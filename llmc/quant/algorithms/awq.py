@@ -31,6 +31,7 @@ from llmc.quant.algorithms.mappings import layer_mappings
 from llmc.quant.algorithms.registry import AlgorithmOptions, Context, register
 from llmc.quant.algorithms.smoothquant import divide_output, multiply_input
 from llmc.quant.numerics import (
+    BLOCK_ELEMENTS,
     block_scaled,
     compute_qparams,
     dequantize,
@@ -95,8 +96,53 @@ def fake_quantize_weight(w: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """w through the quantizer RTN applies (microscaling: the format's own; NVFP4 under w's own global scale)."""
     if block_scaled(spec):
         return dequantize_weight(quantize_weight(w, spec), spec).to(w.dtype)
+    if _rows_independent(spec):
+        return _fake_quantize_rows(w, spec).to(w.dtype)
     scale, zp = compute_qparams(w, spec)
     return dequantize(quantize_with(w, scale, zp, spec), scale, zp, spec).to(w.dtype)
+
+
+def quantized_at_scale(w: torch.Tensor, s: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """q(w·s) / s in float32: a candidate scale's quantized weight, as the search scores it."""
+    if _rows_independent(spec):
+        return _fake_quantize_rows(w, spec, s)
+    return fake_quantize_weight(w.float() * s, spec) / s
+
+
+def _rows_independent(spec: TensorSpec) -> bool:
+    """Integer formats with a scale per group or per row: each row quantizes on its own (so block by block)."""
+    return not block_scaled(spec) and not spec.info.is_float and spec.strategy in ("group", "channel")
+
+
+def _fake_quantize_rows(w: torch.Tensor, spec: TensorSpec, s: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize(quantize_with(w·s)) / s in float32, a block of rows at a time, the same numbers: each step is the
+    same float operation on the same values, and the codes, whole numbers, are exact in float32 (only a code -0.0
+    stays -0.0 instead of becoming +0.0). Without the full-size temporaries (the scales repeated to the weight's shape,
+    int8 codes and their float copy) that made fake quantization AWQ's largest cost on the host: 0.04 G elements/s at
+    8B width (benchmarks/results/awq_search.jsonl)."""
+    rows = w.reshape(-1, w.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.float32, device=w.device)
+    qmin, qmax = spec.info.int_range(spec.symmetric)
+    step = max(1, BLOCK_ELEMENTS // rows.shape[1])
+    for r in range(0, rows.shape[0], step):
+        x = rows[r : r + step].float()
+        if s is not None:
+            x = x * s
+        scale, zp = compute_qparams(x, spec)
+        per_row = scale.reshape(-1, 1)  # one scale per row of the grouped view
+        y = grouped_view(x, spec) / per_row
+        y.round_()
+        if zp is None:
+            y.clamp_(qmin, qmax)
+        else:
+            z = zp.reshape(-1, 1).float()
+            y.add_(z).clamp_(qmin, qmax).sub_(z)
+        y.mul_(per_row)
+        y = y.view(x.shape)
+        if s is not None:
+            y.div_(s)
+        out[r : r + step] = y
+    return out.reshape(w.shape)
 
 
 def weight_mean(weights: list[torch.Tensor], spec: TensorSpec) -> torch.Tensor:
@@ -166,17 +212,35 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: TensorSpec, options: Awq
     x = x.reshape(-1, n_in)
     if x.shape[0] > options.clip_tokens:  # the rows picked before the float32 copy (15 GB of down inputs at 8B)
         x = x[torch.linspace(0, x.shape[0] - 1, options.clip_tokens, device=x.device).long()]
-    x = x.float()
-    xg = x.reshape(x.shape[0], n_in // g, g)  # [t, G, g]
+    basis = _group_basis(x.float().reshape(x.shape[0], n_in // g, g))
     wg = w.detach().float().reshape(n_out, n_in // g, g)  # [o, G, g]
-    rows = max(1, (1 << 24) // (xg.shape[0] * xg.shape[1]))  # bounds the [o, G, t] products to 64 MB
-    clipped = torch.cat([_clip_rows(wg[r : r + rows], xg, spec, options) for r in range(0, n_out, rows)])
+    rows = max(1, (1 << 22) // n_in)  # [o, G, g] temporaries of 16 MB
+    clipped = torch.cat([_clip_rows(wg[r : r + rows], basis, spec, options) for r in range(0, n_out, rows)])
     return clipped.reshape(n_out, n_in).to(w.dtype)
 
 
-def _clip_rows(wg: torch.Tensor, xg: torch.Tensor, spec: TensorSpec, options: AwqOptions) -> torch.Tensor:
+def _group_basis(xg: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
+    """What `_group_errors` scores a weight change Δ [o, G, g] against, from the sampled inputs xg [t, G, g]: each
+    group's Gram matrix H = x_gᵀ x_g [G, g, g] when the sample has more rows than a group has columns (Δᵀ H Δ costs
+    g² per group instead of t·g), else the inputs themselves [G, g, t]; and the row count."""
+    t, _, g = xg.shape
+    if t > g:
+        return torch.einsum("tGg,tGh->Ggh", xg, xg), True, t
+    return xg.permute(1, 2, 0).contiguous(), False, t
+
+
+def _group_errors(delta: torch.Tensor, basis: tuple[torch.Tensor, bool, int]) -> torch.Tensor:
+    """mean over the sampled rows of (x_g · Δ_og)² per output channel and group: [o, G, 1] (the same number as
+    multiplying out x_g·q and x_g·w, up to float rounding)."""
+    m, is_gram, t = basis
+    d = delta.transpose(0, 1)  # [G, o, g]
+    err = ((d @ m) * d).sum(dim=-1) if is_gram else (d @ m).pow(2).sum(dim=-1)
+    return (err / t).transpose(0, 1).unsqueeze(-1)
+
+
+def _clip_rows(wg: torch.Tensor, basis: tuple[torch.Tensor, bool, int], spec: TensorSpec,
+               options: AwqOptions) -> torch.Tensor:
     g = spec.group_size
-    reference = torch.einsum("tGg,oGg->oGt", xg, wg)
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [o, G, 1]
     best_max = org_max.clone()
     best_err = torch.full(org_max.shape, float("inf"), device=wg.device)
@@ -187,7 +251,7 @@ def _clip_rows(wg: torch.Tensor, xg: torch.Tensor, spec: TensorSpec, options: Aw
         max_val = org_max * (1 - i / options.clip_grid)
         clipped = torch.maximum(torch.minimum(wg, max_val), -max_val)
         q = fake_quantize_weight(clipped.reshape(-1, g), group_spec).reshape(wg.shape)
-        err = (torch.einsum("tGg,oGg->oGt", xg, q) - reference).pow(2).mean(dim=-1, keepdim=True)
+        err = _group_errors(q - wg, basis)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better, max_val, best_max)
@@ -245,7 +309,7 @@ def _search_mapping(parent: nn.Module, calls: list, consumers: list[nn.Linear], 
 
     def output_error(s: torch.Tensor) -> float:
         for c, w in zip(consumers, originals):
-            c.weight.data = (fake_quantize_weight(w.float() * s, spec) / s).to(w.dtype)
+            c.weight.data = quantized_at_scale(w, s, spec).to(w.dtype)
         with torch.no_grad():
             # per call on the device, read back once (one GPU sync per candidate, not one per call); summed in
             # Python in call order as before, so the same number
@@ -263,10 +327,20 @@ def _search_mapping(parent: nn.Module, calls: list, consumers: list[nn.Linear], 
 
 def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean: torch.Tensor | None,
                    spec: TensorSpec, options: AwqOptions) -> torch.Tensor:
-    """`_search_mapping` for a lone Linear, through the Gram matrix G = XᵀX of its inputs:
-    ||X ΔWᵀ||² = Σ (ΔW G) ⊙ ΔW costs out·in² per candidate instead of tokens·in·out (the same number)."""
+    """`_search_mapping` for a lone Linear: ||X ΔWᵀ||² per candidate from the inputs X themselves (tokens·in·out) when
+    there are fewer rows than input channels, else through their Gram matrix G = XᵀX: Σ (ΔW G) ⊙ ΔW (out·in²). The
+    same number either way, up to float rounding."""
     w = linear.weight.data.float()
     inputs = [_first_input(c).reshape(-1, linear.in_features) for c in calls]
+    tokens = sum(t.shape[0] for t in inputs)
+    if tokens < linear.in_features and not distributed.active():  # under torchrun the Gram matrices sum over ranks
+        x = torch.cat([t.float() for t in inputs])
+
+        def direct_error(s: torch.Tensor) -> float:
+            delta = quantized_at_scale(w, s, spec) - w
+            return float((x @ delta.T).pow(2).sum()) / (tokens * linear.out_features)
+
+        return search_scale(x_mean, w_mean, direct_error, options)[0]
     if w.is_cuda:  # per call, half precision multiplied as it is (gram_float32): no float32 copy of every input
         gram = functools.reduce(torch.add, (gram_float32(t) for t in inputs))
     else:
@@ -277,7 +351,7 @@ def _search_linear(linear: nn.Linear, calls: list, x_mean: torch.Tensor, w_mean:
         gram, elements = distributed.sum_in_rank_order(gram).float(), distributed.sum_float(float(elements))
 
     def output_error(s: torch.Tensor) -> float:
-        delta = fake_quantize_weight(w * s, spec) / s - w
+        delta = quantized_at_scale(w, s, spec) - w
         return float(((delta @ gram) * delta).sum()) / elements
 
     s, _ = search_scale(x_mean, w_mean, output_error, options)
