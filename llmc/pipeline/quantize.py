@@ -55,9 +55,10 @@ from llmc.storage.store import stage_key
 # float64 bytes of a decoder layer per second smoothing-pair discovery gets through (llmc.quant.stream.LayerStructure:
 # the layer in float64 and back, one probe forward per candidate pair): docs/planner-constants.md#discovery_rate
 DISCOVERY_RATE = 0.13e9
-# a search's fake quantization of candidate weights ((q(w * s) / s) in float32, cast back) costs this many times the
-# quantizer probe's time per element: docs/planner-constants.md#fake_quant_cost
-FAKE_QUANT_COST = 3.7
+# a search's fake quantization of candidate weights ((q(w * s) / s) in float32, a block of rows at a time, cast back:
+# awq.quantized_at_scale) costs this many times the quantizer probe's time per element:
+# docs/planner-constants.md#fake_quant_cost
+FAKE_QUANT_COST = 2.0
 
 
 class Quantize(Stage):
@@ -394,16 +395,21 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
             fp32_rate * forward_efficiency("float32", machine.device))
     if search:
         # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
-        # (up -> down) is scored through its Gram matrix, out x in² per candidate; the clip search fake-quantizes
-        # every Linear but q and k once per clipping range (docs/planner-constants.md#fake_quant_cost)
+        # (up -> down) is scored on its input rows where they are fewer than its input channels (out x in x tokens
+        # per candidate), else through its Gram matrix (out x in²); the clip search fake-quantizes every Linear but q
+        # and k once per clipping range and scores each group against its sampled rows or, where they outnumber the
+        # group's columns, the group's Gram matrix (llmc.quant.algorithms.awq; docs/planner-constants.md#fake_quant_cost)
         evaluations, clip_iterations, clip_tokens = search
         searched = layer - h * shape.attn_width
         down = (layer - 2 * h * shape.attn_width) / 3  # a third of the layer less q and o: the MLP's down
         fake_rate = quantize_rate(weights, compute, elements=shape.largest_linear,
                                   device=machine.device) / FAKE_QUANT_COST
         fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
-        per_layer += evaluations * (searched / fake_rate + 2 * down * shape.intermediate / fp32_rate)
-        per_layer += clip_iterations * (searched / fake_rate + 2 * min(tokens, clip_tokens) * searched / fp32_rate)
+        lone = min(tokens, shape.intermediate) if loop.facts.ranks <= 1 else shape.intermediate  # torchrun: Gram
+        group = weights.group_size or shape.widest_input
+        per_layer += evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
+        per_layer += clip_iterations * (searched / fake_rate
+                                        + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
     # bf16 embeddings: 0.55 B weights; its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0

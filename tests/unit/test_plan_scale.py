@@ -315,7 +315,8 @@ def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_p
 def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     """AWQ's search is weight-bound, not token-bound: at 8B width with 32 calibration tokens it was 229 s of a
     layer whose forwards take 2 (benchmarks/results/planner-log.md). Each candidate scale of the lone up -> down mapping
-    costs out x in² float32 FLOPs through the Gram matrix; the full grid scores about twice refine's candidates."""
+    costs out x in x tokens float32 FLOPs on its 32 input rows (fewer than its input channels; out x in² through the
+    Gram matrix otherwise, issue 48); the full grid scores about twice refine's candidates."""
     from llmc.model.dtype import BYTES
     from llmc.pipeline.quantize import quantize_cost
     from llmc.planning.machine import Machine, matmul_rate
@@ -341,7 +342,7 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     plain = quantize_cost(shape, loop, plain_pipe, **kwargs)
     per_layer = {name: quantize_cost(shape, loop, pipe, **kwargs).layer_seconds - plain.layer_seconds
                  for name, pipe in pipes.items()}
-    down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] ** 2 / matmul_rate(
+    down_candidate = 2 * config["hidden_size"] * config["intermediate_size"] * 32 / matmul_rate(
         "float32", "cpu", config["intermediate_size"], 128)
     assert per_layer["refine"] > refine.search_evaluations() * down_candidate * 0.8
     assert 1.5 < per_layer["grid"] / per_layer["refine"] < 2.2
