@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -173,7 +174,7 @@ def _windows(scores: dict) -> dict:
 
 
 def run_autoquant(source_folder: Path, calib: torch.Tensor, eval_ids: torch.Tensor, bits: list[float], work: Path,
-                  score_steps: int, threads: int) -> list[dict]:
+                  score_steps: int, threads: int) -> Iterator[dict]:
     from safetensors.torch import save_file
 
     if not PEER_PYTHON.is_file():
@@ -183,10 +184,15 @@ def run_autoquant(source_folder: Path, calib: torch.Tensor, eval_ids: torch.Tens
     save_file({"input_ids": eval_ids.contiguous()}, str(work / "eval.safetensors"))
     cmd = [str(PEER_PYTHON), str(CHILD), str(source_folder), str(work / "calib.safetensors"),
            str(work / "eval.safetensors"), str(work), str(score_steps), *[f"{b:.4f}" for b in bits]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "THREADS": str(threads)})
-    if proc.returncode:
-        sys.exit(f"{CHILD.name} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    log = work / "child.log"
+    with log.open("w") as err:  # one JSON line per budget, handed on as it comes (a search takes minutes)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "THREADS": str(threads)})
+        for line in proc.stdout:
+            if line.startswith("{"):
+                yield json.loads(line)
+    if proc.wait():
+        sys.exit(f"{CHILD.name} failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
 
 
 def measure(args) -> None:
@@ -249,7 +255,7 @@ def measure(args) -> None:
                     row.update(score_export(canonical, Path(sub), eval_ids, reference))
                 _emit({**row, "load_avg": os.getloadavg()[0]}, args.out)
         if "autoquant" in args.variants:
-            bits = args.autoquant_bits or sorted({round(anchors[k], 4) for k in anchors})
+            bits = args.autoquant_bits or list(dict.fromkeys(round(v, 4) for v in anchors.values()))  # hand's first
             if not bits:
                 sys.exit("autoquant: no bits given and no llmc mix measured to take them from (--autoquant-bits)")
             t = time.monotonic()
