@@ -61,6 +61,10 @@ def main() -> None:
             disabled_layers=["*lm_head*"], num_calib_steps=len(loader), num_score_steps=int(score_steps),
             checkpoint=str(out / "scores.pth"), verbose=False)
         search_s = time.monotonic() - t
+        # AutoQuantize leaves HF models with gradient checkpointing on and checkpointed modules in train mode
+        if getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+        model.eval()
         hidden, nll = score(model, evals)
         save_file({"hidden": hidden.contiguous()}, str(out / f"hidden-{bits:g}.safetensors"))
         best, stats = state["best"], state["candidate_stats"]
