@@ -7,7 +7,9 @@
 
 Every row is scored by llmc's torch reference engine against the unquantized model on the search recipe's eval
 windows (Brown, 16 x 512 by default): per-window NLL, exact KL and top-1 kept, so `--table` gives the paired 95%
-intervals against the baseline and, with `--pairs A:B`, of one row against another (fp4_calibration.table).
+intervals against the baseline and, with `--pairs A:B`, of one row against another (fp4_calibration.table). llmc's
+rows are the builds' own evaluations (`build_until(recipe, store, "eval")`, read from the eval stage's per-token
+scores): a mix built before is read from the cache, not rebuilt.
 
   searched@B   recipes/smollm2-search-nvfp4.yaml (W4A16-NVFP4 / W8A8-FP8 / model dtype, by role) with
                quantization.search.budget.bytes=B on --model; built by llmc's own stages (`build_until(..., "quantize")`:
@@ -15,8 +17,10 @@ intervals against the baseline and, with `--pairs A:B`, of one row against anoth
   hand         recipes/smollm2-mixed-nvfp4.yaml's groups on --model (first/last layer unquantized, attention
                W8A8-FP8, MLP W4A16-NVFP4), the same calibration windows
   uniform-X    every decoder Linear in scheme X (--uniform, default W8A8-FP8)
-  autoquant@b  ModelOpt 0.47 `mtq.auto_quantize` at effective bits b (ModelOpt's accounting: unquantized 16 bits, FP8
-               8, NVFP4 4.5) over W4A16_NVFP4_CFG / FP8_DEFAULT_CFG / none on the same calibration windows (its child,
+  autoquant@b  ModelOpt 0.47 `mtq.auto_quantize` at effective bits b over the decoder-layer Linears (ModelOpt's
+               accounting: unquantized 16 bits, FP8 8, NVFP4 4.5; handed to ModelOpt as its whole-model figure, which
+               counts the disabled lm_head at 16 bits) over W4A16_NVFP4_CFG / FP8_DEFAULT_CFG / none on the same
+               calibration windows (or the first --autoquant-windows of them) (its child,
                benchmarks/_modelopt_autoquant_child.py); its fake-quantized forward's lm_head inputs come back and are
                scored here with the baseline's head. b defaults to the bits of each llmc mix in ModelOpt's accounting
                (the hand mix's for the hand mix's bytes, else the searched mix's), so each tool's search has the
@@ -43,7 +47,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from fp4_calibration import _emit, _window_means, safetensors_bytes, table  # noqa: E402
+from fp4_calibration import _emit, _window_means, table  # noqa: E402
 
 PEER_PYTHON = REPO / ".venv-modelopt" / "bin" / "python"
 CHILD = REPO / "benchmarks" / "_modelopt_autoquant_child.py"
@@ -58,13 +62,19 @@ def load(recipe: Path, model: str, overrides: list[str]):
     return load_recipe(recipe, [f"model.source={model}", *overrides])
 
 
-def quantized(recipe, store) -> tuple[Path, dict | None]:
-    """The canonical quantized model of `recipe` (llmc's own stages, cached) and its searched mix's summary."""
+def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
+    """`recipe` built through llmc's own stages up to its evaluation (each stage cached: a mix built before costs
+    nothing): the torch engine's per-window scores of its artifact ({window_nll, window_kl, window_top1}), its
+    searched mix's summary (None for groups) and the stage timings."""
+    from safetensors.torch import load_file
+
     from llmc.build import build_until
 
-    result = build_until(recipe, store, "quantize")
-    (path,) = result.quantized_dirs.values()
-    return Path(path), next(iter(result.search.values()), None)
+    result = build_until(recipe, store, "eval")
+    (eid,) = [e for e in result.evals if not e.is_baseline and e.engine == "torch"]
+    scores = load_file(str(store.stage_dir("eval", result.evals[eid].key) / "scores.safetensors"))
+    times = {r.name: {"seconds": round(r.seconds, 1), "cached": r.cached} for r in result.stages}
+    return _windows(scores), next(iter(result.search.values()), None), times
 
 
 def decoder_linears(folder: Path) -> dict[str, int]:
@@ -93,6 +103,19 @@ def mix_costs(assignment: dict[str, str | None], params: dict[str, int], specs: 
     stored = sum(unit_bytes(p, None if assignment.get(n) is None else specs[assignment[n]], elem)
                  for n, p in params.items())
     return {"llmc_bytes": float(stored), "bits16": sum(BITS16[assignment.get(n)] * p for n, p in params.items()) / total}
+
+
+def head_params(folder: Path) -> int:
+    """The output head's weights (vocab x hidden; tied to the embeddings or not, ModelOpt counts lm_head's)."""
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["vocab_size"]) * int(config["hidden_size"])
+
+
+def modelopt_bits(decoder_bits: float, decoder_params: int, head: int) -> float:
+    """ModelOpt's effective_bits for a mix of `decoder_bits` (its accounting) over the decoder-layer Linears, lm_head
+    kept at 16 bits: AutoQuantize's figure covers every quantizable Linear, lm_head included even when disabled."""
+    return (decoder_bits * decoder_params + 16 * head) / (decoder_params + head)
 
 
 def candidate_specs(recipe) -> dict:
@@ -139,20 +162,6 @@ def autoquant_assignment(chosen: dict[str, str], params: dict[str, int]) -> dict
     if missing:
         sys.exit(f"AutoQuantize chose nothing for {len(missing)} decoder Linears, e.g. {missing[0]}")
     return {n: next((v for k, v in names.items() if k in chosen[n]), None) for n in params}
-
-
-def score_export(canonical: Path, work: Path, eval_ids: torch.Tensor, reference: dict) -> dict:
-    from llmc.engines.torch_ref import TorchEngine
-    from llmc.engines.torch_stream import decide_torch_loading_of
-    from llmc.formats.compressed_tensors import export_compressed_tensors
-    from llmc.quant.canonical import QuantizedModel
-
-    export = work / "export"
-    export_compressed_tensors(QuantizedModel.open(canonical), export)
-    t = time.monotonic()
-    scores = TorchEngine(export, streamed=decide_torch_loading_of(export, "float32").streamed).score(
-        eval_ids, reference=reference)
-    return {"eval_s": round(time.monotonic() - t, 1), "weights_bytes": safetensors_bytes(export), **_windows(scores)}
 
 
 def score_hidden(hidden: torch.Tensor, eval_ids: torch.Tensor, reference: dict) -> dict:
@@ -239,8 +248,8 @@ def measure(args) -> None:
                 continue
             for name, recipe, assignment, budget in rows:
                 t = time.monotonic()
-                canonical, summary = quantized(recipe, store)
-                quantize_s = time.monotonic() - t
+                windows, summary, times = evaluated(recipe, store)
+                build_s = time.monotonic() - t
                 if summary is not None:
                     assignment = searched_assignment(summary, params)
                 costs = mix_costs(assignment, params, specs)
@@ -248,23 +257,29 @@ def measure(args) -> None:
                     anchors.setdefault(-1, costs["bits16"])
                 if budget is not None:
                     anchors[budget] = costs["bits16"]
-                row = {**common, "variant": name, "scheme": name, "quantize_s": round(quantize_s, 1), **costs,
+                row = {**common, "variant": name, "scheme": name, "quantize_s": round(build_s, 1), **costs,
+                       "stages": times, **windows,
                        **({"search": {k: summary[k] for k in ("bytes", "effective_bits", "predicted_damage", "groups")}}
                           if summary else {})}
-                with tempfile.TemporaryDirectory(dir=work) as sub:
-                    row.update(score_export(canonical, Path(sub), eval_ids, reference))
                 _emit({**row, "load_avg": os.getloadavg()[0]}, args.out)
         if "autoquant" in args.variants:
             bits = args.autoquant_bits or list(dict.fromkeys(round(v, 4) for v in anchors.values()))  # hand's first
+            # ModelOpt's effective bits count lm_head too, kept out of the search at 16 bits (disabled_layers keeps
+            # it in the numerator and the denominator): the child gets the whole figure for each decoder-layer one
+            head = head_params(Path(source.folder))
+            whole = {round(modelopt_bits(b, sum(params.values()), head), 4): b for b in bits}
             if not bits:
                 sys.exit("autoquant: no bits given and no llmc mix measured to take them from (--autoquant-bits)")
             t = time.monotonic()
-            for r in run_autoquant(Path(source.folder), calib, eval_ids, bits,
-                                   keep / f"autoquant-{_slug(args.model)}-{calib.shape[0]}x{calib.shape[1]}-s{args.score_steps}",
+            aq_calib = calib[: args.autoquant_windows or calib.shape[0]]
+            for r in run_autoquant(Path(source.folder), aq_calib, eval_ids, list(whole),
+                                   keep / f"autoquant-{_slug(args.model)}-{aq_calib.shape[0]}x{aq_calib.shape[1]}-s{args.score_steps}",
                                    args.score_steps, args.threads):
                 hidden = _load_hidden(Path(r["hidden"]))
                 assignment = autoquant_assignment(r["chosen"], params)
-                row = {**common, "variant": f"autoquant@{r['bits']:g}", "scheme": "modelopt auto_quantize",
+                row = {**common, "calibration": f"{aq_calib.shape[0]}x{aq_calib.shape[1]}",
+                       "variant": f"autoquant@{whole.get(r['bits'], r['bits']):g}", "scheme": "modelopt auto_quantize",
+                       "modelopt_effective_bits": r["bits"],
                        "peer": {k: v for k, v in r.items() if k != "hidden"}, "quantize_s": r["search_s"],
                        "linears_assigned": len(assignment), **mix_costs(assignment, params, specs),
                        "score_steps": args.score_steps, **score_hidden(hidden, eval_ids, reference)}
@@ -314,6 +329,19 @@ def _uniform(hand_recipe: Path, model: str, scheme: str):
     return parse_recipe(yaml.safe_dump(raw), f"<uniform {scheme}>")
 
 
+def labelled_table(paths: list[Path], pairs: list[str] | None) -> str:
+    """fp4_calibration's table of these rows, each mix labelled by its own name and ModelOpt-accounted bits (that
+    table calls a row without a scheme name weight-only)."""
+    rows = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+    for r in rows:
+        if r["variant"] != "baseline":
+            r["scheme_name"] = f"{r['scheme']}, {r['bits16']:.2f} bits16"
+    with tempfile.TemporaryDirectory(prefix="llmc-search-vs-aq-table-") as tmp:
+        merged = Path(tmp) / "rows.jsonl"
+        merged.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return table([merged], None, pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo:smollm2-135m")
@@ -327,16 +355,19 @@ def main() -> None:
                     "larger: uniform W4A16-NVFP4 is fp4_calibration.py's nvfp4-rtn row)")
     ap.add_argument("--work", type=Path, help="keep the baseline's reference and AutoQuantize's scores here across "
                     "runs (default: a temporary folder)")
-    ap.add_argument("--autoquant-bits", nargs="+", type=float, help="ModelOpt effective bits (default: the llmc "
-                    "mixes' own, in ModelOpt's accounting)")
+    ap.add_argument("--autoquant-bits", nargs="+", type=float, help="effective bits of the decoder-layer Linears in "
+                    "ModelOpt's accounting (the bits16 column; converted to ModelOpt's whole-model figure, lm_head at "
+                    "16 bits); default: the llmc mixes' own")
     ap.add_argument("--score-steps", type=int, default=16, help="calibration windows AutoQuantize scores on")
+    ap.add_argument("--autoquant-windows", type=int, help="AutoQuantize calibrates on only the first N of the "
+                    "calibration windows (default: all; its CPU cost is ~2 forwards a window per candidate)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these results files and exit")
     ap.add_argument("--pairs", nargs="+", help="with --table: A:B, the paired change of variant A against B")
     args = ap.parse_args()
     if args.table:
-        print(table(args.table, None, args.pairs))
+        print(labelled_table(args.table, args.pairs))
         return
     measure(args)
 
