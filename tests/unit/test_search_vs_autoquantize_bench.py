@@ -94,3 +94,11 @@ def test_hidden_states_scored_through_the_baseline_head() -> None:
     assert max(same["window_kl"]) < 1e-9 and same["window_top1"] == [1.0] * windows
     other = bench.score_hidden(h + 0.5 * torch.randn_like(h), ids, reference)
     assert min(other["window_kl"]) > 1e-3
+
+
+def test_modelopt_bits_count_the_disabled_head_at_16() -> None:
+    # ModelOpt 0.47 on SmolLM2-135M with lm_head disabled refused 6.0833 with "the minimum achievable effective bits
+    # is 6.9211": every decoder Linear NVFP4 (4.5) and the tied 49,152 x 576 head at 16 bits
+    decoder, head = sum(smollm2_linears().values()), 49_152 * 576
+    assert bench.modelopt_bits(4.5, decoder, head) == pytest.approx(6.9211, abs=1e-4)
+    assert bench.modelopt_bits(16.0, decoder, head) == 16.0
