@@ -39,6 +39,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    cpu_nvfp4_fake_quant()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     calib = load_file(calib_file)["input_ids"]
@@ -78,6 +79,34 @@ def main() -> None:
                           "is_satisfied": best.get("is_satisfied"), "chosen": chosen, "scores": scores,
                           "modelopt": modelopt.__version__, "torch": torch.__version__}), flush=True)
         del model
+
+
+def cpu_nvfp4_fake_quant() -> None:
+    """ModelOpt 0.47 fake-quantizes NVFP4 (E2M1 codes, E4M3 scale per 16) only on CUDA: its
+    `tensor_quant._dynamic_block_quantize_impl` asserts `amax.is_cuda` and then calls a Triton kernel or the CUDA
+    extension (`fused_amax_convert`), so AutoQuantize's first NVFP4 forward after calibration (the sensitivity scoring)
+    fails on the CPU. Here the same math in torch takes its place for CPU tensors: per-tensor scale amax / (6 x 448),
+    each block's scale (block amax / 6) in E4M3 relative to it, elements rounded to the nearest E2M1 value."""
+    import torch
+    from modelopt.torch.quantization import tensor_quant
+
+    original = tensor_quant.dynamic_block_quantize_op
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    mids = (grid[1:] + grid[:-1]) / 2
+
+    def op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
+        if inputs.is_cuda or (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) != (4, 2, 8, 4):
+            return original(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
+        x = inputs.float().reshape(-1, block_size)
+        global_scale = amax.float().amax() / (6.0 * 448.0)
+        block = (x.abs().amax(-1, keepdim=True) / 6.0 / global_scale).clamp(max=448.0)
+        scale = block.to(torch.float8_e4m3fn).float() * global_scale
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        y = (x / scale).clamp(-6.0, 6.0)
+        q = grid[torch.bucketize(y.abs(), mids)] * y.sign()
+        return (q * scale).reshape(inputs.shape).to(inputs.dtype)
+
+    tensor_quant.dynamic_block_quantize_op = op
 
 
 def score(model, evals):
