@@ -228,13 +228,22 @@ def _bos_words(bos: dict | None, seq_len: int) -> str:
     return (f"BOS id {bos['token_id']} + {seq_len - 1}" if bos["used"] else "no BOS") + f": {bos['reason']}"
 
 
+def _damage_meaning(proxy: str) -> str:
+    """What a searched mix's predicted damage is, by the search's proxy (llmc.quant.search.layer_damages)."""
+    return {"fisher": "the sum of each unit's estimated end-to-end KL divergence per token, 1/2 sum g^2 dy^2 with g "
+                      "the loss gradient at its layer's output",
+            "update": "the sum of each unit's layer-output squared error relative to the layer's update",
+            "token": "the sum of each unit's per-token layer-output relative error"}.get(
+        proxy, "the sum of each unit's layer-output relative error")
+
+
 def _search_section(variant: str, chosen: dict) -> list[str]:
     """quantization.search's chosen mix: each group's bytes and predicted damage, and the Pareto front."""
     out = ["", f"## Mixed precision search{' (' + variant + ')' if variant else ''}", "",
            f"Budget {chosen['budget_bytes'] / 1e6:,.2f} MB ({chosen['budget_effective_bits']:.2f} effective bits) for "
            f"the decoder layers' Linears; chosen mix {chosen['bytes'] / 1e6:,.2f} MB "
            f"({chosen['effective_bits']:.2f} effective bits), predicted damage {chosen['predicted_damage']:.4g} "
-           f"(the sum of each unit's layer-output relative error, measured on the calibration windows), "
+           f"({_damage_meaning(chosen.get('proxy', 'output'))}, measured on the calibration windows), "
            f"by {chosen['granularity']}; {len(chosen['protected'])} Linears protected.", "",
            "| group | scheme | units | Linears | MB | predicted damage |", "|---|---|---|---|---|---|"]
     out += [f"| {g['group']} | {g['scheme']} | {g['units']} | {g['linears']} | {g['bytes'] / 1e6:,.2f} | "

@@ -30,6 +30,12 @@ from llmc.storage.store import atomic_write_json, stage_key
 from llmc.telemetry import events
 
 SENSITIVITY_FILE = "sensitivity.json"
+PROXY_MEANING = {  # what sensitivity.json says its numbers are (llmc.quant.search.layer_damages)
+    "output": "layer-output relative squared error",
+    "update": "layer-output squared error relative to the layer's update (output - input)",
+    "token": "layer-output relative squared error per token, averaged",
+    "fisher": "diagonal-Fisher estimate of the end-to-end KL divergence per token (1/2 sum g^2 dy^2 / tokens)",
+}
 
 
 def search_id(variant: str) -> StageId:
@@ -44,6 +50,8 @@ def measurement_key(b: Build, section: QuantizationSection, space: SearchSpace, 
            "units": [list(u.linears) for u in space.units], "dtype": b.result.dtype,
            "kv_cache": stand_in.kv_cache.format if stand_in.kv_cache else None, "batch_size": CALIBRATION_BATCH_SIZE,
            "moe_calibrate_all_experts": b.recipe.calibration.moe_calibrate_all_experts}
+    if section.search.proxy != "output":  # the key of a measurement made before proxies had a name stays valid
+        cfg["proxy"] = section.search.proxy
     if b.device.type != "cpu":
         cfg["device"] = b.device.type
     return stage_key("search-sensitivity", cfg, [b.result.source.sha256, b.calib_key or ""])
@@ -62,24 +70,26 @@ def resolve_search(b: Build, variant: str, section: QuantizationSection, space: 
     for unit in space.units:
         by_layer.setdefault(site_of(unit.linears[0])[0], []).append(unit)
     key = measurement_key(b, section, space, stand_in)
+    proxy = section.search.proxy
     tokens = b.calibration
     c = b.recipe.calibration
 
     def produce(out: Path) -> None:
         damage: dict[str, list[float]] = {}
 
-        def measure(i, layer, linears, inputs, extras, outputs, stats) -> None:
+        def measure(i, layer, linears, inputs, extras, outputs, stats, grads) -> None:
             damage.update(layer_damage(layer, linears, by_layer.get(i, []), candidates, inputs, extras, outputs,
-                                       stats.input_absmax))
+                                       stats.input_absmax, proxy=proxy, grads=grads))
             events.emit(f"search:layer:{i}")
 
         cal = Calibration(tokens.input_ids, mask=tokens.attention_mask, spill=c.spill_activations,
                           shared_stats=Quantize._shared_stats(b, b.calib_key),
                           moe_all_experts=c.moe_calibrate_all_experts, moe_min_tokens=c.moe_min_tokens)
         measure_model(b.result.source, stand_in, cal, out / "work", measure,
-                      StreamOptions(dtype=getattr(torch, b.result.dtype), device=b.device))
+                      StreamOptions(dtype=getattr(torch, b.result.dtype), device=b.device),
+                      gradients=proxy == "fisher")
         atomic_write_json(out / SENSITIVITY_FILE, {
-            "candidates": list(space.candidates), "measure": "layer-output relative squared error",
+            "candidates": list(space.candidates), "measure": PROXY_MEANING[proxy], "proxy": proxy,
             "units": {u.name: {"linears": list(u.linears), "damage": damage[u.name]} for u in space.units}})
 
     done = b.runner.run(search_id(variant), key, produce,

@@ -228,14 +228,19 @@ def render_search(variant: str, space: SearchSpace, chosen: dict | None) -> list
     lines += [f"    candidate {c} removed: {why}" for c, why in space.removed]
     lines += [f"    note: {n}" for n in space.notes]
     lines.append(f"    measurement: {space.forwards_per_layer()} forwards of each decoder layer over the calibration windows "
-                 "(the calibration pass's own + one per unit and scheme candidate), one layer resident at a time; the "
-                 "quantize stage then reuses its ranges. Cached: a new budget re-solves without measuring")
+                 "(the calibration pass's own + one per unit and scheme candidate"
+                 + (" + a second pass from the last layer back, a forward and a backward each, every layer's inputs "
+                    "kept: the fisher proxy" if space.proxy == "fisher" else "")
+                 + "), one layer resident at a time; the quantize stage then reuses its ranges. Cached: a new budget "
+                 "re-solves without measuring")
     if chosen is None:
         lines.append("    the chosen mix, its groups' bytes and predicted damage and the Pareto front: printed by "
                      "`llmc build` once measured")
         return lines
     lines.append(f"    chosen mix: {_size(chosen['bytes'])} ({chosen['effective_bits']:.2f} effective bits), "
-                 f"predicted damage {chosen['predicted_damage']:.4g} (sum of units' layer-output relative errors)"
+                 f"predicted damage {chosen['predicted_damage']:.4g} ("
+                 + ("sum of units' estimated KL divergences" if space.proxy == "fisher"
+                    else f"sum of units' {space.proxy} proxies") + ")"
                  + ("" if chosen["exact"] else "; byte axis coarsened, optimum on that grid"))
     for g in chosen["groups"]:
         lines.append(f"    {g['group']:<24} {g['scheme']:<16} {g['units']:>4} units {g['linears']:>5} Linears "
@@ -385,7 +390,7 @@ def _search_space(recipe: Recipe, q: QuantizationSection, removed: list[tuple[st
         effective_bits=search.budget.effective_bits, ignore=base.ignore,
         n_layers=config.get("num_hidden_layers", 0), model_type=config.get("model_type"),
         fuse=any(f.fuses_projections for f in formats.values()), elem=elem, matches=module_matches,
-        linear_bytes=linear_bytes)
+        linear_bytes=linear_bytes, proxy=search.proxy)
     if not space.units:
         raise RecipeError(f"quantization.search has nothing to search: search.protect and quantization.ignore hold "
                           f"every decoder-layer Linear ({len(space.protected)} protected)",

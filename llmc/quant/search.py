@@ -191,46 +191,97 @@ def assignment_groups(units: Sequence[Unit], candidates: Sequence[str], choice: 
 # --------------------------------------------------------------------------- measurement, one resident layer
 
 
+# the damage measures `layer_damages` returns; `fisher` needs the loss gradient at the layer's output
+PROXIES = ("output", "update", "token", "fisher")
+
+
 def layer_damage(layer: nn.Module, linears: Mapping[str, nn.Linear], units: Sequence[Unit],
                  candidates: Mapping[str, Scheme | None], inputs: Sequence[torch.Tensor], extras: Sequence,
-                 outputs: Sequence[torch.Tensor], input_absmax: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
-    """Per unit (of this layer), per candidate (in `candidates`' order; None: unquantized, damage 0): the relative
-    squared error of the layer's output over the calibration batches, sum ||y_q - y||^2 / sum ||y||^2, with that
-    unit's Linears quantized by the candidate (weights round-to-nearest; activations fake-quantized with the static
-    scale of the observed absmax, or dynamically) and every other Linear as it is. `inputs`/`extras`/`outputs`:
-    the layer's original inputs, its call arguments and its original outputs, per batch."""
+                 outputs: Sequence[torch.Tensor], input_absmax: Mapping[str, torch.Tensor], *,
+                 proxy: str = "output", grads: Sequence[torch.Tensor] | None = None) -> dict[str, list[float]]:
+    """Per unit (of this layer), per candidate (in `candidates`' order; None: unquantized, damage 0): the damage
+    `proxy` (see `layer_damages`) with that unit's Linears quantized by the candidate (weights round-to-nearest;
+    activations fake-quantized with the static scale of the observed absmax, or dynamically) and every other Linear
+    as it is. `inputs`/`extras`/`outputs`: the layer's original inputs, its call arguments and its original outputs,
+    per batch; `grads` (proxy fisher): the gradient of the summed log-likelihood at those outputs, per batch."""
+    if proxy not in PROXIES:
+        raise ValueError(f"unknown search proxy {proxy!r}: one of {', '.join(PROXIES)}")
+    if proxy == "fisher" and grads is None:
+        raise ValueError("the fisher proxy needs the loss gradient at the layer's outputs (grads): measure with "
+                         "llmc.quant.stream.measure_model(..., gradients=True)")
+    return layer_damages(layer, linears, units, candidates, inputs, extras, outputs, input_absmax, grads)[proxy]
+
+
+def layer_damages(layer: nn.Module, linears: Mapping[str, nn.Linear], units: Sequence[Unit],
+                  candidates: Mapping[str, Scheme | None], inputs: Sequence[torch.Tensor], extras: Sequence,
+                  outputs: Sequence[torch.Tensor], input_absmax: Mapping[str, torch.Tensor],
+                  grads: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, list[float]]]:
+    """Every damage measure of `layer_damage` from one set of quantized forwards, with dy = y_q - y the output's
+    change, x the layer's input, summed over the calibration batches:
+
+        output   sum ||dy||^2 / sum ||y||^2             (relative to the residual stream the layer writes)
+        update   sum ||dy||^2 / sum ||y - x||^2         (relative to what the layer adds to the stream)
+        token    mean over tokens of ||dy_t||^2 / ||y_t||^2
+        fisher   1/2 sum g^2 dy^2 / tokens              (g: the loss gradient at y, `grads`; the diagonal Fisher
+                                                        estimate of the end-to-end KL divergence per token)
+
+    fisher only where `grads` is given."""
     device = next(layer.parameters()).device
+    width = outputs[0].shape[-1] if outputs else 1
+    tokens = sum(y.numel() // width for y in outputs) or 1
     reference = sum(float(y.double().pow(2).sum()) for y in outputs) or 1.0
-    out: dict[str, list[float]] = {}
+    update = sum(float((y.double() - x.to(y.device).double()).pow(2).sum()) for x, y in zip(inputs, outputs)) or 1.0
+    names = [p for p in PROXIES if p != "fisher" or grads is not None]
+    out: dict[str, dict[str, list[float]]] = {p: {} for p in names}
     for unit in units:
         mine = [n for n in unit.linears if n in linears]
-        row = []
+        rows: dict[str, list[float]] = {p: [] for p in names}
         for scheme in candidates.values():
             if scheme is None or not mine:
-                row.append(0.0)
+                for p in names:
+                    rows[p].append(0.0)
                 continue
-            saved = {n: linears[n].weight.data for n in mine}
-            codes = quantize_weights({n: w for n, w in saved.items()}, scheme.weights)
-            hooks = []
-            try:
-                for n in mine:
-                    linears[n].weight.data = dequantize_weight(codes[n], scheme.weights, saved[n].dtype)
-                    if scheme.activations is not None:
-                        hooks.append(linears[n].register_forward_pre_hook(
-                            _activation_hook(scheme.activations, input_absmax.get(n))))
-                err = 0.0
-                with torch.no_grad():
-                    for x, (args, kwargs), y in zip(inputs, extras, outputs):
-                        q = layer_output(layer(x.to(device), *args, **kwargs))
-                        err += float((q.double() - y.to(q.device).double()).pow(2).sum())
-            finally:
-                for h in hooks:
-                    h.remove()
-                for n, w in saved.items():
-                    linears[n].weight.data = w
-            row.append(err / reference)
-        out[unit.name] = row
+            sums = _quantized_errors(layer, {n: linears[n] for n in mine}, scheme, inputs, extras, outputs,
+                                     input_absmax, grads, device)
+            values = {"output": sums["sq"] / reference, "update": sums["sq"] / update, "token": sums["token"] / tokens,
+                      "fisher": 0.5 * sums["fisher"] / tokens}
+            for p in names:
+                rows[p].append(values[p])
+        for p in names:
+            out[p][unit.name] = rows[p]
     return out
+
+
+def _quantized_errors(layer: nn.Module, linears: Mapping[str, nn.Linear], scheme: Scheme,
+                      inputs: Sequence[torch.Tensor], extras: Sequence, outputs: Sequence[torch.Tensor],
+                      input_absmax: Mapping[str, torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                      device: torch.device) -> dict[str, float]:
+    """The layer's output error with `linears` quantized by `scheme`, summed over the batches: squared (sq), per
+    token relative to the token's output (token), weighted by the squared gradient (fisher)."""
+    saved = {n: m.weight.data for n, m in linears.items()}
+    codes = quantize_weights(dict(saved), scheme.weights)
+    hooks = []
+    sums = {"sq": 0.0, "token": 0.0, "fisher": 0.0}
+    try:
+        for n, m in linears.items():
+            m.weight.data = dequantize_weight(codes[n], scheme.weights, saved[n].dtype)
+            if scheme.activations is not None:
+                hooks.append(m.register_forward_pre_hook(_activation_hook(scheme.activations, input_absmax.get(n))))
+        with torch.no_grad():
+            for b, (x, (args, kwargs), y) in enumerate(zip(inputs, extras, outputs)):
+                q = layer_output(layer(x.to(device), *args, **kwargs))
+                y = y.to(q.device).double()
+                dy2 = (q.double() - y).pow(2)
+                sums["sq"] += float(dy2.sum())
+                sums["token"] += float((dy2.sum(-1) / y.pow(2).sum(-1).clamp_min(1e-30)).sum())
+                if grads is not None:
+                    sums["fisher"] += float((grads[b].to(q.device).double().pow(2) * dy2).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, w in saved.items():
+            linears[n].weight.data = w
+    return sums
 
 
 def _activation_hook(spec: TensorSpec, absmax: torch.Tensor | None):
@@ -264,16 +315,18 @@ class SearchSpace:
     granularity: str
     fused: bool  # a target fuses siblings, so they were kept in one unit
     notes: tuple[str, ...] = ()
+    proxy: str = "output"  # the damage measure (PROXIES)
 
     def forwards_per_layer(self) -> int:
         """Forwards of each decoder layer over the calibration windows the measurement costs: the calibration pass's
-        own, and one per unit of the layer and scheme candidate."""
+        own, one per unit of the layer and scheme candidate, and for the fisher proxy the second pass's forward with
+        its backward (counted as three forwards)."""
         per_layer: dict[int, int] = {}
         for u in self.units:
             layer = site_of(u.linears[0])[0]
             per_layer[layer] = per_layer.get(layer, 0) + 1
         schemes = sum(c != BF16 for c in self.candidates)
-        return 1 + max(per_layer.values(), default=0) * schemes
+        return 1 + max(per_layer.values(), default=0) * schemes + (3 if self.proxy == "fisher" else 0)
 
     def bounds(self) -> tuple[float, float]:
         """The fewest and most bytes a mix can take (fixed bytes included)."""
@@ -285,7 +338,8 @@ def search_space(linears: Mapping[str, tuple[int, int]], *, candidates: Sequence
                  removed: Sequence[tuple[str, str]], specs: Mapping[str, TensorSpec], granularity: str,
                  protect: Sequence[str], budget_bytes: float | None, effective_bits: float | None,
                  ignore: tuple[str, ...], n_layers: int, model_type: str | None, fuse: bool, elem: int,
-                 matches: Callable[[str, tuple], bool], linear_bytes: LinearBytes | None = None) -> SearchSpace:
+                 matches: Callable[[str, tuple], bool], linear_bytes: LinearBytes | None = None,
+                 proxy: str = "output") -> SearchSpace:
     """The search on a model of `linears` (every Linear name -> (out, in)): its decoder layers' Linears, less those
     `ignore`d and `protect`ed (fused siblings of a protected Linear are protected too where a target fuses them),
     cut into units; each unit's bytes under each candidate (`specs`; BF16: None), as `linear_bytes` counts one
@@ -314,7 +368,7 @@ def search_space(linears: Mapping[str, tuple[int, int]], *, candidates: Sequence
     budget = (Fraction(budget_bytes) if budget_bytes is not None
               else Fraction(effective_bits).limit_denominator(1 << 20) * total / 8)
     return SearchSpace(tuple(candidates), tuple(removed), tuple(units), tuple(sorted(kept)), fixed, sizes, budget,
-                       total, granularity, fuse, tuple(notes))
+                       total, granularity, fuse, tuple(notes), proxy)
 
 
 def solve_space(space: SearchSpace, damage: Mapping[str, Sequence[float]]) -> Solution | None:
@@ -341,7 +395,7 @@ def summary(space: SearchSpace, solution: Solution, damage: Mapping[str, Sequenc
     if len(front) > front_points:  # evenly spread points, the ends kept
         idx = sorted({round(i * (len(front) - 1) / (front_points - 1)) for i in range(front_points)})
         front = [front[i] for i in idx]
-    return {"granularity": space.granularity, "budget_bytes": float(space.budget_bytes),
+    return {"granularity": space.granularity, "proxy": space.proxy, "budget_bytes": float(space.budget_bytes),
             "budget_effective_bits": float(space.budget_bytes * 8 / space.total_params) if space.total_params else 0.0,
             "bytes": solution.bytes + float(space.fixed_bytes),
             "effective_bits": (solution.bytes + float(space.fixed_bytes)) * 8 / max(space.total_params, 1),

@@ -49,7 +49,7 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
-from llmc.quant import expert_stream, moe, mxfp4_source
+from llmc.quant import expert_stream, fisher, moe, mxfp4_source
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
@@ -210,17 +210,20 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                         loop=loop)
 
 
-LayerMeasure = Callable[[int, nn.Module, dict[str, nn.Linear], Activations, list, Activations, LayerStats], None]
+LayerMeasure = Callable[[int, nn.Module, dict[str, nn.Linear], Activations, list, Activations, LayerStats,
+                         "list[torch.Tensor] | None"], None]
 
 
 def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration, work: Path, measure: LayerMeasure,
-                  options: StreamOptions = StreamOptions()) -> int:
+                  options: StreamOptions = StreamOptions(), gradients: bool = False) -> int:
     """The calibration pass of the layer stream, with each resident layer handed to `measure` (quantization.search):
     `measure(index, layer, its Linears, its original inputs, its call arguments, its original outputs, its observed
-    statistics)`. The statistics later schemes share (ranges, KV) are recorded into `calibration.shared_stats` as a
-    calibrating scheme records them, so the quantize stage of the chosen mix runs no calibration forward of its own.
-    Nothing is quantized or written but those statistics; the activations stay in memory (or spill, as the recipe
-    says) under `work`. Returns the number of layers."""
+    statistics, the loss gradient at its outputs or None)`. The statistics later schemes share (ranges, KV) are
+    recorded into `calibration.shared_stats` as a calibrating scheme records them, so the quantize stage of the
+    chosen mix runs no calibration forward of its own. Nothing is quantized or written but those statistics; the
+    activations stay in memory (or spill, as the recipe says) under `work`. With `gradients` (the fisher proxy,
+    `llmc.quant.fisher`) every layer's inputs are kept, and the layers are measured in a second pass from the last
+    back, each read again and its backward carrying the gradient to the one before. Returns the number of layers."""
     if distributed.active():
         raise RecipeError("quantization.search measures in one process in this llmc version",
                           fix="build without --nproc / torchrun")
@@ -231,7 +234,10 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     shared = SharedStats(calibration.shared_stats, m.n_layers) if calibration.shared_stats else None
     facts = loop_facts(observing, calibration, calibration.tokens, calibration.mask, m.config, dtype, device,
                        bool(m.moe_blocks), None, m.all_linears, m.all_kv, None)
-    loop = decide_layer_loop(pipeline, replace(facts, calibrates=True))  # where the activations live, as any pass
+    # where the activations live, as any pass decides it; with gradients every layer's inputs wait for the second
+    # pass (and its gradients, outputs and the previous layer's gradients join them): decided on that many copies
+    copies = m.n_layers + 3 if gradients else 2
+    loop = decide_layer_loop(pipeline, replace(facts, calibrates=True, windows=-(-facts.windows * copies // 2)))
     unread = output_head_names(m.model)
     materialize(m.model, m.reader.get_many([n for n in m.reader.names()
                                             if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
@@ -240,7 +246,9 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
                shared=shared)
     flow = FLOWS["sequential"]()
     flow.prepare(s, calibration.tokens, calibration.mask)
-    for i in steps(range(m.n_layers), "search: measure layers", total=m.n_layers):
+    kept: dict[int, tuple[Activations, list, LayerStats]] = {}  # with gradients: each layer's inputs until measured
+    for i in steps(range(m.n_layers), "search: measure layers" if not gradients else "search: forward",
+                   total=m.n_layers):
         w = m.layer_work(i, observing)
         materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}."), dtype)
         w.module.to(device)
@@ -248,14 +256,50 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
         inputs = s.hidden
         flow.calibrate(s, w)  # ranges observed (and shared), the original outputs collected
         flow.propagate(s, w)  # s.hidden: this layer's original outputs, the next layer's inputs
-        measure(i, w.module, w.linears, inputs, w.extras, s.hidden, w.stats)
+        if gradients:
+            kept[i] = (inputs, w.extras, w.stats)
+        else:
+            measure(i, w.module, w.linears, inputs, w.extras, s.hidden, w.stats, None)
+            shutil.rmtree(inputs_dir(work, i), ignore_errors=True)  # spilled: one layer's inputs on disk at a time
         release(w.module)
-        shutil.rmtree(inputs_dir(work, i), ignore_errors=True)  # spilled: one layer's inputs on disk at a time
+    if gradients:
+        _measure_backward(m, observing, s.hidden, kept, measure, dtype, device, work)
     release(m.model)
     if shared is not None:
         shared.finish(m.all_linears, m.all_kv)
     shutil.rmtree(work, ignore_errors=True)
     return m.n_layers
+
+
+def _measure_backward(m: _Model, observing: Scheme, last: Activations,
+                      kept: dict[int, tuple[Activations, list, LayerStats]], measure: LayerMeasure,
+                      dtype: torch.dtype, device: torch.device, work: Path) -> None:
+    """measure_model's second pass with gradients: the gradient at the last layer's outputs from the final norm and
+    the output head, then each layer from the last back read again, measured with the gradient at its outputs, and
+    its backward giving the gradient at the previous layer's."""
+    head = m.model.get_output_embeddings()
+    if head is None:
+        raise RecipeError(f"quantization.search's fisher proxy needs the output head, and {type(m.model).__name__} "
+                          "has none", fix="use `proxy: output` for this model")
+    stored = set(m.reader.names())
+    materialize(m.model, m.reader.get_many(sorted(n for n in output_head_names(m.model) if n in stored)), dtype)
+    if head.weight.is_meta:  # tied: the checkpoint keeps the embedding's table only
+        head.weight = m.model.get_input_embeddings().weight
+    norm = fisher.final_norm(m.model, m.layers_prefix)
+    head.to(device)
+    norm.to(device)
+    softcap = m.config.get("final_logit_softcapping") or m.config.get("text_config", {}).get("final_logit_softcapping")
+    grads = fisher.head_gradients(norm, head, last, device, softcap)
+    for i in steps(reversed(range(m.n_layers)), "search: measure layers (backward)", total=m.n_layers):
+        inputs, extras, stats = kept.pop(i)
+        w = m.layer_work(i, observing)
+        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}."), dtype)
+        w.module.to(device)
+        outputs, back = fisher.layer_backward(w.module, inputs, extras, grads, device)
+        measure(i, w.module, w.linears, inputs, extras, Activations(outputs), stats, grads)
+        grads = back
+        release(w.module)
+        shutil.rmtree(inputs_dir(work, i), ignore_errors=True)
 
 
 def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,

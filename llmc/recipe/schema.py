@@ -334,6 +334,11 @@ class SearchSection(_Strict):
     protect: tuple[str, ...] = Field(
         default=(), description="Linears kept in the model's dtype, not searched: layer selectors ('first 1', 'last 1', "
         "'3-5') or module names (exact, a trailing part, or 're:<regex>')")
+    proxy: Literal["fisher", "output", "update", "token"] = Field(
+        default="fisher", description="each unit's damage: fisher (default; the loss gradient at the layer's output "
+        "squared times the output's change squared, an estimate of the end-to-end KL divergence, a backward pass "
+        "layer by layer after the forward), or from the forward alone: the output's relative squared error (output), "
+        "relative to the layer's update (update), or per token (token); llmc.quant.search.layer_damages")
 
     @field_validator("candidates")
     @classmethod
