@@ -22,7 +22,7 @@ from llmc.errors import IncompatibleTargetError
 from llmc.formats.described import check_seconds
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE
 from llmc.model.dtype import BYTES
-from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds, verify_seconds
+from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.spec import BLOCK_SHAPE, Scheme, TensorSpec
@@ -314,11 +314,9 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
            f"its own files, but for {(artifact_bytes - new_bytes) / GB:.2f} GB of shards identical to an earlier "
            "export's (hard links)")
     # read the canonical form, serialize, fsync and hash the artifact (the store's record), a shard at a time
-    shards = max(1, math.ceil(artifact_bytes / max_shard_bytes))
-    seconds = read_seconds + file_write_seconds(artifact_bytes, files=shards)
-    # a file identical to an earlier export's is linked to it once that one is re-hashed (llmc.storage.links)
-    shared = artifact_bytes if shared_with else artifact_bytes - new_bytes
-    seconds += verify_seconds(shared, files=shards)
+    # (a file identical to an earlier export's is then linked to it: the earlier file's digest is the one this
+    # process wrote it with, llmc.storage.store.current_sha256, so nothing is read again)
+    seconds = read_seconds + file_write_seconds(artifact_bytes, files=max(1, math.ceil(artifact_bytes / max_shard_bytes)))
     if repacked_bytes is not None:
         seconds += repacked_bytes * 8 / bits / REPACK_RATE
     return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,

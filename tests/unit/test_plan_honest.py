@@ -577,24 +577,6 @@ def test_an_export_is_planned_at_the_probed_write_rate_and_a_small_one_through_t
     assert seconds(small, 1e9, disk_write=0.1e9) - seconds(small, 1e9) == pytest.approx(small / 0.1e9 - small / 0.3e9)
 
 
-def test_an_export_sharing_an_earlier_ones_files_is_planned_with_the_blob_re_hashed(monkeypatch) -> None:
-    """Issue 44 (quiet re-measure): a second vLLM target's export of the same weights took 6.8 s where the plan said
-    4.6: before a file is hard-linked to the earlier export's identical one, that one is read and hashed again
-    (llmc.storage.links), around the page cache while hashing (llmc.planning.machine.verify_seconds)."""
-    from llmc.formats.base import export_cost
-    from llmc.planning.machine import Machine
-    from llmc.planning.shapes import Shape, from_config
-
-    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
-    pin_probes(monkeypatch, hashing=(1.5e9,), writing=(1e9,), disk_read=(0.5e9,))
-
-    def seconds(shared_with):
-        return export_cost(shape, label="vllm", artifact_bytes=3e9, whole_model=False, shared_with=shared_with,
-                           compute="float32", machine=Machine(available=None, gpu_free=None, device="cpu")).seconds
-
-    assert seconds("vllm-sm90") - seconds(None) == pytest.approx(max(3e9 / 0.5e9, 3e9 / 1.5e9))
-
-
 def test_the_write_probe_times_the_stores_own_write_and_leaves_nothing_behind(tmp_path: Path) -> None:
     probes.use_cache(tmp_path)
     assert machine.write_rate() > 0
