@@ -204,9 +204,8 @@ def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
 
 
 def verify_seconds(nbytes: float, files: int = 1) -> float:
-    """Seconds to check `nbytes` in `files` files a stage wrote against their recorded sha256 (Store.require_intact,
-    or a shared blob re-hashed before a hard link to it): large files are read around the page cache while the
-    previous chunk is hashed (llmc.storage.direct_io.sha256_around_cache), so the slower of the two; small ones are
+    """Seconds to check `nbytes` in `files` files a stage wrote against their recorded sha256 (Store.require_intact):
+    large files are read around the page cache while the previous chunk is hashed (llmc.storage.direct_io.sha256_around_cache), so the slower of the two; small ones are
     hashed from the page cache."""
     if nbytes <= 0:
         return 0.0
