@@ -16,22 +16,9 @@ import pytest
 import torch
 
 from llmc.quant.spec import Scheme, TensorSpec
+from tests.unit.bench_modules import BENCH, benchmark_module
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _module(name: str):
-    sys.path.insert(0, str(BENCH))  # the benchmarks import their siblings, as when run as scripts
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-gpu = _module("gpu_calibration")
+gpu = benchmark_module("gpu_calibration")
 
 
 @pytest.mark.parametrize("shape", sorted(gpu.SHAPES))
@@ -57,7 +44,7 @@ def test_fp8_static_pair_is_channel_weights_and_static_tensor_activations() -> N
 
 def test_the_peer_recipe_for_fp8_static_matches_llmc_format() -> None:
     pytest.importorskip("llmcompressor")
-    modifier = _module("_llmcompressor_child").recipe("fp8-static")[0]
+    modifier = benchmark_module("_llmcompressor_child").recipe("fp8-static")[0]
     scheme = modifier.config_groups["group_0"]
     assert (scheme.weights.type, scheme.weights.num_bits, scheme.weights.strategy) == ("float", 8, "channel")
     acts = scheme.input_activations
@@ -78,7 +65,7 @@ def test_the_synthetic_checkpoint_has_the_shape_and_an_offline_tokenizer(tmp_pat
 
 
 def test_the_floor_is_one_forward_of_every_token_through_one_layer(tmp_path: Path) -> None:
-    floor = _module("_layer_floor")
+    floor = benchmark_module("_layer_floor")
     gpu.write_model(tmp_path, "tiny", 3, "float32")
     short = floor.floor_seconds(tmp_path, 2, 32, torch.float32, torch.device("cpu"), repeats=1)
     assert 0 < short < 5
@@ -158,7 +145,7 @@ def test_quality_diffs_pair_llmc_with_each_llm_compressor_row_of_its_peer_recipe
 
 
 def test_every_row_is_stamped_with_the_code_hash_dirty_flag_filesystem_and_disk_rates(tmp_path: Path) -> None:
-    stamp_mod = _module("_bench_stamp")
+    stamp_mod = benchmark_module("_bench_stamp")
     repo = tmp_path / "repo"
     (repo / "llmc" / "__pycache__").mkdir(parents=True)
     (repo / "llmc" / "a.py").write_text("x = 1\n")

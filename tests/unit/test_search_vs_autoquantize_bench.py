@@ -5,8 +5,6 @@ tool's lm_head inputs are scored through the baseline's head exactly as the base
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,23 +12,11 @@ import torch
 
 from llmc.engines.agreement import score_logits
 from llmc.recipe.load import load_recipe
+from tests.unit.bench_modules import benchmark_module
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks"
 
-
-def _module(name: str):
-    sys.path.insert(0, str(BENCH))  # the benchmarks import their siblings, as when run as scripts
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-bench = _module("search_vs_autoquantize")
+bench = benchmark_module("search_vs_autoquantize")
 
 
 def smollm2_linears(layers: int = 30) -> dict[str, int]:
