@@ -66,19 +66,31 @@ def test_the_layer_streams_calibration_forward_is_transformers_full_forward(mixe
     assert not torch.allclose(plain_rope["model.layers.0.self_attn.o_proj"], ref["model.layers.0.self_attn.o_proj"])
 
     observed = observing_channel_absmax(monkeypatch)
-    stream.quantize_model(ModelSource(mixed, "d", "d"), FP8_STATIC, tmp_path / "q", stream.Calibration(calib,
-                                                                                                       batch_size=2))
-    written = {}
-    for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
-        written.update(load_file(str(f)))
+    written = _fp8_static_layers(mixed, calib, tmp_path / "q")
     mla = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     dense = {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
     assert dense <= set(ref) and not any(".layers.0.mlp.experts." in n for n in ref)
     assert {f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in mla} <= set(ref)
     assert len(ref) == len(observed) == 3 * 5 + 3 + 2 * (4 * 3 + 3)  # MLA x3, dense MLP, 2 x (experts + shared)
-    for name, absmax in ref.items():
-        torch.testing.assert_close(observed[name], absmax, rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(written[f"{name}.input_scale"], static_scale(absmax.amax(), FP8_STATIC.activations),
+    _assert_ranges_and_scales_are_transformers(observed, ref, written)
+
+
+def _fp8_static_layers(model: Path, calib: torch.Tensor, out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the decoder layers' files after FP8 static calibration of `model` on `calib`, layer by layer."""
+    stream.quantize_model(ModelSource(model, "d", "d"), FP8_STATIC, out, stream.Calibration(calib, batch_size=2))
+    written = {}
+    for f in sorted((out / "layers").glob("*.safetensors")):
+        written.update(load_file(str(f)))
+    return written
+
+
+def _assert_ranges_and_scales_are_transformers(observed: dict, ref: dict, written: dict) -> None:
+    """Each observed Linear's per-channel input absmax is transformers' whole-model one, its written static scale
+    the one that absmax gives."""
+    for name, absmax in observed.items():
+        torch.testing.assert_close(absmax, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(written[f"{name}.input_scale"], static_scale(ref[name].amax(),
+                                                                                FP8_STATIC.activations),
                                    rtol=1e-5, atol=0, msg=name)
 
 
@@ -301,21 +313,13 @@ def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(
     assert not torch.allclose(dense["model.layers.1.self_attn.o_proj"], ref["model.layers.1.self_attn.o_proj"])
 
     observed = observing_channel_absmax(monkeypatch)
-    stream.quantize_model(ModelSource(v32, "d", "d"), FP8_STATIC, tmp_path / "q", stream.Calibration(calib,
-                                                                                                    batch_size=2))
-    written = {}
-    for f in sorted((tmp_path / "q" / "layers").glob("*.safetensors")):
-        written.update(load_file(str(f)))
+    written = _fp8_static_layers(v32, calib, tmp_path / "q")
     kept = {f"model.layers.{i}.self_attn.indexer.{p}" for i in range(3) for p in ("wk", "weights_proj")}
     assert kept <= set(ref) and not kept & set(observed)
     assert {f"model.layers.{i}.self_attn.indexer.wq_b" for i in range(3)} <= set(observed)
     # (MLA 5 + wq_b) x3, the dense MLP, 2 x (experts + shared)
     assert len(observed) == len(ref) - len(kept) == 3 * 6 + 3 + 2 * (4 * 3 + 3)
-    for name, absmax in observed.items():
-        torch.testing.assert_close(absmax, ref[name], rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(written[f"{name}.input_scale"], static_scale(ref[name].amax(),
-                                                                                FP8_STATIC.activations),
-                                   rtol=1e-5, atol=0, msg=name)
+    _assert_ranges_and_scales_are_transformers(observed, ref, written)
     for name in kept:  # in the model's dtype, no scale
         assert written[f"{name}.weight"].dtype == torch.float32 and f"{name}.input_scale" not in written
 
