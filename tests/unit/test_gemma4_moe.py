@@ -19,8 +19,9 @@ from safetensors import safe_open
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.quant import moe
 from tests.unit.families import GEMMA4_MOE, make_tiny
-from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
-from tests.unit.test_moe import _float_model, _quantize, _tensors, _transformers_logits_of_export
+from tests.unit.test_families import SCHEMES, _ids
+from tests.unit.test_moe import (_float_model, _quantize, _tensors, _transformers_logits_of_export,
+                                 export_gives_the_reference_logits)
 
 # per layer: q/k/v/o, the dense MLP's 3, the per-layer-input gate and projection, 4 experts x 3
 PER_LAYER = 4 + 3 + 2 + 4 * 3
@@ -101,8 +102,6 @@ def test_gemma4_moe_export_reloads_with_the_reference_logits(gemma4_moe: Path, s
     router.proj float and ignored; llmc's torch engine on the export gives the fake-quantized reference's logits;
     W4A16 decoded by compressed-tensors into plain transformers (experts re-fused: transformers 5.23 has no
     per-expert names for Gemma-4) gives llmc's logits too."""
-    from llmc.engines.torch_ref import TorchEngine
-
     scheme = SCHEMES[scheme_name]
     qm = _quantize(gemma4_moe, scheme, tmp_path / "q")
     tensors = _tensors(qm)
@@ -114,14 +113,7 @@ def test_gemma4_moe_export_reloads_with_the_reference_logits(gemma4_moe: Path, s
     assert {"model.layers.1.experts.3.down_proj.weight_scale", "model.layers.1.router.proj.weight",
             "model.layers.1.router.per_expert_scale", "model.layers.1.mlp.gate_proj.weight_scale"} <= names
     assert "model.layers.1.router.proj.weight_scale" not in names
-    ids = _ids(2, 2)
-    with torch.no_grad():
-        base = _float_model(gemma4_moe)(input_ids=ids).logits
-        want = _fake_quantized_reference(gemma4_moe, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)(
-            input_ids=ids).logits
-        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
-    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
-    assert (got - want).abs().max().item() < 1e-4
+    ids, got = export_gives_the_reference_logits(gemma4_moe, qm, scheme, tmp_path / "export")
     if scheme_name == "int4-gptq":
         assert (_transformers_logits_of_export(tmp_path / "export", gemma4_moe, ids) - got).abs().max().item() < 1e-4
 

@@ -70,6 +70,23 @@ def _scheme(family: str, scheme_name: str):
     return dataclasses.replace(scheme, kv_cache=None) if family in NO_KV_CACHE else scheme
 
 
+
+def export_gives_the_reference_logits(folder: Path, qm, scheme, export: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asserts that llmc's torch engine on the compressed-tensors `export` of `qm` gives the logits of the float
+    model fake-quantized as `scheme` says (experts unfused), within 1e-4, and that the quantization is visible in
+    them; returns the token ids (2 windows) and the export's logits for the caller's further checks."""
+    from llmc.engines.torch_ref import TorchEngine
+
+    ids = _ids(2, 2)
+    with torch.no_grad():
+        base = _float_model(folder)(input_ids=ids).logits
+        want = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)(
+            input_ids=ids).logits
+        got = TorchEngine(export, streamed=False).model(input_ids=ids, use_cache=False).logits
+    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
+    assert (got - want).abs().max().item() < 1e-4
+    return ids, got
+
 def _float_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
@@ -149,14 +166,7 @@ def test_every_expert_is_quantized_and_the_export_reloads_with_the_reference_log
     with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
         assert f"model.layers.1.{block}.experts.3.{projections[2]}.weight_scale" in set(f.keys())
 
-    ids = _ids(2, 2)
-    with torch.no_grad():
-        base = _float_model(folder)(input_ids=ids).logits
-        reference = _fake_quantized_reference(folder, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)
-        want = reference(input_ids=ids).logits
-        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
-    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
-    assert (got - want).abs().max().item() < 1e-4
+    ids, got = export_gives_the_reference_logits(folder, qm, scheme, tmp_path / "export")
     if scheme_name == "fp8-static-kv":  # the streamed evaluation (one layer resident) scores the same
         whole = TorchEngine(tmp_path / "export", streamed=False).token_nll(ids)
         torch.testing.assert_close(TorchEngine(tmp_path / "export", streamed=True).token_nll(ids), whole,
@@ -833,8 +843,6 @@ def test_llama4_export_reloads_with_the_reference_logits(llama4: Path, scheme_na
     """FP8 W8A8 static + KV and W4A16 GPTQ of Llama-4 text: experts per expert in the export (router float, ignored),
     llmc's torch engine on the export gives the fake-quantized reference's logits; W4A16 decoded by compressed-tensors
     into plain transformers (experts re-fused) gives llmc's logits too."""
-    from llmc.engines.torch_ref import TorchEngine
-
     scheme = SCHEMES[scheme_name]
     qm = _quantize(llama4, scheme, tmp_path / "q")
     export_compressed_tensors(qm, tmp_path / "export")
@@ -843,14 +851,7 @@ def test_llama4_export_reloads_with_the_reference_logits(llama4: Path, scheme_na
     assert {"model.layers.1.feed_forward.experts.3.down_proj.weight_scale",
             "model.layers.1.feed_forward.shared_expert.gate_proj.weight_scale",
             "model.layers.1.feed_forward.router.weight"} <= names
-    ids = _ids(2, 2)
-    with torch.no_grad():
-        base = _float_model(llama4)(input_ids=ids).logits
-        want = _fake_quantized_reference(llama4, qm, scheme, scheme.algorithm == "rtn", moe.unfuse_experts)(
-            input_ids=ids).logits
-        got = TorchEngine(tmp_path / "export", streamed=False).model(input_ids=ids, use_cache=False).logits
-    assert (want - base).abs().max().item() > 1e-3, "quantization must be visible"
-    assert (got - want).abs().max().item() < 1e-4
+    ids, got = export_gives_the_reference_logits(llama4, qm, scheme, tmp_path / "export")
     if scheme_name == "int4-gptq":
         assert (_transformers_logits_of_export(tmp_path / "export", llama4, ids) - got).abs().max().item() < 1e-4
 
