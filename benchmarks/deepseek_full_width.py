@@ -4,7 +4,8 @@ shared, vocab 129,280) but 1 dense + 1 MoE layer, stored FP8 block-wise as the o
 Linear weight but the router an F8_E4M3 `weight` with a float32 `weight_scale_inv` per 128x128 block; norms, router,
 embeddings and head bf16), quantized with recipes/deepseek-r1-nvfp4.yaml (experts NVFP4; the plan's decision streams
 the MoE layer expert by expert, llmc.quant.expert_stream) by benchmarks/_deepseek_quantize_child.py: the quantize
-stage as the build runs it (`llmc quantize` itself refuses this machine for the export row's memory).
+stage as the build runs it (written when `llmc quantize` still refused this machine for the export row's memory:
+it checks only the stages it runs since).
 
     nice -n 10 python benchmarks/deepseek_full_width.py --work /tmp/i46-ds-full-width
 

@@ -66,7 +66,7 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     unpacked = unpacked_sources(store.root)
     source = ranks.main_first(lambda: resolve_source(recipe.model.source, store, source_dtype(recipe.model.dtype)))
     # + model shape checks and memory, from headers only; the time budget once the cached stages are known (below)
-    plan = ranks.probed_once(lambda: make_plan(recipe, source.folder, check_time=False))  # probes: rank 0 alone
+    plan = ranks.probed_once(lambda: make_plan(recipe, source.folder, check_time=False, last=last))  # probes: rank 0 alone
     plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
     result = BuildResult(recipe=recipe, build_id=build_id_for(recipe, source), plan=plan, source=source,
                          dtype=resolve_dtype(recipe.model.dtype, source.folder), overrides=tuple(overrides))
@@ -87,7 +87,7 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
     if searches:  # measured (or found cached) and solved: then planned again with the chosen mixes
         resolved = {name: resolve_search(b, name, q, plan.search[name], plan.schemes[name])
                     for name, q in searches.items()}
-        plan = make_plan(recipe, source.folder, check_time=False, resolved=resolved)
+        plan = make_plan(recipe, source.folder, check_time=False, resolved=resolved, last=last)
         result.search = plan.searched
         plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
         result.plan = plan

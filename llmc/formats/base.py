@@ -26,6 +26,7 @@ from llmc.planning.machine import PROCESS_BYTES, Machine, file_write_seconds
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.spec import BLOCK_SHAPE, Scheme, TensorSpec
+from llmc.storage.direct_io import held_bytes
 
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
@@ -307,6 +308,8 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
     else:
         host = PROCESS_BYTES + min(artifact_bytes, max_shard_bytes) + shape.layer_params * 1.0
         mapped = shard + shape.layer_params * e
+    if not whole_model:  # the direct I/O buffers of checking the canonical files and writing the shards
+        host += held_bytes(max(shard, shape.outer_params * e))
     new_bytes = artifact_bytes if new_bytes is None else new_bytes  # less what identical files already hold
     disk = 0.0 if shared_with else new_bytes
     why = (f"same weight files as {shared_with} (hard links)" if shared_with else

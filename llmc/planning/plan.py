@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -60,7 +60,7 @@ class CostedFor:
     dtype: str  # the compute dtype
     source_gb: float  # the source's weights as stored
     available_gb: float  # MemAvailable
-    free_gb: float | None  # MemFree, where memory beyond it comes from a VM's host at its pace (else None)
+    free_gb: float | None  # MemFree on a VM given new memory at its host's pace (else None)
     cpu_count: int
     device: str  # the calibration device
     machine: str = "this machine"  # or `--machine`'s: "the machine h100-sxm:8 (an estimate)"
@@ -261,8 +261,8 @@ def _render_estimates(plan: Plan) -> list[str]:
     lines = [
         f"  model: {m.params / 1e6:,.1f}M params in {m.layers} layers, computed in {m.dtype}; "
         f"source {m.source_gb:.2f} GB; {m.machine}: {m.available_gb:.1f} GB available"
-        + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: a stage needing more than "
-           "that may wait for it)" if m.free_gb is not None else "")
+        + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: the times' slow ends wait "
+           "for all of it)" if m.free_gb is not None else "")
         + f", {m.cpu_count} CPUs; calibrating on {m.device}",
         f"  peak memory ~{plan.peak_memory_gb:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if plan.spill_activations else ''})"
@@ -703,11 +703,13 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
 
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
               config: dict | None = None, refuse: bool = True, nproc: int | None = None,
-              check_time: bool = True, resolved: dict[str, tuple[Scheme, dict]] | None = None) -> Plan:
+              check_time: bool = True, resolved: dict[str, tuple[Scheme, dict]] | None = None,
+              last: Kind | None = None) -> Plan:
     """Check every variant x target; with the model folder (or only its config.json, planning offline), also shapes
     and each stage's memory, disk and time (per rank when `nproc` or torchrun's WORLD_SIZE says several), refusing
     what does not fit this machine or, with `check_time`, the recipe's time budget (the build checks it later,
-    against the stages it still has to run)."""
+    against the stages it still has to run). With `last` (`llmc quantize`, `llmc export`), only the stages up to it
+    must fit: the later ones are planned and shown, not run."""
     schemes = {name: q.to_scheme() for name, q in recipe.variant_sections()}
     searches = {name: q for name, q in recipe.variant_sections() if q.search is not None}
     removed = {name: search_removed(q, recipe.targets) for name, q in searches.items()}
@@ -776,7 +778,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.distributed = _distributed_estimate(plan, config, tensors.linear_shapes(), nproc)
 
         try:
-            refuse_if_it_does_not_fit(plan, device)
+            refuse_if_it_does_not_fit(plan, device, last)
             if check_time:
                 check_budget(plan)
             if cache_dir is not None and target_machine() is None:  # another machine's disk is not known here
@@ -838,9 +840,14 @@ def _gpu_free(device: torch.device) -> int | None:
     return t.gpu_memory_bytes if t else torch.cuda.mem_get_info(device)[0]
 
 
-def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
+def refuse_if_it_does_not_fit(plan: Plan, device: torch.device, last: Kind | None = None) -> None:
     """ResourceError, before any weight loads, when a stage's peak exceeds this machine's memory: the numbers,
-    and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine)."""
+    and the cheaper strategy when one exists (spill the activations, stream the evaluation, another machine).
+    Stages after `last` are not run by this build and are not checked."""
+
+    def runs(kind: Kind) -> bool:
+        return last is None or not kind.comes_after(last)
+
     available = _host_available()
     if device.type == "cuda":
         free = _gpu_free(device) / 1e9
@@ -850,8 +857,9 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
                 fix="free the GPU, lower calibration.samples (AWQ keeps every batch's inputs on the device), "
                 "or set calibration.device: cpu",
             )
-    _refuse_if_a_stage_overfills_its_gpu(plan)
-    whole_model = [t["label"] for t in plan.targets if targets.artifact_format(t["exporter"]).layout.whole_model]
+    _refuse_if_a_stage_overfills_its_gpu(plan, runs)
+    whole_model = [t["label"] for t in plan.targets if runs(Kind.EXPORT)
+                   and targets.artifact_format(t["exporter"]).layout.whole_model]
     if whole_model and available is not None and plan.export_memory_gb > available / 1e9:
         streaming = [r.name for r in targets.runtimes() if not targets.artifact_format(r.format).layout.whole_model]
         raise ResourceError(
@@ -862,7 +870,7 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
         )
     if available is None:
         return
-    for row in plan.rows:
+    for row in (r for r in plan.rows if runs(r.id.kind)):
         # what it allocates plus the file pages it keeps mapped: evicting those re-reads them from disk on every use
         # (a whole model mapped in a machine too small for it reads every weight again for each batch)
         need = row.host_bytes / 1e9 + row.mapped_bytes / 1e9
@@ -880,11 +888,11 @@ def refuse_if_it_does_not_fit(plan: Plan, device: torch.device) -> None:
         )
 
 
-def _refuse_if_a_stage_overfills_its_gpu(plan: Plan) -> None:
+def _refuse_if_a_stage_overfills_its_gpu(plan: Plan, runs: Callable[[Kind], bool]) -> None:
     """ResourceError when a stage that runs on a GPU (an evaluation holding the whole model there) needs more than
     that GPU has free: the GPU's own memory, not the host's, bounds it."""
     for row in plan.rows:
-        if not row.gpu_bytes or row.cached or row.skipped or not row.device.startswith("cuda"):
+        if not runs(row.id.kind) or not row.gpu_bytes or row.cached or row.skipped or not row.device.startswith("cuda"):
             continue
         free = _gpu_free(torch.device(row.device))
         if free is not None and row.gpu_bytes > free:
@@ -1047,19 +1055,19 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
     available = _host_available()
-    # A VM whose free memory goes back to its host gets new pages at the host's pace: at ~0.3 GB/s when the host
-    # is short of memory, which the guest cannot see (docs/planner-constants.md#reclaim_rate). What it needs beyond
-    # MemFree is planned at that pace; the slowest end of the range plans all of it so. Elsewhere the kernel evicts
-    # clean page cache at memory speed: nothing is added (`free` None).
+    # A VM whose free memory goes back to its host gets new pages at the host's pace: ~4 GB/s when the host has them
+    # to hand, ~0.3 GB/s when it is short, which the guest cannot see (docs/planner-constants.md#reclaim_rate; the
+    # slow pages were free ones, not evicted page cache). The point plans the host's usual pace (nothing added); the
+    # slowest end of the range plans all of a stage's new memory at the short host's pace.
     host_paced = memory_from_host() and target_machine() is None  # another machine: not known to be such a VM
-    free = memory_free() if host_paced else None
+    free = memory_free() if host_paced else None  # shown in the plan's first line
     c = recipe.calibration
 
     gpu_free = _gpu_free(device)
     cpus = target_machine().cpus if target_machine() else os.cpu_count()
     side_files = _side_file_bytes(model_folder)
 
-    def walk(compute: str = compute, free: int | None = free) -> Costing:
+    def walk(compute: str = compute, free: int | None = None) -> Costing:
         machine = Machine(available, gpu_free, str(device), cpus)
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,

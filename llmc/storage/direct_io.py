@@ -164,6 +164,13 @@ def _pieces(head: bytes, tensors: list[torch.Tensor]):
             yield memoryview(data).cast("B")
 
 
+def held_bytes(largest_file: float) -> int:
+    """Anonymous memory this module holds while a stage reads and writes files up to `largest_file` bytes: the two
+    read buffers of `sha256_around_cache` and the writing thread's bounce buffer (kept). Smaller files go through the
+    page cache and hold none."""
+    return 3 * CHUNK_BYTES if largest_file >= DIRECT_MIN_BYTES else 0
+
+
 def remember(path: Path, digest: str) -> None:
     """Keep `digest` as the sha256 of the file now at `path` (its inode, size and modification time)."""
     st = os.stat(path)

@@ -307,6 +307,32 @@ def test_whole_model_onnx_export_is_checked_against_memory(tiny_model: Path, tmp
     assert "more memory" in e.value.fix
 
 
+def test_a_build_that_stops_at_quantize_is_refused_only_for_the_stages_it_runs(tiny_model: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """`llmc quantize` (build_until(..., "quantize")) runs no export or evaluation: a machine with memory for the
+    quantize stage but not for a later stage is refused by `llmc build`, not by `llmc quantize`."""
+    import llmc.planning.plan
+    from llmc.errors import ResourceError
+    from llmc.pipeline.ids import Kind
+
+    def need(row) -> float:
+        return row.host_bytes + row.mapped_bytes
+
+    static_int8 = {"weights": {"format": "int8", "strategy": "channel"},
+                   "activations": {"format": "int8", "strategy": "tensor"}}
+    r = recipe(static_int8, {"runtime": "onnxruntime", "gpu_arch": "cpu"})
+    plan = make_plan(r, tiny_model, tmp_path)
+    quantize_need = max(need(row) for row in plan.rows if row.id.kind is Kind.QUANTIZE)
+    later_need = max([need(row) for row in plan.rows if row.id.kind.comes_after(Kind.QUANTIZE)]
+                     + [plan.export_memory_gb * 1e9])
+    assert later_need > quantize_need + 1e3, "the test needs a later stage that needs more than the quantize stage"
+    monkeypatch.setattr(llmc.planning.plan, "memory_available", lambda: int((quantize_need + later_need) / 2))
+    with pytest.raises(ResourceError):
+        make_plan(r, tiny_model, tmp_path)
+    stops_at_quantize = make_plan(r, tiny_model, tmp_path, last=Kind.QUANTIZE)
+    assert [row.name for row in stops_at_quantize.rows] == [row.name for row in plan.rows]  # still planned and shown
+
+
 def test_decode_gate_on_a_graph_without_kv_cache_is_warned() -> None:
     plan = make_plan(recipe(FP8, {"runtime": "tensorrt", "gpu_arch": "sm90"},
                             gates={"min_decode_tokens_per_s": 5.0}))
