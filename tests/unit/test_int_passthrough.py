@@ -283,7 +283,7 @@ def _plan(source: Path, tmp_path: Path, quantization: dict) -> str:
     return result.output
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # ~25-30 s on the shared 2-core machine
 def test_the_plan_says_which_happens_and_why(sources: dict, tmp_path: Path) -> None:
     g64 = {"weights": {"format": "int4", "strategy": "group", "group_size": 64}}
     g128 = {"weights": {"format": "int4", "strategy": "group", "group_size": 128}}
@@ -295,7 +295,7 @@ def test_the_plan_says_which_happens_and_why(sources: dict, tmp_path: Path) -> N
     assert "algorithm gptq chooses its own codes" in out, out
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # ~25-30 s on the shared 2-core machine
 def test_a_build_reports_the_pass_through(sources: dict, tmp_path: Path) -> None:
     """`llmc build` from a GPTQ source to vLLM with the source's scheme: report.json says the codes pass through,
     and the artifact's codes are the source's."""
@@ -317,3 +317,27 @@ def test_a_build_reports_the_pass_through(sources: dict, tmp_path: Path) -> None
     m = "model.layers.1.mlp.down_proj"
     q = _gptq_codes(source, m, 4)
     assert torch.equal(unpack_from_int32(written[f"{m}.weight_packed"], 4, torch.Size(q.shape)).long() + 8, q)
+
+
+def test_a_mixed_scheme_keeps_the_codes_of_the_group_whose_scheme_is_the_sources(sources: dict, tmp_path: Path,
+                                                                                  capsys) -> None:
+    """Mixed precision: the MLP group (the source's int4 g64) keeps its codes, the attention group (int8 per channel)
+    quantizes the decoded values; the plan's notes say so group by group."""
+    from llmc.quant.numerics import quantize_weight
+    from llmc.quant.spec import ModuleGroup, ModuleTargets
+
+    int8 = TensorSpec("int8", "channel")
+    mixed = Scheme(SYM64.weights, groups=(ModuleGroup("mlp", ModuleTargets(roles=("mlp",)), SYM64.weights),
+                                          ModuleGroup("attn", ModuleTargets(roles=("attention",)), int8)))
+    canonical = _canonical(_quantize(sources["gptq-sym64"], mixed, tmp_path / "q"))
+    assert "6 Linear(s) kept the codes" in capsys.readouterr().err  # 2 layers x gate, up, down
+    source, reader = _stored(sources["gptq-sym64"]), CheckpointReader(sources["gptq-sym64"])
+    for name in [n for n in reader.names() if reader.encoded(n) is not None]:
+        m = name[: -len(".weight")]
+        if ".mlp." in name:
+            assert torch.equal(canonical[name].long() + 8, _gptq_codes(source, m, 4)), name
+        else:
+            assert torch.equal(canonical[name], quantize_weight(reader.get(name), int8).codes), name
+    notes = int_source.plan_notes(reader.source_format, {"": mixed})
+    assert [n.split(":")[0] for n in notes] == ["group mlp", "group attn"]
+    assert "pass through bit for bit" in notes[0] and "requantized" in notes[1], notes
