@@ -237,8 +237,14 @@ def statement(fmt: SourceFormat, dtype: str) -> str:
                 "llmc.quant.mxfp4_source)")
     elif fmt.name.startswith("fp8"):
         kept = " (a weight whose target format is the source's keeps the source's codes)"
-    elif fmt.name in ("compressed-tensors", "modelopt"):
+    elif fmt.name == "modelopt":
         kept = " (an FP8 weight whose target has the source's strategy keeps the source's codes)"
+    elif fmt.name == "compressed-tensors":
+        kept = (" (an FP8 weight whose target has the source's strategy, and an integer weight whose target has its "
+                "scheme with algorithm rtn, keeps the source's codes: llmc.quant.int_source)")
+    elif fmt.name in ("gptq", "awq"):
+        kept = (" (a weight whose target has the source's integer scheme, with algorithm rtn, keeps the source's "
+                "codes: llmc.quant.int_source)")
     else:
         kept = ""
     how = _HOW.get(fmt.name, "each code times its scale, in float32")

@@ -42,6 +42,7 @@ from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.device import resolve_device
+from llmc.quant import int_source
 from llmc.quant.groups import by_group, split_fused
 from llmc.quant.search import BF16, SearchSpace, search_space
 from llmc.quant.spec import FORMATS, Scheme
@@ -746,6 +747,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         else:
             plan.warnings += check_source(recipe, config, None)
             tensors = plan_shapes.from_config(config)
+        # an integer original (GPTQ, AWQ, compressed-tensors): its codes kept or requantized, per scheme, and why
+        plan.warnings += int_source.plan_notes(tensors.source_format, schemes)
 
         check_quantizable(config)  # families llmc cannot quantize yet (MoE), then those a target's format lacks
         check_all_experts(config, recipe.calibration.moe_calibrate_all_experts)

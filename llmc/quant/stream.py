@@ -49,7 +49,7 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
-from llmc.quant import expert_stream, fisher, moe, mxfp4_source
+from llmc.quant import expert_stream, fisher, int_source, moe, mxfp4_source
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
@@ -191,6 +191,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
             "source, bit for bit (their target format is the source's)")
     if m.mxfp4_kept.describe():
         log(m.mxfp4_kept.describe())
+    if m.int_kept.describe():
+        log(m.int_kept.describe())
     release(m.model)  # the skeleton's embeddings and head: read again below, so never two copies
     # (docs/planner-constants.md#outer-weights-copy)
     distributed.barrier()
@@ -370,6 +372,7 @@ class _Model:
     every_linear: list[str]  # every Linear of the model, inside the decoder layers or not
     passed_through: int = 0  # Linears that kept their quantized original's codes (_pass_through_source_codes)
     mxfp4_kept: mxfp4_source.Kept = field(default_factory=mxfp4_source.Kept)  # an MXFP4 original's expert codes
+    int_kept: int_source.Tally = field(default_factory=int_source.Tally)  # an integer original's codes
     modules: dict[str, dict] = field(default_factory=dict)  # quantized.json's modules, as the loop walks them
     pipelines: dict[str, AlgorithmSteps] = field(default_factory=dict)  # each group's (one "" unmixed)
     kv_names: list[str] = field(default_factory=list)
@@ -600,7 +603,8 @@ def _quantized_linears(linears: dict[str, nn.Linear], quantized: dict[str, Quant
 
 def _pass_through_source_codes(w: LayerWork, m: _Model, members: dict) -> int:
     """Where a Linear's target format is its quantized original's own (FP8 128x128 blocks, per channel or per
-    tensor, from an FP8 block-wise, compressed-tensors or ModelOpt source of that strategy) and no algorithm changed
+    tensor, from an FP8 block-wise, compressed-tensors or ModelOpt source of that strategy; the integer scheme of a
+    GPTQ, AWQ or compressed-tensors source, with algorithm rtn: llmc.quant.int_source) and no algorithm changed
     its weight (it still equals the decoded original in the compute dtype), the source's codes and scales are kept,
     bit for bit: quantizing the decoded values again would round a second time (a block's maximum need not be a
     code of 448, and bf16 rounds the decoded values first). Returns how many Linears kept them."""
@@ -609,6 +613,14 @@ def _pass_through_source_codes(w: LayerWork, m: _Model, members: dict) -> int:
     for name in list(w.quantized):
         spec = members[m.group_of[name]].weights
         parts = m.reader.encoded(f"{name}.weight")
+        if parts is not None and spec.format in int_source.INT_FORMATS:
+            # a GPTQ / AWQ / compressed-tensors integer original, its scheme the target's (llmc.quant.int_source)
+            q = int_source.kept_codes(fmt, members[m.group_of[name]], parts, m.reader, w.linears[name].weight.data,
+                                      m.int_kept)
+            if q is not None:
+                w.quantized[name] = q
+                kept += 1
+            continue
         if parts is None or spec.format != "fp8_e4m3" or spec.strategy not in ("tensor", "channel", "block"):
             continue
         stored = m.reader.get_stored(parts.parts)
