@@ -271,8 +271,9 @@ def overlap_bytes(layers: int, previous: float, ahead: float) -> tuple[float, fl
     """What llmc.quant.overlap holds beside the layer computing, (the previous layer's codes being written, the next
     layer's weights read ahead), at the layer where the sum peaks: the first layer has no previous one and the last
     no next, so one decoder layer holds neither and two hold one of them at a time, the larger (layer 0 the next,
-    layer 1 the previous); from three layers on, a middle one holds both. At gpt-oss-120b's width one layer
-    counted as three put the plan at +60% of the measured peak (benchmarks/results/gptoss_full_width.md)."""
+    layer 1 the previous); from three layers on, a middle one holds both. One gpt-oss-120b-width layer of 32
+    experts counted as a middle one was planned at 6.60 GB, 2.47 GB of it these two, and peaked at 4.98 GB
+    (benchmarks/results/gptoss_full_width.jsonl)."""
     if layers <= 1:
         return 0.0, 0.0
     if layers == 2:

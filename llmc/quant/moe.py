@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from llmc.model.families import LAYOUTS, MoeLayout, all_experts_refused, experts_per_token
+from llmc.model.skeleton import return_free_heap_to_os
 
 if TYPE_CHECKING:
     from llmc.model.checkpoint import CheckpointReader
@@ -267,6 +268,10 @@ def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout) -> dict
             for key, value in one.items():
                 proj, _, kind = key.partition(".")
                 out[f"{base}{e}.{projections[proj]}.{kind}"] = value.contiguous()
+            del one, parts
+            # an expert's read and decode temporaries, freed between the copies that stay, are heap holes glibc keeps:
+            # 0.83 GB of a 1.65 GB gpt-oss-120b-width layer of 32 experts until trimmed
+            return_free_heap_to_os()
     return out
 
 

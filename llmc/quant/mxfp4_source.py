@@ -28,6 +28,7 @@ import torch
 
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.families import MoeLayout
+from llmc.model.skeleton import return_free_heap_to_os
 from llmc.quant.microscaling import (MXFP4, BlockQuantized, dequantize_blocks, fused_groups, mxfp4_cast_global_scale,
                                      mxfp4_to_nvfp4, unpack_e2m1)
 from llmc.quant.moe import split_experts
@@ -113,6 +114,8 @@ class SourceExpertCodes(Mapping):
     def __getitem__(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         base, e, proj = self._blocks[name]
         if self._expert is None or self._expert[0] != (base, e):
+            self._expert = None
+            return_free_heap_to_os()  # the last expert's slices and cast temporaries: heap holes otherwise
             gate_up, down = self._fused[base + "gate_up_proj"], self._fused[base + "down_proj"]
             read = {n: _decoded_layout(self._reader.expert_slice(n, e))
                     for n in (gate_up.codes, gate_up.scale, down.codes, down.scale)}

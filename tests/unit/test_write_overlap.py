@@ -154,8 +154,8 @@ def test_the_plan_holds_only_the_neighbours_a_model_of_that_depth_has(layers: in
     """The writer holds the previous layer's codes and the prefetcher reads the next layer while a layer computes:
     a first layer has no previous one and a last no next, so the quantize row's peak counts neither for one decoder
     layer, the larger of the two for two (here the read-ahead: bf16 weights against one-byte codes), both from three
-    (at gpt-oss-120b's width, one layer counted as a middle one put the plan 6.4 + 3.2 GB over:
-    benchmarks/results/gptoss_full_width.md)."""
+    (one gpt-oss-120b-width layer counted as a middle one: planned 6.60 GB, 2.47 GB of it these two, peak 4.98 GB;
+    benchmarks/results/gptoss_full_width.jsonl)."""
     from llmc.pipeline.quantize import quantize_cost
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
