@@ -13,6 +13,7 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,7 +315,8 @@ class CheckpointReader:
         self.files = safetensors_files(self.folder)
         self.dtype = dtype
         self._where: dict[str, Path] = {}
-        header: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._header: dict[str, tuple[str, tuple[int, ...]]] = {}
+        header = self._header
         for f in self.files:
             for name, info in check_safetensors_header(f).items():
                 if name != "__metadata__":
@@ -368,6 +370,32 @@ class CheckpointReader:
                 for name in group:
                     out[name] = h.get_tensor(name).clone()
         return out
+
+    def expert_slices(self, name: str) -> Iterator[torch.Tensor]:
+        """A fused [experts, ...] tensor (`name` as `names()` lists it, or a stored part of one) one expert at a time:
+        `expert_slice(name, e)` for each. Neither the fused tensor nor its decoded copy exists whole, so a layer
+        split into per-expert tensors as it is read holds the copies alone (whole, gpt-oss-120b's 6.4 GB layer was
+        held twice while it was split: llmc.quant.moe.read_layer)."""
+        parts = self._decoded.get(name)
+        first = parts.parts[0] if parts is not None else name
+        for e in range(self._header[first][1][0]):
+            yield self.expert_slice(name, e)
+
+    def expert_slice(self, name: str, e: int) -> torch.Tensor:
+        """Expert `e` of a fused [experts, ...] tensor, [1, ...] and its own copy, decoded where the source is
+        encoded: only its slice of the stored bytes is read (each file opened and closed around it, as every read
+        here). Equal to `get(name)[e: e + 1]`."""
+        from llmc.model.source_formats import decode  # lazy: as in __init__
+
+        parts = self._decoded.get(name)
+        got = {}
+        for n in (parts.parts if parts is not None else [name]):
+            f = self._where.get(n)
+            if f is None:
+                raise InputError(f"tensor {n} is not in the checkpoint at {self.folder}")
+            with safe_open(str(f), framework="pt") as h:
+                got[n] = h.get_slice(n)[e: e + 1].clone()
+        return decode(self.source_format, parts, got, self.dtype) if parts is not None else got[name]
 
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
         names = [n for n in self.names() if n.startswith(prefix)]

@@ -48,6 +48,7 @@ from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.canonical import META_FILE
+from llmc.quant.mxfp4_source import kept_codes_seconds
 from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, experts_streamable
 from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
@@ -266,6 +267,20 @@ def _scale_bytes(spec: TensorSpec) -> float:
     return info.scale_bits / 8 / info.scale_block if info.microscaling else 0.0
 
 
+def overlap_bytes(layers: int, previous: float, ahead: float) -> tuple[float, float]:
+    """What llmc.quant.overlap holds beside the layer computing, (the previous layer's codes being written, the next
+    layer's weights read ahead), at the layer where the sum peaks: the first layer has no previous one and the last
+    no next, so one decoder layer holds neither and two hold one of them at a time, the larger (layer 0 the next,
+    layer 1 the previous); from three layers on, a middle one holds both. One gpt-oss-120b-width layer of 32
+    experts counted as a middle one was planned at 6.60 GB, 2.47 GB of it these two, and peaked at 4.98 GB
+    (benchmarks/results/gptoss_full_width.jsonl)."""
+    if layers <= 1:
+        return 0.0, 0.0
+    if layers == 2:
+        return (previous, 0.0) if previous >= ahead else (0.0, ahead)
+    return previous, ahead
+
+
 def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, compute: str, stored_elem: int,
                   machine: Machine, code_bytes: float = 1.0) -> CostRow:
     """Calibration + quantization of one scheme (llmc.quant.stream), on the CPU or one GPU, as `loop` decided it
@@ -330,8 +345,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                                          else CHUNK_BYTES)  # (expert by expert: streamed from the spilled experts)
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
-    parts["previous layer being written"] = layer_less_experts * code_bytes
-    parts["next layer read ahead"] = layer_less_experts * stored_elem
+    parts["previous layer being written"], parts["next layer read ahead"] = overlap_bytes(
+        shape.layers, layer_less_experts * code_bytes, layer_less_experts * stored_elem)
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
     # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
@@ -374,6 +389,11 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
     if shape.source_format is not None and shape.layer_decoded:
         parts_s["decode"] = shape.layer_decoded / decode_rate(shape.source_format)
+        # an MXFP4 original's expert codes checked, unpacked and cast (or passed through) after the quantizer's
+        # own pass (llmc.quant.mxfp4_source.keep_layer_codes)
+        kept_s = kept_codes_seconds(shape.source_format, weights, shape.routed_params)
+        if kept_s:
+            parts_s["mxfp4 codes kept"] = kept_s
     if spill and calibrated:  # each layer's outputs written to disk, fsynced and read back by the next layer
         parts_s["spill"] = spill_seconds(copy)
     if by_expert:  # each expert's codes spilled and read back into the layer file; the batches run again without
@@ -387,6 +407,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
           + parts_s.get("expert spill", 0.0))
     if on_gpu:
         per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s["quantize"])
+        per_layer += parts_s.get("mxfp4 codes kept", 0.0)  # on the host, after the layer's quantization
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
         per_layer = sum(parts_s.values()) + layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear

@@ -21,12 +21,14 @@ member of a gate/up pair when one of them changed (their global scale must stay 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 from llmc.model.checkpoint import CheckpointReader
 from llmc.model.families import MoeLayout
+from llmc.model.skeleton import return_free_heap_to_os
 from llmc.quant.microscaling import (MXFP4, BlockQuantized, dequantize_blocks, fused_groups, mxfp4_cast_global_scale,
                                      mxfp4_to_nvfp4, unpack_e2m1)
 from llmc.quant.moe import split_experts
@@ -73,28 +75,54 @@ def keep_layer_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, t
     return keep_source_codes(quantized, weights, specs, source_expert_codes(reader, prefix, layout))
 
 
-def source_expert_codes(reader: CheckpointReader, prefix: str,
-                        layout: MoeLayout) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def source_expert_codes(reader: CheckpointReader, prefix: str, layout: MoeLayout) -> SourceExpertCodes:
     """Per-expert Linear name (under `prefix`, a decoder layer's) -> its stored (packed E2M1 codes [out, in / 2],
-    E8M0 exponents [out, in / 32]), views of the layer's stored MXFP4 tensors."""
+    E8M0 exponents [out, in / 32]), read one expert at a time as they are asked for (`SourceExpertCodes`)."""
     fused = {n: reader.encoded(n) for n in reader.names() if n.startswith(prefix) and reader.encoded(n) is not None}
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    blocks: dict[str, tuple[str, int, str]] = {}  # per-expert Linear -> (the block's base, expert, projection)
     for gate_up in [n for n in fused if n.endswith(".experts.gate_up_proj")]:
         base = gate_up[: -len("gate_up_proj")]
-        down = base + "down_proj"
-        if down not in fused:
+        if base + "down_proj" not in fused:
             continue  # half a fused block: the stream's own checks name what is missing
-        names = [fused[gate_up].codes, fused[gate_up].scale, fused[down].codes, fused[down].scale]
-        stored = reader.get_stored(names)
-        packed = [_decoded_layout(stored[names[i]]) for i in (0, 2)]
-        scales = [_decoded_layout(stored[names[i]]) for i in (1, 3)]
-        plain = replace(layout, bias=False)  # biases are not MXFP4: only the weights are split here
-        projections = {"gate": layout.gate, "up": layout.up, "down": layout.down}
-        for e, (p, s) in enumerate(zip(split_experts(plain, *packed, None, None),
-                                       split_experts(plain, *scales, None, None))):
-            for proj, local in projections.items():
-                out[f"{base}{e}.{local}"] = (p[f"{proj}.weight"], s[f"{proj}.weight"])
-    return out
+        experts = fused[gate_up].shape[0]
+        for e in range(experts):
+            for proj, local in (("gate", layout.gate), ("up", layout.up), ("down", layout.down)):
+                blocks[f"{base}{e}.{local}"] = (base, e, proj)
+    return SourceExpertCodes(reader, fused, blocks, replace(layout, bias=False))
+
+
+class SourceExpertCodes(Mapping):
+    """The stored MXFP4 codes and exponents of each per-expert Linear of a layer, split from the fused tensors as
+    the stream splits the decoded ones (`split_experts` on the stored tensors viewed in the decoded layout). An
+    expert's slices are read when one of its Linears is asked for and kept until another expert's is (the cast goes
+    expert by expert), so the layer's stored codes are never held whole beside its quantized ones."""
+
+    def __init__(self, reader: CheckpointReader, fused: dict, blocks: dict[str, tuple[str, int, str]],
+                 layout: MoeLayout) -> None:
+        self._reader, self._fused, self._blocks, self._layout = reader, fused, blocks, layout
+        self._expert: tuple[tuple[str, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._blocks
+
+    def __iter__(self):
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        base, e, proj = self._blocks[name]
+        if self._expert is None or self._expert[0] != (base, e):
+            self._expert = None
+            return_free_heap_to_os()  # the last expert's slices and cast temporaries: heap holes otherwise
+            gate_up, down = self._fused[base + "gate_up_proj"], self._fused[base + "down_proj"]
+            read = {n: _decoded_layout(self._reader.expert_slice(n, e))
+                    for n in (gate_up.codes, gate_up.scale, down.codes, down.scale)}
+            (p,) = split_experts(self._layout, read[gate_up.codes], read[down.codes], None, None)
+            (s,) = split_experts(self._layout, read[gate_up.scale], read[down.scale], None, None)
+            self._expert = ((base, e), {k: (p[f"{k}.weight"], s[f"{k}.weight"]) for k in ("gate", "up", "down")})
+        return self._expert[1][proj]
 
 
 def _decoded_layout(stored: torch.Tensor) -> torch.Tensor:
@@ -106,7 +134,7 @@ def _decoded_layout(stored: torch.Tensor) -> torch.Tensor:
 
 
 def keep_source_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, torch.Tensor],
-                      specs: dict[str, TensorSpec], source: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Kept:
+                      specs: dict[str, TensorSpec], source: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> Kept:
     """Replace, in `quantized`, the codes of each expert Linear whose target format is MXFP4 or NVFP4 and whose
     weight (`weights`, in the compute dtype) still equals its decoded source, by the source's codes: passed through
     (MXFP4) or cast (NVFP4, one global scale per gate/up pair). One fused group at a time, so at most one pair's
@@ -151,3 +179,49 @@ def _unchanged_source_codes(stored: tuple[torch.Tensor, torch.Tensor],
         return None
     return codes, exponents.clone()  # its own tensor: safetensors stores no aliases
 
+
+
+# --------------------------------------------------------------------------- the plan's time for it
+
+KEPT_PROBE_SHAPE = (1024, 2048)  # each of a probed gate/up/down group (6M weights a call)
+
+
+def kept_codes_seconds(source_format: object, weights: TensorSpec, params: int) -> float:
+    """What `keep_layer_codes` adds to a layer of `params` MXFP4 expert weights whose target is `weights`: per
+    Linear the check that its weight is still the decoded original (its codes unpacked and decoded again), and the
+    cast to NVFP4 (or the pass-through to MXFP4), at this machine's probed rate. Zero for another source or target
+    (llmc.pipeline.quantize.quantize_cost adds it to the layer's time; the quantizer's own pass is priced apart)."""
+    if getattr(source_format, "name", None) != "mxfp4" or weights.format not in KEPT_FORMATS or params <= 0:
+        return 0.0
+    return params / kept_codes_rate(weights.format)
+
+
+def kept_codes_rate(fmt: str) -> float:
+    """Weights per second `keep_source_codes` gets through to a target of format `fmt` (llmc.planning.probes:
+    probed once per machine and cached), on one gate/up/down group of KEPT_PROBE_SHAPE in bf16."""
+    from llmc.planning import probes  # lazy: only a plan that costs it
+
+    return probes.rate(f"mxfp4 source codes kept {fmt}", lambda: _kept_codes_probe(fmt))
+
+
+def _kept_codes_probe(fmt: str) -> float:
+    from llmc.planning.probes import sustained_rate  # lazy: as above
+    from llmc.quant.microscaling import pack_e2m1
+
+    rows, cols = KEPT_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    spec = TensorSpec(fmt, "group", group_size=16 if fmt == "nvfp4" else MXFP4.block_size)
+    source, weights, quantized = {}, {}, {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+        exponents = torch.randint(112, 126, (rows, cols // MXFP4.block_size), generator=g, dtype=torch.uint8)
+        name = f"mlp.experts.0.{proj}"
+        source[name] = (pack_e2m1(codes), exponents)
+        weights[name] = dequantize_blocks(BlockQuantized(codes, exponents, None, MXFP4), torch.bfloat16)
+        quantized[name] = QuantizedWeight(codes=codes, scale=exponents, zero_point=None)
+    specs = dict.fromkeys(weights, spec)
+    kept = keep_source_codes(dict(quantized), weights, specs, source)
+    if kept.cast + kept.passed_through != len(weights):  # the probe must time the work, not the early return
+        raise RuntimeError(f"the {fmt} kept-codes probe kept {kept.cast + kept.passed_through} of {len(weights)}")
+    return sustained_rate(len(weights) * rows * cols,
+                          lambda: keep_source_codes(dict(quantized), weights, specs, source))

@@ -411,8 +411,7 @@ def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout,
         names = [n for n in reader.names() if n.startswith(prefix)
                  and not expert_stream.is_routed_expert(n[len(prefix):])]
         return {n[len(prefix):]: t for n, t in reader.get_many(names).items()}
-    tensors = reader.with_prefix(prefix)
-    return moe.per_expert_tensors(tensors, layout) if layout is not None else tensors
+    return moe.read_layer(reader, prefix, layout) if layout is not None else reader.with_prefix(prefix)
 
 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:

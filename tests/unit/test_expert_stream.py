@@ -108,7 +108,7 @@ def test_the_decision_streams_experts_only_where_the_layer_does_not_fit_and_the_
 
 def test_the_plan_prices_one_expert_at_a_time_at_deepseek_v3_width(monkeypatch) -> None:
     """DeepSeek-V3's widths (1 dense + 1 MoE layer): the whole-layer path holds the 11.3 B-parameter layer in bf16,
-    its codes and the next layer's read-ahead (~70 GB); expert by expert, the layer less its routed experts plus one
+    its codes and the next layer's read-ahead; expert by expert, the layer less its routed experts plus one
     expert (~3 GB with the skeleton), the expert codes and their E4M3 scales spilled to disk per layer named in the row
     (measured: 46.79 MB an expert, benchmarks/results/deepseek_full_width.md)."""
     from llmc.pipeline.quantize import quantize_cost
@@ -128,7 +128,9 @@ def test_the_plan_prices_one_expert_at_a_time_at_deepseek_v3_width(monkeypatch) 
     by_expert = replace(whole, expert_stream=True)
     kwargs = dict(compute="bfloat16", stored_elem=1, machine=Machine(available=None, gpu_free=None, device="cpu"))
     a, b = quantize_cost(shape, whole, rtn, **kwargs), quantize_cost(shape, by_expert, rtn, **kwargs)
-    assert a.host_bytes > 2.5 * shape.layer_params * 2  # the layer, its codes, its neighbours
+    # the layer, its codes and one neighbour (of two layers, the first reads the second ahead; the second has the
+    # first's codes being written: llmc.pipeline.quantize.overlap_bytes)
+    assert a.host_bytes > 2 * shape.layer_params * 2
     assert b.parts["layer"] == (shape.layer_params - shape.routed_params + shape.expert_params) * 2
     assert b.host_bytes < 0.1 * a.host_bytes
     assert "per expert: 0.18 GB" in b.why and "12.0 GB of expert codes and scales spilled" in b.why

@@ -330,6 +330,48 @@ def test_an_mxfp4_gpt_oss_reads_as_transformers_dequantizing_load_gives_it(tmp_p
     assert checks.quantized_kind(sf.decoded_config(config), sf.decoded_header(fmt, header)) is None
 
 
+
+def test_a_fused_layer_is_read_one_expert_at_a_time_into_the_same_per_expert_tensors(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """llmc.quant.moe.read_layer (the layer stream's read of gpt-oss's fused experts) gives the per-expert tensors
+    `per_expert_tensors` splits the whole layer into, bit for bit and in order, with each decode given one expert's
+    codes: the fused tensors are never decoded whole beside their per-expert copies (which held gpt-oss-120b's
+    layer twice). The MXFP4 original, decoded to float32 and bf16, and the same model stored fused in float32."""
+    from llmc.model.families import LAYOUTS
+    from llmc.quant import moe
+
+    folder = save_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    reader = CheckpointReader(folder)
+    save_file(reader.get_many(reader.names()), str(plain / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    experts_seen: list[int] = []
+    decode = sf.decode
+
+    def one_expert_at_a_time(fmt, encoded, parts, dtype=torch.float32):
+        experts_seen.append(parts[encoded.codes].shape[0])
+        return decode(fmt, encoded, parts, dtype)
+
+    monkeypatch.setattr(sf, "decode", one_expert_at_a_time)
+    layout = LAYOUTS["gpt_oss"]
+    for source, dtype, decodes in ((folder, torch.float32, [1] * 8), (folder, torch.bfloat16, [1] * 8),
+                                   (plain, torch.float32, [])):
+        reader = CheckpointReader(source, dtype)
+        for layer in (0, 1):
+            prefix = f"model.layers.{layer}."
+            whole = moe.per_expert_tensors(reader.with_prefix(prefix), layout)
+            experts_seen.clear()
+            split = moe.read_layer(reader, prefix, layout)
+            assert experts_seen == decodes  # 4 experts x (gate_up, down), one expert's codes each
+            assert list(split) == list(whole)
+            assert sum(".experts.3." in n for n in split) == 6  # gate, up, down: weights and biases
+            for name, t in whole.items():
+                assert split[name].dtype == t.dtype and split[name].is_contiguous(), name
+                assert torch.equal(split[name], t), name
+
+
 def _plan(source: Path, tmp_path: Path, **overrides) -> tuple[int, str]:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text(source, tmp_path / "reg", **overrides))

@@ -143,3 +143,35 @@ def test_the_writer_takes_only_host_tensors_and_the_prefetcher_reads_one_layer_a
     assert [int(prefetch.take(i)["i"]) for i in (2, 3, 4)] == [2, 3, 4]
     prefetch.close()
     assert reads == [2, 3, 4]  # each layer read once, in order
+
+
+OVERLAP_PARTS = ("previous layer being written", "next layer read ahead")
+
+
+@pytest.mark.parametrize("layers, held", [(1, ()), (2, ("next layer read ahead",)), (3, OVERLAP_PARTS)])
+def test_the_plan_holds_only_the_neighbours_a_model_of_that_depth_has(layers: int, held: tuple[str, ...],
+                                                                     monkeypatch) -> None:
+    """The writer holds the previous layer's codes and the prefetcher reads the next layer while a layer computes:
+    a first layer has no previous one and a last no next, so the quantize row's peak counts neither for one decoder
+    layer, the larger of the two for two (here the read-ahead: bf16 weights against one-byte codes), both from three
+    (one gpt-oss-120b-width layer counted as a middle one: planned 6.60 GB, 2.47 GB of it these two, peak 4.98 GB;
+    benchmarks/results/gptoss_full_width.jsonl)."""
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
+    from tests.unit.build_helpers import layer_loop
+    from tests.unit.test_plan_honest import QWEN2_7B_WIDTHS, pin_probes
+
+    pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    config = {**QWEN2_7B_WIDTHS, "num_hidden_layers": layers}
+    shape = Shape.of(from_config(config), config, 2)
+    fp8 = AlgorithmSteps.of(SCHEMES["fp8-static-kv"])
+    row = quantize_cost(shape, layer_loop(fp8, activations="memory", windows=1, seq_len=128, batch=4), fp8,
+                        compute="bfloat16", stored_elem=2, machine=Machine(available=None, gpu_free=None, device="cpu"))
+    assert {k for k in OVERLAP_PARTS if row.parts[k]} == set(held)
+    expected = {"previous layer being written": shape.layer_params * 1.0,  # one-byte codes
+                "next layer read ahead": shape.layer_params * 2}  # bf16 weights
+    for k in held:
+        assert row.parts[k] == expected[k]
+    assert row.host_bytes >= sum(row.parts.values())  # the parts are the peak's (a floor may lie above them)
