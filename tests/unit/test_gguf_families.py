@@ -25,8 +25,8 @@ NORMS = {"olmo2": ("blk.0.attn_q_norm.weight", "self_attn.q_norm"),
          "exaone4": ("blk.0.post_attention_norm.weight", "post_attention_layernorm"),
          "apertus": ("blk.0.attn_norm.weight", "attention_layernorm")}
 # architectures transformers' GGUF loader reads back (transformers.integrations.ggml.GGUF_CONFIG_MAPPING); it has no
-# smollm3, exaone4, seed_oss or apertus mapping either (the newcomers: names, shapes and keys checked below);
-# granite or olmo2 mapping; it has qwen3, but its mapping takes head_dim from Qwen3Config's default 128 rather than attention.key_length: the
+# granite, olmo2 (OLMo 3's too), smollm3, exaone4, seed_oss or apertus mapping (the newcomers' names, shapes and keys
+# are checked against llama.cpp's loader below); it has qwen3, but its mapping takes head_dim from Qwen3Config's default 128 rather than attention.key_length: the
 # tiny model's 16 does not load; gemma2/gemma3 it builds with their default sliding-window layer pattern)
 TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "phi3")
 
