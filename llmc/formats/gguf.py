@@ -520,11 +520,82 @@ def _gemma4_layers(c: dict, head_dim: int) -> str | None:
     return "; ".join(why) or None
 
 
+def _smollm3_layers(c: dict, head_dim: int) -> str | None:
+    """llama.cpp's smollm3 graph skips rope on every 4th layer whatever the file says (src/models/smollm3.cpp:
+    n_no_rope_layer_step = 4); transformers' SmolLM3 reads no_rope_layers (1: rope), every 4th 0 by default."""
+    del head_dim
+    want = [int((i + 1) % 4 != 0) for i in range(c["num_hidden_layers"])]
+    if (got := list(c.get("no_rope_layers") or want)) != want:
+        return f"no_rope_layers = {got}, but llama.cpp skips rope on every 4th layer ({want})"
+    return None
+
+
+def _rope_type(c: dict) -> str:
+    """The rope scaling type transformers applies (the full layers' where rope_parameters is per layer type)."""
+    rope = c.get("rope_parameters") or {}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    scaling = c.get("rope_scaling") or {}
+    return scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
+
+
+def _no_rope_factors(c: dict, head_dim: int) -> str | None:
+    """src/models/smollm3.cpp, seed-oss.cpp, olmo2.cpp rope with no frequency factors (ggml_rope_ext(..., nullptr,
+    ...)) and their loaders create no rope_freqs tensor: Llama-3.1's rope scaling cannot be given to them."""
+    del head_dim
+    if (rope_type := _rope_type(c)) == "llama3":
+        return (f"rope_type = {rope_type!r}: its graph applies no rope frequency factors (the rope_freqs tensor "
+                "Llama-3.1's scaling is written as)")
+    return None
+
+
+def _sliding_pattern(c: dict) -> list[bool] | None:
+    """Which layers slide, where the config has a sliding window (as conversion/olmo.py, exaone.py write it)."""
+    return _sliding_layers(c) if c.get("sliding_window") else None
+
+
+def _olmo3_layers(c: dict, head_dim: int) -> str | None:
+    """src/models/olmo2.cpp: the sliding layers run plain rope at rope_freq_base_swa (no scaling), whatever the
+    config's sliding_attention rope says."""
+    del head_dim
+    sliding = (c.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if c.get("sliding_window") and sliding.get("rope_type", "default") != "default":
+        return (f"the sliding layers' rope_type = {sliding['rope_type']!r}; llama.cpp's olmo2 runs plain rope there "
+                "(src/models/olmo2.cpp: freq_scale 1, ext_factor 0 on sliding layers)")
+    return None
+
+
+EXAONE4_SWA_LAYERS = 64  # src/models/exaone4.cpp: swa_type STANDARD only `if (hparams.n_layer() == 64)`
+
+
+def _exaone4_layers(c: dict, head_dim: int) -> str | None:
+    """llama.cpp's exaone4 runs sliding-window layers (rope on them, none on the full ones) only in a 64-layer model
+    (EXAONE 4.0 32B), and then always; any other model it runs with every layer full and roped, as transformers runs
+    a model without sliding_window."""
+    n, sliding = c["num_hidden_layers"], bool(c.get("sliding_window"))
+    slides = sliding and "sliding_attention" in (c.get("layer_types") or [])
+    if slides and n != EXAONE4_SWA_LAYERS:
+        return (f"sliding_window = {c['sliding_window']} with sliding layers in a {n}-layer model, but llama.cpp runs "
+                f"sliding-window attention only when the model has {EXAONE4_SWA_LAYERS} layers "
+                "(src/models/exaone4.cpp): every layer would attend to the whole context and take rope")
+    if n == EXAONE4_SWA_LAYERS and not slides:
+        return (f"{n} layers without sliding layers, but llama.cpp's exaone4 gives every {EXAONE4_SWA_LAYERS}-layer "
+                "model a sliding window (src/models/exaone4.cpp)")
+    if head_dim * c["num_attention_heads"] != c["hidden_size"]:
+        return (f"head_dim {head_dim} x {c['num_attention_heads']} heads != hidden_size {c['hidden_size']}: "
+                "llama.cpp's exaone4 creates attn_output as [hidden, hidden]")
+    return None
+
+
 # (GGUF architectures, check of config.json and the key head width -> why llama.cpp cannot run it, or None)
 ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ...] = (
     (("QWEN35", "QWEN35MOE"), _mrope_sections_fit),
     (("LLAMA4",), _llama4_layers),
     (("GEMMA4",), _gemma4_layers),
+    (("SMOLLM3",), _smollm3_layers),
+    (("SMOLLM3", "SEED_OSS", "OLMO2"), _no_rope_factors),
+    (("OLMO2",), _olmo3_layers),
+    (("EXAONE4",), _exaone4_layers),
 )
 # the dense MLP's width where config.json names it otherwise (Llama-4's intermediate_size is its experts')
 FFN_WIDTH_KEY = {"LLAMA4": "intermediate_size_mlp"}
@@ -580,8 +651,9 @@ HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
 
 
 # architectures whose loader requires output.weight, with no fallback to token_embd for a tied head (src/models/
-# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp, openai-moe.cpp create `output` with flags 0; the others duplicate token_embd)
-OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2", "GPT_OSS")
+# minimax-m2.cpp, qwen2moe.cpp, olmo2.cpp, openai-moe.cpp, apertus.cpp create `output` with flags 0; the others
+# duplicate token_embd)
+OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2", "GPT_OSS", "APERTUS")
 # llama.cpp tensors kept F32 whatever their rank, as convert_hf_to_gguf.py keeps them (ModelBase.prepare_tensors):
 # MoE routers and the shared-expert gate, whose rounding would move tokens to other experts
 KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp",
@@ -995,6 +1067,8 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                 if parts == ():  # a later expert's tensor: written inside expert 0's merged one
                     continue
                 if k == "lm_head.weight" and arch.tied:
+                    continue
+                if _tensor_key(arch, k):  # a per-layer scalar llama.cpp reads as a key (TENSOR_KEYS)
                     continue
                 name = _direct_name(arch, k) or gguf_name(
                     k.replace(".gate_proj.", ".gate_up_proj.") if k in paired else k, names)
@@ -1411,6 +1485,8 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
         writer.add_rope_scaling_orig_ctx_len(int(arch.rope["original_max_position_embeddings"]))
     writer.add_layer_norm_rms_eps(arch.rms_eps)
     _write_family_metadata(writer, arch)
+    for adder, values in tensor_key_values(qm, arch).items():
+        getattr(writer, adder)(values)
     writer.add_vocab_size(arch.vocab)
     writer.add_file_type(int(gguf.LlamaFileType[plan.file_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -1519,6 +1595,11 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("GEMMA4",), "add_value_length_swa", _key("head_dim", int)),
     (("GEMMA4",), "add_rope_dimension_count_swa", _key("head_dim", int)),  # plain rope over the whole head
     (("GEMMA4",), "add_rope_freq_base_swa", _sliding_rope_theta),
+    # OLMo 3 (conversion/olmo.py Olmo2Model) and EXAONE 4 (conversion/exaone.py): the window and which layers slide
+    # (src/models/olmo2.cpp, exaone4.cpp load_swa_pattern read the array); OLMo 3's sliding layers' own rope base
+    (("OLMO2", "EXAONE4"), "add_sliding_window", lambda c: int(c["sliding_window"]) if c.get("sliding_window") else None),
+    (("OLMO2", "EXAONE4"), "add_sliding_window_pattern", _sliding_pattern),
+    (("OLMO2",), "add_rope_freq_base_swa", lambda c: _sliding_rope_theta(c) if c.get("sliding_window") else None),
     (("QWEN2MOE", "QWEN3NEXT", "QWEN35MOE"), "add_expert_shared_feed_forward_length",
      _key("shared_expert_intermediate_size", int)),
     # gated DeltaNet (conversion/qwen.py Qwen3NextModel.set_gguf_parameters; src/models/qwen3next.cpp derives the
@@ -1544,6 +1625,51 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("DEEPSEEK2",), "add_q_lora_rank", _key("q_lora_rank", int)),
     (("DEEPSEEK2",), "add_kv_lora_rank", _key("kv_lora_rank", int)),
 )
+
+# (GGUF architectures, a decoder layer's tensor, GGUFWriter method of the per-layer array llama.cpp reads instead of
+# the tensor, the value transformers uses where the checkpoint holds none): one scalar a layer that the checkpoint
+# stores as a tensor and llama.cpp as a key. Apertus' xIELU (transformers' XIELUActivation: alpha_p, alpha_n
+# trainable, beta, eps buffers; conversion ApertusModel writes each layer's raw value, src/models/apertus.cpp reads
+# xielu.* per layer and ggml_xielu applies the softplus: alpha_p = softplus(alpha_p), alpha_n = beta +
+# softplus(alpha_n), as transformers does). Not written as tensors.
+TENSOR_KEYS: tuple[tuple[tuple[str, ...], str, str, float | None], ...] = (
+    (("APERTUS",), "mlp.act_fn.alpha_p", "add_xielu_alpha_p", None),
+    (("APERTUS",), "mlp.act_fn.alpha_n", "add_xielu_alpha_n", None),
+    (("APERTUS",), "mlp.act_fn.beta", "add_xielu_beta", 0.5),
+    (("APERTUS",), "mlp.act_fn.eps", "add_xielu_eps", -1e-6),
+)
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
+
+
+def _tensor_key(arch: _Arch, hf_name: str) -> bool:
+    """Whether this tensor is a TENSOR_KEYS row's (written as a key, not as a tensor)."""
+    m = _LAYER_TENSOR.match(hf_name)
+    return m is not None and any(arch.family.arch in archs and m["rest"] == rest for archs, rest, _, _ in TENSOR_KEYS)
+
+
+def tensor_key_values(qm: QuantizedModel, arch: _Arch) -> dict[str, list[float]]:
+    """Each TENSOR_KEYS row of this architecture: GGUFWriter method -> its per-layer values, read from the canonical
+    files (one scalar a layer), transformers' value where a layer holds none."""
+    rows = [(rest, adder, default) for archs, rest, adder, default in TENSOR_KEYS if arch.family.arch in archs]
+    if not rows:
+        return {}
+    found: dict[str, dict[int, float]] = {rest: {} for rest, _, _ in rows}
+    for f in qm.files():
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if (m := _LAYER_TENSOR.match(k)) and m["rest"] in found:
+                    t = h.get_tensor(k)
+                    if t.numel() != 1:
+                        raise InputError(f"{k}: llama.cpp reads one value a layer; this tensor has {t.numel()}")
+                    found[m["rest"]][int(m["layer"])] = float(t.float().reshape(()))
+    out: dict[str, list[float]] = {}
+    for rest, adder, default in rows:
+        values = [found[rest].get(i, default) for i in range(arch.n_layers)]
+        if (missing := [i for i, v in enumerate(values) if v is None]):
+            raise InputError(f"{qm.root}: layers {missing} have no {rest}, which llama.cpp's "
+                             f"{arch.family.arch.lower()} reads", fix="re-quantize from a complete checkpoint")
+        out[adder] = values
+    return out
 
 
 @register_format

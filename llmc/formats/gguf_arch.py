@@ -72,6 +72,20 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     # (enable_moe_block): experts merged as ffn_gate_up_exps / ffn_down_exps beside the dense MLP, the router's
     # scale and per-expert scales (llmc.formats.gguf GATE_UP_EXPERTS, DIRECT_NAMES)
     "gemma4_text": GgufFamily("GEMMA4", permute_qk=False),
+    # the dense newcomers of 2025-26 (issue 45), as convert_hf_to_gguf.py writes them
+    # SmolLM3 (SmolLM3Model, a LlamaModel: q/k permuted for llama.cpp's normal rope): no rope on every 4th layer,
+    # which src/models/smollm3.cpp fixes (n_no_rope_layer_step = 4: llmc.formats.gguf ARCH_CHECKS)
+    "smollm3": GgufFamily("SMOLLM3", permute_qk=True),
+    # OLMo 3 is llama.cpp's olmo2 architecture (Olmo2Model registers Olmo3ForCausalLM; no olmo3 architecture): OLMo 2's
+    # post-norms and full-width q/k norms, with the sliding window and its per-layer pattern (FAMILY_KEYS)
+    "olmo3": GgufFamily("OLMO2", permute_qk=False),
+    # EXAONE 4 (Exaone4Model): post-norms, per-head q/k norms; NeoX rope, so q/k keep their rows
+    "exaone4": GgufFamily("EXAONE4", permute_qk=False),
+    # Seed-OSS (SeedOssModel): q/k/v biases, o_proj without; its pre-MLP norm is llama.cpp's attn_post_norm
+    "seed_oss": GgufFamily("SEED_OSS", permute_qk=False),
+    # Apertus (ApertusModel, undo_permute = False): per-head q/k norms, an up/down MLP with xIELU, whose four
+    # per-layer parameters are the checkpoint's tensors and llama.cpp's per-layer key arrays (TENSOR_KEYS)
+    "apertus": GgufFamily("APERTUS", permute_qk=False),
 }
 MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
                              "qwen3_next", "qwen3_5_moe_text", "llama4_text", "gemma4_text"})
@@ -129,6 +143,8 @@ GGUF_FIXED: tuple[tuple[str, str, object, object, str], ...] = (
      "src/models/llama4.cpp: the no-rope layers' query temperature is always applied"),
     ("gpt_oss", "swiglu_limit", 7.0, 7.0,
      "src/llama-graph.cpp: LLM_FFN_SWIGLU_OAI_MOE clamps the experts' gate/up at the constant limit 7.0"),
+    ("smollm3", "use_sliding_window", False, False,
+     "src/models/smollm3.cpp: every layer attends to the whole context (build_attn_inp_kv, no sliding window)"),
 )
 
 

@@ -53,7 +53,14 @@ _OLLAMA_LINEAR_ATTENTION_UNRUN = ("llmc's GGUF of this gated-DeltaNet family is 
 # Nor Gemma-4 (llama.cpp's gemma4 architecture: per-layer embeddings, KV-shared layers), likewise
 _OLLAMA_GEMMA4_UNRUN = ("llmc's GGUF of Gemma-4 is proven in llama.cpp only; which Ollama release loads llama.cpp's "
                         "gemma4 architecture is not established here")
+# Nor the dense newcomers (issue 45): llama.cpp's smollm3, exaone4, seed_oss, apertus architectures and OLMo 3's
+# sliding olmo2, proven in llama.cpp 0.3.36 only
+_OLLAMA_NEWCOMERS_UNRUN = ("llmc's GGUF of this family is proven in llama.cpp only; which Ollama release loads "
+                           "llama.cpp's {arch} architecture as llmc writes it is not established here")
+_OLLAMA_NEWCOMERS = {"smollm3": "smollm3", "olmo3": "olmo2 (with sliding layers)", "exaone4": "exaone4",
+                     "seed_oss": "seed_oss", "apertus": "apertus"}
 _OLLAMA_REFUSED = {**GGUF_REFUSED, **dict.fromkeys(sorted(MOE_MODEL_TYPES), _OLLAMA_MOE_UNRUN),
-                   "qwen3_5_text": _OLLAMA_LINEAR_ATTENTION_UNRUN, "gemma4_text": _OLLAMA_GEMMA4_UNRUN}
+                   "qwen3_5_text": _OLLAMA_LINEAR_ATTENTION_UNRUN, "gemma4_text": _OLLAMA_GEMMA4_UNRUN,
+                   **{mt: _OLLAMA_NEWCOMERS_UNRUN.format(arch=a) for mt, a in _OLLAMA_NEWCOMERS.items()}}
 register_runtime(Runtime(name="ollama", format=Gguf.name, rules=_gguf_rules("0.1.0"), known_versions=("0.1.0", "0.5.0"),
                          refused_families=_OLLAMA_REFUSED))

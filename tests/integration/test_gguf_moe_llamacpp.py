@@ -24,7 +24,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.llama, pytest.mark.integration]
 SEQ_LEN = 64
 WINDOWS = 8
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss", "qwen3_next",
-            "qwen3_5", "qwen3_5_moe", "llama4_text", "gemma4", "gemma4_moe")
+            "qwen3_5", "qwen3_5_moe", "llama4_text", "gemma4", "gemma4_moe",
+            # the dense newcomers (tests/unit/families.py NEWCOMER_FAMILIES)
+            "smollm3", "olmo3", "exaone4", "exaone4_swa64", "seed_oss", "apertus")
+# a second case of one family: family case -> the tests/unit/families.py family it builds
+CASES = {"exaone4_swa64": "exaone4"}
 # llama.cpp's qwen2moe graph (tests/unit/test_gguf_moe.py); gpt-oss's published clamp, which llama.cpp fixes (the
 # tests' tiny model lowers it to reach it), and YaRN's correction range rounded as ggml rounds it (with the tiny
 # model's truncate=false, as gpt-oss's own config says: perplexity +0.060%, top-1 0.988, KLD 1.1e-4, measured here;
@@ -43,6 +47,16 @@ OVERRIDES["gemma4"] = GEMMA4_GGUF
 # Qwen3.5: rope sections that fit the tiny heads (the default [11, 11, 10] is refused for them: ggml asserts)
 OVERRIDES |= {f: {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default",
                                       "mrope_section": [1, 1, 0]}} for f in ("qwen3_5", "qwen3_5_moe")}
+# SmolLM3: 4 layers, so that layer 3 is a no-rope layer (llama.cpp's fixed step 4). EXAONE 4 without a sliding window
+# (every layer full and roped, as EXAONE 4.0 1.2B): llama.cpp 0.3.36 runs its sliding layers only in 64-layer models
+# (refused otherwise, tests/unit/test_gguf_families.py). OLMo 3 with its sliding/full layers as they are (window 6 <
+# the 64 tokens); Seed-OSS and Apertus (llama3 rope as rope_freqs, xIELU as per-layer keys) as they are
+# EXAONE 4 with its sliding layers (window 6 < the 64 tokens, the full layers without rope) needs 64 layers, the only
+# depth llama.cpp runs them at (EXAONE 4.0 32B's): 3 sliding, 1 full, as the 32B
+OVERRIDES |= {"smollm3": {"num_hidden_layers": 4},
+              "exaone4": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
+              "exaone4_swa64": {"num_hidden_layers": 64,
+                                "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 16}}
 # top-1 agreement and KLD bounds where a family's llama.cpp arithmetic moves them further. Qwen3-Next: the gated
 # DeltaNet's recurrence carries llama.cpp's Q8_0 rounding of the projections' activations forward: KLD 1.5e-3 with
 # every Linear Q8_0, 8.7e-5 with all but the experts written F32 (measured here, so not a wrong graph fact)
@@ -75,7 +89,7 @@ def test_llama_cpp_runs_llmcs_moe_gguf_as_the_torch_reference(family: str, schem
 
     if llama_cpp_version() is None:
         pytest.skip("llama_cpp is not importable in LLMC_LLAMA_PYTHON / .venv-llama (bash scripts/setup-llama.sh)")
-    folder = make_tiny(family, tmp_path / "model", **OVERRIDES.get(family, {}))
+    folder = make_tiny(CASES.get(family, family), tmp_path / "model", **OVERRIDES.get(family, {}))
     quantize_model(ModelSource(folder, "t", str(folder)), Scheme(TensorSpec(**SCHEMES[scheme])), tmp_path / "q", None)
     qm = QuantizedModel.open(tmp_path / "q")
     res = export_gguf(qm, tmp_path / "gguf")
