@@ -4,6 +4,9 @@
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --model demo:smollm2-135m \\
         --budgets 94887936 --variants hand searched uniform autoquant --out benchmarks/results/search_vs_autoquantize.jsonl
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --table benchmarks/results/search_vs_autoquantize.jsonl
+    # another model: budgets named by mix, the same shorter windows on every recipe
+    PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --model demo:gemma3-270m --set eval.seq_len=128 \
+        --budgets hand uniform:W8A8-FP8 'hand*0.8' --autoquant-bits hand 8.0 --work /tmp/aq-gemma --out ...
 
 Every row is scored by llmc's torch reference engine against the unquantized model on the search recipe's eval
 windows (Brown, 16 x 512 by default): per-window NLL, exact KL and top-1 kept, so `--table` gives the paired 95%
@@ -25,6 +28,11 @@ scores): a mix built before is read from the cache, not rebuilt.
                scored here with the baseline's head. b defaults to the bits of each llmc mix in ModelOpt's accounting
                (the hand mix's for the hand mix's bytes, else the searched mix's), so each tool's search has the
                same-cost mix as a feasible point in its own accounting. --autoquant-bits overrides.
+
+Nothing is assumed of the model: the hand mix's roles come from the family's table (llmc.model.families), an
+unquantized weight costs the recipe's model.dtype, the head ModelOpt counts is read from the config (a 262,144 x 640
+head is 62% of Gemma-3-270M's Linear weights, so ModelOpt's whole-model bits sit near 16 whatever the decoder mix),
+and `--set` gives every recipe (hand, searched, uniform) the same calibration and eval windows.
 
 The two tools count an unquantized weight differently: llmc's budget holds it in the model's dtype (float32 here: 32
 bits), ModelOpt's at 16 bits. Every row records both: `llmc_bytes` (decoder-layer Linears as llmc stores them) and
@@ -60,6 +68,22 @@ def load(recipe: Path, model: str, overrides: list[str]):
     from llmc.recipe.load import load_recipe
 
     return load_recipe(recipe, [f"model.source={model}", *overrides])
+
+
+def model_type(folder: Path) -> str | None:
+    """The source's model_type (a multimodal config's text model's), which picks the family's role table."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get("text_config", config).get("model_type") or config.get("model_type")
+
+
+def weight_elem(recipe, folder: Path) -> int:
+    """Bytes a weight left unquantized takes as llmc stores it: the recipe's model.dtype (auto: the checkpoint's)."""
+    dtype = recipe.model.dtype
+    if dtype == "auto":
+        config = json.loads((Path(folder) / "config.json").read_text())
+        config = config.get("text_config", config)
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return 4 if dtype == "float32" else 2
 
 
 def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
@@ -124,35 +148,50 @@ def candidate_specs(recipe) -> dict:
     return {name: group.weights for name, group in q.search.members(q.algorithm).items()}
 
 
-def hand_assignment(params: dict[str, int]) -> dict[str, str | None]:
-    """recipes/smollm2-mixed-nvfp4.yaml's groups by name: first/last layer unquantized, attention FP8, MLP NVFP4."""
+def role_of(name: str, family: str | None) -> str | None:
+    """A decoder-layer Linear's role by the family's table (llmc.model.families.LINEAR_ROLES), as groups select."""
+    from llmc.model.families import linear_role
+    from llmc.quant.groups import site_of
+
+    return linear_role(family, site_of(name)[1])
+
+
+def hand_assignment(params: dict[str, int], family: str | None = None) -> dict[str, str | None]:
+    """recipes/smollm2-mixed-nvfp4.yaml's groups on any model: first/last decoder layer unquantized, the attention
+    role W8A8-FP8, the mlp role W4A16-NVFP4 (roles by the family's table, as the recipe's groups select them)."""
     from llmc.quant.groups import site_of
 
     layers = sorted({site_of(n)[0] for n in params})
     edges = {layers[0], layers[-1]}
-    return {n: None if site_of(n)[0] in edges else ("W4A16-NVFP4" if ".mlp." in n else "W8A8-FP8") for n in params}
+    scheme = {"attention": "W8A8-FP8", "mlp": "W4A16-NVFP4"}
+    out = {n: None if site_of(n)[0] in edges else scheme.get(role_of(n, family)) for n in params}
+    odd = sorted(n for n in params if site_of(n)[0] not in edges and role_of(n, family) not in scheme)
+    if odd:  # the recipe's two groups select attention and mlp only: another role would be left out of the mix
+        sys.exit(f"the hand mix has no group for {len(odd)} decoder Linears of role other than attention/mlp, "
+                 f"e.g. {odd[0]} ({role_of(odd[0], family)}); compare on a dense model")
+    return out
 
 
-def searched_assignment(summary: dict, params: dict[str, int]) -> dict[str, str | None]:
+def searched_assignment(summary: dict, params: dict[str, int], family: str | None = None) -> dict[str, str | None]:
     """Each Linear's candidate in a searched mix (units -> candidate; a unit names a layer's role or Linear)."""
     out: dict[str, str | None] = {}
     for unit, cand in summary["units"].items():
         for n in params:
-            if n == unit or n.startswith(unit + ".") or _in_unit(n, unit):
+            if n == unit or n.startswith(unit + ".") or _in_unit(n, unit, family) or n in unit.split("+"):
                 out[n] = None if cand == "bf16" else cand
     return out
 
 
-def _in_unit(name: str, unit: str) -> bool:
+def _in_unit(name: str, unit: str, family: str | None = None) -> bool:
     """'layers.3.attention' holds model.layers.3.self_attn.q_proj, 'layers.3.mlp' model.layers.3.mlp.up_proj,
-    'layers.3' both (role and layer granularity)."""
+    'layers.3' both (role and layer granularity; roles by the family's table, as llmc.quant.search.make_units)."""
     from llmc.quant.groups import site_of
 
     parts = unit.split(".")
     site = site_of(name)
     if parts[0] != "layers" or len(parts) not in (2, 3) or site is None or site[0] != int(parts[1]):
         return False
-    return len(parts) == 2 or (".mlp." in name) == (parts[2] == "mlp")
+    return len(parts) == 2 or (role_of(name, family) or site[1]) == parts[2]
 
 
 def autoquant_assignment(chosen: dict[str, str], params: dict[str, int]) -> dict[str, str | None]:
@@ -213,36 +252,42 @@ def measure(args) -> None:
 
     torch.set_num_threads(args.threads)
     store = Store.default()
-    base_recipe = load(args.search_recipe, args.model, [])
+    sets = list(args.set or [])  # the same calibration and eval settings on every recipe: the rows pair per window
+    base_recipe = load(args.search_recipe, args.model, sets)
     source = resolve_source(args.model, store)
     tok = AutoTokenizer.from_pretrained(source.folder)
     calib = data.calibration_tokens(base_recipe.calibration, tok).input_ids
     eval_ids = data.eval_tokens(base_recipe.eval, tok)[None].input_ids
     params = decoder_linears(Path(source.folder))
+    family = model_type(Path(source.folder))
     specs = candidate_specs(base_recipe)
-    common = {"model": args.model, "calibration": f"{calib.shape[0]}x{calib.shape[1]}"}
+    elem = weight_elem(base_recipe, Path(source.folder))
+    common = {"model": args.model, "calibration": f"{calib.shape[0]}x{calib.shape[1]}", **({"set": sets} if sets else {})}
+
+    def costs_of(assignment: dict[str, str | None]) -> dict:
+        return mix_costs(assignment, params, specs, elem)
+
     t = time.monotonic()
     cached = None if args.work is None else args.work / f"reference-{_slug(args.model)}-{eval_ids.shape[0]}x{eval_ids.shape[1]}.safetensors"
     reference = _reference(source.folder, eval_ids, cached)
     _emit({"model": args.model, "variant": "baseline", "seq_len": eval_ids.shape[1], "eval_windows": eval_ids.shape[0],
            "window_nll": _window_means(reference["nll"]), "eval_s": round(time.monotonic() - t, 1),
-           "load_avg": os.getloadavg()[0], **mix_costs({}, params, specs)}, args.out)
+           "load_avg": os.getloadavg()[0], **costs_of({})}, args.out)
     anchors: dict[int, float] = {}  # budget -> ModelOpt bits of the mix that defines it
     with tempfile.TemporaryDirectory(prefix="llmc-search-vs-aq-") as tmp:
         work = Path(tmp)
         keep = args.work or work
         for variant in args.variants:
             if variant == "hand":
-                recipe = load(args.hand_recipe, args.model, [])
-                rows = [("hand", recipe, hand_assignment(params), None)]
+                recipe = load(args.hand_recipe, args.model, sets)
+                rows = [("hand", recipe, hand_assignment(params, family), None)]
             elif variant == "searched":
-                budgets = [int(mix_costs(hand_assignment(params), params, specs)["llmc_bytes"]) if b == "hand" else int(b)
-                           for b in args.budgets]
+                budgets = [budget_bytes(b, params, family, costs_of) for b in args.budgets]
                 rows = [(f"searched@{b}", load(args.search_recipe, args.model,
-                                               [f"quantization.search.budget.bytes={b}"]), None, b)
+                                               [*sets, f"quantization.search.budget.bytes={b}"]), None, b)
                         for b in budgets]
             elif variant == "uniform":
-                rows = [(f"uniform-{s}", _uniform(args.hand_recipe, args.model, s), {n: s for n in params}, None)
+                rows = [(f"uniform-{s}", _uniform(args.hand_recipe, args.model, s, sets), {n: s for n in params}, None)
                         for s in args.uniform]
             else:
                 continue
@@ -251,8 +296,8 @@ def measure(args) -> None:
                 windows, summary, times = evaluated(recipe, store)
                 build_s = time.monotonic() - t
                 if summary is not None:
-                    assignment = searched_assignment(summary, params)
-                costs = mix_costs(assignment, params, specs)
+                    assignment = searched_assignment(summary, params, family)
+                costs = costs_of(assignment)
                 if name == "hand":
                     anchors.setdefault(-1, costs["bits16"])
                 if budget is not None:
@@ -263,7 +308,9 @@ def measure(args) -> None:
                           if summary else {})}
                 _emit({**row, "load_avg": os.getloadavg()[0]}, args.out)
         if "autoquant" in args.variants:
-            bits = args.autoquant_bits or list(dict.fromkeys(round(v, 4) for v in anchors.values()))  # hand's first
+            given = [costs_of(hand_assignment(params, family))["bits16"] if b == "hand" else float(b)
+                     for b in args.autoquant_bits or []]
+            bits = [round(b, 4) for b in given] or list(dict.fromkeys(round(v, 4) for v in anchors.values()))
             # ModelOpt's effective bits count lm_head too, kept out of the search at 16 bits (disabled_layers keeps
             # it in the numerator and the denominator): the child gets the whole figure for each decoder-layer one
             head = head_params(Path(source.folder))
@@ -281,9 +328,22 @@ def measure(args) -> None:
                        "variant": f"autoquant@{whole.get(r['bits'], r['bits']):g}", "scheme": "modelopt auto_quantize",
                        "modelopt_effective_bits": r["bits"],
                        "peer": {k: v for k, v in r.items() if k != "hidden"}, "quantize_s": r["search_s"],
-                       "linears_assigned": len(assignment), **mix_costs(assignment, params, specs),
+                       "linears_assigned": len(assignment), **costs_of(assignment),
                        "score_steps": args.score_steps, **score_hidden(hidden, eval_ids, reference)}
                 _emit({**row, "wall_s": round(time.monotonic() - t, 1), "load_avg": os.getloadavg()[0]}, args.out)
+
+
+def budget_bytes(spec: str, params: dict[str, int], family: str | None, costs_of) -> int:
+    """A bytes budget from --budgets: a number; 'hand' (the hand mix's bytes on this model), 'hand*F' (F times
+    them); 'uniform:SCHEME' (every decoder Linear in SCHEME, one of the search's candidates)."""
+    base, _, factor = spec.partition("*")
+    if base == "hand":
+        value = costs_of(hand_assignment(params, family))["llmc_bytes"]
+    elif base.startswith("uniform:"):
+        value = costs_of({n: base.removeprefix("uniform:") for n in params})["llmc_bytes"]
+    else:
+        value = float(base)
+    return int(value * float(factor or 1))
 
 
 def _slug(model: str) -> str:
@@ -316,7 +376,7 @@ def _load_hidden(path: Path) -> torch.Tensor:
     return load_file(str(path))["hidden"]
 
 
-def _uniform(hand_recipe: Path, model: str, scheme: str):
+def _uniform(hand_recipe: Path, model: str, scheme: str, sets: list[str] = ()):
     """The hand recipe with one group: every decoder Linear (attention and MLP roles) in `scheme`."""
     import yaml
 
@@ -326,7 +386,7 @@ def _uniform(hand_recipe: Path, model: str, scheme: str):
     raw["name"] = f"uniform-{scheme.lower()}"
     raw["model"]["source"] = model
     raw["quantization"]["groups"] = [{"name": "all", "roles": ["attention", "mlp"], "scheme": scheme}]
-    return parse_recipe(yaml.safe_dump(raw), f"<uniform {scheme}>")
+    return parse_recipe(yaml.safe_dump(raw), f"<uniform {scheme}>", overrides=list(sets))
 
 
 def labelled_table(paths: list[Path], pairs: list[str] | None) -> str:
@@ -339,7 +399,20 @@ def labelled_table(paths: list[Path], pairs: list[str] | None) -> str:
     with tempfile.TemporaryDirectory(prefix="llmc-search-vs-aq-table-") as tmp:
         merged = Path(tmp) / "rows.jsonl"
         merged.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return table([merged], None, pairs)
+        return table([merged], None, pairs) + predicted_lines(rows)
+
+
+def predicted_lines(rows: list[dict]) -> str:
+    """Each searched build's predicted damage (the search's summed proxy: KLD in nats under the fisher proxy) beside
+    its measured mean KLD (95% interval over the windows); the last row of each variant, as the table takes."""
+    from llmc.eval.metrics import mean_interval
+
+    latest = {(r["model"], r["variant"]): r for r in rows if r.get("search")}
+    lines = [f"- {model} {variant}: predicted {r['search']['predicted_damage']:.4f}, measured mean KLD "
+             f"{kl['mean']:.4f} [{kl['ci_low']:.4f}, {kl['ci_high']:.4f}]"
+             for (model, variant), r in latest.items()
+             for kl in [mean_interval(torch.tensor(r["window_kl"])[:, None])]]
+    return ("\n\nPredicted (the search's summed damage) against measured KLD:\n" + "\n".join(lines)) if lines else ""
 
 
 def main() -> None:
@@ -348,16 +421,19 @@ def main() -> None:
     ap.add_argument("--search-recipe", type=Path, default=REPO / "recipes" / "smollm2-search-nvfp4.yaml")
     ap.add_argument("--hand-recipe", type=Path, default=REPO / "recipes" / "smollm2-mixed-nvfp4.yaml")
     ap.add_argument("--budgets", nargs="+", default=["94887936"], help="searched mixes' bytes budgets (decoder-layer "
-                    "Linears as llmc stores them); 'hand': the hand mix's on --model")
+                    "Linears as llmc stores them); 'hand': the hand mix's on --model, 'hand*0.8' 0.8 times them, "
+                    "'uniform:W8A8-FP8' every decoder Linear in that candidate")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="a recipe override for every recipe (hand, "
+                    "searched, uniform) and the windows (e.g. eval.seq_len=256), repeatable")
     ap.add_argument("--variants", nargs="+", default=["hand", "searched", "uniform", "autoquant"],
                     choices=["hand", "searched", "uniform", "autoquant"], help="in this order (autoquant last)")
     ap.add_argument("--uniform", nargs="+", default=["W8A8-FP8"], help="uniform schemes (of the budget's size or "
                     "larger: uniform W4A16-NVFP4 is fp4_calibration.py's nvfp4-rtn row)")
     ap.add_argument("--work", type=Path, help="keep the baseline's reference and AutoQuantize's scores here across "
                     "runs (default: a temporary folder)")
-    ap.add_argument("--autoquant-bits", nargs="+", type=float, help="effective bits of the decoder-layer Linears in "
+    ap.add_argument("--autoquant-bits", nargs="+", help="effective bits of the decoder-layer Linears in "
                     "ModelOpt's accounting (the bits16 column; converted to ModelOpt's whole-model figure, lm_head at "
-                    "16 bits); default: the llmc mixes' own")
+                    "16 bits), or 'hand' (the hand mix's on --model); default: the llmc mixes' own")
     ap.add_argument("--score-steps", type=int, default=16, help="calibration windows AutoQuantize scores on")
     ap.add_argument("--autoquant-windows", type=int, help="AutoQuantize calibrates on only the first N of the "
                     "calibration windows (default: all; its CPU cost is ~2 forwards a window per candidate)")

@@ -22,6 +22,10 @@ from llmc.errors import RecipeError
 from llmc.model.skeleton import layer_output
 
 DRAW_SEED = 0  # the drawn tokens' seed: the same calibration windows give the same gradients
+# float32 [positions, vocab] tensors the head's backward holds at once (logits, log-probs, their CDF, gradients): the
+# positions of one batch go through the head in chunks that keep them under this (a 262k vocabulary's batch of
+# 4 x 512 positions would need ~10 GB)
+HEAD_CHUNK_BYTES = 1 << 30
 
 
 def final_norm(model: nn.Module, layers_prefix: str) -> nn.Module:
@@ -40,26 +44,45 @@ def head_gradients(norm: nn.Module, head: nn.Module, hidden: Sequence[torch.Tens
     one token drawn per position from the model's next-token distribution (a masked calibration's batches are its
     unpadded samples: every position counts). Each gradient is stored where its batch is (host or device)."""
     draws = torch.Generator().manual_seed(DRAW_SEED)  # on the host: the same draws on every device
+    vocab = _out_features(head)
+    rows = max(1, HEAD_CHUNK_BYTES // (4 * 4 * vocab)) if vocab else None
     grads = []
     for h in hidden:
-        x = h.to(device).detach().requires_grad_(True)
-        with torch.enable_grad():
-            logits = head(norm(x)).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            logp = torch.log_softmax(logits, -1)
-            drawn = draw_tokens(logp.detach(), draws)
-            picked = logp.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
-            (g,) = torch.autograd.grad(picked.sum(), x)
-        grads.append(g.detach().to(h.device))
+        # each position's gradient depends on that position alone (norm and head act per token), so chunks of
+        # positions give the whole batch's gradient; the uniforms are drawn for the batch at once, in its order
+        u = torch.rand(h.shape[:-1], generator=draws, dtype=torch.float64).reshape(-1)
+        flat = h.reshape(-1, h.shape[-1])
+        step = rows or flat.shape[0]
+        parts = []
+        for start in range(0, flat.shape[0], step):
+            x = flat[start : start + step].to(device).detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = head(norm(x)).float()
+                if softcap:
+                    logits = torch.tanh(logits / softcap) * softcap
+                logp = torch.log_softmax(logits, -1)
+                drawn = _inverse_transform(logp.detach(), u[start : start + step])
+                picked = logp.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+                (g,) = torch.autograd.grad(picked.sum(), x)
+            parts.append(g.detach().to(h.device))
+        grads.append(torch.cat(parts).reshape(h.shape))
     return grads
+
+
+def _out_features(head: nn.Module) -> int | None:
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def draw_tokens(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per position from exp(logp), by inverse transform of host-drawn uniforms (no device generator)."""
+    return _inverse_transform(logp, torch.rand(logp.shape[:-1], generator=generator, dtype=torch.float64))
+
+
+def _inverse_transform(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token at each position whose CDF first reaches its uniform `u` (float64, drawn on the host)."""
     cdf = logp.exp().cumsum(-1)
-    u = torch.rand(logp.shape[:-1], generator=generator, dtype=torch.float64).to(logp.device)
-    u = (u * cdf[..., -1].double()).to(cdf.dtype).unsqueeze(-1)
+    u = (u.to(logp.device) * cdf[..., -1].double()).to(cdf.dtype).unsqueeze(-1)
     return torch.searchsorted(cdf, u).squeeze(-1).clamp_max(logp.shape[-1] - 1)
 
 

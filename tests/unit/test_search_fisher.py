@@ -136,3 +136,32 @@ def test_each_proxy_is_its_formula() -> None:
     assert "fisher" not in layer_damages(layer, {"a": layer.a}, units[:1], {"int4": INT4}, xs, [((), {})] * 2, ys, {})
     with pytest.raises(ValueError, match="unknown search proxy"):
         layer_damage(layer, {"a": layer.a}, units[:1], {"int4": INT4}, xs, [((), {})] * 2, ys, {}, proxy="kl")
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_head_gradients_in_chunks_of_positions_are_the_whole_batchs(monkeypatch, softcap) -> None:
+    # a large vocabulary's head runs a batch's positions in chunks (HEAD_CHUNK_BYTES): the same drawn tokens and the
+    # same gradients as one autograd pass over the whole batch, for batches of different shapes
+    import llmc.quant.fisher as fisher
+
+    torch.manual_seed(0)
+    norm, head = nn.LayerNorm(8), nn.Linear(8, 50, bias=False)
+    hidden = [torch.randn(2, 5, 8) * 3, torch.randn(1, 7, 8)]
+    draws = torch.Generator().manual_seed(DRAW_SEED)
+    want = []
+    for h in hidden:
+        x = h.clone().requires_grad_(True)
+        logits = head(norm(x))
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logp = torch.log_softmax(logits, -1)
+        drawn = draw_tokens(logp.detach(), draws)
+        (g,) = torch.autograd.grad(logp.gather(-1, drawn.unsqueeze(-1)).sum(), x)
+        want.append(g)
+    whole = fisher.head_gradients(norm, head, hidden, torch.device("cpu"), softcap)
+    monkeypatch.setattr(fisher, "HEAD_CHUNK_BYTES", 3 * 4 * 4 * 50)  # 3 positions a chunk: chunks cross rows
+    chunked = fisher.head_gradients(norm, head, hidden, torch.device("cpu"), softcap)
+    for w, a, b in zip(want, whole, chunked, strict=True):
+        assert a.shape == w.shape and a.abs().max() > 0
+        torch.testing.assert_close(a, w)
+        torch.testing.assert_close(b, w)

@@ -88,3 +88,60 @@ def test_modelopt_bits_count_the_disabled_head_at_16() -> None:
     decoder, head = sum(smollm2_linears().values()), 49_152 * 576
     assert bench.modelopt_bits(4.5, decoder, head) == pytest.approx(6.9211, abs=1e-4)
     assert bench.modelopt_bits(16.0, decoder, head) == 16.0
+
+
+def gemma3_linears(layers: int = 18) -> dict[str, int]:
+    """Gemma-3-270M's decoder Linears (hidden 640, 4 query heads and 1 KV head of 256, MLP 2048): name -> params."""
+    shapes = {"self_attn.q_proj": (1024, 640), "self_attn.k_proj": (256, 640), "self_attn.v_proj": (256, 640),
+              "self_attn.o_proj": (640, 1024), "mlp.gate_proj": (2048, 640), "mlp.up_proj": (2048, 640),
+              "mlp.down_proj": (640, 2048)}
+    return {f"model.layers.{i}.{k}": a * b for i in range(layers) for k, (a, b) in shapes.items()}
+
+
+def test_budgets_and_bits_follow_the_model_not_smollm2() -> None:
+    # Gemma-3-270M: 18 layers, its own widths, a 262,144 x 640 head (62% of ModelOpt's count), roles by its family
+    recipe = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml")
+    specs = bench.candidate_specs(recipe)
+    params = gemma3_linears()
+    hand = bench.hand_assignment(params, "gemma3_text")
+    assert hand["model.layers.17.mlp.up_proj"] is None and hand["model.layers.16.mlp.up_proj"] == "W4A16-NVFP4"
+    assert hand["model.layers.1.self_attn.k_proj"] == "W8A8-FP8"
+    layer = sum(params[n] for n in params if ".layers.0." in n)
+    attn = 1024 * 640 * 2 + 256 * 640 * 2
+    costs = bench.mix_costs(hand, params, specs, 4)
+    fp8, nvfp4 = specs["W8A8-FP8"].stored_bits, specs["W4A16-NVFP4"].stored_bits
+    assert costs["llmc_bytes"] == pytest.approx(2 * layer * 4 + 16 * attn * fp8 / 8 + 16 * (layer - attn) * nvfp4 / 8)
+    assert costs["bits16"] == pytest.approx((2 * layer * 16 + 16 * attn * 8 + 16 * (layer - attn) * 4.5) / (18 * layer))
+    # float32 edges make the hand mix larger than uniform FP8 here (not so on SmolLM2); 'hand*F' and 'uniform:X'
+    costs_of = lambda a: bench.mix_costs(a, params, specs, 4)  # noqa: E731
+    hand_bytes = bench.budget_bytes("hand", params, "gemma3_text", costs_of)
+    fp8_bytes = bench.budget_bytes("uniform:W8A8-FP8", params, "gemma3_text", costs_of)
+    assert hand_bytes == int(costs["llmc_bytes"]) and fp8_bytes == int(18 * layer * fp8 / 8) < hand_bytes
+    assert bench.budget_bytes("hand*0.8", params, "gemma3_text", costs_of) == int(costs["llmc_bytes"] * 0.8)
+    assert bench.budget_bytes("123", params, None, costs_of) == 123
+    # a bf16 model stores an unquantized Linear in 2 bytes
+    assert bench.mix_costs({}, params, specs, 2)["llmc_bytes"] == 2 * sum(params.values())
+    # ModelOpt's whole-model floor: every decoder Linear NVFP4, the 262k head at 16 bits
+    floor = bench.modelopt_bits(4.5, sum(params.values()), 262_144 * 640)
+    assert floor == pytest.approx((4.5 * 18 * layer + 16 * 262_144 * 640) / (18 * layer + 262_144 * 640))
+    assert 11.6 < floor < 11.8
+
+
+def test_searched_units_by_the_familys_roles_and_fused_linear_units() -> None:
+    params = gemma3_linears(1)
+    got = bench.searched_assignment({"units": {"layers.0.attention": "W8A8-FP8", "layers.0.mlp": "bf16"}},
+                                    params, "gemma3_text")
+    assert {got[n] for n in params if ".self_attn." in n} == {"W8A8-FP8"}
+    assert {got[n] for n in params if ".mlp." in n} == {None}
+    fused = "+".join(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    got = bench.searched_assignment({"units": {fused: "W4A16-NVFP4"}}, params, "gemma3_text")
+    assert sorted(got) == sorted(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+
+
+def test_weight_elem_follows_the_recipe_dtype(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3_text", "torch_dtype": "bfloat16"}')
+    recipe = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml")
+    assert bench.weight_elem(recipe, tmp_path) == 4  # the recipe says float32
+    auto = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml", ["model.dtype=auto"])
+    assert bench.weight_elem(auto, tmp_path) == 2
+    assert bench.model_type(tmp_path) == "gemma3_text"
