@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.llama, pytest.mark.integration]
 
 SEQ_LEN = 64
 WINDOWS = 8
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss", "qwen3_next",
-            "qwen3_5", "qwen3_5_moe", "llama4_text", "gemma4", "gemma4_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "minimax_m2", "gpt_oss",
+            "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama4_text", "gemma4", "gemma4_moe")
 # llama.cpp's qwen2moe graph (tests/unit/test_gguf_moe.py); gpt-oss's published clamp, which llama.cpp fixes (the
 # tests' tiny model lowers it to reach it), and YaRN's correction range rounded as ggml rounds it (with the tiny
 # model's truncate=false, as gpt-oss's own config says: perplexity +0.060%, top-1 0.988, KLD 1.1e-4, measured here;
