@@ -90,12 +90,7 @@ GGUF_PACKAGE_GAPS: dict[str, tuple[str, str]] = {"DEEPSEEK32": ("deepseek32", "G
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
 GGUF_REFUSED: dict[str, str] = {
-    # DeepSeek-V3.2: the exporter writes llama.cpp's deepseek32 form (absorbed MLA, the indexer; checked tensor by
-    # tensor against src/models/deepseek32.cpp in tests/unit/test_gguf_moe.py), but the plan offers llama.cpp only once
-    # llama.cpp itself has scored such a file against the torch reference (tests/integration/test_gguf_moe_llamacpp.py)
-    "deepseek_v32": "llmc writes DeepSeek-V3.2 as llama.cpp's deepseek32 (the absorbed MLA form and the lightning "
-                    "indexer, tests/unit/test_gguf_moe.py), but no llama.cpp has loaded and scored such a file here "
-                    "yet (tests/integration/test_gguf_moe_llamacpp.py, deepseek_v32): not offered until it has",
+    # none today: DeepSeek-V3.2 (deepseek32), the last one, is written in the absorbed MLA form with its indexer
 }
 
 # What llmc's GGUF exporter does not write yet for a family it writes: (model_type, config key, the value transformers

@@ -325,12 +325,11 @@ def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(
 
 
 @pytest.mark.heavy  # seven plans: ~12 s here
-def test_v32_targets_vllm_and_refuses_the_latent_kv_cache_the_unscored_gguf_and_unread_runtimes(v32: Path) -> None:
-    """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); the exporter writes the GGUF
-    (the absorbed MLA form llama.cpp's deepseek32 requires: tests/unit/test_gguf_moe.py, one latent KV head), but
-    llama.cpp is refused at plan time until llama.cpp has scored it (tests/integration/test_gguf_moe_llamacpp.py);
-    Ollama is refused as for every MoE family (not run in Ollama); SGLang and TGI, whose V3.2 indexers were not read,
-    are refused naming that."""
+def test_v32_targets_vllm_and_llama_cpp_and_refuses_the_latent_kv_cache_and_unread_runtimes(v32: Path) -> None:
+    """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); llama.cpp plans its GGUF (the
+    absorbed MLA form deepseek32 requires: tests/unit/test_gguf_moe.py, scored in
+    tests/integration/test_gguf_moe_llamacpp.py); Ollama is refused as for every MoE family (not run in Ollama);
+    SGLang and TGI, whose V3.2 indexers were not read, are refused naming that."""
     from llmc.formats.gguf import _arch
     from llmc.planning.plan import make_plan
 
@@ -339,9 +338,8 @@ def test_v32_targets_vllm_and_refuses_the_latent_kv_cache_the_unscored_gguf_and_
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention caches the compressed latent") as no:
         make_plan(_recipe(v32, {**FP8_KV, "kv_cache": {"format": "fp8_e4m3"}}), v32)
     assert no.value.exit_code == 3
-    with pytest.raises(IncompatibleTargetError, match="no llama.cpp has loaded and scored") as llama:
-        make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "llama.cpp"}), v32)
-    assert llama.value.exit_code == 3
+    llama = make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "llama.cpp"}), v32)
+    assert [(t["exporter"], t["status"]) for t in llama.targets] == [("gguf", "native")]
     with pytest.raises(IncompatibleTargetError, match="proven in llama.cpp only") as ollama:
         make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "ollama"}), v32)
     assert ollama.value.exit_code == 3
