@@ -45,8 +45,11 @@ canonical tensor is converted as above and the E results stacked in expert order
 are copied as a dense Linear's are. Routers (and Qwen2-MoE's shared-expert gate) stay F32 as convert_hf_to_gguf.py
 keeps them; DeepSeek's `e_score_correction_bias` is `exp_probs_b.bias`. The per-architecture keys (expert counts,
 shared experts, leading dense layers, gating function, MLA ranks) are `FAMILY_KEYS` rows, the head widths `HEADS`
-rows. DeepSeek's MLA is written in the decompressed form llama.cpp still runs (`attn_kv_b`, no key_length_mla): the
-absorbed form would store k_b transposed, its blocks along another axis, requantized.
+rows. DeepSeek-V3's MLA is written in the decompressed form llama.cpp still runs for deepseek2 (`attn_kv_b`, no
+key_length_mla). DeepSeek-V3.2 (deepseek32, whose loader requires the absorbed form) gets it: kv_b_proj's rows split
+into `attn_v_b` (each head's value rows, codes copied) and `attn_k_b` (each head's key rows transposed, F16 from the
+dequantized weights: its rows cross the canonical scales), one latent KV head, key_length_mla / value_length_mla, and
+the lightning indexer's tensors and keys (`ROW_SPLITS`, `PER_HEAD`, `HEADS`, `FAMILY_KEYS` rows).
 
 gpt-oss: biased experts and router (F32, merged like the weights), attention sinks (`attn_sinks.weight`), the sliding
 layers as a per-layer pattern, YaRN keys (ggml rounds YaRN's correction range; a truncate=false config is said in the
@@ -94,8 +97,8 @@ from llmc.formats.base import ArtifactFormat, ExportRequest, WrittenTensors, tar
 from llmc.formats.registry import register_format
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
-from llmc.formats.gguf_arch import (GGUF_FAMILIES, GGUF_REFUSED, MOE_MODEL_TYPES, GgufFamily, fixed_fact_violations,
-                                    unwritten_violations)
+from llmc.formats.gguf_arch import (GGUF_FAMILIES, GGUF_PACKAGE_GAPS, GGUF_REFUSED, MOE_MODEL_TYPES, GgufFamily,
+                                    fixed_fact_violations, unwritten_violations)
 from llmc.formats.microscaling_export import gguf_mxfp4_blocks, gguf_nvfp4_blocks
 from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
@@ -318,7 +321,20 @@ class _Arch:
 
     @property
     def gguf_arch(self):
-        return _gguf().MODEL_ARCH[self.family.arch]
+        """The gguf package's MODEL_ARCH member whose tensor-name table this architecture uses (its own, or the
+        stand-in GGUF_PACKAGE_GAPS names while the package lacks it)."""
+        gguf = _gguf()
+        if not hasattr(gguf.MODEL_ARCH, self.family.arch) and self.family.arch in GGUF_PACKAGE_GAPS:
+            return gguf.MODEL_ARCH[GGUF_PACKAGE_GAPS[self.family.arch][1]]
+        return gguf.MODEL_ARCH[self.family.arch]
+
+    @property
+    def arch_name(self) -> str:
+        """llama.cpp's name of the architecture (general.architecture, the prefix of its keys)."""
+        gguf = _gguf()
+        if not hasattr(gguf.MODEL_ARCH, self.family.arch) and self.family.arch in GGUF_PACKAGE_GAPS:
+            return GGUF_PACKAGE_GAPS[self.family.arch][0]
+        return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[self.family.arch]]
 
     def tensor_names(self):
         """The gguf package's Hugging Face -> llama.cpp tensor-name table for this architecture."""
@@ -637,10 +653,21 @@ def _mla_decompressed(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int
             c["num_attention_heads"])
 
 
+def _mla_absorbed(c: dict, head_dim: int, rope: dict) -> tuple[int, int, int, int]:
+    """DeepSeek's multi-head latent attention in the absorbed form llama.cpp's deepseek32 graph requires
+    (hparams.is_mla(): key_length_mla set; src/models/deepseek32.cpp): one KV head holding the latent, a key of the
+    normed kv_lora_rank latent plus the shared rope key, a value of the latent itself. Each head's own widths are
+    key_length_mla / value_length_mla (FAMILY_KEYS); attn_k_b / attn_v_b, split from kv_b_proj (ROW_SPLITS,
+    PER_HEAD), map the latent to them inside the graph."""
+    del head_dim, rope
+    return c["kv_lora_rank"] + c["qk_rope_head_dim"], c["kv_lora_rank"], c["qk_rope_head_dim"], 1
+
+
 # GGUF architecture -> (key length, value length, rotary dims, KV heads) from config.json where they are not the
 # plain head_dim / num_key_value_heads
 HEADS: dict[str, Callable[[dict, int, dict], tuple[int, int, int, int]]] = {
     "DEEPSEEK2": _mla_decompressed,
+    "DEEPSEEK32": _mla_absorbed,
     "GLM4_MOE": _partial_rotary,  # conversion/glm.py: rope dims = head_dim * partial_rotary_factor (0.5)
     "MINIMAXM2": _partial_rotary,  # conversion/minimax.py: rope dims = rotary_dim
     "QWEN3NEXT": _partial_rotary,  # conversion/qwen.py: rope dims = head_dim * partial_rotary_factor (0.25)
@@ -658,7 +685,10 @@ OUTPUT_REQUIRED = ("MINIMAXM2", "QWEN2MOE", "OLMO2", "GPT_OSS", "APERTUS")
 # MoE routers and the shared-expert gate, whose rounding would move tokens to other experts
 KEPT_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp",
             # gated DeltaNet's gate projections (Qwen3.5's apart) and convolution (ggml_ssm_conv takes F32)
-            "ssm_ba", "ssm_alpha", "ssm_beta", "ssm_conv1d")
+            "ssm_ba", "ssm_alpha", "ssm_beta", "ssm_conv1d",
+            # DeepSeek-V3.2's indexer head weights (conversion/base.py: "DSA indexer weights should be F32"; float32
+            # in transformers too, _keep_in_fp32_modules): they weigh the scores the top-k keys are picked by
+            "indexer.proj")
 # Hugging Face names renamed before the gguf.TensorNameMap lookup, as convert_hf_to_gguf.py renames them (the table
 # keys the bias as `<module>.bias`)
 HF_RENAMES: tuple[tuple[str, str], ...] = (
@@ -696,6 +726,12 @@ def tensor_kind(name: str) -> str:
     if parts[0] == "blk":
         parts = parts[2:]
     return parts[0]
+
+
+def _kept_f32(name: str) -> bool:
+    """A KEPT_F32 tensor: its kind, or its name inside the block (`blk.3.indexer.proj.weight` -> indexer.proj)."""
+    local = name.split(".", 2)[2] if name.startswith("blk.") else name
+    return tensor_kind(name) in KEPT_F32 or local.rsplit(".", 1)[0] in KEPT_F32
 
 
 def _qwen3next_qkvz(c: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -738,12 +774,33 @@ _QWEN35_V_ROWS: dict[str, Callable[[dict], list[tuple[str, tuple[int, ...]]]]] =
     ".linear_attn.conv1d.weight": lambda c: [("ssm_conv1d", _tiled_v_heads(c, c["linear_value_head_dim"],
                                                                             _qk_rows(c)))],
 }
+
+
+def _mla_kv_b(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """kv_b_proj's rows (per head: qk_nope_head_dim key rows, then v_head_dim value rows) as the absorbed MLA form's
+    attn_k_b (every head's key rows) and attn_v_b (every head's value rows), the split conversion/deepseek.py writes
+    (kv_b_proj itself is not written)."""
+    nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
+    per = nope + v
+    heads = range(c["num_attention_heads"])
+    return [("attn_k_b", tuple(h * per + i for h in heads for i in range(nope))),
+            ("attn_v_b", tuple(h * per + nope + i for h in heads for i in range(v)))]
+
+
 # (GGUF architecture, Hugging Face tensor suffix) -> the llama.cpp tensors its rows become, from config.json. Row
 # selection commutes with row-wise quantization: each part's codes and scales are the canonical ones, copied
 ROW_SPLITS: dict[tuple[str, str], Callable[[dict], list[tuple[str, tuple[int, ...]]]]] = {
     ("QWEN3NEXT", ".linear_attn.in_proj_qkvz.weight"): _qwen3next_qkvz,
+    ("DEEPSEEK32", ".self_attn.kv_b_proj.weight"): _mla_kv_b,
     **{(a, suffix): f for a in ("QWEN35", "QWEN35MOE") for suffix, f in _QWEN35_V_ROWS.items()},
 }
+# (GGUF architecture, llama.cpp kind of a ROW_SPLITS part) -> the part is 3-D, one slice per attention head, and
+# whether llama.cpp multiplies by each head's transpose. src/models/deepseek32.cpp's loader: wv_b {kv_lora_rank,
+# v_head_dim, n_head} (ggml order: each head's value rows as kv_b_proj holds them: codes copied), wk_b {qk_nope,
+# kv_lora_rank, n_head} (each head's key rows transposed: a row of it is a column of kv_b_proj, running across the
+# canonical form's per-row scales and groups, so it is written F16 from the dequantized weights, exact up to fp16
+# rounding; Q8_0 blocks along that axis would add a second rounding)
+PER_HEAD: dict[tuple[str, str], bool] = {("DEEPSEEK32", "attn_k_b"): True, ("DEEPSEEK32", "attn_v_b"): False}
 # (GGUF architecture, Hugging Face tensor suffix) -> its input columns in llama.cpp's order (codes copied; a group
 # scale's groups move with their columns where the head width is a multiple of the group)
 COLUMN_ORDERS: dict[tuple[str, str], Callable[[dict], tuple[int, ...]]] = {
@@ -1041,6 +1098,7 @@ class _Item:
     norm_offset: float = 0.0  # added to a norm weight (Gemma)
     transform: TensorTransform | None = None  # an unquantized tensor's values as llama.cpp computes with them
     rows: tuple[int, ...] | None = None  # the canonical tensor's rows this GGUF tensor holds (a split tensor)
+    head_transposed: bool = False  # [heads, cols, rows per head]: each head's rows transposed (PER_HEAD)
     cols: tuple[int, ...] | None = None  # its input columns in llama.cpp's order (Qwen3.5's out_proj)
     generated: np.ndarray | None = None  # a tensor llama.cpp needs that no checkpoint holds (rope_freqs)
     # a merged expert tensor: each expert's canonical tensor in expert order (`hf` is expert 0's); shape [E, ...]
@@ -1087,7 +1145,7 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                 elif module in quantized:
                     mine = plan_of(module)
                     qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
-                elif kind in KEPT_F32:
+                elif _kept_f32(name):
                     qtype = "F32"
                 elif name in ("token_embd.weight", "output.weight"):
                     qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
@@ -1111,8 +1169,15 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                     shape = ((len(parts) // 2, 2 * shape[0], *shape[1:]) if k in paired
                              else (len(parts), *shape))
                 if (split := _row_split(arch, k)) is not None:  # one Hugging Face tensor, several llama.cpp ones
-                    items += [_Item(k, _renamed(name, kind, part), (len(rows), *shape[1:]), qtype, None, offset,
-                                    transform=transform, rows=rows) for part, rows in split]
+                    for part, rows in split:
+                        part_shape, part_type = (len(rows), *shape[1:]), qtype
+                        transposed = PER_HEAD.get((arch.family.arch, part))
+                        if transposed is not None:  # 3-D, a slice per head
+                            per = len(rows) // arch.n_head
+                            part_shape = (arch.n_head, shape[1], per) if transposed else (arch.n_head, per, shape[1])
+                            part_type = "F16" if transposed and qtype != "F32" else qtype
+                        items.append(_Item(k, _renamed(name, kind, part), part_shape, part_type, None, offset,
+                                           transform=transform, rows=rows, head_transposed=bool(transposed)))
                     continue
                 if (order := _column_order(arch, k)) is not None:
                     items.append(_Item(k, name, shape, qtype, None, offset, cols=order))
@@ -1263,8 +1328,13 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
 
     if item.hf.endswith(".weight_global_scale"):  # NVFP4's `.scale`: the multiplier llama.cpp applies
         return modelopt_weight_scale_2(tensors[item.hf]).reshape(1).numpy()
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        """A PER_HEAD part transposed within each head: [heads x per, cols] -> [heads, cols, per]."""
+        return t.reshape(item.shape[0], -1, t.shape[-1]).transpose(1, 2).contiguous() if item.head_transposed else t
+
     if not is_quantized:
-        x = perm(tensors[item.hf].float())
+        x = per_head(perm(tensors[item.hf].float()))
         if item.transform is not None:
             x = item.transform.value(x)
         if item.norm_offset:
@@ -1275,7 +1345,7 @@ def _convert(qm: QuantizedModel, tensors: dict[str, torch.Tensor], item: _Item, 
             return x.numpy().astype(np.float16)
         return gguf.quants.quantize(x.numpy().astype(np.float32), gguf.GGMLQuantizationType[item.qtype])
 
-    canonical = cols(perm(qm.dequantized_weight(tensors, module).float())).numpy()
+    canonical = per_head(cols(perm(qm.dequantized_weight(tensors, module).float()))).numpy()
     group = spec.group_size if spec.strategy == "group" else 1
     if item.qtype == "F16":  # input dimension not a multiple of 32: no block type fits
         data = canonical.astype(np.float16)
@@ -1379,16 +1449,21 @@ def export_gguf(
     notes += vocab.notes
     per_file = _plan_tensors(qm, arch, plan, plan_of)
     items = [i for f in per_file for i in f]
-    n_f16_fallback = sum(1 for i in items if i.hf.rsplit(".", 1)[0] in qm.quantized_modules and i.qtype == "F16")
+    n_f16_fallback = sum(1 for i in items if i.hf.rsplit(".", 1)[0] in qm.quantized_modules and i.qtype == "F16"
+                         and not i.head_transposed)
     if n_f16_fallback:
         notes.append(f"{n_f16_fallback} quantized weights have an input dimension not divisible by "
                      f"{plan.row_multiple}: written as F16 from the dequantized canonical weights")
+    if n_transposed := sum(1 for i in items if i.head_transposed and i.hf.rsplit(".", 1)[0] in qm.quantized_modules):
+        notes.append(f"{n_transposed} per-head transposed parts of quantized weights (MLA's attn_k_b, split from "
+                     "kv_b_proj) written F16 from the dequantized canonical weights: their rows run across the "
+                     "canonical scales")
     if arch.tied and any(i.hf == "lm_head.weight" for i in items):
         raise InputError("tie_word_embeddings is set but lm_head.weight is present")
     notes.append("lm_head tied to token_embd (llama.cpp reuses it for the output)" if arch.tied
                  else f"output (lm_head) written as {next(i.qtype for i in items if i.name == 'output.weight')}")
 
-    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.gguf_arch])
+    writer = gguf.GGUFWriter(path=None, arch=arch.arch_name)
     model_name = name or qm.config.get("_name_or_path") or qm.config.get("_model_name_or_path") or \
         str(qm.meta.get("source", {}).get("origin", "model"))
     _write_metadata(writer, gguf, arch, vocab, plan, qm, model_name, notes)
@@ -1560,10 +1635,11 @@ def _sigmoid_gating(c: dict) -> object:
     return _gguf().ExpertGatingFuncType.SIGMOID
 
 
-_MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "MINIMAXM2", "GPT_OSS", "QWEN3NEXT",
-              "QWEN35MOE", "LLAMA4", "GEMMA4")
+_MOE_ARCHS = ("LLAMA", "QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "DEEPSEEK32", "GLM4_MOE", "MINIMAXM2", "GPT_OSS",
+              "QWEN3NEXT", "QWEN35MOE", "LLAMA4", "GEMMA4")
 _DELTANET = ("QWEN3NEXT", "QWEN35", "QWEN35MOE")  # gated-DeltaNet linear attention in the layers layer_types names
-_DEEPSEEK_ROUTER = ("DEEPSEEK2", "GLM4_MOE")  # shared experts, dense lead layers, grouped scaled sigmoid routing
+# shared experts, dense lead layers, grouped scaled sigmoid routing
+_DEEPSEEK_ROUTER = ("DEEPSEEK2", "DEEPSEEK32", "GLM4_MOE")
 
 # (GGUF architectures, GGUFWriter method or `.<key>` of an array under the architecture, its value from config.json;
 # None: not written): each key an architecture's
@@ -1580,7 +1656,7 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (("GRANITE",), "add_logit_scale", _key("logits_scaling", float)),
     (_MOE_ARCHS, "add_expert_count", _routed_experts),
     (_MOE_ARCHS, "add_expert_used_count", lambda c: experts_per_token(c) if _routed_experts(c) else None),
-    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE", "GEMMA4"),
+    (("QWEN2MOE", "QWEN3MOE", "DEEPSEEK2", "DEEPSEEK32", "GLM4_MOE", "QWEN3NEXT", "QWEN35MOE", "GEMMA4"),
      "add_expert_feed_forward_length",
      _key("moe_intermediate_size", int)),
     (("MINIMAXM2", "GPT_OSS", "LLAMA4"), "add_expert_feed_forward_length", _key("intermediate_size", int)),  # experts'
@@ -1622,8 +1698,15 @@ FAMILY_KEYS: tuple[tuple[tuple[str, ...], str, Callable[[dict], object]], ...] =
     (_DEEPSEEK_ROUTER, "add_expert_group_used_count", _key("topk_group", int)),
     # transformers' DeepSeek-V3, GLM-4.5 and MiniMax-M2 routers score experts with a sigmoid (+ e_score_correction_bias)
     (_DEEPSEEK_ROUTER + ("MINIMAXM2",), "add_expert_gating_func", _sigmoid_gating),
-    (("DEEPSEEK2",), "add_q_lora_rank", _key("q_lora_rank", int)),
-    (("DEEPSEEK2",), "add_kv_lora_rank", _key("kv_lora_rank", int)),
+    (("DEEPSEEK2", "DEEPSEEK32"), "add_q_lora_rank", _key("q_lora_rank", int)),
+    (("DEEPSEEK2", "DEEPSEEK32"), "add_kv_lora_rank", _key("kv_lora_rank", int)),
+    # the absorbed MLA form (HEADS _mla_absorbed): each head's own key and value widths
+    (("DEEPSEEK32",), "add_key_length_mla", lambda c: int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])),
+    (("DEEPSEEK32",), "add_value_length_mla", _key("v_head_dim", int)),
+    # DeepSeek-V3.2's lightning indexer (src/models/deepseek32.cpp; transformers' DeepseekV32Indexer)
+    (("DEEPSEEK32",), "add_indexer_head_count", _key("index_n_heads", int)),
+    (("DEEPSEEK32",), "add_indexer_key_length", _key("index_head_dim", int)),
+    (("DEEPSEEK32",), "add_indexer_top_k", _key("index_topk", int)),
 )
 
 # (GGUF architectures, a decoder layer's tensor, GGUFWriter method of the per-layer array llama.cpp reads instead of

@@ -49,6 +49,10 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3_moe": GgufFamily("QWEN3MOE", permute_qk=False),
     # DeepSeek-V3 / R1 / Kimi-K2 (MLA, written in its decompressed kv_b form: see llmc.formats.gguf HEADS)
     "deepseek_v3": GgufFamily("DEEPSEEK2", permute_qk=False),
+    # DeepSeek-V3.2 (src/models/deepseek32.cpp): DeepSeek-V3's layers with MLA in the absorbed form its loader requires
+    # (kv_b_proj split into attn_k_b / attn_v_b, a latent KV cache: llmc.formats.gguf HEADS, ROW_SPLITS, PER_HEAD)
+    # and the lightning indexer as blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}
+    "deepseek_v32": GgufFamily("DEEPSEEK32", permute_qk=False),
     "glm4_moe": GgufFamily("GLM4_MOE", permute_qk=False),
     "minimax_m2": GgufFamily("MINIMAXM2", permute_qk=False),
     # gpt-oss (conversion/gpt_oss.py): biased experts, attention sinks, sliding/full layers, YaRN; llama.cpp's
@@ -87,21 +91,20 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     # per-layer parameters are the checkpoint's tensors and llama.cpp's per-layer key arrays (TENSOR_KEYS)
     "apertus": GgufFamily("APERTUS", permute_qk=False),
 }
-MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss",
-                             "qwen3_next", "qwen3_5_moe_text", "llama4_text", "gemma4_text"})
+MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm4_moe",
+                             "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "llama4_text", "gemma4_text"})
+
+# Architectures llama.cpp 0.3.36 runs that the installed gguf package (gguf 0.19 on PyPI) does not name: GGUF
+# architecture -> (llama.cpp's name for it, src/llama-arch.cpp LLM_ARCH_NAMES; the gguf.MODEL_ARCH whose tensor-name
+# table holds every tensor that architecture loads). gguf 0.19 has no MODEL_ARCH.DEEPSEEK32; its GLM_DSA table (GLM-5's
+# DeepSeek sparse attention) lists DeepSeek-V3's MLA and MoE tensors, attn_k_b / attn_v_b and the four indexer tensors
+# under the names llama-arch.cpp gives LLM_ARCH_DEEPSEEK32's. Used only while the gguf package lacks the member.
+GGUF_PACKAGE_GAPS: dict[str, tuple[str, str]] = {"DEEPSEEK32": ("deepseek32", "GLM_DSA")}
 
 # model_type -> why llmc writes no GGUF for it (families llmc quantizes; each: whether llama.cpp has the architecture,
 # and what is missing). Refused at plan time (llmc.runtimes.llama_cpp) and by the exporter.
 GGUF_REFUSED: dict[str, str] = {
-    # llama.cpp 0.3.36 (llama-cpp-python's vendored build) has the DEEPSEEK32 architecture (src/models/deepseek32.cpp,
-    # the indexer as blk.N.indexer.{attn_q_b, attn_k, k_norm, proj}), but its loader aborts without the absorbed MLA
-    # form ("DEEPSEEK32 architecture requires MLA": attention.key_length_mla, attn_k_b / attn_v_b), and llmc writes
-    # DeepSeek's MLA in the decompressed kv_b form only (deepseek2 without key_length_mla, llmc.formats.gguf)
-    "deepseek_v32": "llama.cpp's deepseek32 architecture (src/models/deepseek32.cpp, llama.cpp 0.3.36) requires "
-                    "multi-head latent attention in its absorbed form (attention.key_length_mla, attn_k_b and attn_v_b "
-                    "split from kv_b_proj, k_b stored transposed: a quantized kv_b_proj would need requantizing), "
-                    "which llmc's GGUF exporter does not write (it writes DeepSeek's kv_b_proj whole, the deepseek2 "
-                    "form), nor the lightning indexer's tensors",
+    # none today: DeepSeek-V3.2 (deepseek32), the last one, is written in the absorbed MLA form with its indexer
 }
 
 # What llmc's GGUF exporter does not write yet for a family it writes: (model_type, config key, the value transformers

@@ -325,10 +325,11 @@ def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(
 
 
 @pytest.mark.heavy  # seven plans: ~12 s here
-def test_v32_targets_vllm_and_refuses_the_latent_kv_cache_gguf_and_unread_runtimes(v32: Path) -> None:
-    """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); llama.cpp's GGUF is refused at
-    plan time and by the exporter, naming the absorbed MLA form llama.cpp's deepseek32 requires; SGLang and TGI,
-    whose V3.2 indexers were not read, are refused naming that."""
+def test_v32_targets_vllm_and_llama_cpp_and_refuses_the_latent_kv_cache_and_unread_runtimes(v32: Path) -> None:
+    """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); llama.cpp plans its GGUF (the
+    absorbed MLA form deepseek32 requires: tests/unit/test_gguf_moe.py, scored in
+    tests/integration/test_gguf_moe_llamacpp.py); Ollama is refused as for every MoE family (not run in Ollama);
+    SGLang and TGI, whose V3.2 indexers were not read, are refused naming that."""
     from llmc.formats.gguf import _arch
     from llmc.planning.plan import make_plan
 
@@ -337,12 +338,13 @@ def test_v32_targets_vllm_and_refuses_the_latent_kv_cache_gguf_and_unread_runtim
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention caches the compressed latent") as no:
         make_plan(_recipe(v32, {**FP8_KV, "kv_cache": {"format": "fp8_e4m3"}}), v32)
     assert no.value.exit_code == 3
-    for runtime in ("llama.cpp", "ollama"):
-        with pytest.raises(IncompatibleTargetError, match="deepseek32.*absorbed form") as gguf:
-            make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": runtime}), v32)
-        assert gguf.value.exit_code == 3 and "vllm" in gguf.value.fix
-    with pytest.raises(IncompatibleTargetError, match="key_length_mla"):
-        _arch(json.loads((v32 / "config.json").read_text()))
+    llama = make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "llama.cpp"}), v32)
+    assert [(t["exporter"], t["status"]) for t in llama.targets] == [("gguf", "native")]
+    with pytest.raises(IncompatibleTargetError, match="proven in llama.cpp only") as ollama:
+        make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "ollama"}), v32)
+    assert ollama.value.exit_code == 3
+    arch = _arch(json.loads((v32 / "config.json").read_text()))
+    assert (arch.arch_name, arch.n_head_kv) == ("deepseek32", 1)  # the absorbed form: one latent KV head
     for runtime in ("sglang", "tgi"):
         with pytest.raises(IncompatibleTargetError, match="sparse-attention indexer was not checked"):
             make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": runtime}), v32)

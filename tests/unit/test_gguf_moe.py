@@ -28,18 +28,23 @@ pytestmark = pytest.mark.heavy
 
 SCHEMES = {"w8a16": Scheme(TensorSpec("int8", "channel")),
            "w4a16-g32": Scheme(TensorSpec("int4", "group", group_size=32))}
-WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss", "qwen3_next",
-           "qwen3_5_moe", "llama4_text")
+WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "minimax_m2", "gpt_oss",
+           "qwen3_next", "qwen3_5_moe", "llama4_text")
 # config overrides for the GGUF: Qwen2-MoE's published checkpoints keep the softmax weights unnormalised, as
 # llama.cpp's qwen2moe graph does (the tests' tiny model normalises: refused below)
 QWEN35_ROPE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default", "mrope_section": [1, 1, 0]}
 GGUF_OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
                   "deepseek_v3": {"first_k_dense_replace": 1},  # layer 0 a dense MLP, as DeepSeek-V3's first three
+                  "deepseek_v32": {"first_k_dense_replace": 1},
                   "gpt_oss": {"swiglu_limit": 7.0},  # the published clamp, which llama.cpp fixes
                   # rope sections that fit the tiny heads (transformers' default [11, 11, 10] needs 64 rotary dims)
                   "qwen3_5_moe": {"rope_parameters": QWEN35_ROPE},
                   # llama.cpp's fixed chunk; 4 layers, so that one is a no-rope layer (llama.cpp needs one)
                   "llama4_text": {"attention_chunk_size": 8192, "num_hidden_layers": 4}}
+
+
+# llama.cpp's names (src/llama-arch.cpp) of the architectures the gguf package (0.19) does not name
+LLAMA_ARCH_NAMES = {"DEEPSEEK32": "deepseek32"}
 
 
 def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]]:
@@ -100,13 +105,21 @@ def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]
     if arch == "GLM4_MOE":  # q/k/v biases; the pre-FFN norm is attn_post_norm ("post_attention_norm")
         return {**gqa, "attn_q.bias": (n_head * hd,), "attn_k.bias": (n_kv * hd,), "attn_v.bias": (n_kv * hd,),
                 "post_attention_norm.weight": (h,), **exps, **shared}
-    assert arch == "DEEPSEEK2"  # MLA without key_length_mla: llama.cpp's attn_kv_b (decompressed) branch
+    assert arch in ("DEEPSEEK2", "DEEPSEEK32")
     qr, kvr, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
-    return {"attn_norm.weight": (h,), "attn_q_a_norm.weight": (qr,), "attn_kv_a_norm.weight": (kvr,),
-            "attn_q_a.weight": (h, qr), "attn_q_b.weight": (qr, n_head * (nope + rope)),
-            "attn_kv_a_mqa.weight": (h, kvr + rope), "attn_kv_b.weight": (kvr, n_head * (nope + v)),
-            "attn_output.weight": (n_head * v, h), "ffn_norm.weight": (h,), **exps, **shared}
+    mla = {"attn_norm.weight": (h,), "attn_q_a_norm.weight": (qr,), "attn_kv_a_norm.weight": (kvr,),
+           "attn_q_a.weight": (h, qr), "attn_q_b.weight": (qr, n_head * (nope + rope)),
+           "attn_kv_a_mqa.weight": (h, kvr + rope), "attn_output.weight": (n_head * v, h), "ffn_norm.weight": (h,),
+           **exps, **shared}
+    if arch == "DEEPSEEK2":  # MLA without key_length_mla: llama.cpp's attn_kv_b (decompressed) branch
+        return {**mla, "attn_kv_b.weight": (kvr, n_head * (nope + v))}
+    # src/models/deepseek32.cpp: the absorbed form (wk_b {qk_nope, kv_lora_rank, n_head}, wv_b {kv_lora_rank,
+    # v_head_dim, n_head}, no attn_kv_b) and the lightning indexer
+    ih, ihd = c["index_n_heads"], c["index_head_dim"]
+    return {**mla, "attn_k_b.weight": (nope, kvr, n_head), "attn_v_b.weight": (kvr, v, n_head),
+            "indexer.attn_q_b.weight": (qr, ih * ihd), "indexer.attn_k.weight": (h, ihd),
+            "indexer.k_norm.weight": (ihd,), "indexer.k_norm.bias": (ihd,), "indexer.proj.weight": (h, ih)}
 
 
 def _expected_keys(arch: str, c: dict) -> dict[str, object]:
@@ -116,7 +129,7 @@ def _expected_keys(arch: str, c: dict) -> dict[str, object]:
         out["expert_feed_forward_length"] = c.get("moe_intermediate_size") or c["intermediate_size"]
     if arch == "QWEN2MOE":
         out["expert_shared_feed_forward_length"] = c["shared_expert_intermediate_size"]
-    if arch in ("DEEPSEEK2", "GLM4_MOE"):
+    if arch in ("DEEPSEEK2", "DEEPSEEK32", "GLM4_MOE"):
         out |= {"expert_shared_count": 1, "leading_dense_block_count": c["first_k_dense_replace"],
                 "expert_weights_norm": True,
                 "expert_weights_scale": c["routed_scaling_factor"], "expert_gating_func": 2}  # 2: sigmoid
@@ -148,6 +161,14 @@ def _expected_keys(arch: str, c: dict) -> dict[str, object]:
                 "attention.key_length": c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
                 "attention.value_length": c["v_head_dim"], "attention.head_count_kv": c["num_attention_heads"],
                 "rope.dimension_count": c["qk_rope_head_dim"]}
+    if arch == "DEEPSEEK32":  # the absorbed form: one KV head, the latent (+ the shared rope key) as key and value
+        out |= {"attention.q_lora_rank": c["q_lora_rank"], "attention.kv_lora_rank": c["kv_lora_rank"],
+                "attention.key_length": c["kv_lora_rank"] + c["qk_rope_head_dim"],
+                "attention.value_length": c["kv_lora_rank"], "attention.head_count_kv": 1,
+                "attention.key_length_mla": c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+                "attention.value_length_mla": c["v_head_dim"], "rope.dimension_count": c["qk_rope_head_dim"],
+                "attention.indexer.head_count": c["index_n_heads"], "attention.indexer.key_length": c["index_head_dim"],
+                "attention.indexer.top_k": c["index_topk"]}
     return out
 
 
@@ -179,7 +200,7 @@ def test_every_tensor_has_llama_cpps_name_and_shape_and_every_key_is_written(exp
     family, _, qm, res = exported
     c = qm.config
     arch = G.GGUF_FAMILIES[c["model_type"]].arch
-    prefix = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]]
+    prefix = LLAMA_ARCH_NAMES.get(arch) or gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch]]
     reader = GGUFReader(str(res.path))
     assert _field(reader, "general.architecture") == prefix
     got = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
@@ -206,7 +227,8 @@ def test_each_experts_slice_decodes_to_llmcs_canonical_weights(exported) -> None
     names = G._arch(qm.config).tensor_names()
     checked = 0
     for module in qm.quantized_modules:
-        if ".linear_attn." in module:  # split or reordered: test_qwen3_next_* and test_qwen3_5_* below
+        if ".linear_attn." in module or (qm.config["model_type"] == "deepseek_v32" and module.endswith("kv_b_proj")):
+            # split or reordered: test_qwen3_next_*, test_qwen3_5_*, test_deepseek_v32_* below
             checked += 1
             continue
         name = G.gguf_name(f"{module}.weight", names)
@@ -292,6 +314,41 @@ def test_qwen3_next_linear_attention_is_split_and_transformed_as_llama_cpp_reads
                                canonical["model.layers.0.input_layernorm.weight"].numpy() + 1, rtol=1e-6)
     np.testing.assert_allclose(tensors["blk.1.attn_q_norm.weight"].data,
                                canonical["model.layers.1.self_attn.q_norm.weight"].numpy() + 1, rtol=1e-6)
+
+
+def test_deepseek_v32_mla_is_absorbed_and_its_indexer_written_as_llama_cpps_deepseek32_reads_it(tmp_path: Path) -> None:
+    """kv_b_proj ([k rows, v rows] per head) becomes attn_v_b (each head's value rows, the canonical Q8_0 codes) and
+    attn_k_b (each head's key rows transposed, [heads, kv_lora_rank, qk_nope] in numpy order: F16 of the dequantized
+    weights); kv_b_proj itself is not written. The indexer: wq_b quantized as attention (Q8_0, canonical codes), wk and
+    weights_proj kept in the model's dtype (F16 / F32), k_norm a LayerNorm with its bias (F32, exact)."""
+    qm = _build("deepseek_v32", tmp_path, SCHEMES["w8a16"])
+    res = G.export_gguf(qm, tmp_path / "out")
+    tensors = {t.name: t for t in GGUFReader(str(res.path)).tensors}
+    canonical = {k: v for t in qm.iter_files() for k, v in t.items()}
+    c, at = qm.config, "model.layers.1.self_attn."
+    n_head, nope, v, kvr = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    kv_b = qm.dequantized_weight(canonical, at + "kv_b_proj").reshape(n_head, nope + v, kvr)
+    assert "blk.1.attn_kv_b.weight" not in tensors
+    v_b, k_b = tensors["blk.1.attn_v_b.weight"], tensors["blk.1.attn_k_b.weight"]
+    assert (v_b.tensor_type.name, k_b.tensor_type.name) == ("Q8_0", "F16")
+    want_v = kv_b[:, nope:, :]  # [heads, v_head_dim, kv_lora_rank]
+    np.testing.assert_allclose(_decoded(v_b), want_v.numpy(), rtol=0, atol=2.0**-10 * float(want_v.abs().max()))
+    want_k = kv_b[:, :nope, :].transpose(1, 2)  # [heads, kv_lora_rank, qk_nope]
+    np.testing.assert_allclose(_decoded(k_b), want_k.numpy(), rtol=2.0**-11, atol=0)
+    ix = at + "indexer."
+    wq_b = qm.dequantized_weight(canonical, ix + "wq_b")
+    assert tensors["blk.1.indexer.attn_q_b.weight"].tensor_type.name == "Q8_0"
+    np.testing.assert_allclose(_decoded(tensors["blk.1.indexer.attn_q_b.weight"]), wq_b.numpy(), rtol=0,
+                               atol=2.0**-10 * float(wq_b.abs().max()))
+    assert ix + "wk" not in qm.quantized_modules and ix + "weights_proj" not in qm.quantized_modules
+    assert tensors["blk.1.indexer.attn_k.weight"].tensor_type.name == "F16"
+    np.testing.assert_allclose(_decoded(tensors["blk.1.indexer.attn_k.weight"]), canonical[ix + "wk.weight"].numpy(),
+                               rtol=2.0**-11, atol=0)
+    for name, hf in (("indexer.proj.weight", "weights_proj.weight"), ("indexer.k_norm.weight", "k_norm.weight"),
+                     ("indexer.k_norm.bias", "k_norm.bias")):
+        assert tensors[f"blk.1.{name}"].tensor_type.name == "F32", name
+        np.testing.assert_array_equal(_decoded(tensors[f"blk.1.{name}"]), canonical[ix + hf].numpy(), err_msg=name)
+    assert any("attn_k_b" in n for n in res.notes)
 
 
 def test_gpt_oss_sinks_and_biases_are_written_in_f32_and_its_yarn_rounding_is_said(tmp_path: Path) -> None:
