@@ -20,6 +20,7 @@ from torch import nn
 
 from llmc.errors import RecipeError
 from llmc.model.skeleton import layer_output
+from llmc.planning.machine import forward_seconds
 
 DRAW_SEED = 0  # the drawn tokens' seed: the same calibration windows give the same gradients
 
@@ -53,6 +54,22 @@ def head_gradients(norm: nn.Module, head: nn.Module, hidden: Sequence[torch.Tens
             (g,) = torch.autograd.grad(picked.sum(), x)
         grads.append(g.detach().to(h.device))
     return grads
+
+
+# [batch tokens, vocab] float32 tensors `head_gradients` holds at once for one batch, counted from its code: the logits,
+# their log-softmax, the draw's probabilities and their cumulative sum, and in the backward the log-likelihood's
+# gradient and the log-softmax's (each gradient a tensor of the logits' size)
+HEAD_LOGIT_COPIES = 4
+
+
+def head_cost(hidden: int, vocab: int, *, tokens: int, batch_tokens: int, compute: str,
+              device: str = "cpu") -> tuple[float, float]:
+    """(seconds, peak bytes) of `head_gradients` over `tokens` calibration tokens: the output head's GEMM forward and
+    its backward to the input (the head's weight needs no gradient), at the compute dtype's probed matmul rate; the
+    peak is one batch's logits-sized float32 tensors (HEAD_LOGIT_COPIES)."""
+    seconds = forward_seconds(2 * 2 * tokens * hidden * vocab, 0, compute=compute, device=device, width=hidden,
+                              rows=batch_tokens)
+    return seconds, HEAD_LOGIT_COPIES * batch_tokens * vocab * 4
 
 
 def draw_tokens(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
