@@ -31,19 +31,27 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from llmc import __version__
-from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, read_json, target_key
+from llmc.formats.base import (REPACK_RATE, ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json,
+                               target_key)
 from llmc.formats.registry import register_format
 from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
 from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
 from llmc.formats.gptq_format import export_gptq
-from llmc.formats.onnx_qdq import float_model
+from llmc.formats.onnx_qdq import float_model, graph_probe_config, weight_pass_seconds
+from llmc.planning import probes
+from llmc.planning.rows import CostRow
+from llmc.planning.target import per_layer_host_seconds
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
@@ -212,6 +220,87 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
     return summary
 
 
+# The model builder's run costs per traced op and per process, like torch.onnx's export (llmc.formats.onnx_qdq): a
+# Python process importing torch, transformers and onnxruntime-genai, then the graph made layer by layer. The plan
+# times the builder itself on tiny models of the model's own family (a float checkpoint and a tokenizer, as
+# `export_onnx` gives it) at 1 and BUILDER_PROBE_LAYERS layers, and costs the model's depth from the two.
+BUILDER_PROBE_LAYERS = 3
+BUILDER_PROBE_REPEATS = 2  # timed runs per size: one run starts a Python process (seconds; a minute under load)
+
+
+def builder_rate(config: dict, layers: int) -> float:
+    """Builder runs/s on a tiny model of `config`'s family with `layers` decoder layers (llmc.planning.probes: timed,
+    cached per machine)."""
+    key = (f"onnxruntime-genai builder {config.get('model_type')} tied={bool(config.get('tie_word_embeddings'))} "
+           f"layers={layers}")
+    return probes.rate(key, _builder_timer(graph_probe_config(config, layers)), repeats=BUILDER_PROBE_REPEATS)
+
+
+def builder_seconds(config: dict) -> float:
+    """Seconds onnxruntime-genai's model builder takes on the model of `config` (its num_hidden_layers): the probed
+    run at 1 layer, plus each further layer at the probed difference (BUILDER_PROBE_LAYERS against 1)."""
+    return per_layer_host_seconds(builder_rate, config, BUILDER_PROBE_LAYERS)
+
+
+def _probe_tokenizer():
+    """A word-level tokenizer of the tiny model's vocabulary, with BOS/EOS: what the builder copies beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # lazy: a plan with cached rates skips it
+    from transformers import PreTrainedTokenizerFast  # lazy: as above
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _builder_timer(tiny: dict):
+    """A function timing one run of the builder (as `export_onnx` runs it on a float model) on the tiny model
+    `tiny` and returning runs/s (the model and its tokenizer written on first call: a cached rate writes none)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        from transformers import AutoConfig, AutoModelForCausalLM  # lazy: a plan with cached rates skips it
+
+        if not state:
+            state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-builder-probe-")
+            source = Path(state["dir"].name) / "float"
+            config = AutoConfig.for_model(**tiny, bos_token_id=1, eos_token_id=2)
+            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                torch.manual_seed(0)
+                AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(source)
+            _probe_tokenizer().save_pretrained(source)
+        root = Path(state["dir"].name)
+        out = root / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "float"), "-o", str(out),
+               "-e", "cpu", "-c", str(root / "cache"), "-p", "fp32"]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=builder_env())
+        elapsed = time.perf_counter() - start
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise EngineFailed(f"timing onnxruntime-genai's model builder on a tiny {tiny.get('model_type')} model "
+                               f"failed (exit {proc.returncode}):\n{tail}",
+                               fix="check the onnxruntime-genai install (`python -m onnxruntime_genai.models.builder "
+                                   "--help`)")
+        shutil.rmtree(out, ignore_errors=True)
+        return 1.0 / elapsed
+
+    return run_once
+
+
+def export_seconds(work: ExportWork) -> float:
+    """What `export_onnx` spends beside writing and hashing its files: the builder's run (`builder_seconds`); for an
+    int4 scheme the GPTQ-format intermediate it reads, repacked a block at a time (as the GPTQ export's repack is
+    costed, llmc.formats.base.REPACK_RATE); for an 8-bit scheme the float model it reads (the canonical weights
+    dequantized) and llmc's codes put back into its graph (`onnx_qdq.weight_pass_seconds`: the float copy and
+    `insert_qdq` at its probed rate)."""
+    seconds = builder_seconds(work.config) if work.config else 0.0
+    if work.bits == 4:
+        return seconds + work.packed_bytes * 8 / work.bits / REPACK_RATE
+    return seconds + weight_pass_seconds(work)
+
+
 @register_format
 class OnnxGenai(ArtifactFormat):
     name = "onnx"
@@ -232,6 +321,13 @@ class OnnxGenai(ArtifactFormat):
 
     def check_scheme(self, scheme) -> None:
         check_scheme(scheme)
+
+    def cost(self, label: str, work: ExportWork) -> CostRow:
+        """Its files written and hashed (`ArtifactFormat.cost`), and what making them adds (`export_seconds`: the
+        model builder's run, the int4 intermediate's repack or the 8-bit codes put back into the graph)."""
+        row = super().cost(label, work)
+        row.seconds += export_seconds(work)
+        return row
 
     def stage_config(self, request: ExportRequest) -> dict:
         return {"target": target_key(request.target), "options": ONNX_OPTIONS}

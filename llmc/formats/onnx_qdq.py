@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import logging
 import re
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -41,10 +42,10 @@ from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
-from llmc.planning.target import per_layer_host_seconds
+from llmc.planning.target import host_work_seconds, per_layer_host_seconds
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.numerics import quantize_rate
+from llmc.quant.numerics import quantize_rate, quantize_weight
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import atomic_write_json
@@ -424,22 +425,107 @@ def graph_export_seconds(config: dict) -> float:
     return per_layer_host_seconds(graph_export_rate, config, GRAPH_PROBE_LAYERS)
 
 
-# The exporter's passes over each quantized weight, in units of one `quantize_weight` of it (the quantizer's probed
-# elementwise rate, llmc.quant.numerics.quantize_rate), counted from the code above, not measured: the float model's
-# dequantized copy (`float_model`), the dequantization again and its comparison with the graph's initializer, and the
-# codes' transposed copy into the graph (`insert_qdq`).
-WEIGHT_PASSES = 3
+# The float model's dequantized copy of each quantized weight (`float_model`), in units of one `quantize_weight` of it
+# (the quantizer's probed elementwise rate, llmc.quant.numerics.quantize_rate), counted from the code above.
+FLOAT_MODEL_PASSES = 1
 
 
 def weight_pass_seconds(work: ExportWork) -> float:
-    """Seconds of the exporter's passes over the quantized weights (WEIGHT_PASSES), at the probed quantizer's rate."""
+    """Seconds of the exporter's passes over the quantized weights: the float model's dequantized copy
+    (FLOAT_MODEL_PASSES at the probed quantizer's rate) and `insert_qdq` putting the codes into the graph
+    (`insert_qdq_seconds`)."""
     seconds = 0.0
     for w in work.written:
         elements = sum(o * i for o, i in w.linears)
         if elements:
-            seconds += WEIGHT_PASSES * elements / quantize_rate(w.weights, work.compute,
-                                                                elements=work.shape.largest_linear)
-    return seconds
+            seconds += FLOAT_MODEL_PASSES * elements / quantize_rate(w.weights, work.compute,
+                                                                     elements=work.shape.largest_linear)
+    return seconds + insert_qdq_seconds(work)
+
+
+# The insert_qdq probe's one Linear (out, in): large enough that its per-element work (the dequantization, the float
+# comparison with the graph's initializer, the codes' transposed copy into protobuf, the initializers rebuilt) is what
+# is timed, small enough to take well under a second.
+INSERT_PROBE_SHAPE = (1024, 1024)
+
+
+def insert_qdq_seconds(work: ExportWork) -> float:
+    """Seconds `insert_qdq` takes over every quantized weight the export writes, at its probed rate
+    (`insert_qdq_rate`: the function itself run on a graph of one Linear of the scheme); 0 for a named profile."""
+    def seconds() -> float:
+        total = 0.0
+        for w in work.written:
+            elements = sum(o * i for o, i in w.linears)
+            if elements:
+                total += elements / insert_qdq_rate(w.weights, w.static_input_scales)
+        return total
+
+    return host_work_seconds(seconds)
+
+
+def insert_qdq_rate(weights: TensorSpec, static_inputs: bool) -> float:
+    """Quantized weight elements/s `insert_qdq` puts into a float graph as codes -> DequantizeLinear (with Q/DQ on
+    the input where the activations are static), timed on a graph of one INSERT_PROBE_SHAPE MatMul and cached per
+    machine (llmc.planning.probes)."""
+    out, inp = INSERT_PROBE_SHAPE
+    return probes.rate(f"insert_qdq {weights!r} static_inputs={static_inputs} elements={out * inp}",
+                       _insert_timer(weights, static_inputs))
+
+
+class _OneFile(QuantizedModel):
+    """A canonical form held in memory (one file of tensors), for the insert_qdq probe."""
+
+    def __init__(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(Path("."), meta)
+        self.tensors = tensors
+
+    def iter_files(self, progress: str = "") -> Iterator[dict[str, torch.Tensor]]:
+        yield self.tensors
+
+
+def _insert_timer(weights: TensorSpec, static_inputs: bool):
+    """A function timing `insert_qdq` on a fresh copy of a one-MatMul float graph, repeated for at least
+    `probes.MIN_SAMPLE_S` of its own time, and returning quantized weight elements/s (the graph and the codes made on
+    first call)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        # lazy: onnx is the exporter's optional dependency (ArtifactFormat.libraries)
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+
+        if not state:
+            out, inp = INSERT_PROBE_SHAPE
+            activations = TensorSpec(weights.format, "tensor") if static_inputs else None
+            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                torch.manual_seed(0)
+                w = torch.randn(out, inp)
+            q = quantize_weight(w, weights)
+            tensors = {"l.weight": q.codes, "l.weight_scale": q.scale}
+            if q.zero_point is not None:
+                tensors["l.weight_zero_point"] = q.zero_point
+            if activations is not None:
+                tensors["l.input_scale"] = torch.tensor([0.01])
+            qm = _OneFile({"scheme": Scheme(weights, activations).to_dict(), "modules": {"l": {}}, "config": {}},
+                          tensors)
+            dequantized = qm.dequantized_weight(tensors, "l").float().t().contiguous().numpy()
+            graph = helper.make_graph(
+                [helper.make_node("MatMul", ["x", "l.weight"], ["y"], name="l/MatMul")], "probe",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, inp])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, out])],
+                [numpy_helper.from_array(dequantized, "l.weight")])
+            state.update(model=helper.make_model(graph), qm=qm)
+        elapsed, n = 0.0, 0
+        while elapsed < probes.MIN_SAMPLE_S:
+            model = onnx.ModelProto()
+            model.CopyFrom(state["model"])
+            start = time.perf_counter()
+            insert_qdq(model, state["qm"], {"l.weight": ["l"]})
+            elapsed += time.perf_counter() - start
+            n += 1
+        return n * INSERT_PROBE_SHAPE[0] * INSERT_PROBE_SHAPE[1] / elapsed
+
+    return run_once
 
 
 def _graph_timer(tiny: dict):
@@ -485,8 +571,8 @@ class OnnxQdq(ArtifactFormat):
     def cost(self, label: str, work: ExportWork) -> CostRow:
         """Its files written and hashed (`ArtifactFormat.cost`), and what the graph's making adds: torch.onnx's
         export of the float graph (probed on tiny models of the family: `graph_export_seconds`) and the passes over
-        every weight (the float model's dequantized copy, each replaced initializer checked against the canonical
-        weight, the codes' transposed copy: `weight_pass_seconds`)."""
+        every weight (the float model's dequantized copy; `insert_qdq` checking each replaced initializer against the
+        canonical weight and putting the codes in, at its probed rate: `weight_pass_seconds`)."""
         row = super().cost(label, work)
         row.seconds += graph_export_seconds(work.config) + weight_pass_seconds(work)
         return row

@@ -50,7 +50,8 @@ from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.canonical import META_FILE
 from llmc.quant.mxfp4_source import kept_codes_seconds
 from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, experts_streamable
-from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, quantize_model, StreamOptions
+from llmc.quant.search import BF16, MeasurementCost, SearchSpace, measurement_cost
+from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, measurement_facts, quantize_model, StreamOptions
 from llmc.storage.store import stage_key
 
 # float64 bytes of a decoder layer per second smoothing-pair discovery gets through (llmc.quant.stream.LayerStructure:
@@ -66,8 +67,11 @@ class Quantize(Stage):
     share = ranks.Share.ALL
 
     def __init__(self, variant: str, scheme: Scheme, earlier: tuple[Quantize, ...] = (),
-                 searched: dict | None = None) -> None:
+                 searched: dict | None = None, space: SearchSpace | None = None) -> None:
         self.variant, self.scheme = variant, scheme
+        # quantization.search on this model, its mix not chosen yet: the measuring pass runs before this stage
+        # (llmc.pipeline.search), and the plan costs it in this stage's row (`measurement`)
+        self.space = space if searched is None else None
         # quantization.search's record of the chosen mix (llmc.quant.search.summary), less what only the budget fixes:
         # the same mix from another budget is the same output
         self.searched = ({k: v for k, v in searched.items() if not k.startswith("budget")} if searched else None)
@@ -98,6 +102,19 @@ class Quantize(Stage):
     def decide(self, c: Costing) -> LayerLoopPlan:
         """The layer loop's decision on the machine `c` plans for (llmc.quant.loop_plan.decide_layer_loop): the same
         function the stream would call, given what the plan reads from config.json, the recipe and the machine."""
+        return decide_layer_loop(AlgorithmSteps.of(self.scheme), self._facts(c))
+
+    def decide_measurement(self, c: Costing) -> LayerLoopPlan | None:
+        """The search's measuring pass's layer loop (llmc.quant.stream.measure_model: its ranges observed as RTN's,
+        every layer's inputs kept for the fisher proxy), where a search is still to measure; else None."""
+        if self.space is None:
+            return None
+        observing = replace(self.scheme, algorithm="rtn", algorithm_options=(), groups=())
+        facts = replace(self._facts(c), shared_stats=True, shared_covered=False)
+        return decide_layer_loop(AlgorithmSteps.of(observing),
+                                 measurement_facts(facts, c.shape.layers, self.space.proxy == "fisher"))
+
+    def _facts(self, c: Costing) -> LoopFacts:
         cal, shape = c.recipe.calibration, c.shape
         windows = cal.samples
         if distributed.active():  # this rank's block of windows (llmc.quant.stream._my_windows)
@@ -113,7 +130,7 @@ class Quantize(Stage):
                           layer_bytes=shape.layer_params * c.elem,
                           experts_streamable=shape.active < 1 and experts_streamable(c.config),
                           stream_experts=cal.stream_experts)
-        return decide_layer_loop(AlgorithmSteps.of(self.scheme), facts)
+        return facts
 
     def _statistics_recorded(self, c: Costing) -> bool:
         """Whether an earlier quantize stage of this build records the statistics this scheme needs (its Linears and
@@ -121,8 +138,8 @@ class Quantize(Stage):
         # an earlier scheme that shares statistics has them recorded, by itself or (where it reused them) by one
         # before it that covers it: no need to decide the earlier stages again (that recursion doubles per variant)
         needed = _targets(self.scheme, c.linears)
-        if self.searched is not None and AlgorithmSteps.of(self.scheme).shares_statistics:
-            return True  # the search's measurement pass recorded them (llmc.pipeline.search)
+        if (self.searched is not None or self.space is not None) and AlgorithmSteps.of(self.scheme).shares_statistics:
+            return True  # the search's measurement pass records them (llmc.pipeline.search)
         return any(
             q.scheme.needs_calibration and AlgorithmSteps.of(q.scheme).shares_statistics
             and needed <= _targets(q.scheme, c.linears)
@@ -196,6 +213,17 @@ class Quantize(Stage):
         row = quantize_cost(shape, loop, pipe, compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
         row.disk_bytes = sizes.canonical
         row.decision = loop
+        measuring = self.measurement(c)
+        if measuring is not None:  # the search measures first, in the same stage walk's time and memory
+            layers = shape.layers * shape.layer_share
+            row.seconds += measuring.seconds(layers)
+            row.layer_seconds += measuring.layer_seconds
+            row.fixed_seconds += measuring.fixed_seconds
+            row.host_bytes = max(row.host_bytes, measuring.host_bytes)
+            row.why += (f"; the search's measurement first: {measuring.forwards} forwards of each layer"
+                        + (", every layer's inputs kept for the fisher proxy's backward"
+                           if self.space.proxy == "fisher" else "")
+                        + f", ~{measuring.seconds(layers):.0f} s, {measuring.host_bytes / GB:.2f} GB")
         c.rows.append(row.named(self.id))
         if loop.activations in ("memory", "device"):
             spilled = quantize_cost(shape, decide_layer_loop(pipe, replace(loop.facts, spill_mode="always")), pipe,
@@ -203,6 +231,23 @@ class Quantize(Stage):
             if spilled.host_bytes < 0.95 * row.host_bytes:  # only a strategy that saves something is named
                 row.cheaper = ("set calibration.spill_activations: always (or auto) to keep one batch of "
                                "activations in memory", spilled.host_bytes / 1e9)
+
+    def measurement(self, c: Costing) -> MeasurementCost | None:
+        """The search's measuring pass (llmc.pipeline.search, llmc.quant.stream.measure_model) where it is still to
+        run, as its layer loop decides it (`decide_measurement`); else None."""
+        loop = self.decide_measurement(c)
+        if loop is None:
+            return None
+        section = dict(c.recipe.variant_sections())[self.variant]
+        members = section.search.members(section.algorithm)
+        candidates = {n: (self.scheme.member(members[n]) if n != BF16 else None) for n in self.space.candidates}
+        tokens = c.recipe.calibration.samples * c.recipe.calibration.seq_len
+        return measurement_cost(self.space, candidates, c.linears, c.shape, tokens=tokens,
+                                seq_len=c.recipe.calibration.seq_len,
+                                batch_tokens=min(loop.batch_size, c.recipe.calibration.samples)
+                                * c.recipe.calibration.seq_len,
+                                activations=loop.activations, compute=c.compute, stored_elem=c.stored_elem,
+                                device=c.machine.device)
 
 
 def _targets(scheme: Scheme, linears: dict[str, tuple[int, int]]) -> set[str]:

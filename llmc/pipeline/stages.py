@@ -17,17 +17,20 @@ from llmc.pipeline.publish import Publish
 from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.stage import Stage
 from llmc.pipeline.tasks import Tasks
+from llmc.quant.search import SearchSpace
 from llmc.quant.spec import Scheme
 from llmc.recipe.schema import Recipe
 
 
 def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH,
-           searched: dict[str, dict] | None = None) -> list[Stage]:
+           searched: dict[str, dict] | None = None, spaces: dict[str, SearchSpace] | None = None) -> list[Stage]:
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
-    evaluate, tasks, gate, publish. `searched`: the variants whose mix quantization.search chose, with its record."""
+    evaluate, tasks, gate, publish. `searched`: the variants whose mix quantization.search chose, with its record;
+    `spaces`: each searched variant's search on the model (the plan costs its measurement where none is chosen)."""
     quantizes: list[Quantize] = []
     for variant, scheme in schemes.items():  # each knows the ones before it (whose statistics it may reuse)
-        quantizes.append(Quantize(variant, scheme, tuple(quantizes), (searched or {}).get(variant)))
+        quantizes.append(Quantize(variant, scheme, tuple(quantizes), (searched or {}).get(variant),
+                                  (spaces or {}).get(variant)))
     exports: list[Export] = []
     for q in quantizes:  # each knows the ones before it (whose files, or verified inputs, it may share)
         for t in recipe.targets:

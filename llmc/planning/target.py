@@ -155,8 +155,10 @@ def rate_class(key: str) -> str:
     if words[:2] == ["source", "decode"]:  # a quantized original's decoder, whatever its format (host side)
         return "source decode"
     # an export's host work per layer count (llmc.formats: the config check's skeleton, torch.onnx's graph), any family
-    if words[:2] == ["meta", "skeleton"] or words[:2] == ["torch.onnx", "export"]:
+    if words[:2] in (["meta", "skeleton"], ["torch.onnx", "export"], ["onnxruntime-genai", "builder"]):
         return " ".join(words[:2] + [w for w in words if w.startswith("layers=")])
+    if words[0] == "insert_qdq":  # the ONNX exporters' codes put into a graph, per weight element, any scheme
+        return "insert_qdq"
     return key
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from llmc.errors import RecipeError
 from llmc.model.skeleton import layer_output
+from llmc.planning.machine import forward_seconds
 
 DRAW_SEED = 0  # the drawn tokens' seed: the same calibration windows give the same gradients
 # float32 [positions, vocab] tensors the head's backward holds at once (logits, log-probs, their CDF, gradients): the
@@ -45,7 +46,7 @@ def head_gradients(norm: nn.Module, head: nn.Module, hidden: Sequence[torch.Tens
     unpadded samples: every position counts). Each gradient is stored where its batch is (host or device)."""
     draws = torch.Generator().manual_seed(DRAW_SEED)  # on the host: the same draws on every device
     vocab = _out_features(head)
-    rows = max(1, HEAD_CHUNK_BYTES // (4 * 4 * vocab)) if vocab else None
+    rows = head_chunk_rows(vocab) if vocab else None
     grads = []
     for h in hidden:
         # each position's gradient depends on that position alone (norm and head act per token), so chunks of
@@ -72,6 +73,27 @@ def head_gradients(norm: nn.Module, head: nn.Module, hidden: Sequence[torch.Tens
 def _out_features(head: nn.Module) -> int | None:
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+# [positions, vocab] float32 tensors `head_gradients` holds at once for one chunk, counted from its code: the logits,
+# their log-softmax, the draw's probabilities and their cumulative sum, and in the backward the log-likelihood's
+# gradient and the log-softmax's (each gradient a tensor of the logits' size)
+HEAD_LOGIT_COPIES = 4
+
+
+def head_chunk_rows(vocab: int) -> int:
+    """Positions one chunk of `head_gradients` takes through the head (HEAD_CHUNK_BYTES)."""
+    return max(1, HEAD_CHUNK_BYTES // (HEAD_LOGIT_COPIES * 4 * vocab))
+
+
+def head_cost(hidden: int, vocab: int, *, tokens: int, batch_tokens: int, compute: str,
+              device: str = "cpu") -> tuple[float, float]:
+    """(seconds, peak bytes) of `head_gradients` over `tokens` calibration tokens: the output head's GEMM forward and
+    its backward to the input (the head's weight needs no gradient), at the compute dtype's probed matmul rate; the
+    peak is one chunk's logits-sized float32 tensors (HEAD_LOGIT_COPIES)."""
+    seconds = forward_seconds(2 * 2 * tokens * hidden * vocab, 0, compute=compute, device=device, width=hidden,
+                              rows=batch_tokens)
+    return seconds, HEAD_LOGIT_COPIES * min(batch_tokens, head_chunk_rows(vocab)) * vocab * 4
 
 
 def draw_tokens(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -24,17 +24,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import reduce
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
+from llmc.model.dtype import BYTES
 from llmc.model.families import linear_role
 from llmc.model.skeleton import layer_output
+from llmc.planning.machine import PROCESS_BYTES, forward_seconds, read_seconds, spill_seconds
 from llmc.quant.groups import is_layer_spec, layers_of, site_of
 from llmc.quant.microscaling import fused_groups
-from llmc.quant.numerics import dequantize_weight, fake_quantize, quantize_weights, static_scale
+from llmc.quant import fisher
+from llmc.quant.numerics import (dequantize_weight, fake_quantize, fake_quantize_rate, quantize_rate,
+                                 quantize_weights, static_scale)
 from llmc.quant.spec import ModuleGroup, ModuleTargets, Scheme, TensorSpec
+
+if TYPE_CHECKING:
+    from llmc.planning.shapes import Shape
 
 BF16 = "bf16"  # the candidate that leaves a unit unquantized (in the model's dtype)
 GRANULARITIES = ("layer", "role", "linear")
@@ -405,3 +413,80 @@ def summary(space: SearchSpace, solution: Solution, damage: Mapping[str, Sequenc
             "units": {u.name: space.candidates[c] for u, c in zip(space.units, solution.choice)},
             "front": [{"bytes": b, "damage": d} for b, d in front]}
 
+
+
+# --------------------------------------------------------------------------- what the measurement costs
+
+
+@dataclass(frozen=True)
+class MeasurementCost:
+    """The measuring pass's cost (`llmc.quant.stream.measure_model`), which the quantize stage of a searched variant
+    adds to its row until the measurement is cached (`llmc.pipeline.quantize.Quantize.cost`)."""
+
+    layer_seconds: float  # one (the largest) decoder layer: read, its forwards, the candidates' quantization
+    fixed_seconds: float  # once: the weights outside the layers read, the fisher proxy's output-head gradients
+    host_bytes: float  # the pass's peak
+    parts: dict[str, float]  # host_bytes term by term
+    seconds_parts: dict[str, float]  # layer_seconds term by term
+    forwards: int  # forwards of each layer over the calibration windows
+
+    def seconds(self, layers: float) -> float:
+        return self.layer_seconds * layers + self.fixed_seconds
+
+
+def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None],
+                     linears: Mapping[str, tuple[int, int]], shape: Shape, *, tokens: int, seq_len: int,
+                     batch_tokens: int, activations: str, compute: str, stored_elem: int,
+                     device: str = "cpu") -> MeasurementCost:
+    """What `measure_model` spends on a model of `shape`, term by term as it runs: each decoder layer read and run
+    over the calibration windows `space.forwards_per_layer()` times (the calibration pass, one forward per unit of
+    the layer and scheme candidate with that unit quantized, the fisher proxy's second forward and its backward),
+    each unit quantized and dequantized by each candidate at the quantizer's probed rate (its activations
+    fake-quantized at their probed rate in every forward of that unit), and with the fisher proxy each layer read
+    again and the output head's gradient (`llmc.quant.fisher.head_cost`). `activations`: where the pass keeps them
+    ("disk": spilled), as its layer loop decided (`llmc.quant.stream.measurement_facts`: every layer's inputs kept
+    for the fisher proxy's backward pass)."""
+    e = BYTES[compute]
+    h, layer, layers = shape.hidden, shape.layer_params, max(shape.layers, 1)
+    gradients = space.proxy == "fisher"
+    forward = forward_seconds(2 * tokens * layer * shape.active, 2 * tokens * seq_len * shape.attn_width,
+                              compute=compute, device=device, width=h, rows=batch_tokens)
+    candidates_s = 0.0
+    for unit in space.units:
+        for scheme in candidates.values():
+            if scheme is None:
+                continue
+            # quantize_weights, then dequantize_weight of its codes into the Linear: about one quantizer pass each
+            candidates_s += 2 * unit.params / quantize_rate(scheme.weights, compute, elements=shape.largest_linear,
+                                                            device=device)
+            if scheme.activations is not None:  # every forward of the unit fake-quantizes its Linears' inputs
+                for n in unit.linears:
+                    width = linears[n][1]
+                    candidates_s += tokens * width / fake_quantize_rate(scheme.activations, compute, width,
+                                                                        batch_tokens, device)
+    copy = tokens * h * e  # one copy of the activations passed between layers
+    stored = shape.layer_stored_bytes or layer * stored_elem  # a quantized original: its codes and scales
+    per_layer = {"read": read_seconds(stored) * (2 if gradients else 1),  # the fisher pass reads each layer again
+                 "forwards": space.forwards_per_layer() * forward,
+                 "candidates": candidates_s / layers}  # the units spread over the layers
+    if activations == "disk":  # written, fsynced and read back (with gradients: read again by the backward pass)
+        per_layer["spill"] = spill_seconds(copy) * (2 if gradients else 1)
+    skeleton = shape.outer_params - shape.head_params
+    fixed = read_seconds(skeleton * stored_elem)
+    head_bytes = 0.0
+    if gradients:
+        head_s, head_bytes = fisher.head_cost(h, shape.vocab, tokens=tokens, batch_tokens=batch_tokens,
+                                              compute=compute, device=device)
+        fixed += head_s + read_seconds(shape.head_params * stored_elem)
+    parts = {"process": PROCESS_BYTES, "outer weights": skeleton * e + (shape.head_params * e if gradients else 0),
+             "layer": layer * e + (layer * stored_elem if stored_elem != e else 0),
+             # with gradients every layer's inputs wait for the backward pass, with its gradients and outputs
+             "activations": ((layers + 3 if gradients else 2) * copy if activations != "disk"
+                             else 2 * batch_tokens * h * e),
+             "forward temporaries": batch_tokens * (4 * h + 3 * shape.intermediate) * e
+             + (batch_tokens * shape.heads * seq_len * e if device == "cpu" else 0),
+             # a unit's float weights kept while its quantized copy runs (float32 at most)
+             "candidate weights": 2 * 4 * max((u.params for u in space.units), default=0),
+             "head gradients": head_bytes}
+    return MeasurementCost(sum(per_layer.values()), fixed, sum(parts.values()), parts, per_layer,
+                           space.forwards_per_layer())

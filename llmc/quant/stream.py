@@ -236,10 +236,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     shared = SharedStats(calibration.shared_stats, m.n_layers) if calibration.shared_stats else None
     facts = loop_facts(observing, calibration, calibration.tokens, calibration.mask, m.config, dtype, device,
                        bool(m.moe_blocks), None, m.all_linears, m.all_kv, None)
-    # where the activations live, as any pass decides it; with gradients every layer's inputs wait for the second
-    # pass (and its gradients, outputs and the previous layer's gradients join them): decided on that many copies
-    copies = m.n_layers + 3 if gradients else 2
-    loop = decide_layer_loop(pipeline, replace(facts, calibrates=True, windows=-(-facts.windows * copies // 2)))
+    loop = decide_layer_loop(pipeline, measurement_facts(facts, m.n_layers, gradients))
     unread = output_head_names(m.model)
     materialize(m.model, m.reader.get_many([n for n in m.reader.names()
                                             if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
@@ -271,6 +268,14 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
         shared.finish(m.all_linears, m.all_kv)
     shutil.rmtree(work, ignore_errors=True)
     return m.n_layers
+
+
+def measurement_facts(facts: LoopFacts, layers: int, gradients: bool) -> LoopFacts:
+    """The facts `measure_model`'s layer loop is decided on (and the plan's cost of it, llmc.pipeline.quantize): where
+    the activations live, as any pass decides it; with gradients every layer's inputs wait for the second pass (and
+    its gradients, outputs and the previous layer's gradients join them): decided on that many copies."""
+    copies = layers + 3 if gradients else 2
+    return replace(facts, calibrates=True, windows=-(-facts.windows * copies // 2))
 
 
 def _measure_backward(m: _Model, observing: Scheme, last: Activations,

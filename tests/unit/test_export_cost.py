@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmc.formats import base, onnx_qdq
+from llmc.formats import base, onnx_genai, onnx_qdq
 from llmc.planning.machine import Machine
 from llmc.planning.shapes import Shape
 from llmc.quant.spec import TensorSpec
@@ -35,7 +35,7 @@ def _work(layers: int = 30, linears: tuple = ((1536, 576), (576, 1536)) * 30) ->
 @pytest.fixture
 def pinned(monkeypatch):
     """Rates that are functions of what the cost asks: a tiny export of n layers takes 2 + n s; the quantizer
-    runs 1e8 elements/s; writing and hashing 1 GB/s."""
+    runs 1e8 elements/s, insert_qdq 2e7; writing and hashing 1 GB/s."""
     asked: list[tuple[str, int]] = []
 
     def rate(config: dict, layers: int) -> float:
@@ -44,6 +44,7 @@ def pinned(monkeypatch):
 
     monkeypatch.setattr(onnx_qdq, "graph_export_rate", rate)
     monkeypatch.setattr(onnx_qdq, "quantize_rate", lambda spec, dtype, elements: 1e8)
+    monkeypatch.setattr(onnx_qdq, "insert_qdq_rate", lambda weights, static_inputs: 2e7)
     monkeypatch.setattr(base, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)
     return asked
 
@@ -57,13 +58,14 @@ def test_the_onnx_graph_export_is_costed_per_decoder_layer_from_two_probed_sizes
 
 
 def test_the_onnx_qdq_export_cost_counts_the_graph_and_the_weight_passes(pinned) -> None:
-    """`OnnxQdq.cost` adds the graph's export and the passes over the quantized weights to the files' write: drop
-    either term and the difference to the base cost no longer matches; both grow with the model."""
+    """`OnnxQdq.cost` adds the graph's export, the float model's pass over the quantized weights and `insert_qdq` at
+    its probed rate to the files' write: drop any term and the difference to the base cost no longer matches; all
+    grow with the model."""
     fmt = targets.artifact_format("onnx-qdq")
     work = _work()
     plain = base.ArtifactFormat.cost(fmt, "tensorrt", work).seconds
     elements = sum(o * i for o, i in work.written[0].linears)
-    graph, passes = 3.0 + 29 * 1.0, onnx_qdq.WEIGHT_PASSES * elements / 1e8
+    graph, passes = 3.0 + 29 * 1.0, onnx_qdq.FLOAT_MODEL_PASSES * elements / 1e8 + elements / 2e7
     assert fmt.cost("tensorrt", work).seconds - plain == pytest.approx(graph + passes)
     # twice the layers: the graph's part per layer and the weights' passes both grow
     deeper = _work(layers=60, linears=((1536, 576), (576, 1536)) * 60)
@@ -86,6 +88,64 @@ def test_the_graph_probe_exports_its_tiny_model() -> None:
     assert 0 < rate < 1e3
 
 
+def test_insert_qdq_is_costed_per_quantized_weight_at_its_probed_rate(pinned) -> None:
+    """`insert_qdq_seconds`: every quantized weight the export writes at the probed rate of the scheme's weights
+    (with or without static input scales); twice the weights, twice the time."""
+    work = _work()
+    elements = sum(o * i for o, i in work.written[0].linears)
+    assert onnx_qdq.insert_qdq_seconds(work) == pytest.approx(elements / 2e7)
+    doubled = replace(work, written=[work.written[0], work.written[0]])
+    assert onnx_qdq.insert_qdq_seconds(doubled) == pytest.approx(2 * elements / 2e7)
+
+
+def test_the_insert_qdq_probe_times_insert_qdq_itself(monkeypatch) -> None:
+    """The probe's timer runs the exporter's own `insert_qdq` on a one-MatMul float graph holding the dequantized
+    weight (its check passes: the codes go in), and returns weight elements/s."""
+    calls: list[dict] = []
+    real = onnx_qdq.insert_qdq
+
+    def counted(model, qm, weights):
+        calls.append(real(model, qm, weights))
+        return calls[-1]
+
+    monkeypatch.setattr(onnx_qdq, "insert_qdq", counted)
+    rate = onnx_qdq._insert_timer(TensorSpec("fp8_e4m3", "channel"), True)()
+    assert 0 < rate < 1e12 and calls and calls[0] == {"quantized_matmuls": 1, "activation_qdq": True}
+
+
+def test_the_onnx_genai_export_cost_counts_the_builder_and_what_feeds_it(monkeypatch, pinned) -> None:
+    """`OnnxGenai.cost` adds the builder's run (probed at 1 and BUILDER_PROBE_LAYERS layers of the family: here 6 s
+    + 1 s per further layer) and, for int4, the GPTQ intermediate's repack; for 8-bit, the float model's pass and
+    `insert_qdq`. Drop any term and the difference to the base cost no longer matches."""
+    asked: list[int] = []
+
+    def rate(config: dict, layers: int) -> float:
+        asked.append(layers)
+        return 1.0 / (5.0 + layers)
+
+    monkeypatch.setattr(onnx_genai, "builder_rate", rate)
+    fmt = targets.artifact_format("onnx")
+    builder = 6.0 + 29 * 1.0
+    assert onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(builder)
+    assert set(asked) == {1, onnx_genai.BUILDER_PROBE_LAYERS}
+    eight = _work()
+    elements = sum(o * i for o, i in eight.written[0].linears)
+    added = fmt.cost("onnxruntime", eight).seconds - base.ArtifactFormat.cost(fmt, "onnxruntime", eight).seconds
+    assert added == pytest.approx(builder + onnx_qdq.FLOAT_MODEL_PASSES * elements / 1e8 + elements / 2e7)
+    int4 = replace(eight, bits=4, packed_bytes=elements / 2)
+    added = fmt.cost("onnxruntime", int4).seconds - base.ArtifactFormat.cost(fmt, "onnxruntime", int4).seconds
+    assert added == pytest.approx(builder + elements / base.REPACK_RATE)
+
+
+@pytest.mark.heavy
+def test_the_builder_probe_runs_the_builder_on_its_tiny_model() -> None:
+    """The probe's timer runs onnxruntime-genai's builder (a process of its own) on a tiny float model of the family
+    with a tokenizer, as `export_onnx` runs it, and returns runs/s."""
+    pytest.importorskip("onnxruntime_genai")
+    rate = onnx_genai._builder_timer(onnx_qdq.graph_probe_config(LLAMA, 1))()
+    assert 0 < rate < 10
+
+
 def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeypatch, pinned) -> None:
     """`check_export` builds the model's meta skeleton: compressed-tensors, GPTQ, AWQ and ModelOpt pay it per
     decoder layer (probed at 1 and CHECK_PROBE_LAYERS layers of the model's own config); GGUF and ONNX do not."""
@@ -106,8 +166,10 @@ def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeyp
         added = fmt.cost("t", work).seconds - fmt.cost("t", replace(work, config={})).seconds
         assert added == pytest.approx(0.12 + 29 * 0.02), name
     assert not any(targets.artifact_format(n).describes_linears for n in ("gguf", "onnx", "trtllm-checkpoint"))
-    onnx = targets.artifact_format("onnx")
-    assert onnx.cost("t", _work()).seconds == pytest.approx(onnx.cost("t", replace(_work(), config={})).seconds)
+    onnx = targets.artifact_format("onnx")  # its config-dependent term is the builder's run, not a config check
+    monkeypatch.setattr(onnx_genai, "builder_rate", lambda config, layers: 1.0 / (5.0 + layers))
+    assert onnx.cost("t", _work()).seconds - onnx.cost("t", replace(_work(), config={})).seconds == pytest.approx(
+        onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": 30}))
 
 
 def test_the_check_probe_cuts_per_layer_lists_with_the_layers() -> None:
@@ -131,6 +193,7 @@ def test_a_profile_plans_no_host_python_work_and_a_machine_file_answers_it_by_cl
 
     with target.planning_for(target.load("h100-sxm")):
         assert described.check_seconds(LLAMA) == 0.0 and onnx_qdq.graph_export_seconds(LLAMA) == 0.0
+        assert onnx_genai.builder_seconds(LLAMA) == 0.0 and onnx_qdq.insert_qdq_seconds(_work()) == 0.0
     m = target.TargetMachine(name="m", estimate=False, cpu="", cpu_flags="", cpus=2, memory_bytes=10**10, gpu=None,
                              gpu_count=0, gpu_memory_bytes=0,
                              rates={"meta skeleton llama experts=0 layers=1": [10.0],

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from llmc.engines import agreement
-from llmc.formats import described, onnx_qdq
+from llmc.formats import described, onnx_genai, onnx_qdq
 from llmc.planning import disk, machine, probes
 from llmc.planning.plan import make_plan
 from llmc.planning.rows import CostRow
@@ -36,10 +36,11 @@ def own_rates(monkeypatch):
 
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
-               disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,)) -> dict:
+               disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,), insert=(3e7,),
+               builder=(0.1,)) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
-             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0}
+             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0, "insert": 0, "builder": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -60,6 +61,8 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     # an export's host work: the config check's meta skeleton, torch.onnx's graph (llmc.formats)
     monkeypatch.setattr(described, "_skeleton_timer", timer("skeleton", skeleton))
     monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
+    monkeypatch.setattr(onnx_qdq, "_insert_timer", timer("insert", insert))
+    monkeypatch.setattr(onnx_genai, "_builder_timer", timer("builder", builder))
     monkeypatch.setattr(agreement, "_scoring_timer", timer("scoring", scoring))
     return calls
 
