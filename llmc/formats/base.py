@@ -242,6 +242,10 @@ class ArtifactFormat:
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""
 
+    def check_config(self, config: dict) -> None:
+        """Raise IncompatibleTargetError when the format's exporter (or its runtime) cannot take this model's
+        config.json, a family it covers: `llmc plan` asks before any weight loads, the exporter asks again."""
+
     def check_mixed(self, scheme: Scheme) -> None:
         """IncompatibleTargetError for a mixed-precision scheme this format cannot express; else each group's scheme
         through `check_scheme`."""

@@ -603,6 +603,15 @@ def _exaone4_layers(c: dict, head_dim: int) -> str | None:
     return None
 
 
+def _indexer_rotation_fits(c: dict, head_dim: int) -> str | None:
+    """llama.cpp rotates DeepSeek-V3.2's indexer q/k by a Hadamard matrix at least 64 wide (src/llama-kv-cache.cpp,
+    build_input_k_rot): an index_head_dim that 64 does not divide aborts its first matmul (ggml_can_mul_mat)."""
+    del head_dim
+    width = int(c.get("index_head_dim") or 0)
+    return (f"index_head_dim {width} is not a multiple of 64, the width of the Hadamard rotation llama.cpp applies to "
+            "the indexer's queries and keys" if width % 64 else None)
+
+
 # (GGUF architectures, check of config.json and the key head width -> why llama.cpp cannot run it, or None)
 ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ...] = (
     (("QWEN35", "QWEN35MOE"), _mrope_sections_fit),
@@ -612,6 +621,7 @@ ARCH_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict, int], str | None]], ..
     (("SMOLLM3", "SEED_OSS", "OLMO2"), _no_rope_factors),
     (("OLMO2",), _olmo3_layers),
     (("EXAONE4",), _exaone4_layers),
+    (("DEEPSEEK32",), _indexer_rotation_fits),
 )
 # the dense MLP's width where config.json names it otherwise (Llama-4's intermediate_size is its experts')
 FFN_WIDTH_KEY = {"LLAMA4": "intermediate_size_mlp"}
@@ -1778,6 +1788,9 @@ class Gguf(ArtifactFormat):
     families_source = ("llmc.formats.gguf_arch: the families whose llama.cpp architecture (src/models/<arch>.cpp in "
                        "the llama.cpp llama-cpp-python 0.3.36 vendors) llmc's GGUF exporter writes")
     moe_families = MOE_MODEL_TYPES
+
+    def check_config(self, config: dict) -> None:
+        _arch(config)  # the family's llama.cpp facts (GGUF_FAMILIES, ARCH_CHECKS, rope): refused before weights load
 
     def check_scheme(self, scheme) -> None:
         type_plan(scheme.weights)  # raises for weights GGUF has no llama.cpp type for (fp8, mxfp8)

@@ -111,6 +111,10 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
             fix=f"drop this target for this model, or use a runtime that takes {family!r}: "
                 f"{', '.join(accepting) or 'none'}")
     if fmt.families is None or family in fmt.families:
+        try:
+            fmt.check_config(config)  # what the exporter would refuse of this family's config, before weights load
+        except IncompatibleTargetError as e:
+            raise IncompatibleTargetError(f"target {target.label}: {e.message}", fix=e.fix) from None
         return
     accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
                  and (FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]

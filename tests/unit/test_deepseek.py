@@ -325,7 +325,8 @@ def test_the_v32_layer_streams_calibration_forward_is_transformers_full_forward(
 
 
 @pytest.mark.heavy  # seven plans: ~12 s here
-def test_v32_targets_vllm_and_llama_cpp_and_refuses_the_latent_kv_cache_and_unread_runtimes(v32: Path) -> None:
+def test_v32_targets_vllm_and_llama_cpp_and_refuses_the_latent_kv_cache_and_unread_runtimes(v32: Path,
+                                                                                           tmp_path: Path) -> None:
     """vLLM plans (FP8 W8A8, W4A16); the KV cache is refused as DeepSeek-V3's (MLA); llama.cpp plans its GGUF (the
     absorbed MLA form deepseek32 requires: tests/unit/test_gguf_moe.py, scored in
     tests/integration/test_gguf_moe_llamacpp.py); Ollama is refused as for every MoE family (not run in Ollama);
@@ -338,12 +339,18 @@ def test_v32_targets_vllm_and_llama_cpp_and_refuses_the_latent_kv_cache_and_unre
     with pytest.raises(IncompatibleTargetError, match="multi-head latent attention caches the compressed latent") as no:
         make_plan(_recipe(v32, {**FP8_KV, "kv_cache": {"format": "fp8_e4m3"}}), v32)
     assert no.value.exit_code == 3
-    llama = make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "llama.cpp"}), v32)
+    # the tiny indexer (16 dims) is narrower than llama.cpp's 64-wide rotation of its q/k: refused; 64 plans
+    with pytest.raises(IncompatibleTargetError, match="index_head_dim 16 is not a multiple of 64") as narrow:
+        make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "llama.cpp"}), v32)
+    assert narrow.value.exit_code == 3
+    wide = make_tiny("deepseek_v32", tmp_path / "wide", num_hidden_layers=3, first_k_dense_replace=1,
+                     index_head_dim=64)
+    llama = make_plan(_recipe(wide, W4A16_GPTQ, {"runtime": "llama.cpp"}), wide)
     assert [(t["exporter"], t["status"]) for t in llama.targets] == [("gguf", "native")]
     with pytest.raises(IncompatibleTargetError, match="proven in llama.cpp only") as ollama:
-        make_plan(_recipe(v32, W4A16_GPTQ, {"runtime": "ollama"}), v32)
+        make_plan(_recipe(wide, W4A16_GPTQ, {"runtime": "ollama"}), wide)
     assert ollama.value.exit_code == 3
-    arch = _arch(json.loads((v32 / "config.json").read_text()))
+    arch = _arch(json.loads((wide / "config.json").read_text()))
     assert (arch.arch_name, arch.n_head_kv) == ("deepseek32", 1)  # the absorbed form: one latent KV head
     for runtime in ("sglang", "tgi"):
         with pytest.raises(IncompatibleTargetError, match="sparse-attention indexer was not checked"):

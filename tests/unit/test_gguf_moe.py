@@ -35,7 +35,8 @@ WRITTEN = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "
 QWEN35_ROPE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default", "mrope_section": [1, 1, 0]}
 GGUF_OVERRIDES = {"qwen2_moe": {"norm_topk_prob": False},
                   "deepseek_v3": {"first_k_dense_replace": 1},  # layer 0 a dense MLP, as DeepSeek-V3's first three
-                  "deepseek_v32": {"first_k_dense_replace": 1},
+                  # llama.cpp's indexer rotation is 64 wide (refused below otherwise)
+                  "deepseek_v32": {"first_k_dense_replace": 1, "index_head_dim": 64},
                   "gpt_oss": {"swiglu_limit": 7.0},  # the published clamp, which llama.cpp fixes
                   # rope sections that fit the tiny heads (transformers' default [11, 11, 10] needs 64 rotary dims)
                   "qwen3_5_moe": {"rope_parameters": QWEN35_ROPE},
@@ -321,7 +322,7 @@ def test_deepseek_v32_mla_is_absorbed_and_its_indexer_written_as_llama_cpps_deep
     attn_k_b (each head's key rows transposed, [heads, kv_lora_rank, qk_nope] in numpy order: F16 of the dequantized
     weights); kv_b_proj itself is not written. The indexer: wq_b quantized as attention (Q8_0, canonical codes), wk and
     weights_proj kept in the model's dtype (F16 / F32), k_norm a LayerNorm with its bias (F32, exact)."""
-    qm = _build("deepseek_v32", tmp_path, SCHEMES["w8a16"])
+    qm = _build("deepseek_v32", tmp_path, SCHEMES["w8a16"], **GGUF_OVERRIDES["deepseek_v32"])
     res = G.export_gguf(qm, tmp_path / "out")
     tensors = {t.name: t for t in GGUFReader(str(res.path)).tensors}
     canonical = {k: v for t in qm.iter_files() for k, v in t.items()}
@@ -430,3 +431,20 @@ def test_qwen3_5_value_heads_are_reordered_for_llama_cpps_broadcast(family: str,
     default = _build(family, tmp_path / "default", SCHEMES["w8a16"])
     with pytest.raises(IncompatibleTargetError, match=r"\[11, 11, 10, 0\].*sect_dims <= ne0"):
         G.export_gguf(default, tmp_path / "default" / "out")
+
+
+def test_a_v32_indexer_narrower_than_llama_cpps_rotation_is_refused() -> None:
+    """llama.cpp rotates the indexer's q/k by a Hadamard matrix at least 64 wide: the tests' tiny V3.2 (index_head_dim
+    16) aborted its first matmul (GGML_ASSERT ggml_can_mul_mat) before this check; 64 passes."""
+    from transformers import AutoConfig
+
+    from tests.unit.families import _COMMON, MOE_FAMILIES
+
+    model_type, base = MOE_FAMILIES["deepseek_v32"]
+
+    def config(**overrides) -> dict:
+        return AutoConfig.for_model(model_type, vocab_size=300, **{**_COMMON, **base, **overrides}).to_dict()
+
+    with pytest.raises(IncompatibleTargetError, match=r"index_head_dim 16 is not a multiple of 64.*Hadamard"):
+        G._arch(config())
+    G._arch(config(**GGUF_OVERRIDES["deepseek_v32"]))
