@@ -4,6 +4,8 @@
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --model demo:smollm2-135m \\
         --budgets 94887936 --variants hand searched uniform autoquant --out benchmarks/results/search_vs_autoquantize.jsonl
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --table benchmarks/results/search_vs_autoquantize.jsonl
+    # another model: --model demo:qwen2.5-coder-0.5b --budgets hand ...; smaller windows for every row (ModelOpt's
+    # too): --set calibration.samples=8 --set eval.seq_len=128 ...
 
 Every row is scored by llmc's torch reference engine against the unquantized model on the search recipe's eval
 windows (Brown, 16 x 512 by default): per-window NLL, exact KL and top-1 kept, so `--table` gives the paired 95%
@@ -62,10 +64,17 @@ def load(recipe: Path, model: str, overrides: list[str]):
     return load_recipe(recipe, [f"model.source={model}", *overrides])
 
 
-def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
+def stored_elem(recipe, folder: Path) -> int:
+    """Bytes an unquantized weight takes as llmc stores it: the recipe's model dtype (float32: 4, bf16: 2)."""
+    from llmc.model.dtype import BYTES, resolve_dtype
+
+    return BYTES[resolve_dtype(recipe.model.dtype, Path(folder))]
+
+
+def evaluated(recipe, store) -> tuple[dict, dict | None, dict, Path]:
     """`recipe` built through llmc's own stages up to its evaluation (each stage cached: a mix built before costs
     nothing): the torch engine's per-window scores of its artifact ({window_nll, window_kl, window_top1}), its
-    searched mix's summary (None for groups) and the stage timings."""
+    searched mix's summary (None for groups), the stage timings and the folder of the build's baseline scoring."""
     from safetensors.torch import load_file
 
     from llmc.build import build_until
@@ -74,7 +83,9 @@ def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
     (eid,) = [e for e in result.evals if not e.is_baseline and e.engine == "torch"]
     scores = load_file(str(store.stage_dir("eval", result.evals[eid].key) / "scores.safetensors"))
     times = {r.name: {"seconds": round(r.seconds, 1), "cached": r.cached} for r in result.stages}
-    return _windows(scores), next(iter(result.search.values()), None), times
+    (bid,) = [e for e in result.evals if e.is_baseline and e.engine == "torch"]
+    return (_windows(scores), next(iter(result.search.values()), None), times,
+            store.stage_dir("eval", result.evals[bid].key))
 
 
 def decoder_linears(folder: Path) -> dict[str, int]:
@@ -213,55 +224,70 @@ def measure(args) -> None:
 
     torch.set_num_threads(args.threads)
     store = Store.default()
-    base_recipe = load(args.search_recipe, args.model, [])
+    base_recipe = load(args.search_recipe, args.model, args.overrides)
     source = resolve_source(args.model, store)
     tok = AutoTokenizer.from_pretrained(source.folder)
     calib = data.calibration_tokens(base_recipe.calibration, tok).input_ids
     eval_ids = data.eval_tokens(base_recipe.eval, tok)[None].input_ids
     params = decoder_linears(Path(source.folder))
     specs = candidate_specs(base_recipe)
-    common = {"model": args.model, "calibration": f"{calib.shape[0]}x{calib.shape[1]}"}
+    elem = stored_elem(base_recipe, source.folder)
+    common = {"model": args.model, "calibration": f"{calib.shape[0]}x{calib.shape[1]}",
+              **({"overrides": args.overrides} if args.overrides else {})}
     t = time.monotonic()
     cached = None if args.work is None else args.work / f"reference-{_slug(args.model)}-{eval_ids.shape[0]}x{eval_ids.shape[1]}.safetensors"
-    reference = _reference(source.folder, eval_ids, cached)
-    _emit({"model": args.model, "variant": "baseline", "seq_len": eval_ids.shape[1], "eval_windows": eval_ids.shape[0],
-           "window_nll": _window_means(reference["nll"]), "eval_s": round(time.monotonic() - t, 1),
-           "load_avg": os.getloadavg()[0], **mix_costs({}, params, specs)}, args.out)
+
+    def baseline(reference: dict, how: str, seconds: float = 0.0) -> dict:
+        _emit({"model": args.model, "variant": "baseline", "seq_len": eval_ids.shape[1], "eval_windows": eval_ids.shape[0],
+               "window_nll": _window_means(reference["nll"]), "eval_s": round(seconds, 1), "reference": how,
+               "load_avg": os.getloadavg()[0], **mix_costs({}, params, specs, elem)}, args.out)
+        return reference
+
+    # the baseline's scores: kept from a run before, else the first llmc build's own baseline scoring (the same
+    # windows: not scored twice), else scored here
+    reference = _reference(source.folder, eval_ids, cached, score=False)
+    if reference is not None:
+        baseline(reference, "kept")
     anchors: dict[int, float] = {}  # budget -> ModelOpt bits of the mix that defines it
     with tempfile.TemporaryDirectory(prefix="llmc-search-vs-aq-") as tmp:
         work = Path(tmp)
         keep = args.work or work
         for variant in args.variants:
             if variant == "hand":
-                recipe = load(args.hand_recipe, args.model, [])
+                recipe = load(args.hand_recipe, args.model, args.overrides)
                 rows = [("hand", recipe, hand_assignment(params), None)]
             elif variant == "searched":
-                budgets = [int(mix_costs(hand_assignment(params), params, specs)["llmc_bytes"]) if b == "hand" else int(b)
+                budgets = [int(mix_costs(hand_assignment(params), params, specs, elem)["llmc_bytes"]) if b == "hand" else int(b)
                            for b in args.budgets]
                 rows = [(f"searched@{b}", load(args.search_recipe, args.model,
-                                               [f"quantization.search.budget.bytes={b}"]), None, b)
+                                               [*args.overrides, f"quantization.search.budget.bytes={b}"]), None, b)
                         for b in budgets]
             elif variant == "uniform":
-                rows = [(f"uniform-{s}", _uniform(args.hand_recipe, args.model, s), {n: s for n in params}, None)
+                rows = [(f"uniform-{s}", _uniform(args.hand_recipe, args.model, s, args.overrides), {n: s for n in params}, None)
                         for s in args.uniform]
             else:
                 continue
             for name, recipe, assignment, budget in rows:
                 t = time.monotonic()
-                windows, summary, times = evaluated(recipe, store)
+                windows, summary, times, baseline_dir = evaluated(recipe, store)
                 build_s = time.monotonic() - t
+                if reference is None and (built := _build_reference(baseline_dir, eval_ids, cached)) is not None:
+                    reference = baseline(built, "the build's baseline scoring")
                 if summary is not None:
                     assignment = searched_assignment(summary, params)
-                costs = mix_costs(assignment, params, specs)
+                costs = mix_costs(assignment, params, specs, elem)
                 if name == "hand":
                     anchors.setdefault(-1, costs["bits16"])
                 if budget is not None:
                     anchors[budget] = costs["bits16"]
                 row = {**common, "variant": name, "scheme": name, "quantize_s": round(build_s, 1), **costs,
                        "stages": times, **windows,
-                       **({"search": {k: summary[k] for k in ("bytes", "effective_bits", "predicted_damage", "groups")}}
+                       **({"search": {k: summary.get(k) for k in ("bytes", "effective_bits", "predicted_damage", "groups", "proxy")}}
                           if summary else {})}
                 _emit({**row, "load_avg": os.getloadavg()[0]}, args.out)
+        if reference is None:
+            t = time.monotonic()
+            reference = baseline(_reference(source.folder, eval_ids, cached), "scored here", time.monotonic() - t)
         if "autoquant" in args.variants:
             bits = args.autoquant_bits or list(dict.fromkeys(round(v, 4) for v in anchors.values()))  # hand's first
             # ModelOpt's effective bits count lm_head too, kept out of the search at 16 bits (disabled_layers keeps
@@ -281,7 +307,7 @@ def measure(args) -> None:
                        "variant": f"autoquant@{whole.get(r['bits'], r['bits']):g}", "scheme": "modelopt auto_quantize",
                        "modelopt_effective_bits": r["bits"],
                        "peer": {k: v for k, v in r.items() if k != "hidden"}, "quantize_s": r["search_s"],
-                       "linears_assigned": len(assignment), **mix_costs(assignment, params, specs),
+                       "linears_assigned": len(assignment), **mix_costs(assignment, params, specs, elem),
                        "score_steps": args.score_steps, **score_hidden(hidden, eval_ids, reference)}
                 _emit({**row, "wall_s": round(time.monotonic() - t, 1), "load_avg": os.getloadavg()[0]}, args.out)
 
@@ -290,10 +316,10 @@ def _slug(model: str) -> str:
     return model.replace(":", "-").replace("/", "-")
 
 
-def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dict:
+def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None, score: bool = True) -> dict | None:
     """The baseline's scores that serve as the reference (its top-k log-probs and output head), kept in `cached`
-    (the eval windows' token hash checked) so a second run scores no baseline."""
-    from safetensors.torch import load_file, save_file
+    (the eval windows' tokens checked) so a second run scores no baseline; None when none is kept and not `score`."""
+    from safetensors.torch import load_file
 
     from llmc.engines.torch_ref import TorchEngine
     from llmc.engines.torch_stream import decide_torch_loading_of
@@ -302,12 +328,36 @@ def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dic
         reference = load_file(str(cached))
         if torch.equal(reference.pop("eval_ids"), eval_ids):
             return reference
+    if not score:
+        return None
     reference = TorchEngine(folder, streamed=decide_torch_loading_of(folder, "float32").streamed).score(eval_ids)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        save_file({**{k: v.contiguous() for k, v in reference.items() if isinstance(v, torch.Tensor)},
-                   "eval_ids": eval_ids.contiguous()}, str(cached))
+    _keep(reference, eval_ids, cached)
     return reference
+
+
+def _build_reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dict | None:
+    """The reference from an llmc build's own baseline scoring (its eval stage's scores and head) of the same
+    windows, kept in `cached` as one scored here; None (said) when it holds no head or other windows."""
+    from llmc.engines.agreement import HEAD_INPUT, load_reference
+
+    reference = load_reference(folder)
+    if HEAD_INPUT not in reference or tuple(reference["nll"].shape) != (eval_ids.shape[0], eval_ids.shape[1] - 1):
+        print(f"the build's baseline scoring in {folder} holds no output head or other windows than "
+              f"{tuple(eval_ids.shape)}: the baseline is scored here", file=sys.stderr)
+        return None
+    _keep(reference, eval_ids, cached)
+    return reference
+
+
+def _keep(reference: dict, eval_ids: torch.Tensor, cached: Path | None) -> None:
+    from safetensors.torch import save_file
+
+    if cached is not None:  # written whole, then renamed: another run may be waiting for it
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        part = cached.with_name(cached.name + ".part")
+        save_file({**{k: v.contiguous() for k, v in reference.items() if isinstance(v, torch.Tensor)},
+                   "eval_ids": eval_ids.contiguous()}, str(part))
+        os.replace(part, cached)
 
 
 def _load_hidden(path: Path) -> torch.Tensor:
@@ -316,8 +366,9 @@ def _load_hidden(path: Path) -> torch.Tensor:
     return load_file(str(path))["hidden"]
 
 
-def _uniform(hand_recipe: Path, model: str, scheme: str):
-    """The hand recipe with one group: every decoder Linear (attention and MLP roles) in `scheme`."""
+def _uniform(hand_recipe: Path, model: str, scheme: str, overrides: list[str] = ()):
+    """The hand recipe with one group: every decoder Linear (attention and MLP roles) in `scheme` (`overrides`:
+    --set's, as on the other recipes)."""
     import yaml
 
     from llmc.recipe.load import parse_recipe
@@ -326,7 +377,7 @@ def _uniform(hand_recipe: Path, model: str, scheme: str):
     raw["name"] = f"uniform-{scheme.lower()}"
     raw["model"]["source"] = model
     raw["quantization"]["groups"] = [{"name": "all", "roles": ["attention", "mlp"], "scheme": scheme}]
-    return parse_recipe(yaml.safe_dump(raw), f"<uniform {scheme}>")
+    return parse_recipe(yaml.safe_dump(raw), f"<uniform {scheme}>", list(overrides))
 
 
 def labelled_table(paths: list[Path], pairs: list[str] | None) -> str:
@@ -361,6 +412,9 @@ def main() -> None:
     ap.add_argument("--score-steps", type=int, default=16, help="calibration windows AutoQuantize scores on")
     ap.add_argument("--autoquant-windows", type=int, help="AutoQuantize calibrates on only the first N of the "
                     "calibration windows (default: all; its CPU cost is ~2 forwards a window per candidate)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override applied to every llmc recipe here (search, hand, uniform), e.g. "
+                    "eval.seq_len=256: the calibration and eval windows of every row (ModelOpt's too) follow them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these results files and exit")
