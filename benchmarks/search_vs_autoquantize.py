@@ -7,6 +7,8 @@
     # another model: budgets named by mix, the same shorter windows on every recipe
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --model demo:gemma3-270m --set eval.seq_len=128 \
         --budgets hand uniform:W8A8-FP8 'hand*0.8' --autoquant-bits hand 8.0 --work /tmp/aq-gemma --out ...
+    # another model: --model demo:qwen2.5-coder-0.5b --budgets hand ...; smaller windows for every row (ModelOpt's
+    # too): --set calibration.samples=8 --set eval.seq_len=128 ...
 
 Every row is scored by llmc's torch reference engine against the unquantized model on the search recipe's eval
 windows (Brown, 16 x 512 by default): per-window NLL, exact KL and top-1 kept, so `--table` gives the paired 95%
@@ -76,20 +78,17 @@ def model_type(folder: Path) -> str | None:
     return config.get("text_config", config).get("model_type") or config.get("model_type")
 
 
-def weight_elem(recipe, folder: Path) -> int:
-    """Bytes a weight left unquantized takes as llmc stores it: the recipe's model.dtype (auto: the checkpoint's)."""
-    dtype = recipe.model.dtype
-    if dtype == "auto":
-        config = json.loads((Path(folder) / "config.json").read_text())
-        config = config.get("text_config", config)
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return 4 if dtype == "float32" else 2
+def stored_elem(recipe, folder: Path) -> int:
+    """Bytes an unquantized weight takes as llmc stores it: the recipe's model dtype (float32: 4, bf16: 2)."""
+    from llmc.model.dtype import BYTES, resolve_dtype
+
+    return BYTES[resolve_dtype(recipe.model.dtype, Path(folder))]
 
 
-def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
+def evaluated(recipe, store) -> tuple[dict, dict | None, dict, Path]:
     """`recipe` built through llmc's own stages up to its evaluation (each stage cached: a mix built before costs
     nothing): the torch engine's per-window scores of its artifact ({window_nll, window_kl, window_top1}), its
-    searched mix's summary (None for groups) and the stage timings."""
+    searched mix's summary (None for groups), the stage timings and the folder of the build's baseline scoring."""
     from safetensors.torch import load_file
 
     from llmc.build import build_until
@@ -98,7 +97,9 @@ def evaluated(recipe, store) -> tuple[dict, dict | None, dict]:
     (eid,) = [e for e in result.evals if not e.is_baseline and e.engine == "torch"]
     scores = load_file(str(store.stage_dir("eval", result.evals[eid].key) / "scores.safetensors"))
     times = {r.name: {"seconds": round(r.seconds, 1), "cached": r.cached} for r in result.stages}
-    return _windows(scores), next(iter(result.search.values()), None), times
+    (bid,) = [e for e in result.evals if e.is_baseline and e.engine == "torch"]
+    return (_windows(scores), next(iter(result.search.values()), None), times,
+            store.stage_dir("eval", result.evals[bid].key))
 
 
 def decoder_linears(folder: Path) -> dict[str, int]:
@@ -261,7 +262,7 @@ def measure(args) -> None:
     params = decoder_linears(Path(source.folder))
     family = model_type(Path(source.folder))
     specs = candidate_specs(base_recipe)
-    elem = weight_elem(base_recipe, Path(source.folder))
+    elem = stored_elem(base_recipe, source.folder)
     common = {"model": args.model, "calibration": f"{calib.shape[0]}x{calib.shape[1]}", **({"set": sets} if sets else {})}
 
     def costs_of(assignment: dict[str, str | None]) -> dict:
@@ -269,10 +270,18 @@ def measure(args) -> None:
 
     t = time.monotonic()
     cached = None if args.work is None else args.work / f"reference-{_slug(args.model)}-{eval_ids.shape[0]}x{eval_ids.shape[1]}.safetensors"
-    reference = _reference(source.folder, eval_ids, cached)
-    _emit({"model": args.model, "variant": "baseline", "seq_len": eval_ids.shape[1], "eval_windows": eval_ids.shape[0],
-           "window_nll": _window_means(reference["nll"]), "eval_s": round(time.monotonic() - t, 1),
-           "load_avg": os.getloadavg()[0], **costs_of({})}, args.out)
+
+    def baseline(reference: dict, how: str, seconds: float = 0.0) -> dict:
+        _emit({"model": args.model, "variant": "baseline", "seq_len": eval_ids.shape[1], "eval_windows": eval_ids.shape[0],
+               "window_nll": _window_means(reference["nll"]), "eval_s": round(seconds, 1), "reference": how,
+               "load_avg": os.getloadavg()[0], **costs_of({})}, args.out)
+        return reference
+
+    # the baseline's scores: kept from a run before, else the first llmc build's own baseline scoring (the same
+    # windows: not scored twice), else scored here
+    reference = _reference(source.folder, eval_ids, cached, score=False)
+    if reference is not None:
+        baseline(reference, "kept")
     anchors: dict[int, float] = {}  # budget -> ModelOpt bits of the mix that defines it
     with tempfile.TemporaryDirectory(prefix="llmc-search-vs-aq-") as tmp:
         work = Path(tmp)
@@ -293,8 +302,10 @@ def measure(args) -> None:
                 continue
             for name, recipe, assignment, budget in rows:
                 t = time.monotonic()
-                windows, summary, times = evaluated(recipe, store)
+                windows, summary, times, baseline_dir = evaluated(recipe, store)
                 build_s = time.monotonic() - t
+                if reference is None and (built := _build_reference(baseline_dir, eval_ids, cached)) is not None:
+                    reference = baseline(built, "the build's baseline scoring")
                 if summary is not None:
                     assignment = searched_assignment(summary, params, family)
                 costs = costs_of(assignment)
@@ -304,9 +315,12 @@ def measure(args) -> None:
                     anchors[budget] = costs["bits16"]
                 row = {**common, "variant": name, "scheme": name, "quantize_s": round(build_s, 1), **costs,
                        "stages": times, **windows,
-                       **({"search": {k: summary[k] for k in ("bytes", "effective_bits", "predicted_damage", "groups")}}
+                       **({"search": {k: summary.get(k) for k in ("bytes", "effective_bits", "predicted_damage", "groups", "proxy")}}
                           if summary else {})}
                 _emit({**row, "load_avg": os.getloadavg()[0]}, args.out)
+        if reference is None:
+            t = time.monotonic()
+            reference = baseline(_reference(source.folder, eval_ids, cached), "scored here", time.monotonic() - t)
         if "autoquant" in args.variants:
             given = [costs_of(hand_assignment(params, family))["bits16"] if b == "hand" else float(b)
                      for b in args.autoquant_bits or []]
@@ -350,10 +364,10 @@ def _slug(model: str) -> str:
     return model.replace(":", "-").replace("/", "-")
 
 
-def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dict:
+def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None, score: bool = True) -> dict | None:
     """The baseline's scores that serve as the reference (its top-k log-probs and output head), kept in `cached`
-    (the eval windows' token hash checked) so a second run scores no baseline."""
-    from safetensors.torch import load_file, save_file
+    (the eval windows' tokens checked) so a second run scores no baseline; None when none is kept and not `score`."""
+    from safetensors.torch import load_file
 
     from llmc.engines.torch_ref import TorchEngine
     from llmc.engines.torch_stream import decide_torch_loading_of
@@ -362,12 +376,36 @@ def _reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dic
         reference = load_file(str(cached))
         if torch.equal(reference.pop("eval_ids"), eval_ids):
             return reference
+    if not score:
+        return None
     reference = TorchEngine(folder, streamed=decide_torch_loading_of(folder, "float32").streamed).score(eval_ids)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        save_file({**{k: v.contiguous() for k, v in reference.items() if isinstance(v, torch.Tensor)},
-                   "eval_ids": eval_ids.contiguous()}, str(cached))
+    _keep(reference, eval_ids, cached)
     return reference
+
+
+def _build_reference(folder: Path, eval_ids: torch.Tensor, cached: Path | None) -> dict | None:
+    """The reference from an llmc build's own baseline scoring (its eval stage's scores and head) of the same
+    windows, kept in `cached` as one scored here; None (said) when it holds no head or other windows."""
+    from llmc.engines.agreement import HEAD_INPUT, load_reference
+
+    reference = load_reference(folder)
+    if HEAD_INPUT not in reference or tuple(reference["nll"].shape) != (eval_ids.shape[0], eval_ids.shape[1] - 1):
+        print(f"the build's baseline scoring in {folder} holds no output head or other windows than "
+              f"{tuple(eval_ids.shape)}: the baseline is scored here", file=sys.stderr)
+        return None
+    _keep(reference, eval_ids, cached)
+    return reference
+
+
+def _keep(reference: dict, eval_ids: torch.Tensor, cached: Path | None) -> None:
+    from safetensors.torch import save_file
+
+    if cached is not None:  # written whole, then renamed: another run may be waiting for it
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        part = cached.with_name(cached.name + ".part")
+        save_file({**{k: v.contiguous() for k, v in reference.items() if isinstance(v, torch.Tensor)},
+                   "eval_ids": eval_ids.contiguous()}, str(part))
+        os.replace(part, cached)
 
 
 def _load_hidden(path: Path) -> torch.Tensor:
@@ -424,7 +462,8 @@ def main() -> None:
                     "Linears as llmc stores them); 'hand': the hand mix's on --model, 'hand*0.8' 0.8 times them, "
                     "'uniform:W8A8-FP8' every decoder Linear in that candidate")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="a recipe override for every recipe (hand, "
-                    "searched, uniform) and the windows (e.g. eval.seq_len=256), repeatable")
+                    "searched, uniform) and the windows of every row, ModelOpt's too (e.g. eval.seq_len=256), "
+                    "repeatable")
     ap.add_argument("--variants", nargs="+", default=["hand", "searched", "uniform", "autoquant"],
                     choices=["hand", "searched", "uniform", "autoquant"], help="in this order (autoquant last)")
     ap.add_argument("--uniform", nargs="+", default=["W8A8-FP8"], help="uniform schemes (of the budget's size or "

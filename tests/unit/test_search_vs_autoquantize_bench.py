@@ -138,10 +138,43 @@ def test_searched_units_by_the_familys_roles_and_fused_linear_units() -> None:
     assert sorted(got) == sorted(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
 
 
-def test_weight_elem_follows_the_recipe_dtype(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "gemma3_text", "torch_dtype": "bfloat16"}')
+def qwen25_05b_linears(layers: int = 24) -> dict[str, int]:
+    """Qwen2.5-0.5B's decoder Linears (hidden 896, 2 KV heads of 64, MLP 4864): name -> params."""
+    shapes = {"self_attn.q_proj": (896, 896), "self_attn.k_proj": (128, 896), "self_attn.v_proj": (128, 896),
+              "self_attn.o_proj": (896, 896), "mlp.gate_proj": (4864, 896), "mlp.up_proj": (4864, 896),
+              "mlp.down_proj": (896, 4864)}
+    return {f"model.layers.{i}.{k}": a * b for i in range(layers) for k, (a, b) in shapes.items()}
+
+
+@pytest.mark.parametrize("elem", [4, 2])
+def test_hand_mix_bytes_on_another_shape_keep_the_edges_in_the_model_dtype(elem: int) -> None:
+    # the edges' bytes follow the dtype the recipe stores unquantized weights in (float32: 4, bfloat16: 2)
     recipe = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml")
-    assert bench.weight_elem(recipe, tmp_path) == 4  # the recipe says float32
+    params = qwen25_05b_linears()
+    costs = bench.mix_costs(bench.hand_assignment(params, "qwen2"), params, bench.candidate_specs(recipe), elem)
+    layer = sum(params[n] for n in params if ".layers.0." in n)
+    attn = sum(params[n] for n in params if ".layers.0.self_attn." in n)
+    assert costs["llmc_bytes"] == 2 * layer * elem + 22 * (attn * 8 + (layer - attn) * 4.5) / 8
+    assert costs["bits16"] == pytest.approx((2 * layer * 16 + 22 * (attn * 8 + (layer - attn) * 4.5)) / (24 * layer))
+
+
+def test_stored_elem_is_the_recipes_dtype_or_the_checkpoints(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    recipe = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml")  # model.dtype: float32
+    assert bench.stored_elem(recipe, tmp_path) == 4
     auto = load_recipe(REPO / "recipes" / "smollm2-search-nvfp4.yaml", ["model.dtype=auto"])
-    assert bench.weight_elem(auto, tmp_path) == 2
+    assert bench.stored_elem(auto, tmp_path) == 2
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3_text"}')
     assert bench.model_type(tmp_path) == "gemma3_text"
+
+
+def test_overrides_reach_the_uniform_recipe_as_the_others() -> None:
+    # --set shrinks every row's windows alike: the uniform rows are built from the hand recipe's text, not loaded
+    recipe = bench._uniform(REPO / "recipes" / "smollm2-mixed-nvfp4.yaml", "demo:qwen2.5-coder-0.5b", "W8A8-FP8",
+                            ["eval.seq_len=128", "calibration.samples=8"])
+    assert recipe.eval.seq_len == 128 and recipe.calibration.samples == 8
+    assert recipe.model.source == "demo:qwen2.5-coder-0.5b"
+    assert [g.scheme for g in recipe.quantization.groups] == ["W8A8-FP8"]
