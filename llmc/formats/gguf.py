@@ -1774,8 +1774,9 @@ class Gguf(ArtifactFormat):
     proof = ("loaded and scored in llama.cpp here (Q8_0, Q4_0; tests marked llama); read back with the gguf "
              "library and compared tensor by tensor in the default test run (MXFP4, NVFP4 too: decoded to llmc's "
              "values, and by ggml's own C dequantizers; not yet scored in llama.cpp); the MoE families (Mixtral, "
-             "Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3.5-MoE and Llama-4: "
-             "Q8_0) and Gemma-4 (per-layer embeddings, KV-shared layers, its MoE variant: Q8_0) loaded "
+             "Qwen2/3-MoE, DeepSeek-V3, DeepSeek-V3.2 (absorbed MLA, indexer), GLM-4.5, MiniMax-M2, gpt-oss, Qwen3-Next, "
+             "Qwen3.5, Qwen3.5-MoE and Llama-4: Q8_0), Gemma-4 (per-layer embeddings, KV-shared layers, its MoE "
+             "variant: Q8_0) and SmolLM3, OLMo 3, EXAONE 4, Seed-OSS and Apertus (Q8_0) loaded "
              "and scored in llama.cpp 0.3.36 against the torch reference (tests/integration/test_gguf_moe_llamacpp.py); "
              "Ollama itself (which embeds "
              "llama.cpp) is not run here")
