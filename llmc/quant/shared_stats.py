@@ -14,6 +14,12 @@ already-*quantized* layer i, so their statistics depend on the scheme from the s
 
     <folder>/layer-<i>.safetensors   channel_absmax.<linear>, key_absmax.<attn>, value_absmax.<attn>
     <folder>/complete.json           written last: layer count and the names covered
+
+Several builds may record into one folder at once (the same model and data: a search's measurement beside a
+hand-mixed build, the registry hook's queue): each layer file only grows (a scheme that observed fewer modules adds
+its statistics to what is there, never drops them), `complete.json` claims the union of what its writers covered,
+and both are read-modify-written under the folder's lock. A scheme that left layer 0 unquantized once rewrote that
+layer's file empty after another had recorded it, and the other then claimed it complete.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json
 
 KINDS = ("channel_absmax", "key_absmax", "value_absmax")
 COMPLETE = "complete.json"
+LOCK = ".lock"
 
 
 class SharedStats:
@@ -44,10 +52,18 @@ class SharedStats:
         return (done["layers"] == self.n_layers and linears <= set(done["linears"])
                 and kv_modules <= set(done["kv_modules"]))
 
-    def save(self, layer: int, stats: dict[str, dict[str, torch.Tensor]]) -> None:
-        tensors = {f"{kind}.{name}": t.contiguous() for kind in KINDS for name, t in stats[kind].items()}
+    def _locked(self) -> FileLock:
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_save_safetensors(self.folder / f"layer-{layer:05d}.safetensors", tensors)
+        return FileLock(str(self.folder / LOCK))
+
+    def save(self, layer: int, stats: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Add this layer's statistics to its file (what other schemes recorded there stays)."""
+        tensors = {f"{kind}.{name}": t.contiguous() for kind in KINDS for name, t in stats[kind].items()}
+        path = self.folder / f"layer-{layer:05d}.safetensors"
+        with self._locked():
+            if path.is_file():
+                tensors = {**load_file(str(path)), **tensors}
+            atomic_save_safetensors(path, tensors)
 
     def load(self, layer: int) -> dict[str, dict[str, torch.Tensor]]:
         tensors = load_file(str(self.folder / f"layer-{layer:05d}.safetensors"))
@@ -59,8 +75,17 @@ class SharedStats:
 
     def finish(self, linears: set[str], kv_modules: set[str]) -> None:
         """Mark the statistics complete (only when every layer's file is there: a run resumed from a
-        work folder that did not share statistics leaves them incomplete, and unused)."""
-        if not all((self.folder / f"layer-{i:05d}.safetensors").is_file() for i in range(self.n_layers)):
-            return
-        atomic_write_json(self.folder / COMPLETE, {"layers": self.n_layers, "linears": sorted(linears),
-                                                   "kv_modules": sorted(kv_modules)})
+        work folder that did not share statistics leaves them incomplete, and unused), for these modules and those
+        an earlier writer covered."""
+        import json
+
+        with self._locked():
+            if not all((self.folder / f"layer-{i:05d}.safetensors").is_file() for i in range(self.n_layers)):
+                return
+            marker = self.folder / COMPLETE
+            if marker.is_file():
+                done = json.loads(marker.read_text())
+                if done.get("layers") == self.n_layers:
+                    linears, kv_modules = linears | set(done["linears"]), kv_modules | set(done["kv_modules"])
+            atomic_write_json(marker, {"layers": self.n_layers, "linears": sorted(linears),
+                                       "kv_modules": sorted(kv_modules)})
