@@ -576,7 +576,7 @@ def decode_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 
 # the bit offset of output column c (within 8) in an AWQ word: nibble k holds column (0 2 4 6 1 3 5 7)[k]
-_AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
+AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 
 def decode_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -584,7 +584,7 @@ def decode_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """An AWQ GEMM Linear's weight [out, in]: qweight int32 [in, out / 8] and qzeros int32 [groups, out / 8], output
     columns interleaved 0 2 4 6 1 3 5 7 in each word's nibbles, scales [groups, out]. weight[o, i] = scales[g, o] *
     (q[i, o] - z[g, o]), g = i // group_size, in float32: AutoAWQ's dequantize_gemm formula."""
-    shifts = torch.tensor(_AWQ_SHIFTS, dtype=torch.int32)
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32)
     q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).reshape(qweight.shape[0], -1)  # [in, out]
     z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).reshape(qzeros.shape[0], -1)
     return _scaled_codes(q, z, scales, None, group_size, dtype)

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmc.model.source_formats import AWQ_SHIFTS
 from llmc.quant.numerics import QuantizedWeight, dequantize
 from llmc.quant.spec import Scheme, TensorSpec
 
 INT_FORMATS = ("int4", "int8")  # the target weight formats an integer source's codes carry over to
 _CT_INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-_AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # output column c (within 8) of an AWQ word: llmc.model.source_formats
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,8 @@ def _canonical(fmt, encoded, stored: dict[str, torch.Tensor], spec: TensorSpec
             return None, f"a v1 stored zero point of {(1 << bits) - 1}, read differently by GPTQ's readers"
         zeros = zeros + fmt.zero_offset
     else:  # AWQ GEMM: packed along the output, columns interleaved
-        q = _unpack(stored[encoded.codes], bits, _AWQ_SHIFTS)[:, :out_f]
-        zeros = _unpack(stored[encoded.extra[0]], bits, _AWQ_SHIFTS)[:, :out_f]
+        q = _unpack(stored[encoded.codes], bits, AWQ_SHIFTS)[:, :out_f]
+        zeros = _unpack(stored[encoded.extra[0]], bits, AWQ_SHIFTS)[:, :out_f]
     offset = 1 << (bits - 1)
     if spec.strategy == "group" and in_f % spec.group_size or scales.shape[0] != (
             in_f // spec.group_size if spec.strategy == "group" else 1):
