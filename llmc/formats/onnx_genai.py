@@ -260,14 +260,21 @@ def _builder_timer(tiny: dict):
 
     def run_once() -> float:
         from transformers import AutoConfig, AutoModelForCausalLM  # lazy: a plan with cached rates skips it
+        from transformers.utils import logging as hf_logging
 
         if not state:
             state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-builder-probe-")
             source = Path(state["dir"].name) / "float"
             config = AutoConfig.for_model(**tiny, bos_token_id=1, eos_token_id=2)
-            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
-                torch.manual_seed(0)
-                AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(source)
+            bars = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()  # `llmc plan` prints its plan, not the probe's "Writing model shards"
+            try:
+                with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                    torch.manual_seed(0)
+                    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(source)
+            finally:
+                if bars:
+                    hf_logging.enable_progress_bar()
             _probe_tokenizer().save_pretrained(source)
         root = Path(state["dir"].name)
         out = root / "out"
