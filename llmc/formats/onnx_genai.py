@@ -282,7 +282,9 @@ def _builder_timer(tiny: dict):
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "float"), "-o", str(out),
                "-e", "cpu", "-c", str(root / "cache"), "-p", "fp32"]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=builder_env())
+        # HOME: onnxruntime's device id (~/.cache/Microsoft/DeveloperTools) goes into the probe's folder: planning
+        # writes nothing of the user's
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**builder_env(), "HOME": str(root)})
         elapsed = time.perf_counter() - start
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])

@@ -356,6 +356,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     from llmc.formats.files import MAX_SHARD_BYTES
     from llmc.formats.base import REPACK_BLOCK_BYTES, REPACK_RATE
     from llmc.planning.machine import PROCESS_BYTES, verify_seconds, write_rate
+    from llmc.storage.direct_io import held_bytes
 
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
@@ -367,7 +368,8 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
                         if name.startswith("model.layers."))
     repacked = layer_linears * 4 / 8  # int4; lm_head is ignored by the recipe
     assert repacked > MAX_SHARD_BYTES  # so one shard of them is what is held
-    expected = PROCESS_BYTES + MAX_SHARD_BYTES + 2 * largest * 4 / 8 + REPACK_BLOCK_BYTES
+    # + the direct-I/O buffers of checking and writing GB files (llmc.storage.direct_io.held_bytes)
+    expected = PROCESS_BYTES + MAX_SHARD_BYTES + 2 * largest * 4 / 8 + REPACK_BLOCK_BYTES + held_bytes(MAX_SHARD_BYTES)
     assert awq.host_bytes == pytest.approx(expected, rel=1e-6)
     assert awq.host_bytes < vllm.host_bytes
     # each writes and hashes its own files (AWQ: float16 scales and packed zero points; compressed-tensors: float32

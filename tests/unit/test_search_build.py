@@ -120,6 +120,7 @@ def test_search_build_end_to_end(tiny: Path) -> None:
     assert "## Mixed precision search" in report and "Pareto front" in report
 
 
+@pytest.mark.slow  # ~100 s in the default run of 2026-12-02 (two searched builds); issue 47's budget-reuse proof
 def test_a_new_budget_resolves_from_the_cached_measurement(tiny: Path, monkeypatch) -> None:
     from llmc.build import build_until
     from llmc.storage.store import Store
