@@ -211,7 +211,8 @@ def main() -> None:
             subprocess.run([str(python), str(child), str(ggufs[weights]), str(base / "windows.npy"), cache, str(npz)],
                            check=True, env={**os.environ, "PYTHONPATH": ""})
             r = np.load(npz)
-            row = {"index_topk": k, "index_n_heads": args.index_heads, "gguf": weights, "k_cache": cache, "llama_cpp": str(r["version"]),
+            row = {"index_topk": k, "index_n_heads": args.index_heads, "gguf": weights, "k_cache": cache,
+                   "llama_cpp": str(r["version"]),
                    **_metrics(ref_logits, torch.from_numpy(r["logits"]), windows),
                    **compare(t_scores, t_sel, r["scores"], r["topk"], k), "seconds": round(time.time() - t0, 1),
                    "loadavg": open("/proc/loadavg").read().split()[:3],
