@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's lightning indexer in llama.cpp against llmc's torch engine: which keys each keeps, and why they differ.
+"""DeepSeek-V3.2's lightning indexer, llama.cpp against llmc's torch engine: which keys each keeps, and why they differ.
 
     bash scripts/setup-llama.sh
     PYTHONPATH=$PWD python benchmarks/v32_indexer_agreement.py /tmp/v32-agree --topk 8 16 32 64 \
