@@ -42,8 +42,10 @@ OVERRIDES["llama4_text"] = {"attention_chunk_size": 8192, "num_hidden_layers": 4
 # DeepSeek-V3.2: llama.cpp rotates the indexer's q/k by a Hadamard matrix of at least 64 (src/llama-kv-cache.cpp
 # build_input_k_rot: nrot starts at 64), so its index_head_dim must be a multiple of 64 (16 asserts in ggml_mul_mat).
 # index_topk = the window: every query keeps its whole causal window in both engines, so no near-tie in the indexer's
-# scores can pick different keys; with 8 of 64 kept (measured here) perplexity was -0.130% but top-1 0.937 and KLD
-# 5.2e-4, not yet attributed (selection flips on near-equal scores vs a wrong indexer fact): docs/models.md
+# scores can pick different keys; with 8 of 64 kept perplexity was -0.130% but top-1 0.937 and KLD 5.2e-4: keys
+# swapped on near-equal scores under llama.cpp's Q8_0 activations, and this 4-head indexer's exact ties at score 0
+# broken otherwise by ggml's top_k; an all-F32 GGUF with 64 indexer heads keeps every key transformers keeps (KLD
+# 2e-15): benchmarks/v32_indexer_agreement.py, docs/models.md
 OVERRIDES["deepseek_v32"] = {"index_head_dim": 64, "index_topk": SEQ_LEN}
 # Gemma-4's MoE variant (tests/unit/families.py GEMMA4_MOE): its own tiny model, 2 layers, MoE beside each dense MLP
 # Gemma-4: per-layer embeddings, full layers twice as wide per head as the sliding ones (proportional rope on a
