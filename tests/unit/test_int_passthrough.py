@@ -27,6 +27,7 @@ from llmc.quant import int_source
 from llmc.quant.spec import Scheme, TensorSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
+from build_helpers import stored as _stored  # noqa: E402
 from families import make_tiny  # noqa: E402
 from test_build import recipe_text  # noqa: E402
 
@@ -97,13 +98,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         if fmt == "ct":
             _bf16_scales(out[kind])
     return out
-
-
-def _stored(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def _quantize(source: Path, scheme: Scheme, out: Path) -> Path:
