@@ -722,10 +722,17 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
     schemes.update({name: scheme for name, (scheme, _) in resolved.items()})  # a build's searched mixes, solved
     # a target format's constraint on zero points (GPTQ v1) holds for the one canonical form every target exports
     grids = {g for g in (targets.format_for(t).zero_grid for t in recipe.targets) if g is not None}
+    gridded = dict(schemes)
     for grid in sorted(grids):
-        schemes = {name: with_zero_grid(scheme, grid) for name, scheme in schemes.items()}
+        gridded = {name: with_zero_grid(scheme, grid) for name, scheme in gridded.items()}
+    zero_note = [f"{name + ': ' if name else ''}asymmetric zero points are kept off 0 for the GPTQ-format target(s) "
+                 f"{', '.join(t.label for t in recipe.targets if targets.format_for(t).zero_grid)} (GPTQ v1 stores "
+                 "zero - 1, and its readers read a stored 2^b - 1 differently): a range whose zero point would be 0 "
+                 "takes a one-level narrower grid (docs/model-sources.md)"
+                 for name, scheme in gridded.items() if scheme != schemes[name]]
+    schemes = gridded
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes,
-                searched={name: chosen for name, (_, chosen) in resolved.items()})
+                searched={name: chosen for name, (_, chosen) in resolved.items()}, warnings=zero_note)
     for name, scheme in schemes.items():
         where = f"variants[{name}].quantization" if name else "quantization"
         for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message

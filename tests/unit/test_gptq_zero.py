@@ -138,12 +138,15 @@ def test_the_plan_sets_the_zero_grid_for_a_gptq_target_only(tiny: Path) -> None:
 
     exl = {"runtime": "exllamav2"}
     vllm = {"runtime": "vllm", "gpu_arch": "sm90"}
-    assert make_plan(_recipe(tiny, ASYM, exl), tiny).schemes[""].weights.zero_grid == "nonzero"
+    plan = make_plan(_recipe(tiny, ASYM, exl), tiny)
+    assert plan.schemes[""].weights.zero_grid == "nonzero"
+    assert [w for w in plan.warnings if "kept off 0 for the GPTQ-format target(s) exllamav2" in w]
     assert make_plan(_recipe(tiny, ASYM, vllm, exl), tiny).schemes[""].weights.zero_grid == "nonzero"  # one form
     plain = make_plan(_recipe(tiny, ASYM, vllm), tiny).schemes[""]
     assert plain.weights.zero_grid is None and "zero_grid" not in plain.to_dict()["weights"]  # stage keys as before
     sym = make_plan(_recipe(tiny, SYM, exl), tiny).schemes[""]  # the shipped gptq recipe's case: nothing changes
     assert sym.weights.zero_grid is None and "zero_grid" not in sym.to_dict()["weights"]
+    assert not [w for w in make_plan(_recipe(tiny, SYM, exl), tiny).warnings if "kept off 0" in w]
     grid = with_zero_grid(Scheme(TensorSpec("int4", "group", group_size=32, symmetric=False)), "nonzero")
     assert grid.to_dict()["weights"]["zero_grid"] == "nonzero" and grid.weights.describe().endswith("/nonzero-zeros")
 
