@@ -42,5 +42,6 @@ for g in (128, 64, 32):
     ep = float((dequantize(p.codes, p.scale, p.zero_point, per_row) - m).pow(2).sum())
     eq = float((dequantize(q.codes, q.scale, q.zero_point, per_row) - m).pow(2).sum())
     print(f"g{g}: {len(m)}/{groups} groups ({100 * len(m) / groups:.3f} %) have zero point 0 on the plain grid; "
-          f"their weight SSE {ep:.4g} plain -> {eq:.4g} on the nonzero grid ({(100 * (eq / ep - 1)) if ep else 0:+.1f} %)",
+          f"their weight SSE {ep:.4g} plain -> {eq:.4g} on the nonzero grid "
+          f"({(100 * (eq / ep - 1)) if ep else 0:+.1f} %)",
           flush=True)
