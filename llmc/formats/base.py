@@ -166,6 +166,10 @@ class ArtifactFormat:
     # source's tokenizer files beside its weights.
     scale_bytes: ClassVar[float] = 4
     zero_point_bytes: ClassVar[float] = 1
+    # what the format needs of asymmetric integer zero points (`llmc.quant.spec.ZeroGrid`; None: any): the plan sets
+    # it on every scheme of a recipe with a target in this format (`llmc.quant.spec.with_zero_grid`), so the one
+    # canonical form, and every artifact made from it, holds only zero points each of its readers reads alike
+    zero_grid: ClassVar[str | None] = None
     unquantized_elem: ClassVar[int | None] = None
     per_input_bytes: ClassVar[int] = 0
     copies_tokenizer_files: ClassVar[bool] = True

@@ -14,7 +14,13 @@ builder read. For each quantized Linear `m` (bits b, 32 // b codes per int32):
     weight[o, i] = scales[g, o] * (q[i, o] - (qzeros[g, o] + 1)),  g = g_idx[i]
 
 Canonical signed codes c in [-2^(b-1), 2^(b-1)) with zero point z (0 when symmetric) map exactly to
-unsigned q = c + 2^(b-1), zero z + 2^(b-1); only the scales are rounded (float32 -> float16, relative
+unsigned q = c + 2^(b-1), zero z + 2^(b-1); an unsigned zero of 0 would be stored as 2^b - 1, which GPTQ's readers
+read differently (2^b: vLLM's gptq_gemm, ExLlamaV2, AutoGPTQ's cuda/triton kernels; 0: onnxruntime-genai's loader,
+AutoGPTQ's cuda_old; 0 with the next column's zero off by one: GPTQModel's v1 -> v2 word add, transformers/optimum
+through it), so the format asks the quantizer for zero points of at least 1 (`zero_grid = "nonzero"`: such a range
+takes a one-level narrower grid, llmc.quant.numerics.qparams_from_range) and the exporter refuses any other
+(`check_v1_zeros`). gptq_v2 would need no offset, but ExLlamaV2 and onnxruntime-genai's loader do not read it.
+Only the scales are rounded (float32 -> float16, relative
 error <= 2^-11, measured and returned). Per-channel and per-tensor scales become one group spanning the
 input (group_size -1 in the config). FP8 and activation-quantized schemes are refused: the format is
 weight-only integer.
@@ -97,8 +103,25 @@ class GPTQTensors:
     g_idx: torch.Tensor
 
 
-def to_gptq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int) -> GPTQTensors:
-    """Canonical [out, in] signed codes + [out, groups] (or [out,1] / [1]) scales -> GPTQ v1 tensors."""
+def check_v1_zeros(zero_point: torch.Tensor | None, bits: int, where: str = "a Linear") -> None:
+    """IncompatibleTargetError where a canonical zero point is -2^(b-1) (unsigned 0): GPTQ v1 would store it as
+    2^b - 1, which its readers read as 0, as 2^b, or as 0 with the next column's zero shifted (module docstring)."""
+    if zero_point is not None and bool((zero_point.to(torch.int64) == -(1 << (bits - 1))).any()):
+        raise IncompatibleTargetError(
+            f"GPTQ format: {where} has a zero point of 0 (unsigned), which the v1 layout stores as {(1 << bits) - 1} "
+            f"and GPTQ's readers read differently ({1 << bits} in vLLM and ExLlamaV2, 0 in onnxruntime-genai, and "
+            "GPTQModel shifts the next column's zero)",
+            fix="quantize for this target through `llmc build`/`llmc quantize` with the recipe's gptq-format target, "
+                "which keeps zero points off 0 (zero_grid nonzero), or use a symmetric scheme")
+
+
+def to_gptq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int,
+            *, v1_zeros_checked: bool = True) -> GPTQTensors:
+    """Canonical [out, in] signed codes + [out, groups] (or [out,1] / [1]) scales -> GPTQ v1 tensors.
+    `v1_zeros_checked=False` skips `check_v1_zeros`, for a reader known to take a stored 2^b - 1 as zero 0
+    (onnxruntime-genai's loader: llmc.formats.onnx_genai)."""
+    if v1_zeros_checked:
+        check_v1_zeros(zero_point, bits)
     out_f, in_f = codes.shape
     offset = 1 << (bits - 1)
     scale = scale.float().reshape(out_f, -1) if scale.numel() > 1 else scale.float().reshape(1, 1).expand(out_f, 1)
@@ -152,15 +175,16 @@ def serve_args(*, tensor_parallel: int = 1) -> dict:
             "m = ExLlamaV2(ExLlamaV2Config('<artifact>'))\" (or TabbyAPI with model_dir set to the artifact)"}
 
 
-def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> dict:
+def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None, v1_zeros_checked: bool = True) -> dict:
     """Write config.json (with quantization_config), GPTQ-format safetensors, the tokenizer and, when
-    given, the runtime arguments (llmc-serve.json).
+    given, the runtime arguments (llmc-serve.json). A zero point of 0 (unsigned) is refused (`check_v1_zeros`)
+    unless `v1_zeros_checked` is False (`to_gptq`).
 
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     bits = check_scheme(qm.scheme)
 
     def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        return vars(to_gptq(codes, scale, zero_point, bits))
+        return vars(to_gptq(codes, scale, zero_point, bits, v1_zeros_checked=v1_zeros_checked))
 
     written, worst = write_repacked_checkpoint(
         qm, out, repack=repack, decode=lambda t: dequantize_gptq(GPTQTensors(**t), bits), output_dims=OUTPUT_DIMS,
@@ -204,6 +228,7 @@ class RepackedCheckpoint(ArtifactFormat):
 @register_format
 class GptqCheckpoint(RepackedCheckpoint):
     name = "gptq"
+    zero_grid = "nonzero"  # v1 stores zero - 1: an unsigned zero of 0 would read differently per reader (above)
     per_input_bytes = 4  # g_idx: int32 per input feature
     families_source = "GPTQ-format loaders verified against here: Llama-family layouts"
     proof = ("loaded and scored here by GPTQModel's CPU kernels (engine gptqmodel; docs/formats-and-runtimes.md, issue 20); "

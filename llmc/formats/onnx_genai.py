@@ -168,7 +168,9 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
     with tempfile.TemporaryDirectory(prefix=".llmc-onnx-", dir=out.parent) as tmp:
         if int4:  # the builder's GPTQ loader repacks the canonical codes into MatMulNBits unchanged
             source = Path(tmp) / "gptq"
-            gptq_summary = export_gptq(qm, source)
+            # the builder's GPTQ loader reads a stored 2^b - 1 as zero 0, the canonical meaning
+            # (onnxruntime_genai/models/loaders/gptq.py, handle_qzeros: (z + 1) & mask), so no zero is refused here
+            gptq_summary = export_gptq(qm, source, v1_zeros_checked=False)
             options = ["-p", "int4", "--extra_options", "nodes_to_exclude=" + ",".join(UNQUANTIZED_NODES),
                        f"accuracy_level={accuracy_level}"]
             log("export: onnxruntime-genai model builder (int4 MatMulNBits from the canonical codes)")

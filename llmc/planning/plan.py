@@ -45,7 +45,7 @@ from llmc.quant.device import resolve_device
 from llmc.quant import int_source
 from llmc.quant.groups import by_group, split_fused
 from llmc.quant.search import BF16, SearchSpace, search_space
-from llmc.quant.spec import FORMATS, Scheme
+from llmc.quant.spec import FORMATS, Scheme, with_zero_grid
 from llmc.quant.stream import CALIBRATION_BATCH_SIZE, check_moe_ranks
 from llmc.recipe.schema import QuantizationSection, Recipe, Target
 from llmc.planning.scaling import Workload, deferred_bytes, layer_shapes, moe_layer, plan_estimate, render
@@ -720,8 +720,19 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         schemes[name] = schemes[name].member(members[max(kept, key=lambda c: members[c].weights.stored_bits)])
     resolved = resolved or {}
     schemes.update({name: scheme for name, (scheme, _) in resolved.items()})  # a build's searched mixes, solved
+    # a target format's constraint on zero points (GPTQ v1) holds for the one canonical form every target exports
+    grids = {g for g in (targets.format_for(t).zero_grid for t in recipe.targets) if g is not None}
+    gridded = dict(schemes)
+    for grid in sorted(grids):
+        gridded = {name: with_zero_grid(scheme, grid) for name, scheme in gridded.items()}
+    zero_note = [f"{name + ': ' if name else ''}asymmetric zero points are kept off 0 for the GPTQ-format target(s) "
+                 f"{', '.join(t.label for t in recipe.targets if targets.format_for(t).zero_grid)} (GPTQ v1 stores "
+                 "zero - 1, and its readers read a stored 2^b - 1 differently): a range whose zero point would be 0 "
+                 "takes a one-level narrower grid (docs/model-sources.md)"
+                 for name, scheme in gridded.items() if scheme != schemes[name]]
+    schemes = gridded
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes,
-                searched={name: chosen for name, (_, chosen) in resolved.items()})
+                searched={name: chosen for name, (_, chosen) in resolved.items()}, warnings=zero_note)
     for name, scheme in schemes.items():
         where = f"variants[{name}].quantization" if name else "quantization"
         for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message

@@ -15,8 +15,10 @@ What passes, per source (`decide`, made once per scheme and stated by the plan; 
   - GPTQ 4/8-bit (`gptq` v1 and `gptq_v2`): the unsigned code q becomes q - 2^(b-1), the zero point z (v1 stores
     z - 1) becomes z - 2^(b-1). `sym: true` passes to a symmetric target when every zero point is 2^(b-1) (as GPTQ
     writes them); `sym: false` to an asymmetric one. A Linear whose g_idx is not in input order (desc_act) and a v1
-    Linear with a stored zero of 2^b - 1 (GPTQModel reads it as 2^b, AutoGPTQ as 0: no zero point the target holds
-    means both) are requantized from their decoded values, and counted. group_size -1 is per channel.
+    Linear with a stored zero of 2^b - 1 (vLLM and ExLlamaV2 read it as 2^b, onnxruntime-genai as 0, GPTQModel as 0
+    with the next column's zero one higher: no zero point the target holds means all of them) are requantized from
+    their decoded values, and counted. group_size -1 is per channel. A target in the `gptq` format (v1) holds no
+    zero of 0 (`TensorSpec.zero_grid`): a kept Linear with one (AWQ, gptq_v2, compressed-tensors) is requantized.
   - AWQ GEMM (4-bit, zero points): to an asymmetric int4 target of the same group size.
   - compressed-tensors pack-quantized / int-quantized / naive-quantized int4 and int8 groups (tensor, channel, group
     strategies; not actorder "group", whose g_idx reorders the groups): to the same scheme, group by group.
@@ -140,7 +142,8 @@ def plan_notes(fmt, schemes: dict[str, Scheme]) -> list[str]:
                         f"{part}{described + ' ' if described else ''}integer codes")
                 if d.keeps:
                     kept = "scales" if member.weights.symmetric else "scales and zero points"
-                    notes.append(f"{head} pass through bit for bit with their {kept} ({d.why})" + _caveat(fmt))
+                    notes.append(f"{head} pass through bit for bit with their {kept} ({d.why})"
+                                 + _caveat(fmt, member.weights))
                 else:
                     fix = (f" (weights {described} keep them)" if isinstance(source, TensorSpec)
                            and not _same(member.weights, source) else "")
@@ -148,15 +151,18 @@ def plan_notes(fmt, schemes: dict[str, Scheme]) -> list[str]:
     return notes
 
 
-def _caveat(fmt) -> str:
-    if fmt.name != "gptq":
-        return ""
+def _caveat(fmt, target: TensorSpec | None = None) -> str:
     said = []
+    if target is not None and target.zero_grid == "nonzero" and not target.symmetric:
+        said.append("a Linear with a zero point of 0 is requantized (a gptq-format target's v1 layout cannot store it "
+                    "so that every reader agrees)")
+    if fmt.name != "gptq":
+        return "; " + "; ".join(said) if said else ""
     if fmt.qc.get("desc_act"):
         said.append("a Linear whose g_idx is not in input order (desc_act) is requantized")
     if fmt.zero_offset and not fmt.qc.get("sym", True):
-        said.append(f"a v1 Linear with a stored zero point of {(1 << fmt.bits) - 1} (GPTQModel reads "
-                    f"{1 << fmt.bits}, AutoGPTQ 0) is requantized")
+        said.append(f"a v1 Linear with a stored zero point of {(1 << fmt.bits) - 1} (vLLM and ExLlamaV2 read "
+                    f"{1 << fmt.bits}, onnxruntime-genai and GPTQModel 0) is requantized")
     return "; " + "; ".join(said) if said else ""
 
 
@@ -193,6 +199,10 @@ def kept_codes(fmt, scheme: Scheme, encoded, reader, weight: torch.Tensor, tally
             values = values.to(scale_dtype)  # compressed-tensors decodes in its scale's dtype
         if not torch.equal(values.to(weight.dtype), weight.cpu()):
             q, why = None, "the weight no longer equals its source's codes"
+        elif spec.zero_grid == "nonzero" and q.zero_point is not None and bool(
+                (q.zero_point == -(1 << (spec.bits - 1))).any()):
+            # e.g. an AWQ or gptq_v2 zero of 0 bound for a GPTQ v1 artifact, which would store it as 2^b - 1
+            q, why = None, "a zero point of 0 (unsigned), which a GPTQ v1 artifact cannot store unambiguously"
     if q is None:
         tally.requantized[why] = tally.requantized.get(why, 0) + 1
         return None

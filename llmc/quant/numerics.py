@@ -4,6 +4,8 @@ Conventions follow compressed-tensors (what vLLM reads), so codes export without
   - integer codes are signed for both symmetric and asymmetric schemes; x ≈ (q - zp) * scale;
   - symmetric integer scale = absmax / ((qmax - qmin) / 2), e.g. absmax / 7.5 for int4;
   - asymmetric ranges always include zero: scale = (max - min) / (qmax - qmin), zp = qmin - round(min / scale);
+    with `zero_grid="nonzero"` (GPTQ v1 artifacts) a range whose zp would be qmin gets (max - min) / (qmax - qmin - 1)
+    and zp = qmin + 1 instead;
   - fp8 e4m3 scale = absmax / 448; codes are torch.float8_e4m3fn.
 Scales are float32. A zero range gets scale 1 so all-zero rows stay exact. A weight spec with
 `scale_grid="fp8_row"` puts its group scales on the grid vLLM's W4A8-FP8 kernel converts them to
@@ -100,8 +102,16 @@ def qparams_from_range(
         return torch.where(scale > 0, scale, torch.ones_like(scale)), None
     scale = (hi - lo) / (qmax - qmin)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int8)
-    return scale, zp
+    zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax)
+    if spec.zero_grid == "nonzero":
+        # A range whose zero point would be qmin (lo > -scale / 2) takes a one-level narrower grid instead: 2^b - 2
+        # steps over [lo, hi] with zero point qmin + 1, so round(lo / scale') is still 0 and hi lands on qmax (no
+        # clipping); code qmin stays usable. Every other range keeps its scale and zero point.
+        low = zp == qmin
+        narrow = (hi - lo) / (qmax - qmin - 1)
+        scale = torch.where(low & (narrow > 0), narrow, scale)
+        zp = torch.where(low, torch.full_like(zp, qmin + 1), zp)
+    return scale, zp.to(torch.int8)
 
 
 def compute_qparams(x: torch.Tensor, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:

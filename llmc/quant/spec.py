@@ -17,6 +17,10 @@ Strategy = Literal["tensor", "channel", "group", "token", "block"]
 # largest group scale / 448), the form vLLM's W4A8-FP8 kernel converts group scales to at load; scales already
 # on that grid convert without loss. None: plain float32 scales.
 ScaleGrid = Literal["fp8_row"]
+# Asymmetric integer zero points kept off the code range's lowest value (unsigned zero never 0): GPTQ's v1 layout
+# stores zero - 1, and its readers disagree on a stored 2^b - 1 (docs/model-sources.md). An artifact format asks
+# for it (`ArtifactFormat.zero_grid`); the plan sets it on the scheme, so the one quantizer honours it.
+ZeroGrid = Literal["nonzero"]
 
 FP8_E4M3_MAX = 448.0
 BLOCK_SHAPE = (128, 128)  # strategy "block": the weight tile one scale covers, the only one runtimes' kernels load
@@ -90,6 +94,7 @@ class TensorSpec:
     symmetric: bool = True
     dynamic: bool = False
     scale_grid: ScaleGrid | None = None
+    zero_grid: ZeroGrid | None = None  # asymmetric integer weights only; None: any zero point in the code range
 
     @property
     def info(self) -> FormatInfo:
@@ -112,7 +117,8 @@ class TensorSpec:
         sym = "sym" if self.symmetric else "asym"
         mode = "dynamic" if self.dynamic else "static"
         grid = f"/{self.scale_grid}-scales" if self.scale_grid else ""
-        return f"{self.format}/{grain}/{sym}/{mode}{grid}"
+        zeros = f"/{self.zero_grid}-zeros" if self.zero_grid else ""
+        return f"{self.format}/{grain}/{sym}/{mode}{grid}{zeros}"
 
 
 # What a decoder layer's Linear does there, named per family in one table (llmc.model.families.LINEAR_ROLES):
@@ -215,4 +221,23 @@ class Scheme:
         d = asdict(self)
         if not self.groups:  # plain schemes dump (stage keys, records) as before groups existed
             del d["groups"]
+        # and specs without a zero grid as before it existed (the same stage keys, the same quantized.json)
+        for spec in [d.get("weights"), d.get("activations"), d.get("kv_cache"),
+                     *(x for g in d.get("groups", ()) for x in (g.get("weights"), g.get("activations")))]:
+            if spec is not None and spec.get("zero_grid") is None:
+                spec.pop("zero_grid", None)
         return d
+
+
+def with_zero_grid(scheme: Scheme, grid: ZeroGrid | None) -> Scheme:
+    """`scheme` with `grid` on the weights of every member with asymmetric integer weights (plain and mixed); the
+    scheme itself where none has them or `grid` is None."""
+    if grid is None:
+        return scheme
+
+    def spec(s: TensorSpec | None) -> TensorSpec | None:
+        takes = s is not None and not s.symmetric and not s.info.is_float and not s.info.microscaling
+        return replace(s, zero_grid=grid) if takes else s
+
+    groups = tuple(replace(g, weights=spec(g.weights)) for g in scheme.groups)
+    return replace(scheme, weights=spec(scheme.weights), groups=groups)

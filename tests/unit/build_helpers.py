@@ -1,6 +1,6 @@
 """What the fault tests (full disk, kill anywhere) share: a recipe that passes through every stage and write site
 of a build on a tiny model, a small corpus so a build takes seconds, and the hashes that say two builds
-published the same bytes."""
+published the same bytes; and (`stored`) every tensor of a checkpoint folder, as the source-format tests read them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,19 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from llmc.storage.store import COMPLETE_MARKER
+
+def stored(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files, as stored (packed codes, scales), by name."""
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 CORPUS_DOCS = 4  # documents per split: plenty for 8 calibration and 4 evaluation windows of 64 tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from llmc.quant import int_source
 from llmc.quant.spec import Scheme, TensorSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
+from build_helpers import stored as _stored  # noqa: E402
 from families import make_tiny  # noqa: E402
 from test_build import recipe_text  # noqa: E402
 
@@ -97,13 +99,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         if fmt == "ct":
             _bf16_scales(out[kind])
     return out
-
-
-def _stored(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def _quantize(source: Path, scheme: Scheme, out: Path) -> Path:
@@ -242,6 +237,10 @@ def _stored_zero_15(tensors: dict[str, torch.Tensor], m: str) -> None:
     tensors[f"{m}.qzeros"][0, 0] |= 0xF  # the first output column's first group: a stored zero of 15
 
 
+def _awq_zero_0(tensors: dict[str, torch.Tensor], m: str) -> None:
+    tensors[f"{m}.qzeros"][0, 0] &= ~0xF  # AWQ's first output column (shift 0), first group: a zero point of 0
+
+
 def _act_order(tensors: dict[str, torch.Tensor], m: str) -> None:
     g_idx = tensors[f"{m}.g_idx"]
     tensors[f"{m}.g_idx"] = g_idx[torch.randperm(len(g_idx), generator=torch.Generator().manual_seed(0))]
@@ -249,11 +248,15 @@ def _act_order(tensors: dict[str, torch.Tensor], m: str) -> None:
 
 @pytest.mark.parametrize("kind, edit, scheme, why", [
     ("gptq-asym32", _stored_zero_15, ASYM32, "a v1 stored zero point of 15"),
-    ("gptq-sym64", _act_order, SYM64, "g_idx not in input order (desc_act)")], ids=["v1-zero-15", "act-order"])
+    ("gptq-sym64", _act_order, SYM64, "g_idx not in input order (desc_act)"),
+    # the scheme the plan gives a recipe with a gptq-format target (test_gptq_zero.py): v1 cannot store a zero of 0
+    ("awq", _awq_zero_0, Scheme(replace(ASYM32.weights, zero_grid="nonzero")), "a zero point of 0 (unsigned)")],
+    ids=["v1-zero-15", "act-order", "zero-0-for-gptq"])
 def test_a_linear_the_target_cannot_hold_is_requantized(kind: str, edit, scheme: Scheme, why: str, sources: dict,
                                                        tmp_path: Path, capsys) -> None:
-    """GPTQ v1 stores zero - 1: a stored 15 is 16 to GPTQModel (llmc's decoder) and 0 to AutoGPTQ; a g_idx out of
-    input order (desc_act) groups inputs the target's groups cannot. That Linear is requantized from its decoded
+    """GPTQ v1 stores zero - 1: a stored 15 is 16 to vLLM, ExLlamaV2 and llmc's decoder, 0 to onnxruntime-genai and
+    GPTQModel (docs/model-sources.md); a g_idx out of input order (desc_act) groups inputs the target's groups cannot;
+    an AWQ zero of 0 bound for a GPTQ v1 artifact would be stored as 15. That Linear is requantized from its decoded
     values and counted with the reason; the others keep their codes."""
     import shutil
 

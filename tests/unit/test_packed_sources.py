@@ -22,6 +22,7 @@ from llmc.model import source_formats as sf
 from llmc.model.checkpoint import CheckpointReader
 
 sys.path.insert(0, str(Path(__file__).parent))
+from build_helpers import stored as _stored  # noqa: E402
 from families import make_tiny  # noqa: E402
 from test_build import recipe_text  # noqa: E402
 from test_source_formats import _build as _build_with  # noqa: E402  (the same CLI build of a recipe)
@@ -76,13 +77,6 @@ def saved(tmp_path_factory) -> dict[str, Path]:
             awq_format.export_awq(qm, root / "awq")
             out["gptq"], out["awq"] = root / "gptq", root / "awq"
     return out
-
-
-def _stored(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def _decoded(folder: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
