@@ -15,6 +15,7 @@ from llmc.storage.store import atomic_save_safetensors, atomic_write_json, fsync
 
 if TYPE_CHECKING:
     from llmc.quant.canonical import QuantizedModel
+    from llmc.quant.spec import TensorSpec
 
 MAX_SHARD_BYTES = 2 << 30
 # Every artifact's runtime arguments and build facts (serve command, engine options, graph summary).
@@ -95,6 +96,38 @@ def _rows(p: torch.Tensor | None, start: int, stop: int, out_features: int) -> t
     return p if p is None or p.dim() == 0 or p.shape[0] != out_features else p[start:stop]
 
 
+def repack_linear(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    weights: TensorSpec,
+    *,
+    repack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]],
+    decode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    output_dims: dict[str, int | None],
+    block_elements: int | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """One Linear's canonical codes / scale / zero point as `repack`'s tensors, a block of whole output rows at a
+    time, each block decoded again and compared with the canonical weight; returns (tensors, largest change of a
+    weight relative to the largest weight). What `write_repacked_checkpoint` does per Linear (and what the plan
+    times per weight: llmc.formats.onnx_genai.gptq_repack_rate)."""
+    out_features, in_features = codes.shape
+    step = max(8, (block_elements or REPACK_BLOCK_ELEMENTS) // max(in_features, 1) // 8 * 8)
+    blocks: list[dict[str, torch.Tensor]] = []
+    largest_change = largest_weight = 0.0
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        rows = (codes[start:stop], _rows(scale, start, stop, out_features), _rows(zero, start, stop, out_features))
+        packed = repack(*rows)
+        ref = dequantize(*rows, weights).float()
+        largest_change = max(largest_change, (decode(packed) - ref).abs().max().item())
+        largest_weight = max(largest_weight, ref.abs().max().item())
+        blocks.append(packed)
+    tensors = {k: blocks[0][k] if dim is None else torch.cat([b[k] for b in blocks], dim=dim)
+               for k, dim in output_dims.items()}
+    return tensors, largest_change / max(largest_weight, 1e-30)
+
+
 def write_repacked_checkpoint(
     qm: QuantizedModel,
     out: Path,
@@ -122,23 +155,11 @@ def write_repacked_checkpoint(
 
     def repack_module(tensors: dict[str, torch.Tensor], m: str) -> dict[str, torch.Tensor]:
         nonlocal worst
-        codes, scale, zero = (tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"],
-                              tensors.get(f"{m}.weight_zero_point"))
-        out_features, in_features = codes.shape
-        step = max(8, (block_elements or REPACK_BLOCK_ELEMENTS) // max(in_features, 1) // 8 * 8)
-        blocks: list[dict[str, torch.Tensor]] = []
-        largest_change = largest_weight = 0.0
-        for start in range(0, out_features, step):
-            stop = min(start + step, out_features)
-            rows = (codes[start:stop], _rows(scale, start, stop, out_features), _rows(zero, start, stop, out_features))
-            packed = repack(*rows)
-            ref = dequantize(*rows, qm.scheme.weights).float()
-            largest_change = max(largest_change, (decode(packed) - ref).abs().max().item())
-            largest_weight = max(largest_weight, ref.abs().max().item())
-            blocks.append(packed)
-        worst = max(worst, largest_change / max(largest_weight, 1e-30))
-        return {f"{m}.{k}": blocks[0][k] if dim is None else torch.cat([b[k] for b in blocks], dim=dim)
-                for k, dim in output_dims.items()}
+        repacked, change = repack_linear(
+            tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], tensors.get(f"{m}.weight_zero_point"),
+            qm.scheme.weights, repack=repack, decode=decode, output_dims=output_dims, block_elements=block_elements)
+        worst = max(worst, change)
+        return {f"{m}.{k}": v for k, v in repacked.items()}
 
     def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         converted: dict[str, torch.Tensor] = {}

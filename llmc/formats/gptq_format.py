@@ -29,6 +29,7 @@ weight-only integer.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,16 @@ def serve_args(*, tensor_parallel: int = 1) -> dict:
             "m = ExLlamaV2(ExLlamaV2Config('<artifact>'))\" (or TabbyAPI with model_dir set to the artifact)"}
 
 
+def gptq_codec(bits: int, *, v1_zeros_checked: bool = True) -> tuple[Callable, Callable]:
+    """(repack, decode) of one block of a Linear's output rows in the GPTQ v1 layout, as `write_repacked_checkpoint`
+    takes them: canonical codes / scale / zero point -> the layout's tensors, and those decoded back to float32.
+    `v1_zeros_checked`: as `to_gptq`."""
+    def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return vars(to_gptq(codes, scale, zero_point, bits, v1_zeros_checked=v1_zeros_checked))
+
+    return repack, lambda t: dequantize_gptq(GPTQTensors(**t), bits)
+
+
 def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None, v1_zeros_checked: bool = True) -> dict:
     """Write config.json (with quantization_config), GPTQ-format safetensors, the tokenizer and, when
     given, the runtime arguments (llmc-serve.json). A zero point of 0 (unsigned) is refused (`check_v1_zeros`)
@@ -182,12 +193,9 @@ def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None, v1_
 
     Returns a summary with the largest relative weight error the float16 scales introduced."""
     bits = check_scheme(qm.scheme)
-
-    def repack(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        return vars(to_gptq(codes, scale, zero_point, bits, v1_zeros_checked=v1_zeros_checked))
-
+    repack, decode = gptq_codec(bits, v1_zeros_checked=v1_zeros_checked)
     written, worst = write_repacked_checkpoint(
-        qm, out, repack=repack, decode=lambda t: dequantize_gptq(GPTQTensors(**t), bits), output_dims=OUTPUT_DIMS,
+        qm, out, repack=repack, decode=decode, output_dims=OUTPUT_DIMS,
         quantization_config=gptq_quantization_config(qm.scheme, bits, qm.unquantized_linears), dtype=qm.meta.get("dtype", "float32"),
         serve=serve)
     return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}

@@ -27,6 +27,8 @@ one MatMul, concatenated), with QuantizeLinear -> DequantizeLinear and the calib
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -42,20 +44,21 @@ from pathlib import Path
 import torch
 
 from llmc import __version__
-from llmc.formats.base import (REPACK_RATE, ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json,
+from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json,
                                target_key)
 from llmc.formats.registry import register_format
-from llmc.formats.files import SERVE_FILE, copy_tokenizer_files
+from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE, copy_tokenizer_files
 from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
 from llmc.formats.gptq_format import export_gptq
 from llmc.formats.onnx_qdq import float_model, graph_probe_config, weight_pass_seconds
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
-from llmc.planning.target import per_layer_host_seconds
+from llmc.planning.machine import file_write_seconds, uncached_read_seconds
+from llmc.planning.target import host_work_seconds, per_layer_host_seconds
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.spec import Scheme
+from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.store import atomic_write_json
 
 GENAI_CONFIG = "genai_config.json"  # onnxruntime-genai's runtime config: what `llmc inspect` recognises
@@ -300,15 +303,127 @@ def _builder_timer(tiny: dict):
     return run_once
 
 
+# The int4 export's work per quantized weight, which the builder's runs on tiny models (`builder_seconds`: its start,
+# imports and graph, per layer) do not hold: llmc's GPTQ intermediate (`export_gptq`: each Linear repacked a block of
+# rows at a time and decoded again to check it, llmc.formats.files.repack_linear), its files written and read back by
+# the builder, and the builder's own GPTQ loader, which unpacks every weight, dequantizes it, quantizes it again and
+# packs it as MatMulNBits blocks, in torch, one Linear at a time (onnxruntime_genai.models.loaders). Both repacks are
+# timed in this process on one Linear of the scheme of REPACK_PROBE_SHAPE (out, in): a SmolLM2-width MLP projection,
+# large enough that the per-weight work is what is timed (one call: 0.5-4 s on the shared 2-core VM at load 11-16).
+REPACK_PROBE_SHAPE = (1536, 576)
+
+
+def _probe_linear(weights: TensorSpec) -> dict[str, torch.Tensor]:
+    """Canonical codes / scale / zero point of one REPACK_PROBE_SHAPE Linear quantized to `weights` (a TensorSpec)."""
+    from llmc.quant.numerics import quantize_weight
+
+    with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+        torch.manual_seed(0)
+        w = torch.randn(*REPACK_PROBE_SHAPE)
+    q = quantize_weight(w, weights)
+    return {"codes": q.codes, "scale": q.scale, "zero": q.zero_point}
+
+
+def gptq_repack_rate(weights: TensorSpec) -> float:
+    """Quantized weight elements/s `export_gptq` repacks into the GPTQ layout and checks (`files.repack_linear` with
+    the GPTQ codec, on one REPACK_PROBE_SHAPE Linear; llmc.planning.probes: timed, cached per machine)."""
+    out, inp = REPACK_PROBE_SHAPE
+    return probes.rate(f"gptq repack {weights!r} elements={out * inp}", _gptq_repack_timer(weights))
+
+
+def _gptq_repack_timer(weights: TensorSpec):
+    state: dict = {}
+
+    def run_once() -> float:
+        from llmc.formats.files import repack_linear
+        from llmc.formats.gptq_format import OUTPUT_DIMS, gptq_codec
+
+        if not state:
+            state.update(_probe_linear(weights))
+        repack, decode = gptq_codec(weights.bits, v1_zeros_checked=False)  # as export_onnx writes it
+        return probes.sustained_rate(
+            REPACK_PROBE_SHAPE[0] * REPACK_PROBE_SHAPE[1],
+            lambda: repack_linear(state["codes"], state["scale"], state["zero"], weights, repack=repack,
+                                  decode=decode, output_dims=OUTPUT_DIMS))
+
+    return run_once
+
+
+def builder_repack_rate(weights: TensorSpec) -> float:
+    """Quantized weight elements/s onnxruntime-genai's GPTQ loader reads and repacks into MatMulNBits blocks (its
+    `QuantModel.from_pretrained`, as the builder calls it, on a one-Linear GPTQ checkpoint of REPACK_PROBE_SHAPE that
+    llmc's own `to_gptq` wrote; llmc.planning.probes: timed, cached per machine)."""
+    out, inp = REPACK_PROBE_SHAPE
+    return probes.rate(f"onnxruntime-genai gptq loader {weights!r} elements={out * inp}",
+                       _builder_repack_timer(weights))
+
+
+def _builder_repack_timer(weights: TensorSpec):
+    state: dict = {}
+
+    def run_once() -> float:
+        from safetensors.torch import save_file  # lazy: a plan with cached rates skips it
+
+        from llmc.formats.gptq_format import gptq_quantization_config, to_gptq
+
+        try:
+            from onnxruntime_genai.models.loaders.quant_model import QuantModel
+        except ImportError as e:
+            raise EngineFailed(f"timing onnxruntime-genai's GPTQ loader: {e}",
+                               fix="install onnxruntime-genai (the onnxruntime target's exporter)") from e
+        out, inp = REPACK_PROBE_SHAPE
+        if not state:
+            state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-gptq-loader-probe-")
+            linear = _probe_linear(weights)
+            g = vars(to_gptq(linear["codes"], linear["scale"], linear["zero"], weights.bits, v1_zeros_checked=False))
+            save_file({f"model.layers.0.mlp.down_proj.{k}": v.contiguous() for k, v in g.items()},
+                      str(Path(state["dir"].name) / "model.safetensors"))
+            config = gptq_quantization_config(Scheme(weights), weights.bits)
+            state["attrs"] = {"config": config, "use_g_idx": bool(config.get("desc_act"))}
+
+        def load() -> None:  # the arguments the builder passes (builders/base.py), for a model of one such Linear
+            with contextlib.redirect_stdout(io.StringIO()):  # its "Unpacking and repacking layer 0": not the plan's
+                QuantModel.from_pretrained("gptq", input_path=state["dir"].name, quant_attrs=state["attrs"],
+                                           q_size=inp, kv_size=inp, intermediate_size=out, num_layers=1)
+
+        return probes.sustained_rate(out * inp, load)
+
+    return run_once
+
+
+def repack_seconds(work: ExportWork) -> float:
+    """Seconds of the int4 export's work per quantized weight: `export_gptq`'s repack (`gptq_repack_rate`) and the
+    builder's GPTQ loader (`builder_repack_rate`), each at its probed rate; 0 for a named profile."""
+    def seconds() -> float:
+        total = 0.0
+        for w in work.written:
+            elements = sum(o * i for o, i in w.linears)
+            if elements:
+                total += elements / gptq_repack_rate(w.weights) + elements / builder_repack_rate(w.weights)
+        return total
+
+    return host_work_seconds(seconds)
+
+
+def intermediate_seconds(work: ExportWork) -> float:
+    """Seconds to write the GPTQ intermediate's files (durable and hashed, as any shard llmc writes) and for the
+    builder to read them back (written around the page cache: from the disk)."""
+    from llmc.formats.gptq_format import GptqCheckpoint
+
+    nbytes = sum(GptqCheckpoint().written_bytes(w) for w in work.written)
+    files = max(1, math.ceil(nbytes / MAX_SHARD_BYTES))
+    return file_write_seconds(nbytes, files=files) + uncached_read_seconds(nbytes, files=files)
+
+
 def export_seconds(work: ExportWork) -> float:
     """What `export_onnx` spends beside writing and hashing its files: the builder's run (`builder_seconds`); for an
-    int4 scheme the GPTQ-format intermediate it reads, repacked a block at a time (as the GPTQ export's repack is
-    costed, llmc.formats.base.REPACK_RATE); for an 8-bit scheme the float model it reads (the canonical weights
-    dequantized) and llmc's codes put back into its graph (`onnx_qdq.weight_pass_seconds`: the float copy and
-    `insert_qdq` at its probed rate)."""
+    int4 scheme the GPTQ-format intermediate written and read (`intermediate_seconds`) and every quantized weight
+    repacked twice, by llmc into the intermediate and by the builder's loader into MatMulNBits (`repack_seconds`);
+    for an 8-bit scheme the float model it reads (the canonical weights dequantized) and llmc's codes put back into
+    its graph (`onnx_qdq.weight_pass_seconds`: the float copy and `insert_qdq` at its probed rate)."""
     seconds = builder_seconds(work.config) if work.config else 0.0
     if work.bits == 4:
-        return seconds + work.packed_bytes * 8 / work.bits / REPACK_RATE
+        return seconds + intermediate_seconds(work) + repack_seconds(work)
     return seconds + weight_pass_seconds(work)
 
 

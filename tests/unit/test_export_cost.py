@@ -115,8 +115,9 @@ def test_the_insert_qdq_probe_times_insert_qdq_itself(monkeypatch) -> None:
 
 def test_the_onnx_genai_export_cost_counts_the_builder_and_what_feeds_it(monkeypatch, pinned) -> None:
     """`OnnxGenai.cost` adds the builder's run (probed at 1 and BUILDER_PROBE_LAYERS layers of the family: here 6 s
-    + 1 s per further layer) and, for int4, the GPTQ intermediate's repack; for 8-bit, the float model's pass and
-    `insert_qdq`. Drop any term and the difference to the base cost no longer matches."""
+    + 1 s per further layer) and, for int4, the GPTQ intermediate (its files written and read back, every weight
+    repacked by llmc and again by the builder's loader, each at its probed rate); for 8-bit, the float model's pass
+    and `insert_qdq`. Drop any term and the difference to the base cost no longer matches."""
     asked: list[int] = []
 
     def rate(config: dict, layers: int) -> float:
@@ -124,6 +125,10 @@ def test_the_onnx_genai_export_cost_counts_the_builder_and_what_feeds_it(monkeyp
         return 1.0 / (5.0 + layers)
 
     monkeypatch.setattr(onnx_genai, "builder_rate", rate)
+    monkeypatch.setattr(onnx_genai, "gptq_repack_rate", lambda weights: 4e6)
+    monkeypatch.setattr(onnx_genai, "builder_repack_rate", lambda weights: 1e6)
+    monkeypatch.setattr(onnx_genai, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)
+    monkeypatch.setattr(onnx_genai, "uncached_read_seconds", lambda nbytes, files=1: nbytes / 2e9)
     fmt = targets.artifact_format("onnx")
     builder = 6.0 + 29 * 1.0
     assert onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(builder)
@@ -132,9 +137,71 @@ def test_the_onnx_genai_export_cost_counts_the_builder_and_what_feeds_it(monkeyp
     elements = sum(o * i for o, i in eight.written[0].linears)
     added = fmt.cost("onnxruntime", eight).seconds - base.ArtifactFormat.cost(fmt, "onnxruntime", eight).seconds
     assert added == pytest.approx(builder + onnx_qdq.FLOAT_MODEL_PASSES * elements / 1e8 + elements / 2e7)
-    int4 = replace(eight, bits=4, packed_bytes=elements / 2)
+    int4_weights = TensorSpec("int4", "group", group_size=64, symmetric=True)
+    int4 = replace(eight, bits=4, packed_bytes=elements / 2,
+                   written=[replace(eight.written[0], weights=int4_weights)])
+    intermediate = targets.artifact_format("gptq").written_bytes(int4.written[0])
     added = fmt.cost("onnxruntime", int4).seconds - base.ArtifactFormat.cost(fmt, "onnxruntime", int4).seconds
-    assert added == pytest.approx(builder + elements / base.REPACK_RATE)
+    assert added == pytest.approx(builder + intermediate / 1e9 + intermediate / 2e9 + elements / 4e6 + elements / 1e6)
+
+
+def _int4_work() -> targets.ExportWork:
+    work = _work()
+    weights = TensorSpec("int4", "group", group_size=64, symmetric=True)
+    return replace(work, bits=4, packed_bytes=work.packed_bytes / 2, written=[replace(work.written[0], weights=weights)])
+
+
+@pytest.mark.parametrize("step", ["llmc's GPTQ repack", "the builder's GPTQ loader"])
+def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, pinned, step: str) -> None:
+    """The int4 export's per-weight terms are probes of the real code: slow down the step itself (llmc's `to_gptq`,
+    which `export_gptq` runs on every block; the builder loader's `repack_quantized_tensor`, which it runs on every
+    Linear) and the plan's export time grows by that step's share (the other step's rate pinned). A clock that moves
+    only when the step runs (and by a hair per reading) makes the probe's rate exact: a probe that stopped running
+    the step would not see it slow down."""
+    pytest.importorskip("onnxruntime_genai")
+    from onnxruntime_genai.models.loaders import base as loaders
+
+    from llmc.formats import gptq_format
+    from llmc.planning import probes
+
+    monkeypatch.setattr(onnx_genai, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
+    monkeypatch.setattr(onnx_genai, "builder_seconds", lambda config: 0.0)
+    monkeypatch.setattr(onnx_genai, "intermediate_seconds", lambda work: 0.0)
+    clock, per_call = [0.0], [0.3]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-9
+        return clock[0]
+
+    monkeypatch.setattr(probes.time, "perf_counter", perf_counter)
+
+    def slowed(real, works=lambda *args: True):
+        def run(*args, **kwargs):
+            clock[0] += per_call[0] if works(*args) else 0.0
+            return real(*args, **kwargs)
+        return run
+
+    if step == "llmc's GPTQ repack":
+        monkeypatch.setattr(gptq_format, "to_gptq", slowed(gptq_format.to_gptq))
+        monkeypatch.setattr(onnx_genai, "builder_repack_rate", lambda weights: 1e6)
+    else:
+        monkeypatch.setattr(onnx_genai, "gptq_repack_rate", lambda weights: 1e6)
+        monkeypatch.setattr(loaders.QuantizedModel, "repack_quantized_tensor",  # called on every slot, filled or not
+                            slowed(loaders.QuantizedModel.repack_quantized_tensor,
+                                   lambda model, module, *_: module.qweight is not None))
+    fmt, work = targets.artifact_format("onnx"), _int4_work()
+    elements = sum(o * i for o, i in work.written[0].linears)
+    per_probe_call = 64 * 128  # one block of rows (llmc), one Linear (the loader): one slowed call per probe call
+
+    def planned() -> float:
+        monkeypatch.setattr(probes, "_book", probes.RateBook())  # measured again
+        return fmt.cost("onnxruntime", work).seconds
+
+    fast = planned()
+    assert onnx_genai.repack_seconds(work) == pytest.approx(elements / per_probe_call * 0.3 + elements / 1e6,
+                                                            rel=1e-3)
+    per_call[0] = 0.9
+    assert planned() - fast == pytest.approx(elements / per_probe_call * (0.9 - 0.3), rel=1e-3)
 
 
 @pytest.mark.heavy

@@ -37,10 +37,11 @@ def own_rates(monkeypatch):
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
                disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,), insert=(3e7,),
-               builder=(0.1,)) -> dict:
+               builder=(0.1,), repack=(1e6,)) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
-             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0, "insert": 0, "builder": 0}
+             "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0, "insert": 0, "builder": 0,
+             "gptq repack": 0, "builder repack": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -63,6 +64,8 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
     monkeypatch.setattr(onnx_qdq, "_insert_timer", timer("insert", insert))
     monkeypatch.setattr(onnx_genai, "_builder_timer", timer("builder", builder))
+    monkeypatch.setattr(onnx_genai, "_gptq_repack_timer", timer("gptq repack", repack))
+    monkeypatch.setattr(onnx_genai, "_builder_repack_timer", timer("builder repack", repack))
     monkeypatch.setattr(agreement, "_scoring_timer", timer("scoring", scoring))
     return calls
 
