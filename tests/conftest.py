@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -186,3 +187,83 @@ def _plans_see_no_page_cache_eviction(monkeypatch):
 
     monkeypatch.setattr(llmc.planning.plan, "memory_free", lambda: None)
     monkeypatch.setattr(llmc.planning.plan, "memory_from_host", lambda: False)
+
+
+# --- test tiers by measured time --------------------------------------------------------------------------------
+# tests/durations.json holds each test's seconds (setup + call + teardown) from the last recorded default run
+# (`pytest -m "not slow" -n auto tests --record-durations tests/durations.json`, which merges into the file). A test
+# that took HEAVY_SECONDS or more there is `heavy` whether or not its file says so: the fast tier
+# (`-m "not slow and not integration and not heavy"`) follows what tests cost, not what their authors guessed. A
+# module- or class-scoped fixture is paid by the first test that asks for it: when that test is heavy for its setup,
+# every test sharing that fixture is heavy too, or the cost would move to the next one. A test not in the file yet
+# is in the fast tier until the next recording.
+DURATIONS = Path(__file__).with_name("durations.json")
+HEAVY_SECONDS = 1.5
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", metavar="FILE", type=Path, default=None,
+                     help="merge each test's seconds (setup + call + teardown) into FILE (tests/durations.json)")
+
+
+def _recorded() -> dict[str, dict[str, float]]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _shared_fixtures(item: pytest.Item) -> set[str]:
+    """The module- and class-scoped fixtures `item` asks for: paid by the first test of the module that does."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+    return {name for name, chain in defs.items() if chain and chain[-1].scope in ("module", "class")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    measured = _recorded()
+    heavy_setups: set[tuple[str, str]] = set()  # (module, fixture) whose first user was heavy for its setup
+    for item in items:
+        seconds = measured.get(item.nodeid)
+        if seconds and seconds.get("setup", 0.0) >= HEAVY_SECONDS:
+            heavy_setups |= {(item.module.__name__ if item.module else "", f) for f in _shared_fixtures(item)}
+    for item in items:
+        if item.get_closest_marker("heavy"):
+            continue
+        seconds = measured.get(item.nodeid, {})
+        module = item.module.__name__ if item.module else ""
+        if sum(seconds.values()) >= HEAVY_SECONDS or any((module, f) in heavy_setups for f in _shared_fixtures(item)):
+            item.add_marker(pytest.mark.heavy)
+
+
+class _DurationRecorder:
+    """Sums each test's phases as their reports arrive (from every xdist worker, on the controller) and merges them
+    into the file at the end: tests this run did not run keep their earlier seconds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        phases = self.seconds.setdefault(report.nodeid, {})
+        phases[report.when] = round(phases.get(report.when, 0.0) + report.duration, 2)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        try:
+            merged = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            merged = {}
+        merged.update(self.seconds)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        lines = (f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(merged.items()))
+        tmp.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # a line a test: diffs read as what changed
+        tmp.replace(self.path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--record-durations")
+    if path is not None and not hasattr(config, "workerinput"):  # xdist: the controller gets every report
+        config.pluginmanager.register(_DurationRecorder(path), "llmc-durations")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # each worker its share of the cores: two workers on two cores, not four threads fighting
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
