@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -1829,6 +1830,17 @@ def planned_items(w: WrittenTensors) -> tuple[list[_Item], set[str]] | None:
     quantized modules among them; None where the plan knows no tensor names or the family is not one GGUF writes."""
     if not (w.linear_names or w.other_tensors) or not w.config:
         return None
+    # a plan asks for each entry several times (bytes, time, each end of the range; 45k tensors take ~2 s for a
+    # DeepSeek-V3): kept for the last few entries asked
+    return _planned(w.linear_names, w.linears, w.other_tensors, w.weights, json.dumps(w.config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _planned(linear_names: tuple[str, ...], linears: tuple[tuple[int, int], ...],
+             other_tensors: tuple[tuple[str, tuple[int, ...]], ...], weights: TensorSpec,
+             config_json: str) -> tuple[list[_Item], set[str]] | None:
+    w = WrittenTensors(linears=linears, weights=weights, layer_unquantized=0, outer=0, elem=0, kept_elem=0,
+                       linear_names=linear_names, other_tensors=other_tensors, config=json.loads(config_json))
     try:
         arch = _arch(dict(w.config))
         plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
