@@ -85,6 +85,13 @@ class WrittenTensors:
     kept_elem: int  # ... of the weights outside the layers as the canonical form keeps them (model.dtype.kept_dtype)
     side_files: int = 0  # bytes of the tokenizer files and config.json the source folder holds
     static_input_scales: bool = False  # one input scale per quantized Linear
+    # The same tensors by name, for a format that types each tensor on its own (GGUF's `written_bytes` runs its
+    # exporter's own choice of each tensor's type): the quantized Linears' module names in `linears`' order, and
+    # every other tensor by its checkpoint name with its shape (a mixed scheme: in the first entry). Empty where the
+    # plan knows no names: the counts above serve.
+    linear_names: tuple[str, ...] = ()
+    other_tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    config: dict = field(default_factory=dict, compare=False)  # the model's config.json (with the names)
 
     def scales(self, out: int, inp: int) -> int:
         """Scale entries of one (out, in) Linear under the scheme's strategy (microscaling: in its stored bits)."""

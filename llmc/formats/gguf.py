@@ -79,10 +79,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -93,7 +95,7 @@ from safetensors import safe_open
 
 from llmc import __version__
 
-from llmc.formats.base import ArtifactFormat, ExportRequest, WrittenTensors, target_key
+from llmc.formats.base import ArtifactFormat, ExportRequest, ExportWork, WrittenTensors, target_key
 from llmc.formats.registry import register_format
 from llmc.telemetry import events
 from llmc.formats.files import SERVE_FILE
@@ -104,9 +106,13 @@ from llmc.errors import IncompatibleTargetError, InputError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.microscaling import MICROSCALING_FORMATS, BlockQuantized, modelopt_weight_scale_2
-from llmc.model.families import expert_count, experts_per_token
+from llmc.model.families import expert_count, experts_per_token, kept_in_dtype
+from llmc.planning import probes
+from llmc.planning.rows import CostRow
+from llmc.planning.target import host_work_seconds
+from llmc.quant.numerics import quantize_weight
 from llmc.model.shape_rows import layer_attention
-from llmc.quant.spec import TensorSpec
+from llmc.quant.spec import Scheme, TensorSpec
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
 GGUF_FILE = "model.gguf"
@@ -1120,94 +1126,112 @@ def _plan_tensors(qm: QuantizedModel, arch: _Arch, plan: TypePlan,
                   plan_of: Callable[[str], TypePlan]) -> list[list[_Item]]:
     """Per canonical file, the tensors it becomes (from the safetensors headers; no data read); `plan_of`: a quantized
     module's type plan (its group's)."""
-    quantized = qm.quantized_modules
-    names = arch.tensor_names()
     per_file: list[list[_Item]] = []
     for f in qm.files():
-        items: list[_Item] = []
         with safe_open(str(f), framework="pt") as h:
-            experts = _expert_parts(h.keys())
-            paired = _merge_gate_up(experts) if arch.family.arch in GATE_UP_EXPERTS else set()
-            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                if k.endswith(_CANONICAL_EXTRAS):
-                    continue
-                parts = experts.get(k)
-                if parts == ():  # a later expert's tensor: written inside expert 0's merged one
-                    continue
-                if k == "lm_head.weight" and arch.tied:
-                    continue
-                if _tensor_key(arch, k):  # a per-layer scalar llama.cpp reads as a key (TENSOR_KEYS)
-                    continue
-                name = _direct_name(arch, k) or gguf_name(
-                    k.replace(".gate_proj.", ".gate_up_proj.") if k in paired else k, names)
-                if name is None:
-                    raise IncompatibleTargetError(
-                        f"{qm.root}: tensor {k} has no counterpart in llama.cpp's {arch.family.arch.lower()} "
-                        "architecture (the gguf package's tensor-name table); cannot write GGUF",
-                        fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this model")
-                shape = tuple(h.get_slice(k).get_shape())
-                module = k.rsplit(".", 1)[0]
-                kind = tensor_kind(name)
-                if (transform := _transform(arch.family.arch, kind)) is not None:
-                    shape = transform.shape(shape)
-                if len(shape) == 1:
-                    qtype = "F32"
-                elif module in quantized:
-                    mine = plan_of(module)
-                    qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
-                elif _kept_f32(name):
-                    qtype = "F32"
-                elif name in ("token_embd.weight", "output.weight"):
-                    qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
-                else:
-                    qtype = "F16"  # an ignored (unquantized) linear
-                heads = None
-                if arch.family.permute_qk and name.split(".")[-2] == "attn_q":
-                    heads = arch.n_head
-                elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
-                    heads = arch.n_head_kv
-                offset = arch.family.norm_offset if (len(shape) == 1 and "norm" in name.split(".")[-2]
-                                                     and kind not in arch.family.norm_offset_skip) else 0.0
-                if parts:
-                    modules = [p.rsplit(".", 1)[0] for p in parts]
-                    mixed = {plan_of(m).weight_type for m in modules if m in quantized}
-                    if len(mixed) > 1 or (mixed and not all(m in quantized for m in modules)):
-                        raise IncompatibleTargetError(
-                            f"{name}: llama.cpp holds a layer's experts in one tensor of one type, but this scheme "
-                            f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
-                            fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
-                    shape = ((len(parts) // 2, 2 * shape[0], *shape[1:]) if k in paired
-                             else (len(parts), *shape))
-                if (split := _row_split(arch, k)) is not None:  # one Hugging Face tensor, several llama.cpp ones
-                    for part, rows in split:
-                        part_shape, part_type = (len(rows), *shape[1:]), qtype
-                        transposed = PER_HEAD.get((arch.family.arch, part))
-                        if transposed is not None:  # 3-D, a slice per head
-                            per = len(rows) // arch.n_head
-                            part_shape = (arch.n_head, shape[1], per) if transposed else (arch.n_head, per, shape[1])
-                            part_type = "F16" if transposed and qtype != "F32" else qtype
-                        items.append(_Item(k, _renamed(name, kind, part), part_shape, part_type, None, offset,
-                                           transform=transform, rows=rows, head_transposed=bool(transposed)))
-                    continue
-                if (order := _column_order(arch, k)) is not None:
-                    items.append(_Item(k, name, shape, qtype, None, offset, cols=order))
-                    continue
-                items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or (), transform=transform,
-                                   per_expert=2 if k in paired else 1))
-                if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
-                    items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
-                if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
-                    items.append(_Item(f"{module}.weight_global_scale",
-                                       name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))
-        per_file.append(items)
+            shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}  # noqa: SIM118 (a handle)
+        per_file.append(tensor_items(shapes, arch, plan, plan_of, qm.quantized_modules, where=str(qm.root)))
+    if (rope := rope_freqs_item(arch)) is not None:
+        per_file[-1].append(rope)
+    return per_file
+
+
+def tensor_items(shapes: dict[str, tuple[int, ...]], arch: _Arch, plan: TypePlan, plan_of: Callable[[str], TypePlan],
+                 quantized: Collection[str], *, where: str = "", unnamed: str = "refuse") -> list[_Item]:
+    """The GGUF tensors (name, shape, ggml type, how each is made) that canonical tensors `shapes` (checkpoint name ->
+    shape, in file order) become, `quantized` naming the quantized modules: the one decision of each tensor's type,
+    which `export_gguf` writes and `Gguf.written_bytes` counts. `unnamed`: "refuse" a tensor llama.cpp has no name
+    for (the exporter), or "skip" it (the planner, whose header list may hold tensors the canonical form drops)."""
+    names = arch.tensor_names()
+    items: list[_Item] = []
+    experts = _expert_parts(shapes)
+    paired = _merge_gate_up(experts) if arch.family.arch in GATE_UP_EXPERTS else set()
+    for k in shapes:
+        if k.endswith(_CANONICAL_EXTRAS):
+            continue
+        parts = experts.get(k)
+        if parts == ():  # a later expert's tensor: written inside expert 0's merged one
+            continue
+        if k == "lm_head.weight" and arch.tied:
+            continue
+        if _tensor_key(arch, k):  # a per-layer scalar llama.cpp reads as a key (TENSOR_KEYS)
+            continue
+        name = _direct_name(arch, k) or gguf_name(
+            k.replace(".gate_proj.", ".gate_up_proj.") if k in paired else k, names)
+        if name is None and unnamed == "skip":
+            continue
+        if name is None:
+            raise IncompatibleTargetError(
+                f"{where}: tensor {k} has no counterpart in llama.cpp's {arch.family.arch.lower()} "
+                "architecture (the gguf package's tensor-name table); cannot write GGUF",
+                fix="target a compressed-tensors runtime (vllm, sglang, tgi) for this model")
+        shape = shapes[k]
+        module = k.rsplit(".", 1)[0]
+        kind = tensor_kind(name)
+        if (transform := _transform(arch.family.arch, kind)) is not None:
+            shape = transform.shape(shape)
+        if len(shape) == 1:
+            qtype = "F32"
+        elif module in quantized:
+            mine = plan_of(module)
+            qtype = mine.weight_type if shape[-1] % mine.row_multiple == 0 else "F16"
+        elif _kept_f32(name):
+            qtype = "F32"
+        elif name in ("token_embd.weight", "output.weight"):
+            qtype = plan.embedding_type if (plan.embedding_type != "Q8_0" or shape[-1] % BLOCK == 0) else "F16"
+        else:
+            qtype = "F16"  # an ignored (unquantized) linear
+        heads = None
+        if arch.family.permute_qk and name.split(".")[-2] == "attn_q":
+            heads = arch.n_head
+        elif arch.family.permute_qk and name.split(".")[-2] == "attn_k":
+            heads = arch.n_head_kv
+        offset = arch.family.norm_offset if (len(shape) == 1 and "norm" in name.split(".")[-2]
+                                             and kind not in arch.family.norm_offset_skip) else 0.0
+        if parts:
+            modules = [p.rsplit(".", 1)[0] for p in parts]
+            mixed = {plan_of(m).weight_type for m in modules if m in quantized}
+            if len(mixed) > 1 or (mixed and not all(m in quantized for m in modules)):
+                raise IncompatibleTargetError(
+                    f"{name}: llama.cpp holds a layer's experts in one tensor of one type, but this scheme "
+                    f"gives {k.rsplit('.experts.', 1)[0]}'s experts different types",
+                    fix="give every expert of a layer the same scheme for llama.cpp/Ollama targets")
+            shape = ((len(parts) // 2, 2 * shape[0], *shape[1:]) if k in paired
+                     else (len(parts), *shape))
+        if (split := _row_split(arch, k)) is not None:  # one Hugging Face tensor, several llama.cpp ones
+            for part, rows in split:
+                part_shape, part_type = (len(rows), *shape[1:]), qtype
+                transposed = PER_HEAD.get((arch.family.arch, part))
+                if transposed is not None:  # 3-D, a slice per head
+                    per = len(rows) // arch.n_head
+                    part_shape = (arch.n_head, shape[1], per) if transposed else (arch.n_head, per, shape[1])
+                    part_type = "F16" if transposed and qtype != "F32" else qtype
+                items.append(_Item(k, _renamed(name, kind, part), part_shape, part_type, None, offset,
+                                   transform=transform, rows=rows, head_transposed=bool(transposed)))
+            continue
+        if (order := _column_order(arch, k)) is not None:
+            items.append(_Item(k, name, shape, qtype, None, offset, cols=order))
+            continue
+        items.append(_Item(k, name, shape, qtype, heads, offset, parts=parts or (), transform=transform,
+                           per_expert=2 if k in paired else 1))
+        if name == "token_embd.weight" and arch.tied and arch.family.arch in OUTPUT_REQUIRED:
+            items.append(_Item(k, "output.weight", shape, qtype, None))  # the tied head, written twice
+        if qtype == "NVFP4":  # its global scale, which llama.cpp reads beside the weight
+            items.append(_Item(f"{module}.weight_global_scale",
+                               name.removesuffix(".weight") + TENSOR_SCALE_SUFFIX, (1,), "F32", None))
+    return items
+
+
+def rope_freqs_item(arch: _Arch) -> _Item | None:
+    """The `rope_freqs` tensor llama.cpp reads for Llama-3.1's rope scaling or the architecture's own (ROPE_FREQS),
+    written after every canonical tensor; None where the architecture reads none."""
     factors = None
     if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
         factors = llama3_rope_factors(arch)
     elif arch.family.arch in ROPE_FREQS:
         factors = ROPE_FREQS[arch.family.arch](arch)
-    if factors is not None:
-        per_file[-1].append(_Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None, generated=factors))
-    return per_file
+    return None if factors is None else _Item("", "rope_freqs.weight", tuple(factors.shape), "F32", None,
+                                              generated=factors)
 
 
 def _expert_parts(keys) -> dict[str, tuple[str, ...]]:
@@ -1545,6 +1569,28 @@ def export_gguf(
     return result
 
 
+def _write_vocab(writer, vocab: Vocab) -> None:
+    """The tokenizer's keys: its tokens, types, scores and merges (most of a GGUF's metadata, and of the time writing
+    it takes: gguf-py packs each entry on its own)."""
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
+    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
+              "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
+    for kind, tid in vocab.special.items():
+        adders[kind](tid)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_eos_token(vocab.add_eos)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+
+
 def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm: QuantizedModel, model_name: str,
                     notes: list[str]) -> None:
     writer.add_type("model")
@@ -1576,23 +1622,7 @@ def _write_metadata(writer, gguf, arch: _Arch, vocab: Vocab, plan: TypePlan, qm:
     writer.add_file_type(int(gguf.LlamaFileType[plan.file_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    writer.add_tokenizer_model(vocab.model)
-    if vocab.pre is not None:
-        writer.add_tokenizer_pre(vocab.pre)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.types)
-    if vocab.scores is not None:
-        writer.add_token_scores(vocab.scores)
-    if vocab.merges:
-        writer.add_token_merges(vocab.merges)
-    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
-              "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
-    for kind, tid in vocab.special.items():
-        adders[kind](tid)
-    writer.add_add_bos_token(vocab.add_bos)
-    writer.add_add_eos_token(vocab.add_eos)
-    if vocab.chat_template:
-        writer.add_chat_template(vocab.chat_template)
+    _write_vocab(writer, vocab)
 
     scheme = qm.scheme
     writer.add_string("llmc.version", __version__)
@@ -1765,6 +1795,215 @@ def tensor_key_values(qm: QuantizedModel, arch: _Arch) -> dict[str, list[float]]
     return out
 
 
+# --------------------------------------------------------------------------- what the plan counts: bytes and time
+#
+# The plan's count of an export runs the exporter's own choice of each tensor's type (`tensor_items`) on the tensors
+# it knows by name (WrittenTensors.linear_names / other_tensors): the bytes are ggml's blocks of those types, and the
+# time is each type's elements at the probed rate of `_convert` itself on a small tensor of that type (packing,
+# decoding every block again with gguf.quants and the error sums; F16/F32 copies too) plus the vocabulary at the
+# probed rate of reading a tokenizer.json and writing its keys (`read_vocab`, `_write_vocab`: gguf-py packs each
+# token and merge on its own): benchmarks/results/planner-log.md, "The GGUF export's packing and its check".
+
+ALIGNMENT = 32  # GGUFWriter starts each tensor's data at a multiple of this (gguf.GGUF_DEFAULT_ALIGNMENT)
+# The conversion probe's tensor (out, in): its per-element work is what is timed (a probe run repeats `_convert` for
+# at least probes.MIN_SAMPLE_S), and building it takes milliseconds
+CONVERT_PROBE_SHAPE = (256, 1024)
+CONVERT_PROBE_REPEATS = 3  # timed runs per type: each export writes 2-4 types, and a plan probes each once a machine
+# The vocabulary probe's tokenizer: byte-level BPE with as many merges as tokens (SmolLM2, Llama-3, Qwen: 48.9k
+# merges for 49.2k tokens), so the plan prices a model's vocab_size tokens with their merges
+VOCAB_PROBE_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class ConvertWork:
+    """One kind of `_convert` call: a quantized module's weights as ggml type `qtype` (`method`, from `weights`), or
+    an unquantized tensor copied or converted to `qtype` from `dtype`."""
+
+    qtype: str
+    method: str  # "repacked" | "requantized" (quantized weights) | "copy"
+    weights: TensorSpec | None  # the scheme's weights (quantized), else None
+    dtype: str = "float32"  # the canonical tensor's dtype (unquantized)
+
+
+def planned_items(w: WrittenTensors) -> tuple[list[_Item], set[str]] | None:
+    """The GGUF tensors one `WrittenTensors` entry becomes (`tensor_items`, the exporter's own decision) and the
+    quantized modules among them; None where the plan knows no tensor names or the family is not one GGUF writes."""
+    if not (w.linear_names or w.other_tensors) or not w.config:
+        return None
+    # a plan asks for each entry several times (bytes, time, each end of the range; 45k tensors take ~2 s for a
+    # DeepSeek-V3): kept for the last few entries asked
+    return _planned(w.linear_names, w.linears, w.other_tensors, w.weights, json.dumps(w.config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _planned(linear_names: tuple[str, ...], linears: tuple[tuple[int, int], ...],
+             other_tensors: tuple[tuple[str, tuple[int, ...]], ...], weights: TensorSpec,
+             config_json: str) -> tuple[list[_Item], set[str]] | None:
+    w = WrittenTensors(linears=linears, weights=weights, layer_unquantized=0, outer=0, elem=0, kept_elem=0,
+                       linear_names=linear_names, other_tensors=other_tensors, config=json.loads(config_json))
+    try:
+        arch = _arch(dict(w.config))
+        plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
+    except (IncompatibleTargetError, InputError):
+        return None
+    model_type = w.config.get("model_type")
+    quantized = {n for n in w.linear_names if not kept_in_dtype(model_type, n)}  # the stream leaves the others
+    shapes = {f"{n}.weight": tuple(s) for n, s in zip(w.linear_names, w.linears)} | dict(w.other_tensors)
+    try:
+        items = tensor_items(shapes, arch, plan, lambda module: plan, quantized, unnamed="skip")
+    except (IncompatibleTargetError, InputError):
+        return None
+    if w.other_tensors and (rope := rope_freqs_item(arch)) is not None:
+        items.append(rope)
+    return items, quantized
+
+
+def _info_bytes(item: _Item) -> int:
+    """A tensor's entry in the GGUF header: its name (length-prefixed), dimensions, type and offset."""
+    return 8 + len(item.name.encode()) + 4 + 8 * len(item.shape) + 4 + 8
+
+
+def gguf_bytes(w: WrittenTensors) -> float | None:
+    """Bytes model.gguf holds for `w`'s tensors as `export_gguf` writes them (data aligned, header entries), None where
+    the plan knows no names (`planned_items`)."""
+    planned = planned_items(w)
+    if planned is None:
+        return None
+    return sum(-(-_nbytes(i.shape, i.qtype) // ALIGNMENT) * ALIGNMENT + _info_bytes(i) for i in planned[0])
+
+
+def converted_elements(w: WrittenTensors) -> dict[ConvertWork, int]:
+    """Elements `_convert` handles per kind of call for `w`'s tensors: from `planned_items` where the plan knows
+    names, else from the counts (the Linears at the scheme's type, the rest copied to F32 in the layers and to the
+    embedding type outside)."""
+    plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
+    dtype = {2: "bfloat16", 4: "float32"}.get(w.elem, "float32")
+    quant = ConvertWork(plan.weight_type, plan.method, w.weights)
+    out: dict[ConvertWork, int] = {}
+
+    def add(kind: ConvertWork, n: int) -> None:
+        if n:
+            out[kind] = out.get(kind, 0) + n
+
+    planned = planned_items(w)
+    if planned is None:
+        for o, i in w.linears:
+            add(quant, o * i)  # a width no block fits is written F16 from the same decode: priced alike
+        add(ConvertWork("F32", "copy", None, dtype), w.layer_unquantized)
+        add(ConvertWork(plan.embedding_type, "copy", None, dtype), w.outer)
+        return out
+    items, quantized = planned
+    for item in items:
+        if item.generated is not None:
+            continue
+        n = int(np.prod(item.shape))
+        module = item.hf.rsplit(".", 1)[0]
+        if module in quantized and item.hf.endswith(".weight"):
+            add(quant, n)  # F16 parts of a quantized weight (attn_k_b) are decoded as the codes are: priced alike
+        else:
+            add(ConvertWork(item.qtype, "copy", None, dtype), n)
+    return out
+
+
+def convert_rate(kind: ConvertWork) -> float:
+    """Elements/s `_convert` turns into GGUF data of `kind`, timed on a CONVERT_PROBE_SHAPE tensor and cached per
+    machine (llmc.planning.probes)."""
+    out, inp = CONVERT_PROBE_SHAPE
+    what = f"{kind.method} {kind.weights!r}" if kind.weights is not None else f"copy from={kind.dtype}"
+    return probes.rate(f"gguf convert {kind.qtype} {what} elements={out * inp}", _convert_timer(kind),
+                       repeats=CONVERT_PROBE_REPEATS)
+
+
+def vocabulary_rate() -> float:
+    """Tokens/s (each with a merge) of reading a byte-level BPE tokenizer.json and writing its keys into a GGUF
+    (`read_vocab`, `_write_vocab`, GGUFWriter's key-value data), timed on VOCAB_PROBE_TOKENS and cached per machine."""
+    return probes.rate(f"gguf vocabulary tokens={VOCAB_PROBE_TOKENS}", _vocabulary_timer(),
+                       repeats=CONVERT_PROBE_REPEATS)
+
+
+def convert_seconds(work: ExportWork) -> float:
+    """Seconds `export_gguf` spends beyond writing its file: every tensor through `_convert` at its kind's probed
+    rate, and the vocabulary (the model's vocab_size) at the probed rate; 0 for a named profile."""
+    def seconds() -> float:
+        total = 0.0
+        for w in work.written:
+            for kind, n in converted_elements(w).items():
+                total += n / convert_rate(kind)
+        vocab = int(work.config.get("vocab_size") or work.shape.vocab or 0)
+        return total + (vocab / vocabulary_rate() if vocab else 0.0)
+
+    return host_work_seconds(seconds)
+
+
+def _convert_timer(kind: ConvertWork):
+    """A function timing `_convert` on one CONVERT_PROBE_SHAPE tensor of `kind` (a canonical form of one Linear held
+    in memory), repeated for at least probes.MIN_SAMPLE_S of its own time, returning elements/s."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            out, inp = CONVERT_PROBE_SHAPE
+            with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+                torch.manual_seed(0)
+                w = torch.randn(out, inp) * 0.02
+            if kind.weights is None:
+                tensors = {"n.weight": w.to(getattr(torch, kind.dtype))}
+                meta = {"scheme": Scheme(TensorSpec("int8", "channel")).to_dict(), "modules": {}, "config": {}}
+                item = _Item("n.weight", "blk.0.ffn_up.weight", (out, inp), kind.qtype, None)
+                plan = None
+            else:
+                q = quantize_weight(w, kind.weights)
+                tensors = {"l.weight": q.codes,
+                           "l.weight_scale": q.scale if kind.weights.info.microscaling else q.scale.float()}
+                if q.zero_point is not None:
+                    tensors["l.weight_zero_point"] = q.zero_point
+                if q.global_scale is not None:
+                    tensors["l.weight_global_scale"] = q.global_scale
+                meta = {"scheme": Scheme(kind.weights).to_dict(), "modules": {"l": {}}, "config": {}}
+                item = _Item("l.weight", "blk.0.ffn_up.weight", (out, inp), kind.qtype, None)
+                plan = type_plan(kind.weights, GGUF_OPTIONS["embedding_type"], kind.method == "requantized")
+            state.update(qm=QuantizedModel(Path("."), meta), tensors=tensors, item=item, plan=plan)
+        elapsed, n = 0.0, 0
+        while elapsed < probes.MIN_SAMPLE_S:
+            start = time.perf_counter()
+            _convert(state["qm"], state["tensors"], state["item"], lambda module: state["plan"], {})
+            elapsed += time.perf_counter() - start
+            n += 1
+        return n * CONVERT_PROBE_SHAPE[0] * CONVERT_PROBE_SHAPE[1] / elapsed
+
+    return run_once
+
+
+def _vocabulary_timer():
+    """A function timing `read_vocab` of a VOCAB_PROBE_TOKENS-token byte-level BPE tokenizer.json (as many merges)
+    and GGUFWriter writing its keys (`_write_vocab`) into a file, returning tokens/s."""
+    import tempfile
+
+    def run_once() -> float:
+        gguf = _gguf()
+        n = VOCAB_PROBE_TOKENS
+        with tempfile.TemporaryDirectory(prefix="llmc-gguf-probe-") as folder:
+            root = Path(folder)
+            vocab = {f"t{i:05d}x": i for i in range(n)}
+            tj = {"model": {"type": "BPE", "vocab": vocab, "merges": [f"t{i:05d} x" for i in range(n)]},
+                  "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": []}
+            (root / "tokenizer.json").write_text(json.dumps(tj))
+            elapsed, runs = 0.0, 0
+            while elapsed < probes.MIN_SAMPLE_S:
+                start = time.perf_counter()
+                v = read_vocab(root, {"vocab_size": n})
+                writer = gguf.GGUFWriter(path=None, arch="llama")
+                _write_vocab(writer, v)
+                writer.write_header_to_file(root / "probe.gguf")
+                writer.write_kv_data_to_file()
+                writer.close()
+                elapsed += time.perf_counter() - start
+                runs += 1
+        return runs * n / elapsed
+
+    return run_once
+
+
 @register_format
 class Gguf(ArtifactFormat):
     name = "gguf"
@@ -1815,11 +2054,20 @@ class Gguf(ArtifactFormat):
         """model.gguf: each quantized Linear in its ggml type's blocks (F16 where its input width is no multiple
         of the blocks), norms and biases F32, the embedding and head at the embedding type, the vocabulary."""
 
+        if (named := gguf_bytes(w)) is not None:  # each tensor at the type export_gguf gives it (`tensor_items`)
+            return named + w.side_files
         plan = type_plan(w.weights, GGUF_OPTIONS["embedding_type"], GGUF_OPTIONS["requantize"])
         total = sum(_nbytes((o, i), plan.weight_type) if i % plan.row_multiple == 0 else 2 * o * i
                     for o, i in w.linears)
         embedding = {"F32": 4, "F16": 2}.get(plan.embedding_type, 34 / 32)  # Q8_0: 34 bytes a block of 32
         return total + w.layer_unquantized * 4 + w.outer * embedding + w.side_files
+
+    def cost(self, label: str, work: ExportWork) -> CostRow:
+        """The files' write (ArtifactFormat.cost) plus converting every tensor and writing the vocabulary
+        (`convert_seconds`, at probed rates)."""
+        row = super().cost(label, work)
+        row.seconds += convert_seconds(work)
+        return row
 
     def stage_config(self, request: ExportRequest) -> dict:
         return {"target": target_key(request.target), "options": GGUF_OPTIONS}

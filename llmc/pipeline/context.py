@@ -58,6 +58,9 @@ class Costing:
     side_files: int = 0  # bytes of the source's tokenizer files and config.json, which exports copy
     rows: list[CostRow] = field(default_factory=list)  # each stage's, appended as the walk costs it
     config: dict = field(default_factory=dict)  # the model's config.json (mixed precision: its groups' Linears)
+    # every tensor of the model by checkpoint name (safetensors headers, or the config's rows): for a format that
+    # types each tensor on its own (WrittenTensors.other_tensors)
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def elem(self) -> int:

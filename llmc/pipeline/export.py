@@ -145,12 +145,21 @@ def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
     plan's tensor shapes: one entry for a plain scheme; a mixed scheme's first entry holds every tensor but the
     quantized Linears (those of `ignore: true` groups as unquantized layer tensors, the outer weights, the side
     files), then one per quantized group with its Linears at its member's weights."""
-    linears = tuple(shape for n, shape in c.linears.items() if not module_matches(n, scheme.ignore))
+    names = tuple(n for n in c.linears if not module_matches(n, scheme.ignore))
+    linears = tuple(c.linears[n] for n in names)
     quantized = sum(o * i for o, i in linears)
+
+    def others(weights: set[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Every tensor of the model by name but the quantized Linears' `weights`."""
+        return tuple((k, tuple(s)) for k, s in c.tensor_shapes.items() if k not in weights)
+
+    named = bool(c.tensor_shapes)  # a format typing each tensor on its own reads them (WrittenTensors)
     whole = targets.WrittenTensors(
         linears=linears, weights=scheme.weights, outer=c.shape.outer_params,
         layer_unquantized=c.shape.params - quantized - c.shape.outer_params, elem=c.elem, kept_elem=c.kept_elem,
-        side_files=c.side_files, static_input_scales=scheme.activations is not None and not scheme.activations.dynamic)
+        side_files=c.side_files, static_input_scales=scheme.activations is not None and not scheme.activations.dynamic,
+        linear_names=names if named else (), other_tensors=others({f"{n}.weight" for n in names}) if named else (),
+        config=c.config if named else {})
     if not scheme.mixed:
         return [whole]
     members = scheme.members()
@@ -158,10 +167,13 @@ def written_tensors(c: Costing, scheme: Scheme) -> list[targets.WrittenTensors]:
                         by_group(scheme, c.linears, c.config.get("num_hidden_layers", 0),
                                  c.config.get("model_type")).items() if name in members and shapes]
     in_groups = sum(o * i for _, shapes in quantized_groups for o, i in shapes.values())
-    parts = [replace(whole, linears=(), layer_unquantized=c.shape.params - in_groups - c.shape.outer_params)]
+    grouped = {f"{n}.weight" for _, shapes in quantized_groups for n in shapes}
+    parts = [replace(whole, linears=(), layer_unquantized=c.shape.params - in_groups - c.shape.outer_params,
+                     linear_names=(), other_tensors=others(grouped) if named else ())]
     for member, shapes in quantized_groups:
         acts = member.activations
         parts.append(targets.WrittenTensors(
             linears=tuple(shapes.values()), weights=member.weights, outer=0, layer_unquantized=0, elem=c.elem,
-            kept_elem=c.kept_elem, static_input_scales=acts is not None and not acts.dynamic))
+            kept_elem=c.kept_elem, static_input_scales=acts is not None and not acts.dynamic,
+            linear_names=tuple(shapes) if named else (), config=c.config if named else {}))
     return parts

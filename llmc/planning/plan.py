@@ -1085,7 +1085,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
         machine = Machine(available, gpu_free, str(device), cpus)
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
-                          config=config, side_files=side_files)
+                          config=config, side_files=side_files, tensor_shapes=tensors.shapes)
         for stage in stages(recipe, schemes, searched=searched, spaces=plan.search):
             stage.cost(costing)
         for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
