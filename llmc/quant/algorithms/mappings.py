@@ -24,13 +24,18 @@ so SmoothQuant there smooths only v → o and up → down, and AWQ searches only
 
 Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed subset of the norm's output, never
 the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
-the module that returned the block's input → every expert's gate and up, plus the Linears inside the block that
-read that input itself (DeepSeek-V3's and GLM-4.5's shared experts) or the very tensor its experts module gets (a
+the module that returned the tensor the experts module gets (or the block's input, where no module returned that
+tensor: Llama-4's router-scaled input) → every expert's gate and up, plus the Linears inside the block that read the
+block's input itself (DeepSeek-V3's and GLM-4.5's shared experts) or the very tensor its experts module gets (a
 shared expert's gate/up and its one-row sigmoid gate: Qwen2-MoE, Qwen3-Next; that gate, a Linear child of the block
-like the router, is scaled with the router and stays unquantized) (parent: the block, `routed`), with the router's
-input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the routing moves,
-which the check below rejects), and per expert up → down. The check then runs on them as on any candidate. Expert
-Linears are never offered as producers or consumers of other groups.
+like the router, is scaled with the router and stays unquantized) (parent: the block, `routed`), with the input
+columns of the routers that read the producer's output scaled by the same s (`also_scaled`: without it the routing
+moves, which the check below rejects), and per expert up → down. Gemma-4's MoE variant, whose decoder layer is the
+block, gives its experts pre_feedforward_layernorm_2 of the residual beside a dense MLP on pre_feedforward_layernorm,
+and routes from the residual itself (its router's own weightless norm): the pair is pre_feedforward_layernorm_2 →
+the experts, no router scaled, AWQ scoring the experts module (the layer's input is not theirs; the routing is
+replayed as recorded). The check then runs on them as on any candidate. Expert Linears are never offered as producers
+or consumers of other groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
