@@ -200,8 +200,9 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
 
     def first_arg_hook(seen: dict[str, int], key: str):
         def hook(_m, args):
-            note_view(args[0])
-            seen.setdefault(key, id(args[0]))
+            if args and isinstance(args[0], torch.Tensor):  # a module called by keyword only stays unknown
+                note_view(args[0])
+                seen.setdefault(key, id(args[0]))
 
         return hook
 
