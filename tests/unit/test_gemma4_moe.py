@@ -5,7 +5,10 @@ per-layer inputs 32 wide). Checked: the per-expert Linears compute transformers'
 (`router.proj`) stays in float while the layer's other 2-D Linears (per-layer-input gate and projection) are quantized;
 the layer-by-layer calibration forward equals transformers' whole forward; the FP8 and W4A16 GPTQ exports reload in
 llmc's torch engine with the fake-quantized reference's logits and (W4A16) decode in plain transformers (experts
-re-fused) to llmc's logits; the config-only planner lays out every tensor transformers' model holds."""
+re-fused) to llmc's logits; the config-only planner lays out every tensor transformers' model holds. SmoothQuant and
+AWQ: the norm -> experts pair is pre_feedforward_layernorm_2 (the router, reading the residual, left as it is), the
+smoothing keeps the model's function before quantization, and SmoothQuant W8A8 / AWQ W4A16 exports decode in plain
+transformers to llmc's logits (AWQ's cases heavy: ~25-30 s of CPU each)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from safetensors import safe_open
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
 from llmc.quant import moe
+from llmc.quant.algorithms import mappings
 from tests.unit.families import GEMMA4_MOE, make_tiny
 from tests.unit.test_families import SCHEMES, _ids
 from tests.unit.test_moe import (_float_model, _quantize, _tensors, _transformers_logits_of_export,
-                                 export_gives_the_reference_logits)
+                                 _transformers_model_of_export, export_gives_the_reference_logits)
 
 # per layer: q/k/v/o, the dense MLP's 3, the per-layer-input gate and projection, 4 experts x 3
 PER_LAYER = 4 + 3 + 2 + 4 * 3
@@ -206,3 +210,166 @@ def test_gemma4_moe_gguf_holds_what_llama_cpps_gemma4_reads_for_its_moe_layers(g
             assert tensors[f"blk.{i}.{kind}"].tensor_type.name == "F32", kind
             np.testing.assert_array_equal(decoded(f"blk.{i}.{kind}").reshape(canonical[f"{p}.{hf}"].shape),
                                           canonical[f"{p}.{hf}"].float().numpy(), err_msg=kind)
+
+
+# --------------------------------------------------------------------------- SmoothQuant and AWQ (issue 45)
+
+EXPERT_GATE_UP = tuple(f"experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj"))
+
+
+def _layer_and_call(folder: Path, index: int):
+    """Layer `index` of the float64 model (experts per expert) and a call of it on the inputs transformers' whole
+    forward gives it (residual, per-layer input, rotary tables, mask)."""
+    model = _float_model(folder).double()
+    moe.unfuse_experts(model)
+    layer = model.model.layers[index]
+    seen: dict = {}
+    hook = layer.register_forward_pre_hook(lambda _m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=_ids(1, 0), use_cache=False)
+    hook.remove()
+    return layer, seen["args"][0], lambda: layer(*seen["args"], **seen["kwargs"])
+
+
+def test_gemma4_moe_smoothing_pairs_are_the_experts_own_norm_without_the_router(gemma4_moe: Path) -> None:
+    """The experts read pre_feedforward_layernorm_2 of the residual; the router reads the residual itself (its own
+    weightless norm, times router.scale); the dense MLP reads pre_feedforward_layernorm. So the one norm -> experts
+    pair is pre_feedforward_layernorm_2 -> every expert's gate/up, the router left as it is, AWQ scoring the experts
+    module (the layer, the block, reads the residual). The structural check rejects the wrong ones: the router
+    scaled with it, the dense MLP's norm, one norm for both branches. Gemma-4's norms multiply by weight (not Gemma
+    2/3's 1 + weight): the module says so."""
+    from llmc.quant.algorithms.smoothquant import scales_by_one_plus_weight
+
+    layer, x, run = _layer_and_call(gemma4_moe, 1)
+    found = mappings.discover(layer, lambda: (x, run()))
+    assert [(m.producer, m.consumers[0]) for m in found if m.from_norm] == [
+        ("input_layernorm", "self_attn.q_proj"), ("pre_feedforward_layernorm", "mlp.gate_proj"),
+        ("pre_feedforward_layernorm_2", "experts.0.gate_proj")]
+    (pair,) = [m for m in found if m.routed]
+    assert (pair.producer, set(pair.consumers), pair.parent, pair.also_scaled) == (
+        "pre_feedforward_layernorm_2", set(EXPERT_GATE_UP), "experts", ())
+    assert {(m.producer, m.consumers) for m in found if m.producer.startswith("experts.")} == {
+        (f"experts.{e}.up_proj", (f"experts.{e}.down_proj",)) for e in range(4)}
+    assert not scales_by_one_plus_weight(layer.pre_feedforward_layernorm_2)
+
+    with torch.no_grad():
+        out = run()
+    added = (out - x).abs().max().item()
+    generator = torch.Generator().manual_seed(1)
+    M = mappings.Mapping
+    assert mappings._preserves(layer, pair, run, out, added, generator)
+    wrong = [M("pre_feedforward_layernorm_2", EXPERT_GATE_UP, "experts", True, also_scaled=("router.proj",),
+               routed=True),
+             M("pre_feedforward_layernorm", EXPERT_GATE_UP, "experts", True, routed=True),
+             M("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj", *EXPERT_GATE_UP), "", True, routed=True)]
+    assert not [m for m in wrong if mappings._preserves(layer, m, run, out, added, generator)]
+
+
+def _smoothed_float_layers(monkeypatch) -> dict[str, torch.Tensor]:
+    """Collects every layer's float tensors as the transform (SmoothQuant, AWQ) leaves them, before quantization."""
+    from llmc.quant.algorithms.steps import AlgorithmSteps
+
+    smoothed: dict[str, torch.Tensor] = {}
+    real = AlgorithmSteps.transform_layer
+
+    def transform_layer(self, layer, prefix, stats):
+        changed = real(self, layer, prefix, stats)
+        smoothed.update({prefix + k: v.detach().clone() for k, v in layer.state_dict().items()})
+        return changed
+
+    monkeypatch.setattr(AlgorithmSteps, "transform_layer", transform_layer)
+    return smoothed
+
+
+@pytest.mark.parametrize("scheme_name", ["int8-smoothquant", pytest.param("int4-awq", marks=pytest.mark.heavy)])
+def test_gemma4_moe_smoothing_keeps_the_models_function_before_quantization(gemma4_moe: Path, scheme_name: str,
+                                                                           tmp_path: Path, monkeypatch) -> None:
+    """SmoothQuant W8A8 (alpha 0.5, norms) and AWQ W4A16 (its scale search alone: clip off) through the stream: the
+    float model with the smoothed weights and norms, as the transform leaves each layer before quantization, gives
+    the original model's logits (float tolerance), and the smoothing moved pre_feedforward_layernorm_2 and the
+    experts' gate/up columns (the router's weights untouched)."""
+    import dataclasses
+
+    scheme = SCHEMES[scheme_name]
+    if scheme.algorithm == "awq":
+        scheme = dataclasses.replace(scheme, algorithm_options=(("clip", False),))
+    smoothed = _smoothed_float_layers(monkeypatch)
+    _quantize(gemma4_moe, scheme, tmp_path / "q")
+    model = _float_model(gemma4_moe)
+    moe.unfuse_experts(model)
+    ids = _ids(2, 2)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    assert set(smoothed) <= set(original) and len(smoothed) > 2 * PER_LAYER
+    model.load_state_dict(smoothed, strict=False)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    for i in range(2):
+        p = f"model.layers.{i}"
+        for moved in ("pre_feedforward_layernorm_2.weight", "experts.1.up_proj.weight"):
+            assert not torch.allclose(smoothed[f"{p}.{moved}"], original[f"{p}.{moved}"], rtol=1e-3), (p, moved)
+        assert torch.equal(smoothed[f"{p}.router.proj.weight"], original[f"{p}.router.proj.weight"])
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * before.abs().max().item())
+
+
+class _DynamicInt8Inputs(torch.overrides.TorchFunctionMode):
+    """Every F.linear whose weight is one of `weights` (by storage address: transformers' fused experts call it on
+    gate_up_proj[e] and down_proj[e]) gets its input quantized per token as vLLM's dynamic symmetric int8 kernel does:
+    scale = the row's |x| max / 127, codes rounded to nearest (even) and clamped to [-128, 127]."""
+
+    def __init__(self, weights: set[int]) -> None:
+        super().__init__()
+        self.weights = weights
+        self.seen: set[int] = set()  # the weights whose inputs it quantized
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[1].data_ptr() in self.weights:
+            self.seen.add(args[1].data_ptr())
+            x = args[0]
+            scale = x.abs().amax(dim=-1, keepdim=True) / 127
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            args = ((x / scale).round().clamp(-128, 127) * scale, *args[1:])
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("scheme_name", ["int8-smoothquant", pytest.param("int4-awq", marks=pytest.mark.heavy)])
+def test_gemma4_moe_smoothed_export_decodes_in_plain_transformers_to_llmcs_logits(gemma4_moe: Path, scheme_name: str,
+                                                                                tmp_path: Path) -> None:
+    """SmoothQuant W8A8 (int8 per-channel weights, dynamic per-token int8 activations) and AWQ W4A16 g32: the
+    artifact holds the smoothed pre_feedforward_layernorm_2 and the experts per expert (router.proj float, ignored);
+    llmc's torch engine on it gives the fake-quantized reference's logits, and the weights decoded by
+    compressed-tensors into plain transformers (experts re-fused; W8A8: every quantized Linear's input, the fused
+    experts' included, quantized per token as vLLM does) give llmc's logits."""
+    scheme = SCHEMES[scheme_name]
+    qm = _quantize(gemma4_moe, scheme, tmp_path / "q")
+    tensors = _tensors(qm)
+    original = _float_model(gemma4_moe).state_dict()
+    norm = "model.layers.0.pre_feedforward_layernorm_2.weight"
+    assert not torch.allclose(tensors[norm], original[norm], rtol=1e-3)  # smoothed, and stored so
+    assert len(qm.quantized_modules) == 2 * PER_LAYER and "model.layers.0.router.proj" not in qm.quantized_modules
+    export_compressed_tensors(qm, tmp_path / "export")
+    with safe_open(str(next((tmp_path / "export").glob("*.safetensors"))), "pt") as f:
+        torch.testing.assert_close(f.get_tensor(norm), tensors[norm], rtol=0, atol=0)
+        assert "model.layers.1.router.proj.weight_scale" not in set(f.keys())
+    ids, got = export_gives_the_reference_logits(gemma4_moe, qm, scheme, tmp_path / "export")
+    plain = _transformers_model_of_export(tmp_path / "export", gemma4_moe)
+    weights: set[int] = set()
+    if scheme.activations is not None:  # dynamic per token: the runtime quantizes each quantized Linear's input
+        assert scheme.activations.dynamic and scheme.activations.strategy == "token"
+        # transformers' own per-expert loop (an F.linear per expert, whose input the mode can quantize): its default
+        # grouped_mm calls none
+        plain.set_experts_implementation("eager")
+        for module in qm.quantized_modules:
+            layer, _, rest = module.partition(".experts.")
+            if rest:  # experts.E.{gate,up,down}_proj: a slice of the fused tensors
+                expert, proj = rest.split(".")
+                fused = plain.get_submodule(f"{layer}.experts")
+                weights.add((fused.down_proj if proj == "down_proj" else fused.gate_up_proj)[int(expert)].data_ptr())
+            else:
+                weights.add(plain.get_submodule(module).weight.data_ptr())
+    with torch.no_grad(), _DynamicInt8Inputs(weights) as mode:
+        own = plain(input_ids=ids).logits
+    assert mode.seen == weights  # every quantized Linear's input, each expert's included
+    assert (own - got).abs().max().item() < 1e-4

@@ -669,10 +669,16 @@ def test_gpt_oss_layer_by_layer_calibration_sees_the_whole_models_activations(gp
 
 
 def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of `_transformers_model_of_export`, by transformers' own fused forward (no llmc code on the path)."""
+    model = _transformers_model_of_export(export, source)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _transformers_model_of_export(export: Path, source: Path):
     """The export decoded by compressed-tensors' own decompressors, the per-expert tensors put back into transformers'
     fused layout (transposed; gate/up interleaved for gpt-oss, halves for Llama-4: the inverse of the layout row,
-    written out here), loaded into the plain transformers model: its logits, by transformers' own fused forward (no
-    llmc code on the path)."""
+    written out here), loaded into the plain transformers model."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
@@ -714,8 +720,7 @@ def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor
                     experts.down_proj_bias[e] = state.pop(f"{p}.{e}.down_proj.bias")
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(".experts." in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
-    with torch.no_grad():
-        return model(input_ids=ids).logits
+    return model
 
 
 def _refuse_gemma4_experts(experts, state: dict, p: str) -> None:

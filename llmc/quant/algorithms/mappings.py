@@ -24,13 +24,18 @@ so SmoothQuant there smooths only v → o and up → down, and AWQ searches only
 
 Mixture-of-Experts blocks (`llmc.quant.moe`): each expert reads its own routed subset of the norm's output, never
 the same tensor object, so tracing cannot group them. Their candidates come from the block's structure instead:
-the module that returned the block's input → every expert's gate and up, plus the Linears inside the block that
-read that input itself (DeepSeek-V3's and GLM-4.5's shared experts) or the very tensor its experts module gets (a
+the module that returned the tensor the experts module gets (or the block's input, where no module returned that
+tensor: Llama-4's router-scaled input) → every expert's gate and up, plus the Linears inside the block that read the
+block's input itself (DeepSeek-V3's and GLM-4.5's shared experts) or the very tensor its experts module gets (a
 shared expert's gate/up and its one-row sigmoid gate: Qwen2-MoE, Qwen3-Next; that gate, a Linear child of the block
-like the router, is scaled with the router and stays unquantized) (parent: the block, `routed`), with the router's
-input columns scaled by the same s (`also_scaled`: the router reads that input too, and without it the routing moves,
-which the check below rejects), and per expert up → down. The check then runs on them as on any candidate. Expert
-Linears are never offered as producers or consumers of other groups.
+like the router, is scaled with the router and stays unquantized) (parent: the block, `routed`), with the input
+columns of the routers that read the producer's output scaled by the same s (`also_scaled`: without it the routing
+moves, which the check below rejects), and per expert up → down. Gemma-4's MoE variant, whose decoder layer is the
+block, gives its experts pre_feedforward_layernorm_2 of the residual beside a dense MLP on pre_feedforward_layernorm,
+and routes from the residual itself (its router's own weightless norm): the pair is pre_feedforward_layernorm_2 →
+the experts, no router scaled, AWQ scoring the experts module (the layer's input is not theirs; the routing is
+replayed as recorded). The check then runs on them as on any candidate. Expert Linears are never offered as producers
+or consumers of other groups.
 
 `layer_mappings(layer)` returns what `discover` recorded for the layer (the layer stream records every layer
 before its algorithms run); for a layer never traced it falls back to the Llama-family names.
@@ -130,9 +135,17 @@ class _Trace:
     # MoE block -> the Linears outside its experts that read the very tensor its experts module gets (a shared
     # expert's gate/up and its gate: Qwen2-MoE, Qwen3-Next)
     beside_experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # MoE block -> the module that returned the tensor its experts module gets (or the tensor it is a whole view of):
+    # the block's input producer in most families; Gemma-4's pre_feedforward_layernorm_2, whose block is the layer
+    experts_input_producer: dict[str, str | None] = field(default_factory=dict)
+    # a router (layer-relative, `moe.block_routers`) -> the module that returned what it reads (or a whole view of
+    # it): it takes the pair's scale only when that is the pair's producer (Gemma-4's router reads the residual)
+    router_input_producer: dict[str, str | None] = field(default_factory=dict)
 
 
 def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str, ...] = ()) -> _Trace:
+    from llmc.quant import moe
+
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     produced: dict[int, str] = {}
     inputs: dict[str, int] = {}
@@ -150,16 +163,19 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
 
         return hook
 
+    def note_view(x: torch.Tensor) -> None:
+        keep.append(x)
+        # DeepSeek's kv_b_proj reads kv_a_layernorm's output reshaped (.view): still that norm's output
+        if x._base is not None and x._base.numel() == x.numel():
+            keep.append(x._base)
+            reshaped_from.setdefault(id(x), id(x._base))
+
     def in_hook(name: str):
         def hook(_m, args):
             x = args[0]
-            keep.append(x)
+            note_view(x)
             inputs.setdefault(name, id(x))
             first_call.setdefault(name, len(first_call))
-            # DeepSeek's kv_b_proj reads kv_a_layernorm's output reshaped (.view): still that norm's output
-            if x._base is not None and x._base.numel() == x.numel():
-                keep.append(x._base)
-                reshaped_from.setdefault(id(x), id(x._base))
 
         return hook
 
@@ -180,16 +196,22 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
             # the residual stream, which no module of the layer produces
             handles.append(module.register_forward_pre_hook(in_hook(name)))
     experts_input: dict[str, int] = {}  # MoE block -> the tensor its experts module was given
+    router_input: dict[str, int] = {}  # router -> the tensor it was given
 
-    def experts_hook(block: str):
+    def first_arg_hook(seen: dict[str, int], key: str):
         def hook(_m, args):
-            keep.append(args[0])
-            experts_input.setdefault(block, id(args[0]))
+            if args and isinstance(args[0], torch.Tensor):  # a module called by keyword only stays unknown
+                note_view(args[0])
+                seen.setdefault(key, id(args[0]))
 
         return hook
 
     for b in blocks:
-        handles.append(layer.get_submodule(b).experts.register_forward_pre_hook(experts_hook(b)))
+        block = layer.get_submodule(b)
+        handles.append(block.experts.register_forward_pre_hook(first_arg_hook(experts_input, b)))
+        for r in moe.block_routers(block, block.experts):
+            handles.append(block.get_submodule(r).register_forward_pre_hook(
+                first_arg_hook(router_input, moe.block_path(b, r))))
     try:
         with torch.no_grad():
             run()
@@ -205,9 +227,14 @@ def _trace(layer: nn.Module, run: Callable[[], torch.Tensor], blocks: tuple[str,
                if b in inputs}
     beside = {b: tuple(n for g in groups for n in g if inputs[n] == experts_input[b] and n.startswith(inside[b])
                        and not n.startswith(f"{inside[b]}experts.")) for b in blocks if b in experts_input}
-    producer_of = {g: produced.get(inputs[g[0]], produced.get(reshaped_from.get(inputs[g[0]], -1))) for g in groups}
+
+    def producer(tensor: int) -> str | None:  # the module that returned the tensor, or the tensor it wholly views
+        return produced.get(tensor, produced.get(reshaped_from.get(tensor, -1)))
+
+    producer_of = {g: producer(inputs[g[0]]) for g in groups}
     return _Trace(groups, producer_of, first_call, {b: produced.get(inputs[b]) for b in blocks if b in inputs},
-                  readers, inputs, module_input, beside)
+                  readers, inputs, module_input, beside, {b: producer(t) for b, t in experts_input.items()},
+                  {r: producer(t) for r, t in router_input.items()})
 
 
 def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bool) -> str | None:
@@ -222,21 +249,35 @@ def _parent(layer: nn.Module, consumers: tuple[str, ...], producer_is_linear: bo
 
 
 def _moe_candidates(layer: nn.Module, trace: _Trace) -> list[Mapping]:
-    """Per MoE block: the block input's producer -> every expert's gate and up (router scaled too), and per expert
-    up -> down (module docstring)."""
+    """Per MoE block: the producer of the experts' input -> every expert's gate and up (the routers that read that
+    same tensor scaled too), and per expert up -> down (module docstring)."""
     from llmc.quant import moe
 
     out = []
     for name, block, experts in moe.routed_blocks(layer):
-        producer = trace.block_input_producer.get(name)
+        block_producer = trace.block_input_producer.get(name)
+        # what the experts read: the block's input in most families (Mixtral, Qwen, DeepSeek: a view of it; Llama-4:
+        # it times the router scores, which no module returns), a norm of the layer's own beside a dense MLP where the
+        # decoder layer is the block (Gemma-4: pre_feedforward_layernorm_2 of the residual)
+        producer = trace.experts_input_producer.get(name) or block_producer
         gate_up = tuple(moe.block_path(name, f"experts.{e}.{p}") for e, x in enumerate(experts) for p in x.names[:2])
-        gate_up += trace.block_input_readers.get(name, ())  # DeepSeek's shared experts read the block input itself
-        router = [moe.block_path(name, n) for n in moe.block_routers(block, experts)]
+        routers = [moe.block_path(name, n) for n in moe.block_routers(block, experts)]
+        # a router takes s where it reads the producer's output, else the routing would move (the check rejects the
+        # pair without it); one reading something else keeps its weights (Gemma-4's router: the residual, normed by
+        # its own weightless norm)
+        scaled = tuple(r for r in routers if trace.router_input_producer.get(r) == producer)
+        if producer == block_producer:  # AWQ scores the whole block, whose input is the consumers'
+            parent = name
+            gate_up += trace.block_input_readers.get(name, ())  # DeepSeek's shared experts read the block input itself
+        else:  # the block's input is not theirs: AWQ scores the experts module (its input is theirs; the routing,
+            parent = moe.block_path(name, "experts")  # computed from another tensor, is replayed as recorded)
         # a shared expert reads the block's whole input beside the routed experts: its gate/up are consumers too (its
         # sigmoid gate, a Linear child of the block, is scaled with the router and stays unquantized)
-        shared = tuple(n for n in trace.beside_experts.get(name, ()) if n not in router and n not in gate_up)
+        shared = tuple(n for n in trace.beside_experts.get(name, ()) if n not in routers and n not in gate_up)
+        if shared and parent != name:  # no module AWQ could score would hold both the experts and these Linears
+            producer = None
         if producer is not None and is_norm(layer.get_submodule(producer), layer.get_submodule(gate_up[0]).in_features):
-            out.append(Mapping(producer, gate_up + shared, name, True, also_scaled=tuple(router), routed=True))
+            out.append(Mapping(producer, gate_up + shared, parent, True, also_scaled=scaled, routed=True))
         for e, x in enumerate(experts):
             _gate, up, down = (moe.block_path(name, f"experts.{e}.{p}") for p in x.names)
             out.append(Mapping(up, (down,), down, False))
