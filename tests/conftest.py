@@ -206,9 +206,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="merge each test's seconds (setup + call + teardown) into FILE (tests/durations.json)")
 
 
-def _recorded() -> dict[str, dict[str, float]]:
+def _read_durations(path: Path) -> dict[str, dict[str, float]]:
     try:
-        return json.loads(DURATIONS.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
@@ -221,7 +221,7 @@ def _shared_fixtures(item: pytest.Item) -> set[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    measured = _recorded()
+    measured = _read_durations(DURATIONS)
     heavy_setups: set[tuple[str, str]] = set()  # (module, fixture) whose first user was heavy for its setup
     for item in items:
         seconds = measured.get(item.nodeid)
@@ -249,10 +249,7 @@ class _DurationRecorder:
         phases[report.when] = round(phases.get(report.when, 0.0) + report.duration, 2)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        try:
-            merged = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            merged = {}
+        merged = _read_durations(self.path)
         merged.update(self.seconds)
         tmp = self.path.with_name(self.path.name + ".tmp")
         lines = (f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(merged.items()))
