@@ -702,6 +702,21 @@ def _check_scheme(scheme: Scheme, where: str) -> None:
                                           "version", fix=f"use {', '.join(others)} or {last} weights")
 
 
+def _with_target_zero_grids(schemes: dict[str, Scheme], recipe_targets: list[Target]) -> tuple[dict[str, Scheme], list[str]]:
+    """`schemes` with each target format's constraint on zero points (GPTQ v1), which holds for the one canonical
+    form every target exports, and a note per scheme it changed."""
+    grids = {g for g in (targets.format_for(t).zero_grid for t in recipe_targets) if g is not None}
+    gridded = dict(schemes)
+    for grid in sorted(grids):
+        gridded = {name: with_zero_grid(scheme, grid) for name, scheme in gridded.items()}
+    notes = [f"{name + ': ' if name else ''}asymmetric zero points are kept off 0 for the GPTQ-format target(s) "
+             f"{', '.join(t.label for t in recipe_targets if targets.format_for(t).zero_grid)} (GPTQ v1 stores "
+             "zero - 1, and its readers read a stored 2^b - 1 differently): a range whose zero point would be 0 "
+             "takes a one-level narrower grid (docs/model-sources.md)"
+             for name, scheme in gridded.items() if scheme != schemes[name]]
+    return gridded, notes
+
+
 def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path | None = None, *,
               config: dict | None = None, refuse: bool = True, nproc: int | None = None,
               check_time: bool = True, resolved: dict[str, tuple[Scheme, dict]] | None = None,
@@ -720,19 +735,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         schemes[name] = schemes[name].member(members[max(kept, key=lambda c: members[c].weights.stored_bits)])
     resolved = resolved or {}
     schemes.update({name: scheme for name, (scheme, _) in resolved.items()})  # a build's searched mixes, solved
-    # a target format's constraint on zero points (GPTQ v1) holds for the one canonical form every target exports
-    grids = {g for g in (targets.format_for(t).zero_grid for t in recipe.targets) if g is not None}
-    gridded = dict(schemes)
-    for grid in sorted(grids):
-        gridded = {name: with_zero_grid(scheme, grid) for name, scheme in gridded.items()}
-    zero_note = [f"{name + ': ' if name else ''}asymmetric zero points are kept off 0 for the GPTQ-format target(s) "
-                 f"{', '.join(t.label for t in recipe.targets if targets.format_for(t).zero_grid)} (GPTQ v1 stores "
-                 "zero - 1, and its readers read a stored 2^b - 1 differently): a range whose zero point would be 0 "
-                 "takes a one-level narrower grid (docs/model-sources.md)"
-                 for name, scheme in gridded.items() if scheme != schemes[name]]
-    schemes = gridded
     plan = Plan(recipe=recipe, scheme=next(iter(schemes.values())), schemes=schemes,
-                searched={name: chosen for name, (_, chosen) in resolved.items()}, warnings=zero_note)
+                searched={name: chosen for name, (_, chosen) in resolved.items()})
     for name, scheme in schemes.items():
         where = f"variants[{name}].quantization" if name else "quantization"
         for t in recipe.targets:  # what the hardware/runtime cannot do is the more useful message
@@ -741,6 +745,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             label = f"{name}/{t.label}" if name else t.label
             plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
         _check_scheme(scheme, where)
+    # after the targets' checks, which name a target whose exporter is missing (the grid never changes what they accept)
+    plan.schemes, zero_note = _with_target_zero_grids(schemes, recipe.targets)
+    plan.scheme, plan.warnings = next(iter(plan.schemes.values())), zero_note + plan.warnings
+    schemes = plan.schemes
     _plan_gates(plan)
     nproc = nproc or int(os.environ.get("WORLD_SIZE", 1))
     _check_rank_split(recipe, schemes, nproc)
