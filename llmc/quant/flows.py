@@ -172,7 +172,8 @@ class SharedStatistics(DataFlow):
         return 0.0  # the ranges an earlier scheme recorded: no calibration forward
 
     def prepare(self, s: Stream, calibration, mask) -> None:
-        log("calibration statistics come from an earlier scheme on the same model and data: no calibration forward")
+        log("calibration statistics recorded earlier in this build (by an earlier scheme, or the search's measuring "
+            "pass) on the same model and data: no calibration forward")
 
     def calibrate(self, s: Stream, w: LayerWork) -> None:
         w.stats = stats_from_shared(to_device(s.shared.load(w.index), s.device), w.linears, w.kv_modules)

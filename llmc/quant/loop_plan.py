@@ -144,7 +144,8 @@ def decide_layer_loop(pipeline: AlgorithmSteps, facts: LoopFacts) -> LayerLoopPl
         # MoE: which experts were starved depends on the routed tokens, which shared ranges do not record
         reusable = facts.shared_covered and not pipeline.needs_inputs_after_transform
         shared = "reuse" if reusable else "record"
-        why.append("statistics from an earlier scheme on the same model and data: no calibration forward"
+        why.append("statistics recorded earlier in this build (by an earlier scheme, or the search's measuring "
+                   "pass) on the same model and data: no calibration forward"
                    if reusable else "ranges recorded for later schemes on the same model and data")
     forwards = calibrates and shared != "reuse"
     spill = resident = one_forward = False
