@@ -8,13 +8,18 @@ forward (the MoE families' own tests: tests/unit/test_moe.py, test_deepseek.py).
 what is proven") is the table of what each case asserts.
 
 Where plain transformers cannot load the artifact, the case says why and proves it another way (`Row.decode`):
-- gpt-oss / Llama-4 text: transformers has no per-expert names for their fused experts, so the artifact's tensors are
-  decoded by compressed-tensors' decompressors and put back into transformers' fused layout (W4A16: logits by
-  transformers' own fused forward; FP8 W8A8 and the mixed recipe: weights tensor by tensor).
+- gpt-oss / Llama-4 text / Gemma-4 MoE: transformers has no per-expert names for their fused experts, so the
+  artifact's tensors are decoded by compressed-tensors' decompressors, each Linear by the config group whose targets
+  match it (`_decoded_state`, as vLLM matches), and put back into transformers' fused layout; the logits are
+  transformers' own fused forward's. FP8 W8A8: each expert's static input scale is applied by compressed-tensors'
+  fake_quantize where that expert's input enters the fused forward (`_InputQuantizedWeight`), the other Linears' by a
+  pre-hook (`_quantize_inputs`).
 - gpt-oss: no compressed-tensors runtime takes its per-expert experts (llmc.runtimes.vllm), so `llmc build` refuses
   every target at plan time; its artifact comes from the functions the build runs (stream, export) instead.
 - DeepSeek-V3 / GLM-4.5 NVFP4-experts artifacts: transformers picks the dense Linears' config group by the word
-  "experts" (`_MIXED_UNLOADABLE`); the load's failure is asserted, the weights are proven tensor by tensor.
+  "experts" (`_MIXED_UNLOADABLE`); the load's failure is asserted, and the artifact decoded per Linear
+  (`_decoded_state`) is saved as a float checkpoint that transformers' own `from_pretrained` loads
+  (`_transformers_model_of_decoded`), its FP8 Linears' inputs quantized as above.
 - NVFP4 experts in every family: transformers decodes them without their global scale (`_plain_transformers_logits`).
 
 Tolerances. FP8 and INT4 codes decode exactly in float32 in both decoders (the fake-quantized activations use the same
@@ -438,6 +443,16 @@ def _transformers_model_of_decoded(export: Path, work: Path):
     return model.eval()
 
 
+def _input_quantized_logits(model, export: Path, ids: torch.Tensor, llmc: torch.Tensor) -> torch.Tensor:
+    """transformers' logits with the artifact's input scales applied (`_quantize_inputs`); first without them, which
+    must miss llmc's logits (so the check depends on applying them: measured 0.28-0.38 on gpt-oss)."""
+    with torch.no_grad():
+        unquantized = model(input_ids=ids).logits
+        assert (unquantized - llmc).abs().max().item() > 1e-3, "the input scales must matter"
+        _quantize_inputs(model, export)
+        return model(input_ids=ids).logits
+
+
 def _llmc_logits(export: Path, ids: torch.Tensor) -> torch.Tensor:
     from llmc.engines.torch_ref import TorchEngine
 
@@ -488,18 +503,14 @@ def test_llmc_build_artifacts_decode_in_plain_transformers_to_llmcs_logits(famil
                 plain = _transformers_logits_of_export(export, folder, ids)
             else:  # re-fused from the per-Linear decode; the inputs quantized where each expert's enters
                 model = _transformers_model_of_export(export, folder, _decoded_state(export))
-                _quantize_inputs(model, export)
-                with torch.no_grad():
-                    plain = model(input_ids=ids).logits
+                plain = _input_quantized_logits(model, export, ids, llmc)
                 if variant == "fp8":  # every expert ran with its input quantized (all routed on these tokens)
                     assert _experts_used(model) == set(range(_num_experts(folder))), _experts_used(model)
         elif variant == "nvfp4-experts" and not row.mixed_loads:
             with pytest.raises(RuntimeError, match=_MIXED_UNLOADABLE):  # a fix upstream is noticed here
                 _plain_transformers_logits(export, ids)
             model = _transformers_model_of_decoded(export, tmp_path / f"decoded-{variant}")
-            _quantize_inputs(model, export)
-            with torch.no_grad():
-                plain = model(input_ids=ids).logits
+            plain = _input_quantized_logits(model, export, ids, llmc)
         else:
             plain = _plain_transformers_logits(export, ids)
         diff = (plain - llmc).abs().max().item()
