@@ -8,13 +8,18 @@ forward (the MoE families' own tests: tests/unit/test_moe.py, test_deepseek.py).
 what is proven") is the table of what each case asserts.
 
 Where plain transformers cannot load the artifact, the case says why and proves it another way (`Row.decode`):
-- gpt-oss / Llama-4 text: transformers has no per-expert names for their fused experts, so the artifact's tensors are
-  decoded by compressed-tensors' decompressors and put back into transformers' fused layout (W4A16: logits by
-  transformers' own fused forward; FP8 W8A8 and the mixed recipe: weights tensor by tensor).
+- gpt-oss / Llama-4 text / Gemma-4 MoE: transformers has no per-expert names for their fused experts, so the
+  artifact's tensors are decoded by compressed-tensors' decompressors, each Linear by the config group whose targets
+  match it (`_decoded_state`, as vLLM matches), and put back into transformers' fused layout; the logits are
+  transformers' own fused forward's. FP8 W8A8: each expert's static input scale is applied by compressed-tensors'
+  fake_quantize where that expert's input enters the fused forward (`_InputQuantizedWeight`), the other Linears' by a
+  pre-hook (`_quantize_inputs`).
 - gpt-oss: no compressed-tensors runtime takes its per-expert experts (llmc.runtimes.vllm), so `llmc build` refuses
   every target at plan time; its artifact comes from the functions the build runs (stream, export) instead.
 - DeepSeek-V3 / GLM-4.5 NVFP4-experts artifacts: transformers picks the dense Linears' config group by the word
-  "experts" (`_MIXED_UNLOADABLE`); the load's failure is asserted, the weights are proven tensor by tensor.
+  "experts" (`_MIXED_UNLOADABLE`); the load's failure is asserted, and the artifact decoded per Linear
+  (`_decoded_state`) is saved as a float checkpoint that transformers' own `from_pretrained` loads
+  (`_transformers_model_of_decoded`), its FP8 Linears' inputs quantized as above.
 - NVFP4 experts in every family: transformers decodes them without their global scale (`_plain_transformers_logits`).
 
 Tolerances. FP8 and INT4 codes decode exactly in float32 in both decoders (the fake-quantized activations use the same
@@ -294,6 +299,160 @@ def _plain_transformers_logits(export: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def _decoded_state(export: Path) -> dict[str, torch.Tensor]:
+    """The artifact's weights decoded as vLLM reads them: each quantized Linear matched against every config group's
+    targets (`_group_of`) and decoded by that group's compressed-tensors decompressor (NVFP4: its decode steps in
+    float32, `_nvfp4_float32`), every other tensor as stored; the static scales (input, k, v) left out."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    config = json.loads((export / "config.json").read_text())["quantization_config"]
+    raw = {k: v for f in export.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    packed = {k.rsplit(".", 1)[0] for k in raw if k.endswith(".weight_scale")}
+    state, parts = {}, {}
+    for name, t in raw.items():
+        module, _, local = name.rpartition(".")
+        if module in packed and local.startswith("weight"):
+            parts.setdefault(module, {})[local] = t
+        elif local not in ("input_scale", "k_scale", "v_scale"):
+            state[name] = t
+    for module, tensors in parts.items():
+        group = _group_of(config, module)
+        scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
+        fmt = group.get("format") or config["format"]
+        if fmt == "nvfp4-pack-quantized":
+            weight = _nvfp4_float32(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"],
+                                    scheme)
+        else:
+            weight = BaseCompressor.get_value_from_registry(fmt).decompress(tensors, scheme)["weight"].float()
+        state[f"{module}.weight"] = weight
+    return state
+
+
+class _InputQuantizedWeight(torch.Tensor):
+    """A fused experts' weight ([E, ...]) carrying each expert's static input scale: wherever transformers' own fused
+    forward multiplies an activation by expert e's slice (`x @ w[e]`, `F.linear(x, w[e])`) or by the whole stack
+    (`torch.bmm(x, w)`, x [E, tokens, in]), the activation is first fake-quantized by compressed-tensors with expert
+    e's scale: the per-expert Linear's input quantization of the artifact, at the point each expert's input enters
+    the fused forward. Every other use sees the plain weight. `used` counts the experts quantized (all must be)."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, scales: torch.Tensor, args, used: set, expert: int | None = None):
+        out = torch.Tensor._make_subclass(cls, weight)
+        out.scales, out.args, out.used, out.expert = scales, args, used, expert
+        return out
+
+    def _quantized(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+        self.used.add(e)
+        scale = self.scales[e]
+        return fake_quantize(x, scale, torch.zeros_like(scale), self.args)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plain = [a.as_subclass(torch.Tensor) if isinstance(a, cls) else a for a in args]
+        w = args[1] if len(args) > 1 and isinstance(args[1], cls) else None
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__getitem__ and isinstance(args[0], cls) and args[0].expert is None:
+                e = int(args[1])  # one expert's slice, its scale with it
+                return cls(plain[0][e], args[0].scales, args[0].args, args[0].used, e)
+            if w is not None and func in (torch.Tensor.__matmul__, torch.Tensor.matmul, torch.matmul, torch.nn.functional.linear):
+                assert w.expert is not None, func
+                return func(w._quantized(plain[0], w.expert), *plain[1:], **kwargs)
+            if w is not None and func is torch.bmm:
+                assert w.expert is None and plain[0].shape[0] == len(w.scales), plain[0].shape
+                x = torch.stack([w._quantized(plain[0][e], e) for e in range(len(w.scales))])
+                return func(x, *plain[1:], **kwargs)
+            assert not any(isinstance(a, cls) for a in args[1:]), func  # an activation op on the weight: unhandled
+            return func(*plain, **kwargs)
+
+
+def _quantize_inputs(model, export: Path) -> None:
+    """The artifact's static input scales applied by compressed-tensors' `fake_quantize` (each Linear's group's
+    input_activations): a forward pre-hook on every Linear of transformers' model that has one; the fused experts'
+    per-expert scales by `_InputQuantizedWeight` (gate and up share their input, so their scales must be equal;
+    transformers' eager experts forward, the loop over experts, so that each expert's input is an operand). Every
+    scale in the artifact is applied exactly once (asserted)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    config = json.loads((export / "config.json").read_text())["quantization_config"]
+    assert not config.get("kv_cache_scheme")
+    raw = {k: v for f in export.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    scales = {k.rsplit(".", 1)[0]: v for k, v in raw.items() if k.endswith(".input_scale")}
+    applied = set()
+
+    def args_of(module: str) -> QuantizationArgs:
+        acts = _group_of(config, module)["input_activations"]
+        assert acts and not acts["dynamic"], (module, acts)
+        return QuantizationArgs(**acts)
+
+    for name, module in model.named_modules():
+        if name in scales and isinstance(module, torch.nn.Linear):
+            acts, scale = args_of(name), scales[name]
+            module.register_forward_pre_hook(
+                lambda _m, a, s=scale, q=acts: (fake_quantize(a[0], s, torch.zeros_like(s), q), *a[1:]))
+            applied.add(name)
+        fused = getattr(module, "gate_up_proj", None)
+        if isinstance(fused, torch.nn.Parameter) and fused.dim() == 3 and f"{name}.0.gate_proj" in scales:
+            n = fused.shape[0]
+            gate = torch.stack([scales[f"{name}.{e}.gate_proj"] for e in range(n)])
+            up = torch.stack([scales[f"{name}.{e}.up_proj"] for e in range(n)])
+            down = torch.stack([scales[f"{name}.{e}.down_proj"] for e in range(n)])
+            assert torch.equal(gate, up), name
+            for param, per_expert, proj in (("gate_up_proj", gate, "gate_proj"), ("down_proj", down, "down_proj")):
+                weight = module._parameters.pop(param).data
+                used: set = set()
+                setattr(module, param, _InputQuantizedWeight(weight, per_expert, args_of(f"{name}.0.{proj}"), used))
+                module.__dict__.setdefault("_used_experts", []).append(used)
+            applied |= {f"{name}.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")}
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # the per-expert loop: grouped_mm concatenates every expert's input
+    assert applied == set(scales), sorted(set(scales) ^ applied)
+
+
+def _experts_used(model) -> set[int]:
+    """The experts whose inputs `_InputQuantizedWeight` quantized in the forwards so far (every fused layer, both
+    weights): the smallest set over them."""
+    sets = [u for m in model.modules() for u in m.__dict__.get("_used_experts", [])]
+    return set.intersection(*sets) if sets else set()
+
+
+def _num_experts(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    return next(config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if config.get(k))
+
+
+def _transformers_model_of_decoded(export: Path, work: Path):
+    """The artifact decoded per Linear (`_decoded_state`) saved as a plain float32 checkpoint with the artifact's
+    config less its quantization_config, loaded by transformers' own `from_pretrained` (its conversion of the Hub's
+    per-expert names into its fused experts): for artifacts transformers' compressed-tensors loader refuses."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    work.mkdir(parents=True)
+    config = json.loads((export / "config.json").read_text())
+    del config["quantization_config"]
+    (work / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in _decoded_state(export).items()}, str(work / "model.safetensors"))
+    model, info = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def _input_quantized_logits(model, export: Path, ids: torch.Tensor, llmc: torch.Tensor) -> torch.Tensor:
+    """transformers' logits with the artifact's input scales applied (`_quantize_inputs`); first without them, which
+    must miss llmc's logits (so the check depends on applying them: measured 0.28-0.38 on gpt-oss)."""
+    with torch.no_grad():
+        unquantized = model(input_ids=ids).logits
+        assert (unquantized - llmc).abs().max().item() > 1e-3, "the input scales must matter"
+        _quantize_inputs(model, export)
+        return model(input_ids=ids).logits
+
+
 def _llmc_logits(export: Path, ids: torch.Tensor) -> torch.Tensor:
     from llmc.engines.torch_ref import TorchEngine
 
@@ -338,15 +497,20 @@ def test_llmc_build_artifacts_decode_in_plain_transformers_to_llmcs_logits(famil
         effect = (llmc - base).abs().max().item()
         assert effect > 1e-3, f"{variant}: quantization must be visible"
         if row.decode == "refuse":
-            if variant != "w4a16":
-                continue  # weights proven tensor by tensor above; transformers cannot load per-expert experts
-            from tests.unit.test_moe import _transformers_logits_of_export
+            from tests.unit.test_moe import _transformers_logits_of_export, _transformers_model_of_export
 
-            plain = _transformers_logits_of_export(export, folder, ids)
+            if variant == "w4a16":
+                plain = _transformers_logits_of_export(export, folder, ids)
+            else:  # re-fused from the per-Linear decode; the inputs quantized where each expert's enters
+                model = _transformers_model_of_export(export, folder, _decoded_state(export))
+                plain = _input_quantized_logits(model, export, ids, llmc)
+                if variant == "fp8":  # every expert ran with its input quantized (all routed on these tokens)
+                    assert _experts_used(model) == set(range(_num_experts(folder))), _experts_used(model)
         elif variant == "nvfp4-experts" and not row.mixed_loads:
             with pytest.raises(RuntimeError, match=_MIXED_UNLOADABLE):  # a fix upstream is noticed here
                 _plain_transformers_logits(export, ids)
-            continue  # weights proven tensor by tensor above
+            model = _transformers_model_of_decoded(export, tmp_path / f"decoded-{variant}")
+            plain = _input_quantized_logits(model, export, ids, llmc)
         else:
             plain = _plain_transformers_logits(export, ids)
         diff = (plain - llmc).abs().max().item()

@@ -675,28 +675,31 @@ def _transformers_logits_of_export(export: Path, source: Path, ids: torch.Tensor
         return model(input_ids=ids).logits
 
 
-def _transformers_model_of_export(export: Path, source: Path):
+def _transformers_model_of_export(export: Path, source: Path, state: dict[str, torch.Tensor] | None = None):
     """The export decoded by compressed-tensors' own decompressors, the per-expert tensors put back into transformers'
     fused layout (transposed; gate/up interleaved for gpt-oss, halves for Llama-4: the inverse of the layout row,
-    written out here), loaded into the plain transformers model."""
+    written out here), loaded into the plain transformers model. `state`: the export already decoded (weights only;
+    tests/unit/test_frontier_proof.py's `_decoded_state`, every Linear by its own config group)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
 
-    config = json.loads((export / "config.json").read_text())["quantization_config"]
-    (group,) = config["config_groups"].values()
-    scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
-    compressor = BaseCompressor.get_value_from_registry(group.get("format") or config["format"])
-    raw = {k: v for f in export.glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    state, modules = {}, {k.rsplit(".", 1)[0] for k in raw if k.endswith(".weight_scale")}
-    for name, t in raw.items():
-        module, _, local = name.rpartition(".")
-        if module in modules and local.startswith("weight"):  # codes and scales: decompressed below
-            state.setdefault(module, {})[local] = t
-        else:  # everything else (the experts' biases included) is stored as it is
-            state[name] = t
-    for module in modules:
-        state[f"{module}.weight"] = compressor.decompress(state.pop(module), scheme)["weight"].float()
+    if state is None:
+        config = json.loads((export / "config.json").read_text())["quantization_config"]
+        (group,) = config["config_groups"].values()
+        scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
+        compressor = BaseCompressor.get_value_from_registry(group.get("format") or config["format"])
+        raw = {k: v for f in export.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        state, modules = {}, {k.rsplit(".", 1)[0] for k in raw if k.endswith(".weight_scale")}
+        for name, t in raw.items():
+            module, _, local = name.rpartition(".")
+            if module in modules and local.startswith("weight"):  # codes and scales: decompressed below
+                state.setdefault(module, {})[local] = t
+            else:  # everything else (the experts' biases included) is stored as it is
+                state[name] = t
+        for module in modules:
+            state[f"{module}.weight"] = compressor.decompress(state.pop(module), scheme)["weight"].float()
+    state = dict(state)  # popped below
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     for i, layer in enumerate(model.model.layers):
         if isinstance(getattr(layer, "experts", None), torch.nn.Module):  # Gemma-4: [E, out, in], halves
