@@ -95,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def kld_from(i: int) -> float:
         """Mean per-token KL(base || model) running layers i.. on the baseline's inputs to layer i."""
-        saved = model.model.layers
-        hook = model.model.embed_tokens.register_forward_hook(lambda m, a, out: inputs[i])
-        model.model.layers = saved[i:]
-        try:
-            with torch.no_grad():
-                logq = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
-        finally:
-            hook.remove()
-            model.model.layers = saved
+        logq = torch.log_softmax(run_from(model, ids, i, inputs[i]).float(), -1)
         return float((base.exp() * (base - logq)).sum(-1).mean())
+
+    # A check that the shortened run is the model's own: layers i.. on the kept input, nothing quantized, give the
+    # baseline back (a mismatch here would be in every true KLD below).
+    for i in sorted({1, len(layers) // 2 + 1} & set(range(len(layers)))):
+        drift = kld_from(i)
+        if drift > 1e-4:
+            raise SystemExit(f"running layers {i}.. alone gives KL {drift:.3g} from the unquantized model (expected ~0):"
+                             " run_from does not reproduce this model's forward; fix it before trusting any row")
 
     modules = dict(model.named_modules())
     rows = []
@@ -137,6 +137,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({**result, "rows": rows}, indent=1))
     return 0
+
+
+class _Skip(torch.nn.Module):
+    """A decoder layer already run: passes the hidden states through. It keeps the layer's own attention-type
+    attributes, and its place in `model.model.layers`, so that the model's loop still pairs every later layer with its
+    own mask and rotary embedding: Gemma-3 picks them by the loop index from `config.layer_types`, so running a slice
+    `layers[i:]` would give layer i layer 0's (local, sliding) rope."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        for name in ("attention_type", "layer_type", "is_sliding", "layer_idx"):
+            if hasattr(layer, name):
+                setattr(self, name, getattr(layer, name))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def run_from(model, ids: torch.Tensor, i: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits on `ids` with `hidden` (the kept input to decoder layer i) as layer i's input: the embedding's
+    output replaced by `hidden` and layers 0..i-1 passed through, so only layers i.. and the head run."""
+    layers = model.model.layers
+    saved = list(layers)
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, a, out: hidden)
+    try:
+        for j in range(i):
+            layers[j] = _Skip(saved[j])
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    finally:
+        hook.remove()
+        for j in range(i):
+            layers[j] = saved[j]
 
 
 def _measurement(store, path: Path | None) -> dict:
