@@ -209,8 +209,55 @@ def test_the_builder_probe_runs_the_builder_on_its_tiny_model() -> None:
     """The probe's timer runs onnxruntime-genai's builder (a process of its own) on a tiny float model of the family
     with a tokenizer, as `export_onnx` runs it, and returns runs/s."""
     pytest.importorskip("onnxruntime_genai")
-    rate = onnx_genai._builder_timer(onnx_qdq.graph_probe_config(LLAMA, 1))()
+    rate = onnx_genai._builder_timer(LLAMA, 1)()
     assert 0 < rate < 10
+
+
+def test_the_builder_probe_starts_one_process_per_family_and_prices_its_start_in_every_sample(monkeypatch) -> None:
+    """Issue 44: both probe sizes and their repeats run in ONE builder process per family (a process's start and
+    imports are most of a run; four of them cost a cold plan minutes under load). Each sample is what one export
+    pays: the process's start and imports once, plus one run at that size; builder_seconds stays monotone in
+    layers. A second family starts its own process; cached rates start none."""
+    import json
+    import subprocess
+    import types
+
+    from llmc.planning import probes
+
+    launches: list[list] = []
+    start_s, per_layer = 30.0, 0.5
+
+    def fake_run(cmd, **kwargs):
+        runs = json.loads(cmd[-1])
+        launches.append(runs)
+        # the first run (the warm-up) loads the builder's lazy imports: 2 s more than its size's later runs
+        seconds = [[n, 1.0 + per_layer * n + (2.0 if i == 0 else 0.0)] for i, (n, *_paths) in enumerate(runs)]
+        return types.SimpleNamespace(returncode=0, stdout="builder says hi\n" + json.dumps(
+            {"start_s": start_s, "runs": seconds}) + "\n", stderr="")
+
+    monkeypatch.setattr(onnx_genai.subprocess, "run", fake_run)
+    monkeypatch.setattr(onnx_genai, "_write_probe_model", lambda tiny, folder: None)
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    seconds = {n: onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": n}) for n in (1, 2, 30)}
+    assert len(launches) == 1  # one process for both sizes
+    sizes = [n for n, *_ in launches[0]]
+    assert sizes[0] == 1 and sorted(sizes[1:]) == sorted([1, onnx_genai.BUILDER_PROBE_LAYERS]
+                                                          * onnx_genai.BUILDER_PROBE_REPEATS)
+    # one export = start + warm-up's extra (2 s) + one run: 30 + 2 + 1.5 s at 1 layer, then 0.5 s per layer
+    assert seconds[1] == pytest.approx(start_s + 2.0 + 1.0 + per_layer)
+    assert seconds[30] == pytest.approx(seconds[1] + 29 * per_layer)
+    assert seconds[1] < seconds[2] < seconds[30]
+    onnx_genai.builder_seconds({**LLAMA, "model_type": "qwen2", "num_hidden_layers": 30})
+    assert len(launches) == 2  # another family: its own process
+    onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": 12})
+    assert len(launches) == 2  # both sizes cached
+
+    def failed(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ModuleNotFoundError: onnxruntime_genai")
+
+    monkeypatch.setattr(onnx_genai.subprocess, "run", failed)
+    with pytest.raises(onnx_genai.EngineFailed, match="onnxruntime_genai"):
+        onnx_genai.builder_seconds({**LLAMA, "model_type": "mistral"})
 
 
 def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeypatch, pinned) -> None:
