@@ -47,9 +47,11 @@ from llmc import __version__
 from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json,
                                target_key)
 from llmc.formats.registry import register_format
+from llmc.formats import files
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE, copy_tokenizer_files
 from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
 from llmc.formats.gptq_format import export_gptq
+from llmc.formats.gptq_format import repack_rate as gptq_repack_rate
 from llmc.formats.onnx_qdq import float_model, graph_probe_config, weight_pass_seconds
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
@@ -382,55 +384,18 @@ def _builder_timer(config: dict, layers: int):
 
 # The int4 export's work per quantized weight, which the builder's runs on tiny models (`builder_seconds`: its start,
 # imports and graph, per layer) do not hold: llmc's GPTQ intermediate (`export_gptq`: each Linear repacked a block of
-# rows at a time and decoded again to check it, llmc.formats.files.repack_linear), its files written and read back by
-# the builder, and the builder's own GPTQ loader, which unpacks every weight, dequantizes it, quantizes it again and
-# packs it as MatMulNBits blocks, in torch, one Linear at a time (onnxruntime_genai.models.loaders). Both repacks are
-# timed in this process on one Linear of the scheme of REPACK_PROBE_SHAPE (out, in): a SmolLM2-width MLP projection,
-# large enough that the per-weight work is what is timed (one call: 0.5-4 s on the shared 2-core VM at load 11-16).
-REPACK_PROBE_SHAPE = (1536, 576)
-
-
-def _probe_linear(weights: TensorSpec) -> dict[str, torch.Tensor]:
-    """Canonical codes / scale / zero point of one REPACK_PROBE_SHAPE Linear quantized to `weights` (a TensorSpec)."""
-    from llmc.quant.numerics import quantize_weight
-
-    with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
-        torch.manual_seed(0)
-        w = torch.randn(*REPACK_PROBE_SHAPE)
-    q = quantize_weight(w, weights)
-    return {"codes": q.codes, "scale": q.scale, "zero": q.zero_point}
-
-
-def gptq_repack_rate(weights: TensorSpec) -> float:
-    """Quantized weight elements/s `export_gptq` repacks into the GPTQ layout and checks (`files.repack_linear` with
-    the GPTQ codec, on one REPACK_PROBE_SHAPE Linear; llmc.planning.probes: timed, cached per machine)."""
-    out, inp = REPACK_PROBE_SHAPE
-    return probes.rate(f"gptq repack {weights!r} elements={out * inp}", _gptq_repack_timer(weights))
-
-
-def _gptq_repack_timer(weights: TensorSpec):
-    state: dict = {}
-
-    def run_once() -> float:
-        from llmc.formats.files import repack_linear
-        from llmc.formats.gptq_format import OUTPUT_DIMS, gptq_codec
-
-        if not state:
-            state.update(_probe_linear(weights))
-        repack, decode = gptq_codec(weights.bits, v1_zeros_checked=False)  # as export_onnx writes it
-        return probes.sustained_rate(
-            REPACK_PROBE_SHAPE[0] * REPACK_PROBE_SHAPE[1],
-            lambda: repack_linear(state["codes"], state["scale"], state["zero"], weights, repack=repack,
-                                  decode=decode, output_dims=OUTPUT_DIMS))
-
-    return run_once
+# rows at a time and decoded again to check it, llmc.formats.files.repack_linear, probed as the GPTQ export's own:
+# `gptq_repack_rate`), its files written and read back by the builder, and the builder's own GPTQ loader, which
+# unpacks every weight, dequantizes it, quantizes it again and packs it as MatMulNBits blocks, in torch, one Linear at
+# a time (onnxruntime_genai.models.loaders), timed in this process on one Linear of the scheme of
+# llmc.formats.files.REPACK_PROBE_SHAPE.
 
 
 def builder_repack_rate(weights: TensorSpec) -> float:
     """Quantized weight elements/s onnxruntime-genai's GPTQ loader reads and repacks into MatMulNBits blocks (its
     `QuantModel.from_pretrained`, as the builder calls it, on a one-Linear GPTQ checkpoint of REPACK_PROBE_SHAPE that
     llmc's own `to_gptq` wrote; llmc.planning.probes: timed, cached per machine)."""
-    out, inp = REPACK_PROBE_SHAPE
+    out, inp = files.probe_shape(weights)
     return probes.rate(f"onnxruntime-genai gptq loader {weights!r} elements={out * inp}",
                        _builder_repack_timer(weights))
 
@@ -448,10 +413,10 @@ def _builder_repack_timer(weights: TensorSpec):
         except ImportError as e:
             raise EngineFailed(f"timing onnxruntime-genai's GPTQ loader: {e}",
                                fix="install onnxruntime-genai (the onnxruntime target's exporter)") from e
-        out, inp = REPACK_PROBE_SHAPE
+        out, inp = files.probe_shape(weights)
         if not state:
             state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-gptq-loader-probe-")
-            linear = _probe_linear(weights)
+            linear = files.probe_linear(weights)
             g = vars(to_gptq(linear["codes"], linear["scale"], linear["zero"], weights.bits, v1_zeros_checked=False))
             save_file({f"model.layers.0.mlp.down_proj.{k}": v.contiguous() for k, v in g.items()},
                       str(Path(state["dir"].name) / "model.safetensors"))

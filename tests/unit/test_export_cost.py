@@ -161,10 +161,10 @@ def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, 
     pytest.importorskip("onnxruntime_genai")
     from onnxruntime_genai.models.loaders import base as loaders
 
-    from llmc.formats import gptq_format
+    from llmc.formats import files, gptq_format
     from llmc.planning import probes
 
-    monkeypatch.setattr(onnx_genai, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
     monkeypatch.setattr(onnx_genai, "builder_seconds", lambda config: 0.0)
     monkeypatch.setattr(onnx_genai, "intermediate_seconds", lambda work: 0.0)
     clock, per_call = [0.0], [0.3]
@@ -202,6 +202,69 @@ def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, 
                                                             rel=1e-3)
     per_call[0] = 0.9
     assert planned() - fast == pytest.approx(elements / per_probe_call * (0.9 - 0.3), rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["gptq", "awq"])
+def test_a_slower_repack_makes_the_planned_gptq_or_awq_export_slower_by_that_step(monkeypatch, pinned,
+                                                                                   name: str) -> None:
+    """Issue 44: the GPTQ and AWQ exports price their repack with a probe of the real code (`files.repack_linear`
+    with the format's own codec), not a constant: slow down the codec itself (`to_gptq` / `to_awq`, run once per
+    block of rows) and the planned export grows by exactly that step. A named profile has no such probe (0, as
+    every host-work term there); a machine file answers it by the kind of probe (`gptq repack`, any scheme)."""
+    from llmc.formats import awq_format, files, gptq_format
+    from llmc.planning import probes, target
+
+    module, codec = {"gptq": (gptq_format, "to_gptq"), "awq": (awq_format, "to_awq")}[name]
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
+    monkeypatch.setattr(base, "check_seconds", lambda config: 0.0)  # the config check's own probe: not this test's
+    clock, per_call = [0.0], [0.3]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-9
+        return clock[0]
+
+    def slowed(*args, real=getattr(module, codec), **kwargs):
+        clock[0] += per_call[0]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(probes.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(module, codec, slowed)
+    fmt, work = targets.artifact_format(name), _int4_work()
+    elements = sum(o * i for o, i in work.written[0].linears)
+    per_probe_call = 64 * 128  # one block of rows: one slowed call per `repack_linear`
+
+    def planned() -> float:
+        monkeypatch.setattr(probes, "_book", probes.RateBook())  # measured again
+        return fmt.cost(name, work).seconds
+
+    fast = planned()
+    assert fmt.repack_seconds(work) == pytest.approx(elements / per_probe_call * 0.3, rel=1e-3)
+    assert list(probes.book().measured_now) == [f"{name} repack {work.written[0].weights!r} elements={64 * 128}"]
+    per_call[0] = 0.9
+    assert planned() - fast == pytest.approx(elements / per_probe_call * (0.9 - 0.3), rel=1e-3)
+    with target.planning_for(target.load("h100-sxm")):
+        assert fmt.repack_seconds(work) == 0.0
+    m = target.TargetMachine(name="m", estimate=False, cpu="", cpu_flags="", cpus=2, memory_bytes=10**10, gpu=None,
+                             gpu_count=0, gpu_memory_bytes=0,
+                             rates={f"{name} repack TensorSpec(other) elements=1": [2e6, 4e6]})
+    with target.planning_for(m):
+        assert fmt.repack_seconds(work) == pytest.approx(elements / 3e6)
+
+
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_the_repack_probe_quantizes_whole_groups_of_any_group_size(monkeypatch, group: int) -> None:
+    """The probe's Linear has whole groups of the scheme (its inputs rounded up): a group of 128 does not divide
+    REPACK_PROBE_SHAPE's 576 inputs, and `llmc plan recipes/llama31-8b-int4-awq.yaml` failed on it."""
+    from llmc.formats import awq_format, files, gptq_format
+    from llmc.planning import probes
+
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 96))  # 96 inputs: whole groups of 32 only
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    weights = TensorSpec("int4", "group", group_size=group, symmetric=True)
+    out, inp = files.probe_shape(weights)
+    assert out == 64 and inp % group == 0 and 96 <= inp < 96 + group
+    assert gptq_format.repack_rate(weights) > 0 and awq_format.repack_rate(weights) > 0
+    assert all(k.endswith(f"elements={out * inp}") for k in probes.book().measured_now)
 
 
 @pytest.mark.heavy
@@ -263,7 +326,7 @@ def test_the_builder_probe_starts_one_process_per_family_and_prices_its_start_in
 def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeypatch, pinned) -> None:
     """`check_export` builds the model's meta skeleton: compressed-tensors, GPTQ, AWQ and ModelOpt pay it per
     decoder layer (probed at 1 and CHECK_PROBE_LAYERS layers of the model's own config); GGUF and ONNX do not."""
-    from llmc.formats import described
+    from llmc.formats import described, gptq_format
 
     asked: list[int] = []
 
@@ -272,6 +335,8 @@ def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeyp
         return 1.0 / (0.1 + 0.02 * layers)
 
     monkeypatch.setattr(described, "skeleton_rate", rate)
+    # GPTQ / AWQ repack this 8-bit work's weights at their codec's probed rate: not this test's term
+    monkeypatch.setattr(gptq_format.RepackedCheckpoint, "repack_seconds", lambda self, work: 0.0)
     assert described.check_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(0.12 + 29 * 0.02)
     assert set(asked) == {1, described.CHECK_PROBE_LAYERS}
     for name in ("compressed-tensors", "gptq", "awq", "modelopt-hf"):
