@@ -7,6 +7,7 @@ the first LAYERS decoder layers of SmolLM2's canonical form, as export_gptq runs
 import contextlib, io, json, os, sys, time
 import torch
 from llmc.formats import onnx_genai as og
+from llmc.formats import files
 from llmc.formats.files import repack_linear
 from llmc.formats.gptq_format import OUTPUT_DIMS, gptq_codec
 from llmc.planning import probes
@@ -47,7 +48,7 @@ def real_loader():
     return n, time.perf_counter() - s
 
 for r in range(rounds):
-    for name, timer, real in (("gptq repack", og._gptq_repack_timer(spec), real_gptq),
+    for name, timer, real in (("gptq repack", files._repack_timer(spec, *gptq_codec(spec.bits, v1_zeros_checked=False), OUTPUT_DIMS), real_gptq),
                               ("builder loader", og._builder_repack_timer(spec), real_loader)):
         load0 = os.getloadavg()[0]
         probe = probes.RateBook().probe(name, timer)  # a fresh book: measured now, as a plan with no cached rate

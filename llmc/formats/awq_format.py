@@ -27,11 +27,12 @@ import torch
 from llmc.formats.base import architectures, quantization_config, read_json, serve_line
 from llmc.formats.registry import register_format
 from llmc.formats.gptq_format import RepackedCheckpoint
+from llmc.formats import files
 from llmc.formats.files import write_repacked_checkpoint
 from llmc.formats.gptq_format import check_scheme as check_integer_weight_only
 from llmc.errors import IncompatibleTargetError
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.spec import Scheme
+from llmc.quant.spec import Scheme, TensorSpec
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) stored in nibble k
 OUTPUT_DIMS = {"qweight": 1, "qzeros": 1, "scales": 1}  # the dimension each stored tensor spans the output rows along
@@ -130,6 +131,14 @@ def export_awq(qm: QuantizedModel, out: Path, *, serve: dict | None = None) -> d
             "max_relative_weight_error_fp16_scales": worst}
 
 
+def repack_rate(weights: TensorSpec) -> float:
+    """Quantized weight elements/s `export_awq` repacks into the AWQ GEMM layout and checks (llmc.formats.files.
+    repack_rate with `to_awq` / `dequantize_awq`)."""
+    group_size = weights.group_size
+    return files.repack_rate("awq", weights, repack=to_awq, decode=lambda t: dequantize_awq(t, group_size),
+                             output_dims=OUTPUT_DIMS)
+
+
 @register_format
 class AwqCheckpoint(RepackedCheckpoint):
     name = "awq"
@@ -144,6 +153,9 @@ class AwqCheckpoint(RepackedCheckpoint):
 
     def serve(self, tensor_parallel: int) -> dict:
         return serve_args(tensor_parallel=tensor_parallel)
+
+    def repack_rate(self, weights: TensorSpec) -> float:
+        return repack_rate(weights)
 
     def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
         export_awq(quantized, out, serve=serve)

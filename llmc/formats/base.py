@@ -245,10 +245,16 @@ class ArtifactFormat:
                            shared_with=work.shared_with, compute=work.compute, machine=work.machine,
                            max_shard_bytes=MAX_SHARD_BYTES,
                            passes_codes_through=work.bits == 8 and self.layout.passes_8bit_codes,
-                           repacked_bytes=work.packed_bytes if self.layout.repacks_layers else None, bits=work.bits)
+                           repacked_bytes=work.packed_bytes if self.layout.repacks_layers else None, bits=work.bits,
+                           repack_seconds=self.repack_seconds(work) if self.layout.repacks_layers else 0.0)
         if self.describes_linears and work.config:
             row.seconds += check_seconds(work.config)
         return row
+
+    def repack_seconds(self, work: ExportWork) -> float:
+        """Seconds a repacking format's exporter (`layout.repacks_layers`) spends repacking and checking the quantized
+        weights (llmc.formats.gptq_format.RepackedCheckpoint: probed per machine); 0 for the others."""
+        return 0.0
 
     def check_scheme(self, scheme: Scheme) -> None:
         """Raise IncompatibleTargetError when the format (or the kernel it feeds) cannot hold the scheme."""
@@ -289,15 +295,13 @@ class ArtifactFormat:
 
 # llmc.formats.files.REPACK_BLOCK_ELEMENTS (2^20) x ~10 int32 / float32 temporaries of the packing and its check
 REPACK_BLOCK_BYTES = 40e6
-# quantized weight elements per second a repacking format packs and checks (int16 codes -> int32 words, then the
-# float32 decode against the canonical weight): docs/planner-constants.md#repack_rate
-REPACK_RATE = 0.07e9
 
 
 def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model: bool, shared_with: str | None,
                 compute: str, machine: Machine, passes_codes_through: bool = False,
                 max_shard_bytes: float = 2 << 30, new_bytes: float | None = None,
-                repacked_bytes: float | None = None, bits: int = 4, read_seconds: float = 0.0) -> CostRow:
+                repacked_bytes: float | None = None, bits: int = 4, read_seconds: float = 0.0,
+                repack_seconds: float = 0.0) -> CostRow:
     """One export. Streaming exporters read the quantized form through mmap and write one shard at a time
     (llmc.formats.files.write_shards): what they pass through unchanged stays file pages (`mapped_bytes`: one
     shard), what they create is allocated. `passes_codes_through`: 8-bit codes written as stored: the process alone.
@@ -305,7 +309,9 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
     write_repacked_checkpoint, a block of rows at a time): one shard of them, and the largest Linear's packed blocks
     joined. Otherwise one shard of new tensors and one layer's codes (an upper bound). Whole-model exporters hold
     the float32 model three times (weights, the graph's copy, the codes). The figures measured against each case:
-    docs/planner-constants.md#export-memory. `read_seconds`: verifying and reading the canonical form's files."""
+    docs/planner-constants.md#export-memory. `read_seconds`: verifying and reading the canonical form's files.
+    `repack_seconds`: the exporter's repack and check of the quantized weights, at its probed rate
+    (`ArtifactFormat.repack_seconds`; docs/planner-constants.md#repack_rate)."""
     e = BYTES[compute]
     mapped = 0.0
     # the largest shard: write_shards never splits one canonical file, and the weights outside the layers are one
@@ -335,8 +341,7 @@ def export_cost(shape: Shape, *, label: str, artifact_bytes: float, whole_model:
     # (a file identical to an earlier export's is then linked to it: the earlier file's digest is the one this
     # process wrote it with, llmc.storage.store.current_sha256, so nothing is read again)
     seconds = read_seconds + file_write_seconds(artifact_bytes, files=max(1, math.ceil(artifact_bytes / max_shard_bytes)))
-    if repacked_bytes is not None:
-        seconds += repacked_bytes * 8 / bits / REPACK_RATE
+    seconds += repack_seconds
     return CostRow(f"export {label}", "cpu", host, 0.0, disk, seconds,
                    "whole model in memory" if whole_model else "one shard at a time", why, mapped_bytes=mapped)
 

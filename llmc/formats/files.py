@@ -110,7 +110,7 @@ def repack_linear(
     """One Linear's canonical codes / scale / zero point as `repack`'s tensors, a block of whole output rows at a
     time, each block decoded again and compared with the canonical weight; returns (tensors, largest change of a
     weight relative to the largest weight). What `write_repacked_checkpoint` does per Linear (and what the plan
-    times per weight: llmc.formats.onnx_genai.gptq_repack_rate)."""
+    times per weight: `repack_rate`)."""
     out_features, in_features = codes.shape
     step = max(8, (block_elements or REPACK_BLOCK_ELEMENTS) // max(in_features, 1) // 8 * 8)
     blocks: list[dict[str, torch.Tensor]] = []
@@ -180,3 +180,60 @@ def write_repacked_checkpoint(
     if serve is not None:
         atomic_write_json(out / SERVE_FILE, serve)
     return written, worst
+
+
+# What the repacking exporters (GPTQ, AWQ; the onnxruntime int4 export's GPTQ intermediate) pay per quantized weight:
+# `repack_linear` with the format's own codec, timed in this process on one Linear of the scheme of REPACK_PROBE_SHAPE
+# (out, in): a SmolLM2-width MLP projection, large enough that the per-weight work is what is timed (one call:
+# 0.5-4 s on the shared 2-core VM at load 11-16). It replaced the constant REPACK_RATE (issue 44).
+REPACK_PROBE_SHAPE = (1536, 576)
+
+
+def probe_shape(weights: TensorSpec) -> tuple[int, int]:
+    """REPACK_PROBE_SHAPE with its inputs rounded up to whole groups of `weights` (group 128: 640 inputs; a group
+    that did not divide them could not be quantized: llama31-8b-int4-awq's plan failed on it)."""
+    out, inp = REPACK_PROBE_SHAPE
+    group = weights.group_size if weights.strategy == "group" and weights.group_size else 1
+    return out, -(-inp // group) * group
+
+
+def probe_linear(weights: TensorSpec) -> dict[str, torch.Tensor]:
+    """Canonical codes / scale / zero point of one `probe_shape` Linear quantized to `weights` (a TensorSpec)."""
+    from llmc.quant.numerics import quantize_weight
+
+    with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+        torch.manual_seed(0)
+        w = torch.randn(*probe_shape(weights))
+    q = quantize_weight(w, weights)
+    return {"codes": q.codes, "scale": q.scale, "zero": q.zero_point}
+
+
+def repack_rate(codec: str, weights: TensorSpec, *,
+                repack: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]],
+                decode: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                output_dims: dict[str, int | None]) -> float:
+    """Quantized weight elements/s `repack_linear` repacks into the layout of `codec` (a format's name: the probe's
+    key) and checks, with that format's `repack` / `decode` / `output_dims`, on one REPACK_PROBE_SHAPE Linear of
+    `weights` (llmc.planning.probes: timed, cached per machine)."""
+    from llmc.planning import probes
+
+    out, inp = probe_shape(weights)
+    return probes.rate(f"{codec} repack {weights!r} elements={out * inp}",
+                       _repack_timer(weights, repack, decode, output_dims))
+
+
+def _repack_timer(weights: TensorSpec, repack: Callable, decode: Callable, output_dims: dict[str, int | None]):
+    """A function timing `repack_linear` on the probe's Linear (built on first call: a cached rate builds none)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        from llmc.planning import probes
+
+        if not state:
+            state.update(probe_linear(weights))
+        return probes.sustained_rate(
+            state["codes"].numel(),
+            lambda: repack_linear(state["codes"], state["scale"], state["zero"], weights, repack=repack,
+                                  decode=decode, output_dims=output_dims))
+
+    return run_once

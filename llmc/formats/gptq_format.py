@@ -39,6 +39,7 @@ from llmc.formats.base import (
     ArtifactFormat,
     ExportLayout,
     ExportRequest,
+    ExportWork,
     architectures,
     quantization_config,
     read_json,
@@ -46,10 +47,12 @@ from llmc.formats.base import (
     target_key,
 )
 from llmc.formats.registry import register_format
+from llmc.formats import files
 from llmc.formats.files import write_repacked_checkpoint
 from llmc.errors import IncompatibleTargetError
+from llmc.planning.target import host_work_seconds
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.spec import Scheme
+from llmc.quant.spec import Scheme, TensorSpec
 
 BITS = {"int4": 4, "int8": 8}
 # The dimension each stored tensor spans the output rows along (g_idx depends on the input channels only).
@@ -201,6 +204,14 @@ def export_gptq(qm: QuantizedModel, out: Path, *, serve: dict | None = None, v1_
     return {"files": [p.name for p in written], "bits": bits, "max_relative_weight_error_fp16_scales": worst}
 
 
+def repack_rate(weights: TensorSpec) -> float:
+    """Quantized weight elements/s `export_gptq` repacks into the GPTQ layout and checks (llmc.formats.files.
+    repack_rate with the GPTQ codec, as the onnxruntime int4 export writes it: its zero points unchecked, a check
+    too small to time)."""
+    repack, decode = gptq_codec(weights.bits, v1_zeros_checked=False)
+    return files.repack_rate("gptq", weights, repack=repack, decode=decode, output_dims=OUTPUT_DIMS)
+
+
 # why llmc does not score a GPTQ or AWQ artifact in the runtimes that read it (the report's and the gates' reason)
 NEEDS_GPU = ("not evaluated: LMDeploy / ExLlamaV2 need an NVIDIA GPU; add gptqmodel to eval.runtimes to load "
              "it in GPTQModel's CPU kernels (bash scripts/setup-gptqmodel.sh)")
@@ -222,6 +233,19 @@ class RepackedCheckpoint(ArtifactFormat):
 
     def serve(self, tensor_parallel: int) -> dict:
         raise NotImplementedError
+
+    def repack_rate(self, weights: TensorSpec) -> float:
+        """Quantized weight elements/s this format's exporter repacks and checks (probed per machine)."""
+        raise NotImplementedError
+
+    def repack_seconds(self, work: ExportWork) -> float:
+        """Every quantized weight repacked a block at a time and decoded again (llmc.formats.files.repack_linear),
+        at this format's probed `repack_rate` per scheme; 0 for a named profile (no host probes)."""
+        def seconds() -> float:
+            return sum(sum(o * i for o, i in w.linears) / self.repack_rate(w.weights)
+                       for w in work.written if w.linears)
+
+        return host_work_seconds(seconds)
 
     def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
         raise NotImplementedError
@@ -249,6 +273,9 @@ class GptqCheckpoint(RepackedCheckpoint):
 
     def serve(self, tensor_parallel: int) -> dict:
         return serve_args(tensor_parallel=tensor_parallel)
+
+    def repack_rate(self, weights: TensorSpec) -> float:
+        return repack_rate(weights)
 
     def export(self, quantized: QuantizedModel, out: Path, serve: dict) -> None:
         export_gptq(quantized, out, serve=serve)

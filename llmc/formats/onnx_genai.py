@@ -47,9 +47,11 @@ from llmc import __version__
 from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, ExportWork, read_json,
                                target_key)
 from llmc.formats.registry import register_format
+from llmc.formats import files
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE, copy_tokenizer_files
 from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
 from llmc.formats.gptq_format import export_gptq
+from llmc.formats.gptq_format import repack_rate as gptq_repack_rate
 from llmc.formats.onnx_qdq import float_model, graph_probe_config, weight_pass_seconds
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
@@ -229,16 +231,23 @@ def export_onnx(qm: QuantizedModel, out: Path, *, accuracy_level: int = 4) -> di
 # Python process importing torch, transformers and onnxruntime-genai, then the graph made layer by layer. The plan
 # times the builder itself on tiny models of the model's own family (a float checkpoint and a tokenizer, as
 # `export_onnx` gives it) at 1 and BUILDER_PROBE_LAYERS layers, and costs the model's depth from the two.
+# Both sizes and their repeats run in ONE process per family (`_BuilderProbe`): its start and imports are most of a
+# run (47 s of a 48 s run at load 5 on the shared 2-core VM, benchmarks/results/planner-log.md), so four processes
+# cost a cold plan minutes under load. Each sample is still what one export pays: that process's start and imports
+# once, plus one run of the builder at that size.
 BUILDER_PROBE_LAYERS = 3
-BUILDER_PROBE_REPEATS = 2  # timed runs per size: one run starts a Python process (seconds; a minute under load)
+BUILDER_PROBE_REPEATS = 2  # timed runs per size, all in one process
+
+
+def _builder_key(config: dict, layers: int) -> str:
+    return (f"onnxruntime-genai builder {config.get('model_type')} tied={bool(config.get('tie_word_embeddings'))} "
+            f"layers={layers}")
 
 
 def builder_rate(config: dict, layers: int) -> float:
-    """Builder runs/s on a tiny model of `config`'s family with `layers` decoder layers (llmc.planning.probes: timed,
-    cached per machine)."""
-    key = (f"onnxruntime-genai builder {config.get('model_type')} tied={bool(config.get('tie_word_embeddings'))} "
-           f"layers={layers}")
-    return probes.rate(key, _builder_timer(graph_probe_config(config, layers)), repeats=BUILDER_PROBE_REPEATS)
+    """Builder exports/s (one process's start and imports plus one run) on a tiny model of `config`'s family with
+    `layers` decoder layers (llmc.planning.probes: timed, cached per machine)."""
+    return probes.rate(_builder_key(config, layers), _builder_timer(config, layers), repeats=BUILDER_PROBE_REPEATS)
 
 
 def builder_seconds(config: dict) -> float:
@@ -258,102 +267,135 @@ def _probe_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def _builder_timer(tiny: dict):
-    """A function timing one run of the builder (as `export_onnx` runs it on a float model) on the tiny model
-    `tiny` and returning runs/s (the model and its tokenizer written on first call: a cached rate writes none)."""
-    state: dict = {}
+def _write_probe_model(tiny: dict, folder: Path) -> None:
+    """The tiny float checkpoint of `tiny` (a config) and its tokenizer, as `export_onnx` hands the builder a model."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: a plan with cached rates skips it
+    from transformers.utils import logging as hf_logging
 
-    def run_once() -> float:
-        from transformers import AutoConfig, AutoModelForCausalLM  # lazy: a plan with cached rates skips it
-        from transformers.utils import logging as hf_logging
+    config = AutoConfig.for_model(**tiny, bos_token_id=1, eos_token_id=2)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # `llmc plan` prints its plan, not the probe's "Writing model shards"
+    try:
+        with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    _probe_tokenizer().save_pretrained(folder)
 
-        if not state:
-            state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-builder-probe-")
-            source = Path(state["dir"].name) / "float"
-            config = AutoConfig.for_model(**tiny, bos_token_id=1, eos_token_id=2)
-            bars = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()  # `llmc plan` prints its plan, not the probe's "Writing model shards"
-            try:
-                with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
-                    torch.manual_seed(0)
-                    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(source)
-            finally:
-                if bars:
-                    hf_logging.enable_progress_bar()
-            _probe_tokenizer().save_pretrained(source)
-        root = Path(state["dir"].name)
-        out = root / "out"
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "float"), "-o", str(out),
-               "-e", "cpu", "-c", str(root / "cache"), "-p", "fp32"]
-        start = time.perf_counter()
-        # HOME: onnxruntime's device id (~/.cache/Microsoft/DeveloperTools) goes into the probe's folder: planning
-        # writes nothing of the user's
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**builder_env(), "HOME": str(root)})
-        elapsed = time.perf_counter() - start
-        if proc.returncode != 0:
+
+# The probe's process: argv[1] is the parent's time.monotonic() at launch (CLOCK_MONOTONIC, one clock for every
+# process of the machine), argv[2] the runs as [[layers, input, output, cache], ...]. It imports the builder as
+# `python -m onnxruntime_genai.models.builder` does, then runs the builder's command line per run (runpy: the same
+# `__main__` code, its imports then cached) and prints one JSON line: start_s (launch to imports done) and each run's
+# seconds. The builder's own prints go to stderr.
+_BUILDER_PROBE_SCRIPT = """\
+import contextlib, json, runpy, shutil, sys, time
+launched, runs = float(sys.argv[1]), json.loads(sys.argv[2])
+import onnxruntime_genai.models.builder
+start_s = time.monotonic() - launched
+seconds = []
+for layers, source, out, cache in runs:
+    sys.argv = ["builder", "-i", source, "-o", out, "-e", "cpu", "-c", cache, "-p", "fp32"]
+    t = time.monotonic()
+    with contextlib.redirect_stdout(sys.stderr):
+        runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+    seconds.append([layers, time.monotonic() - t])
+    shutil.rmtree(out, ignore_errors=True)
+print(json.dumps({"start_s": start_s, "runs": seconds}))
+"""
+
+
+def builder_probe_seconds(report: dict) -> dict[int, list[float]]:
+    """Per size, the seconds one export pays, from the probe process's `report`: its start and imports, plus what
+    its first run took beyond that size's later runs (loading what the builder imports lazily: once per process, as
+    in an export; 0 when the first run was no slower), plus each later run at that size. The first run is a
+    warm-up and gives no sample of its own."""
+    runs = [(int(layers), float(s)) for layers, s in report["runs"]]
+    (first_layers, first_s), timed = runs[0], runs[1:]
+    same = sorted(s for layers, s in timed if layers == first_layers)
+    once = float(report["start_s"]) + (max(first_s - same[len(same) // 2], 0.0) if same else 0.0)
+    out: dict[int, list[float]] = {}
+    for layers, s in timed:
+        out.setdefault(layers, []).append(once + s)
+    return out
+
+
+class _BuilderProbe:
+    """The builder probe of one family for one rate book: the first size asked for starts one process timing every
+    size not yet cached (BUILDER_PROBE_REPEATS runs each, after a 1-layer warm-up); each size's timer then reads its
+    samples in turn."""
+
+    def __init__(self, config: dict, book: probes.RateBook) -> None:
+        self.config, self.book = config, book
+        self.samples: dict[int, list[float]] = {}
+
+    def next_rate(self, layers: int) -> float:
+        if not self.samples.get(layers):
+            sizes = [n for n in (1, BUILDER_PROBE_LAYERS)
+                     if n == layers or not self.book.cached(_builder_key(self.config, n))]
+            self.samples.update(self._run(sorted(set(sizes) | {layers})))
+        return 1.0 / self.samples[layers].pop(0)
+
+    def _run(self, sizes: list[int]) -> dict[int, list[float]]:
+        with tempfile.TemporaryDirectory(prefix="llmc-builder-probe-") as tmp:
+            root = Path(tmp)
+            for n in sizes:
+                _write_probe_model(graph_probe_config(self.config, n), root / f"float-{n}")
+            order = [sizes[0]] + [n for _ in range(BUILDER_PROBE_REPEATS) for n in sizes]  # warm-up, then in turn
+            runs = [[n, str(root / f"float-{n}"), str(root / "out"), str(root / "cache")] for n in order]
+            # HOME: onnxruntime's device id (~/.cache/Microsoft/DeveloperTools) goes into the probe's folder:
+            # planning writes nothing of the user's
+            proc = subprocess.run([sys.executable, "-c", _BUILDER_PROBE_SCRIPT, repr(time.monotonic()),
+                                   json.dumps(runs)], capture_output=True, text=True,
+                                  env={**builder_env(), "HOME": str(root)})
+        lines = proc.stdout.strip().splitlines()
+        try:
+            report = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+        except ValueError:
+            report = None
+        if report is None:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise EngineFailed(f"timing onnxruntime-genai's model builder on a tiny {tiny.get('model_type')} model "
-                               f"failed (exit {proc.returncode}):\n{tail}",
+            raise EngineFailed(f"timing onnxruntime-genai's model builder on a tiny {self.config.get('model_type')} "
+                               f"model failed (exit {proc.returncode}):\n{tail}",
                                fix="check the onnxruntime-genai install (`python -m onnxruntime_genai.models.builder "
                                    "--help`)")
-        shutil.rmtree(out, ignore_errors=True)
-        return 1.0 / elapsed
+        return builder_probe_seconds(report)
+
+
+_builder_probes: dict[str, _BuilderProbe] = {}
+
+
+def _builder_timer(config: dict, layers: int):
+    """A function returning one sample (exports/s) of the builder at `layers` layers on a tiny model of `config`'s
+    family, from the family's one probe process (`_BuilderProbe`, started on the first call: a cached rate starts
+    none)."""
+    family = _builder_key(config, 0)
+
+    def run_once() -> float:
+        found = _builder_probes.get(family)
+        if found is None or found.book is not probes.book():  # a new rate book (--reprobe): a new process
+            found = _builder_probes[family] = _BuilderProbe(config, probes.book())
+        return found.next_rate(layers)
 
     return run_once
 
 
 # The int4 export's work per quantized weight, which the builder's runs on tiny models (`builder_seconds`: its start,
 # imports and graph, per layer) do not hold: llmc's GPTQ intermediate (`export_gptq`: each Linear repacked a block of
-# rows at a time and decoded again to check it, llmc.formats.files.repack_linear), its files written and read back by
-# the builder, and the builder's own GPTQ loader, which unpacks every weight, dequantizes it, quantizes it again and
-# packs it as MatMulNBits blocks, in torch, one Linear at a time (onnxruntime_genai.models.loaders). Both repacks are
-# timed in this process on one Linear of the scheme of REPACK_PROBE_SHAPE (out, in): a SmolLM2-width MLP projection,
-# large enough that the per-weight work is what is timed (one call: 0.5-4 s on the shared 2-core VM at load 11-16).
-REPACK_PROBE_SHAPE = (1536, 576)
-
-
-def _probe_linear(weights: TensorSpec) -> dict[str, torch.Tensor]:
-    """Canonical codes / scale / zero point of one REPACK_PROBE_SHAPE Linear quantized to `weights` (a TensorSpec)."""
-    from llmc.quant.numerics import quantize_weight
-
-    with torch.random.fork_rng(devices=[]):  # the build's own random state stays as it was
-        torch.manual_seed(0)
-        w = torch.randn(*REPACK_PROBE_SHAPE)
-    q = quantize_weight(w, weights)
-    return {"codes": q.codes, "scale": q.scale, "zero": q.zero_point}
-
-
-def gptq_repack_rate(weights: TensorSpec) -> float:
-    """Quantized weight elements/s `export_gptq` repacks into the GPTQ layout and checks (`files.repack_linear` with
-    the GPTQ codec, on one REPACK_PROBE_SHAPE Linear; llmc.planning.probes: timed, cached per machine)."""
-    out, inp = REPACK_PROBE_SHAPE
-    return probes.rate(f"gptq repack {weights!r} elements={out * inp}", _gptq_repack_timer(weights))
-
-
-def _gptq_repack_timer(weights: TensorSpec):
-    state: dict = {}
-
-    def run_once() -> float:
-        from llmc.formats.files import repack_linear
-        from llmc.formats.gptq_format import OUTPUT_DIMS, gptq_codec
-
-        if not state:
-            state.update(_probe_linear(weights))
-        repack, decode = gptq_codec(weights.bits, v1_zeros_checked=False)  # as export_onnx writes it
-        return probes.sustained_rate(
-            REPACK_PROBE_SHAPE[0] * REPACK_PROBE_SHAPE[1],
-            lambda: repack_linear(state["codes"], state["scale"], state["zero"], weights, repack=repack,
-                                  decode=decode, output_dims=OUTPUT_DIMS))
-
-    return run_once
+# rows at a time and decoded again to check it, llmc.formats.files.repack_linear, probed as the GPTQ export's own:
+# `gptq_repack_rate`), its files written and read back by the builder, and the builder's own GPTQ loader, which
+# unpacks every weight, dequantizes it, quantizes it again and packs it as MatMulNBits blocks, in torch, one Linear at
+# a time (onnxruntime_genai.models.loaders), timed in this process on one Linear of the scheme of
+# llmc.formats.files.REPACK_PROBE_SHAPE.
 
 
 def builder_repack_rate(weights: TensorSpec) -> float:
     """Quantized weight elements/s onnxruntime-genai's GPTQ loader reads and repacks into MatMulNBits blocks (its
     `QuantModel.from_pretrained`, as the builder calls it, on a one-Linear GPTQ checkpoint of REPACK_PROBE_SHAPE that
     llmc's own `to_gptq` wrote; llmc.planning.probes: timed, cached per machine)."""
-    out, inp = REPACK_PROBE_SHAPE
+    out, inp = files.probe_shape(weights)
     return probes.rate(f"onnxruntime-genai gptq loader {weights!r} elements={out * inp}",
                        _builder_repack_timer(weights))
 
@@ -371,10 +413,10 @@ def _builder_repack_timer(weights: TensorSpec):
         except ImportError as e:
             raise EngineFailed(f"timing onnxruntime-genai's GPTQ loader: {e}",
                                fix="install onnxruntime-genai (the onnxruntime target's exporter)") from e
-        out, inp = REPACK_PROBE_SHAPE
+        out, inp = files.probe_shape(weights)
         if not state:
             state["dir"] = tempfile.TemporaryDirectory(prefix="llmc-gptq-loader-probe-")
-            linear = _probe_linear(weights)
+            linear = files.probe_linear(weights)
             g = vars(to_gptq(linear["codes"], linear["scale"], linear["zero"], weights.bits, v1_zeros_checked=False))
             save_file({f"model.layers.0.mlp.down_proj.{k}": v.contiguous() for k, v in g.items()},
                       str(Path(state["dir"].name) / "model.safetensors"))

@@ -159,6 +159,8 @@ def rate_class(key: str) -> str:
         return " ".join(words[:2] + [w for w in words if w.startswith("layers=")])
     if words[0] == "insert_qdq":  # the ONNX exporters' codes put into a graph, per weight element, any scheme
         return "insert_qdq"
+    if words[1:2] == ["repack"]:  # a repacking exporter's codec (llmc.formats.files.repack_rate), any scheme
+        return " ".join(words[:2])
     if words[1:2] == ["convert"]:  # an exporter's packing and check per element of one storage type (GGUF's ggml types)
         return " ".join(words[:3])
     return key

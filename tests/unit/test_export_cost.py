@@ -161,10 +161,10 @@ def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, 
     pytest.importorskip("onnxruntime_genai")
     from onnxruntime_genai.models.loaders import base as loaders
 
-    from llmc.formats import gptq_format
+    from llmc.formats import files, gptq_format
     from llmc.planning import probes
 
-    monkeypatch.setattr(onnx_genai, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
     monkeypatch.setattr(onnx_genai, "builder_seconds", lambda config: 0.0)
     monkeypatch.setattr(onnx_genai, "intermediate_seconds", lambda work: 0.0)
     clock, per_call = [0.0], [0.3]
@@ -204,19 +204,129 @@ def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, 
     assert planned() - fast == pytest.approx(elements / per_probe_call * (0.9 - 0.3), rel=1e-3)
 
 
+@pytest.mark.parametrize("name", ["gptq", "awq"])
+def test_a_slower_repack_makes_the_planned_gptq_or_awq_export_slower_by_that_step(monkeypatch, pinned,
+                                                                                   name: str) -> None:
+    """Issue 44: the GPTQ and AWQ exports price their repack with a probe of the real code (`files.repack_linear`
+    with the format's own codec), not a constant: slow down the codec itself (`to_gptq` / `to_awq`, run once per
+    block of rows) and the planned export grows by exactly that step. A named profile has no such probe (0, as
+    every host-work term there); a machine file answers it by the kind of probe (`gptq repack`, any scheme)."""
+    from llmc.formats import awq_format, files, gptq_format
+    from llmc.planning import probes, target
+
+    module, codec = {"gptq": (gptq_format, "to_gptq"), "awq": (awq_format, "to_awq")}[name]
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 128))  # the same code on a smaller Linear: fast
+    monkeypatch.setattr(base, "check_seconds", lambda config: 0.0)  # the config check's own probe: not this test's
+    clock, per_call = [0.0], [0.3]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-9
+        return clock[0]
+
+    def slowed(*args, real=getattr(module, codec), **kwargs):
+        clock[0] += per_call[0]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(probes.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(module, codec, slowed)
+    fmt, work = targets.artifact_format(name), _int4_work()
+    elements = sum(o * i for o, i in work.written[0].linears)
+    per_probe_call = 64 * 128  # one block of rows: one slowed call per `repack_linear`
+
+    def planned() -> float:
+        monkeypatch.setattr(probes, "_book", probes.RateBook())  # measured again
+        return fmt.cost(name, work).seconds
+
+    fast = planned()
+    assert fmt.repack_seconds(work) == pytest.approx(elements / per_probe_call * 0.3, rel=1e-3)
+    assert list(probes.book().measured_now) == [f"{name} repack {work.written[0].weights!r} elements={64 * 128}"]
+    per_call[0] = 0.9
+    assert planned() - fast == pytest.approx(elements / per_probe_call * (0.9 - 0.3), rel=1e-3)
+    with target.planning_for(target.load("h100-sxm")):
+        assert fmt.repack_seconds(work) == 0.0
+    m = target.TargetMachine(name="m", estimate=False, cpu="", cpu_flags="", cpus=2, memory_bytes=10**10, gpu=None,
+                             gpu_count=0, gpu_memory_bytes=0,
+                             rates={f"{name} repack TensorSpec(other) elements=1": [2e6, 4e6]})
+    with target.planning_for(m):
+        assert fmt.repack_seconds(work) == pytest.approx(elements / 3e6)
+
+
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_the_repack_probe_quantizes_whole_groups_of_any_group_size(monkeypatch, group: int) -> None:
+    """The probe's Linear has whole groups of the scheme (its inputs rounded up): a group of 128 does not divide
+    REPACK_PROBE_SHAPE's 576 inputs, and `llmc plan recipes/llama31-8b-int4-awq.yaml` failed on it."""
+    from llmc.formats import awq_format, files, gptq_format
+    from llmc.planning import probes
+
+    monkeypatch.setattr(files, "REPACK_PROBE_SHAPE", (64, 96))  # 96 inputs: whole groups of 32 only
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    weights = TensorSpec("int4", "group", group_size=group, symmetric=True)
+    out, inp = files.probe_shape(weights)
+    assert out == 64 and inp % group == 0 and 96 <= inp < 96 + group
+    assert gptq_format.repack_rate(weights) > 0 and awq_format.repack_rate(weights) > 0
+    assert all(k.endswith(f"elements={out * inp}") for k in probes.book().measured_now)
+
+
 @pytest.mark.heavy
 def test_the_builder_probe_runs_the_builder_on_its_tiny_model() -> None:
     """The probe's timer runs onnxruntime-genai's builder (a process of its own) on a tiny float model of the family
     with a tokenizer, as `export_onnx` runs it, and returns runs/s."""
     pytest.importorskip("onnxruntime_genai")
-    rate = onnx_genai._builder_timer(onnx_qdq.graph_probe_config(LLAMA, 1))()
+    rate = onnx_genai._builder_timer(LLAMA, 1)()
     assert 0 < rate < 10
+
+
+def test_the_builder_probe_starts_one_process_per_family_and_prices_its_start_in_every_sample(monkeypatch) -> None:
+    """Issue 44: both probe sizes and their repeats run in ONE builder process per family (a process's start and
+    imports are most of a run; four of them cost a cold plan minutes under load). Each sample is what one export
+    pays: the process's start and imports once, plus one run at that size; builder_seconds stays monotone in
+    layers. A second family starts its own process; cached rates start none."""
+    import json
+    import subprocess
+    import types
+
+    from llmc.planning import probes
+
+    launches: list[list] = []
+    start_s, per_layer = 30.0, 0.5
+
+    def fake_run(cmd, **kwargs):
+        runs = json.loads(cmd[-1])
+        launches.append(runs)
+        # the first run (the warm-up) loads the builder's lazy imports: 2 s more than its size's later runs
+        seconds = [[n, 1.0 + per_layer * n + (2.0 if i == 0 else 0.0)] for i, (n, *_paths) in enumerate(runs)]
+        return types.SimpleNamespace(returncode=0, stdout="builder says hi\n" + json.dumps(
+            {"start_s": start_s, "runs": seconds}) + "\n", stderr="")
+
+    monkeypatch.setattr(onnx_genai.subprocess, "run", fake_run)
+    monkeypatch.setattr(onnx_genai, "_write_probe_model", lambda tiny, folder: None)
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    seconds = {n: onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": n}) for n in (1, 2, 30)}
+    assert len(launches) == 1  # one process for both sizes
+    sizes = [n for n, *_ in launches[0]]
+    assert sizes[0] == 1 and sorted(sizes[1:]) == sorted([1, onnx_genai.BUILDER_PROBE_LAYERS]
+                                                          * onnx_genai.BUILDER_PROBE_REPEATS)
+    # one export = start + warm-up's extra (2 s) + one run: 30 + 2 + 1.5 s at 1 layer, then 0.5 s per layer
+    assert seconds[1] == pytest.approx(start_s + 2.0 + 1.0 + per_layer)
+    assert seconds[30] == pytest.approx(seconds[1] + 29 * per_layer)
+    assert seconds[1] < seconds[2] < seconds[30]
+    onnx_genai.builder_seconds({**LLAMA, "model_type": "qwen2", "num_hidden_layers": 30})
+    assert len(launches) == 2  # another family: its own process
+    onnx_genai.builder_seconds({**LLAMA, "num_hidden_layers": 12})
+    assert len(launches) == 2  # both sizes cached
+
+    def failed(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ModuleNotFoundError: onnxruntime_genai")
+
+    monkeypatch.setattr(onnx_genai.subprocess, "run", failed)
+    with pytest.raises(onnx_genai.EngineFailed, match="onnxruntime_genai"):
+        onnx_genai.builder_seconds({**LLAMA, "model_type": "mistral"})
 
 
 def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeypatch, pinned) -> None:
     """`check_export` builds the model's meta skeleton: compressed-tensors, GPTQ, AWQ and ModelOpt pay it per
     decoder layer (probed at 1 and CHECK_PROBE_LAYERS layers of the model's own config); GGUF and ONNX do not."""
-    from llmc.formats import described
+    from llmc.formats import described, gptq_format
 
     asked: list[int] = []
 
@@ -225,6 +335,8 @@ def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeyp
         return 1.0 / (0.1 + 0.02 * layers)
 
     monkeypatch.setattr(described, "skeleton_rate", rate)
+    # GPTQ / AWQ repack this 8-bit work's weights at their codec's probed rate: not this test's term
+    monkeypatch.setattr(gptq_format.RepackedCheckpoint, "repack_seconds", lambda self, work: 0.0)
     assert described.check_seconds({**LLAMA, "num_hidden_layers": 30}) == pytest.approx(0.12 + 29 * 0.02)
     assert set(asked) == {1, described.CHECK_PROBE_LAYERS}
     for name in ("compressed-tensors", "gptq", "awq", "modelopt-hf"):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from llmc.engines import agreement
-from llmc.formats import described, onnx_genai, onnx_qdq
+from llmc.formats import described, files, onnx_genai, onnx_qdq
 from llmc.planning import disk, machine, probes
 from llmc.planning.plan import make_plan
 from llmc.planning.rows import CostRow
@@ -64,7 +64,7 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
     monkeypatch.setattr(onnx_qdq, "_insert_timer", timer("insert", insert))
     monkeypatch.setattr(onnx_genai, "_builder_timer", timer("builder", builder))
-    monkeypatch.setattr(onnx_genai, "_gptq_repack_timer", timer("gptq repack", repack))
+    monkeypatch.setattr(files, "_repack_timer", timer("gptq repack", repack))  # every repacking format's codec
     monkeypatch.setattr(onnx_genai, "_builder_repack_timer", timer("builder repack", repack))
     monkeypatch.setattr(agreement, "_scoring_timer", timer("scoring", scoring))
     return calls

@@ -348,16 +348,20 @@ def test_awq_plans_its_scale_and_clip_search_per_layer() -> None:
     assert 1.5 < per_layer["grid"] / per_layer["refine"] < 2.2
 
 
-def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repacking_time(tmp_path: Path) -> None:
+def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repacking_time(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
     """The GPTQ / AWQ layouts repack a block of rows at a time (llmc.formats.files.write_repacked_checkpoint): one
     shard of packed layers allocated, the largest Linear's packed blocks twice (the blocks and their concatenation)
     and one block's temporaries, not compressed-tensors' one shard + one layer's codes; and the repacking's time on
     top of writing and hashing the same number of bytes."""
     from llmc.formats.files import MAX_SHARD_BYTES
-    from llmc.formats.base import REPACK_BLOCK_BYTES, REPACK_RATE
+    from llmc.formats import awq_format
+    from llmc.formats.base import REPACK_BLOCK_BYTES
     from llmc.planning.machine import PROCESS_BYTES, verify_seconds, write_rate
     from llmc.storage.direct_io import held_bytes
 
+    repack_rate = 5e7  # the AWQ codec's probe (llmc.formats.files.repack_rate), pinned
+    monkeypatch.setattr(awq_format, "repack_rate", lambda weights: repack_rate)
     path = REPO / "recipes" / "llama31-8b-int4-awq.yaml"
     plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
     by = {r.name: r for r in plan.rows}
@@ -381,7 +385,7 @@ def test_gptq_and_awq_layouts_plan_one_shard_of_repacked_layers_and_their_repack
     verify = verify_seconds(canonical - outer, files=config["num_hidden_layers"]) + verify_seconds(outer)
     names = [r.name for r in plan.rows]
     verify *= 1 if names.index("export lmdeploy-sm80-tp1") < names.index("export vllm-sm80-tp1") else -1
-    assert awq.seconds - vllm.seconds == pytest.approx(layer_linears / REPACK_RATE + io + verify, rel=1e-3)
+    assert awq.seconds - vllm.seconds == pytest.approx(layer_linears / repack_rate + io + verify, rel=1e-3)
 
 
 def test_on_a_gpu_with_room_the_activations_are_planned_there_and_the_io_overlaps(monkeypatch) -> None:

@@ -213,7 +213,7 @@ def test_a_format_costs_its_own_export_from_how_its_exporter_works(monkeypatch) 
     """`ArtifactFormat.cost` (issue 44): the export stage asks the format, which reads its own `ExportLayout`:
     compressed-tensors passes 8-bit codes through mmap and links outer weights an earlier export of the same scheme
     wrote as stored; a repacking format pays its repack time; a whole-model exporter holds the float32 model."""
-    from llmc.formats import base
+    from llmc.formats import base, gptq_format
 
     monkeypatch.setattr(base, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)  # no disk probe
     ct, gptq, onnx = (targets.artifact_format(n) for n in ("compressed-tensors", "gptq", "onnx"))
@@ -230,9 +230,10 @@ def test_a_format_costs_its_own_export_from_how_its_exporter_works(monkeypatch) 
     # a format that does not write the outer weights as stored links none of them
     assert gptq.cost("exllamav2", _export_work(outer_written_before=True)).disk_bytes == gptq.written_bytes(
         _export_work().written[0])
+    monkeypatch.setattr(gptq_format, "repack_rate", lambda weights: 5e7)  # the GPTQ codec's probe (issue 44)
     repacked = gptq.cost("exllamav2", _export_work(bits=4))
     assert repacked.seconds - gptq.written_bytes(_export_work().written[0]) / 1e9 == pytest.approx(
-        _export_work().packed_bytes * 8 / 4 / base.REPACK_RATE)
+        sum(o * i for o, i in _export_work().written[0].linears) / 5e7)
     whole = onnx.cost("onnxruntime", _export_work())
     assert whole.strategy == "whole model in memory" and whole.host_bytes == base.PROCESS_BYTES + 3 * 2e9 * 4
 
