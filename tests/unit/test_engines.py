@@ -141,9 +141,16 @@ def test_a_checkout_is_told_from_an_installed_package(tmp_path: Path, monkeypatc
     assert checkout_root() is None
 
 
-def test_engine_names_with_a_dot_are_quoted_in_the_config_key(elsewhere: Path) -> None:
+def test_engine_names_with_a_dot_are_quoted_in_the_config_key(elsewhere: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmc.engines import environments
+
+    spec = engine_spec("llama.cpp")
+    monkeypatch.delenv(spec.environment.python_variable, raising=False)
+    # this checkout may hold a real .venv-llama (bash scripts/setup-llama.sh): the lookup must find nothing
+    monkeypatch.setattr(environments, "checkout_root", lambda: None)
     with pytest.raises(EngineUnavailable, match=r'\[engines\."llama.cpp"\] python'):
-        engine_python(engine_spec("llama.cpp"))
+        engine_python(spec)
 
 
 # ------------------------------------------------------------------ the runner, with stand-in workers
