@@ -1,5 +1,5 @@
 """The int4 export's per-weight terms against the real steps they predict, interleaved in one process so that each
-pair sees the same moment of a shared machine: llmc's GPTQ repack (`gptq_repack_rate` probe vs `repack_linear` over
+pair sees the same moment of a shared machine: llmc's GPTQ repack (`gptq_format.repack_rate` probe vs `repack_linear` over
 the first LAYERS decoder layers of SmolLM2's canonical form, as export_gptq runs it) and the builder's GPTQ loader
 (`builder_repack_rate` probe vs `QuantModel.from_pretrained` on the real GPTQ intermediate, repacking LAYERS layers).
 

@@ -50,8 +50,7 @@ from llmc.formats.registry import register_format
 from llmc.formats import files
 from llmc.formats.files import MAX_SHARD_BYTES, SERVE_FILE, copy_tokenizer_files
 from llmc.formats.gptq_format import check_scheme as check_gptq_scheme
-from llmc.formats.gptq_format import export_gptq
-from llmc.formats.gptq_format import repack_rate as gptq_repack_rate
+from llmc.formats.gptq_format import GptqCheckpoint, export_gptq
 from llmc.formats.onnx_qdq import float_model, graph_probe_config, weight_pass_seconds
 from llmc.planning import probes
 from llmc.planning.rows import CostRow
@@ -385,7 +384,7 @@ def _builder_timer(config: dict, layers: int):
 # The int4 export's work per quantized weight, which the builder's runs on tiny models (`builder_seconds`: its start,
 # imports and graph, per layer) do not hold: llmc's GPTQ intermediate (`export_gptq`: each Linear repacked a block of
 # rows at a time and decoded again to check it, llmc.formats.files.repack_linear, probed as the GPTQ export's own:
-# `gptq_repack_rate`), its files written and read back by the builder, and the builder's own GPTQ loader, which
+# `gptq_format.repack_rate`), its files written and read back by the builder, and the builder's own GPTQ loader, which
 # unpacks every weight, dequantizes it, quantizes it again and packs it as MatMulNBits blocks, in torch, one Linear at
 # a time (onnxruntime_genai.models.loaders), timed in this process on one Linear of the scheme of
 # llmc.formats.files.REPACK_PROBE_SHAPE.
@@ -434,24 +433,19 @@ def _builder_repack_timer(weights: TensorSpec):
 
 
 def repack_seconds(work: ExportWork) -> float:
-    """Seconds of the int4 export's work per quantized weight: `export_gptq`'s repack (`gptq_repack_rate`) and the
-    builder's GPTQ loader (`builder_repack_rate`), each at its probed rate; 0 for a named profile."""
-    def seconds() -> float:
-        total = 0.0
-        for w in work.written:
-            elements = sum(o * i for o, i in w.linears)
-            if elements:
-                total += elements / gptq_repack_rate(w.weights) + elements / builder_repack_rate(w.weights)
-        return total
+    """Seconds of the int4 export's work per quantized weight: `export_gptq`'s repack (the GPTQ export's own term,
+    `GptqCheckpoint.repack_seconds`) and the builder's GPTQ loader (`builder_repack_rate`), each at its probed rate;
+    0 for a named profile."""
+    def loader_seconds() -> float:
+        return sum(sum(o * i for o, i in w.linears) / builder_repack_rate(w.weights)
+                   for w in work.written if w.linears)
 
-    return host_work_seconds(seconds)
+    return GptqCheckpoint().repack_seconds(work) + host_work_seconds(loader_seconds)
 
 
 def intermediate_seconds(work: ExportWork) -> float:
     """Seconds to write the GPTQ intermediate's files (durable and hashed, as any shard llmc writes) and for the
     builder to read them back (written around the page cache: from the disk)."""
-    from llmc.formats.gptq_format import GptqCheckpoint
-
     nbytes = sum(GptqCheckpoint().written_bytes(w) for w in work.written)
     files = max(1, math.ceil(nbytes / MAX_SHARD_BYTES))
     return file_write_seconds(nbytes, files=files) + uncached_read_seconds(nbytes, files=files)

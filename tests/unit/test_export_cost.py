@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmc.formats import base, onnx_genai, onnx_qdq
+from llmc.formats import base, gptq_format, onnx_genai, onnx_qdq
 from llmc.planning.machine import Machine
 from llmc.planning.shapes import Shape
 from llmc.quant.spec import TensorSpec
@@ -125,7 +125,7 @@ def test_the_onnx_genai_export_cost_counts_the_builder_and_what_feeds_it(monkeyp
         return 1.0 / (5.0 + layers)
 
     monkeypatch.setattr(onnx_genai, "builder_rate", rate)
-    monkeypatch.setattr(onnx_genai, "gptq_repack_rate", lambda weights: 4e6)
+    monkeypatch.setattr(gptq_format, "repack_rate", lambda weights: 4e6)
     monkeypatch.setattr(onnx_genai, "builder_repack_rate", lambda weights: 1e6)
     monkeypatch.setattr(onnx_genai, "file_write_seconds", lambda nbytes, files=1: nbytes / 1e9)
     monkeypatch.setattr(onnx_genai, "uncached_read_seconds", lambda nbytes, files=1: nbytes / 2e9)
@@ -185,7 +185,7 @@ def test_a_slower_int4_repack_step_makes_the_planned_export_slower(monkeypatch, 
         monkeypatch.setattr(gptq_format, "to_gptq", slowed(gptq_format.to_gptq))
         monkeypatch.setattr(onnx_genai, "builder_repack_rate", lambda weights: 1e6)
     else:
-        monkeypatch.setattr(onnx_genai, "gptq_repack_rate", lambda weights: 1e6)
+        monkeypatch.setattr(gptq_format, "repack_rate", lambda weights: 1e6)
         monkeypatch.setattr(loaders.QuantizedModel, "repack_quantized_tensor",  # called on every slot, filled or not
                             slowed(loaders.QuantizedModel.repack_quantized_tensor,
                                    lambda model, module, *_: module.qweight is not None))
