@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from llmc.engines.agreement import chunk_rows, scoring_rate
 from llmc.model.dtype import BYTES
-from llmc.planning.machine import CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds
+from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds,
+                                   source_read_seconds)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.canonical import module_matches
@@ -103,8 +104,10 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     if reference:
         forward += forward_seconds(2 * tokens * shape.vocab * h, 0, compute=compute, device=device, width=h,
                                    rows=chunk_rows(shape.vocab))
-    # reading the weights, and an artifact's decompression (streamed or whole, through compressed-tensors)
-    io = read_seconds(shape.stored_bytes) + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
+    # reading the weights (the baseline's are the source's, which the page cache may hold; an artifact's files were
+    # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
+    read = read_seconds(shape.stored_bytes) if reference else source_read_seconds(shape.stored_bytes, machine)
+    io = read + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "

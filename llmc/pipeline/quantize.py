@@ -39,7 +39,7 @@ from llmc.quant.algorithms.catalog import AlgorithmSteps, quantize_stage_config
 from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
-                                   forward_seconds, matmul_rate, read_seconds, spill_seconds)
+                                   forward_seconds, matmul_rate, read_seconds, source_read_seconds, spill_seconds)
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
@@ -247,7 +247,7 @@ class Quantize(Stage):
                                 batch_tokens=min(loop.batch_size, c.recipe.calibration.samples)
                                 * c.recipe.calibration.seq_len,
                                 activations=loop.activations, compute=c.compute, stored_elem=c.stored_elem,
-                                device=c.machine.device)
+                                device=c.machine.device, resident=c.machine.source_resident)
 
 
 def _targets(scheme: Scheme, linears: dict[str, tuple[int, int]]) -> set[str]:
@@ -293,14 +293,16 @@ FP8_PER_TENSOR = TensorSpec("fp8_e4m3", "tensor")
 def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
                   compute: str, code_bytes: float, device: str, width: int, seq_len: int = 0, attn_width: int = 0,
                   batch_tokens: int = 64, largest_linear: int = QUANTIZE_PROBE_ELEMENTS,
-                  weights: TensorSpec = FP8_PER_TENSOR) -> dict[str, float]:
-    """One decoder layer of the quantize stage, part by part: read it (`stored_bytes`), the calibration forward
+                  weights: TensorSpec = FP8_PER_TENSOR, machine: Machine | None = None) -> dict[str, float]:
+    """One decoder layer of the quantize stage, part by part: read it (`stored_bytes` of the source, the share the
+    page cache holds on `machine` from memory), the calibration forward
     passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
     model's `width`), the quantizer's arithmetic (its probed rate at the scheme's `weights`) and writing its codes
     with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens)
-    return {"read": read_seconds(stored_bytes), "forward": passes * forward,
+    read = source_read_seconds(stored_bytes, machine) if machine is not None else read_seconds(stored_bytes)
+    return {"read": read, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
 
@@ -429,7 +431,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                             tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
-                            batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights)
+                            batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights,
+                            machine=machine)
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
     if shape.source_format is not None and shape.layer_decoded:
@@ -479,10 +482,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
     # bf16 embeddings: 0.55 B weights; its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0
-    skeleton_s = read_seconds(skeleton_params * (stored_elem + converted)) if skeleton else 0.0
+    skeleton_s = source_read_seconds(skeleton_params * (stored_elem + converted), machine) if skeleton else 0.0
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
-    fixed = (read_seconds(shape.outer_params * stored_elem) + file_write_seconds(shape.outer_params * kept)
-             + skeleton_s + discovery_s)
+    fixed = (source_read_seconds(shape.outer_params * stored_elem, machine)
+             + file_write_seconds(shape.outer_params * kept) + skeleton_s + discovery_s)
     strategy = {"disk": "activations spilled to disk", "device": "activations on the GPU",
                 "memory": "activations in memory"}.get(loop.activations, "no calibration")
     if loop.flow == "shared-statistics":

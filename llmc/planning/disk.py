@@ -10,6 +10,11 @@ just written is read back from memory. So the write is `O_DIRECT` + fsync of PRO
 network filesystems) the write is buffered + fsync and the read follows `posix_fadvise(DONTNEED)`, which drops the
 file's clean pages first. Each probe runs REPEATS times for at least MIN_SAMPLE_S: about 1 s for both on a disk of
 ~1 GB/s, 64 MB write and read per call.
+
+A model's source is the exception: it is read through mmap (safetensors), and the page cache may hold it when the
+plan is made (a download or an earlier build just read or wrote it; llmc's own hashing reads around the cache).
+`resident_share` asks the kernel (mincore) how much of it is there, and `source_read_seconds` prices that share at
+`cached_read_rate`, the copy out of a cached mapping, and the rest at the disk's read rate.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ REPEATS = 3  # timed runs per probe
 MIN_SAMPLE_S = 0.1
 WRITE_KEY = "disk write+fsync"
 READ_KEY = "disk read uncached"
+CACHED_READ_KEY = "page cache read"
 
 
 def write_rate() -> float:
@@ -42,6 +48,12 @@ def write_rate() -> float:
 def read_rate() -> float:
     """Bytes/s a file the page cache does not hold is read sequentially."""
     return probes.rate(READ_KEY, _timer("read"), repeats=REPEATS)
+
+
+def cached_read_rate() -> float:
+    """Bytes/s a file the page cache holds is copied out of a fresh read-only mapping, as safetensors reads a
+    tensor: page faults and a copy, no disk."""
+    return probes.rate(CACHED_READ_KEY, _cached_timer(), repeats=REPEATS)
 
 
 @contextlib.contextmanager
@@ -136,6 +148,90 @@ def _timer(which: str):
                 state.clear()
 
     return run_once
+
+
+def _copy_out_of_cache(path: Path) -> None:
+    """`path` (in the page cache) mapped read-only and copied into new memory, as safetensors reads a tensor."""
+    import numpy as np
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        view.copy()
+        del view  # the mapping closes only once no array exports it
+
+
+def _cached_timer():
+    """A function timing one run of the cached-read probe (its file written through the page cache and read once
+    on the first call)."""
+    state: dict = {}
+
+    def run_once() -> float:
+        if not state:
+            stack = contextlib.ExitStack()
+            path = stack.enter_context(_probe_folder()) / "cached.bin"
+            with open(path, "wb") as f:
+                block = os.urandom(4096) * (CHUNK // 4096)
+                for _ in range(PROBE_BYTES // CHUNK):
+                    f.write(block)
+            _copy_out_of_cache(path)  # every page in the cache before the first timed run
+            state.update(stack=stack, path=path)
+        try:
+            return probes.sustained_rate(PROBE_BYTES, lambda: _copy_out_of_cache(state["path"]), min_s=MIN_SAMPLE_S)
+        finally:
+            state["runs"] = state.get("runs", 0) + 1
+            if state["runs"] == REPEATS:
+                state.pop("stack").close()
+                state.clear()
+
+    return run_once
+
+
+def resident_share(paths: list[Path]) -> float:
+    """The share of these files' bytes the page cache holds now (Linux mincore over a read-only mapping of each);
+    0.0 where the kernel cannot say (another OS, an unreadable file): the plan then reads them all from the disk."""
+    import ctypes
+
+    total = resident = 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        for path in paths:
+            size = os.path.getsize(path)
+            if size == 0:
+                continue
+            pages = -(-size // mmap.PAGESIZE)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return 0.0
+                try:
+                    vec = (ctypes.c_ubyte * pages)()
+                    if libc.mincore(addr, size, vec) != 0:
+                        return 0.0
+                    held = pages - bytes(vec).count(0)
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+            total += size
+            resident += min(size, held * mmap.PAGESIZE)
+    except (OSError, AttributeError):
+        return 0.0
+    return resident / total if total else 0.0
+
+
+def source_read_seconds(nbytes: float, resident: float = 0.0) -> float:
+    """Seconds to read `nbytes` of the model's source, `resident` (0-1) of which the page cache holds: that share
+    copied out of memory at the probed cached rate, the rest read from the disk."""
+    if nbytes <= 0:
+        return 0.0
+    cached = nbytes * min(max(resident, 0.0), 1.0)
+    return (nbytes - cached) / read_rate() + (cached / cached_read_rate() if cached else 0.0)
 
 
 def write_seconds(nbytes: float) -> float:

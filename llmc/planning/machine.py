@@ -38,6 +38,9 @@ class Machine:
     gpu_free: int | None  # bytes free on the calibration GPU (None: calibrating on the CPU)
     device: str  # "cpu" | "cuda:0"
     cpu_count: int | None = None
+    # the share of the model's source files the page cache held when the plan was made (llmc.planning.disk.
+    # resident_share; 0 for another machine's plan, and at the slow end of every range: evicted by the build)
+    source_resident: float = 0.0
 
 
 def reclaim_seconds(new_bytes: float, free: int | None) -> float:
@@ -216,6 +219,12 @@ def read_seconds(nbytes: float) -> float:
     """Seconds to read `nbytes` of a source or stage file from the disk (not in the page cache), at the probed
     sequential read rate: a layer's weights, the weights outside the layers, an artifact to evaluate."""
     return disk.read_seconds(nbytes)
+
+
+def source_read_seconds(nbytes: float, machine: Machine) -> float:
+    """Seconds to read `nbytes` of the model's source on `machine`: its share the page cache holds from memory, the
+    rest from the disk (llmc.planning.disk.source_read_seconds)."""
+    return disk.source_read_seconds(nbytes, machine.source_resident)
 
 
 def spill_seconds(nbytes: float) -> float:

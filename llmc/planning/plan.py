@@ -65,6 +65,7 @@ class CostedFor:
     cpu_count: int
     device: str  # the calibration device
     machine: str = "this machine"  # or `--machine`'s: "the machine h100-sxm:8 (an estimate)"
+    source_resident: float = 0.0  # the share of the source's files in the page cache when planned (Machine)
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Plan:
             "stages": [r.as_dict() for r in self.rows],
             "cheaper": {r.name: r.cheaper for r in self.rows if r.cheaper is not None},
             **({"groups": self.groups} if self.groups else {}),
-            "source_gb": m.source_gb, "registry_gb": self.registry_gb, "available_gb": m.available_gb,
+            "source_gb": m.source_gb, "source_resident": m.source_resident, "registry_gb": self.registry_gb, "available_gb": m.available_gb,
             "free_gb": m.free_gb, "peak_memory_gb": self.peak_memory_gb, "disk_gb": self.disk_gb,
             "calibration_s": self.calibration_s, "seconds": self.seconds,
             **({"slow_dtype": {"ratio": self.slow_dtype.ratio, "float32_seconds": self.slow_dtype.float32_seconds}}
@@ -261,7 +262,10 @@ def _render_estimates(plan: Plan) -> list[str]:
     w = max([34, *(len(r.name) for r in rows)])  # a mixed scheme's name is long: never cut
     lines = [
         f"  model: {m.params / 1e6:,.1f}M params in {m.layers} layers, computed in {m.dtype}; "
-        f"source {m.source_gb:.2f} GB; {m.machine}: {m.available_gb:.1f} GB available"
+        f"source {m.source_gb:.2f} GB"
+        + (f" ({m.source_resident:.0%} of it in the page cache now: read from memory)" if m.source_resident >= 0.005
+           else "")
+        + f"; {m.machine}: {m.available_gb:.1f} GB available"
         + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: the times' slow ends wait "
            "for all of it)" if m.free_gb is not None else "")
         + f", {m.cpu_count} CPUs; calibrating on {m.device}",
@@ -1089,8 +1093,12 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     cpus = target_machine().cpus if target_machine() else os.cpu_count()
     side_files = _side_file_bytes(model_folder)
 
-    def walk(compute: str = compute, free: int | None = None) -> Costing:
-        machine = Machine(available, gpu_free, str(device), cpus)
+    # the source's pages the page cache holds now are read from memory (the slowest end: evicted before the build)
+    resident = disk.resident_share(sorted(Path(model_folder).glob("*.safetensors"))) if (
+        model_folder is not None and target_machine() is None) else 0.0
+
+    def walk(compute: str = compute, free: int | None = None, resident: float = resident) -> Costing:
+        machine = Machine(available, gpu_free, str(device), cpus, source_resident=resident)
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
                           config=config, side_files=side_files, tensor_shapes=tensors.shapes)
@@ -1110,7 +1118,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     with probes.reading("fastest"):
         fastest = [r.seconds for r in walk().rows]
     with probes.reading("slowest"):
-        slowest = [r.seconds for r in walk(free=0 if host_paced else None).rows]
+        slowest = [r.seconds for r in walk(free=0 if host_paced else None, resident=0.0).rows]
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
     plan.rows = rows
@@ -1118,7 +1126,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     plan.costed_for = CostedFor(params=shape.params, layers=shape.layers, dtype=compute,
                                 source_gb=shape.stored_bytes / 1e9, available_gb=(available or 0) / 1e9,
                                 free_gb=free / 1e9 if free is not None else None, cpu_count=cpus,
-                                device=str(device), machine=_machine_name())
+                                device=str(device), machine=_machine_name(), source_resident=resident)
     if device.type == "cpu" and compute != "float32":
         rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)
         ratio = (matmul_rate("float32", "cpu", shape.hidden, rows_probed)

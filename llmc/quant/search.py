@@ -33,7 +33,8 @@ from torch import nn
 from llmc.model.dtype import BYTES
 from llmc.model.families import linear_role
 from llmc.model.skeleton import layer_output
-from llmc.planning.machine import PROCESS_BYTES, forward_seconds, read_seconds, spill_seconds
+from llmc.planning.disk import source_read_seconds
+from llmc.planning.machine import PROCESS_BYTES, forward_seconds, spill_seconds
 from llmc.quant.groups import is_layer_spec, layers_of, site_of
 from llmc.quant.microscaling import fused_groups
 from llmc.quant import fisher
@@ -437,7 +438,7 @@ class MeasurementCost:
 def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None],
                      linears: Mapping[str, tuple[int, int]], shape: Shape, *, tokens: int, seq_len: int,
                      batch_tokens: int, activations: str, compute: str, stored_elem: int,
-                     device: str = "cpu") -> MeasurementCost:
+                     device: str = "cpu", resident: float = 0.0) -> MeasurementCost:
     """What `measure_model` spends on a model of `shape`, term by term as it runs: each decoder layer read and run
     over the calibration windows `space.forwards_per_layer()` times (the calibration pass, one forward per unit of
     the layer and scheme candidate with that unit quantized, the fisher proxy's second forward and its backward),
@@ -445,7 +446,8 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
     fake-quantized at their probed rate in every forward of that unit), and with the fisher proxy each layer read
     again and the output head's gradient (`llmc.quant.fisher.head_cost`). `activations`: where the pass keeps them
     ("disk": spilled), as its layer loop decided (`llmc.quant.stream.measurement_facts`: every layer's inputs kept
-    for the fisher proxy's backward pass)."""
+    for the fisher proxy's backward pass). `resident`: the share of the source the page cache holds
+    (llmc.planning.disk.source_read_seconds)."""
     e = BYTES[compute]
     h, layer, layers = shape.hidden, shape.layer_params, max(shape.layers, 1)
     gradients = space.proxy == "fisher"
@@ -466,18 +468,19 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
                                                                         batch_tokens, device)
     copy = tokens * h * e  # one copy of the activations passed between layers
     stored = shape.layer_stored_bytes or layer * stored_elem  # a quantized original: its codes and scales
-    per_layer = {"read": read_seconds(stored) * (2 if gradients else 1),  # the fisher pass reads each layer again
+    # the fisher pass reads each layer again
+    per_layer = {"read": source_read_seconds(stored, resident) * (2 if gradients else 1),
                  "forwards": space.forwards_per_layer() * forward,
                  "candidates": candidates_s / layers}  # the units spread over the layers
     if activations == "disk":  # written, fsynced and read back (with gradients: read again by the backward pass)
         per_layer["spill"] = spill_seconds(copy) * (2 if gradients else 1)
     skeleton = shape.outer_params - shape.head_params
-    fixed = read_seconds(skeleton * stored_elem)
+    fixed = source_read_seconds(skeleton * stored_elem, resident)
     head_bytes = 0.0
     if gradients:
         head_s, head_bytes = fisher.head_cost(h, shape.vocab, tokens=tokens, batch_tokens=batch_tokens,
                                               compute=compute, device=device)
-        fixed += head_s + read_seconds(shape.head_params * stored_elem)
+        fixed += head_s + source_read_seconds(shape.head_params * stored_elem, resident)
     parts = {"process": PROCESS_BYTES, "outer weights": skeleton * e + (shape.head_params * e if gradients else 0),
              "layer": layer * e + (layer * stored_elem if stored_elem != e else 0),
              # with gradients every layer's inputs wait for the backward pass, with its gradients and outputs

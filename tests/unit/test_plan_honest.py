@@ -37,11 +37,12 @@ def own_rates(monkeypatch):
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
                disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,), insert=(3e7,),
-               builder=(0.1,), repack=(1e6,)) -> dict:
-    """Probes whose runs return these rates in turn (counted, not timed)."""
+               builder=(0.1,), repack=(1e6,), cached_read=(4e9,), resident: float = 0.0) -> dict:
+    """Probes whose runs return these rates in turn (counted, not timed), and the share of the source the page cache
+    holds (`resident`: the tests' tiny models were just written, so the kernel holds them all)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
              "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0, "insert": 0, "builder": 0,
-             "gptq repack": 0, "builder repack": 0}
+             "gptq repack": 0, "builder repack": 0, "cached read": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -59,6 +60,8 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     monkeypatch.setattr(machine, "_write_timer", timer("write", writing))
     disk_timers = {"write": timer("disk write", disk_write)(), "read": timer("disk read", disk_read)()}
     monkeypatch.setattr(disk, "_timer", disk_timers.__getitem__)
+    monkeypatch.setattr(disk, "_cached_timer", timer("cached read", cached_read))
+    monkeypatch.setattr(disk, "resident_share", lambda paths: resident)
     # an export's host work: the config check's meta skeleton, torch.onnx's graph (llmc.formats)
     monkeypatch.setattr(described, "_skeleton_timer", timer("skeleton", skeleton))
     monkeypatch.setattr(onnx_qdq, "_graph_timer", timer("graph", graph))
@@ -199,6 +202,51 @@ def test_a_spread_in_the_probes_widens_the_range(tiny_model: Path, tmp_path: Pat
     assert busy.seconds == pytest.approx(steady.seconds)  # the same median
     assert busy.seconds_range[0] < steady.seconds_range[0]
     assert busy.seconds_range[1] > steady.seconds_range[1]
+
+
+def test_the_source_the_page_cache_holds_is_read_from_memory_and_the_slow_end_reads_it_from_the_disk(
+        tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
+    """A 7B-width source written just before its plan (benchmarks/plan_under_load.py) was read at the disk's rate by
+    the plan, from memory by the build: the quantize stage over-predicted by 27-52% (docs/planner.md, 2026-12-03)."""
+    pin_probes(monkeypatch, disk_read=(0.5e9,), cached_read=(5e9,), resident=0.0)
+    cold = make_plan(recipe(), tiny_model, tmp_path)
+    probes._book = probes.RateBook()
+    pin_probes(monkeypatch, disk_read=(0.5e9,), cached_read=(5e9,), resident=1.0)
+    warm = make_plan(recipe(), tiny_model, tmp_path)
+    by_name = {r.name: r for r in cold.rows}
+    source = cold.costed_for.source_gb * 1e9
+    for row in warm.rows:
+        before = by_name[row.name]
+        if row.id.kind.value == "quantize":  # every layer, the weights outside them and the skeleton read first
+            saved = before.seconds - row.seconds
+            assert source * (1 / 0.5e9 - 1 / 5e9) <= saved <= 2 * source * (1 / 0.5e9 - 1 / 5e9)
+        elif row.name == "eval torch baseline":  # the baseline reads the source; artifacts their own files
+            assert before.seconds - row.seconds == pytest.approx(source * (1 / 0.5e9 - 1 / 5e9))
+        else:
+            assert row.seconds == pytest.approx(before.seconds)
+        assert row.seconds_range[1] == pytest.approx(before.seconds_range[1])  # evicted before the build
+    assert warm.costed_for.source_resident == 1.0
+    assert "100% of it in the page cache now" in warm.render() and "page cache now" not in cold.render()
+
+
+def test_the_kernel_says_how_much_of_a_file_the_page_cache_holds(tmp_path: Path) -> None:
+    import os
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    assert disk.resident_share([path]) > 0.9  # just written
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages dropped
+    finally:
+        os.close(fd)
+    if disk.resident_share([path]) > 0.5:
+        pytest.skip("this filesystem keeps dropped pages (tmpfs)")
+    assert disk.resident_share([path]) < 0.1
+    path.read_bytes()
+    assert disk.resident_share([path]) > 0.9
+    assert disk.resident_share([tmp_path / "missing.bin"]) == 0.0
 
 
 # 3. A compute dtype far slower than float32 on this CPU
