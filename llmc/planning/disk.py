@@ -152,7 +152,7 @@ def _timer(which: str):
 
 def _copy_out_of_cache(path: Path) -> None:
     """`path` (in the page cache) mapped read-only and copied into new memory, as safetensors reads a tensor."""
-    import numpy as np
+    import numpy as np  # lazy: only when the probe runs (a cached rate imports nothing)
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
         view = np.frombuffer(mapped, dtype=np.uint8)
@@ -189,7 +189,7 @@ def _cached_timer():
 def resident_share(paths: list[Path]) -> float:
     """The share of these files' bytes the page cache holds now (Linux mincore over a read-only mapping of each);
     0.0 where the kernel cannot say (another OS, an unreadable file): the plan then reads them all from the disk."""
-    import ctypes
+    import ctypes  # lazy: once a plan, for the source's files
 
     total = resident = 0
     try:
