@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from llmc.engines.agreement import chunk_rows, scoring_rate
 from llmc.model.dtype import BYTES
+from llmc.planning.disk import cached_read_rate
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds,
                                    source_read_seconds)
 from llmc.planning.rows import GB, CostRow
@@ -108,6 +109,8 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
     read = read_seconds(shape.stored_bytes) if reference else source_read_seconds(shape.stored_bytes, machine)
     io = read + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
+    if not reference and stored_elem != e:  # the baseline converted to the compute dtype: new memory at copy speed
+        io += shape.params * e / cached_read_rate()
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "

@@ -229,6 +229,31 @@ def test_the_source_the_page_cache_holds_is_read_from_memory_and_the_slow_end_re
     assert "100% of it in the page cache now" in warm.render() and "page cache now" not in cold.render()
 
 
+def test_a_bf16_baseline_converted_to_float32_is_priced_at_the_copy_rate(tiny_model: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """The baseline's evaluation converts a bf16 checkpoint to the float32 it computes in: new memory, written at
+    the probed copy rate (at 7B widths 6.2 GB, ~3 s on the Xeon the plan left out once the source read from memory)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model, bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, str(f), metadata={"format": "pt"})
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    baselines = []
+    for rate in (4e9, 2e9):
+        probes._book = probes.RateBook()
+        pin_probes(monkeypatch, cached_read=(rate,))
+        plan = make_plan(recipe(model={"source": "demo:smollm2-135m", "dtype": "float32"}), bf16, tmp_path)
+        baselines.append(next(r for r in plan.rows if r.name == "eval torch baseline"))
+        params = plan.costed_for.params
+    assert baselines[1].seconds - baselines[0].seconds == pytest.approx(params * 4 * (1 / 2e9 - 1 / 4e9))
+
+
 def test_the_kernel_says_how_much_of_a_file_the_page_cache_holds(tmp_path: Path) -> None:
     import os
 
