@@ -65,6 +65,7 @@ def plan_once(recipe: Path, overrides: list[str], cache: Path) -> dict:
         sys.exit(f"plan exited {out.returncode}:\n{out.stderr[-3000:]}")
     estimates = json.loads(out.stdout.strip().splitlines()[-1])
     return {"at": time.strftime("%H:%M:%S", time.gmtime(t)), "plan_s": time.time() - t, "load": os.getloadavg()[0],
+            "source_resident": estimates.get("source_resident"),
             "stages": {s["stage"]: {"host_gb": s["host_gb"], "seconds": s["seconds"],
                                     "range": [s["seconds_low"], s["seconds_high"]]} for s in estimates["stages"]}}
 
