@@ -768,17 +768,20 @@ def test_gpt_oss_w4a16_gptq_export_decodes_in_plain_transformers_to_llmcs_logits
 
 def test_vllm_targets_of_gpt_oss_are_refused_by_the_plan(gpt_oss: Path) -> None:
     """vLLM's gpt-oss loader reads fused experts only (llmc.runtimes.vllm cites it): a vllm target is refused at plan
-    time (exit 3) naming the loader; SGLang and TGI are refused as unread."""
+    time (exit 3) naming the loader; SGLang and TGI are refused as unread. llama.cpp fixes gpt-oss's clamp at 7.0:
+    the tiny model's lowered one is refused, and the way out no longer names the runtimes refused above."""
     import yaml
 
     from llmc.errors import IncompatibleTargetError
     from llmc.planning.plan import make_plan
     from llmc.recipe.load import parse_recipe
 
-    def recipe(folder: Path, runtime: str):
+    def recipe(folder: Path, runtime: str, weights: dict | None = None):
+        quantization = ({"weights": weights} if weights else
+                        {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                         "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
         return parse_recipe(yaml.safe_dump({"name": "t", "model": {"source": str(folder)}, "targets": [
-            {"runtime": runtime}], "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
-                                                    "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}}))
+            {"runtime": runtime}], "quantization": quantization}))
 
     with pytest.raises(IncompatibleTargetError, match="_load_weights_other") as refused:
         make_plan(recipe(gpt_oss, "vllm"), gpt_oss)
@@ -787,6 +790,12 @@ def test_vllm_targets_of_gpt_oss_are_refused_by_the_plan(gpt_oss: Path) -> None:
     for runtime in ("sglang", "tgi"):
         with pytest.raises(IncompatibleTargetError, match="not checked"):
             make_plan(recipe(gpt_oss, runtime), gpt_oss)
+    # it said "target a compressed-tensors runtime (vllm, sglang)"; with gpt-oss's own clamp (7.0) the llama.cpp
+    # build runs end to end (test_llmc_build_of_a_tiny_gpt_oss_for_llama_cpp_end_to_end)
+    with pytest.raises(IncompatibleTargetError, match=r"swiglu_limit = 0\.7") as refused:
+        make_plan(recipe(gpt_oss, "llama.cpp", {"format": "int8", "strategy": "channel"}), gpt_oss)
+    assert refused.value.exit_code == 3 and "(vllm, sglang)" not in refused.value.fix
+    assert "sglang, tgi, vllm refuse it" in refused.value.fix
 
 
 # --------------------------------------------------------------------------- Llama-4 text: its layout row
@@ -921,6 +930,61 @@ def test_llmc_build_of_a_tiny_llama4_end_to_end(scheme_name: str, tmp_path: Path
     quantized_eval = [e for e in result.evals.values() if e.ppl_change is not None]
     assert quantized_eval and all(e.error is None for e in quantized_eval)
     print(scheme_name, {e.engine: (e.perplexity, e.ppl_change) for e in result.evals.values()})
+
+
+# the GGUF weight type each scheme's experts are written as (llmc.formats.gguf: int8 per channel -> Q8_0, int4 g32 ->
+# Q4_0, codes repacked)
+_GPT_OSS_LLAMA_CPP = {"w8a16": ({"format": "int8", "strategy": "channel"}, None, "Q8_0"),
+                      "w4a16-gptq": ({"format": "int4", "strategy": "group", "group_size": 32}, "gptq", "Q4_0")}
+
+
+@pytest.mark.slow  # two whole builds, each scored in llama.cpp's own process: ~50 s and ~180 s on the shared machine
+@pytest.mark.llama
+@pytest.mark.parametrize("scheme_name", list(_GPT_OSS_LLAMA_CPP))
+def test_llmc_build_of_a_tiny_gpt_oss_for_llama_cpp_end_to_end(scheme_name: str, tmp_path: Path) -> None:
+    """`llmc build` of a tiny GptOssForCausalLM (fused experts in its checkpoint, sinks, biased clamped experts,
+    sliding/full layers, YaRN) with a llama.cpp target: W8A16 -> Q8_0 or W4A16 GPTQ g32 -> Q4_0, the GGUF scored in
+    llama.cpp against the torch engine's baseline: perplexity within 1%, the gate passes, the experts are merged into
+    llama.cpp's 3-D tensors of the scheme's type. The model carries gpt-oss's published clamp (swiglu_limit 7.0) and
+    YaRN with truncate: llama.cpp fixes the one and rounds the other (tests/integration/test_gguf_moe_llamacpp.py)."""
+    from llmc.build import build
+    from llmc.engines.llamacpp import llama_cpp_version
+    from gguf import GGUFReader
+
+    from llmc.recipe.load import parse_recipe
+    from llmc.storage.store import Store
+    from tests.integration.test_gguf_moe_llamacpp import OVERRIDES
+    from tests.unit.test_build import recipe_text
+
+    if llama_cpp_version() is None:
+        pytest.skip("llama_cpp is not importable in LLMC_LLAMA_PYTHON / .venv-llama (bash scripts/setup-llama.sh)")
+    weights, algorithm, gguf_type = _GPT_OSS_LLAMA_CPP[scheme_name]
+    folder = make_tiny("gpt_oss", tmp_path / "model", **OVERRIDES["gpt_oss"])
+    quantization = {"weights": weights, **({"algorithm": algorithm} if algorithm else {})}
+    overrides = {"quantization": quantization, "targets": [{"runtime": "llama.cpp"}],
+                 "eval.runtimes": ["torch", "llama.cpp"], "gates.max_ppl_increase_pct": 1000.0}
+    store = Store(tmp_path / "cache")
+    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **overrides)), store, publish=False)
+    assert result.passed
+    (artifact,) = result.artifacts.values()
+    assert artifact.format == "gguf"
+    reader = GGUFReader(str(artifact.dir / "model.gguf"))
+    assert reader.fields["general.architecture"].contents() == "gpt-oss"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    for layer in (0, 1):  # experts merged, per layer, in the scheme's type; the sinks kept in float
+        assert {types[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {gguf_type}
+        assert types[f"blk.{layer}.attn_sinks.weight"] == "F32"
+    (llama,) = [e for e in result.evals.values() if e.engine == "llama.cpp"]
+    (baseline,) = [e for e in result.evals.values() if e.engine == "torch" and e.ppl_change is None]
+    assert llama.error is None and baseline.error is None
+    # the report's llama.cpp perplexity of the artifact within 1% of the torch engine's of the float model (measured:
+    # +0.01% for Q8_0, -0.02% for Q4_0); top-1 agreement with the float model's next token over 80%
+    assert abs(llama.perplexity / baseline.perplexity - 1) < 0.01
+    assert abs(llama.ppl_change["delta_pct"]) < 1.0
+    assert llama.top1_agreement["mean"] > 0.8
+    print(scheme_name, gguf_type, {"torch": baseline.perplexity, "llama.cpp": llama.perplexity,
+                                   "delta_pct": llama.ppl_change["delta_pct"], "top1": llama.top1_agreement["mean"],
+                                   "kld": llama.kld["mean"] if llama.kld else None})
 
 
 def test_a_gpt_oss_checkpoint_with_a_transposed_fused_tensor_is_refused_by_the_plan(gpt_oss: Path, tmp_path: Path) -> None:
