@@ -938,7 +938,7 @@ _GPT_OSS_LLAMA_CPP = {"w8a16": ({"format": "int8", "strategy": "channel"}, None,
                       "w4a16-gptq": ({"format": "int4", "strategy": "group", "group_size": 32}, "gptq", "Q4_0")}
 
 
-@pytest.mark.slow  # two whole builds, each scored in llama.cpp's own process: ~50 s and ~180 s on the shared machine
+@pytest.mark.slow  # two whole builds, each scored in llama.cpp's own process: 186 s and 499 s at load ~10 here
 @pytest.mark.llama
 @pytest.mark.parametrize("scheme_name", list(_GPT_OSS_LLAMA_CPP))
 def test_llmc_build_of_a_tiny_gpt_oss_for_llama_cpp_end_to_end(scheme_name: str, tmp_path: Path) -> None:
