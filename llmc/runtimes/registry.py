@@ -114,7 +114,8 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
         try:
             fmt.check_config(config)  # what the exporter would refuse of this family's config, before weights load
         except IncompatibleTargetError as e:
-            raise IncompatibleTargetError(f"target {target.label}: {e.message}", fix=e.fix) from None
+            raise IncompatibleTargetError(f"target {target.label}: {e.message}",
+                                          fix=_fix_elsewhere(e.fix, family, config, fmt.name)) from None
         return
     accepting = [rt.name for rt in RUNTIMES.values() if rt.format in FORMATS
                  and (FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]
@@ -122,6 +123,22 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
         f"target {target.label}: {fmt.name} artifacts cover the model families {', '.join(sorted(fmt.families))} "
         f"({fmt.families_source}); this model's model_type is {family!r}",
         fix=f"drop this target for this model, or use a runtime that takes {family!r}: {', '.join(accepting) or 'none'}")
+
+
+def _fix_elsewhere(fix: str | None, family: str, config: dict, format_name: str) -> str | None:
+    """A format's refusal of one model's config sends the user to runtimes of other formats; where every one of those
+    refuses the family (gpt-oss: every compressed-tensors runtime), say so instead of naming runtimes that would refuse
+    it too (measured: the GGUF exporter's gpt-oss refusal pointed at vllm and sglang)."""
+    moe = expert_count(config) > 1
+    others = [rt for rt in RUNTIMES.values() if rt.format in FORMATS and rt.format != format_name
+              and (family in FORMATS[rt.format].moe_families if moe else
+                   FORMATS[rt.format].families is None or family in FORMATS[rt.format].families)]
+    if any(family not in rt.refused_families for rt in others):
+        return fix
+    refusing = sorted(rt.name for rt in others)
+    return (f"no runtime of another format takes {family!r} ({', '.join(refusing) or 'none'} refuse it: "
+            "`llmc matrix`, 'Model families a runtime refuses'); give the model the value this target computes with "
+            "where the model allows it, or use another tool for this model")
 
 
 def accepting_runtimes(scheme: Scheme, format_name: str | None = None, family: str | None = None) -> list[str]:

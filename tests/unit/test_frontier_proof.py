@@ -15,7 +15,8 @@ Where plain transformers cannot load the artifact, the case says why and proves 
   fake_quantize where that expert's input enters the fused forward (`_InputQuantizedWeight`), the other Linears' by a
   pre-hook (`_quantize_inputs`).
 - gpt-oss: no compressed-tensors runtime takes its per-expert experts (llmc.runtimes.vllm), so `llmc build` refuses
-  every target at plan time; its artifact comes from the functions the build runs (stream, export) instead.
+  every compressed-tensors target at plan time; its artifact comes from the functions the build runs (stream, export)
+  instead (a llama.cpp target builds: tests/unit/test_moe.py, test_llmc_build_of_a_tiny_gpt_oss_for_llama_cpp_...).
 - DeepSeek-V3 / GLM-4.5 NVFP4-experts artifacts: transformers picks the dense Linears' config group by the word
   "experts" (`_MIXED_UNLOADABLE`); the load's failure is asserted, and the artifact decoded per Linear
   (`_decoded_state`) is saved as a float checkpoint that transformers' own `from_pretrained` loads
