@@ -11,6 +11,7 @@ import torch
 
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.quant.numerics import dequantize
+from llmc.quant.spec import probe_text
 from llmc.storage.store import atomic_save_safetensors, atomic_write_json, fsync_dir
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def repack_rate(codec: str, weights: TensorSpec, *,
     from llmc.planning import probes
 
     out, inp = probe_shape(weights)
-    return probes.rate(f"{codec} repack {weights!r} elements={out * inp}",
+    return probes.rate(f"{codec} repack {probe_text(weights)} elements={out * inp}",
                        _repack_timer(weights, repack, decode, output_dims))
 
 

@@ -112,7 +112,7 @@ from llmc.planning.rows import CostRow
 from llmc.planning.target import host_work_seconds
 from llmc.quant.numerics import quantize_weight
 from llmc.model.shape_rows import layer_attention
-from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.spec import Scheme, TensorSpec, probe_text
 from llmc.storage.store import atomic_write_json, atomic_write_text, fsync_dir, resource_errors
 
 GGUF_FILE = "model.gguf"
@@ -1909,7 +1909,7 @@ def convert_rate(kind: ConvertWork) -> float:
     """Elements/s `_convert` turns into GGUF data of `kind`, timed on a CONVERT_PROBE_SHAPE tensor and cached per
     machine (llmc.planning.probes)."""
     out, inp = CONVERT_PROBE_SHAPE
-    what = f"{kind.method} {kind.weights!r}" if kind.weights is not None else f"copy from={kind.dtype}"
+    what = f"{kind.method} {probe_text(kind.weights)}" if kind.weights is not None else f"copy from={kind.dtype}"
     return probes.rate(f"gguf convert {kind.qtype} {what} elements={out * inp}", _convert_timer(kind),
                        repeats=CONVERT_PROBE_REPEATS)
 

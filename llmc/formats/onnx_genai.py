@@ -59,7 +59,7 @@ from llmc.planning.target import host_work_seconds, per_layer_host_seconds
 from llmc.errors import EngineFailed, IncompatibleTargetError
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
-from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.spec import Scheme, TensorSpec, probe_text
 from llmc.storage.store import atomic_write_json
 
 GENAI_CONFIG = "genai_config.json"  # onnxruntime-genai's runtime config: what `llmc inspect` recognises
@@ -395,7 +395,7 @@ def builder_repack_rate(weights: TensorSpec) -> float:
     `QuantModel.from_pretrained`, as the builder calls it, on a one-Linear GPTQ checkpoint of REPACK_PROBE_SHAPE that
     llmc's own `to_gptq` wrote; llmc.planning.probes: timed, cached per machine)."""
     out, inp = files.probe_shape(weights)
-    return probes.rate(f"onnxruntime-genai gptq loader {weights!r} elements={out * inp}",
+    return probes.rate(f"onnxruntime-genai gptq loader {probe_text(weights)} elements={out * inp}",
                        _builder_repack_timer(weights))
 
 

@@ -46,7 +46,7 @@ from llmc.planning.target import host_work_seconds, per_layer_host_seconds
 from llmc.telemetry.progress import log
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_rate, quantize_weight
-from llmc.quant.spec import Scheme, TensorSpec
+from llmc.quant.spec import Scheme, TensorSpec, probe_text
 from llmc.storage.resource_errors import raise_if_resource
 from llmc.storage.store import atomic_write_json
 
@@ -468,7 +468,7 @@ def insert_qdq_rate(weights: TensorSpec, static_inputs: bool) -> float:
     the input where the activations are static), timed on a graph of one INSERT_PROBE_SHAPE MatMul and cached per
     machine (llmc.planning.probes)."""
     out, inp = INSERT_PROBE_SHAPE
-    return probes.rate(f"insert_qdq {weights!r} static_inputs={static_inputs} elements={out * inp}",
+    return probes.rate(f"insert_qdq {probe_text(weights)} static_inputs={static_inputs} elements={out * inp}",
                        _insert_timer(weights, static_inputs))
 
 

@@ -40,7 +40,7 @@ from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
                                    forward_seconds, matmul_rate, read_seconds, source_read_seconds, spill_seconds)
-from llmc.planning.rows import GB, CostRow
+from llmc.planning.rows import GB, MEASUREMENT_PART, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
@@ -220,6 +220,8 @@ class Quantize(Stage):
             row.layer_seconds += measuring.layer_seconds
             row.fixed_seconds += measuring.fixed_seconds
             row.host_bytes = max(row.host_bytes, measuring.host_bytes)
+            # the pass's peak term by term beside the loop's, so the parts show which of the two is host_bytes
+            row.parts.update({f"{MEASUREMENT_PART}{k}": v for k, v in measuring.parts.items()})
             row.why += (f"; the search's measurement first: {measuring.forwards} forwards of each layer"
                         + (", every layer's inputs kept for the fisher proxy's backward"
                            if self.space.proxy == "fisher" else "")

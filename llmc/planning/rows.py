@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from llmc.pipeline.ids import StageId
 
 GB = 1e9
+# the prefix of a searched quantize row's parts that are its measuring pass's (CostRow.parts)
+MEASUREMENT_PART = "search measurement: "
 
 
 @dataclass
@@ -23,7 +25,9 @@ class CostRow:
     strategy: str = ""
     why: str = ""
     # host_bytes term by term (tests, docs); a quantize stage's host_bytes is the largest of these terms' sum and its
-    # one-off peaks (writing the weights outside the layers, the first layer's pair discovery, named in `why`)
+    # one-off peaks (writing the weights outside the layers, the first layer's pair discovery, named in `why`); a
+    # searched variant's row also lists its measuring pass's terms, named MEASUREMENT_PART + term, a pass that runs
+    # before the loop: host_bytes is then the larger of the two (the measurement's terms sum to its own peak)
     parts: dict[str, float] = field(default_factory=dict)
     # File pages the stage keeps mapped (safetensors are read through mmap): page cache, not the process's own
     # memory (RssFile, not RssAnon); the kernel can drop them, at the price of reading them again.

@@ -30,7 +30,7 @@ from llmc.quant.microscaling import (
     nvfp4_global_scales,
     quantize_blocks,
 )
-from llmc.quant.spec import BLOCK_SHAPE, FP8_E4M3_MAX, TensorSpec
+from llmc.quant.spec import BLOCK_SHAPE, FP8_E4M3_MAX, TensorSpec, probe_text
 
 
 @dataclass
@@ -319,7 +319,7 @@ def fake_quantize_rate(spec: TensorSpec, dtype_name: str, width: int, rows: int,
     times it (llmc.planning.probes: timed several times, cached per machine)."""
     rows, width = max(1, min(rows, 512)), max(1, min(width, 8192))
     where = "" if device == "cpu" else f" {device}"
-    return probes.rate(f"fake_quantize {spec!r} {dtype_name}{where} rows={rows} width={width}",
+    return probes.rate(f"fake_quantize {probe_text(spec)} {dtype_name}{where} rows={rows} width={width}",
                        _fake_quantize_timer(spec, dtype_name, rows, width, device))
 
 
@@ -357,7 +357,7 @@ def quantize_rate(spec: TensorSpec, dtype_name: str, elements: int = QUANTIZE_PR
     temporaries of each block of rows), so it follows neither the matmul rate nor a cache-resident probe."""
     elements = min(elements, QUANTIZE_PROBE_ELEMENTS)
     where = "" if device == "cpu" else f" {device}"  # the CPU's cached probes keep their names
-    return probes.rate(f"quantize {spec!r} {dtype_name}{where} elements={elements}",
+    return probes.rate(f"quantize {probe_text(spec)} {dtype_name}{where} elements={elements}",
                        _quantize_timer(spec, dtype_name, elements, device))
 
 

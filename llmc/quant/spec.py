@@ -7,7 +7,7 @@ algorithm and the modules left alone. Nothing here touches a tensor; `numerics.p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal
 
 NumberFormat = Literal["fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "mxfp8"]
@@ -120,6 +120,21 @@ class TensorSpec:
         zeros = f"/{self.zero_grid}-zeros" if self.zero_grid else ""
         return f"{self.format}/{grain}/{sym}/{mode}{grid}{zeros}"
 
+
+
+# The fields every probe key has listed since `zero_grid` came (repr(TensorSpec) then, 2026-12-03): `probe_text`
+# lists these always, as repr did, so the rates cached under those keys stay valid.
+_PROBE_KEY_FIELDS = ("format", "strategy", "group_size", "symmetric", "dynamic", "scale_grid", "zero_grid")
+
+
+def probe_text(spec: TensorSpec) -> str:
+    """`spec` as a probe's cache key names it (llmc.planning.probes): repr(TensorSpec) of the fields of
+    _PROBE_KEY_FIELDS, and any field added since only where it differs from its default, so adding a field with a
+    default re-keys no cached rate (repr did: every `fake_quantize` rate was measured again when `zero_grid` came),
+    while two specs that quantize differently still key differently."""
+    parts = [f"{f.name}={getattr(spec, f.name)!r}" for f in fields(spec)
+             if f.name in _PROBE_KEY_FIELDS or getattr(spec, f.name) != f.default]
+    return f"TensorSpec({', '.join(parts)})"
 
 # What a decoder layer's Linear does there, named per family in one table (llmc.model.families.LINEAR_ROLES):
 # mixed-precision groups select Linears by role.

@@ -13,6 +13,7 @@ import yaml
 from llmc.pipeline.quantize import Quantize
 from llmc.planning import plan as plan_module
 from llmc.planning.plan import make_plan
+from llmc.planning.rows import MEASUREMENT_PART
 from llmc.planning.shapes import Shape
 from llmc.quant import fisher
 from llmc.quant import search as S
@@ -82,6 +83,24 @@ def test_the_fisher_proxy_adds_its_backward_pass_and_the_heads_gradient(model: P
     assert fisher_m.fixed_seconds > output.fixed_seconds  # the head's forward and backward
     assert fisher_m.parts["activations"] > output.parts["activations"]  # every layer's inputs kept
 
+
+
+@pytest.mark.parametrize("proxy", ["output", "fisher"])
+def test_the_rows_parts_show_which_pass_is_the_peak(model: Path, monkeypatch, proxy: str) -> None:
+    """Issue 44 F10: the row's host_bytes is the larger of the loop's peak and the measurement's, and its parts list
+    the measurement's terms (named as such) beside the loop's, so the larger chain of them is host_bytes."""
+    pin_probes(monkeypatch)
+    row, m, _ = _planned(model, monkeypatch, proxy)
+    without, _, _ = _planned(model, monkeypatch, proxy, measured=False)
+    measured = {k.removeprefix(MEASUREMENT_PART): v for k, v in row.parts.items() if k.startswith(MEASUREMENT_PART)}
+    own = {k: v for k, v in row.parts.items() if not k.startswith(MEASUREMENT_PART)}
+    assert measured == m.parts and sum(measured.values()) == pytest.approx(m.host_bytes)
+    assert own == without.parts  # the loop's terms as they were
+    assert row.host_bytes == pytest.approx(max(without.host_bytes, sum(measured.values())))
+    if proxy == "fisher":  # every layer's inputs kept for the backward: the measurement is this model's peak
+        assert sum(measured.values()) > without.host_bytes
+        assert row.host_bytes == pytest.approx(sum(measured.values()))
+    assert not any(k.startswith(MEASUREMENT_PART) for k in without.parts)
 
 SHAPE = Shape(params=10_000_000, layers=4, hidden=256, heads=4, vocab=1000, layer_params=2_000_000,
               outer_params=256_000, largest_linear=256 * 1024, widest_input=1024, intermediate=1024, attn_width=256,
