@@ -19,7 +19,8 @@ elsewhere):
 
 What is pinned, so that two runs (and two trees) see the same machine: every probe returns a fixed function of its
 arguments (so a probe called with other arguments still shows as a difference), MemAvailable is 64 GB, the disk has
-10 TB free, `os.cpu_count()` is 2, and the calibration device is whatever the recipe names on a machine without a GPU.
+10 TB free, none of the source is in the page cache, `os.cpu_count()` is 2, and the calibration device is whatever
+the recipe names on a machine without a GPU.
 Two layers of pins: PROBES replaces a few rate functions (`matmul_rate`, the quantizer's `quantize_rate`, the
 export's skeleton and graph rates, the memory) wherever a module of llmc holds them (by identity, after importing the
 planner and every stage); TIMERS replaces every timed probe, the function each `probes.rate(key, timer(...))` or
@@ -81,6 +82,8 @@ PROBES = {"matmul_rate": pinned_matmul_rate, "quantize_rate": pinned_quantize_ra
           # a VM that hands its free pages to its host plans the wait for memory beyond MemFree, which moves between
           # two records: planned as on a machine without such a host
           "memory_from_host": lambda: False,
+          # how much of the source the page cache holds moves between two records: planned as read from the disk
+          "resident_share": lambda paths: 0.0,
           # torch.onnx's export of a tiny model of the family with `layers` layers (llmc.formats.onnx_qdq): exports/s
           "graph_export_rate": lambda config, layers: 1.0 / (1.0 + 0.5 * layers),
           # the meta skeleton an export's config check builds (llmc.formats.described): calls/s
@@ -140,6 +143,7 @@ TIMERS = {
     "llmc.planning.machine:_hash_timer": lambda: 2.7e8,  # bytes/s
     "llmc.planning.machine:_write_timer": lambda: 1.0e8,  # bytes/s written and hashed
     "llmc.planning.disk:_timer": lambda which: {"write": 4.7e8, "read": 6.5e8}[which],  # bytes/s
+    "llmc.planning.disk:_cached_timer": lambda: 2.1e9,  # bytes/s copied out of the page cache
     "llmc.engines.agreement:_scoring_timer":  # logit elements/s
         lambda vocab, top_k, reference, device="cpu": (9.4e6 if reference else 2.4e7) * _salt(vocab, top_k, device),
     "llmc.formats.described:_skeleton_timer":  # skeletons/s (skeleton_rate itself is pinned in PROBES)
