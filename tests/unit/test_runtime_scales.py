@@ -61,6 +61,23 @@ def _vllm_load_rule(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return t
 
 
+def one_input_scale_per_moe_layer(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`scales` (Linear name -> its own static input scale) with each routed expert's replaced by its MoE layer's one
+    for its operand (gate/up: w13, down: w2): the max over the layer's experts, as vLLM / SGLang load them."""
+    top: dict[tuple[str, str], torch.Tensor] = {}
+    for name, scale in scales.items():
+        m = EXPERT_INPUT.match(f"{name}.input_scale")
+        if m:
+            key = (m[1], "w2" if m[2] in ("down_proj", "w2") else "w13")
+            top[key] = torch.maximum(top.get(key, scale), scale)
+    out = dict(scales)
+    for name in scales:
+        m = EXPERT_INPUT.match(f"{name}.input_scale")
+        if m:
+            out[name] = top[(m[1], "w2" if m[2] in ("down_proj", "w2") else "w13")]
+    return out
+
+
 def _tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {f.name: load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))}
 
@@ -125,3 +142,27 @@ def test_requantize_fp8_is_the_identity_under_the_same_scale() -> None:
         s = torch.tensor([scale])
         again = runtime_scales.requantize_fp8(codes, s, s)
         assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8)), scale
+
+
+def test_the_plan_says_which_scales_are_unified_and_why(tmp_path: Path) -> None:
+    """`llmc plan` on a tiny Qwen3-MoE: FP8 per-tensor weights with static activations name both unifications and
+    the runtimes' rule; per-channel weights with dynamic activations neither."""
+    import yaml
+
+    from llmc.planning.plan import make_plan
+    from llmc.recipe.load import parse_recipe
+
+    folder = make_tiny("qwen3_moe", tmp_path / "model")
+
+    def notes(weights: str, dynamic: bool) -> list[str]:
+        acts = {"format": "fp8_e4m3", "strategy": "token" if dynamic else "tensor", "dynamic": dynamic}
+        recipe = parse_recipe(yaml.safe_dump({
+            "name": "p", "model": {"source": str(folder)},
+            "quantization": {"weights": {"format": "fp8_e4m3", "strategy": weights}, "activations": acts},
+            "targets": [{"runtime": "vllm", "gpu_arch": "sm90"}]}))
+        return [w for w in make_plan(recipe, folder, check_time=False).warnings
+                if "max over the layer's experts" in w or "unified to their max" in w]
+
+    both = notes("tensor", False)
+    assert len(both) == 2 and "fused-MoE" in both[0] and "requantized" in both[1]
+    assert notes("channel", True) == []
