@@ -59,7 +59,7 @@ def unify_fused_weight_scales(tensors: dict[str, torch.Tensor], specs: Mapping[s
     """In place: each fused sibling group (`fused_groups`) of Linears with FP8 per-tensor weights gets the max of
     their scales, its members' codes requantized to it (`requantize_fp8`). `specs`: each quantized Linear's weight
     spec. Returns the groups changed, by their first member's name."""
-    from llmc.quant.microscaling import fused_groups  # torch-heavy module; only for layers that have such weights
+    from llmc.quant.microscaling import fused_groups  # lazy, as llmc.quant.groups imports it
 
     names = [n for n, s in specs.items() if fp8_tensor_weights(s) and f"{n}.weight_scale" in tensors]
     changed = []
