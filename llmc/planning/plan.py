@@ -42,7 +42,7 @@ from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.device import resolve_device
-from llmc.quant import int_source
+from llmc.quant import int_source, runtime_scales
 from llmc.quant.groups import by_group, split_fused
 from llmc.quant.search import BF16, SearchSpace, search_space
 from llmc.quant.spec import FORMATS, Scheme, with_zero_grid
@@ -789,6 +789,7 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             plan.warnings += check_model(recipe, scheme, config, linears)
             plan.warnings += outer_linears_note(scheme, tensors)
             _check_fused(recipe, scheme, config, linears)
+        plan.warnings += runtime_scales.plan_notes(schemes, linears, expert_count(config) > 1)
         unloaded = unloaded_layers_note(config, tensors.shapes)  # DeepSeek's / GLM-4.5's MTP layer
         if unloaded:
             plan.warnings.append(unloaded)

@@ -132,6 +132,11 @@ class LayerParts:
                 self.spilled[name] = (path, 8 + n + info["data_offsets"][0], tensors[name].dtype,
                                       tuple(tensors[name].shape))
 
+    def unspill(self, names) -> None:
+        """Forget the spilled copies of `names`: the layer's resident tensors of those names replace them."""
+        for name in names:
+            self.spilled.pop(name, None)
+
     def write(self, path: Path, resident: dict[str, torch.Tensor]) -> None:
         """The layer's file: `resident` and the spilled tensors, in the bytes safetensors writes for them all (its
         order and header), streamed from the spill files; fsynced, renamed into place, spill files removed."""

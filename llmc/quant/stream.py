@@ -49,7 +49,7 @@ from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
 from llmc.telemetry.progress import log, steps
-from llmc.quant import expert_stream, fisher, int_source, moe, mxfp4_source
+from llmc.quant import expert_stream, fisher, int_source, moe, mxfp4_source, runtime_scales
 from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
@@ -558,6 +558,14 @@ def _quantize_layer_by_expert(s: Stream, flow: DataFlow, w: LayerWork, m: _Model
                        cal.moe_min_tokens, cal.tokens.numel(), m.config)
     w.stats.module_calls.clear()
     tensors = _layer_tensors(w.module, w.prefix, resident, w.quantized, w.stats, scheme, schemes, w.kv_modules)
+    # each expert's input scales were spilled as its own; the fused-MoE kernels take the max over the layer's experts
+    # (llmc.quant.runtime_scales), known only now: those replace the spilled ones
+    spilled = {f"{n}.input_scale": static_scale(w.stats.input_absmax[n], schemes[n].activations) for n in w.linears
+               if n not in resident and n in w.stats.input_absmax
+               and runtime_scales.fp8_static_tensor_acts(schemes[n].activations)}
+    unified = runtime_scales.unify_expert_input_scales(spilled, {n: schemes[n].activations for n in w.linears})
+    parts.unspill(unified)
+    tensors.update(unified)
     state.write_layer_parts(w.index, parts, on_host({n: t for n, t in tensors.items() if not t.is_meta}))
     if moe_report is not None:
         moe_report.save(state.out)
@@ -834,6 +842,9 @@ def _layer_tensors(
         act = member.activations
         if act is not None and not act.dynamic:
             tensors[f"{name}.{input_scale_name(act)}"] = static_scale(stats.input_absmax[name], act)
+    # the scales vLLM's / SGLang's fused kernels hold one of, as they will compute with them (issue 45)
+    runtime_scales.unify_fused_weight_scales(tensors, {n: schemes[n].weights for n in quantized})
+    tensors.update(runtime_scales.unify_expert_input_scales(tensors, {n: schemes[n].activations for n in quantized}))
     for name in kv_modules:
         tensors[f"{name}.k_scale"] = static_scale(stats.key_absmax[name], scheme.kv_cache)
         tensors[f"{name}.v_scale"] = static_scale(stats.value_absmax[name], scheme.kv_cache)

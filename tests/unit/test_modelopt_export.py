@@ -111,7 +111,9 @@ def test_legacy_tp_shards_remerge_exactly(tmp_path: Path, tiny_model_session: Pa
             merged = shards[0][k]
             assert torch.equal(shards[1][k], merged), k
         assert torch.equal(bits(merged), bits(t)), k
-    assert 0 < one.qkv_requantization_error < 0.05
+    # the canonical form holds q/k/v at one scale already, with the codes the runtimes' requantization gives
+    # (issue 45, llmc.quant.runtime_scales): the exporter's own requantization changes nothing
+    assert one.qkv_requantization_error == 0.0
     cfg = json.loads((tmp_path / "tp2" / "config.json").read_text())
     assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
     assert "TensorRT-LLM checkpoint (legacy" in describe(tmp_path / "tp2") and "tp_size 2" in describe(tmp_path / "tp2")

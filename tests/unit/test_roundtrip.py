@@ -3,6 +3,8 @@ logits match a fake-quantized model computed independently on the whole (unstrea
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -70,9 +72,22 @@ def _reference(folder: Path, scheme: Scheme, calib: torch.Tensor) -> nn.Module:
     act = scheme.activations
     # NVFP4: fused siblings (q/k/v, gate/up) share one global scale, as the runtimes load them
     global_scales = weight_global_scales({n: m.weight.data for n, m in linears.items()}, scheme.weights)
+    quantized = {n: quantize_weight(m.weight.data, scheme.weights, global_scale=global_scales.get(n))
+                 for n, m in linears.items()}
+    if scheme.weights.format == "fp8_e4m3" and scheme.weights.strategy == "tensor":
+        # vLLM / SGLang run q/k/v and gate/up as one GEMM with one per-tensor scale, the max, each member's codes
+        # dequantized in float16 and quantized again with it (issue 45: the canonical form holds exactly that)
+        for siblings in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            for n in [n for n in quantized if n.endswith(f".{siblings[0]}")]:
+                names = [n.rsplit(".", 1)[0] + "." + s for s in siblings]
+                top = max(quantized[m].scale.max() for m in names)
+                for m in names:
+                    q = quantized[m]
+                    dq = q.codes.to(torch.float16) * q.scale.float().reshape(())
+                    codes = (dq.float() * (1.0 / top)).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    quantized[m] = dataclasses.replace(q, codes=codes, scale=top.reshape(q.scale.shape).clone())
     for n, m in linears.items():
-        q = quantize_weight(m.weight.data, scheme.weights, global_scale=global_scales.get(n))
-        m.weight.data = dequantize_weight(q, scheme.weights)
+        m.weight.data = dequantize_weight(quantized[n], scheme.weights)
         if act is not None:
             s = None if act.dynamic else static_scale(absmax[n], act)
             m.register_forward_pre_hook(lambda _m, a, s=s: (fake_quantize(a[0], act, s),))
