@@ -31,6 +31,7 @@ from llmc.telemetry import events
 from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
 from llmc.model.dtype import BYTES, kept_elem
+from llmc.model.families import expert_count
 from llmc.model.source_formats import decode_rate
 from llmc.pipeline.context import Build, Costing, SchemeBytes
 from llmc.pipeline.runner import read_json
@@ -42,6 +43,7 @@ from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, f
                                    forward_seconds, matmul_rate, read_seconds, source_read_seconds, spill_seconds)
 from llmc.planning.rows import GB, MEASUREMENT_PART, CostRow
 from llmc.planning.shapes import Shape
+from llmc.quant import runtime_scales
 from llmc.quant.canonical import module_matches
 from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantize_rate
 from llmc.quant.groups import by_group
@@ -86,6 +88,9 @@ class Quantize(Stage):
             cfg["device"] = device.type
         if b.recipe.calibration.moe_calibrate_all_experts:  # MoE statistics from every token (keys without: as were)
             cfg["moe_calibrate_all_experts"] = True
+        rules = runtime_scales.rules_applied(scheme, expert_count(b.result.source.config()) > 1)
+        if rules:  # scales unified as the serving runtimes' fused kernels hold them (keys without: as were)
+            cfg["runtime_scales"] = rules
         if self.searched:  # the measurement its predicted damages come from
             cfg["search"] = self.searched["measurement_key"]
         summing = ranks.ranks_summing(AlgorithmSteps.of(scheme).sums_over_windows)

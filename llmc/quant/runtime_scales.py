@@ -96,6 +96,18 @@ def unify_expert_input_scales(tensors: dict[str, torch.Tensor], specs: Mapping[s
     return out
 
 
+def rules_applied(scheme: Scheme, moe: bool) -> list[str]:
+    """Which of the rules the quantize step applies to `scheme` on a model with (`moe`) or without routed experts:
+    what its stage key names, so a canonical form written before the rules is not read as one written by them."""
+    members = scheme.members().values()
+    rules = []
+    if moe and any(fp8_static_tensor_acts(m.activations) for m in members):
+        rules.append("moe_one_input_scale")
+    if any(fp8_tensor_weights(m.weights) for m in members):
+        rules.append("fused_fp8_tensor_weights")
+    return rules
+
+
 def plan_notes(schemes: Mapping[str, Scheme], linears: Iterable[str], moe: bool) -> list[str]:
     """`llmc plan`'s lines for the scales the quantize step unifies (which, and why), per variant."""
     from llmc.quant.microscaling import fused_groups

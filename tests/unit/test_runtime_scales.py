@@ -166,3 +166,38 @@ def test_the_plan_says_which_scales_are_unified_and_why(tmp_path: Path) -> None:
     both = notes("tensor", False)
     assert len(both) == 2 and "fused-MoE" in both[0] and "requantized" in both[1]
     assert notes("channel", True) == []
+
+
+def test_the_quantize_stage_key_names_the_rules_only_where_they_change_the_form(tmp_path: Path) -> None:
+    """A canonical form cached before the rules must not be read as one written by them: the stage key names the
+    rules the scheme gets on this model; schemes they leave alone keep their keys."""
+    import json
+    import types
+
+    from llmc.pipeline.quantize import Quantize
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for folder, config in ((dense, {"model_type": "llama"}), (moe, {"model_type": "qwen3_moe", "num_experts": 4})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+
+    def key(folder: Path, weights: str, static: bool) -> str:
+        scheme = Scheme(weights=TensorSpec(format="fp8_e4m3", strategy=weights),
+                        activations=TensorSpec(format="fp8_e4m3", strategy="tensor" if static else "token",
+                                               dynamic=not static))
+        source = types.SimpleNamespace(sha256="s", config=lambda: json.loads((folder / "config.json").read_text()))
+        build = types.SimpleNamespace(device=torch.device("cpu"), calib_key="c",
+                                      result=types.SimpleNamespace(dtype="float32", source=source),
+                                      recipe=types.SimpleNamespace(calibration=types.SimpleNamespace(
+                                          moe_calibrate_all_experts=False)))
+        return Quantize("", scheme).key(build)
+
+    def rekeyed(folder: Path, weights: str, static: bool) -> bool:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(runtime_scales, "rules_applied", lambda scheme, moe: [])
+            before = key(folder, weights, static)  # the key as it was before the rules
+        return key(folder, weights, static) != before
+
+    assert rekeyed(moe, "channel", True) and not rekeyed(dense, "channel", True)  # static inputs: MoE only
+    assert rekeyed(dense, "tensor", False) and rekeyed(moe, "tensor", False)  # per-tensor weights: both
+    assert not rekeyed(moe, "channel", False) and not rekeyed(dense, "channel", False)
