@@ -40,6 +40,23 @@ corpus. Calibration shrinks to 4 windows x 64 tokens. `eval` is left as shipped:
 batch_size enter vLLM's and TensorRT-LLM's serve arguments, which are artifact files. Both trees get the very same
 model folder and recipe texts. --model real: the recipes exactly as shipped.
 
+A recipe whose model is a Hub id (hf:..., planned offline from its model.config) gets that config.json shrunk
+(`shrink`): hidden 128, intermediate 256, 4 layers (DeepSeek/GLM: first_k_dense_replace + 1 at least, so an MoE layer
+follows the dense ones), 4 heads or the recipe's widest tensor_parallel (8 for the TP-8 recipes), 2 KV heads (MHA
+stays MHA), 4 experts (top-2 at most; experts and shared experts 128 wide), MLA latent ranks 128 with 32-wide
+rope/nope/value head dims, gated-DeltaNet 2 key / 4 value heads of 32; kept as published: first_k_dense_replace,
+n_shared_experts, grouped routing (2 groups where there were several), Llama-4's MoE interleave, Qwen3-Next's
+full_attention_interval (3 linear-attention layers, 1 full), partial rotary, biases, q/k norms, rope scaling, tied
+embeddings and the dtype (bf16). tests/unit/families.make_tiny builds it (random weights, seed 0, the tokenizer
+above); it is saved in bf16, and FP8 block-wise (F8_E4M3 codes + a weight_scale_inv per 128x128 block for every
+decoder-layer projection, by tests/unit/test_source_formats' encoder) where the original ships so: DeepSeek-R1,
+DeepSeek-V3, Kimi-K2. Stand-ins: Llama-3.1-8B, Llama-3.3-70B, Llama-3.1-405B (llama), Qwen3-8B, Qwen3-30B-A3B,
+Qwen3-Next-80B, Mixtral-8x7B, Llama-4-Scout (llama4_text), GLM-4.5 (glm4_moe), DeepSeek-R1/V3 and Kimi-K2
+(deepseek_v3). The recipe's model.config is dropped (the stand-in's own config.json is read). A recipe calibrating
+on cuda would calibrate on cpu (none does today); a recipe in SKIPPED is printed as `skipped: <reason>` and not
+compared (none is today: every shipped recipe, the plan-only ones included, builds to its export on its stand-in).
+A full run, every recipes/*.yaml in both trees: see the numbers at the end of this docstring.
+
 Not compared: the cache's own `.llmc-complete` marker in each stage folder (stage key + llmc version; never
 published). The export stage key is shown when it differs: outputs are identical, but users' caches rebuild.
 """
@@ -70,17 +87,20 @@ HF_FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qw
                "mixtral": "mixtral"}
 
 
-def shrink(config: dict, tensor_parallel: int = 1) -> dict:
+def shrink(config: dict, tensor_parallel: int = 1, group_size: int = 0) -> dict:
     """`config` (a shipped config.json) at tiny widths, its structure kept: MLA ranks, shared experts,
     first_k_dense_replace, MoE interleave/sparse steps, linear-attention interval, partial rotary, biases, q/k norms,
-    rope scaling. Heads: 4, or the recipe's widest tensor_parallel (vLLM splits the heads over the ranks)."""
+    rope scaling. Heads: 4, or the recipe's widest tensor_parallel (vLLM splits the heads over the ranks). With
+    weight groups over several ranks, each row-parallel input (o_proj, down_proj) is wide enough that every rank
+    holds whole groups (group_size x tensor_parallel), as vLLM requires and llmc checks."""
     c = {k: v for k, v in config.items() if k not in ("quantization_config", "transformers_version")}
     heads = max(4, tensor_parallel)
+    split = group_size * tensor_parallel if group_size and tensor_parallel > 1 else 0  # per-rank whole groups
     mha = config.get("num_key_value_heads", config["num_attention_heads"]) == config["num_attention_heads"]
-    c.update(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+    c.update(hidden_size=HIDDEN, intermediate_size=max(INTERMEDIATE, split), num_hidden_layers=LAYERS,
              num_attention_heads=heads, num_key_value_heads=heads if mha else 2)
     if "head_dim" in config or config["model_type"] in ("llama", "mixtral"):
-        c["head_dim"] = HIDDEN // heads
+        c["head_dim"] = max(HIDDEN, split) // heads
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if key in config:
             c[key] = EXPERTS
@@ -88,7 +108,7 @@ def shrink(config: dict, tensor_parallel: int = 1) -> dict:
         c["num_experts_per_tok"] = min(config["num_experts_per_tok"], 2)
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if key in config:
-            c[key] = EXPERT_INTERMEDIATE
+            c[key] = max(EXPERT_INTERMEDIATE, split)
     if config.get("n_group", 1) > 1:  # grouped routing kept: 2 groups of 2 experts, the best group's
         c.update(n_group=2, topk_group=1)
     if "kv_lora_rank" in config:  # MLA: latent ranks 128, rope/nope/value head dims 32 (o_proj input heads x 32)
@@ -98,13 +118,13 @@ def shrink(config: dict, tensor_parallel: int = 1) -> dict:
     if "linear_num_value_heads" in config:  # gated DeltaNet: 2 key heads, 4 value heads of 32
         c.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
     if config["model_type"] == "llama4_text":  # the experts' width is intermediate_size; the dense MLP's is _mlp
-        c.update(intermediate_size=INTERMEDIATE, intermediate_size_mlp=INTERMEDIATE)
+        c.update(intermediate_size=max(INTERMEDIATE, split), intermediate_size_mlp=max(INTERMEDIATE, split))
     if "first_k_dense_replace" in config:  # at least one MoE layer after the dense ones
         c["num_hidden_layers"] = max(LAYERS, config["first_k_dense_replace"] + 1)
     return c
 
 
-def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, folder: Path) -> Path:
+def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, group_size: int, folder: Path) -> Path:
     """The recipe's published config shrunk, random weights (seed 0) in the checkpoint's dtype; FP8 block-wise as
     the original ships where its config says so (DeepSeek-R1/V3, Kimi-K2), by the issue-46 tests' encoder."""
     import torch
@@ -119,7 +139,7 @@ def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, folder: Path) -
     family = HF_FAMILIES.get(config["model_type"])
     if family is None:
         sys.exit(f"{recipe}: no tiny family for model_type {config['model_type']!r}; add it to HF_FAMILIES")
-    small = {k: v for k, v in shrink(config, tensor_parallel).items() if k not in (
+    small = {k: v for k, v in shrink(config, tensor_parallel, group_size).items() if k not in (
         "model_type", "architectures", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
     # make_tiny's own choices for the test family that the shipped config leaves out go back to the config class's
     # defaults (what the shipped config means); layer_types to None: derived from the shipped interval
@@ -200,9 +220,11 @@ def prepare(recipes: list[Path], model: str, work: Path) -> list[Path]:
                 if key not in models:
                     models[key] = tiny_model(key, work / f"tiny-{key}")
             elif source.startswith("hf:") and r["model"].get("config"):
-                key = f"{source.removeprefix('hf:').replace('/', '--')}-tp{max(4, tp)}"  # heads follow the TP
+                group = (r["quantization"].get("weights") or {}).get("group_size") or 0
+                split = f"-g{group}" if group and tp > 1 else ""  # widths follow the heads' and groups' split
+                key = f"{source.removeprefix('hf:').replace('/', '--')}-tp{max(4, tp)}{split}"
                 if key not in models:
-                    models[key] = hf_stand_in(path, r["model"], tp, work / f"tiny-{key}")
+                    models[key] = hf_stand_in(path, r["model"], tp, group, work / f"tiny-{key}")
                 del r["model"]["config"]  # the stand-in's own config.json is what a local source plans from
             else:
                 sys.exit(f"{path}: no tiny stand-in for model.source {source!r}; add it to TINY (or a model.config)")
