@@ -3,7 +3,7 @@
 
 Usage (repository root, llmc's venv; PYTHONPATH must name this tree: the venv's editable llmc may point elsewhere):
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD    # recipes/*.yaml on tiny models, ~3-5 min
+    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD  # recipes/*.yaml on tiny models: times below
     PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base main --model real \\
         --recipes recipes/smollm2-fp8-dynamic.yaml         # the recipe's own model: ~2 min (qdq-runtimes: ~12 min)
 
@@ -16,10 +16,11 @@ Exit status 0 only if every recipe's artifacts are byte-identical (1: some diffe
 It checks `<rev>` out with `git worktree add --detach` into <tmp>/tree, runs this script there as a child
 (`sys.executable`, PYTHONPATH=<tmp>/tree, a fresh LLMC_CACHE at <work>/cache) that builds every recipe up to its
 export stage (`llmc.build.build_until(recipe, store, "export")`) and prints {recipe: {target label: {relative path:
-sha256}}} over every file of every artifact folder, recursively; removes the worktree (`git worktree remove
---force`: the repository is never modified), copies the working tree (tracked + untracked, not ignored, uncommitted
-edits included) to the same <tmp>/tree and runs the child again with the same cache path. Then it prints one line
-per recipe, `identical` or the files that differ, and exits 0 only if all are identical.
+sha256}}} over every file of every artifact folder, recursively (the child is always this file, the working tree's
+copy, and the recipes and stand-ins are prepared here once, so a base revision older than a stand-in works too);
+removes the worktree (`git worktree remove --force`: the repository is never modified), copies the working tree
+(tracked + untracked, not ignored, uncommitted edits included) to the same <tmp>/tree and runs the child again with
+the same cache path. Then it prints one line per recipe, `identical` or the files that differ, and exits 0 only if all are identical.
 
 Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/formats/onnx_qdq.py)
 is written by torch.onnx's dynamo exporter, which stores a Python stack trace in every node's metadata
@@ -369,6 +370,9 @@ def main() -> None:
         copy_working_tree(tree)
         current = run_tree("work", tree, recipes, work)
         same = compare(base, current, work)
+    for path in args.recipes:  # said again beside the results: a skipped recipe was not compared
+        if path.stem in SKIPPED:
+            print(f"{path.stem:24s} skipped: {SKIPPED[path.stem]}")
     print(f"{'all identical' if same else 'artifacts differ'}; {time.monotonic() - t:.1f}s in all")
     sys.exit(0 if same else 1)
 
