@@ -3,7 +3,7 @@
 
 Usage (repository root, llmc's venv; PYTHONPATH must name this tree: the venv's editable llmc may point elsewhere):
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD  # recipes/*.yaml on tiny models: times below
+    PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD  # recipes/*.yaml, tiny models: times below
     PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base main --model real \\
         --recipes recipes/smollm2-fp8-dynamic.yaml         # the recipe's own model: ~2 min (qdq-runtimes: ~12 min)
 
@@ -20,7 +20,8 @@ sha256}}} over every file of every artifact folder, recursively (the child is al
 copy, and the recipes and stand-ins are prepared here once, so a base revision older than a stand-in works too);
 removes the worktree (`git worktree remove --force`: the repository is never modified), copies the working tree
 (tracked + untracked, not ignored, uncommitted edits included) to the same <tmp>/tree and runs the child again with
-the same cache path. Then it prints one line per recipe, `identical` or the files that differ, and exits 0 only if all are identical.
+the same cache path. Then it prints one line per recipe, `identical` or the files that differ, and exits 0 only if
+all are identical.
 
 Why one path for both trees: the Q/DQ ONNX graph (onnxruntime/tensorrt Q/DQ targets, llmc/formats/onnx_qdq.py)
 is written by torch.onnx's dynamo exporter, which stores a Python stack trace in every node's metadata
