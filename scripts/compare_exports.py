@@ -57,7 +57,11 @@ Qwen3-Next-80B, Mixtral-8x7B, Llama-4-Scout (llama4_text), GLM-4.5 (glm4_moe), D
 (deepseek_v3). The recipe's model.config is dropped (the stand-in's own config.json is read). A recipe calibrating
 on cuda would calibrate on cpu (none does today); a recipe in SKIPPED is printed as `skipped: <reason>` and not
 compared (none is today: every shipped recipe, the plan-only ones included, builds to its export on its stand-in).
-A full run, every recipes/*.yaml in both trees: see the numbers at the end of this docstring.
+Measured 2026-12-03 07:22-07:41 UTC on the shared 2-core Xeon (AVX-512/AMX), `nice -n 19`, load average ~9 falling
+to ~3: `PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD --recipes $(grep -l "source: hf:"
+recipes/*.yaml)` -- the 15 hf: recipes, all identical (13 stand-ins built, 35 artifacts); 1,088 s in all: base tree
+712 s (load ~9; DeepSeek-R1 152 s, most of it the fresh cache's rate probes), work tree 309 s (load ~3). The 19
+demo recipes took ~3-5 min per tree before; a run of every recipes/*.yaml was not timed yet.
 
 Not compared: the cache's own `.llmc-complete` marker in each stage folder (stage key + llmc version; never
 published). The export stage key is shown when it differs: outputs are identical, but users' caches rebuild.
