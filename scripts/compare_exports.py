@@ -90,7 +90,7 @@ HIDDEN, INTERMEDIATE, EXPERT_INTERMEDIATE, LAYERS, EXPERTS = 128, 256, 128, 4, 4
 # model_type -> tests/unit/families.py's family (its random init, tokenizer and MoE bias draws)
 HF_FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next",
                "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe", "llama4_text": "llama4_text",
-               "mixtral": "mixtral"}
+               "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 
 
 def shrink(config: dict, tensor_parallel: int = 1, group_size: int = 0) -> dict:
@@ -127,12 +127,15 @@ def shrink(config: dict, tensor_parallel: int = 1, group_size: int = 0) -> dict:
         c.update(intermediate_size=max(INTERMEDIATE, split), intermediate_size_mlp=max(INTERMEDIATE, split))
     if "first_k_dense_replace" in config:  # at least one MoE layer after the dense ones
         c["num_hidden_layers"] = max(LAYERS, config["first_k_dense_replace"] + 1)
+    if isinstance(config.get("layer_types"), list):  # gpt-oss's sliding/full pattern: its first layers
+        c["layer_types"] = config["layer_types"][: c["num_hidden_layers"]]
     return c
 
 
 def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, group_size: int, folder: Path) -> Path:
     """The recipe's published config shrunk, random weights (seed 0) in the checkpoint's dtype; FP8 block-wise as
-    the original ships where its config says so (DeepSeek-R1/V3, Kimi-K2), by the issue-46 tests' encoder."""
+    the original ships where its config says so (DeepSeek-R1/V3, Kimi-K2), by the issue-46 tests' encoder; gpt-oss's
+    experts MXFP4 as OpenAI ships them (tests/unit/test_moe.py's `_save_as_mxfp4_original`)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -179,6 +182,15 @@ def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, group_size: int
         if f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy(f, out / f.name)
     shutil.rmtree(folder / "float32")
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # gpt-oss: experts as it ships
+        from tests.unit.test_moe import _save_as_mxfp4_original
+
+        original = _save_as_mxfp4_original(out, folder / "mxfp4")
+        for f in out.iterdir():
+            if not (original / f.name).exists():
+                shutil.copy(f, original / f.name)
+        shutil.rmtree(out)
+        original.rename(out)
     return out
 
 

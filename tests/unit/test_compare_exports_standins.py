@@ -82,7 +82,10 @@ def test_each_stand_in_saves_and_its_recipe_plans_on_it(tmp_path: Path) -> None:
         assert config["hidden_size"] == 128 and "config" not in r["model"]
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
             dtypes = {str(f.get_slice(n).get_dtype()) for n in f.keys()}
-        if "quantization_config" in config:  # DeepSeek-R1/V3, Kimi-K2: FP8 block-wise as they ship
+        if config.get("quantization_config", {}).get("quant_method") == "mxfp4":  # gpt-oss: experts as it ships
+            with safe_open(str(folder / "model.safetensors"), "pt") as f:
+                assert any(n.endswith("experts.down_proj_blocks") for n in f.keys())
+        elif "quantization_config" in config:  # DeepSeek-R1/V3, Kimi-K2: FP8 block-wise as they ship
             assert config["quantization_config"]["weight_block_size"] == [128, 128]
             assert "F8_E4M3" in dtypes
         else:
