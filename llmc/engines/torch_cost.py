@@ -107,10 +107,16 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
                                    rows=chunk_rows(shape.vocab))
     # reading the weights (the baseline's are the source's, which the page cache may hold; an artifact's files were
     # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
-    read = read_seconds(shape.stored_bytes) if reference else source_read_seconds(shape.stored_bytes, machine)
+    if reference:
+        read = read_seconds(shape.stored_bytes)
+    elif stored_elem != e:  # the baseline converted to the compute dtype in one pass over the mapped source: what
+        # the page cache lacks read from the disk, then every stored byte read and every converted byte written,
+        # at the copy probe's pace (it moves two bytes, one read and one written, per byte it counts)
+        cold = shape.stored_bytes * (1 - machine.source_resident)
+        read = (read_seconds(cold) + (shape.stored_bytes + shape.params * e) / (2 * cached_read_rate()))
+    else:
+        read = source_read_seconds(shape.stored_bytes, machine)
     io = read + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
-    if not reference and stored_elem != e:  # the baseline converted to the compute dtype: new memory at copy speed
-        io += shape.params * e / cached_read_rate()
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"
     why = (f"the dense model takes {dense / GB:.1f} GB, {'more' if streamed else 'less'} than half of the "
