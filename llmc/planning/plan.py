@@ -172,7 +172,8 @@ class Plan:
             "stages": [r.as_dict() for r in self.rows],
             "cheaper": {r.name: r.cheaper for r in self.rows if r.cheaper is not None},
             **({"groups": self.groups} if self.groups else {}),
-            "source_gb": m.source_gb, "source_resident": m.source_resident, "registry_gb": self.registry_gb, "available_gb": m.available_gb,
+            "source_gb": m.source_gb, "source_resident": m.source_resident, "registry_gb": self.registry_gb,
+            "available_gb": m.available_gb,
             "free_gb": m.free_gb, "peak_memory_gb": self.peak_memory_gb, "disk_gb": self.disk_gb,
             "calibration_s": self.calibration_s, "seconds": self.seconds,
             **({"slow_dtype": {"ratio": self.slow_dtype.ratio, "float32_seconds": self.slow_dtype.float32_seconds}}
