@@ -61,7 +61,12 @@ Measured 2026-12-03 07:22-07:41 UTC on the shared 2-core Xeon (AVX-512/AMX), `ni
 to ~3: `PYTHONPATH=$PWD .venv/bin/python scripts/compare_exports.py --base HEAD --recipes $(grep -l "source: hf:"
 recipes/*.yaml)` -- the 15 hf: recipes, all identical (13 stand-ins built, 35 artifacts); 1,088 s in all: base tree
 712 s (load ~9; DeepSeek-R1 152 s, most of it the fresh cache's rate probes), work tree 309 s (load ~3). The 19
-demo recipes took ~3-5 min per tree before; a run of every recipes/*.yaml was not timed yet.
+demo recipes took ~3-5 min per tree before. Every recipes/*.yaml (35), `--base a5ea1fe` on main at the end of
+2026-12-03's session (08:38-08:55 UTC, quiet but for a compare_plans record beside it, nice 5): 1,019 s in all (work
+tree 503 s); 29 identical, 5 DIFFERENT as intended (the per-tensor FP8 weight scales of fused siblings unified,
+llmc.quant.runtime_scales: only q/k/v/gate/up weights and weight scales differ), smollm2-search-nvfp4 then failed in
+both trees (its bytes budget held the stand-in whole), hence `budget_as_effective_bits`; alone afterwards it built,
+DIFFERENT for the same reason.
 
 Not compared: the cache's own `.llmc-complete` marker in each stage folder (stage key + llmc version; never
 published). The export stage key is shown when it differs: outputs are identical, but users' caches rebuild.
@@ -248,12 +253,34 @@ def prepare(recipes: list[Path], model: str, work: Path) -> list[Path]:
                 sys.exit(f"{path}: no tiny stand-in for model.source {source!r}; add it to TINY (or a model.config)")
             r["model"]["source"] = str(models[key])
             r["calibration"] = {**r.get("calibration", {}), "samples": 4, "seq_len": 64}
+            budget = (r["quantization"].get("search") or {}).get("budget") or {}
+            if "bytes" in budget:  # the same share of the stand-in's Linears as of the shipped model's
+                budget["effective_bits"] = budget_as_effective_bits(source, budget.pop("bytes"))
             if r["calibration"].get("device") == "cuda":  # no GPU here: calibrated on the CPU (same code path)
                 r["calibration"]["device"] = "cpu"
         (work / "recipes").mkdir(exist_ok=True)
         out.append(work / "recipes" / path.name)
         out[-1].write_text(yaml.safe_dump(r, sort_keys=False) if model == "tiny" else path.read_text())
     return out
+
+
+def budget_as_effective_bits(source: str, nbytes: int) -> float:
+    """A search's bytes budget as effective bits over the shipped model's decoder-layer Linears (what
+    `quantization.search.budget.effective_bits` counts): a stand-in's Linears are a thousandth of the model's, so a
+    budget in bytes would hold them whole and leave the search nothing to choose."""
+    from safetensors import safe_open
+
+    from llmc.model.source import locate_source
+    from llmc.storage.store import Store
+
+    weights = 0
+    for f in sorted(locate_source(source, Store.default()).folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if ".layers." in name and name.endswith("_proj.weight"):
+                    out_dim, in_dim = st.get_slice(name).get_shape()
+                    weights += out_dim * in_dim
+    return nbytes * 8 / weights
 
 
 def child(recipes: list[Path]) -> None:
