@@ -93,3 +93,14 @@ def test_each_stand_in_saves_and_its_recipe_plans_on_it(tmp_path: Path) -> None:
         assert "BF16" in dtypes  # the originals' dtype
         plan = plan_recipe(load_recipe(path), Store(tmp_path / "cache"), path)
         assert plan.rows, path.stem
+
+
+def test_a_bytes_budget_becomes_the_same_share_of_the_stand_in(tmp_path: Path) -> None:
+    """smollm2-search-nvfp4's 94.9 MB budget (the hand mix's bytes) would hold a stand-in's Linears whole: it is
+    handed over as the effective bits it is of the shipped model's decoder-layer Linears (7.15, as
+    docs/formats-microscaling.md counts the hand mix)."""
+    ce = _script()
+    assert ce.budget_as_effective_bits("demo:smollm2-135m", 94887936) == pytest.approx(7.15, abs=0.005)
+    (recipe,) = ce.prepare([REPO / "recipes" / "smollm2-search-nvfp4.yaml"], "tiny", tmp_path)
+    budget = yaml.safe_load(recipe.read_text())["quantization"]["search"]["budget"]
+    assert "bytes" not in budget and budget["effective_bits"] == pytest.approx(7.15, abs=0.005)
