@@ -140,7 +140,7 @@ def shrink(config: dict, tensor_parallel: int = 1, group_size: int = 0) -> dict:
 def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, group_size: int, folder: Path) -> Path:
     """The recipe's published config shrunk, random weights (seed 0) in the checkpoint's dtype; FP8 block-wise as
     the original ships where its config says so (DeepSeek-R1/V3, Kimi-K2), by the issue-46 tests' encoder; gpt-oss's
-    experts MXFP4 as OpenAI ships them (tests/unit/test_moe.py's `_save_as_mxfp4_original`)."""
+    experts MXFP4 as OpenAI ships them (tests/unit/build_helpers.py's `save_as_mxfp4_original`)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -188,9 +188,9 @@ def hf_stand_in(recipe: Path, model: dict, tensor_parallel: int, group_size: int
             shutil.copy(f, out / f.name)
     shutil.rmtree(folder / "float32")
     if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # gpt-oss: experts as it ships
-        from tests.unit.test_moe import _save_as_mxfp4_original
+        from tests.unit.build_helpers import save_as_mxfp4_original
 
-        original = _save_as_mxfp4_original(out, folder / "mxfp4")
+        original = save_as_mxfp4_original(out, folder / "mxfp4")
         for f in out.iterdir():
             if not (original / f.name).exists():
                 shutil.copy(f, original / f.name)

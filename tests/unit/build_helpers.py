@@ -1,6 +1,7 @@
 """What the fault tests (full disk, kill anywhere) share: a recipe that passes through every stage and write site
 of a build on a tiny model, a small corpus so a build takes seconds, and the hashes that say two builds
-published the same bytes; and (`stored`) every tensor of a checkpoint folder, as the source-format tests read them."""
+published the same bytes; and (`stored`) every tensor of a checkpoint folder, as the source-format tests read them,
+and (`save_as_mxfp4_original`) a tiny gpt-oss stored as OpenAI ships it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from llmc.storage.store import COMPLETE_MARKER
 
@@ -20,6 +21,37 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
     for f in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def save_as_mxfp4_original(dense: Path, folder: Path) -> Path:
+    """`dense` (a tiny gpt-oss as transformers saves it) stored in `folder` as OpenAI ships gpt-oss: the experts'
+    fused gate_up_proj / down_proj as MXFP4 `_blocks` [E, out, in/32, 16] + E8M0 `_scales` [E, out, in/32] (llmc's
+    MXFP4 quantizer; tests/unit/test_source_formats.py checks that layout against transformers' own dequantizing
+    load), quantization_config as the Hub's config.json has it, its tokenizer files copied; everything else as it
+    was."""
+    import shutil
+
+    from llmc.quant.microscaling import MXFP4, pack_e2m1, quantize_blocks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(str(dense / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # held [E, in, out]; stored [E, out, in]
+            q = quantize_blocks(t.transpose(1, 2).contiguous(), MXFP4)
+            experts, rows, cols = q.codes.shape
+            tensors[name + "_blocks"] = pack_e2m1(q.codes).reshape(experts, rows, cols // 32, 16)
+            tensors[name + "_scales"] = q.scale
+        else:
+            tensors[name] = t
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in dense.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, folder / f.name)
+    return folder
 
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")

@@ -25,6 +25,7 @@ from llmc.quant import moe, stream
 from llmc.quant.algorithms import mappings
 from llmc.quant.canonical import QuantizedModel
 from llmc.quant.numerics import quantize_weight, static_scale
+from tests.unit.build_helpers import save_as_mxfp4_original
 from tests.unit.families import MOE_FAMILIES, make_tiny
 from tests.unit.test_families import SCHEMES, _fake_quantized_reference, _ids
 
@@ -994,36 +995,6 @@ def test_llmc_build_of_a_tiny_gpt_oss_for_llama_cpp_end_to_end(scheme_name: str,
                                    "delta_pct": llama.ppl_change["delta_pct"], "top1": llama.top1_agreement["mean"],
                                    "kld": llama.kld["mean"] if llama.kld else None})
 
-def _save_as_mxfp4_original(dense: Path, folder: Path) -> Path:
-    """`dense` (a tiny gpt-oss as transformers saves it) stored as OpenAI ships gpt-oss: the experts' fused
-    gate_up_proj / down_proj as MXFP4 `_blocks` [E, out, in/32, 16] + E8M0 `_scales` [E, out, in/32] (llmc's MXFP4
-    quantizer; tests/unit/test_source_formats.py checks that layout against transformers' own dequantizing load),
-    quantization_config as the Hub's config.json has it; everything else as it was."""
-    import shutil
-
-    from llmc.quant.microscaling import MXFP4, pack_e2m1, quantize_blocks
-
-    folder.mkdir(parents=True)
-    tensors = {}
-    for name, t in load_file(str(dense / "model.safetensors")).items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # held [E, in, out]; stored [E, out, in]
-            q = quantize_blocks(t.transpose(1, 2).contiguous(), MXFP4)
-            experts, rows, cols = q.codes.shape
-            tensors[name + "_blocks"] = pack_e2m1(q.codes).reshape(experts, rows, cols // 32, 16)
-            tensors[name + "_scales"] = q.scale
-        else:
-            tensors[name] = t
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((dense / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    for f in dense.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
 @pytest.mark.slow  # one build scored in llama.cpp's own process: 81 s at load ~9 here
 @pytest.mark.llama
 def test_llmc_build_of_gpt_oss_from_its_mxfp4_original_for_llama_cpp(tmp_path: Path) -> None:
@@ -1045,7 +1016,7 @@ def test_llmc_build_of_gpt_oss_from_its_mxfp4_original_for_llama_cpp(tmp_path: P
     if llama_cpp_version() is None:
         pytest.skip("llama_cpp is not importable in LLMC_LLAMA_PYTHON / .venv-llama (bash scripts/setup-llama.sh)")
     dense = make_tiny("gpt_oss", tmp_path / "dense", **OVERRIDES["gpt_oss"])
-    folder = _save_as_mxfp4_original(dense, tmp_path / "model")
+    folder = save_as_mxfp4_original(dense, tmp_path / "model")
     overrides = {"quantization": {"weights": {"format": "mxfp4", "strategy": "group", "group_size": 32},
                                   "ignore": ["lm_head", "re:.*self_attn.*"]},
                  "targets": [{"runtime": "llama.cpp"}], "eval.runtimes": ["torch", "llama.cpp"],

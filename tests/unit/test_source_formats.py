@@ -26,6 +26,7 @@ from llmc.quant.block_fp8 import quantize_fp8_blocks
 from llmc.quant.microscaling import MXFP4, pack_e2m1, quantize_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
+from build_helpers import save_as_mxfp4_original  # noqa: E402
 from families import make_tiny  # noqa: E402
 from test_build import recipe_text  # noqa: E402
 
@@ -284,20 +285,7 @@ def save_mxfp4_gpt_oss(folder: Path) -> Path:
             p.normal_(0, 0.08)
     model.save_pretrained(folder / "dense")
     tok.save_pretrained(folder)
-    tensors = {}
-    for name, t in load_file(str(folder / "dense" / "model.safetensors")).items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out], stored [.., out, in]
-            q = quantize_blocks(t.transpose(1, 2).contiguous(), MXFP4)
-            experts, rows, cols = q.codes.shape
-            tensors[name + "_blocks"] = pack_e2m1(q.codes).reshape(experts, rows, cols // 32, 16)
-            tensors[name + "_scales"] = q.scale
-        else:
-            tensors[name] = t
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = json.loads((folder / "dense" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (folder / "config.json").write_text(json.dumps(config))
+    save_as_mxfp4_original(folder / "dense", folder)
     shutil.rmtree(folder / "dense")
     return folder
 
