@@ -119,35 +119,46 @@ def _supports_direct(path: Path, buf: mmap.mmap) -> bool:
         return False
 
 
-def _timer(which: str):
-    """A function timing one run of the `which` ("write" | "read") probe and returning its bytes/s (the folder,
-    buffer and file made on its first call: a cached rate makes none of them)."""
+def _file_probe(setup, call):
+    """A function timing one run of `call(state)` over PROBE_BYTES and returning its bytes/s. `setup(stack, state)`
+    makes the probe's folder, buffer and file on its first call (a cached rate makes none of them); after REPEATS
+    runs they go (a killed plan leaves a hidden temp)."""
     state: dict = {}
 
     def run_once() -> float:
         if not state:
             stack = contextlib.ExitStack()
-            folder = stack.enter_context(_probe_folder())
-            buf = _aligned_buffer()
-            stack.callback(buf.close)
-            path = folder / "probe.bin"
-            direct = _supports_direct(path, buf)
-            if not direct:
-                write_file(path, buf, direct=False)
-            state.update(stack=stack, buf=buf, path=path, direct=direct)
-        if which == "write":
-            call = lambda: write_file(state["path"], state["buf"], state["direct"])  # noqa: E731
-        else:
-            call = lambda: read_file(state["path"], state["buf"], state["direct"])  # noqa: E731
+            setup(stack, state)
+            state["stack"] = stack
         try:
-            return probes.sustained_rate(PROBE_BYTES, call, min_s=MIN_SAMPLE_S)
+            return probes.sustained_rate(PROBE_BYTES, lambda: call(state), min_s=MIN_SAMPLE_S)
         finally:
             state["runs"] = state.get("runs", 0) + 1
-            if state["runs"] == REPEATS:  # the last run: the probe file goes (a killed plan leaves a hidden temp)
+            if state["runs"] == REPEATS:
                 state.pop("stack").close()
                 state.clear()
 
     return run_once
+
+
+def _probe_file(stack: contextlib.ExitStack, state: dict, name: str) -> None:
+    """The probe's folder and aligned buffer, and `name` in that folder, into `state` (path, buf)."""
+    folder = stack.enter_context(_probe_folder())
+    buf = _aligned_buffer()
+    stack.callback(buf.close)
+    state.update(path=folder / name, buf=buf)
+
+
+def _timer(which: str):
+    """A function timing one run of the `which` ("write" | "read") probe, around the page cache."""
+    def setup(stack: contextlib.ExitStack, state: dict) -> None:
+        _probe_file(stack, state, "probe.bin")
+        state["direct"] = _supports_direct(state["path"], state["buf"])
+        if not state["direct"]:
+            write_file(state["path"], state["buf"], direct=False)
+
+    io = write_file if which == "write" else read_file
+    return _file_probe(setup, lambda state: io(state["path"], state["buf"], state["direct"]))
 
 
 def _copy_out_of_cache(path: Path) -> None:
@@ -163,27 +174,12 @@ def _copy_out_of_cache(path: Path) -> None:
 def _cached_timer():
     """A function timing one run of the cached-read probe (its file written through the page cache and read once
     on the first call)."""
-    state: dict = {}
+    def setup(stack: contextlib.ExitStack, state: dict) -> None:
+        _probe_file(stack, state, "cached.bin")
+        write_file(state["path"], state["buf"], direct=False)
+        _copy_out_of_cache(state["path"])  # every page in the cache before the first timed run
 
-    def run_once() -> float:
-        if not state:
-            stack = contextlib.ExitStack()
-            path = stack.enter_context(_probe_folder()) / "cached.bin"
-            with open(path, "wb") as f:
-                block = os.urandom(4096) * (CHUNK // 4096)
-                for _ in range(PROBE_BYTES // CHUNK):
-                    f.write(block)
-            _copy_out_of_cache(path)  # every page in the cache before the first timed run
-            state.update(stack=stack, path=path)
-        try:
-            return probes.sustained_rate(PROBE_BYTES, lambda: _copy_out_of_cache(state["path"]), min_s=MIN_SAMPLE_S)
-        finally:
-            state["runs"] = state.get("runs", 0) + 1
-            if state["runs"] == REPEATS:
-                state.pop("stack").close()
-                state.clear()
-
-    return run_once
+    return _file_probe(setup, lambda state: _copy_out_of_cache(state["path"]))
 
 
 def resident_share(paths: list[Path]) -> float:

@@ -115,13 +115,13 @@ def plan_notes(schemes: Mapping[str, Scheme], linears: Iterable[str], moe: bool)
     fused = any(len(g) > 1 for g in fused_groups(sorted(linears)))
     notes = []
     for variant, scheme in schemes.items():
-        members = scheme.members().values()
+        rules = rules_applied(scheme, moe)
         where = f"{variant}: " if variant else ""
-        if moe and any(fp8_static_tensor_acts(m.activations) for m in members):
+        if "moe_one_input_scale" in rules:
             notes.append(f"{where}the routed experts' FP8 static input scales are written one per MoE layer for "
                          f"gate/up and one for down, the max over the layer's experts, for every target: "
                          f"{MOE_ONE_INPUT_SCALE} (docs/models.md, \"One input scale per MoE layer\")")
-        if fused and any(fp8_tensor_weights(m.weights) for m in members):
+        if fused and "fused_fp8_tensor_weights" in rules:
             notes.append(f"{where}per-tensor FP8 weight scales of fused siblings (q/k/v, gate/up, each expert's "
                          f"gate/up) are unified to their max, for every target: {FUSED_FP8_TENSOR_WEIGHTS}")
     return notes
