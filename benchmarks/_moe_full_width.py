@@ -27,7 +27,19 @@ from _proc_status import memory_bytes  # noqa: E402
 from full_width import ROOT, du  # noqa: E402
 
 SHARD_BYTES = 2 << 30
-CPU = "2-core AMD EPYC (AVX-512, avx512_bf16), shared"
+
+
+def cpu_label() -> str:
+    """This machine's CPU as the rows name it (read from /proc/cpuinfo: the VMs differ from one session to the next)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = ", ".join(f for f, present in (("AVX-512", "avx512f" in flags), ("avx512_bf16", "avx512_bf16" in flags),
+                                          ("AMX", "amx_tile" in flags)) if present) or "AVX2, no AVX-512"
+    return f"{os.cpu_count()}-core {name} ({isa}), shared"
+
+
+CPU = cpu_label()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
