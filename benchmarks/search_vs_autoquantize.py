@@ -1,6 +1,8 @@
 """quantization.search's mix against the hand mix, uniform schemes and NVIDIA ModelOpt's AutoQuantize (issue 47).
 
-    bash scripts/setup-peers.sh        # .venv-modelopt (ModelOpt 0.47.0), only for the autoquant rows
+    bash scripts/setup-peers.sh        # .venv-modelopt (ModelOpt 0.47.0), only for the autoquant rows (found as
+                                       # benchmarks/_peer_python.py says: $LLMC_MODELOPT_PYTHON, this checkout's,
+                                       # or the main checkout's when run from a git worktree)
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --model demo:smollm2-135m \\
         --budgets 94887936 --variants hand searched uniform autoquant --out benchmarks/results/search_vs_autoquantize.jsonl
     PYTHONPATH=$PWD python benchmarks/search_vs_autoquantize.py --table benchmarks/results/search_vs_autoquantize.jsonl
@@ -57,9 +59,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from _peer_python import peer_python  # noqa: E402
 from fp4_calibration import _emit, _window_means, table  # noqa: E402
 
-PEER_PYTHON = REPO / ".venv-modelopt" / "bin" / "python"
+PEER_VENV, PEER_VARIABLE = ".venv-modelopt", "LLMC_MODELOPT_PYTHON"
 CHILD = REPO / "benchmarks" / "_modelopt_autoquant_child.py"
 # ModelOpt's cost of a weight, in bits, per candidate (estimate_quant_compression: NVFP4's effective_bits 4.5,
 # FP8's (4+3+1), none 16), by llmc's candidate names (None: unquantized)
@@ -226,12 +229,11 @@ def run_autoquant(source_folder: Path, calib: torch.Tensor, eval_ids: torch.Tens
                   score_steps: int, threads: int) -> Iterator[dict]:
     from safetensors.torch import save_file
 
-    if not PEER_PYTHON.is_file():
-        sys.exit(f"no ModelOpt venv at {PEER_PYTHON}; run: bash scripts/setup-peers.sh")
+    python = peer_python(REPO, PEER_VENV, PEER_VARIABLE)
     work.mkdir(parents=True, exist_ok=True)  # its scores.pth is reused by a later run on the same calibration
     save_file({"input_ids": calib.contiguous()}, str(work / "calib.safetensors"))
     save_file({"input_ids": eval_ids.contiguous()}, str(work / "eval.safetensors"))
-    cmd = [str(PEER_PYTHON), str(CHILD), str(source_folder), str(work / "calib.safetensors"),
+    cmd = [str(python), str(CHILD), str(source_folder), str(work / "calib.safetensors"),
            str(work / "eval.safetensors"), str(work), str(score_steps), *[f"{b:.4f}" for b in bits]]
     log = work / "child.log"
     with log.open("w") as err:  # one JSON line per budget, handed on as it comes (a search takes minutes)

@@ -26,9 +26,10 @@ export's skeleton and graph rates, the memory) wherever a module of llmc holds t
 planner and every stage); TIMERS replaces every timed probe, the function each `probes.rate(key, timer(...))` or
 `probes.measured(...)` call in llmc times (`_*_timer` factories, or a function a lambda calls), and the rate book
 neither reads nor writes a cache file (`PinnedBook`), so no rate measured under another load enters a record.
-Before pinning, every such call in llmc is found in the source (`probe_sites`): one whose timer TIMERS lacks, or whose
-timer cannot be named, stops the record naming it (a new probe cannot go unpinned); a renamed rate function is added
-to PROBES.
+Before pinning, every such call in llmc is found in the source (`probe_sites`; also under another name the module
+gives `probes`, `rate` or `measured`, and the rate book's own `probes.book().probe(...)`): one whose timer TIMERS
+lacks, or whose timer cannot be named, stops the record naming it (a new probe cannot go unpinned); a renamed rate
+function is added to PROBES.
 """
 
 from __future__ import annotations
@@ -190,13 +191,12 @@ def probe_sites(root: Path | None = None, package: str = "llmc") -> list[ProbeSi
         if module_name == f"{package}.planning.probes":
             continue  # the rate book itself
         text = path.read_text()
-        if "probes." not in text:
+        if "probes" not in text:
             continue  # no probe here (and parsing all of llmc takes seconds)
         tree = ast.parse(text, str(path))
+        modules, functions = _probe_names(tree)
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in RATE_CALLS and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "probes"):
+            if not (isinstance(node, ast.Call) and _reaches_the_rate_book(node.func, modules, functions)):
                 continue
             where = f"{path}:{node.lineno}"
             arg = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "run_once"),
@@ -208,6 +208,34 @@ def probe_sites(root: Path | None = None, package: str = "llmc") -> list[ProbeSi
             name = f"{function.__module__}:{function.__qualname__}" if callable(function) else ""
             sites.append(ProbeSite(where, name, direct, function))
     return sites
+
+
+def _probe_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names a module binds to llmc.planning.probes (`from llmc.planning import probes [as p]`, `import
+    llmc.planning.probes as p`) and to its timing functions (`from llmc.planning.probes import rate [as r]`)."""
+    modules, functions = {"probes"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "llmc.planning":
+            modules |= {a.asname or a.name for a in node.names if a.name == "probes"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "llmc.planning.probes":
+            functions |= {a.asname or a.name for a in node.names if a.name in RATE_CALLS}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == "llmc.planning.probes" and a.asname}
+    return modules, functions
+
+
+def _reaches_the_rate_book(func: ast.expr, modules: set[str], functions: set[str]) -> bool:
+    """Whether a call of `func` times a probe: probes.rate / probes.measured under any name the module gives them,
+    or the rate book's own probe (`probes.book().probe(key, run_once)`), which a pinned book would run unpinned."""
+    if isinstance(func, ast.Name):
+        return func.id in functions
+    if not isinstance(func, ast.Attribute):
+        return False
+    if func.attr in RATE_CALLS and isinstance(func.value, ast.Name):
+        return func.value.id in modules
+    book = func.value.func if func.attr == "probe" and isinstance(func.value, ast.Call) else None
+    return (isinstance(book, ast.Attribute) and book.attr == "book" and isinstance(book.value, ast.Name)
+            and book.value.id in modules) or (isinstance(book, ast.Name) and book.id == "book")
 
 
 def _resolve(module_name: str, expr: ast.expr) -> object:

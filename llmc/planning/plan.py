@@ -208,7 +208,11 @@ class Plan:
         if self.distributed:
             lines += render(self.distributed)
         for t in self.targets:
-            lines.append(f"  target {t['label']}: {t['exporter']} ({t['status']})")
+            shown = t.get("shown_label", t["label"])
+            lines.append(f"  target {shown}: {t['exporter']} ({t['status']})" + (
+                "" if shown == t["label"] else
+                f"; gpu_arch left at its default {t['gpu_arch']}, which it was checked against and "
+                f"which names its stages, cache key and artifact ({t['label']}); llmc scores it on the CPU"))
         for name, described in self.gates.items():
             lines.append(f"  gates{' for ' + name if name else ''}: {described}")
         for variant, space in self.search.items():
@@ -748,7 +752,9 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             status, warns = check_target(scheme, t)
             plan.warnings += [f"{name}: {w}" if name else w for w in warns]
             label = f"{name}/{t.label}" if name else t.label
-            plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status})
+            plan.targets.append({"label": label, "exporter": targets.format_for(t).name, "status": status,
+                                 "gpu_arch": t.gpu_arch, "runs_on": t.runs_on,
+                                 "shown_label": f"{name}/{t.shown_label}" if name else t.shown_label})
         _check_scheme(scheme, where)
     # after the targets' checks, which name a target whose exporter is missing (the grid never changes what they accept)
     plan.schemes, zero_note = _with_target_zero_grids(schemes, recipe.targets)

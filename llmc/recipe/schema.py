@@ -579,6 +579,11 @@ class CalibrationSection(_Strict):
                                               "stream_experts": "auto"})
 
 
+# runtimes whose llmc engine runs on the CPU (llama-cpp-python with no GPU layers, ONNX Runtime's
+# CPUExecutionProvider): a target of one that leaves gpu_arch at its default (sm90) is shown as running on the CPU
+CPU_ENGINE_RUNTIMES = frozenset({"llama.cpp", "ollama", "onnxruntime"})
+
+
 class Target(_Strict):
     runtime: Runtime
     version: str | None = Field(
@@ -623,6 +628,21 @@ class Target(_Strict):
     @property
     def label(self) -> str:
         return self.name or f"{self.runtime}-{self.gpu_arch}-tp{self.tensor_parallel}"
+
+    @property
+    def runs_on(self) -> str:
+        """What the target runs on: its gpu_arch, or "cpu" where gpu_arch was left at its default and llmc scores
+        the runtime on the CPU (CPU_ENGINE_RUNTIMES)."""
+        if "gpu_arch" not in self.model_fields_set and self.runtime in CPU_ENGINE_RUNTIMES:
+            return "cpu"
+        return self.gpu_arch
+
+    @property
+    def shown_label(self) -> str:
+        """The label `llmc plan` prints for the target: `label` with `runs_on` for a defaulted gpu_arch. Stage ids,
+        cache keys and artifact names keep `label`: the arch is in the export's stage key
+        (llmc.formats.base.target_key), so renaming it would orphan the exports already cached."""
+        return self.name or f"{self.runtime}-{self.runs_on}-tp{self.tensor_parallel}"
 
 
 class EvalSection(_Strict):

@@ -84,12 +84,12 @@ MOE_FAMILIES: dict[str, tuple[str, dict]] = {
                                       "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
                                       "v_head_dim": 16, "routed_scaling_factor": 2.5, "index_topk": 8,
                                       "index_n_heads": 4, "index_head_dim": 16}),
-    # GLM-4.5: grouped-query attention with q/k/v biases and partial rotary (no q/k norm, as its config), shared
-    # expert, DeepSeek's router
+    # GLM-4.5: grouped-query attention with q/k/v biases, partial rotary and per-head q/k RMSNorms (use_qk_norm, as
+    # recipes/configs/GLM-4.5/config.json; transformers' default is False), shared expert, DeepSeek's router
     "glm4_moe": ("glm4_moe", {"num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 4,
                               "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
                               "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "attention_bias": True,
-                              "use_qk_norm": False}),
+                              "use_qk_norm": True}),
     # a shared expert (an MLP, 96 wide) beside the routed ones, gated by a one-row Linear kept in float. No q/k/v
     # biases (the dense qwen2 family has them): with them, at N(0.2, 0.3), every token's router input is nearly the
     # same and this seed's router never picks expert 0 (the starved-expert tests starve expert 3 on purpose only)

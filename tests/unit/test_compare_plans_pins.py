@@ -68,6 +68,27 @@ def test_a_probe_added_without_a_pin_is_named(compare_plans, tmp_path: Path, mon
     assert compare_plans.unpinned(compare_plans.probe_sites(package, "newprobes")) == [problems[1]]
 
 
+def test_a_probe_reached_under_another_name_is_found_and_named(compare_plans, tmp_path: Path, monkeypatch) -> None:
+    """The rate book reached without writing `probes.rate` (an alias of the module, `rate` or `measured` imported by
+    name, the book's own probe) is a probe site too: the pinned book would run its timer, measuring this machine."""
+    package = tmp_path / "aliased"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "calls.py").write_text(
+        "from llmc.planning import probes as p\n"
+        "from llmc.planning.probes import measured, rate as r\n\n"
+        "def _a_timer():\n    return lambda: 1.0\n\n"
+        "def aliased():\n    return p.rate('a', _a_timer())\n\n"
+        "def by_name():\n    return r('b', _a_timer()) + measured('c', _a_timer()).rate\n\n"
+        "def book_itself():\n    return p.book().probe('d', _a_timer())\n\n"
+        "def unrelated(q):\n    return q.rate('e', 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sites = compare_plans.probe_sites(package, "aliased")
+    assert sorted(int(s.where.rsplit(":", 1)[1]) for s in sites) == [8, 11, 11, 14]
+    assert {s.timer for s in sites} == {"aliased.calls:_a_timer"}
+    assert all("aliased.calls:_a_timer is not pinned" in p for p in compare_plans.unpinned(sites))
+
+
 def test_pinned_probes_time_nothing_and_answer_a_fixed_function_of_their_arguments(compare_plans,
                                                                                   monkeypatch) -> None:
     from llmc.engines.agreement import scoring_rate

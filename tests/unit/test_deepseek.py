@@ -76,6 +76,25 @@ def test_the_layer_streams_calibration_forward_is_transformers_full_forward(mixe
     _assert_ranges_and_scales_are_transformers(observed, ref, written)
 
 
+def test_glm45s_qk_norms_are_in_the_layer_streams_calibration_forward(tmp_path: Path, monkeypatch) -> None:
+    """GLM-4.5 (use_qk_norm, as its published config; transformers' default is off): layer by layer, every Linear
+    of a dense first layer and an MoE layer sees transformers' whole-model inputs, o_proj's behind the per-head q/k
+    RMSNorms; the check can fail: the same weights without the q/k norms give o_proj other inputs."""
+    folder = make_tiny("glm4_moe", tmp_path / "glm", first_k_dense_replace=1)
+    calib = _ids(4, 1)
+    model = _float_model(folder)
+    assert model.config.use_qk_norm and model.model.layers[0].self_attn.q_norm.weight.shape == (16,)
+    ref = _linear_input_absmax(model, calib)
+    without = _linear_input_absmax(_float_model(folder, use_qk_norm=False), calib)
+    for i in range(2):
+        o_proj = f"model.layers.{i}.self_attn.o_proj"
+        assert not torch.allclose(without[o_proj], ref[o_proj], rtol=1e-3), o_proj
+    observed = observing_channel_absmax(monkeypatch)
+    written = _fp8_static_layers(folder, calib, tmp_path / "q")
+    assert len(observed) == len(ref) == 2 * 4 + 3 + (4 * 3 + 3)  # attention x2, dense MLP, experts + shared
+    _assert_ranges_and_scales_are_transformers(observed, ref, written)
+
+
 def _fp8_static_layers(model: Path, calib: torch.Tensor, out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the decoder layers' files after FP8 static calibration of `model` on `calib`, layer by layer."""
     stream.quantize_model(ModelSource(model, "d", "d"), FP8_STATIC, out, stream.Calibration(calib, batch_size=2))

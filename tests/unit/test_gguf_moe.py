@@ -103,9 +103,11 @@ def _expected_layer(arch: str, c: dict, layer: int) -> dict[str, tuple[int, ...]
     fs = ff * c["n_shared_experts"]
     shared = {"ffn_gate_shexp.weight": (h, fs), "ffn_up_shexp.weight": (h, fs), "ffn_down_shexp.weight": (fs, h),
               "exp_probs_b.bias": (e,)} if "ffn_gate_inp.weight" in exps else {}
-    if arch == "GLM4_MOE":  # q/k/v biases; the pre-FFN norm is attn_post_norm ("post_attention_norm")
+    if arch == "GLM4_MOE":  # q/k/v biases; the pre-FFN norm is attn_post_norm ("post_attention_norm"); per-head
+        # q/k norms where use_qk_norm (GLM-4.5; src/models/glm4-moe.cpp loads them as optional, {n_embd_head_k})
+        norms = {"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)} if c.get("use_qk_norm") else {}
         return {**gqa, "attn_q.bias": (n_head * hd,), "attn_k.bias": (n_kv * hd,), "attn_v.bias": (n_kv * hd,),
-                "post_attention_norm.weight": (h,), **exps, **shared}
+                **norms, "post_attention_norm.weight": (h,), **exps, **shared}
     assert arch in ("DEEPSEEK2", "DEEPSEEK32")
     qr, kvr, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     nope, v = c["qk_nope_head_dim"], c["v_head_dim"]

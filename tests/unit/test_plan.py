@@ -61,6 +61,24 @@ def test_w8a8_int8_on_vllm_cpu_is_fine() -> None:
     assert make_plan(recipe(W8A8, {"runtime": "vllm", "gpu_arch": "cpu"})).targets[0]["status"] == "cpu"
 
 
+def test_a_cpu_scored_target_without_gpu_arch_is_shown_on_the_cpu_and_keeps_its_name() -> None:
+    """llama.cpp and ONNX Runtime targets that leave gpu_arch unset are printed as what llmc scores them on (the CPU),
+    not the default sm90; their stage, cache-key and artifact name stays the default's (renaming it would orphan
+    cached exports), and the plan says so. An arch the recipe names, and a GPU runtime's default, print as before."""
+    w8a16 = {"weights": {"format": "int8", "strategy": "channel"}}
+    plan = make_plan(recipe(w8a16, {"runtime": "llama.cpp"}, {"runtime": "onnxruntime"},
+                            {"runtime": "llama.cpp", "gpu_arch": "sm90", "name": "gpu"}, {"runtime": "vllm"}))
+    assert [(t["label"], t["shown_label"], t["runs_on"]) for t in plan.targets] == [
+        ("llama.cpp-sm90-tp1", "llama.cpp-cpu-tp1", "cpu"), ("onnxruntime-sm90-tp1", "onnxruntime-cpu-tp1", "cpu"),
+        ("gpu", "gpu", "sm90"), ("vllm-sm90-tp1", "vllm-sm90-tp1", "sm90")]
+    lines = [line for line in plan.render().splitlines() if line.startswith("  target ")]
+    assert lines[0].startswith("  target llama.cpp-cpu-tp1: gguf (")
+    assert "default sm90" in lines[0] and "(llama.cpp-sm90-tp1)" in lines[0]
+    assert lines[3] == "  target vllm-sm90-tp1: compressed-tensors (native)"
+    named = make_plan(recipe(w8a16, {"runtime": "llama.cpp", "gpu_arch": "sm90"}))
+    assert named.targets[0]["shown_label"] == "llama.cpp-sm90-tp1" and "gpu_arch left" not in named.render()
+
+
 def test_int8_kv_cache_is_not_a_vllm_format() -> None:
     with pytest.raises(IncompatibleTargetError, match="KV-INT8"):
         make_plan(recipe({**W8A8, "kv_cache": {"format": "int8"}}, {"runtime": "vllm"}))

@@ -65,6 +65,18 @@ def test_config_shapes_are_transformers_own_model_of_the_config(model: str) -> N
     assert planned.params == sum(torch.Size(s).numel() for s in theirs.values())
 
 
+@pytest.mark.parametrize("model", sorted(p.parent.name for p in (REPO / "recipes" / "configs").glob("*/config.json")))
+def test_a_config_states_the_router_scale_its_config_class_would_default(model: str) -> None:
+    """routed_scaling_factor multiplies the routed experts' sum; no plan line reads it, so a config that leaves it out
+    plans the same but hands the config class's default (DeepseekV3Config 2.5, Glm4MoeConfig 1.0; Kimi-K2 2.827,
+    GLM-4.5 2.5) to the compare_exports stand-in's router and the GGUF header (expert_weights_scale)."""
+    from transformers import AutoConfig
+
+    config = json.loads((REPO / "recipes" / "configs" / model / "config.json").read_text())
+    if hasattr(AutoConfig.for_model(config["model_type"]), "routed_scaling_factor"):
+        assert isinstance(config.get("routed_scaling_factor"), float), f"{model}: set routed_scaling_factor"
+
+
 def test_a_quantized_original_planned_from_its_config_costs_its_stored_bytes() -> None:
     """DeepSeek-R1's FP8 block-wise Linears take a byte an element plus a float32 scale per 128 x 128 block, its
     router and embeddings bf16; gpt-oss's MXFP4 experts half a byte plus a scale byte per 32."""

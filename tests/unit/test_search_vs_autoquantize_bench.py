@@ -178,3 +178,49 @@ def test_overrides_reach_the_uniform_recipe_as_the_others() -> None:
     assert recipe.eval.seq_len == 128 and recipe.calibration.samples == 8
     assert recipe.model.source == "demo:qwen2.5-coder-0.5b"
     assert [g.scheme for g in recipe.quantization.groups] == ["W8A8-FP8"]
+
+
+def _worktree_layout(root: Path, venv_in: str | None) -> tuple[Path, Path]:
+    """A main checkout and a git worktree of it, as `git worktree add` lays them out (the worktree's .git a file
+    naming main/.git/worktrees/<name>, whose commondir leads back), the ModelOpt venv in `venv_in` (or nowhere)."""
+    main, tree = root / "main", root / "wt-x"
+    (main / ".git" / "worktrees" / "wt-x").mkdir(parents=True)
+    (main / ".git" / "worktrees" / "wt-x" / "commondir").write_text("../..\n")
+    tree.mkdir()
+    (tree / ".git").write_text(f"gitdir: {main / '.git' / 'worktrees' / 'wt-x'}\n")
+    if venv_in:
+        python = root / venv_in / ".venv-modelopt" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text("")
+    return main, tree
+
+
+@pytest.mark.parametrize("venv_in", ["main", "wt-x"])
+def test_the_modelopt_venv_is_found_from_a_worktree_as_from_the_main_checkout(tmp_path: Path, monkeypatch,
+                                                                               venv_in: str) -> None:
+    """setup-peers.sh makes .venv-modelopt in the main checkout; the benchmark run from a worktree finds it there (its
+    own checkout's first, when it has one)."""
+    monkeypatch.delenv(bench.PEER_VARIABLE, raising=False)
+    main, tree = _worktree_layout(tmp_path, venv_in)
+    assert bench.peer_python(tree, bench.PEER_VENV, bench.PEER_VARIABLE) == tmp_path / venv_in / ".venv-modelopt" / \
+        "bin" / "python"
+    if venv_in == "main":
+        assert bench.peer_python(main, bench.PEER_VENV, bench.PEER_VARIABLE) == main / ".venv-modelopt/bin/python"
+
+
+def test_the_modelopt_variable_wins_and_a_missing_venv_names_where_it_looked(tmp_path: Path, monkeypatch) -> None:
+    main, tree = _worktree_layout(tmp_path, "main")
+    elsewhere = tmp_path / "opt" / "python"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("")
+    monkeypatch.setenv(bench.PEER_VARIABLE, str(elsewhere))
+    assert bench.peer_python(tree, bench.PEER_VENV, bench.PEER_VARIABLE) == elsewhere
+    monkeypatch.setenv(bench.PEER_VARIABLE, str(tmp_path / "typo"))  # set but wrong: said, not looked past
+    with pytest.raises(SystemExit, match=r"\$LLMC_MODELOPT_PYTHON names .*typo, which does not exist"):
+        bench.peer_python(tree, bench.PEER_VENV, bench.PEER_VARIABLE)
+    monkeypatch.delenv(bench.PEER_VARIABLE)
+    _, bare = _worktree_layout(tmp_path / "bare", None)
+    with pytest.raises(SystemExit) as e:
+        bench.peer_python(bare, bench.PEER_VENV, bench.PEER_VARIABLE)
+    assert str(bare / ".venv-modelopt/bin/python") in str(e.value)
+    assert str(tmp_path / "bare/main/.venv-modelopt/bin/python") in str(e.value) and "setup-peers.sh" in str(e.value)
