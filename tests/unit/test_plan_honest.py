@@ -229,6 +229,25 @@ def test_the_source_the_page_cache_holds_is_read_from_memory_and_the_slow_end_re
     assert "100% of it in the page cache now" in warm.render() and "page cache now" not in cold.render()
 
 
+def test_the_page_cache_is_asked_about_the_files_the_build_reads(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: the plan globbed *.safetensors to ask the page cache, so a consolidated copy beside an index's shards
+    (which the build never reads) counted in the source's resident share: it asks about the shards the index names,
+    the list the headers were read from (llmc.model.checkpoint.safetensors_files)."""
+    from llmc.model.checkpoint import INDEX_FILE
+    from tests.unit.test_sharded_checkpoint import make_sharded
+
+    sharded = make_sharded(tmp_path / "model")
+    first = sorted(sharded.glob("model-*.safetensors"))[0]
+    (sharded / "consolidated.safetensors").write_bytes(first.read_bytes())  # a second copy some repos carry
+    pin_probes(monkeypatch)
+    asked: list[list[str]] = []
+    monkeypatch.setattr(disk, "resident_share", lambda paths: asked.append(sorted(p.name for p in paths)) or 0.5)
+    plan = make_plan(recipe(), sharded, tmp_path)
+    shards = sorted(set(json.loads((sharded / INDEX_FILE).read_text())["weight_map"].values()))
+    assert len(shards) >= 2 and asked == [shards]
+    assert plan.costed_for.source_resident == 0.5
+
+
 def test_a_bf16_baseline_converted_to_float32_is_priced_at_the_copy_rate(tiny_model: Path, tmp_path: Path,
                                                                           monkeypatch) -> None:
     """The baseline's evaluation converts a bf16 checkpoint to the float32 it computes in, in one pass over the
