@@ -136,8 +136,10 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--load", choices=("build", "matmul", "none"), default="build",
                     help="what runs beside the plans and the build (module doc)")
-    ap.add_argument("--load-recipe", type=Path, default=ROOT / "recipes" / "smollm2-fp8.yaml")
-    ap.add_argument("--load-set", dest="load_overrides", action="append", default=[])
+    ap.add_argument("--load-recipe", type=Path, default=ROOT / "recipes" / "smollm2-fp8.yaml",
+                    help="the recipe the build load loops over (--load build only)")
+    ap.add_argument("--load-set", dest="load_overrides", action="append", default=[],
+                    help="an override of the build load's recipe (--load build only)")
     ap.add_argument("--warmup-s", type=float, default=45.0, help="seconds the load runs before the first plan")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--builds", type=int, default=1,
