@@ -1,17 +1,24 @@
 """The planner's predictions on a busy machine against a build of the same recipe (issue 35's "Done means").
 
-While another `llmc build` runs in a loop (the load: `--load-recipe`, its own cache, its outputs removed between
-runs so that it keeps computing), `llmc plan`'s estimates are taken `--plans` times (each in a fresh process, the
+While a load runs (`--load`), `llmc plan`'s estimates are taken `--plans` times (each in a fresh process, the
 machine's rates probed again: LLMC_REPROBE=1), then the same recipe is built and measured (benchmarks/full_width.py's
 run_build: per-stage RssAnon peaks sampled every SAMPLE_S, stage times from report.json). With `--model` the source is
 a synthetic checkpoint of that model's real widths (recipes/configs/<model>/config.json, random bf16 weights) and
 `--layers` decoder layers; without it, the recipe's own source.
 
+The loads (each in a session of its own, killed with it when the measured build ends):
+- `build` (the default): another `llmc build` of `--load-recipe` in a loop (its own cache, its outputs removed between
+  runs so that it keeps computing): a second user's build, whose phases (I/O, compute) the probes and the measured
+  stages overlap differently from run to run.
+- `matmul`: one thread multiplying two MATMUL_SIZE-square float32 matrices in a loop (tens of ms an iteration): one
+  core taken steadily, so the probes (seconds) and the stages (seconds to minutes) see the same contention.
+- `none`: nothing beside the plans and the build.
+
     nice -n 10 python benchmarks/plan_under_load.py --recipe recipes/smollm2-fp8.yaml --set calibration.samples=4 ...
     nice -n 10 python benchmarks/plan_under_load.py --recipe recipes/smollm2-fp8.yaml --model Qwen2-7B --layers 2 ...
 
-One JSON line: each plan's per-stage predictions (host GB, seconds, range) and load, the build's per-stage
-measurements, and per stage the errors (predicted - measured) / measured of every plan.
+One JSON line: the load's kind, each plan's per-stage predictions (host GB, seconds, range) and load average, the
+build's per-stage measurements, and per stage the errors (predicted - measured) / measured of every plan.
 """
 
 from __future__ import annotations
@@ -44,7 +51,19 @@ print(json.dumps(plan.as_dict()["estimates"]))
 """
 
 
-def start_load(recipe: Path, overrides: list[str], work: Path) -> subprocess.Popen:
+# one 1024-square float32 product (2.1 GFLOP): 24 ms on the 2-core Xeon at nice 19, load 2.2 (2026-12-03 10:18 UTC,
+# `torch.set_num_threads(1)`, mean of 10), so the contention is steady at the probes' and the stages' time scales
+MATMUL_SIZE = 1024
+MATMUL_LOOP = f"""
+import torch
+torch.set_num_threads(1)
+a, b = torch.randn({MATMUL_SIZE}, {MATMUL_SIZE}), torch.randn({MATMUL_SIZE}, {MATMUL_SIZE})
+while True:
+    a @ b
+"""
+
+
+def start_build_load(recipe: Path, overrides: list[str], work: Path) -> subprocess.Popen:
     """`llmc build` of `recipe` over and over in its own cache (its stage outputs but the unpacked source removed
     after each run), in a process group of its own."""
     cache = work / "load-cache"
@@ -55,6 +74,25 @@ def start_load(recipe: Path, overrides: list[str], work: Path) -> subprocess.Pop
             f"{cache}/shared-stats {work / 'load-registry'}; done")
     env = {**os.environ, "LLMC_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(["bash", "-c", loop], env=env, start_new_session=True)
+
+
+def start_matmul_load() -> subprocess.Popen:
+    """MATMUL_LOOP in a process group of its own."""
+    return subprocess.Popen([sys.executable, "-c", MATMUL_LOOP], start_new_session=True)
+
+
+def start_load(args: argparse.Namespace, work: Path) -> subprocess.Popen | None:
+    """The `--load` kind's process (None: `none`)."""
+    if args.load == "build":
+        return start_build_load(args.load_recipe, args.load_overrides, work)
+    return start_matmul_load() if args.load == "matmul" else None
+
+
+def stop_load(load: subprocess.Popen | None) -> None:
+    """Kill the load's whole process group (a build load's `llmc build` as well as its shell loop)."""
+    if load is not None:
+        os.killpg(load.pid, signal.SIGTERM)
+        load.wait()
 
 
 def plan_once(recipe: Path, overrides: list[str], cache: Path) -> dict:
@@ -96,8 +134,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--plans", type=int, default=5)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--load-recipe", type=Path, default=ROOT / "recipes" / "smollm2-fp8.yaml")
-    ap.add_argument("--load-set", dest="load_overrides", action="append", default=[])
+    ap.add_argument("--load", choices=("build", "matmul", "none"), default="build",
+                    help="what runs beside the plans and the build (module doc)")
+    ap.add_argument("--load-recipe", type=Path, default=ROOT / "recipes" / "smollm2-fp8.yaml",
+                    help="the recipe the build load loops over (--load build only)")
+    ap.add_argument("--load-set", dest="load_overrides", action="append", default=[],
+                    help="an override of the build load's recipe (--load build only)")
     ap.add_argument("--warmup-s", type=float, default=45.0, help="seconds the load runs before the first plan")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--builds", type=int, default=1,
@@ -116,7 +158,7 @@ def main() -> None:
         ckpt = write_checkpoint(args.model, args.layers, work / "checkpoint", tokenizer)
         os.sync()
         overrides = [f"model.source={ckpt}", *overrides]
-    load = start_load(args.load_recipe, args.load_overrides, work)
+    load = start_load(args, work)
     try:
         time.sleep(args.warmup_s)
         plans = [plan_once(args.recipe, overrides, work / "cache") for _ in range(args.plans)]
@@ -139,8 +181,7 @@ def main() -> None:
                 shutil.rmtree(cache, ignore_errors=True)
                 shutil.rmtree(work / f"registry{i}", ignore_errors=True)
     finally:
-        os.killpg(load.pid, signal.SIGTERM)
-        load.wait()
+        stop_load(load)
     measured = builds[0][0]
     got = {stage: {"seconds": statistics.median(b[1][stage]["seconds"] for b in builds if stage in b[1]),
                    "cached": any(b[1][stage]["cached"] for b in builds if stage in b[1]),
@@ -157,8 +198,9 @@ def main() -> None:
             "memory": [round((x["host_gb"] - m["rss_anon_gb"]) / m["rss_anon_gb"], 3) for x in p]
             if m["rss_anon_gb"] else None,
             "in_range": [x["range"][0] <= m["seconds"] <= x["range"][1] for x in p]}
-    print(json.dumps({"recipe": str(args.recipe), "model": args.model, "layers": args.layers if args.model else None,
-                      "overrides": overrides, "plans": plans, "build_started": time.strftime("%H:%M:%S", time.gmtime(t)),
+    print(json.dumps({"recipe": str(args.recipe), "load_kind": args.load, "model": args.model,
+                      "layers": args.layers if args.model else None, "overrides": overrides, "plans": plans,
+                      "build_started": time.strftime("%H:%M:%S", time.gmtime(t)),
                       "build": {"exit": measured["exit"], "wall_s": measured["wall_s"], "load": measured["load"],
                                 "stages": got, "layer_seconds": measured["layer_seconds"]},
                       "errors": errors, "tail": measured["stderr_tail"][-800:]}), flush=True)

@@ -5,6 +5,7 @@ here for a later one: a later stage asks the earlier stage objects it was given)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -33,6 +34,11 @@ class Build:
     evaluation: dict | None  # corpus label (None when one corpus) -> its windows; None: the build stops before eval
     calib_key: str | None = None  # the calibrate stage's key, once it ran
     quantized: dict[str, tuple[Path, str]] = field(default_factory=dict)  # variant -> (quantize folder, its key)
+
+    @cached_property
+    def model_config(self) -> dict:
+        """The source's config.json, read once per build (each quantize stage's key asks it, on every lookup)."""
+        return self.result.source.config()
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class Quantize(Stage):
             cfg["device"] = device.type
         if b.recipe.calibration.moe_calibrate_all_experts:  # MoE statistics from every token (keys without: as were)
             cfg["moe_calibrate_all_experts"] = True
-        rules = runtime_scales.rules_applied(scheme, expert_count(b.result.source.config()) > 1)
+        rules = runtime_scales.rules_applied(scheme, expert_count(b.model_config) > 1)
         if rules:  # scales unified as the serving runtimes' fused kernels hold them (keys without: as were)
             cfg["runtime_scales"] = rules
         if self.searched:  # the measurement its predicted damages come from

@@ -1101,9 +1101,9 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     cpus = target_machine().cpus if target_machine() else os.cpu_count()
     side_files = _side_file_bytes(model_folder)
 
-    # the source's pages the page cache holds now are read from memory (the slowest end: evicted before the build)
-    resident = disk.resident_share(sorted(Path(model_folder).glob("*.safetensors"))) if (
-        model_folder is not None and target_machine() is None) else 0.0
+    # the source's pages the page cache holds now are read from memory (the slowest end: evicted before the build);
+    # the files the build reads: those the headers came from (a shard index's, not a consolidated copy beside them)
+    resident = disk.resident_share(list(tensors.files)) if tensors.files and target_machine() is None else 0.0
 
     def walk(compute: str = compute, free: int | None = None, resident: float = resident) -> Costing:
         machine = Machine(available, gpu_free, str(device), cpus, source_resident=resident)

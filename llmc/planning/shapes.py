@@ -30,6 +30,9 @@ class ModelTensors:
     layer_of: dict[str, int] = field(default_factory=dict)
     source_format: object = None  # a quantized original's llmc.model.source_formats.SourceFormat
     decoded: frozenset[str] = frozenset()  # its tensors decoded as they are read
+    # the weights files the headers came from (llmc.model.checkpoint.safetensors_files: an index's shards, checked);
+    # () when planned from a config
+    files: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         for name in self.shapes:
@@ -97,7 +100,8 @@ def from_headers(folder: Path) -> ModelTensors:
     shapes: dict[str, tuple[int, ...]] = {}
     stored: dict[str, int] = {}
     header: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in safetensors_files(folder):
+    files = tuple(safetensors_files(folder))
+    for f in files:
         for name, info in check_safetensors_header(f).items():
             if name == "__metadata__":
                 continue
@@ -121,7 +125,7 @@ def from_headers(folder: Path) -> ModelTensors:
         shapes, stored = _experts_per_expert(folder, shapes, stored)
         decoded_names = frozenset(n for n in shapes if n in decoded_names or ".experts." in n and fmt is not None
                                   and fmt.name == "mxfp4")
-    return ModelTensors(shapes, stored, source_format=fmt, decoded=decoded_names)
+    return ModelTensors(shapes, stored, source_format=fmt, decoded=decoded_names, files=files)
 
 
 def _experts_per_expert(folder: Path, shapes: dict[str, tuple[int, ...]],

@@ -6,14 +6,12 @@ statistics, each written to a temporary name, fsynced, renamed and its folder fs
 the OS (malloc_trim); its hooks and its writer thread's hand-offs. None of it follows the forward's FLOPs or the
 layer's bytes; all of it follows the disk's fsync latency and how busy the machine is. So the planner times it the
 way it times the matmul rate, by running it: `quantize_model` on a tiny random Llama (widths of 128, `PROBE_LAYERS`
-layers, written to a temporary folder once per process), the time between its first and last layers' commits, per
+layers, written once into the llmc cache: _tiny_model), the time between its first and last layers' commits, per
 layer. The tiny model's arithmetic is a few milliseconds of it."""
 
 from __future__ import annotations
 
-import atexit
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +20,12 @@ import torch
 from safetensors.torch import save_file
 
 from llmc import distributed
+from llmc.errors import LlmcError
 from llmc.model.source import ModelSource
 from llmc.planning import probes
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream import Calibration, StreamOptions, quantize_model
+from llmc.storage.store import Store, stage_key
 from llmc.telemetry import events, progress
 
 PROBE_LAYERS = 5
@@ -50,14 +50,30 @@ def layer_overhead_seconds(calibrated: bool, dtype_name: str) -> float:
     return 1.0 / probes.rate(key, _stream_timer(calibrated, dtype_name), repeats=3)
 
 
-_model_folder: list[Path] = []  # the tiny model, written once per process
+MODEL_STAGE = "stream-probe-model"
 
 
-def _tiny_model() -> Path:
-    if _model_folder and _model_folder[0].is_dir():
-        return _model_folder[0]
-    folder = Path(tempfile.mkdtemp(prefix="llmc-stream-probe-model-"))
-    atexit.register(shutil.rmtree, folder, True)
+def _tiny_model(scratch: Path) -> Path:
+    """The tiny model the probe streams. It is deterministic, so it is made once in the llmc cache that keeps the
+    probes' rates, as a stage output keyed by its config (written under its key's lock to a `.partial` folder that
+    the next writer or `llmc build`'s sweep removes if a process is killed midway, then renamed whole) and reused by
+    every later process, so a process killed by SIGTERM or SIGKILL leaves no model behind in the temporary folder
+    (only a run's own output, in `scratch`, if killed during the second or so the run takes). Without a rates cache
+    (probes.use_cache(None)), or with one this process cannot write (read-only), in `scratch`, which the caller
+    removes."""
+    rates = probes.book().path
+    if rates is not None:
+        try:
+            return Store(rates.parent).materialized(
+                MODEL_STAGE, stage_key(MODEL_STAGE, {"config": PROBE_CONFIG, "seed": 0}), _write_tiny_model)
+        except (OSError, LlmcError):  # a cache that cannot be written costs a write per run, never the plan
+            pass
+    _write_tiny_model(scratch / "model")
+    return scratch / "model"
+
+
+def _write_tiny_model(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
     c = PROBE_CONFIG
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
@@ -72,13 +88,10 @@ def _tiny_model() -> Path:
         tensors |= {f"{p}input_layernorm.weight": torch.ones(h), f"{p}post_attention_layernorm.weight": torch.ones(h)}
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(c))
-    _model_folder[:] = [folder]
-    return folder
 
 
 def _stream_timer(calibrated: bool, dtype_name: str):
     def run_once() -> float:
-        source = ModelSource(_tiny_model(), sha256="stream-probe", origin="stream-probe")
         with tempfile.TemporaryDirectory(prefix="llmc-stream-probe-") as tmp:
             committed: list[float] = []
             windows = (Calibration(torch.randint(0, PROBE_CONFIG["vocab_size"], (PROBE_WINDOWS, PROBE_SEQ_LEN),
@@ -86,7 +99,8 @@ def _stream_timer(calibrated: bool, dtype_name: str):
                                    shared_stats=Path(tmp) / "shared-stats") if calibrated else None)
             # the tiny model's layers are not the build's; under torchrun this rank times them on its own (the
             # others are not running the probe: they wait for its cached rate, llmc.build)
-            with progress.quiet(), events.muted(), distributed.alone():
+            with progress.quiet(), events.muted(), distributed.alone():  # the model's writing is silent too
+                source = ModelSource(_tiny_model(Path(tmp)), sha256="stream-probe", origin="stream-probe")
                 quantize_model(source, _CALIBRATED if calibrated else _DATA_FREE, Path(tmp) / "out", windows,
                                StreamOptions(dtype=getattr(torch, dtype_name),
                                              on_layer_done=lambda i: committed.append(time.monotonic())))

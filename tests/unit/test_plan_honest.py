@@ -229,6 +229,25 @@ def test_the_source_the_page_cache_holds_is_read_from_memory_and_the_slow_end_re
     assert "100% of it in the page cache now" in warm.render() and "page cache now" not in cold.render()
 
 
+def test_the_page_cache_is_asked_about_the_files_the_build_reads(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: the plan globbed *.safetensors to ask the page cache, so a consolidated copy beside an index's shards
+    (which the build never reads) counted in the source's resident share: it asks about the shards the index names,
+    the list the headers were read from (llmc.model.checkpoint.safetensors_files)."""
+    from llmc.model.checkpoint import INDEX_FILE
+    from tests.unit.test_sharded_checkpoint import make_sharded
+
+    sharded = make_sharded(tmp_path / "model")
+    first = sorted(sharded.glob("model-*.safetensors"))[0]
+    (sharded / "consolidated.safetensors").write_bytes(first.read_bytes())  # a second copy some repos carry
+    pin_probes(monkeypatch)
+    asked: list[list[str]] = []
+    monkeypatch.setattr(disk, "resident_share", lambda paths: asked.append(sorted(p.name for p in paths)) or 0.5)
+    plan = make_plan(recipe(), sharded, tmp_path)
+    shards = sorted(set(json.loads((sharded / INDEX_FILE).read_text())["weight_map"].values()))
+    assert len(shards) >= 2 and asked == [shards]
+    assert plan.costed_for.source_resident == 0.5
+
+
 def test_a_bf16_baseline_converted_to_float32_is_priced_at_the_copy_rate(tiny_model: Path, tmp_path: Path,
                                                                           monkeypatch) -> None:
     """The baseline's evaluation converts a bf16 checkpoint to the float32 it computes in, in one pass over the
@@ -712,9 +731,44 @@ def test_the_stream_probe_times_the_streams_own_layers_and_leaves_nothing_behind
     assert heard == [] and "quantize layers" not in capsys.readouterr().err
     rates = json.loads((tmp_path / "cache" / probes.RATES_FILE).read_text())["rates"]
     assert {"stream layers calibrated float32", "stream layers data-free float32"} <= rates.keys()
-    # only the tiny model (made once per process, removed at its exit) remains: every run's output was removed
-    left = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("llmc-")]
-    assert len(left) <= 1 and all(n.startswith("llmc-stream-probe-model-") for n in left)
+    # nothing is left in the temporary folder (every run's output was removed; the tiny model lives in the cache)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("llmc-")] == []
+
+
+def test_the_stream_probes_tiny_model_is_made_once_in_the_cache_and_reused(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: the tiny model went to a mkdtemp folder removed at exit, so every process killed by a signal (a
+    benchmark's load loop, a killed plan) left one in /tmp (27 in a day). It is now a stage output of the rates'
+    cache, written once (a killed writer leaves only a `.partial` that the next one replaces) and reused by every
+    later probe, in this process or another; a probe without a rates cache writes it into its run's own folder."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    made: list[Path] = []
+    write = stream_probe._write_tiny_model
+    monkeypatch.setattr(stream_probe, "_write_tiny_model", lambda folder: (made.append(folder), write(folder)))
+    cache = tmp_path / "cache"
+    models = cache / "stages" / stream_probe.MODEL_STAGE
+    models.mkdir(parents=True)
+    # what a writer killed midway leaves (no marker): replaced, never read as the model
+    key = stream_probe.stage_key(stream_probe.MODEL_STAGE, {"config": stream_probe.PROBE_CONFIG, "seed": 0})
+    (models / f"{key}.partial").mkdir()
+    (models / f"{key}.partial" / "model.safetensors").write_bytes(b"half")
+
+    # two runs of the probe (its timer itself: tests/conftest.py replays a rate probed earlier in the session)
+    probes.use_cache(cache)
+    run = stream_probe._stream_timer(False, "float32")
+    assert run() > 0 and run() > 0
+    assert len(made) == 1 and made[0].name == f"{key}.partial"
+    assert [p.name for p in models.iterdir()] == [key]
+    assert {p.name for p in (models / key).iterdir()} >= {"config.json", "model.safetensors"}
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("llmc-")] == []
+
+    probes.use_cache(None)  # no rates cache: the model is written into each run's own folder, removed with it
+    made.clear()
+    assert run() > 0
+    assert made and all(f.parent.name.startswith("llmc-stream-probe-") for f in made)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("llmc-")] == []
 
 
 def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) -> None:

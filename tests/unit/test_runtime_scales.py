@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmc.formats.compressed_tensors import export_compressed_tensors
+from llmc.pipeline.context import Build
 from llmc.quant import runtime_scales
 from llmc.quant.spec import Scheme, TensorSpec
 from tests.unit.families import make_tiny
@@ -168,6 +169,15 @@ def test_the_plan_says_which_scales_are_unified_and_why(tmp_path: Path) -> None:
     assert notes("channel", True) == []
 
 
+def _build(source) -> Build:
+    """A build as far as a quantize stage's key reads it: the source, the dtype, the device, the calibration key."""
+    import types
+
+    return Build(recipe=types.SimpleNamespace(calibration=types.SimpleNamespace(moe_calibrate_all_experts=False)),
+                 runner=None, result=types.SimpleNamespace(dtype="float32", source=source),
+                 device=torch.device("cpu"), tokenizer=None, calibration=None, evaluation=None, calib_key="c")
+
+
 def test_the_quantize_stage_key_names_the_rules_only_where_they_change_the_form(tmp_path: Path) -> None:
     """A canonical form cached before the rules must not be read as one written by them: the stage key names the
     rules the scheme gets on this model; schemes they leave alone keep their keys."""
@@ -186,11 +196,7 @@ def test_the_quantize_stage_key_names_the_rules_only_where_they_change_the_form(
                         activations=TensorSpec(format="fp8_e4m3", strategy="tensor" if static else "token",
                                                dynamic=not static))
         source = types.SimpleNamespace(sha256="s", config=lambda: json.loads((folder / "config.json").read_text()))
-        build = types.SimpleNamespace(device=torch.device("cpu"), calib_key="c",
-                                      result=types.SimpleNamespace(dtype="float32", source=source),
-                                      recipe=types.SimpleNamespace(calibration=types.SimpleNamespace(
-                                          moe_calibrate_all_experts=False)))
-        return Quantize("", scheme).key(build)
+        return Quantize("", scheme).key(_build(source))
 
     def rekeyed(folder: Path, weights: str, static: bool) -> bool:
         with pytest.MonkeyPatch.context() as mp:
@@ -201,3 +207,29 @@ def test_the_quantize_stage_key_names_the_rules_only_where_they_change_the_form(
     assert rekeyed(moe, "channel", True) and not rekeyed(dense, "channel", True)  # static inputs: MoE only
     assert rekeyed(dense, "tensor", False) and rekeyed(moe, "tensor", False)  # per-tensor weights: both
     assert not rekeyed(moe, "channel", False) and not rekeyed(dense, "channel", False)
+
+
+def test_a_build_reads_the_sources_config_once_for_every_quantize_key(tmp_path: Path) -> None:
+    """Issue 44: Quantize.key read config.json on every call (each stage lookup, each pending check): the build
+    reads it once, and every variant's key, asked any number of times, is the same as with a fresh read."""
+    import json
+    import types
+
+    from llmc.pipeline.quantize import Quantize
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    reads: list[int] = []
+
+    def config() -> dict:
+        reads.append(1)
+        return json.loads((tmp_path / "config.json").read_text())
+
+    source = types.SimpleNamespace(sha256="s", config=config)
+    stages = [Quantize(name, Scheme(weights=TensorSpec(format="fp8_e4m3", strategy=strategy),
+                                    activations=TensorSpec(format="fp8_e4m3", strategy="tensor", dynamic=False)))
+              for name, strategy in (("a", "channel"), ("b", "tensor"))]
+    build = _build(source)
+    keys = [s.key(build) for _ in range(3) for s in stages]
+    assert len(reads) == 1
+    assert keys == [s.key(_build(source)) for _ in range(3) for s in stages]  # each fresh build: one read more
+    assert len(reads) == 1 + 6 and keys[0] != keys[1]
