@@ -4,7 +4,9 @@ what vLLM / SGLang serve.
 
 Read from the runtimes' own sources (vLLM `compressed_tensors_moe.py` CompressedTensorsW8A8Fp8MoEMethod and
 `fp8_utils.process_fp8_{input,weight}_tensor_strategy_moe`; `w8a8_utils.requantize_with_max_scale` for dense fused
-Linears; SGLang's `compressed_tensors_moe.py` CompressedTensorsW8A8Fp8MoEMethod does the same), as data here:
+Linears; SGLang's `compressed_tensors_moe.py` CompressedTensorsW8A8Fp8MoEMethod does the same, and so does its
+successor `schemes/compressed_tensors_w8a8_fp8_moe.py` CompressedTensorsW8A8Fp8MoE, read at 02d5e1b5, whose layout
+rule is `llmc.runtimes.vllm._SGLANG_MOE_FP8_LAYOUTS`), as data here:
 
 - `MOE_ONE_INPUT_SCALE`: a fused-MoE layer with FP8 static per-tensor activations takes ONE input scale for every
   expert's gate/up (w13) and ONE for every expert's down (w2): the max over the layer's experts. Shared experts are

@@ -75,6 +75,10 @@ class Runtime:
     # that was read; "W8A8-INT8" there means dynamic per-token activations only (`registry.check_moe_scheme`)
     moe_schemes: frozenset[str] | None = None
     moe_schemes_source: str = ""
+    # the W8A8-FP8 layouts its fused-MoE FP8 method loads, each (weight strategy, activation strategy, activations
+    # dynamic), and where that was read (None: every layout its rules admit); `registry.check_moe_scheme` refuses others
+    moe_fp8_layouts: frozenset[tuple[str, str, bool]] | None = None
+    moe_fp8_layouts_source: str = ""
 
     def format_for(self, version: str | None) -> str:
         """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""

@@ -57,8 +57,13 @@ def render_matrix() -> str:
             schemes = (", ".join(sorted(rt.moe_schemes)) + (" (W8A8-INT8: dynamic per-token activations only)"
                                                             if "W8A8-INT8" in rt.moe_schemes else "")
                        if rt.moe_schemes is not None else "every scheme of its rows above (not checked per scheme)")
+            if rt.moe_fp8_layouts is not None:  # the W8A8-FP8 layouts its fused-MoE FP8 method loads
+                schemes += "; W8A8-FP8 only as " + ", ".join(
+                    f"{w} weights + {'dynamic' if d else 'static'} {a} activations"
+                    for w, a, d in sorted(rt.moe_fp8_layouts))
+            read = "; ".join(x for x in (rt.moe_schemes_source, rt.moe_fp8_layouts_source) if x) or "-"
             lines.append(f"| {rt.name} | {rt.format} | {', '.join(sorted(artifact_format(rt.format).moe_families))} "
-                         f"| {schemes} | {rt.moe_schemes_source or '-'} |")
+                         f"| {schemes} | {read} |")
     refused = sorted((rt.name, family, why) for rt in runtimes() for family, why in rt.refused_families.items())
     if refused:  # MoE families a format writes but a runtime of it does not load (docs/models.md)
         lines += ["", "## Model families a runtime refuses\n", "| runtime | model_type | why (read from) |", "|---|---|---|"]

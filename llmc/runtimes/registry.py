@@ -68,11 +68,14 @@ def check_moe_scheme(target: RuntimeTarget, scheme: Scheme, config: dict) -> Non
     """IncompatibleTargetError when the model is a Mixture-of-Experts one and the target's runtime has no fused-MoE
     kernel for the scheme (`Runtime.moe_schemes`)."""
     rt = RUNTIMES.get(target.runtime)
-    if rt is None or rt.moe_schemes is None or expert_count(config) <= 1:
+    if rt is None or (rt.moe_schemes is None and rt.moe_fp8_layouts is None) or expert_count(config) <= 1:
         return
     for group, member in scheme.members().items():
         if group and scheme.group(group).targets.roles and "experts" not in scheme.group(group).targets.roles:
             continue  # a mixed scheme's group that selects no expert (by role) runs in dense GEMMs
+        _check_moe_fp8_layout(target, rt, member, config)
+        if rt.moe_schemes is None:
+            continue
         key = member.name
         if key == "W8A8-INT8" and not member.activations.dynamic:
             key = "W8A8-INT8 with static activations"
@@ -82,6 +85,29 @@ def check_moe_scheme(target: RuntimeTarget, scheme: Scheme, config: dict) -> Non
                 f"(model_type {config.get('model_type')!r}; {rt.moe_schemes_source})",
                 fix=f"choose a scheme {target.runtime} runs for MoE experts: {', '.join(sorted(rt.moe_schemes))}"
                     + (" (dynamic per-token activations)" if "W8A8-INT8" in rt.moe_schemes else ""))
+
+
+def _fp8_layout(layout: tuple[str, str, bool]) -> str:
+    """A W8A8-FP8 layout as a recipe's `quantization:` spells it."""
+    weights, acts, dynamic = layout
+    return (f"weights: {{format: fp8_e4m3, strategy: {weights}}}, activations: {{format: fp8_e4m3, strategy: {acts}"
+            + (", dynamic: true}" if dynamic else "}"))
+
+
+def _check_moe_fp8_layout(target: RuntimeTarget, rt: Runtime, member: Scheme, config: dict) -> None:
+    """IncompatibleTargetError when the runtime's fused-MoE FP8 method does not load this W8A8-FP8 layout (weight
+    strategy x activation strategy x static/dynamic: `Runtime.moe_fp8_layouts`)."""
+    if rt.moe_fp8_layouts is None or member.name != "W8A8-FP8":
+        return
+    layout = (member.weights.strategy, member.activations.strategy, member.activations.dynamic)
+    if layout in rt.moe_fp8_layouts:
+        return
+    raise IncompatibleTargetError(
+        f"target {target.label}: {target.runtime}'s fused Mixture-of-Experts FP8 method does not load W8A8-FP8 with "
+        f"{member.weights.strategy} weights and {'dynamic' if layout[2] else 'static'} {layout[1]} activations "
+        f"(model_type {config.get('model_type')!r}; {rt.moe_fp8_layouts_source})",
+        fix=f"choose a W8A8-FP8 layout {target.runtime} loads for MoE experts: "
+            + "; or ".join(_fp8_layout(x) for x in sorted(rt.moe_fp8_layouts)))
 
 
 def check_family(target: RuntimeTarget, config: dict) -> None:

@@ -106,6 +106,26 @@ register_runtime(Vllm(
 ))
 
 # SGLang reuses vLLM-style kernels on GPU; no CPU build here.
+# FP8 W8A8 in SGLang's compressed-tensors loader (issue 45), read in sgl-project/sglang:
+# - dense Linears: compressed_tensors.py `_is_fp8_w8a8` (@000659aed4db) takes static symmetric weights per tensor or
+#   per channel (block too in newer trees, dynamic activations only) with dynamic activations of any strategy or
+#   static symmetric per-tensor ones; schemes/compressed_tensors_w8a8_fp8.py (@787a422f17d5) requantizes fused
+#   per-tensor weights to their max scale (`requantize_with_max_scale`) and keeps one static input scale, the max.
+#   Every W8A8-FP8 layout llmc writes is loaded there.
+# - fused MoE: schemes/compressed_tensors_w8a8_fp8_moe.py (@02d5e1b5edc2) CompressedTensorsW8A8Fp8MoE.__init__ takes
+#   per-tensor weights with per-tensor activations (static or dynamic) or per-channel weights with dynamic per-token
+#   activations; any other pair must be block-wise (`assert weight_quant.strategy == BLOCK`), so per-channel weights
+#   with static per-tensor activations (llmc's smollm2-fp8 layout) fail at load; process_weights_after_loading keeps
+#   ONE static input scale per layer for w13 and one for w2 (`.max()` over the experts) and requantizes each expert's
+#   per-tensor gate/up to their max: both rules of llmc.quant.runtime_scales, which llmc applies for every target.
+#   The older in-file CompressedTensorsW8A8Fp8MoEMethod (compressed_tensors_moe.py @584506b453d0) had no layout check;
+#   the first release with it was not determined, so every pinned version is held to it.
+_SGLANG_MOE_FP8_LAYOUTS = frozenset({("tensor", "tensor", False), ("tensor", "tensor", True),
+                                     ("channel", "token", True)})
+_SGLANG_MOE_FP8_SOURCE = ("sgl-project/sglang: python/sglang/srt/layers/quantization/compressed_tensors/schemes/"
+                          "compressed_tensors_w8a8_fp8_moe.py (CompressedTensorsW8A8Fp8MoE.__init__: per-tensor weights "
+                          "with per-tensor activations, or per-channel weights with dynamic per-token activations; "
+                          "read at 02d5e1b5)")
 _SGLANG_SCHEMES = "sgl-project/sglang: python/sglang/srt/layers/quantization/compressed_tensors/schemes/"
 _TGI_LAYERS = "huggingface/text-generation-inference: server/text_generation_server/layers/"
 register_runtime(Runtime(
@@ -132,6 +152,8 @@ register_runtime(Runtime(
     },
     known_versions=("0.2.0", "0.3.0", "0.4.0", "0.4.6", "0.5.0"),
     refused_families={"gpt_oss": _GPT_OSS_UNREAD, "deepseek_v32": _DSA_UNREAD},
+    moe_fp8_layouts=_SGLANG_MOE_FP8_LAYOUTS,
+    moe_fp8_layouts_source=_SGLANG_MOE_FP8_SOURCE,
 ))
 
 register_runtime(Runtime(
