@@ -92,7 +92,7 @@ def _build_until(recipe: Recipe, store: Store, last: Kind, overrides: tuple[str,
         plan.cache_writes += source_cache_note(source.folder, store.root, unpacked)
         result.plan = plan
 
-    walk = stages(recipe, plan.schemes, last, searched=result.search)
+    walk = stages(recipe, plan.schemes, last, searched=result.search, config=source.config())
     pending = pending_ids(walk, b)
     plan.mark_cached(pending, [s.id for s in walk])  # rows of cached stages say so; the totals count the rest
     log(plan.render())

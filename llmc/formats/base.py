@@ -263,6 +263,11 @@ class ArtifactFormat:
         """Raise IncompatibleTargetError when the format's exporter (or its runtime) cannot take this model's
         config.json, a family it covers: `llmc plan` asks before any weight loads, the exporter asks again."""
 
+    def check_model(self, target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
+        """Raise IncompatibleTargetError when the format cannot hold this scheme of this model (config.json) for this
+        target: for a format a runtime offers for one family only (`Runtime.family_formats`), what the model and the
+        scheme decide together. Nothing for the others (check_scheme and check_config say it)."""
+
     def check_mixed(self, scheme: Scheme) -> None:
         """IncompatibleTargetError for a mixed-precision scheme this format cannot express; else each group's scheme
         through `check_scheme`."""

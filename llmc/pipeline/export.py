@@ -40,13 +40,14 @@ def served_context(config: dict, eval_seq_len: int) -> int:
 class Export(Stage):
     share = Share.MAIN
 
-    def __init__(self, quantize: Quantize, target: Target, earlier: tuple[Export, ...] = ()) -> None:
+    def __init__(self, quantize: Quantize, target: Target, earlier: tuple[Export, ...] = (),
+                 config: dict | None = None) -> None:
         self.quantize, self.target = quantize, target  # the stage whose output it exports
         self.earlier = earlier  # the exports before this one in the build
         self.variant, self.scheme = quantize.variant, quantize.scheme
         self.label = f"{self.variant}/{target.label}" if self.variant else target.label
         self.id = StageId(Kind.EXPORT, (self.label,))
-        self.format = targets.format_for(target)
+        self.format = targets.format_for(target, config)  # config: the model's (a family's own format)
 
     def key(self, b: Build, qm: QuantizedModel, quant_key: str) -> tuple[str, dict, targets.ExportRequest]:
         """(stage key, stage config, the exporter's request)."""

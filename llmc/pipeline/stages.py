@@ -23,10 +23,12 @@ from llmc.recipe.schema import Recipe
 
 
 def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH,
-           searched: dict[str, dict] | None = None, spaces: dict[str, SearchSpace] | None = None) -> list[Stage]:
+           searched: dict[str, dict] | None = None, spaces: dict[str, SearchSpace] | None = None,
+           config: dict | None = None) -> list[Stage]:
     """The stages up to and including `last`: calibrate, quantize each variant, export it for each target,
     evaluate, tasks, gate, publish. `searched`: the variants whose mix quantization.search chose, with its record;
-    `spaces`: each searched variant's search on the model (the plan costs its measurement where none is chosen)."""
+    `spaces`: each searched variant's search on the model (the plan costs its measurement where none is chosen);
+    `config`: the model's config.json, where a target's format follows the model's family (`Runtime.family_formats`)."""
     quantizes: list[Quantize] = []
     for variant, scheme in schemes.items():  # each knows the ones before it (whose statistics it may reuse)
         quantizes.append(Quantize(variant, scheme, tuple(quantizes), (searched or {}).get(variant),
@@ -34,7 +36,7 @@ def stages(recipe: Recipe, schemes: dict[str, Scheme], last: Kind = Kind.PUBLISH
     exports: list[Export] = []
     for q in quantizes:  # each knows the ones before it (whose files, or verified inputs, it may share)
         for t in recipe.targets:
-            exports.append(Export(q, t, tuple(exports)))
+            exports.append(Export(q, t, tuple(exports), config))
     every = [Calibrate(), *quantizes, *exports, Evaluate(quantizes, exports), Tasks(exports), Gate(), Publish()]
     return [s for s in every if not s.id.kind.comes_after(last)]
 

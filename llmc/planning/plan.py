@@ -785,7 +785,10 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
         for t in recipe.targets:
             targets.check_family(t, config)
             for scheme in schemes.values():
+                targets.check_family_format(t, scheme, config)  # first: it names the loader a family's format is for
                 targets.check_moe_scheme(t, scheme, config)
+        for row, t in zip(plan.targets, [t for _ in schemes for t in recipe.targets]):
+            row["exporter"] = targets.format_for(t, config).name  # a family's own format (Runtime.family_formats)
         linears = family_quantized(config, tensors.linear_shapes())
         plan.warnings += kept_linears_note(config, tensors.linear_shapes())
         for name, q in searches.items():
@@ -1110,7 +1113,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
                           config=config, side_files=side_files, tensor_shapes=tensors.shapes)
-        for stage in stages(recipe, schemes, searched=searched, spaces=plan.search):
+        for stage in stages(recipe, schemes, searched=searched, spaces=plan.search, config=config):
             stage.cost(costing)
         for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
             reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, free)

@@ -32,7 +32,9 @@ from llmc.runtimes.registry import (
     RUNTIMES,
     accepting_runtimes,
     check_family,
+    check_family_format,
     check_moe_scheme,
+    family_format,
     format_for,
     register_runtime,
     runtime,
@@ -43,6 +45,6 @@ from llmc.runtimes.registry import (
 
 __all__ = ["FORMATS", "RUNTIMES", "ArtifactFormat", "ExportRequest", "ExportWork", "Rule", "Runtime", "WrittenTensors",
            "accepting_runtimes", "arch_at_least", "arch_rank", "arch_span", "artifact_format", "check_family",
-           "check_moe_scheme", "format_for", "formats", "import_libraries", "is_implemented", "recognize",
+           "check_family_format", "check_moe_scheme", "family_format", "format_for", "formats", "import_libraries", "is_implemented", "recognize",
            "register_format", "register_runtime", "runtime", "runtime_names", "runtimes", "scheme_keys", "target_key",
            "triton_backend"]

@@ -41,9 +41,33 @@ def runtime_names() -> tuple[str, ...]:
     return RUNTIMES.names()
 
 
-def format_for(target: RuntimeTarget) -> ArtifactFormat:
-    """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here)."""
-    return FORMATS[runtime(target.runtime).format_for(target.version)]
+def format_for(target: RuntimeTarget, config: dict | None = None) -> ArtifactFormat:
+    """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here); for
+    the model of `config` (its config.json) where given: a format its runtime reads for that family only
+    (`Runtime.family_formats`)."""
+    rt = runtime(target.runtime)
+    family = (config or {}).get("model_type")
+    return FORMATS[rt.family_formats[family] if family in rt.family_formats else rt.format_for(target.version)]
+
+
+def family_format(target: RuntimeTarget, config: dict) -> ArtifactFormat | None:
+    """The format the target's runtime reads for this model's family only (`Runtime.family_formats`), or None."""
+    rt = RUNTIMES.get(target.runtime)
+    name = rt.family_formats.get(config.get("model_type")) if rt is not None else None
+    return FORMATS[name] if name else None
+
+
+def check_family_format(target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
+    """IncompatibleTargetError when the target's runtime reads this family in a format of its own
+    (`Runtime.family_formats`) and that format cannot hold this scheme of this model (`ArtifactFormat.check_model`)."""
+    fmt = family_format(target, config)
+    if fmt is None:
+        return
+    try:
+        fmt.check_model(target, scheme, config)
+    except IncompatibleTargetError as e:
+        message = e.message if e.message.startswith(f"target {target.label}") else f"target {target.label}: {e.message}"
+        raise IncompatibleTargetError(message, fix=e.fix) from None
 
 
 def triton_backend(target: RuntimeTarget) -> str:
@@ -115,6 +139,9 @@ def check_family(target: RuntimeTarget, config: dict) -> None:
     (config.json's model_type), naming the runtimes whose formats do."""
     family = config.get("model_type")
     fmt = format_for(target)
+    own = family_format(target, config)
+    if own is not None:  # the runtime reads this family in a format of its own: that format decides (check_model)
+        return own.check_config(config)
     # a runtime's own reason for refusing the family first: it names where that was read
     why = RUNTIMES[target.runtime].refused_families.get(family) if target.runtime in RUNTIMES else None
     if why:

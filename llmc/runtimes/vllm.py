@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmc.formats.compressed_tensors import CompressedTensors, vllm_load_rounding
+from llmc.formats.gpt_oss_mxfp4 import GptOssMxfp4
 from llmc.runtimes.base import Rule, Runtime
 from llmc.runtimes.registry import register_runtime
 
@@ -96,6 +97,11 @@ register_runtime(Vllm(
     known_versions=("0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.10.2", "0.11.0", "0.12.0",
                     "0.20.0", "0.32.0"),
     refused_families={"gpt_oss": _GPT_OSS_VLLM},
+    # ... but gpt-oss as OpenAI ships it (experts MXFP4 in fused 3-D tensors, quant_method mxfp4) is what that loader
+    # reads (GptOssModel._load_weights_mxfp4, gpt_oss.py at a6b6cfa): llmc writes it where the MXFP4 original's expert
+    # codes pass through and nothing else is quantized (llmc.formats.gpt_oss_mxfp4.check_pass_through; sm80+, no CPU:
+    # Mxfp4Config.get_min_capability, vllm/model_executor/layers/quantization/mxfp4.py at afdb4a4)
+    family_formats={"gpt_oss": GptOssMxfp4.name},
     # CompressedTensorsMoEMethod.get_moe_method dispatches MXFP4, MXFP8, WNA16 (int4/int8 pack-quantized), NVFP4
     # (W4A4 and A16), FP8 W8A8 (tensor, channel, block), INT8 W8A8 with dynamic per-token activations only, W4A8-FP8;
     # anything else (FP8 weight-only, static INT8 activations) raises "Unsupported FusedMoe scheme" at load
