@@ -333,6 +333,16 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._decoded or (name in self._where and name not in self._hidden)
 
+    def stored_like(self, name: str) -> torch.Tensor | None:
+        """A meta tensor of the dtype and shape `name` is stored in (read as it is stored: not decoded), None for a
+        decoded tensor or a dtype torch lacks."""
+        from safetensors import torch as st  # lazy: as the module's other safetensors readers
+
+        if name in self._decoded or name not in self._where:
+            return None
+        dtype = st._TYPES.get(self._header[name][0])
+        return torch.empty(self._header[name][1], dtype=dtype, device="meta") if dtype is not None else None
+
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
 

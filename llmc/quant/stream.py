@@ -62,7 +62,7 @@ from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
 from llmc.quant.shared_stats import SharedStats
 from llmc.quant.groups import resolve as resolve_groups
 from llmc.quant.spec import Scheme
-from llmc.storage.store import atomic_save_safetensors, atomic_write_json
+from llmc.storage.store import atomic_save_safetensors, atomic_save_safetensors_streamed, atomic_write_json
 
 CALIBRATION_BATCH_SIZE = 4  # windows per calibration forward
 
@@ -652,11 +652,20 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
                 dtype: torch.dtype, layers_prefix: str, n_layers: int, modules: dict, kv_names: list[str],
                 extra_meta: dict) -> None:
     """The weights outside the decoder layers, the tokenizer files and the canonical form's metadata."""
-    rest = reader.get_many([n for n in reader.names() if not n.startswith(layers_prefix + ".")])
+    names = [n for n in reader.names() if not n.startswith(layers_prefix + ".")]
+
     # quantization never touches these (read again from the source): kept in the source's dtype where it is no
     # wider than the compute dtype, so no float32 copy of a bf16 vocabulary is made or written
-    rest = {n: (t.to(kept_dtype(t.dtype, dtype)) if t.is_floating_point() else t) for n, t in rest.items()}
-    atomic_save_safetensors(out / "rest.safetensors", rest)
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t.to(kept_dtype(t.dtype, dtype)) if t.is_floating_point() else t
+
+    like = {n: reader.stored_like(n) for n in names}
+    if all(t is not None for t in like.values()):  # read one at a time as written: the embedding and head never
+        # together (with the mapped pages of the one being read, they were the build's peak at a large vocabulary)
+        atomic_save_safetensors_streamed(out / "rest.safetensors", {n: kept(t) for n, t in like.items()},
+                                         lambda n: kept(reader.get_many([n])[n]))
+    else:  # a decoded tensor among them: its dtype and shape are known once decoded
+        atomic_save_safetensors(out / "rest.safetensors", {n: kept(t) for n, t in reader.get_many(names).items()})
     for f in TOKENIZER_FILES:
         path = source_file(source.folder, f, "tokenizer file")  # never a link leaving the folder (exit 7)
         if f != INDEX_FILE and path.is_file():  # the source's shard index names none of these files

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,19 +78,23 @@ def _library_order(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [n for n in json.loads(empty[8:8 + length]) if n != "__metadata__"]
 
 
-def supported(tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether `write_safetensors` can write these: host tensors of dtypes safetensors names, on a little-endian
-    host with O_DIRECT."""
+def supported(tensors: dict[str, torch.Tensor], loaded: bool = False) -> bool:
+    """Whether `write_safetensors` can write these: host tensors (or, `loaded`, meta tensors standing for what a
+    loader reads) of dtypes safetensors names, on a little-endian host with O_DIRECT."""
     if not hasattr(os, "O_DIRECT") or sys.byteorder != "little":
         return False
     names = _dtype_names()
-    return all(t.device.type == "cpu" and t.dtype in names and not t.is_sparse for t in tensors.values())
+    return all(t.device.type == ("meta" if loaded else "cpu") and t.dtype in names and not t.is_sparse
+               for t in tensors.values())
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str | None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      load: Callable[[str], torch.Tensor] | None = None) -> str | None:
     """Write `tensors` to `path` as safetensors with O_DIRECT, made durable (fsync); the file's sha256, or None when
-    the filesystem or the tensors do not allow it (nothing written then). The caller renames the file into place."""
-    if not supported(tensors):
+    the filesystem or the tensors do not allow it (nothing written then). The caller renames the file into place.
+    With `load`, `tensors` are meta tensors of the file's dtypes and shapes and `load(name)` reads each as its bytes
+    are written: one tensor in memory at a time (`streamed_pieces`)."""
+    if not supported(tensors, loaded=load is not None):
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
@@ -98,7 +103,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             return None
         raise
     try:
-        return _write(fd, path, tensors, metadata)
+        return _write(fd, path, tensors, metadata, load)
     except OSError as e:
         if e.errno != errno.EINVAL or os.lseek(fd, 0, os.SEEK_CUR) > 0:
             raise
@@ -110,7 +115,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         os.close(fd)
 
 
-def _write(fd: int, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> str:
+def _write(fd: int, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
+           load: Callable[[str], torch.Tensor] | None) -> str:
     head, order = header(tensors, metadata)
     digest = hashlib.sha256()
     view = _bounce_buffer()
@@ -124,7 +130,7 @@ def _write(fd: int, path: Path, tensors: dict[str, torch.Tensor], metadata: dict
                 raise OSError(f"short direct write to {path} ({n} of {length - written} bytes)")
             written += n
 
-    for piece in _pieces(head, [tensors[n] for n in order]):
+    for piece in streamed_pieces(head, order, load or tensors.__getitem__):
         while piece:
             take = min(len(piece), CHUNK_BYTES - filled)
             view[filled:filled + take] = piece[:take]
@@ -135,6 +141,7 @@ def _write(fd: int, path: Path, tensors: dict[str, torch.Tensor], metadata: dict
                 flush(filled)
                 total += filled
                 filled = 0
+        piece = None  # the tensor's bytes: freed before the next tensor is read (streamed_pieces)
     if filled:
         digest.update(view[:filled])
         padded = filled + (-filled % ALIGNMENT)
@@ -153,15 +160,20 @@ def _bounce_buffer() -> memoryview:
     return _bounce.view
 
 
-def _pieces(head: bytes, tensors: list[torch.Tensor]):
-    """The file's bytes in order, as memoryviews: the header, then each tensor's data."""
+def streamed_pieces(head: bytes, order: list[str], load: Callable[[str], torch.Tensor]) -> Iterator[memoryview]:
+    """The file's bytes in order, as memoryviews: the header, then each tensor's data, `load(name)` called as it is
+    reached and its tensor dropped before the next one's call (a caller that lets go of each piece before asking for
+    the next holds one tensor at a time)."""
     import torch  # lazy: the store imports this module and stays torch-free until a big write
 
     yield memoryview(head)
-    for t in tensors:
+    for name in order:
+        t = load(name)
         if t.numel():
             data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             yield memoryview(data).cast("B")
+            del data
+        del t
 
 
 def held_bytes(largest_file: float) -> int:

@@ -192,3 +192,33 @@ def test_a_filesystem_refusing_o_direct_is_hashed_through_the_page_cache(tmp_pat
     monkeypatch.setattr(os, "open", refuse_direct)
     assert direct_io.sha256_around_cache(path) is None
     assert store.sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_streamed_file_is_the_same_bytes_and_holds_one_tensor_at_a_time(tmp_path: Path, monkeypatch,
+                                                                          direct: bool) -> None:
+    """atomic_save_safetensors_streamed (the canonical form's rest.safetensors: a large vocabulary's embedding and
+    head) reads each tensor as its bytes are written: the file is the library's bytes, and every tensor the loader
+    handed out before is freed when it is asked for the next one."""
+    import weakref
+
+    from llmc.storage.store import atomic_save_safetensors_streamed
+
+    monkeypatch.setattr(direct_io, "DIRECT_MIN_BYTES", 0 if direct else 1 << 40)
+    monkeypatch.setattr(direct_io, "CHUNK_BYTES", direct_io.ALIGNMENT * 2)  # tensors cross bounce buffers
+    tensors = mixed_tensors()
+    handed: list[weakref.ref] = []
+
+    def load(name: str) -> torch.Tensor:
+        assert all(r() is None for r in handed), "an earlier tensor is still held"
+        t = tensors[name].clone()
+        handed.append(weakref.ref(t))
+        return t
+
+    like = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+    atomic_save_safetensors_streamed(tmp_path / "rest.safetensors", like, load, {"format": "pt"})
+    written = (tmp_path / "rest.safetensors").read_bytes()
+    assert written == save(tensors, metadata={"format": "pt"})
+    assert len(handed) == len(tensors)
+    assert direct_io.written_digest((tmp_path / "rest.safetensors").stat()) == hashlib.sha256(written).hexdigest()
+    assert not list(tmp_path.glob(".*.tmp"))
