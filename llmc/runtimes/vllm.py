@@ -36,8 +36,9 @@ _DSA_UNREAD = ("its DeepSeek-V3.2 sparse-attention indexer was not checked again
 # takes per-tensor weights with per-tensor activations (static or dynamic) or per-channel weights with per-token
 # activations, dynamic only (static: ValueError "we require either per tensor or channelwise, dynamic per token");
 # any other pair must be block-wise (`assert weight_quant.strategy == BLOCK`), so per-channel weights with static
-# per-tensor activations fail at load. The older in-file method (compressed_tensors_moe.py @003a1930) is the same
-# class; earlier trees took per-tensor only. The first release with each form was not determined, so every pinned
+# per-tensor activations fail at load. Before the split the class lived in compressed_tensors_moe.py (its dispatcher,
+# get_moe_method @003a1930, sends every FP8 W8A8 pair to it); an older form, read in a vendor fork's copy, took
+# per-tensor weights and activations only. The first release with each form was not determined, so every pinned
 # version is held to the current set (older ones may refuse channel + dynamic token too). Block-wise FP8 is the
 # W8A8-FP8-BLOCK scheme, not checked here.
 _VLLM_MOE_FP8_LAYOUTS = frozenset({("tensor", "tensor", False), ("tensor", "tensor", True),
