@@ -32,6 +32,24 @@ _DSA_UNREAD = ("its DeepSeek-V3.2 sparse-attention indexer was not checked again
                "indexer wk / weights_proj are unquantized in `ignore` (llmc refuses unread)")
 
 
+# FP8 W8A8 in vLLM's compressed-tensors fused MoE (issue 45), read in vllm-project/vllm:
+# compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py (@045d7575) CompressedTensorsW8A8Fp8MoEMethod.__init__
+# takes per-tensor weights with per-tensor activations (static or dynamic) or per-channel weights with per-token
+# activations, dynamic only (static: ValueError "we require either per tensor or channelwise, dynamic per token");
+# any other pair must be block-wise (`assert weight_quant.strategy == BLOCK`), so per-channel weights with static
+# per-tensor activations fail at load. Before the split the class lived in compressed_tensors_moe.py (its dispatcher,
+# get_moe_method @003a1930, sends every FP8 W8A8 pair to it); an older form, read in a vendor fork's copy, took
+# per-tensor weights and activations only. The first release with each form was not determined, so every pinned
+# version is held to the current set (older ones may refuse channel + dynamic token too). Block-wise FP8 is the
+# W8A8-FP8-BLOCK scheme, not checked here.
+_VLLM_MOE_FP8_LAYOUTS = frozenset({("tensor", "tensor", False), ("tensor", "tensor", True),
+                                   ("channel", "token", True)})
+_VLLM_MOE_FP8_SOURCE = ("vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/"
+                        "compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py (CompressedTensorsW8A8Fp8MoEMethod."
+                        "__init__: per-tensor weights with per-tensor activations, or per-channel weights with dynamic "
+                        "per-token activations; read at 045d7575)")
+
+
 class Vllm(Runtime):
     def plan_warnings(self, scheme) -> list[str]:
         rounding = vllm_load_rounding(scheme)
@@ -109,6 +127,8 @@ register_runtime(Vllm(
                            "W4A4-NVFP4", "W4A16-NVFP4", "W4A16-MXFP4", "W8A8-MXFP8"}),
     moe_schemes_source="vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/"
                        "compressed_tensors_moe/compressed_tensors_moe.py (CompressedTensorsMoEMethod.get_moe_method)",
+    moe_fp8_layouts=_VLLM_MOE_FP8_LAYOUTS,
+    moe_fp8_layouts_source=_VLLM_MOE_FP8_SOURCE,
 ))
 
 # SGLang reuses vLLM-style kernels on GPU; no CPU build here.

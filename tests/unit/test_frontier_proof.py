@@ -107,6 +107,8 @@ _MIXED_UNLOADABLE = "automatic conversion of the weights"
 
 FP8_W8A8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
             "activations": {"format": "fp8_e4m3", "strategy": "tensor"}}
+# MoE rows: per-tensor weights, as vLLM's fused MoE refuses per-channel weights with static activations (issue 45)
+FP8_W8A8_MOE = {**FP8_W8A8, "weights": {"format": "fp8_e4m3", "strategy": "tensor"}}
 W4A16_GPTQ = {"weights": {"format": "int4", "strategy": "group", "group_size": 32}, "algorithm": "gptq"}
 # the mixed-precision recipes' group syntax (recipes/qwen3-30b-a3b-mixed-nvfp4.yaml): roles from the family's table
 NVFP4_EXPERTS = {"algorithm": "rtn", "groups": [
@@ -116,7 +118,7 @@ NVFP4_EXPERTS = {"algorithm": "rtn", "groups": [
 
 
 def _variants(row: Row) -> dict[str, dict]:
-    return {"fp8": FP8_W8A8, "w4a16": W4A16_GPTQ, **({"nvfp4-experts": NVFP4_EXPERTS} if row.moe else {})}
+    return {"fp8": FP8_W8A8_MOE if row.moe else FP8_W8A8, "w4a16": W4A16_GPTQ, **({"nvfp4-experts": NVFP4_EXPERTS} if row.moe else {})}
 
 
 _MODELS: dict[str, Path] = {}

@@ -524,8 +524,9 @@ def test_llmc_build_fp8_and_w4a16_gptq_of_the_newer_moe_families(name: str, tmp_
     folder = make_tiny(name, tmp_path / "model")
     recipe = parse_recipe(yaml.safe_dump({
         "name": "moe", "model": {"source": str(folder)},
+        # per-tensor weights: vLLM's fused MoE refuses per-channel weights with static activations (issue 45)
         "variants": [{"name": "fp8", "quantization": {
-                          "weights": {"format": "fp8_e4m3", "strategy": "channel"},
+                          "weights": {"format": "fp8_e4m3", "strategy": "tensor"},
                           "activations": {"format": "fp8_e4m3", "strategy": "tensor"},
                           "kv_cache": {"format": "fp8_e4m3"}}},
                      {"name": "w4a16", "quantization": {
