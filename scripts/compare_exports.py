@@ -253,7 +253,7 @@ def prepare(recipes: list[Path], model: str, work: Path) -> list[Path]:
                 sys.exit(f"{path}: no tiny stand-in for model.source {source!r}; add it to TINY (or a model.config)")
             r["model"]["source"] = str(models[key])
             r["calibration"] = {**r.get("calibration", {}), "samples": 4, "seq_len": 64}
-            budget = (r["quantization"].get("search") or {}).get("budget") or {}
+            budget = ((r.get("quantization") or {}).get("search") or {}).get("budget") or {}
             if "bytes" in budget:  # the same share of the stand-in's Linears as of the shipped model's
                 budget["effective_bits"] = budget_as_effective_bits(source, budget.pop("bytes"))
             if r["calibration"].get("device") == "cuda":  # no GPU here: calibrated on the CPU (same code path)

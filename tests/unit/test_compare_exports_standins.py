@@ -104,3 +104,13 @@ def test_a_bytes_budget_becomes_the_same_share_of_the_stand_in(tmp_path: Path) -
     (recipe,) = ce.prepare([REPO / "recipes" / "smollm2-search-nvfp4.yaml"], "tiny", tmp_path)
     budget = yaml.safe_load(recipe.read_text())["quantization"]["search"]["budget"]
     assert "bytes" not in budget and budget["effective_bits"] == pytest.approx(7.15, abs=0.005)
+
+
+def test_a_recipe_without_a_quantization_section_is_prepared(tmp_path: Path) -> None:
+    """Variant recipes (smollm2-variants: `variants:` instead of `quantization:`) get a stand-in like the rest: the
+    bytes-budget rewrite once read `quantization` unconditionally and stopped the whole comparison."""
+    ce = _script()
+    (recipe,) = ce.prepare([REPO / "recipes" / "smollm2-variants.yaml"], "tiny", tmp_path)
+    r = yaml.safe_load(recipe.read_text())
+    assert "quantization" not in r and r["variants"]
+    assert Path(r["model"]["source"]).is_dir() and r["calibration"]["samples"] == 4
