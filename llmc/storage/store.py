@@ -110,8 +110,6 @@ def atomic_save_safetensors_streamed(path: Path, like: dict, load, metadata: dic
     """`atomic_save_safetensors` of tensors read one at a time as their bytes are written: `like` holds meta tensors
     of their dtypes and shapes, `load(name)` reads one (the same bytes as the whole dict written at once; one tensor
     in memory instead of all of them: a 405B's embedding and head are 4.2 GB each)."""
-    import hashlib
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with resource_errors(path.name, path.parent):

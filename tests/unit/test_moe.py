@@ -569,7 +569,7 @@ def test_data_parallel_calibration_of_a_moe_model_is_planned_per_rank_and_awq_re
         return parse_recipe(yaml.safe_dump({"name": "t", "model": {"source": str(folder)}, "quantization": quantization,
                                             "targets": [{"runtime": "vllm"}]}))
 
-    static = recipe({"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+    static = recipe({"weights": {"format": "fp8_e4m3", "strategy": "tensor"},  # a layout vLLM's fused MoE loads
                      "activations": {"format": "fp8_e4m3", "strategy": "tensor"}})
     assert make_plan(static, folder, nproc=2).distributed["nproc"] == 2
     weight_only = recipe({"weights": {"format": "int4", "strategy": "group", "group_size": 32}})
@@ -896,7 +896,7 @@ def test_llama4_plans_for_vllm_and_refuses_calibrating_every_expert(llama4: Path
     def recipe(**calibration):
         return parse_recipe(yaml.safe_dump({
             "name": "t", "model": {"source": str(llama4)}, "targets": [{"runtime": "vllm"}],
-            "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
+            "quantization": {"weights": {"format": "fp8_e4m3", "strategy": "tensor"},
                              "activations": {"format": "fp8_e4m3", "strategy": "tensor"}},
             "calibration": {"samples": 4, "seq_len": 16, **calibration}}))
 
