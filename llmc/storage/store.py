@@ -106,56 +106,16 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def atomic_save_safetensors_streamed(path: Path, like: dict, load, metadata: dict[str, str] | None = None) -> None:
-    """`atomic_save_safetensors` of tensors read one at a time as their bytes are written: `like` holds meta tensors
-    of their dtypes and shapes, `load(name)` reads one (the same bytes as the whole dict written at once; one tensor
-    in memory instead of all of them: a 405B's embedding and head are 4.2 GB each)."""
+def _atomic_safetensors(path: Path, write: Callable[[Path], str | None]) -> None:
+    """The lifecycle both safetensors writers share: `write(tmp)` writes a temp name beside `path`, made durable, and
+    returns its sha256 where it hashed it (else None); then rename, directory fsync, the file's event. A failure
+    removes the temp file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with resource_errors(path.name, path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            digest = None
-            if sum(v.numel() * v.element_size() for v in like.values()) >= direct_io.DIRECT_MIN_BYTES:
-                digest = direct_io.write_safetensors(tmp, like, metadata, load=load)
-            if digest is None:
-                head, order = direct_io.header(like, metadata)
-                hashed = hashlib.sha256()
-                with open(tmp, "wb") as f:
-                    for piece in direct_io.streamed_pieces(head, order, load):
-                        f.write(piece)
-                        hashed.update(piece)
-                        piece = None  # noqa: PLW2901 -- freed before the next tensor is read
-                    f.flush()
-                    os.fsync(f.fileno())
-                digest = hashed.hexdigest()
-            os.replace(tmp, path)
-            direct_io.remember(path, digest)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-    fsync_dir(path.parent)
-
-
-def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    """safetensors to a temp name, fsync, rename. A file of DIRECT_MIN_BYTES or more is written around the page
-    cache and hashed as it is written (llmc.storage.direct_io), where the filesystem allows it."""
-    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch; the store stays torch-free
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with resource_errors(path.name, path.parent):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tensors = {k: v.contiguous() for k, v in tensors.items()}
-            digest = None
-            if sum(v.numel() * v.element_size() for v in tensors.values()) >= direct_io.DIRECT_MIN_BYTES:
-                digest = direct_io.write_safetensors(tmp, tensors, metadata)
-            if digest is None:
-                save_file(tensors, str(tmp), metadata=metadata)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
+            digest = write(tmp)
             os.replace(tmp, path)
             if digest is not None:
                 direct_io.remember(path, digest)
@@ -165,6 +125,48 @@ def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] 
             raise
     fsync_dir(path.parent)
     events.emit(f"file:{path.name}")
+
+
+def atomic_save_safetensors_streamed(path: Path, like: dict, load, metadata: dict[str, str] | None = None) -> None:
+    """`atomic_save_safetensors` of tensors read one at a time as their bytes are written: `like` holds meta tensors
+    of their dtypes and shapes, `load(name)` reads one (the same bytes as the whole dict written at once; one tensor
+    in memory instead of all of them: a 405B's embedding and head are 4.2 GB each)."""
+    def write(tmp: Path) -> str:
+        if sum(v.numel() * v.element_size() for v in like.values()) >= direct_io.DIRECT_MIN_BYTES:
+            digest = direct_io.write_safetensors(tmp, like, metadata, load=load)
+            if digest is not None:
+                return digest
+        head, order = direct_io.header(like, metadata)
+        hashed = hashlib.sha256()
+        with open(tmp, "wb") as f:
+            for piece in direct_io.streamed_pieces(head, order, load):
+                f.write(piece)
+                hashed.update(piece)
+                piece = None  # noqa: PLW2901 -- freed before the next tensor is read
+            f.flush()
+            os.fsync(f.fileno())
+        return hashed.hexdigest()
+
+    _atomic_safetensors(path, write)
+
+
+def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """safetensors to a temp name, fsync, rename. A file of DIRECT_MIN_BYTES or more is written around the page
+    cache and hashed as it is written (llmc.storage.direct_io), where the filesystem allows it."""
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch; the store stays torch-free
+
+    def write(tmp: Path) -> str | None:
+        whole = {k: v.contiguous() for k, v in tensors.items()}
+        if sum(v.numel() * v.element_size() for v in whole.values()) >= direct_io.DIRECT_MIN_BYTES:
+            digest = direct_io.write_safetensors(tmp, whole, metadata)
+            if digest is not None:
+                return digest
+        save_file(whole, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        return None
+
+    _atomic_safetensors(path, write)
 
 
 _METERED_HASH_BYTES = 1 << 28  # files this large say how far their hashing has got (a 70B shard takes minutes)
