@@ -164,6 +164,9 @@ TIMERS = {
     "llmc.formats.onnx_genai:_builder_repack_timer": _spec_rate(3.5e6, 3.5e6),  # quantized weight elements/s
     "llmc.quant.stream_probe:_stream_timer":  # decoder layers/s
         lambda calibrated, dtype_name: (12.0 if calibrated else 17.0) * _salt(dtype_name),
+    "llmc.quant.forward_probe:_forward_timer":  # layer forwards/s at the model's widths (observed: the stream's hooks)
+        lambda widths, batch, seq_len, compute, observed: (
+            (3.5e10 if observed else 5.0e10) / (2 * batch * seq_len * widths.params) / _salt(widths, compute)),
     "llmc.model.source_formats:_decode_probe": lambda fmt: 3.0e7 * _salt(fmt),  # decoded elements/s
     "llmc.quant.mxfp4_source:_kept_codes_probe": lambda fmt: 2.0e7 * _salt(fmt),  # weights/s
 }

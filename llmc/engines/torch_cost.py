@@ -13,6 +13,7 @@ from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, f
 from llmc.planning.rows import GB, CostRow
 from llmc.planning.shapes import Shape, inputs_per_token
 from llmc.quant.canonical import module_matches
+from llmc.quant.forward_probe import measured_efficiency
 from llmc.quant.groups import by_group
 from llmc.quant.numerics import BLOCK_ELEMENTS, fake_quantize_rate
 from llmc.quant.spec import Scheme, TensorSpec
@@ -92,9 +93,15 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
                   "forward temporaries": forward}
         mapped += (shape.params - converted) * stored_elem
     scored = tokens + (0 if streamed else throughput_tokens)
-    forward = forward_seconds(2 * scored * (shape.layer_params * shape.active * shape.layers + shape.vocab * h),
+    # the decoder layers at the share of the matmul rate a layer of these widths was measured to reach on this CPU
+    # (llmc.quant.forward_probe; the constant's where none was), the output head at the constant's
+    forward = forward_seconds(2 * scored * shape.layer_params * shape.active * shape.layers,
                               2 * tokens * seq_len * shape.attn_width * shape.layers,  # causal, over each window
-                              compute=compute, device=device, width=h, rows=batch * seq_len)
+                              compute=compute, device=device, width=h, rows=batch * seq_len,
+                              efficiency=measured_efficiency(shape, batch=batch, seq_len=seq_len, compute=compute,
+                                                             device=device, observed=False))
+    forward += forward_seconds(2 * scored * shape.vocab * h, 0, compute=compute, device=device, width=h,
+                               rows=batch * seq_len)
     # the runtime's activation and KV-cache quantization, emulated in the compute dtype on every scored token (at
     # SmolLM2's widths static FP8 doubled the scoring time: benchmarks/results/planner-log.md "Accuracy under load")
     forward += sum(scored * elements / fake_quantize_rate(spec, compute, width=h, rows=batch * seq_len, device=device)
@@ -105,6 +112,10 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     if reference:
         forward += forward_seconds(2 * tokens * shape.vocab * h, 0, compute=compute, device=device, width=h,
                                    rows=chunk_rows(shape.vocab))
+    else:  # the baseline's head capture checks on its first batch that h · Wᵀ reproduces the model's logits
+        # (llmc.engines.agreement.HeadCapture._verify): one more output-head GEMM over one batch
+        forward += forward_seconds(2 * batch * seq_len * shape.vocab * h, 0, compute=compute, device=device,
+                                   width=h, rows=chunk_rows(shape.vocab))
     # reading the weights (the baseline's are the source's, which the page cache may hold; an artifact's files were
     # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
     if reference:

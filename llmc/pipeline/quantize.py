@@ -49,6 +49,8 @@ from llmc.quant.numerics import BLOCK_ELEMENTS, QUANTIZE_PROBE_ELEMENTS, quantiz
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.quant.stream_probe import layer_overhead_seconds
+from llmc.quant.forward_probe import measured_efficiency
+from llmc.formats.described import check_seconds
 from llmc.quant.canonical import META_FILE
 from llmc.quant.mxfp4_source import kept_codes_seconds
 from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, experts_streamable
@@ -218,6 +220,10 @@ class Quantize(Stage):
         row = quantize_cost(shape, loop, pipe, compute=c.compute, stored_elem=c.stored_elem, machine=c.machine)
         row.disk_bytes = sizes.canonical
         row.decision = loop
+        if c.config.get("model_type"):  # the stream's first step builds the model's meta skeleton, as an export's
+            skeleton = check_seconds(c.config)  # config check does (llmc.formats.described.model_linears)
+            row.seconds += skeleton
+            row.fixed_seconds += skeleton
         measuring = self.measurement(c)
         if measuring is not None:  # the search measures first, in the same stage walk's time and memory
             layers = shape.layers * shape.layer_share
@@ -300,14 +306,16 @@ FP8_PER_TENSOR = TensorSpec("fp8_e4m3", "tensor")
 def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
                   compute: str, code_bytes: float, device: str, width: int, seq_len: int = 0, attn_width: int = 0,
                   batch_tokens: int = 64, largest_linear: int = QUANTIZE_PROBE_ELEMENTS,
-                  weights: TensorSpec = FP8_PER_TENSOR, machine: Machine | None = None) -> dict[str, float]:
+                  weights: TensorSpec = FP8_PER_TENSOR, machine: Machine | None = None,
+                  efficiency: float | None = None) -> dict[str, float]:
     """One decoder layer of the quantize stage, part by part: read it (`stored_bytes` of the source, the share the
     page cache holds on `machine` from memory), the calibration forward
     passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
     model's `width`), the quantizer's arithmetic (its probed rate at the scheme's `weights`) and writing its codes
-    with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width."""
+    with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width. `efficiency`: the
+    forward's share of the matmul rate where it was measured at the model's widths (llmc.quant.forward_probe)."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
-                              compute=compute, device=device, width=width, rows=batch_tokens)
+                              compute=compute, device=device, width=width, rows=batch_tokens, efficiency=efficiency)
     read = source_read_seconds(stored_bytes, machine) if machine is not None else read_seconds(stored_bytes)
     return {"read": read, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
@@ -439,7 +447,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,
                             batch_tokens=batch * seq_len, largest_linear=shape.largest_linear, weights=weights,
-                            machine=machine)
+                            machine=machine,
+                            efficiency=measured_efficiency(shape, batch=batch, seq_len=seq_len, compute=compute,
+                                                           device=machine.device, observed=True)
+                            if calibrated else None)
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
     if shape.source_format is not None and shape.layer_decoded:

@@ -300,12 +300,13 @@ def forward_efficiency(dtype_name: str, device: str) -> float:
 
 
 def forward_seconds(gemm_flops: float, attention_flops: float, *, compute: str, device: str, width: int,
-                    rows: int) -> float:
+                    rows: int, efficiency: float | None = None) -> float:
     """Seconds of a forward's GEMMs (at the compute dtype's probed rate) and causal attention. On a CPU, attention
     runs at the float32 rate whatever the dtype: PyTorch's CPU attention kernel computes its blocks in float32
-    (docs/planner-constants.md#forward_efficiency)."""
+    (docs/planner-constants.md#forward_efficiency). `efficiency`: the share of those rates the forward reaches, where
+    it was measured on a layer of the model's widths (llmc.quant.forward_probe); else `forward_efficiency`'s."""
     attention_dtype = "float32" if device == "cpu" else compute
     seconds = gemm_flops / matmul_rate(compute, device, width, rows)
     if attention_flops:
         seconds += attention_flops / matmul_rate(attention_dtype, device, width, rows)
-    return seconds / forward_efficiency(compute, device)
+    return seconds / (efficiency or forward_efficiency(compute, device))

@@ -436,6 +436,7 @@ class Shape:
     # the decoder layers' parameters over the largest layer's times their count: below 1 where layers differ (a
     # DeepSeek's dense first layers beside its MoE ones); each layer's time is priced by its size
     layer_share: float = 1.0
+    kv_heads: int = 0  # key/value heads (0: as many as the query heads)
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:
@@ -466,4 +467,5 @@ class Shape:
                    layer_stored_bytes=layer_read[0], layer_decoded=layer_read[1],
                    source_format=tensors.source_format,
                    routed_params=routed, expert_params=routed // max(expert_count(config), 1),
-                   layer_share=sum(per_layer.values()) / (largest * len(per_layer)) if largest else 1.0)
+                   layer_share=sum(per_layer.values()) / (largest * len(per_layer)) if largest else 1.0,
+                   kv_heads=config.get("num_key_value_heads") or heads)

@@ -15,7 +15,7 @@ from llmc.formats import described, files, onnx_genai, onnx_qdq
 from llmc.planning import disk, machine, probes
 from llmc.planning.plan import make_plan
 from llmc.planning.rows import CostRow
-from llmc.quant import numerics, stream_probe
+from llmc.quant import forward_probe, numerics, stream_probe
 from llmc.recipe.load import parse_recipe
 
 FP8 = {"weights": {"format": "fp8_e4m3", "strategy": "channel"},
@@ -37,12 +37,13 @@ def own_rates(monkeypatch):
 def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e8), fake_quantize=(2e8,),
                hashing=(1.5e9,), stream_layers=(50.0,), writing=(1e9,), disk_write=(0.3e9,),
                disk_read=(1.4e9,), skeleton=(10.0,), graph=(0.2,), scoring=(2e8,), insert=(3e7,),
-               builder=(0.1,), repack=(1e6,), cached_read=(4e9,), resident: float = 0.0) -> dict:
+               builder=(0.1,), repack=(1e6,), cached_read=(4e9,), layer_forward=(20.0,),
+               resident: float = 0.0) -> dict:
     """Probes whose runs return these rates in turn (counted, not timed), and the share of the source the page cache
     holds (`resident`: the tests' tiny models were just written, so the kernel holds them all)."""
     calls = {"matmul": 0, "quantize": 0, "fake_quantize": 0, "hash": 0, "stream_layers": 0, "write": 0,
              "disk write": 0, "disk read": 0, "skeleton": 0, "graph": 0, "scoring": 0, "insert": 0, "builder": 0,
-             "gptq repack": 0, "builder repack": 0, "cached read": 0}
+             "gptq repack": 0, "builder repack": 0, "cached read": 0, "layer forward": 0}
 
     def timer(kind, rates):
         def make(*_args):
@@ -57,6 +58,7 @@ def pin_probes(monkeypatch, matmul=(8e9, 10e9, 12e9), quantize=(0.8e8, 1e8, 1.2e
     monkeypatch.setattr(numerics, "_fake_quantize_timer", timer("fake_quantize", fake_quantize))
     monkeypatch.setattr(machine, "_hash_timer", timer("hash", hashing))
     monkeypatch.setattr(stream_probe, "_stream_timer", timer("stream_layers", stream_layers))
+    monkeypatch.setattr(forward_probe, "_forward_timer", timer("layer forward", layer_forward))
     monkeypatch.setattr(machine, "_write_timer", timer("write", writing))
     disk_timers = {"write": timer("disk write", disk_write)(), "read": timer("disk read", disk_read)()}
     monkeypatch.setattr(disk, "_timer", disk_timers.__getitem__)
