@@ -28,7 +28,7 @@ from llmc.formats.base import (
 )
 from llmc.formats.base import quantization_config as hf_quantization_config  # this module's is the one it writes
 from llmc.formats.described import matches_exact_or_re
-from llmc.formats.files import SERVE_FILE, copy_tokenizer_files, write_shards
+from llmc.formats.files import write_model_files, write_shards
 from llmc.formats.microscaling_export import COMPRESSED_TENSORS_FORMATS, compressed_tensors_scheme
 from llmc.formats.registry import register_format
 from llmc.errors import IncompatibleTargetError
@@ -38,7 +38,6 @@ from llmc.quant.numerics import block_scaled
 from llmc.quant.groups import site_of
 from llmc.quant.spec import Scheme, TensorSpec
 from llmc.runtimes.registry import accepting_runtimes
-from llmc.storage.store import atomic_write_json
 
 
 def _args(spec: TensorSpec):
@@ -260,12 +259,7 @@ def export_compressed_tensors(qm: QuantizedModel, out: Path, *, serve_args: dict
         + tuple(n for n in qm.unquantized_linears if not matches_exact_or_re(n, qm.scheme.ignore))))
     config["quantization_config"] = quantization_config(qm.scheme, unquantized,
                                                         qm.modules_by_group() if qm.scheme.mixed else None)
-    config["dtype"] = qm.meta.get("dtype", "float32")
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
-    copy_tokenizer_files(qm.root, out)
-    if serve_args is not None:
-        atomic_write_json(out / SERVE_FILE, serve_args)
+    write_model_files(out, config, qm.root, serve_args, dtype=qm.meta.get("dtype", "float32"))
     return written
 
 

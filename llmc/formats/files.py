@@ -86,6 +86,19 @@ def copy_tokenizer_files(src: Path, out: Path) -> None:
             copy_tokenizer_file(f, out / f.name)  # tokenizer_config.json without an auto_map
 
 
+def write_model_files(out: Path, config: dict, source: Path, serve_args: dict | None = None, *, dtype: str) -> None:
+    """The files every Hugging Face-layout export writes beside its weights: config.json (`config`, which already
+    holds the format's `quantization_config`, with `dtype` set and the deprecated `torch_dtype` dropped so the two
+    cannot disagree), the tokenizer files of the `source` folder and, when given, the runtime arguments (SERVE_FILE).
+    `config` is changed in place."""
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    atomic_write_json(out / "config.json", config)
+    copy_tokenizer_files(source, out)
+    if serve_args is not None:
+        atomic_write_json(out / SERVE_FILE, serve_args)
+
+
 # A repacked Linear is converted a block of this many canonical elements at a time (whole output rows): the int64
 # packing and float32 decoding temporaries of a whole 70B-width MLP projection were ~2 GB each (the AWQ-layout export
 # peaked at 9.27 GB and took 144 s at 70B width, one layer).
@@ -174,12 +187,7 @@ def write_repacked_checkpoint(
     written = write_shards(out, (convert(t) for t in qm.iter_files()))
     config = dict(qm.config)
     config["quantization_config"] = quantization_config
-    config["dtype"] = dtype
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
-    copy_tokenizer_files(qm.root, out)
-    if serve is not None:
-        atomic_write_json(out / SERVE_FILE, serve)
+    write_model_files(out, config, qm.root, serve, dtype=dtype)
     return written, worst
 
 

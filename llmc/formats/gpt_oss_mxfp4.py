@@ -33,12 +33,11 @@ from llmc.errors import IncompatibleTargetError
 from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, RuntimeTarget, architectures, read_json,
                                target_key)
 from llmc.formats.base import quantization_config as hf_quantization_config
-from llmc.formats.files import SERVE_FILE, copy_tokenizer_files, write_shards
+from llmc.formats.files import write_model_files, write_shards
 from llmc.formats.registry import register_format
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.microscaling import pack_e2m1
 from llmc.quant.spec import Scheme
-from llmc.storage.store import atomic_write_json
 
 FAMILY = "gpt_oss"
 MX_BLOCK = 32  # MXFP4: one E8M0 exponent per 32 inputs, 16 bytes of codes
@@ -158,12 +157,7 @@ def export_gpt_oss_mxfp4(qm: QuantizedModel, out: Path, *, serve_args: dict | No
         raise _refuse(f"the quantized form quantizes {', '.join(others[:4])}, which are not routed experts")
     written = write_shards(out, (_fused(t, qm) for t in qm.iter_files()))
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
-    config["dtype"] = qm.meta.get("dtype", "float32")
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
-    copy_tokenizer_files(qm.root, out)
-    if serve_args is not None:
-        atomic_write_json(out / SERVE_FILE, serve_args)
+    write_model_files(out, config, qm.root, serve_args, dtype=qm.meta.get("dtype", "float32"))
     return written
 
 

@@ -65,7 +65,7 @@ from llmc.formats.base import (
     target_key,
 )
 from llmc.formats.registry import register_format
-from llmc.formats.files import copy_tokenizer_files, write_shards
+from llmc.formats.files import write_model_files, write_shards
 from llmc.formats.microscaling_export import (
     modelopt_fp8_block_tensors,
     modelopt_nvfp4_input_scale,
@@ -359,14 +359,11 @@ def export_modelopt_hf(qm: QuantizedModel, out: Path, *, tensor_parallel: int = 
     config = dict(qm.config)
     excluded = excluded_modules(qm)
     config["quantization_config"] = config_quantization(qm.scheme, algo, excluded, layers)
-    config["dtype"] = qm.meta.get("dtype", "float32")
-    config.pop("torch_dtype", None)
-    atomic_write_json(out / "config.json", config)
+    write_model_files(out, config, qm.root, dtype=qm.meta.get("dtype", "float32"))
     hq = hf_quant_config(qm.scheme, algo, excluded, layers)
     atomic_write_json(out / HF_QUANT_CONFIG, hq)
     if layers is not None:  # TensorRT-LLM's PyTorch loader reads a MIXED_PRECISION checkpoint's layers from here
         atomic_write_json(out / MIXED_QUANT_CONFIG, hq["quantization"])
-    copy_tokenizer_files(qm.root, out)
     atomic_write_text(out / LLM_API_OPTIONS, llm_api_options(qm.scheme, tensor_parallel=tensor_parallel,
                                                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens))
     return written

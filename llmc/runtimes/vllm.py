@@ -32,16 +32,14 @@ _DSA_UNREAD = ("its DeepSeek-V3.2 sparse-attention indexer was not checked again
                "indexer wk / weights_proj are unquantized in `ignore` (llmc refuses unread)")
 
 
-# FP8 W8A8 in vLLM's compressed-tensors fused MoE (issue 45), read in vllm-project/vllm:
-# compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py (@045d7575) CompressedTensorsW8A8Fp8MoEMethod.__init__
-# takes per-tensor weights with per-tensor activations (static or dynamic) or per-channel weights with per-token
-# activations, dynamic only (static: ValueError "we require either per tensor or channelwise, dynamic per token");
-# any other pair must be block-wise (`assert weight_quant.strategy == BLOCK`), so per-channel weights with static
-# per-tensor activations fail at load. Before the split the class lived in compressed_tensors_moe.py (its dispatcher,
-# get_moe_method @003a1930, sends every FP8 W8A8 pair to it); an older form, read in a vendor fork's copy, took
-# per-tensor weights and activations only. The first release with each form was not determined, so every pinned
-# version is held to the current set (older ones may refuse channel + dynamic token too). Block-wise FP8 is the
-# W8A8-FP8-BLOCK scheme, not checked here.
+# FP8 W8A8 in vLLM's compressed-tensors fused MoE (issue 45; what a layout tuple means: Runtime.moe_fp8_layouts), read
+# in vllm-project/vllm: compressed_tensors_moe/compressed_tensors_moe_w8a8_fp8.py (@045d7575)
+# CompressedTensorsW8A8Fp8MoEMethod.__init__. Per-channel weights with static activations raise ValueError ("we
+# require either per tensor or channelwise, dynamic per token"); any pair not in the set must be block-wise
+# (`assert weight_quant.strategy == BLOCK`: W8A8-FP8-BLOCK, not checked here). Before the split the class lived in
+# compressed_tensors_moe.py (its dispatcher, get_moe_method @003a1930, sends every FP8 W8A8 pair to it); an older form,
+# read in a vendor fork's copy, took per-tensor weights and activations only. The first release with each form was not
+# determined, so every pinned version is held to the current set (older ones may refuse channel + dynamic token too).
 _VLLM_MOE_FP8_LAYOUTS = frozenset({("tensor", "tensor", False), ("tensor", "tensor", True),
                                    ("channel", "token", True)})
 _VLLM_MOE_FP8_SOURCE = ("vllm-project/vllm: vllm/model_executor/layers/quantization/compressed_tensors/"
@@ -138,14 +136,13 @@ register_runtime(Vllm(
 #   static symmetric per-tensor ones; schemes/compressed_tensors_w8a8_fp8.py (@787a422f17d5) requantizes fused
 #   per-tensor weights to their max scale (`requantize_with_max_scale`) and keeps one static input scale, the max.
 #   Every W8A8-FP8 layout llmc writes is loaded there.
-# - fused MoE: schemes/compressed_tensors_w8a8_fp8_moe.py (@02d5e1b5edc2) CompressedTensorsW8A8Fp8MoE.__init__ takes
-#   per-tensor weights with per-tensor activations (static or dynamic) or per-channel weights with dynamic per-token
-#   activations; any other pair must be block-wise (`assert weight_quant.strategy == BLOCK`), so per-channel weights
-#   with static per-tensor activations (llmc's smollm2-fp8 layout) fail at load; process_weights_after_loading keeps
-#   ONE static input scale per layer for w13 and one for w2 (`.max()` over the experts) and requantizes each expert's
-#   per-tensor gate/up to their max: both rules of llmc.quant.runtime_scales, which llmc applies for every target.
+# - fused MoE: schemes/compressed_tensors_w8a8_fp8_moe.py (@02d5e1b5edc2) CompressedTensorsW8A8Fp8MoE.__init__ admits
+#   the same layouts as vLLM's (above; read separately, in SGLang's tree) and asserts block-wise for any other pair, so
+#   llmc's smollm2-fp8 layout does not load for a MoE model; process_weights_after_loading keeps ONE static input scale
+#   per layer for w13 and one for w2 (`.max()` over the experts) and requantizes each expert's per-tensor gate/up to
+#   their max: both rules of llmc.quant.runtime_scales, which llmc applies for every target.
 #   The older in-file CompressedTensorsW8A8Fp8MoEMethod (compressed_tensors_moe.py @584506b453d0) had no layout check;
-#   the first release with it was not determined, so every pinned version is held to it.
+#   the first release with the check was not determined, so every pinned version is held to it.
 _SGLANG_MOE_FP8_LAYOUTS = frozenset({("tensor", "tensor", False), ("tensor", "tensor", True),
                                      ("channel", "token", True)})
 _SGLANG_MOE_FP8_SOURCE = ("sgl-project/sglang: python/sglang/srt/layers/quantization/compressed_tensors/schemes/"
