@@ -25,7 +25,7 @@ EXPERT = re.compile(r"^(?P<block>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_pr
 
 
 def attention_linears(config: dict) -> list[str]:
-    """gpt-oss's attention Linears (the Linears besides the routed experts and the head that a scheme could quantize)."""
+    """gpt-oss's attention Linears (the Linears besides the routed experts and the head a scheme could quantize)."""
     return [f"model.layers.{i}.self_attn.{p}" for i in range(config.get("num_hidden_layers", 0))
             for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
 
@@ -59,8 +59,8 @@ def experts_by_block(tensors: dict[str, torch.Tensor],
 
 def write_artifact(qm: QuantizedModel, out: Path, fuse: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
                    quantization_config: dict, serve_args: dict | None) -> list[Path]:
-    """Write the safetensors shards (each canonical file through `fuse`, which re-fuses its layer's experts), config.json
-    with `quantization_config`, the tokenizer files and the runtime arguments."""
+    """Write the safetensors shards (each canonical file through `fuse`, which re-fuses its layer's experts),
+    config.json with `quantization_config`, the tokenizer files and the runtime arguments."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(qm.config)

@@ -82,7 +82,8 @@ LOADER = ("vLLM's gpt-oss loader reads FP8 experts only in AMD Quark's per-exper
 FIX = ("quantize gpt-oss for vllm with quantization.weights {format: fp8_e4m3, strategy: tensor} and activations "
        "{format: fp8_e4m3, strategy: tensor} (static or dynamic: true), or weights strategy channel with activations "
        "{format: fp8_e4m3, strategy: token, dynamic: true}; no kv_cache; lm_head in ignore; attention quantized with "
-       "the same scheme (not dynamic per-tensor) or all in ignore ('re:.*self_attn.*')")
+       "the same scheme (not dynamic per-tensor) or all in ignore ('re:.*self_attn.*'); "
+       "for any other scheme use llama.cpp")
 
 
 def _refuse(what: str) -> IncompatibleTargetError:

@@ -41,7 +41,8 @@ def runtime_names() -> tuple[str, ...]:
     return RUNTIMES.names()
 
 
-def format_for(target: RuntimeTarget, config: dict | None = None, scheme: Scheme | None = None) -> ArtifactFormat:
+def format_for(target: RuntimeTarget, config: dict | None = None,
+               scheme: Scheme | None = None) -> ArtifactFormat:
     """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here); for
     the model of `config` (its config.json) where given: a format its runtime reads for that family only
     (`Runtime.family_formats`; of several, the one `family_format` picks for `scheme`)."""
@@ -72,7 +73,7 @@ def family_format(target: RuntimeTarget, config: dict, scheme: Scheme | None = N
 def check_family_format(target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
     """IncompatibleTargetError when the target's runtime reads this family in formats of its own
     (`Runtime.family_formats`) and none can hold this scheme of this model: no format's `check_scheme` takes the
-    scheme (the error names each format's way), or the one that does refuses the model (`ArtifactFormat.check_model`)."""
+    scheme (the error names each format's refusal and way), or the one that does refuses the model (`ArtifactFormat.check_model`)."""
     formats = _family_formats(target, config)
     if not formats:
         return
@@ -82,11 +83,19 @@ def check_family_format(target: RuntimeTarget, scheme: Scheme, config: dict) -> 
             try:
                 f.check_scheme(scheme)
             except IncompatibleTargetError as e:
+                try:  # the model-aware check names more (the source, the Linears) where it refuses too
+                    f.check_model(target, scheme, config)
+                except IncompatibleTargetError as specific:
+                    e = specific
                 errors.append((f.name, e))
+        fixes = [e.fix or "" for _, e in errors]
+        last = {f.rpartition("; ")[2] for f in fixes}  # a way out every format names (another runtime): said once
+        tail = last.pop() if len(last) == 1 and all("; " in f for f in fixes) else ""
         raise IncompatibleTargetError(
             f"target {target.label}: {target.runtime} reads model_type {config.get('model_type')!r} only as "
             + " or ".join(n for n, _ in errors) + "; " + "; ".join(f"{n}: {e.message}" for n, e in errors),
-            fix=" Or: ".join(f"for {n}: {e.fix}" for n, e in errors))
+            fix="; or ".join(f"for {n}: {f.rpartition('; ')[0] if tail else f}" for (n, _), f in zip(errors, fixes))
+                + (f"; {tail}" if tail else ""))
     fmt = family_format(target, config, scheme)
     try:
         fmt.check_model(target, scheme, config)
