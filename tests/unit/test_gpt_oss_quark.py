@@ -117,22 +117,29 @@ def _vllm_param(name: str) -> tuple[str, int | None]:
     return ".".join(parts), int(ids[-1])
 
 
-def test_the_files_hold_the_names_shapes_and_dtypes_vllms_quark_loader_reads(gpt_oss: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantization", [STATIC, DYNAMIC], ids=["tensor-static", "channel-token-dynamic"])
+def test_the_files_hold_the_names_shapes_and_dtypes_vllms_quark_loader_reads(gpt_oss: Path, tmp_path: Path,
+                                                                             quantization: dict) -> None:
     """Every expert tensor maps to a slot of QuarkW8A8Fp8MoEMethod's parameters for gpt_oss (quark_moe.py at 004b19d:
-    w13_weight [E, 2I, H] fp8, w13_weight_scale [E, 1], w2_weight [E, H, I], w2_weight_scale [E], input scales [E],
-    w13_bias [E, 2I], w2_bias [E, H]) with the shape of that expert's slice; no per-expert gate_proj / up_proj
-    remain; config.json's quantization_config is one global FP8 scheme QuarkConfig matches."""
+    w13_weight [E, 2I, H] fp8; per-tensor w13_weight_scale [E, 1] and w2_weight_scale [E], per-channel [E, 2I] and
+    [E, H]; static input scales [E]; w13_bias [E, 2I], w2_bias [E, H]) with the shape of that expert's slice (an
+    input scale 0-dim: the loader copies it into a 0-dim slot); no per-expert gate_proj / up_proj remain;
+    config.json's quantization_config is one global FP8 scheme QuarkConfig matches, the unquantized Linears in
+    `exclude`."""
     from llmc.formats.gpt_oss_quark import GptOssQuarkFp8, export_gpt_oss_quark
 
-    qm = _quantized(gpt_oss, STATIC, tmp_path / "q")
+    static = quantization is STATIC
+    qm = _quantized(gpt_oss, quantization, tmp_path / "q")
     export_gpt_oss_quark(qm, tmp_path / "export")
     assert GptOssQuarkFp8().recognizes(tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     E, H, I = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
-    slots = {"w13_weight": ((2 * I, H), torch.float8_e4m3fn), "w13_weight_scale": ((), torch.float32),
-             "w13_input_scale": ((), torch.float32), "w13_bias": ((2 * I,), None),
-             "w2_weight": ((H, I), torch.float8_e4m3fn), "w2_weight_scale": ((), torch.float32),
-             "w2_input_scale": ((), torch.float32), "w2_bias": ((H,), None)}
+    slots = {"w13_weight": ((2 * I, H), torch.float8_e4m3fn), "w13_weight_scale": ((() if static else (2 * I,)),
+                                                                                torch.float32),
+             "w13_bias": ((2 * I,), None), "w2_weight": ((H, I), torch.float8_e4m3fn),
+             "w2_weight_scale": ((() if static else (H,)), torch.float32), "w2_bias": ((H,), None)}
+    if static:
+        slots.update({"w13_input_scale": ((), torch.float32), "w2_input_scale": ((), torch.float32)})
     written = {k: v for f in (tmp_path / "export").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     seen: dict[tuple[str, int], set[str]] = {}
     for name, t in written.items():
@@ -145,11 +152,13 @@ def test_the_files_hold_the_names_shapes_and_dtypes_vllms_quark_loader_reads(gpt
         seen.setdefault((param.rsplit(".", 1)[0], expert), set()).add(slot)
     assert len(seen) == config["num_hidden_layers"] * E and all(s == set(slots) for s in seen.values())
     assert not [n for n in written if n.endswith((".gate_proj.weight", ".up_proj.weight", "gate_up_proj_blocks"))]
-    # attention FP8 (QuarkW8A8Fp8: per-tensor weight_scale and input_scale per shard), router / sinks / head float
+    # attention FP8 (QuarkW8A8Fp8: per-tensor weight_scale and input_scale per shard) or float; router / sinks / head
+    # float
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        assert written[f"model.layers.1.self_attn.{p}.weight"].dtype == torch.float8_e4m3fn
-        assert written[f"model.layers.1.self_attn.{p}.weight_scale"].shape == ()
-        assert written[f"model.layers.1.self_attn.{p}.input_scale"].shape == ()
+        a = f"model.layers.1.self_attn.{p}"
+        assert written[f"{a}.weight"].dtype == (torch.float8_e4m3fn if static else torch.float32)
+        assert [tuple(written[f"{a}.{k}"].shape) for k in ("weight_scale", "input_scale") if f"{a}.{k}" in written] \
+            == ([(), ()] if static else [])
     assert written["model.layers.0.mlp.router.weight"].dtype == torch.float32
     assert "model.layers.0.self_attn.sinks" in written
     q = config["quantization_config"]
@@ -157,10 +166,13 @@ def test_the_files_hold_the_names_shapes_and_dtypes_vllms_quark_loader_reads(gpt
     # QuarkConfig._is_fp8_w8a8 (quark.py at 006bce4), written out: fp8 weights static per-tensor / per-channel,
     # fp8 inputs, static ones per-tensor; QuarkW8A8Fp8MoEMethod: per-tensor weights with per-tensor inputs
     assert q["quant_method"] == "quark" and w["dtype"] == a["dtype"] == "fp8_e4m3" and not w["is_dynamic"]
-    assert w["qscheme"] == a["qscheme"] == "per_tensor" and not a["is_dynamic"]
+    assert (w["qscheme"], a["qscheme"], a["is_dynamic"]) == (("per_tensor", "per_tensor", False) if static else
+                                                              ("per_channel", "per_channel", True))
     assert q["export"]["kv_cache_group"] == [] and q["layer_quant_config"] == {} and q["layer_type_quant_config"] == {}
     assert {"lm_head", "model.layers.0.mlp.router"} <= set(q["exclude"])
-    assert not [n for n in q["exclude"] if "self_attn" in n]  # attention quantized
+    # attention: quantized, or every Linear named exactly (the checkpoint names; vLLM maps .self_attn. to .attn.)
+    attention = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert {n for n in q["exclude"] if "self_attn" in n} == (set() if static else attention)
 
 
 # --------------------------------------------------------------------------- decoded, it computes llmc's logits
