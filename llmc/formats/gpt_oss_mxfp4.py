@@ -24,7 +24,6 @@ quantized."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -33,13 +32,13 @@ from llmc.errors import IncompatibleTargetError
 from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, RuntimeTarget, architectures, read_json,
                                target_key)
 from llmc.formats.base import quantization_config as hf_quantization_config
-from llmc.formats.files import write_model_files, write_shards
+from llmc.formats.gpt_oss_layout import (EXPERT, FAMILY, attention_linears, experts_by_block, interleave,
+                                         vllm_serve_args, write_artifact)
 from llmc.formats.registry import register_format
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.microscaling import pack_e2m1
 from llmc.quant.spec import Scheme
 
-FAMILY = "gpt_oss"
 MX_BLOCK = 32  # MXFP4: one E8M0 exponent per 32 inputs, 16 bytes of codes
 # OpenAI's config.json for gpt-oss-20b / -120b (vLLM's Mxfp4Config.from_config ignores it; transformers reads it)
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
@@ -48,7 +47,6 @@ MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router
 MIN_ARCH = "sm80"
 MIN_ARCH_SOURCE = ("vllm-project/vllm: vllm/model_executor/layers/quantization/mxfp4.py (Mxfp4Config."
                    "get_min_capability: 80; get_mxfp4_backend: Marlin below sm90, none on CPU), read at afdb4a4")
-_EXPERT = re.compile(r"^(?P<block>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 # why anything else is refused: compressed-tensors' per-expert names are what llmc writes otherwise, and vLLM's
 # gpt-oss loader skips them (llmc.runtimes.vllm._GPT_OSS_VLLM says where that was read)
 LOADER = ("vLLM's gpt-oss loader reads its experts only as fused 3-D tensors (GptOssModel._load_weights_mxfp4 / "
@@ -61,12 +59,6 @@ FIX = ("build from gpt-oss's MXFP4 original (quantization_config.quant_method mx
 
 def _refuse(what: str) -> IncompatibleTargetError:
     return IncompatibleTargetError(f"{LOADER}; {what}", fix=FIX)
-
-
-def attention_linears(config: dict) -> list[str]:
-    """gpt-oss's attention Linears (the Linears besides the routed experts and the head that a scheme could quantize)."""
-    return [f"model.layers.{i}.self_attn.{p}" for i in range(config.get("num_hidden_layers", 0))
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
 
 
 def check_pass_through(scheme: Scheme, config: dict, source_method: str | None) -> None:
@@ -97,18 +89,9 @@ def check_pass_through(scheme: Scheme, config: dict, source_method: str | None) 
 
 def _fused(tensors: dict[str, torch.Tensor], qm: QuantizedModel) -> dict[str, torch.Tensor]:
     """One canonical file's tensors with its layers' per-expert MXFP4 Linears re-fused into OpenAI's tensors."""
-    experts: dict[str, dict[int, dict[str, str]]] = {}
-    for key in tensors:
-        module, _, _ = key.rpartition(".")
-        m = _EXPERT.match(module)
-        if m:
-            experts.setdefault(m["block"], {}).setdefault(int(m["e"]), {})[m["proj"]] = module
     out = dict(tensors)
-    for block, by_expert in experts.items():
+    for block, by_expert in experts_by_block(tensors, _refuse).items():
         n = len(by_expert)
-        if sorted(by_expert) != list(range(n)) or any(len(p) != 3 for p in by_expert.values()):
-            raise _refuse(f"{block} holds experts {sorted(by_expert)} with projections "
-                          f"{sorted({k for p in by_expert.values() for k in p})}, not gate/up/down of 0..{n - 1}")
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("gu_codes", "gu_scales", "gu_bias", "d_codes",
                                                                   "d_scales", "d_bias")}
         for e in range(n):
@@ -121,9 +104,9 @@ def _fused(tensors: dict[str, torch.Tensor], qm: QuantizedModel) -> dict[str, to
                                   "quantized form")
             gate, up, down = (names[p] for p in ("gate_proj", "up_proj", "down_proj"))
             # rows interleaved as the original held them: row 2i gate i, row 2i + 1 up i (stack, then flatten)
-            parts["gu_codes"].append(_interleave(out.pop(f"{gate}.weight"), out.pop(f"{up}.weight")))
-            parts["gu_scales"].append(_interleave(out.pop(f"{gate}.weight_scale"), out.pop(f"{up}.weight_scale")))
-            parts["gu_bias"].append(_interleave(out.pop(f"{gate}.bias"), out.pop(f"{up}.bias")))
+            parts["gu_codes"].append(interleave(out.pop(f"{gate}.weight"), out.pop(f"{up}.weight")))
+            parts["gu_scales"].append(interleave(out.pop(f"{gate}.weight_scale"), out.pop(f"{up}.weight_scale")))
+            parts["gu_bias"].append(interleave(out.pop(f"{gate}.bias"), out.pop(f"{up}.bias")))
             parts["d_codes"].append(out.pop(f"{down}.weight"))
             parts["d_scales"].append(out.pop(f"{down}.weight_scale"))
             parts["d_bias"].append(out.pop(f"{down}.bias"))
@@ -137,38 +120,18 @@ def _fused(tensors: dict[str, torch.Tensor], qm: QuantizedModel) -> dict[str, to
     return out
 
 
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[rows, ...] gate and up -> [2 rows, ...] with gate's row i at 2i and up's at 2i + 1 (the inverse of the
-    stream's even / odd split)."""
-    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:]).contiguous()
-
-
 def export_gpt_oss_mxfp4(qm: QuantizedModel, out: Path, *, serve_args: dict | None = None) -> list[Path]:
     """Write config.json (OpenAI's quantization_config), the safetensors shards in OpenAI's layout, the tokenizer
     files and the runtime arguments."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = dict(qm.config)
+    config = qm.config
     # the canonical form's config is the decoded model's; its record names the source format it was decoded from
     decoded_from = str((qm.meta.get("source") or {}).get("decoded_from") or "")
     check_pass_through(qm.scheme, config, "mxfp4" if decoded_from.startswith("MXFP4") else decoded_from or None)
-    others = [n for n in qm.quantized_modules if not _EXPERT.match(n)]
+    others = [n for n in qm.quantized_modules if not EXPERT.match(n)]
     if others:  # the plan refused such a scheme; a canonical form that still has them is not this format's
         raise _refuse(f"the quantized form quantizes {', '.join(others[:4])}, which are not routed experts")
-    written = write_shards(out, (_fused(t, qm) for t in qm.iter_files()))
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
-    write_model_files(out, config, qm.root, serve_args, dtype=qm.meta.get("dtype", "float32"))
-    return written
-
-
-def vllm_serve_args(qm: QuantizedModel, *, tensor_parallel: int, max_model_len: int | None) -> dict:
-    """The arguments `vllm serve` needs for this artifact: vLLM reads `quant_method: mxfp4` from config.json."""
-    dtype = qm.meta.get("dtype", "float32")
-    args = {"dtype": "auto" if dtype == "float32" else dtype, "tensor_parallel_size": tensor_parallel}
-    if max_model_len:
-        args["max_model_len"] = max_model_len
-    return {"vllm": args, "command": "vllm serve <artifact> " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in args.items())}
+    return write_artifact(qm, out, lambda t: _fused(t, qm),
+                          {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}, serve_args)
 
 
 @register_format

@@ -47,7 +47,7 @@ class Export(Stage):
         self.variant, self.scheme = quantize.variant, quantize.scheme
         self.label = f"{self.variant}/{target.label}" if self.variant else target.label
         self.id = StageId(Kind.EXPORT, (self.label,))
-        self.format = targets.format_for(target, config)  # config: the model's (a family's own format)
+        self.format = targets.format_for(target, config, self.scheme)  # config: the model's (a family's own format)
 
     def key(self, b: Build, qm: QuantizedModel, quant_key: str) -> tuple[str, dict, targets.ExportRequest]:
         """(stage key, stage config, the exporter's request)."""

@@ -787,8 +787,8 @@ def make_plan(recipe: Recipe, model_folder: Path | None = None, cache_dir: Path 
             for scheme in schemes.values():
                 targets.check_family_format(t, scheme, config)  # first: it names the loader a family's format is for
                 targets.check_moe_scheme(t, scheme, config)
-        for row, t in zip(plan.targets, [t for _ in schemes for t in recipe.targets]):
-            row["exporter"] = targets.format_for(t, config).name  # a family's own format (Runtime.family_formats)
+        for row, (s, t) in zip(plan.targets, [(s, t) for s in schemes.values() for t in recipe.targets]):
+            row["exporter"] = targets.format_for(t, config, s).name  # a family's own format (Runtime.family_formats)
         linears = family_quantized(config, tensors.linear_shapes())
         plan.warnings += kept_linears_note(config, tensors.linear_shapes())
         for name, q in searches.items():

@@ -79,10 +79,11 @@ class Runtime:
     # dynamic), and where that was read (None: every layout its rules admit); `registry.check_moe_scheme` refuses others
     moe_fp8_layouts: frozenset[tuple[str, str, bool]] | None = None
     moe_fp8_layouts_source: str = ""
-    # model_type -> the artifact format this runtime reads for that family instead of `format` (gpt-oss: OpenAI's
-    # own MXFP4 layout, llmc.formats.gpt_oss_mxfp4); that format's `check_model` decides which schemes it takes, in
-    # place of `refused_families`, which still says why `format`'s artifact of the family is not read
-    family_formats: dict[str, str] = field(default_factory=dict)
+    # model_type -> the artifact formats this runtime reads for that family instead of `format`, in the order they are
+    # tried (gpt-oss: OpenAI's own MXFP4 layout, llmc.formats.gpt_oss_mxfp4, then Quark's FP8 one,
+    # llmc.formats.gpt_oss_quark): a scheme gets the first whose `check_scheme` takes it, whose `check_model` then
+    # decides, in place of `refused_families`, which still says why `format`'s artifact of the family is not read
+    family_formats: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def format_for(self, version: str | None) -> str:
         """The artifact format a target pinned to `version` (a PEP 440 range, or None) gets."""

@@ -41,28 +41,62 @@ def runtime_names() -> tuple[str, ...]:
     return RUNTIMES.names()
 
 
-def format_for(target: RuntimeTarget, config: dict | None = None) -> ArtifactFormat:
+def format_for(target: RuntimeTarget, config: dict | None = None,
+               scheme: Scheme | None = None) -> ArtifactFormat:
     """The format a recipe target gets (UnknownName, a KeyError, when its runtime's format has no exporter here); for
     the model of `config` (its config.json) where given: a format its runtime reads for that family only
-    (`Runtime.family_formats`)."""
-    rt = runtime(target.runtime)
-    family = (config or {}).get("model_type")
-    return FORMATS[rt.family_formats[family] if family in rt.family_formats else rt.format_for(target.version)]
+    (`Runtime.family_formats`; of several, the one `family_format` picks for `scheme`)."""
+    own = family_format(target, config or {}, scheme)
+    return own if own is not None else FORMATS[runtime(target.runtime).format_for(target.version)]
 
 
-def family_format(target: RuntimeTarget, config: dict) -> ArtifactFormat | None:
-    """The format the target's runtime reads for this model's family only (`Runtime.family_formats`), or None."""
+def _family_formats(target: RuntimeTarget, config: dict) -> list[ArtifactFormat]:
     rt = RUNTIMES.get(target.runtime)
-    name = rt.family_formats.get(config.get("model_type")) if rt is not None else None
-    return FORMATS[name] if name else None
+    return [FORMATS[n] for n in (rt.family_formats.get(config.get("model_type"), ()) if rt is not None else ())]
+
+
+def _takes(fmt: ArtifactFormat, scheme: Scheme) -> bool:
+    try:
+        fmt.check_scheme(scheme)
+    except IncompatibleTargetError:
+        return False
+    return True
+
+
+def family_format(target: RuntimeTarget, config: dict, scheme: Scheme | None = None) -> ArtifactFormat | None:
+    """The format the target's runtime reads for this model's family only (`Runtime.family_formats`), or None: of
+    several, the first whose `check_scheme` takes `scheme` (the first where none does, or without a scheme)."""
+    formats = _family_formats(target, config)
+    return next((f for f in formats if scheme is not None and _takes(f, scheme)), formats[0] if formats else None)
 
 
 def check_family_format(target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
-    """IncompatibleTargetError when the target's runtime reads this family in a format of its own
-    (`Runtime.family_formats`) and that format cannot hold this scheme of this model (`ArtifactFormat.check_model`)."""
-    fmt = family_format(target, config)
-    if fmt is None:
+    """IncompatibleTargetError when the target's runtime reads this family in formats of its own
+    (`Runtime.family_formats`) and none can hold this scheme of this model: no format's `check_scheme` takes the
+    scheme (the error names each format's refusal and way), or the one that does refuses the model (`ArtifactFormat.check_model`)."""
+    formats = _family_formats(target, config)
+    if not formats:
         return
+    if len(formats) > 1 and not any(_takes(f, scheme) for f in formats):
+        errors = []
+        for f in formats:
+            try:
+                f.check_scheme(scheme)
+            except IncompatibleTargetError as e:
+                try:  # the model-aware check names more (the source, the Linears) where it refuses too
+                    f.check_model(target, scheme, config)
+                except IncompatibleTargetError as specific:
+                    e = specific
+                errors.append((f.name, e))
+        fixes = [e.fix or "" for _, e in errors]
+        last = {f.rpartition("; ")[2] for f in fixes}  # a way out every format names (another runtime): said once
+        tail = last.pop() if len(last) == 1 and all("; " in f for f in fixes) else ""
+        raise IncompatibleTargetError(
+            f"target {target.label}: {target.runtime} reads model_type {config.get('model_type')!r} only as "
+            + " or ".join(n for n, _ in errors) + "; " + "; ".join(f"{n}: {e.message}" for n, e in errors),
+            fix="; or ".join(f"for {n}: {f.rpartition('; ')[0] if tail else f}" for (n, _), f in zip(errors, fixes))
+                + (f"; {tail}" if tail else ""))
+    fmt = family_format(target, config, scheme)
     try:
         fmt.check_model(target, scheme, config)
     except IncompatibleTargetError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llmc.formats.compressed_tensors import CompressedTensors, vllm_load_rounding
 from llmc.formats.gpt_oss_mxfp4 import GptOssMxfp4
+from llmc.formats.gpt_oss_quark import GptOssQuarkFp8
 from llmc.runtimes.base import Rule, Runtime
 from llmc.runtimes.registry import register_runtime
 
@@ -117,7 +118,10 @@ register_runtime(Vllm(
     # reads (GptOssModel._load_weights_mxfp4, gpt_oss.py at a6b6cfa): llmc writes it where the MXFP4 original's expert
     # codes pass through and nothing else is quantized (llmc.formats.gpt_oss_mxfp4.check_pass_through; sm80+, no CPU:
     # Mxfp4Config.get_min_capability, vllm/model_executor/layers/quantization/mxfp4.py at afdb4a4)
-    family_formats={"gpt_oss": GptOssMxfp4.name},
+    # ... and gpt-oss with FP8 W8A8 experts in AMD Quark's per-expert fused layout (quant_method quark:
+    # GptOssModel._load_weights_quark; QuarkW8A8Fp8MoEMethod, quark/quark_moe.py at 004b19d): per-tensor weights with
+    # per-tensor activations or per-channel weights with dynamic per-token ones, sm89+ (llmc.formats.gpt_oss_quark)
+    family_formats={"gpt_oss": (GptOssMxfp4.name, GptOssQuarkFp8.name)},
     # CompressedTensorsMoEMethod.get_moe_method dispatches MXFP4, MXFP8, WNA16 (int4/int8 pack-quantized), NVFP4
     # (W4A4 and A16), FP8 W8A8 (tensor, channel, block), INT8 W8A8 with dynamic per-token activations only, W4A8-FP8;
     # anything else (FP8 weight-only, static INT8 activations) raises "Unsupported FusedMoe scheme" at load

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCALE_RECIPES = ["llama70b-fp8", "llama31-8b-int4-awq", "llama31-8b-w8a8-sq", "qwen3-8b-fp8", "qwen3-30b-a3b-fp8",
                  "mixtral-8x7b-int4", "llama405b-fp8-plan", "llama31-8b-mixed-nvfp4", "qwen3-30b-a3b-mixed-nvfp4",
                  "qwen3-next-80b-fp8", "llama4-scout-w4a16", "glm45-fp8", "deepseek-r1-nvfp4", "kimi-k2-nvfp4",
-                 "deepseek-v3-fp8-block-vllm", "gpt-oss-20b-q8-llamacpp", "gpt-oss-120b-mxfp4-vllm"]
+                 "deepseek-v3-fp8-block-vllm", "gpt-oss-20b-q8-llamacpp", "gpt-oss-120b-mxfp4-vllm",
+                 "gpt-oss-120b-fp8-vllm"]
 # parameters of the published checkpoints (their model.safetensors.index.json total_size / 2 bytes)
 PUBLISHED = {"Llama-3.1-8B": 8_030_261_248, "Llama-3.3-70B-Instruct": 70_553_706_496,
              "Llama-3.1-405B-Instruct": 405_853_388_800, "Qwen3-8B": 8_190_735_360,
@@ -122,8 +123,10 @@ def test_llmc_plan_runs_offline_on_each_shipped_hub_recipe(name: str, rates_stor
     # its wall time is measured in benchmarks/results/planner-log.md, not asserted
     plan = plan_recipe(recipe, rates_store, path)
     if expert_count(config) > 1:  # MoE (Qwen3-30B-A3B, Mixtral): planned now that experts are quantized (issue 21);
-        # gpt-oss for llama.cpp: its experts merged into GGUF's 3-D tensors; for vLLM: OpenAI's MXFP4 layout
-        assert all(t["exporter"] in ("compressed-tensors", "gguf", "gpt-oss-mxfp4") for t in plan.targets)
+        # gpt-oss for llama.cpp: its experts merged into GGUF's 3-D tensors; for vLLM: OpenAI's MXFP4 layout, or FP8
+        # in AMD Quark's per-expert one
+        assert all(t["exporter"] in ("compressed-tensors", "gguf", "gpt-oss-mxfp4", "gpt-oss-quark-fp8")
+                   for t in plan.targets)
     rows = plan.rows
     assert [r for r in rows if r.id.kind is Kind.QUANTIZE]
     assert sum(r.id.kind is Kind.EXPORT for r in rows) == len(recipe.targets)
