@@ -260,7 +260,7 @@ def passed_through_rate() -> float:
     (llmc.planning.probes), on one gate/up/down group of KEPT_PROBE_SHAPE."""
     from llmc.planning import probes  # lazy: only a plan that costs it
 
-    return probes.rate("mxfp4 source codes passed through", _passed_through_probe)
+    return probes.rate("mxfp4 source codes passed through", lambda: _passed_through_probe())
 
 
 def _passed_through_probe() -> float:
