@@ -257,27 +257,41 @@ def passed_through_seconds(params: int) -> float:
 
 def passed_through_rate() -> float:
     """Weights per second `pass_through_layer_codes` copies (unpacks) once read, probed once per machine and cached
-    (llmc.planning.probes), on one gate/up/down group of KEPT_PROBE_SHAPE."""
+    (llmc.planning.probes), on one gpt-oss expert at PASSED_THROUGH_PROBE_WIDTH viewed as the stream views it."""
     from llmc.planning import probes  # lazy: only a plan that costs it
 
-    return probes.rate("mxfp4 source codes passed through", lambda: _passed_through_probe())
+    return probes.rate(f"mxfp4 source codes passed through {PASSED_THROUGH_PROBE_WIDTH}",
+                       lambda: _passed_through_probe())
+
+
+# gpt-oss's expert width (hidden = intermediate = 2880 in -20b and -120b), viewed as the stream views it: in one run
+# on the shared 2-core Xeon (2026-12-03 14:30 UTC, load ~4) a 1024 x 512-byte Linear unpacked at 32-38 M weights/s,
+# gpt-oss's 2880 x 1440 at 237-244 M/s, back to back, so the probe runs at the experts' own width
+PASSED_THROUGH_PROBE_WIDTH = 2880
 
 
 def _passed_through_probe() -> float:
+    from llmc.model.families import LAYOUTS
     from llmc.planning.probes import sustained_rate  # lazy: as above
-    from llmc.quant.microscaling import pack_e2m1
 
-    rows, cols = KEPT_PROBE_SHAPE
+    width = PASSED_THROUGH_PROBE_WIDTH
     g = torch.Generator().manual_seed(0)
-    stored = [(pack_e2m1(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)),
-               torch.randint(112, 126, (rows, cols // MXFP4.block_size), generator=g, dtype=torch.uint8))
-              for _ in ("gate_proj", "up_proj", "down_proj")]
+    blocks = width // MXFP4.block_size
+    # one expert as the checkpoint stores it ([1, out, blocks, 16] codes, [1, out, blocks] exponents), split as
+    # SourceExpertCodes splits it
+    gate_up, down = (torch.randint(0, 256, (1, rows, blocks, 16), generator=g, dtype=torch.uint8)
+                     for rows in (2 * width, width))
+    gate_up_e, down_e = (torch.randint(112, 126, (1, rows, blocks), generator=g, dtype=torch.uint8)
+                         for rows in (2 * width, width))
+    layout = replace(LAYOUTS["gpt_oss"], bias=False)
+    (packed,) = split_experts(layout, _decoded_layout(gate_up), _decoded_layout(down), None, None)
+    (scales,) = split_experts(layout, _decoded_layout(gate_up_e), _decoded_layout(down_e), None, None)
 
     def copy() -> None:  # what pass_through_layer_codes does per Linear once its slices are read
-        for packed, exponents in stored:
-            QuantizedWeight(codes=unpack_e2m1(packed), scale=exponents.clone(), zero_point=None)
+        for k in ("gate.weight", "up.weight", "down.weight"):
+            QuantizedWeight(codes=unpack_e2m1(packed[k]), scale=scales[k].clone(), zero_point=None)
 
-    return sustained_rate(len(stored) * rows * cols, copy)
+    return sustained_rate(3 * width * width, copy)
 
 
 def kept_codes_seconds(source_format: object, weights: TensorSpec, params: int) -> float:
