@@ -10,6 +10,9 @@ NVFP4 gpt-oss experts; the quantize stage is what is measured).
 
     PYTHONPATH=. nice -n 10 python benchmarks/gptoss_full_width.py --work /tmp/i46-gptoss-fw --layers 1
 
+`--recipe` quantizes with another recipe instead, e.g. recipes/gpt-oss-120b-mxfp4-vllm.yaml (the experts' MXFP4 codes
+passed through for vLLM; issue 44: its plan against its stream).
+
 Prints one JSON line (benchmarks/_moe_full_width.py): the plan's quantize row for this checkpoint (made on this
 machine just before), what the stage measured (VmHWM and peak RssAnon sampled every 0.5 s, seconds per layer, the
 canonical output on disk, the load average) and measured / planned - 1. Random codes: every byte (two E2M1 codes);
@@ -38,9 +41,10 @@ WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
 FUSED = ("experts.gate_up_proj", "experts.down_proj")
 
 
-def checked_config(layers: int, experts: int | None) -> tuple[dict, dict]:
-    """recipes/configs/gpt-oss-120b/config.json with `layers` decoder layers (and `experts`), and the widths it
-    shares with transformers' GptOssConfig() (a mismatch stops the run)."""
+def checked_config(layers: int, experts: int | None, vocab: int | None = None) -> tuple[dict, dict]:
+    """recipes/configs/gpt-oss-120b/config.json with `layers` decoder layers (and `experts`, and a `vocab` that
+    shrinks the embeddings and head outside the layers only), and the widths it shares with transformers'
+    GptOssConfig() (a mismatch stops the run)."""
     from transformers import GptOssConfig
 
     config = json.loads((ROOT / "recipes" / "configs" / "gpt-oss-120b" / "config.json").read_text())
@@ -52,6 +56,8 @@ def checked_config(layers: int, experts: int | None) -> tuple[dict, dict]:
     config["num_hidden_layers"] = layers
     if experts is not None:  # fewer experts, every width kept
         config["num_local_experts"] = experts
+    if vocab is not None:  # a smaller vocabulary: the decoder layers keep every width
+        config["vocab_size"] = widths["vocab_size"] = vocab
     return config, widths
 
 
@@ -99,9 +105,14 @@ if __name__ == "__main__":
     ap = parser(__doc__)
     ap.add_argument("--layers", type=int, default=1, help="decoder layers (36 in gpt-oss-120b)")
     ap.add_argument("--experts", type=int, default=None, help="experts per layer (default gpt-oss-120b's 128)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default gpt-oss-120b's 201,088; a "
+                    "smaller one shrinks only the embeddings and head: the layers keep their widths, on less disk)")
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe whose quantize stage runs (default: "
+                    "benchmarks/recipes/gpt-oss-120b-nvfp4.yaml)")
     args = ap.parse_args()
-    config, widths = checked_config(args.layers, args.experts)
+    config, widths = checked_config(args.layers, args.experts, args.vocab)
     main(args, lambda ckpt, tok: write_checkpoint(ckpt, config, tok),
-         ["--recipe", str(RECIPE), "--lift-refusal", "vllm:gpt_oss"],
-         {"model": "gpt-oss-120b", "layers": args.layers, "experts": config["num_local_experts"],
-          "widths": widths})
+         # vLLM's refusal of per-expert NVFP4 gpt-oss lifted for the default recipe only (the pass-through plans as is)
+         ["--recipe", str(args.recipe), *(["--lift-refusal", "vllm:gpt_oss"] if args.recipe.resolve() == RECIPE.resolve() else [])],
+         {"model": "gpt-oss-120b", "recipe": str(args.recipe.resolve().relative_to(ROOT)), "layers": args.layers,
+          "experts": config["num_local_experts"], "widths": widths})

@@ -169,6 +169,7 @@ TIMERS = {
             (3.5e10 if observed else 5.0e10) / (2 * batch * seq_len * widths.params) / _salt(widths, compute)),
     "llmc.model.source_formats:_decode_probe": lambda fmt: 3.0e7 * _salt(fmt),  # decoded elements/s
     "llmc.quant.mxfp4_source:_kept_codes_probe": lambda fmt: 2.0e7 * _salt(fmt),  # weights/s
+    "llmc.quant.mxfp4_source:_passed_through_probe": lambda: 3.0e8,  # weights/s
 }
 RATE_CALLS = ("rate", "measured")  # llmc.planning.probes' functions that time a probe
 

@@ -232,7 +232,8 @@ def statement(fmt: SourceFormat, dtype: str) -> str:
     """What the plan (and the build's report) says about a decoded source."""
     rounding = "" if dtype == "float32" else f", rounded once to {dtype}"
     if fmt.name == "mxfp4":
-        kept = (" (experts whose target is MXFP4 keep the source's codes; an NVFP4 target gets them cast with the "
+        kept = (" (experts whose target is MXFP4 keep the source's codes, copied as stored, never decoded, where no "
+                "forward pass runs; an NVFP4 target gets them cast with the "
                 "codes kept, exactly wherever a block's exponent lies within 17 of its expert's largest: "
                 "llmc.quant.mxfp4_source)")
     elif fmt.name.startswith("fp8"):

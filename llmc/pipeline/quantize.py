@@ -52,7 +52,7 @@ from llmc.quant.stream_probe import layer_overhead_seconds
 from llmc.quant.forward_probe import measured_efficiency
 from llmc.formats.described import check_seconds
 from llmc.quant.canonical import META_FILE
-from llmc.quant.mxfp4_source import kept_codes_seconds
+from llmc.quant.mxfp4_source import kept_codes_seconds, passed_through_seconds, source_codes_fact
 from llmc.quant.loop_plan import LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop, experts_streamable
 from llmc.quant.search import BF16, MeasurementCost, SearchSpace, measurement_cost
 from llmc.quant.stream import Calibration, CALIBRATION_BATCH_SIZE, measurement_facts, quantize_model, StreamOptions
@@ -136,7 +136,9 @@ class Quantize(Stage):
                           resume_every_s=cal.resume_every_s, ranks=distributed.size(),
                           layer_bytes=shape.layer_params * c.elem,
                           experts_streamable=shape.active < 1 and experts_streamable(c.config),
-                          stream_experts=cal.stream_experts)
+                          stream_experts=cal.stream_experts,
+                          source_codes=source_codes_fact(getattr(shape.source_format, "name", None), self.scheme,
+                                                         c.linears, shape.layers, c.config.get("model_type")))
         return facts
 
     def _statistics_recorded(self, c: Costing) -> bool:
@@ -366,6 +368,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     by_expert = loop.expert_stream and shape.routed_params > 0
     layer_less_experts = layer - shape.routed_params if by_expert else layer
     held = layer_less_experts + shape.expert_params if by_expert else layer
+    # the experts' stored codes copied (llmc.quant.loop_plan.decide_experts_kept): never read as weights, decoded or
+    # quantized; the layer holds its other weights and everyone's codes
+    copied = loop.facts.source_codes if loop.experts_kept else None
+    unread = copied.expert_params if copied is not None else 0
     act = (2 * batch * seq_len * h * e if spill else copy if resident else 2 * copy) if calibrated else 0
     forward = batch * seq_len * (4 * h + 3 * shape.intermediate) * e
     if not on_gpu:  # the CPU's attention materializes its scores; a GPU's SDPA (flash, memory-efficient) does not
@@ -383,11 +389,12 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     parts = {
         "process": PROCESS_BYTES,
         "outer weights": skeleton_params * e if skeleton else 0.0,
-        "layer": held * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
+        "layer": (held - unread) * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
         "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
-                                           else min(shape.largest_linear, BLOCK_ELEMENTS)),
+                                           else min(shape.largest_linear, BLOCK_ELEMENTS))
+        if copied is None or copied.other_quantized_params else 0.0,
         "layer codes": held * code_bytes,
         "activations": act,
         # expert by expert: each MoE block's inputs and routing, and its summed outputs, kept for every batch
@@ -408,7 +415,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
     # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
     parts["previous layer being written"], parts["next layer read ahead"] = overlap_bytes(
-        shape.layers, layer_less_experts * code_bytes, layer_less_experts * stored_elem)
+        shape.layers, layer_less_experts * code_bytes, (layer_less_experts - unread) * stored_elem)
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
     # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
@@ -453,7 +460,18 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                             if calibrated else None)
     # On a GPU the layer's read and its file's write run on host threads while the GPU computes (llmc.quant.overlap):
     # the slower of the two. On a CPU the writer shares the cores and the memory bandwidth with the compute.
-    if shape.source_format is not None and shape.layer_decoded:
+    if copied is not None:
+        # the experts' stored codes and scales read (`read`), unpacked and written (`write`): no decode, and the
+        # quantizer only for the layer's other quantized Linears (llmc.quant.mxfp4_source.pass_through_layer_codes)
+        if copied.other_quantized_params:
+            parts_s["quantize"] = copied.other_quantized_params / quantize_rate(
+                weights, compute, elements=shape.largest_linear, device=machine.device)
+        else:
+            del parts_s["quantize"]
+        if shape.source_format is not None and shape.layer_decoded > unread:
+            parts_s["decode"] = (shape.layer_decoded - unread) / decode_rate(shape.source_format)
+        parts_s["mxfp4 codes copied"] = passed_through_seconds(unread)
+    elif shape.source_format is not None and shape.layer_decoded:
         parts_s["decode"] = shape.layer_decoded / decode_rate(shape.source_format)
         # an MXFP4 original's expert codes checked, unpacked and cast (or passed through) after the quantizer's
         # own pass (llmc.quant.mxfp4_source.keep_layer_codes)
@@ -472,8 +490,9 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     io = (parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
           + parts_s.get("expert spill", 0.0))
     if on_gpu:
-        per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s["quantize"])
-        per_layer += parts_s.get("mxfp4 codes kept", 0.0)  # on the host, after the layer's quantization
+        per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s.get("quantize", 0.0))
+        # on the host, after the layer's quantization
+        per_layer += parts_s.get("mxfp4 codes kept", 0.0) + parts_s.get("mxfp4 codes copied", 0.0)
     else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
         per_layer = sum(parts_s.values()) + layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
@@ -524,4 +543,5 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # deepseek_full_width.md: a dense first layer priced as the MoE one put the stage at +83% to +102%)
     layers = shape.layers * shape.layer_share
     return CostRow("quantize", machine.device, host, gpu, 0.0, per_layer * layers + fixed, strategy, why, parts,
-                   mapped_bytes=held * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed)
+                   mapped_bytes=held * stored_elem, layer_seconds=per_layer, fixed_seconds=fixed,
+                   layer_parts=parts_s)

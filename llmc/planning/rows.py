@@ -34,6 +34,9 @@ class CostRow:
     mapped_bytes: float = 0.0
     layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
     fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
+    # the quantize stage's layer_seconds part by part (read, decode, forward, quantize, write, ...: what the layer loop
+    # does per layer as its decision says), before the per-layer sums that make layer_seconds
+    layer_parts: dict[str, float] = field(default_factory=dict)
     # what `seconds` may turn out to be: at the probes' fastest and slowest runs, widened by the cost model's measured
     # error (llmc.planning.machine.time_range); the plan fills it in after its walk
     seconds_range: tuple[float, float] | None = None
@@ -69,4 +72,5 @@ class CostRow:
                 "layer_seconds": self.layer_seconds, "fixed_seconds": self.fixed_seconds,
                 "seconds_low": self.seconds_low, "seconds_high": self.seconds_high,
                 **({"decision": self.decision.as_dict()} if self.decision is not None else {}),
+                **({"layer_parts_s": dict(self.layer_parts)} if self.layer_parts else {}),
                 **({"cached": True} if self.cached else {}), **({"skipped": True} if self.skipped else {})}

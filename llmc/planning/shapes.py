@@ -123,8 +123,9 @@ def from_headers(folder: Path) -> ModelTensors:
     decoded_names = frozenset(decoded) if fmt is not None else frozenset()
     if any(n.endswith(".experts.gate_up_proj") for n in shapes):
         shapes, stored = _experts_per_expert(folder, shapes, stored)
+        # (MXFP4 encodes the experts' weights; their biases are stored bf16 and read as they are)
         decoded_names = frozenset(n for n in shapes if n in decoded_names or ".experts." in n and fmt is not None
-                                  and fmt.name == "mxfp4")
+                                  and fmt.name == "mxfp4" and not n.endswith(".bias"))
     return ModelTensors(shapes, stored, source_format=fmt, decoded=decoded_names, files=files)
 
 

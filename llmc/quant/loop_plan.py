@@ -35,6 +35,17 @@ SNAPSHOT_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
+class SourceCodes:
+    """A quantized original whose routed experts all target its own stored format (gpt-oss's MXFP4 experts to
+    `weights: mxfp4` groups of 32: llmc.quant.mxfp4_source.source_codes_fact): their codes and scales could be copied
+    as stored. Sizes of the largest decoder layer, for the cost of what the loop then does."""
+
+    format: str  # the source's format (llmc.model.source_formats: "mxfp4")
+    expert_params: int  # the routed experts' weights whose codes would be copied
+    other_quantized_params: int  # the layer's other weights the quantizer still rounds (attention, where not ignored)
+
+
+@dataclass(frozen=True)
 class LoopFacts:
     """What the layer loop's decision is made from: the calibration's shape, the model's, the machine's snapshot."""
 
@@ -61,6 +72,8 @@ class LoopFacts:
     layer_bytes: int = 0
     experts_streamable: bool = False
     stream_experts: ExpertMode = "auto"
+    # a quantized original whose routed experts all target its own stored format (None: any other source or target)
+    source_codes: SourceCodes | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -76,7 +89,7 @@ class LoopFacts:
                 changes.append(f"{name.replace('_', ' ')} {_gb(then)} at plan time, {_gb(now)} now")
         for name in ("calibrates", "windows", "seq_len", "masked", "batch_size", "spill_mode", "moe", "device",
                      "shared_stats", "shared_covered", "resume_every_s", "hidden", "elem", "ranks",
-                     "experts_streamable", "stream_experts"):
+                     "experts_streamable", "stream_experts", "source_codes"):
             if getattr(self, name) != getattr(planned, name):
                 changes.append(f"{name.replace('_', ' ')} {getattr(planned, name)} planned, {getattr(self, name)} now")
         return changes
@@ -112,6 +125,9 @@ class LayerLoopPlan:
     # a Mixture-of-Experts layer's routed experts read, calibrated, quantized and written one at a time
     # (llmc.quant.expert_stream), the router run once: the layer never whole in memory
     expert_stream: bool = False
+    # the routed experts' stored codes and scales copied into the output as they are (an MXFP4 original to MXFP4
+    # g32, no forward pass): never decoded, never quantized (llmc.quant.mxfp4_source.pass_through_layer_codes)
+    experts_kept: bool = False
 
     @property
     def runs_forwards(self) -> bool:
@@ -129,7 +145,9 @@ class LayerLoopPlan:
         return {"flow": self.flow, "activations": self.activations, "one_forward": self.one_forward,
                 "shared_statistics": self.shared, "traces_structure": self.traces_structure,
                 "batch_size": self.batch_size, "resume_every_s": self.resume_every_s, "device": self.device,
-                **({"experts": "one at a time"} if self.expert_stream else {})}
+                **({"experts": "one at a time"} if self.expert_stream else {}),
+                **({"experts_codes": f"{self.facts.source_codes.format} passed through"}
+                   if self.experts_kept else {})}
 
     def describe(self) -> str:
         return "; ".join(self.why)
@@ -188,9 +206,25 @@ def decide_layer_loop(pipeline: AlgorithmSteps, facts: LoopFacts) -> LayerLoopPl
         why.append(f"a resume point every {resume:.0f} s (the next layer's inputs saved)")
     traces = calibrates and (bool(pipeline.transforms) or pipeline.true_sequential)
     expert_stream = decide_expert_stream(pipeline, facts, flow, why)
+    experts_kept = decide_experts_kept(pipeline, facts, flow, expert_stream, why)
     return LayerLoopPlan(flow=flow, activations=placement, one_forward=one_forward, shared=shared,
                          traces_structure=traces, batch_size=facts.batch_size, resume_every_s=resume,
-                         device=facts.device, why=tuple(why), facts=facts, expert_stream=expert_stream)
+                         device=facts.device, why=tuple(why), facts=facts, expert_stream=expert_stream,
+                         experts_kept=experts_kept)
+
+
+def decide_experts_kept(pipeline: AlgorithmSteps, facts: LoopFacts, flow: str, expert_stream: bool,
+                        why: list[str]) -> bool:
+    """Whether the routed experts' stored codes are copied as they are, never decoded nor quantized (appending the
+    reason to `why`): where every routed expert targets the quantized original's own format (`facts.source_codes`)
+    and nothing needs their decoded weights: no forward pass (data-free) and no transform. Otherwise the experts are
+    decoded, quantized and their codes kept afterwards where their weights are still the original's
+    (llmc.quant.mxfp4_source.keep_layer_codes)."""
+    if facts.source_codes is None or flow != "data-free" or pipeline.transforms or expert_stream:
+        return False
+    why.append(f"the routed experts' {facts.source_codes.format.upper()} codes and scales are copied as stored (their "
+               "target is the source's own format, and nothing runs them): not decoded, not quantized")
+    return True
 
 
 # A layer whose weights in the compute dtype take more than this share of the available memory is streamed expert by

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -246,12 +246,15 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> d
     return out
 
 
-def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout) -> dict[str, torch.Tensor]:
+def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout,
+               encoded_experts: bool = True) -> dict[str, torch.Tensor]:
     """A decoder layer's checkpoint tensors (`prefix`: the layer's; names layer-relative) as
     `per_expert_tensors(reader.with_prefix(prefix), layout)` gives them, each fused block read one expert at a time
     (`CheckpointReader.expert_slices`; an MXFP4 original's experts decoded one by one): the per-expert copies are
     made without the fused tensors existing whole beside them, which held gpt-oss-120b's 6.4 GB layer twice while
-    it was split. The same tensors, bit for bit."""
+    it was split. The same tensors, bit for bit. `encoded_experts=False`: the fused expert weights a quantized
+    original stores encoded are left unread (their codes pass through: llmc.quant.mxfp4_source.
+    pass_through_layer_codes), their biases split as ever."""
     names = [n for n in reader.names() if n.startswith(prefix)]
     local = {n[len(prefix):] for n in names}
     bases = [n[: -len("gate_up_proj")] for n in sorted(local) if layout.checkpoint_fused
@@ -261,11 +264,16 @@ def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout) -> dict
     out = {n[len(prefix):]: t for n, t in reader.get_many([n for n in names if n[len(prefix):] not in fused]).items()}
     projections = {"gate": layout.gate, "up": layout.up, "down": layout.down}
     for base in bases:
-        slices = [reader.expert_slices(prefix + base + f) if base + f in local else itertools.repeat(None)
+        # an unread weight stands in as a meta tensor of its shape (split_experts picks the biases' rows by it)
+        slices = [reader.expert_slices(prefix + base + f) if base + f in local
+                  and (encoded_experts or reader.encoded(prefix + base + f) is None)
+                  else _meta_slices(reader, prefix + base + f) if base + f in local else itertools.repeat(None)
                   for f in FUSED_NAMES]
         for e, parts in enumerate(zip(*slices)):
             (one,) = split_experts(layout, *parts)  # views of expert e's slices, copied below
             for key, value in one.items():
+                if value.is_meta:
+                    continue  # an encoded weight left unread
                 proj, _, kind = key.partition(".")
                 out[f"{base}{e}.{projections[proj]}.{kind}"] = value.contiguous()
             del one, parts
@@ -273,6 +281,12 @@ def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout) -> dict
             # 0.83 GB of a 1.65 GB gpt-oss-120b-width layer of 32 experts until trimmed
             return_free_heap_to_os()
     return out
+
+
+def _meta_slices(reader: CheckpointReader, name: str) -> Iterator[torch.Tensor]:
+    """Each expert's [1, ...] slice of the encoded fused tensor `name` as a meta tensor of its decoded shape."""
+    shape = reader.encoded(name).shape
+    return itertools.repeat(torch.empty((1, *shape[1:]), device="meta"), shape[0])
 
 
 def per_expert_shapes(shapes: dict[str, tuple[int, ...]], layout: MoeLayout) -> dict[str, tuple[int, ...]]:
@@ -489,11 +503,13 @@ def canonical_entry(model: nn.Module, blocks: list[str], report: TokenReport | N
     }
 
 
-def check_materialized(layer: nn.Module, prefix: str, folder) -> None:
+def check_materialized(layer: nn.Module, prefix: str, folder,
+                       unread: Callable[[str], bool] = lambda name: False) -> None:
     """InputError when the checkpoint left a parameter of an MoE layer unread (a checkpoint holding fused 3-D
     experts, `experts.gate_up_proj`, instead of the Hub's per-expert tensors): caught here, not as a meta tensor
-    deep inside a forward."""
-    missing = [n for n, p in layer.named_parameters() if p.is_meta]
+    deep inside a forward. `unread(name)`: a parameter left unread on purpose (a routed expert's weight whose
+    stored codes pass through)."""
+    missing = [n for n, p in layer.named_parameters() if p.is_meta and not unread(n)]
     if missing:
         from llmc.errors import InputError
 

@@ -17,23 +17,32 @@ finds its own codes, and:
 A Linear whose weight an algorithm changed (it no longer equals the decoded original in the compute dtype) keeps the
 quantizer's own codes, as the FP8 pass-through does (llmc.quant.stream._pass_through_source_codes); so does every
 member of a gate/up pair when one of them changed (their global scale must stay shared).
+
+Where nothing could change them (every routed expert targets MXFP4 g32 and no forward pass runs: the layer loop's
+`experts_kept` decision, llmc.quant.loop_plan.decide_experts_kept, from `source_codes_fact`), the experts are
+neither decoded nor quantized at all: `pass_through_layer_codes` copies their stored codes and exponents into the
+canonical form (issue 44: the stream did the whole decode + RTN + check, ~34 min a layer planned at 120B widths, to
+write the bytes it had read).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
+from llmc.errors import InputError
 from llmc.model.checkpoint import CheckpointReader
-from llmc.model.families import MoeLayout
+from llmc.model.families import MoeLayout, linear_role
 from llmc.model.skeleton import return_free_heap_to_os
 from llmc.quant.microscaling import (MXFP4, BlockQuantized, dequantize_blocks, fused_groups, mxfp4_cast_global_scale,
                                      mxfp4_to_nvfp4, unpack_e2m1)
 from llmc.quant.moe import split_experts
+from llmc.quant.groups import resolve as resolve_groups, site_of
+from llmc.quant.loop_plan import SourceCodes
 from llmc.quant.numerics import QuantizedWeight
-from llmc.quant.spec import TensorSpec
+from llmc.quant.spec import Scheme, TensorSpec
 
 KEPT_FORMATS = ("mxfp4", "nvfp4")  # the target weight formats an MXFP4 source's codes carry over to
 
@@ -168,6 +177,58 @@ def keep_source_codes(quantized: dict[str, QuantizedWeight], weights: dict[str, 
     return kept
 
 
+def source_codes_fact(source_format: str | None, scheme: Scheme, linears: Mapping[str, tuple[int, int]],
+                      n_layers: int, model_type: str | None) -> SourceCodes | None:
+    """`LoopFacts.source_codes` for an MXFP4 original (`source_format`, its name) whose routed experts (the `experts`
+    role of `model_type`'s table, among `linears`: module name -> (out, in)) all target MXFP4 in groups of 32, the
+    format it stores them in: the largest decoder layer's expert weights, and its other Linears the scheme still
+    quantizes (routers never are). None for another source, or where any expert is left unquantized or gets another
+    format (those are decoded). `llmc plan` passes config.json's Linears, the stream its skeleton's: the same facts."""
+    if source_format != "mxfp4":
+        return None
+    members = scheme.members()
+    experts: dict[int, int] = {}
+    others: dict[int, int] = {}
+    for name, group in resolve_groups(scheme, linears, n_layers, model_type).items():
+        layer, local = site_of(name)
+        role = linear_role(model_type, local)
+        size = linears[name][0] * linears[name][1]
+        if role == "experts":
+            spec = members[group].weights if group is not None else None
+            if spec is None or spec.format != "mxfp4" or spec.group_size != MXFP4.block_size:
+                return None
+            experts[layer] = experts.get(layer, 0) + size
+        elif group is not None and role != "router":
+            others[layer] = others.get(layer, 0) + size
+    if not experts:
+        return None
+    largest = max(experts, key=lambda i: experts[i] + others.get(i, 0))
+    return SourceCodes("mxfp4", experts[largest], others.get(largest, 0))
+
+
+def pass_through_layer_codes(reader: CheckpointReader, prefix: str, layout: MoeLayout,
+                             names: Iterable[str]) -> dict[str, QuantizedWeight]:
+    """The canonical codes (E2M1, one a byte) and E8M0 exponents of the routed expert Linears `names` of one decoder
+    layer (`prefix`), copied from the MXFP4 original as stored, one expert's slices read at a time: the layer loop's
+    `experts_kept` decision, the weights never decoded and the quantizer never run. The tensors `keep_source_codes`
+    puts in place of the quantizer's codes where it finds a weight unchanged, byte for byte."""
+    source = source_expert_codes(reader, prefix, layout)
+    wanted = set(names)
+    missing = sorted(wanted - set(source))
+    if missing:
+        raise InputError(f"{reader.folder}: no MXFP4 codes for {missing[0]}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                         + ": the layer's fused `experts.gate_up_proj_blocks` / `down_proj_blocks` and their `_scales` "
+                         "are not all in the checkpoint",
+                         fix="point model.source at the complete checkpoint as gpt-oss ships it")
+    out = {}
+    for name in source:  # the source's order: expert by expert, each expert's slices read once
+        if name in wanted:
+            packed, exponents = source[name]
+            out[name] = QuantizedWeight(codes=unpack_e2m1(packed), scale=exponents.clone(), zero_point=None)
+    return out
+
+
 def _unchanged_source_codes(stored: tuple[torch.Tensor, torch.Tensor],
                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(E2M1 codes unpacked, E8M0 exponents) of a Linear whose weight still equals its decoded source in the compute
@@ -184,6 +245,53 @@ def _unchanged_source_codes(stored: tuple[torch.Tensor, torch.Tensor],
 # --------------------------------------------------------------------------- the plan's time for it
 
 KEPT_PROBE_SHAPE = (1024, 2048)  # each of a probed gate/up/down group (6M weights a call)
+
+
+def passed_through_seconds(params: int) -> float:
+    """What `pass_through_layer_codes` adds to a layer beside reading its stored bytes (priced as the layer's read)
+    and writing its canonical file (the layer's write): `params` expert weights' codes unpacked to one a byte and
+    their exponents copied, at this machine's probed rate (llmc.pipeline.quantize.quantize_cost, where the layer
+    loop decided `experts_kept`)."""
+    return params / passed_through_rate() if params > 0 else 0.0
+
+
+def passed_through_rate() -> float:
+    """Weights per second `pass_through_layer_codes` copies (unpacks) once read, probed once per machine and cached
+    (llmc.planning.probes), on one gpt-oss expert at PASSED_THROUGH_PROBE_WIDTH viewed as the stream views it."""
+    from llmc.planning import probes  # lazy: only a plan that costs it
+
+    return probes.rate(f"mxfp4 source codes passed through {PASSED_THROUGH_PROBE_WIDTH}",
+                       lambda: _passed_through_probe())
+
+
+# gpt-oss's expert width (hidden = intermediate = 2880 in -20b and -120b), viewed as the stream views it: in one run
+# on the shared 2-core Xeon (2026-12-03 14:30 UTC, load ~4) a 1024 x 512-byte Linear unpacked at 32-38 M weights/s,
+# gpt-oss's 2880 x 1440 at 237-244 M/s, back to back, so the probe runs at the experts' own width
+PASSED_THROUGH_PROBE_WIDTH = 2880
+
+
+def _passed_through_probe() -> float:
+    from llmc.model.families import LAYOUTS
+    from llmc.planning.probes import sustained_rate  # lazy: as above
+
+    width = PASSED_THROUGH_PROBE_WIDTH
+    g = torch.Generator().manual_seed(0)
+    blocks = width // MXFP4.block_size
+    # one expert as the checkpoint stores it ([1, out, blocks, 16] codes, [1, out, blocks] exponents), split as
+    # SourceExpertCodes splits it
+    gate_up, down = (torch.randint(0, 256, (1, rows, blocks, 16), generator=g, dtype=torch.uint8)
+                     for rows in (2 * width, width))
+    gate_up_e, down_e = (torch.randint(112, 126, (1, rows, blocks), generator=g, dtype=torch.uint8)
+                         for rows in (2 * width, width))
+    layout = replace(LAYOUTS["gpt_oss"], bias=False)
+    (packed,) = split_experts(layout, _decoded_layout(gate_up), _decoded_layout(down), None, None)
+    (scales,) = split_experts(layout, _decoded_layout(gate_up_e), _decoded_layout(down_e), None, None)
+
+    def copy() -> None:  # what pass_through_layer_codes does per Linear once its slices are read
+        for k in ("gate.weight", "up.weight", "down.weight"):
+            QuantizedWeight(codes=unpack_e2m1(packed[k]), scale=scales[k].clone(), zero_point=None)
+
+    return sustained_rate(3 * width * width, copy)
 
 
 def kept_codes_seconds(source_format: object, weights: TensorSpec, params: int) -> float:

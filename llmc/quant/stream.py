@@ -54,8 +54,8 @@ from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inp
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream
-from llmc.quant.loop_plan import (ExpertMode, LayerLoopPlan, LoopFacts, config_widths, decide_layer_loop,
-                                  experts_streamable, redecided)
+from llmc.quant.loop_plan import (ExpertMode, LayerLoopPlan, LoopFacts, SourceCodes, config_widths,
+                                  decide_layer_loop, experts_streamable, redecided)
 from llmc.quant.numerics import QuantizedWeight, input_scale_name, quantize_weights, static_scale
 from llmc.quant.observe import RANGES_ONLY, LayerStats, forward_batches, observe_batches, observing
 from llmc.quant.overlap import LayerWriter, Prefetcher, on_host
@@ -150,7 +150,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     pipeline = AlgorithmSteps.of(scheme)
     loop = _obeyed(options.loop, pipeline, loop_facts(scheme, cal, windows, mask, m.config, dtype, device,
                                                       bool(m.moe_blocks), shared, m.all_linears, m.all_kv,
-                                                      options.resume_every_s, m.largest_layer_params))
+                                                      options.resume_every_s, m.largest_layer_params,
+                                                      m.source_codes(scheme)))
     shared = shared if loop.shared != "none" else None
     m.pipelines = ({g: AlgorithmSteps.of(member) for g, member in scheme.members().items()} if scheme.mixed
                    else {"": pipeline})
@@ -173,15 +174,20 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start, expert_stream=loop.expert_stream)
     # a family whose Hub checkpoints hold fused experts (gpt-oss): split per expert as each layer is read
     layout = moe.layout_of(m.config) if m.moe_blocks else None
+    # (experts kept: their encoded weights are not read at all, their codes are copied as the layer is written)
     weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout,
-                                                             loop.expert_stream), range(s.start, m.n_layers),
-                         loop_state.overlap)
+                                                             loop.expert_stream, not loop.experts_kept),
+                         range(s.start, m.n_layers), loop_state.overlap)
     for i in steps(range(m.n_layers), "quantize layers", total=m.n_layers):
         w = m.layer_work(i, scheme)
         if i >= s.start:
             by_expert = loop.expert_stream and any(True for _ in moe.routed_blocks(w.module))
-            (_quantize_layer_by_expert if by_expert else _quantize_layer)(s, flow, w, m, weights.take(i), structure,
-                                                                          moe_report, cal, windows, loop_state)
+            if by_expert:
+                _quantize_layer_by_expert(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows,
+                                          loop_state)
+            else:
+                _quantize_layer(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows, loop_state,
+                                loop.experts_kept)
             loop_state.commit(i, i == m.n_layers - 1, w.next_inputs, loop.resume_every_s)
             release(w.module)
     loop_state.writer.close()
@@ -312,7 +318,8 @@ def _measure_backward(m: _Model, observing: Scheme, last: Activations,
 def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | None, mask: torch.Tensor | None,
                config: dict, dtype: torch.dtype, device: torch.device, moe_blocks: bool,
                shared: SharedStats | None, linears: set[str], kv: set[str],
-               resume_every_s: float | None, layer_params: int = 0) -> LoopFacts:
+               resume_every_s: float | None, layer_params: int = 0,
+               source_codes: SourceCodes | None = None) -> LoopFacts:
     """The facts the layer loop is decided on, as the stream sees them when it starts."""
     return LoopFacts(
         calibrates=scheme.needs_calibration, windows=0 if windows is None else windows.shape[0],
@@ -323,7 +330,7 @@ def loop_facts(scheme: Scheme, cal: Calibration | None, windows: torch.Tensor | 
         shared_covered=shared is not None and shared.covers(linears, kv), resume_every_s=resume_every_s,
         ranks=distributed.size(), layer_bytes=layer_params * torch.empty(0, dtype=dtype).element_size(),
         experts_streamable=moe_blocks and experts_streamable(config),
-        stream_experts=cal.stream_experts if cal is not None else "auto")
+        stream_experts=cal.stream_experts if cal is not None else "auto", source_codes=source_codes)
 
 
 def _obeyed(planned: LayerLoopPlan | None, pipeline: AlgorithmSteps, now: LoopFacts) -> LayerLoopPlan:
@@ -391,6 +398,13 @@ class _Model:
         """The largest decoder layer's parameters (the skeleton's: meta, no memory)."""
         return max((sum(p.numel() for p in layer.parameters()) for layer in self.layers), default=0)
 
+    def source_codes(self, scheme: Scheme) -> SourceCodes | None:
+        """`LoopFacts.source_codes` as the skeleton's Linears give it (the plan gives it from config.json's)."""
+        fmt = self.reader.source_format
+        linears = {n: tuple(mod.weight.shape) for n, mod in self.model.named_modules() if isinstance(mod, nn.Linear)}
+        return mxfp4_source.source_codes_fact(fmt.name if fmt is not None else None, scheme, linears, self.n_layers,
+                                              self.config.get("model_type"))
+
     def specs(self, scheme: Scheme) -> dict:
         members = scheme.members()
         return {n: members[g].weights for n, g in self.group_of.items() if g is not None}
@@ -408,15 +422,18 @@ class _Model:
         return w
 
 
-def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout,
-                              without_experts: bool = False) -> dict[str, torch.Tensor]:
+def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout, without_experts: bool = False,
+                              encoded_experts: bool = True) -> dict[str, torch.Tensor]:
     """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names;
-    `without_experts`: all but the routed experts' (read one at a time: llmc.quant.expert_stream)."""
+    `without_experts`: all but the routed experts' (read one at a time: llmc.quant.expert_stream);
+    `encoded_experts=False`: all but the fused expert weights a quantized original stores encoded (their codes pass
+    through: llmc.quant.mxfp4_source.pass_through_layer_codes)."""
     if without_experts:
         names = [n for n in reader.names() if n.startswith(prefix)
                  and not expert_stream.is_routed_expert(n[len(prefix):])]
         return {n[len(prefix):]: t for n, t in reader.get_many(names).items()}
-    return moe.read_layer(reader, prefix, layout) if layout is not None else reader.with_prefix(prefix)
+    return (moe.read_layer(reader, prefix, layout, encoded_experts) if layout is not None
+            else reader.with_prefix(prefix))
 
 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:
@@ -479,14 +496,21 @@ class _LoopState:
 
 
 def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights, structure: LayerStructure | None,
-                    moe_report, cal: Calibration | None, windows: torch.Tensor | None, state: _LoopState) -> None:
+                    moe_report, cal: Calibration | None, windows: torch.Tensor | None, state: _LoopState,
+                    experts_kept: bool = False) -> None:
     """One decoder layer: materialized, calibrated by the flow, quantized (what the flow left), written, and its
-    outputs passed on."""
+    outputs passed on. `experts_kept` (the loop's decision): the routed experts' weights were not read; their stored
+    codes are copied instead of quantized."""
     scheme, device = s.pipeline.scheme, s.device
     materialize(w.module, weights, s.dtype)
+    kept = [n for n in w.linears if expert_stream.is_routed_expert(n[len(w.prefix):])] if experts_kept else []
     if m.moe_blocks:
-        moe.check_materialized(w.module, w.prefix, m.reader.folder)
-    w.module.to(device)
+        moe.check_materialized(w.module, w.prefix, m.reader.folder,
+                               lambda n: bool(kept) and n.endswith(".weight") and expert_stream.is_routed_expert(n))
+    if kept:  # `.to(device)` for what was read: the kept experts' weights were not
+        expert_stream.move_resident(w.module, device)
+    else:
+        w.module.to(device)
     if structure is not None:
         structure.record(w.index, w.module)
     w.extras = to_device([e[w.index] for e in s.extras], device)
@@ -495,10 +519,14 @@ def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights,
     # static activation ranges from the layer's other experts (llmc.quant.moe.proxy_input_ranges)
     starved = [] if s.moe_all_experts else moe.starved_linears(w.module, w.prefix, w.routed, w.linears)
     members = scheme.members()
-    w.quantized = _quantized_linears(w.linears, w.quantized, starved, m, members, w.stats, device)
+    rounded = {n: lin for n, lin in w.linears.items() if n not in kept}
+    w.quantized = _quantized_linears(rounded, w.quantized, starved, m, members, w.stats, device)
     if m.reader.source_format is not None:
         m.passed_through += _pass_through_source_codes(w, m, members)
-    if m.reader.source_format is not None and m.reader.source_format.name == "mxfp4" and m.moe_blocks:
+    if kept:  # copied as stored, never decoded nor quantized (llmc.quant.loop_plan.decide_experts_kept)
+        w.quantized.update(mxfp4_source.pass_through_layer_codes(m.reader, w.prefix, moe.layout_of(m.config), kept))
+        m.mxfp4_kept.passed_through += len(kept)
+    elif m.reader.source_format is not None and m.reader.source_format.name == "mxfp4" and m.moe_blocks:
         # gpt-oss's MXFP4 experts: passed through to an MXFP4 target, cast exactly to NVFP4 (llmc.quant.mxfp4_source)
         m.mxfp4_kept.add(mxfp4_source.keep_layer_codes(
             w.quantized, {n: lin.weight.data for n, lin in w.linears.items()},
