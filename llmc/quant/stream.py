@@ -171,10 +171,9 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
                exact_stats=distributed.active() and bool(m.moe_blocks))
     flow = FLOWS[loop.flow]()
     flow.prepare(s, windows, mask)
-    loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start, expert_stream=loop.expert_stream)
+    loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start, loop=loop)
     # a family whose Hub checkpoints hold fused experts (gpt-oss): split per expert as each layer is read
     layout = moe.layout_of(m.config) if m.moe_blocks else None
-    # (experts kept: their encoded weights are not read at all, their codes are copied as the layer is written)
     weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout,
                                                              loop.expert_stream, not loop.experts_kept),
                          range(s.start, m.n_layers), loop_state.overlap)
@@ -182,12 +181,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         w = m.layer_work(i, scheme)
         if i >= s.start:
             by_expert = loop.expert_stream and any(True for _ in moe.routed_blocks(w.module))
-            if by_expert:
-                _quantize_layer_by_expert(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows,
-                                          loop_state)
-            else:
-                _quantize_layer(s, flow, w, m, weights.take(i), structure, moe_report, cal, windows, loop_state,
-                                loop.experts_kept)
+            (_quantize_layer_by_expert if by_expert else _quantize_layer)(s, flow, w, m, weights.take(i), structure,
+                                                                          moe_report, cal, windows, loop_state)
             loop_state.commit(i, i == m.n_layers - 1, w.next_inputs, loop.resume_every_s)
             release(w.module)
     loop_state.writer.close()
@@ -467,9 +462,12 @@ class _LoopState:
     point after the layer file and the next layer's inputs are durable."""
 
     def __init__(self, out: Path, progress_file: Path, act_dir: Path, options: StreamOptions, saved: int,
-                 expert_stream: bool = False) -> None:
+                 loop: LayerLoopPlan | None = None) -> None:
         self.out, self.progress_file, self.act_dir, self.options = out, progress_file, act_dir, options
-        self.expert_stream = expert_stream  # the loop's decision: MoE layers expert by expert
+        # the loop's decisions: MoE layers expert by expert; the routed experts' encoded weights left unread, their
+        # stored codes copied as the layer is written (llmc.quant.loop_plan.decide_experts_kept)
+        self.expert_stream = loop is not None and loop.expert_stream
+        self.experts_kept = loop is not None and loop.experts_kept
         self.overlap = options.overlap and not distributed.active()  # a job's barriers must not interleave
         self.writer = LayerWriter(self.overlap)
         self.saved, self.saved_at = saved, time.monotonic()  # the layer progress.json points at, and when
@@ -496,14 +494,13 @@ class _LoopState:
 
 
 def _quantize_layer(s: Stream, flow: DataFlow, w: LayerWork, m: _Model, weights, structure: LayerStructure | None,
-                    moe_report, cal: Calibration | None, windows: torch.Tensor | None, state: _LoopState,
-                    experts_kept: bool = False) -> None:
+                    moe_report, cal: Calibration | None, windows: torch.Tensor | None, state: _LoopState) -> None:
     """One decoder layer: materialized, calibrated by the flow, quantized (what the flow left), written, and its
-    outputs passed on. `experts_kept` (the loop's decision): the routed experts' weights were not read; their stored
-    codes are copied instead of quantized."""
+    outputs passed on. `state.experts_kept` (the loop's decision): the routed experts' weights were not read; their
+    stored codes are copied instead of quantized."""
     scheme, device = s.pipeline.scheme, s.device
     materialize(w.module, weights, s.dtype)
-    kept = [n for n in w.linears if expert_stream.is_routed_expert(n[len(w.prefix):])] if experts_kept else []
+    kept = [n for n in w.linears if expert_stream.is_routed_expert(n[len(w.prefix):])] if state.experts_kept else []
     if m.moe_blocks:
         moe.check_materialized(w.module, w.prefix, m.reader.folder,
                                lambda n: bool(kept) and n.endswith(".weight") and expert_stream.is_routed_expert(n))
