@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.errors import IncompatibleTargetError
+from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, RuntimeTarget, read_json, target_key
+from llmc.formats.base import quantization_config as hf_quantization_config
 from llmc.formats.files import write_model_files, write_shards
 from llmc.quant.canonical import QuantizedModel
 
@@ -77,3 +80,39 @@ def vllm_serve_args(qm: QuantizedModel, *, tensor_parallel: int, max_model_len: 
         args["max_model_len"] = max_model_len
     return {"vllm": args, "command": "vllm serve <artifact> " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in args.items())}
+
+
+class GptOssForVllm(ArtifactFormat):
+    """What the two gpt-oss layouts vLLM loads share as formats: the runtime arguments, the write through the
+    subclass's `export` function, recognizing a folder by its `quant_method`, and the GPU arch its MoE method needs
+    (`min_arch`, read in `min_arch_source`; `arch_reason` says so in the refusal)."""
+
+    layout = ExportLayout()  # streams the canonical files a layer at a time (write_shards), re-fusing each layer
+    families = frozenset({FAMILY})
+    moe_families = frozenset({FAMILY})
+    quant_method: str
+    min_arch: str
+    min_arch_source: str
+    arch_reason: str
+    export: Callable[..., list[Path]]
+
+    def check_arch(self, target: RuntimeTarget) -> None:
+        from llmc.runtimes.base import arch_at_least  # lazy: runtimes import formats
+
+        if target.gpu_arch == "cpu" or not arch_at_least(target.gpu_arch, self.min_arch):
+            raise IncompatibleTargetError(
+                f"target {target.label}: {self.arch_reason}; gpu_arch is {target.gpu_arch} ({self.min_arch_source})",
+                fix=f"set gpu_arch to {self.min_arch} or newer")
+
+    def stage_config(self, request: ExportRequest) -> dict:
+        serve = vllm_serve_args(request.quantized, tensor_parallel=request.target.tensor_parallel,
+                                max_model_len=request.max_model_len)
+        return {"target": target_key(request.target), "serve": serve}
+
+    def write(self, request: ExportRequest, out: Path) -> None:
+        self.export(request.quantized, out, serve_args=self.stage_config(request)["serve"])
+
+    def recognizes(self, path: Path) -> bool:
+        q = hf_quantization_config(path)
+        config = read_json(Path(path) / "config.json") or {}
+        return bool(q) and q.get("quant_method") == self.quant_method and config.get("model_type") == FAMILY

@@ -29,11 +29,9 @@ from pathlib import Path
 import torch
 
 from llmc.errors import IncompatibleTargetError
-from llmc.formats.base import (ArtifactFormat, ExportLayout, ExportRequest, RuntimeTarget, architectures, read_json,
-                               target_key)
-from llmc.formats.base import quantization_config as hf_quantization_config
-from llmc.formats.gpt_oss_layout import (EXPERT, FAMILY, attention_linears, experts_by_block, interleave,
-                                         vllm_serve_args, write_artifact)
+from llmc.formats.base import RuntimeTarget, architectures, read_json
+from llmc.formats.gpt_oss_layout import (EXPERT, FAMILY, GptOssForVllm, attention_linears, experts_by_block,
+                                         interleave, write_artifact)
 from llmc.formats.registry import register_format
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.microscaling import pack_e2m1
@@ -135,16 +133,18 @@ def export_gpt_oss_mxfp4(qm: QuantizedModel, out: Path, *, serve_args: dict | No
 
 
 @register_format
-class GptOssMxfp4(ArtifactFormat):
+class GptOssMxfp4(GptOssForVllm):
     name = "gpt-oss-mxfp4"
-    layout = ExportLayout()  # streams the canonical files a layer at a time (write_shards), re-fusing each layer
     read_by = ("torch",)  # llmc's MXFP4 source decoder reads it back as it reads OpenAI's original
-    families = frozenset({FAMILY})
     families_source = "OpenAI's gpt-oss checkpoint layout, as vLLM's gpt_oss.py loads it with quant_method mxfp4"
-    moe_families = frozenset({FAMILY})
     proof = ("the experts' blocks and scales byte-identical to the MXFP4 original's, read back by llmc's MXFP4 "
              "source decoder and by transformers' Mxfp4 dequantization (tests/unit/test_gpt_oss_mxfp4.py)")
     unevaluated = "no engine here loads gpt-oss's MXFP4 layout besides llmc's torch engine"
+
+    quant_method = "mxfp4"
+    min_arch, min_arch_source = MIN_ARCH, MIN_ARCH_SOURCE
+    arch_reason = f"vLLM's MXFP4 MoE method needs {MIN_ARCH}+ and no CPU build has one"
+    export = staticmethod(export_gpt_oss_mxfp4)
 
     def check_scheme(self, scheme: Scheme) -> None:
         if scheme.mixed or scheme.weights.format != "mxfp4" or scheme.activations is not None:
@@ -153,27 +153,8 @@ class GptOssMxfp4(ArtifactFormat):
     def check_model(self, target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
         """What only the model and the scheme together decide: the source is gpt-oss's MXFP4 original and the scheme
         passes its experts through and quantizes nothing else; the GPU arch vLLM's MXFP4 MoE method needs."""
-        from llmc.runtimes.base import arch_at_least  # lazy: runtimes import formats
-
         check_pass_through(scheme, config, (config.get("quantization_config") or {}).get("quant_method"))
-        if target.gpu_arch == "cpu" or not arch_at_least(target.gpu_arch, MIN_ARCH):
-            raise IncompatibleTargetError(
-                f"target {target.label}: vLLM's MXFP4 MoE method needs {MIN_ARCH}+ and no CPU build has one; "
-                f"gpu_arch is {target.gpu_arch} ({MIN_ARCH_SOURCE})",
-                fix=f"set gpu_arch to {MIN_ARCH} or newer")
-
-    def stage_config(self, request: ExportRequest) -> dict:
-        serve = vllm_serve_args(request.quantized, tensor_parallel=request.target.tensor_parallel,
-                                max_model_len=request.max_model_len)
-        return {"target": target_key(request.target), "serve": serve}
-
-    def write(self, request: ExportRequest, out: Path) -> None:
-        export_gpt_oss_mxfp4(request.quantized, out, serve_args=self.stage_config(request)["serve"])
-
-    def recognizes(self, path: Path) -> bool:
-        q = hf_quantization_config(path)
-        config = read_json(Path(path) / "config.json") or {}
-        return bool(q) and q.get("quant_method") == "mxfp4" and config.get("model_type") == FAMILY
+        self.check_arch(target)
 
     def describe(self, path: Path) -> str:
         config = read_json(Path(path) / "config.json") or {}

@@ -56,11 +56,9 @@ from pathlib import Path
 import torch
 
 from llmc.errors import IncompatibleTargetError
-from llmc.formats.base import ArtifactFormat, ExportLayout, ExportRequest, RuntimeTarget, architectures, read_json, \
-    target_key
-from llmc.formats.base import quantization_config as hf_quantization_config
-from llmc.formats.gpt_oss_layout import (EXPERT, FAMILY, attention_linears, experts_by_block, interleave,
-                                         vllm_serve_args, write_artifact)
+from llmc.formats.base import RuntimeTarget, architectures, read_json
+from llmc.formats.gpt_oss_layout import (EXPERT, FAMILY, GptOssForVllm, attention_linears, experts_by_block,
+                                         interleave, write_artifact)
 from llmc.formats.registry import register_format
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.spec import Scheme
@@ -216,17 +214,19 @@ def export_gpt_oss_quark(qm: QuantizedModel, out: Path, *, serve_args: dict | No
 
 
 @register_format
-class GptOssQuarkFp8(ArtifactFormat):
+class GptOssQuarkFp8(GptOssForVllm):
     name = "gpt-oss-quark-fp8"
-    layout = ExportLayout()  # streams the canonical files a layer at a time (write_shards), re-fusing each layer
     read_by = ()  # no engine here reads Quark checkpoints (tests/unit/test_gpt_oss_quark.py decodes one itself)
-    families = frozenset({FAMILY})
     families_source = "AMD Quark's gpt-oss layout, as vLLM's gpt_oss.py loads it with quant_method quark"
-    moe_families = frozenset({FAMILY})
     proof = ("tensor names, shapes and dtypes as vLLM's quark loader reads them; the files decoded (FP8 codes x "
              "scales, gate/up de-interleaved) and run by transformers' GptOss give llmc's torch-engine logits on the "
              "canonical form (tests/unit/test_gpt_oss_quark.py); not served by vLLM here")
     unevaluated = "no engine here loads Quark checkpoints (vLLM on a GPU does)"
+
+    quant_method = "quark"
+    min_arch, min_arch_source = MIN_ARCH, MIN_ARCH_SOURCE
+    arch_reason = f"vLLM's Quark FP8 MoE method runs gpt-oss's experts on {MIN_ARCH}+ (no CPU path was read)"
+    export = staticmethod(export_gpt_oss_quark)
 
     def check_scheme(self, scheme: Scheme) -> None:
         check_fp8_scheme(scheme)
@@ -234,27 +234,8 @@ class GptOssQuarkFp8(ArtifactFormat):
     def check_model(self, target: RuntimeTarget, scheme: Scheme, config: dict) -> None:
         """The scheme on this gpt-oss is what the layout holds (`check_quark_scheme`); the GPU arch vLLM's Quark FP8
         MoE method runs gpt-oss's swigluoai experts on."""
-        from llmc.runtimes.base import arch_at_least  # lazy: runtimes import formats
-
         check_quark_scheme(scheme, config)
-        if target.gpu_arch == "cpu" or not arch_at_least(target.gpu_arch, MIN_ARCH):
-            raise IncompatibleTargetError(
-                f"target {target.label}: vLLM's Quark FP8 MoE method runs gpt-oss's experts on {MIN_ARCH}+ (no CPU "
-                f"path was read); gpu_arch is {target.gpu_arch} ({MIN_ARCH_SOURCE})",
-                fix=f"set gpu_arch to {MIN_ARCH} or newer")
-
-    def stage_config(self, request: ExportRequest) -> dict:
-        serve = vllm_serve_args(request.quantized, tensor_parallel=request.target.tensor_parallel,
-                                max_model_len=request.max_model_len)
-        return {"target": target_key(request.target), "serve": serve}
-
-    def write(self, request: ExportRequest, out: Path) -> None:
-        export_gpt_oss_quark(request.quantized, out, serve_args=self.stage_config(request)["serve"])
-
-    def recognizes(self, path: Path) -> bool:
-        q = hf_quantization_config(path)
-        config = read_json(Path(path) / "config.json") or {}
-        return bool(q) and q.get("quant_method") == "quark" and config.get("model_type") == FAMILY
+        self.check_arch(target)
 
     def describe(self, path: Path) -> str:
         config = read_json(Path(path) / "config.json") or {}
