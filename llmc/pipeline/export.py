@@ -3,7 +3,8 @@ by the target's artifact format (`llmc.formats`, looked up through `llmc.runtime
 
 Key: the format's name and its stage config (its options, the target where the artifact depends on it), and the
 quantize stage's key. Cost: the format's own (`ArtifactFormat.cost`), given the scheme's sizes on this model
-(`Quantize.sizes`) and the exports before it in the build (identical files linked, inputs verified once)."""
+(`Quantize.sizes`) and the exports before it in the build (identical files linked, inputs verified once, the
+canonical form read from the page cache after the first: `canonical_read_seconds`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from llmc.pipeline.stage import Stage
 from llmc.pipeline.context import Build, Costing
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.ranks import Share
-from llmc.planning.machine import verify_seconds
+from llmc.planning.machine import mapped_read_seconds, verify_seconds
 from llmc.quant.canonical import QuantizedModel, module_matches
 from llmc.quant.groups import by_group
 from llmc.quant.spec import Scheme
@@ -112,13 +113,9 @@ class Export(Stage):
         # files are linked): the format asks whether an earlier one of the same scheme wrote them so
         outer_before = any(e.scheme.name == scheme.name and e.format.writes_outer_as_stored(outer_bytes)
                            for e in self.earlier)
-        # the canonical form's files (its layer files and rest.safetensors), every byte verified before the first
-        # export reads them (Store.require_intact, once per build): read from the disk where they were written
-        # around the page cache, then hashed
-        read_s = 0.0
-        if not any(e.quantize is self.quantize for e in self.earlier):
-            read_s = (verify_seconds(max(sizes.canonical - outer_bytes, 0.0), files=max(c.shape.layers, 1))
-                      + verify_seconds(outer_bytes))
+        first = not any(e.quantize is self.quantize for e in self.earlier)
+        read_s = canonical_read_seconds(sizes.canonical, outer_bytes, c.shape.layers, first=first,
+                                        available=c.machine.available)
         work = targets.ExportWork(
             shape=c.shape, written=written_tensors(c, scheme), bits=scheme.weights.bits, packed_bytes=sizes.packed,
             outer_bytes=outer_bytes, read_seconds=read_s, shared_with=shared_with, outer_written_before=outer_before,
@@ -133,6 +130,21 @@ class Export(Stage):
         """What fixes this export's weight files: the quantize stage's output and what the format's files depend on
         (`ArtifactFormat.files_key`)."""
         return (self.quantize.id, *self.format.files_key(self.target))
+
+
+def canonical_read_seconds(canonical: float, outer: float, layers: int, *, first: bool,
+                           available: int | None) -> float:
+    """Seconds an export spends reading the canonical form's files (`canonical` bytes: a file per decoder layer and
+    rest.safetensors, `outer` of them). The first export of a quantize stage's output verifies every byte
+    (Store.require_intact, once per build), reading the large files around the page cache, then reads them through
+    mmap from the disk; a later one finds them in the page cache where it kept them (the whole form smaller than the
+    memory available at the plan). Small files were written through the page cache and are read from it."""
+    layer_bytes, layer_files = max(canonical - outer, 0.0), max(layers, 1)
+    cached = not first and available is not None and canonical < available
+    seconds = mapped_read_seconds(layer_bytes, layer_files, cached=cached) + mapped_read_seconds(outer, cached=cached)
+    if first:
+        seconds += verify_seconds(layer_bytes, files=layer_files) + verify_seconds(outer)
+    return seconds
 
 
 def content_key(files: dict[str, str]) -> str:

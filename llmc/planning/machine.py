@@ -208,11 +208,25 @@ def uncached_read_seconds(nbytes: float, files: int = 1) -> float:
 
 def verify_seconds(nbytes: float, files: int = 1) -> float:
     """Seconds to check `nbytes` in `files` files a stage wrote against their recorded sha256 (Store.require_intact):
-    large files are read around the page cache while the previous chunk is hashed (llmc.storage.direct_io.sha256_around_cache), so the slower of the two; small ones are
-    hashed from the page cache."""
+    large files are read around the page cache while the previous chunk is hashed (llmc.storage.direct_io.
+    sha256_around_cache), so the slower of the two; small ones are copied out of the page cache, then hashed."""
     if nbytes <= 0:
         return 0.0
-    return max(uncached_read_seconds(nbytes, files), nbytes / hash_rate())
+    if _written_direct(nbytes, files):
+        return max(disk.read_seconds(nbytes), nbytes / hash_rate())
+    return nbytes / disk.cached_read_rate() + nbytes / hash_rate()
+
+
+def mapped_read_seconds(nbytes: float, files: int = 1, *, cached: bool = False) -> float:
+    """Seconds to read `nbytes` in `files` files a stage wrote through a mapping, as an exporter reads the canonical
+    form (safetensors' mmap): files written around the page cache (large enough) come from the disk unless `cached`
+    (a reader since brought them into the page cache, and it kept them); the others, and cached ones, are copied out
+    of the page cache at its probed rate."""
+    if nbytes <= 0:
+        return 0.0
+    if _written_direct(nbytes, files) and not cached:
+        return disk.read_seconds(nbytes)
+    return nbytes / disk.cached_read_rate()
 
 
 def read_seconds(nbytes: float) -> float:

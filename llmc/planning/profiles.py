@@ -39,6 +39,9 @@ class GpuProfile:
     disk_write_gbs: float = 2.0  # a node's local NVMe, sequential write + fsync (assumed)
     disk_read_gbs: float = 5.0  # sequential read (assumed)
     host_sha256_gbs: float = 1.5  # one core's hashlib sha256 (as measured quiet on the development VM)
+    # a mapped file the page cache holds, copied out (assumed: 8.8 GB/s measured quiet on the 2-core AMD EPYC
+    # development VM, 2026-12-03; a node's host is assumed no faster)
+    host_page_cache_gbs: float = 8.0
     # a quantized original's codes decoded to float32 on the host, elements/s (assumed: the development VM's decoders
     # ran at 10-49 M/s on 2 cores, llmc.model.source_formats.decode_rate; a node's host cores are assumed no faster)
     host_decode_elements_s: float = 2e7
@@ -75,5 +78,6 @@ def rates(p: GpuProfile) -> dict[str, float]:
     out["write+sha256"] = 1 / (1 / (p.disk_write_gbs * 1e9) + 1 / (p.host_sha256_gbs * 1e9))
     out["disk write+fsync"] = p.disk_write_gbs * 1e9
     out["disk read uncached"] = p.disk_read_gbs * 1e9
+    out["page cache read"] = p.host_page_cache_gbs * 1e9
     out["source decode"] = p.host_decode_elements_s
     return out
