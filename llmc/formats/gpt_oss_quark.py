@@ -1,38 +1,14 @@
 """gpt-oss quantized to FP8 (W8A8), written from llmc's canonical form in AMD Quark's layout: what vLLM's gpt-oss
-loader reads with `quantization_config.quant_method: quark` (issue 45).
+loader reads with `quantization_config.quant_method: quark` (issue 45; the vLLM files read, and at which commits, are
+in docs/models.md, "vLLM with FP8 experts, in AMD Quark's layout").
 
-Read in vllm-project/vllm (the commits each was read at):
-- vllm/model_executor/models/gpt_oss.py, `GptOssModel._load_weights_quark` and `GptOssForCausalLM.hf_to_vllm_mapper`
-  (read by the issue's previous session at 004b19d; read again here in the search index's copies of the file, whose
-  commits the index does not name, one after the `routed_experts` MoE refactor #41184; the branches below agree):
-  a name with two numbers (layer, expert) is one expert of the fused layer; the mapper turns
-  `.gate_up_proj.{weight,weight_scale,input_scale,bias}` into `.w13_*` and `.down_proj.*` into `.w2_*`. With the
-  experts' method's `weight_dtype` "fp8": `w13_weight` [2I, H] is copied into the expert's slot, rows [2 tp_start,
-  2 tp_end) of this rank (so gate and up rows must be interleaved, as in OpenAI's original: vLLM's swigluoai reads
-  gate at even and up at odd rows); `w13_weight_scale` a 1-D tensor of more than one element is per-channel (rows
-  sliced the same way), anything else is copied whole; `w2_weight` [H, I] sliced on its columns; `w2_weight_scale`
-  copied whole; every `input_scale` of an expert must have one element (`assert numel() == 1`) and is copied into
-  the expert's 0-dim slot (so it must be 0-dim: torch cannot copy a [1] tensor into a [] one); `w13_bias` [2I]
-  sliced as the rows, `w2_bias` [H] (zeroed on ranks other than 0).
-- vllm/model_executor/layers/quantization/quark/quark_moe.py (read at 004b19d, and again in the tree above),
-  `QuarkMoEMethod.get_moe_method` -> `QuarkW8A8Fp8MoEMethod`: weights per-tensor with activations per-tensor (static
-  or dynamic), or weights per-channel with dynamic per-token activations (qscheme `per_channel`); static per-token
-  raises. Parameters for model_type gpt_oss: `w13_weight_scale` [E, 1] per-tensor ("the w1(gate) & w3(up) are fused
-  as one", ONE scale for the pair) or [E, 2I] per-channel; `w2_weight_scale` [E] or [E, H]; `w13_input_scale`,
-  `w2_input_scale` [E] (static only; the max over the experts is kept); `w13_bias` [E, 2I], `w2_bias` [E, H]
-  float32. Below compute capability 89 it runs Marlin, whose `apply` asserts `activation == SILU`: gpt-oss's experts
-  use swigluoai, so sm89 is the floor.
-- vllm/model_executor/layers/quantization/quark/quark.py (read at 006bce4): `QuarkConfig.from_config` needs
-  `export` (its `kv_cache_group` a list, `pack_method`); `get_quant_method` skips a Linear named in `exclude` (exact
-  names or `re:` patterns, after the model's mapper turns `.self_attn.` into `.attn.`; a fused qkv_proj by its
-  q/k/v shards), gives every other Linear the scheme `_find_matched_config` finds (`layer_quant_config` patterns, then
-  `layer_type_quant_config`, then `global_quant_config`), and the routed experts `QuarkMoEMethod`. gpt-oss's router
-  and lm_head are built without the quantization config, so they stay unquantized whatever the config says.
-- vllm/model_executor/layers/quantization/quark/schemes/quark_w8a8_fp8.py (read at 037cffe), `QuarkW8A8Fp8` for
-  quantized attention: `get_min_capability` 89; per-tensor `weight_scale` one per shard (q/k/v requantized to their
-  max on load), per-channel `weight_scale` 1-D [out]; `input_scale` for static activations only. Dynamic per-tensor
-  activations get no input scale there and are run as static ones, so quantized attention takes static per-tensor or
-  dynamic per-token activations only.
+What the loader requires, and so what this writer holds to: a name with two numbers (layer, expert) is one expert of
+the fused MoE layer; gate and up rows interleaved in `gate_up_proj` (gate at even rows, up at odd: swigluoai reads
+them so); ONE per-tensor weight scale for the fused gate/up pair (the loader keeps one per expert), or one per row;
+every expert `input_scale` 0-dim (copied into a 0-dim slot). The MoE method takes weights per-tensor with static or
+dynamic per-tensor activations, or weights per-channel with dynamic per-token ones. The router and lm_head are built
+without the quantization config (they stay unquantized whatever it says). Below compute capability 89 the experts run
+Marlin, which does not take gpt-oss's swigluoai activation: sm89 is the floor (the attention scheme's too).
 
 Per MoE layer L, expert E (hidden H, intermediate I):
 
@@ -42,12 +18,11 @@ Per MoE layer L, expert E (hidden H, intermediate I):
   model.layers.L.mlp.experts.E.gate_up_proj.bias          [2I] interleaved (the model's dtype)
   model.layers.L.mlp.experts.E.down_proj.{weight [H, I], weight_scale [] or [H], input_scale [], bias [H]}
 
-ONE weight scale for the fused gate/up pair: llmc's quantize stage already gives an expert's gate and up one
-per-tensor scale (the max of theirs, the other's codes requantized to it: llmc.quant.runtime_scales, for every
-target, because vLLM and SGLang fuse them anyway), so the canonical form holds equal scales and the exporter writes
-that one; it checks they are equal and refuses a canonical form where they are not, rather than requantizing codes
-that llmc has evaluated. Attention Linears are quantized with the same scheme (QuarkW8A8Fp8) or all left in the
-model's dtype (named in `exclude`); every other tensor is written as the canonical form holds it."""
+llmc's quantize stage already gives an expert's gate and up one per-tensor scale (llmc.quant.runtime_scales, for every
+target: vLLM and SGLang fuse them anyway), so the canonical form holds equal scales and this writer writes that one;
+it refuses a canonical form where they differ rather than requantize codes llmc has evaluated. Attention Linears are
+quantized with the same scheme (Quark's W8A8 FP8: static per-tensor or dynamic per-token activations) or all left in
+the model's dtype (named in `exclude`); every other tensor is written as the canonical form holds it."""
 
 from __future__ import annotations
 

@@ -383,3 +383,30 @@ def test_a_profile_plans_no_host_python_work_and_a_machine_file_answers_it_by_cl
             0.1 + (0.5 - 0.1) / (described.CHECK_PROBE_LAYERS - 1) * 29)
         with pytest.raises(target.MachineError, match="torch.onnx export"):
             onnx_qdq.graph_export_seconds(LLAMA)  # a machine file without it: run `llmc probe RECIPE` there
+
+
+def test_the_first_export_reads_the_canonical_form_from_the_disk_and_later_ones_from_the_page_cache(monkeypatch):
+    """The canonical form's large files are written around the page cache: the first export verifies them (read
+    around it and hashed) and then reads them through mmap from the disk; a later export of the same quantize stage
+    finds them in the page cache when the whole form fits in the memory the plan saw, else reads the disk again.
+    Small files (a SmolLM2 layer's 3.5 MB) are copied out of the page cache, verifying them too."""
+    from llmc.pipeline.export import canonical_read_seconds
+    from llmc.planning import disk, machine
+    from llmc.storage.direct_io import DIRECT_MIN_BYTES
+
+    monkeypatch.setattr(disk, "read_rate", lambda: 1e9)
+    monkeypatch.setattr(disk, "cached_read_rate", lambda: 10e9)
+    monkeypatch.setattr(machine, "hash_rate", lambda: 2e9)
+    big_layers, outer = 8 * DIRECT_MIN_BYTES * 4, 2 * DIRECT_MIN_BYTES  # 8 layer files of 4x the threshold
+    canonical = big_layers + outer
+    first = canonical_read_seconds(canonical, outer, 8, first=True, available=10 * canonical)
+    # verify: max(disk, hash) = the disk's 1 GB/s; then the mmap read from the disk again
+    assert first == pytest.approx(2 * canonical / 1e9)
+    assert canonical_read_seconds(canonical, outer, 8, first=False, available=10 * canonical) == pytest.approx(
+        canonical / 10e9)
+    assert canonical_read_seconds(canonical, outer, 8, first=False, available=canonical // 2) == pytest.approx(
+        canonical / 1e9)
+    # 30 small layer files: copied out of the page cache to be hashed, then read from it through mmap
+    small = 30 * 3_500_000
+    assert canonical_read_seconds(small, 0, 30, first=True, available=None) == pytest.approx(
+        small / 10e9 + small / 2e9 + small / 10e9)
