@@ -212,9 +212,8 @@ def verify_seconds(nbytes: float, files: int = 1) -> float:
     sha256_around_cache), so the slower of the two; small ones are copied out of the page cache, then hashed."""
     if nbytes <= 0:
         return 0.0
-    if _written_direct(nbytes, files):
-        return max(disk.read_seconds(nbytes), nbytes / hash_rate())
-    return nbytes / disk.cached_read_rate() + nbytes / hash_rate()
+    read, hashed = mapped_read_seconds(nbytes, files), nbytes / hash_rate()
+    return max(read, hashed) if _written_direct(nbytes, files) else read + hashed
 
 
 def mapped_read_seconds(nbytes: float, files: int = 1, *, cached: bool = False) -> float:
