@@ -123,22 +123,15 @@ def model_linears(config: dict) -> list[str]:
 CHECK_PROBE_LAYERS = 8
 
 
-def probe_config(config: dict, layers: int) -> dict:
-    """`config` with `layers` decoder layers (its per-layer lists, such as layer_types, cut to them, or repeated
-    in their pattern for a model of fewer layers)."""
-    n = config.get("num_hidden_layers")
-    cut = {k: (v * -(-layers // n))[:layers] for k, v in config.items() if isinstance(v, list) and n and len(v) == n}
-    return {**config, **cut, "num_hidden_layers": layers}
-
-
 def skeleton_rate(config: dict, layers: int) -> float:
     """Calls/s of `model_linears` on `config` cut to `layers` decoder layers (llmc.planning.probes: timed, cached
     per machine; the key names the family and its experts per layer, which set the modules a layer holds)."""
     from llmc.model.families import expert_count
+    from llmc.model.skeleton import config_with_layers
     from llmc.planning import probes
 
     key = f"meta skeleton {config.get('model_type')} experts={expert_count(config)} layers={layers}"
-    return probes.rate(key, _skeleton_timer(probe_config(config, layers)))
+    return probes.rate(key, _skeleton_timer(config_with_layers(config, layers)))
 
 
 def _skeleton_timer(cut: dict):

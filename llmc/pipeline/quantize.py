@@ -386,9 +386,12 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # the skeleton's weights outside the layers, calibrating: an untied output head is left unread (the calibration
     # forward stops at the first layer)
     skeleton_params = shape.outer_params - shape.head_params
+    # ... its lookup tables kept as stored, the rest converted to the compute dtype (materialize_skeleton)
+    converted_params = skeleton_params - min(shape.gathered_params, skeleton_params)
     parts = {
         "process": PROCESS_BYTES,
-        "outer weights": skeleton_params * e if skeleton else 0.0,
+        "outer weights": (converted_params * e + (skeleton_params - converted_params) * stored_elem
+                          if skeleton else 0.0),
         "layer": (held - unread) * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
@@ -417,15 +420,16 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     parts["previous layer being written"], parts["next layer read ahead"] = overlap_bytes(
         shape.layers, layer_less_experts * code_bytes, (layer_less_experts - unread) * stored_elem)
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
-    # converted beside them by materialize: a 7B's 152k-row embedding, bf16 read and float32 held, is 6
-    # bytes a weight, not 4. The last step reads everything outside the layers again (rest.safetensors), the
+    # converted beside them by materialize (6 bytes a weight from bf16 to float32), except the lookup tables, kept
+    # as cloned (a 7B's 152k-row bf16 embedding: 2 bytes a weight, not 6). The last step reads everything outside the layers again (rest.safetensors), the
     # skeleton's copy released first (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it
     # is kept in (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy
     # only where it is converted. It is written one tensor at a time (store.atomic_save_safetensors_streamed), so
     # the largest of them is held, the embedding or the head (the whole of them was counted until the plan caught up
     # with the streamed write: gpt-oss-120b widths, 4 experts, planned 2.77 GB, RssAnon 1.59 GB).
     kept = kept_elem(stored_elem, compute)
-    skeleton_peak = skeleton_params * (e + (stored_elem if stored_elem != e else 0)) if skeleton else 0.0
+    skeleton_peak = (converted_params * (e + (stored_elem if stored_elem != e else 0))
+                     + (skeleton_params - converted_params) * stored_elem) if skeleton else 0.0
     largest_outer = min(shape.outer_params, max(shape.vocab * h, shape.head_params))
     rest_peak = largest_outer * (stored_elem + (kept if kept != stored_elem else 0))
     outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
@@ -519,10 +523,11 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         per_layer += evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
         per_layer += clip_iterations * (searched / fake_rate
                                         + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
-    # calibrating, the skeleton's copy is read first and converted into new tensors of the compute dtype (a 7B's
-    # bf16 embeddings: 0.55 B weights; its untied head is not read, benchmarks/results/planner-log.md)
+    # calibrating, the skeleton's copy is read first and, but for its lookup tables, converted into new tensors of
+    # the compute dtype (its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0
-    skeleton_s = source_read_seconds(skeleton_params * (stored_elem + converted), machine) if skeleton else 0.0
+    skeleton_s = (source_read_seconds(skeleton_params * stored_elem + converted_params * converted, machine)
+                  if skeleton else 0.0)
     # every file of the canonical form is hashed for the store's record: counted with its write (file_write_seconds)
     fixed = (source_read_seconds(shape.outer_params * stored_elem, machine)
              + file_write_seconds(shape.outer_params * kept) + skeleton_s + discovery_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from llmc.model.checks import check_source
 from llmc.model.dtype import BYTES, resolve_dtype, source_dtype
 from llmc.model.families import (LAYOUTS, check_all_experts, check_kv_cache, check_quantizable, expert_count,
                                   experts_per_token, kept_in_dtype, unloaded_layers_note)
+from llmc.model.skeleton import gathered_params
 from llmc.model.source import TOKENIZER_FILES, locate_source
 from llmc.pipeline.context import Costing
 from llmc.pipeline.quantize import Quantize
@@ -1091,6 +1092,9 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     compute = resolve_dtype(recipe.model.dtype, model_folder, config)
     stored_elem = BYTES.get(resolve_dtype("auto", model_folder, config), 4)
     shape = plan_shapes.Shape.of(tensors, config, stored_elem)
+    if config.get("model_type") and (stored_elem != BYTES[compute] or stored_elem != BYTES["float32"]):
+        # the calibration skeleton's lookup tables stay as stored (a float32 walk, below, converts the others)
+        shape = replace(shape, gathered_params=gathered_params(config))
     available = _host_available()
     # A VM whose free memory goes back to its host gets new pages at the host's pace: ~4 GB/s when the host has them
     # to hand, ~0.3 GB/s when it is short, which the guest cannot see (docs/planner-constants.md#reclaim_rate; the

@@ -438,6 +438,9 @@ class Shape:
     # DeepSeek's dense first layers beside its MoE ones); each layer's time is priced by its size
     layer_share: float = 1.0
     kv_heads: int = 0  # key/value heads (0: as many as the query heads)
+    # the lookup tables among the outer weights that the calibration skeleton keeps in their stored dtype
+    # (llmc.model.skeleton.materialize_skeleton; set by the plan where the stored and compute dtypes differ)
+    gathered_params: int = 0
 
     @classmethod
     def of(cls, tensors: ModelTensors, config: dict, elem: int) -> Shape:

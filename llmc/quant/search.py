@@ -481,7 +481,10 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
         head_s, head_bytes = fisher.head_cost(h, shape.vocab, tokens=tokens, batch_tokens=batch_tokens,
                                               compute=compute, device=device)
         fixed += head_s + source_read_seconds(shape.head_params * stored_elem, resident)
-    parts = {"process": PROCESS_BYTES, "outer weights": skeleton * e + (shape.head_params * e if gradients else 0),
+    kept_as_stored = min(shape.gathered_params, skeleton)  # lookup tables (llmc.model.skeleton.materialize_skeleton)
+    parts = {"process": PROCESS_BYTES,
+             "outer weights": (skeleton - kept_as_stored) * e + kept_as_stored * stored_elem
+             + (shape.head_params * e if gradients else 0),
              "layer": layer * e + (layer * stored_elem if stored_elem != e else 0),
              # with gradients every layer's inputs wait for the backward pass, with its gradients and outputs
              "activations": ((layers + 3 if gradients else 2) * copy if activations != "disk"

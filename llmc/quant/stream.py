@@ -44,7 +44,7 @@ from llmc.model.confine import source_file
 from llmc.model.dtype import kept_dtype
 from llmc.model.families import check_kv_cache, kept_in_dtype, unloaded_layers_note
 from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, decoder_layers, layer_output, materialize,
-                                 output_head_names, release, to_device)
+                                 materialize_skeleton, output_head_names, release, to_device)
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
@@ -160,8 +160,8 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         # no name kept for these tensors: release(model) below must free them before the rest is read again; the
         # output head is never run (the forward stops at the first layer)
         unread = output_head_names(m.model)
-        materialize(m.model, m.reader.get_many([n for n in m.reader.names()
-                                                if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
+        materialize_skeleton(m.model, m.reader.get_many([n for n in m.reader.names() if not n.startswith(
+            m.layers_prefix + ".") and n not in unread]), dtype, m.layers_prefix)
     structure = LayerStructure(m.model, m.layers, windows) if loop.traces_structure else None
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
@@ -239,8 +239,9 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
                        bool(m.moe_blocks), None, m.all_linears, m.all_kv, None)
     loop = decide_layer_loop(pipeline, measurement_facts(facts, m.n_layers, gradients))
     unread = output_head_names(m.model)
-    materialize(m.model, m.reader.get_many([n for n in m.reader.names()
-                                            if not n.startswith(m.layers_prefix + ".") and n not in unread]), dtype)
+    materialize_skeleton(m.model, m.reader.get_many([n for n in m.reader.names()
+                                                     if not n.startswith(m.layers_prefix + ".") and n not in unread]),
+                         dtype, m.layers_prefix)
     s = Stream(m.model, m.layers, pipeline, dtype, device, loop.batch_size, work, 0, spill=loop.activations == "disk",
                resident=loop.activations == "device", one_forward=False, moe_all_experts=calibration.moe_all_experts,
                shared=shared)
@@ -291,8 +292,9 @@ def _measure_backward(m: _Model, observing: Scheme, last: Activations,
                           "has none", fix="use `proxy: output` for this model")
     stored = set(m.reader.names())
     materialize(m.model, m.reader.get_many(sorted(n for n in output_head_names(m.model) if n in stored)), dtype)
-    if head.weight.is_meta:  # tied: the checkpoint keeps the embedding's table only
-        head.weight = m.model.get_input_embeddings().weight
+    if head.weight.is_meta:  # tied: the checkpoint keeps the embedding's table only (as stored: materialize_skeleton)
+        table = m.model.get_input_embeddings().weight
+        head.weight = table if table.dtype == dtype else nn.Parameter(table.to(dtype), requires_grad=False)
     norm = fisher.final_norm(m.model, m.layers_prefix)
     head.to(device)
     norm.to(device)

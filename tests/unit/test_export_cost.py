@@ -354,12 +354,13 @@ def test_formats_whose_config_names_each_linear_cost_its_check_per_layer(monkeyp
 def test_the_check_probe_cuts_per_layer_lists_with_the_layers() -> None:
     """A config with per-layer lists (layer_types) is cut consistently, so transformers builds it."""
     from llmc.formats import described
+    from llmc.model.skeleton import config_with_layers
 
-    cut = described.probe_config({**LLAMA, "layer_types": ["full_attention"] * 30, "architectures": ["X"]}, 4)
+    cut = config_with_layers({**LLAMA, "layer_types": ["full_attention"] * 30, "architectures": ["X"]}, 4)
     assert cut["num_hidden_layers"] == 4 and cut["layer_types"] == ["full_attention"] * 4
     assert cut["architectures"] == ["X"]  # a list of another length stays
     two = {**LLAMA, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
-    assert described.probe_config(two, 5)["layer_types"] == ["sliding_attention", "full_attention"] * 2 + [
+    assert config_with_layers(two, 5)["layer_types"] == ["sliding_attention", "full_attention"] * 2 + [
         "sliding_attention"]  # a model of fewer layers than the probe: its pattern repeated
     assert len(described.model_linears(cut)) == 4 * 7 + 1  # llama: q, k, v, o, gate, up, down per layer; lm_head
 
