@@ -117,17 +117,15 @@ def is_gather(module: nn.Module) -> bool:
     return type(module) is nn.Embedding and module.max_norm is None
 
 
-def materialize_skeleton(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                         layers_prefix: str) -> None:
-    """`materialize` for the weights outside the decoder layers that a calibration forward runs, except that a
-    lookup table (`is_gather`) keeps the dtype it is stored in and casts the rows it gathers to `dtype`: the same
-    layer inputs, without a compute-dtype copy of the table (a 7B's 152k-row bf16 embedding is 1.1 GB as stored,
-    2.2 GB more in float32, most of which the calibration never reads)."""
+def materialize_skeleton(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """`materialize` for the weights outside the decoder layers that a calibration forward runs (`tensors`), except
+    that a lookup table (`is_gather`) keeps the dtype it is stored in and casts the rows it gathers to `dtype`: the
+    same layer inputs, without a compute-dtype copy of the table (a 7B's 152k-row bf16 embedding is 1.1 GB as
+    stored, 2.2 GB more in float32, most of which the calibration never reads)."""
     rest = dict(tensors)
     for name, module in model.named_modules():
         t = rest.get(f"{name}.weight")
-        if (t is None or not is_gather(module) or name.startswith(layers_prefix + ".") or not t.is_floating_point()
-                or t.dtype == dtype):
+        if t is None or not is_gather(module) or not t.is_floating_point() or t.dtype == dtype:
             continue
         del rest[f"{name}.weight"]
         module._parameters["weight"] = nn.Parameter(t, requires_grad=False)
@@ -155,16 +153,15 @@ def config_with_layers(config: dict, layers: int) -> dict:
 
 def gathered_params(config_dict: dict) -> int:
     """Parameters of the lookup tables outside the decoder layers of the model `config_dict` describes that
-    `materialize_skeleton` keeps as stored (`is_gather`), from a meta skeleton of one layer (no weight is read)."""
-    return _gathered_params(json.dumps(config_with_layers(config_dict, 1), sort_keys=True))
+    `materialize_skeleton` keeps as stored (`is_gather`), from a meta skeleton without decoder layers (no weight is
+    read; a layer of Llama 4's experts takes seconds to build)."""
+    return _gathered_params(json.dumps(config_with_layers(config_dict, 0), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=16)
 def _gathered_params(config_json: str) -> int:
     model = build_skeleton(json.loads(config_json), torch.float32)
-    prefix, _ = decoder_layers(model)
-    return sum(m.weight.numel() for name, m in model.named_modules()
-               if is_gather(m) and not name.startswith(prefix + "."))
+    return sum(m.weight.numel() for m in model.modules() if is_gather(m))
 
 
 def release(module: nn.Module) -> None:

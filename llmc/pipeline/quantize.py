@@ -421,10 +421,11 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         shape.layers, layer_less_experts * code_bytes, (layer_less_experts - unread) * stored_elem)
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize (6 bytes a weight from bf16 to float32), except the lookup tables, kept
-    # as cloned (a 7B's 152k-row bf16 embedding: 2 bytes a weight, not 6). The last step reads everything outside the layers again (rest.safetensors), the
-    # skeleton's copy released first (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it
-    # is kept in (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy
-    # only where it is converted. It is written one tensor at a time (store.atomic_save_safetensors_streamed), so
+    # as cloned (a 7B's 152k-row bf16 embedding: 2 bytes a weight, not 6). The last step reads everything outside
+    # the layers again (rest.safetensors), the skeleton's copy released first
+    # (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it is kept in
+    # (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy only where it
+    # is converted. It is written one tensor at a time (store.atomic_save_safetensors_streamed), so
     # the largest of them is held, the embedding or the head (the whole of them was counted until the plan caught up
     # with the streamed write: gpt-oss-120b widths, 4 experts, planned 2.77 GB, RssAnon 1.59 GB).
     kept = kept_elem(stored_elem, compute)

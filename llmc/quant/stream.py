@@ -161,7 +161,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
         # output head is never run (the forward stops at the first layer)
         unread = output_head_names(m.model)
         materialize_skeleton(m.model, m.reader.get_many([n for n in m.reader.names() if not n.startswith(
-            m.layers_prefix + ".") and n not in unread]), dtype, m.layers_prefix)
+            m.layers_prefix + ".") and n not in unread]), dtype)
     structure = LayerStructure(m.model, m.layers, windows) if loop.traces_structure else None
     # Each rank keeps the inputs of its own block of windows (llmc.distributed); one process, state/ as before.
     act_dir = state_dir / f"rank-{distributed.rank()}" if distributed.active() else state_dir
@@ -241,7 +241,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     unread = output_head_names(m.model)
     materialize_skeleton(m.model, m.reader.get_many([n for n in m.reader.names()
                                                      if not n.startswith(m.layers_prefix + ".") and n not in unread]),
-                         dtype, m.layers_prefix)
+                         dtype)
     s = Stream(m.model, m.layers, pipeline, dtype, device, loop.batch_size, work, 0, spill=loop.activations == "disk",
                resident=loop.activations == "device", one_forward=False, moe_all_experts=calibration.moe_all_experts,
                shared=shared)

@@ -51,7 +51,7 @@ def test_the_table_stays_as_stored_and_the_first_layer_gets_the_same_inputs(tmp_
         model = build_skeleton(reader.config(), torch.float32)
         prefix, layers = decoder_layers(model)
         if how == "kept":
-            materialize_skeleton(model, _outer(reader, prefix), torch.float32, prefix)
+            materialize_skeleton(model, _outer(reader, prefix), torch.float32)
             assert model.get_input_embeddings().weight.dtype == torch.bfloat16
         else:  # as before: every outer tensor converted to the compute dtype
             materialize(model, _outer(reader, prefix), torch.float32)
@@ -77,14 +77,14 @@ def test_the_codes_are_byte_identical_to_a_converted_table(tmp_path: Path, monke
                                      batch_size=2)
     seen: list[torch.dtype] = []
 
-    def recording(model, tensors, dtype, prefix):
-        materialize_skeleton(model, tensors, dtype, prefix)
+    def recording(model, tensors, dtype):
+        materialize_skeleton(model, tensors, dtype)
         seen.append(model.get_input_embeddings().weight.dtype)
 
     monkeypatch.setattr(stream, "materialize_skeleton", recording)
     stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES[name], tmp_path / "kept", calibration)
     assert seen == [torch.bfloat16]
-    monkeypatch.setattr(stream, "materialize_skeleton", lambda model, tensors, dtype, prefix:
+    monkeypatch.setattr(stream, "materialize_skeleton", lambda model, tensors, dtype:
                         materialize(model, tensors, dtype))
     stream.quantize_model(ModelSource(folder, "t", "t"), SCHEMES[name], tmp_path / "converted", calibration)
 
@@ -103,9 +103,8 @@ def test_a_scaling_embedding_is_converted_and_the_plan_counts_only_plain_tables(
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  head_dim=16).to_dict()
     model = build_skeleton(gemma, torch.float32)
-    prefix, _ = decoder_layers(model)
     table = {"model.embed_tokens.weight": torch.randn(256, 64).to(torch.bfloat16)}
-    materialize_skeleton(model, table, torch.float32, prefix)
+    materialize_skeleton(model, table, torch.float32)
     assert model.get_input_embeddings().weight.dtype == torch.float32
     assert gathered_params(gemma) == 0
     qwen = json.loads((REPO / "recipes" / "configs" / "Qwen2-7B" / "config.json").read_text())
@@ -151,7 +150,7 @@ def test_the_fisher_proxys_tied_head_computes_in_the_compute_dtype(tmp_path: Pat
         return got
 
     kept = gradients(tmp_path / "kept")
-    monkeypatch.setattr(stream, "materialize_skeleton", lambda model, tensors, dtype, prefix:
+    monkeypatch.setattr(stream, "materialize_skeleton", lambda model, tensors, dtype:
                         materialize(model, tensors, dtype))
     converted = gradients(tmp_path / "converted")
     assert len(kept) == len(converted) > 0
