@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from llmc.engines.agreement import chunk_rows, scoring_rate
 from llmc.model.dtype import BYTES
-from llmc.planning.disk import cached_read_rate
+from llmc.planning.disk import converted_read_seconds
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds,
                                    source_read_seconds)
 from llmc.planning.rows import GB, CostRow
@@ -120,11 +120,8 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
     # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
     if reference:
         read = read_seconds(shape.stored_bytes)
-    elif stored_elem != e:  # the baseline converted to the compute dtype in one pass over the mapped source: what
-        # the page cache lacks read from the disk, then every stored byte read and every converted byte written,
-        # at the copy probe's pace (it moves two bytes, one read and one written, per byte it counts)
-        cold = shape.stored_bytes * (1 - machine.source_resident)
-        read = (read_seconds(cold) + (shape.stored_bytes + shape.params * e) / (2 * cached_read_rate()))
+    elif stored_elem != e:  # the baseline converted to the compute dtype in one pass over the mapped source
+        read = converted_read_seconds(shape.stored_bytes, shape.params * e, machine.source_resident)
     else:
         read = source_read_seconds(shape.stored_bytes, machine)
     io = read + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)

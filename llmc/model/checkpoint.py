@@ -294,6 +294,25 @@ def _non_finite(value: object) -> str | None:
     return None
 
 
+WIDENED = (torch.bfloat16, torch.float16)
+
+
+def widened(t: torch.Tensor, widen_to: torch.dtype | None) -> torch.Tensor:
+    """A copy of `t` (a tensor of a mapped file), in `widen_to` where `t` is a 16-bit float and `widen_to` a wider
+    float: one conversion out of the mapped pages instead of a copy as stored and a conversion of that copy, so a
+    bf16 layer computed in float32 never exists as a bf16 copy (the same values: widening is exact)."""
+    if (widen_to is not None and t.dtype in WIDENED and widen_to.is_floating_point
+            and widen_to.itemsize > t.element_size()):
+        return t.to(widen_to)
+    return t.clone()
+
+
+def read_elem(stored_elem: int, compute_elem: int) -> int:
+    """Bytes a weight stored in `stored_elem` bytes takes once read with `widen_to` the compute dtype of
+    `compute_elem` bytes (`widened`'s rule on sizes: a 16-bit float read into a wider dtype)."""
+    return compute_elem if stored_elem == 2 and compute_elem > 2 else stored_elem
+
+
 class CheckpointReader:
     """Tensor name -> file index over a folder's safetensors.
 
@@ -351,23 +370,25 @@ class CheckpointReader:
         it is read."""
         return self._decoded.get(name)
 
-    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors (copies; decoded ones decoded), each file opened once and closed before returning."""
+    def get_many(self, names: list[str], widen_to: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The named tensors (copies; decoded ones decoded), each file opened once and closed before returning;
+        `widen_to`: as `get_stored`'s."""
         from llmc.model.source_formats import decode  # lazy: as in __init__
 
         encoded = {n: self._decoded[n] for n in names if n in self._decoded}
         if not encoded:
-            return self.get_stored(names)
+            return self.get_stored(names, widen_to)
         out = {}
         stored = [n for n in names if n not in encoded]
         if stored:
-            out.update(self.get_stored(stored))
+            out.update(self.get_stored(stored, widen_to))
         for name, parts in encoded.items():  # one decoded tensor's parts at a time: its float32 copy is the peak
             out[name] = decode(self.source_format, parts, self.get_stored(parts.parts), self.dtype)
         return {n: out[n] for n in names}
 
-    def get_stored(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors as the files store them (copies), each file opened once and closed before returning."""
+    def get_stored(self, names: list[str], widen_to: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The named tensors as the files store them (copies), each file opened once and closed before returning;
+        `widen_to` (a compute dtype): a 16-bit float converted to it where it is wider (`widened`)."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             f = self._where.get(name)
@@ -378,10 +399,19 @@ class CheckpointReader:
         for f, group in by_file.items():
             with safe_open(str(f), framework="pt") as h:
                 for name in group:
-                    out[name] = h.get_tensor(name).clone()
+                    out[name] = widened(h.get_tensor(name), widen_to)
         return out
 
-    def expert_slices(self, name: str) -> Iterator[torch.Tensor]:
+    def mapped(self, name: str) -> torch.Tensor:
+        """`name` as stored, without a copy: its storage is the file's read-only mapping, which lives as long as the
+        tensor (its pages are the page cache's, none of them new memory; the caller must not write to it). For a
+        tensor copied out as it is (rest.safetensors' embedding and head: a 7B's are 2.2 GB of bf16)."""
+        if name in self._decoded or name not in self._where:
+            raise InputError(f"tensor {name} is not stored as it is read in the checkpoint at {self.folder}")
+        with safe_open(str(self._where[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def expert_slices(self, name: str, widen_to: torch.dtype | None = None) -> Iterator[torch.Tensor]:
         """A fused [experts, ...] tensor (`name` as `names()` lists it, or a stored part of one) one expert at a time:
         `expert_slice(name, e)` for each. Neither the fused tensor nor its decoded copy exists whole, so a layer
         split into per-expert tensors as it is read holds the copies alone (whole, gpt-oss-120b's 6.4 GB layer was
@@ -389,12 +419,12 @@ class CheckpointReader:
         parts = self._decoded.get(name)
         first = parts.parts[0] if parts is not None else name
         for e in range(self._header[first][1][0]):
-            yield self.expert_slice(name, e)
+            yield self.expert_slice(name, e, widen_to)
 
-    def expert_slice(self, name: str, e: int) -> torch.Tensor:
+    def expert_slice(self, name: str, e: int, widen_to: torch.dtype | None = None) -> torch.Tensor:
         """Expert `e` of a fused [experts, ...] tensor, [1, ...] and its own copy, decoded where the source is
         encoded: only its slice of the stored bytes is read (each file opened and closed around it, as every read
-        here). Equal to `get(name)[e: e + 1]`."""
+        here). Equal to `get(name)[e: e + 1]` (`widen_to`: as `get_stored`'s, for a tensor stored as it is read)."""
         from llmc.model.source_formats import decode  # lazy: as in __init__
 
         parts = self._decoded.get(name)
@@ -404,12 +434,13 @@ class CheckpointReader:
             if f is None:
                 raise InputError(f"tensor {n} is not in the checkpoint at {self.folder}")
             with safe_open(str(f), framework="pt") as h:
-                got[n] = h.get_slice(n)[e: e + 1].clone()
+                got[n] = h.get_slice(n)[e: e + 1]
+                got[n] = widened(got[n], widen_to) if parts is None else got[n].clone()
         return decode(self.source_format, parts, got, self.dtype) if parts is not None else got[name]
 
-    def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
+    def with_prefix(self, prefix: str, widen_to: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         names = [n for n in self.names() if n.startswith(prefix)]
-        return {n[len(prefix):]: t for n, t in self.get_many(names).items()}
+        return {n[len(prefix):]: t for n, t in self.get_many(names, widen_to).items()}
 
     def config(self) -> dict:
         """config.json; for a decoded source, the decoded model's (no quantization_config)."""

@@ -30,6 +30,7 @@ from llmc import distributed
 from llmc.telemetry import events
 from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
+from llmc.model.checkpoint import read_elem
 from llmc.model.dtype import BYTES, kept_elem
 from llmc.model.families import expert_count
 from llmc.model.source_formats import decode_rate
@@ -41,6 +42,7 @@ from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
                                    forward_seconds, matmul_rate, read_seconds, source_read_seconds, spill_seconds)
+from llmc.planning.disk import converted_read_seconds
 from llmc.planning.rows import GB, MEASUREMENT_PART, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant import runtime_scales
@@ -305,20 +307,26 @@ def group_bytes(scheme: Scheme, linears: dict[str, tuple[int, int]], config: dic
 FP8_PER_TENSOR = TensorSpec("fp8_e4m3", "tensor")
 
 
-def layer_seconds(layer_params: int, *, stored_bytes: float, tokens: int, passes: float, active: float,
-                  compute: str, code_bytes: float, device: str, width: int, seq_len: int = 0, attn_width: int = 0,
-                  batch_tokens: int = 64, largest_linear: int = QUANTIZE_PROBE_ELEMENTS,
-                  weights: TensorSpec = FP8_PER_TENSOR, machine: Machine | None = None,
-                  efficiency: float | None = None) -> dict[str, float]:
+def layer_seconds(layer_params: int, *, stored_bytes: float, converted_bytes: float = 0.0, tokens: int,
+                  passes: float, active: float, compute: str, code_bytes: float, device: str, width: int,
+                  seq_len: int = 0, attn_width: int = 0, batch_tokens: int = 64,
+                  largest_linear: int = QUANTIZE_PROBE_ELEMENTS, weights: TensorSpec = FP8_PER_TENSOR,
+                  machine: Machine | None = None, efficiency: float | None = None) -> dict[str, float]:
     """One decoder layer of the quantize stage, part by part: read it (`stored_bytes` of the source, the share the
-    page cache holds on `machine` from memory), the calibration forward
+    page cache holds on `machine` from memory; into `converted_bytes` of a wider compute dtype in the same pass where
+    not 0), the calibration forward
     passes over `tokens` in sequences of `seq_len` (GEMMs + causal attention at the matmul rate probed at the
     model's `width`), the quantizer's arithmetic (its probed rate at the scheme's `weights`) and writing its codes
     with fsync (and hashing them). benchmarks/layer_time.py measures the same parts at full width. `efficiency`: the
     forward's share of the matmul rate where it was measured at the model's widths (llmc.quant.forward_probe)."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens, efficiency=efficiency)
-    read = source_read_seconds(stored_bytes, machine) if machine is not None else read_seconds(stored_bytes)
+    if machine is None:
+        read = read_seconds(stored_bytes)
+    elif converted_bytes:
+        read = converted_read_seconds(stored_bytes, converted_bytes, machine.source_resident)
+    else:
+        read = source_read_seconds(stored_bytes, machine)
     return {"read": read, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record
@@ -361,6 +369,9 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     whole_weight_copies, discovers_pairs = pipe.copies_whole_weights, loop.traces_structure
     search, weights = pipe.search_cost, pipe.scheme.weights
     e = BYTES[compute]
+    # a layer's weights as read: a 16-bit float source widened into a wider compute dtype as it is read, else as
+    # stored (then converted beside its clone by materialize) (llmc.model.checkpoint.widened)
+    as_read = read_elem(stored_elem, e)
     h, layer = shape.hidden, shape.layer_params
     on_gpu = machine.device != "cpu"
     copy = tokens * h * e  # one copy of the activations passed between layers
@@ -392,7 +403,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         "process": PROCESS_BYTES,
         "outer weights": (converted_params * e + (skeleton_params - converted_params) * stored_elem
                           if skeleton else 0.0),
-        "layer": (held - unread) * e,  # (its clone in the stored dtype is gone once converted: `conversion`, below)
+        "layer": (held - unread) * e,  # (a clone in the stored dtype is gone once converted: `conversion`, below)
         # the quantizer works a block of rows at a time; Hessian-based and smoothing algorithms make float32 copies
         # of a whole Linear
         "quantizer float32 copy": 2 * 4 * (shape.largest_linear if whole_weight_copies
@@ -416,28 +427,31 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     parts["layer file being written"] = (layer * code_bytes if layer * code_bytes < DIRECT_MIN_BYTES and not by_expert
                                          else CHUNK_BYTES)  # (expert by expert: streamed from the spilled experts)
     # llmc.quant.overlap: the previous layer's codes, held by the writer while this layer computes, and the next
-    # layer's weights (the checkpoint's dtype), read while this layer computes; one layer each at most
+    # layer's weights (as read), read while this layer computes; one layer each at most
     parts["previous layer being written"], parts["next layer read ahead"] = overlap_bytes(
-        shape.layers, layer_less_experts * code_bytes, (layer_less_experts - unread) * stored_elem)
+        shape.layers, layer_less_experts * code_bytes, (layer_less_experts - unread) * as_read)
     # The skeleton's copy (calibrating only) is made from clones in the stored dtype (CheckpointReader.get_many),
     # converted beside them by materialize (6 bytes a weight from bf16 to float32), except the lookup tables, kept
     # as cloned (a 7B's 152k-row bf16 embedding: 2 bytes a weight, not 6). The last step reads everything outside
     # the layers again (rest.safetensors), the skeleton's copy released first
     # (docs/planner-constants.md#outer-weights-copy), and writes it in the dtype it is kept in
     # (llmc.model.dtype.kept_dtype: the source's, unless wider than the compute dtype): a second copy only where it
-    # is converted. It is written one tensor at a time (store.atomic_save_safetensors_streamed), so
-    # the largest of them is held, the embedding or the head (the whole of them was counted until the plan caught up
-    # with the streamed write: gpt-oss-120b widths, 4 experts, planned 2.77 GB, RssAnon 1.59 GB).
+    # is converted. It is written one tensor at a time straight from the mapped file (store.
+    # atomic_save_safetensors_streamed, CheckpointReader.mapped): the page cache's pages, no copy, so only the
+    # largest converted one is new memory, the embedding or the head (the whole of them was counted until the plan
+    # caught up with the streamed write: gpt-oss-120b widths, 4 experts, planned 2.77 GB, RssAnon 1.59 GB; each was
+    # cloned until 2026-12-04).
     kept = kept_elem(stored_elem, compute)
     skeleton_peak = (converted_params * (e + (stored_elem if stored_elem != e else 0))
                      + (skeleton_params - converted_params) * stored_elem) if skeleton else 0.0
     largest_outer = min(shape.outer_params, max(shape.vocab * h, shape.head_params))
-    rest_peak = largest_outer * (stored_elem + (kept if kept != stored_elem else 0))
+    rest_peak = largest_outer * kept if kept != stored_elem else 0.0
     outer_peak = PROCESS_BYTES + max(skeleton_peak, rest_peak)
-    # while a layer is converted from its clone in the stored dtype, before any of its compute's parts exist
+    # while a layer is converted from its clone in the stored dtype (read as stored, not widened), before any of its
+    # compute's parts exist
     conversion = (sum(parts[k] for k in ("process", "outer weights", "layer", "previous layer being written",
                                          "next layer read ahead", "activations"))
-                  + (held * stored_elem if stored_elem != e else 0))
+                  + (held * as_read if as_read != e else 0))
     host = max(sum(parts.values()), conversion, outer_peak)
     discovery = discovery_s = 0.0
     if discovers_pairs:
@@ -458,6 +472,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # a quantized original: its codes and scales are read (not stored_elem bytes a weight), then decoded at its
     # decoder's probed rate (llmc.model.source_formats.decode_rate)
     parts_s = layer_seconds(layer, stored_bytes=shape.layer_stored_bytes or layer * stored_elem,
+                            converted_bytes=layer * e if as_read != stored_elem and not shape.layer_decoded
+                            else 0.0,
                             tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,

@@ -230,6 +230,17 @@ def source_read_seconds(nbytes: float, resident: float = 0.0) -> float:
     return (nbytes - cached) / read_rate() + (cached / cached_read_rate() if cached else 0.0)
 
 
+def converted_read_seconds(stored_bytes: float, converted_bytes: float, resident: float = 0.0) -> float:
+    """Seconds to read `stored_bytes` of the model's source into `converted_bytes` of another dtype in one pass over
+    its mapped files, `resident` (0-1) of them in the page cache: what the cache lacks read from the disk, then every
+    stored byte read and every converted byte written at the copy probe's pace (it moves two bytes, one read and one
+    written, per byte it counts)."""
+    if stored_bytes <= 0:
+        return 0.0
+    cold = stored_bytes * (1 - min(max(resident, 0.0), 1.0))
+    return read_seconds(cold) + (stored_bytes + converted_bytes) / (2 * cached_read_rate())
+
+
 def write_seconds(nbytes: float) -> float:
     """Seconds to write `nbytes` sequentially and fsync them, at the probed rate."""
     return nbytes / write_rate() if nbytes > 0 else 0.0

@@ -19,7 +19,7 @@ import torch
 from llmc.planning import disk, probes
 from llmc.storage.direct_io import DIRECT_MIN_BYTES
 
-PROCESS_BYTES = 0.45e9  # python + torch + transformers + tokenizers imported: docs/planner-constants.md#process_bytes
+PROCESS_BYTES = 0.40e9  # python, torch, transformers, tokenizers after a stage: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 # bytes/s a VM whose free pages go back to its host (`memory_from_host`) gets new memory when its host is short of
 # it (0.24-0.37 GB/s measured, against ~4 GB/s when the host has it to hand): docs/planner-constants.md#reclaim_rate

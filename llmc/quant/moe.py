@@ -246,26 +246,27 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], layout: MoeLayout) -> d
     return out
 
 
-def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout,
-               encoded_experts: bool = True) -> dict[str, torch.Tensor]:
+def read_layer(reader: CheckpointReader, prefix: str, layout: MoeLayout, encoded_experts: bool = True,
+               widen_to: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A decoder layer's checkpoint tensors (`prefix`: the layer's; names layer-relative) as
     `per_expert_tensors(reader.with_prefix(prefix), layout)` gives them, each fused block read one expert at a time
     (`CheckpointReader.expert_slices`; an MXFP4 original's experts decoded one by one): the per-expert copies are
     made without the fused tensors existing whole beside them, which held gpt-oss-120b's 6.4 GB layer twice while
     it was split. The same tensors, bit for bit. `encoded_experts=False`: the fused expert weights a quantized
     original stores encoded are left unread (their codes pass through: llmc.quant.mxfp4_source.
-    pass_through_layer_codes), their biases split as ever."""
+    pass_through_layer_codes), their biases split as ever. `widen_to`: CheckpointReader.get_stored's."""
     names = [n for n in reader.names() if n.startswith(prefix)]
     local = {n[len(prefix):] for n in names}
     bases = [n[: -len("gate_up_proj")] for n in sorted(local) if layout.checkpoint_fused
              and (n == "experts.gate_up_proj" or n.endswith(".experts.gate_up_proj"))
              and n[: -len("gate_up_proj")] + "down_proj" in local]  # half a block: check_materialized names it
     fused = {b + f for b in bases for f in FUSED_NAMES}
-    out = {n[len(prefix):]: t for n, t in reader.get_many([n for n in names if n[len(prefix):] not in fused]).items()}
+    out = {n[len(prefix):]: t for n, t in reader.get_many([n for n in names if n[len(prefix):] not in fused],
+                                                                 widen_to).items()}
     projections = {"gate": layout.gate, "up": layout.up, "down": layout.down}
     for base in bases:
         # an unread weight stands in as a meta tensor of its shape (split_experts picks the biases' rows by it)
-        slices = [reader.expert_slices(prefix + base + f) if base + f in local
+        slices = [reader.expert_slices(prefix + base + f, widen_to) if base + f in local
                   and (encoded_experts or reader.encoded(prefix + base + f) is None)
                   else _meta_slices(reader, prefix + base + f) if base + f in local else itertools.repeat(None)
                   for f in FUSED_NAMES]

@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmc.model.checkpoint import read_elem
 from llmc.model.dtype import BYTES
 from llmc.model.families import linear_role
 from llmc.model.skeleton import layer_output
-from llmc.planning.disk import source_read_seconds
+from llmc.planning.disk import converted_read_seconds, source_read_seconds
 from llmc.planning.machine import PROCESS_BYTES, forward_seconds, spill_seconds
 from llmc.quant.groups import is_layer_spec, layers_of, site_of
 from llmc.quant.microscaling import fused_groups
@@ -468,8 +469,12 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
                                                                         batch_tokens, device)
     copy = tokens * h * e  # one copy of the activations passed between layers
     stored = shape.layer_stored_bytes or layer * stored_elem  # a quantized original: its codes and scales
+    # a 16-bit float source widened into a wider compute dtype as it is read (llmc.model.checkpoint.widened)
+    as_read = read_elem(stored_elem, e)
+    read = (converted_read_seconds(stored, layer * e, resident) if as_read != stored_elem and not shape.layer_decoded
+            else source_read_seconds(stored, resident))
     # the fisher pass reads each layer again
-    per_layer = {"read": source_read_seconds(stored, resident) * (2 if gradients else 1),
+    per_layer = {"read": read * (2 if gradients else 1),
                  "forwards": space.forwards_per_layer() * forward,
                  "candidates": candidates_s / layers}  # the units spread over the layers
     if activations == "disk":  # written, fsynced and read back (with gradients: read again by the backward pass)
@@ -485,7 +490,7 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
     parts = {"process": PROCESS_BYTES,
              "outer weights": (skeleton - kept_as_stored) * e + kept_as_stored * stored_elem
              + (shape.head_params * e if gradients else 0),
-             "layer": layer * e + (layer * stored_elem if stored_elem != e else 0),
+             "layer": layer * e + (layer * as_read if as_read != e else 0),  # (and its clone, where not widened)
              # with gradients every layer's inputs wait for the backward pass, with its gradients and outputs
              "activations": ((layers + 3 if gradients else 2) * copy if activations != "disk"
                              else 2 * batch_tokens * h * e),

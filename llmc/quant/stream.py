@@ -174,7 +174,7 @@ def quantize_model(source: ModelSource, scheme: Scheme, out: Path, calibration: 
     loop_state = _LoopState(out, progress_file, act_dir, options, saved=s.start, loop=loop)
     # a family whose Hub checkpoints hold fused experts (gpt-oss): split per expert as each layer is read
     layout = moe.layout_of(m.config) if m.moe_blocks else None
-    weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout,
+    weights = Prefetcher(lambda j: _layer_checkpoint_tensors(m.reader, f"{m.layers_prefix}.{j}.", layout, dtype,
                                                              loop.expert_stream, not loop.experts_kept),
                          range(s.start, m.n_layers), loop_state.overlap)
     for i in steps(range(m.n_layers), "quantize layers", total=m.n_layers):
@@ -251,7 +251,7 @@ def measure_model(source: ModelSource, scheme: Scheme, calibration: Calibration,
     for i in steps(range(m.n_layers), "search: measure layers" if not gradients else "search: forward",
                    total=m.n_layers):
         w = m.layer_work(i, observing)
-        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}."), dtype)
+        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}.", dtype), dtype)
         w.module.to(device)
         w.extras = to_device([e[i] for e in s.extras], device)
         inputs = s.hidden
@@ -303,7 +303,7 @@ def _measure_backward(m: _Model, observing: Scheme, last: Activations,
     for i in steps(reversed(range(m.n_layers)), "search: measure layers (backward)", total=m.n_layers):
         inputs, extras, stats = kept.pop(i)
         w = m.layer_work(i, observing)
-        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}."), dtype)
+        materialize(w.module, m.reader.with_prefix(f"{m.layers_prefix}.{i}.", dtype), dtype)
         w.module.to(device)
         outputs, back = fisher.layer_backward(w.module, inputs, extras, grads, device)
         measure(i, w.module, w.linears, inputs, extras, Activations(outputs), stats, grads)
@@ -419,18 +419,19 @@ class _Model:
         return w
 
 
-def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout, without_experts: bool = False,
-                              encoded_experts: bool = True) -> dict[str, torch.Tensor]:
-    """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names;
+def _layer_checkpoint_tensors(reader: CheckpointReader, prefix: str, layout, dtype: torch.dtype,
+                              without_experts: bool = False, encoded_experts: bool = True) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors (names layer-relative), MoE experts per expert under the Hub projection names, a
+    16-bit float read straight into a wider compute `dtype` (CheckpointReader.get_stored's `widen_to`);
     `without_experts`: all but the routed experts' (read one at a time: llmc.quant.expert_stream);
     `encoded_experts=False`: all but the fused expert weights a quantized original stores encoded (their codes pass
     through: llmc.quant.mxfp4_source.pass_through_layer_codes)."""
     if without_experts:
         names = [n for n in reader.names() if n.startswith(prefix)
                  and not expert_stream.is_routed_expert(n[len(prefix):])]
-        return {n[len(prefix):]: t for n, t in reader.get_many(names).items()}
-    return (moe.read_layer(reader, prefix, layout, encoded_experts) if layout is not None
-            else reader.with_prefix(prefix))
+        return {n[len(prefix):]: t for n, t in reader.get_many(names, dtype).items()}
+    return (moe.read_layer(reader, prefix, layout, encoded_experts, dtype) if layout is not None
+            else reader.with_prefix(prefix, dtype))
 
 
 def _open_model(source: ModelSource, scheme: Scheme, dtype: torch.dtype) -> _Model:
@@ -606,7 +607,7 @@ def _quantize_expert(s: Stream, w: LayerWork, m: _Model, block: str, e: int, exp
     observed (`d`; None: data-free), quantized, its tensors spilled, its weights dropped."""
     name = moe.block_path(block, f"experts.{e}")
     expert, prefix = experts[e], f"{w.prefix}{name}."
-    materialize(expert, m.reader.with_prefix(prefix), s.dtype)
+    materialize(expert, m.reader.with_prefix(prefix, s.dtype), s.dtype)
     moe.check_materialized(expert, prefix, m.reader.folder)
     expert.to(s.device)
     linears = {n: lin for n, lin in w.linears.items() if n.startswith(prefix)}
@@ -687,10 +688,10 @@ def _write_rest(out: Path, source: ModelSource, reader: CheckpointReader, scheme
         return t.to(kept_dtype(t.dtype, dtype)) if t.is_floating_point() else t
 
     like = {n: reader.stored_like(n) for n in names}
-    if all(t is not None for t in like.values()):  # read one at a time as written: the embedding and head never
-        # together (with the mapped pages of the one being read, they were the build's peak at a large vocabulary)
+    if all(t is not None for t in like.values()):  # written one at a time from the mapped file: the embedding and
+        # head never together (they were the build's peak at a large vocabulary), and no copy of one kept as stored
         atomic_save_safetensors_streamed(out / "rest.safetensors", {n: kept(t) for n, t in like.items()},
-                                         lambda n: kept(reader.get_many([n])[n]))
+                                         lambda n: kept(reader.mapped(n)))
     else:  # a decoded tensor among them: its dtype and shape are known once decoded
         atomic_save_safetensors(out / "rest.safetensors", {n: kept(t) for n, t in reader.get_many(names).items()})
     for f in TOKENIZER_FILES:

@@ -323,7 +323,9 @@ def test_smoothing_algorithms_plan_the_first_layers_float64_pair_discovery(tmp_p
         plan = plan_recipe(load_recipe(path, sets), Store(tmp_path / "cache"), path)
         by_algorithm[algorithm] = plan.rows[0]
     sq, rtn = by_algorithm["smoothquant"], by_algorithm["rtn"]
-    discovery = 0.45e9 + outer * 2 + 8 * (layer + 2 * largest)
+    from llmc.planning.machine import PROCESS_BYTES
+
+    discovery = PROCESS_BYTES + outer * 2 + 8 * (layer + 2 * largest)
     assert sq.host_bytes >= discovery - 0.01e9 and sq.host_bytes > rtn.host_bytes + 1e9
     assert "smoothing pairs are found in float64" in sq.why and "float64" not in rtn.why
     assert sq.fixed_seconds > rtn.fixed_seconds

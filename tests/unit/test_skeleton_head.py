@@ -45,15 +45,22 @@ def test_an_untied_head_is_not_read_for_calibration_and_the_output_is_unchanged(
                                                                                name: str) -> None:
     folder = make_tiny_model(tmp_path / "m", tie=False)
     reads: list[str] = []
-    get_many = CheckpointReader.get_many
+    mapped_reads: list[str] = []
+    get_many, mapped = CheckpointReader.get_many, CheckpointReader.mapped
 
-    def recording(self, names):
+    def recording(self, names, widen_to=None):
         reads.extend(names)
-        return get_many(self, names)
+        return get_many(self, names, widen_to)
+
+    def recording_mapped(self, name):
+        mapped_reads.append(name)
+        return mapped(self, name)
 
     monkeypatch.setattr(CheckpointReader, "get_many", recording)
+    monkeypatch.setattr(CheckpointReader, "mapped", recording_mapped)
     _quantize(folder, SCHEMES[name], tmp_path / "skipped")
-    assert reads.count("lm_head.weight") == 1  # by the last step, which writes it to rest.safetensors
+    assert "lm_head.weight" not in reads  # never copied: not for calibration, and not for rest.safetensors,
+    assert mapped_reads.count("lm_head.weight") == 1  # which the last step writes from the mapped file
     rest = load_file(tmp_path / "skipped" / "rest.safetensors")
     source = CheckpointReader(folder)
     assert torch.equal(rest["lm_head.weight"], source.get("lm_head.weight"))
