@@ -492,15 +492,17 @@ def test_llmc_build_of_a_tiny_moe_model_end_to_end(tmp_path: Path) -> None:
 
     folder = make_tiny("mixtral", tmp_path / "model")
     store = Store(tmp_path / "cache")
-    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{"gates.max_ppl_increase_pct": 1000.0})),
-                   store, publish=False)
+    # per-tensor weights: vLLM's fused-MoE FP8 method loads static activations only with them (llmc refuses the
+    # recipe's default per-channel weights for a MoE target: IncompatibleTargetError)
+    fp8_moe = {"gates.max_ppl_increase_pct": 1000.0, "quantization.weights.strategy": "tensor"}
+    result = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **fp8_moe)), store, publish=False)
     assert result.passed
     quantized = next(store.root.glob("stages/quantize/*/quantized.json")).parent
     tokens = json.loads((quantized / moe.TOKENS_FILE).read_text())["blocks"]
     assert sorted(tokens) == ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
     assert sum(tokens["model.layers.0.block_sparse_moe"]["tokens"]) == 8 * 64 * 2  # every calibration token, top-2
     every = build(parse_recipe(recipe_text(folder, tmp_path / "registry", **{
-        "gates.max_ppl_increase_pct": 1000.0, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
+        **fp8_moe, "calibration.moe_calibrate_all_experts": True})), store, publish=False)
     assert every.passed and len(list(store.root.glob("stages/quantize/*/quantized.json"))) == 2
 
 
@@ -926,7 +928,8 @@ def test_llmc_build_of_a_tiny_llama4_end_to_end(scheme_name: str, tmp_path: Path
     from tests.unit.test_build import recipe_text
 
     folder = make_tiny("llama4_text", tmp_path / "model")
-    overrides = {"gates.max_ppl_increase_pct": 1000.0}
+    overrides = {"gates.max_ppl_increase_pct": 1000.0,
+                 "quantization.weights.strategy": "tensor"}  # vLLM's fused-MoE FP8 method: as in the Mixtral test
     if scheme_name == "w4a16-gptq":
         overrides["quantization"] = {"weights": {"format": "int4", "strategy": "group", "group_size": 32},
                                      "algorithm": "gptq"}
