@@ -197,11 +197,11 @@ def overlapped(tmp_path_factory):
 
 def _writer_events(spill: str, default: str) -> list:
     """Every event of the writer's jobs in the 3-layer run: layer files, the next layer's inputs (in memory: written,
-    then fsynced and renamed), progress, the layer-done report. One by default, all under -m slow."""
+    then fsynced and renamed; none after the last layer, which has no next), progress, the layer-done report. One by
+    default, all under -m slow."""
     per_layer = ["file:{i:05d}.safetensors#1", "file:progress.json#{n}", "quantize:layer:{i}#1"]
-    if spill == "never":
-        per_layer.insert(1, "file:batches.safetensors#{n}")
-    points = [e.format(i=i, n=i + 1) for i in range(3) for e in per_layer]
+    with_inputs = [*per_layer[:1], "file:batches.safetensors#{n}", *per_layer[1:]] if spill == "never" else per_layer
+    points = [e.format(i=i, n=i + 1) for i in range(3) for e in (with_inputs if i < 2 else per_layer)]
     return [pytest.param(spill, p, marks=() if p == default else pytest.mark.slow, id=f"{spill}-{p}") for p in points]
 
 
