@@ -119,6 +119,7 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     from llmc.planning import shapes
     from llmc.planning.machine import Machine
     from llmc.quant.activations import memory_available
+    from llmc.recipe.schema import CalibrationSection
 
     config = json.loads((folder / "config.json").read_text())
     # planning offline (no weights written: benchmarks/gpu_calibration.py --predict-only) as `llmc plan` does, the
@@ -127,12 +128,14 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     elem = BYTES[dtype_name]
     available = memory_available()
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    calibration = SimpleNamespace(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto",
-                                  resume_every_s=None)
+    # the recipe's own calibration section (its defaults for the rest), so a field the stage's decision reads later
+    # is there (a namespace of the fields read once went stale: stream_experts)
+    calibration = CalibrationSection(samples=shape[0], seq_len=shape[1], packing="windows", spill_activations="auto")
     recipe = SimpleNamespace(calibration=calibration)
     costing = Costing(recipe=recipe, shape=shapes.Shape.of(tensors, config, elem),
                       machine=Machine(available, gpu_free, str(device), os.cpu_count()),
-                      linears=tensors.linear_shapes(), compute=dtype_name, stored_elem=elem)
+                      linears=tensors.linear_shapes(), compute=dtype_name, stored_elem=elem, config=config,
+                      tensor_shapes=tensors.shapes)  # the widths the layer loop's decision reads, as the plan's
     Quantize("", scheme).cost(costing)
     row = costing.rows[-1]
     return {"layer_s": row.layer_seconds, "fixed_s": row.fixed_seconds, "seconds": row.seconds,
