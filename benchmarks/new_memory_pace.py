@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,22 +22,10 @@ from pathlib import Path
 import torch
 
 from llmc.planning.machine import memory_from_host
+from llmc.planning.probes import fingerprint
+from llmc.quant.activations import memory_free
 
 GIB = 1 << 30
-
-
-def mem_free_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemFree:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemFree in /proc/meminfo")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -47,15 +34,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="append the rows to this file too")
     args = ap.parse_args()
     kept, rows = [], []
-    reporting, cpu = memory_from_host(), cpu_model()
+    reporting, cpu = memory_from_host(), fingerprint()["cpu"]
     for i in range(args.gib):
-        free = mem_free_bytes()
+        free = memory_free()
         started = time.perf_counter()
         kept.append(torch.ones(GIB // 4, dtype=torch.float32))
         seconds = time.perf_counter() - started
         row = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu, "gib_index": i,
                "seconds": round(seconds, 3), "gb_per_s": round(GIB / seconds / 1e9, 2),
-               "mem_free_gb": round(free / 1e9, 2), "free_page_reporting": reporting}
+               "mem_free_gb": round(free / 1e9, 2) if free is not None else None, "free_page_reporting": reporting}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -313,6 +313,13 @@ def read_elem(stored_elem: int, compute_elem: int) -> int:
     return compute_elem if stored_elem == 2 and compute_elem > 2 else stored_elem
 
 
+def widened_bytes(params: float, stored_elem: int, compute_elem: int, decoded: bool = False) -> float:
+    """Bytes `params` weights are widened into as they are read (`read_elem`), 0 where they are read as stored or
+    `decoded` (a quantized original's decoder makes its own copy): what a plan times as a conversion out of the
+    mapped file (llmc.planning.disk.converted_read_seconds)."""
+    return params * compute_elem if read_elem(stored_elem, compute_elem) != stored_elem and not decoded else 0.0
+
+
 class CheckpointReader:
     """Tensor name -> file index over a folder's safetensors.
 

@@ -30,7 +30,7 @@ from llmc import distributed
 from llmc.telemetry import events
 from llmc.pipeline.stage import Stage
 from llmc.pipeline import ranks
-from llmc.model.checkpoint import read_elem
+from llmc.model.checkpoint import read_elem, widened_bytes
 from llmc.model.dtype import BYTES, kept_elem
 from llmc.model.families import expert_count
 from llmc.model.source_formats import decode_rate
@@ -472,8 +472,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
     # a quantized original: its codes and scales are read (not stored_elem bytes a weight), then decoded at its
     # decoder's probed rate (llmc.model.source_formats.decode_rate)
     parts_s = layer_seconds(layer, stored_bytes=shape.layer_stored_bytes or layer * stored_elem,
-                            converted_bytes=layer * e if as_read != stored_elem and not shape.layer_decoded
-                            else 0.0,
+                            converted_bytes=widened_bytes(layer, stored_elem, e, shape.layer_decoded),
                             tokens=tokens if calibrated else 0,
                             passes=passes, active=shape.active, compute=compute, code_bytes=code_bytes,
                             device=machine.device, width=h, seq_len=seq_len, attn_width=shape.attn_width,

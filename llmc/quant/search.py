@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from llmc.model.checkpoint import read_elem
+from llmc.model.checkpoint import read_elem, widened_bytes
 from llmc.model.dtype import BYTES
 from llmc.model.families import linear_role
 from llmc.model.skeleton import layer_output
@@ -470,9 +470,8 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
     copy = tokens * h * e  # one copy of the activations passed between layers
     stored = shape.layer_stored_bytes or layer * stored_elem  # a quantized original: its codes and scales
     # a 16-bit float source widened into a wider compute dtype as it is read (llmc.model.checkpoint.widened)
-    as_read = read_elem(stored_elem, e)
-    read = (converted_read_seconds(stored, layer * e, resident) if as_read != stored_elem and not shape.layer_decoded
-            else source_read_seconds(stored, resident))
+    as_read, widened = read_elem(stored_elem, e), widened_bytes(layer, stored_elem, e, shape.layer_decoded)
+    read = converted_read_seconds(stored, widened, resident) if widened else source_read_seconds(stored, resident)
     # the fisher pass reads each layer again
     per_layer = {"read": read * (2 if gradients else 1),
                  "forwards": space.forwards_per_layer() * forward,

@@ -43,9 +43,10 @@ def test_the_build_executes_the_layer_loop_its_plan_decided(store: Store, name: 
     planned = [r.decision.as_dict() for r in rows]
     # a search's measuring pass is costed inside the quantize row it precedes ("the search's measurement first") and
     # recorded as a stage of its own, 'quantize:<variant>:sensitivity', without a layer-loop decision
+    row_names = {r.id.record_name for r in rows}
     quantize_records = [s for s in result.stages if s.name.startswith("quantize:")]
-    executed = [s.decision for s in quantize_records if s.name in {r.id.record_name for r in rows}]
-    assert all(s.name.endswith(":sensitivity") for s in quantize_records if s.name not in {r.id.record_name for r in rows})
+    executed = [s.decision for s in quantize_records if s.name in row_names]
+    assert all(s.name.endswith(":sensitivity") for s in quantize_records if s.name not in row_names)
     assert planned and all(planned), result.plan.render()
     assert executed == planned
     row = result.plan.as_dict()["estimates"]["stages"][0]

@@ -64,7 +64,6 @@ def test_the_synthetic_checkpoint_has_the_shape_and_an_offline_tokenizer(tmp_pat
     assert tok.convert_tokens_to_ids("w5") == 5 and len(tok) == vocab
 
 
-
 def test_the_llmc_child_predicts_the_quantize_stage_as_llmc_plan_does(tmp_path: Path) -> None:
     """The child's planner prediction (`llmc plan`'s quantize cost for the synthetic checkpoint) runs against the
     stage's current decision: it had built its calibration section from the fields read once, and the stage's decision
@@ -75,6 +74,7 @@ def test_the_llmc_child_predicts_the_quantize_stage_as_llmc_plan_does(tmp_path: 
                                                           TensorSpec("fp8_e4m3", "tensor")),
                                          (2, 32), "bfloat16", torch.device("cpu"))
     assert predicted["seconds"] > 0 and predicted["host_mb"] > 0 and predicted["layer_s"] > 0
+
 
 def test_the_floor_is_one_forward_of_every_token_through_one_layer(tmp_path: Path) -> None:
     floor = benchmark_module("_layer_floor")
