@@ -144,11 +144,37 @@ class _CastOutput:
 
 
 def config_with_layers(config: dict, layers: int) -> dict:
-    """`config` with `layers` decoder layers (its per-layer lists, such as layer_types, cut to them, or repeated
-    in their pattern for a model of fewer layers)."""
+    """`config` with `layers` decoder layers: its per-layer lists (layer_types) and per-layer maps keyed by layer
+    index (per_layer_config, which transformers 5.x saves for Gemma 4's full layers) cut to them, or repeated in
+    their pattern for a model of fewer layers; a map left at the old indices makes transformers refuse the model
+    (a layer type no longer homogeneous)."""
     n = config.get("num_hidden_layers")
-    cut = {k: (v * -(-layers // n))[:layers] for k, v in config.items() if isinstance(v, list) and n and len(v) == n}
-    return {**config, **cut, "num_hidden_layers": layers}
+    if not n:
+        return {**config, "num_hidden_layers": layers}
+    cut = {k: (v * -(-layers // n))[:layers] for k, v in config.items() if isinstance(v, list) and len(v) == n}
+    maps = {k: {str(i): v[str(i % n)] for i in range(layers) if str(i % n) in v}
+            for k, v in config.items() if _is_per_layer_map(v, n)}
+    out = {**config, **cut, **maps, "num_hidden_layers": layers}
+    if config.get("num_kv_shared_layers"):
+        out["num_kv_shared_layers"] = _kv_shared_layers(out["num_kv_shared_layers"] * layers / n,
+                                                        out.get("layer_types") or [])
+    return out
+
+
+def _kv_shared_layers(share: float, types: list) -> int:
+    """Gemma 4's trailing layers that read an earlier layer's keys/values, in the same share of a cut model, as many
+    as leave a layer of every type before them to produce a cache (transformers refuses the model otherwise)."""
+    shared = round(share)
+    while shared and set(types[:len(types) - shared]) != set(types):
+        shared -= 1
+    return shared
+
+
+def _is_per_layer_map(value: object, layers: int) -> bool:
+    """A map of layer index to that layer's config overrides (not id2label, whose keys are indices too)."""
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(k, str) and k.isdigit() and int(k) < layers and isinstance(v, dict)
+                    for k, v in value.items()))
 
 
 def gathered_params(config_dict: dict) -> int:

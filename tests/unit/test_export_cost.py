@@ -4,9 +4,12 @@ stages' own work")."""
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import replace
 
 import pytest
+import torch
 
 from llmc.formats import base, gptq_format, onnx_genai, onnx_qdq
 from llmc.planning.machine import Machine
@@ -363,6 +366,28 @@ def test_the_check_probe_cuts_per_layer_lists_with_the_layers() -> None:
     assert config_with_layers(two, 5)["layer_types"] == ["sliding_attention", "full_attention"] * 2 + [
         "sliding_attention"]  # a model of fewer layers than the probe: its pattern repeated
     assert len(described.model_linears(cut)) == 4 * 7 + 1  # llama: q, k, v, o, gate, up, down per layer; lm_head
+
+
+def test_the_check_probe_carries_per_layer_maps_with_the_layers(tmp_path) -> None:
+    """Gemma 4's config.json keeps its full layers' widths in per_layer_config, keyed by layer index: cut or repeated
+    with layer_types, so the probe's skeleton builds (a map left at the old indices failed CI: transformers refused
+    'full_attention' as not homogeneous)."""
+    from llmc.model.skeleton import build_skeleton, config_with_layers
+    from tests.unit.families import GEMMA4_GGUF, make_tiny
+
+    config = json.loads((make_tiny("gemma4", tmp_path, **GEMMA4_GGUF) / "config.json").read_text())
+    full = {"head_dim": 32, "num_key_value_heads": 1}
+    assert config["per_layer_config"] == {"1": full, "3": full}
+    longer = config_with_layers(config, 6)
+    assert longer["layer_types"][4:] == ["sliding_attention", "full_attention"]
+    assert set(longer["per_layer_config"]) == {"1", "3", "5"}
+    assert longer["num_kv_shared_layers"] == 3  # half the layers, as in the model
+    assert set(config_with_layers(config, 2)["per_layer_config"]) == {"1"}
+    assert config_with_layers(config, 2)["num_kv_shared_layers"] == 0  # one would leave no full layer to share
+    labels = {"0": "LABEL_0", "1": "LABEL_1"}  # id2label: keyed by index, not by layer
+    assert config_with_layers({"num_hidden_layers": 2, "id2label": labels}, 1)["id2label"] == labels
+    for layers in (0, 2, 6, 8):
+        build_skeleton(config_with_layers(config, layers), torch.float32)  # transformers accepts it
 
 
 def test_a_profile_plans_no_host_python_work_and_a_machine_file_answers_it_by_class() -> None:
