@@ -146,6 +146,8 @@ TIMERS = {
         lambda spec, dtype_name, elements, device="cpu": pinned_quantize_rate(spec, dtype_name, elements=elements),
     "llmc.quant.numerics:_fake_quantize_timer": _spec_rate(1.5e7, 2.4e6),  # activation elements/s
     "llmc.planning.machine:_hash_timer": lambda: 2.7e8,  # bytes/s
+    # bytes/s of new memory from the host (only probed where memory_from_host, pinned False in PROBES)
+    "llmc.planning.machine:_new_memory_timer": lambda: 5.8e8,
     "llmc.planning.machine:_write_timer": lambda: 1.0e8,  # bytes/s written and hashed
     "llmc.planning.disk:_timer": lambda which: {"write": 4.7e8, "read": 6.5e8}[which],  # bytes/s
     "llmc.planning.disk:_cached_timer": lambda: 2.1e9,  # bytes/s copied out of the page cache
@@ -298,7 +300,7 @@ def pinned_book():
     from llmc.planning import probes
 
     class PinnedBook(probes.RateBook):
-        def probe(self, key: str, run_once, repeats: int = probes.REPEATS) -> probes.Probe:
+        def probe(self, key: str, run_once, repeats: int = probes.REPEATS, max_age_s=None) -> probes.Probe:
             found = self.probes[key] = self.used[key] = probes.Probe((run_once(),), 0.0, probed_now=True)
             return found
 

@@ -145,20 +145,20 @@ def _rates_probed_once_per_session():
 
     measure = probes.RateBook.probe
 
-    def probe(self, key: str, run_once, repeats: int = probes.REPEATS):
+    def probe(self, key: str, run_once, repeats: int = probes.REPEATS, max_age_s: float | None = None):
         if not getattr(run_once, "__module__", "").startswith("llmc."):
-            return measure(self, key, run_once, repeats)
+            return measure(self, key, run_once, repeats, max_age_s)
         pooled = (key, repeats, torch.get_num_threads())
         if pooled in _SESSION_RATES:
             replay = iter(_SESSION_RATES[pooled])
-            return measure(self, key, lambda: next(replay), repeats)
+            return measure(self, key, lambda: next(replay), repeats, max_age_s)
         samples: list[float] = []
 
         def timed() -> float:
             samples.append(run_once())
             return samples[-1]
 
-        found = measure(self, key, timed, repeats)
+        found = measure(self, key, timed, repeats, max_age_s)
         if len(samples) == repeats:
             _SESSION_RATES[pooled] = tuple(samples)
         return found
@@ -179,10 +179,10 @@ def _progress_speaks_again():
 
 @pytest.fixture(autouse=True)
 def _plans_see_no_page_cache_eviction(monkeypatch):
-    """On a VM that hands its free memory to its host, a plan adds the time a stage waits for pages beyond MemFree
-    (llmc.planning.machine.reclaim_seconds), and its range's slow end all of them: what the machine holds at that
-    moment would move every planned time, so the tests plan as on a machine without a host
-    (test_plan_honest's reclaim test sets its own)."""
+    """On a VM that hands its free memory to its host, a plan adds the time a stage waits for new pages at the
+    host's probed pace (llmc.planning.machine.host_memory_pace), and its range's slow end all of them: the host's pace
+    of the moment would move every planned time, so the tests plan as on a machine without a host (test_plan_honest's
+    host-pace tests set their own)."""
     import llmc.planning.plan
 
     monkeypatch.setattr(llmc.planning.plan, "memory_free", lambda: None)

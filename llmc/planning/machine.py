@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llmc.planning import disk, probes
+from llmc.quant.activations import memory_free
 from llmc.storage.direct_io import DIRECT_MIN_BYTES
 
 PROCESS_BYTES = 0.40e9  # python, torch, transformers, tokenizers after a stage: docs/planner-constants.md#process_bytes
 CUDA_CONTEXT_BYTES = 0.6e9  # a CUDA context and torch's kernels on the calibration GPU
 # bytes/s a VM whose free pages go back to its host (`memory_from_host`) gets new memory when its host is short of
-# it (0.24-0.37 GB/s measured, against ~4 GB/s when the host has it to hand): docs/planner-constants.md#reclaim_rate
+# it (0.24-0.37 GB/s measured, against ~4 GB/s when the host has it to hand), the slow end of every time range there
+# (the point reads `host_memory_pace`): docs/planner-constants.md#reclaim_rate
 RECLAIM_RATE = 0.33e9
 
 # The cost model's time error per stage kind, (predicted - measured) / measured, lowest and highest measured at full
@@ -43,10 +46,59 @@ class Machine:
     source_resident: float = 0.0
 
 
-def reclaim_seconds(new_bytes: float, free: int | None) -> float:
-    """Seconds a stage allocating `new_bytes` on the host waits for its pages: what it needs beyond `free` (bytes),
-    at RECLAIM_RATE (0 where `free` holds it, or is None: not a VM paced by its host, `memory_from_host`)."""
-    return max(0.0, new_bytes - free) / RECLAIM_RATE if free is not None else 0.0
+# The pages a stage gets first at memory speed on a VM whose free pages go back to its host: mostly those the stage
+# before it freed seconds earlier, not yet reported (2.15 GB of 4.3 freed were still there 3-6 s after the free, 1.07
+# GB after 24 s); its new memory past them comes at the host's pace (docs/planner-constants.md, HOST_POOL_BYTES)
+HOST_POOL_BYTES = 2.0e9
+# `host_memory_pace` first touches chunks of HOST_PACE_CHUNK until one comes at under half the first one's pace (past the
+# pages freed in the last seconds, which come at memory speed) or HOST_PACE_SKIP_MAX are touched, then times chunks
+# past them, each kept: up to ~4.6 GB for a few seconds, only where twice that is free
+HOST_PACE_SKIP_MAX = 3 << 30
+HOST_PACE_CHUNK = 256 << 20
+HOST_PACE_MAX_AGE_S = 3600.0  # the host's pace moves with its other guests: probed again each hour
+HOST_PACE_KEY = f"host memory pace chunk={HOST_PACE_CHUNK}"
+
+
+def new_memory_seconds(new_bytes: float, pool: float, pace: float | None) -> float:
+    """Seconds a stage allocating `new_bytes` on the host waits for its pages: what it needs beyond the `pool` it
+    gets at memory speed, at `pace` bytes/s (0 where `pace` is None: not a VM paced by its host)."""
+    return max(0.0, new_bytes - pool) / pace if pace else 0.0
+
+
+def host_memory_pace() -> float | None:
+    """Bytes/s at which this VM's host hands a process new pages past the recently freed ones (probed, cached for
+    HOST_PACE_MAX_AGE_S; the fastest or slowest run within `probes.reading`), or None where the machine does not
+    report its free pages to a host (`memory_from_host`) or has too little free memory to probe without evicting the
+    page cache. One run touches a HOST_PACE_CHUNK past what the runs before it kept, so no run reuses another's pages.
+    """
+    if not memory_from_host():
+        return None
+    kept = probes.book().probes.get(HOST_PACE_KEY)
+    fresh = kept is not None and (kept.probed_now or time.time() - kept.at <= HOST_PACE_MAX_AGE_S)
+    if not fresh and (memory_free() or 0) < 2 * (HOST_PACE_SKIP_MAX + probes.REPEATS * HOST_PACE_CHUNK):
+        return None
+    return probes.rate(HOST_PACE_KEY, _new_memory_timer(), max_age_s=HOST_PACE_MAX_AGE_S)
+
+
+def _new_memory_timer():
+    kept: list[torch.Tensor] = []
+
+    def touched_chunk() -> float:
+        """Bytes/s of one new chunk, kept (a freed one would be handed to the next at memory speed)."""
+        start = time.perf_counter()
+        kept.append(torch.ones(HOST_PACE_CHUNK, dtype=torch.uint8))
+        return HOST_PACE_CHUNK / (time.perf_counter() - start)
+
+    def run_once() -> float:
+        if not kept:  # past the recently freed pages first
+            first = touched_chunk()
+            while len(kept) * HOST_PACE_CHUNK < HOST_PACE_SKIP_MAX and touched_chunk() >= first / 2:
+                pass
+        return touched_chunk()
+
+    return run_once
+
+
 
 
 BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"

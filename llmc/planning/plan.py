@@ -34,7 +34,8 @@ from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import disk, probes
-from llmc.planning.machine import (PROCESS_BYTES, Machine, matmul_rate, memory_from_host, reclaim_seconds,
+from llmc.planning.machine import (HOST_POOL_BYTES, PROCESS_BYTES, RECLAIM_RATE, Machine, host_memory_pace, matmul_rate,
+                                   memory_from_host, new_memory_seconds,
                                    time_range)
 from llmc.planning.rows import CostRow
 from llmc.planning.target import active as target_machine
@@ -67,6 +68,7 @@ class CostedFor:
     device: str  # the calibration device
     machine: str = "this machine"  # or `--machine`'s: "the machine h100-sxm:8 (an estimate)"
     source_resident: float = 0.0  # the share of the source's files in the page cache when planned (Machine)
+    host_pace_gb_s: float | None = None  # that host's pace, probed (None: not such a VM, or not probed)
 
 
 @dataclass
@@ -175,7 +177,8 @@ class Plan:
             **({"groups": self.groups} if self.groups else {}),
             "source_gb": m.source_gb, "source_resident": m.source_resident, "registry_gb": self.registry_gb,
             "available_gb": m.available_gb,
-            "free_gb": m.free_gb, "peak_memory_gb": self.peak_memory_gb, "disk_gb": self.disk_gb,
+            "free_gb": m.free_gb, **({"host_pace_gb_s": m.host_pace_gb_s} if m.host_pace_gb_s else {}),
+            "peak_memory_gb": self.peak_memory_gb, "disk_gb": self.disk_gb,
             "calibration_s": self.calibration_s, "seconds": self.seconds,
             **({"slow_dtype": {"ratio": self.slow_dtype.ratio, "float32_seconds": self.slow_dtype.float32_seconds}}
                if self.slow_dtype else {}),
@@ -272,8 +275,10 @@ def _render_estimates(plan: Plan) -> list[str]:
         + (f" ({m.source_resident:.0%} of it in the page cache now: read from memory)" if m.source_resident >= 0.005
            else "")
         + f"; {m.machine}: {m.available_gb:.1f} GB available"
-        + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace: the times' slow ends wait "
-           "for all of it)" if m.free_gb is not None else "")
+        + (f" ({m.free_gb:.1f} GB free; a VM given new memory at its host's pace"
+           + (f", probed at {m.host_pace_gb_s:.2f} GB/s: each stage's new memory past {HOST_POOL_BYTES / 1e9:.0f} GB"
+              " is planned at it," if m.host_pace_gb_s else "")
+           + " the times' slow ends wait for all of it)" if m.free_gb is not None else "")
         + f", {m.cpu_count} CPUs; calibrating on {m.device}",
         f"  peak memory ~{plan.peak_memory_gb:.2f} GB (one layer + calibration activations"
         f"{', spilled to disk' if plan.spill_activations else ''})"
@@ -1097,11 +1102,13 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
         shape = replace(shape, gathered_params=gathered_params(config))
     available = _host_available()
     # A VM whose free memory goes back to its host gets new pages at the host's pace: ~4 GB/s when the host has them
-    # to hand, ~0.3 GB/s when it is short, which the guest cannot see (docs/planner-constants.md#reclaim_rate; the
-    # slow pages were free ones, not evicted page cache). The point plans the host's usual pace (nothing added); the
-    # slowest end of the range plans all of a stage's new memory at the short host's pace.
+    # to hand, 0.3-0.6 GB/s when it is short, which no counter in the guest shows (docs/planner-constants.md#
+    # reclaim_rate; the slow pages were free ones, not evicted page cache). The point plans each stage's new memory
+    # past the recently freed pages it gets first (HOST_POOL_BYTES) at the pace probed within the hour
+    # (host_memory_pace); the slowest end plans all of it at the slower of that and a short host's RECLAIM_RATE.
     host_paced = memory_from_host() and target_machine() is None  # another machine: not known to be such a VM
     free = memory_free() if host_paced else None  # shown in the plan's first line
+    pace = host_memory_pace() if host_paced else None
     c = recipe.calibration
 
     gpu_free = _gpu_free(device)
@@ -1112,7 +1119,8 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     # the files the build reads: those the headers came from (a shard index's, not a consolidated copy beside them)
     resident = disk.resident_share(list(tensors.files)) if tensors.files and target_machine() is None else 0.0
 
-    def walk(compute: str = compute, free: int | None = None, resident: float = resident) -> Costing:
+    def walk(compute: str = compute, pool: float = HOST_POOL_BYTES, pace: float | None = pace,
+             resident: float = resident) -> Costing:
         machine = Machine(available, gpu_free, str(device), cpus, source_resident=resident)
         costing = Costing(recipe=recipe, shape=shape, machine=machine,
                           linears=tensors.linear_shapes(), compute=compute, stored_elem=stored_elem,
@@ -1120,7 +1128,7 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
         for stage in stages(recipe, schemes, searched=searched, spaces=plan.search, config=config):
             stage.cost(costing)
         for row in costing.rows:  # memory the host hands over slowly (host_paced, above)
-            reclaim = reclaim_seconds(row.host_bytes - PROCESS_BYTES, free)
+            reclaim = new_memory_seconds(row.host_bytes - PROCESS_BYTES, pool, pace)
             row.seconds += reclaim
             if row.layer_seconds:  # a layered stage's once-per-stage part
                 row.fixed_seconds += reclaim
@@ -1131,16 +1139,18 @@ def _estimate(plan: Plan, config: dict, tensors, device: torch.device, model_fol
     # the time range: the stages costed again at each probe's fastest and slowest run, then widened by the cost
     # model's own measured error per stage kind
     with probes.reading("fastest"):
-        fastest = [r.seconds for r in walk().rows]
+        fastest = [r.seconds for r in walk(pace=None).rows]
     with probes.reading("slowest"):
-        slowest = [r.seconds for r in walk(free=0 if host_paced else None, resident=0.0).rows]
+        slow_pace = min(host_memory_pace() or RECLAIM_RATE, RECLAIM_RATE) if host_paced else None
+        slowest = [r.seconds for r in walk(pool=0.0, pace=slow_pace, resident=0.0).rows]
     for row, fast, slow in zip(rows, fastest, slowest):
         row.seconds_range = time_range(row.id.kind.value, min(fast, row.seconds), max(slow, row.seconds))
     plan.rows = rows
     plan.copy_rate = 1 / (1 / disk.read_rate() + 1 / disk.write_rate())  # the registry's copy, when it is one
     plan.costed_for = CostedFor(params=shape.params, layers=shape.layers, dtype=compute,
                                 source_gb=shape.stored_bytes / 1e9, available_gb=(available or 0) / 1e9,
-                                free_gb=free / 1e9 if free is not None else None, cpu_count=cpus,
+                                free_gb=free / 1e9 if free is not None else None,
+                                host_pace_gb_s=pace / 1e9 if pace else None, cpu_count=cpus,
                                 device=str(device), machine=_machine_name(), source_resident=resident)
     if device.type == "cpu" and compute != "float32":
         rows_probed = min(512, c.seq_len * CALIBRATION_BATCH_SIZE)

@@ -145,14 +145,20 @@ class RateBook:
                 out[key] = sorted(runs, key=lambda r: r[1])[-POOLED_PROBES:]
         return out
 
-    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS,
+              max_age_s: float | None = None) -> Probe:
         """The samples of probe `key` (`run_once` times one run and returns its rate), cached or measured now (and
-        then pooled with the cached probes' runs)."""
+        then pooled with the cached probes' runs). `max_age_s`: this key's runs are kept that long, where the book's
+        `max_age_s` is too long for what it measures (the host's pace of the moment)."""
         found = self.probes.get(key)
+        if found is not None and max_age_s is not None and not found.probed_now:
+            fresh = [r for r in self.history.get(key, []) if time.time() - r[1] <= max_age_s]
+            found = _pooled(fresh, probed_now=False) if fresh else None
         if found is None:
             run = (_timed_runs(run_once, repeats), time.time())
             self.measured_now.append(key)
-            self.history[key] = [*self.history.get(key, []), run][-POOLED_PROBES:]
+            kept = [r for r in self.history.get(key, []) if max_age_s is None or run[1] - r[1] <= max_age_s]
+            self.history[key] = [*kept, run][-POOLED_PROBES:]
             found = _pooled(self.history[key], probed_now=True)
             self.probes[key] = found
             self._write(key, run)
@@ -233,7 +239,8 @@ class FixedBook(RateBook):
     resolve: Callable[[str], tuple[float, ...]] = lambda key: ()
     label: str = ""
 
-    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+    def probe(self, key: str, run_once: Callable[[], float], repeats: int = REPEATS,
+              max_age_s: float | None = None) -> Probe:
         found = self.probes.get(key)
         if found is None:
             found = Probe(tuple(self.resolve(key)), 0.0, probed_now=False)
@@ -304,14 +311,15 @@ def reading(which: str) -> Iterator[None]:
         _reading = previous
 
 
-def rate(key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> float:
+def rate(key: str, run_once: Callable[[], float], repeats: int = REPEATS, max_age_s: float | None = None) -> float:
     """Probe `key`'s rate as the current `reading` reads it."""
-    return measured(key, run_once, repeats).read(_reading)
+    return measured(key, run_once, repeats, max_age_s).read(_reading)
 
 
-def measured(key: str, run_once: Callable[[], float], repeats: int = REPEATS) -> Probe:
+def measured(key: str, run_once: Callable[[], float], repeats: int = REPEATS,
+             max_age_s: float | None = None) -> Probe:
     """Probe `key`'s samples (cached or measured now), for a caller that reads them another way than `rate`."""
-    return _book.probe(key, run_once, repeats)
+    return _book.probe(key, run_once, repeats, max_age_s)
 
 
 def current_reading() -> str:

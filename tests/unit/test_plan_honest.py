@@ -5,9 +5,11 @@ the embeddings and head at the dtype they are held in. Probes are pinned or coun
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from llmc.engines import agreement
@@ -807,39 +809,69 @@ def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) 
 # 11. A VM paced by its host: memory beyond the free memory comes slowly
 
 
-def test_on_a_vm_paced_by_its_host_the_slow_end_waits_for_all_new_memory_and_the_point_for_none(
+def test_on_a_vm_paced_by_its_host_the_point_plans_new_memory_past_a_pool_at_the_probed_pace(
         tiny_model: Path, tmp_path: Path, monkeypatch) -> None:
     """Issue 35: at a 7B's widths the quantize stage and the baseline's evaluation ran up to 2x their plan: each
     allocates gigabytes, and the development VM (its free pages reported to its host) got them at ~0.3 GB/s when
-    its host was short of memory (the fifth GiB in 4.5 s with 9 GB MemFree). Issue 44: planning what a stage needs
-    beyond MemFree at that pace put the same stages at +80..+150% when the host had the pages to hand (a fresh VM,
-    the page cache full: 2026-12-02). No counter in the guest tells the two apart, and MemFree is not the line (the
-    slow pages were free ones): the point adds nothing, the range's slow end plans all of a stage's new memory at
-    the short host's pace; off such a VM nothing is added anywhere."""
+    its host was short of memory. Issue 44: MemFree is not the line (the slow pages were free ones), and the pace
+    moves with the host (0.58 GB/s on 2026-12-04, ~4 GB/s on 12-02): the point plans each stage's new memory past the
+    recently freed pages it gets first (HOST_POOL_BYTES) at the pace probed within the hour, the range's slow end all
+    of it at the slower of that and RECLAIM_RATE; off such a VM nothing is added anywhere."""
     import llmc.planning.plan as plan_module
 
-    assert machine.reclaim_seconds(5e9, 3e9) == pytest.approx(2e9 / machine.RECLAIM_RATE)
-    assert machine.reclaim_seconds(1e9, 3e9) == 0.0 and machine.reclaim_seconds(5e9, None) == 0.0
-    from llmc.quant.activations import memory_free
-
-    assert memory_free() is None or memory_free() > 0
+    assert machine.new_memory_seconds(5e9, 1e9, 0.5e9) == pytest.approx(8.0)
+    assert machine.new_memory_seconds(0.5e9, 1e9, 0.5e9) == 0.0 and machine.new_memory_seconds(5e9, 0.0, None) == 0.0
     pin_probes(monkeypatch, matmul=(10e9,), quantize=(1e8,))
+    pace = 0.2e9  # slower than RECLAIM_RATE: the slow end reads it too
 
-    def planned(free: int | None, host_paced: bool = True) -> dict[str, CostRow]:
-        monkeypatch.setattr(plan_module, "memory_free", lambda: free)
+    def planned(host_paced: bool = True) -> dict[str, CostRow]:
+        monkeypatch.setattr(plan_module, "memory_free", lambda: 10**10)
         monkeypatch.setattr(plan_module, "memory_from_host", lambda: host_paced)
+        monkeypatch.setattr(plan_module, "host_memory_pace", lambda: pace)
         return {r.name: r for r in make_plan(recipe(), tiny_model, tmp_path).rows}
 
-    elsewhere = planned(None, host_paced=False)
-    assert any(row.host_bytes > machine.PROCESS_BYTES for row in elsewhere.values())
-    for free in (0, 10**13):  # MemFree moves neither the point nor the range
-        paced = planned(free)
-        assert {n: r.seconds for n, r in paced.items()} == {n: r.seconds for n, r in elsewhere.items()}
-        for name, row in paced.items():
-            beyond = max(row.host_bytes - machine.PROCESS_BYTES, 0.0)
-            assert row.seconds_high > elsewhere[name].seconds_high or beyond == 0.0
-    assert {n: (r.seconds, r.seconds_high) for n, r in planned(0, host_paced=False).items()} == \
-        {n: (r.seconds, r.seconds_high) for n, r in elsewhere.items()}
+    elsewhere, paced = planned(host_paced=False), planned()
+    new = {n: max(r.host_bytes - machine.PROCESS_BYTES, 0.0) for n, r in elsewhere.items()}
+    assert any(b > 0 for b in new.values())
+    for name, row in paced.items():  # a tiny model's stages: inside the pool, so the point moves only past it
+        assert row.seconds == pytest.approx(elsewhere[name].seconds + max(new[name] - machine.HOST_POOL_BYTES, 0) / pace)
+        assert row.seconds_high > elsewhere[name].seconds_high or new[name] == 0.0  # the slow end: all of it
+    monkeypatch.setattr(machine, "HOST_POOL_BYTES", 0.0)
+    monkeypatch.setattr(plan_module, "HOST_POOL_BYTES", 0.0)
+    pooled_none = planned()
+    for name, row in pooled_none.items():
+        assert row.seconds == pytest.approx(elsewhere[name].seconds + new[name] / pace)
+    assert "probed at 0.20 GB/s" in make_plan(recipe(), tiny_model, tmp_path).render()
+
+
+def test_the_host_pace_probe_times_chunks_past_the_recently_freed_pages_and_is_kept_an_hour(monkeypatch) -> None:
+    """One run touches a chunk past those the runs before it kept (no run reuses another's freed pages), the first
+    after the recently freed pages (chunks until one comes at under half the first one's pace); off a VM
+    that reports its free pages, or with too little free memory, nothing is probed; a run older than
+    HOST_PACE_MAX_AGE_S is measured again."""
+    monkeypatch.setattr(machine, "HOST_PACE_SKIP_MAX", 4 << 20)
+    monkeypatch.setattr(machine, "HOST_PACE_CHUNK", 1 << 20)
+    touched: list[int] = []
+    real_ones = torch.ones
+    monkeypatch.setattr(machine.torch, "ones", lambda n, dtype: touched.append(n) or real_ones(n, dtype=dtype))
+    monkeypatch.setattr(probes, "_book", probes.RateBook())
+    monkeypatch.setattr(machine, "memory_from_host", lambda: False)
+    assert machine.host_memory_pace() is None and touched == []
+    monkeypatch.setattr(machine, "memory_from_host", lambda: True)
+    monkeypatch.setattr(machine, "memory_free", lambda: 1 << 20)
+    assert machine.host_memory_pace() is None and touched == []  # too little free to probe
+    monkeypatch.setattr(machine, "memory_free", lambda: 1 << 40)
+    pace = machine.host_memory_pace()
+    # at most 4 chunks touched before the timed ones (fewer where one came at under half the first one's pace)
+    assert pace > 0 and set(touched) == {1 << 20} and 1 + probes.SETTLED_REPEATS <= len(touched) <= 4 + probes.REPEATS
+    runs = len(touched)
+    assert machine.host_memory_pace() == pace and len(touched) == runs  # kept
+    book = probes.book()
+    book.probes[machine.HOST_PACE_KEY] = probes.Probe((1.0,), time.time() - 2 * machine.HOST_PACE_MAX_AGE_S, False)
+    book.history[machine.HOST_PACE_KEY] = [((1.0,), time.time() - 2 * machine.HOST_PACE_MAX_AGE_S)]
+    assert machine.host_memory_pace() != 1.0  # an old run: probed again, not pooled with it
+    assert book.probes[machine.HOST_PACE_KEY].probed_now
+    assert [at for _, at in book.history[machine.HOST_PACE_KEY] if time.time() - at > machine.HOST_PACE_MAX_AGE_S] == []
 
 
 def test_a_vm_reporting_its_free_pages_to_its_host_is_recognised(tmp_path: Path) -> None:

@@ -100,11 +100,11 @@ def _recorded_probes(monkeypatch) -> list[str]:
     measured: list[str] = []
     real = probes.RateBook.probe
 
-    def probe(self, key, run_once, repeats=probes.REPEATS):
+    def probe(self, key, run_once, repeats=probes.REPEATS, max_age_s=None):
         if key not in self.probes:
             measured.append(key)
             run_once = lambda: 1e11 if key.startswith("matmul") else 1e9  # noqa: E731
-        return real(self, key, run_once, repeats)
+        return real(self, key, run_once, repeats, max_age_s)
 
     monkeypatch.setattr(probes.RateBook, "probe", probe)
     return measured
