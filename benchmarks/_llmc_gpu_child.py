@@ -118,7 +118,7 @@ def planner_prediction(folder: Path, scheme, shape: tuple[int, int], dtype_name:
     from llmc.pipeline.quantize import Quantize
     from llmc.planning import shapes
     from llmc.planning.machine import Machine
-    from llmc.quant.activations import memory_available
+    from llmc.planning.machine import memory_available
     from llmc.recipe.schema import CalibrationSection
 
     config = json.loads((folder / "config.json").read_text())

@@ -72,7 +72,7 @@ def planned(source: Path, out: Path, windows: int, seq_len: int) -> dict:
     from llmc.model.checkpoint import read_model_config
     from llmc.planning import shapes
     from llmc.planning.machine import Machine
-    from llmc.quant.activations import memory_available
+    from llmc.planning.machine import memory_available
 
     config = read_model_config(source)
     shape = shapes.Shape.of(shapes.from_headers(source), config, 4)

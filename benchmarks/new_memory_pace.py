@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from llmc.planning.machine import memory_from_host
+from llmc.planning.machine import memory_free, memory_from_host
 from llmc.planning.probes import fingerprint
-from llmc.quant.activations import memory_free
 
 GIB = 1 << 30
 

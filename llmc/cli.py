@@ -280,7 +280,7 @@ def probe(recipes: tuple[Path, ...], cache_dir: Path | None, out: Path) -> None:
         # lazy: start-up: `llmc --help` loads just click and llmc.engines
         from llmc.planning.plan import make_plan, plan_recipe
         from llmc.planning import probes, target
-        from llmc.quant.activations import memory_available
+        from llmc.planning.machine import memory_available
         from llmc.storage.store import Store
 
         store = Store.default(cache_dir)

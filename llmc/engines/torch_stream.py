@@ -35,7 +35,7 @@ from llmc.model.checkpoint import check_safetensors_header, folder_source_format
 
 COMPRESSED_TENSORS = "compressed-tensors"  # the SourceFormat name of compressed-tensors folders
 from llmc.inputs.patterns import PatternRefused, check_patterns, regex_matches
-from llmc.quant.activations import memory_available
+from llmc.planning.machine import memory_available
 from llmc.quant.canonical import module_matches
 
 STRATEGY_VARIABLE = "LLMC_TORCH_EVAL"  # auto | streamed | whole: which torch evaluation path runs

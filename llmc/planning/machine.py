@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from llmc.planning import disk, probes
-from llmc.quant.activations import memory_free
 from llmc.storage.direct_io import DIRECT_MIN_BYTES
 
 PROCESS_BYTES = 0.40e9  # python, torch, transformers, tokenizers after a stage: docs/planner-constants.md#process_bytes
@@ -50,9 +49,9 @@ class Machine:
 # before it freed seconds earlier, not yet reported (2.15 GB of 4.3 freed were still there 3-6 s after the free, 1.07
 # GB after 24 s); its new memory past them comes at the host's pace (docs/planner-constants.md, HOST_POOL_BYTES)
 HOST_POOL_BYTES = 2.0e9
-# `host_memory_pace` first touches chunks of HOST_PACE_CHUNK until one comes at under half the first one's pace (past the
-# pages freed in the last seconds, which come at memory speed) or HOST_PACE_SKIP_MAX are touched, then times chunks
-# past them, each kept: up to ~4.6 GB for a few seconds, only where twice that is free
+# `host_memory_pace` first touches chunks of HOST_PACE_CHUNK until one comes at under half the first one's pace
+# (past the pages freed in the last seconds, which come at memory speed) or HOST_PACE_SKIP_MAX are touched, then
+# times chunks past them, each kept: up to ~4.6 GB for a few seconds, only where twice that is free
 HOST_PACE_SKIP_MAX = 3 << 30
 HOST_PACE_CHUNK = 256 << 20
 HOST_PACE_MAX_AGE_S = 3600.0  # the host's pace moves with its other guests: probed again each hour
@@ -99,6 +98,25 @@ def _new_memory_timer():
     return run_once
 
 
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    return _meminfo("MemAvailable")
+
+
+def memory_free() -> int | None:
+    """MemFree from /proc/meminfo in bytes: what is had without evicting the page cache (None where there is no
+    such file)."""
+    return _meminfo("MemFree")
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"

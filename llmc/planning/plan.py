@@ -34,13 +34,12 @@ from llmc.pipeline.quantize import Quantize
 from llmc.pipeline.ids import Kind, StageId
 from llmc.pipeline.stages import stages
 from llmc.planning import disk, probes
-from llmc.planning.machine import (HOST_POOL_BYTES, PROCESS_BYTES, RECLAIM_RATE, Machine, host_memory_pace, matmul_rate,
-                                   memory_from_host, new_memory_seconds,
-                                   time_range)
+from llmc.planning.machine import (HOST_POOL_BYTES, PROCESS_BYTES, RECLAIM_RATE, Machine, host_memory_pace,
+                                   matmul_rate, memory_available, memory_free, memory_from_host,
+                                   new_memory_seconds, time_range)
 from llmc.planning.rows import CostRow
 from llmc.planning.target import active as target_machine
 from llmc.quant.canonical import module_matches
-from llmc.quant.activations import memory_available, memory_free
 from llmc.quant.algorithms.catalog import IMPLEMENTED as IMPLEMENTED_ALGORITHMS
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.device import resolve_device

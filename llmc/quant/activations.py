@@ -35,27 +35,6 @@ def inputs_dir(state_dir: Path, layer: int) -> Path:
     return state_dir / f"inputs-{layer:05d}"
 
 
-def memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
-    return _meminfo("MemAvailable")
-
-
-def memory_free() -> int | None:
-    """MemFree from /proc/meminfo in bytes: what is had without evicting the page cache (None where there is no
-    such file)."""
-    return _meminfo("MemFree")
-
-
-def _meminfo(field: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def should_spill(mode: SpillMode, activation_bytes: int, available: int | None) -> bool:
     if mode != "auto":
         return mode == "always"

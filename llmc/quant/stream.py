@@ -48,9 +48,10 @@ from llmc.model.skeleton import (HOST, build_skeleton, capture_layer_inputs, dec
 from llmc.model.source import TOKENIZER_FILES, ModelSource
 from llmc.model.source_formats import canonical_fp8_scale, decode, fp8_strategy
 from llmc.model.tokenizer_files import copy_tokenizer_file
+from llmc.planning.machine import memory_available
 from llmc.telemetry.progress import log, steps
 from llmc.quant import expert_stream, fisher, int_source, moe, mxfp4_source, runtime_scales
-from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir, memory_available
+from llmc.quant.activations import Activations, ActivationWriter, SpillMode, inputs_dir
 from llmc.quant.algorithms.catalog import AlgorithmSteps
 from llmc.quant.canonical import FORMAT_NAME, FORMAT_VERSION, META_FILE, module_matches
 from llmc.quant.flows import FLOWS, DataFlow, LayerWork, Stream

@@ -834,7 +834,8 @@ def test_on_a_vm_paced_by_its_host_the_point_plans_new_memory_past_a_pool_at_the
     new = {n: max(r.host_bytes - machine.PROCESS_BYTES, 0.0) for n, r in elsewhere.items()}
     assert any(b > 0 for b in new.values())
     for name, row in paced.items():  # a tiny model's stages: inside the pool, so the point moves only past it
-        assert row.seconds == pytest.approx(elsewhere[name].seconds + max(new[name] - machine.HOST_POOL_BYTES, 0) / pace)
+        past_pool = max(new[name] - machine.HOST_POOL_BYTES, 0)
+        assert row.seconds == pytest.approx(elsewhere[name].seconds + past_pool / pace)
         assert row.seconds_high > elsewhere[name].seconds_high or new[name] == 0.0  # the slow end: all of it
     monkeypatch.setattr(machine, "HOST_POOL_BYTES", 0.0)
     monkeypatch.setattr(plan_module, "HOST_POOL_BYTES", 0.0)
