@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from llmc.engines.agreement import chunk_rows, scoring_rate
 from llmc.model.dtype import BYTES
-from llmc.planning.disk import converted_read_seconds
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, forward_seconds, read_seconds,
                                    source_read_seconds)
 from llmc.planning.rows import GB, CostRow
@@ -118,12 +117,9 @@ def eval_cost(shape: Shape, *, label: str, compute: str, windows: int, seq_len: 
                                    width=h, rows=chunk_rows(shape.vocab))
     # reading the weights (the baseline's are the source's, which the page cache may hold; an artifact's files were
     # written around it), and an artifact's decompression (streamed or whole, through compressed-tensors)
-    if reference:
-        read = read_seconds(shape.stored_bytes)
-    elif stored_elem != e:  # the baseline converted to the compute dtype in one pass over the mapped source
-        read = converted_read_seconds(shape.stored_bytes, shape.params * e, machine.source_resident)
-    else:
-        read = source_read_seconds(shape.stored_bytes, machine)
+    # the baseline converted to the compute dtype in one pass over the mapped source where stored in another
+    read = (read_seconds(shape.stored_bytes) if reference else
+            source_read_seconds(shape.stored_bytes, machine, shape.params * e if stored_elem != e else 0.0))
     io = read + (quantized_params / DECOMPRESS_RATE if artifact_code_bytes else 0.0)
     dense = shape.params * e
     strategy = "streamed (one layer resident)" if streamed else "whole model"

@@ -42,7 +42,6 @@ from llmc.quant.flows import FLOWS
 from llmc.storage.direct_io import CHUNK_BYTES, DIRECT_MIN_BYTES
 from llmc.planning.machine import (CUDA_CONTEXT_BYTES, PROCESS_BYTES, Machine, file_write_seconds, forward_efficiency,
                                    forward_seconds, matmul_rate, read_seconds, source_read_seconds, spill_seconds)
-from llmc.planning.disk import converted_read_seconds
 from llmc.planning.rows import GB, MEASUREMENT_PART, CostRow
 from llmc.planning.shapes import Shape
 from llmc.quant import runtime_scales
@@ -321,12 +320,8 @@ def layer_seconds(layer_params: int, *, stored_bytes: float, converted_bytes: fl
     forward's share of the matmul rate where it was measured at the model's widths (llmc.quant.forward_probe)."""
     forward = forward_seconds(2 * tokens * layer_params * active, 2 * tokens * seq_len * attn_width,
                               compute=compute, device=device, width=width, rows=batch_tokens, efficiency=efficiency)
-    if machine is None:
-        read = read_seconds(stored_bytes)
-    elif converted_bytes:
-        read = converted_read_seconds(stored_bytes, converted_bytes, machine.source_resident)
-    else:
-        read = source_read_seconds(stored_bytes, machine)
+    read = read_seconds(stored_bytes) if machine is None else source_read_seconds(stored_bytes, machine,
+                                                                                   converted_bytes)
     return {"read": read, "forward": passes * forward,
             "quantize": layer_params / quantize_rate(weights, compute, elements=largest_linear, device=device),
             "write": file_write_seconds(layer_params * code_bytes)}  # durable, and hashed for the store's record

@@ -221,9 +221,12 @@ def resident_share(paths: list[Path]) -> float:
     return resident / total if total else 0.0
 
 
-def source_read_seconds(nbytes: float, resident: float = 0.0) -> float:
+def source_read_seconds(nbytes: float, resident: float = 0.0, converted_bytes: float = 0.0) -> float:
     """Seconds to read `nbytes` of the model's source, `resident` (0-1) of which the page cache holds: that share
-    copied out of memory at the probed cached rate, the rest read from the disk."""
+    copied out of memory at the probed cached rate, the rest read from the disk; into `converted_bytes` of another
+    dtype in the same pass where that is not 0 (`converted_read_seconds`)."""
+    if converted_bytes:
+        return converted_read_seconds(nbytes, converted_bytes, resident)
     if nbytes <= 0:
         return 0.0
     cached = nbytes * min(max(resident, 0.0), 1.0)

@@ -304,10 +304,11 @@ def read_seconds(nbytes: float) -> float:
     return disk.read_seconds(nbytes)
 
 
-def source_read_seconds(nbytes: float, machine: Machine) -> float:
+def source_read_seconds(nbytes: float, machine: Machine, converted_bytes: float = 0.0) -> float:
     """Seconds to read `nbytes` of the model's source on `machine`: its share the page cache holds from memory, the
-    rest from the disk (llmc.planning.disk.source_read_seconds)."""
-    return disk.source_read_seconds(nbytes, machine.source_resident)
+    rest from the disk, into `converted_bytes` of another dtype in one pass where not 0
+    (llmc.planning.disk.source_read_seconds)."""
+    return disk.source_read_seconds(nbytes, machine.source_resident, converted_bytes)
 
 
 def spill_seconds(nbytes: float) -> float:

@@ -34,7 +34,7 @@ from llmc.model.checkpoint import read_elem, widened_bytes
 from llmc.model.dtype import BYTES
 from llmc.model.families import linear_role
 from llmc.model.skeleton import layer_output
-from llmc.planning.disk import converted_read_seconds, source_read_seconds
+from llmc.planning.disk import source_read_seconds
 from llmc.planning.machine import PROCESS_BYTES, forward_seconds, spill_seconds
 from llmc.quant.groups import is_layer_spec, layers_of, site_of
 from llmc.quant.microscaling import fused_groups
@@ -471,7 +471,7 @@ def measurement_cost(space: SearchSpace, candidates: Mapping[str, Scheme | None]
     stored = shape.layer_stored_bytes or layer * stored_elem  # a quantized original: its codes and scales
     # a 16-bit float source widened into a wider compute dtype as it is read (llmc.model.checkpoint.widened)
     as_read, widened = read_elem(stored_elem, e), widened_bytes(layer, stored_elem, e, shape.layer_decoded)
-    read = converted_read_seconds(stored, widened, resident) if widened else source_read_seconds(stored, resident)
+    read = source_read_seconds(stored, resident, widened)
     # the fisher pass reads each layer again
     per_layer = {"read": read * (2 if gradients else 1),
                  "forwards": space.forwards_per_layer() * forward,
