@@ -128,7 +128,7 @@ def test_the_measurement_is_costed_term_by_term(monkeypatch, proxy: str) -> None
     flops_rate, read_rate, q_rate, fq_rate = 1e10, 1e9, 1e8, 1e9
     for module in (S, fisher):
         monkeypatch.setattr(module, "forward_seconds", lambda gemm, attn, **_: (gemm + attn) / flops_rate)
-    monkeypatch.setattr(S, "source_read_seconds", lambda nbytes, resident=0.0: nbytes / read_rate)
+    monkeypatch.setattr(S, "source_read_seconds", lambda nbytes, resident=0.0, converted=0.0: nbytes / read_rate)
     monkeypatch.setattr(S, "quantize_rate", lambda spec, dtype, elements, device: q_rate)
     monkeypatch.setattr(S, "fake_quantize_rate", lambda spec, dtype, width, rows, device: fq_rate)
     space = _space(proxy)
