@@ -50,9 +50,11 @@ class Machine:
 # GB after 24 s); its new memory past them comes at the host's pace (docs/planner-constants.md, HOST_POOL_BYTES)
 HOST_POOL_BYTES = 2.0e9
 # `host_memory_pace` first touches chunks of HOST_PACE_CHUNK until one comes at under half the first one's pace
-# (past the pages freed in the last seconds, which come at memory speed) or HOST_PACE_SKIP_MAX are touched, then
-# times chunks past them, each kept: up to ~4.6 GB for a few seconds, only where twice that is free
+# (past the pages freed in the last seconds, which come at memory speed), HOST_PACE_SKIP_MAX are touched or
+# HOST_PACE_SKIP_MAX_S have passed (no such pages: the first chunk came at the host's pace already), then times
+# chunks past them, each kept: up to ~4.6 GB for a few seconds, only where twice that is free
 HOST_PACE_SKIP_MAX = 3 << 30
+HOST_PACE_SKIP_MAX_S = 1.5
 HOST_PACE_CHUNK = 256 << 20
 HOST_PACE_MAX_AGE_S = 3600.0  # the host's pace moves with its other guests: probed again each hour
 HOST_PACE_KEY = f"host memory pace chunk={HOST_PACE_CHUNK}"
@@ -90,8 +92,9 @@ def _new_memory_timer():
 
     def run_once() -> float:
         if not kept:  # past the recently freed pages first
-            first = touched_chunk()
-            while len(kept) * HOST_PACE_CHUNK < HOST_PACE_SKIP_MAX and touched_chunk() >= first / 2:
+            started, first = time.perf_counter(), touched_chunk()
+            while (len(kept) * HOST_PACE_CHUNK < HOST_PACE_SKIP_MAX
+                   and time.perf_counter() - started < HOST_PACE_SKIP_MAX_S and touched_chunk() >= first / 2):
                 pass
         return touched_chunk()
 

@@ -875,6 +875,30 @@ def test_the_host_pace_probe_times_chunks_past_the_recently_freed_pages_and_is_k
     assert [at for _, at in book.history[machine.HOST_PACE_KEY] if time.time() - at > machine.HOST_PACE_MAX_AGE_S] == []
 
 
+def test_the_host_pace_probe_skips_the_recently_freed_pages_for_a_bounded_time(monkeypatch) -> None:
+    """The skip before the timed chunks ends at the first chunk under half the first one's pace (past the pool), at
+    HOST_PACE_SKIP_MAX touched, or after HOST_PACE_SKIP_MAX_S (no pool: every chunk at the host's pace, which would
+    otherwise touch all of HOST_PACE_SKIP_MAX slowly)."""
+    monkeypatch.setattr(machine, "HOST_PACE_CHUNK", 1 << 20)
+    monkeypatch.setattr(machine, "HOST_PACE_SKIP_MAX", 100 << 20)
+    clock = [0.0]
+    paces = iter([5.0, 5.0, 5.0, 0.5, 0.5])  # GB/s: a pool of three chunks, then the host
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
+
+    def ones(n, dtype):
+        clock[0] += n / (next(paces, 0.5) * 1e9)
+        return torch.empty(0)
+
+    monkeypatch.setattr(machine.torch, "ones", ones)
+    run = machine._new_memory_timer()
+    assert run() == pytest.approx(0.5e9) and clock[0] == pytest.approx(3 * (1 << 20) / 5e9 + 2 * (1 << 20) / 0.5e9)
+    paces = iter([])  # no pool: every chunk at 0.5 GB/s (2.1 ms), so the skip ends on time, not at 100 chunks
+    clock[0] = 0.0
+    monkeypatch.setattr(machine, "HOST_PACE_SKIP_MAX_S", 0.01)
+    run = machine._new_memory_timer()
+    assert run() == pytest.approx(0.5e9) and clock[0] < 0.01 + 2 * (1 << 20) / 0.5e9 + 1e-9
+
+
 def test_a_vm_reporting_its_free_pages_to_its_host_is_recognised(tmp_path: Path) -> None:
     """The virtio balloon's features file: one '0'/'1' per feature bit; bit 5 is free page reporting."""
     def device(name: str, features: str) -> None:
