@@ -74,9 +74,8 @@ def host_memory_pace() -> float | None:
     """
     if not memory_from_host():
         return None
-    kept = probes.book().probes.get(HOST_PACE_KEY)
-    fresh = kept is not None and (kept.probed_now or time.time() - kept.at <= HOST_PACE_MAX_AGE_S)
-    if not fresh and (memory_free() or 0) < 2 * (HOST_PACE_SKIP_MAX + probes.REPEATS * HOST_PACE_CHUNK):
+    probing = not probes.book().cached(HOST_PACE_KEY, HOST_PACE_MAX_AGE_S)
+    if probing and (memory_free() or 0) < 2 * (HOST_PACE_SKIP_MAX + probes.REPEATS * HOST_PACE_CHUNK):
         return None
     return probes.rate(HOST_PACE_KEY, _new_memory_timer(), max_age_s=HOST_PACE_MAX_AGE_S)
 

@@ -152,22 +152,28 @@ class RateBook:
         `max_age_s` is too long for what it measures (the host's pace of the moment)."""
         found = self.probes.get(key)
         if found is not None and max_age_s is not None and not found.probed_now:
-            fresh = [r for r in self.history.get(key, []) if time.time() - r[1] <= max_age_s]
+            fresh = self._runs(key, max_age_s)
             found = _pooled(fresh, probed_now=False) if fresh else None
         if found is None:
             run = (_timed_runs(run_once, repeats), time.time())
             self.measured_now.append(key)
-            kept = [r for r in self.history.get(key, []) if max_age_s is None or run[1] - r[1] <= max_age_s]
-            self.history[key] = [*kept, run][-POOLED_PROBES:]
+            self.history[key] = [*self._runs(key, max_age_s), run][-POOLED_PROBES:]
             found = _pooled(self.history[key], probed_now=True)
             self.probes[key] = found
             self._write(key, run)
         self.used[key] = found
         return found
 
-    def cached(self, key: str) -> bool:
-        """Whether `key`'s samples are at hand (read from the cache or measured by this process)."""
-        return key in self.probes
+    def cached(self, key: str, max_age_s: float | None = None) -> bool:
+        """Whether `key`'s samples are at hand (read from the cache or measured by this process; with `max_age_s`,
+        as `probe` reads them: measured now or a cached run younger than that)."""
+        found = self.probes.get(key)
+        return found is not None and (max_age_s is None or found.probed_now or bool(self._runs(key, max_age_s)))
+
+    def _runs(self, key: str, max_age_s: float | None) -> list[tuple[tuple[float, ...], float]]:
+        """`key`'s runs at hand, only those younger than `max_age_s` where it is given."""
+        now = time.time()
+        return [r for r in self.history.get(key, []) if max_age_s is None or now - r[1] <= max_age_s]
 
     def _write(self, key: str, run: tuple[tuple[float, ...], float]) -> None:
         """Add one probe's runs to the file (read again first: another plan may have added others meanwhile)."""
@@ -248,7 +254,7 @@ class FixedBook(RateBook):
         self.used[key] = found
         return found
 
-    def cached(self, key: str) -> bool:
+    def cached(self, key: str, max_age_s: float | None = None) -> bool:
         return True  # every key is read from the machine's rates, at any width (none is probed by parts)
 
     def describe(self) -> str:
