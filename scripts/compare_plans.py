@@ -11,7 +11,8 @@ elsewhere):
 
     record OUT [--recipes R...] [--nproc 1 2] [--cache DIR]
         one file per recipe and --nproc, OUT/<recipe>.nproc<N>.txt: the rendered plan, then every number of its
-        estimates and typed rows as JSON (full precision, not the table's rounding), or the error it raised.
+        estimates and typed rows as JSON (12 significant digits, not the table's rounding: the order of a sum moves
+        only the last bits of a float), or the error it raised.
         --cache: the llmc cache the demo sources are materialized in (default: /tmp/llmc-compare-plans-cache, so
         both records read the same files and the user's cache is not written)
     diff A B
@@ -373,11 +374,24 @@ def record(out: Path, recipes: list[Path], nprocs: list[int], cache: Path) -> No
                 plan = plan_recipe(recipe, Store.default(), path, nproc=nproc)
                 numbers = {"estimates": plan.as_dict()["estimates"], "distributed": plan.distributed,
                            "rows": [{"id": str(r.id), **r.as_dict(), "parts": r.parts} for r in plan.rows]}
-                text = plan.render() + "\n" + json.dumps(numbers, indent=1, sort_keys=True, default=str) + "\n"
+                text = (plan.render() + "\n" + json.dumps(_significant(numbers), indent=1, sort_keys=True, default=str)
+                        + "\n")
             except LlmcError as e:
                 text = f"error {type(e).__name__}: {e}\n"
             (out / f"{path.stem}.nproc{nproc}.txt").write_text(text)
             print(f"{path.stem} nproc {nproc}: {text.splitlines()[0][:100]}", flush=True)
+
+
+def _significant(value, digits: int = 12):
+    """`value` with every float rounded to `digits` significant digits (two sums of the same terms in another order
+    differ in their last bits, e.g. 4e-12 s in a 2e3 s row: not a change of the plan)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: _significant(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_significant(v, digits) for v in value]
+    return value
 
 
 def diff(a: Path, b: Path) -> int:

@@ -66,6 +66,10 @@ DISCOVERY_RATE = 0.13e9
 # awq.quantized_at_scale) costs this many times the quantizer probe's time per element:
 # docs/planner-constants.md#fake_quant_cost
 FAKE_QUANT_COST = 2.0
+# a GPU layer's parts that run after its overlapped reads, writes and compute (on the host, or on the GPU after the
+# quantizer's pass): each adds to the layer's time
+_AFTER_THE_OVERLAP = ("mxfp4 codes kept", "mxfp4 codes copied", "gptq column loop", "awq scale search",
+                      "awq clip search")
 
 
 class Quantize(Stage):
@@ -232,6 +236,7 @@ class Quantize(Stage):
             layers = shape.layers * shape.layer_share
             row.seconds += measuring.seconds(layers)
             row.layer_seconds += measuring.layer_seconds
+            row.layer_parts.update({f"{MEASUREMENT_PART}{k}": v for k, v in measuring.seconds_parts.items()})
             row.fixed_seconds += measuring.fixed_seconds
             row.host_bytes = max(row.host_bytes, measuring.host_bytes)
             # the pass's peak term by term beside the loop's, so the parts show which of the two is host_bytes
@@ -507,15 +512,11 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                                                    rows=batch * seq_len) if calibrated else 0.0
     io = (parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
           + parts_s.get("expert spill", 0.0))
-    if on_gpu:
-        per_layer = max(io, parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s.get("quantize", 0.0))
-        # on the host, after the layer's quantization
-        per_layer += parts_s.get("mxfp4 codes kept", 0.0) + parts_s.get("mxfp4 codes copied", 0.0)
-    else:  # and the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
-        per_layer = sum(parts_s.values()) + layer_overhead_seconds(calibrated, compute)
+    if not on_gpu:  # the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
+        parts_s["stream overhead"] = layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
-        per_layer += 2 * shape.widest_input * shape.largest_linear * 4 / (
+        parts_s["gptq column loop"] = 2 * shape.widest_input * shape.largest_linear * 4 / (
             fp32_rate * forward_efficiency("float32", machine.device))
     if search:
         # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
@@ -531,9 +532,16 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
         lone = min(tokens, shape.intermediate) if loop.facts.ranks <= 1 else shape.intermediate  # torchrun: Gram
         group = weights.group_size or shape.widest_input
-        per_layer += evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
-        per_layer += clip_iterations * (searched / fake_rate
-                                        + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
+        parts_s["awq scale search"] = evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
+        parts_s["awq clip search"] = clip_iterations * (searched / fake_rate
+                                                        + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
+    if on_gpu:  # the slower of the host's reads and writes and the GPU's work, then what runs after both
+        compute_s = parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s.get("quantize", 0.0)
+        per_layer = max(io, compute_s)
+        for name in _AFTER_THE_OVERLAP:
+            per_layer += parts_s.get(name, 0.0)
+    else:  # the parts one after the other: layer_parts sums to layer_seconds
+        per_layer = sum(parts_s.values())
     # calibrating, the skeleton's copy is read first and, but for its lookup tables, converted into new tensors of
     # the compute dtype (its untied head is not read, benchmarks/results/planner-log.md)
     converted = e if e != stored_elem else 0

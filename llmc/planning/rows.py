@@ -34,8 +34,9 @@ class CostRow:
     mapped_bytes: float = 0.0
     layer_seconds: float = 0.0  # the quantize stage: one decoder layer (read, forward, quantize, write) ...
     fixed_seconds: float = 0.0  # ... and what runs once (the weights outside the layers, their copy in the output)
-    # the quantize stage's layer_seconds part by part (read, decode, forward, quantize, write, ...: what the layer loop
-    # does per layer as its decision says), before the per-layer sums that make layer_seconds
+    # the quantize stage's layer_seconds part by part (read, decode, forward, quantize, write, ..., the stream's
+    # overhead, GPTQ's column loop, AWQ's searches, a search's measuring pass: what the layer loop does per layer as
+    # its decision says); on the CPU they sum to layer_seconds, on a GPU the reads and writes overlap the compute
     layer_parts: dict[str, float] = field(default_factory=dict)
     # what `seconds` may turn out to be: at the probes' fastest and slowest runs, widened by the cost model's measured
     # error (llmc.planning.machine.time_range); the plan fills it in after its walk

@@ -119,3 +119,9 @@ def test_pinned_probes_time_nothing_and_answer_a_fixed_function_of_their_argumen
     assert disk.write_rate() > 0 and disk.read_rate() > 0
     assert onnx_genai.builder_rate({"model_type": "llama"}, 1) > onnx_genai.builder_rate({"model_type": "llama"}, 3)
     assert "pinned by scripts/compare_plans.py" in probes.book().describe()
+
+
+def test_a_record_keeps_twelve_significant_digits_so_a_sums_order_does_not_show(compare_plans) -> None:
+    a, b = 0.1 + 0.2 + 0.3, 0.3 + 0.2 + 0.1  # the same terms: 0.6000000000000001 and 0.6
+    assert a != b and compare_plans._significant({"s": [a, 3], "n": "x"}) == {"s": [b, 3], "n": "x"}
+    assert compare_plans._significant(123456.7890123456) == 123456.789012  # a real change in the 12th digit shows

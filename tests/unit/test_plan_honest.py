@@ -806,6 +806,42 @@ def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) 
     assert per_layer(5.0) - per_layer(50.0) == pytest.approx(1 / 5 - 1 / 50)  # 0.2 s a layer against 0.02 s
 
 
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_a_cpu_layers_parts_name_all_of_its_time_and_a_gpu_layers_overlap_its_reads(algorithm: str,
+                                                                                     monkeypatch) -> None:
+    """Each term of a layer's time is a named part: on the CPU the parts sum to layer_seconds (the stream's own
+    work, GPTQ's column loop and AWQ's searches were added outside them); on a GPU the reads and writes overlap the
+    compute, and what runs after both adds to it."""
+    from llmc.pipeline.quantize import quantize_cost
+    from llmc.planning.machine import Machine
+    from llmc.planning.shapes import Shape, from_config
+    from llmc.quant.algorithms.catalog import AlgorithmSteps
+    from llmc.quant.spec import Scheme, TensorSpec
+    from tests.unit.build_helpers import layer_loop
+
+    pipe = AlgorithmSteps.of(Scheme(TensorSpec("int4", "group", group_size=128), algorithm=algorithm))
+    shape = Shape.of(from_config(QWEN2_7B_WIDTHS), QWEN2_7B_WIDTHS, 2)
+    pin_probes(monkeypatch)
+
+    def row(device: str) -> CostRow:
+        loop = layer_loop(pipe, activations="memory" if device == "cpu" else "device", windows=2, seq_len=128,
+                          batch=2, device=device)
+        return quantize_cost(shape, loop, pipe, compute="float32", stored_elem=2,
+                             machine=Machine(available=None, gpu_free=80e9 if device != "cpu" else None,
+                                             device=device))
+
+    cpu = row("cpu")
+    named = {"gptq": "gptq column loop", "awq": "awq clip search"}.get(algorithm, "stream overhead")
+    assert cpu.layer_parts[named] > 0 and "stream overhead" in cpu.layer_parts
+    assert sum(cpu.layer_parts.values()) == pytest.approx(cpu.layer_seconds, rel=1e-12)
+    gpu = row("cuda")
+    parts = gpu.layer_parts
+    assert "stream overhead" not in parts
+    io = parts["read"] + parts["write"]
+    after = sum(parts.get(k, 0.0) for k in ("gptq column loop", "awq scale search", "awq clip search"))
+    assert gpu.layer_seconds == pytest.approx(max(io, parts["forward"] + parts["quantize"]) + after, rel=1e-12)
+
+
 # 11. A VM paced by its host: memory beyond the free memory comes slowly
 
 

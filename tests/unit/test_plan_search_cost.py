@@ -66,6 +66,10 @@ def test_a_searched_recipe_plans_its_measurement_in_the_quantize_row(model: Path
     assert none is None and m is not None and m.layer_seconds > 0
     assert row.seconds - without.seconds == pytest.approx(m.seconds(LAYERS))
     assert row.layer_seconds - without.layer_seconds == pytest.approx(m.layer_seconds)
+    # the layer's parts name the measurement's terms too, and still sum to the layer's time
+    assert {k.removeprefix(MEASUREMENT_PART): v for k, v in row.layer_parts.items()
+            if k.startswith(MEASUREMENT_PART)} == m.seconds_parts
+    assert sum(row.layer_parts.values()) == pytest.approx(row.layer_seconds, rel=1e-12)
     assert row.host_bytes >= m.host_bytes
     assert "the search's measurement first" in row.why and "the search's measurement" not in without.why
     # the render's per-layer line stays the row's own arithmetic: (seconds - fixed) / per layer = the depth
