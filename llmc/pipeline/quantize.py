@@ -68,8 +68,8 @@ DISCOVERY_RATE = 0.13e9
 FAKE_QUANT_COST = 2.0
 # a GPU layer's parts that run after its overlapped reads, writes and compute (on the host, or on the GPU after the
 # quantizer's pass): each adds to the layer's time
-_AFTER_THE_OVERLAP = ("mxfp4 codes kept", "mxfp4 codes copied", "gptq column loop", "awq scale search",
-                      "awq clip search")
+_AFTER_THE_OVERLAP = ("mxfp4 codes kept", "mxfp4 codes copied", "hessian column loop", "scale search",
+                      "clip search")
 
 
 class Quantize(Stage):
@@ -516,7 +516,7 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         parts_s["stream overhead"] = layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
         fp32_rate = matmul_rate("float32", machine.device, shape.widest_input, 128)
-        parts_s["gptq column loop"] = 2 * shape.widest_input * shape.largest_linear * 4 / (
+        parts_s["hessian column loop"] = 2 * shape.widest_input * shape.largest_linear * 4 / (
             fp32_rate * forward_efficiency("float32", machine.device))
     if search:
         # Each mapping's candidate scales fake-quantize its consumers (every Linear but o_proj, about); a lone Linear
@@ -532,8 +532,8 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         fp32_rate = matmul_rate("float32", machine.device, shape.intermediate, 128)
         lone = min(tokens, shape.intermediate) if loop.facts.ranks <= 1 else shape.intermediate  # torchrun: Gram
         group = weights.group_size or shape.widest_input
-        parts_s["awq scale search"] = evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
-        parts_s["awq clip search"] = clip_iterations * (searched / fake_rate
+        parts_s["scale search"] = evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
+        parts_s["clip search"] = clip_iterations * (searched / fake_rate
                                                         + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
     if on_gpu:  # the slower of the host's reads and writes and the GPU's work, then what runs after both
         compute_s = parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s.get("quantize", 0.0)

@@ -118,7 +118,8 @@ def test_the_plan_prices_the_pass_through_as_a_copy_of_the_stored_bytes(monkeypa
     row = _plan(monkeypatch, tmp_path)
     assert row.decision.experts_kept and "copied as stored" in row.why
     parts = row.layer_parts
-    assert set(parts) == {"read", "forward", "write", "mxfp4 codes copied"} and parts["forward"] == 0.0
+    assert set(parts) == {"read", "forward", "write", "mxfp4 codes copied", "stream overhead"}
+    assert parts["forward"] == 0.0
     experts, stored = _widths()
     assert parts["mxfp4 codes copied"] == pytest.approx(experts / COPY_RATE)
     # the layer's stored bytes: the experts' codes and scales, and its bf16 attention, sinks, router and biases
@@ -126,6 +127,7 @@ def test_the_plan_prices_the_pass_through_as_a_copy_of_the_stored_bytes(monkeypa
     assert experts < parts["write"] * WRITE < 1.05 * experts  # one code a byte
     copy = parts["read"] + parts["mxfp4 codes copied"] + parts["write"]
     assert copy <= row.layer_seconds < 1.02 * copy
+    assert row.layer_seconds == pytest.approx(copy + parts["stream overhead"])
     assert row.parts["layer"] < 0.02 * experts * 2  # the experts are never held as bf16 weights
     assert row.parts["layer codes"] >= experts and row.parts["quantizer float32 copy"] == 0.0
 

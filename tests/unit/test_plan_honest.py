@@ -831,14 +831,14 @@ def test_a_cpu_layers_parts_name_all_of_its_time_and_a_gpu_layers_overlap_its_re
                                              device=device))
 
     cpu = row("cpu")
-    named = {"gptq": "gptq column loop", "awq": "awq clip search"}.get(algorithm, "stream overhead")
+    named = {"gptq": "hessian column loop", "awq": "clip search"}.get(algorithm, "stream overhead")
     assert cpu.layer_parts[named] > 0 and "stream overhead" in cpu.layer_parts
     assert sum(cpu.layer_parts.values()) == pytest.approx(cpu.layer_seconds, rel=1e-12)
     gpu = row("cuda")
     parts = gpu.layer_parts
     assert "stream overhead" not in parts
     io = parts["read"] + parts["write"]
-    after = sum(parts.get(k, 0.0) for k in ("gptq column loop", "awq scale search", "awq clip search"))
+    after = sum(parts.get(k, 0.0) for k in ("hessian column loop", "scale search", "clip search"))
     assert gpu.layer_seconds == pytest.approx(max(io, parts["forward"] + parts["quantize"]) + after, rel=1e-12)
 
 
