@@ -510,8 +510,6 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
                                                    2 * tokens * seq_len * shape.attn_width,
                                                    compute=compute, device=machine.device, width=h,
                                                    rows=batch * seq_len) if calibrated else 0.0
-    io = (parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
-          + parts_s.get("expert spill", 0.0))
     if not on_gpu:  # the stream's own work per layer: its durable files, heap trims, hooks (llmc.quant.stream_probe)
         parts_s["stream overhead"] = layer_overhead_seconds(calibrated, compute)
     if hessians:  # the column loop in float32: about in² · out per Linear
@@ -534,8 +532,10 @@ def quantize_cost(shape: Shape, loop: LayerLoopPlan, pipe: AlgorithmSteps, *, co
         group = weights.group_size or shape.widest_input
         parts_s["scale search"] = evaluations * (searched / fake_rate + 2 * down * lone / fp32_rate)
         parts_s["clip search"] = clip_iterations * (searched / fake_rate
-                                                        + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
+                                                    + 2 * min(tokens, clip_tokens, group) * searched / fp32_rate)
     if on_gpu:  # the slower of the host's reads and writes and the GPU's work, then what runs after both
+        io = (parts_s["read"] + parts_s.get("decode", 0.0) + parts_s["write"] + parts_s.get("spill", 0.0)
+              + parts_s.get("expert spill", 0.0))
         compute_s = parts_s["forward"] + parts_s.get("forward again", 0.0) + parts_s.get("quantize", 0.0)
         per_layer = max(io, compute_s)
         for name in _AFTER_THE_OVERLAP:

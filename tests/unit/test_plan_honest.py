@@ -809,9 +809,9 @@ def test_a_cpu_quantize_stage_plans_the_streams_own_work_per_layer(monkeypatch) 
 @pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
 def test_a_cpu_layers_parts_name_all_of_its_time_and_a_gpu_layers_overlap_its_reads(algorithm: str,
                                                                                      monkeypatch) -> None:
-    """Each term of a layer's time is a named part: on the CPU the parts sum to layer_seconds (the stream's own
-    work, GPTQ's column loop and AWQ's searches were added outside them); on a GPU the reads and writes overlap the
-    compute, and what runs after both adds to it."""
+    """Each term of a layer's time is a named part (the stream's own work, GPTQ's column loop and AWQ's searches
+    too): on the CPU the parts sum to layer_seconds; on a GPU the reads and writes overlap the compute, and what runs
+    after both adds to it."""
     from llmc.pipeline.quantize import quantize_cost
     from llmc.planning.machine import Machine
     from llmc.planning.shapes import Shape, from_config
